@@ -1,0 +1,145 @@
+#include "src/common/config.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+
+extern char** environ;
+
+namespace tensorverbs {
+namespace {
+
+constexpr char kPrefix[] = "TENSORVERBS_";
+
+absl::StatusOr<int64_t> ParseInt(const std::map<std::string, std::string>& env,
+                                 const std::string& name, int64_t min, int64_t max,
+                                 int64_t default_value) {
+  auto it = env.find(name);
+  if (it == env.end()) return default_value;
+  int64_t value = 0;
+  std::string text(absl::StripAsciiWhitespace(it->second));
+  if (!absl::SimpleAtoi(text, &value) || value < min || value > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable ", name, "='", it->second,
+                     "' is invalid: expected an integer in [", min, ", ", max, "]"));
+  }
+  return value;
+}
+
+absl::Status ParseLogLevel(const std::map<std::string, std::string>& env, Config& config) {
+  config.log_severity = LogSeverity::kWarning;
+  auto it = env.find("TENSORVERBS_LOG_LEVEL");
+  if (it == env.end()) return absl::OkStatus();
+  std::string v = absl::AsciiStrToLower(absl::StripAsciiWhitespace(it->second));
+  int n = 0;
+  if (v == "error") {
+    config.log_severity = LogSeverity::kError;
+  } else if (v == "warning" || v == "warn") {
+    config.log_severity = LogSeverity::kWarning;
+  } else if (v == "info") {
+    config.log_severity = LogSeverity::kInfo;
+  } else if (v == "debug") {
+    config.log_severity = LogSeverity::kInfo;
+    config.log_verbosity = 1;
+  } else if (absl::SimpleAtoi(v, &n) && n >= 0 && n <= 9) {
+    config.log_severity = LogSeverity::kInfo;
+    config.log_verbosity = n;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable TENSORVERBS_LOG_LEVEL='", it->second,
+                     "' is invalid: expected error, warning, info, debug or a verbosity 0..9"));
+  }
+  return absl::OkStatus();
+}
+
+std::map<std::string, std::string> ProcessEnvironment() {
+  std::map<std::string, std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    absl::string_view entry(*e);
+    size_t eq = entry.find('=');
+    if (eq == absl::string_view::npos) continue;
+    std::string name(entry.substr(0, eq));
+    // Only the variables this project owns or honours are kept.
+    if (absl::StartsWith(name, kPrefix) || absl::StartsWith(name, "RDMA_")) {
+      env.emplace(std::move(name), std::string(entry.substr(eq + 1)));
+    }
+  }
+  return env;
+}
+
+struct ProcessConfig {
+  Config config;
+  absl::Status status;
+};
+
+const ProcessConfig& GetProcessConfig() {
+  static const ProcessConfig* process = [] {
+    auto* p = new ProcessConfig;
+    absl::StatusOr<Config> parsed = Config::FromEnvironment(ProcessEnvironment());
+    if (parsed.ok()) {
+      p->config = *std::move(parsed);
+    } else {
+      p->status = parsed.status();
+      p->config = *Config::FromEnvironment({});
+    }
+    // Logging reads this object, so remarks are written directly rather than through LOG.
+    for (const std::string& w : p->config.warnings) {
+      std::fprintf(stderr, "W tensorverbs config] %s\n", w.c_str());
+    }
+    return p;
+  }();
+  return *process;
+}
+
+}  // namespace
+
+const std::vector<std::string>& Config::KnownVariables() {
+  static const std::vector<std::string> names = {
+      "TENSORVERBS_LOG_LEVEL",       "TENSORVERBS_RECV_TIMEOUT_MS",
+      "TENSORVERBS_CONNECT_TIMEOUT_MS", "TENSORVERBS_POOL_REGION_MB",
+      "TENSORVERBS_CALLBACK_THREADS",
+  };
+  return names;
+}
+
+absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::string>& env) {
+  Config config;
+  RETURN_IF_ERROR(ParseLogLevel(env, config));
+  ASSIGN_OR_RETURN(int64_t recv_ms,
+                   ParseInt(env, "TENSORVERBS_RECV_TIMEOUT_MS", 1, 86400000, 600000));
+  config.recv_timeout = absl::Milliseconds(recv_ms);
+  ASSIGN_OR_RETURN(int64_t connect_ms,
+                   ParseInt(env, "TENSORVERBS_CONNECT_TIMEOUT_MS", 1, 86400000, 60000));
+  config.connect_timeout = absl::Milliseconds(connect_ms);
+  ASSIGN_OR_RETURN(int64_t region_mb, ParseInt(env, "TENSORVERBS_POOL_REGION_MB", 1, 65536, 64));
+  config.pool_region_bytes = region_mb << 20;
+  ASSIGN_OR_RETURN(int64_t threads, ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 1, 256, 2));
+  config.callback_threads = static_cast<int>(threads);
+
+  const std::vector<std::string>& known = KnownVariables();
+  for (const auto& [name, value] : env) {
+    if (!absl::StartsWith(name, kPrefix)) continue;
+    bool is_known = false;
+    for (const std::string& k : known) is_known |= (k == name);
+    if (!is_known) {
+      config.warnings.push_back(absl::StrCat("unknown environment variable ", name,
+                                             " is ignored; known variables: ",
+                                             absl::StrJoin(known, ", ")));
+    }
+  }
+  return config;
+}
+
+const Config& Config::Get() { return GetProcessConfig().config; }
+
+absl::Status Config::EnvironmentStatus() { return GetProcessConfig().status; }
+
+}  // namespace tensorverbs

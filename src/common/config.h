@@ -1,0 +1,62 @@
+// Config: every environment variable tensorverbs reads, parsed once into typed fields.
+//
+// This is the only place in the project that calls getenv. Config::Get() parses the process
+// environment on first use (thread-safe) and returns the same object forever after; tools call
+// Config::EnvironmentStatus() at start so that a bad value stops them with a message naming the
+// variable and its valid range. Tests build a Config from an explicit map with FromEnvironment.
+// An unknown TENSORVERBS_* variable is reported as a warning (most often a typo).
+#ifndef TENSORVERBS_COMMON_CONFIG_H_
+#define TENSORVERBS_COMMON_CONFIG_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tensorverbs {
+
+enum class LogSeverity;
+
+struct Config {
+  // TENSORVERBS_LOG_LEVEL: error | warning | info | debug | a number N >= 0 (info plus VLOG(N)).
+  LogSeverity log_severity;
+  int log_verbosity = 0;
+
+  // TENSORVERBS_RECV_TIMEOUT_MS: how long a remote recv waits for the tensor (and the peer)
+  // before failing. 1 .. 86400000, default 600000 (10 minutes: a producer may be slow).
+  absl::Duration recv_timeout = absl::Minutes(10);
+
+  // TENSORVERBS_CONNECT_TIMEOUT_MS: how long start-up waits for every peer task to answer.
+  // 1 .. 86400000, default 60000.
+  absl::Duration connect_timeout = absl::Seconds(60);
+
+  // TENSORVERBS_POOL_REGION_MB: size of each region the pool allocator obtains from the OS
+  // (larger requests get a region of their own). 1 .. 65536, default 64.
+  int64_t pool_region_bytes = int64_t{64} << 20;
+
+  // TENSORVERBS_CALLBACK_THREADS: threads that run user `done` callbacks. 1 .. 256, default 2.
+  int callback_threads = 2;
+
+  // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
+  std::vector<std::string> warnings;
+
+  // Parses `env` (name -> value). Returns InvalidArgument naming the variable, the value and
+  // the valid range for the first bad value.
+  static absl::StatusOr<Config> FromEnvironment(const std::map<std::string, std::string>& env);
+
+  // The process configuration. If the environment holds a bad value, the defaults are used and
+  // EnvironmentStatus() reports the error.
+  static const Config& Get();
+  static absl::Status EnvironmentStatus();
+
+  // The documented variables, for `tensorverbs info` and the unknown-variable check.
+  static const std::vector<std::string>& KnownVariables();
+};
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_COMMON_CONFIG_H_

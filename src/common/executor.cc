@@ -1,0 +1,48 @@
+#include "src/common/executor.h"
+
+#include <pthread.h>
+
+#include "src/common/logging.h"
+
+namespace tensorverbs {
+
+Executor::Executor(std::string name, int num_threads) {
+  CHECK(num_threads > 0);
+  for (int i = 0; i < num_threads; ++i) {
+    threads_.emplace_back([this] { WorkerLoop(); });
+    pthread_setname_np(threads_.back().native_handle(), name.substr(0, 15).c_str());
+  }
+}
+
+Executor::~Executor() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void Executor::Schedule(Task task) {
+  absl::MutexLock lock(&mu_);
+  CHECK(!stopping_) << "Executor::Schedule after shutdown began";
+  tasks_.push_back(std::move(task));
+}
+
+void Executor::WorkerLoop() {
+  while (true) {
+    Task task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !tasks_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (tasks_.empty()) return;  // stopping and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    std::move(task)();
+  }
+}
+
+}  // namespace tensorverbs

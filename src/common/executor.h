@@ -1,0 +1,43 @@
+// Executor: a small fixed pool of threads that runs user callbacks.
+//
+// Transports hand user `done` callbacks here so that user code never runs on a progress loop or
+// a gRPC completion thread, where it could stall every other transfer. Schedule() may be called
+// from any thread; tasks start in FIFO order. The destructor runs every task already scheduled,
+// then joins; Schedule() after destruction began is a programming error.
+#ifndef TENSORVERBS_COMMON_EXECUTOR_H_
+#define TENSORVERBS_COMMON_EXECUTOR_H_
+
+#include <deque>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/synchronization/mutex.h"
+
+namespace tensorverbs {
+
+class Executor {
+ public:
+  using Task = absl::AnyInvocable<void() &&>;
+
+  Executor(std::string name, int num_threads);
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+  ~Executor();
+
+  void Schedule(Task task);
+
+ private:
+  void WorkerLoop();
+
+  absl::Mutex mu_;
+  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_COMMON_EXECUTOR_H_

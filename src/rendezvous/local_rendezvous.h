@@ -1,0 +1,75 @@
+// LocalRendezvous: the tag-matching table between Send and Recv for one step.
+//
+// Send is passive: it stores the tensor under its key, or hands it to a waiting recv. RecvAsync
+// takes the tensor if it is there, or leaves a waiter. Matching works in both orders. A second
+// Send of a key whose value is still unconsumed, or a second RecvAsync of a key already waited
+// for, is AlreadyExists. StartAbort(status) fails every waiter once and makes later calls fail
+// with that status.
+//
+// Thread-safe: one mutex guards the table, and callbacks always run after it is released, on
+// the thread that completed the match (Send's, RecvAsync's, CancelRecv's or StartAbort's).
+// Every `done` runs exactly once.
+#ifndef TENSORVERBS_RENDEZVOUS_LOCAL_RENDEZVOUS_H_
+#define TENSORVERBS_RENDEZVOUS_LOCAL_RENDEZVOUS_H_
+
+#include <cstdint>
+#include <string>
+#include <variant>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "src/rendezvous/parsed_key.h"
+#include "src/tensor/tensor.h"
+
+namespace tensorverbs {
+
+// Called once with the outcome of a recv: on error the tensor is uninitialized.
+using RecvDoneCallback =
+    absl::AnyInvocable<void(const absl::Status& status, const Tensor& tensor, bool is_dead) &&>;
+
+class LocalRendezvous {
+ public:
+  LocalRendezvous() = default;
+  LocalRendezvous(const LocalRendezvous&) = delete;
+  LocalRendezvous& operator=(const LocalRendezvous&) = delete;
+  ~LocalRendezvous();  // Fails remaining waiters with Cancelled.
+
+  absl::Status Send(const ParsedKey& key, const Tensor& value, bool is_dead);
+
+  // Returns a token for CancelRecv (0 when `done` already ran).
+  uint64_t RecvAsync(const ParsedKey& key, RecvDoneCallback done);
+
+  // Fails the waiter `token` with `status` if it is still waiting. Returns whether it was.
+  bool CancelRecv(uint64_t token, const absl::Status& status);
+
+  void StartAbort(const absl::Status& status);
+
+  // OK until aborted.
+  absl::Status status() const;
+  size_t NumPendingSends() const;
+  size_t NumWaiters() const;
+
+ private:
+  struct Value {
+    Tensor tensor;
+    bool is_dead;
+  };
+  struct Waiter {
+    uint64_t token;
+    RecvDoneCallback done;
+  };
+  using Item = std::variant<Value, Waiter>;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Item> table_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::string> waiter_keys_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_RENDEZVOUS_LOCAL_RENDEZVOUS_H_

@@ -1,0 +1,39 @@
+// ParsedKey: a rendezvous key in TensorFlow's form
+//   src_device;src_incarnation;dst_device;tensor_name;frame_id:iter_id
+// with the incarnation as 16 hex digits. Keys come from peers, so Parse validates every part
+// and names the one that is wrong. Value type, any thread.
+#ifndef TENSORVERBS_RENDEZVOUS_PARSED_KEY_H_
+#define TENSORVERBS_RENDEZVOUS_PARSED_KEY_H_
+
+#include <cstdint>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/statusor.h"
+#include "src/rendezvous/device_name.h"
+
+namespace tensorverbs {
+
+struct ParsedKey {
+  // Longest key accepted, in bytes (wire formats bound it too).
+  static constexpr size_t kMaxKeyLength = 4096;
+
+  std::string full_key;
+  DeviceName src;
+  uint64_t src_incarnation = 0;
+  DeviceName dst;
+  std::string edge_name;
+  int64_t frame_id = 0;
+  int64_t iter_id = 0;
+
+  static absl::StatusOr<ParsedKey> Parse(absl::string_view key);
+
+  // Builds the canonical key string.
+  static std::string Create(absl::string_view src_device, uint64_t src_incarnation,
+                            absl::string_view dst_device, absl::string_view edge_name,
+                            int64_t frame_id = 0, int64_t iter_id = 0);
+};
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_RENDEZVOUS_PARSED_KEY_H_

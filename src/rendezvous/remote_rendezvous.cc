@@ -1,0 +1,109 @@
+#include "src/rendezvous/remote_rendezvous.h"
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+
+namespace tensorverbs {
+
+RemoteRendezvous::RemoteRendezvous(const WorkerEnv* env, int64_t step_id)
+    : env_(env), step_id_(step_id) {}
+
+absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
+  if (key.src.TaskName() != env_->task_name) {
+    return absl::InvalidArgumentError(absl::StrCat("send of key '", key.full_key,
+                                                   "' on task ", env_->task_name,
+                                                   ": its source device is on another task"));
+  }
+  return local_.Send(key, value, is_dead);
+}
+
+void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
+                                 RecvDoneCallback done) {
+  if (key.dst.TaskName() != env_->task_name) {
+    std::move(done)(absl::InvalidArgumentError(absl::StrCat(
+                        "recv of key '", key.full_key, "' on task ", env_->task_name,
+                        ": its destination device is on another task")),
+                    Tensor(), false);
+    return;
+  }
+  if (key.src.TaskName() == env_->task_name) {
+    local_.RecvAsync(key, std::move(done));
+    return;
+  }
+  absl::Status s = local_.status();
+  if (!s.ok()) {
+    std::move(done)(s, Tensor(), false);
+    return;
+  }
+  if (env_->stats == nullptr) {
+    RecvFromRemoteAsync(key, args, std::move(done));
+    return;
+  }
+  TransferStats* stats = env_->stats;
+  absl::Time start = absl::Now();
+  RecvFromRemoteAsync(
+      key, args,
+      [stats, start, done = std::move(done)](const absl::Status& s, const Tensor& t,
+                                             bool is_dead) mutable {
+        if (s.ok()) {
+          stats->tensors.fetch_add(1, std::memory_order_relaxed);
+          stats->bytes.fetch_add(static_cast<int64_t>(t.TotalBytes()), std::memory_order_relaxed);
+        } else {
+          stats->errors.fetch_add(1, std::memory_order_relaxed);
+        }
+        stats->busy_micros.fetch_add(absl::ToInt64Microseconds(absl::Now() - start),
+                                     std::memory_order_relaxed);
+        std::move(done)(s, t, is_dead);
+      });
+}
+
+uint64_t RemoteRendezvous::RecvLocalAsync(const ParsedKey& key, RecvDoneCallback done) {
+  return local_.RecvAsync(key, std::move(done));
+}
+
+bool RemoteRendezvous::CancelLocalRecv(uint64_t token, const absl::Status& status) {
+  return local_.CancelRecv(token, status);
+}
+
+void RemoteRendezvous::StartAbort(const absl::Status& status) {
+  local_.StartAbort(status);
+  AbortRemote(local_.status());
+}
+
+absl::StatusOr<std::vector<Tensor>> RecvAll(RemoteRendezvous& rendezvous,
+                                            const std::vector<ParsedKey>& keys,
+                                            const RecvArgs& args) {
+  struct State {
+    absl::Mutex mu;
+    size_t pending;
+    absl::Status status;
+    std::vector<Tensor> tensors;
+  };
+  auto state = std::make_shared<State>();
+  state->pending = keys.size();
+  state->tensors.resize(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    rendezvous.RecvAsync(keys[i], args,
+                         [state, i](const absl::Status& s, const Tensor& t, bool is_dead) {
+                           absl::MutexLock lock(&state->mu);
+                           if (s.ok()) {
+                             state->tensors[i] = t;
+                           } else if (state->status.ok()) {
+                             state->status = s;
+                           }
+                           --state->pending;
+                         });
+  }
+  absl::MutexLock lock(&state->mu);
+  auto all_done = [&state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) {
+    return state->pending == 0;
+  };
+  state->mu.Await(absl::Condition(&all_done));
+  if (!state->status.ok()) return state->status;
+  return std::move(state->tensors);
+}
+
+}  // namespace tensorverbs

@@ -1,0 +1,102 @@
+// RemoteRendezvous: the per-step rendezvous of one worker task, the base every protocol extends.
+//
+// Send is always local (passive). RecvAsync serves a key whose source device is on this task
+// from the local table and otherwise calls RecvFromRemoteAsync, which each protocol (`grpc`,
+// `grpc+verbs`, ...) implements once. RecvLocalAsync is how a protocol's server side takes a
+// tensor out of this task's table for a peer. StartAbort fails local waiters and asks the
+// protocol (AbortRemote) to fail its in-flight remote recvs with the same status.
+//
+// Thread-safe. Owned by RendezvousMgr through shared_ptr; protocol callbacks that outlive a call
+// hold a shared_ptr. Every `done` runs exactly once; the protocol must guarantee it for remote
+// recvs.
+#ifndef TENSORVERBS_RENDEZVOUS_REMOTE_RENDEZVOUS_H_
+#define TENSORVERBS_RENDEZVOUS_REMOTE_RENDEZVOUS_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "src/common/executor.h"
+#include "src/rendezvous/local_rendezvous.h"
+#include "src/rendezvous/parsed_key.h"
+#include "src/tensor/allocator.h"
+
+namespace tensorverbs {
+
+// Counters of remote recvs, updated by every protocol through RemoteRendezvous::RecvAsync.
+struct TransferStats {
+  std::atomic<int64_t> tensors{0};      // remote recvs completed OK
+  std::atomic<int64_t> bytes{0};        // their element bytes (TotalBytes)
+  std::atomic<int64_t> busy_micros{0};  // summed time from RecvAsync to done
+  std::atomic<int64_t> errors{0};
+};
+
+// What a worker task's rendezvous needs to know about its process. Outlives every rendezvous.
+struct WorkerEnv {
+  std::string job;
+  int task = 0;
+  std::string task_name;   // /job:J/replica:0/task:T
+  uint64_t incarnation = 0;
+  Allocator* recv_allocator = nullptr;  // where received tensors are allocated
+  Executor* callback_executor = nullptr;  // runs user callbacks of remote recvs
+  TransferStats* stats = nullptr;         // optional
+};
+
+struct RecvArgs {
+  Allocator* allocator = nullptr;  // destination allocator; null means env.recv_allocator
+};
+
+class RemoteRendezvous {
+ public:
+  RemoteRendezvous(const WorkerEnv* env, int64_t step_id);
+  RemoteRendezvous(const RemoteRendezvous&) = delete;
+  RemoteRendezvous& operator=(const RemoteRendezvous&) = delete;
+  virtual ~RemoteRendezvous() = default;
+
+  int64_t step_id() const { return step_id_; }
+  const WorkerEnv& env() const { return *env_; }
+
+  // The key's source device must be on this task.
+  absl::Status Send(const ParsedKey& key, const Tensor& value, bool is_dead = false);
+
+  // The key's destination device must be on this task.
+  void RecvAsync(const ParsedKey& key, const RecvArgs& args, RecvDoneCallback done);
+
+  // For the protocols' server side: takes `key` from this task's table once it is sent.
+  // Returns a token for CancelLocalRecv.
+  uint64_t RecvLocalAsync(const ParsedKey& key, RecvDoneCallback done);
+  bool CancelLocalRecv(uint64_t token, const absl::Status& status);
+
+  void StartAbort(const absl::Status& status);
+  absl::Status status() const { return local_.status(); }
+
+  // Sent values not yet taken by a recv (local or remote).
+  size_t NumPendingSends() const { return local_.NumPendingSends(); }
+
+ protected:
+  virtual void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
+                                   RecvDoneCallback done) = 0;
+  // Fails every in-flight remote recv; later ones fail because status() is no longer OK.
+  virtual void AbortRemote(const absl::Status& status) {}
+
+  const WorkerEnv* const env_;
+
+ private:
+  const int64_t step_id_;
+  LocalRendezvous local_;
+};
+
+// Starts a recv of every key at once and blocks the calling thread until all are done. Returns
+// the tensors in key order, or the first error. For tools and tests; never call it on a
+// progress loop, a gRPC thread or the callback executor.
+absl::StatusOr<std::vector<Tensor>> RecvAll(RemoteRendezvous& rendezvous,
+                                            const std::vector<ParsedKey>& keys,
+                                            const RecvArgs& args = RecvArgs());
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_RENDEZVOUS_REMOTE_RENDEZVOUS_H_

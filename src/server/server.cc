@@ -1,0 +1,198 @@
+#include "src/server/server.h"
+
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "proto/worker.grpc.pb.h"
+#include "src/common/config.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/rendezvous/device_name.h"
+#include "src/transport/grpc/grpc_rendezvous.h"
+#include "src/transport/grpc/grpc_util.h"
+#include "src/transport/grpc/recv_tensor_handler.h"
+
+namespace tensorverbs {
+namespace {
+
+uint64_t NewIncarnation() {
+  std::random_device rd;
+  uint64_t v = 0;
+  while (v == 0) v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return v;
+}
+
+using WorkerServiceBase =
+    proto::WorkerService::WithRawCallbackMethod_RecvTensor<proto::WorkerService::CallbackService>;
+
+class WorkerServiceImpl final : public WorkerServiceBase {
+ public:
+  WorkerServiceImpl(const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol,
+                    std::string device)
+      : env_(env), mgr_(mgr), protocol_(std::move(protocol)), device_(std::move(device)) {}
+
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
+                                      const proto::GetStatusRequest* request,
+                                      proto::GetStatusResponse* response) override {
+    response->set_task_name(env_->task_name);
+    response->set_incarnation(env_->incarnation);
+    response->add_devices(device_);
+    response->set_protocol(protocol_);
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* RecvTensor(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override {
+    return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_);
+  }
+
+  grpc::ServerUnaryReactor* CleanupStep(grpc::CallbackServerContext* context,
+                                        const proto::CleanupStepRequest* request,
+                                        proto::CleanupStepResponse* response) override {
+    mgr_->Cleanup(request->step_id());
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  const WorkerEnv* const env_;
+  RendezvousMgr* const mgr_;
+  const std::string protocol_;
+  const std::string device_;
+};
+
+}  // namespace
+
+std::vector<std::string> AvailableProtocols() { return {"grpc"}; }
+
+Server::Server(ServerOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
+  RETURN_IF_ERROR(Config::EnvironmentStatus());
+  ASSIGN_OR_RETURN(std::string address, options.cluster.TaskAddress(options.job, options.task));
+  std::vector<std::string> protocols = AvailableProtocols();
+  if (std::find(protocols.begin(), protocols.end(), options.protocol) == protocols.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown protocol '", options.protocol,
+                                                   "'; available: ",
+                                                   absl::StrJoin(protocols, ", ")));
+  }
+  if (options.listen_address.empty()) options.listen_address = address;
+  auto server = std::unique_ptr<Server>(new Server(std::move(options)));
+  RETURN_IF_ERROR(server->Start());
+  return server;
+}
+
+absl::Status Server::Start() {
+  const Config& config = Config::Get();
+  PoolAllocator::Options pool_options;
+  pool_options.region_bytes = static_cast<size_t>(config.pool_region_bytes);
+  recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
+  executor_ = std::make_unique<Executor>("tv-callbacks", config.callback_threads);
+  env_.job = options_.job;
+  env_.task = options_.task;
+  env_.task_name = TaskName(options_.job, options_.task);
+  env_.incarnation = NewIncarnation();
+  env_.recv_allocator = recv_allocator_.get();
+  env_.callback_executor = executor_.get();
+  env_.stats = &stats_;
+  workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses());
+
+  const absl::Duration recv_timeout = config.recv_timeout;
+  grpc_transport::GrpcWorkerCache* workers = workers_.get();
+  const WorkerEnv* env = &env_;
+  rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, workers, recv_timeout](int64_t step) {
+    return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(env, step, workers,
+                                                                  recv_timeout);
+  });
+
+  service_ = std::make_unique<WorkerServiceImpl>(&env_, rendezvous_mgr_.get(), options_.protocol,
+                                                 device_name());
+  grpc::ServerBuilder builder;
+  grpc_transport::ConfigureServerBuilder(&builder);
+  int bound_port = 0;
+  builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(),
+                           &bound_port);
+  builder.RegisterService(service_.get());
+  grpc_server_ = builder.BuildAndStart();
+  if (grpc_server_ == nullptr || bound_port == 0) {
+    grpc_server_.reset();
+    return absl::UnavailableError(absl::StrCat(
+        "task ", env_.task_name, " cannot listen on ", options_.listen_address,
+        ": the port is in use or the address is not local to this host"));
+  }
+  LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
+            << options_.listen_address << " (incarnation " << std::hex << env_.incarnation
+            << std::dec << ")";
+  return absl::OkStatus();
+}
+
+Server::~Server() { Stop(); }
+
+void Server::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  // Fail pending recvs first so RecvTensor handlers finish and the shutdown does not wait.
+  if (rendezvous_mgr_) rendezvous_mgr_->CleanupAll();
+  if (grpc_server_) {
+    // Responses already being sent may finish; the rest are cancelled at the deadline.
+    grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+    grpc_server_->Wait();
+  }
+  // Cancelled client calls complete promptly; their callbacks use the executor below.
+  if (workers_ && !workers_->WaitForNoCalls(absl::Seconds(10))) {
+    LOG(WARNING) << "task " << env_.task_name << ": remote recvs still in flight at shutdown";
+  }
+}
+
+std::string Server::device_name() const { return CpuDeviceName(options_.job, options_.task); }
+
+absl::StatusOr<grpc_transport::WorkerClient*> Server::Worker(const std::string& task_name) {
+  return workers_->Get(task_name);
+}
+
+absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
+                                                 absl::Duration timeout) {
+  if (task_name == env_.task_name) return env_.incarnation;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = peer_incarnations_.find(task_name);
+    if (it != peer_incarnations_.end()) return it->second;
+  }
+  ASSIGN_OR_RETURN(grpc_transport::WorkerClient * worker, workers_->Get(task_name));
+  ASSIGN_OR_RETURN(proto::GetStatusResponse status, worker->GetStatus(timeout));
+  absl::MutexLock lock(&mu_);
+  peer_incarnations_[task_name] = status.incarnation();
+  return status.incarnation();
+}
+
+absl::Status Server::WaitForPeers(absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  std::vector<std::string> missing;
+  std::string first_error;
+  for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
+    if (task == env_.task_name) continue;
+    absl::Duration left = std::max(deadline - absl::Now(), absl::Milliseconds(1));
+    absl::StatusOr<uint64_t> inc = PeerIncarnation(task, left);
+    if (!inc.ok()) {
+      missing.push_back(absl::StrCat(task, " at ", address));
+      if (first_error.empty()) first_error = std::string(inc.status().message());
+    }
+  }
+  if (!missing.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "task ", env_.task_name, " could not reach ", missing.size(), " peer task(s) within ",
+        absl::FormatDuration(timeout), ": ", absl::StrJoin(missing, ", "), " (first error: ",
+        first_error, "); raise TENSORVERBS_CONNECT_TIMEOUT_MS if they start slowly"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tensorverbs

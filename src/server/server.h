@@ -1,0 +1,93 @@
+// Server: one task of a cluster. It hosts the WorkerService on the task's port, owns the task's
+// rendezvous manager (one rendezvous per step, of the chosen protocol), the allocator received
+// tensors land in, and the executor that runs user callbacks.
+//
+// Create() validates the job, task and protocol and binds the port; an error names what was
+// wrong (unknown job or task, port in use, unknown protocol). Send/Recv go through
+// rendezvous_mgr(). All methods are thread-safe; Stop() is idempotent, fails every pending recv
+// with Cancelled and returns once the gRPC server has shut down. The destructor calls Stop().
+#ifndef TENSORVERBS_SERVER_SERVER_H_
+#define TENSORVERBS_SERVER_SERVER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "src/common/executor.h"
+#include "src/rendezvous/rendezvous_mgr.h"
+#include "src/server/cluster_spec.h"
+#include "src/tensor/allocator.h"
+#include "src/transport/grpc/worker_client.h"
+
+namespace tensorverbs {
+
+struct ServerOptions {
+  ClusterSpec cluster;
+  std::string job;
+  int task = 0;
+  std::string protocol = "grpc";
+  // Where to listen; empty means the task's own address from the cluster spec.
+  std::string listen_address;
+};
+
+// The protocols this build provides, best first.
+std::vector<std::string> AvailableProtocols();
+
+class Server {
+ public:
+  static absl::StatusOr<std::unique_ptr<Server>> Create(ServerOptions options);
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+  ~Server();
+
+  void Stop();
+
+  const std::string& task_name() const { return env_.task_name; }
+  std::string device_name() const;  // /job:J/replica:0/task:T/device:CPU:0
+  uint64_t incarnation() const { return env_.incarnation; }
+  const std::string& protocol() const { return options_.protocol; }
+  const ClusterSpec& cluster() const { return options_.cluster; }
+  const WorkerEnv& env() const { return env_; }
+  RendezvousMgr* rendezvous_mgr() { return rendezvous_mgr_.get(); }
+  PoolAllocator* recv_allocator() { return recv_allocator_.get(); }
+  const TransferStats& stats() const { return stats_; }
+
+  // Waits until every other task of the cluster answers (or `timeout` passes: Unavailable
+  // naming the tasks that did not) and records their incarnations.
+  absl::Status WaitForPeers(absl::Duration timeout);
+
+  // The peer's incarnation as recorded by WaitForPeers, or asked now (bounded by `timeout`).
+  absl::StatusOr<uint64_t> PeerIncarnation(const std::string& task_name, absl::Duration timeout);
+
+  // Client of another task's WorkerService (GetStatus, CleanupStep).
+  absl::StatusOr<grpc_transport::WorkerClient*> Worker(const std::string& task_name);
+
+ private:
+  explicit Server(ServerOptions options);
+  absl::Status Start();
+
+  const ServerOptions options_;
+  TransferStats stats_;
+  std::unique_ptr<PoolAllocator> recv_allocator_;
+  std::unique_ptr<Executor> executor_;
+  WorkerEnv env_;
+  std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
+  std::unique_ptr<RendezvousMgr> rendezvous_mgr_;
+  std::unique_ptr<grpc::Service> service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+
+  absl::Mutex mu_;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<std::string, uint64_t> peer_incarnations_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_SERVER_SERVER_H_

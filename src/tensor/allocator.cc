@@ -1,0 +1,190 @@
+#include "src/tensor/allocator.h"
+
+#include <sys/mman.h>
+
+#include <cstring>
+#include <new>
+
+#include "src/common/logging.h"
+
+namespace tensorverbs {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+size_t RoundUp(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+class HeapAllocator final : public Allocator {
+ public:
+  std::string Name() const override { return "cpu"; }
+  void* AllocateRaw(size_t bytes) override {
+    return ::operator new(RoundUp(bytes, kAlignment), std::align_val_t(kAlignment),
+                          std::nothrow);
+  }
+  void DeallocateRaw(void* ptr, size_t bytes) override {
+    ::operator delete(ptr, std::align_val_t(kAlignment));
+  }
+};
+
+}  // namespace
+
+Allocator* CpuAllocator() {
+  static HeapAllocator* allocator = new HeapAllocator;
+  return allocator;
+}
+
+PoolAllocator::PoolAllocator(std::string name, Options options)
+    : name_(std::move(name)), options_(options) {}
+
+PoolAllocator::~PoolAllocator() {
+  absl::MutexLock lock(&mu_);
+  if (stats_.allocations != 0) {
+    LOG(WARNING) << "pool " << name_ << " destroyed with " << stats_.allocations
+                 << " live allocations (" << stats_.bytes_in_use << " bytes)";
+  }
+  while (!regions_.empty()) ReleaseRegion(regions_.begin()->first);
+}
+
+bool PoolAllocator::CreateRegion(size_t min_bytes) {
+  size_t size = RoundUp(std::max(min_bytes, options_.region_bytes), kHugePage);
+  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) {
+    LOG(WARNING) << "pool " << name_ << ": mmap of " << size << " bytes failed: "
+                 << std::strerror(errno);
+    return false;
+  }
+  madvise(base, size, MADV_HUGEPAGE);
+  if (options_.pretouch) std::memset(base, 0, size);
+  auto b = reinterpret_cast<uintptr_t>(base);
+  regions_.emplace(b, size);
+  chunks_.emplace(b, Chunk{size, b, true});
+  free_.emplace(size, b);
+  stats_.regions++;
+  stats_.regions_created++;
+  stats_.region_bytes += size;
+  VLOG(1) << "pool " << name_ << ": new region of " << size << " bytes at " << base;
+  for (auto& [id, v] : visitors_) {
+    if (v.on_create) v.on_create(MemoryRegion{base, size});
+  }
+  return true;
+}
+
+void PoolAllocator::ReleaseRegion(uintptr_t base) {
+  auto it = regions_.find(base);
+  size_t size = it->second;
+  for (auto& [id, v] : visitors_) {
+    if (v.on_release) v.on_release(MemoryRegion{reinterpret_cast<void*>(base), size});
+  }
+  // Drop every chunk of the region.
+  auto c = chunks_.lower_bound(base);
+  while (c != chunks_.end() && c->first < base + size) {
+    if (c->second.free) free_.erase({c->second.size, c->first});
+    c = chunks_.erase(c);
+  }
+  munmap(reinterpret_cast<void*>(base), size);
+  regions_.erase(it);
+  stats_.regions--;
+  stats_.region_bytes -= size;
+}
+
+void* PoolAllocator::AllocateRaw(size_t bytes) {
+  size_t need = RoundUp(std::max<size_t>(bytes, 1), kAlignment);
+  if (need < bytes) return nullptr;  // overflow
+  absl::MutexLock lock(&mu_);
+  auto it = free_.lower_bound({need, 0});
+  if (it == free_.end()) {
+    if (!CreateRegion(need)) return nullptr;
+    it = free_.lower_bound({need, 0});
+    CHECK(it != free_.end());
+  }
+  auto [size, start] = *it;
+  free_.erase(it);
+  Chunk& chunk = chunks_[start];
+  if (size - need >= kAlignment) {
+    uintptr_t rest = start + need;
+    chunks_.emplace(rest, Chunk{size - need, chunk.region, true});
+    free_.emplace(size - need, rest);
+    chunk.size = need;
+  }
+  chunk.free = false;
+  stats_.bytes_in_use += chunk.size;
+  stats_.allocations++;
+  return reinterpret_cast<void*>(start);
+}
+
+void PoolAllocator::DeallocateRaw(void* ptr, size_t bytes) {
+  if (ptr == nullptr) return;
+  absl::MutexLock lock(&mu_);
+  auto it = chunks_.find(reinterpret_cast<uintptr_t>(ptr));
+  CHECK(it != chunks_.end() && !it->second.free)
+      << "pool " << name_ << ": free of unknown pointer " << ptr;
+  stats_.bytes_in_use -= it->second.size;
+  stats_.allocations--;
+  it->second.free = true;
+  // Coalesce with the next chunk, then with the previous one, within the same region.
+  auto next = std::next(it);
+  if (next != chunks_.end() && next->second.free && next->second.region == it->second.region) {
+    free_.erase({next->second.size, next->first});
+    it->second.size += next->second.size;
+    chunks_.erase(next);
+  }
+  if (it != chunks_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.free && prev->second.region == it->second.region) {
+      free_.erase({prev->second.size, prev->first});
+      prev->second.size += it->second.size;
+      chunks_.erase(it);
+      it = prev;
+    }
+  }
+  free_.emplace(it->second.size, it->first);
+}
+
+int PoolAllocator::AddRegionVisitor(RegionVisitor on_create, RegionVisitor on_release) {
+  absl::MutexLock lock(&mu_);
+  int id = next_visitor_id_++;
+  for (const auto& [base, size] : regions_) {
+    if (on_create) on_create(MemoryRegion{reinterpret_cast<void*>(base), size});
+  }
+  visitors_.emplace(id, Visitor{std::move(on_create), std::move(on_release)});
+  return id;
+}
+
+void PoolAllocator::RemoveRegionVisitor(int id) {
+  absl::MutexLock lock(&mu_);
+  visitors_.erase(id);
+}
+
+size_t PoolAllocator::ReleaseFreeRegions() {
+  absl::MutexLock lock(&mu_);
+  size_t released = 0;
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    uintptr_t base = it->first;
+    size_t size = it->second;
+    ++it;
+    auto c = chunks_.find(base);
+    if (c != chunks_.end() && c->second.free && c->second.size == size) {
+      ReleaseRegion(base);
+      ++released;
+    }
+  }
+  return released;
+}
+
+bool PoolAllocator::FindRegion(const void* ptr, size_t len, MemoryRegion* region) const {
+  auto p = reinterpret_cast<uintptr_t>(ptr);
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.upper_bound(p);
+  if (it == regions_.begin()) return false;
+  --it;
+  if (p + len > it->first + it->second || p + len < p) return false;
+  if (region) *region = MemoryRegion{reinterpret_cast<void*>(it->first), it->second};
+  return true;
+}
+
+PoolAllocator::Stats PoolAllocator::GetStats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+}  // namespace tensorverbs

@@ -1,0 +1,88 @@
+#include "src/tensor/tensor.h"
+
+#include <cstring>
+#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "src/common/logging.h"
+
+namespace tensorverbs {
+
+TensorBuffer::TensorBuffer(Allocator* allocator, void* data, size_t size, int64_t num_strings)
+    : allocator_(allocator), data_(data), size_(size), num_strings_(num_strings) {}
+
+TensorBuffer::~TensorBuffer() {
+  auto* strings = static_cast<std::string*>(data_);
+  for (int64_t i = 0; i < num_strings_; ++i) strings[i].~basic_string();
+  allocator_->DeallocateRaw(data_, size_);
+}
+
+absl::StatusOr<Tensor> Tensor::Allocate(Allocator* allocator, DataType dtype,
+                                        const TensorShape& shape) {
+  if (!DataTypeFromInt(static_cast<int64_t>(dtype)).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot allocate a tensor of data type ", static_cast<int>(dtype)));
+  }
+  const bool is_string = !DataTypeCanMemCopy(dtype);
+  const size_t element_size = is_string ? sizeof(std::string) : DataTypeSize(dtype);
+  int64_t bytes;
+  if (__builtin_mul_overflow(shape.num_elements(), static_cast<int64_t>(element_size), &bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", DataTypeName(dtype),
+                                                   shape.DebugString(),
+                                                   " is larger than 2^63 bytes"));
+  }
+  Tensor t;
+  t.dtype_ = dtype;
+  t.shape_ = shape;
+  t.total_bytes_ = static_cast<size_t>(bytes);
+  if (bytes == 0) return t;
+  void* data = allocator->AllocateRaw(static_cast<size_t>(bytes));
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("allocator ", allocator->Name(),
+                                                     " could not allocate ", bytes,
+                                                     " bytes for ", t.DebugString()));
+  }
+  int64_t num_strings = 0;
+  if (is_string) {
+    auto* strings = static_cast<std::string*>(data);
+    for (int64_t i = 0; i < shape.num_elements(); ++i) new (&strings[i]) std::string();
+    num_strings = shape.num_elements();
+  }
+  t.buffer_ = std::make_shared<TensorBuffer>(allocator, data, static_cast<size_t>(bytes),
+                                             num_strings);
+  return t;
+}
+
+Tensor Tensor::Make(DataType dtype, const TensorShape& shape) {
+  absl::StatusOr<Tensor> t = Allocate(CpuAllocator(), dtype, shape);
+  CHECK(t.ok()) << t.status();
+  return *std::move(t);
+}
+
+absl::StatusOr<Tensor> Tensor::Clone(Allocator* allocator) const {
+  absl::StatusOr<Tensor> copy = Allocate(allocator, dtype_, shape_);
+  if (!copy.ok()) return copy.status();
+  if (CanMemCopy()) {
+    if (total_bytes_ > 0) std::memcpy(copy->data(), data(), total_bytes_);
+  } else {
+    for (int64_t i = 0; i < NumElements(); ++i) copy->strings()[i] = strings()[i];
+  }
+  return copy;
+}
+
+bool Tensor::ContentEquals(const Tensor& other) const {
+  if (dtype_ != other.dtype_ || shape_ != other.shape_) return false;
+  if (CanMemCopy()) {
+    return total_bytes_ == 0 || std::memcmp(data(), other.data(), total_bytes_) == 0;
+  }
+  for (int64_t i = 0; i < NumElements(); ++i) {
+    if (strings()[i] != other.strings()[i]) return false;
+  }
+  return true;
+}
+
+std::string Tensor::DebugString() const {
+  return absl::StrCat(DataTypeName(dtype_), shape_.DebugString());
+}
+
+}  // namespace tensorverbs

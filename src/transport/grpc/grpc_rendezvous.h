@@ -1,0 +1,44 @@
+// GrpcRemoteRendezvous: the `grpc` protocol's rendezvous. A remote recv is one RecvTensor call
+// to the source task with a deadline (TENSORVERBS_RECV_TIMEOUT_MS); the response is parsed
+// straight into a tensor from the destination allocator, and the user's callback runs on the
+// worker's callback executor. StartAbort cancels in-flight calls, whose callbacks then report the
+// abort status. Thread-safe; created by the RendezvousMgr factory through std::make_shared.
+#ifndef TENSORVERBS_TRANSPORT_GRPC_GRPC_RENDEZVOUS_H_
+#define TENSORVERBS_TRANSPORT_GRPC_GRPC_RENDEZVOUS_H_
+
+#include <atomic>
+#include <memory>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/transport/grpc/worker_client.h"
+
+namespace tensorverbs::grpc_transport {
+
+class GrpcRemoteRendezvous final : public RemoteRendezvous,
+                                   public std::enable_shared_from_this<GrpcRemoteRendezvous> {
+ public:
+  GrpcRemoteRendezvous(const WorkerEnv* env, int64_t step_id, GrpcWorkerCache* workers,
+                       absl::Duration recv_timeout);
+
+ protected:
+  void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
+                           RecvDoneCallback done) override;
+  void AbortRemote(const absl::Status& status) override;
+
+ private:
+  struct Call;
+
+  GrpcWorkerCache* const workers_;
+  const absl::Duration recv_timeout_;
+  absl::Mutex mu_;
+  absl::flat_hash_set<Call*> active_ ABSL_GUARDED_BY(mu_);
+  bool aborted_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace tensorverbs::grpc_transport
+
+#endif  // TENSORVERBS_TRANSPORT_GRPC_GRPC_RENDEZVOUS_H_

@@ -1,0 +1,41 @@
+#include "src/transport/grpc/grpc_util.h"
+
+#include <climits>
+
+namespace tensorverbs::grpc_transport {
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+grpc::ChannelArguments ClientChannelArguments() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  // Reconnect quickly to a task that is starting up; the default backoff reaches 120 s.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // Large tensors: let HTTP/2 flow control open up to the full window at once.
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 1);
+  // Each peer gets its own subchannel so two tasks in one process do not share a connection.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return args;
+}
+
+void ConfigureServerBuilder(grpc::ServerBuilder* builder) {
+  builder->SetMaxReceiveMessageSize(INT_MAX);
+  builder->SetMaxSendMessageSize(INT_MAX);
+  // gRPC sets SO_REUSEPORT by default, which would let two servers share a port silently.
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+}
+
+std::string GrpcTarget(absl::string_view address) { return std::string(address); }
+
+}  // namespace tensorverbs::grpc_transport

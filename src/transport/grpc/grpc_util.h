@@ -1,0 +1,26 @@
+// Conversions between gRPC and absl statuses, and the channel and server settings every
+// tensorverbs gRPC endpoint uses (no message size limit, no SO_REUSEPORT so a port in use is
+// detected). Pure functions, any thread.
+#ifndef TENSORVERBS_TRANSPORT_GRPC_GRPC_UTIL_H_
+#define TENSORVERBS_TRANSPORT_GRPC_GRPC_UTIL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace tensorverbs::grpc_transport {
+
+// Same code and message (the two code spaces are identical).
+absl::Status FromGrpcStatus(const grpc::Status& s);
+grpc::Status ToGrpcStatus(const absl::Status& s);
+
+grpc::ChannelArguments ClientChannelArguments();
+void ConfigureServerBuilder(grpc::ServerBuilder* builder);
+
+// "host:port" -> the string gRPC dials ("dns:///..." is implied).
+std::string GrpcTarget(absl::string_view address);
+
+}  // namespace tensorverbs::grpc_transport
+
+#endif  // TENSORVERBS_TRANSPORT_GRPC_GRPC_UTIL_H_

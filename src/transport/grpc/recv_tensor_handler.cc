@@ -1,0 +1,135 @@
+#include "src/transport/grpc/recv_tensor_handler.h"
+
+#include <grpcpp/impl/codegen/proto_utils.h>
+
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "proto/worker.pb.h"
+#include "src/common/logging.h"
+#include "src/transport/grpc/grpc_util.h"
+#include "src/transport/grpc/tensor_coding.h"
+
+namespace tensorverbs::grpc_transport {
+namespace {
+
+// Owns itself until gRPC calls OnDone. Once Finish has been called the reactor may be deleted
+// at any moment, so what the recv callback, Start and OnCancel share lives in a separate State.
+class RecvTensorReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit RecvTensorReactor(grpc::ByteBuffer* response)
+      : state_(std::make_shared<State>()), response_(response) {}
+
+  // Starts the local recv in `rendezvous`. Touches nothing of `this` after RecvLocalAsync.
+  void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key) {
+    std::shared_ptr<State> state = state_;
+    {
+      absl::MutexLock lock(&state->mu);
+      state->rendezvous = rendezvous;
+    }
+    grpc::ByteBuffer* response = response_;
+    uint64_t token = rendezvous->RecvLocalAsync(
+        key, [this, response](const absl::Status& s, const Tensor& tensor, bool is_dead) {
+          if (s.ok()) {
+            EncodeRecvTensorResponse(tensor, is_dead, absl::ToUnixMicros(absl::Now()), response);
+          }
+          Finish(ToGrpcStatus(s));
+        });
+    bool cancel_now = false;
+    {
+      absl::MutexLock lock(&state->mu);
+      state->token = token;
+      cancel_now = state->cancelled && token != 0;
+    }
+    // OnCancel ran before the token was known: withdraw the recv now.
+    if (cancel_now) CancelRecv(*state, token);
+  }
+
+  void FinishNow(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
+
+  void OnCancel() override {
+    std::shared_ptr<State> state = state_;
+    uint64_t token;
+    {
+      absl::MutexLock lock(&state->mu);
+      state->cancelled = true;
+      token = state->token;
+    }
+    if (token != 0) CancelRecv(*state, token);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct State {
+    absl::Mutex mu;
+    std::shared_ptr<RemoteRendezvous> rendezvous ABSL_GUARDED_BY(mu);
+    uint64_t token ABSL_GUARDED_BY(mu) = 0;
+    bool cancelled ABSL_GUARDED_BY(mu) = false;
+  };
+
+  // Runs the recv callback (and so Finish) only if the recv was still waiting.
+  static void CancelRecv(State& state, uint64_t token) {
+    std::shared_ptr<RemoteRendezvous> r;
+    {
+      absl::MutexLock lock(&state.mu);
+      r = state.rendezvous;
+    }
+    r->CancelLocalRecv(token, absl::CancelledError("RecvTensor cancelled by the caller"));
+  }
+
+  const std::shared_ptr<State> state_;
+  grpc::ByteBuffer* const response_;
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response, RendezvousMgr* mgr,
+                                           const WorkerEnv* env) {
+  auto* reactor = new RecvTensorReactor(response);
+  proto::RecvTensorRequest req;
+  grpc::ByteBuffer copy(*request);  // shares slices; the parser consumes its own reader
+  grpc::Status parsed = grpc::SerializationTraits<proto::RecvTensorRequest>::Deserialize(&copy, &req);
+  if (!parsed.ok()) {
+    reactor->FinishNow(absl::InvalidArgumentError(
+        absl::StrCat("RecvTensor on task ", env->task_name, ": unparsable request")));
+    return reactor;
+  }
+  absl::StatusOr<ParsedKey> key = ParsedKey::Parse(req.rendezvous_key());
+  if (!key.ok()) {
+    reactor->FinishNow(absl::InvalidArgumentError(
+        absl::StrCat("RecvTensor on task ", env->task_name, ": ", key.status().message())));
+    return reactor;
+  }
+  if (key->src.TaskName() != env->task_name) {
+    reactor->FinishNow(absl::InvalidArgumentError(absl::StrCat(
+        "RecvTensor on task ", env->task_name, ": key '", key->full_key,
+        "' names source task ", key->src.TaskName(), ", not this one")));
+    return reactor;
+  }
+  if (key->src_incarnation != env->incarnation) {
+    reactor->FinishNow(absl::AbortedError(absl::StrFormat(
+        "RecvTensor on task %s: key '%s' was made for incarnation %016x of this task, but it now "
+        "runs incarnation %016x: the task was probably restarted; rebuild keys from its new "
+        "incarnation",
+        env->task_name, key->full_key, key->src_incarnation, env->incarnation)));
+    return reactor;
+  }
+  absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = mgr->Find(req.step_id());
+  if (!r.ok()) {
+    reactor->FinishNow(absl::Status(
+        r.status().code(), absl::StrCat("RecvTensor on task ", env->task_name, " for key '",
+                                        key->full_key, "': ", r.status().message())));
+    return reactor;
+  }
+  VLOG(2) << "RecvTensor step " << req.step_id() << " key " << key->full_key;
+  reactor->Start(*std::move(r), *key);
+  return reactor;
+}
+
+}  // namespace tensorverbs::grpc_transport

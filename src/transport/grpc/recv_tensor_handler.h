@@ -1,0 +1,24 @@
+// The server half of the `grpc` protocol: serves one RecvTensor call.
+//
+// Called on a gRPC callback thread; never blocks it. It validates the request (the key must be
+// well formed, name this task as its source and carry this task's incarnation; the step must
+// not be cleaned up), then waits in the step's rendezvous for the tensor and answers with the
+// zero-copy encoding. If the caller cancels or its deadline passes, the pending local recv is
+// withdrawn. Every call is finished exactly once.
+#ifndef TENSORVERBS_TRANSPORT_GRPC_RECV_TENSOR_HANDLER_H_
+#define TENSORVERBS_TRANSPORT_GRPC_RECV_TENSOR_HANDLER_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "src/rendezvous/rendezvous_mgr.h"
+
+namespace tensorverbs::grpc_transport {
+
+grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response, RendezvousMgr* mgr,
+                                           const WorkerEnv* env);
+
+}  // namespace tensorverbs::grpc_transport
+
+#endif  // TENSORVERBS_TRANSPORT_GRPC_RECV_TENSOR_HANDLER_H_

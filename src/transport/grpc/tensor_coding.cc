@@ -1,0 +1,169 @@
+#include "src/transport/grpc/tensor_coding.h"
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "proto/tensor.pb.h"
+#include "src/common/status_macros.h"
+#include "src/tensor/tensor_codec.h"
+
+namespace tensorverbs::grpc_transport {
+namespace {
+
+using google::protobuf::io::CodedInputStream;
+using google::protobuf::io::CodedOutputStream;
+using google::protobuf::io::StringOutputStream;
+using google::protobuf::internal::WireFormatLite;
+
+// RecvTensorResponse field numbers (proto/worker.proto).
+constexpr int kMetaField = 1;
+constexpr int kIsDeadField = 2;
+constexpr int kSendStartField = 3;
+constexpr int kContentField = 4;
+
+void ReleaseBuffer(void* user_data) { delete static_cast<std::shared_ptr<TensorBuffer>*>(user_data); }
+
+absl::Status Malformed(absl::string_view why) {
+  return absl::DataLossError(absl::StrCat("malformed RecvTensor response: ", why));
+}
+
+}  // namespace
+
+void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_start_micros,
+                              grpc::ByteBuffer* out) {
+  proto::TensorProto meta;
+  if (!is_dead) {
+    meta.set_dtype(static_cast<int32_t>(tensor.dtype()));
+    ShapeToProto(tensor.shape(), meta.mutable_tensor_shape());
+  }
+  const bool pod = tensor.CanMemCopy();
+  if (!pod && !is_dead) {
+    for (int64_t i = 0; i < tensor.NumElements(); ++i) meta.add_string_val(tensor.strings()[i]);
+  }
+  const size_t content_bytes = (pod && !is_dead) ? tensor.TotalBytes() : 0;
+
+  std::string header;
+  {
+    StringOutputStream stream(&header);
+    CodedOutputStream coded(&stream);
+    WireFormatLite::WriteTag(kMetaField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &coded);
+    coded.WriteVarint32(static_cast<uint32_t>(meta.ByteSizeLong()));
+    meta.SerializeWithCachedSizes(&coded);
+    if (is_dead) WireFormatLite::WriteBool(kIsDeadField, true, &coded);
+    if (send_start_micros != 0) WireFormatLite::WriteInt64(kSendStartField, send_start_micros, &coded);
+    if (content_bytes > 0) {
+      WireFormatLite::WriteTag(kContentField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &coded);
+      coded.WriteVarint64(content_bytes);
+      if (content_bytes <= kInlineLimit) coded.WriteRaw(tensor.data(), static_cast<int>(content_bytes));
+    }
+  }
+  if (content_bytes <= kInlineLimit) {
+    grpc::Slice slice(header);
+    *out = grpc::ByteBuffer(&slice, 1);
+    return;
+  }
+  grpc::Slice slices[2] = {
+      grpc::Slice(header),
+      grpc::Slice(tensor.data(), content_bytes, &ReleaseBuffer,
+                  new std::shared_ptr<TensorBuffer>(tensor.buffer())),
+  };
+  *out = grpc::ByteBuffer(slices, 2);
+}
+
+absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
+                                     ParsedResponse* out) {
+  grpc::ProtoBufferReader reader(in);
+  CodedInputStream coded(&reader);
+  coded.SetTotalBytesLimit(INT_MAX);
+  bool have_meta = false;
+  bool have_content = false;
+  proto::TensorProto meta;
+  *out = ParsedResponse();
+  // Validates the meta-data into dtype and shape (dead tensors skip this: they carry none).
+  DataType dtype = DataType::kInvalid;
+  TensorShape shape;
+  auto resolve_meta = [&]() -> absl::Status {
+    if (!have_meta) return Malformed("no meta-data");
+    absl::StatusOr<DataType> d = DataTypeFromInt(meta.dtype());
+    if (!d.ok()) return Malformed(d.status().message());
+    absl::StatusOr<TensorShape> s = ShapeFromProto(meta.tensor_shape());
+    if (!s.ok()) return Malformed(s.status().message());
+    dtype = *d;
+    shape = *std::move(s);
+    return absl::OkStatus();
+  };
+  while (true) {
+    uint32_t tag = coded.ReadTag();
+    if (tag == 0) break;
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const auto wire = WireFormatLite::GetTagWireType(tag);
+    if (field == kMetaField && wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      uint32_t len;
+      if (!coded.ReadVarint32(&len)) return Malformed("truncated meta-data length");
+      auto limit = coded.PushLimit(static_cast<int>(len));
+      if (!meta.MergePartialFromCodedStream(&coded) || !coded.ConsumedEntireMessage()) {
+        return Malformed("bad meta-data");
+      }
+      coded.PopLimit(limit);
+      have_meta = true;
+    } else if (field == kIsDeadField && wire == WireFormatLite::WIRETYPE_VARINT) {
+      uint64_t v;
+      if (!coded.ReadVarint64(&v)) return Malformed("truncated is_dead");
+      out->is_dead = v != 0;
+    } else if (field == kSendStartField && wire == WireFormatLite::WIRETYPE_VARINT) {
+      uint64_t v;
+      if (!coded.ReadVarint64(&v)) return Malformed("truncated send_start_micros");
+      out->send_start_micros = static_cast<int64_t>(v);
+    } else if (field == kContentField && wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (have_content) return Malformed("tensor content twice");
+      RETURN_IF_ERROR(resolve_meta());
+      uint64_t len;
+      if (!coded.ReadVarint64(&len)) return Malformed("truncated content length");
+      if (!DataTypeCanMemCopy(dtype)) return Malformed("raw content for a string tensor");
+      ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
+      if (len != t.TotalBytes()) {
+        return Malformed(absl::StrCat(len, " content bytes for ", t.DebugString(), " (",
+                                      t.TotalBytes(), " expected)"));
+      }
+      // ReadRaw takes an int: read in chunks so tensors of 2 GiB and more work.
+      auto* dst = static_cast<char*>(t.data());
+      uint64_t left = len;
+      while (left > 0) {
+        int chunk = static_cast<int>(std::min<uint64_t>(left, 1u << 30));
+        if (!coded.ReadRaw(dst, chunk)) return Malformed("truncated tensor content");
+        dst += chunk;
+        left -= chunk;
+      }
+      out->tensor = std::move(t);
+      have_content = true;
+    } else if (!WireFormatLite::SkipField(&coded, tag)) {
+      return Malformed(absl::StrCat("cannot skip unknown field ", field));
+    }
+  }
+  if (out->is_dead) {
+    // A dead tensor is an uninitialized Tensor, as in TensorFlow.
+    if (have_content) return Malformed("content for a dead tensor");
+    out->tensor = Tensor();
+    return absl::OkStatus();
+  }
+  if (have_content) return absl::OkStatus();
+  RETURN_IF_ERROR(resolve_meta());
+  if (DataTypeCanMemCopy(dtype)) {
+    ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
+    if (t.TotalBytes() != 0) return Malformed(absl::StrCat("no content for ", t.DebugString()));
+    out->tensor = std::move(t);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<Tensor> t = TensorFromProto(meta, allocator);
+  if (!t.ok()) return Malformed(t.status().message());
+  out->tensor = *std::move(t);
+  return absl::OkStatus();
+}
+
+}  // namespace tensorverbs::grpc_transport

@@ -1,0 +1,37 @@
+// Encoding and parsing of RecvTensorResponse (proto/worker.proto) without needless copies.
+//
+// The sender writes the small header fields by hand into one slice; the element bytes of a POD
+// tensor above kInlineLimit leave as a second slice that points into the tensor's own buffer and
+// holds a reference to it until gRPC has sent it, so the sender makes no serialization copy.
+// The receiver reads the fields in order straight out of gRPC's slices and copies the element
+// bytes once, into a tensor allocated from the destination allocator. Everything received is
+// validated. Pure functions, any thread.
+#ifndef TENSORVERBS_TRANSPORT_GRPC_TENSOR_CODING_H_
+#define TENSORVERBS_TRANSPORT_GRPC_TENSOR_CODING_H_
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include "absl/status/status.h"
+#include "src/tensor/tensor.h"
+
+namespace tensorverbs::grpc_transport {
+
+// Element bytes up to this size are copied into the header slice: a separate slice costs more.
+inline constexpr size_t kInlineLimit = 1024;
+
+void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_start_micros,
+                              grpc::ByteBuffer* out);
+
+struct ParsedResponse {
+  Tensor tensor;
+  bool is_dead = false;
+  int64_t send_start_micros = 0;
+};
+
+// DataLoss for a malformed response, with what was wrong.
+absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
+                                     ParsedResponse* out);
+
+}  // namespace tensorverbs::grpc_transport
+
+#endif  // TENSORVERBS_TRANSPORT_GRPC_TENSOR_CODING_H_

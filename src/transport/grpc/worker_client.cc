@@ -1,0 +1,102 @@
+#include "src/transport/grpc/worker_client.h"
+
+#include "absl/strings/str_cat.h"
+#include "src/transport/grpc/grpc_util.h"
+
+namespace tensorverbs::grpc_transport {
+
+WorkerClient::WorkerClient(std::string task_name, std::string address)
+    : task_name_(std::move(task_name)), address_(std::move(address)) {
+  channel_ = grpc::CreateCustomChannel(GrpcTarget(address_), grpc::InsecureChannelCredentials(),
+                                       ClientChannelArguments());
+  stub_ = proto::WorkerService::NewStub(channel_);
+  generic_stub_ = std::make_unique<grpc::GenericStub>(channel_);
+}
+
+void WorkerClient::RecvTensorAsync(grpc::ClientContext* context, const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response,
+                                   std::function<void(grpc::Status)> done) {
+  generic_stub_->UnaryCall(context, "/tensorverbs.proto.WorkerService/RecvTensor",
+                           grpc::StubOptions(), request, response, std::move(done));
+}
+
+absl::Status WorkerClient::CallError(absl::string_view method, const grpc::Status& status,
+                                     absl::Duration timeout) {
+  const std::string who = absl::StrCat(method, " to task ", task_name_, " at ", address_);
+  switch (status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+      return absl::UnavailableError(absl::StrCat(
+          who, " failed: the task is unavailable (", status.error_message(),
+          "); check that it is running and reachable"));
+    case grpc::StatusCode::DEADLINE_EXCEEDED: {
+      grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/false);
+      if (state != GRPC_CHANNEL_READY) {
+        return absl::UnavailableError(absl::StrCat(
+            who, " failed: could not reach the task within ", absl::FormatDuration(timeout),
+            "; check that it is running and reachable"));
+      }
+      return absl::DeadlineExceededError(
+          absl::StrCat(who, " did not complete within ", absl::FormatDuration(timeout)));
+    }
+    default:
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          absl::StrCat(who, ": ", status.error_message()));
+  }
+}
+
+absl::StatusOr<proto::GetStatusResponse> WorkerClient::GetStatus(absl::Duration timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  context.set_wait_for_ready(true);
+  proto::GetStatusResponse response;
+  grpc::Status s = stub_->GetStatus(&context, proto::GetStatusRequest(), &response);
+  if (!s.ok()) return CallError("GetStatus", s, timeout);
+  return response;
+}
+
+absl::Status WorkerClient::CleanupStep(int64_t step_id, absl::Duration timeout) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  proto::CleanupStepRequest request;
+  request.set_step_id(step_id);
+  proto::CleanupStepResponse response;
+  grpc::Status s = stub_->CleanupStep(&context, request, &response);
+  if (!s.ok()) return CallError("CleanupStep", s, timeout);
+  return absl::OkStatus();
+}
+
+GrpcWorkerCache::GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses)
+    : addresses_(std::move(addresses)) {}
+
+absl::StatusOr<WorkerClient*> GrpcWorkerCache::Get(const std::string& task_name) {
+  absl::MutexLock lock(&mu_);
+  auto it = clients_.find(task_name);
+  if (it != clients_.end()) return it->second.get();
+  auto addr = addresses_.find(task_name);
+  if (addr == addresses_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("task ", task_name, " is not in the cluster spec"));
+  }
+  auto client = std::make_unique<WorkerClient>(task_name, addr->second);
+  WorkerClient* raw = client.get();
+  clients_.emplace(task_name, std::move(client));
+  return raw;
+}
+
+void GrpcWorkerCache::CallStarted() {
+  absl::MutexLock lock(&calls_mu_);
+  ++calls_;
+}
+
+void GrpcWorkerCache::CallDone() {
+  absl::MutexLock lock(&calls_mu_);
+  --calls_;
+}
+
+bool GrpcWorkerCache::WaitForNoCalls(absl::Duration timeout) {
+  absl::MutexLock lock(&calls_mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_ == 0; };
+  return calls_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+}  // namespace tensorverbs::grpc_transport

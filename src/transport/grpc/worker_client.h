@@ -1,0 +1,81 @@
+// WorkerClient: the gRPC client of one peer task's WorkerService; GrpcWorkerCache: one client
+// per task of the cluster, created on first use.
+//
+// RecvTensorAsync is non-blocking: its callback runs once on a gRPC thread. GetStatus and
+// CleanupStep block the calling thread (start-up and tools only, never a gRPC or loop thread).
+// Errors name the method, the peer task and its address; a call that could not reach the peer
+// before its deadline is Unavailable. Thread-safe.
+#ifndef TENSORVERBS_TRANSPORT_GRPC_WORKER_CLIENT_H_
+#define TENSORVERBS_TRANSPORT_GRPC_WORKER_CLIENT_H_
+
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/worker.grpc.pb.h"
+
+namespace tensorverbs::grpc_transport {
+
+class WorkerClient {
+ public:
+  WorkerClient(std::string task_name, std::string address);
+
+  const std::string& task_name() const { return task_name_; }
+  const std::string& address() const { return address_; }
+
+  // `response` receives the raw RecvTensorResponse. `context` carries the deadline and must
+  // outlive the callback; cancelling it fails the call with CANCELLED.
+  void RecvTensorAsync(grpc::ClientContext* context, const grpc::ByteBuffer* request,
+                       grpc::ByteBuffer* response, std::function<void(grpc::Status)> done);
+
+  absl::StatusOr<proto::GetStatusResponse> GetStatus(absl::Duration timeout);
+  absl::Status CleanupStep(int64_t step_id, absl::Duration timeout);
+
+  // Turns a failed call's status into one that names the method, the task and the address.
+  // `timeout` is what the caller waited, for the message.
+  absl::Status CallError(absl::string_view method, const grpc::Status& status,
+                         absl::Duration timeout);
+
+ private:
+  const std::string task_name_;
+  const std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<proto::WorkerService::Stub> stub_;
+  std::unique_ptr<grpc::GenericStub> generic_stub_;
+};
+
+class GrpcWorkerCache {
+ public:
+  // task name (/job:J/replica:0/task:T) -> host:port
+  explicit GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses);
+
+  // NotFound naming the task when it is not in the cluster.
+  absl::StatusOr<WorkerClient*> Get(const std::string& task_name);
+
+  // In-flight asynchronous calls, so that a shutting-down server can wait for their callbacks
+  // before it destroys what they use.
+  void CallStarted();
+  void CallDone();
+  // True if every call finished within `timeout`.
+  bool WaitForNoCalls(absl::Duration timeout);
+
+ private:
+  absl::Mutex calls_mu_;
+  int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
+
+  const absl::flat_hash_map<std::string, std::string> addresses_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<WorkerClient>> clients_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorverbs::grpc_transport
+
+#endif  // TENSORVERBS_TRANSPORT_GRPC_WORKER_CLIENT_H_

@@ -1,0 +1,82 @@
+#include "src/rendezvous/parsed_key.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace tensorverbs {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kSrc[] = "/job:ps/replica:0/task:0/device:CPU:0";
+constexpr char kDst[] = "/job:worker/replica:0/task:3/device:GPU:1";
+
+TEST(ParsedKey, ParsesTheCanonicalForm) {
+  std::string key = ParsedKey::Create(kSrc, 0xdeadbeef12345678ULL, kDst, "layer/weights", 2, 7);
+  EXPECT_EQ(key, std::string(kSrc) + ";deadbeef12345678;" + kDst + ";layer/weights;2:7");
+  absl::StatusOr<ParsedKey> k = ParsedKey::Parse(key);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_EQ(k->full_key, key);
+  EXPECT_EQ(k->src.job, "ps");
+  EXPECT_EQ(k->src.task, 0);
+  EXPECT_EQ(k->src.type, "CPU");
+  EXPECT_EQ(k->src_incarnation, 0xdeadbeef12345678ULL);
+  EXPECT_EQ(k->dst.job, "worker");
+  EXPECT_EQ(k->dst.task, 3);
+  EXPECT_EQ(k->dst.type, "GPU");
+  EXPECT_EQ(k->dst.id, 1);
+  EXPECT_EQ(k->dst.TaskName(), "/job:worker/replica:0/task:3");
+  EXPECT_EQ(k->edge_name, "layer/weights");
+  EXPECT_EQ(k->frame_id, 2);
+  EXPECT_EQ(k->iter_id, 7);
+}
+
+TEST(ParsedKey, AcceptsLegacyDeviceForm) {
+  absl::StatusOr<ParsedKey> k = ParsedKey::Parse(
+      "/job:ps/replica:0/task:1/cpu:0;1;/job:worker/replica:0/task:0/gpu:2;x;0:0");
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_EQ(k->src.type, "CPU");
+  EXPECT_EQ(k->dst.type, "GPU");
+  EXPECT_EQ(k->dst.id, 2);
+  EXPECT_EQ(k->src_incarnation, 1u);
+}
+
+struct BadKey {
+  std::string key;
+  std::string why;
+};
+
+TEST(ParsedKey, EachMalformedFormGetsAClearError) {
+  const std::string src = kSrc, dst = kDst;
+  const std::vector<BadKey> cases = {
+      {"", "parts"},
+      {"a;b;c;d", "4 ';'-separated parts"},
+      {src + ";1;" + dst + ";x;0:0;extra", "6 ';'-separated parts"},
+      {"job:ps/replica:0/task:0/device:CPU:0;1;" + dst + ";x;0:0", "source device"},
+      {"/job:ps/replica:0/task:0;1;" + dst + ";x;0:0", "source device"},
+      {"/job:ps/replica:x/task:0/device:CPU:0;1;" + dst + ";x;0:0", "replica"},
+      {"/job:ps/replica:0/task:-1/device:CPU:0;1;" + dst + ";x;0:0", "task"},
+      {"/job:1ps/replica:0/task:0/device:CPU:0;1;" + dst + ";x;0:0", "job"},
+      {"/job:ps/replica:0/task:0/device:CPU;1;" + dst + ";x;0:0", "device component"},
+      {src + ";;" + dst + ";x;0:0", "incarnation"},
+      {src + ";xyz;" + dst + ";x;0:0", "incarnation"},
+      {src + ";11112222333344445;" + dst + ";x;0:0", "incarnation"},
+      {src + ";-1;" + dst + ";x;0:0", "incarnation"},
+      {src + ";1;/job:w;x;0:0", "destination device"},
+      {src + ";1;" + dst + ";;0:0", "tensor name is empty"},
+      {src + ";1;" + dst + ";x;0", "frame_id:iter_id"},
+      {src + ";1;" + dst + ";x;a:0", "frame_id:iter_id"},
+      {src + ";1;" + dst + ";x;0:-3", "frame_id:iter_id"},
+      {src + ";1;" + dst + ";" + std::string(5000, 'n') + ";0:0", "longer than"},
+  };
+  for (const BadKey& c : cases) {
+    absl::StatusOr<ParsedKey> k = ParsedKey::Parse(c.key);
+    ASSERT_FALSE(k.ok()) << c.key;
+    EXPECT_EQ(k.status().code(), absl::StatusCode::kInvalidArgument) << c.key;
+    EXPECT_THAT(k.status().message(), HasSubstr(c.why)) << c.key;
+    EXPECT_THAT(k.status().message(), HasSubstr("malformed rendezvous key"));
+  }
+}
+
+}  // namespace
+}  // namespace tensorverbs

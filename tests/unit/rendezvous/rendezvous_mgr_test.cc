@@ -1,0 +1,160 @@
+#include "src/rendezvous/rendezvous_mgr.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace tensorverbs {
+namespace {
+
+using ::testing::HasSubstr;
+
+// A protocol whose remote recvs are answered by the test.
+class FakeRemoteRendezvous : public RemoteRendezvous {
+ public:
+  using RemoteRendezvous::RemoteRendezvous;
+  std::vector<std::pair<ParsedKey, RecvDoneCallback>> remote;
+  absl::Status aborted_with;
+
+ protected:
+  void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
+                           RecvDoneCallback done) override {
+    remote.emplace_back(key, std::move(done));
+  }
+  void AbortRemote(const absl::Status& status) override {
+    aborted_with = status;
+    for (auto& [key, done] : remote) {
+      if (done) std::move(done)(status, Tensor(), false);
+    }
+    remote.clear();
+  }
+};
+
+class RendezvousMgrTest : public ::testing::Test {
+ protected:
+  RendezvousMgrTest() {
+    env_.job = "worker";
+    env_.task = 0;
+    env_.task_name = "/job:worker/replica:0/task:0";
+    env_.incarnation = 5;
+    env_.recv_allocator = CpuAllocator();
+  }
+  RendezvousMgr::Factory Factory() {
+    return [this](int64_t step) {
+      auto r = std::make_shared<FakeRemoteRendezvous>(&env_, step);
+      created_.push_back(r);
+      return r;
+    };
+  }
+  ParsedKey Key(const std::string& src_job, int src_task, const std::string& name) {
+    return *ParsedKey::Parse(ParsedKey::Create(
+        "/job:" + src_job + "/replica:0/task:" + std::to_string(src_task) + "/device:CPU:0", 5,
+        "/job:worker/replica:0/task:0/device:CPU:0", name));
+  }
+  WorkerEnv env_;
+  std::vector<std::shared_ptr<FakeRemoteRendezvous>> created_;
+};
+
+TEST_F(RendezvousMgrTest, FindCreatesOncePerStep) {
+  RendezvousMgr mgr(Factory());
+  auto a = mgr.Find(1);
+  auto b = mgr.Find(1);
+  auto c = mgr.Find(2);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(a->get(), b->get());
+  EXPECT_NE(a->get(), c->get());
+  EXPECT_EQ(mgr.NumActiveSteps(), 2u);
+  EXPECT_EQ((*c)->step_id(), 2);
+}
+
+TEST_F(RendezvousMgrTest, SameTaskKeysAreServedLocallyOthersRemotely) {
+  RendezvousMgr mgr(Factory());
+  auto r = *mgr.Find(7);
+  Tensor t = Tensor::Make(DataType::kInt8, TensorShape::Of({3}));
+  ASSERT_TRUE(r->Send(Key("worker", 0, "local"), t).ok());
+  bool got_local = false;
+  r->RecvAsync(Key("worker", 0, "local"), RecvArgs(),
+               [&](const absl::Status& s, const Tensor& v, bool) {
+                 got_local = s.ok() && v.SharesBufferWith(t);
+               });
+  EXPECT_TRUE(got_local);
+  bool remote_done = false;
+  r->RecvAsync(Key("ps", 0, "remote"), RecvArgs(),
+               [&](const absl::Status& s, const Tensor&, bool) { remote_done = s.ok(); });
+  ASSERT_EQ(created_[0]->remote.size(), 1u);
+  EXPECT_EQ(created_[0]->remote[0].first.edge_name, "remote");
+  std::move(created_[0]->remote[0].second)(absl::OkStatus(), t, false);
+  EXPECT_TRUE(remote_done);
+}
+
+TEST_F(RendezvousMgrTest, SendAndRecvCheckTheTask) {
+  RendezvousMgr mgr(Factory());
+  auto r = *mgr.Find(1);
+  EXPECT_EQ(r->Send(Key("ps", 0, "x"), Tensor()).code(), absl::StatusCode::kInvalidArgument);
+  ParsedKey wrong_dst = *ParsedKey::Parse(ParsedKey::Create(
+      "/job:ps/replica:0/task:0/device:CPU:0", 1, "/job:worker/replica:0/task:9/device:CPU:0", "x"));
+  absl::Status status;
+  r->RecvAsync(wrong_dst, RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) { status = s; });
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("destination device is on another task"));
+}
+
+TEST_F(RendezvousMgrTest, CleanupAbortsPendingLocalAndRemoteRecvsAndRemembersTheStep) {
+  RendezvousMgr mgr(Factory());
+  auto r = *mgr.Find(3);
+  absl::Status local, remote;
+  r->RecvAsync(Key("worker", 0, "l"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) { local = s; });
+  r->RecvAsync(Key("ps", 0, "r"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) { remote = s; });
+  mgr.Cleanup(3);
+  EXPECT_EQ(local.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(remote.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(remote.message(), HasSubstr("step 3 was cleaned up"));
+  EXPECT_EQ(mgr.NumActiveSteps(), 0u);
+  absl::StatusOr<std::shared_ptr<RemoteRendezvous>> again = mgr.Find(3);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  // Later recvs on the aborted rendezvous fail at once, without reaching the protocol.
+  absl::Status late;
+  r->RecvAsync(Key("ps", 0, "r2"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) { late = s; });
+  EXPECT_EQ(late.code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(created_[0]->remote.empty());
+}
+
+TEST_F(RendezvousMgrTest, RemembersOnlyTheMostRecentCleanups) {
+  RendezvousMgr mgr(Factory(), /*remembered_cleanups=*/2);
+  mgr.Cleanup(1);
+  mgr.Cleanup(2);
+  mgr.Cleanup(3);
+  EXPECT_TRUE(mgr.Find(1).ok());
+  EXPECT_FALSE(mgr.Find(2).ok());
+  EXPECT_FALSE(mgr.Find(3).ok());
+}
+
+TEST_F(RendezvousMgrTest, CleanupAllAbortsEverything) {
+  absl::Status s1, s2;
+  {
+    RendezvousMgr mgr(Factory());
+    (*mgr.Find(1))->RecvAsync(Key("ps", 0, "a"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) { s1 = s; });
+    (*mgr.Find(2))->RecvAsync(Key("worker", 0, "b"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) { s2 = s; });
+  }
+  EXPECT_EQ(s1.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(s2.code(), absl::StatusCode::kCancelled);
+}
+
+TEST_F(RendezvousMgrTest, RecvAllGathersInOrderOrReportsTheFirstError) {
+  RendezvousMgr mgr(Factory());
+  auto r = *mgr.Find(1);
+  for (int i = 0; i < 3; ++i) {
+    Tensor t = Tensor::Make(DataType::kInt32, TensorShape());
+    t.flat<int32_t>()[0] = i;
+    ASSERT_TRUE(r->Send(Key("worker", 0, "k" + std::to_string(i)), t).ok());
+  }
+  absl::StatusOr<std::vector<Tensor>> all =
+      RecvAll(*r, {Key("worker", 0, "k2"), Key("worker", 0, "k0"), Key("worker", 0, "k1")});
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ((*all)[0].flat<int32_t>()[0], 2);
+  EXPECT_EQ((*all)[1].flat<int32_t>()[0], 0);
+  r->StartAbort(absl::AbortedError("gone"));
+  EXPECT_EQ(RecvAll(*r, {Key("worker", 0, "x")}).status().code(), absl::StatusCode::kAborted);
+}
+
+}  // namespace
+}  // namespace tensorverbs

@@ -1,0 +1,127 @@
+#include "src/tensor/allocator.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <random>
+#include <vector>
+
+namespace tensorverbs {
+namespace {
+
+PoolAllocator::Options SmallRegions() {
+  PoolAllocator::Options o;
+  o.region_bytes = size_t{4} << 20;
+  return o;
+}
+
+TEST(PoolAllocator, AlignsReusesAndGrows) {
+  PoolAllocator pool("test", SmallRegions());
+  void* a = pool.AllocateRaw(100);
+  void* b = pool.AllocateRaw(1);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a) % Allocator::kAlignment, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % Allocator::kAlignment, 0u);
+  EXPECT_EQ(pool.GetStats().regions, 1u);
+  pool.DeallocateRaw(a, 100);
+  void* c = pool.AllocateRaw(64);
+  EXPECT_EQ(c, a) << "freed space is reused";
+  // A request larger than a region gets a region of its own.
+  void* big = pool.AllocateRaw(size_t{10} << 20);
+  ASSERT_NE(big, nullptr);
+  EXPECT_EQ(pool.GetStats().regions, 2u);
+  std::memset(big, 1, size_t{10} << 20);
+  pool.DeallocateRaw(big, 0);
+  pool.DeallocateRaw(b, 0);
+  pool.DeallocateRaw(c, 0);
+  EXPECT_EQ(pool.GetStats().allocations, 0u);
+  EXPECT_EQ(pool.GetStats().bytes_in_use, 0u);
+}
+
+TEST(PoolAllocator, CoalescesFreedNeighbours) {
+  PoolAllocator pool("test", SmallRegions());
+  const size_t quarter = (size_t{4} << 20) / 4;
+  std::vector<void*> parts;
+  for (int i = 0; i < 4; ++i) parts.push_back(pool.AllocateRaw(quarter));
+  EXPECT_EQ(pool.GetStats().regions, 1u);
+  // Free in an order that needs merging on both sides.
+  pool.DeallocateRaw(parts[1], 0);
+  pool.DeallocateRaw(parts[3], 0);
+  pool.DeallocateRaw(parts[2], 0);
+  pool.DeallocateRaw(parts[0], 0);
+  void* whole = pool.AllocateRaw(size_t{4} << 20);
+  EXPECT_EQ(whole, parts[0]) << "the region coalesced back into one chunk";
+  EXPECT_EQ(pool.GetStats().regions, 1u);
+  pool.DeallocateRaw(whole, 0);
+}
+
+TEST(PoolAllocator, VisitorsSeeEveryRegionOnceEvenWhenAddedLate) {
+  PoolAllocator pool("test", SmallRegions());
+  void* first = pool.AllocateRaw(1000);  // a region exists before the visitor
+  std::map<void*, size_t> live;
+  int creates = 0, releases = 0;
+  int id = pool.AddRegionVisitor(
+      [&](const MemoryRegion& r) {
+        ++creates;
+        EXPECT_TRUE(live.emplace(r.base, r.size).second);
+      },
+      [&](const MemoryRegion& r) {
+        ++releases;
+        EXPECT_EQ(live.erase(r.base), 1u);
+      });
+  EXPECT_EQ(creates, 1) << "existing region reported at once";
+  void* second = pool.AllocateRaw(size_t{6} << 20);  // forces a new region
+  EXPECT_EQ(creates, 2);
+  MemoryRegion region;
+  ASSERT_TRUE(pool.FindRegion(second, size_t{6} << 20, &region));
+  EXPECT_TRUE(live.count(region.base));
+  EXPECT_FALSE(pool.FindRegion(&live, 8, nullptr));
+  pool.DeallocateRaw(second, 0);
+  EXPECT_EQ(pool.ReleaseFreeRegions(), 1u);
+  EXPECT_EQ(releases, 1);
+  EXPECT_EQ(pool.GetStats().regions, 1u);
+  pool.DeallocateRaw(first, 0);
+  pool.RemoveRegionVisitor(id);
+  EXPECT_EQ(pool.ReleaseFreeRegions(), 1u);
+  EXPECT_EQ(releases, 1) << "removed visitor is not called";
+}
+
+TEST(PoolAllocator, RandomizedAllocationsNeverOverlap) {
+  PoolAllocator pool("test", SmallRegions());
+  std::mt19937 rng(7);
+  std::map<uintptr_t, size_t> live;
+  for (int i = 0; i < 5000; ++i) {
+    if (!live.empty() && rng() % 2 == 0) {
+      auto it = live.begin();
+      std::advance(it, rng() % live.size());
+      // The contents survived every other allocation.
+      const auto* p = reinterpret_cast<const unsigned char*>(it->first);
+      ASSERT_EQ(p[0], static_cast<unsigned char>(it->first >> 6));
+      ASSERT_EQ(p[it->second - 1], static_cast<unsigned char>(it->first >> 6));
+      pool.DeallocateRaw(reinterpret_cast<void*>(it->first), it->second);
+      live.erase(it);
+    } else {
+      size_t n = 1 + rng() % 200000;
+      auto* p = static_cast<unsigned char*>(pool.AllocateRaw(n));
+      ASSERT_NE(p, nullptr);
+      auto addr = reinterpret_cast<uintptr_t>(p);
+      auto next = live.lower_bound(addr);
+      if (next != live.end()) {
+        ASSERT_LE(addr + n, next->first);
+      }
+      if (next != live.begin()) {
+        auto prev = std::prev(next);
+        ASSERT_LE(prev->first + prev->second, addr);
+      }
+      std::memset(p, static_cast<unsigned char>(addr >> 6), n);
+      live.emplace(addr, n);
+    }
+  }
+  for (auto& [addr, n] : live) pool.DeallocateRaw(reinterpret_cast<void*>(addr), n);
+  EXPECT_EQ(pool.GetStats().bytes_in_use, 0u);
+}
+
+}  // namespace
+}  // namespace tensorverbs

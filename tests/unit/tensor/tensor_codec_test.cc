@@ -1,0 +1,79 @@
+#include "src/tensor/tensor_codec.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace tensorverbs {
+namespace {
+
+Tensor Filled(DataType d, const TensorShape& shape, uint32_t seed) {
+  Tensor t = Tensor::Make(d, shape);
+  std::mt19937 rng(seed);
+  if (t.CanMemCopy()) {
+    auto* p = static_cast<unsigned char*>(t.data());
+    for (size_t i = 0; i < t.TotalBytes(); ++i) p[i] = static_cast<unsigned char>(rng());
+  } else {
+    for (int64_t i = 0; i < t.NumElements(); ++i) {
+      t.strings()[i] = std::string(rng() % 40, static_cast<char>('a' + i % 26));
+    }
+  }
+  return t;
+}
+
+TEST(TensorCodec, RoundTripsEveryDtypeIncludingEmpty) {
+  for (DataType d : AllDataTypes()) {
+    for (const TensorShape& shape :
+         {TensorShape(), TensorShape::Of({0}), TensorShape::Of({7}), TensorShape::Of({2, 3, 4}),
+          TensorShape::Of({1, 1, 1, 1, 1, 1, 1, 2})}) {
+      Tensor t = Filled(d, shape, 3);
+      proto::TensorProto p;
+      TensorToProto(t, &p);
+      std::string bytes = p.SerializeAsString();
+      proto::TensorProto back_proto;
+      ASSERT_TRUE(back_proto.ParseFromString(bytes));
+      absl::StatusOr<Tensor> back = TensorFromProto(back_proto, CpuAllocator());
+      ASSERT_TRUE(back.ok()) << back.status();
+      EXPECT_TRUE(back->ContentEquals(t)) << t.DebugString();
+    }
+  }
+}
+
+TEST(TensorCodec, StringsWithEmbeddedZerosAndEmptyElements) {
+  Tensor t = Tensor::Make(DataType::kString, TensorShape::Of({3}));
+  t.strings()[0] = std::string("a\0b", 3);
+  t.strings()[2] = std::string(100000, 'z');
+  proto::TensorProto p;
+  TensorToProto(t, &p);
+  absl::StatusOr<Tensor> back = TensorFromProto(p, CpuAllocator());
+  ASSERT_TRUE(back.ok());
+  EXPECT_TRUE(back->ContentEquals(t));
+  EXPECT_EQ(back->strings()[0].size(), 3u);
+}
+
+TEST(TensorCodec, RejectsInconsistentProtos) {
+  proto::TensorProto p;
+  p.set_dtype(1);
+  p.mutable_tensor_shape()->add_dim()->set_size(4);
+  p.set_tensor_content(std::string(15, 'x'));  // 16 expected
+  EXPECT_EQ(TensorFromProto(p, CpuAllocator()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  p.set_dtype(12345);
+  EXPECT_FALSE(TensorFromProto(p, CpuAllocator()).ok());
+  p.set_dtype(1);
+  p.mutable_tensor_shape()->mutable_dim(0)->set_size(-4);
+  EXPECT_FALSE(TensorFromProto(p, CpuAllocator()).ok());
+  proto::TensorProto s;
+  s.set_dtype(static_cast<int>(DataType::kString));
+  s.mutable_tensor_shape()->add_dim()->set_size(2);
+  s.add_string_val("only one");
+  EXPECT_FALSE(TensorFromProto(s, CpuAllocator()).ok());
+  // A shape whose byte size overflows must not allocate.
+  proto::TensorProto o;
+  o.set_dtype(static_cast<int>(DataType::kFloat64));
+  o.mutable_tensor_shape()->add_dim()->set_size(int64_t{1} << 61);
+  EXPECT_FALSE(TensorFromProto(o, CpuAllocator()).ok());
+}
+
+}  // namespace
+}  // namespace tensorverbs

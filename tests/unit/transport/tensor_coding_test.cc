@@ -1,0 +1,147 @@
+#include "src/transport/grpc/tensor_coding.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "proto/worker.pb.h"
+#include "src/tensor/tensor_codec.h"
+
+namespace tensorverbs::grpc_transport {
+namespace {
+
+using ::testing::HasSubstr;
+
+Tensor Filled(DataType d, const TensorShape& shape) {
+  Tensor t = Tensor::Make(d, shape);
+  std::mt19937 rng(11);
+  if (t.CanMemCopy()) {
+    auto* p = static_cast<unsigned char*>(t.data());
+    for (size_t i = 0; i < t.TotalBytes(); ++i) p[i] = static_cast<unsigned char>(rng());
+  } else {
+    for (int64_t i = 0; i < t.NumElements(); ++i) t.strings()[i] = std::string(i % 50, 'q');
+  }
+  return t;
+}
+
+std::string Flatten(const grpc::ByteBuffer& b) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(b.Dump(&slices).ok());
+  std::string out;
+  for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return out;
+}
+
+grpc::ByteBuffer FromString(const std::string& s) {
+  grpc::Slice slice(s);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+TEST(TensorCoding, RoundTripsEveryDtypeAndSize) {
+  for (DataType d : AllDataTypes()) {
+    for (const TensorShape& shape : {TensorShape(), TensorShape::Of({0}), TensorShape::Of({3, 5}),
+                                     TensorShape::Of({700}), TensorShape::Of({2, 1, 1, 1, 1, 1, 1, 3})}) {
+      Tensor t = Filled(d, shape);
+      grpc::ByteBuffer buffer;
+      EncodeRecvTensorResponse(t, false, 123, &buffer);
+      // It is a valid protobuf message too.
+      proto::RecvTensorResponse generic;
+      ASSERT_TRUE(generic.ParseFromString(Flatten(buffer)));
+      EXPECT_EQ(generic.send_start_micros(), 123);
+      ParsedResponse parsed;
+      absl::Status s = ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed);
+      ASSERT_TRUE(s.ok()) << s << " " << t.DebugString();
+      EXPECT_TRUE(parsed.tensor.ContentEquals(t)) << t.DebugString();
+      EXPECT_FALSE(parsed.is_dead);
+      EXPECT_EQ(parsed.send_start_micros, 123);
+    }
+  }
+}
+
+TEST(TensorCoding, LargeTensorsLeaveWithoutACopy) {
+  Tensor t = Filled(DataType::kFloat32, TensorShape::Of({1 << 20}));
+  grpc::ByteBuffer buffer;
+  EncodeRecvTensorResponse(t, false, 0, &buffer);
+  EXPECT_EQ(t.buffer().use_count(), 2) << "the response slice holds a reference";
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(buffer.Dump(&slices).ok());
+  ASSERT_EQ(slices.size(), 2u);
+  EXPECT_EQ(slices[1].begin(), static_cast<const uint8_t*>(t.data())) << "slice points into the tensor";
+  ParsedResponse parsed;
+  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed).ok());
+  EXPECT_TRUE(parsed.tensor.ContentEquals(t));
+  slices.clear();
+  buffer.Clear();
+  EXPECT_EQ(t.buffer().use_count(), 1) << "released once gRPC is done";
+}
+
+TEST(TensorCoding, DeadTensors) {
+  grpc::ByteBuffer buffer;
+  EncodeRecvTensorResponse(Tensor(), true, 0, &buffer);
+  ParsedResponse parsed;
+  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed).ok());
+  EXPECT_TRUE(parsed.is_dead);
+  EXPECT_FALSE(parsed.tensor.IsInitialized());
+}
+
+TEST(TensorCoding, MalformedResponsesAreDataLoss) {
+  proto::RecvTensorResponse good;
+  Tensor t = Filled(DataType::kInt16, TensorShape::Of({10}));
+  TensorToProto(t, good.mutable_meta());
+  good.mutable_meta()->clear_tensor_content();
+  good.set_tensor_content(std::string(20, 'x'));
+
+  auto parse = [](const std::string& bytes) {
+    grpc::ByteBuffer b = FromString(bytes);
+    ParsedResponse parsed;
+    return ParseRecvTensorResponse(&b, CpuAllocator(), &parsed);
+  };
+  ASSERT_TRUE(parse(good.SerializeAsString()).ok());
+
+  proto::RecvTensorResponse wrong_size = good;
+  wrong_size.set_tensor_content(std::string(19, 'x'));
+  absl::Status s = parse(wrong_size.SerializeAsString());
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("19 content bytes"));
+
+  proto::RecvTensorResponse no_meta;
+  no_meta.set_tensor_content("abcd");
+  EXPECT_THAT(parse(no_meta.SerializeAsString()).message(), HasSubstr("no meta-data"));
+
+  proto::RecvTensorResponse bad_dtype = good;
+  bad_dtype.mutable_meta()->set_dtype(77);
+  EXPECT_EQ(parse(bad_dtype.SerializeAsString()).code(), absl::StatusCode::kDataLoss);
+
+  proto::RecvTensorResponse missing_content = good;
+  missing_content.clear_tensor_content();
+  EXPECT_THAT(parse(missing_content.SerializeAsString()).message(), HasSubstr("no content"));
+
+  proto::RecvTensorResponse dead_with_content = good;
+  dead_with_content.set_is_dead(true);
+  EXPECT_EQ(parse(dead_with_content.SerializeAsString()).code(), absl::StatusCode::kDataLoss);
+
+  std::string truncated = good.SerializeAsString();
+  truncated.resize(truncated.size() - 5);
+  EXPECT_EQ(parse(truncated).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(parse(std::string("\xff\xff\xff\xff\xff\xff", 6)).code(), absl::StatusCode::kDataLoss);
+
+  // Huge declared shapes must not allocate.
+  proto::RecvTensorResponse huge = good;
+  huge.mutable_meta()->mutable_tensor_shape()->mutable_dim(0)->set_size(int64_t{1} << 62);
+  EXPECT_FALSE(parse(huge.SerializeAsString()).ok());
+}
+
+TEST(TensorCoding, RandomBytesNeverCrash) {
+  std::mt19937 rng(5);
+  for (int i = 0; i < 2000; ++i) {
+    std::string bytes(rng() % 64, '\0');
+    for (char& c : bytes) c = static_cast<char>(rng());
+    grpc::ByteBuffer b = FromString(bytes);
+    ParsedResponse parsed;
+    (void)ParseRecvTensorResponse(&b, CpuAllocator(), &parsed);
+  }
+}
+
+}  // namespace
+}  // namespace tensorverbs::grpc_transport

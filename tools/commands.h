@@ -1,0 +1,42 @@
+// The subcommands of the `tensorverbs` tool. Each runs on the main thread and returns the
+// process exit code (0 success, 1 failure, 2 bad usage); messages go to stdout and stderr.
+#ifndef TENSORVERBS_TOOLS_COMMANDS_H_
+#define TENSORVERBS_TOOLS_COMMANDS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace tensorverbs::tools {
+
+struct ServerCommandOptions {
+  std::string cluster;
+  std::string job;
+  int task = 0;
+  std::string protocol = "grpc";
+  bool wait_for_peers = false;
+};
+int RunServerCommand(const ServerCommandOptions& options);
+
+struct DemoOptions {
+  std::string protocol;  // empty: the best available
+  int steps = 20;
+  int workers = 2;
+  float learning_rate = 0.2f;
+};
+int RunDemoCommand(const DemoOptions& options);
+
+// One process of the demo cluster (started by RunDemoCommand).
+struct DemoTaskOptions {
+  std::string cluster;
+  std::string job;
+  int task = 0;
+  std::string protocol;
+  int steps = 20;
+  int64_t step_base = 1;
+  float learning_rate = 0.2f;
+};
+int RunDemoTask(const DemoTaskOptions& options);
+
+}  // namespace tensorverbs::tools
+
+#endif  // TENSORVERBS_TOOLS_COMMANDS_H_

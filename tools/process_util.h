@@ -1,0 +1,42 @@
+// Helpers for the tools that run clusters of local processes: free-port picking, spawning this
+// binary as a child, and waiting for termination signals.
+//
+// Called from a tool's main thread only.
+#ifndef TENSORVERBS_TOOLS_PROCESS_UTIL_H_
+#define TENSORVERBS_TOOLS_PROCESS_UTIL_H_
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tensorverbs::tools {
+
+// `count` distinct TCP ports on 127.0.0.1 that were free a moment ago.
+absl::StatusOr<std::vector<int>> PickFreePorts(int count);
+
+// Starts this executable with `args` (argv[1..]). The child gets SIGTERM if the parent dies.
+absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args);
+
+struct ChildExit {
+  pid_t pid = 0;
+  int exit_code = 0;    // valid when !signaled
+  bool signaled = false;
+  int signal = 0;
+};
+
+// Waits for any of `pids` to exit, up to `timeout`; DeadlineExceeded if none did.
+absl::StatusOr<ChildExit> WaitAnyChild(const std::vector<pid_t>& pids, absl::Duration timeout);
+
+// Blocks SIGINT and SIGTERM in the calling thread (call before starting other threads, which
+// inherit the mask), so that WaitForTerminationSignal can take them synchronously.
+void BlockTerminationSignals();
+// Returns the signal number once SIGINT or SIGTERM arrives, or 0 after `timeout`.
+int WaitForTerminationSignal(absl::Duration timeout = absl::InfiniteDuration());
+
+}  // namespace tensorverbs::tools
+
+#endif  // TENSORVERBS_TOOLS_PROCESS_UTIL_H_
