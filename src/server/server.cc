@@ -102,7 +102,9 @@ absl::Status Server::Start() {
   env_.stats = &stats_;
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses());
 
-  const absl::Duration recv_timeout = config.recv_timeout;
+  const absl::Duration recv_timeout = options_.recv_timeout > absl::ZeroDuration()
+                                          ? options_.recv_timeout
+                                          : config.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
   const WorkerEnv* env = &env_;
   rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, workers, recv_timeout](int64_t step) {

@@ -35,6 +35,8 @@ struct ServerOptions {
   std::string protocol = "grpc";
   // Where to listen; empty means the task's own address from the cluster spec.
   std::string listen_address;
+  // How long a remote recv may take; zero means TENSORVERBS_RECV_TIMEOUT_MS.
+  absl::Duration recv_timeout = absl::ZeroDuration();
 };
 
 // The protocols this build provides, best first.

@@ -1,0 +1,320 @@
+// The `grpc` protocol between real processes on 127.0.0.1: task 0 runs in the test, the other
+// tasks are tv_test_peer processes that send the standard fixtures.
+#include <signal.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/synchronization/notification.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "proto/worker.pb.h"
+#include "src/rendezvous/device_name.h"
+#include "src/server/server.h"
+#include "tests/support/fixtures.h"
+#include "tests/support/subprocess.h"
+#include "tools/process_util.h"
+
+namespace tensorverbs {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Subprocess;
+
+constexpr int64_t kStep = 42;
+
+class GrpcClusterTest : public ::testing::Test {
+ protected:
+  // A cluster of `n` worker tasks; task 0 is in this process, the others are peers.
+  void StartCluster(int n, absl::Duration recv_timeout = absl::Seconds(60), bool big = false) {
+    absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(n);
+    ASSERT_TRUE(ports.ok());
+    ports_ = *ports;
+    std::vector<std::string> addrs;
+    for (int p : ports_) addrs.push_back(absl::StrCat("127.0.0.1:", p));
+    cluster_ = absl::StrCat("worker=", absl::StrJoin(addrs, ","));
+    peers_.resize(n);
+    incarnations_.resize(n);
+    for (int t = 1; t < n; ++t) ASSERT_NO_FATAL_FAILURE(StartPeer(t, big));
+    ServerOptions options;
+    options.cluster = *ClusterSpec::Parse(cluster_);
+    options.job = "worker";
+    options.task = 0;
+    options.recv_timeout = recv_timeout;
+    absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+
+  void StartPeer(int task, bool big = false) {
+    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(
+        testing::TestPeerPath(),
+        {"--cluster", cluster_, "--job", "worker", "--task", absl::StrCat(task), "--step",
+         absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst",
+         CpuDeviceName("worker", 0), "--big", big ? "1" : "0"});
+    ASSERT_TRUE(p.ok()) << p.status();
+    absl::StatusOr<std::string> ready = (*p)->WaitForLine("ready ", absl::Seconds(60));
+    ASSERT_TRUE(ready.ok()) << ready.status();
+    uint64_t inc = 0;
+    ASSERT_TRUE(absl::SimpleHexAtoi(ready->substr(6), &inc)) << *ready;
+    incarnations_[task] = inc;
+    peers_[task] = *std::move(p);
+  }
+
+  ParsedKey Key(int task, const std::string& name, uint64_t incarnation = 0) {
+    return *ParsedKey::Parse(ParsedKey::Create(
+        CpuDeviceName("worker", task), incarnation ? incarnation : incarnations_[task],
+        server_->device_name(), name));
+  }
+
+  // One recv with its status.
+  absl::StatusOr<Tensor> Recv(int64_t step, const ParsedKey& key) {
+    absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = server_->rendezvous_mgr()->Find(step);
+    if (!r.ok()) return r.status();
+    absl::StatusOr<std::vector<Tensor>> got = RecvAll(**r, {key});
+    if (!got.ok()) return got.status();
+    return (*got)[0];
+  }
+
+  std::vector<int> ports_;
+  std::string cluster_;
+  std::vector<std::unique_ptr<Subprocess>> peers_;
+  std::vector<uint64_t> incarnations_;
+  std::unique_ptr<Server> server_;
+};
+
+TEST_F(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64MiB) {
+  StartCluster(2, absl::Seconds(60), /*big=*/true);
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  for (const testing::Fixture& f : testing::MakeFixtures(/*seed=*/1, /*with_big=*/true)) {
+    absl::Status status;
+    Tensor got;
+    bool dead = false;
+    absl::Notification done;
+    r->RecvAsync(Key(1, f.name), RecvArgs(),
+                 [&](const absl::Status& s, const Tensor& t, bool is_dead) {
+                   status = s;
+                   got = t;
+                   dead = is_dead;
+                   done.Notify();
+                 });
+    ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60))) << f.name;
+    ASSERT_TRUE(status.ok()) << f.name << ": " << status;
+    EXPECT_EQ(dead, f.is_dead) << f.name;
+    if (!f.is_dead) {
+      EXPECT_TRUE(got.ContentEquals(f.tensor)) << f.name << " " << got.DebugString();
+      if (got.TotalBytes() > 0) {
+        EXPECT_EQ(got.allocator(), server_->recv_allocator()) << "lands in the pooled allocator";
+      }
+    }
+  }
+  EXPECT_GT(server_->stats().bytes.load(), int64_t{64} << 20);
+  EXPECT_EQ(server_->stats().errors.load(), 0);
+}
+
+TEST_F(GrpcClusterTest, ThreeProcessesConcurrentRecvsFromTwoPeers) {
+  StartCluster(3);
+  std::vector<ParsedKey> keys;
+  std::vector<Tensor> expected;
+  for (int task = 1; task <= 2; ++task) {
+    for (const testing::Fixture& f : testing::MakeFixtures(task, false)) {
+      if (f.is_dead) continue;
+      keys.push_back(Key(task, f.name));
+      expected.push_back(f.tensor);
+    }
+  }
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  absl::StatusOr<std::vector<Tensor>> got = RecvAll(*r, keys);
+  ASSERT_TRUE(got.ok()) << got.status();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_TRUE((*got)[i].ContentEquals(expected[i])) << keys[i].full_key;
+  }
+  // The two peers' data differ (different seeds), so nothing was crossed over.
+  EXPECT_FALSE((*got)[0].ContentEquals((*got)[keys.size() / 2]));
+}
+
+TEST_F(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
+  StartCluster(2);
+  // The peer never sends "late"; task 0 sends to itself through the same rendezvous instead to
+  // show local matching, while the remote recv waits and is then failed by the step cleanup.
+  auto r = *server_->rendezvous_mgr()->Find(kStep + 1);
+  absl::Notification done;
+  absl::Status status;
+  r->RecvAsync(Key(1, "late"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
+    status = s;
+    done.Notify();
+  });
+  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(300)));
+  server_->rendezvous_mgr()->Cleanup(kStep + 1);
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(status.message(), HasSubstr("cleaned up"));
+}
+
+TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
+  StartCluster(2);
+  absl::StatusOr<grpc_transport::WorkerClient*> peer =
+      server_->Worker(TaskName("worker", 1));
+  ASSERT_TRUE(peer.ok());
+  // A recv waiting on the peer for a step is failed when the peer cleans that step up.
+  auto r = *server_->rendezvous_mgr()->Find(kStep + 5);
+  absl::Notification done;
+  absl::Status status;
+  r->RecvAsync(Key(1, "never"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
+    status = s;
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  ASSERT_TRUE((*peer)->CleanupStep(kStep + 5, absl::Seconds(10)).ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("step ", kStep + 5, " was cleaned up")));
+  EXPECT_THAT(status.message(), HasSubstr("/job:worker/replica:0/task:1"));
+  // Tensors of a cleaned-up step are gone, and asking for them says so.
+  ASSERT_TRUE((*peer)->CleanupStep(kStep, absl::Seconds(10)).ok());
+  absl::StatusOr<Tensor> after = Recv(kStep, Key(1, "scalar"));
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition) << after.status();
+  EXPECT_THAT(after.status().message(), HasSubstr("already cleaned up"));
+}
+
+TEST_F(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(30));
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  absl::Notification done;
+  absl::Status status;
+  r->RecvAsync(Key(1, "never"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
+    status = s;
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  absl::Time killed = absl::Now();
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_THAT(status.message(), HasSubstr("/job:worker/replica:0/task:1"));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("127.0.0.1:", ports_[1])));
+}
+
+TEST_F(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
+  StartCluster(2, /*recv_timeout=*/absl::Milliseconds(1500));
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
+  absl::Time start = absl::Now();
+  absl::StatusOr<Tensor> got = Recv(kStep, Key(1, "scalar"));
+  absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("task /job:worker/replica:0/task:1 at 127.0.0.1:"));
+  EXPECT_LT(took, absl::Seconds(10));
+}
+
+TEST_F(GrpcClusterTest, WrongIncarnationIsAbortedAndExplained) {
+  StartCluster(2);
+  absl::StatusOr<Tensor> got = Recv(kStep, Key(1, "scalar", incarnations_[1] ^ 1));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("probably restarted"));
+}
+
+TEST_F(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
+  StartCluster(2);
+  const uint64_t old_incarnation = incarnations_[1];
+  ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
+  ASSERT_NO_FATAL_FAILURE(StartPeer(1));
+  ASSERT_NE(incarnations_[1], old_incarnation);
+  absl::StatusOr<Tensor> stale = Recv(kStep, Key(1, "medium", old_incarnation));
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kAborted) << stale.status();
+  absl::StatusOr<Tensor> fresh = Recv(kStep, Key(1, "medium"));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  for (const testing::Fixture& f : testing::MakeFixtures(1, false)) {
+    if (f.name == "medium") {
+      EXPECT_TRUE(fresh->ContentEquals(f.tensor));
+    }
+  }
+}
+
+TEST_F(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
+  StartCluster(2);
+  absl::StatusOr<grpc_transport::WorkerClient*> peer = server_->Worker(TaskName("worker", 1));
+  ASSERT_TRUE(peer.ok());
+  auto raw_recv = [&](const std::string& key, int64_t step) {
+    proto::RecvTensorRequest request;
+    request.set_step_id(step);
+    request.set_rendezvous_key(key);
+    grpc::ByteBuffer req, resp;
+    bool own;
+    EXPECT_TRUE(grpc::SerializationTraits<proto::RecvTensorRequest>::Serialize(request, &req, &own).ok());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    absl::Notification done;
+    grpc::Status status;
+    (*peer)->RecvTensorAsync(&ctx, &req, &resp, [&](grpc::Status s) {
+      status = s;
+      done.Notify();
+    });
+    done.WaitForNotification();
+    return status;
+  };
+  grpc::Status garbage = raw_recv("not a key", kStep);
+  EXPECT_EQ(garbage.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(garbage.error_message(), HasSubstr("malformed rendezvous key"));
+  // A key that names another task as its source.
+  grpc::Status wrong_task = raw_recv(Key(1, "x").full_key.replace(Key(1, "x").full_key.find("task:1"), 6, "task:0"), kStep);
+  EXPECT_EQ(wrong_task.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << wrong_task.error_message();
+  // Still serving.
+  absl::StatusOr<Tensor> good = Recv(kStep, Key(1, "dtype/float32"));
+  EXPECT_TRUE(good.ok()) << good.status();
+}
+
+TEST_F(GrpcClusterTest, KeysNamingTasksOutsideTheClusterFail) {
+  StartCluster(2);
+  ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(CpuDeviceName("worker", 9), 1,
+                                                      server_->device_name(), "x"));
+  absl::StatusOr<Tensor> got = Recv(kStep, key);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(got.status().message(), HasSubstr("not in the cluster spec"));
+}
+
+TEST_F(GrpcClusterTest, PortInUseAndUnknownTaskAreClearErrors) {
+  StartCluster(2);
+  ServerOptions options;
+  options.cluster = *ClusterSpec::Parse(cluster_);
+  options.job = "worker";
+  options.task = 1;  // its port is held by the peer process
+  absl::StatusOr<std::unique_ptr<Server>> clash = Server::Create(options);
+  EXPECT_EQ(clash.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(clash.status().message(), HasSubstr("in use"));
+  options.task = 5;
+  EXPECT_EQ(Server::Create(options).status().code(), absl::StatusCode::kNotFound);
+  options.task = 0;
+  options.job = "ps";
+  EXPECT_EQ(Server::Create(options).status().code(), absl::StatusCode::kNotFound);
+  options.job = "worker";
+  options.protocol = "carrier-pigeon";
+  absl::StatusOr<std::unique_ptr<Server>> bad = Server::Create(options);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("available: grpc"));
+}
+
+TEST_F(GrpcClusterTest, WaitForPeersNamesMissingTasks) {
+  StartCluster(2);
+  EXPECT_TRUE(server_->WaitForPeers(absl::Seconds(10)).ok());
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
+  // A fresh server (no recorded incarnations) cannot reach the dead task.
+  server_.reset();
+  ServerOptions options;
+  options.cluster = *ClusterSpec::Parse(cluster_);
+  options.job = "worker";
+  options.task = 0;
+  server_ = *Server::Create(options);
+  absl::Status s = server_->WaitForPeers(absl::Milliseconds(800));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("/job:worker/replica:0/task:1 at 127.0.0.1:"));
+}
+
+}  // namespace
+}  // namespace tensorverbs

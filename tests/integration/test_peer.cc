@@ -1,0 +1,60 @@
+// A peer task for integration tests: starts a Server for --job/--task of --cluster, sends the
+// standard fixtures (seeded with --seed) at --step, prints "ready <incarnation-hex>" and serves
+// until SIGTERM/SIGINT.
+#include <cstdio>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "src/rendezvous/device_name.h"
+#include "src/server/server.h"
+#include "tests/support/fixtures.h"
+#include "tools/process_util.h"
+
+int main(int argc, char** argv) {
+  using namespace tensorverbs;
+  std::string cluster, job, dst_device;
+  int task = 0;
+  int64_t step = 1;
+  uint32_t seed = 1;
+  bool big = false;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--cluster") cluster = value;
+    else if (flag == "--job") job = value;
+    else if (flag == "--task") task = std::stoi(value);
+    else if (flag == "--step") step = std::stoll(value);
+    else if (flag == "--seed") seed = static_cast<uint32_t>(std::stoul(value));
+    else if (flag == "--dst") dst_device = value;
+    else if (flag == "--big") big = value == "1";
+  }
+  tools::BlockTerminationSignals();
+  absl::StatusOr<ClusterSpec> spec = ClusterSpec::Parse(cluster);
+  if (!spec.ok()) {
+    std::fprintf(stderr, "test_peer: %s\n", spec.status().ToString().c_str());
+    return 2;
+  }
+  ServerOptions options;
+  options.cluster = *spec;
+  options.job = job;
+  options.task = task;
+  absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "test_peer: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  auto r = (*server)->rendezvous_mgr()->Find(step);
+  for (const testing::Fixture& f : testing::MakeFixtures(seed, big)) {
+    std::string key = ParsedKey::Create((*server)->device_name(), (*server)->incarnation(),
+                                        dst_device, f.name);
+    absl::Status s = (*r)->Send(*ParsedKey::Parse(key), f.tensor, f.is_dead);
+    if (!s.ok()) {
+      std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  std::printf("ready %016llx\n", static_cast<unsigned long long>((*server)->incarnation()));
+  std::fflush(stdout);
+  tools::WaitForTerminationSignal();
+  (*server)->Stop();
+  return 0;
+}

@@ -1,0 +1,89 @@
+// The `tensorverbs` tool as a user runs it: the demo end to end, and the server subcommand's
+// start-up, bad input and clean shutdown on SIGTERM.
+#include <signal.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "tests/support/subprocess.h"
+#include "tools/process_util.h"
+
+namespace tensorverbs {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Subprocess;
+
+TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
+  auto p = Subprocess::Start(testing::ToolPath(), {"demo", "--steps", "12", "--workers", "2"});
+  ASSERT_TRUE(p.ok());
+  std::string out = (*p)->ReadAll(absl::Seconds(240));
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
+  ASSERT_TRUE(rc.ok());
+  EXPECT_EQ(*rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("over grpc"));
+  std::vector<float> losses;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    float loss;
+    int step;
+    if (sscanf(std::string(line).c_str(), "step %d loss %f", &step, &loss) == 2) {
+      EXPECT_EQ(step, static_cast<int>(losses.size()) + 1);
+      losses.push_back(loss);
+    }
+  }
+  ASSERT_EQ(losses.size(), 12u) << out;
+  EXPECT_LT(losses.back(), losses.front());
+  EXPECT_THAT(out, HasSubstr("summary: protocol grpc, 1 ps + 2 workers, 12 steps"));
+  EXPECT_THAT(out, HasSubstr("tensors/s"));
+  EXPECT_THAT(out, HasSubstr("share of step time in transfer"));
+}
+
+TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
+  auto p = Subprocess::Start(testing::ToolPath(), {"demo", "--protocol", "smoke-signals"});
+  ASSERT_TRUE(p.ok());
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(rc.ok());
+  EXPECT_EQ(*rc, 2);
+}
+
+TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
+  absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(1);
+  ASSERT_TRUE(ports.ok());
+  auto p = Subprocess::Start(testing::ToolPath(),
+                             {"server", "--cluster", absl::StrCat("ps=127.0.0.1:", (*ports)[0]),
+                              "--job", "ps", "--task", "0", "--protocol", "grpc"});
+  ASSERT_TRUE(p.ok());
+  absl::StatusOr<std::string> line = (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
+  ASSERT_TRUE(line.ok()) << line.status();
+  EXPECT_THAT(*line, HasSubstr("/job:ps/replica:0/task:0 serving protocol grpc"));
+  (*p)->Signal(SIGTERM);
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(rc.ok());
+  EXPECT_EQ(*rc, 0);
+}
+
+TEST(ToolTest, ServerBadInputExitsWithAMessage) {
+  struct Case {
+    std::vector<std::string> args;
+    int code;
+  };
+  const std::vector<Case> cases = {
+      {{"server", "--cluster", "ps=nohost", "--job", "ps", "--task", "0"}, 2},
+      {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "worker", "--task", "0"}, 1},
+      {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "ps", "--task", "3"}, 1},
+      {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "ps", "--task", "0", "--protocol", "x"}, 1},
+      {{"server", "--job", "ps"}, 106},  // CLI11: a required option is missing
+  };
+  for (const Case& c : cases) {
+    auto p = Subprocess::Start(testing::ToolPath(), c.args);
+    ASSERT_TRUE(p.ok());
+    absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
+    ASSERT_TRUE(rc.ok());
+    EXPECT_EQ(*rc, c.code) << c.args[2];
+  }
+}
+
+}  // namespace
+}  // namespace tensorverbs

@@ -1,0 +1,29 @@
+// Deterministic tensors that test peers send and tests verify: every dtype, empty, rank 8,
+// strings, a dead tensor and a 64 MiB tensor, with contents derived from a seed so that each
+// peer's data differs.
+#ifndef TENSORVERBS_TESTS_SUPPORT_FIXTURES_H_
+#define TENSORVERBS_TESTS_SUPPORT_FIXTURES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "src/tensor/tensor.h"
+
+namespace tensorverbs::testing {
+
+struct Fixture {
+  std::string name;
+  Tensor tensor;
+  bool is_dead = false;
+};
+
+// Fills `t` with a pattern derived from `seed` (strings get seed-dependent lengths and bytes).
+void FillPattern(Tensor& t, uint32_t seed);
+
+// The standard set. `with_big` adds "big", a 64 MiB uint8 tensor.
+std::vector<Fixture> MakeFixtures(uint32_t seed, bool with_big);
+
+}  // namespace tensorverbs::testing
+
+#endif  // TENSORVERBS_TESTS_SUPPORT_FIXTURES_H_

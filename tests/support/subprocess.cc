@@ -1,0 +1,114 @@
+#include "tests/support/subprocess.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace tensorverbs::testing {
+
+std::string TestPeerPath() { return TV_TEST_PEER_PATH; }
+std::string ToolPath() { return TV_TOOL_PATH; }
+
+absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
+    const std::string& path, const std::vector<std::string>& args) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError(std::strerror(errno));
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(path.c_str()));
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid < 0) return absl::InternalError(std::strerror(errno));
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    dup2(fds[1], STDOUT_FILENO);
+    execv(path.c_str(), argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  return std::unique_ptr<Subprocess>(new Subprocess(pid, fds[0]));
+}
+
+Subprocess::~Subprocess() {
+  if (!reaped_) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+  close(stdout_fd_);
+}
+
+absl::StatusOr<std::string> Subprocess::ReadLine(absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    size_t nl = buffer_.find('\n');
+    if (nl != std::string::npos) {
+      std::string line = buffer_.substr(0, nl);
+      buffer_.erase(0, nl + 1);
+      return line;
+    }
+    absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return absl::DeadlineExceededError("no line in time");
+    pollfd p{stdout_fd_, POLLIN, 0};
+    int r = poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) continue;
+    char buf[4096];
+    ssize_t n = read(stdout_fd_, buf, sizeof(buf));
+    if (n <= 0) return absl::OutOfRangeError(absl::StrCat("EOF; partial: ", buffer_));
+    buffer_.append(buf, static_cast<size_t>(n));
+  }
+}
+
+absl::StatusOr<std::string> Subprocess::WaitForLine(const std::string& prefix,
+                                                    absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    absl::StatusOr<std::string> line = ReadLine(deadline - absl::Now());
+    if (!line.ok()) return line.status();
+    if (absl::StartsWith(*line, prefix)) return line;
+  }
+}
+
+std::string Subprocess::ReadAll(absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  std::string out;
+  while (true) {
+    absl::StatusOr<std::string> line = ReadLine(deadline - absl::Now());
+    if (!line.ok()) {
+      out += buffer_;
+      buffer_.clear();
+      return out;
+    }
+    out += *line + "\n";
+  }
+}
+
+void Subprocess::Signal(int sig) {
+  if (!reaped_) kill(pid_, sig);
+}
+
+absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
+  absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    pid_t r = waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      reaped_ = true;
+      return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+    }
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("child still running");
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+}
+
+}  // namespace tensorverbs::testing

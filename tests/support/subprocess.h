@@ -1,0 +1,50 @@
+// Subprocess: a child process for integration tests, with its stdout readable line by line
+// under a timeout. The destructor kills (SIGKILL) and reaps a child that is still running.
+#ifndef TENSORVERBS_TESTS_SUPPORT_SUBPROCESS_H_
+#define TENSORVERBS_TESTS_SUPPORT_SUBPROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace tensorverbs::testing {
+
+class Subprocess {
+ public:
+  // Starts `path` with `args`; stdout is captured, stderr is inherited.
+  static absl::StatusOr<std::unique_ptr<Subprocess>> Start(const std::string& path,
+                                                           const std::vector<std::string>& args);
+  ~Subprocess();
+
+  // The next stdout line, or DeadlineExceeded / OutOfRange (EOF).
+  absl::StatusOr<std::string> ReadLine(absl::Duration timeout);
+  // Reads lines until one starts with `prefix`; returns it.
+  absl::StatusOr<std::string> WaitForLine(const std::string& prefix, absl::Duration timeout);
+  // Everything written to stdout until EOF (or timeout).
+  std::string ReadAll(absl::Duration timeout);
+
+  void Signal(int sig);
+  // Exit code (128+signal if killed), or DeadlineExceeded.
+  absl::StatusOr<int> Wait(absl::Duration timeout);
+  pid_t pid() const { return pid_; }
+
+ private:
+  Subprocess(pid_t pid, int stdout_fd) : pid_(pid), stdout_fd_(stdout_fd) {}
+  pid_t pid_;
+  int stdout_fd_;
+  bool reaped_ = false;
+  std::string buffer_;
+};
+
+// Paths of the binaries under test (set by CMake).
+std::string TestPeerPath();
+std::string ToolPath();
+
+}  // namespace tensorverbs::testing
+
+#endif  // TENSORVERBS_TESTS_SUPPORT_SUBPROCESS_H_
