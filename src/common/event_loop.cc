@@ -21,22 +21,23 @@ EventLoop::~EventLoop() {
 }
 
 bool EventLoop::DeferToLoop(Task task) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (closed_) return false;
   tasks_.push_back(std::move(task));
   return true;
 }
 
 uint64_t EventLoop::RunAfter(absl::Duration delay, Task task) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (closed_) return 0;
   uint64_t id = next_timer_id_++;
   timers_.emplace(std::make_pair(absl::Now() + delay, id), std::move(task));
+  timers_changed_ = true;
   return id;
 }
 
 bool EventLoop::Cancel(uint64_t timer_id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   for (auto it = timers_.begin(); it != timers_.end(); ++it) {
     if (it->first.second == timer_id) {
       timers_.erase(it);
@@ -49,7 +50,7 @@ bool EventLoop::Cancel(uint64_t timer_id) {
 bool EventLoop::InLoop() const { return std::this_thread::get_id() == thread_id_; }
 
 void EventLoop::Close() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   closed_ = true;
 }
 
@@ -57,13 +58,14 @@ void EventLoop::Run() {
   while (true) {
     std::deque<Task> batch;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return closed_ || !tasks_.empty() ||
+        return closed_ || !tasks_.empty() || timers_changed_ ||
                (!timers_.empty() && timers_.begin()->first.first <= absl::Now());
       };
       absl::Time wake = timers_.empty() ? absl::InfiniteFuture() : timers_.begin()->first.first;
-      mu_.AwaitWithDeadline(absl::Condition(&ready), wake);
+      mu_.AwaitWithDeadline(ready, wake);
+      timers_changed_ = false;
       // Due timers go behind already-queued tasks, preserving posting order.
       absl::Time now = absl::Now();
       while (!timers_.empty() && timers_.begin()->first.first <= now) {

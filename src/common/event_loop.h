@@ -18,7 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "absl/time/time.h"
 
 namespace tensorverbs {
@@ -52,11 +52,13 @@ class EventLoop {
   void Run();
 
   const std::string name_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
   // (deadline, id) -> task; the id keeps equal deadlines distinct and in posting order.
   std::map<std::pair<absl::Time, uint64_t>, Task> timers_ ABSL_GUARDED_BY(mu_);
   uint64_t next_timer_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Set by RunAfter so a sleeping loop recomputes its wake-up time.
+  bool timers_changed_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
   std::thread::id thread_id_;

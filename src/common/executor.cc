@@ -16,14 +16,14 @@ Executor::Executor(std::string name, int num_threads) {
 
 Executor::~Executor() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   for (std::thread& t : threads_) t.join();
 }
 
 void Executor::Schedule(Task task) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   CHECK(!stopping_) << "Executor::Schedule after shutdown began";
   tasks_.push_back(std::move(task));
 }
@@ -32,11 +32,11 @@ void Executor::WorkerLoop() {
   while (true) {
     Task task;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stopping_ || !tasks_.empty();
       };
-      mu_.Await(absl::Condition(&ready));
+      mu_.Await(ready);
       if (tasks_.empty()) return;  // stopping and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();

@@ -14,7 +14,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 
 namespace tensorverbs {
 
@@ -32,7 +32,7 @@ class Executor {
  private:
   void WorkerLoop();
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

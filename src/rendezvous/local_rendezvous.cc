@@ -14,7 +14,7 @@ LocalRendezvous::~LocalRendezvous() {
 absl::Status LocalRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
   RecvDoneCallback done;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!status_.ok()) return status_;
     auto it = table_.find(key.full_key);
     if (it == table_.end()) {
@@ -39,7 +39,7 @@ uint64_t LocalRendezvous::RecvAsync(const ParsedKey& key, RecvDoneCallback done)
   absl::Status error;
   Value value;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!status_.ok()) {
       error = status_;
     } else {
@@ -70,7 +70,7 @@ uint64_t LocalRendezvous::RecvAsync(const ParsedKey& key, RecvDoneCallback done)
 bool LocalRendezvous::CancelRecv(uint64_t token, const absl::Status& status) {
   RecvDoneCallback done;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto k = waiter_keys_.find(token);
     if (k == waiter_keys_.end()) return false;
     auto it = table_.find(k->second);
@@ -86,7 +86,7 @@ void LocalRendezvous::StartAbort(const absl::Status& status) {
   std::vector<RecvDoneCallback> waiters;
   absl::Status abort_status = status.ok() ? absl::CancelledError("rendezvous aborted") : status;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (status_.ok()) status_ = abort_status;
     abort_status = status_;
     for (auto& [key, item] : table_) {
@@ -99,19 +99,19 @@ void LocalRendezvous::StartAbort(const absl::Status& status) {
 }
 
 absl::Status LocalRendezvous::status() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return status_;
 }
 
 size_t LocalRendezvous::NumPendingSends() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   size_t n = 0;
   for (const auto& [key, item] : table_) n += std::holds_alternative<Value>(item);
   return n;
 }
 
 size_t LocalRendezvous::NumWaiters() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return waiter_keys_.size();
 }
 

@@ -20,7 +20,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "src/rendezvous/parsed_key.h"
 #include "src/tensor/tensor.h"
 
@@ -63,7 +63,7 @@ class LocalRendezvous {
   };
   using Item = std::variant<Value, Waiter>;
 
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::string, Item> table_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, std::string> waiter_keys_ ABSL_GUARDED_BY(mu_);
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;

@@ -3,7 +3,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "absl/time/clock.h"
 
 namespace tensorverbs {
@@ -77,7 +77,7 @@ absl::StatusOr<std::vector<Tensor>> RecvAll(RemoteRendezvous& rendezvous,
                                             const std::vector<ParsedKey>& keys,
                                             const RecvArgs& args) {
   struct State {
-    absl::Mutex mu;
+    Mutex mu;
     size_t pending;
     absl::Status status;
     std::vector<Tensor> tensors;
@@ -88,7 +88,7 @@ absl::StatusOr<std::vector<Tensor>> RecvAll(RemoteRendezvous& rendezvous,
   for (size_t i = 0; i < keys.size(); ++i) {
     rendezvous.RecvAsync(keys[i], args,
                          [state, i](const absl::Status& s, const Tensor& t, bool is_dead) {
-                           absl::MutexLock lock(&state->mu);
+                           MutexLock lock(&state->mu);
                            if (s.ok()) {
                              state->tensors[i] = t;
                            } else if (state->status.ok()) {
@@ -97,11 +97,11 @@ absl::StatusOr<std::vector<Tensor>> RecvAll(RemoteRendezvous& rendezvous,
                            --state->pending;
                          });
   }
-  absl::MutexLock lock(&state->mu);
+  MutexLock lock(&state->mu);
   auto all_done = [&state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) {
     return state->pending == 0;
   };
-  state->mu.Await(absl::Condition(&all_done));
+  state->mu.Await(all_done);
   if (!state->status.ok()) return state->status;
   return std::move(state->tensors);
 }

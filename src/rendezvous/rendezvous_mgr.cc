@@ -13,7 +13,7 @@ RendezvousMgr::~RendezvousMgr() { CleanupAll(); }
 
 absl::StatusOr<std::shared_ptr<RemoteRendezvous>> RendezvousMgr::Find(int64_t step_id) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = table_.find(step_id);
     if (it != table_.end()) return it->second;
     if (cleaned_.contains(step_id)) {
@@ -22,7 +22,7 @@ absl::StatusOr<std::shared_ptr<RemoteRendezvous>> RendezvousMgr::Find(int64_t st
     }
   }
   std::shared_ptr<RemoteRendezvous> fresh = factory_(step_id);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (cleaned_.contains(step_id)) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step_id, " was already cleaned up on this task"));
@@ -34,7 +34,7 @@ absl::StatusOr<std::shared_ptr<RemoteRendezvous>> RendezvousMgr::Find(int64_t st
 void RendezvousMgr::Cleanup(int64_t step_id) {
   std::shared_ptr<RemoteRendezvous> r;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = table_.find(step_id);
     if (it != table_.end()) {
       r = std::move(it->second);
@@ -54,7 +54,7 @@ void RendezvousMgr::Cleanup(int64_t step_id) {
 void RendezvousMgr::CleanupAll() {
   std::vector<std::shared_ptr<RemoteRendezvous>> all;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (auto& [id, r] : table_) all.push_back(std::move(r));
     table_.clear();
   }
@@ -64,7 +64,7 @@ void RendezvousMgr::CleanupAll() {
 }
 
 size_t RendezvousMgr::NumActiveSteps() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return table_.size();
 }
 

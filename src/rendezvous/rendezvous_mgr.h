@@ -17,7 +17,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "src/rendezvous/remote_rendezvous.h"
 
 namespace tensorverbs {
@@ -42,7 +42,7 @@ class RendezvousMgr {
  private:
   const Factory factory_;
   const size_t remembered_cleanups_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<int64_t, std::shared_ptr<RemoteRendezvous>> table_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int64_t> cleaned_ ABSL_GUARDED_BY(mu_);
   std::deque<int64_t> cleaned_order_ ABSL_GUARDED_BY(mu_);

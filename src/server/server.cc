@@ -88,6 +88,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
 }
 
 absl::Status Server::Start() {
+  grpc_transport::PinGrpcCallbackQueue();
   const Config& config = Config::Get();
   PoolAllocator::Options pool_options;
   pool_options.region_bytes = static_cast<size_t>(config.pool_region_bytes);
@@ -137,7 +138,7 @@ Server::~Server() { Stop(); }
 
 void Server::Stop() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (stopped_) return;
     stopped_ = true;
   }
@@ -164,13 +165,13 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
                                                  absl::Duration timeout) {
   if (task_name == env_.task_name) return env_.incarnation;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = peer_incarnations_.find(task_name);
     if (it != peer_incarnations_.end()) return it->second;
   }
   ASSIGN_OR_RETURN(grpc_transport::WorkerClient * worker, workers_->Get(task_name));
   ASSIGN_OR_RETURN(proto::GetStatusResponse status, worker->GetStatus(timeout));
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   peer_incarnations_[task_name] = status.incarnation();
   return status.incarnation();
 }

@@ -18,7 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "src/common/executor.h"
 #include "src/rendezvous/rendezvous_mgr.h"
@@ -85,7 +85,7 @@ class Server {
   std::unique_ptr<grpc::Service> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
 
-  absl::Mutex mu_;
+  Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<std::string, uint64_t> peer_incarnations_ ABSL_GUARDED_BY(mu_);
 };

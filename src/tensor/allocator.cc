@@ -37,7 +37,7 @@ PoolAllocator::PoolAllocator(std::string name, Options options)
     : name_(std::move(name)), options_(options) {}
 
 PoolAllocator::~PoolAllocator() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (stats_.allocations != 0) {
     LOG(WARNING) << "pool " << name_ << " destroyed with " << stats_.allocations
                  << " live allocations (" << stats_.bytes_in_use << " bytes)";
@@ -90,7 +90,7 @@ void PoolAllocator::ReleaseRegion(uintptr_t base) {
 void* PoolAllocator::AllocateRaw(size_t bytes) {
   size_t need = RoundUp(std::max<size_t>(bytes, 1), kAlignment);
   if (need < bytes) return nullptr;  // overflow
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = free_.lower_bound({need, 0});
   if (it == free_.end()) {
     if (!CreateRegion(need)) return nullptr;
@@ -114,7 +114,7 @@ void* PoolAllocator::AllocateRaw(size_t bytes) {
 
 void PoolAllocator::DeallocateRaw(void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = chunks_.find(reinterpret_cast<uintptr_t>(ptr));
   CHECK(it != chunks_.end() && !it->second.free)
       << "pool " << name_ << ": free of unknown pointer " << ptr;
@@ -141,7 +141,7 @@ void PoolAllocator::DeallocateRaw(void* ptr, size_t bytes) {
 }
 
 int PoolAllocator::AddRegionVisitor(RegionVisitor on_create, RegionVisitor on_release) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   int id = next_visitor_id_++;
   for (const auto& [base, size] : regions_) {
     if (on_create) on_create(MemoryRegion{reinterpret_cast<void*>(base), size});
@@ -151,12 +151,12 @@ int PoolAllocator::AddRegionVisitor(RegionVisitor on_create, RegionVisitor on_re
 }
 
 void PoolAllocator::RemoveRegionVisitor(int id) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   visitors_.erase(id);
 }
 
 size_t PoolAllocator::ReleaseFreeRegions() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   size_t released = 0;
   for (auto it = regions_.begin(); it != regions_.end();) {
     uintptr_t base = it->first;
@@ -173,7 +173,7 @@ size_t PoolAllocator::ReleaseFreeRegions() {
 
 bool PoolAllocator::FindRegion(const void* ptr, size_t len, MemoryRegion* region) const {
   auto p = reinterpret_cast<uintptr_t>(ptr);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = regions_.upper_bound(p);
   if (it == regions_.begin()) return false;
   --it;
@@ -183,7 +183,7 @@ bool PoolAllocator::FindRegion(const void* ptr, size_t len, MemoryRegion* region
 }
 
 PoolAllocator::Stats PoolAllocator::GetStats() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return stats_;
 }
 

@@ -23,7 +23,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 
 namespace tensorverbs {
 
@@ -100,7 +100,7 @@ class PoolAllocator final : public Allocator {
 
   const std::string name_;
   const Options options_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<uintptr_t, size_t> regions_ ABSL_GUARDED_BY(mu_);  // base -> size
   std::map<uintptr_t, Chunk> chunks_ ABSL_GUARDED_BY(mu_);    // start -> chunk
   std::set<std::pair<size_t, uintptr_t>> free_ ABSL_GUARDED_BY(mu_);  // (size, start)

@@ -6,7 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/numbers.h"
-#include "absl/synchronization/notification.h"
+#include "src/common/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -92,7 +92,7 @@ TEST_F(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64
     absl::Status status;
     Tensor got;
     bool dead = false;
-    absl::Notification done;
+    Notification done;
     r->RecvAsync(Key(1, f.name), RecvArgs(),
                  [&](const absl::Status& s, const Tensor& t, bool is_dead) {
                    status = s;
@@ -140,7 +140,7 @@ TEST_F(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
   // The peer never sends "late"; task 0 sends to itself through the same rendezvous instead to
   // show local matching, while the remote recv waits and is then failed by the step cleanup.
   auto r = *server_->rendezvous_mgr()->Find(kStep + 1);
-  absl::Notification done;
+  Notification done;
   absl::Status status;
   r->RecvAsync(Key(1, "late"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
     status = s;
@@ -160,7 +160,7 @@ TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
   ASSERT_TRUE(peer.ok());
   // A recv waiting on the peer for a step is failed when the peer cleans that step up.
   auto r = *server_->rendezvous_mgr()->Find(kStep + 5);
-  absl::Notification done;
+  Notification done;
   absl::Status status;
   r->RecvAsync(Key(1, "never"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
     status = s;
@@ -182,7 +182,7 @@ TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
 TEST_F(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
   StartCluster(2, /*recv_timeout=*/absl::Seconds(30));
   auto r = *server_->rendezvous_mgr()->Find(kStep);
-  absl::Notification done;
+  Notification done;
   absl::Status status;
   r->RecvAsync(Key(1, "never"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
     status = s;
@@ -249,7 +249,7 @@ TEST_F(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
     EXPECT_TRUE(grpc::SerializationTraits<proto::RecvTensorRequest>::Serialize(request, &req, &own).ok());
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
-    absl::Notification done;
+    Notification done;
     grpc::Status status;
     (*peer)->RecvTensorAsync(&ctx, &req, &resp, [&](grpc::Status s) {
       status = s;

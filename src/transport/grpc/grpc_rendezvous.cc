@@ -63,7 +63,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
   Call* raw = call.get();
   bool aborted;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     aborted = aborted_;
     if (!aborted) active_.insert(raw);
   }
@@ -78,7 +78,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
       [self = shared_from_this(), raw](grpc::Status s) {
         std::unique_ptr<Call> call(raw);
         {
-          absl::MutexLock lock(&self->mu_);
+          MutexLock lock(&self->mu_);
           self->active_.erase(raw);
         }
         absl::Status status;
@@ -115,7 +115,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
 }
 
 void GrpcRemoteRendezvous::AbortRemote(const absl::Status& status) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   aborted_ = true;
   // TryCancel is thread-safe; the completion waits for mu_ before freeing the call.
   for (Call* call : active_) call->context.TryCancel();

@@ -11,7 +11,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/transport/grpc/worker_client.h"
@@ -34,7 +34,7 @@ class GrpcRemoteRendezvous final : public RemoteRendezvous,
 
   GrpcWorkerCache* const workers_;
   const absl::Duration recv_timeout_;
-  absl::Mutex mu_;
+  Mutex mu_;
   absl::flat_hash_set<Call*> active_ ABSL_GUARDED_BY(mu_);
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -1,6 +1,9 @@
 #include "src/transport/grpc/grpc_util.h"
 
 #include <climits>
+#include <cstdlib>
+
+#include "proto/worker.grpc.pb.h"
 
 namespace tensorverbs::grpc_transport {
 
@@ -34,6 +37,28 @@ void ConfigureServerBuilder(grpc::ServerBuilder* builder) {
   builder->SetMaxSendMessageSize(INT_MAX);
   // gRPC sets SO_REUSEPORT by default, which would let two servers share a port silently.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+}
+
+void PinGrpcCallbackQueue() {
+  // On Linux, gRPC 1.51 runs every callback-API server method and client call through one
+  // process-wide completion queue (the "callback alternative" queue), created on first use and
+  // destroyed when the last server or channel using it is gone. When servers and channels come
+  // and go within one process, that teardown races with the next creation and frees the queue
+  // twice (seen under ASan as a double free in grpc_cq_internal_unref). A port-less server with
+  // a callback service holds a reference until the process exits, so the queue is created once.
+  static auto* service = new proto::WorkerService::CallbackService();
+  static grpc::Server* anchor = [] {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(service);
+    grpc::Server* server = builder.BuildAndStart().release();
+    // Registered after gRPC's own initialization, so it runs before gRPC's static teardown.
+    std::atexit([] {
+      anchor->Shutdown();
+      delete anchor;
+      delete service;
+    });
+    return server;
+  }();
 }
 
 std::string GrpcTarget(absl::string_view address) { return std::string(address); }

@@ -18,6 +18,10 @@ grpc::Status ToGrpcStatus(const absl::Status& s);
 grpc::ChannelArguments ClientChannelArguments();
 void ConfigureServerBuilder(grpc::ServerBuilder* builder);
 
+// Keeps gRPC's process-wide callback completion queue alive for the life of the process. Call
+// before creating any server or channel; idempotent and thread-safe. See grpc_util.cc.
+void PinGrpcCallbackQueue();
+
 // "host:port" -> the string gRPC dials ("dns:///..." is implied).
 std::string GrpcTarget(absl::string_view address);
 

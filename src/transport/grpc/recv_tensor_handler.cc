@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
 #include "src/common/logging.h"
@@ -27,7 +27,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
   void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key) {
     std::shared_ptr<State> state = state_;
     {
-      absl::MutexLock lock(&state->mu);
+      MutexLock lock(&state->mu);
       state->rendezvous = rendezvous;
     }
     grpc::ByteBuffer* response = response_;
@@ -40,7 +40,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
         });
     bool cancel_now = false;
     {
-      absl::MutexLock lock(&state->mu);
+      MutexLock lock(&state->mu);
       state->token = token;
       cancel_now = state->cancelled && token != 0;
     }
@@ -54,7 +54,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
     std::shared_ptr<State> state = state_;
     uint64_t token;
     {
-      absl::MutexLock lock(&state->mu);
+      MutexLock lock(&state->mu);
       state->cancelled = true;
       token = state->token;
     }
@@ -65,7 +65,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
 
  private:
   struct State {
-    absl::Mutex mu;
+    Mutex mu;
     std::shared_ptr<RemoteRendezvous> rendezvous ABSL_GUARDED_BY(mu);
     uint64_t token ABSL_GUARDED_BY(mu) = 0;
     bool cancelled ABSL_GUARDED_BY(mu) = false;
@@ -75,7 +75,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
   static void CancelRecv(State& state, uint64_t token) {
     std::shared_ptr<RemoteRendezvous> r;
     {
-      absl::MutexLock lock(&state.mu);
+      MutexLock lock(&state.mu);
       r = state.rendezvous;
     }
     r->CancelLocalRecv(token, absl::CancelledError("RecvTensor cancelled by the caller"));

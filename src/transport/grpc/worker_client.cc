@@ -7,6 +7,7 @@ namespace tensorverbs::grpc_transport {
 
 WorkerClient::WorkerClient(std::string task_name, std::string address)
     : task_name_(std::move(task_name)), address_(std::move(address)) {
+  PinGrpcCallbackQueue();
   channel_ = grpc::CreateCustomChannel(GrpcTarget(address_), grpc::InsecureChannelCredentials(),
                                        ClientChannelArguments());
   stub_ = proto::WorkerService::NewStub(channel_);
@@ -69,7 +70,7 @@ GrpcWorkerCache::GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> a
     : addresses_(std::move(addresses)) {}
 
 absl::StatusOr<WorkerClient*> GrpcWorkerCache::Get(const std::string& task_name) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = clients_.find(task_name);
   if (it != clients_.end()) return it->second.get();
   auto addr = addresses_.find(task_name);
@@ -84,19 +85,19 @@ absl::StatusOr<WorkerClient*> GrpcWorkerCache::Get(const std::string& task_name)
 }
 
 void GrpcWorkerCache::CallStarted() {
-  absl::MutexLock lock(&calls_mu_);
+  MutexLock lock(&calls_mu_);
   ++calls_;
 }
 
 void GrpcWorkerCache::CallDone() {
-  absl::MutexLock lock(&calls_mu_);
+  MutexLock lock(&calls_mu_);
   --calls_;
 }
 
 bool GrpcWorkerCache::WaitForNoCalls(absl::Duration timeout) {
-  absl::MutexLock lock(&calls_mu_);
+  MutexLock lock(&calls_mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_ == 0; };
-  return calls_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  return calls_mu_.AwaitWithTimeout(idle, timeout);
 }
 
 }  // namespace tensorverbs::grpc_transport

@@ -18,7 +18,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "proto/worker.grpc.pb.h"
 
@@ -68,11 +68,11 @@ class GrpcWorkerCache {
   bool WaitForNoCalls(absl::Duration timeout);
 
  private:
-  absl::Mutex calls_mu_;
+  Mutex calls_mu_;
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
 
   const absl::flat_hash_map<std::string, std::string> addresses_;
-  absl::Mutex mu_;
+  Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<WorkerClient>> clients_ ABSL_GUARDED_BY(mu_);
 };
 

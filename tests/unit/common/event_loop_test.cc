@@ -5,7 +5,7 @@
 #include <atomic>
 #include <vector>
 
-#include "absl/synchronization/notification.h"
+#include "src/common/mutex.h"
 
 namespace tensorverbs {
 namespace {
@@ -14,7 +14,7 @@ TEST(EventLoop, RunsTasksInOrderOnItsThread) {
   EventLoop loop("test-loop");
   EXPECT_FALSE(loop.InLoop());
   std::vector<int> order;
-  absl::Notification done;
+  Notification done;
   for (int i = 0; i < 100; ++i) {
     ASSERT_TRUE(loop.DeferToLoop([&, i] {
       EXPECT_TRUE(loop.InLoop());
@@ -29,7 +29,7 @@ TEST(EventLoop, RunsTasksInOrderOnItsThread) {
 
 TEST(EventLoop, TasksMayDeferMoreTasks) {
   EventLoop loop("test-loop");
-  absl::Notification done;
+  Notification done;
   loop.DeferToLoop([&] { loop.DeferToLoop([&] { done.Notify(); }); });
   EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
 }
@@ -37,7 +37,7 @@ TEST(EventLoop, TasksMayDeferMoreTasks) {
 TEST(EventLoop, TimersRunAfterTheirDelayInDeadlineOrder) {
   EventLoop loop("test-loop");
   std::vector<int> order;
-  absl::Notification done;
+  Notification done;
   absl::Time start = absl::Now();
   absl::Time fired;
   loop.RunAfter(absl::Milliseconds(60), [&] {
@@ -57,7 +57,7 @@ TEST(EventLoop, CancelledTimerNeverRuns) {
   uint64_t id = loop.RunAfter(absl::Milliseconds(50), [&] { ran = true; });
   EXPECT_TRUE(loop.Cancel(id));
   EXPECT_FALSE(loop.Cancel(id));
-  absl::Notification done;
+  Notification done;
   loop.RunAfter(absl::Milliseconds(100), [&] { done.Notify(); });
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_FALSE(ran);

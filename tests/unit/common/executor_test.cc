@@ -4,7 +4,7 @@
 
 #include <atomic>
 
-#include "absl/synchronization/blocking_counter.h"
+#include "src/common/mutex.h"
 
 namespace tensorverbs {
 namespace {
@@ -13,14 +13,15 @@ TEST(Executor, RunsEveryTaskOnce) {
   std::atomic<int> sum{0};
   {
     Executor executor("test-exec", 3);
-    absl::BlockingCounter counter(1000);
+    std::atomic<int> left{1000};
+    Notification all_ran;
     for (int i = 1; i <= 1000; ++i) {
       executor.Schedule([&, i] {
         sum += i;
-        counter.DecrementCount();
+        if (--left == 0) all_ran.Notify();
       });
     }
-    counter.Wait();
+    ASSERT_TRUE(all_ran.WaitForNotificationWithTimeout(absl::Seconds(30)));
   }
   EXPECT_EQ(sum, 1000 * 1001 / 2);
 }
