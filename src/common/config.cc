@@ -105,7 +105,8 @@ const std::vector<std::string>& Config::KnownVariables() {
   static const std::vector<std::string> names = {
       "TENSORVERBS_LOG_LEVEL",       "TENSORVERBS_RECV_TIMEOUT_MS",
       "TENSORVERBS_CONNECT_TIMEOUT_MS", "TENSORVERBS_POOL_REGION_MB",
-      "TENSORVERBS_CALLBACK_THREADS",
+      "TENSORVERBS_CALLBACK_THREADS", "TENSORVERBS_MALLOC_TUNING",
+      "TENSORVERBS_MALLOC_TRIM_MB",
   };
   return names;
 }
@@ -123,6 +124,10 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.pool_region_bytes = region_mb << 20;
   ASSIGN_OR_RETURN(int64_t threads, ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 1, 256, 2));
   config.callback_threads = static_cast<int>(threads);
+  ASSIGN_OR_RETURN(int64_t tuning, ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, 1));
+  config.malloc_tuning = tuning == 1;
+  ASSIGN_OR_RETURN(int64_t trim_mb, ParseInt(env, "TENSORVERBS_MALLOC_TRIM_MB", 1, 2047, 1024));
+  config.malloc_trim_bytes = trim_mb << 20;
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {

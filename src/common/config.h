@@ -41,6 +41,14 @@ struct Config {
   // TENSORVERBS_CALLBACK_THREADS: threads that run user `done` callbacks. 1 .. 256, default 2.
   int callback_threads = 2;
 
+  // TENSORVERBS_MALLOC_TUNING: 1 (default) lets Server raise glibc's heap trim threshold so
+  // large transfers do not fault fresh pages each time (see common/malloc_tuning.h); 0 leaves
+  // malloc alone.
+  bool malloc_tuning = true;
+  // TENSORVERBS_MALLOC_TRIM_MB: freed heap kept before glibc returns it to the OS, with the
+  // tuning on. 1 .. 2047, default 1024.
+  int64_t malloc_trim_bytes = int64_t{1024} << 20;
+
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;
 

@@ -7,6 +7,7 @@
 #include "proto/worker.grpc.pb.h"
 #include "src/common/config.h"
 #include "src/common/logging.h"
+#include "src/common/malloc_tuning.h"
 #include "src/common/status_macros.h"
 #include "src/rendezvous/device_name.h"
 #include "src/transport/grpc/grpc_rendezvous.h"
@@ -89,6 +90,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
 
 absl::Status Server::Start() {
   grpc_transport::PinGrpcCallbackQueue();
+  ApplyMallocTuning();
   const Config& config = Config::Get();
   PoolAllocator::Options pool_options;
   pool_options.region_bytes = static_cast<size_t>(config.pool_region_bytes);

@@ -18,6 +18,8 @@ TEST(Config, Defaults) {
   EXPECT_EQ(c->connect_timeout, absl::Seconds(60));
   EXPECT_EQ(c->pool_region_bytes, int64_t{64} << 20);
   EXPECT_EQ(c->callback_threads, 2);
+  EXPECT_TRUE(c->malloc_tuning);
+  EXPECT_EQ(c->malloc_trim_bytes, int64_t{1024} << 20);
   EXPECT_TRUE(c->warnings.empty());
 }
 
@@ -55,6 +57,9 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
   }
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_CALLBACK_THREADS", "0"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_POOL_REGION_MB", "65537"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "2"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TRIM_MB", "4096"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "0"}})->malloc_tuning);
 }
 
 TEST(Config, UnknownVariableIsWarned) {
