@@ -21,8 +21,9 @@ std::string ToolPath() { return TV_TOOL_PATH; }
 
 absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
     const std::string& path, const std::vector<std::string>& args) {
-  int fds[2];
+  int fds[2], in[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError(std::strerror(errno));
+  if (pipe2(in, O_CLOEXEC) != 0) return absl::InternalError(std::strerror(errno));
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(path.c_str()));
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -32,11 +33,13 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     dup2(fds[1], STDOUT_FILENO);
+    dup2(in[0], STDIN_FILENO);
     execv(path.c_str(), argv.data());
     _exit(127);
   }
   close(fds[1]);
-  return std::unique_ptr<Subprocess>(new Subprocess(pid, fds[0]));
+  close(in[0]);
+  return std::unique_ptr<Subprocess>(new Subprocess(pid, fds[0], in[1]));
 }
 
 Subprocess::~Subprocess() {
@@ -45,6 +48,7 @@ Subprocess::~Subprocess() {
     waitpid(pid_, nullptr, 0);
   }
   close(stdout_fd_);
+  close(stdin_fd_);
 }
 
 absl::StatusOr<std::string> Subprocess::ReadLine(absl::Duration timeout) {

@@ -16,7 +16,7 @@ namespace tensorverbs::testing {
 
 class Subprocess {
  public:
-  // Starts `path` with `args`; stdout is captured, stderr is inherited.
+  // Starts `path` with `args`; stdout is captured, stdin is a pipe, stderr is inherited.
   static absl::StatusOr<std::unique_ptr<Subprocess>> Start(const std::string& path,
                                                            const std::vector<std::string>& args);
   ~Subprocess();
@@ -32,11 +32,15 @@ class Subprocess {
   // Exit code (128+signal if killed), or DeadlineExceeded.
   absl::StatusOr<int> Wait(absl::Duration timeout);
   pid_t pid() const { return pid_; }
+  // The write end of the child's stdin.
+  int stdin_fd() const { return stdin_fd_; }
 
  private:
-  Subprocess(pid_t pid, int stdout_fd) : pid_(pid), stdout_fd_(stdout_fd) {}
+  Subprocess(pid_t pid, int stdout_fd, int stdin_fd)
+      : pid_(pid), stdout_fd_(stdout_fd), stdin_fd_(stdin_fd) {}
   pid_t pid_;
   int stdout_fd_;
+  int stdin_fd_;
   bool reaped_ = false;
   std::string buffer_;
 };

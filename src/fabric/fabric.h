@@ -1,0 +1,153 @@
+// The fabric boundary: the RDMA operations the grpc+verbs protocol needs, behind one interface
+// with several backends (loopback, ofi, ibverbs).
+//
+// A Domain is one opened NIC / provider. It registers memory (MemoryRegion), creates endpoints
+// (one per peer), and reports completions through Poll(). An Endpoint is a reliable connection
+// to one peer: PostWrite, PostWriteWithImm and PostRead are one-sided operations on the peer's
+// registered memory, named by a RemoteBuffer whose key is the opaque bytes the peer's
+// MemoryRegion::PackRemoteKey() produced. Nothing above this layer interprets keys or addresses.
+//
+// Threading: a Domain, its endpoints and its regions are used from one thread at a time — the
+// domain's progress thread. Poll() never blocks. Registration may be called from any thread
+// that the owner serializes with the progress thread (the pool allocator's visitor does).
+//
+// Contract: a Post* that returns OK produces exactly one completion (kind kWrite or kRead, with
+// the caller's context) from Poll(), successful or not; a Post* that returns an error produced
+// nothing. Each write with immediate that lands produces exactly one kRemoteWriteImm completion
+// on the target's domain. Ranges are validated before posting (a bad key or range is an
+// InvalidArgument here, never a silent drop on the peer). Sends beyond the queue depth are
+// queued inside the backend. Outstanding operations that do not complete within
+// DomainOptions::op_timeout complete with DeadlineExceeded. Objects may be destroyed in any
+// order; the underlying handles are released when the last user lets go.
+#ifndef TENSORVERBS_FABRIC_FABRIC_H_
+#define TENSORVERBS_FABRIC_FABRIC_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace tensorverbs::fabric {
+
+// Access rights of a registered region (bit mask).
+enum Access : uint32_t {
+  kAccessLocal = 0,
+  kAccessRemoteWrite = 1u << 0,
+  kAccessRemoteRead = 1u << 1,
+};
+
+struct Capabilities {
+  std::string backend;   // "loopback", "ofi", "ibverbs"
+  std::string provider;  // "shm", "tcp;ofi_rxm", "mlx5_0:1", "loopback"
+  uint64_t max_message_size = 0;
+  bool virtual_addressing = true;  // false: the provider addresses regions by offset
+  size_t queue_depth = 0;          // operations in flight per endpoint before queueing
+};
+
+struct DomainOptions {
+  // Backend-specific provider: an ofi provider name ("shm", "tcp;ofi_rxm", "verbs;ofi_rxm");
+  // empty chooses the backend's default.
+  std::string provider;
+  // Operations in flight per endpoint; more are queued inside the backend.
+  size_t queue_depth = 1024;
+  // An operation that has not completed after this long completes with DeadlineExceeded.
+  absl::Duration op_timeout = absl::Seconds(30);
+};
+
+class MemoryRegion {
+ public:
+  virtual ~MemoryRegion() = default;  // deregisters
+  void* base() const { return base_; }
+  size_t length() const { return length_; }
+  // Opaque bytes a peer needs (with an address inside the region) to access it.
+  virtual std::string PackRemoteKey() const = 0;
+  bool Contains(const void* p, size_t len) const {
+    auto b = reinterpret_cast<uintptr_t>(base_), a = reinterpret_cast<uintptr_t>(p);
+    return a >= b && len <= length_ && a - b <= length_ - len;
+  }
+
+ protected:
+  MemoryRegion(void* base, size_t length) : base_(base), length_(length) {}
+
+ private:
+  void* const base_;
+  const size_t length_;
+};
+
+// Local memory of an operation; must lie inside `region` (length 0 is always fine).
+struct LocalBuffer {
+  const MemoryRegion* region = nullptr;
+  void* addr = nullptr;
+  size_t length = 0;
+};
+
+// The peer's memory: `key` from its PackRemoteKey, `addr` its virtual address there.
+struct RemoteBuffer {
+  std::string key;
+  uint64_t addr = 0;
+  uint64_t length = 0;
+};
+
+class Endpoint;
+
+enum class CompletionKind { kWrite, kRead, kRemoteWriteImm };
+
+struct Completion {
+  CompletionKind kind = CompletionKind::kWrite;
+  Endpoint* endpoint = nullptr;  // the local endpoint (the one that posted, or was written to)
+  uint64_t context = 0;          // the poster's context (kWrite, kRead)
+  uint32_t imm = 0;              // kRemoteWriteImm
+  // kRemoteWriteImm: bytes written, where the provider reports it (tcp;ofi_rxm reports 0, as
+  // the libfabric spec allows); the protocol knows the size it expects and must not rely on it.
+  uint64_t byte_len = 0;
+  absl::Status status;
+};
+
+class Endpoint {
+ public:
+  virtual ~Endpoint() = default;
+  // Opaque bytes the peer passes to Connect.
+  virtual std::string LocalAddress() const = 0;
+  virtual absl::Status Connect(absl::string_view peer_address) = 0;
+
+  // Writes local.length bytes to remote.addr (remote.length must be >= local.length).
+  virtual absl::Status PostWrite(const LocalBuffer& local, const RemoteBuffer& remote,
+                                 uint64_t context) = 0;
+  // As PostWrite, then the peer gets a kRemoteWriteImm completion carrying `imm`.
+  virtual absl::Status PostWriteWithImm(const LocalBuffer& local, const RemoteBuffer& remote,
+                                        uint32_t imm, uint64_t context) = 0;
+  // Reads local.length bytes from remote.addr into local.
+  virtual absl::Status PostRead(const LocalBuffer& local, const RemoteBuffer& remote,
+                                uint64_t context) = 0;
+
+  // Operations posted and not yet completed (queued ones included).
+  virtual size_t Outstanding() const = 0;
+};
+
+class Domain {
+ public:
+  virtual ~Domain() = default;
+  virtual const Capabilities& capabilities() const = 0;
+  virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
+                                                                       uint32_t access) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() = 0;
+  // Drives progress and returns up to out.size() completions. Never blocks.
+  virtual absl::StatusOr<size_t> Poll(absl::Span<Completion> out) = 0;
+};
+
+// The backends compiled in: "loopback", "ofi", and "ibverbs" when rdma-core was found.
+std::vector<std::string> BackendNames();
+
+// Opens a domain of `backend`. Unavailable, with the reason, where it cannot run here.
+absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
+                                                   const DomainOptions& options);
+
+}  // namespace tensorverbs::fabric
+
+#endif  // TENSORVERBS_FABRIC_FABRIC_H_

@@ -1,0 +1,543 @@
+#include "src/fabric/ofi/ofi.h"
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <list>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+
+namespace tensorverbs::fabric::ofi {
+namespace {
+
+constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
+// Zero-length receives kept posted per endpoint when the provider consumes one per immediate.
+constexpr int kPostedReceives = 64;
+
+std::string FiError(absl::string_view what, int ret) {
+  return absl::StrCat(what, ": ", fi_strerror(-ret), " (", ret, ")");
+}
+
+// Packed remote key: key, region base, region length, 1 if the provider uses virtual addresses.
+struct PackedKey {
+  uint64_t key = 0;
+  uint64_t base = 0;
+  uint64_t length = 0;
+  uint8_t virtual_addressing = 1;
+  static constexpr size_t kSize = 25;
+
+  std::string Pack() const {
+    std::string out(kSize, '\0');
+    std::memcpy(&out[0], &key, 8);
+    std::memcpy(&out[8], &base, 8);
+    std::memcpy(&out[16], &length, 8);
+    out[24] = static_cast<char>(virtual_addressing);
+    return out;
+  }
+  static absl::StatusOr<PackedKey> Unpack(absl::string_view bytes) {
+    if (bytes.size() != kSize) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ofi: malformed remote key (", bytes.size(), " bytes, expected ", kSize, ")"));
+    }
+    PackedKey k;
+    std::memcpy(&k.key, bytes.data(), 8);
+    std::memcpy(&k.base, bytes.data() + 8, 8);
+    std::memcpy(&k.length, bytes.data() + 16, 8);
+    k.virtual_addressing = static_cast<uint8_t>(bytes[24]);
+    return k;
+  }
+};
+
+class OfiEndpoint;
+
+// The libfabric objects a domain, its regions and its endpoints share; closed when the last
+// of them goes.
+struct Shared {
+  fi_info* info = nullptr;
+  fid_fabric* fabric = nullptr;
+  fid_domain* domain = nullptr;
+  fid_av* av = nullptr;
+  DomainOptions options;
+  std::atomic<uint64_t> next_key{1};
+  std::vector<OfiEndpoint*> endpoints;  // polled by the domain
+
+  bool virtual_addressing() const {
+    // FI_MR_BASIC implies virtual addresses; FI_MR_SCALABLE offsets.
+    const int mode = info->domain_attr->mr_mode;
+    return (mode & (FI_MR_VIRT_ADDR | FI_MR_BASIC)) != 0;
+  }
+
+  ~Shared() {
+    if (av) fi_close(&av->fid);
+    if (domain) fi_close(&domain->fid);
+    if (fabric) fi_close(&fabric->fid);
+    if (info) fi_freeinfo(info);
+  }
+};
+
+class OfiRegion final : public MemoryRegion {
+ public:
+  OfiRegion(std::shared_ptr<Shared> shared, fid_mr* mr, void* base, size_t length)
+      : MemoryRegion(base, length), shared_(std::move(shared)), mr_(mr) {}
+  ~OfiRegion() override { fi_close(&mr_->fid); }
+  std::string PackRemoteKey() const override {
+    PackedKey k;
+    k.key = fi_mr_key(mr_);
+    k.base = reinterpret_cast<uint64_t>(base());
+    k.length = length();
+    k.virtual_addressing = shared_->virtual_addressing() ? 1 : 0;
+    return k.Pack();
+  }
+  void* desc() const { return fi_mr_desc(mr_); }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+  fid_mr* mr_;
+};
+
+// One posted (or queued) operation. fi_context2 first: libfabric may use it as scratch space.
+struct Op {
+  fi_context2 fi_ctx;
+  CompletionKind kind = CompletionKind::kWrite;
+  bool with_imm = false;
+  uint32_t imm = 0;
+  void* buf = nullptr;
+  size_t len = 0;
+  void* desc = nullptr;
+  uint64_t remote_addr = 0;
+  uint64_t remote_key = 0;
+  uint64_t context = 0;
+  absl::Time posted;
+  bool issued = false;     // handed to libfabric
+  bool timed_out = false;  // reported as DeadlineExceeded; libfabric may still return it
+  std::list<Op*>::iterator position;
+};
+
+class OfiEndpoint final : public Endpoint {
+ public:
+  OfiEndpoint(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+
+  absl::Status Init() {
+    int ret = fi_endpoint(shared_->domain, shared_->info, &ep_, nullptr);
+    if (ret) return absl::UnavailableError(FiError("ofi: fi_endpoint", ret));
+    fi_cq_attr cq_attr{};
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.size = std::max<size_t>(shared_->options.queue_depth * 2 + kPostedReceives, 256);
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    ret = fi_cq_open(shared_->domain, &cq_attr, &cq_, nullptr);
+    if (ret) return absl::UnavailableError(FiError("ofi: fi_cq_open", ret));
+    ret = fi_ep_bind(ep_, &shared_->av->fid, 0);
+    if (ret) return absl::UnavailableError(FiError("ofi: fi_ep_bind(av)", ret));
+    ret = fi_ep_bind(ep_, &cq_->fid, FI_TRANSMIT | FI_RECV);
+    if (ret) return absl::UnavailableError(FiError("ofi: fi_ep_bind(cq)", ret));
+    ret = fi_enable(ep_);
+    if (ret) return absl::UnavailableError(FiError("ofi: fi_enable", ret));
+    char name[256];
+    size_t len = sizeof(name);
+    ret = fi_getname(&ep_->fid, name, &len);
+    if (ret) return absl::UnavailableError(FiError("ofi: fi_getname", ret));
+    address_.assign(name, len);
+    if (shared_->info->mode & FI_RX_CQ_DATA) {
+      for (int i = 0; i < kPostedReceives; ++i) RETURN_IF_ERROR(PostReceive());
+    }
+    shared_->endpoints.push_back(this);
+    return absl::OkStatus();
+  }
+
+  ~OfiEndpoint() override {
+    auto& eps = shared_->endpoints;
+    eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
+    if (ep_) fi_close(&ep_->fid);
+    if (cq_) fi_close(&cq_->fid);
+    for (Op* op : ops_) delete op;
+  }
+
+  std::string LocalAddress() const override { return address_; }
+
+  absl::Status Connect(absl::string_view peer_address) override {
+    if (connected_) return absl::FailedPreconditionError("ofi: endpoint is already connected");
+    std::string addr(peer_address);
+    int n = fi_av_insert(shared_->av, addr.data(), 1, &peer_, 0, nullptr);
+    if (n != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ofi: the peer address (", addr.size(), " bytes) was rejected by ",
+                       shared_->info->fabric_attr->prov_name));
+    }
+    connected_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status PostWrite(const LocalBuffer& local, const RemoteBuffer& remote,
+                         uint64_t context) override {
+    return Post(CompletionKind::kWrite, false, 0, local, remote, context);
+  }
+  absl::Status PostWriteWithImm(const LocalBuffer& local, const RemoteBuffer& remote, uint32_t imm,
+                                uint64_t context) override {
+    return Post(CompletionKind::kWrite, true, imm, local, remote, context);
+  }
+  absl::Status PostRead(const LocalBuffer& local, const RemoteBuffer& remote,
+                        uint64_t context) override {
+    return Post(CompletionKind::kRead, false, 0, local, remote, context);
+  }
+
+  size_t Outstanding() const override { return live_ops_; }
+
+  // Reads this endpoint's completions into `out`; returns how many.
+  size_t Progress(absl::Span<Completion> out) {
+    size_t produced = 0;
+    fi_cq_data_entry entries[32];
+    while (produced < out.size()) {
+      const size_t want = std::min<size_t>(32, out.size() - produced);
+      ssize_t n = fi_cq_read(cq_, entries, want);
+      if (n == -FI_EAGAIN) break;
+      if (n == -FI_EAVAIL) {
+        produced += ReadError(out.subspan(produced));
+        continue;
+      }
+      if (n < 0) {
+        LOG(WARNING) << FiError("ofi: fi_cq_read", static_cast<int>(n));
+        break;
+      }
+      for (ssize_t i = 0; i < n; ++i) {
+        const fi_cq_data_entry& e = entries[i];
+        if (e.flags & FI_REMOTE_CQ_DATA) {
+          Completion& c = out[produced++];
+          c = Completion();
+          c.kind = CompletionKind::kRemoteWriteImm;
+          c.endpoint = this;
+          c.imm = static_cast<uint32_t>(e.data);
+          c.byte_len = e.len;
+          if ((e.flags & FI_RECV) && (shared_->info->mode & FI_RX_CQ_DATA)) (void)PostReceive();
+          continue;
+        }
+        if (e.op_context == receive_ctx()) continue;  // a consumed receive without data
+        Op* op = static_cast<Op*>(e.op_context);
+        if (Finish(op, absl::OkStatus(), &out[produced])) ++produced;
+      }
+    }
+    IssueQueued();
+    produced += ExpireOps(out.subspan(produced));
+    return produced;
+  }
+
+ private:
+  absl::Status PostReceive() {
+    int ret = fi_recv(ep_, nullptr, 0, nullptr, FI_ADDR_UNSPEC, receive_ctx());
+    if (ret) return absl::UnavailableError(FiError("ofi: fi_recv", ret));
+    return absl::OkStatus();
+  }
+  void* receive_ctx() { return &receive_ctx_; }
+
+  absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
+                    const RemoteBuffer& remote, uint64_t context) {
+    if (!connected_) return absl::FailedPreconditionError("ofi: endpoint is not connected");
+    if (local.length > 0 &&
+        (local.region == nullptr || !local.region->Contains(local.addr, local.length))) {
+      return absl::InvalidArgumentError("ofi: local buffer is not inside its registered region");
+    }
+    ASSIGN_OR_RETURN(PackedKey key, PackedKey::Unpack(remote.key));
+    if (remote.length < local.length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ofi: ", local.length, " bytes do not fit the remote buffer of ", remote.length));
+    }
+    if (remote.addr < key.base || local.length > key.length ||
+        remote.addr - key.base > key.length - local.length) {
+      return absl::OutOfRangeError(absl::StrCat("ofi: remote range [", remote.addr, ", +",
+                                                local.length, ") is outside the registered region [",
+                                                key.base, ", +", key.length, ")"));
+    }
+    if (local.length > shared_->info->ep_attr->max_msg_size) {
+      return absl::InvalidArgumentError(absl::StrCat("ofi: ", local.length,
+                                                     " bytes exceed the provider's message size"));
+    }
+    auto* op = new Op();
+    op->kind = kind;
+    op->with_imm = with_imm;
+    op->imm = imm;
+    op->buf = local.length > 0 ? local.addr : nullptr;
+    op->len = local.length;
+    // Descriptors are required under FI_MR_LOCAL and harmless otherwise.
+    op->desc = local.length > 0 ? static_cast<const OfiRegion*>(local.region)->desc() : nullptr;
+    op->remote_addr = key.virtual_addressing ? remote.addr : remote.addr - key.base;
+    op->remote_key = key.key;
+    op->context = context;
+    op->posted = absl::Now();
+    ops_.push_back(op);
+    op->position = std::prev(ops_.end());
+    ++live_ops_;
+    if (queued_.empty() && in_flight_ < shared_->options.queue_depth) {
+      int ret = Issue(op);
+      if (ret == 0) return absl::OkStatus();
+      if (ret != -FI_EAGAIN) {
+        Forget(op);
+        return absl::UnavailableError(FiError("ofi: posting the operation", ret));
+      }
+    }
+    queued_.push_back(op);
+    return absl::OkStatus();
+  }
+
+  // Hands `op` to libfabric; 0, -FI_EAGAIN or another error.
+  int Issue(Op* op) {
+    ssize_t ret;
+    if (op->kind == CompletionKind::kRead) {
+      ret = fi_read(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key,
+                    &op->fi_ctx);
+    } else if (op->with_imm) {
+      ret = fi_writedata(ep_, op->buf, op->len, op->desc, op->imm, peer_, op->remote_addr,
+                         op->remote_key, &op->fi_ctx);
+    } else {
+      ret = fi_write(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key,
+                     &op->fi_ctx);
+    }
+    if (ret == 0) {
+      op->issued = true;
+      ++in_flight_;
+    }
+    return static_cast<int>(ret);
+  }
+
+  void IssueQueued() {
+    while (!queued_.empty() && in_flight_ < shared_->options.queue_depth) {
+      Op* op = queued_.front();
+      int ret = Issue(op);
+      if (ret == -FI_EAGAIN) return;
+      queued_.pop_front();
+      if (ret != 0) {
+        // Reported as a failed completion by ExpireOps' sibling path below.
+        failed_.push_back({op, absl::UnavailableError(FiError("ofi: posting a queued operation", ret))});
+      }
+    }
+  }
+
+  // Fills `c` for a finished op unless it was already reported; frees it. Returns whether `c`
+  // was filled.
+  bool Finish(Op* op, absl::Status status, Completion* c) {
+    if (op->issued) --in_flight_;
+    const bool report = !op->timed_out;
+    if (report) {
+      *c = Completion();
+      c->kind = op->kind;
+      c->endpoint = this;
+      c->context = op->context;
+      c->status = std::move(status);
+      --live_ops_;
+    }
+    ops_.erase(op->position);
+    delete op;
+    return report;
+  }
+
+  void Forget(Op* op) {
+    ops_.erase(op->position);
+    --live_ops_;
+    delete op;
+  }
+
+  size_t ReadError(absl::Span<Completion> out) {
+    fi_cq_err_entry err{};
+    ssize_t r = fi_cq_readerr(cq_, &err, 0);
+    if (r < 0) return 0;
+    const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, nullptr, 0);
+    absl::Status status = absl::UnavailableError(
+        absl::StrCat("ofi (", shared_->info->fabric_attr->prov_name, "): operation failed: ",
+                     fi_strerror(err.err), "; provider error ", err.prov_errno, ": ",
+                     detail ? detail : "?"));
+    if (err.op_context == nullptr || err.op_context == receive_ctx()) {
+      LOG(WARNING) << status.message();
+      return 0;
+    }
+    Op* op = static_cast<Op*>(err.op_context);
+    if (out.empty()) {
+      // No room: report it on the next Poll.
+      failed_.push_back({op, status});
+      return 0;
+    }
+    return Finish(op, status, &out[0]) ? 1 : 0;
+  }
+
+  // Reports operations that failed after queueing or outlived op_timeout.
+  size_t ExpireOps(absl::Span<Completion> out) {
+    size_t produced = 0;
+    while (!failed_.empty() && produced < out.size()) {
+      auto [op, status] = failed_.front();
+      failed_.pop_front();
+      if (Finish(op, status, &out[produced])) ++produced;
+    }
+    const absl::Time deadline = absl::Now() - shared_->options.op_timeout;
+    for (auto it = ops_.begin(); it != ops_.end() && produced < out.size();) {
+      Op* op = *it++;
+      if (op->posted > deadline) break;  // ops_ is in posting order
+      if (op->timed_out) continue;
+      Completion& c = out[produced++];
+      c = Completion();
+      c.kind = op->kind;
+      c.endpoint = this;
+      c.context = op->context;
+      c.status = absl::DeadlineExceededError(absl::StrCat(
+          "ofi (", shared_->info->fabric_attr->prov_name, "): operation did not complete within ",
+          absl::FormatDuration(shared_->options.op_timeout), "; the peer may be gone"));
+      --live_ops_;
+      if (!op->issued) {
+        queued_.erase(std::find(queued_.begin(), queued_.end(), op));
+        ops_.erase(op->position);
+        delete op;
+      } else {
+        op->timed_out = true;  // freed when libfabric returns it, or with the endpoint
+      }
+    }
+    return produced;
+  }
+
+  std::shared_ptr<Shared> shared_;
+  fid_ep* ep_ = nullptr;
+  fid_cq* cq_ = nullptr;
+  fi_addr_t peer_ = FI_ADDR_UNSPEC;
+  bool connected_ = false;
+  std::string address_;
+  fi_context2 receive_ctx_{};
+  std::list<Op*> ops_;          // every op not yet freed, in posting order
+  std::deque<Op*> queued_;      // not yet handed to libfabric
+  std::deque<std::pair<Op*, absl::Status>> failed_;
+  size_t in_flight_ = 0;
+  size_t live_ops_ = 0;         // posted and not yet reported
+};
+
+class OfiDomain final : public Domain {
+ public:
+  explicit OfiDomain(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {
+    caps_.backend = "ofi";
+    caps_.provider = shared_->info->fabric_attr->prov_name;
+    caps_.max_message_size = shared_->info->ep_attr->max_msg_size;
+    caps_.virtual_addressing = shared_->virtual_addressing();
+    caps_.queue_depth = shared_->options.queue_depth;
+  }
+
+  const Capabilities& capabilities() const override { return caps_; }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
+                                                               uint32_t access) override {
+    if (addr == nullptr || length == 0) {
+      return absl::InvalidArgumentError("ofi: cannot register an empty range");
+    }
+    uint64_t fi_access = FI_READ | FI_WRITE;
+    if (access & kAccessRemoteWrite) fi_access |= FI_REMOTE_WRITE;
+    if (access & kAccessRemoteRead) fi_access |= FI_REMOTE_READ;
+    // Application-chosen keys must be unique per domain; ignored under FI_MR_PROV_KEY.
+    const uint64_t requested_key = shared_->next_key.fetch_add(1);
+    fid_mr* mr = nullptr;
+    int ret = fi_mr_reg(shared_->domain, addr, length, fi_access, 0, requested_key, 0, &mr, nullptr);
+    if (ret) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          FiError("ofi: fi_mr_reg", ret), " registering ", length,
+          " bytes; check the memlock limit (ulimit -l)"));
+    }
+    return std::unique_ptr<MemoryRegion>(new OfiRegion(shared_, mr, addr, length));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    auto ep = std::make_unique<OfiEndpoint>(shared_);
+    RETURN_IF_ERROR(ep->Init());
+    return std::unique_ptr<Endpoint>(std::move(ep));
+  }
+
+  absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
+    size_t produced = 0;
+    const size_t n = shared_->endpoints.size();
+    for (size_t i = 0; i < n && produced < out.size(); ++i) {
+      OfiEndpoint* ep = shared_->endpoints[(next_ + i) % n];
+      produced += ep->Progress(out.subspan(produced));
+    }
+    if (n > 0) next_ = (next_ + 1) % n;
+    return produced;
+  }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+  Capabilities caps_;
+  size_t next_ = 0;
+};
+
+fi_info* MakeHints(const std::string& provider) {
+  fi_info* hints = fi_allocinfo();
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps = FI_RMA | FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_MSG;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->domain_attr->cq_data_size = 4;
+  if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());
+  return hints;
+}
+
+absl::StatusOr<std::shared_ptr<Shared>> OpenProvider(const DomainOptions& options,
+                                                     const std::string& provider) {
+  fi_info* hints = MakeHints(provider);
+  fi_info* info = nullptr;
+  int ret = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info);
+  fi_freeinfo(hints);
+  if (ret || info == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "ofi: provider '", provider, "' offers no RDM endpoint with RMA and remote CQ data here (",
+        fi_strerror(-ret), "); `fi_info` lists the providers"));
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->options = options;
+  shared->info = fi_dupinfo(info);
+  fi_freeinfo(info);
+  ret = fi_fabric(shared->info->fabric_attr, &shared->fabric, nullptr);
+  if (ret) return absl::UnavailableError(FiError("ofi: fi_fabric", ret));
+  ret = fi_domain(shared->fabric, shared->info, &shared->domain, nullptr);
+  if (ret) return absl::UnavailableError(FiError("ofi: fi_domain", ret));
+  fi_av_attr av_attr{};
+  av_attr.type = FI_AV_TABLE;
+  ret = fi_av_open(shared->domain, &av_attr, &shared->av, nullptr);
+  if (ret) return absl::UnavailableError(FiError("ofi: fi_av_open", ret));
+  return shared;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options) {
+  std::vector<std::string> candidates;
+  if (!options.provider.empty()) {
+    candidates.push_back(options.provider);
+  } else {
+    candidates = {"verbs;ofi_rxm", "efa", "cxi", "psm3", "tcp;ofi_rxm"};
+  }
+  absl::Status last;
+  for (const std::string& p : candidates) {
+    absl::StatusOr<std::shared_ptr<Shared>> shared = OpenProvider(options, p);
+    if (shared.ok()) return std::unique_ptr<Domain>(new OfiDomain(*std::move(shared)));
+    last = shared.status();
+  }
+  return last;
+}
+
+std::vector<std::string> ListUsableProviders() {
+  std::vector<std::string> out;
+  fi_info* hints = MakeHints("");
+  fi_info* info = nullptr;
+  if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info) == 0) {
+    for (fi_info* i = info; i != nullptr; i = i->next) {
+      std::string line = absl::StrCat(i->fabric_attr->prov_name, " (fabric ", i->fabric_attr->name, ")");
+      if (std::find(out.begin(), out.end(), line) == out.end()) out.push_back(line);
+    }
+    fi_freeinfo(info);
+  }
+  fi_freeinfo(hints);
+  return out;
+}
+
+}  // namespace tensorverbs::fabric::ofi

@@ -1,0 +1,36 @@
+// The libfabric backend: FI_EP_RDM endpoints on any provider that offers RMA with remote CQ
+// data (shm, tcp;ofi_rxm here; verbs;ofi_rxm, efa, cxi, psm3 on real NICs).
+//
+// Provider differences are absorbed here: virtual vs offset addressing (the packed key carries
+// the region base), provider vs application keys, FI_MR_LOCAL descriptors, FI_RX_CQ_DATA
+// (receives kept posted), manual progress (Poll drives it), and send queue limits (posts beyond
+// the queue depth or refused with -FI_EAGAIN are queued and retried). Each endpoint has its own
+// completion queue, so an incoming immediate is attributed to its endpoint without FI_SOURCE
+// (which tcp;ofi_rxm lacks). Because these providers do not report a dead peer or a write to a
+// bad key, ranges are validated before posting and every operation is bounded by
+// DomainOptions::op_timeout.
+//
+// Threading: as every Domain (see fabric.h).
+#ifndef TENSORVERBS_FABRIC_OFI_OFI_H_
+#define TENSORVERBS_FABRIC_OFI_OFI_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "src/fabric/fabric.h"
+
+namespace tensorverbs::fabric::ofi {
+
+// Opens `options.provider` ("shm", "tcp;ofi_rxm", ...). An empty provider picks the first
+// hardware provider found, else tcp;ofi_rxm. Unavailable, with fi_getinfo's reason, when the
+// provider cannot be used here.
+absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options);
+
+// Providers that offer RDM endpoints with RMA and remote CQ data on this host, as
+// "name (fabric)" lines, for `tensorverbs info`.
+std::vector<std::string> ListUsableProviders();
+
+}  // namespace tensorverbs::fabric::ofi
+
+#endif  // TENSORVERBS_FABRIC_OFI_OFI_H_

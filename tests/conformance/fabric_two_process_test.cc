@@ -1,0 +1,102 @@
+// The fabric between two real processes, over shm and tcp;ofi_rxm: data and immediates arrive,
+// and a killed peer shows up as errors within a bounded time, never a hang.
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "src/common/checksum.h"
+#include "src/fabric/fabric.h"
+#include "tests/support/subprocess.h"
+
+namespace tensorverbs::fabric {
+namespace {
+
+using testing::Subprocess;
+
+class FabricTwoProcessTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime) {
+  DomainOptions options;
+  options.provider = GetParam();
+  options.op_timeout = absl::Seconds(3);
+  absl::StatusOr<std::unique_ptr<Domain>> domain = OpenDomain("ofi", options);
+  if (absl::IsUnavailable(domain.status())) GTEST_SKIP() << domain.status();
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto ep = *(*domain)->CreateEndpoint();
+
+  constexpr size_t kSize = 1 << 20;
+  auto peer = Subprocess::Start(TV_FABRIC_PEER_PATH,
+                                {"--backend", "ofi", "--provider", GetParam(), "--check",
+                                 absl::StrCat(kSize)});
+  ASSERT_TRUE(peer.ok());
+  absl::StatusOr<std::string> hello = (*peer)->WaitForLine("address ", absl::Seconds(30));
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  std::vector<std::string> f = absl::StrSplit(*hello, ' ');
+  ASSERT_EQ(f.size(), 6u) << *hello;
+  ASSERT_TRUE(ep->Connect(absl::HexStringToBytes(f[1])).ok());
+  RemoteBuffer remote{absl::HexStringToBytes(f[3]), 0, kSize};
+  ASSERT_TRUE(absl::SimpleAtoi(f[5], &remote.addr));
+  // Tell the peer our address so it can connect back.
+  std::string mine = absl::BytesToHexString(ep->LocalAddress()) + "\n";
+  ASSERT_EQ(write((*peer)->stdin_fd(), mine.data(), mine.size()), static_cast<ssize_t>(mine.size()));
+
+  void* src = mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  for (size_t i = 0; i < kSize; ++i) static_cast<char*>(src)[i] = static_cast<char>(i * 13 + 1);
+  auto mr = *(*domain)->RegisterMemory(src, kSize, kAccessLocal);
+
+  auto poll_one = [&](absl::Duration timeout) -> absl::StatusOr<Completion> {
+    absl::Time deadline = absl::Now() + timeout;
+    Completion c[4];
+    while (absl::Now() < deadline) {
+      absl::StatusOr<size_t> n = (*domain)->Poll(absl::MakeSpan(c));
+      if (!n.ok()) return n.status();
+      if (*n > 0) return c[0];
+    }
+    return absl::DeadlineExceededError("no completion");
+  };
+
+  ASSERT_TRUE(ep->PostWriteWithImm({mr.get(), src, kSize}, remote, 4242, 1).ok());
+  absl::StatusOr<Completion> local = poll_one(absl::Seconds(20));
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_TRUE(local->status.ok()) << local->status;
+  absl::StatusOr<std::string> got = (*peer)->WaitForLine("imm ", absl::Seconds(20));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, absl::StrCat("imm 4242 crc ", Crc32c(src, kSize)));
+
+  (*peer)->Signal(SIGKILL);
+  ASSERT_TRUE((*peer)->Wait(absl::Seconds(10)).ok());
+  absl::Time start = absl::Now();
+  absl::Status last;
+  for (int i = 0; i < 3 && last.ok(); ++i) {
+    absl::Status posted = ep->PostWriteWithImm({mr.get(), src, kSize}, remote, i, 10 + i);
+    if (!posted.ok()) {
+      last = posted;
+      break;
+    }
+    absl::StatusOr<Completion> c = poll_one(absl::Seconds(20));
+    ASSERT_TRUE(c.ok()) << "write " << i << " to the killed peer never completed";
+    last = c->status;
+  }
+  EXPECT_FALSE(last.ok()) << "writes to a killed peer all looked successful";
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+  munmap(src, kSize);
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, FabricTwoProcessTest,
+                         ::testing::Values("shm", "tcp;ofi_rxm"),
+                         [](const auto& info) {
+                           return std::string(info.param == "shm" ? "shm" : "tcp");
+                         });
+
+}  // namespace
+}  // namespace tensorverbs::fabric
