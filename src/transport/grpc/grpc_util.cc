@@ -61,6 +61,4 @@ void PinGrpcCallbackQueue() {
   }();
 }
 
-std::string GrpcTarget(absl::string_view address) { return std::string(address); }
-
 }  // namespace tensorverbs::grpc_transport

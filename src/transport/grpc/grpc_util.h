@@ -22,9 +22,6 @@ void ConfigureServerBuilder(grpc::ServerBuilder* builder);
 // before creating any server or channel; idempotent and thread-safe. See grpc_util.cc.
 void PinGrpcCallbackQueue();
 
-// "host:port" -> the string gRPC dials ("dns:///..." is implied).
-std::string GrpcTarget(absl::string_view address);
-
 }  // namespace tensorverbs::grpc_transport
 
 #endif  // TENSORVERBS_TRANSPORT_GRPC_GRPC_UTIL_H_

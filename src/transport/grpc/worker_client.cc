@@ -8,7 +8,7 @@ namespace tensorverbs::grpc_transport {
 WorkerClient::WorkerClient(std::string task_name, std::string address)
     : task_name_(std::move(task_name)), address_(std::move(address)) {
   PinGrpcCallbackQueue();
-  channel_ = grpc::CreateCustomChannel(GrpcTarget(address_), grpc::InsecureChannelCredentials(),
+  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(),
                                        ClientChannelArguments());
   stub_ = proto::WorkerService::NewStub(channel_);
   generic_stub_ = std::make_unique<grpc::GenericStub>(channel_);
