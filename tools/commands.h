@@ -37,6 +37,10 @@ struct DemoTaskOptions {
 };
 int RunDemoTask(const DemoTaskOptions& options);
 
+// Prints the fabric backends and libfabric providers usable here, the memlock limit and the
+// configuration in effect.
+int RunInfoCommand();
+
 }  // namespace tensorverbs::tools
 
 #endif  // TENSORVERBS_TOOLS_COMMANDS_H_

@@ -35,6 +35,9 @@ int main(int argc, char** argv) {
   demo_cmd->add_option("--workers", demo.workers, "Worker tasks")->default_val(2);
   demo_cmd->add_option("--learning-rate", demo.learning_rate, "SGD learning rate")->default_val(0.2);
 
+  CLI::App* info_cmd = app.add_subcommand(
+      "info", "Show the fabric backends and providers usable here and the configuration");
+
   DemoTaskOptions task;
   CLI::App* task_cmd = app.add_subcommand("demo-task", "One task of the demo (started by demo)");
   task_cmd->group("");  // internal
@@ -55,5 +58,6 @@ int main(int argc, char** argv) {
   if (server_cmd->parsed()) return RunServerCommand(server);
   if (demo_cmd->parsed()) return RunDemoCommand(demo);
   if (task_cmd->parsed()) return RunDemoTask(task);
+  if (info_cmd->parsed()) return RunInfoCommand();
   return 2;
 }

@@ -48,6 +48,20 @@ TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
   EXPECT_EQ(*rc, 2);
 }
 
+TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
+  auto p = Subprocess::Start(testing::ToolPath(), {"info"});
+  ASSERT_TRUE(p.ok());
+  std::string out = (*p)->ReadAll(absl::Seconds(60));
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
+  ASSERT_TRUE(rc.ok());
+  EXPECT_EQ(*rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("loopback  usable"));
+  EXPECT_THAT(out, HasSubstr("ofi       "));
+  EXPECT_THAT(out, HasSubstr("shm (shm)")) << "libfabric's shm provider is installed here";
+  EXPECT_THAT(out, HasSubstr("memlock limit"));
+  EXPECT_THAT(out, HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
+}
+
 TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
   absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(1);
   ASSERT_TRUE(ports.ok());

@@ -14,6 +14,7 @@
 #include <list>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
@@ -526,17 +527,25 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& optio
 }
 
 std::vector<std::string> ListUsableProviders() {
-  std::vector<std::string> out;
+  std::vector<std::pair<std::string, std::vector<std::string>>> found;  // provider -> fabrics
   fi_info* hints = MakeHints("");
   fi_info* info = nullptr;
   if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info) == 0) {
     for (fi_info* i = info; i != nullptr; i = i->next) {
-      std::string line = absl::StrCat(i->fabric_attr->prov_name, " (fabric ", i->fabric_attr->name, ")");
-      if (std::find(out.begin(), out.end(), line) == out.end()) out.push_back(line);
+      std::string prov = i->fabric_attr->prov_name, fabric = i->fabric_attr->name;
+      auto it = std::find_if(found.begin(), found.end(), [&](const auto& p) { return p.first == prov; });
+      if (it == found.end()) it = found.insert(found.end(), {prov, {}});
+      if (std::find(it->second.begin(), it->second.end(), fabric) == it->second.end()) {
+        it->second.push_back(fabric);
+      }
     }
     fi_freeinfo(info);
   }
   fi_freeinfo(hints);
+  std::vector<std::string> out;
+  for (const auto& [prov, fabrics] : found) {
+    out.push_back(absl::StrCat(prov, " (", absl::StrJoin(fabrics, ", "), ")"));
+  }
   return out;
 }
 

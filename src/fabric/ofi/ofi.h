@@ -27,8 +27,8 @@ namespace tensorverbs::fabric::ofi {
 // provider cannot be used here.
 absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options);
 
-// Providers that offer RDM endpoints with RMA and remote CQ data on this host, as
-// "name (fabric)" lines, for `tensorverbs info`.
+// Providers that offer RDM endpoints with RMA and remote CQ data on this host, one line each:
+// "name (fabric, fabric, ...)", for `tensorverbs info`.
 std::vector<std::string> ListUsableProviders();
 
 }  // namespace tensorverbs::fabric::ofi
