@@ -61,6 +61,8 @@ int RunInfoCommand() {
               static_cast<long long>(config.pool_region_bytes >> 20));
   std::printf("  TENSORVERBS_CALLBACK_THREADS    %d\n", config.callback_threads);
   std::printf("  TENSORVERBS_MALLOC_TUNING       %d\n", config.malloc_tuning ? 1 : 0);
+  std::printf("  TENSORVERBS_OFI_PROVIDER        %s\n",
+              config.ofi_provider.empty() ? "(auto)" : config.ofi_provider.c_str());
   for (const std::string& w : config.warnings) std::printf("  warning: %s\n", w.c_str());
   return 0;
 }

@@ -106,7 +106,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_LOG_LEVEL",       "TENSORVERBS_RECV_TIMEOUT_MS",
       "TENSORVERBS_CONNECT_TIMEOUT_MS", "TENSORVERBS_POOL_REGION_MB",
       "TENSORVERBS_CALLBACK_THREADS", "TENSORVERBS_MALLOC_TUNING",
-      "TENSORVERBS_MALLOC_TRIM_MB",
+      "TENSORVERBS_MALLOC_TRIM_MB", "TENSORVERBS_OFI_PROVIDER",
   };
   return names;
 }
@@ -128,6 +128,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.malloc_tuning = tuning == 1;
   ASSIGN_OR_RETURN(int64_t trim_mb, ParseInt(env, "TENSORVERBS_MALLOC_TRIM_MB", 1, 2047, 1024));
   config.malloc_trim_bytes = trim_mb << 20;
+  if (auto it = env.find("TENSORVERBS_OFI_PROVIDER"); it != env.end()) {
+    config.ofi_provider = std::string(absl::StripAsciiWhitespace(it->second));
+  }
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {

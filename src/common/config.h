@@ -49,6 +49,11 @@ struct Config {
   // tuning on. 1 .. 2047, default 1024.
   int64_t malloc_trim_bytes = int64_t{1024} << 20;
 
+  // TENSORVERBS_OFI_PROVIDER: the libfabric provider the ofi backend opens when the caller names
+  // none ("shm", "tcp;ofi_rxm", "verbs;ofi_rxm", ...); empty: the first hardware provider found,
+  // else tcp;ofi_rxm.
+  std::string ofi_provider;
+
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;
 

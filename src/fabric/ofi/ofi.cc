@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "src/common/config.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 
@@ -512,8 +513,11 @@ absl::StatusOr<std::shared_ptr<Shared>> OpenProvider(const DomainOptions& option
 
 absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options) {
   std::vector<std::string> candidates;
+  const std::string& configured = Config::Get().ofi_provider;
   if (!options.provider.empty()) {
     candidates.push_back(options.provider);
+  } else if (!configured.empty()) {
+    candidates.push_back(configured);
   } else {
     candidates = {"verbs;ofi_rxm", "efa", "cxi", "psm3", "tcp;ofi_rxm"};
   }

@@ -22,8 +22,8 @@
 
 namespace tensorverbs::fabric::ofi {
 
-// Opens `options.provider` ("shm", "tcp;ofi_rxm", ...). An empty provider picks the first
-// hardware provider found, else tcp;ofi_rxm. Unavailable, with fi_getinfo's reason, when the
+// Opens `options.provider` ("shm", "tcp;ofi_rxm", ...); if empty, TENSORVERBS_OFI_PROVIDER; if
+// that is empty too, the first hardware provider found, else tcp;ofi_rxm. Unavailable, with fi_getinfo's reason, when the
 // provider cannot be used here.
 absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options);
 

@@ -34,6 +34,7 @@ TEST(Config, ParsesValues) {
   EXPECT_EQ(c->recv_timeout, absl::Milliseconds(1500));
   EXPECT_EQ(c->pool_region_bytes, int64_t{8} << 20);
   EXPECT_EQ(c->callback_threads, 4);
+  EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_OFI_PROVIDER", " shm "}})->ofi_provider, "shm");
 }
 
 TEST(Config, LogLevels) {
