@@ -37,6 +37,19 @@ struct DemoTaskOptions {
 };
 int RunDemoTask(const DemoTaskOptions& options);
 
+struct BenchFabricOptions {
+  std::string backend = "ofi";
+  std::string providers = "shm,tcp;ofi_rxm";  // comma-separated
+  std::string sizes = "4B,64B,1KiB,4KiB,64KiB,1MiB,16MiB,64MiB,256MiB";
+  int iters = 0;  // 0: chosen per size
+  int window = 16;
+  bool compare = true;  // also run fi_pingpong
+  std::string json;
+  std::string max_size;  // peer only
+};
+int RunBenchFabric(const BenchFabricOptions& options);
+int RunBenchFabricPeer(const BenchFabricOptions& options);
+
 // Prints the fabric backends and libfabric providers usable here, the memlock limit and the
 // configuration in effect.
 int RunInfoCommand();

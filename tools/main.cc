@@ -38,6 +38,30 @@ int main(int argc, char** argv) {
   CLI::App* info_cmd = app.add_subcommand(
       "info", "Show the fabric backends and providers usable here and the configuration");
 
+  BenchFabricOptions bench;
+  CLI::App* bench_cmd = app.add_subcommand("bench", "Benchmarks");
+  bench_cmd->require_subcommand(1);
+  CLI::App* bench_fabric = bench_cmd->add_subcommand(
+      "fabric", "Write-with-immediate bandwidth and latency per size between two processes");
+  bench_fabric->add_option("--backend", bench.backend, "Fabric backend (ofi, loopback)")
+      ->default_val("ofi");
+  bench_fabric->add_option("--providers", bench.providers,
+                           "Comma-separated libfabric providers")->default_val("shm,tcp;ofi_rxm");
+  bench_fabric->add_option("--sizes", bench.sizes, "Comma-separated sizes: 4B,4KiB,1MiB,...")
+      ->default_val("4B,64B,1KiB,4KiB,64KiB,1MiB,16MiB,64MiB,256MiB");
+  bench_fabric->add_option("--iters", bench.iters, "Iterations per size (default: by size)");
+  bench_fabric->add_option("--window", bench.window, "Writes in flight for bandwidth")
+      ->default_val(16);
+  bench_fabric->add_flag("!--no-compare", bench.compare, "Do not run fi_pingpong");
+  bench_fabric->add_option("--json", bench.json, "Write JSON rows to this file");
+
+  BenchFabricOptions peer;
+  CLI::App* peer_cmd = app.add_subcommand("bench-fabric-peer", "Target side of bench fabric");
+  peer_cmd->group("");
+  peer_cmd->add_option("--backend", peer.backend)->required();
+  peer_cmd->add_option("--providers", peer.providers)->required();
+  peer_cmd->add_option("--max-size", peer.max_size)->required();
+
   DemoTaskOptions task;
   CLI::App* task_cmd = app.add_subcommand("demo-task", "One task of the demo (started by demo)");
   task_cmd->group("");  // internal
@@ -59,5 +83,7 @@ int main(int argc, char** argv) {
   if (demo_cmd->parsed()) return RunDemoCommand(demo);
   if (task_cmd->parsed()) return RunDemoTask(task);
   if (info_cmd->parsed()) return RunInfoCommand();
+  if (bench_fabric->parsed()) return RunBenchFabric(bench);
+  if (peer_cmd->parsed()) return RunBenchFabricPeer(peer);
   return 2;
 }

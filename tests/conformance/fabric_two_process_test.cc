@@ -49,8 +49,7 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   RemoteBuffer remote{absl::HexStringToBytes(f[3]), 0, kSize};
   ASSERT_TRUE(absl::SimpleAtoi(f[5], &remote.addr));
   // Tell the peer our address so it can connect back.
-  std::string mine = absl::BytesToHexString(ep->LocalAddress()) + "\n";
-  ASSERT_EQ(write((*peer)->stdin_fd(), mine.data(), mine.size()), static_cast<ssize_t>(mine.size()));
+  ASSERT_TRUE(tools::WriteLine(**peer, absl::BytesToHexString(ep->LocalAddress())));
 
   void* src = mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   for (size_t i = 0; i < kSize; ++i) static_cast<char*>(src)[i] = static_cast<char>(i * 13 + 1);

@@ -2,6 +2,8 @@
 // start-up, bad input and clean shutdown on SIGTERM.
 #include <signal.h>
 
+#include <fstream>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -60,6 +62,27 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
   EXPECT_THAT(out, HasSubstr("shm (shm)")) << "libfabric's shm provider is installed here";
   EXPECT_THAT(out, HasSubstr("memlock limit"));
   EXPECT_THAT(out, HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
+}
+
+TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
+  const std::string json = ::testing::TempDir() + "/bench_fabric.json";
+  auto p = Subprocess::Start(testing::ToolPath(),
+                             {"bench", "fabric", "--sizes", "4B,64KiB", "--iters", "50",
+                              "--providers", "shm,tcp;ofi_rxm", "--json", json});
+  ASSERT_TRUE(p.ok());
+  std::string out = (*p)->ReadAll(absl::Seconds(240));
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
+  ASSERT_TRUE(rc.ok());
+  EXPECT_EQ(*rc, 0) << out;
+  EXPECT_THAT(out, HasSubstr("provider shm, 2 processes"));
+  EXPECT_THAT(out, HasSubstr("provider tcp;ofi_rxm, 2 processes"));
+  std::ifstream in(json);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // Two providers x two sizes, each with a measured bandwidth.
+  size_t rows = 0;
+  for (size_t pos = 0; (pos = text.find("\"bandwidth_gbps\"", pos)) != std::string::npos; ++pos) ++rows;
+  EXPECT_EQ(rows, 4u) << text;
+  EXPECT_THAT(text, HasSubstr("\"size_bytes\": 65536"));
 }
 
 TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {

@@ -11,7 +11,7 @@
 #include <atomic>
 #include <cstring>
 #include <deque>
-#include <list>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -123,7 +123,43 @@ struct Op {
   absl::Time posted;
   bool issued = false;     // handed to libfabric
   bool timed_out = false;  // reported as DeadlineExceeded; libfabric may still return it
-  std::list<Op*>::iterator position;
+  Op* prev = nullptr;      // the endpoint's list of live ops, in posting order
+  Op* next = nullptr;
+};
+
+// Live ops in posting order, intrusive so posting allocates nothing in steady state; freed ops
+// are kept for reuse.
+class OpList {
+ public:
+  ~OpList() {
+    for (Op* op = head_; op != nullptr;) delete std::exchange(op, op->next);
+    for (Op* op : free_) delete op;
+  }
+  Op* Acquire() {
+    Op* op;
+    if (free_.empty()) {
+      op = new Op();
+    } else {
+      op = free_.back();
+      free_.pop_back();
+      *op = Op();
+    }
+    op->prev = tail_;
+    (tail_ ? tail_->next : head_) = op;
+    tail_ = op;
+    return op;
+  }
+  void Release(Op* op) {
+    (op->prev ? op->prev->next : head_) = op->next;
+    (op->next ? op->next->prev : tail_) = op->prev;
+    free_.push_back(op);
+  }
+  Op* head() const { return head_; }
+
+ private:
+  Op* head_ = nullptr;
+  Op* tail_ = nullptr;
+  std::vector<Op*> free_;
 };
 
 class OfiEndpoint final : public Endpoint {
@@ -162,7 +198,6 @@ class OfiEndpoint final : public Endpoint {
     eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
     if (ep_) fi_close(&ep_->fid);
     if (cq_) fi_close(&cq_->fid);
-    for (Op* op : ops_) delete op;
   }
 
   std::string LocalAddress() const override { return address_; }
@@ -263,7 +298,7 @@ class OfiEndpoint final : public Endpoint {
       return absl::InvalidArgumentError(absl::StrCat("ofi: ", local.length,
                                                      " bytes exceed the provider's message size"));
     }
-    auto* op = new Op();
+    Op* op = ops_.Acquire();
     op->kind = kind;
     op->with_imm = with_imm;
     op->imm = imm;
@@ -275,8 +310,6 @@ class OfiEndpoint final : public Endpoint {
     op->remote_key = key.key;
     op->context = context;
     op->posted = absl::Now();
-    ops_.push_back(op);
-    op->position = std::prev(ops_.end());
     ++live_ops_;
     if (queued_.empty() && in_flight_ < shared_->options.queue_depth) {
       int ret = Issue(op);
@@ -336,15 +369,13 @@ class OfiEndpoint final : public Endpoint {
       c->status = std::move(status);
       --live_ops_;
     }
-    ops_.erase(op->position);
-    delete op;
+    ops_.Release(op);
     return report;
   }
 
   void Forget(Op* op) {
-    ops_.erase(op->position);
+    ops_.Release(op);
     --live_ops_;
-    delete op;
   }
 
   size_t ReadError(absl::Span<Completion> out) {
@@ -377,9 +408,10 @@ class OfiEndpoint final : public Endpoint {
       failed_.pop_front();
       if (Finish(op, status, &out[produced])) ++produced;
     }
+    if (ops_.head() == nullptr) return produced;
     const absl::Time deadline = absl::Now() - shared_->options.op_timeout;
-    for (auto it = ops_.begin(); it != ops_.end() && produced < out.size();) {
-      Op* op = *it++;
+    for (Op* next = ops_.head(); next != nullptr && produced < out.size();) {
+      Op* op = std::exchange(next, next->next);
       if (op->posted > deadline) break;  // ops_ is in posting order
       if (op->timed_out) continue;
       Completion& c = out[produced++];
@@ -393,8 +425,7 @@ class OfiEndpoint final : public Endpoint {
       --live_ops_;
       if (!op->issued) {
         queued_.erase(std::find(queued_.begin(), queued_.end(), op));
-        ops_.erase(op->position);
-        delete op;
+        ops_.Release(op);
       } else {
         op->timed_out = true;  // freed when libfabric returns it, or with the endpoint
       }
@@ -409,7 +440,7 @@ class OfiEndpoint final : public Endpoint {
   bool connected_ = false;
   std::string address_;
   fi_context2 receive_ctx_{};
-  std::list<Op*> ops_;          // every op not yet freed, in posting order
+  OpList ops_;                  // every op not yet freed, in posting order
   std::deque<Op*> queued_;      // not yet handed to libfabric
   std::deque<std::pair<Op*, absl::Status>> failed_;
   size_t in_flight_ = 0;

@@ -1,4 +1,4 @@
-#include "tests/support/subprocess.h"
+#include "tools/subprocess.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -14,10 +14,19 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
-namespace tensorverbs::testing {
+namespace tensorverbs::tools {
 
-std::string TestPeerPath() { return TV_TEST_PEER_PATH; }
-std::string ToolPath() { return TV_TOOL_PATH; }
+bool WriteLine(Subprocess& child, const std::string& line) {
+  std::string data = line + "\n";
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = write(child.stdin_fd(), data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
+}
 
 absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
     const std::string& path, const std::vector<std::string>& args) {
@@ -115,4 +124,4 @@ absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
   }
 }
 
-}  // namespace tensorverbs::testing
+}  // namespace tensorverbs::tools
