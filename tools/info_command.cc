@@ -6,7 +6,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
+#include "absl/strings/str_split.h"
 #include "src/fabric/fabric.h"
+#include "src/fabric/ibverbs/inventory.h"
 #include "src/fabric/ofi/ofi.h"
 #include "src/server/server.h"
 #include "tools/commands.h"
@@ -36,7 +38,28 @@ int RunInfoCommand() {
       std::printf("  %-9s not usable: %s\n", backend.c_str(), std::string(d.status().message()).c_str());
     }
   }
-  std::printf("  %-9s not in this build yet (rdma-core backend to come)\n", "ibverbs");
+
+  // The ibverbs data path is not in this build yet; what it would use is shown already.
+  std::printf("\nRDMA devices (ibverbs, configured by the RDMA_* variables):\n");
+  absl::StatusOr<fabric::ibverbs::Inventory> inventory = fabric::ibverbs::ReadInventory();
+  if (!inventory.ok()) {
+    std::printf("  none usable: %s\n", std::string(inventory.status().message()).c_str());
+  } else {
+    std::string described = fabric::ibverbs::DescribeInventory(*inventory);
+    for (absl::string_view line : absl::StrSplit(described, "; ", absl::SkipEmpty())) {
+      std::printf("  %s\n", std::string(line).c_str());
+    }
+    absl::StatusOr<fabric::ibverbs::Selection> chosen =
+        fabric::ibverbs::SelectDevice(*inventory, Config::Get().rdma);
+    if (chosen.ok()) {
+      std::printf("  would use %s port %d, GID %d (%s), MTU %d: %s\n", chosen->device.c_str(),
+                  chosen->port, chosen->gid_index,
+                  fabric::ibverbs::GidToString(chosen->gid).c_str(), chosen->mtu,
+                  chosen->reason.c_str());
+    } else {
+      std::printf("  cannot choose: %s\n", std::string(chosen.status().message()).c_str());
+    }
+  }
 
   std::printf("\nlibfabric providers with RDM endpoints, RMA and remote CQ data:\n");
   std::vector<std::string> providers = fabric::ofi::ListUsableProviders();
@@ -63,6 +86,15 @@ int RunInfoCommand() {
   std::printf("  TENSORVERBS_MALLOC_TUNING       %d\n", config.malloc_tuning ? 1 : 0);
   std::printf("  TENSORVERBS_OFI_PROVIDER        %s\n",
               config.ofi_provider.empty() ? "(auto)" : config.ofi_provider.c_str());
+  const RdmaConfig& r = config.rdma;
+  std::printf("  RDMA_DEVICE %s, RDMA_DEVICE_PORT %s, RDMA_GID_INDEX %s, RDMA_QP_MTU %s\n",
+              r.device.empty() ? "(auto)" : r.device.c_str(),
+              r.port ? absl::StrCat(r.port).c_str() : "(auto)",
+              r.gid_index >= 0 ? absl::StrCat(r.gid_index).c_str() : "(auto)",
+              r.mtu ? absl::StrCat(r.mtu).c_str() : "(active)");
+  std::printf("  RDMA_QP_QUEUE_DEPTH %d, RDMA_QP_TIMEOUT %d, RDMA_QP_RETRY_COUNT %d, RDMA_QP_SL %d, "
+              "RDMA_QP_PKEY_INDEX %d, RDMA_TRAFFIC_CLASS %d\n",
+              r.queue_depth, r.timeout, r.retry_count, r.sl, r.pkey_index, r.traffic_class);
   for (const std::string& w : config.warnings) std::printf("  warning: %s\n", w.c_str());
   return 0;
 }

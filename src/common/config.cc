@@ -60,6 +60,51 @@ absl::Status ParseLogLevel(const std::map<std::string, std::string>& env, Config
   return absl::OkStatus();
 }
 
+// Reads `name`, or its TensorFlow-code alias; an error if both are set and disagree.
+absl::StatusOr<int64_t> ParseAliased(const std::map<std::string, std::string>& env,
+                                     const std::string& name, const std::string& alias,
+                                     int64_t min, int64_t max, int64_t default_value) {
+  auto a = env.find(name), b = env.find(alias);
+  if (a != env.end() && b != env.end() &&
+      absl::StripAsciiWhitespace(a->second) != absl::StripAsciiWhitespace(b->second)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variables ", name, "='", a->second, "' and its alias ", alias, "='",
+        b->second, "' disagree; set only ", name));
+  }
+  return ParseInt(env, a != env.end() ? name : alias, min, max, default_value);
+}
+
+absl::Status ParseRdma(const std::map<std::string, std::string>& env, RdmaConfig& rdma) {
+  if (auto it = env.find("RDMA_DEVICE"); it != env.end()) {
+    rdma.device = std::string(absl::StripAsciiWhitespace(it->second));
+  }
+  ASSIGN_OR_RETURN(int64_t port, ParseInt(env, "RDMA_DEVICE_PORT", 1, 255, 0));
+  ASSIGN_OR_RETURN(int64_t gid, ParseInt(env, "RDMA_GID_INDEX", 0, 255, -1));
+  ASSIGN_OR_RETURN(int64_t pkey, ParseAliased(env, "RDMA_QP_PKEY_INDEX", "RDMA_PKEY", 0, 65535, 0));
+  ASSIGN_OR_RETURN(int64_t depth,
+                   ParseAliased(env, "RDMA_QP_QUEUE_DEPTH", "RDMA_QUEUE_DEPTH", 1, 65536, 1024));
+  ASSIGN_OR_RETURN(int64_t timeout, ParseAliased(env, "RDMA_QP_TIMEOUT", "RDMA_TIMEOUT", 0, 31, 14));
+  ASSIGN_OR_RETURN(int64_t retry,
+                   ParseAliased(env, "RDMA_QP_RETRY_COUNT", "RDMA_RETRY_CNT", 0, 7, 7));
+  ASSIGN_OR_RETURN(int64_t sl, ParseAliased(env, "RDMA_QP_SL", "RDMA_SL", 0, 7, 0));
+  ASSIGN_OR_RETURN(int64_t mtu, ParseAliased(env, "RDMA_QP_MTU", "RDMA_MTU", 256, 4096, 0));
+  if (mtu != 0 && mtu != 256 && mtu != 512 && mtu != 1024 && mtu != 2048 && mtu != 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "environment variable RDMA_QP_MTU=", mtu, " is invalid: expected 256, 512, 1024, 2048 or 4096"));
+  }
+  ASSIGN_OR_RETURN(int64_t tc, ParseInt(env, "RDMA_TRAFFIC_CLASS", 0, 255, 0));
+  rdma.port = static_cast<int>(port);
+  rdma.gid_index = static_cast<int>(gid);
+  rdma.pkey_index = static_cast<int>(pkey);
+  rdma.queue_depth = static_cast<int>(depth);
+  rdma.timeout = static_cast<int>(timeout);
+  rdma.retry_count = static_cast<int>(retry);
+  rdma.sl = static_cast<int>(sl);
+  rdma.mtu = static_cast<int>(mtu);
+  rdma.traffic_class = static_cast<int>(tc);
+  return absl::OkStatus();
+}
+
 std::map<std::string, std::string> ProcessEnvironment() {
   std::map<std::string, std::string> env;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
@@ -128,6 +173,7 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.malloc_tuning = tuning == 1;
   ASSIGN_OR_RETURN(int64_t trim_mb, ParseInt(env, "TENSORVERBS_MALLOC_TRIM_MB", 1, 2047, 1024));
   config.malloc_trim_bytes = trim_mb << 20;
+  RETURN_IF_ERROR(ParseRdma(env, config.rdma));
   if (auto it = env.find("TENSORVERBS_OFI_PROVIDER"); it != env.end()) {
     config.ofi_provider = std::string(absl::StripAsciiWhitespace(it->second));
   }

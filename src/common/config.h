@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,22 @@
 namespace tensorverbs {
 
 enum class LogSeverity;
+
+// The seed's RDMA_* variables for the ibverbs backend. The README spellings are canonical; the
+// spellings TensorFlow's code read are accepted as aliases (setting both to different values is
+// an error). Zero / -1 / empty mean "choose automatically".
+struct RdmaConfig {
+  std::string device;       // RDMA_DEVICE: e.g. mlx5_0
+  int port = 0;             // RDMA_DEVICE_PORT: 1..255
+  int gid_index = -1;       // RDMA_GID_INDEX: 0..255 (default: RoCEv2 preferred)
+  int pkey_index = 0;       // RDMA_QP_PKEY_INDEX (alias RDMA_PKEY): 0..65535
+  int queue_depth = 1024;   // RDMA_QP_QUEUE_DEPTH (alias RDMA_QUEUE_DEPTH): 1..65536
+  int timeout = 14;         // RDMA_QP_TIMEOUT (alias RDMA_TIMEOUT): 0..31 (4.096 us * 2^t)
+  int retry_count = 7;      // RDMA_QP_RETRY_COUNT (alias RDMA_RETRY_CNT): 0..7
+  int sl = 0;               // RDMA_QP_SL (alias RDMA_SL): 0..7
+  int mtu = 0;              // RDMA_QP_MTU (alias RDMA_MTU): 256, 512, 1024, 2048 or 4096
+  int traffic_class = 0;    // RDMA_TRAFFIC_CLASS: 0..255
+};
 
 struct Config {
   // TENSORVERBS_LOG_LEVEL: error | warning | info | debug | a number N >= 0 (info plus VLOG(N)).
@@ -53,6 +70,8 @@ struct Config {
   // none ("shm", "tcp;ofi_rxm", "verbs;ofi_rxm", ...); empty: the first hardware provider found,
   // else tcp;ofi_rxm.
   std::string ofi_provider;
+
+  RdmaConfig rdma;
 
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;

@@ -62,6 +62,8 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
   EXPECT_THAT(out, HasSubstr("shm (shm)")) << "libfabric's shm provider is installed here";
   EXPECT_THAT(out, HasSubstr("memlock limit"));
   EXPECT_THAT(out, HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
+  EXPECT_THAT(out, HasSubstr("RDMA devices (ibverbs"));
+  EXPECT_THAT(out, HasSubstr("RDMA_QP_QUEUE_DEPTH 1024"));
 }
 
 TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {

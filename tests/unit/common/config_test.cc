@@ -5,6 +5,8 @@
 
 #include "src/common/logging.h"
 
+#include <vector>
+
 namespace tensorverbs {
 namespace {
 
@@ -70,6 +72,60 @@ TEST(Config, UnknownVariableIsWarned) {
   ASSERT_EQ(c->warnings.size(), 1u);
   EXPECT_THAT(c->warnings[0], HasSubstr("TENSORVERBS_RECV_TIMEOUT"));
   EXPECT_THAT(c->warnings[0], HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
+}
+
+TEST(Config, RdmaDefaultsAreTheSeeds) {
+  const RdmaConfig r = Config::FromEnvironment({})->rdma;
+  EXPECT_EQ(r.device, "");
+  EXPECT_EQ(r.port, 0);
+  EXPECT_EQ(r.gid_index, -1);
+  EXPECT_EQ(r.pkey_index, 0);
+  EXPECT_EQ(r.queue_depth, 1024);
+  EXPECT_EQ(r.timeout, 14);
+  EXPECT_EQ(r.retry_count, 7);
+  EXPECT_EQ(r.sl, 0);
+  EXPECT_EQ(r.mtu, 0) << "the port's active MTU";
+  EXPECT_EQ(r.traffic_class, 0);
+}
+
+TEST(Config, RdmaReadmeNamesAndTensorFlowAliases) {
+  absl::StatusOr<Config> c = Config::FromEnvironment(
+      {{"RDMA_DEVICE", "mlx5_1"}, {"RDMA_DEVICE_PORT", "2"}, {"RDMA_GID_INDEX", "3"},
+       {"RDMA_QP_PKEY_INDEX", "1"}, {"RDMA_QUEUE_DEPTH", "256"}, {"RDMA_TIMEOUT", "20"},
+       {"RDMA_RETRY_CNT", "5"}, {"RDMA_SL", "3"}, {"RDMA_MTU", "2048"},
+       {"RDMA_TRAFFIC_CLASS", "106"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rdma.device, "mlx5_1");
+  EXPECT_EQ(c->rdma.port, 2);
+  EXPECT_EQ(c->rdma.gid_index, 3);
+  EXPECT_EQ(c->rdma.pkey_index, 1);
+  EXPECT_EQ(c->rdma.queue_depth, 256);
+  EXPECT_EQ(c->rdma.timeout, 20);
+  EXPECT_EQ(c->rdma.retry_count, 5);
+  EXPECT_EQ(c->rdma.sl, 3);
+  EXPECT_EQ(c->rdma.mtu, 2048);
+  EXPECT_EQ(c->rdma.traffic_class, 106);
+  // Both spellings with the same value are fine; different values are an error.
+  EXPECT_TRUE(Config::FromEnvironment({{"RDMA_QP_SL", "2"}, {"RDMA_SL", "2"}}).ok());
+  absl::StatusOr<Config> both = Config::FromEnvironment({{"RDMA_QP_SL", "2"}, {"RDMA_SL", "3"}});
+  EXPECT_EQ(both.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(both.status().message(), HasSubstr("RDMA_QP_SL"));
+  EXPECT_THAT(both.status().message(), HasSubstr("RDMA_SL"));
+}
+
+TEST(Config, RdmaOutOfRangeNamesTheVariableAndRange) {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"RDMA_DEVICE_PORT", "0"},      {"RDMA_GID_INDEX", "256"},  {"RDMA_QP_PKEY_INDEX", "-1"},
+      {"RDMA_QP_QUEUE_DEPTH", "0"},   {"RDMA_QP_TIMEOUT", "32"},  {"RDMA_QP_RETRY_COUNT", "8"},
+      {"RDMA_QP_SL", "8"},            {"RDMA_QP_MTU", "1500"},    {"RDMA_QP_MTU", "8192"},
+      {"RDMA_TRAFFIC_CLASS", "256"},  {"RDMA_RETRY_CNT", "x"},
+  };
+  for (const auto& [name, value] : bad) {
+    absl::StatusOr<Config> c = Config::FromEnvironment({{name, value}});
+    ASSERT_FALSE(c.ok()) << name << "=" << value;
+    EXPECT_THAT(c.status().message(), HasSubstr(name == "RDMA_QP_MTU" ? "RDMA_QP_MTU" : name));
+  }
+  EXPECT_TRUE(Config::FromEnvironment({{"RDMA_QP_MTU", "4096"}}).ok());
 }
 
 }  // namespace

@@ -1,0 +1,72 @@
+// Choosing the RDMA device, port, GID and MTU for the ibverbs backend from what the host has
+// (an Inventory) and the seed's RDMA_* variables (RdmaConfig).
+//
+// The choice is a pure function so every rule and every error is testable without a NIC; the
+// inventory is read from libibverbs by inventory.h. Unlike TensorFlow, selection never aborts:
+// no candidate, or several where one is needed, is an error that lists the devices, ports and
+// GIDs seen and names the variable to set. An RDMA_QP_MTU equal to the port's active MTU is
+// valid (TensorFlow rejected it). Pure functions; any thread.
+#ifndef TENSORVERBS_FABRIC_IBVERBS_DEVICE_SELECTION_H_
+#define TENSORVERBS_FABRIC_IBVERBS_DEVICE_SELECTION_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "src/common/config.h"
+
+namespace tensorverbs::fabric::ibverbs {
+
+enum class LinkLayer { kInfiniBand, kEthernet, kUnknown };
+enum class GidType { kIB, kRoCEv1, kRoCEv2 };
+
+struct GidEntry {
+  int index = 0;
+  std::array<uint8_t, 16> gid{};
+  GidType type = GidType::kIB;
+};
+
+struct PortInfo {
+  int port = 1;
+  bool active = false;
+  std::string state;  // "ACTIVE", "DOWN", ...
+  LinkLayer link_layer = LinkLayer::kUnknown;
+  int active_mtu = 0;  // bytes
+  uint16_t lid = 0;
+  std::vector<GidEntry> gids;  // valid entries only
+};
+
+struct DeviceInfo {
+  std::string name;
+  std::vector<PortInfo> ports;
+};
+
+struct Inventory {
+  std::vector<DeviceInfo> devices;
+};
+
+struct Selection {
+  std::string device;
+  int port = 1;
+  LinkLayer link_layer = LinkLayer::kUnknown;
+  uint16_t lid = 0;
+  int gid_index = 0;
+  GidType gid_type = GidType::kIB;
+  std::array<uint8_t, 16> gid{};
+  int mtu = 0;         // bytes
+  std::string reason;  // why this one, for the INFO log and `tensorverbs info`
+};
+
+absl::StatusOr<Selection> SelectDevice(const Inventory& inventory, const RdmaConfig& config);
+
+// "fe80::1", "::ffff:10.0.0.1", ...
+std::string GidToString(const std::array<uint8_t, 16>& gid);
+// One line per port: "mlx5_0 port 1: ACTIVE, Ethernet, MTU 1024, GIDs 0 (RoCEv1 fe80::..), ..."
+std::string DescribeInventory(const Inventory& inventory);
+const char* GidTypeName(GidType type);
+
+}  // namespace tensorverbs::fabric::ibverbs
+
+#endif  // TENSORVERBS_FABRIC_IBVERBS_DEVICE_SELECTION_H_

@@ -1,0 +1,130 @@
+#include "src/fabric/ibverbs/device_selection.h"
+
+#include <arpa/inet.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace tensorverbs::fabric::ibverbs {
+namespace {
+
+using ::testing::HasSubstr;
+
+GidEntry Gid(int index, GidType type, const char* text) {
+  GidEntry g;
+  g.index = index;
+  g.type = type;
+  inet_pton(AF_INET6, text, g.gid.data());
+  return g;
+}
+
+PortInfo RocePort(int port, bool active, int mtu = 1024) {
+  PortInfo p;
+  p.port = port;
+  p.active = active;
+  p.state = active ? "ACTIVE" : "DOWN";
+  p.link_layer = LinkLayer::kEthernet;
+  p.active_mtu = mtu;
+  p.gids = {Gid(0, GidType::kRoCEv1, "fe80::1"), Gid(1, GidType::kRoCEv2, "fe80::1"),
+            Gid(2, GidType::kRoCEv1, "::ffff:10.0.0.5"), Gid(3, GidType::kRoCEv2, "::ffff:10.0.0.5")};
+  return p;
+}
+
+Inventory OneNic() { return Inventory{{DeviceInfo{"mlx5_0", {RocePort(1, true)}}}}; }
+
+TEST(DeviceSelection, PicksTheOnlyActivePortAndPrefersRoceV2Ipv4) {
+  absl::StatusOr<Selection> s = SelectDevice(OneNic(), RdmaConfig());
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->device, "mlx5_0");
+  EXPECT_EQ(s->port, 1);
+  EXPECT_EQ(s->gid_index, 3);
+  EXPECT_EQ(s->gid_type, GidType::kRoCEv2);
+  EXPECT_EQ(GidToString(s->gid), "::ffff:10.0.0.5");
+  EXPECT_EQ(s->mtu, 1024) << "the port's active MTU by default";
+  EXPECT_THAT(s->reason, HasSubstr("RoCEv2 IPv4"));
+}
+
+TEST(DeviceSelection, FallsBackThroughGidClasses) {
+  Inventory inv = OneNic();
+  auto& gids = inv.devices[0].ports[0].gids;
+  gids.erase(gids.begin() + 3);  // no RoCEv2 IPv4
+  EXPECT_EQ(SelectDevice(inv, RdmaConfig())->gid_index, 1) << "RoCEv2 link-local next";
+  gids = {Gid(5, GidType::kRoCEv1, "fe80::2"), Gid(4, GidType::kRoCEv1, "fe80::3")};
+  EXPECT_EQ(SelectDevice(inv, RdmaConfig())->gid_index, 4) << "then RoCEv1, lowest index";
+  gids.clear();
+  absl::StatusOr<Selection> none = SelectDevice(inv, RdmaConfig());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(none.status().message(), HasSubstr("RDMA_GID_INDEX"));
+}
+
+TEST(DeviceSelection, InfiniBandUsesItsGidAndLid) {
+  PortInfo ib;
+  ib.port = 1;
+  ib.active = true;
+  ib.state = "ACTIVE";
+  ib.link_layer = LinkLayer::kInfiniBand;
+  ib.active_mtu = 4096;
+  ib.lid = 17;
+  ib.gids = {Gid(0, GidType::kIB, "fe80::2:c903:1")};
+  absl::StatusOr<Selection> s = SelectDevice(Inventory{{DeviceInfo{"mlx4_0", {ib}}}}, RdmaConfig());
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->lid, 17);
+  EXPECT_EQ(s->gid_index, 0);
+  EXPECT_EQ(s->mtu, 4096);
+}
+
+TEST(DeviceSelection, NoDeviceNoActivePortAndUnknownNames) {
+  EXPECT_EQ(SelectDevice(Inventory(), RdmaConfig()).status().code(), absl::StatusCode::kUnavailable);
+  Inventory down{{DeviceInfo{"mlx5_0", {RocePort(1, false)}}}};
+  absl::StatusOr<Selection> s = SelectDevice(down, RdmaConfig());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.status().message(), HasSubstr("mlx5_0 port 1: DOWN"));
+  RdmaConfig named;
+  named.device = "mlx5_9";
+  s = SelectDevice(OneNic(), named);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("RDMA_DEVICE=mlx5_9"));
+  EXPECT_THAT(s.status().message(), HasSubstr("devices: mlx5_0"));
+  RdmaConfig port;
+  port.port = 2;
+  s = SelectDevice(OneNic(), port);
+  EXPECT_THAT(s.status().message(), HasSubstr("RDMA_DEVICE_PORT=2"));
+}
+
+TEST(DeviceSelection, SeveralActivePortsAskForAChoiceInsteadOfAborting) {
+  Inventory two{{DeviceInfo{"mlx5_0", {RocePort(1, true)}}, DeviceInfo{"mlx5_1", {RocePort(1, true)}}}};
+  absl::StatusOr<Selection> s = SelectDevice(two, RdmaConfig());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.status().message(), HasSubstr("mlx5_0 port 1, mlx5_1 port 1"));
+  EXPECT_THAT(s.status().message(), HasSubstr("RDMA_DEVICE"));
+  RdmaConfig pick;
+  pick.device = "mlx5_1";
+  EXPECT_EQ(SelectDevice(two, pick)->device, "mlx5_1");
+  Inventory dual{{DeviceInfo{"mlx5_0", {RocePort(1, true), RocePort(2, true)}}}};
+  s = SelectDevice(dual, RdmaConfig{.device = "mlx5_0"});
+  EXPECT_THAT(s.status().message(), HasSubstr("choose one with RDMA_DEVICE_PORT"));
+  EXPECT_EQ(SelectDevice(dual, RdmaConfig{.device = "mlx5_0", .port = 2})->port, 2);
+}
+
+TEST(DeviceSelection, ExplicitGidAndMtu) {
+  RdmaConfig c;
+  c.gid_index = 0;
+  EXPECT_EQ(SelectDevice(OneNic(), c)->gid_type, GidType::kRoCEv1);
+  c.gid_index = 9;
+  absl::StatusOr<Selection> s = SelectDevice(OneNic(), c);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("RDMA_GID_INDEX=9"));
+  EXPECT_THAT(s.status().message(), HasSubstr("3 (RoCEv2 ::ffff:10.0.0.5)"));
+  RdmaConfig mtu;
+  mtu.mtu = 1024;
+  EXPECT_EQ(SelectDevice(OneNic(), mtu)->mtu, 1024) << "equal to the active MTU is valid";
+  mtu.mtu = 512;
+  EXPECT_EQ(SelectDevice(OneNic(), mtu)->mtu, 512);
+  mtu.mtu = 4096;
+  s = SelectDevice(OneNic(), mtu);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.status().message(), HasSubstr("RDMA_QP_MTU=4096 exceeds the active MTU 1024"));
+}
+
+}  // namespace
+}  // namespace tensorverbs::fabric::ibverbs
