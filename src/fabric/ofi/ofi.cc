@@ -19,6 +19,7 @@
 #include "src/common/config.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/op_tracker.h"
 
 namespace tensorverbs::fabric::ofi {
 namespace {
@@ -108,63 +109,14 @@ class OfiRegion final : public MemoryRegion {
   fid_mr* mr_;
 };
 
-// One posted (or queued) operation. fi_context2 first: libfabric may use it as scratch space.
-struct Op {
-  fi_context2 fi_ctx;
-  CompletionKind kind = CompletionKind::kWrite;
-  bool with_imm = false;
-  uint32_t imm = 0;
-  void* buf = nullptr;
-  size_t len = 0;
-  void* desc = nullptr;
-  uint64_t remote_addr = 0;
-  uint64_t remote_key = 0;
-  uint64_t context = 0;
-  absl::Time posted;
-  bool issued = false;     // handed to libfabric
-  bool timed_out = false;  // reported as DeadlineExceeded; libfabric may still return it
-  Op* prev = nullptr;      // the endpoint's list of live ops, in posting order
-  Op* next = nullptr;
-};
-
-// Live ops in posting order, intrusive so posting allocates nothing in steady state; freed ops
-// are kept for reuse.
-class OpList {
- public:
-  ~OpList() {
-    for (Op* op = head_; op != nullptr;) delete std::exchange(op, op->next);
-    for (Op* op : free_) delete op;
-  }
-  Op* Acquire() {
-    Op* op;
-    if (free_.empty()) {
-      op = new Op();
-    } else {
-      op = free_.back();
-      free_.pop_back();
-      *op = Op();
-    }
-    op->prev = tail_;
-    (tail_ ? tail_->next : head_) = op;
-    tail_ = op;
-    return op;
-  }
-  void Release(Op* op) {
-    (op->prev ? op->prev->next : head_) = op->next;
-    (op->next ? op->next->prev : tail_) = op->prev;
-    free_.push_back(op);
-  }
-  Op* head() const { return head_; }
-
- private:
-  Op* head_ = nullptr;
-  Op* tail_ = nullptr;
-  std::vector<Op*> free_;
-};
+static_assert(sizeof(fi_context2) <= sizeof(Op::provider), "fi_context2 must fit in Op");
 
 class OfiEndpoint final : public Endpoint {
  public:
-  OfiEndpoint(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {}
+  explicit OfiEndpoint(std::shared_ptr<Shared> shared)
+      : shared_(std::move(shared)),
+        ops_(this, shared_->options.queue_depth, shared_->options.op_timeout,
+             absl::StrCat("ofi (", shared_->info->fabric_attr->prov_name, ")")) {}
 
   absl::Status Init() {
     int ret = fi_endpoint(shared_->domain, shared_->info, &ep_, nullptr);
@@ -228,7 +180,7 @@ class OfiEndpoint final : public Endpoint {
     return Post(CompletionKind::kRead, false, 0, local, remote, context);
   }
 
-  size_t Outstanding() const override { return live_ops_; }
+  size_t Outstanding() const override { return ops_.live(); }
 
   // Reads this endpoint's completions into `out`; returns how many.
   size_t Progress(absl::Span<Completion> out) {
@@ -260,11 +212,10 @@ class OfiEndpoint final : public Endpoint {
         }
         if (e.op_context == receive_ctx()) continue;  // a consumed receive without data
         Op* op = static_cast<Op*>(e.op_context);
-        if (Finish(op, absl::OkStatus(), &out[produced])) ++produced;
+        if (ops_.Complete(op, absl::OkStatus(), &out[produced])) ++produced;
       }
     }
-    IssueQueued();
-    produced += ExpireOps(out.subspan(produced));
+    produced += ops_.Drain([this](Op* op) { return Issue(op); }, out.subspan(produced));
     return produced;
   }
 
@@ -298,7 +249,7 @@ class OfiEndpoint final : public Endpoint {
       return absl::InvalidArgumentError(absl::StrCat("ofi: ", local.length,
                                                      " bytes exceed the provider's message size"));
     }
-    Op* op = ops_.Acquire();
+    Op* op = ops_.NewOp();
     op->kind = kind;
     op->with_imm = with_imm;
     op->imm = imm;
@@ -309,73 +260,24 @@ class OfiEndpoint final : public Endpoint {
     op->remote_addr = key.virtual_addressing ? remote.addr : remote.addr - key.base;
     op->remote_key = key.key;
     op->context = context;
-    op->posted = absl::Now();
-    ++live_ops_;
-    if (queued_.empty() && in_flight_ < shared_->options.queue_depth) {
-      int ret = Issue(op);
-      if (ret == 0) return absl::OkStatus();
-      if (ret != -FI_EAGAIN) {
-        Forget(op);
-        return absl::UnavailableError(FiError("ofi: posting the operation", ret));
-      }
-    }
-    queued_.push_back(op);
-    return absl::OkStatus();
+    return ops_.Submit(op, [this](Op* o) { return Issue(o); });
   }
 
-  // Hands `op` to libfabric; 0, -FI_EAGAIN or another error.
-  int Issue(Op* op) {
+  // Hands `op` to libfabric: true if posted, false if the provider is full, or the error.
+  absl::StatusOr<bool> Issue(Op* op) {
+    void* ctx = op->provider;
     ssize_t ret;
     if (op->kind == CompletionKind::kRead) {
-      ret = fi_read(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key,
-                    &op->fi_ctx);
+      ret = fi_read(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key, ctx);
     } else if (op->with_imm) {
       ret = fi_writedata(ep_, op->buf, op->len, op->desc, op->imm, peer_, op->remote_addr,
-                         op->remote_key, &op->fi_ctx);
+                         op->remote_key, ctx);
     } else {
-      ret = fi_write(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key,
-                     &op->fi_ctx);
+      ret = fi_write(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key, ctx);
     }
-    if (ret == 0) {
-      op->issued = true;
-      ++in_flight_;
-    }
-    return static_cast<int>(ret);
-  }
-
-  void IssueQueued() {
-    while (!queued_.empty() && in_flight_ < shared_->options.queue_depth) {
-      Op* op = queued_.front();
-      int ret = Issue(op);
-      if (ret == -FI_EAGAIN) return;
-      queued_.pop_front();
-      if (ret != 0) {
-        // Reported as a failed completion by ExpireOps' sibling path below.
-        failed_.push_back({op, absl::UnavailableError(FiError("ofi: posting a queued operation", ret))});
-      }
-    }
-  }
-
-  // Fills `c` for a finished op unless it was already reported; frees it. Returns whether `c`
-  // was filled.
-  bool Finish(Op* op, absl::Status status, Completion* c) {
-    if (op->issued) --in_flight_;
-    const bool report = !op->timed_out;
-    if (report) {
-      *c = Completion();
-      c->kind = op->kind;
-      c->endpoint = this;
-      c->context = op->context;
-      c->status = std::move(status);
-      --live_ops_;
-    }
-    ops_.Release(op);
-    return report;
-  }
-
-  void Forget(Op* op) {
-    ops_.Release(op);
-    --live_ops_;
+    if (ret == 0) return true;
+    if (ret == -FI_EAGAIN) return false;
+    return absl::UnavailableError(FiError("ofi: posting the operation", static_cast<int>(ret)));
   }
 
   size_t ReadError(absl::Span<Completion> out) {
@@ -393,44 +295,10 @@ class OfiEndpoint final : public Endpoint {
     }
     Op* op = static_cast<Op*>(err.op_context);
     if (out.empty()) {
-      // No room: report it on the next Poll.
-      failed_.push_back({op, status});
+      ops_.Defer(op, status);  // no room: reported by the next Drain
       return 0;
     }
-    return Finish(op, status, &out[0]) ? 1 : 0;
-  }
-
-  // Reports operations that failed after queueing or outlived op_timeout.
-  size_t ExpireOps(absl::Span<Completion> out) {
-    size_t produced = 0;
-    while (!failed_.empty() && produced < out.size()) {
-      auto [op, status] = failed_.front();
-      failed_.pop_front();
-      if (Finish(op, status, &out[produced])) ++produced;
-    }
-    if (ops_.head() == nullptr) return produced;
-    const absl::Time deadline = absl::Now() - shared_->options.op_timeout;
-    for (Op* next = ops_.head(); next != nullptr && produced < out.size();) {
-      Op* op = std::exchange(next, next->next);
-      if (op->posted > deadline) break;  // ops_ is in posting order
-      if (op->timed_out) continue;
-      Completion& c = out[produced++];
-      c = Completion();
-      c.kind = op->kind;
-      c.endpoint = this;
-      c.context = op->context;
-      c.status = absl::DeadlineExceededError(absl::StrCat(
-          "ofi (", shared_->info->fabric_attr->prov_name, "): operation did not complete within ",
-          absl::FormatDuration(shared_->options.op_timeout), "; the peer may be gone"));
-      --live_ops_;
-      if (!op->issued) {
-        queued_.erase(std::find(queued_.begin(), queued_.end(), op));
-        ops_.Release(op);
-      } else {
-        op->timed_out = true;  // freed when libfabric returns it, or with the endpoint
-      }
-    }
-    return produced;
+    return ops_.Complete(op, status, &out[0]) ? 1 : 0;
   }
 
   std::shared_ptr<Shared> shared_;
@@ -440,11 +308,7 @@ class OfiEndpoint final : public Endpoint {
   bool connected_ = false;
   std::string address_;
   fi_context2 receive_ctx_{};
-  OpList ops_;                  // every op not yet freed, in posting order
-  std::deque<Op*> queued_;      // not yet handed to libfabric
-  std::deque<std::pair<Op*, absl::Status>> failed_;
-  size_t in_flight_ = 0;
-  size_t live_ops_ = 0;         // posted and not yet reported
+  OpTracker ops_;
 };
 
 class OfiDomain final : public Domain {

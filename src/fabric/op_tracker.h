@@ -1,0 +1,89 @@
+// OpTracker: the bookkeeping every fabric backend needs for one endpoint's operations.
+//
+// It owns the operation records (pooled, so posting allocates nothing in steady state), keeps
+// at most `queue_depth` of them in the provider at once and queues the rest, reports each
+// operation exactly once — completed, failed, or timed out after `op_timeout` — and ignores the
+// provider's late return of an operation it already reported. Backends supply how to issue an
+// operation and translate their completions. Used only on the endpoint's progress thread.
+#ifndef TENSORVERBS_FABRIC_OP_TRACKER_H_
+#define TENSORVERBS_FABRIC_OP_TRACKER_H_
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "src/fabric/fabric.h"
+
+namespace tensorverbs::fabric {
+
+struct Op {
+  // Scratch space the backend hands to its library as the operation context (libfabric's
+  // fi_context2). First, so the library's context pointer is the Op's address.
+  alignas(16) unsigned char provider[64];
+  CompletionKind kind = CompletionKind::kWrite;
+  bool with_imm = false;
+  uint32_t imm = 0;
+  void* buf = nullptr;
+  size_t len = 0;
+  void* desc = nullptr;    // libfabric descriptor
+  uint32_t lkey = 0;       // verbs local key
+  uint64_t remote_addr = 0;
+  uint64_t remote_key = 0;
+  uint64_t context = 0;
+  absl::Time posted;
+  bool issued = false;     // handed to the provider
+  bool timed_out = false;  // reported as DeadlineExceeded; the provider may still return it
+  Op* prev = nullptr;      // live ops, in posting order
+  Op* next = nullptr;
+};
+
+class OpTracker {
+ public:
+  // Hands `op` to the provider: true if issued, false if the provider is full (retry later),
+  // or an error (the operation failed).
+  using IssueFn = absl::FunctionRef<absl::StatusOr<bool>(Op*)>;
+
+  OpTracker(Endpoint* owner, size_t queue_depth, absl::Duration op_timeout, std::string name);
+  OpTracker(const OpTracker&) = delete;
+  OpTracker& operator=(const OpTracker&) = delete;
+  ~OpTracker();
+
+  // A fresh record stamped with the posting time; fill it, then Submit it.
+  Op* NewOp();
+  // Issues `op` now if credits allow and nothing is queued, else queues it. An immediate
+  // provider error forgets the op and is returned (the post failed; no completion follows).
+  absl::Status Submit(Op* op, IssueFn issue);
+  // The provider returned `op`: fills `c` unless the op was already reported; frees the record.
+  bool Complete(Op* op, absl::Status status, Completion* c);
+  // The provider returned `op` with an error where there is no room to report it now.
+  void Defer(Op* op, absl::Status status);
+  // Issues queued ops while credits allow, then reports deferred failures and timed-out ops.
+  size_t Drain(IssueFn issue, absl::Span<Completion> out);
+
+  size_t live() const { return live_; }
+
+ private:
+  void Release(Op* op);
+  void Fill(Op* op, absl::Status status, Completion* c);
+
+  Endpoint* const owner_;
+  const size_t queue_depth_;
+  const absl::Duration op_timeout_;
+  const std::string name_;
+  Op* head_ = nullptr;
+  Op* tail_ = nullptr;
+  std::vector<Op*> free_;
+  std::deque<Op*> queued_;
+  std::deque<std::pair<Op*, absl::Status>> deferred_;
+  size_t in_flight_ = 0;
+  size_t live_ = 0;  // submitted and not yet reported
+};
+
+}  // namespace tensorverbs::fabric
+
+#endif  // TENSORVERBS_FABRIC_OP_TRACKER_H_
