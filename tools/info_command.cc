@@ -39,7 +39,6 @@ int RunInfoCommand() {
     }
   }
 
-  // The ibverbs data path is not in this build yet; what it would use is shown already.
   std::printf("\nRDMA devices (ibverbs, configured by the RDMA_* variables):\n");
   absl::StatusOr<fabric::ibverbs::Inventory> inventory = fabric::ibverbs::ReadInventory();
   if (!inventory.ok()) {

@@ -1,0 +1,503 @@
+#include "src/fabric/ibverbs/ibverbs.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/fabric/ibverbs/device_selection.h"
+#include "src/fabric/ibverbs/inventory.h"
+#include "src/fabric/op_tracker.h"
+
+namespace tensorverbs::fabric::ibverbs {
+namespace {
+
+constexpr uint64_t kReceiveWrId = 0;  // wr_id of posted receives; ops use their address
+
+std::string Errno(absl::string_view what, int err) {
+  return absl::StrCat("ibverbs: ", what, ": ", std::strerror(err));
+}
+
+ibv_mtu MtuEnum(int bytes) {
+  switch (bytes) {
+    case 256:
+      return IBV_MTU_256;
+    case 512:
+      return IBV_MTU_512;
+    case 1024:
+      return IBV_MTU_1024;
+    case 2048:
+      return IBV_MTU_2048;
+    default:
+      return IBV_MTU_4096;
+  }
+}
+
+// Endpoint address: version, LID, QPN, PSN, MTU, GID, little-endian, fixed size.
+struct Address {
+  static constexpr uint8_t kVersion = 1;
+  static constexpr size_t kSize = 1 + 2 + 4 + 4 + 2 + 16;
+  uint16_t lid = 0;
+  uint32_t qpn = 0;
+  uint32_t psn = 0;
+  uint16_t mtu = 0;
+  std::array<uint8_t, 16> gid{};
+
+  std::string Pack() const {
+    std::string out(kSize, '\0');
+    auto* p = reinterpret_cast<uint8_t*>(out.data());
+    p[0] = kVersion;
+    for (int i = 0; i < 2; ++i) p[1 + i] = static_cast<uint8_t>(lid >> (8 * i));
+    for (int i = 0; i < 4; ++i) p[3 + i] = static_cast<uint8_t>(qpn >> (8 * i));
+    for (int i = 0; i < 4; ++i) p[7 + i] = static_cast<uint8_t>(psn >> (8 * i));
+    for (int i = 0; i < 2; ++i) p[11 + i] = static_cast<uint8_t>(mtu >> (8 * i));
+    std::memcpy(p + 13, gid.data(), 16);
+    return out;
+  }
+  static absl::StatusOr<Address> Unpack(absl::string_view bytes) {
+    if (bytes.size() != kSize || static_cast<uint8_t>(bytes[0]) != kVersion) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ibverbs: malformed peer address (", bytes.size(), " bytes; expected ", kSize,
+          " of version ", kVersion, ")"));
+    }
+    const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+    Address a;
+    for (int i = 0; i < 2; ++i) a.lid |= static_cast<uint16_t>(p[1 + i] << (8 * i));
+    for (int i = 0; i < 4; ++i) a.qpn |= static_cast<uint32_t>(p[3 + i]) << (8 * i);
+    for (int i = 0; i < 4; ++i) a.psn |= static_cast<uint32_t>(p[7 + i]) << (8 * i);
+    for (int i = 0; i < 2; ++i) a.mtu |= static_cast<uint16_t>(p[11 + i] << (8 * i));
+    std::memcpy(a.gid.data(), p + 13, 16);
+    return a;
+  }
+};
+
+// Remote key: rkey, region base, region length.
+struct PackedKey {
+  static constexpr size_t kSize = 20;
+  uint32_t rkey = 0;
+  uint64_t base = 0;
+  uint64_t length = 0;
+  std::string Pack() const {
+    std::string out(kSize, '\0');
+    std::memcpy(&out[0], &rkey, 4);
+    std::memcpy(&out[4], &base, 8);
+    std::memcpy(&out[12], &length, 8);
+    return out;
+  }
+  static absl::StatusOr<PackedKey> Unpack(absl::string_view b) {
+    if (b.size() != kSize) return absl::InvalidArgumentError("ibverbs: malformed remote key");
+    PackedKey k;
+    std::memcpy(&k.rkey, b.data(), 4);
+    std::memcpy(&k.base, b.data() + 4, 8);
+    std::memcpy(&k.length, b.data() + 12, 8);
+    return k;
+  }
+};
+
+class IbvEndpoint;
+
+struct Shared {
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  ibv_device_attr attr{};
+  Selection selection;
+  RdmaConfig config;
+  DomainOptions options;
+  std::vector<IbvEndpoint*> endpoints;
+  absl::Status device_error;  // sticky, from a fatal async event
+
+  ~Shared() {
+    if (pd) ibv_dealloc_pd(pd);
+    if (ctx) ibv_close_device(ctx);
+  }
+};
+
+class IbvRegion final : public MemoryRegion {
+ public:
+  IbvRegion(std::shared_ptr<Shared> shared, ibv_mr* mr, void* base, size_t length)
+      : MemoryRegion(base, length), shared_(std::move(shared)), mr_(mr) {}
+  ~IbvRegion() override { ibv_dereg_mr(mr_); }
+  std::string PackRemoteKey() const override {
+    return PackedKey{mr_->rkey, reinterpret_cast<uint64_t>(base()), length()}.Pack();
+  }
+  uint32_t lkey() const { return mr_->lkey; }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+  ibv_mr* mr_;
+};
+
+class IbvEndpoint final : public Endpoint {
+ public:
+  explicit IbvEndpoint(std::shared_ptr<Shared> shared)
+      : shared_(std::move(shared)),
+        depth_(std::min<size_t>(shared_->options.queue_depth,
+                                static_cast<size_t>(shared_->attr.max_qp_wr))),
+        ops_(this, depth_, shared_->options.op_timeout,
+             absl::StrCat("ibverbs (", shared_->selection.device, ")")) {}
+
+  absl::Status Init() {
+    const int cqe = std::min<int>(static_cast<int>(2 * depth_ + 16), shared_->attr.max_cqe);
+    cq_ = ibv_create_cq(shared_->ctx, cqe, nullptr, nullptr, 0);
+    if (cq_ == nullptr) return absl::ResourceExhaustedError(Errno("ibv_create_cq", errno));
+    ibv_qp_init_attr init{};
+    init.send_cq = cq_;
+    init.recv_cq = cq_;
+    init.qp_type = IBV_QPT_RC;
+    init.cap.max_send_wr = static_cast<uint32_t>(depth_);
+    init.cap.max_recv_wr = static_cast<uint32_t>(depth_);
+    init.cap.max_send_sge = 1;
+    init.cap.max_recv_sge = 1;
+    qp_ = ibv_create_qp(shared_->pd, &init);
+    if (qp_ == nullptr) return absl::ResourceExhaustedError(Errno("ibv_create_qp", errno));
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.pkey_index = static_cast<uint16_t>(shared_->config.pkey_index);
+    a.port_num = static_cast<uint8_t>(shared_->selection.port);
+    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+    if (int e = ibv_modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
+                                           IBV_QP_ACCESS_FLAGS)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Errno("moving the QP to INIT", e), " (check RDMA_QP_PKEY_INDEX=",
+          shared_->config.pkey_index, ")"));
+    }
+    // Writes with immediate consume a receive each: keep the receive queue full.
+    for (size_t i = 0; i < depth_; ++i) RETURN_IF_ERROR(PostReceive());
+    std::random_device rd;
+    psn_ = rd() & 0xFFFFFF;
+    shared_->endpoints.push_back(this);
+    return absl::OkStatus();
+  }
+
+  ~IbvEndpoint() override {
+    auto& eps = shared_->endpoints;
+    eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
+    if (qp_) ibv_destroy_qp(qp_);
+    if (cq_) ibv_destroy_cq(cq_);
+  }
+
+  std::string LocalAddress() const override {
+    Address a;
+    a.lid = shared_->selection.lid;
+    a.qpn = qp_->qp_num;
+    a.psn = psn_;
+    a.mtu = static_cast<uint16_t>(shared_->selection.mtu);
+    a.gid = shared_->selection.gid;
+    return a.Pack();
+  }
+
+  absl::Status Connect(absl::string_view peer_address) override {
+    if (connected_) return absl::FailedPreconditionError("ibverbs: endpoint is already connected");
+    ASSIGN_OR_RETURN(Address peer, Address::Unpack(peer_address));
+    const Selection& sel = shared_->selection;
+    const RdmaConfig& cfg = shared_->config;
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = MtuEnum(std::min<int>(sel.mtu, peer.mtu ? peer.mtu : sel.mtu));
+    a.dest_qp_num = peer.qpn;
+    a.rq_psn = peer.psn;
+    a.max_dest_rd_atomic = static_cast<uint8_t>(std::clamp(shared_->attr.max_qp_rd_atom, 1, 16));
+    a.min_rnr_timer = 12;
+    a.ah_attr.port_num = static_cast<uint8_t>(sel.port);
+    a.ah_attr.sl = static_cast<uint8_t>(cfg.sl);
+    a.ah_attr.dlid = peer.lid;
+    // RoCE always routes by GID; InfiniBand needs the GRH only across subnets.
+    const bool global = sel.link_layer == LinkLayer::kEthernet || peer.lid == 0;
+    if (global) {
+      a.ah_attr.is_global = 1;
+      std::memcpy(a.ah_attr.grh.dgid.raw, peer.gid.data(), 16);
+      a.ah_attr.grh.sgid_index = static_cast<uint8_t>(sel.gid_index);
+      a.ah_attr.grh.hop_limit = 64;
+      a.ah_attr.grh.traffic_class = static_cast<uint8_t>(cfg.traffic_class);
+    }
+    if (int e = ibv_modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
+                                           IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                           IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) {
+      return absl::UnavailableError(absl::StrCat(
+          Errno("moving the QP to RTR", e), " (peer QPN ", peer.qpn, ", LID ", peer.lid, ", GID ",
+          GidToString(peer.gid), "; check RDMA_GID_INDEX, RDMA_QP_MTU and RDMA_QP_SL)"));
+    }
+    ibv_qp_attr r{};
+    r.qp_state = IBV_QPS_RTS;
+    r.timeout = static_cast<uint8_t>(cfg.timeout);
+    r.retry_cnt = static_cast<uint8_t>(cfg.retry_count);
+    r.rnr_retry = 7;
+    r.sq_psn = psn_;
+    r.max_rd_atomic = static_cast<uint8_t>(std::clamp(shared_->attr.max_qp_init_rd_atom, 1, 16));
+    if (int e = ibv_modify_qp(qp_, &r, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                           IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                                           IBV_QP_MAX_QP_RD_ATOMIC)) {
+      return absl::UnavailableError(absl::StrCat(Errno("moving the QP to RTS", e),
+                                                 " (check RDMA_QP_TIMEOUT and RDMA_QP_RETRY_COUNT)"));
+    }
+    connected_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status PostWrite(const LocalBuffer& local, const RemoteBuffer& remote,
+                         uint64_t context) override {
+    return Post(CompletionKind::kWrite, false, 0, local, remote, context);
+  }
+  absl::Status PostWriteWithImm(const LocalBuffer& local, const RemoteBuffer& remote, uint32_t imm,
+                                uint64_t context) override {
+    return Post(CompletionKind::kWrite, true, imm, local, remote, context);
+  }
+  absl::Status PostRead(const LocalBuffer& local, const RemoteBuffer& remote,
+                        uint64_t context) override {
+    return Post(CompletionKind::kRead, false, 0, local, remote, context);
+  }
+  size_t Outstanding() const override { return ops_.live(); }
+
+  size_t Progress(absl::Span<Completion> out) {
+    size_t produced = 0;
+    ibv_wc wc[32];
+    while (produced < out.size()) {
+      int n = ibv_poll_cq(cq_, static_cast<int>(std::min<size_t>(32, out.size() - produced)), wc);
+      if (n < 0) {
+        LOG(WARNING) << "ibverbs: ibv_poll_cq failed on " << shared_->selection.device;
+        break;
+      }
+      if (n == 0) break;
+      for (int i = 0; i < n; ++i) {
+        const ibv_wc& w = wc[i];
+        if (w.wr_id == kReceiveWrId) {
+          if (w.status != IBV_WC_SUCCESS) {
+            // The QP went to error; its receives flush. The peer's writes cannot land.
+            if (qp_error_.ok()) qp_error_ = WcError(w);
+            continue;
+          }
+          Completion& c = out[produced++];
+          c = Completion();
+          c.kind = CompletionKind::kRemoteWriteImm;
+          c.endpoint = this;
+          c.imm = ntohl(w.imm_data);
+          c.byte_len = w.byte_len;
+          (void)PostReceive();
+          continue;
+        }
+        Op* op = reinterpret_cast<Op*>(w.wr_id);
+        absl::Status status = w.status == IBV_WC_SUCCESS ? absl::OkStatus() : WcError(w);
+        if (ops_.Complete(op, std::move(status), &out[produced])) ++produced;
+      }
+    }
+    produced += ops_.Drain([this](Op* op) { return Issue(op); }, out.subspan(produced));
+    return produced;
+  }
+
+  void SetError(absl::Status status) {
+    if (qp_error_.ok()) qp_error_ = std::move(status);
+  }
+  uint32_t qp_num() const { return qp_->qp_num; }
+
+ private:
+  absl::Status WcError(const ibv_wc& w) {
+    return absl::UnavailableError(absl::StrCat(
+        "ibverbs (", shared_->selection.device, "): work completion failed: ",
+        ibv_wc_status_str(w.status), " (vendor error ", w.vendor_err, ")"));
+  }
+
+  absl::Status PostReceive() {
+    ibv_recv_wr wr{};
+    wr.wr_id = kReceiveWrId;
+    wr.num_sge = 0;
+    ibv_recv_wr* bad = nullptr;
+    if (int e = ibv_post_recv(qp_, &wr, &bad)) {
+      return absl::UnavailableError(Errno("ibv_post_recv", e));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
+                    const RemoteBuffer& remote, uint64_t context) {
+    if (!connected_) return absl::FailedPreconditionError("ibverbs: endpoint is not connected");
+    if (!shared_->device_error.ok()) return shared_->device_error;
+    if (!qp_error_.ok()) return qp_error_;
+    if (local.length > 0 &&
+        (local.region == nullptr || !local.region->Contains(local.addr, local.length))) {
+      return absl::InvalidArgumentError("ibverbs: local buffer is not inside its registered region");
+    }
+    ASSIGN_OR_RETURN(PackedKey key, PackedKey::Unpack(remote.key));
+    if (remote.length < local.length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ibverbs: ", local.length, " bytes do not fit the remote buffer of ", remote.length));
+    }
+    if (remote.addr < key.base || local.length > key.length ||
+        remote.addr - key.base > key.length - local.length) {
+      return absl::OutOfRangeError(absl::StrCat("ibverbs: remote range [", remote.addr, ", +",
+                                                local.length, ") is outside the registered region"));
+    }
+    if (local.length > shared_->attr.max_mr_size || local.length > UINT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("ibverbs: ", local.length,
+                                                     " bytes exceed one work request"));
+    }
+    Op* op = ops_.NewOp();
+    op->kind = kind;
+    op->with_imm = with_imm;
+    op->imm = imm;
+    op->buf = local.length > 0 ? local.addr : nullptr;
+    op->len = local.length;
+    op->lkey = local.length > 0 ? static_cast<const IbvRegion*>(local.region)->lkey() : 0;
+    op->remote_addr = remote.addr;
+    op->remote_key = key.rkey;
+    op->context = context;
+    return ops_.Submit(op, [this](Op* o) { return Issue(o); });
+  }
+
+  absl::StatusOr<bool> Issue(Op* op) {
+    ibv_sge sge{};
+    sge.addr = reinterpret_cast<uint64_t>(op->buf);
+    sge.length = static_cast<uint32_t>(op->len);
+    sge.lkey = op->lkey;
+    ibv_send_wr wr{};
+    wr.wr_id = reinterpret_cast<uint64_t>(op);
+    wr.sg_list = op->len > 0 ? &sge : nullptr;
+    wr.num_sge = op->len > 0 ? 1 : 0;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.opcode = op->kind == CompletionKind::kRead ? IBV_WR_RDMA_READ
+                : op->with_imm                    ? IBV_WR_RDMA_WRITE_WITH_IMM
+                                                  : IBV_WR_RDMA_WRITE;
+    if (op->with_imm) wr.imm_data = htonl(op->imm);
+    wr.wr.rdma.remote_addr = op->remote_addr;
+    wr.wr.rdma.rkey = static_cast<uint32_t>(op->remote_key);
+    ibv_send_wr* bad = nullptr;
+    int e = ibv_post_send(qp_, &wr, &bad);
+    if (e == 0) return true;
+    if (e == ENOMEM) return false;  // send queue full: retry when completions free slots
+    return absl::UnavailableError(Errno("ibv_post_send", e));
+  }
+
+  std::shared_ptr<Shared> shared_;
+  const size_t depth_;
+  ibv_cq* cq_ = nullptr;
+  ibv_qp* qp_ = nullptr;
+  uint32_t psn_ = 0;
+  bool connected_ = false;
+  absl::Status qp_error_;
+  OpTracker ops_;
+};
+
+class IbvDomain final : public Domain {
+ public:
+  explicit IbvDomain(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {
+    caps_.backend = "ibverbs";
+    caps_.provider = absl::StrCat(shared_->selection.device, ":", shared_->selection.port);
+    caps_.max_message_size = std::min<uint64_t>(shared_->attr.max_mr_size, UINT32_MAX);
+    caps_.virtual_addressing = true;
+    caps_.queue_depth = shared_->options.queue_depth;
+  }
+  const Capabilities& capabilities() const override { return caps_; }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
+                                                               uint32_t access) override {
+    if (addr == nullptr || length == 0) {
+      return absl::InvalidArgumentError("ibverbs: cannot register an empty range");
+    }
+    int flags = IBV_ACCESS_LOCAL_WRITE;
+    if (access & kAccessRemoteWrite) flags |= IBV_ACCESS_REMOTE_WRITE;
+    if (access & kAccessRemoteRead) flags |= IBV_ACCESS_REMOTE_READ;
+    ibv_mr* mr = ibv_reg_mr(shared_->pd, addr, length, flags);
+    if (mr == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          Errno("ibv_reg_mr", errno), " registering ", length,
+          " bytes; check the memlock limit (ulimit -l)"));
+    }
+    return std::unique_ptr<MemoryRegion>(new IbvRegion(shared_, mr, addr, length));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    if (!shared_->device_error.ok()) return shared_->device_error;
+    auto ep = std::make_unique<IbvEndpoint>(shared_);
+    RETURN_IF_ERROR(ep->Init());
+    return std::unique_ptr<Endpoint>(std::move(ep));
+  }
+
+  absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
+    ReadAsyncEvents();
+    size_t produced = 0;
+    const size_t n = shared_->endpoints.size();
+    for (size_t i = 0; i < n && produced < out.size(); ++i) {
+      produced += shared_->endpoints[(next_ + i) % n]->Progress(out.subspan(produced));
+    }
+    if (n > 0) next_ = (next_ + 1) % n;
+    return produced;
+  }
+
+ private:
+  // The async fd is non-blocking, so this never waits: no extra thread is needed.
+  void ReadAsyncEvents() {
+    ibv_async_event event;
+    while (ibv_get_async_event(shared_->ctx, &event) == 0) {
+      const char* what = ibv_event_type_str(event.event_type);
+      switch (event.event_type) {
+        case IBV_EVENT_QP_FATAL:
+        case IBV_EVENT_QP_REQ_ERR:
+        case IBV_EVENT_QP_ACCESS_ERR:
+          for (IbvEndpoint* ep : shared_->endpoints) {
+            if (ep->qp_num() == event.element.qp->qp_num) {
+              ep->SetError(absl::UnavailableError(absl::StrCat("ibverbs: queue pair error: ", what)));
+            }
+          }
+          break;
+        case IBV_EVENT_DEVICE_FATAL:
+        case IBV_EVENT_PORT_ERR:
+          if (shared_->device_error.ok()) {
+            shared_->device_error = absl::UnavailableError(absl::StrCat(
+                "ibverbs (", shared_->selection.device, " port ", shared_->selection.port,
+                "): ", what));
+          }
+          break;
+        default:
+          break;
+      }
+      LOG(WARNING) << "ibverbs: async event on " << shared_->selection.device << ": " << what;
+      ibv_ack_async_event(&event);
+    }
+  }
+
+  std::shared_ptr<Shared> shared_;
+  Capabilities caps_;
+  size_t next_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Domain>> OpenIbverbsDomain(const DomainOptions& options,
+                                                          const RdmaConfig& config) {
+  ASSIGN_OR_RETURN(Inventory inventory, ReadInventory());
+  ASSIGN_OR_RETURN(Selection selection, SelectDevice(inventory, config));
+  auto shared = std::make_shared<Shared>();
+  shared->selection = selection;
+  shared->config = config;
+  shared->options = options;
+  shared->options.queue_depth =
+      std::min(options.queue_depth, static_cast<size_t>(config.queue_depth));
+
+  int num = 0;
+  ibv_device** list = ibv_get_device_list(&num);
+  if (list == nullptr) return absl::UnavailableError(Errno("ibv_get_device_list", errno));
+  for (int i = 0; i < num && shared->ctx == nullptr; ++i) {
+    if (selection.device == ibv_get_device_name(list[i])) shared->ctx = ibv_open_device(list[i]);
+  }
+  ibv_free_device_list(list);
+  if (shared->ctx == nullptr) {
+    return absl::UnavailableError(absl::StrCat("ibverbs: cannot open ", selection.device));
+  }
+  if (ibv_query_device(shared->ctx, &shared->attr) != 0) {
+    return absl::UnavailableError(Errno("ibv_query_device", errno));
+  }
+  shared->pd = ibv_alloc_pd(shared->ctx);
+  if (shared->pd == nullptr) return absl::UnavailableError(Errno("ibv_alloc_pd", errno));
+  const int flags = fcntl(shared->ctx->async_fd, F_GETFL);
+  fcntl(shared->ctx->async_fd, F_SETFL, flags | O_NONBLOCK);
+  LOG(INFO) << "ibverbs: using " << selection.reason;
+  return std::unique_ptr<Domain>(new IbvDomain(std::move(shared)));
+}
+
+}  // namespace tensorverbs::fabric::ibverbs
