@@ -14,6 +14,7 @@
 #include "src/common/status_macros.h"
 #include "src/fabric/ibverbs/device_selection.h"
 #include "src/fabric/ibverbs/inventory.h"
+#include "src/fabric/endpoint_base.h"
 #include "src/fabric/op_tracker.h"
 
 namespace tensorverbs::fabric::ibverbs {
@@ -134,7 +135,7 @@ class IbvRegion final : public MemoryRegion {
   ibv_mr* mr_;
 };
 
-class IbvEndpoint final : public Endpoint {
+class IbvEndpoint final : public EndpointBase {
  public:
   explicit IbvEndpoint(std::shared_ptr<Shared> shared)
       : shared_(std::move(shared)),
@@ -241,18 +242,6 @@ class IbvEndpoint final : public Endpoint {
     return absl::OkStatus();
   }
 
-  absl::Status PostWrite(const LocalBuffer& local, const RemoteBuffer& remote,
-                         uint64_t context) override {
-    return Post(CompletionKind::kWrite, false, 0, local, remote, context);
-  }
-  absl::Status PostWriteWithImm(const LocalBuffer& local, const RemoteBuffer& remote, uint32_t imm,
-                                uint64_t context) override {
-    return Post(CompletionKind::kWrite, true, imm, local, remote, context);
-  }
-  absl::Status PostRead(const LocalBuffer& local, const RemoteBuffer& remote,
-                        uint64_t context) override {
-    return Post(CompletionKind::kRead, false, 0, local, remote, context);
-  }
   size_t Outstanding() const override { return ops_.live(); }
 
   size_t Progress(absl::Span<Completion> out) {
@@ -315,24 +304,12 @@ class IbvEndpoint final : public Endpoint {
   }
 
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
-                    const RemoteBuffer& remote, uint64_t context) {
+                    const RemoteBuffer& remote, uint64_t context) override {
     if (!connected_) return absl::FailedPreconditionError("ibverbs: endpoint is not connected");
     if (!shared_->device_error.ok()) return shared_->device_error;
     if (!qp_error_.ok()) return qp_error_;
-    if (local.length > 0 &&
-        (local.region == nullptr || !local.region->Contains(local.addr, local.length))) {
-      return absl::InvalidArgumentError("ibverbs: local buffer is not inside its registered region");
-    }
     ASSIGN_OR_RETURN(PackedKey key, PackedKey::Unpack(remote.key));
-    if (remote.length < local.length) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ibverbs: ", local.length, " bytes do not fit the remote buffer of ", remote.length));
-    }
-    if (remote.addr < key.base || local.length > key.length ||
-        remote.addr - key.base > key.length - local.length) {
-      return absl::OutOfRangeError(absl::StrCat("ibverbs: remote range [", remote.addr, ", +",
-                                                local.length, ") is outside the registered region"));
-    }
+    RETURN_IF_ERROR(CheckRanges("ibverbs", local, remote, key.base, key.length));
     if (local.length > shared_->attr.max_mr_size || local.length > UINT32_MAX) {
       return absl::InvalidArgumentError(absl::StrCat("ibverbs: ", local.length,
                                                      " bytes exceed one work request"));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_split.h"
 #include "src/common/mutex.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/endpoint_base.h"
 
 namespace tensorverbs::fabric::loopback {
 namespace {
@@ -86,7 +87,7 @@ class LoopbackRegion final : public MemoryRegion {
   const uint64_t key_;
 };
 
-class LoopbackEndpoint final : public Endpoint {
+class LoopbackEndpoint final : public EndpointBase {
  public:
   explicit LoopbackEndpoint(std::shared_ptr<DomainState> domain)
       : state_(std::make_shared<EndpointState>()) {
@@ -128,18 +129,6 @@ class LoopbackEndpoint final : public Endpoint {
     return absl::OkStatus();
   }
 
-  absl::Status PostWrite(const LocalBuffer& local, const RemoteBuffer& remote,
-                         uint64_t context) override {
-    return Post(CompletionKind::kWrite, local, remote, false, 0, context);
-  }
-  absl::Status PostWriteWithImm(const LocalBuffer& local, const RemoteBuffer& remote, uint32_t imm,
-                                uint64_t context) override {
-    return Post(CompletionKind::kWrite, local, remote, true, imm, context);
-  }
-  absl::Status PostRead(const LocalBuffer& local, const RemoteBuffer& remote,
-                        uint64_t context) override {
-    return Post(CompletionKind::kRead, local, remote, false, 0, context);
-  }
 
   size_t Outstanding() const override {
     MutexLock lock(&state_->domain->mu);
@@ -151,8 +140,8 @@ class LoopbackEndpoint final : public Endpoint {
   }
 
  private:
-  absl::Status Post(CompletionKind kind, const LocalBuffer& local, const RemoteBuffer& remote,
-                    bool with_imm, uint32_t imm, uint64_t context) {
+  absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
+                    const RemoteBuffer& remote, uint64_t context) override {
     DomainState& self = *state_->domain;
     {
       MutexLock lock(&self.mu);

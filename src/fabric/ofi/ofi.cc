@@ -19,6 +19,7 @@
 #include "src/common/config.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/endpoint_base.h"
 #include "src/fabric/op_tracker.h"
 
 namespace tensorverbs::fabric::ofi {
@@ -111,7 +112,7 @@ class OfiRegion final : public MemoryRegion {
 
 static_assert(sizeof(fi_context2) <= sizeof(Op::provider), "fi_context2 must fit in Op");
 
-class OfiEndpoint final : public Endpoint {
+class OfiEndpoint final : public EndpointBase {
  public:
   explicit OfiEndpoint(std::shared_ptr<Shared> shared)
       : shared_(std::move(shared)),
@@ -167,19 +168,6 @@ class OfiEndpoint final : public Endpoint {
     return absl::OkStatus();
   }
 
-  absl::Status PostWrite(const LocalBuffer& local, const RemoteBuffer& remote,
-                         uint64_t context) override {
-    return Post(CompletionKind::kWrite, false, 0, local, remote, context);
-  }
-  absl::Status PostWriteWithImm(const LocalBuffer& local, const RemoteBuffer& remote, uint32_t imm,
-                                uint64_t context) override {
-    return Post(CompletionKind::kWrite, true, imm, local, remote, context);
-  }
-  absl::Status PostRead(const LocalBuffer& local, const RemoteBuffer& remote,
-                        uint64_t context) override {
-    return Post(CompletionKind::kRead, false, 0, local, remote, context);
-  }
-
   size_t Outstanding() const override { return ops_.live(); }
 
   // Reads this endpoint's completions into `out`; returns how many.
@@ -228,23 +216,10 @@ class OfiEndpoint final : public Endpoint {
   void* receive_ctx() { return &receive_ctx_; }
 
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
-                    const RemoteBuffer& remote, uint64_t context) {
+                    const RemoteBuffer& remote, uint64_t context) override {
     if (!connected_) return absl::FailedPreconditionError("ofi: endpoint is not connected");
-    if (local.length > 0 &&
-        (local.region == nullptr || !local.region->Contains(local.addr, local.length))) {
-      return absl::InvalidArgumentError("ofi: local buffer is not inside its registered region");
-    }
     ASSIGN_OR_RETURN(PackedKey key, PackedKey::Unpack(remote.key));
-    if (remote.length < local.length) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ofi: ", local.length, " bytes do not fit the remote buffer of ", remote.length));
-    }
-    if (remote.addr < key.base || local.length > key.length ||
-        remote.addr - key.base > key.length - local.length) {
-      return absl::OutOfRangeError(absl::StrCat("ofi: remote range [", remote.addr, ", +",
-                                                local.length, ") is outside the registered region [",
-                                                key.base, ", +", key.length, ")"));
-    }
+    RETURN_IF_ERROR(CheckRanges("ofi", local, remote, key.base, key.length));
     if (local.length > shared_->info->ep_attr->max_msg_size) {
       return absl::InvalidArgumentError(absl::StrCat("ofi: ", local.length,
                                                      " bytes exceed the provider's message size"));
