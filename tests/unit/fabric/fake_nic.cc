@@ -1,0 +1,304 @@
+#include "tests/unit/fabric/fake_nic.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+namespace tensorverbs::testing {
+namespace {
+
+struct FakeCq {
+  ibv_cq cq{};
+  std::deque<ibv_wc> queue;
+};
+
+struct FakeQp;
+
+// A write with immediate that found no posted receive: like an RC QP with rnr_retry 7, the
+// sender keeps retrying, so it completes on both sides once the target posts a receive.
+struct WaitingWrite {
+  ibv_wc arrived;
+  ibv_wc done;
+  FakeQp* sender;
+};
+
+struct FakeQp {
+  ibv_qp qp{};
+  FakeCq* cq = nullptr;
+  uint32_t max_send_wr = 0;
+  uint32_t sends_in_cq = 0;  // sends posted and not yet polled: the send queue's occupancy
+  std::deque<uint64_t> receives;
+  std::deque<WaitingWrite> waiting;
+  uint32_t dest_qp = 0;
+  ibv_qp_state state = IBV_QPS_RESET;
+};
+
+struct FakeMr {
+  ibv_mr mr{};
+  int access = 0;
+};
+
+struct State {
+  ibv_device device{};
+  ibv_device* list[2] = {&device, nullptr};
+  ibv_context ctx{};
+  ibv_pd pd{};
+  int async_pipe[2] = {-1, -1};
+  std::map<uint32_t, std::unique_ptr<FakeQp>> qps;
+  std::map<uint32_t, std::unique_ptr<FakeMr>> mrs;  // rkey == lkey
+  uint32_t next_qpn = 100;
+  uint32_t next_key = 0x1000;
+};
+
+State& S() {
+  static State* s = new State;
+  return *s;
+}
+
+FakeQp* Qp(ibv_qp* qp) { return S().qps.at(qp->qp_num).get(); }
+
+bool InRegion(uint32_t key, uint64_t addr, uint64_t len, int need) {
+  auto it = S().mrs.find(key);
+  if (it == S().mrs.end()) return false;
+  const ibv_mr& mr = it->second->mr;
+  auto base = reinterpret_cast<uint64_t>(mr.addr);
+  return (it->second->access & need) == need && addr >= base && len <= mr.length &&
+         addr - base <= mr.length - len;
+}
+
+int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
+  FakeQp* q = Qp(qp);
+  if (q->sends_in_cq >= q->max_send_wr) {
+    *bad = wr;
+    return ENOMEM;
+  }
+  ibv_wc done{};
+  done.wr_id = wr->wr_id;
+  done.qp_num = qp->qp_num;
+  done.status = IBV_WC_SUCCESS;
+  const uint64_t len = wr->num_sge ? wr->sg_list[0].length : 0;
+  void* local = wr->num_sge ? reinterpret_cast<void*>(wr->sg_list[0].addr) : nullptr;
+  const bool read = wr->opcode == IBV_WR_RDMA_READ;
+  const int need = read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE;
+  auto dest = S().qps.find(q->dest_qp);
+  if (q->state != IBV_QPS_RTS || dest == S().qps.end()) {
+    done.status = IBV_WC_RETRY_EXC_ERR;
+  } else if (len > 0 && !InRegion(wr->wr.rdma.rkey, wr->wr.rdma.remote_addr, len, need)) {
+    done.status = IBV_WC_REM_ACCESS_ERR;
+  } else {
+    auto* remote = reinterpret_cast<void*>(wr->wr.rdma.remote_addr);
+    if (len > 0) read ? std::memcpy(local, remote, len) : std::memcpy(remote, local, len);
+    if (wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM) {
+      FakeQp* d = dest->second.get();
+      ibv_wc arrived{};
+      arrived.status = IBV_WC_SUCCESS;
+      arrived.opcode = IBV_WC_RECV_RDMA_WITH_IMM;
+      arrived.wc_flags = IBV_WC_WITH_IMM;
+      arrived.imm_data = wr->imm_data;  // network order on the wire
+      arrived.byte_len = static_cast<uint32_t>(len);
+      arrived.qp_num = d->qp.qp_num;
+      done.opcode = IBV_WC_RDMA_WRITE;
+      ++q->sends_in_cq;
+      if (d->receives.empty()) {
+        d->waiting.push_back({arrived, done, q});
+        return 0;
+      }
+      arrived.wr_id = d->receives.front();
+      d->receives.pop_front();
+      d->cq->queue.push_back(arrived);
+      q->cq->queue.push_back(done);
+      return 0;
+    }
+  }
+  done.opcode = read ? IBV_WC_RDMA_READ : IBV_WC_RDMA_WRITE;
+  q->cq->queue.push_back(done);
+  ++q->sends_in_cq;
+  return 0;
+}
+
+int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  FakeQp* q = Qp(qp);
+  if (!q->waiting.empty()) {
+    WaitingWrite w = q->waiting.front();
+    q->waiting.pop_front();
+    w.arrived.wr_id = wr->wr_id;
+    q->cq->queue.push_back(w.arrived);
+    w.sender->cq->queue.push_back(w.done);
+    return 0;
+  }
+  q->receives.push_back(wr->wr_id);
+  return 0;
+}
+
+int PollCq(ibv_cq* cq, int n, ibv_wc* wc) {
+  auto* c = reinterpret_cast<FakeCq*>(cq);
+  int got = 0;
+  while (got < n && !c->queue.empty()) {
+    wc[got] = c->queue.front();
+    c->queue.pop_front();
+    auto it = S().qps.find(wc[got].qp_num);
+    if (it != S().qps.end() && wc[got].opcode != IBV_WC_RECV_RDMA_WITH_IMM) --it->second->sends_in_cq;
+    ++got;
+  }
+  return got;
+}
+
+}  // namespace
+
+FakeNic& FakeNic::Get() {
+  static FakeNic* nic = new FakeNic;
+  return *nic;
+}
+
+void FakeNic::Reset() {
+  *this = FakeNic();
+  State& s = S();
+  s.qps.clear();
+  s.mrs.clear();
+}
+
+}  // namespace tensorverbs::testing
+
+using tensorverbs::testing::FakeNic;
+using tensorverbs::testing::S;
+using tensorverbs::testing::State;
+
+extern "C" {
+
+ibv_device** __wrap_ibv_get_device_list(int* num) {
+  std::strncpy(S().device.name, FakeNic::Get().name.c_str(), sizeof(S().device.name) - 1);
+  *num = 1;
+  return S().list;
+}
+void __wrap_ibv_free_device_list(ibv_device**) {}
+ibv_context* __wrap_ibv_open_device(ibv_device* device) {
+  State& s = S();
+  s.ctx = ibv_context{};
+  s.ctx.device = device;
+  s.ctx.ops.post_send = tensorverbs::testing::PostSend;
+  s.ctx.ops.post_recv = tensorverbs::testing::PostRecv;
+  s.ctx.ops.poll_cq = tensorverbs::testing::PollCq;
+  if (s.async_pipe[0] < 0) pipe(s.async_pipe);
+  s.ctx.async_fd = s.async_pipe[0];
+  return &s.ctx;
+}
+int __wrap_ibv_close_device(ibv_context*) { return 0; }
+int __wrap_ibv_query_device(ibv_context*, ibv_device_attr* attr) {
+  *attr = ibv_device_attr{};
+  attr->phys_port_cnt = 1;
+  attr->max_qp_wr = FakeNic::Get().max_qp_wr;
+  attr->max_cqe = 65536;
+  attr->max_mr_size = uint64_t{1} << 40;
+  attr->max_qp_rd_atom = 16;
+  attr->max_qp_init_rd_atom = 16;
+  return 0;
+}
+int __wrap_ibv_query_port(ibv_context*, uint8_t port, _compat_ibv_port_attr* compat) {
+  auto* attr = reinterpret_cast<ibv_port_attr*>(compat);
+  attr->state = FakeNic::Get().port_state;
+  attr->active_mtu = FakeNic::Get().active_mtu;
+  attr->link_layer = IBV_LINK_LAYER_ETHERNET;
+  attr->gid_tbl_len = 2;
+  attr->lid = 0;
+  return port == 1 ? 0 : EINVAL;
+}
+ssize_t __wrap__ibv_query_gid_table(ibv_context*, ibv_gid_entry* entries, size_t max, uint32_t,
+                                    size_t) {
+  if (max < 2) return -EINVAL;
+  entries[0] = ibv_gid_entry{};
+  entries[0].port_num = 1;
+  entries[0].gid_index = 0;
+  entries[0].gid_type = IBV_GID_TYPE_ROCE_V1;
+  inet_pton(AF_INET6, "fe80::7", entries[0].gid.raw);
+  entries[1] = entries[0];
+  entries[1].gid_index = 1;
+  entries[1].gid_type = IBV_GID_TYPE_ROCE_V2;
+  inet_pton(AF_INET6, FakeNic::Get().gid.c_str(), entries[1].gid.raw);
+  return 2;
+}
+ibv_pd* __wrap_ibv_alloc_pd(ibv_context* ctx) {
+  if (FakeNic::Get().fail_alloc_pd) {
+    errno = ENOMEM;
+    return nullptr;
+  }
+  S().pd.context = ctx;
+  return &S().pd;
+}
+int __wrap_ibv_dealloc_pd(ibv_pd*) { return 0; }
+ibv_mr* __wrap_ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t, unsigned int access) {
+  auto mr = std::make_unique<tensorverbs::testing::FakeMr>();
+  mr->mr.context = pd->context;
+  mr->mr.pd = pd;
+  mr->mr.addr = addr;
+  mr->mr.length = length;
+  mr->mr.lkey = mr->mr.rkey = S().next_key++;
+  mr->access = static_cast<int>(access);
+  ibv_mr* out = &mr->mr;
+  S().mrs[out->rkey] = std::move(mr);
+  return out;
+}
+ibv_mr* __wrap_ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
+  return __wrap_ibv_reg_mr_iova2(pd, addr, length, 0, static_cast<unsigned int>(access));
+}
+int __wrap_ibv_dereg_mr(ibv_mr* mr) {
+  S().mrs.erase(mr->rkey);
+  return 0;
+}
+ibv_cq* __wrap_ibv_create_cq(ibv_context* ctx, int, void*, ibv_comp_channel*, int) {
+  if (FakeNic::Get().fail_create_cq) {
+    errno = ENOMEM;
+    return nullptr;
+  }
+  auto* cq = new tensorverbs::testing::FakeCq;
+  cq->cq.context = ctx;
+  return &cq->cq;
+}
+int __wrap_ibv_destroy_cq(ibv_cq* cq) {
+  delete reinterpret_cast<tensorverbs::testing::FakeCq*>(cq);
+  return 0;
+}
+ibv_qp* __wrap_ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* init) {
+  if (FakeNic::Get().fail_create_qp) {
+    errno = ENOMEM;
+    return nullptr;
+  }
+  auto q = std::make_unique<tensorverbs::testing::FakeQp>();
+  q->qp.context = pd->context;
+  q->qp.pd = pd;
+  q->qp.qp_num = S().next_qpn++;
+  q->cq = reinterpret_cast<tensorverbs::testing::FakeCq*>(init->send_cq);
+  q->max_send_wr = init->cap.max_send_wr;
+  ibv_qp* out = &q->qp;
+  S().qps[out->qp_num] = std::move(q);
+  return out;
+}
+int __wrap_ibv_destroy_qp(ibv_qp* qp) {
+  S().qps.erase(qp->qp_num);
+  return 0;
+}
+int __wrap_ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {
+  FakeNic& nic = FakeNic::Get();
+  nic.modifies.push_back({qp->qp_num, *attr, mask});
+  if ((mask & IBV_QP_STATE) && attr->qp_state == nic.fail_modify_to) return EINVAL;
+  auto* q = tensorverbs::testing::Qp(qp);
+  if (mask & IBV_QP_STATE) q->state = attr->qp_state;
+  if (mask & IBV_QP_DEST_QPN) q->dest_qp = attr->dest_qp_num;
+  return 0;
+}
+int __wrap_ibv_get_async_event(ibv_context*, ibv_async_event* event) {
+  FakeNic& nic = FakeNic::Get();
+  if (nic.async_events.empty()) {
+    errno = EAGAIN;
+    return -1;
+  }
+  *event = nic.async_events.front();
+  nic.async_events.pop_front();
+  return 0;
+}
+void __wrap_ibv_ack_async_event(ibv_async_event*) {}
+
+}  // extern "C"

@@ -1,0 +1,50 @@
+// A software RDMA NIC behind libibverbs' API, for testing the ibverbs backend without hardware.
+//
+// The test binary links with -Wl,--wrap for the exported verbs functions (device list, open,
+// query, PD, MR, CQ, QP, modify, async events); the data path (post_send, post_recv, poll_cq)
+// goes through the fake context's ops table, as libibverbs dispatches it. Writes and reads are
+// carried out at post time between QPs of this process, with the RC semantics the backend relies
+// on: a write with immediate consumes a receive on the target and completes there as
+// IBV_WC_RECV_RDMA_WITH_IMM; a bad rkey or range completes with IBV_WC_REM_ACCESS_ERR; a full send
+// queue refuses with ENOMEM. Every modify_qp is recorded. Single-threaded, like the tests.
+#ifndef TENSORVERBS_TESTS_UNIT_FABRIC_FAKE_NIC_H_
+#define TENSORVERBS_TESTS_UNIT_FABRIC_FAKE_NIC_H_
+
+#include <infiniband/verbs.h>
+
+#include <deque>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tensorverbs::testing {
+
+struct FakeNic {
+  // What the device reports.
+  std::string name = "fake_0";
+  ibv_port_state port_state = IBV_PORT_ACTIVE;
+  ibv_mtu active_mtu = IBV_MTU_1024;
+  std::string gid = "::ffff:10.0.0.7";  // one RoCEv2 GID at index 1, a RoCEv1 one at 0
+  int max_qp_wr = 4096;
+
+  // Failures to inject.
+  bool fail_alloc_pd = false;
+  bool fail_create_cq = false;
+  bool fail_create_qp = false;
+  int fail_modify_to = -1;  // an ibv_qp_state that modify_qp refuses (EINVAL)
+
+  struct Modify {
+    uint32_t qp_num;
+    ibv_qp_attr attr;
+    int mask;
+  };
+  std::vector<Modify> modifies;
+  std::deque<ibv_async_event> async_events;
+
+  static FakeNic& Get();
+  void Reset();
+};
+
+}  // namespace tensorverbs::testing
+
+#endif  // TENSORVERBS_TESTS_UNIT_FABRIC_FAKE_NIC_H_

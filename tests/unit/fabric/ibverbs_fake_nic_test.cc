@@ -1,0 +1,211 @@
+// The ibverbs backend driven against FakeNic: QP attributes from the RDMA_* variables, the data
+// path (immediate byte order, receives kept posted, send credits), error completions and
+// set-up failures — everything a host without an RDMA NIC can check.
+#include <arpa/inet.h>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <set>
+
+#include "src/fabric/ibverbs/ibverbs.h"
+#include "tests/unit/fabric/fake_nic.h"
+
+namespace tensorverbs::fabric::ibverbs {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::FakeNic;
+
+class IbverbsFakeNicTest : public ::testing::Test {
+ protected:
+  void SetUp() override { FakeNic::Get().Reset(); }
+
+  void Open(RdmaConfig config = RdmaConfig(), DomainOptions options = DomainOptions()) {
+    absl::StatusOr<std::unique_ptr<Domain>> d = OpenIbverbsDomain(options, config);
+    ASSERT_TRUE(d.ok()) << d.status();
+    domain_ = *std::move(d);
+    a_ = *domain_->CreateEndpoint();
+    b_ = *domain_->CreateEndpoint();
+    ASSERT_TRUE(a_->Connect(b_->LocalAddress()).ok());
+    ASSERT_TRUE(b_->Connect(a_->LocalAddress()).ok());
+    src_.assign(1 << 16, 'a');
+    dst_.assign(1 << 16, 0);
+    src_mr_ = *domain_->RegisterMemory(src_.data(), src_.size(), kAccessLocal);
+    dst_mr_ = *domain_->RegisterMemory(dst_.data(), dst_.size(), kAccessRemoteWrite | kAccessRemoteRead);
+  }
+  RemoteBuffer Dst(size_t offset, size_t len) {
+    return {dst_mr_->PackRemoteKey(), reinterpret_cast<uint64_t>(dst_.data()) + offset, len};
+  }
+  std::vector<Completion> Drain() {
+    std::vector<Completion> out;
+    Completion c[16];
+    for (int i = 0; i < 1000; ++i) {
+      size_t n = *domain_->Poll(absl::MakeSpan(c));
+      if (n == 0 && i > 2) break;
+      out.insert(out.end(), c, c + n);
+    }
+    return out;
+  }
+
+  std::unique_ptr<Domain> domain_;
+  std::unique_ptr<Endpoint> a_, b_;
+  std::string src_, dst_;
+  std::unique_ptr<MemoryRegion> src_mr_, dst_mr_;
+};
+
+TEST_F(IbverbsFakeNicTest, SelectsTheDeviceAndMovesQpsThroughInitRtrRtsWithTheSeedsAttributes) {
+  RdmaConfig config;
+  config.timeout = 20;
+  config.retry_count = 5;
+  config.sl = 3;
+  config.traffic_class = 106;
+  config.pkey_index = 2;
+  config.mtu = 512;
+  ASSERT_NO_FATAL_FAILURE(Open(config));
+  EXPECT_EQ(domain_->capabilities().backend, "ibverbs");
+  EXPECT_EQ(domain_->capabilities().provider, "fake_0:1");
+  // Two QPs: INIT at creation, then RTR and RTS at Connect.
+  std::vector<FakeNic::Modify>& m = FakeNic::Get().modifies;
+  ASSERT_EQ(m.size(), 6u);
+  EXPECT_EQ(m[0].attr.qp_state, IBV_QPS_INIT);
+  EXPECT_EQ(m[0].attr.pkey_index, 2);
+  EXPECT_EQ(m[0].attr.port_num, 1);
+  EXPECT_TRUE(m[0].attr.qp_access_flags & IBV_ACCESS_REMOTE_WRITE);
+  const FakeNic::Modify& rtr = m[2];
+  EXPECT_EQ(rtr.attr.qp_state, IBV_QPS_RTR);
+  EXPECT_EQ(rtr.attr.path_mtu, IBV_MTU_512);
+  EXPECT_EQ(rtr.attr.dest_qp_num, m[1].qp_num) << "a connects to b";
+  EXPECT_EQ(rtr.attr.ah_attr.sl, 3);
+  EXPECT_EQ(rtr.attr.ah_attr.is_global, 1) << "RoCE routes by GID";
+  EXPECT_EQ(rtr.attr.ah_attr.grh.sgid_index, 1) << "the RoCEv2 IPv4 GID";
+  EXPECT_EQ(rtr.attr.ah_attr.grh.traffic_class, 106);
+  char gid[INET6_ADDRSTRLEN];
+  inet_ntop(AF_INET6, rtr.attr.ah_attr.grh.dgid.raw, gid, sizeof(gid));
+  EXPECT_STREQ(gid, "::ffff:10.0.0.7");
+  const FakeNic::Modify& rts = m[3];
+  EXPECT_EQ(rts.attr.qp_state, IBV_QPS_RTS);
+  EXPECT_EQ(rts.attr.timeout, 20);
+  EXPECT_EQ(rts.attr.retry_cnt, 5);
+  EXPECT_EQ(rts.attr.rnr_retry, 7);
+  EXPECT_EQ(rtr.attr.rq_psn, m[5].attr.sq_psn) << "a expects b's send PSN";
+}
+
+TEST_F(IbverbsFakeNicTest, WriteWithImmediateLandsAndTheImmediateKeepsItsValue) {
+  ASSERT_NO_FATAL_FAILURE(Open());
+  for (uint32_t imm : {0u, 7u, 0xFFFFFFFDu, 0xFFFFFFFEu, 0xFFFFFFFFu}) {
+    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 4096}, Dst(0, 4096), imm, imm + 1).ok());
+  }
+  ASSERT_TRUE(a_->PostWriteWithImm({}, Dst(0, 0), 0x12345678, 99).ok()) << "zero bytes";
+  std::vector<Completion> got = Drain();
+  std::multiset<uint32_t> imms;
+  size_t local = 0;
+  for (const Completion& c : got) {
+    ASSERT_TRUE(c.status.ok()) << c.status;
+    if (c.kind == CompletionKind::kRemoteWriteImm) {
+      EXPECT_EQ(c.endpoint, b_.get());
+      imms.insert(c.imm);
+    } else {
+      EXPECT_EQ(c.endpoint, a_.get());
+      ++local;
+    }
+  }
+  EXPECT_EQ(local, 6u);
+  EXPECT_EQ(imms, (std::multiset<uint32_t>{0, 7, 0xFFFFFFFD, 0xFFFFFFFE, 0xFFFFFFFF, 0x12345678}));
+  EXPECT_EQ(std::memcmp(dst_.data(), src_.data(), 4096), 0);
+}
+
+TEST_F(IbverbsFakeNicTest, ThousandsOfWritesBeyondTheQueueDepthKeepReceivesPosted) {
+  RdmaConfig config;
+  config.queue_depth = 8;
+  ASSERT_NO_FATAL_FAILURE(Open(config));
+  constexpr int kWrites = 3000;
+  for (int i = 0; i < kWrites; ++i) {
+    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * (i % 1000), 16), i, i).ok());
+  }
+  EXPECT_GT(a_->Outstanding(), 8u) << "posts beyond the depth are queued, not refused";
+  std::vector<Completion> got = Drain();
+  size_t remote = 0, local = 0;
+  for (const Completion& c : got) {
+    ASSERT_TRUE(c.status.ok()) << c.status;  // an RNR error would mean a receive was not reposted
+    (c.kind == CompletionKind::kRemoteWriteImm ? remote : local)++;
+  }
+  EXPECT_EQ(local, static_cast<size_t>(kWrites));
+  EXPECT_EQ(remote, static_cast<size_t>(kWrites));
+  EXPECT_EQ(a_->Outstanding(), 0u);
+}
+
+TEST_F(IbverbsFakeNicTest, ReadsAndErrorCompletionsBecomeStatuses) {
+  ASSERT_NO_FATAL_FAILURE(Open());
+  std::memset(dst_.data(), 'z', 100);
+  ASSERT_TRUE(a_->PostRead({src_mr_.get(), src_.data(), 100}, Dst(0, 100), 1).ok());
+  std::vector<Completion> got = Drain();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].kind, CompletionKind::kRead);
+  EXPECT_EQ(src_[99], 'z');
+  // A key the NIC does not know (the range itself is consistent, so the backend posts it).
+  RemoteBuffer bogus = Dst(0, 64);
+  bogus.key[0] ^= 0x55;
+  ASSERT_TRUE(a_->PostWrite({src_mr_.get(), src_.data(), 64}, bogus, 2).ok());
+  got = Drain();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(got[0].status.message(), HasSubstr("remote access error"));
+  // Ranges outside the registered region never reach the NIC.
+  EXPECT_EQ(a_->PostWrite({src_mr_.get(), src_.data(), 64}, Dst(dst_.size() - 8, 64), 3).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(Drain().empty());
+}
+
+TEST_F(IbverbsFakeNicTest, FatalQpEventFailsLaterPosts) {
+  ASSERT_NO_FATAL_FAILURE(Open());
+  ibv_async_event event{};
+  event.event_type = IBV_EVENT_QP_FATAL;
+  // Find a's QP through the recorded modifies (the first QP created).
+  static ibv_qp fake_qp;
+  fake_qp.qp_num = FakeNic::Get().modifies[0].qp_num;
+  event.element.qp = &fake_qp;
+  FakeNic::Get().async_events.push_back(event);
+  Drain();
+  absl::Status s = a_->PostWrite({src_mr_.get(), src_.data(), 8}, Dst(0, 8), 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(s.message(), HasSubstr("queue pair error"));
+  EXPECT_TRUE(b_->PostWrite({src_mr_.get(), src_.data(), 8}, Dst(0, 8), 1).ok()) << "b is unaffected";
+}
+
+TEST_F(IbverbsFakeNicTest, SetUpFailuresAreClearErrors) {
+  FakeNic::Get().port_state = IBV_PORT_DOWN;
+  absl::StatusOr<std::unique_ptr<Domain>> d = OpenIbverbsDomain(DomainOptions(), RdmaConfig());
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(d.status().message()), HasSubstr("fake_0 port 1: down, Ethernet")) << d.status();
+  FakeNic::Get().Reset();
+
+  FakeNic::Get().fail_alloc_pd = true;
+  d = OpenIbverbsDomain(DomainOptions(), RdmaConfig());
+  EXPECT_THAT(d.status().message(), HasSubstr("ibv_alloc_pd"));
+  FakeNic::Get().Reset();
+
+  d = OpenIbverbsDomain(DomainOptions(), RdmaConfig());
+  ASSERT_TRUE(d.ok());
+  FakeNic::Get().fail_create_qp = true;
+  EXPECT_THAT((*d)->CreateEndpoint().status().message(), HasSubstr("ibv_create_qp"));
+  FakeNic::Get().fail_create_qp = false;
+  FakeNic::Get().fail_modify_to = IBV_QPS_INIT;
+  absl::Status init = (*d)->CreateEndpoint().status();
+  EXPECT_EQ(init.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(init.message(), HasSubstr("RDMA_QP_PKEY_INDEX"));
+  FakeNic::Get().fail_modify_to = IBV_QPS_RTR;
+  auto ep = *(*d)->CreateEndpoint();
+  absl::Status rtr = ep->Connect(ep->LocalAddress());
+  EXPECT_EQ(rtr.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(rtr.message(), HasSubstr("RDMA_GID_INDEX"));
+  EXPECT_EQ(ep->Connect("short").code(), absl::StatusCode::kInvalidArgument);
+  RdmaConfig too_big;
+  too_big.mtu = 4096;
+  EXPECT_THAT(OpenIbverbsDomain(DomainOptions(), too_big).status().message(),
+              HasSubstr("RDMA_QP_MTU=4096 exceeds the active MTU 1024"));
+}
+
+}  // namespace
+}  // namespace tensorverbs::fabric::ibverbs
