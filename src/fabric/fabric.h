@@ -139,6 +139,11 @@ class Domain {
   virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() = 0;
   // Drives progress and returns up to out.size() completions. Never blocks.
   virtual absl::StatusOr<size_t> Poll(absl::Span<Completion> out) = 0;
+  // Blocks the progress thread until a completion may be ready or `timeout` passes, without
+  // spinning: a completion channel (ibverbs), the CQs' wait objects (ofi), a condition
+  // (loopback). Early returns are allowed; the caller polls afterwards. This is what the
+  // blocking and adaptive poll modes build on; busy polling never calls it.
+  virtual absl::Status Wait(absl::Duration timeout) = 0;
 };
 
 // The backends compiled in: "loopback", "ofi", and "ibverbs" when rdma-core was found.

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <iostream>
 #include <set>
 
 #include "absl/strings/match.h"
@@ -192,6 +193,31 @@ TEST_P(FabricConformanceTest, ThousandsOfWritesBeyondTheQueueDepth) {
   for (const Completion& c : at_a_) ASSERT_TRUE(c.status.ok()) << c.status;
   EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
   EXPECT_EQ(ea_->Outstanding(), 0u);
+}
+
+TEST_P(FabricConformanceTest, WaitSleepsWhenIdleAndReturnsWhenWorkArrives) {
+  absl::Time start = absl::Now();
+  ASSERT_TRUE(b_->Wait(absl::Milliseconds(300)).ok());
+  const absl::Duration idle = absl::Now() - start;
+  EXPECT_LT(idle, absl::Seconds(5));
+  Buffer src(4096), dst(4096);
+  auto src_mr = Register(*a_, src);
+  auto dst_mr = Register(*b_, dst);
+  ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src.data(), 64}, Remote(*dst_mr, 0, 64), 1, 1).ok());
+  // The writer's side may need progress too (manual progress): poll it, then wait on b.
+  absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (at_b_.empty() && absl::Now() < deadline) {
+    Completion c[8];
+    size_t n = *a_->Poll(absl::MakeSpan(c));
+    at_a_.insert(at_a_.end(), c, c + n);
+    start = absl::Now();
+    ASSERT_TRUE(b_->Wait(absl::Seconds(2)).ok());
+    n = *b_->Poll(absl::MakeSpan(c));
+    at_b_.insert(at_b_.end(), c, c + n);
+  }
+  ASSERT_EQ(at_b_.size(), 1u) << "the immediate arrived through Wait/Poll";
+  EXPECT_EQ(at_b_[0].imm, 1u);
+  std::cout << GetParam().name << ": idle Wait(300ms) took " << absl::FormatDuration(idle) << "\n";
 }
 
 TEST_P(FabricConformanceTest, PlainWriteAndRead) {

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <infiniband/verbs.h>
 
 #include <algorithm>
@@ -107,6 +108,7 @@ class IbvEndpoint;
 struct Shared {
   ibv_context* ctx = nullptr;
   ibv_pd* pd = nullptr;
+  ibv_comp_channel* channel = nullptr;  // every endpoint's CQ reports here; Wait blocks on it
   ibv_device_attr attr{};
   Selection selection;
   RdmaConfig config;
@@ -115,6 +117,7 @@ struct Shared {
   absl::Status device_error;  // sticky, from a fatal async event
 
   ~Shared() {
+    if (channel) ibv_destroy_comp_channel(channel);
     if (pd) ibv_dealloc_pd(pd);
     if (ctx) ibv_close_device(ctx);
   }
@@ -146,7 +149,7 @@ class IbvEndpoint final : public EndpointBase {
 
   absl::Status Init() {
     const int cqe = std::min<int>(static_cast<int>(2 * depth_ + 16), shared_->attr.max_cqe);
-    cq_ = ibv_create_cq(shared_->ctx, cqe, nullptr, nullptr, 0);
+    cq_ = ibv_create_cq(shared_->ctx, cqe, nullptr, shared_->channel, 0);
     if (cq_ == nullptr) return absl::ResourceExhaustedError(Errno("ibv_create_cq", errno));
     ibv_qp_init_attr init{};
     init.send_cq = cq_;
@@ -181,8 +184,14 @@ class IbvEndpoint final : public EndpointBase {
     auto& eps = shared_->endpoints;
     eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
     if (qp_) ibv_destroy_qp(qp_);
-    if (cq_) ibv_destroy_cq(cq_);
+    if (cq_) {
+      // Every CQ event taken from the channel must be acknowledged before destruction.
+      if (unacked_events_ > 0) ibv_ack_cq_events(cq_, unacked_events_);
+      ibv_destroy_cq(cq_);
+    }
   }
+
+  ibv_cq* cq() const { return cq_; }
 
   std::string LocalAddress() const override {
     Address a;
@@ -244,11 +253,30 @@ class IbvEndpoint final : public EndpointBase {
 
   size_t Outstanding() const override { return ops_.live(); }
 
+  // Arms the CQ for the channel, then collects what arrived before arming (a completion that
+  // raced the arming would raise no event). Returns whether anything is ready.
+  bool ArmAndCheck() {
+    if (ibv_req_notify_cq(cq_, 0) != 0) return true;  // cannot arm: let the caller poll
+    ibv_wc wc[32];
+    int n;
+    while ((n = ibv_poll_cq(cq_, 32, wc)) > 0) stash_.insert(stash_.end(), wc, wc + n);
+    return !stash_.empty();
+  }
+
+  void AckEvent() { ++unacked_events_; }
+
   size_t Progress(absl::Span<Completion> out) {
     size_t produced = 0;
     ibv_wc wc[32];
     while (produced < out.size()) {
-      int n = ibv_poll_cq(cq_, static_cast<int>(std::min<size_t>(32, out.size() - produced)), wc);
+      int n;
+      if (!stash_.empty()) {
+        n = static_cast<int>(std::min<size_t>({stash_.size(), 32, out.size() - produced}));
+        std::copy_n(stash_.begin(), n, wc);
+        stash_.erase(stash_.begin(), stash_.begin() + n);
+      } else {
+        n = ibv_poll_cq(cq_, static_cast<int>(std::min<size_t>(32, out.size() - produced)), wc);
+      }
       if (n < 0) {
         LOG(WARNING) << "ibverbs: ibv_poll_cq failed on " << shared_->selection.device;
         break;
@@ -357,6 +385,8 @@ class IbvEndpoint final : public EndpointBase {
   uint32_t psn_ = 0;
   bool connected_ = false;
   absl::Status qp_error_;
+  std::vector<ibv_wc> stash_;  // collected by ArmAndCheck, reported by Progress
+  unsigned int unacked_events_ = 0;
   OpTracker ops_;
 };
 
@@ -393,6 +423,26 @@ class IbvDomain final : public Domain {
     auto ep = std::make_unique<IbvEndpoint>(shared_);
     RETURN_IF_ERROR(ep->Init());
     return std::unique_ptr<Endpoint>(std::move(ep));
+  }
+
+  absl::Status Wait(absl::Duration timeout) override {
+    bool ready = false;
+    for (IbvEndpoint* ep : shared_->endpoints) ready |= ep->ArmAndCheck();
+    if (ready) return absl::OkStatus();
+    pollfd fds[2] = {{shared_->channel->fd, POLLIN, 0}, {shared_->ctx->async_fd, POLLIN, 0}};
+    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
+    if (poll(fds, 2, std::max(ms, 0)) < 0 && errno != EINTR) {
+      return absl::UnavailableError(Errno("poll", errno));
+    }
+    // Drain the channel (its fd is non-blocking); the events are acknowledged in batches.
+    ibv_cq* cq = nullptr;
+    void* cq_context = nullptr;
+    while (ibv_get_cq_event(shared_->channel, &cq, &cq_context) == 0) {
+      for (IbvEndpoint* ep : shared_->endpoints) {
+        if (ep->cq() == cq) ep->AckEvent();
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
@@ -471,8 +521,14 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenIbverbsDomain(const DomainOptions& o
   }
   shared->pd = ibv_alloc_pd(shared->ctx);
   if (shared->pd == nullptr) return absl::UnavailableError(Errno("ibv_alloc_pd", errno));
-  const int flags = fcntl(shared->ctx->async_fd, F_GETFL);
-  fcntl(shared->ctx->async_fd, F_SETFL, flags | O_NONBLOCK);
+  shared->channel = ibv_create_comp_channel(shared->ctx);
+  if (shared->channel == nullptr) {
+    return absl::UnavailableError(Errno("ibv_create_comp_channel", errno));
+  }
+  // Both are read without blocking on the progress thread; Wait blocks on them with poll().
+  for (int fd : {shared->ctx->async_fd, shared->channel->fd}) {
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  }
   LOG(INFO) << "ibverbs: using " << selection.reason;
   return std::unique_ptr<Domain>(new IbvDomain(std::move(shared)));
 }

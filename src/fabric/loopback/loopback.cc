@@ -283,6 +283,18 @@ class LoopbackDomain final : public Domain {
     return ready.size();
   }
 
+  absl::Status Wait(absl::Duration timeout) override {
+    DomainState& st = *state_;
+    MutexLock lock(&st.mu);
+    // Delayed completions become ready only through Poll calls, so they end the wait too.
+    st.mu.AwaitWithTimeout(
+        [&st]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
+          return !st.queue.empty() && !st.faults.stalled;
+        },
+        timeout);
+    return absl::OkStatus();
+  }
+
   void SetFaults(const Faults& faults) {
     MutexLock lock(&state_->mu);
     state_->faults = faults;

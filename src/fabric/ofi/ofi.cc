@@ -1,5 +1,6 @@
 #include "src/fabric/ofi/ofi.h"
 
+#include <poll.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
@@ -8,6 +9,7 @@
 #include <rdma/fi_rma.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -125,8 +127,16 @@ class OfiEndpoint final : public EndpointBase {
     fi_cq_attr cq_attr{};
     cq_attr.format = FI_CQ_FORMAT_DATA;
     cq_attr.size = std::max<size_t>(shared_->options.queue_depth * 2 + kPostedReceives, 256);
-    cq_attr.wait_obj = FI_WAIT_NONE;
+    // A file descriptor to block on lets Domain::Wait sleep instead of spin; providers without
+    // one get a CQ without a wait object and Wait polls in short sleeps for them.
+    cq_attr.wait_obj = FI_WAIT_FD;
     ret = fi_cq_open(shared_->domain, &cq_attr, &cq_, nullptr);
+    if (ret == 0) {
+      if (fi_control(&cq_->fid, FI_GETWAIT, &wait_fd_) != 0) wait_fd_ = -1;
+    } else {
+      cq_attr.wait_obj = FI_WAIT_NONE;
+      ret = fi_cq_open(shared_->domain, &cq_attr, &cq_, nullptr);
+    }
     if (ret) return absl::UnavailableError(FiError("ofi: fi_cq_open", ret));
     ret = fi_ep_bind(ep_, &shared_->av->fid, 0);
     if (ret) return absl::UnavailableError(FiError("ofi: fi_ep_bind(av)", ret));
@@ -169,6 +179,9 @@ class OfiEndpoint final : public EndpointBase {
   }
 
   size_t Outstanding() const override { return ops_.live(); }
+
+  fid* cq_fid() { return &cq_->fid; }
+  int wait_fd() const { return wait_fd_; }
 
   // Reads this endpoint's completions into `out`; returns how many.
   size_t Progress(absl::Span<Completion> out) {
@@ -283,6 +296,7 @@ class OfiEndpoint final : public EndpointBase {
   bool connected_ = false;
   std::string address_;
   fi_context2 receive_ctx_{};
+  int wait_fd_ = -1;
   OpTracker ops_;
 };
 
@@ -322,6 +336,33 @@ class OfiDomain final : public Domain {
     auto ep = std::make_unique<OfiEndpoint>(shared_);
     RETURN_IF_ERROR(ep->Init());
     return std::unique_ptr<Endpoint>(std::move(ep));
+  }
+
+  absl::Status Wait(absl::Duration timeout) override {
+    std::vector<fid*> fids;
+    std::vector<pollfd> fds;
+    for (OfiEndpoint* ep : shared_->endpoints) {
+      if (ep->wait_fd() < 0) {
+        // No wait object on this provider: sleep briefly and let the caller poll.
+        absl::SleepFor(std::min(timeout, absl::Microseconds(50)));
+        return absl::OkStatus();
+      }
+      fids.push_back(ep->cq_fid());
+      fds.push_back(pollfd{ep->wait_fd(), POLLIN, 0});
+    }
+    if (fids.empty()) {
+      absl::SleepFor(timeout);
+      return absl::OkStatus();
+    }
+    // fi_trywait drives pending progress and says whether blocking is safe (nothing to read).
+    int ret = fi_trywait(shared_->fabric, fids.data(), static_cast<int>(fids.size()));
+    if (ret == -FI_EAGAIN) return absl::OkStatus();
+    if (ret != 0) return absl::UnavailableError(FiError("ofi: fi_trywait", ret));
+    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
+    if (poll(fds.data(), fds.size(), std::max(ms, 0)) < 0 && errno != EINTR) {
+      return absl::UnavailableError(absl::StrCat("ofi: poll: ", std::strerror(errno)));
+    }
+    return absl::OkStatus();
   }
 
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {

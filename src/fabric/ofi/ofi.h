@@ -8,7 +8,8 @@
 // completion queue, so an incoming immediate is attributed to its endpoint without FI_SOURCE
 // (which tcp;ofi_rxm lacks). Because these providers do not report a dead peer or a write to a
 // bad key, ranges are validated before posting and every operation is bounded by
-// DomainOptions::op_timeout.
+// DomainOptions::op_timeout. Wait blocks in poll() on the CQs' wait fds after fi_trywait; shm
+// (libfabric 1.17) offers no fd wait object, so there Wait sleeps 50 µs and returns.
 //
 // Threading: as every Domain (see fabric.h).
 #ifndef TENSORVERBS_FABRIC_OFI_OFI_H_

@@ -14,6 +14,20 @@ namespace {
 struct FakeCq {
   ibv_cq cq{};
   std::deque<ibv_wc> queue;
+  bool armed = false;
+  int channel_write_fd = -1;
+
+  // A completion on an armed CQ raises one event on its completion channel.
+  void Push(const ibv_wc& wc) {
+    queue.push_back(wc);
+    if (armed && channel_write_fd >= 0) {
+      armed = false;
+      ibv_cq* self = &cq;
+      if (write(channel_write_fd, &self, sizeof(self)) == sizeof(self)) {
+        ++FakeNic::Get().cq_events_raised;
+      }
+    }
+  }
 };
 
 struct FakeQp;
@@ -109,13 +123,13 @@ int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
       }
       arrived.wr_id = d->receives.front();
       d->receives.pop_front();
-      d->cq->queue.push_back(arrived);
-      q->cq->queue.push_back(done);
+      d->cq->Push(arrived);
+      q->cq->Push(done);
       return 0;
     }
   }
   done.opcode = read ? IBV_WC_RDMA_READ : IBV_WC_RDMA_WRITE;
-  q->cq->queue.push_back(done);
+  q->cq->Push(done);
   ++q->sends_in_cq;
   return 0;
 }
@@ -126,11 +140,16 @@ int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     WaitingWrite w = q->waiting.front();
     q->waiting.pop_front();
     w.arrived.wr_id = wr->wr_id;
-    q->cq->queue.push_back(w.arrived);
-    w.sender->cq->queue.push_back(w.done);
+    q->cq->Push(w.arrived);
+    w.sender->cq->Push(w.done);
     return 0;
   }
   q->receives.push_back(wr->wr_id);
+  return 0;
+}
+
+int ReqNotifyCq(ibv_cq* cq, int) {
+  reinterpret_cast<FakeCq*>(cq)->armed = true;
   return 0;
 }
 
@@ -182,6 +201,7 @@ ibv_context* __wrap_ibv_open_device(ibv_device* device) {
   s.ctx.ops.post_send = tensorverbs::testing::PostSend;
   s.ctx.ops.post_recv = tensorverbs::testing::PostRecv;
   s.ctx.ops.poll_cq = tensorverbs::testing::PollCq;
+  s.ctx.ops.req_notify_cq = tensorverbs::testing::ReqNotifyCq;
   if (s.async_pipe[0] < 0) pipe(s.async_pipe);
   s.ctx.async_fd = s.async_pipe[0];
   return &s.ctx;
@@ -248,13 +268,38 @@ int __wrap_ibv_dereg_mr(ibv_mr* mr) {
   S().mrs.erase(mr->rkey);
   return 0;
 }
-ibv_cq* __wrap_ibv_create_cq(ibv_context* ctx, int, void*, ibv_comp_channel*, int) {
+ibv_comp_channel* __wrap_ibv_create_comp_channel(ibv_context* ctx) {
+  int fds[2];
+  if (pipe(fds) != 0) return nullptr;
+  auto* channel = new ibv_comp_channel{};
+  channel->context = ctx;
+  channel->fd = fds[0];
+  channel->refcnt = fds[1];  // the fake keeps the pipe's write end here
+  return channel;
+}
+int __wrap_ibv_destroy_comp_channel(ibv_comp_channel* channel) {
+  close(channel->fd);
+  close(channel->refcnt);
+  delete channel;
+  return 0;
+}
+int __wrap_ibv_get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) {
+  if (read(channel->fd, cq, sizeof(*cq)) != sizeof(*cq)) return -1;
+  *cq_context = (*cq)->cq_context;
+  return 0;
+}
+void __wrap_ibv_ack_cq_events(ibv_cq*, unsigned int n) {
+  FakeNic::Get().cq_events_acked += static_cast<int>(n);
+}
+ibv_cq* __wrap_ibv_create_cq(ibv_context* ctx, int, void*, ibv_comp_channel* channel, int) {
   if (FakeNic::Get().fail_create_cq) {
     errno = ENOMEM;
     return nullptr;
   }
   auto* cq = new tensorverbs::testing::FakeCq;
   cq->cq.context = ctx;
+  cq->cq.channel = channel;
+  if (channel) cq->channel_write_fd = channel->refcnt;
   return &cq->cq;
 }
 int __wrap_ibv_destroy_cq(ibv_cq* cq) {

@@ -40,6 +40,8 @@ struct FakeNic {
   };
   std::vector<Modify> modifies;
   std::deque<ibv_async_event> async_events;
+  int cq_events_raised = 0;  // by armed CQs on the completion channel
+  int cq_events_acked = 0;
 
   static FakeNic& Get();
   void Reset();
