@@ -64,6 +64,12 @@ int RunInfoCommand() {
   std::vector<std::string> providers = fabric::ofi::ListUsableProviders();
   if (providers.empty()) std::printf("  none\n");
   for (const std::string& p : providers) std::printf("  %s\n", p.c_str());
+  const std::string& configured = Config::Get().ofi_provider;
+  std::printf("  would use: %s for peers on this host, %s for remote peers%s\n",
+              fabric::ofi::ChooseProvider(configured, true, providers).c_str(),
+              fabric::ofi::ChooseProvider(configured, false, providers).c_str(),
+              configured.empty() ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
+                                 : " (TENSORVERBS_OFI_PROVIDER)");
 
   rlimit memlock{};
   getrlimit(RLIMIT_MEMLOCK, &memlock);

@@ -60,6 +60,7 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
   EXPECT_THAT(out, HasSubstr("loopback  usable"));
   EXPECT_THAT(out, HasSubstr("ofi       "));
   EXPECT_THAT(out, HasSubstr("shm (shm)")) << "libfabric's shm provider is installed here";
+  EXPECT_THAT(out, HasSubstr("would use: shm for peers on this host, tcp;ofi_rxm for remote peers"));
   EXPECT_THAT(out, HasSubstr("memlock limit"));
   EXPECT_THAT(out, HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
   EXPECT_THAT(out, HasSubstr("RDMA devices (ibverbs"));

@@ -15,6 +15,7 @@
 #include <deque>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -439,6 +440,21 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& optio
     last = shared.status();
   }
   return last;
+}
+
+std::string ChooseProvider(const std::string& configured, bool all_peers_local,
+                           const std::vector<std::string>& available) {
+  if (!configured.empty()) return configured;
+  auto has = [&](absl::string_view name) {
+    return std::any_of(available.begin(), available.end(), [&](const std::string& a) {
+      return a == name || absl::StartsWith(a, absl::StrCat(name, " ("));
+    });
+  };
+  for (const char* hw : {"verbs;ofi_rxm", "efa", "cxi", "psm3"}) {
+    if (has(hw)) return hw;
+  }
+  if (all_peers_local && has("shm")) return "shm";
+  return "tcp;ofi_rxm";
 }
 
 std::vector<std::string> ListUsableProviders() {

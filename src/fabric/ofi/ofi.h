@@ -28,6 +28,14 @@ namespace tensorverbs::fabric::ofi {
 // provider cannot be used here.
 absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options);
 
+// The provider policy, for whoever knows where the peers are (channel set-up): `configured`
+// (TENSORVERBS_OFI_PROVIDER) if set; else a hardware provider among `available` (verbs;ofi_rxm,
+// efa, cxi, psm3, in that order); else shm when every peer is on this host and shm is
+// available; else tcp;ofi_rxm. `available` holds provider names as ListUsableProviders gives
+// them (the part before " (").
+std::string ChooseProvider(const std::string& configured, bool all_peers_local,
+                           const std::vector<std::string>& available);
+
 // Providers that offer RDM endpoints with RMA and remote CQ data on this host, one line each:
 // "name (fabric, fabric, ...)", for `tensorverbs info`.
 std::vector<std::string> ListUsableProviders();

@@ -1,5 +1,9 @@
 #include "src/fabric/ibverbs/device_selection.h"
 
+#include <algorithm>
+
+#include "src/fabric/ofi/ofi.h"
+
 #include <arpa/inet.h>
 
 #include <gmock/gmock.h>
@@ -128,3 +132,29 @@ TEST(DeviceSelection, ExplicitGidAndMtu) {
 
 }  // namespace
 }  // namespace tensorverbs::fabric::ibverbs
+
+namespace tensorverbs::fabric::ofi {
+namespace {
+
+TEST(OfiProviderPolicy, ConfiguredThenHardwareThenShmForLocalPeersThenTcp) {
+  const std::vector<std::string> here = {"tcp;ofi_rxm (127.0.0.1/32)", "shm (shm)", "sockets (x)"};
+  EXPECT_EQ(ChooseProvider("sockets", true, here), "sockets") << "TENSORVERBS_OFI_PROVIDER wins";
+  EXPECT_EQ(ChooseProvider("", true, here), "shm");
+  EXPECT_EQ(ChooseProvider("", false, here), "tcp;ofi_rxm");
+  std::vector<std::string> nic = here;
+  nic.push_back("verbs;ofi_rxm (mlx5_0)");
+  nic.push_back("efa (efa_0)");
+  EXPECT_EQ(ChooseProvider("", true, nic), "verbs;ofi_rxm") << "hardware is preferred";
+  EXPECT_EQ(ChooseProvider("", false, {"efa"}), "efa");
+  EXPECT_EQ(ChooseProvider("", true, {"tcp;ofi_rxm"}), "tcp;ofi_rxm") << "no shm here";
+}
+
+TEST(OfiProviderPolicy, ListsWhatThisHostHas) {
+  std::vector<std::string> names;
+  for (const std::string& line : ListUsableProviders()) names.push_back(line.substr(0, line.find(" (")));
+  EXPECT_NE(std::find(names.begin(), names.end(), "tcp;ofi_rxm"), names.end());
+  EXPECT_EQ(ChooseProvider("", false, ListUsableProviders()), "tcp;ofi_rxm");
+}
+
+}  // namespace
+}  // namespace tensorverbs::fabric::ofi
