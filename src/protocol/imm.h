@@ -1,0 +1,50 @@
+// The 32-bit immediate space of grpc+verbs writes (seed 000): 0xFFFFFFFF marks a control
+// message, 0xFFFFFFFE an ACK, every other value names a pending request by its index.
+//
+// RequestIndexAllocator hands out indexes for a channel's pending requests: it wraps around
+// the index space and never hands out an index that is still live, so a late content write can
+// never be taken for a newer request's. Release tells an unknown or stale index (to be counted
+// and dropped) from a live one. Used on the channel's progress thread only.
+#ifndef TENSORVERBS_PROTOCOL_IMM_H_
+#define TENSORVERBS_PROTOCOL_IMM_H_
+
+#include <cstdint>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+
+namespace tensorverbs::protocol {
+
+inline constexpr uint32_t kImmControlMessage = 0xFFFFFFFF;
+inline constexpr uint32_t kImmAck = 0xFFFFFFFE;
+inline constexpr uint32_t kMaxRequestIndex = 0xFFFFFFFD;
+
+enum class ImmKind { kControlMessage, kAck, kRequest };
+
+inline ImmKind ClassifyImm(uint32_t imm) {
+  if (imm == kImmControlMessage) return ImmKind::kControlMessage;
+  if (imm == kImmAck) return ImmKind::kAck;
+  return ImmKind::kRequest;
+}
+
+class RequestIndexAllocator {
+ public:
+  // Indexes 0 .. limit-1 (tests use a small limit to exercise wrapping).
+  explicit RequestIndexAllocator(uint64_t limit = uint64_t{kMaxRequestIndex} + 1);
+
+  // ResourceExhausted when every index is live.
+  absl::StatusOr<uint32_t> Allocate();
+  // False for an index that is not live (unknown or stale): the caller counts and drops it.
+  bool Release(uint32_t index);
+  bool IsLive(uint32_t index) const { return live_.contains(index); }
+  size_t live() const { return live_.size(); }
+
+ private:
+  const uint64_t limit_;
+  uint64_t next_ = 0;
+  absl::flat_hash_set<uint32_t> live_;
+};
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_IMM_H_

@@ -1,0 +1,218 @@
+#include "src/protocol/message.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "src/common/status_macros.h"
+
+namespace tensorverbs::protocol {
+namespace {
+
+// Layout, all little-endian:
+//   u8 version | u8 type | u16 zero | u32 used_bytes
+//   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 zero
+//   u64 remote_addr | u64 checksum | i32 dtype | u32 error_code | u64 tensor_bytes
+//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 zero
+//   name | remote key | rank x i64 dims | error message | zeros to the end of the slot
+constexpr size_t kHeaderSize = 8 + 16 + 8 + 8 + 4 + 4 + 8 + 8;
+static_assert(kHeaderSize + kMaxNameLength + kMaxRemoteKeyLength + 8 * TensorShape::kMaxRank +
+                      kMaxErrorMessageLength <=
+                  kMessageSize,
+              "the largest message must fit a slot");
+
+class Writer {
+ public:
+  explicit Writer(absl::Span<uint8_t> out) : out_(out) {}
+  template <typename T>
+  void Put(T v) {
+    using U = std::make_unsigned_t<T>;
+    U u = static_cast<U>(v);
+    for (size_t i = 0; i < sizeof(T); ++i) out_[pos_++] = static_cast<uint8_t>(u >> (8 * i));
+  }
+  void Bytes(const std::string& s) {
+    std::memcpy(out_.data() + pos_, s.data(), s.size());
+    pos_ += s.size();
+  }
+  size_t pos() const { return pos_; }
+
+ private:
+  absl::Span<uint8_t> out_;
+  size_t pos_ = 0;
+};
+
+class Reader {
+ public:
+  explicit Reader(absl::Span<const uint8_t> in) : in_(in) {}
+  template <typename T>
+  bool Get(T* v) {
+    if (in_.size() - pos_ < sizeof(T)) return false;
+    std::make_unsigned_t<T> u = 0;
+    for (size_t i = 0; i < sizeof(T); ++i) u |= static_cast<decltype(u)>(in_[pos_++]) << (8 * i);
+    *v = static_cast<T>(u);
+    return true;
+  }
+  bool Bytes(size_t n, std::string* s) {
+    if (in_.size() - pos_ < n) return false;
+    s->assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
+    pos_ += n;
+    return true;
+  }
+  size_t pos() const { return pos_; }
+
+ private:
+  absl::Span<const uint8_t> in_;
+  size_t pos_ = 0;
+};
+
+absl::Status Malformed(absl::string_view why) {
+  return absl::DataLossError(absl::StrCat("malformed control message: ", why));
+}
+
+bool KnownType(uint8_t t) { return t >= 1 && t <= 4; }
+
+}  // namespace
+
+const char* MessageTypeName(MessageType type) {
+  switch (type) {
+    case MessageType::kTensorRequest:
+      return "RDMA_MESSAGE_TENSOR_REQUEST";
+    case MessageType::kMetaDataResponse:
+      return "RDMA_MESSAGE_META_DATA_RESPONSE";
+    case MessageType::kTensorReRequest:
+      return "RDMA_MESSAGE_TENSOR_RE_REQUEST";
+    case MessageType::kErrorStatus:
+      return "RDMA_MESSAGE_ERROR_STATUS";
+  }
+  return "unknown";
+}
+
+absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out) {
+  if (out.size() < kMessageSize) {
+    return absl::InvalidArgumentError(absl::StrCat("message slot of ", out.size(),
+                                                   " bytes is smaller than ", kMessageSize));
+  }
+  if (m.name.size() > kMaxNameLength) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rendezvous key of ", m.name.size(), " bytes is longer than the ", kMaxNameLength,
+        "-byte limit of a control message: '", m.name.substr(0, 80), "...'"));
+  }
+  if (m.remote_key.size() > kMaxRemoteKeyLength) {
+    return absl::InvalidArgumentError(absl::StrCat("remote key of ", m.remote_key.size(),
+                                                   " bytes exceeds ", kMaxRemoteKeyLength));
+  }
+  if (!KnownType(static_cast<uint8_t>(m.type))) {
+    return absl::InvalidArgumentError("unknown control message type");
+  }
+  const std::string error_message(
+      m.error.message().substr(0, std::min(m.error.message().size(), kMaxErrorMessageLength)));
+  const int rank = m.meta.shape.rank();
+  const size_t used = kHeaderSize + m.name.size() + m.remote_key.size() + 8 * rank +
+                      error_message.size();
+  std::memset(out.data(), 0, kMessageSize);
+  Writer w(out);
+  w.Put<uint8_t>(kWireVersion);
+  w.Put<uint8_t>(static_cast<uint8_t>(m.type));
+  w.Put<uint16_t>(0);
+  w.Put<uint32_t>(static_cast<uint32_t>(used));
+  w.Put<int64_t>(m.step_id);
+  w.Put<uint32_t>(m.request_index);
+  w.Put<uint8_t>(m.meta.is_dead ? 1 : 0);
+  w.Put<uint8_t>(static_cast<uint8_t>(rank));
+  w.Put<uint16_t>(0);
+  w.Put<uint64_t>(m.remote_addr);
+  w.Put<uint64_t>(m.checksum);
+  w.Put<int32_t>(static_cast<int32_t>(m.meta.dtype));
+  w.Put<uint32_t>(static_cast<uint32_t>(m.error.code()));
+  w.Put<uint64_t>(m.meta.tensor_bytes);
+  w.Put<uint16_t>(static_cast<uint16_t>(m.name.size()));
+  w.Put<uint8_t>(static_cast<uint8_t>(m.remote_key.size()));
+  w.Put<uint8_t>(0);
+  w.Put<uint16_t>(static_cast<uint16_t>(error_message.size()));
+  w.Put<uint16_t>(0);
+  w.Bytes(m.name);
+  w.Bytes(m.remote_key);
+  for (int64_t d : m.meta.shape.dims()) w.Put<int64_t>(d);
+  w.Bytes(error_message);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in) {
+  Reader r(in);
+  uint8_t version, type, flags, rank, key_len;
+  uint16_t zero16, name_len, error_len;
+  uint32_t used, error_code;
+  int32_t dtype;
+  Message m;
+  if (!r.Get(&version) || !r.Get(&type) || !r.Get(&zero16) || !r.Get(&used)) {
+    return Malformed("shorter than its header");
+  }
+  if (version != kWireVersion) {
+    return Malformed(absl::StrCat("wire version ", version, ", this build speaks ", kWireVersion,
+                                  "; are both ends the same tensorverbs version?"));
+  }
+  if (!KnownType(type)) return Malformed(absl::StrCat("unknown type ", type));
+  m.type = static_cast<MessageType>(type);
+  if (used < kHeaderSize || used > in.size()) {
+    return Malformed(absl::StrCat("declares ", used, " bytes in a ", in.size(), "-byte slot"));
+  }
+  uint8_t zero8;
+  if (!r.Get(&m.step_id) || !r.Get(&m.request_index) || !r.Get(&flags) || !r.Get(&rank) ||
+      !r.Get(&zero16) || !r.Get(&m.remote_addr) || !r.Get(&m.checksum) || !r.Get(&dtype) ||
+      !r.Get(&error_code) || !r.Get(&m.meta.tensor_bytes) || !r.Get(&name_len) ||
+      !r.Get(&key_len) || !r.Get(&zero8) || !r.Get(&error_len) || !r.Get(&zero16)) {
+    return Malformed("truncated header");
+  }
+  if (flags > 1) return Malformed(absl::StrCat("unknown flags ", flags));
+  m.meta.is_dead = flags & 1;
+  if (name_len > kMaxNameLength) return Malformed(absl::StrCat("name length ", name_len));
+  if (key_len > kMaxRemoteKeyLength) return Malformed(absl::StrCat("remote key length ", key_len));
+  if (error_len > kMaxErrorMessageLength) return Malformed(absl::StrCat("error length ", error_len));
+  if (rank > TensorShape::kMaxRank) return Malformed(absl::StrCat("rank ", rank));
+  const size_t expected = kHeaderSize + name_len + key_len + 8 * size_t{rank} + error_len;
+  if (expected != used) {
+    return Malformed(absl::StrCat("field lengths add up to ", expected, " bytes, header says ", used));
+  }
+  r = Reader(in.subspan(0, used));
+  for (size_t skipped = 0; skipped < kHeaderSize; ++skipped) r.Get(&zero8);
+  if (!r.Bytes(name_len, &m.name) || !r.Bytes(key_len, &m.remote_key)) return Malformed("truncated");
+  std::vector<int64_t> dims(rank);
+  for (int64_t& d : dims) {
+    if (!r.Get(&d)) return Malformed("truncated shape");
+  }
+  absl::StatusOr<TensorShape> shape = TensorShape::Create(dims);
+  if (!shape.ok()) return Malformed(shape.status().message());
+  m.meta.shape = *std::move(shape);
+  std::string error_message;
+  if (!r.Bytes(error_len, &error_message)) return Malformed("truncated error message");
+
+  if (dtype != 0) {
+    absl::StatusOr<DataType> d = DataTypeFromInt(dtype);
+    if (!d.ok()) return Malformed(d.status().message());
+    m.meta.dtype = *d;
+    if (DataTypeCanMemCopy(m.meta.dtype) && !m.meta.is_dead) {
+      uint64_t bytes;
+      if (__builtin_mul_overflow(static_cast<uint64_t>(m.meta.shape.num_elements()),
+                                 DataTypeSize(m.meta.dtype), &bytes) ||
+          bytes != m.meta.tensor_bytes) {
+        return Malformed(absl::StrCat(m.meta.tensor_bytes, " tensor bytes for ",
+                                      DataTypeName(m.meta.dtype), m.meta.shape.DebugString()));
+      }
+    }
+  }
+  if (m.type == MessageType::kErrorStatus) {
+    if (error_code == 0 || error_code > 16) {
+      return Malformed(absl::StrCat("error status with code ", error_code));
+    }
+    m.error = absl::Status(static_cast<absl::StatusCode>(error_code), error_message);
+  } else if (error_code != 0 || error_len != 0) {
+    return Malformed(absl::StrCat(MessageTypeName(m.type), " carries an error status"));
+  }
+  if ((m.type == MessageType::kTensorRequest || m.type == MessageType::kTensorReRequest ||
+       m.type == MessageType::kErrorStatus) && m.name.empty()) {
+    return Malformed(absl::StrCat(MessageTypeName(m.type), " without a rendezvous key"));
+  }
+  return m;
+}
+
+}  // namespace tensorverbs::protocol

@@ -1,0 +1,79 @@
+// The grpc+verbs control messages (seed 000, "Message structure") and their wire codec.
+//
+// RDMA_MESSAGE_TENSOR_REQUEST, _META_DATA_RESPONSE, _TENSOR_RE_REQUEST and _ERROR_STATUS travel
+// as RDMA writes into the peer's message buffer, so everything here is untrusted input on
+// receipt. Unlike TensorFlow's layout (a memcpy'd C++ TensorShape, an unchecked 512-byte name,
+// host byte order, uninitialised padding) the codec is explicit: a version byte, little-endian
+// fixed-width fields, rank plus int64 dims, bounded lengths checked on both sides, and every
+// unused byte of the slot zeroed. A malformed message decodes to DataLoss naming the problem;
+// it never crashes. Pure functions; any thread.
+#ifndef TENSORVERBS_PROTOCOL_MESSAGE_H_
+#define TENSORVERBS_PROTOCOL_MESSAGE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "src/tensor/tensor_shape.h"
+#include "src/tensor/types.h"
+
+namespace tensorverbs::protocol {
+
+inline constexpr uint8_t kWireVersion = 1;
+// One message-buffer slot. The largest message (limits below, rank 254) fits.
+inline constexpr size_t kMessageSize = 8192;
+inline constexpr size_t kMaxNameLength = 2048;          // rendezvous key bytes
+inline constexpr size_t kMaxRemoteKeyLength = 64;       // opaque fabric key bytes
+inline constexpr size_t kMaxErrorMessageLength = 2048;  // longer messages are truncated
+
+enum class MessageType : uint8_t {
+  kTensorRequest = 1,     // receiver -> sender
+  kMetaDataResponse = 2,  // sender -> receiver
+  kTensorReRequest = 3,   // receiver -> sender
+  kErrorStatus = 4,       // sender -> receiver
+};
+
+const char* MessageTypeName(MessageType type);
+
+// What the receiver needs to allocate the destination: dtype and shape for POD tensors, the
+// serialized TensorProto size for strings, deadness.
+struct TensorMetaData {
+  DataType dtype = DataType::kInvalid;
+  TensorShape shape;
+  bool is_dead = false;
+  uint64_t tensor_bytes = 0;
+
+  friend bool operator==(const TensorMetaData& a, const TensorMetaData& b) {
+    return a.dtype == b.dtype && a.shape == b.shape && a.is_dead == b.is_dead &&
+           a.tensor_bytes == b.tensor_bytes;
+  }
+  friend bool operator!=(const TensorMetaData& a, const TensorMetaData& b) { return !(a == b); }
+};
+
+// Every field of the seed's table. Which fields matter depends on the type; the codec carries
+// them all so the layout never depends on the type.
+struct Message {
+  MessageType type = MessageType::kTensorRequest;
+  std::string name;            // the rendezvous key
+  int64_t step_id = 0;
+  uint32_t request_index = 0;
+  uint64_t remote_addr = 0;    // REQUEST / RE_REQUEST: where the content goes
+  std::string remote_key;      // REQUEST / RE_REQUEST: the fabric's packed key for it
+  uint64_t checksum = 0;       // META_DATA_RESPONSE in data-validation mode
+  TensorMetaData meta;         // REQUEST: the receiver's cached copy; META_DATA_RESPONSE: current
+  absl::Status error;          // ERROR_STATUS
+};
+
+// Encodes `m` into `out` (at least kMessageSize bytes; the whole slot is written, unused bytes
+// zero). InvalidArgument if a field exceeds its bound, naming it.
+absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out);
+
+// Decodes a slot. DataLoss naming what is wrong for anything malformed.
+absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in);
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_MESSAGE_H_
