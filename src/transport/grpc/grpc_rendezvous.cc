@@ -2,6 +2,8 @@
 
 #include <grpcpp/impl/codegen/proto_utils.h>
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
@@ -40,7 +42,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
                     Tensor(), false);
     return;
   }
-  auto call = std::make_unique<Call>();
+  auto call = std::make_shared<Call>();
   call->done = std::move(done);
   call->allocator = args.allocator ? args.allocator : env_->recv_allocator;
   call->worker = *worker;
@@ -60,26 +62,24 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
     return;
   }
 
-  Call* raw = call.get();
   bool aborted;
   {
     MutexLock lock(&mu_);
     aborted = aborted_;
-    if (!aborted) active_.insert(raw);
+    if (!aborted) active_.emplace(call.get(), call);
   }
   if (aborted) {
     std::move(call->done)(status(), Tensor(), false);
     return;
   }
-  call.release();  // owned by the completion below
   workers_->CallStarted();
+  Call* raw = call.get();
   raw->worker->RecvTensorAsync(
       &raw->context, &raw->request, &raw->response,
-      [self = shared_from_this(), raw](grpc::Status s) {
-        std::unique_ptr<Call> call(raw);
+      [self = shared_from_this(), call = std::move(call)](grpc::Status s) mutable {
         {
           MutexLock lock(&self->mu_);
-          self->active_.erase(raw);
+          self->active_.erase(call.get());
         }
         absl::Status status;
         ParsedResponse parsed;
@@ -110,15 +110,23 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
         } else {
           finish();
         }
+        // Release the call (and its ClientContext) here, as gRPC expects, rather than whenever
+        // gRPC destroys this functor: the context holds the call that owns the functor.
+        call.reset();
         self->workers_->CallDone();
       });
 }
 
 void GrpcRemoteRendezvous::AbortRemote(const absl::Status& status) {
-  MutexLock lock(&mu_);
-  aborted_ = true;
-  // TryCancel is thread-safe; the completion waits for mu_ before freeing the call.
-  for (Call* call : active_) call->context.TryCancel();
+  std::vector<std::shared_ptr<Call>> calls;
+  {
+    MutexLock lock(&mu_);
+    aborted_ = true;
+    for (auto& [raw, call] : active_) calls.push_back(call);
+  }
+  // Outside the lock: gRPC may run a call's completion (which takes mu_) inside TryCancel. The
+  // shared_ptr keeps each call alive until its TryCancel has returned.
+  for (const std::shared_ptr<Call>& call : calls) call->context.TryCancel();
 }
 
 }  // namespace tensorverbs::grpc_transport

@@ -10,7 +10,7 @@
 #include <memory>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "src/rendezvous/remote_rendezvous.h"
@@ -35,7 +35,8 @@ class GrpcRemoteRendezvous final : public RemoteRendezvous,
   GrpcWorkerCache* const workers_;
   const absl::Duration recv_timeout_;
   Mutex mu_;
-  absl::flat_hash_set<Call*> active_ ABSL_GUARDED_BY(mu_);
+  // In-flight calls, shared so that AbortRemote can cancel them without holding mu_.
+  absl::flat_hash_map<Call*, std::shared_ptr<Call>> active_ ABSL_GUARDED_BY(mu_);
   bool aborted_ ABSL_GUARDED_BY(mu_) = false;
 };
 
