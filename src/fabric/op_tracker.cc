@@ -16,7 +16,8 @@ OpTracker::~OpTracker() {
   for (Op* op : free_) delete op;
 }
 
-Op* OpTracker::NewOp() {
+Op* OpTracker::NewOp(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
+                     const RemoteBuffer& remote, uint64_t context) {
   Op* op;
   if (free_.empty()) {
     op = new Op();
@@ -28,6 +29,13 @@ Op* OpTracker::NewOp() {
   op->prev = tail_;
   (tail_ ? tail_->next : head_) = op;
   tail_ = op;
+  op->kind = kind;
+  op->with_imm = with_imm;
+  op->imm = imm;
+  op->buf = local.length > 0 ? local.addr : nullptr;
+  op->len = local.length;
+  op->remote_addr = remote.addr;
+  op->context = context;
   op->posted = absl::Now();
   ++live_;
   return op;

@@ -53,8 +53,10 @@ class OpTracker {
   OpTracker& operator=(const OpTracker&) = delete;
   ~OpTracker();
 
-  // A fresh record stamped with the posting time; fill it, then Submit it.
-  Op* NewOp();
+  // A fresh record of a post, stamped with the posting time; the backend adds its own fields
+  // (descriptor or key, translated remote address), then Submits it.
+  Op* NewOp(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
+            const RemoteBuffer& remote, uint64_t context);
   // Issues `op` now if credits allow and nothing is queued, else queues it. An immediate
   // provider error forgets the op and is returned (the post failed; no completion follows).
   absl::Status Submit(Op* op, IssueFn issue);

@@ -342,16 +342,9 @@ class IbvEndpoint final : public EndpointBase {
       return absl::InvalidArgumentError(absl::StrCat("ibverbs: ", local.length,
                                                      " bytes exceed one work request"));
     }
-    Op* op = ops_.NewOp();
-    op->kind = kind;
-    op->with_imm = with_imm;
-    op->imm = imm;
-    op->buf = local.length > 0 ? local.addr : nullptr;
-    op->len = local.length;
+    Op* op = ops_.NewOp(kind, with_imm, imm, local, remote, context);
     op->lkey = local.length > 0 ? static_cast<const IbvRegion*>(local.region)->lkey() : 0;
-    op->remote_addr = remote.addr;
     op->remote_key = key.rkey;
-    op->context = context;
     return ops_.Submit(op, [this](Op* o) { return Issue(o); });
   }
 

@@ -149,19 +149,14 @@ class LoopbackEndpoint final : public EndpointBase {
         return absl::UnavailableError(absl::StrCat("loopback: injected failure of post ", self.posts));
       }
     }
-    if (local.length > 0 && (local.region == nullptr || !local.region->Contains(local.addr, local.length))) {
-      return absl::InvalidArgumentError("loopback: local buffer is not inside its registered region");
-    }
-    if (remote.length < local.length) {
-      return absl::InvalidArgumentError(absl::StrCat("loopback: ", local.length,
-                                                     " bytes do not fit the remote buffer of ",
-                                                     remote.length));
-    }
     if (remote.key.size() != 24) {
       return absl::InvalidArgumentError("loopback: malformed remote key");
     }
-    uint64_t key;
+    uint64_t key, key_base, key_length;
     std::memcpy(&key, remote.key.data(), 8);
+    std::memcpy(&key_base, remote.key.data() + 8, 8);
+    std::memcpy(&key_length, remote.key.data() + 16, 8);
+    RETURN_IF_ERROR(CheckRanges("loopback", local, remote, key_base, key_length));
     std::shared_ptr<EndpointState> peer = peer_.lock();
     if (peer == nullptr) {
       return absl::UnavailableError("loopback: endpoint is not connected or its peer is gone");
@@ -194,14 +189,12 @@ class LoopbackEndpoint final : public EndpointBase {
         return absl::InvalidArgumentError(absl::StrCat("loopback: remote key ", key, " is not registered on the peer"));
       }
       const Region& region = r->second;
+      if (region.base != key_base || region.length != key_length) {
+        return absl::InvalidArgumentError("loopback: remote key does not match the registered region");
+      }
       const uint32_t needed = kind == CompletionKind::kRead ? kAccessRemoteRead : kAccessRemoteWrite;
       if ((region.access & needed) == 0) {
         return absl::PermissionDeniedError("loopback: the remote region does not allow this access");
-      }
-      if (remote.addr < region.base || local.length > region.length ||
-          remote.addr - region.base > region.length - local.length) {
-        return absl::OutOfRangeError(absl::StrCat("loopback: remote range [", remote.addr, ", +",
-                                                  local.length, ") is outside the registered region"));
       }
       auto* remote_ptr = reinterpret_cast<char*>(remote.addr);
       if (local.length > 0) {

@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <atomic>
 #include <cstring>
-#include <deque>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -238,17 +237,11 @@ class OfiEndpoint final : public EndpointBase {
       return absl::InvalidArgumentError(absl::StrCat("ofi: ", local.length,
                                                      " bytes exceed the provider's message size"));
     }
-    Op* op = ops_.NewOp();
-    op->kind = kind;
-    op->with_imm = with_imm;
-    op->imm = imm;
-    op->buf = local.length > 0 ? local.addr : nullptr;
-    op->len = local.length;
+    Op* op = ops_.NewOp(kind, with_imm, imm, local, remote, context);
     // Descriptors are required under FI_MR_LOCAL and harmless otherwise.
     op->desc = local.length > 0 ? static_cast<const OfiRegion*>(local.region)->desc() : nullptr;
-    op->remote_addr = key.virtual_addressing ? remote.addr : remote.addr - key.base;
+    if (!key.virtual_addressing) op->remote_addr = remote.addr - key.base;
     op->remote_key = key.key;
-    op->context = context;
     return ops_.Submit(op, [this](Op* o) { return Issue(o); });
   }
 
