@@ -145,6 +145,12 @@ struct Row {
   double fi_us = -1, fi_mbps = -1;
 };
 
+// Sends one command line to the peer.
+absl::Status Tell(Subprocess& peer, const std::string& line) {
+  if (!WriteLine(peer, line)) return absl::InternalError("the bench peer's stdin is closed");
+  return absl::OkStatus();
+}
+
 absl::Status Expect(Subprocess& peer, const std::string& want) {
   ASSIGN_OR_RETURN(std::string line, peer.ReadLine(absl::Seconds(300)));
   if (line != want) return absl::InternalError(absl::StrCat("bench peer said '", line, "'"));
@@ -153,8 +159,7 @@ absl::Status Expect(Subprocess& peer, const std::string& want) {
 
 absl::Status RunLatency(Side& side, Subprocess& peer, size_t size, int iters, Row& row) {
   const int warmup = std::min(iters / 10 + 1, 100);
-  RETURN_IF_ERROR(WriteLine(peer, absl::StrCat("lat ", size, " ", iters + warmup)) ? absl::OkStatus()
-                  : absl::InternalError("bench peer stdin closed"));
+  RETURN_IF_ERROR(Tell(peer, absl::StrCat("lat ", size, " ", iters + warmup)));
   std::vector<double> rtt;
   rtt.reserve(iters);
   absl::Duration total;
@@ -181,9 +186,7 @@ absl::Status RunLatency(Side& side, Subprocess& peer, size_t size, int iters, Ro
 
 absl::Status RunBandwidth(Side& side, Subprocess& peer, size_t size, int iters, int window,
                           Row& row) {
-  if (!WriteLine(peer, absl::StrCat("bw ", size, " ", iters))) {
-    return absl::InternalError("bench peer stdin closed");
-  }
+  RETURN_IF_ERROR(Tell(peer, absl::StrCat("bw ", size, " ", iters)));
   const uint64_t base_local = side.local_done_, base_imm = side.imms_;
   absl::Time t0 = absl::Now();
   int posted = 0;
@@ -321,9 +324,7 @@ int RunBenchFabric(const BenchFabricOptions& o) {
     }
     std::vector<std::string> f = absl::StrSplit(hello->substr(6), ' ');
     absl::Status s = (*side)->Connect(f);
-    if (s.ok() && !WriteLine(**peer, absl::StrCat("connect ", (*side)->Hello()))) {
-      s = absl::InternalError("bench peer stdin closed");
-    }
+    if (s.ok()) s = Tell(**peer, absl::StrCat("connect ", (*side)->Hello()));
     if (s.ok()) s = Expect(**peer, "ok");
     std::printf("\nfabric write-with-immediate, backend %s, provider %s, 2 processes, busy polling\n",
                 o.backend.c_str(), provider.empty() ? "(default)" : provider.c_str());
@@ -353,7 +354,7 @@ int RunBenchFabric(const BenchFabricOptions& o) {
       std::fflush(stdout);
       rows.push_back(row);
     }
-    WriteLine(**peer, "quit");
+    (void)Tell(**peer, "quit");  // best effort: the peer is reaped either way
     (void)(*peer)->Wait(absl::Seconds(10));
     if (!s.ok()) {
       std::fprintf(stderr, "tensorverbs bench fabric: %s\n", s.ToString().c_str());

@@ -24,9 +24,6 @@ struct DeviceName {
   std::string FullName() const;
   // /job:J/replica:R/task:T
   std::string TaskName() const;
-  bool SameTask(const DeviceName& other) const {
-    return job == other.job && replica == other.replica && task == other.task;
-  }
 };
 
 // "/job:J/replica:0/task:T"
