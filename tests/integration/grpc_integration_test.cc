@@ -25,6 +25,28 @@ using testing::Subprocess;
 
 constexpr int64_t kStep = 42;
 
+// A recv started now whose outcome the test waits for later. Must outlive its callback.
+class PendingRecv {
+ public:
+  PendingRecv(RemoteRendezvous& r, const ParsedKey& key) {
+    r.RecvAsync(key, RecvArgs(), [this](const absl::Status& s, const Tensor& t, bool dead) {
+      status = s;
+      tensor = t;
+      is_dead = dead;
+      done_.Notify();
+    });
+  }
+  bool Wait(absl::Duration timeout) { return done_.WaitForNotificationWithTimeout(timeout); }
+
+  // Valid once Wait returned true.
+  absl::Status status;
+  Tensor tensor;
+  bool is_dead = false;
+
+ private:
+  Notification done_;
+};
+
 class GrpcClusterTest : public ::testing::Test {
  protected:
   // A cluster of `n` worker tasks; task 0 is in this process, the others are peers.
@@ -89,20 +111,11 @@ TEST_F(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64
   StartCluster(2, absl::Seconds(60), /*big=*/true);
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   for (const testing::Fixture& f : testing::MakeFixtures(/*seed=*/1, /*with_big=*/true)) {
-    absl::Status status;
-    Tensor got;
-    bool dead = false;
-    Notification done;
-    r->RecvAsync(Key(1, f.name), RecvArgs(),
-                 [&](const absl::Status& s, const Tensor& t, bool is_dead) {
-                   status = s;
-                   got = t;
-                   dead = is_dead;
-                   done.Notify();
-                 });
-    ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60))) << f.name;
-    ASSERT_TRUE(status.ok()) << f.name << ": " << status;
-    EXPECT_EQ(dead, f.is_dead) << f.name;
+    PendingRecv recv(*r, Key(1, f.name));
+    ASSERT_TRUE(recv.Wait(absl::Seconds(60))) << f.name;
+    ASSERT_TRUE(recv.status.ok()) << f.name << ": " << recv.status;
+    EXPECT_EQ(recv.is_dead, f.is_dead) << f.name;
+    const Tensor& got = recv.tensor;
     if (!f.is_dead) {
       EXPECT_TRUE(got.ContentEquals(f.tensor)) << f.name << " " << got.DebugString();
       if (got.TotalBytes() > 0) {
@@ -140,17 +153,12 @@ TEST_F(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
   // The peer never sends "late"; task 0 sends to itself through the same rendezvous instead to
   // show local matching, while the remote recv waits and is then failed by the step cleanup.
   auto r = *server_->rendezvous_mgr()->Find(kStep + 1);
-  Notification done;
-  absl::Status status;
-  r->RecvAsync(Key(1, "late"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
-    status = s;
-    done.Notify();
-  });
-  EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(300)));
+  PendingRecv recv(*r, Key(1, "late"));
+  EXPECT_FALSE(recv.Wait(absl::Milliseconds(300)));
   server_->rendezvous_mgr()->Cleanup(kStep + 1);
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled);
-  EXPECT_THAT(status.message(), HasSubstr("cleaned up"));
+  ASSERT_TRUE(recv.Wait(absl::Seconds(10)));
+  EXPECT_EQ(recv.status.code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(recv.status.message(), HasSubstr("cleaned up"));
 }
 
 TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
@@ -160,18 +168,13 @@ TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
   ASSERT_TRUE(peer.ok());
   // A recv waiting on the peer for a step is failed when the peer cleans that step up.
   auto r = *server_->rendezvous_mgr()->Find(kStep + 5);
-  Notification done;
-  absl::Status status;
-  r->RecvAsync(Key(1, "never"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
-    status = s;
-    done.Notify();
-  });
+  PendingRecv recv(*r, Key(1, "never"));
   absl::SleepFor(absl::Milliseconds(200));
   ASSERT_TRUE((*peer)->CleanupStep(kStep + 5, absl::Seconds(10)).ok());
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
-  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("step ", kStep + 5, " was cleaned up")));
-  EXPECT_THAT(status.message(), HasSubstr("/job:worker/replica:0/task:1"));
+  ASSERT_TRUE(recv.Wait(absl::Seconds(10)));
+  EXPECT_EQ(recv.status.code(), absl::StatusCode::kCancelled) << recv.status;
+  EXPECT_THAT(recv.status.message(), HasSubstr(absl::StrCat("step ", kStep + 5, " was cleaned up")));
+  EXPECT_THAT(recv.status.message(), HasSubstr("/job:worker/replica:0/task:1"));
   // Tensors of a cleaned-up step are gone, and asking for them says so.
   ASSERT_TRUE((*peer)->CleanupStep(kStep, absl::Seconds(10)).ok());
   absl::StatusOr<Tensor> after = Recv(kStep, Key(1, "scalar"));
@@ -182,20 +185,15 @@ TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
 TEST_F(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
   StartCluster(2, /*recv_timeout=*/absl::Seconds(30));
   auto r = *server_->rendezvous_mgr()->Find(kStep);
-  Notification done;
-  absl::Status status;
-  r->RecvAsync(Key(1, "never"), RecvArgs(), [&](const absl::Status& s, const Tensor&, bool) {
-    status = s;
-    done.Notify();
-  });
+  PendingRecv recv(*r, Key(1, "never"));
   absl::SleepFor(absl::Milliseconds(300));
   absl::Time killed = absl::Now();
   peers_[1]->Signal(SIGKILL);
-  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(recv.Wait(absl::Seconds(30)));
   EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
-  EXPECT_THAT(status.message(), HasSubstr("/job:worker/replica:0/task:1"));
-  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("127.0.0.1:", ports_[1])));
+  EXPECT_EQ(recv.status.code(), absl::StatusCode::kUnavailable) << recv.status;
+  EXPECT_THAT(recv.status.message(), HasSubstr("/job:worker/replica:0/task:1"));
+  EXPECT_THAT(recv.status.message(), HasSubstr(absl::StrCat("127.0.0.1:", ports_[1])));
 }
 
 TEST_F(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {

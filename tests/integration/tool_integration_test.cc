@@ -18,13 +18,28 @@ namespace {
 using ::testing::HasSubstr;
 using testing::Subprocess;
 
-TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
-  auto p = Subprocess::Start(testing::ToolPath(), {"demo", "--steps", "12", "--workers", "2"});
-  ASSERT_TRUE(p.ok());
-  std::string out = (*p)->ReadAll(absl::Seconds(240));
+struct ToolRun {
+  int exit_code = -1;
+  std::string out;
+};
+
+// Runs `tensorverbs args...` to completion and collects its stdout.
+absl::StatusOr<ToolRun> RunTool(const std::vector<std::string>& args, absl::Duration timeout) {
+  absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(testing::ToolPath(), args);
+  if (!p.ok()) return p.status();
+  ToolRun run;
+  run.out = (*p)->ReadAll(timeout);
   absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
-  ASSERT_TRUE(rc.ok());
-  EXPECT_EQ(*rc, 0) << out;
+  if (!rc.ok()) return rc.status();
+  run.exit_code = *rc;
+  return run;
+}
+
+TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
+  absl::StatusOr<ToolRun> run = RunTool({"demo", "--steps", "12", "--workers", "2"}, absl::Seconds(240));
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string& out = run->out;
+  EXPECT_EQ(run->exit_code, 0) << out;
   EXPECT_THAT(out, HasSubstr("over grpc"));
   std::vector<float> losses;
   for (absl::string_view line : absl::StrSplit(out, '\n')) {
@@ -51,12 +66,10 @@ TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
 }
 
 TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
-  auto p = Subprocess::Start(testing::ToolPath(), {"info"});
-  ASSERT_TRUE(p.ok());
-  std::string out = (*p)->ReadAll(absl::Seconds(60));
-  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
-  ASSERT_TRUE(rc.ok());
-  EXPECT_EQ(*rc, 0) << out;
+  absl::StatusOr<ToolRun> run = RunTool({"info"}, absl::Seconds(60));
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string& out = run->out;
+  EXPECT_EQ(run->exit_code, 0) << out;
   EXPECT_THAT(out, HasSubstr("loopback  usable"));
   EXPECT_THAT(out, HasSubstr("ofi       "));
   EXPECT_THAT(out, HasSubstr("shm (shm)")) << "libfabric's shm provider is installed here";
@@ -69,14 +82,13 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
 
 TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
   const std::string json = ::testing::TempDir() + "/bench_fabric.json";
-  auto p = Subprocess::Start(testing::ToolPath(),
-                             {"bench", "fabric", "--sizes", "4B,64KiB", "--iters", "50",
-                              "--providers", "shm,tcp;ofi_rxm", "--json", json});
-  ASSERT_TRUE(p.ok());
-  std::string out = (*p)->ReadAll(absl::Seconds(240));
-  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
-  ASSERT_TRUE(rc.ok());
-  EXPECT_EQ(*rc, 0) << out;
+  absl::StatusOr<ToolRun> run =
+      RunTool({"bench", "fabric", "--sizes", "4B,64KiB", "--iters", "50", "--providers",
+               "shm,tcp;ofi_rxm", "--json", json},
+              absl::Seconds(240));
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string& out = run->out;
+  EXPECT_EQ(run->exit_code, 0) << out;
   EXPECT_THAT(out, HasSubstr("provider shm, 2 processes"));
   EXPECT_THAT(out, HasSubstr("provider tcp;ofi_rxm, 2 processes"));
   std::ifstream in(json);
