@@ -16,8 +16,11 @@
 // nothing. Each write with immediate that lands produces exactly one kRemoteWriteImm completion
 // on the target's domain. Ranges are validated before posting (a bad key or range is an
 // InvalidArgument here, never a silent drop on the peer). Sends beyond the queue depth are
-// queued inside the backend. Outstanding operations that do not complete within
-// DomainOptions::op_timeout complete with DeadlineExceeded. Objects may be destroyed in any
+// queued inside the backend. Writes with immediate posted on one endpoint land, and their
+// kRemoteWriteImm completions are reported on the target, in posting order (RC queue pairs,
+// and FI_ORDER_WAW, which the ofi backend requires); the protocol's multi-slot message
+// buffers depend on it and check it with a sequence number. Outstanding operations that do
+// not complete within DomainOptions::op_timeout complete with DeadlineExceeded. Objects may be destroyed in any
 // order; the underlying handles are released when the last user lets go.
 #ifndef TENSORVERBS_FABRIC_FABRIC_H_
 #define TENSORVERBS_FABRIC_FABRIC_H_
@@ -144,6 +147,9 @@ class Domain {
   // (loopback). Early returns are allowed; the caller polls afterwards. This is what the
   // blocking and adaptive poll modes build on; busy polling never calls it.
   virtual absl::Status Wait(absl::Duration timeout) = 0;
+  // Ends the current Wait, or makes the next one return at once. The only Domain method any
+  // thread may call at any time: it is how work queued for the progress thread wakes it.
+  virtual void Interrupt() = 0;
 };
 
 // The backends compiled in: "loopback", "ofi", and "ibverbs" when rdma-core was found.

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <iostream>
 #include <set>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -218,6 +219,24 @@ TEST_P(FabricConformanceTest, WaitSleepsWhenIdleAndReturnsWhenWorkArrives) {
   ASSERT_EQ(at_b_.size(), 1u) << "the immediate arrived through Wait/Poll";
   EXPECT_EQ(at_b_[0].imm, 1u);
   std::cout << GetParam().name << ": idle Wait(300ms) took " << absl::FormatDuration(idle) << "\n";
+}
+
+TEST_P(FabricConformanceTest, InterruptEndsAWaitFromAnotherThread) {
+  // An interrupt that comes before the wait makes it return at once.
+  b_->Interrupt();
+  absl::Time start = absl::Now();
+  ASSERT_TRUE(b_->Wait(absl::Seconds(20)).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // One from another thread ends a wait in progress.
+  std::thread waker([this] {
+    absl::SleepFor(absl::Milliseconds(50));
+    b_->Interrupt();
+  });
+  start = absl::Now();
+  ASSERT_TRUE(b_->Wait(absl::Seconds(20)).ok());
+  const absl::Duration waited = absl::Now() - start;
+  waker.join();
+  EXPECT_LT(waited, absl::Seconds(10)) << "Interrupt did not end the wait";
 }
 
 TEST_P(FabricConformanceTest, PlainWriteAndRead) {

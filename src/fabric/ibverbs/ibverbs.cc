@@ -17,6 +17,7 @@
 #include "src/fabric/ibverbs/inventory.h"
 #include "src/fabric/endpoint_base.h"
 #include "src/fabric/op_tracker.h"
+#include "src/fabric/wake_fd.h"
 
 namespace tensorverbs::fabric::ibverbs {
 namespace {
@@ -115,6 +116,7 @@ struct Shared {
   DomainOptions options;
   std::vector<IbvEndpoint*> endpoints;
   absl::Status device_error;  // sticky, from a fatal async event
+  WakeFd wake;                // Domain::Interrupt
 
   ~Shared() {
     if (channel) ibv_destroy_comp_channel(channel);
@@ -422,11 +424,14 @@ class IbvDomain final : public Domain {
     bool ready = false;
     for (IbvEndpoint* ep : shared_->endpoints) ready |= ep->ArmAndCheck();
     if (ready) return absl::OkStatus();
-    pollfd fds[2] = {{shared_->channel->fd, POLLIN, 0}, {shared_->ctx->async_fd, POLLIN, 0}};
+    pollfd fds[3] = {{shared_->channel->fd, POLLIN, 0},
+                     {shared_->ctx->async_fd, POLLIN, 0},
+                     {shared_->wake.fd(), POLLIN, 0}};
     const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
-    if (poll(fds, 2, std::max(ms, 0)) < 0 && errno != EINTR) {
+    if (poll(fds, 3, std::max(ms, 0)) < 0 && errno != EINTR) {
       return absl::UnavailableError(Errno("poll", errno));
     }
+    shared_->wake.Drain();
     // Drain the channel (its fd is non-blocking); the events are acknowledged in batches.
     ibv_cq* cq = nullptr;
     void* cq_context = nullptr;
@@ -437,6 +442,8 @@ class IbvDomain final : public Domain {
     }
     return absl::OkStatus();
   }
+
+  void Interrupt() override { shared_->wake.Signal(); }
 
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
     ReadAsyncEvents();

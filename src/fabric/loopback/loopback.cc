@@ -43,6 +43,7 @@ struct DomainState {
   int imms ABSL_GUARDED_BY(mu) = 0;
   int writes_with_imm ABSL_GUARDED_BY(mu) = 0;
   bool closed ABSL_GUARDED_BY(mu) = false;
+  bool interrupted ABSL_GUARDED_BY(mu) = false;  // Domain::Interrupt, consumed by Wait
 
   void Push(const Completion& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     queue.push_back({c, faults.delay_polls});
@@ -282,10 +283,16 @@ class LoopbackDomain final : public Domain {
     // Delayed completions become ready only through Poll calls, so they end the wait too.
     st.mu.AwaitWithTimeout(
         [&st]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
-          return !st.queue.empty() && !st.faults.stalled;
+          return st.interrupted || (!st.queue.empty() && !st.faults.stalled);
         },
         timeout);
+    st.interrupted = false;
     return absl::OkStatus();
+  }
+
+  void Interrupt() override {
+    MutexLock lock(&state_->mu);
+    state_->interrupted = true;
   }
 
   void SetFaults(const Faults& faults) {

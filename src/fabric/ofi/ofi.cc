@@ -23,6 +23,7 @@
 #include "src/common/status_macros.h"
 #include "src/fabric/endpoint_base.h"
 #include "src/fabric/op_tracker.h"
+#include "src/fabric/wake_fd.h"
 
 namespace tensorverbs::fabric::ofi {
 namespace {
@@ -77,6 +78,7 @@ struct Shared {
   DomainOptions options;
   std::atomic<uint64_t> next_key{1};
   std::vector<OfiEndpoint*> endpoints;  // polled by the domain
+  WakeFd wake;                           // Domain::Interrupt
 
   bool virtual_addressing() const {
     // FI_MR_BASIC implies virtual addresses; FI_MR_SCALABLE offsets.
@@ -335,29 +337,32 @@ class OfiDomain final : public Domain {
   absl::Status Wait(absl::Duration timeout) override {
     std::vector<fid*> fids;
     std::vector<pollfd> fds;
+    fds.push_back(pollfd{shared_->wake.fd(), POLLIN, 0});
     for (OfiEndpoint* ep : shared_->endpoints) {
       if (ep->wait_fd() < 0) {
-        // No wait object on this provider: sleep briefly and let the caller poll.
+        // No wait object on this provider: sleep briefly and let the caller poll (an
+        // Interrupt is then seen within the sleep).
         absl::SleepFor(std::min(timeout, absl::Microseconds(50)));
         return absl::OkStatus();
       }
       fids.push_back(ep->cq_fid());
       fds.push_back(pollfd{ep->wait_fd(), POLLIN, 0});
     }
-    if (fids.empty()) {
-      absl::SleepFor(timeout);
-      return absl::OkStatus();
+    if (!fids.empty()) {
+      // fi_trywait drives pending progress and says whether blocking is safe (nothing to read).
+      int ret = fi_trywait(shared_->fabric, fids.data(), static_cast<int>(fids.size()));
+      if (ret == -FI_EAGAIN) return absl::OkStatus();
+      if (ret != 0) return absl::UnavailableError(FiError("ofi: fi_trywait", ret));
     }
-    // fi_trywait drives pending progress and says whether blocking is safe (nothing to read).
-    int ret = fi_trywait(shared_->fabric, fids.data(), static_cast<int>(fids.size()));
-    if (ret == -FI_EAGAIN) return absl::OkStatus();
-    if (ret != 0) return absl::UnavailableError(FiError("ofi: fi_trywait", ret));
     const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
     if (poll(fds.data(), fds.size(), std::max(ms, 0)) < 0 && errno != EINTR) {
       return absl::UnavailableError(absl::StrCat("ofi: poll: ", std::strerror(errno)));
     }
+    shared_->wake.Drain();
     return absl::OkStatus();
   }
+
+  void Interrupt() override { shared_->wake.Signal(); }
 
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
     size_t produced = 0;
@@ -384,6 +389,9 @@ fi_info* MakeHints(const std::string& provider) {
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   hints->domain_attr->threading = FI_THREAD_DOMAIN;
   hints->domain_attr->cq_data_size = 4;
+  // Control messages land in posting order (see fabric.h).
+  hints->tx_attr->msg_order = FI_ORDER_WAW;
+  hints->rx_attr->msg_order = FI_ORDER_WAW;
   if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());
   return hints;
 }
