@@ -34,6 +34,22 @@ absl::StatusOr<int64_t> ParseInt(const std::map<std::string, std::string>& env,
   return value;
 }
 
+// A value from a fixed set (case-insensitive); `default_value` when unset.
+absl::StatusOr<std::string> ParseChoice(const std::map<std::string, std::string>& env,
+                                        const std::string& name,
+                                        const std::vector<std::string>& choices,
+                                        const std::string& default_value) {
+  auto it = env.find(name);
+  if (it == env.end()) return default_value;
+  std::string v = absl::AsciiStrToLower(absl::StripAsciiWhitespace(it->second));
+  for (const std::string& c : choices) {
+    if (v == c) return v;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, "='", it->second,
+                                                 "' is invalid: expected one of ",
+                                                 absl::StrJoin(choices, ", ")));
+}
+
 absl::Status ParseLogLevel(const std::map<std::string, std::string>& env, Config& config) {
   config.log_severity = LogSeverity::kWarning;
   auto it = env.find("TENSORVERBS_LOG_LEVEL");
@@ -152,6 +168,10 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_CONNECT_TIMEOUT_MS", "TENSORVERBS_POOL_REGION_MB",
       "TENSORVERBS_CALLBACK_THREADS", "TENSORVERBS_MALLOC_TUNING",
       "TENSORVERBS_MALLOC_TRIM_MB", "TENSORVERBS_OFI_PROVIDER",
+      "TENSORVERBS_FABRIC",          "TENSORVERBS_MESSAGE_SLOTS",
+      "TENSORVERBS_POLL_MODE",       "TENSORVERBS_POLL_SPIN_US",
+      "TENSORVERBS_DATA_VALIDATION", "TENSORVERBS_REGISTRATION",
+      "TENSORVERBS_PEER_TIMEOUT_MS",
   };
   return names;
 }
@@ -177,6 +197,22 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   if (auto it = env.find("TENSORVERBS_OFI_PROVIDER"); it != env.end()) {
     config.ofi_provider = std::string(absl::StripAsciiWhitespace(it->second));
   }
+  ASSIGN_OR_RETURN(config.fabric, ParseChoice(env, "TENSORVERBS_FABRIC",
+                                              {"auto", "ofi", "ibverbs", "loopback"}, "auto"));
+  ASSIGN_OR_RETURN(int64_t slots, ParseInt(env, "TENSORVERBS_MESSAGE_SLOTS", 1, 1024, 8));
+  config.message_slots = static_cast<int>(slots);
+  ASSIGN_OR_RETURN(config.poll_mode, ParseChoice(env, "TENSORVERBS_POLL_MODE",
+                                                 {"busy", "blocking", "adaptive"}, "adaptive"));
+  ASSIGN_OR_RETURN(int64_t spin_us, ParseInt(env, "TENSORVERBS_POLL_SPIN_US", 0, 1000000, 50));
+  config.poll_spin = absl::Microseconds(spin_us);
+  ASSIGN_OR_RETURN(int64_t validation, ParseInt(env, "TENSORVERBS_DATA_VALIDATION", 0, 1, 0));
+  config.data_validation = validation == 1;
+  ASSIGN_OR_RETURN(config.registration,
+                   ParseChoice(env, "TENSORVERBS_REGISTRATION", {"pool", "per-transfer", "copy"},
+                               "pool"));
+  ASSIGN_OR_RETURN(int64_t peer_ms,
+                   ParseInt(env, "TENSORVERBS_PEER_TIMEOUT_MS", 100, 86400000, 10000));
+  config.peer_timeout = absl::Milliseconds(peer_ms);
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {

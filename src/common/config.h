@@ -73,6 +73,30 @@ struct Config {
 
   RdmaConfig rdma;
 
+  // --- grpc+verbs ---
+  // TENSORVERBS_FABRIC: auto | ofi | ibverbs | loopback. auto: ibverbs where a usable port
+  // exists, else ofi. loopback works only between servers of one process (tests).
+  std::string fabric = "auto";
+  // TENSORVERBS_MESSAGE_SLOTS: control messages in flight per channel direction, 1 .. 1024,
+  // default 8. 1 is the seed's stop-and-wait message buffer.
+  int message_slots = 8;
+  // TENSORVERBS_POLL_MODE: busy | blocking | adaptive (default). adaptive spins for
+  // TENSORVERBS_POLL_SPIN_US (0 .. 1000000, default 50) after the last completion, then sleeps
+  // in Domain::Wait; busy never sleeps; blocking sleeps as soon as nothing is ready.
+  std::string poll_mode = "adaptive";
+  absl::Duration poll_spin = absl::Microseconds(50);
+  // TENSORVERBS_DATA_VALIDATION: 1 sends a CRC-32C of every tensor with its meta-data and
+  // fails a recv whose bytes do not match with DataLoss. Default 0.
+  bool data_validation = false;
+  // TENSORVERBS_REGISTRATION: pool (default; pool regions registered once) | per-transfer
+  // (the destination is registered for each transfer) | copy (transfers land in a
+  // pre-registered buffer and are copied out). The seed's three strategies.
+  std::string registration = "pool";
+  // TENSORVERBS_PEER_TIMEOUT_MS: a peer that does not answer the control plane for this long
+  // is dead: everything pending on its channel fails with Unavailable. 100 .. 86400000,
+  // default 10000.
+  absl::Duration peer_timeout = absl::Seconds(10);
+
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;
 

@@ -10,7 +10,7 @@ namespace tensorverbs::protocol {
 namespace {
 
 // Layout, all little-endian:
-//   u8 version | u8 type | u16 zero | u32 used_bytes
+//   u8 version | u8 type | u16 sequence | u32 used_bytes
 //   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 zero
 //   u64 remote_addr | u64 checksum | i32 dtype | u32 error_code | u64 tensor_bytes
 //   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 zero
@@ -113,7 +113,7 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out) {
   Writer w(out);
   w.Put<uint8_t>(kWireVersion);
   w.Put<uint8_t>(static_cast<uint8_t>(m.type));
-  w.Put<uint16_t>(0);
+  w.Put<uint16_t>(m.sequence);
   w.Put<uint32_t>(static_cast<uint32_t>(used));
   w.Put<int64_t>(m.step_id);
   w.Put<uint32_t>(m.request_index);
@@ -144,7 +144,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in) {
   uint32_t used, error_code;
   int32_t dtype;
   Message m;
-  if (!r.Get(&version) || !r.Get(&type) || !r.Get(&zero16) || !r.Get(&used)) {
+  if (!r.Get(&version) || !r.Get(&type) || !r.Get(&m.sequence) || !r.Get(&used)) {
     return Malformed("shorter than its header");
   }
   if (version != kWireVersion) {

@@ -57,6 +57,9 @@ struct TensorMetaData {
 // them all so the layout never depends on the type.
 struct Message {
   MessageType type = MessageType::kTensorRequest;
+  // Set by the message buffer: the sender's count of messages on this channel direction,
+  // modulo 2^16. The receiver checks it to detect a fabric that broke posting order.
+  uint16_t sequence = 0;
   std::string name;            // the rendezvous key
   int64_t step_id = 0;
   uint32_t request_index = 0;

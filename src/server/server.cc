@@ -1,5 +1,7 @@
 #include "src/server/server.h"
 
+#include "src/protocol/verbs_rendezvous.h"
+
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -69,7 +71,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
 
 }  // namespace
 
-std::vector<std::string> AvailableProtocols() { return {"grpc"}; }
+std::vector<std::string> AvailableProtocols() { return {"grpc+verbs", "grpc"}; }
 
 Server::Server(ServerOptions options) : options_(std::move(options)) {}
 
@@ -110,10 +112,31 @@ absl::Status Server::Start() {
                                           : config.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
   const WorkerEnv* env = &env_;
-  rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, workers, recv_timeout](int64_t step) {
-    return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(env, step, workers,
-                                                                  recv_timeout);
-  });
+  if (options_.protocol == "grpc+verbs") {
+    protocol::VerbsOptions verbs_options = options_.verbs;
+    verbs_options.env = &env_;
+    verbs_options.pool = recv_allocator_.get();
+    verbs_options.workers = workers_.get();
+    verbs_options.task_addresses = options_.cluster.TaskAddresses();
+    verbs_options.recv_timeout = recv_timeout;
+    absl::StatusOr<std::unique_ptr<protocol::VerbsTransport>> verbs =
+        protocol::VerbsTransport::Create(std::move(verbs_options));
+    if (!verbs.ok()) {
+      return absl::Status(verbs.status().code(),
+                          absl::StrCat("task ", env_.task_name, ": ", verbs.status().message()));
+    }
+    verbs_ = *std::move(verbs);
+    protocol::VerbsTransport* transport = verbs_.get();
+    rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, transport](int64_t step) {
+      return std::make_shared<protocol::VerbsRemoteRendezvous>(env, step, transport);
+    });
+    verbs_->set_rendezvous_mgr(rendezvous_mgr_.get());
+  } else {
+    rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, workers, recv_timeout](int64_t step) {
+      return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(env, step, workers,
+                                                                    recv_timeout);
+    });
+  }
 
   service_ = std::make_unique<WorkerServiceImpl>(&env_, rendezvous_mgr_.get(), options_.protocol,
                                                  device_name());
@@ -123,6 +146,7 @@ absl::Status Server::Start() {
   builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(),
                            &bound_port);
   builder.RegisterService(service_.get());
+  if (verbs_) builder.RegisterService(verbs_->service());
   grpc_server_ = builder.BuildAndStart();
   if (grpc_server_ == nullptr || bound_port == 0) {
     grpc_server_.reset();
@@ -151,6 +175,7 @@ void Server::Stop() {
     grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     grpc_server_->Wait();
   }
+  if (verbs_) verbs_->Shutdown();
   // Cancelled client calls complete promptly; their callbacks use the executor below.
   if (workers_ && !workers_->WaitForNoCalls(absl::Seconds(10))) {
     LOG(WARNING) << "task " << env_.task_name << ": remote recvs still in flight at shutdown";
@@ -196,6 +221,9 @@ absl::Status Server::WaitForPeers(absl::Duration timeout) {
         "task ", env_.task_name, " could not reach ", missing.size(), " peer task(s) within ",
         absl::FormatDuration(timeout), ": ", absl::StrJoin(missing, ", "), " (first error: ",
         first_error, "); raise TENSORVERBS_CONNECT_TIMEOUT_MS if they start slowly"));
+  }
+  if (verbs_) {
+    return verbs_->ConnectPeers(std::max(deadline - absl::Now(), absl::Milliseconds(1)));
   }
   return absl::OkStatus();
 }

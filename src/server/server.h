@@ -21,6 +21,7 @@
 #include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "src/common/executor.h"
+#include "src/protocol/verbs_transport.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/server/cluster_spec.h"
 #include "src/tensor/allocator.h"
@@ -37,6 +38,9 @@ struct ServerOptions {
   std::string listen_address;
   // How long a remote recv may take; zero means TENSORVERBS_RECV_TIMEOUT_MS.
   absl::Duration recv_timeout = absl::ZeroDuration();
+  // grpc+verbs settings (fabric, slots, poll mode, ...), from the environment by default. The
+  // server fills in the env, pool, workers, addresses and recv timeout.
+  protocol::VerbsOptions verbs;
 };
 
 // The protocols this build provides, best first.
@@ -62,11 +66,15 @@ class Server {
   const TransferStats& stats() const { return stats_; }
 
   // Waits until every other task of the cluster answers (or `timeout` passes: Unavailable
-  // naming the tasks that did not) and records their incarnations.
+  // naming the tasks that did not) and records their incarnations. Over grpc+verbs it also sets
+  // up the RDMA channels to every peer within the same deadline.
   absl::Status WaitForPeers(absl::Duration timeout);
 
   // The peer's incarnation as recorded by WaitForPeers, or asked now (bounded by `timeout`).
   absl::StatusOr<uint64_t> PeerIncarnation(const std::string& task_name, absl::Duration timeout);
+
+  // The grpc+verbs engine; null for other protocols.
+  protocol::VerbsTransport* verbs_transport() { return verbs_.get(); }
 
   // Client of another task's WorkerService (GetStatus, CleanupStep).
   absl::StatusOr<grpc_transport::WorkerClient*> Worker(const std::string& task_name);
@@ -81,6 +89,8 @@ class Server {
   std::unique_ptr<Executor> executor_;
   WorkerEnv env_;
   std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
+  // Outlives the rendezvous manager: aborting a step reaches it.
+  std::unique_ptr<protocol::VerbsTransport> verbs_;
   std::unique_ptr<RendezvousMgr> rendezvous_mgr_;
   std::unique_ptr<grpc::Service> service_;
   std::unique_ptr<grpc::Server> grpc_server_;

@@ -128,5 +128,41 @@ TEST(Config, RdmaOutOfRangeNamesTheVariableAndRange) {
   EXPECT_TRUE(Config::FromEnvironment({{"RDMA_QP_MTU", "4096"}}).ok());
 }
 
+TEST(Config, GrpcVerbsVariables) {
+  absl::StatusOr<Config> d = Config::FromEnvironment({});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->fabric, "auto");
+  EXPECT_EQ(d->message_slots, 8);
+  EXPECT_EQ(d->poll_mode, "adaptive");
+  EXPECT_FALSE(d->data_validation);
+  EXPECT_EQ(d->registration, "pool");
+  EXPECT_EQ(d->peer_timeout, absl::Seconds(10));
+
+  absl::StatusOr<Config> c = Config::FromEnvironment(
+      {{"TENSORVERBS_FABRIC", "OFI"}, {"TENSORVERBS_MESSAGE_SLOTS", "1"},
+       {"TENSORVERBS_POLL_MODE", "busy"}, {"TENSORVERBS_POLL_SPIN_US", "0"},
+       {"TENSORVERBS_DATA_VALIDATION", "1"}, {"TENSORVERBS_REGISTRATION", "per-transfer"},
+       {"TENSORVERBS_PEER_TIMEOUT_MS", "250"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->fabric, "ofi");
+  EXPECT_EQ(c->message_slots, 1);
+  EXPECT_EQ(c->poll_mode, "busy");
+  EXPECT_EQ(c->poll_spin, absl::ZeroDuration());
+  EXPECT_TRUE(c->data_validation);
+  EXPECT_EQ(c->registration, "per-transfer");
+  EXPECT_EQ(c->peer_timeout, absl::Milliseconds(250));
+  EXPECT_TRUE(c->warnings.empty());
+
+  absl::StatusOr<Config> bad = Config::FromEnvironment({{"TENSORVERBS_REGISTRATION", "pinned"}});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              testing::AllOf(testing::HasSubstr("TENSORVERBS_REGISTRATION"),
+                             testing::HasSubstr("pool, per-transfer, copy")));
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MESSAGE_SLOTS", "0"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MESSAGE_SLOTS", "1025"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_FABRIC", "rdma"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_PEER_TIMEOUT_MS", "10"}}).ok());
+}
+
 }  // namespace
 }  // namespace tensorverbs

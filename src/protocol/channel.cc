@@ -1,0 +1,706 @@
+#include "src/protocol/channel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "proto/tensor.pb.h"
+#include "src/common/checksum.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/tensor/tensor_codec.h"
+
+namespace tensorverbs::protocol {
+namespace {
+
+// Content writes larger than this are split (the last piece carries the immediate), to stay
+// within every provider's message size and keep single operations short.
+constexpr uint64_t kMaxWriteBytes = uint64_t{1} << 30;
+
+absl::StatusOr<Tensor> AllocateStaging(RdmaMemoryMgr* memory, uint64_t bytes) {
+  ASSIGN_OR_RETURN(TensorShape shape, TensorShape::Create({static_cast<int64_t>(bytes)}));
+  return Tensor::Allocate(memory->pool(), DataType::kUInt8, shape);
+}
+
+uint64_t Checksum(const void* data, uint64_t bytes) {
+  return bytes == 0 ? 0 : Crc32c(data, bytes);
+}
+
+void CountCopy(VerbsStats* stats, uint64_t bytes) {
+  stats->copies.fetch_add(1, std::memory_order_relaxed);
+  stats->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// RdmaTensorRequest
+
+RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id,
+                                     ParsedKey key, Allocator* allocator, absl::Time deadline,
+                                     RecvDoneCallback done)
+    : channel_(channel),
+      index_(index),
+      step_id_(step_id),
+      key_(std::move(key)),
+      allocator_(allocator),
+      deadline_(deadline),
+      done_(std::move(done)) {}
+
+void RdmaTensorRequest::Start() {
+  ChannelEnv* env = channel_->env();
+  Message m;
+  m.type = MessageType::kTensorRequest;
+  m.name = key_.full_key;
+  m.step_id = step_id_;
+  m.request_index = index_;
+  // With a cached meta-data the destination is allocated now and the sender writes at once
+  // (zero round trips of meta-data); validation mode always takes the meta-data round trip
+  // because the checksum travels with it.
+  const TensorMetaData* cached = env->memory->CachedMeta(key_.full_key);
+  if (cached != nullptr && !env->data_validation && cached->dtype != DataType::kString &&
+      !cached->is_dead) {
+    if (cached->tensor_bytes > 0) {
+      absl::Status s = PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
+      if (!s.ok()) {
+        Fail(s);
+        channel_->FinishRequest(index_);
+        return;
+      }
+    }
+    meta_ = *cached;
+    m.meta = *cached;
+    env->stats->meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
+  }
+  state_ = State::kRequested;
+  env->stats->requests.fetch_add(1, std::memory_order_relaxed);
+  channel_->SendMessage(std::move(m));
+}
+
+absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
+                                                   std::string* key) {
+  ChannelEnv* env = channel_->env();
+  result_ = Tensor();
+  staging_ = Tensor();
+  transient_.reset();
+  const fabric::MemoryRegion* region = nullptr;
+  void* target = nullptr;
+  if (meta.dtype != DataType::kString && env->registration != Registration::kCopy) {
+    ASSIGN_OR_RETURN(result_, Tensor::Allocate(allocator_, meta.dtype, meta.shape));
+    if (env->registration == Registration::kPerTransfer) {
+      absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> mr =
+          env->memory->RegisterTransient(result_.data(), meta.tensor_bytes);
+      if (mr.ok()) {
+        transient_ = *std::move(mr);
+        region = transient_.get();
+        env->stats->transient_registrations.fetch_add(1, std::memory_order_relaxed);
+      }
+    } else {
+      ASSIGN_OR_RETURN(region, env->memory->FindRegistered(result_.data(), meta.tensor_bytes));
+    }
+    if (region != nullptr) target = result_.data();
+  }
+  if (target == nullptr) {
+    // Strings, copy mode, or a destination the fabric cannot reach: a registered proxy.
+    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta.tensor_bytes));
+    ASSIGN_OR_RETURN(region, env->memory->FindRegistered(staging_.data(), meta.tensor_bytes));
+    if (region == nullptr) {
+      return absl::InternalError("the transport's pool memory is not registrable");
+    }
+    target = staging_.data();
+  }
+  *addr = reinterpret_cast<uint64_t>(target);
+  *key = region->PackRemoteKey();
+  return absl::OkStatus();
+}
+
+void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
+  ChannelEnv* env = channel_->env();
+  if (state_ != State::kRequested) {
+    channel_->Close(absl::DataLossError(absl::StrCat(
+        "META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
+    return;
+  }
+  meta_ = m.meta;
+  checksum_ = m.checksum;
+  if (!m.meta.is_dead) env->memory->CacheMeta(key_.full_key, m.meta);
+  Message rr;
+  rr.type = MessageType::kTensorReRequest;
+  rr.name = key_.full_key;
+  rr.step_id = step_id_;
+  rr.request_index = index_;
+  rr.meta = m.meta;
+  // A recv that already ended (abort, timeout) or cannot allocate still answers, with no
+  // target: the sender then writes nothing but the immediate, and releases its tensor.
+  if (!finished() && !m.meta.is_dead && m.meta.tensor_bytes > 0) {
+    absl::Status s = PrepareDestination(m.meta, &rr.remote_addr, &rr.remote_key);
+    if (!s.ok()) Fail(s);
+  }
+  state_ = State::kReRequested;
+  env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
+  channel_->SendMessage(std::move(rr));
+}
+
+void RdmaTensorRequest::RecvTensorContent() {
+  ChannelEnv* env = channel_->env();
+  state_ = State::kDone;
+  if (finished()) return;
+  if (meta_.is_dead) {
+    Deliver(absl::OkStatus(), Tensor(), true);
+    return;
+  }
+  const void* landed = staging_.IsInitialized() ? staging_.data() : result_.data();
+  if (env->data_validation) {
+    const uint64_t sum = Checksum(landed, meta_.tensor_bytes);
+    if (sum != checksum_) {
+      env->stats->checksum_failures.fetch_add(1, std::memory_order_relaxed);
+      Deliver(absl::DataLossError(absl::StrFormat(
+                  "recv of '%s' from task %s: checksum mismatch (sent %08x, received %08x) over "
+                  "%d bytes: the data was corrupted in transit",
+                  key_.full_key, channel_->peer_task(), checksum_, sum, meta_.tensor_bytes)),
+              Tensor(), false);
+      return;
+    }
+  }
+  if (meta_.dtype == DataType::kString) {
+    proto::TensorProto tp;
+    if (!tp.ParseFromArray(staging_.data(), static_cast<int>(meta_.tensor_bytes))) {
+      Deliver(absl::DataLossError(absl::StrCat("recv of '", key_.full_key, "' from task ",
+                                               channel_->peer_task(),
+                                               ": the string tensor's TensorProto does not parse")),
+              Tensor(), false);
+      return;
+    }
+    absl::StatusOr<Tensor> t = TensorFromProto(tp, allocator_);
+    if (!t.ok()) {
+      Deliver(t.status(), Tensor(), false);
+      return;
+    }
+    Deliver(absl::OkStatus(), *t, false);
+    return;
+  }
+  if (!result_.IsInitialized()) {
+    // No bytes (an empty tensor), or copy mode: allocate the result now.
+    absl::StatusOr<Tensor> t = Tensor::Allocate(allocator_, meta_.dtype, meta_.shape);
+    if (!t.ok()) {
+      Deliver(t.status(), Tensor(), false);
+      return;
+    }
+    result_ = *std::move(t);
+  }
+  if (staging_.IsInitialized() && meta_.tensor_bytes > 0) {
+    std::memcpy(result_.data(), staging_.data(), meta_.tensor_bytes);
+    CountCopy(env->stats, meta_.tensor_bytes);
+  }
+  Tensor result = std::move(result_);
+  staging_ = Tensor();
+  transient_.reset();
+  Deliver(absl::OkStatus(), result, false);
+}
+
+void RdmaTensorRequest::Fail(const absl::Status& status) {
+  if (finished()) return;
+  Deliver(status, Tensor(), false);
+}
+
+void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead) {
+  RecvDoneCallback done = std::move(done_);
+  done_ = nullptr;
+  channel_->env()->worker->callback_executor->Schedule(
+      [done = std::move(done), status, tensor, is_dead]() mutable {
+        std::move(done)(status, tensor, is_dead);
+      });
+}
+
+std::vector<Tensor> RdmaTensorRequest::TakeMemory() {
+  std::vector<Tensor> memory;
+  if (result_.IsInitialized()) memory.push_back(std::move(result_));
+  if (staging_.IsInitialized()) memory.push_back(std::move(staging_));
+  result_ = staging_ = Tensor();
+  return memory;
+}
+
+// ---------------------------------------------------------------------------------------------
+// RdmaTensorResponse
+
+RdmaTensorResponse::RdmaTensorResponse(Channel* channel, uint64_t serial, const Message& request)
+    : channel_(channel), serial_(serial), request_(request) {}
+
+void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous,
+                               const ParsedKey& key) {
+  rendezvous_ = std::move(rendezvous);
+  ChannelEnv* env = channel_->env();
+  const uint64_t channel_id = channel_->id(), serial = serial_;
+  const uint32_t index = request_.request_index;
+  auto post = env->post;
+  auto find = env->find_channel;
+  token_ = rendezvous_->RecvLocalAsync(
+      key, [post, find, channel_id, serial, index](const absl::Status& s, const Tensor& t,
+                                                  bool is_dead) {
+        post([find, channel_id, serial, index, s, t, is_dead]() mutable {
+          if (Channel* c = find(channel_id)) c->OnLocalTensor(serial, index, s, t, is_dead);
+        });
+      });
+}
+
+void RdmaTensorResponse::Cancel() {
+  if (state_ == State::kWaitTensor && rendezvous_ != nullptr && token_ != 0) {
+    rendezvous_->CancelLocalRecv(token_, absl::CancelledError("channel closed"));
+  }
+  state_ = State::kDone;
+}
+
+absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
+  ChannelEnv* env = channel_->env();
+  if (meta_.is_dead || meta_.tensor_bytes == 0) return absl::OkStatus();
+  if (tensor.dtype() == DataType::kString) {
+    proto::TensorProto tp;
+    TensorToProto(tensor, &tp);
+    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta_.tensor_bytes));
+    if (!tp.SerializeToArray(staging_.data(), static_cast<int>(meta_.tensor_bytes))) {
+      return absl::InternalError("serializing the string tensor failed");
+    }
+    ASSIGN_OR_RETURN(source_region_,
+                     env->memory->FindRegistered(staging_.data(), meta_.tensor_bytes));
+    source_ = staging_.data();
+    return absl::OkStatus();
+  }
+  if (env->registration == Registration::kPool) {
+    ASSIGN_OR_RETURN(source_region_, env->memory->FindRegistered(tensor.data(), meta_.tensor_bytes));
+  } else if (env->registration == Registration::kPerTransfer) {
+    absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> mr =
+        env->memory->RegisterTransient(tensor.data(), meta_.tensor_bytes);
+    if (mr.ok()) {
+      transient_ = *std::move(mr);
+      source_region_ = transient_.get();
+      env->stats->transient_registrations.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  if (source_region_ != nullptr) {
+    source_ = tensor.data();
+    return absl::OkStatus();
+  }
+  // Copy mode, or a tensor outside the registered pool: stage it.
+  ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta_.tensor_bytes));
+  std::memcpy(staging_.data(), tensor.data(), meta_.tensor_bytes);
+  CountCopy(env->stats, meta_.tensor_bytes);
+  ASSIGN_OR_RETURN(source_region_, env->memory->FindRegistered(staging_.data(), meta_.tensor_bytes));
+  if (source_region_ == nullptr) return absl::InternalError("pool memory is not registrable");
+  source_ = staging_.data();
+  return absl::OkStatus();
+}
+
+void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor, bool is_dead) {
+  ChannelEnv* env = channel_->env();
+  if (state_ != State::kWaitTensor) return;
+  if (!status.ok()) {
+    SendError(status);
+    return;
+  }
+  tensor_ = tensor;
+  meta_.dtype = tensor.dtype();
+  meta_.shape = tensor.shape();
+  meta_.is_dead = is_dead;
+  if (is_dead) {
+    meta_.tensor_bytes = 0;
+  } else if (tensor.dtype() == DataType::kString) {
+    proto::TensorProto tp;
+    TensorToProto(tensor, &tp);
+    meta_.tensor_bytes = tp.ByteSizeLong();
+  } else {
+    meta_.tensor_bytes = tensor.TotalBytes();
+  }
+  if (absl::Status s = PrepareSource(tensor); !s.ok()) {
+    SendError(absl::Status(s.code(), absl::StrCat("the sender cannot transfer the tensor: ",
+                                                  s.message())));
+    return;
+  }
+  const bool can_write_now =
+      !env->data_validation && request_.meta == meta_ && meta_.dtype != DataType::kString &&
+      (meta_.tensor_bytes == 0 || request_.remote_addr != 0);
+  if (can_write_now) {
+    WriteContent(request_.remote_addr, request_.remote_key);
+    return;
+  }
+  Message m;
+  m.type = MessageType::kMetaDataResponse;
+  m.name = request_.name;
+  m.step_id = request_.step_id;
+  m.request_index = request_.request_index;
+  m.meta = meta_;
+  if (env->data_validation) m.checksum = Checksum(source_, meta_.tensor_bytes);
+  state_ = State::kWaitReRequest;
+  env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
+  channel_->SendMessage(std::move(m));
+}
+
+void RdmaTensorResponse::RecvReRequest(const Message& m) {
+  if (state_ != State::kWaitReRequest) {
+    channel_->Close(absl::DataLossError(absl::StrCat(
+        "RE_REQUEST for request ", m.request_index, " that is not waiting for one")));
+    return;
+  }
+  if (m.remote_addr == 0 && meta_.tensor_bytes > 0 && !meta_.is_dead) {
+    // The receiver gave up on this recv (or could not allocate): nothing to write but the
+    // release, which the immediate alone carries.
+    meta_.tensor_bytes = 0;
+  }
+  WriteContent(m.remote_addr, m.remote_key);
+}
+
+void RdmaTensorResponse::WriteContent(uint64_t addr, const std::string& key) {
+  MessageBuffer* mb = channel_->message_buffer();
+  fabric::Endpoint* ep = channel_->endpoint();
+  state_ = State::kWriting;
+  const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
+  const uint32_t imm = request_.request_index;
+  absl::Status s;
+  if (meta_.is_dead || meta_.tensor_bytes == 0) {
+    writes_left_ = 1;
+    s = ep->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(), imm, context);
+  } else {
+    const uint64_t total = meta_.tensor_bytes;
+    const uint64_t pieces = (total + kMaxWriteBytes - 1) / kMaxWriteBytes;
+    writes_left_ = static_cast<int>(pieces);
+    for (uint64_t i = 0; i < pieces && s.ok(); ++i) {
+      const uint64_t offset = i * kMaxWriteBytes;
+      const uint64_t len = std::min(kMaxWriteBytes, total - offset);
+      fabric::LocalBuffer local{source_region_,
+                                const_cast<uint8_t*>(static_cast<const uint8_t*>(source_)) + offset,
+                                len};
+      fabric::RemoteBuffer remote{key, addr + offset, len};
+      s = i + 1 == pieces ? ep->PostWriteWithImm(local, remote, imm, context)
+                          : ep->PostWrite(local, remote, context);
+      if (!s.ok()) writes_left_ = static_cast<int>(i);  // those already posted still complete
+    }
+  }
+  if (!s.ok()) {
+    // The target the receiver named is not writable (a bad key or range): report it to the
+    // receiver rather than trusting the peer's description.
+    if (writes_left_ > 0) {
+      channel_->Close(absl::UnavailableError(absl::StrCat(
+          "content write to task ", channel_->peer_task(), " failed midway: ", s.message())));
+      return;
+    }
+    SendError(absl::InvalidArgumentError(absl::StrCat(
+        "the sender could not write the tensor to the receiver's destination: ", s.message())));
+  }
+}
+
+bool RdmaTensorResponse::OnWriteDone() {
+  if (--writes_left_ > 0) return false;
+  ChannelEnv* env = channel_->env();
+  env->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
+  env->stats->content_bytes.fetch_add(static_cast<int64_t>(meta_.tensor_bytes),
+                                      std::memory_order_relaxed);
+  state_ = State::kDone;
+  return true;
+}
+
+void RdmaTensorResponse::SendError(const absl::Status& status) {
+  ChannelEnv* env = channel_->env();
+  Message m;
+  m.type = MessageType::kErrorStatus;
+  m.name = request_.name;
+  m.step_id = request_.step_id;
+  m.request_index = request_.request_index;
+  m.error = status.ok() ? absl::InternalError("unknown error") : status;
+  state_ = State::kDone;
+  env->stats->errors_sent.fetch_add(1, std::memory_order_relaxed);
+  channel_->SendMessage(std::move(m));
+  channel_->FinishResponse(request_.request_index);  // deletes this
+}
+
+// ---------------------------------------------------------------------------------------------
+// Channel
+
+Channel::Channel(ChannelEnv* env, Role role, uint64_t id, std::string peer_task)
+    : env_(env), role_(role), id_(id), peer_task_(std::move(peer_task)) {}
+
+Channel::~Channel() {
+  Close(absl::CancelledError(absl::StrCat("channel to task ", peer_task_, " destroyed")));
+}
+
+absl::Status Channel::Init() {
+  ASSIGN_OR_RETURN(endpoint_, env_->domain->CreateEndpoint());
+  ASSIGN_OR_RETURN(mb_, MessageBuffer::Create(env_->domain, env_->message_slots));
+  return absl::OkStatus();
+}
+
+absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr,
+                              std::string rx_key, int rx_slots, uint64_t peer_incarnation) {
+  RETURN_IF_ERROR(endpoint_->Connect(peer_address));
+  RETURN_IF_ERROR(mb_->Connect(endpoint_.get(), rx_addr, std::move(rx_key), rx_slots));
+  peer_incarnation_ = peer_incarnation;
+  state_ = State::kReady;
+  std::vector<uint32_t> queued;
+  queued.swap(queued_);
+  for (uint32_t index : queued) {
+    auto it = requests_.find(index);
+    if (it == requests_.end()) continue;
+    if (it->second->finished()) {
+      FinishRequest(index);  // aborted while queued: never sent, nothing can land
+      continue;
+    }
+    it->second->Start();
+  }
+  return absl::OkStatus();
+}
+
+std::string Channel::Describe() const {
+  const fabric::Capabilities& caps = env_->domain->capabilities();
+  return absl::StrCat(role_ == Role::kOwner ? "recv channel from task " : "send channel to task ",
+                      peer_task_, " over ", caps.backend, " (", caps.provider, "), endpoint ",
+                      absl::BytesToHexString(endpoint_ ? endpoint_->LocalAddress() : "")
+                          .substr(0, 32),
+                      ", ", mb_ ? mb_->rx_slots() : 0, " message slots");
+}
+
+void Channel::StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator,
+                        absl::Time deadline, RecvDoneCallback done) {
+  auto fail = [&](const absl::Status& s) {
+    env_->worker->callback_executor->Schedule(
+        [done = std::move(done), s]() mutable { std::move(done)(s, Tensor(), false); });
+  };
+  if (state_ == State::kClosed) {
+    fail(absl::UnavailableError(absl::StrCat("channel to task ", peer_task_, " is closed")));
+    return;
+  }
+  if (key.full_key.size() > kMaxNameLength) {
+    fail(absl::InvalidArgumentError(absl::StrCat(
+        "recv of a ", key.full_key.size(), "-byte rendezvous key over grpc+verbs: the protocol's "
+        "limit is ", kMaxNameLength, " bytes; use shorter tensor names")));
+    return;
+  }
+  absl::StatusOr<uint32_t> index = indexes_.Allocate();
+  if (!index.ok()) {
+    fail(absl::ResourceExhaustedError(absl::StrCat("too many pending recvs from task ", peer_task_)));
+    return;
+  }
+  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step_id, key, allocator,
+                                                     deadline, std::move(done));
+  RdmaTensorRequest* raw = request.get();
+  requests_.emplace(*index, std::move(request));
+  if (state_ == State::kReady) {
+    raw->Start();
+  } else {
+    queued_.push_back(*index);
+  }
+}
+
+void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
+  std::vector<uint32_t> unsent;
+  for (auto& [index, request] : requests_) {
+    if (request->step_id() != step_id) continue;
+    request->Fail(status);
+    if (request->state() == RdmaTensorRequest::State::kQueued) unsent.push_back(index);
+  }
+  // Never sent: no late content can come, so the record goes now. Sent ones stay until the
+  // sender answers (content or ERROR_STATUS) so their memory is not reused under a write.
+  for (uint32_t index : unsent) {
+    queued_.erase(std::remove(queued_.begin(), queued_.end(), index), queued_.end());
+    FinishRequest(index);
+  }
+}
+
+void Channel::ExpireRequests(absl::Time now) {
+  for (auto& [index, request] : requests_) {
+    if (request->finished() || request->deadline() > now) continue;
+    request->Fail(absl::DeadlineExceededError(absl::StrCat(
+        "recv of '", request->key(), "' from task ", peer_task_,
+        " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the producer is slow")));
+  }
+}
+
+size_t Channel::pending_requests() const {
+  size_t n = 0;
+  for (const auto& [index, request] : requests_) n += !request->finished();
+  return n;
+}
+
+void Channel::SendMessage(Message m) {
+  if (state_ == State::kClosed) return;
+  absl::Status s = mb_->Send(std::move(m));
+  if (!s.ok()) {
+    Close(absl::UnavailableError(absl::StrCat("sending a control message to task ", peer_task_,
+                                              " failed: ", s.message())));
+  }
+}
+
+void Channel::FinishRequest(uint32_t index) {
+  requests_.erase(index);
+  indexes_.Release(index);
+}
+
+void Channel::FinishResponse(uint32_t index) { responses_.erase(index); }
+
+void Channel::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
+                            const Tensor& tensor, bool is_dead) {
+  auto it = responses_.find(index);
+  if (it == responses_.end() || it->second->serial() != serial) return;  // cancelled
+  it->second->Resume(status, tensor, is_dead);
+}
+
+void Channel::OnCompletion(const fabric::Completion& c) {
+  if (state_ == State::kClosed) return;
+  if (!c.status.ok()) {
+    Close(absl::UnavailableError(absl::StrCat("RDMA operation with task ", peer_task_,
+                                              " failed: ", c.status.message())));
+    return;
+  }
+  if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {
+    switch (ClassifyImm(c.imm)) {
+      case ImmKind::kControlMessage:
+        OnControlMessage();
+        return;
+      case ImmKind::kAck:
+        if (absl::Status s = mb_->OnAck(); !s.ok()) Close(s);
+        return;
+      case ImmKind::kRequest:
+        OnContent(c.imm);
+        return;
+    }
+    return;
+  }
+  const uint64_t value = ContextValue(c.context);
+  switch (ContextTag(c.context)) {
+    case OpTag::kMessage:
+      if (absl::Status s = mb_->OnMessageWritten(value); !s.ok()) Close(s);
+      return;
+    case OpTag::kAck:
+      return;
+    case OpTag::kContent: {
+      auto it = responses_.find(static_cast<uint32_t>(value));
+      if (it != responses_.end() && it->second->OnWriteDone()) responses_.erase(it);
+      return;
+    }
+  }
+}
+
+void Channel::OnContent(uint32_t index) {
+  auto it = role_ == Role::kOwner ? requests_.find(index) : requests_.end();
+  if (it == requests_.end() || it->second->state() == RdmaTensorRequest::State::kQueued) {
+    env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
+    VLOG(1) << "dropped immediate " << index << " from task " << peer_task_
+            << ": no request with that index is waiting";
+    return;
+  }
+  it->second->RecvTensorContent();
+  FinishRequest(index);
+}
+
+void Channel::OnControlMessage() {
+  absl::StatusOr<Message> m = mb_->OnControlMessage();
+  if (!m.ok()) {
+    Close(absl::DataLossError(absl::StrCat("control message from task ", peer_task_, ": ",
+                                           m.status().message())));
+    return;
+  }
+  const bool owner = role_ == Role::kOwner;
+  switch (m->type) {
+    case MessageType::kMetaDataResponse:
+    case MessageType::kErrorStatus: {
+      if (!owner) break;
+      auto it = requests_.find(m->request_index);
+      if (it == requests_.end()) {
+        env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      if (m->type == MessageType::kMetaDataResponse) {
+        it->second->RecvTensorMetaData(*m);
+      } else {
+        it->second->Fail(absl::Status(
+            m->error.code(), absl::StrCat("task ", peer_task_, " could not send '", m->name,
+                                          "': ", m->error.message())));
+        FinishRequest(m->request_index);
+      }
+      return;
+    }
+    case MessageType::kTensorRequest: {
+      if (owner) break;
+      if (responses_.contains(m->request_index)) {
+        Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " reused request index ",
+                                               m->request_index, " while it was pending")));
+        return;
+      }
+      auto response = std::make_unique<RdmaTensorResponse>(this, next_serial_++, *m);
+      RdmaTensorResponse* raw = response.get();
+      responses_.emplace(m->request_index, std::move(response));
+      const WorkerEnv* worker = env_->worker;
+      absl::Status error;
+      absl::StatusOr<ParsedKey> key = ParsedKey::Parse(m->name);
+      if (!key.ok()) {
+        error = absl::InvalidArgumentError(std::string(key.status().message()));
+      } else if (key->src.TaskName() != worker->task_name) {
+        error = absl::InvalidArgumentError(absl::StrCat(
+            "key '", key->full_key, "' names source task ", key->src.TaskName(), ", not ",
+            worker->task_name));
+      } else if (key->src_incarnation != worker->incarnation) {
+        error = absl::AbortedError(absl::StrFormat(
+            "key '%s' was made for incarnation %016x of task %s, which now runs incarnation "
+            "%016x: the task was probably restarted; rebuild keys from its new incarnation",
+            key->full_key, key->src_incarnation, worker->task_name, worker->incarnation));
+      }
+      std::shared_ptr<RemoteRendezvous> rendezvous;
+      if (error.ok()) {
+        absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r =
+            env_->rendezvous_mgr->Find(m->step_id);
+        if (r.ok()) {
+          rendezvous = *std::move(r);
+        } else {
+          error = r.status();
+        }
+      }
+      if (!error.ok()) {
+        raw->Resume(error, Tensor(), false);  // sends ERROR_STATUS and finishes
+        return;
+      }
+      raw->Start(std::move(rendezvous), *key);
+      return;
+    }
+    case MessageType::kTensorReRequest: {
+      if (owner) break;
+      auto it = responses_.find(m->request_index);
+      if (it == responses_.end()) {
+        Close(absl::DataLossError(absl::StrCat("RE_REQUEST from task ", peer_task_,
+                                               " for unknown request ", m->request_index)));
+        return;
+      }
+      it->second->RecvReRequest(*m);
+      return;
+    }
+  }
+  Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " sent ",
+                                         MessageTypeName(m->type), " on a channel where ",
+                                         owner ? "it sends tensors" : "it receives them")));
+}
+
+void Channel::Close(const absl::Status& status) {
+  if (state_ == State::kClosed) return;
+  state_ = State::kClosed;
+  if (status.code() != absl::StatusCode::kCancelled) {
+    env_->stats->channel_errors.fetch_add(1, std::memory_order_relaxed);
+    LOG(WARNING) << Describe() << " closed: " << status.message();
+  }
+  std::vector<Tensor> memory;
+  for (auto& [index, request] : requests_) {
+    request->Fail(status);
+    for (Tensor& t : request->TakeMemory()) memory.push_back(std::move(t));
+  }
+  requests_.clear();
+  queued_.clear();
+  for (auto& [index, response] : responses_) response->Cancel();
+  responses_.clear();
+  // No more operations from this side; the endpoint's handles go when its last user does.
+  endpoint_.reset();
+  mb_.reset();
+  if (!memory.empty() && env_->quarantine_memory) {
+    // The peer may still be alive and writing into these destinations.
+    env_->quarantine_memory(std::move(memory), absl::Now() + env_->quarantine);
+  }
+}
+
+}  // namespace tensorverbs::protocol

@@ -1,0 +1,237 @@
+// Channel: the RDMA connection that carries one task's recvs from one peer task, with the
+// seed's two state machines on it.
+//
+// The receiving task owns the channel (Role::kOwner): it set it up by calling the peer's
+// VerbsService.Connect, and runs one RdmaTensorRequest per recv. The peer holds the other end
+// (Role::kAcceptor) and runs one RdmaTensorResponse per request. A pair of tasks that receive
+// from each other therefore has two channels, one per direction of tensor flow; the seed's
+// single bidirectional channel needed a symmetric handshake that races when both tasks connect
+// at once, and this way each side of a channel has one job.
+//
+//   RdmaTensorRequest (owner):   Start -> [REQUEST] -> kRequested
+//                                  kRequested  --META_DATA_RESPONSE--> [RE_REQUEST] kReRequested
+//                                  kRequested / kReRequested --content imm--> RecvTensorContent
+//                                  any --ERROR_STATUS / failure--> done(error)
+//   RdmaTensorResponse (acceptor): Start (local recv) -> Resume(tensor)
+//                                  meta matches the request's -> write content -> Destroy
+//                                  else [META_DATA_RESPONSE] -> kWaitReRequest
+//                                  --RE_REQUEST--> write content -> Destroy
+//
+// Everything here runs on the transport's progress thread. A request's `done` runs exactly once
+// on the worker's callback executor. A request that ends before its content arrives (abort,
+// timeout) keeps its index and destination memory until the sender answers or the channel
+// closes, so late content never lands in freed memory.
+#ifndef TENSORVERBS_PROTOCOL_CHANNEL_H_
+#define TENSORVERBS_PROTOCOL_CHANNEL_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/imm.h"
+#include "src/protocol/memory_mgr.h"
+#include "src/protocol/message_buffer.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/rendezvous/rendezvous_mgr.h"
+
+namespace tensorverbs::protocol {
+
+// Counters of one transport, readable from any thread.
+struct VerbsStats {
+  std::atomic<int64_t> requests{0};           // REQUEST messages sent
+  std::atomic<int64_t> meta_cache_hits{0};    // ... of which carried a cached meta-data
+  std::atomic<int64_t> meta_responses{0};     // META_DATA_RESPONSE messages sent
+  std::atomic<int64_t> re_requests{0};        // RE_REQUEST messages sent
+  std::atomic<int64_t> errors_sent{0};        // ERROR_STATUS messages sent
+  std::atomic<int64_t> content_writes{0};     // content transfers completed by this sender
+  std::atomic<int64_t> content_bytes{0};
+  std::atomic<int64_t> copies{0};             // tensor copies made by the transport (proxy,
+  std::atomic<int64_t> copied_bytes{0};       //   copy strategy, unregistered sources)
+  std::atomic<int64_t> transient_registrations{0};
+  std::atomic<int64_t> dropped_imms{0};       // unknown or stale request indexes
+  std::atomic<int64_t> channel_errors{0};
+  std::atomic<int64_t> checksum_failures{0};
+};
+
+// What channels share; owned by the transport.
+struct ChannelEnv {
+  const WorkerEnv* worker = nullptr;
+  RendezvousMgr* rendezvous_mgr = nullptr;  // serves requests (acceptor side)
+  RdmaMemoryMgr* memory = nullptr;
+  fabric::Domain* domain = nullptr;
+  VerbsStats* stats = nullptr;
+  Registration registration = Registration::kPool;
+  bool data_validation = false;
+  int message_slots = 8;
+  absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
+  // Runs `task` on the progress thread later (never inline).
+  std::function<void(absl::AnyInvocable<void() &&>)> post;
+  // Finds a live channel by id (progress thread); null if it is gone.
+  std::function<class Channel*(uint64_t)> find_channel;
+  // Keeps memory alive until `until` (progress thread).
+  std::function<void(std::vector<Tensor>, absl::Time until)> quarantine_memory;
+};
+
+class Channel;
+
+class RdmaTensorRequest {
+ public:
+  enum class State { kQueued, kRequested, kReRequested, kDone };
+
+  RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, ParsedKey key,
+                    Allocator* allocator, absl::Time deadline, RecvDoneCallback done);
+
+  void Start();
+  void RecvTensorMetaData(const Message& m);
+  void RecvTensorContent();
+  // Ends the recv with `status` if it has not ended; the record stays until the sender is done.
+  void Fail(const absl::Status& status);
+
+  uint32_t index() const { return index_; }
+  int64_t step_id() const { return step_id_; }
+  State state() const { return state_; }
+  bool finished() const { return !done_; }  // `done` has run
+  absl::Time deadline() const { return deadline_; }
+  const std::string& key() const { return key_.full_key; }
+  // The memory the sender may still write into.
+  std::vector<Tensor> TakeMemory();
+
+ private:
+  // Allocates the destination for `meta` and returns where the sender writes.
+  absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, std::string* key);
+  void Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead);
+
+  Channel* const channel_;
+  const uint32_t index_;
+  const int64_t step_id_;
+  const ParsedKey key_;
+  Allocator* const allocator_;
+  const absl::Time deadline_;
+  RecvDoneCallback done_;
+  State state_ = State::kQueued;
+  TensorMetaData meta_;   // what the content will match
+  uint64_t checksum_ = 0;
+  Tensor result_;         // the destination, when the content lands in place
+  Tensor staging_;        // registered proxy (strings, unregistrable destinations, copy mode)
+  std::unique_ptr<fabric::MemoryRegion> transient_;  // per-transfer registration
+};
+
+class RdmaTensorResponse {
+ public:
+  enum class State { kWaitTensor, kWaitReRequest, kWriting, kDone };
+
+  RdmaTensorResponse(Channel* channel, uint64_t serial, const Message& request);
+
+  // Asks the local rendezvous for the tensor; Resume runs (on the progress thread) when sent.
+  void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key);
+  void Resume(const absl::Status& status, const Tensor& tensor, bool is_dead);
+  void RecvReRequest(const Message& m);
+  // One content write completed; true when the response is finished.
+  bool OnWriteDone();
+  // Stops waiting for the local tensor (channel closing).
+  void Cancel();
+
+  uint64_t serial() const { return serial_; }
+  uint32_t index() const { return request_.request_index; }
+  State state() const { return state_; }
+
+ private:
+  absl::Status PrepareSource(const Tensor& tensor);
+  void WriteContent(uint64_t addr, const std::string& key);
+  void SendError(const absl::Status& status);
+
+  Channel* const channel_;
+  const uint64_t serial_;
+  const Message request_;  // REQUEST as received (name, step, index, target, meta)
+  State state_ = State::kWaitTensor;
+  std::shared_ptr<RemoteRendezvous> rendezvous_;
+  uint64_t token_ = 0;
+  TensorMetaData meta_;
+  Tensor tensor_;   // keeps the source alive until the writes complete
+  Tensor staging_;  // registered copy (strings, unregistered sources, copy mode)
+  const void* source_ = nullptr;
+  const fabric::MemoryRegion* source_region_ = nullptr;
+  std::unique_ptr<fabric::MemoryRegion> transient_;
+  int writes_left_ = 0;
+};
+
+class Channel {
+ public:
+  enum class Role { kOwner, kAcceptor };
+  enum class State { kConnecting, kReady, kClosed };
+
+  Channel(ChannelEnv* env, Role role, uint64_t id, std::string peer_task);
+  ~Channel();
+
+  // Creates the endpoint and message buffer.
+  absl::Status Init();
+  // Connects to the peer's end.
+  absl::Status Connect(const std::string& peer_address, uint64_t rx_addr, std::string rx_key,
+                       int rx_slots, uint64_t peer_incarnation);
+
+  uint64_t id() const { return id_; }
+  Role role() const { return role_; }
+  State state() const { return state_; }
+  const std::string& peer_task() const { return peer_task_; }
+  uint64_t peer_incarnation() const { return peer_incarnation_; }
+  fabric::Endpoint* endpoint() const { return endpoint_.get(); }
+  MessageBuffer* message_buffer() const { return mb_.get(); }
+  ChannelEnv* env() const { return env_; }
+  std::string Describe() const;
+
+  // Owner side: starts a recv (queued until the channel is ready).
+  void StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator,
+                 absl::Time deadline, RecvDoneCallback done);
+  // Owner side: fails the step's pending recvs.
+  void AbortStep(int64_t step_id, const absl::Status& status);
+  // Owner side: fails recvs past their deadline.
+  void ExpireRequests(absl::Time now);
+  size_t pending_requests() const;
+  // Acceptor side: a local tensor for response `serial` is ready.
+  void OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
+                     const Tensor& tensor, bool is_dead);
+
+  void OnCompletion(const fabric::Completion& c);
+
+  // Fails everything pending with `status` and closes the channel (idempotent).
+  void Close(const absl::Status& status);
+
+  // For the state machines.
+  void SendMessage(Message m);
+  void FinishRequest(uint32_t index);
+  void FinishResponse(uint32_t index);
+
+ private:
+  void OnControlMessage();
+  void OnContent(uint32_t index);
+
+  ChannelEnv* const env_;
+  const Role role_;
+  const uint64_t id_;
+  const std::string peer_task_;
+  uint64_t peer_incarnation_ = 0;
+  State state_ = State::kConnecting;
+  std::unique_ptr<fabric::Endpoint> endpoint_;
+  std::unique_ptr<MessageBuffer> mb_;
+
+  // Owner side.
+  RequestIndexAllocator indexes_;
+  absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorRequest>> requests_;
+  std::vector<uint32_t> queued_;  // started before the channel was ready
+  // Acceptor side.
+  absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorResponse>> responses_;
+  uint64_t next_serial_ = 1;
+};
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_CHANNEL_H_

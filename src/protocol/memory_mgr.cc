@@ -1,0 +1,94 @@
+#include "src/protocol/memory_mgr.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "src/common/status_macros.h"
+
+namespace tensorverbs::protocol {
+namespace {
+
+// Keys are usually a fixed set per model; a workload that makes new keys every step would grow
+// the cache forever, so it is bounded (and simply cleared when full: misses cost one round trip).
+constexpr size_t kMaxCachedKeys = 1 << 16;
+
+}  // namespace
+
+absl::StatusOr<Registration> ParseRegistration(absl::string_view name) {
+  if (name == "pool") return Registration::kPool;
+  if (name == "per-transfer") return Registration::kPerTransfer;
+  if (name == "copy") return Registration::kCopy;
+  return absl::InvalidArgumentError(absl::StrCat("unknown registration strategy '", name,
+                                                 "'; expected pool, per-transfer or copy"));
+}
+
+const char* RegistrationName(Registration r) {
+  switch (r) {
+    case Registration::kPool:
+      return "pool";
+    case Registration::kPerTransfer:
+      return "per-transfer";
+    case Registration::kCopy:
+      return "copy";
+  }
+  return "?";
+}
+
+RdmaMemoryMgr::RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool)
+    : domain_(domain), pool_(pool) {
+  visitor_id_ = pool_->AddRegionVisitor(
+      [](const MemoryRegion&) {},  // registered lazily on the progress thread
+      [this](const MemoryRegion& r) {
+        MutexLock lock(&mu_);
+        released_.push_back(reinterpret_cast<uintptr_t>(r.base));
+      });
+}
+
+RdmaMemoryMgr::~RdmaMemoryMgr() {
+  pool_->RemoveRegionVisitor(visitor_id_);
+  registered_.clear();
+}
+
+void RdmaMemoryMgr::DropReleased() {
+  std::vector<uintptr_t> released;
+  {
+    MutexLock lock(&mu_);
+    if (released_.empty()) return;
+    released.swap(released_);
+  }
+  for (uintptr_t base : released) registered_.erase(base);
+}
+
+absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const void* p,
+                                                                           size_t len) {
+  DropReleased();
+  MemoryRegion region;
+  if (p == nullptr || !pool_->FindRegion(p, std::max<size_t>(len, 1), &region)) return nullptr;
+  const auto base = reinterpret_cast<uintptr_t>(region.base);
+  auto it = registered_.find(base);
+  if (it != registered_.end() && it->second.size == region.size) return it->second.region.get();
+  ASSIGN_OR_RETURN(std::unique_ptr<fabric::MemoryRegion> mr,
+                   domain_->RegisterMemory(region.base, region.size,
+                                           fabric::kAccessRemoteWrite | fabric::kAccessRemoteRead));
+  Registered& entry = registered_[base];
+  entry.size = region.size;
+  entry.region = std::move(mr);
+  return entry.region.get();
+}
+
+absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RdmaMemoryMgr::RegisterTransient(void* p,
+                                                                                     size_t len) {
+  return domain_->RegisterMemory(p, len, fabric::kAccessRemoteWrite | fabric::kAccessRemoteRead);
+}
+
+const TensorMetaData* RdmaMemoryMgr::CachedMeta(const std::string& key) const {
+  auto it = cache_.find(key);
+  return it == cache_.end() ? nullptr : &it->second;
+}
+
+void RdmaMemoryMgr::CacheMeta(const std::string& key, const TensorMetaData& meta) {
+  if (cache_.size() >= kMaxCachedKeys && !cache_.contains(key)) cache_.clear();
+  cache_[key] = meta;
+}
+
+}  // namespace tensorverbs::protocol

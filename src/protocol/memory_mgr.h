@@ -1,0 +1,82 @@
+// RdmaMemoryMgr: what the grpc+verbs transport knows about memory (seed 000, "RdmaMemoryMgr").
+//
+// - The registry of registered regions. The server's PoolAllocator regions are registered with
+//   the fabric once each, lazily on first use (seed remedy 3: register the pool, not each
+//   tensor), and deregistered after the pool releases them. A pointer outside every pool region
+//   is not registrable here: the transport then uses a registered proxy (staging) tensor or,
+//   with TENSORVERBS_REGISTRATION=per-transfer, registers that buffer for one transfer.
+// - The meta-data cache: rendezvous key (no step id) -> the tensor meta-data last received, so
+//   a steady-state recv allocates its result before asking and the sender writes at once.
+//
+// Threading: everything but the pool's release visitor runs on the transport's progress thread,
+// which owns the fabric domain (domains are single-threaded). The visitor runs on whichever
+// thread releases a pool region, under the pool's lock, so it only records the region; the
+// progress thread deregisters it before the next lookup. A region with a live allocation is
+// never released, so a lookup can never race with the release of its own region.
+#ifndef TENSORVERBS_PROTOCOL_MEMORY_MGR_H_
+#define TENSORVERBS_PROTOCOL_MEMORY_MGR_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "src/common/mutex.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/message.h"
+#include "src/tensor/allocator.h"
+
+namespace tensorverbs::protocol {
+
+// TENSORVERBS_REGISTRATION: the seed's three memory strategies.
+enum class Registration { kPool, kPerTransfer, kCopy };
+absl::StatusOr<Registration> ParseRegistration(absl::string_view name);
+const char* RegistrationName(Registration r);
+
+class RdmaMemoryMgr {
+ public:
+  RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool);
+  RdmaMemoryMgr(const RdmaMemoryMgr&) = delete;
+  RdmaMemoryMgr& operator=(const RdmaMemoryMgr&) = delete;
+  ~RdmaMemoryMgr();  // deregisters everything; call on the progress thread or after it ended
+
+  PoolAllocator* pool() const { return pool_; }
+
+  // The registered region holding [p, p+len), registering its pool region on first use; null
+  // if the range is not pool memory. An error if the fabric refused the registration.
+  absl::StatusOr<const fabric::MemoryRegion*> FindRegistered(const void* p, size_t len);
+
+  // Registers [p, p+len) for one transfer (remote write and read).
+  absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RegisterTransient(void* p, size_t len);
+
+  // Meta-data cache, keyed by rendezvous key.
+  const TensorMetaData* CachedMeta(const std::string& key) const;
+  void CacheMeta(const std::string& key, const TensorMetaData& meta);
+  size_t cached() const { return cache_.size(); }
+  size_t registered_regions() const { return registered_.size(); }
+
+ private:
+  struct Registered {
+    size_t size = 0;
+    std::unique_ptr<fabric::MemoryRegion> region;
+  };
+  void DropReleased();
+
+  fabric::Domain* const domain_;
+  PoolAllocator* const pool_;
+  int visitor_id_ = 0;
+
+  Mutex mu_;
+  std::vector<uintptr_t> released_ ABSL_GUARDED_BY(mu_);  // pool region bases, to deregister
+
+  std::map<uintptr_t, Registered> registered_;  // pool region base -> registration
+  absl::flat_hash_map<std::string, TensorMetaData> cache_;
+};
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_MEMORY_MGR_H_

@@ -1,0 +1,37 @@
+// VerbsRemoteRendezvous: the `grpc+verbs` protocol's per-step rendezvous. A remote recv goes to
+// the server's VerbsTransport; StartAbort fails the step's in-flight recvs there. Thread-safe;
+// created by the RendezvousMgr factory through std::make_shared.
+#ifndef TENSORVERBS_PROTOCOL_VERBS_RENDEZVOUS_H_
+#define TENSORVERBS_PROTOCOL_VERBS_RENDEZVOUS_H_
+
+#include <memory>
+
+#include "src/protocol/verbs_transport.h"
+#include "src/rendezvous/remote_rendezvous.h"
+
+namespace tensorverbs::protocol {
+
+class VerbsRemoteRendezvous final : public RemoteRendezvous,
+                                    public std::enable_shared_from_this<VerbsRemoteRendezvous> {
+ public:
+  VerbsRemoteRendezvous(const WorkerEnv* env, int64_t step_id, VerbsTransport* transport)
+      : RemoteRendezvous(env, step_id), transport_(transport) {}
+
+ protected:
+  void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
+                           RecvDoneCallback done) override {
+    transport_->Recv(shared_from_this(), key,
+                     args.allocator != nullptr ? args.allocator : env_->recv_allocator,
+                     std::move(done));
+  }
+  void AbortRemote(const absl::Status& status) override {
+    transport_->AbortStep(step_id(), status);
+  }
+
+ private:
+  VerbsTransport* const transport_;
+};
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_VERBS_RENDEZVOUS_H_

@@ -1,0 +1,604 @@
+#include "src/protocol/verbs_transport.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/fabric/ofi/ofi.h"
+#include "src/transport/grpc/grpc_util.h"
+
+namespace tensorverbs::protocol {
+namespace {
+
+constexpr absl::Duration kHousekeepingInterval = absl::Milliseconds(20);
+constexpr size_t kPollBatch = 64;
+
+std::string HostOf(const std::string& address) {
+  if (absl::StartsWith(address, "[")) return address.substr(0, address.find(']') + 1);
+  return address.substr(0, address.rfind(':'));
+}
+
+bool IsLocalHost(const std::string& host) {
+  if (host == "localhost" || host == "[::1]" || host == "::1" || absl::StartsWith(host, "127.")) {
+    return true;
+  }
+  char name[256] = {};
+  return gethostname(name, sizeof(name) - 1) == 0 && host == name;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<fabric::Domain>> OpenFabric(const std::string& fabric_name,
+                                                           const std::string& ofi_provider,
+                                                           bool all_peers_local) {
+  fabric::DomainOptions options;
+  if (fabric_name == "loopback" || fabric_name == "ibverbs") {
+    absl::StatusOr<std::unique_ptr<fabric::Domain>> d = fabric::OpenDomain(fabric_name, options);
+    if (!d.ok()) {
+      return absl::Status(d.status().code(),
+                          absl::StrCat("grpc+verbs: TENSORVERBS_FABRIC=", fabric_name,
+                                       " cannot be opened: ", d.status().message()));
+    }
+    return d;
+  }
+  if (fabric_name != "auto" && fabric_name != "ofi") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "grpc+verbs: unknown fabric '", fabric_name, "'; expected auto, ofi, ibverbs or loopback"));
+  }
+  std::string ibverbs_reason;
+  if (fabric_name == "auto") {
+    std::vector<std::string> backends = fabric::BackendNames();
+    if (std::find(backends.begin(), backends.end(), "ibverbs") != backends.end()) {
+      absl::StatusOr<std::unique_ptr<fabric::Domain>> d = fabric::OpenDomain("ibverbs", options);
+      if (d.ok()) return d;
+      ibverbs_reason = std::string(d.status().message());
+      VLOG(1) << "grpc+verbs: ibverbs is not usable here (" << ibverbs_reason
+              << "); trying libfabric";
+    }
+  }
+  options.provider = fabric::ofi::ChooseProvider(ofi_provider, all_peers_local,
+                                                 fabric::ofi::ListUsableProviders());
+  absl::StatusOr<std::unique_ptr<fabric::Domain>> d = fabric::OpenDomain("ofi", options);
+  if (!d.ok()) {
+    return absl::UnavailableError(absl::StrCat(
+        "grpc+verbs has no usable fabric: ofi provider '", options.provider,
+        "': ", d.status().message(),
+        ibverbs_reason.empty() ? "" : absl::StrCat("; ibverbs: ", ibverbs_reason),
+        ". Set TENSORVERBS_FABRIC / TENSORVERBS_OFI_PROVIDER, or use --protocol grpc"));
+  }
+  return d;
+}
+
+class VerbsTransport::Service final : public proto::VerbsService::CallbackService {
+ public:
+  explicit Service(VerbsTransport* transport) : transport_(transport) {}
+
+  grpc::ServerUnaryReactor* Connect(grpc::CallbackServerContext* context,
+                                    const proto::ConnectRequest* request,
+                                    proto::ConnectResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    Task task = [this, request, response, reactor]() mutable {
+      absl::Status s = transport_->Accept(*request, response);
+      reactor->Finish(grpc_transport::ToGrpcStatus(s));
+    };
+    if (!transport_->Post(task)) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                   "the server is shutting down"));
+    }
+    return reactor;
+  }
+
+ private:
+  VerbsTransport* const transport_;
+};
+
+VerbsTransport::VerbsTransport(VerbsOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(VerbsOptions options) {
+  if (options.env == nullptr || options.pool == nullptr || options.workers == nullptr) {
+    return absl::InvalidArgumentError("VerbsTransport needs a worker env, a pool and workers");
+  }
+  auto transport = std::unique_ptr<VerbsTransport>(new VerbsTransport(std::move(options)));
+  RETURN_IF_ERROR(transport->Start());
+  return transport;
+}
+
+absl::Status VerbsTransport::Start() {
+  if (options_.poll_mode == "busy") {
+    poll_mode_ = PollMode::kBusy;
+  } else if (options_.poll_mode == "blocking") {
+    poll_mode_ = PollMode::kBlocking;
+  } else if (options_.poll_mode == "adaptive") {
+    poll_mode_ = PollMode::kAdaptive;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("unknown poll mode '", options_.poll_mode,
+                                                   "'; expected busy, blocking or adaptive"));
+  }
+  ASSIGN_OR_RETURN(Registration registration, ParseRegistration(options_.registration));
+  bool all_local = true;
+  for (const auto& [task, address] : options_.task_addresses) {
+    all_local &= IsLocalHost(HostOf(address));
+  }
+  ASSIGN_OR_RETURN(domain_, OpenFabric(options_.fabric, options_.ofi_provider, all_local));
+  memory_ = std::make_unique<RdmaMemoryMgr>(domain_.get(), options_.pool);
+
+  channel_env_.worker = options_.env;
+  channel_env_.memory = memory_.get();
+  channel_env_.domain = domain_.get();
+  channel_env_.stats = &stats_;
+  channel_env_.registration = registration;
+  channel_env_.data_validation = options_.data_validation;
+  channel_env_.message_slots = options_.message_slots;
+  channel_env_.quarantine = options_.peer_timeout;
+  channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { Post(task); };
+  channel_env_.find_channel = [this](uint64_t id) { return FindChannel(id); };
+  channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
+    quarantine_.emplace_back(until, std::move(memory));
+  };
+  service_ = std::make_unique<Service>(this);
+
+  progress_thread_ = std::thread([this] { ProgressLoop(); });
+  watchdog_thread_ = std::thread([this] { WatchdogLoop(); });
+  LOG(INFO) << "task " << options_.env->task_name << ": grpc+verbs over " << fabric_name()
+            << ", " << options_.message_slots << " message slots, " << RegistrationName(registration)
+            << " registration, " << options_.poll_mode << " polling"
+            << (options_.data_validation ? ", data validation on" : "");
+  return absl::OkStatus();
+}
+
+VerbsTransport::~VerbsTransport() { Shutdown(); }
+
+grpc::Service* VerbsTransport::service() { return service_.get(); }
+
+std::string VerbsTransport::fabric_name() const {
+  const fabric::Capabilities& caps = domain_->capabilities();
+  return absl::StrCat(caps.backend, " (", caps.provider, ")");
+}
+
+std::string VerbsTransport::FabricFamily() const {
+  const fabric::Capabilities& caps = domain_->capabilities();
+  // ibverbs device names differ between hosts of one fabric; ofi providers must match.
+  if (caps.backend == "ofi") return absl::StrCat("ofi/", caps.provider);
+  return caps.backend;
+}
+
+bool VerbsTransport::Post(Task& task) {
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    tasks_.push_back(std::move(task));
+  }
+  if (sleeping_.load()) domain_->Interrupt();
+  return true;
+}
+
+void VerbsTransport::ProgressLoop() {
+  progress_thread_id_ = std::this_thread::get_id();
+  fabric::Completion completions[kPollBatch];
+  absl::Time now = absl::Now();
+  absl::Time last_activity = now, next_housekeeping = now;
+  std::deque<Task> batch;
+  absl::Status last_poll_error;
+  while (true) {
+    bool active = false;
+    {
+      MutexLock lock(&mu_);
+      if (tasks_.empty() && stopping_) break;
+      batch.swap(tasks_);
+    }
+    for (Task& task : batch) {
+      std::move(task)();
+      active = true;
+    }
+    batch.clear();
+    absl::StatusOr<size_t> n = domain_->Poll(absl::MakeSpan(completions));
+    if (!n.ok()) {
+      if (n.status() != last_poll_error) LOG(ERROR) << "grpc+verbs: polling failed: " << n.status();
+      last_poll_error = n.status();
+    } else if (*n > 0) {
+      active = true;
+      for (size_t i = 0; i < *n; ++i) {
+        auto it = by_endpoint_.find(completions[i].endpoint);
+        if (it != by_endpoint_.end()) it->second->OnCompletion(completions[i]);
+      }
+    }
+    now = absl::Now();
+    if (now >= next_housekeeping) {
+      Housekeeping(now);
+      next_housekeeping = now + kHousekeepingInterval;
+    }
+    if (active) {
+      last_activity = now;
+      continue;
+    }
+    if (poll_mode_ == PollMode::kBusy) continue;
+    if (poll_mode_ == PollMode::kAdaptive && now - last_activity < options_.poll_spin) continue;
+    sleeping_.store(true);
+    bool work;
+    {
+      MutexLock lock(&mu_);
+      work = !tasks_.empty() || stopping_;
+    }
+    if (!work) {
+      absl::Status s = domain_->Wait(std::max(next_housekeeping - now, absl::Microseconds(100)));
+      if (!s.ok() && s != last_poll_error) {
+        LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << s;
+        last_poll_error = s;
+      }
+    }
+    sleeping_.store(false);
+  }
+}
+
+void VerbsTransport::Housekeeping(absl::Time now) {
+  std::vector<uint64_t> closed;
+  for (auto& [id, channel] : channels_) {
+    if (channel->state() == Channel::State::kClosed) {
+      closed.push_back(id);
+    } else if (channel->role() == Channel::Role::kOwner) {
+      channel->ExpireRequests(now);
+    }
+  }
+  for (uint64_t id : closed) {
+    Channel* c = channels_[id].get();
+    absl::erase_if(by_endpoint_, [c](const auto& entry) { return entry.second == c; });
+    auto owner = owner_by_task_.find(c->peer_task());
+    if (owner != owner_by_task_.end() && owner->second == id) owner_by_task_.erase(owner);
+    if (connecting_.contains(id)) continue;  // its RPC callback still refers to it by id
+    channels_.erase(id);
+  }
+  quarantine_.erase(std::remove_if(quarantine_.begin(), quarantine_.end(),
+                                   [now](const auto& q) { return q.first <= now; }),
+                    quarantine_.end());
+}
+
+Channel* VerbsTransport::FindChannel(uint64_t id) {
+  auto it = channels_.find(id);
+  return it == channels_.end() ? nullptr : it->second.get();
+}
+
+absl::StatusOr<Channel*> VerbsTransport::OwnerChannel(const std::string& task) {
+  if (auto it = owner_by_task_.find(task); it != owner_by_task_.end()) {
+    Channel* c = FindChannel(it->second);
+    if (c != nullptr && c->state() != Channel::State::kClosed) return c;
+  }
+  auto address = options_.task_addresses.find(task);
+  if (address == options_.task_addresses.end()) {
+    return absl::NotFoundError(absl::StrCat("task ", task, " is not in the cluster"));
+  }
+  const uint64_t id = next_channel_id_++;
+  auto channel = std::make_unique<Channel>(&channel_env_, Channel::Role::kOwner, id, task);
+  if (absl::Status s = channel->Init(); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat("cannot create the grpc+verbs channel to task ",
+                                               task, ": ", s.message()));
+  }
+  Channel* raw = channel.get();
+  channels_.emplace(id, std::move(channel));
+  by_endpoint_[raw->endpoint()] = raw;
+  owner_by_task_[task] = id;
+
+  auto& stub = stubs_[task];
+  if (stub == nullptr) {
+    stub = proto::VerbsService::NewStub(grpc::CreateCustomChannel(
+        address->second, grpc::InsecureChannelCredentials(),
+        grpc_transport::ClientChannelArguments()));
+  }
+  auto connecting = std::make_unique<Connecting>();
+  proto::ConnectRequest& request = connecting->request;
+  request.set_task_name(options_.env->task_name);
+  request.set_incarnation(options_.env->incarnation);
+  request.set_fabric(FabricFamily());
+  request.set_channel_id(id);
+  request.mutable_end()->set_endpoint_address(raw->endpoint()->LocalAddress());
+  request.mutable_end()->set_rx_addr(raw->message_buffer()->rx_addr());
+  request.mutable_end()->set_rx_key(raw->message_buffer()->rx_key());
+  request.mutable_end()->set_rx_slots(static_cast<uint32_t>(raw->message_buffer()->rx_slots()));
+  connecting->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
+  connecting->context.set_wait_for_ready(true);
+  Connecting* c = connecting.get();
+  connecting_.emplace(id, std::move(connecting));
+  connects_in_flight_.fetch_add(1);
+  stub->async()->Connect(&c->context, &c->request, &c->response, [this, id](grpc::Status s) {
+    Task task = [this, id, s]() mutable { OnConnectDone(id, s); };
+    Post(task);
+    connects_in_flight_.fetch_sub(1);
+  });
+  return raw;
+}
+
+void VerbsTransport::OnConnectDone(uint64_t id, const grpc::Status& status) {
+  auto node = connecting_.extract(id);
+  if (node.empty()) return;
+  std::unique_ptr<Connecting> connecting = std::move(node.mapped());
+  Channel* channel = FindChannel(id);
+  if (channel == nullptr) return;
+  const std::string task = channel->peer_task();
+  absl::Status result;
+  if (channel->state() == Channel::State::kClosed) {
+    result = absl::CancelledError("the channel was closed while it was being set up");
+  } else if (!status.ok()) {
+    absl::Status s = grpc_transport::FromGrpcStatus(status);
+    result = absl::Status(
+        s.code() == absl::StatusCode::kDeadlineExceeded ? absl::StatusCode::kUnavailable
+                                                        : s.code(),
+        absl::StrCat("could not set up the grpc+verbs channel to task ", task, " at ",
+                     options_.task_addresses.at(task), ": ", s.message()));
+  } else {
+    const proto::ConnectResponse& r = connecting->response;
+    result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
+                              static_cast<int>(r.end().rx_slots()), r.incarnation());
+    if (!result.ok()) {
+      result = absl::UnavailableError(absl::StrCat("connecting the grpc+verbs channel to task ",
+                                                   task, " failed: ", result.message()));
+    }
+  }
+  if (result.ok()) {
+    LOG(INFO) << channel->Describe() << " ready; peer endpoint "
+              << absl::BytesToHexString(connecting->response.end().endpoint_address()).substr(0, 32)
+              << ", peer incarnation " << absl::StrFormat("%016x", channel->peer_incarnation());
+  } else {
+    channel->Close(result);
+  }
+  MutexLock lock(&connect_mu_);
+  connect_results_[task] = result;
+}
+
+absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
+                                    proto::ConnectResponse* response) {
+  const std::string& task = request.task_name();
+  if (request.fabric() != FabricFamily()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "task ", task, " uses fabric ", request.fabric(), " but task ", options_.env->task_name,
+        " uses ", FabricFamily(),
+        "; set TENSORVERBS_FABRIC and TENSORVERBS_OFI_PROVIDER the same on every task"));
+  }
+  if (request.expected_incarnation() != 0 &&
+      request.expected_incarnation() != options_.env->incarnation) {
+    return absl::AbortedError(absl::StrFormat(
+        "task %s expected incarnation %016x of task %s, which now runs %016x (restarted)", task,
+        request.expected_incarnation(), options_.env->task_name, options_.env->incarnation));
+  }
+  // The caller sets up a new channel only when it has none: any older one from it is obsolete
+  // (it restarted, or dropped that channel after an error).
+  for (auto& [id, channel] : channels_) {
+    if (channel->role() != Channel::Role::kAcceptor || channel->peer_task() != task) continue;
+    if (channel->peer_incarnation() != request.incarnation()) {
+      channel->Close(absl::AbortedError(absl::StrCat("task ", task, " restarted")));
+    } else {
+      channel->Close(absl::CancelledError(absl::StrCat("task ", task, " replaced the channel")));
+    }
+  }
+  const uint64_t id = next_channel_id_++;
+  auto channel = std::make_unique<Channel>(&channel_env_, Channel::Role::kAcceptor, id, task);
+  RETURN_IF_ERROR(channel->Init());
+  const proto::ChannelEnd& end = request.end();
+  absl::Status s = channel->Connect(end.endpoint_address(), end.rx_addr(), end.rx_key(),
+                                    static_cast<int>(end.rx_slots()), request.incarnation());
+  if (!s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("task ", task, "'s channel end is unusable: ",
+                                                   s.message()));
+  }
+  response->set_task_name(options_.env->task_name);
+  response->set_incarnation(options_.env->incarnation);
+  response->mutable_end()->set_endpoint_address(channel->endpoint()->LocalAddress());
+  response->mutable_end()->set_rx_addr(channel->message_buffer()->rx_addr());
+  response->mutable_end()->set_rx_key(channel->message_buffer()->rx_key());
+  response->mutable_end()->set_rx_slots(static_cast<uint32_t>(channel->message_buffer()->rx_slots()));
+  LOG(INFO) << channel->Describe() << " ready; peer endpoint "
+            << absl::BytesToHexString(end.endpoint_address()).substr(0, 32);
+  by_endpoint_[channel->endpoint()] = channel.get();
+  channels_.emplace(id, std::move(channel));
+  return absl::OkStatus();
+}
+
+void VerbsTransport::CloseChannelsOf(const std::string& task, bool owner_only,
+                                     const absl::Status& status) {
+  for (auto& [id, channel] : channels_) {
+    if (channel->peer_task() != task) continue;
+    if (owner_only && channel->role() != Channel::Role::kOwner) continue;
+    channel->Close(status);
+  }
+}
+
+void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
+                          Allocator* allocator, RecvDoneCallback done) {
+  const absl::Time deadline = absl::Now() + options_.recv_timeout;
+  auto holder = std::make_shared<RecvDoneCallback>(std::move(done));
+  Task task = [this, rendezvous, key, allocator, deadline, holder]() mutable {
+    // An abort that raced with this recv's start: its AbortStep ran before this task, so the
+    // step's status already tells.
+    if (absl::Status s = rendezvous->status(); !s.ok()) {
+      options_.env->callback_executor->Schedule(
+          [holder, s]() mutable { std::move(*holder)(s, Tensor(), false); });
+      return;
+    }
+    const int64_t step_id = rendezvous->step_id();
+    absl::StatusOr<Channel*> channel = OwnerChannel(key.src.TaskName());
+    if (!channel.ok()) {
+      absl::Status s = absl::Status(channel.status().code(),
+                                    absl::StrCat("recv of '", key.full_key, "': ",
+                                                 channel.status().message()));
+      options_.env->callback_executor->Schedule(
+          [holder, s]() mutable { std::move(*holder)(s, Tensor(), false); });
+      return;
+    }
+    (*channel)->StartRecv(step_id, key, allocator, deadline, std::move(*holder));
+  };
+  if (!Post(task)) {
+    std::move(*holder)(absl::CancelledError(absl::StrCat(
+                           "recv of '", key.full_key, "': the server is shutting down")),
+                       Tensor(), false);
+  }
+}
+
+void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
+  Task task = [this, step_id, status]() mutable {
+    for (auto& [id, channel] : channels_) {
+      if (channel->role() == Channel::Role::kOwner) channel->AbortStep(step_id, status);
+    }
+  };
+  Post(task);
+}
+
+absl::Status VerbsTransport::ConnectPeers(absl::Duration timeout) {
+  std::vector<std::string> peers;
+  for (const auto& [task, address] : options_.task_addresses) {
+    if (task != options_.env->task_name) peers.push_back(task);
+  }
+  std::sort(peers.begin(), peers.end());
+  {
+    MutexLock lock(&connect_mu_);
+    for (const std::string& p : peers) connect_results_.erase(p);
+  }
+  Task task = [this, peers]() mutable {
+    for (const std::string& p : peers) {
+      absl::StatusOr<Channel*> c = OwnerChannel(p);
+      if (!c.ok() || (*c)->state() == Channel::State::kReady) {
+        MutexLock lock(&connect_mu_);
+        connect_results_[p] = c.status();
+      }
+    }
+  };
+  if (!Post(task)) return absl::CancelledError("the server is shutting down");
+  MutexLock lock(&connect_mu_);
+  connect_mu_.AwaitWithTimeout(
+      [this, &peers]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(connect_mu_) {
+        for (const std::string& p : peers) {
+          if (!connect_results_.contains(p)) return false;
+        }
+        return true;
+      },
+      timeout);
+  std::vector<std::string> failures;
+  for (const std::string& p : peers) {
+    auto it = connect_results_.find(p);
+    if (it == connect_results_.end()) {
+      failures.push_back(absl::StrCat(p, ": no answer within ", absl::FormatDuration(timeout)));
+    } else if (!it->second.ok()) {
+      failures.push_back(std::string(it->second.message()));
+    }
+  }
+  if (failures.empty()) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "task ", options_.env->task_name, " could not set up grpc+verbs channels to ",
+      failures.size(), " peer(s): ", absl::StrJoin(failures, "; "),
+      " (raise TENSORVERBS_CONNECT_TIMEOUT_MS if peers start slowly)"));
+}
+
+size_t VerbsTransport::NumReadyChannels() {
+  auto result = std::make_shared<std::pair<Notification, size_t>>();
+  Task task = [this, result]() mutable {
+    size_t n = 0;
+    for (auto& [id, c] : channels_) n += c->state() == Channel::State::kReady;
+    result->second = n;
+    result->first.Notify();
+  };
+  if (!Post(task)) return 0;
+  result->first.WaitForNotification();
+  return result->second;
+}
+
+void VerbsTransport::WatchdogLoop() {
+  const absl::Duration interval =
+      std::clamp(options_.peer_timeout / 4, absl::Milliseconds(25), absl::Seconds(5));
+  while (true) {
+    {
+      MutexLock lock(&watchdog_mu_);
+      if (watchdog_mu_.AwaitWithTimeout(
+              [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(watchdog_mu_) { return watchdog_stop_; },
+              interval)) {
+        return;
+      }
+    }
+    // Which peers have recvs outstanding, and which incarnation served them.
+    struct Snapshot {
+      Notification done;
+      std::vector<std::pair<std::string, uint64_t>> peers;
+    };
+    auto snapshot = std::make_shared<Snapshot>();
+    Task collect = [this, snapshot]() mutable {
+      for (auto& [id, c] : channels_) {
+        if (c->role() == Channel::Role::kOwner && c->state() == Channel::State::kReady &&
+            c->pending_requests() > 0) {
+          snapshot->peers.emplace_back(c->peer_task(), c->peer_incarnation());
+        }
+      }
+      snapshot->done.Notify();
+    };
+    if (!Post(collect)) return;
+    if (!snapshot->done.WaitForNotificationWithTimeout(absl::Seconds(5))) continue;
+    std::vector<std::thread> checks;
+    for (const auto& [task, incarnation] : snapshot->peers) {
+      checks.emplace_back([this, task = task, incarnation = incarnation] {
+        absl::StatusOr<grpc_transport::WorkerClient*> worker = options_.workers->Get(task);
+        if (!worker.ok()) return;
+        absl::StatusOr<proto::GetStatusResponse> status =
+            (*worker)->GetStatus(options_.peer_timeout);
+        absl::Status verdict;
+        if (!status.ok()) {
+          verdict = absl::UnavailableError(absl::StrCat(
+              "task ", task, " stopped answering (no reply within TENSORVERBS_PEER_TIMEOUT_MS=",
+              absl::ToInt64Milliseconds(options_.peer_timeout), "): ", status.status().message()));
+        } else if (status->incarnation() != incarnation) {
+          verdict = absl::AbortedError(absl::StrFormat(
+              "task %s restarted (incarnation %016x, now %016x): its tensors of the old "
+              "incarnation are gone",
+              task, incarnation, status->incarnation()));
+        }
+        if (verdict.ok()) return;
+        LOG(WARNING) << "grpc+verbs: " << verdict.message();
+        Task close = [this, task, verdict]() mutable { CloseChannelsOf(task, false, verdict); };
+        Post(close);
+      });
+    }
+    for (std::thread& t : checks) t.join();
+  }
+}
+
+void VerbsTransport::Shutdown() {
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ || !progress_thread_.joinable()) return;
+  }
+  {
+    MutexLock lock(&watchdog_mu_);
+    watchdog_stop_ = true;
+  }
+  if (watchdog_thread_.joinable()) watchdog_thread_.join();
+  Task close_all = [this]() mutable {
+    for (auto& [id, c] : channels_) {
+      c->Close(absl::CancelledError(
+          absl::StrCat("task ", options_.env->task_name, " is shutting down")));
+    }
+    for (auto& [id, c] : connecting_) c->context.TryCancel();
+  };
+  Post(close_all);
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  domain_->Interrupt();
+  progress_thread_.join();
+  // Cancelled set-up calls finish promptly; their callbacks only touch connects_in_flight_
+  // once Post refuses.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (connects_in_flight_.load() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  channels_.clear();
+  by_endpoint_.clear();
+  connecting_.clear();
+  quarantine_.clear();
+  memory_.reset();
+}
+
+}  // namespace tensorverbs::protocol

@@ -1,0 +1,174 @@
+// VerbsTransport: the grpc+verbs protocol engine of one server.
+//
+// It owns the fabric domain (opened per TENSORVERBS_FABRIC: ibverbs where a port is usable,
+// else libfabric with the provider policy of fabric/ofi), the progress thread that is the only
+// thread touching the domain, every Channel, the memory manager and the VerbsService the peers
+// call to set channels up. Recv() starts a recv of a remote tensor: on first use of a peer the
+// channel is set up by one Connect RPC (the endpoint address and message-buffer key exchange),
+// then the tensor moves by RDMA as channel.h describes.
+//
+// Liveness: libfabric reports nothing when a peer dies, so a watchdog thread asks every peer
+// with pending recvs for its status (GetStatus) every TENSORVERBS_PEER_TIMEOUT_MS / 4; a peer
+// that does not answer within TENSORVERBS_PEER_TIMEOUT_MS fails its recvs with Unavailable
+// naming it, and one that answers with a new incarnation fails them with Aborted. The channel
+// is dropped and the next recv from that task sets up a new one.
+//
+// Poll modes (TENSORVERBS_POLL_MODE): busy spins on Domain::Poll; blocking sleeps in
+// Domain::Wait whenever nothing is ready; adaptive (default) spins for TENSORVERBS_POLL_SPIN_US
+// after the last activity, then sleeps. Work queued from other threads interrupts the sleep.
+//
+// Thread-safety: public methods may be called from any thread except the progress thread; user
+// callbacks run on the worker's callback executor, each exactly once. Shutdown() (also run by
+// the destructor) fails whatever is pending with Cancelled and joins the threads.
+#ifndef TENSORVERBS_PROTOCOL_VERBS_TRANSPORT_H_
+#define TENSORVERBS_PROTOCOL_VERBS_TRANSPORT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/verbs.grpc.pb.h"
+#include "src/common/config.h"
+#include "src/common/mutex.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/channel.h"
+#include "src/protocol/memory_mgr.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/rendezvous/rendezvous_mgr.h"
+#include "src/transport/grpc/worker_client.h"
+
+namespace tensorverbs::protocol {
+
+enum class PollMode { kBusy, kBlocking, kAdaptive };
+
+struct VerbsOptions {
+  const WorkerEnv* env = nullptr;
+  PoolAllocator* pool = nullptr;  // registered once per region; staging comes from it too
+  grpc_transport::GrpcWorkerCache* workers = nullptr;           // liveness checks
+  absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
+  absl::Duration recv_timeout = absl::Minutes(10);
+  // From the environment by default (Config::Get()); tests override.
+  std::string fabric = Config::Get().fabric;
+  std::string ofi_provider = Config::Get().ofi_provider;
+  int message_slots = Config::Get().message_slots;
+  std::string poll_mode = Config::Get().poll_mode;
+  absl::Duration poll_spin = Config::Get().poll_spin;
+  bool data_validation = Config::Get().data_validation;
+  std::string registration = Config::Get().registration;
+  absl::Duration peer_timeout = Config::Get().peer_timeout;
+  absl::Duration connect_timeout = Config::Get().connect_timeout;
+};
+
+// Opens the domain `fabric` names ("auto", "ofi", "ibverbs", "loopback"), choosing an ofi
+// provider by policy when none is configured. `all_peers_local`: every task runs on this host.
+absl::StatusOr<std::unique_ptr<fabric::Domain>> OpenFabric(const std::string& fabric,
+                                                           const std::string& ofi_provider,
+                                                           bool all_peers_local);
+
+class VerbsTransport {
+ public:
+  static absl::StatusOr<std::unique_ptr<VerbsTransport>> Create(VerbsOptions options);
+  VerbsTransport(const VerbsTransport&) = delete;
+  VerbsTransport& operator=(const VerbsTransport&) = delete;
+  ~VerbsTransport();
+
+  // The service to register on the server's gRPC port, before it starts.
+  grpc::Service* service();
+  // Where requests from peers find the local sends. Set before the server starts serving.
+  void set_rendezvous_mgr(RendezvousMgr* mgr) { channel_env_.rendezvous_mgr = mgr; }
+
+  // Receives `key` (its source task is a peer) for `rendezvous`'s step into memory from
+  // `allocator`. The recv fails at once if the rendezvous was aborted before it started.
+  void Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
+            Allocator* allocator, RecvDoneCallback done);
+  // Fails the step's pending recvs with `status`.
+  void AbortStep(int64_t step_id, const absl::Status& status);
+
+  // Sets up channels to every peer task, waiting up to `timeout` (wait-for-peers). The error
+  // names the tasks whose channel could not be set up and why.
+  absl::Status ConnectPeers(absl::Duration timeout);
+
+  // "ofi (shm)", "ibverbs (mlx5_0:1)", "loopback (loopback)".
+  std::string fabric_name() const;
+  const VerbsStats& stats() const { return stats_; }
+  // Channels by role that are set up, for tests and tools (any thread; asks the loop).
+  size_t NumReadyChannels();
+
+  void Shutdown();
+
+ private:
+  class Service;
+  using Task = absl::AnyInvocable<void() &&>;
+
+  explicit VerbsTransport(VerbsOptions options);
+  absl::Status Start();
+
+  // Queues `task` for the progress thread; false (and `task` left untouched) after shutdown.
+  bool Post(Task& task);
+  void ProgressLoop();
+  void Housekeeping(absl::Time now);
+
+  // Progress thread.
+  absl::StatusOr<Channel*> OwnerChannel(const std::string& task);
+  void OnConnectDone(uint64_t channel_id, const grpc::Status& status);
+  absl::Status Accept(const proto::ConnectRequest& request, proto::ConnectResponse* response);
+  Channel* FindChannel(uint64_t id);
+  void CloseChannelsOf(const std::string& task, bool owner_only, const absl::Status& status);
+  std::string FabricFamily() const;
+
+  void WatchdogLoop();
+
+  const VerbsOptions options_;
+  PollMode poll_mode_ = PollMode::kAdaptive;
+  VerbsStats stats_;
+  std::unique_ptr<fabric::Domain> domain_;
+  std::unique_ptr<RdmaMemoryMgr> memory_;
+  ChannelEnv channel_env_;
+  std::unique_ptr<Service> service_;
+
+  Mutex mu_;
+  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Set by the progress thread before it sleeps, so Post knows to interrupt the wait.
+  std::atomic<bool> sleeping_{false};
+  std::thread progress_thread_;
+  std::thread::id progress_thread_id_;
+
+  // Connect results for ConnectPeers, written by the progress thread.
+  Mutex connect_mu_;
+  absl::flat_hash_map<std::string, absl::Status> connect_results_ ABSL_GUARDED_BY(connect_mu_);
+
+  // Progress-thread state.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Channel>> channels_;
+  absl::flat_hash_map<fabric::Endpoint*, Channel*> by_endpoint_;
+  absl::flat_hash_map<std::string, uint64_t> owner_by_task_;
+  struct Connecting {
+    grpc::ClientContext context;
+    proto::ConnectRequest request;
+    proto::ConnectResponse response;
+  };
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
+  absl::flat_hash_map<std::string, std::unique_ptr<proto::VerbsService::Stub>> stubs_;
+  std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
+  uint64_t next_channel_id_ = 1;
+
+  // Watchdog.
+  Mutex watchdog_mu_;
+  bool watchdog_stop_ ABSL_GUARDED_BY(watchdog_mu_) = false;
+  std::thread watchdog_thread_;
+  std::atomic<int> connects_in_flight_{0};
+};
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_VERBS_TRANSPORT_H_
