@@ -681,6 +681,7 @@ void Channel::OnControlMessage() {
 void Channel::Close(const absl::Status& status) {
   if (state_ == State::kClosed) return;
   state_ = State::kClosed;
+  close_status_ = status.ok() ? absl::CancelledError("closed") : status;
   if (status.code() != absl::StatusCode::kCancelled) {
     env_->stats->channel_errors.fetch_add(1, std::memory_order_relaxed);
     LOG(WARNING) << Describe() << " closed: " << status.message();

@@ -183,6 +183,11 @@ class Channel {
   State state() const { return state_; }
   const std::string& peer_task() const { return peer_task_; }
   uint64_t peer_incarnation() const { return peer_incarnation_; }
+  // Acceptor side: the owner's id for this channel.
+  uint64_t peer_channel_id() const { return peer_channel_id_; }
+  void set_peer_channel_id(uint64_t id) { peer_channel_id_ = id; }
+  // Why the channel closed (OK while open).
+  const absl::Status& close_status() const { return close_status_; }
   fabric::Endpoint* endpoint() const { return endpoint_.get(); }
   MessageBuffer* message_buffer() const { return mb_.get(); }
   ChannelEnv* env() const { return env_; }
@@ -219,6 +224,8 @@ class Channel {
   const uint64_t id_;
   const std::string peer_task_;
   uint64_t peer_incarnation_ = 0;
+  uint64_t peer_channel_id_ = 0;
+  absl::Status close_status_;
   State state_ = State::kConnecting;
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::unique_ptr<MessageBuffer> mb_;

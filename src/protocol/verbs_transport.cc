@@ -97,6 +97,21 @@ class VerbsTransport::Service final : public proto::VerbsService::CallbackServic
     return reactor;
   }
 
+  grpc::ServerUnaryReactor* CheckChannel(grpc::CallbackServerContext* context,
+                                         const proto::CheckChannelRequest* request,
+                                         proto::CheckChannelResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    Task task = [this, request, response, reactor]() mutable {
+      transport_->CheckChannel(*request, response);
+      reactor->Finish(grpc::Status::OK);
+    };
+    if (!transport_->Post(task)) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                   "the server is shutting down"));
+    }
+    return reactor;
+  }
+
  private:
   VerbsTransport* const transport_;
 };
@@ -104,8 +119,8 @@ class VerbsTransport::Service final : public proto::VerbsService::CallbackServic
 VerbsTransport::VerbsTransport(VerbsOptions options) : options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(VerbsOptions options) {
-  if (options.env == nullptr || options.pool == nullptr || options.workers == nullptr) {
-    return absl::InvalidArgumentError("VerbsTransport needs a worker env, a pool and workers");
+  if (options.env == nullptr || options.pool == nullptr) {
+    return absl::InvalidArgumentError("VerbsTransport needs a worker env and a pool");
   }
   auto transport = std::unique_ptr<VerbsTransport>(new VerbsTransport(std::move(options)));
   RETURN_IF_ERROR(transport->Start());
@@ -250,6 +265,10 @@ void VerbsTransport::Housekeeping(absl::Time now) {
   }
   for (uint64_t id : closed) {
     Channel* c = channels_[id].get();
+    if (c->role() == Channel::Role::kAcceptor) {
+      if (closed_accepted_.size() >= 1024) closed_accepted_.clear();
+      closed_accepted_[{c->peer_task(), c->peer_channel_id()}] = c->close_status();
+    }
     absl::erase_if(by_endpoint_, [c](const auto& entry) { return entry.second == c; });
     auto owner = owner_by_task_.find(c->peer_task());
     if (owner != owner_by_task_.end() && owner->second == id) owner_by_task_.erase(owner);
@@ -379,6 +398,7 @@ absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
   }
   const uint64_t id = next_channel_id_++;
   auto channel = std::make_unique<Channel>(&channel_env_, Channel::Role::kAcceptor, id, task);
+  channel->set_peer_channel_id(request.channel_id());
   RETURN_IF_ERROR(channel->Init());
   const proto::ChannelEnd& end = request.end();
   absl::Status s = channel->Connect(end.endpoint_address(), end.rx_addr(), end.rx_key(),
@@ -398,6 +418,24 @@ absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
   by_endpoint_[channel->endpoint()] = channel.get();
   channels_.emplace(id, std::move(channel));
   return absl::OkStatus();
+}
+
+void VerbsTransport::CheckChannel(const proto::CheckChannelRequest& request,
+                                  proto::CheckChannelResponse* response) {
+  response->set_incarnation(options_.env->incarnation);
+  for (auto& [id, channel] : channels_) {
+    if (channel->role() == Channel::Role::kAcceptor &&
+        channel->peer_task() == request.task_name() &&
+        channel->peer_channel_id() == request.channel_id()) {
+      response->set_open(channel->state() != Channel::State::kClosed);
+      if (!response->open()) response->set_reason(std::string(channel->close_status().message()));
+      return;
+    }
+  }
+  response->set_open(false);
+  auto it = closed_accepted_.find({request.task_name(), request.channel_id()});
+  response->set_reason(it != closed_accepted_.end() ? std::string(it->second.message())
+                                                    : "no such channel (this task restarted?)");
 }
 
 void VerbsTransport::CloseChannelsOf(const std::string& task, bool owner_only,
@@ -520,16 +558,21 @@ void VerbsTransport::WatchdogLoop() {
       }
     }
     // Which peers have recvs outstanding, and which incarnation served them.
+    struct Probe {
+      std::string task;
+      uint64_t incarnation;
+      uint64_t channel_id;
+    };
     struct Snapshot {
       Notification done;
-      std::vector<std::pair<std::string, uint64_t>> peers;
+      std::vector<Probe> probes;
     };
     auto snapshot = std::make_shared<Snapshot>();
     Task collect = [this, snapshot]() mutable {
       for (auto& [id, c] : channels_) {
         if (c->role() == Channel::Role::kOwner && c->state() == Channel::State::kReady &&
             c->pending_requests() > 0) {
-          snapshot->peers.emplace_back(c->peer_task(), c->peer_incarnation());
+          snapshot->probes.push_back({c->peer_task(), c->peer_incarnation(), id});
         }
       }
       snapshot->done.Notify();
@@ -537,26 +580,51 @@ void VerbsTransport::WatchdogLoop() {
     if (!Post(collect)) return;
     if (!snapshot->done.WaitForNotificationWithTimeout(absl::Seconds(5))) continue;
     std::vector<std::thread> checks;
-    for (const auto& [task, incarnation] : snapshot->peers) {
-      checks.emplace_back([this, task = task, incarnation = incarnation] {
-        absl::StatusOr<grpc_transport::WorkerClient*> worker = options_.workers->Get(task);
-        if (!worker.ok()) return;
-        absl::StatusOr<proto::GetStatusResponse> status =
-            (*worker)->GetStatus(options_.peer_timeout);
+    for (const Probe& probe : snapshot->probes) {
+      checks.emplace_back([this, probe] {
+        auto address = options_.task_addresses.find(probe.task);
+        if (address == options_.task_addresses.end()) return;
+        std::shared_ptr<proto::VerbsService::Stub> stub;
+        {
+          MutexLock lock(&watchdog_mu_);
+          auto& s = watchdog_stubs_[probe.task];
+          if (s == nullptr) {
+            s = proto::VerbsService::NewStub(grpc::CreateCustomChannel(
+                address->second, grpc::InsecureChannelCredentials(),
+                grpc_transport::ClientChannelArguments()));
+          }
+          stub = s;
+        }
+        grpc::ClientContext context;
+        context.set_deadline(absl::ToChronoTime(absl::Now() + options_.peer_timeout));
+        context.set_wait_for_ready(true);
+        proto::CheckChannelRequest request;
+        request.set_task_name(options_.env->task_name);
+        request.set_channel_id(probe.channel_id);
+        proto::CheckChannelResponse response;
+        grpc::Status status = stub->CheckChannel(&context, request, &response);
         absl::Status verdict;
         if (!status.ok()) {
           verdict = absl::UnavailableError(absl::StrCat(
-              "task ", task, " stopped answering (no reply within TENSORVERBS_PEER_TIMEOUT_MS=",
-              absl::ToInt64Milliseconds(options_.peer_timeout), "): ", status.status().message()));
-        } else if (status->incarnation() != incarnation) {
+              "task ", probe.task, " at ", address->second,
+              " stopped answering (no reply within TENSORVERBS_PEER_TIMEOUT_MS=",
+              absl::ToInt64Milliseconds(options_.peer_timeout), "): ", status.error_message()));
+        } else if (response.incarnation() != probe.incarnation) {
           verdict = absl::AbortedError(absl::StrFormat(
               "task %s restarted (incarnation %016x, now %016x): its tensors of the old "
               "incarnation are gone",
-              task, incarnation, status->incarnation()));
+              probe.task, probe.incarnation, response.incarnation()));
+        } else if (!response.open()) {
+          verdict = absl::UnavailableError(absl::StrCat("task ", probe.task,
+                                                        " closed its end of the channel: ",
+                                                        response.reason()));
         }
         if (verdict.ok()) return;
         LOG(WARNING) << "grpc+verbs: " << verdict.message();
-        Task close = [this, task, verdict]() mutable { CloseChannelsOf(task, false, verdict); };
+        const uint64_t id = probe.channel_id;
+        Task close = [this, id, verdict]() mutable {
+          if (Channel* c = FindChannel(id)) c->Close(verdict);
+        };
         Post(close);
       });
     }

@@ -7,10 +7,11 @@
 // channel is set up by one Connect RPC (the endpoint address and message-buffer key exchange),
 // then the tensor moves by RDMA as channel.h describes.
 //
-// Liveness: libfabric reports nothing when a peer dies, so a watchdog thread asks every peer
-// with pending recvs for its status (GetStatus) every TENSORVERBS_PEER_TIMEOUT_MS / 4; a peer
+// Liveness: libfabric reports nothing when a peer dies, so a watchdog thread probes every peer
+// with pending recvs (VerbsService.CheckChannel) every TENSORVERBS_PEER_TIMEOUT_MS / 4; a peer
 // that does not answer within TENSORVERBS_PEER_TIMEOUT_MS fails its recvs with Unavailable
-// naming it, and one that answers with a new incarnation fails them with Aborted. The channel
+// naming it, one that answers with a new incarnation fails them with Aborted, and one that
+// closed its end of the channel (after an error there) fails them with its reason. The channel
 // is dropped and the next recv from that task sets up a new one.
 //
 // Poll modes (TENSORVERBS_POLL_MODE): busy spins on Domain::Poll; blocking sleeps in
@@ -45,7 +46,6 @@
 #include "src/protocol/memory_mgr.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
-#include "src/transport/grpc/worker_client.h"
 
 namespace tensorverbs::protocol {
 
@@ -54,7 +54,6 @@ enum class PollMode { kBusy, kBlocking, kAdaptive };
 struct VerbsOptions {
   const WorkerEnv* env = nullptr;
   PoolAllocator* pool = nullptr;  // registered once per region; staging comes from it too
-  grpc_transport::GrpcWorkerCache* workers = nullptr;           // liveness checks
   absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
   absl::Duration recv_timeout = absl::Minutes(10);
   // From the environment by default (Config::Get()); tests override.
@@ -101,6 +100,8 @@ class VerbsTransport {
   // "ofi (shm)", "ibverbs (mlx5_0:1)", "loopback (loopback)".
   std::string fabric_name() const;
   const VerbsStats& stats() const { return stats_; }
+  // For fault injection in tests (loopback::SetFaults is thread-safe); nothing else may use it.
+  fabric::Domain* domain_for_testing() { return domain_.get(); }
   // Channels by role that are set up, for tests and tools (any thread; asks the loop).
   size_t NumReadyChannels();
 
@@ -122,6 +123,8 @@ class VerbsTransport {
   absl::StatusOr<Channel*> OwnerChannel(const std::string& task);
   void OnConnectDone(uint64_t channel_id, const grpc::Status& status);
   absl::Status Accept(const proto::ConnectRequest& request, proto::ConnectResponse* response);
+  void CheckChannel(const proto::CheckChannelRequest& request,
+                    proto::CheckChannelResponse* response);
   Channel* FindChannel(uint64_t id);
   void CloseChannelsOf(const std::string& task, bool owner_only, const absl::Status& status);
   std::string FabricFamily() const;
@@ -160,11 +163,16 @@ class VerbsTransport {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
   absl::flat_hash_map<std::string, std::unique_ptr<proto::VerbsService::Stub>> stubs_;
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
+  // Why recently closed acceptor channels closed, by (owner task, owner's channel id), so that
+  // the owner's probe learns it; bounded.
+  absl::flat_hash_map<std::pair<std::string, uint64_t>, absl::Status> closed_accepted_;
   uint64_t next_channel_id_ = 1;
 
   // Watchdog.
   Mutex watchdog_mu_;
   bool watchdog_stop_ ABSL_GUARDED_BY(watchdog_mu_) = false;
+  absl::flat_hash_map<std::string, std::shared_ptr<proto::VerbsService::Stub>> watchdog_stubs_
+      ABSL_GUARDED_BY(watchdog_mu_);
   std::thread watchdog_thread_;
   std::atomic<int> connects_in_flight_{0};
 };

@@ -116,7 +116,6 @@ absl::Status Server::Start() {
     protocol::VerbsOptions verbs_options = options_.verbs;
     verbs_options.env = &env_;
     verbs_options.pool = recv_allocator_.get();
-    verbs_options.workers = workers_.get();
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
     verbs_options.recv_timeout = recv_timeout;
     absl::StatusOr<std::unique_ptr<protocol::VerbsTransport>> verbs =
