@@ -509,6 +509,12 @@ void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
 void Channel::ExpireRequests(absl::Time now) {
   for (auto& [index, request] : requests_) {
     if (request->finished() || request->deadline() > now) continue;
+    if (state_ == State::kConnecting) {
+      request->Fail(absl::UnavailableError(absl::StrCat(
+          "recv of '", request->key(), "': the grpc+verbs channel to task ", peer_task_, " at ",
+          peer_address_, " was not set up before the recv's deadline (is the task running?)")));
+      continue;
+    }
     request->Fail(absl::DeadlineExceededError(absl::StrCat(
         "recv of '", request->key(), "' from task ", peer_task_,
         " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the producer is slow")));

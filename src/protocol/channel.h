@@ -186,6 +186,8 @@ class Channel {
   // Acceptor side: the owner's id for this channel.
   uint64_t peer_channel_id() const { return peer_channel_id_; }
   void set_peer_channel_id(uint64_t id) { peer_channel_id_ = id; }
+  // host:port of the peer's server, for messages.
+  void set_peer_address(std::string address) { peer_address_ = std::move(address); }
   // Why the channel closed (OK while open).
   const absl::Status& close_status() const { return close_status_; }
   fabric::Endpoint* endpoint() const { return endpoint_.get(); }
@@ -225,6 +227,7 @@ class Channel {
   const std::string peer_task_;
   uint64_t peer_incarnation_ = 0;
   uint64_t peer_channel_id_ = 0;
+  std::string peer_address_;
   absl::Status close_status_;
   State state_ = State::kConnecting;
   std::unique_ptr<fabric::Endpoint> endpoint_;

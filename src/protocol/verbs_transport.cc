@@ -292,10 +292,11 @@ absl::StatusOr<Channel*> VerbsTransport::OwnerChannel(const std::string& task) {
   }
   auto address = options_.task_addresses.find(task);
   if (address == options_.task_addresses.end()) {
-    return absl::NotFoundError(absl::StrCat("task ", task, " is not in the cluster"));
+    return absl::NotFoundError(absl::StrCat("task ", task, " is not in the cluster spec"));
   }
   const uint64_t id = next_channel_id_++;
   auto channel = std::make_unique<Channel>(&channel_env_, Channel::Role::kOwner, id, task);
+  channel->set_peer_address(address->second);
   if (absl::Status s = channel->Init(); !s.ok()) {
     return absl::UnavailableError(absl::StrCat("cannot create the grpc+verbs channel to task ",
                                                task, ": ", s.message()));

@@ -1,4 +1,4 @@
-// The `grpc` protocol between real processes on 127.0.0.1: task 0 runs in the test, the other
+// The `grpc` and `grpc+verbs` protocols between real processes on 127.0.0.1: task 0 runs in the test, the other
 // tasks are tv_test_peer processes that send the standard fixtures.
 #include <signal.h>
 
@@ -47,7 +47,7 @@ class PendingRecv {
   Notification done_;
 };
 
-class GrpcClusterTest : public ::testing::Test {
+class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
  protected:
   // A cluster of `n` worker tasks; task 0 is in this process, the others are peers.
   void StartCluster(int n, absl::Duration recv_timeout = absl::Seconds(60), bool big = false) {
@@ -65,6 +65,8 @@ class GrpcClusterTest : public ::testing::Test {
     options.job = "worker";
     options.task = 0;
     options.recv_timeout = recv_timeout;
+    options.protocol = GetParam();
+    options.verbs.peer_timeout = absl::Seconds(2);
     absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
@@ -75,7 +77,7 @@ class GrpcClusterTest : public ::testing::Test {
         testing::TestPeerPath(),
         {"--cluster", cluster_, "--job", "worker", "--task", absl::StrCat(task), "--step",
          absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst",
-         CpuDeviceName("worker", 0), "--big", big ? "1" : "0"});
+         CpuDeviceName("worker", 0), "--big", big ? "1" : "0", "--protocol", GetParam()});
     ASSERT_TRUE(p.ok()) << p.status();
     absl::StatusOr<std::string> ready = (*p)->WaitForLine("ready ", absl::Seconds(60));
     ASSERT_TRUE(ready.ok()) << ready.status();
@@ -107,7 +109,7 @@ class GrpcClusterTest : public ::testing::Test {
   std::unique_ptr<Server> server_;
 };
 
-TEST_F(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64MiB) {
+TEST_P(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64MiB) {
   StartCluster(2, absl::Seconds(60), /*big=*/true);
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   for (const testing::Fixture& f : testing::MakeFixtures(/*seed=*/1, /*with_big=*/true)) {
@@ -127,7 +129,7 @@ TEST_F(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64
   EXPECT_EQ(server_->stats().errors.load(), 0);
 }
 
-TEST_F(GrpcClusterTest, ThreeProcessesConcurrentRecvsFromTwoPeers) {
+TEST_P(GrpcClusterTest, ThreeProcessesConcurrentRecvsFromTwoPeers) {
   StartCluster(3);
   std::vector<ParsedKey> keys;
   std::vector<Tensor> expected;
@@ -148,7 +150,7 @@ TEST_F(GrpcClusterTest, ThreeProcessesConcurrentRecvsFromTwoPeers) {
   EXPECT_FALSE((*got)[0].ContentEquals((*got)[keys.size() / 2]));
 }
 
-TEST_F(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
+TEST_P(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
   StartCluster(2);
   // The peer never sends "late"; task 0 sends to itself through the same rendezvous instead to
   // show local matching, while the remote recv waits and is then failed by the step cleanup.
@@ -161,7 +163,7 @@ TEST_F(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
   EXPECT_THAT(recv.status.message(), HasSubstr("cleaned up"));
 }
 
-TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
+TEST_P(GrpcClusterTest, StepCleanupOnThePeer) {
   StartCluster(2);
   absl::StatusOr<grpc_transport::WorkerClient*> peer =
       server_->Worker(TaskName("worker", 1));
@@ -182,7 +184,7 @@ TEST_F(GrpcClusterTest, StepCleanupOnThePeer) {
   EXPECT_THAT(after.status().message(), HasSubstr("already cleaned up"));
 }
 
-TEST_F(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
+TEST_P(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
   StartCluster(2, /*recv_timeout=*/absl::Seconds(30));
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   PendingRecv recv(*r, Key(1, "never"));
@@ -196,7 +198,7 @@ TEST_F(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
   EXPECT_THAT(recv.status.message(), HasSubstr(absl::StrCat("127.0.0.1:", ports_[1])));
 }
 
-TEST_F(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
+TEST_P(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
   StartCluster(2, /*recv_timeout=*/absl::Milliseconds(1500));
   peers_[1]->Signal(SIGKILL);
   ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
@@ -208,14 +210,14 @@ TEST_F(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
   EXPECT_LT(took, absl::Seconds(10));
 }
 
-TEST_F(GrpcClusterTest, WrongIncarnationIsAbortedAndExplained) {
+TEST_P(GrpcClusterTest, WrongIncarnationIsAbortedAndExplained) {
   StartCluster(2);
   absl::StatusOr<Tensor> got = Recv(kStep, Key(1, "scalar", incarnations_[1] ^ 1));
   EXPECT_EQ(got.status().code(), absl::StatusCode::kAborted) << got.status();
   EXPECT_THAT(got.status().message(), HasSubstr("probably restarted"));
 }
 
-TEST_F(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
+TEST_P(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
   StartCluster(2);
   const uint64_t old_incarnation = incarnations_[1];
   ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());
@@ -234,7 +236,7 @@ TEST_F(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
   }
 }
 
-TEST_F(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
+TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
   StartCluster(2);
   absl::StatusOr<grpc_transport::WorkerClient*> peer = server_->Worker(TaskName("worker", 1));
   ASSERT_TRUE(peer.ok());
@@ -267,7 +269,7 @@ TEST_F(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
   EXPECT_TRUE(good.ok()) << good.status();
 }
 
-TEST_F(GrpcClusterTest, KeysNamingTasksOutsideTheClusterFail) {
+TEST_P(GrpcClusterTest, KeysNamingTasksOutsideTheClusterFail) {
   StartCluster(2);
   ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(CpuDeviceName("worker", 9), 1,
                                                       server_->device_name(), "x"));
@@ -276,7 +278,7 @@ TEST_F(GrpcClusterTest, KeysNamingTasksOutsideTheClusterFail) {
   EXPECT_THAT(got.status().message(), HasSubstr("not in the cluster spec"));
 }
 
-TEST_F(GrpcClusterTest, PortInUseAndUnknownTaskAreClearErrors) {
+TEST_P(GrpcClusterTest, PortInUseAndUnknownTaskAreClearErrors) {
   StartCluster(2);
   ServerOptions options;
   options.cluster = *ClusterSpec::Parse(cluster_);
@@ -297,7 +299,7 @@ TEST_F(GrpcClusterTest, PortInUseAndUnknownTaskAreClearErrors) {
   EXPECT_THAT(bad.status().message(), HasSubstr("available: grpc"));
 }
 
-TEST_F(GrpcClusterTest, WaitForPeersNamesMissingTasks) {
+TEST_P(GrpcClusterTest, WaitForPeersNamesMissingTasks) {
   StartCluster(2);
   EXPECT_TRUE(server_->WaitForPeers(absl::Seconds(10)).ok());
   peers_[1]->Signal(SIGKILL);
@@ -313,6 +315,12 @@ TEST_F(GrpcClusterTest, WaitForPeersNamesMissingTasks) {
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(s.message(), HasSubstr("/job:worker/replica:0/task:1 at 127.0.0.1:"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Protocols, GrpcClusterTest, ::testing::Values("grpc", "grpc+verbs"),
+                         [](const auto& info) {
+                           return info.param == "grpc" ? std::string("grpc")
+                                                       : std::string("grpc_verbs");
+                         });
 
 }  // namespace
 }  // namespace tensorverbs

@@ -1,5 +1,5 @@
 // A peer task for integration tests: starts a Server for --job/--task of --cluster, sends the
-// standard fixtures (seeded with --seed) at --step, prints "ready <incarnation-hex>" and serves
+// standard fixtures (seeded with --seed) at --step over --protocol, prints "ready <incarnation-hex>" and serves
 // until SIGTERM/SIGINT.
 #include <cstdio>
 #include <string>
@@ -12,7 +12,7 @@
 
 int main(int argc, char** argv) {
   using namespace tensorverbs;
-  std::string cluster, job, dst_device;
+  std::string cluster, job, dst_device, protocol = "grpc";
   int task = 0;
   int64_t step = 1;
   uint32_t seed = 1;
@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
     else if (flag == "--seed") seed = static_cast<uint32_t>(std::stoul(value));
     else if (flag == "--dst") dst_device = value;
     else if (flag == "--big") big = value == "1";
+    else if (flag == "--protocol") protocol = value;
   }
   tools::BlockTerminationSignals();
   absl::StatusOr<ClusterSpec> spec = ClusterSpec::Parse(cluster);
@@ -37,6 +38,7 @@ int main(int argc, char** argv) {
   options.cluster = *spec;
   options.job = job;
   options.task = task;
+  options.protocol = protocol;
   absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
   if (!server.ok()) {
     std::fprintf(stderr, "test_peer: %s\n", server.status().ToString().c_str());
