@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "src/common/config.h"
 #include "src/rendezvous/device_name.h"
+#include "src/protocol/verbs_transport.h"
 #include "src/server/server.h"
 #include "tools/commands.h"
 #include "tools/demo_model.h"
@@ -67,6 +68,11 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
           const std::vector<Peer>& workers) {
   demo::ModelShape shape;
   std::vector<Tensor> params = demo::InitParameters(shape, /*seed=*/42);
+  // In the server's registered pool, so that grpc+verbs sends them without a copy.
+  for (Tensor& p : params) {
+    absl::StatusOr<Tensor> pooled = p.Clone(server.recv_allocator());
+    if (pooled.ok()) p = *std::move(pooled);
+  }
   const std::vector<std::string>& names = demo::ParameterNames();
   std::vector<std::string> grad_names = Prefixed("grad/", names);
   grad_names.push_back("loss");
@@ -237,7 +243,18 @@ int RunDemoCommand(const DemoOptions& options) {
     return 2;
   }
   std::vector<std::string> protocols = AvailableProtocols();
-  const std::string protocol = options.protocol.empty() ? protocols.front() : options.protocol;
+  std::string protocol = options.protocol;
+  if (protocol.empty()) {
+    // grpc+verbs when this host has a fabric it can open (every demo task runs here), else grpc.
+    const Config& config = Config::Get();
+    absl::StatusOr<std::unique_ptr<fabric::Domain>> fabric =
+        protocol::OpenFabric(config.fabric, config.ofi_provider, /*all_peers_local=*/true);
+    protocol = fabric.ok() ? "grpc+verbs" : "grpc";
+    if (!fabric.ok()) {
+      std::printf("tensorverbs demo: no RDMA fabric usable (%s); using grpc\n",
+                  std::string(fabric.status().message()).c_str());
+    }
+  }
   if (std::find(protocols.begin(), protocols.end(), protocol) == protocols.end()) {
     std::fprintf(stderr, "tensorverbs demo: unknown protocol '%s'; available: %s\n",
                  protocol.c_str(), absl::StrJoin(protocols, ", ").c_str());

@@ -35,12 +35,15 @@ absl::StatusOr<ToolRun> RunTool(const std::vector<std::string>& args, absl::Dura
   return run;
 }
 
-TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
-  absl::StatusOr<ToolRun> run = RunTool({"demo", "--steps", "12", "--workers", "2"}, absl::Seconds(240));
+// The demo with the default protocol (grpc+verbs here: libfabric shm is usable) and with grpc.
+void ExpectDemoTrains(const std::vector<std::string>& extra, const std::string& protocol) {
+  std::vector<std::string> args = {"demo", "--steps", "12", "--workers", "2"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  absl::StatusOr<ToolRun> run = RunTool(args, absl::Seconds(240));
   ASSERT_TRUE(run.ok()) << run.status();
   const std::string& out = run->out;
   EXPECT_EQ(run->exit_code, 0) << out;
-  EXPECT_THAT(out, HasSubstr("over grpc"));
+  EXPECT_THAT(out, HasSubstr("over " + protocol));
   std::vector<float> losses;
   for (absl::string_view line : absl::StrSplit(out, '\n')) {
     float loss;
@@ -52,10 +55,16 @@ TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
   }
   ASSERT_EQ(losses.size(), 12u) << out;
   EXPECT_LT(losses.back(), losses.front());
-  EXPECT_THAT(out, HasSubstr("summary: protocol grpc, 1 ps + 2 workers, 12 steps"));
+  EXPECT_THAT(out, HasSubstr("summary: protocol " + protocol + ", 1 ps + 2 workers, 12 steps"));
   EXPECT_THAT(out, HasSubstr("tensors/s"));
   EXPECT_THAT(out, HasSubstr("share of step time in transfer"));
 }
+
+TEST(ToolTest, DemoTrainsOverGrpcVerbsByDefaultAndTheLossFalls) {
+  ExpectDemoTrains({}, "grpc+verbs");
+}
+
+TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) { ExpectDemoTrains({"--protocol", "grpc"}, "grpc"); }
 
 TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
   auto p = Subprocess::Start(testing::ToolPath(), {"demo", "--protocol", "smoke-signals"});
