@@ -404,6 +404,26 @@ TEST_P(VerbsProtocolTest, DataValidationVerifiesEveryTransfer) {
   EXPECT_EQ(transport(0).stats().checksum_failures.load(), 0);
 }
 
+TEST_P(VerbsProtocolTest, A256MiBTensorAndAnEmptyOneInPlace) {
+  if (std::string(GetParam().name) != "ofi_shm") {
+    GTEST_SKIP() << "256 MiB runs once, over shm (the other fabrics move the same code path)";
+  }
+  StartCluster(2);
+  Tensor big = PoolTensor(1, DataType::kUInt8, {int64_t{256} << 20}, 11);
+  Tensor empty = PoolTensor(1, DataType::kFloat32, {0, 16}, 0);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "big"), big).ok());
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "empty"), empty).ok());
+  PendingRecv got_big(*Step(0, 1), Key(1, "big"));
+  PendingRecv got_empty(*Step(0, 1), Key(1, "empty"));
+  ASSERT_TRUE(got_big.Wait(absl::Seconds(120)));
+  ASSERT_TRUE(got_empty.Wait());
+  ASSERT_TRUE(got_big.status().ok()) << got_big.status();
+  ASSERT_TRUE(got_empty.status().ok()) << got_empty.status();
+  EXPECT_TRUE(got_big.tensor().ContentEquals(big));
+  EXPECT_EQ(got_empty.tensor().shape(), empty.shape());
+  EXPECT_EQ(transport(0).stats().copies.load() + transport(1).stats().copies.load(), 0);
+}
+
 TEST_P(VerbsProtocolTest, WaitForPeersSetsUpEveryChannel) {
   StartCluster(3);
   for (int t = 0; t < 3; ++t) {
