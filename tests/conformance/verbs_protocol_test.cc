@@ -328,19 +328,20 @@ TEST_P(VerbsProtocolTest, KeysAtTheNameLimitWorkAndLongerOnesFailClearly) {
   EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("2048"));
 }
 
-TEST_P(VerbsProtocolTest, TenThousandConcurrentRecvsFromTwoPeers) {
-  StartCluster(3);
-  constexpr int kPerPeer = 5000;
+TEST_P(VerbsProtocolTest, TenThousandConcurrentRecvsFromThreePeers) {
+  StartCluster(4);
+  constexpr int kPeers = 3;
+  constexpr int kPerPeer = 3334;
   std::vector<std::unique_ptr<PendingRecv>> recvs;
-  recvs.reserve(2 * kPerPeer);
+  recvs.reserve(kPeers * kPerPeer);
   auto receiver = Step(0, 9);
   for (int i = 0; i < kPerPeer; ++i) {
-    for (int peer = 1; peer <= 2; ++peer) {
+    for (int peer = 1; peer <= kPeers; ++peer) {
       recvs.push_back(std::make_unique<PendingRecv>(*receiver, Key(peer, absl::StrCat("k", i))));
     }
   }
   std::vector<std::thread> senders;
-  for (int peer = 1; peer <= 2; ++peer) {
+  for (int peer = 1; peer <= kPeers; ++peer) {
     senders.emplace_back([this, peer] {
       auto r = Step(peer, 9);
       for (int i = 0; i < kPerPeer; ++i) {
@@ -352,8 +353,8 @@ TEST_P(VerbsProtocolTest, TenThousandConcurrentRecvsFromTwoPeers) {
   }
   for (auto& s : senders) s.join();
   for (int i = 0; i < kPerPeer; ++i) {
-    for (int peer = 1; peer <= 2; ++peer) {
-      PendingRecv& r = *recvs[2 * i + (peer - 1)];
+    for (int peer = 1; peer <= kPeers; ++peer) {
+      PendingRecv& r = *recvs[kPeers * i + (peer - 1)];
       ASSERT_TRUE(r.Wait(absl::Seconds(120))) << i;
       ASSERT_TRUE(r.status().ok()) << r.status();
       Tensor t = r.tensor();
