@@ -410,8 +410,11 @@ void RdmaTensorResponse::SendError(const absl::Status& status) {
   m.error = status.ok() ? absl::InternalError("unknown error") : status;
   state_ = State::kDone;
   env->stats->errors_sent.fetch_add(1, std::memory_order_relaxed);
-  channel_->SendMessage(std::move(m));
-  channel_->FinishResponse(request_.request_index);  // deletes this
+  // A failed send closes the channel, which deletes this response: nothing of `this` after it.
+  Channel* channel = channel_;
+  const uint32_t index = request_.request_index;
+  channel->SendMessage(std::move(m));
+  channel->FinishResponse(index);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -700,10 +703,11 @@ void Channel::Close(const absl::Status& status) {
   requests_.clear();
   queued_.clear();
   for (auto& [index, response] : responses_) response->Cancel();
-  responses_.clear();
-  // No more operations from this side; the endpoint's handles go when its last user does.
+  // No more operations from this side. The endpoint goes first: on a NIC, writes in flight read
+  // the responses' tensors and the message buffers until its queue pair is gone.
   endpoint_.reset();
   mb_.reset();
+  responses_.clear();
   if (!memory.empty() && env_->quarantine_memory) {
     // The peer may still be alive and writing into these destinations.
     env_->quarantine_memory(std::move(memory), absl::Now() + env_->quarantine);
