@@ -36,7 +36,7 @@ test-asan:
 
 test-tsan:
 	$(MAKE) build BUILD_DIR=build-tsan SANITIZE=thread
-	cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1 \
+	cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$(CURDIR)/cmake/tsan.supp \
 	  ctest --output-on-failure -j $(JOBS) -L 'unit|conformance'
 
 format:
