@@ -1,10 +1,13 @@
 // The `grpc` and `grpc+verbs` protocols between real processes on 127.0.0.1: task 0 runs in the test, the other
 // tasks are tv_test_peer processes that send the standard fixtures.
+#include <dirent.h>
 #include <signal.h>
+#include <sys/mman.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "src/common/mutex.h"
 #include "absl/strings/str_cat.h"
@@ -49,6 +52,27 @@ class PendingRecv {
 
 class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
  protected:
+  // A SIGKILLed peer cannot unlink libfabric shm's regions ("<pid>:..." in /dev/shm).
+  void TearDown() override {
+    for (auto& p : peers_) {
+      if (p) p->Signal(SIGTERM);
+    }
+    for (auto& p : peers_) {
+      if (p) (void)p->Wait(absl::Seconds(10));
+    }
+    peers_.clear();
+    if (DIR* d = opendir("/dev/shm")) {
+      std::vector<std::string> stale;
+      while (dirent* e = readdir(d)) {
+        for (pid_t pid : peer_pids_) {
+          if (absl::StartsWith(e->d_name, absl::StrCat(pid, ":"))) stale.push_back(e->d_name);
+        }
+      }
+      closedir(d);
+      for (const std::string& name : stale) shm_unlink(name.c_str());
+    }
+  }
+
   // A cluster of `n` worker tasks; task 0 is in this process, the others are peers.
   void StartCluster(int n, absl::Duration recv_timeout = absl::Seconds(60), bool big = false) {
     absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(n);
@@ -79,6 +103,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
          absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst",
          CpuDeviceName("worker", 0), "--big", big ? "1" : "0", "--protocol", GetParam()});
     ASSERT_TRUE(p.ok()) << p.status();
+    peer_pids_.push_back((*p)->pid());
     absl::StatusOr<std::string> ready = (*p)->WaitForLine("ready ", absl::Seconds(60));
     ASSERT_TRUE(ready.ok()) << ready.status();
     uint64_t inc = 0;
@@ -105,6 +130,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
   std::vector<int> ports_;
   std::string cluster_;
   std::vector<std::unique_ptr<Subprocess>> peers_;
+  std::vector<pid_t> peer_pids_;
   std::vector<uint64_t> incarnations_;
   std::unique_ptr<Server> server_;
 };
