@@ -18,7 +18,7 @@
 #include "absl/time/clock.h"
 #include "src/common/config.h"
 #include "src/rendezvous/device_name.h"
-#include "src/protocol/verbs_transport.h"
+#include "src/fabric/fabric.h"
 #include "src/server/server.h"
 #include "tools/commands.h"
 #include "tools/demo_model.h"
@@ -248,7 +248,7 @@ int RunDemoCommand(const DemoOptions& options) {
     // grpc+verbs when this host has a fabric it can open (every demo task runs here), else grpc.
     const Config& config = Config::Get();
     absl::StatusOr<std::unique_ptr<fabric::Domain>> fabric =
-        protocol::OpenFabric(config.fabric, config.ofi_provider, /*all_peers_local=*/true);
+        fabric::OpenFabric(config.fabric, config.ofi_provider, /*all_peers_local=*/true);
     protocol = fabric.ok() ? "grpc+verbs" : "grpc";
     if (!fabric.ok()) {
       std::printf("tensorverbs demo: no RDMA fabric usable (%s); using grpc\n",

@@ -48,6 +48,9 @@ enum Access : uint32_t {
 struct Capabilities {
   std::string backend;   // "loopback", "ofi", "ibverbs"
   std::string provider;  // "shm", "tcp;ofi_rxm", "mlx5_0:1", "loopback"
+  // What two domains must share to talk to each other: "ofi/shm", "ibverbs" (device names
+  // differ between the hosts of one fabric), "loopback". Peers compare it before connecting.
+  std::string family;
   uint64_t max_message_size = 0;
   bool virtual_addressing = true;  // false: the provider addresses regions by offset
   size_t queue_depth = 0;          // operations in flight per endpoint before queueing
@@ -158,6 +161,14 @@ std::vector<std::string> BackendNames();
 // Opens a domain of `backend`. Unavailable, with the reason, where it cannot run here.
 absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
                                                    const DomainOptions& options);
+
+// The selection policy (TENSORVERBS_FABRIC): opens `fabric` ("loopback", "ibverbs", "ofi") or,
+// for "auto", ibverbs where a port is usable and libfabric otherwise. The ofi provider is
+// `ofi_provider` if set, else ofi::ChooseProvider's pick (`all_peers_local`: every task runs on
+// this host, so shm serves). The error says what was tried and why each failed.
+absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(absl::string_view fabric,
+                                                   const std::string& ofi_provider,
+                                                   bool all_peers_local);
 
 }  // namespace tensorverbs::fabric
 

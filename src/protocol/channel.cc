@@ -255,10 +255,12 @@ void RdmaTensorResponse::Cancel() {
 
 absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   ChannelEnv* env = channel_->env();
-  if (meta_.is_dead || meta_.tensor_bytes == 0) return absl::OkStatus();
+  if (meta_.is_dead) return absl::OkStatus();
   if (tensor.dtype() == DataType::kString) {
+    // Its TensorProto travels from registered staging.
     proto::TensorProto tp;
     TensorToProto(tensor, &tp);
+    meta_.tensor_bytes = tp.ByteSizeLong();
     ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta_.tensor_bytes));
     if (!tp.SerializeToArray(staging_.data(), static_cast<int>(meta_.tensor_bytes))) {
       return absl::InternalError("serializing the string tensor failed");
@@ -268,6 +270,7 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
     source_ = staging_.data();
     return absl::OkStatus();
   }
+  if (meta_.tensor_bytes == 0) return absl::OkStatus();
   if (env->registration == Registration::kPool) {
     ASSIGN_OR_RETURN(source_region_, env->memory->FindRegistered(tensor.data(), meta_.tensor_bytes));
   } else if (env->registration == Registration::kPerTransfer) {
@@ -304,15 +307,8 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
   meta_.dtype = tensor.dtype();
   meta_.shape = tensor.shape();
   meta_.is_dead = is_dead;
-  if (is_dead) {
-    meta_.tensor_bytes = 0;
-  } else if (tensor.dtype() == DataType::kString) {
-    proto::TensorProto tp;
-    TensorToProto(tensor, &tp);
-    meta_.tensor_bytes = tp.ByteSizeLong();
-  } else {
-    meta_.tensor_bytes = tensor.TotalBytes();
-  }
+  // A string tensor's size is its TensorProto's, which PrepareSource serializes.
+  meta_.tensor_bytes = is_dead ? 0 : tensor.TotalBytes();
   if (absl::Status s = PrepareSource(tensor); !s.ok()) {
     SendError(absl::Status(s.code(), absl::StrCat("the sender cannot transfer the tensor: ",
                                                   s.message())));

@@ -1,5 +1,6 @@
 #include "src/protocol/message.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -213,6 +214,13 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in) {
     return Malformed(absl::StrCat(MessageTypeName(m.type), " without a rendezvous key"));
   }
   return m;
+}
+
+size_t EncodedLength(absl::Span<const uint8_t> slot) {
+  Reader r(slot);
+  uint32_t version_type_sequence, used;
+  if (!r.Get(&version_type_sequence) || !r.Get(&used)) return 0;
+  return std::min<size_t>((size_t{used} + 7) & ~size_t{7}, slot.size());
 }
 
 }  // namespace tensorverbs::protocol

@@ -77,6 +77,10 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out);
 // Decodes a slot. DataLoss naming what is wrong for anything malformed.
 absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in);
 
+// The bytes of an encoded slot that carry the message (its header's used length, rounded up to
+// 8 and capped at the slot): what a sender writes and a receiver clears.
+size_t EncodedLength(absl::Span<const uint8_t> slot);
+
 }  // namespace tensorverbs::protocol
 
 #endif  // TENSORVERBS_PROTOCOL_MESSAGE_H_

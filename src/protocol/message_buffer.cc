@@ -8,17 +8,6 @@
 #include "src/protocol/imm.h"
 
 namespace tensorverbs::protocol {
-namespace {
-
-// The used length a slot's header declares (bytes 4..7, little-endian), rounded up to 8.
-size_t EncodedLength(const uint8_t* slot) {
-  uint32_t used = 0;
-  for (int i = 0; i < 4; ++i) used |= static_cast<uint32_t>(slot[4 + i]) << (8 * i);
-  return std::min<size_t>((used + 7) & ~size_t{7}, kMessageSize);
-}
-
-}  // namespace
-
 MessageBuffer::MessageBuffer(fabric::Domain* domain, int rx_slots)
     : domain_(domain), rx_slots_(rx_slots) {}
 
@@ -81,7 +70,7 @@ absl::Status MessageBuffer::Pump() {
     if (tx_local_busy_[slot]) break;                                           // local busy
     uint8_t* out = tx_memory_.data() + slot * kMessageSize;
     RETURN_IF_ERROR(EncodeMessage(queue_.front(), absl::MakeSpan(out, kMessageSize)));
-    const size_t length = EncodedLength(out);
+    const size_t length = EncodedLength(absl::MakeConstSpan(out, kMessageSize));
     RETURN_IF_ERROR(endpoint_->PostWriteWithImm(
         fabric::LocalBuffer{tx_region_.get(), out, length},
         fabric::RemoteBuffer{remote_key_, remote_addr_ + slot * kMessageSize, kMessageSize},
@@ -113,7 +102,7 @@ absl::StatusOr<Message> MessageBuffer::OnControlMessage() {
   const uint64_t slot = rx_received_ % static_cast<uint64_t>(rx_slots_);
   uint8_t* in = rx_memory_.data() + slot * kMessageSize;
   absl::StatusOr<Message> m = DecodeMessage(absl::MakeConstSpan(in, kMessageSize));
-  const size_t length = EncodedLength(in);
+  const size_t length = EncodedLength(absl::MakeConstSpan(in, kMessageSize));
   if (!m.ok()) return m.status();
   if (m->sequence != static_cast<uint16_t>(rx_received_)) {
     return absl::DataLossError(absl::StrCat(

@@ -1,19 +1,15 @@
 #include "src/protocol/verbs_transport.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <utility>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
-#include "src/fabric/ofi/ofi.h"
 #include "src/transport/grpc/grpc_util.h"
 
 namespace tensorverbs::protocol {
@@ -22,61 +18,7 @@ namespace {
 constexpr absl::Duration kHousekeepingInterval = absl::Milliseconds(20);
 constexpr size_t kPollBatch = 64;
 
-std::string HostOf(const std::string& address) {
-  if (absl::StartsWith(address, "[")) return address.substr(0, address.find(']') + 1);
-  return address.substr(0, address.rfind(':'));
-}
-
-bool IsLocalHost(const std::string& host) {
-  if (host == "localhost" || host == "[::1]" || host == "::1" || absl::StartsWith(host, "127.")) {
-    return true;
-  }
-  char name[256] = {};
-  return gethostname(name, sizeof(name) - 1) == 0 && host == name;
-}
-
 }  // namespace
-
-absl::StatusOr<std::unique_ptr<fabric::Domain>> OpenFabric(const std::string& fabric_name,
-                                                           const std::string& ofi_provider,
-                                                           bool all_peers_local) {
-  fabric::DomainOptions options;
-  if (fabric_name == "loopback" || fabric_name == "ibverbs") {
-    absl::StatusOr<std::unique_ptr<fabric::Domain>> d = fabric::OpenDomain(fabric_name, options);
-    if (!d.ok()) {
-      return absl::Status(d.status().code(),
-                          absl::StrCat("grpc+verbs: TENSORVERBS_FABRIC=", fabric_name,
-                                       " cannot be opened: ", d.status().message()));
-    }
-    return d;
-  }
-  if (fabric_name != "auto" && fabric_name != "ofi") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "grpc+verbs: unknown fabric '", fabric_name, "'; expected auto, ofi, ibverbs or loopback"));
-  }
-  std::string ibverbs_reason;
-  if (fabric_name == "auto") {
-    std::vector<std::string> backends = fabric::BackendNames();
-    if (std::find(backends.begin(), backends.end(), "ibverbs") != backends.end()) {
-      absl::StatusOr<std::unique_ptr<fabric::Domain>> d = fabric::OpenDomain("ibverbs", options);
-      if (d.ok()) return d;
-      ibverbs_reason = std::string(d.status().message());
-      VLOG(1) << "grpc+verbs: ibverbs is not usable here (" << ibverbs_reason
-              << "); trying libfabric";
-    }
-  }
-  options.provider = fabric::ofi::ChooseProvider(ofi_provider, all_peers_local,
-                                                 fabric::ofi::ListUsableProviders());
-  absl::StatusOr<std::unique_ptr<fabric::Domain>> d = fabric::OpenDomain("ofi", options);
-  if (!d.ok()) {
-    return absl::UnavailableError(absl::StrCat(
-        "grpc+verbs has no usable fabric: ofi provider '", options.provider,
-        "': ", d.status().message(),
-        ibverbs_reason.empty() ? "" : absl::StrCat("; ibverbs: ", ibverbs_reason),
-        ". Set TENSORVERBS_FABRIC / TENSORVERBS_OFI_PROVIDER, or use --protocol grpc"));
-  }
-  return d;
-}
 
 class VerbsTransport::Service final : public proto::VerbsService::CallbackService {
  public:
@@ -139,11 +81,14 @@ absl::Status VerbsTransport::Start() {
                                                    "'; expected busy, blocking or adaptive"));
   }
   ASSIGN_OR_RETURN(Registration registration, ParseRegistration(options_.registration));
-  bool all_local = true;
-  for (const auto& [task, address] : options_.task_addresses) {
-    all_local &= IsLocalHost(HostOf(address));
+  absl::StatusOr<std::unique_ptr<fabric::Domain>> domain =
+      fabric::OpenFabric(options_.fabric, options_.ofi_provider, options_.all_peers_local);
+  if (!domain.ok()) {
+    return absl::Status(domain.status().code(),
+                        absl::StrCat("grpc+verbs: ", domain.status().message(),
+                                     ", or use --protocol grpc"));
   }
-  ASSIGN_OR_RETURN(domain_, OpenFabric(options_.fabric, options_.ofi_provider, all_local));
+  domain_ = *std::move(domain);
   memory_ = std::make_unique<RdmaMemoryMgr>(domain_.get(), options_.pool);
 
   channel_env_.worker = options_.env;
@@ -179,13 +124,6 @@ std::string VerbsTransport::fabric_name() const {
   return absl::StrCat(caps.backend, " (", caps.provider, ")");
 }
 
-std::string VerbsTransport::FabricFamily() const {
-  const fabric::Capabilities& caps = domain_->capabilities();
-  // ibverbs device names differ between hosts of one fabric; ofi providers must match.
-  if (caps.backend == "ofi") return absl::StrCat("ofi/", caps.provider);
-  return caps.backend;
-}
-
 bool VerbsTransport::Post(Task& task) {
   {
     MutexLock lock(&mu_);
@@ -197,7 +135,6 @@ bool VerbsTransport::Post(Task& task) {
 }
 
 void VerbsTransport::ProgressLoop() {
-  progress_thread_id_ = std::this_thread::get_id();
   fabric::Completion completions[kPollBatch];
   absl::Time now = absl::Now();
   absl::Time last_activity = now, next_housekeeping = now;
@@ -306,17 +243,12 @@ absl::StatusOr<Channel*> VerbsTransport::OwnerChannel(const std::string& task) {
   by_endpoint_[raw->endpoint()] = raw;
   owner_by_task_[task] = id;
 
-  auto& stub = stubs_[task];
-  if (stub == nullptr) {
-    stub = proto::VerbsService::NewStub(grpc::CreateCustomChannel(
-        address->second, grpc::InsecureChannelCredentials(),
-        grpc_transport::ClientChannelArguments()));
-  }
+  std::shared_ptr<proto::VerbsService::Stub> stub = Stub(task, address->second);
   auto connecting = std::make_unique<Connecting>();
   proto::ConnectRequest& request = connecting->request;
   request.set_task_name(options_.env->task_name);
   request.set_incarnation(options_.env->incarnation);
-  request.set_fabric(FabricFamily());
+  request.set_fabric(domain_->capabilities().family);
   request.set_channel_id(id);
   request.mutable_end()->set_endpoint_address(raw->endpoint()->LocalAddress());
   request.mutable_end()->set_rx_addr(raw->message_buffer()->rx_addr());
@@ -375,10 +307,10 @@ void VerbsTransport::OnConnectDone(uint64_t id, const grpc::Status& status) {
 absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
                                     proto::ConnectResponse* response) {
   const std::string& task = request.task_name();
-  if (request.fabric() != FabricFamily()) {
+  if (request.fabric() != domain_->capabilities().family) {
     return absl::FailedPreconditionError(absl::StrCat(
         "task ", task, " uses fabric ", request.fabric(), " but task ", options_.env->task_name,
-        " uses ", FabricFamily(),
+        " uses ", domain_->capabilities().family,
         "; set TENSORVERBS_FABRIC and TENSORVERBS_OFI_PROVIDER the same on every task"));
   }
   if (request.expected_incarnation() != 0 &&
@@ -546,6 +478,17 @@ size_t VerbsTransport::NumReadyChannels() {
   return result->second;
 }
 
+std::shared_ptr<proto::VerbsService::Stub> VerbsTransport::Stub(const std::string& task,
+                                                               const std::string& address) {
+  MutexLock lock(&stubs_mu_);
+  std::shared_ptr<proto::VerbsService::Stub>& stub = stubs_[task];
+  if (stub == nullptr) {
+    stub = proto::VerbsService::NewStub(grpc::CreateCustomChannel(
+        address, grpc::InsecureChannelCredentials(), grpc_transport::ClientChannelArguments()));
+  }
+  return stub;
+}
+
 void VerbsTransport::WatchdogLoop() {
   const absl::Duration interval =
       std::clamp(options_.peer_timeout / 4, absl::Milliseconds(25), absl::Seconds(5));
@@ -585,17 +528,7 @@ void VerbsTransport::WatchdogLoop() {
       checks.emplace_back([this, probe] {
         auto address = options_.task_addresses.find(probe.task);
         if (address == options_.task_addresses.end()) return;
-        std::shared_ptr<proto::VerbsService::Stub> stub;
-        {
-          MutexLock lock(&watchdog_mu_);
-          auto& s = watchdog_stubs_[probe.task];
-          if (s == nullptr) {
-            s = proto::VerbsService::NewStub(grpc::CreateCustomChannel(
-                address->second, grpc::InsecureChannelCredentials(),
-                grpc_transport::ClientChannelArguments()));
-          }
-          stub = s;
-        }
+        std::shared_ptr<proto::VerbsService::Stub> stub = Stub(probe.task, address->second);
         grpc::ClientContext context;
         context.set_deadline(absl::ToChronoTime(absl::Now() + options_.peer_timeout));
         context.set_wait_for_ready(true);

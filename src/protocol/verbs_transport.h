@@ -1,8 +1,7 @@
 // VerbsTransport: the grpc+verbs protocol engine of one server.
 //
-// It owns the fabric domain (opened per TENSORVERBS_FABRIC: ibverbs where a port is usable,
-// else libfabric with the provider policy of fabric/ofi), the progress thread that is the only
-// thread touching the domain, every Channel, the memory manager and the VerbsService the peers
+// It owns the fabric domain (chosen by fabric::OpenFabric's policy, TENSORVERBS_FABRIC), the
+// progress thread that is the only thread touching the domain, every Channel, the memory manager and the VerbsService the peers
 // call to set channels up. Recv() starts a recv of a remote tensor: on first use of a peer the
 // channel is set up by one Connect RPC (the endpoint address and message-buffer key exchange),
 // then the tensor moves by RDMA as channel.h describes.
@@ -55,6 +54,7 @@ struct VerbsOptions {
   const WorkerEnv* env = nullptr;
   PoolAllocator* pool = nullptr;  // registered once per region; staging comes from it too
   absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
+  bool all_peers_local = false;  // every task runs on this host (shm is then a candidate)
   absl::Duration recv_timeout = absl::Minutes(10);
   // From the environment by default (Config::Get()); tests override.
   std::string fabric = Config::Get().fabric;
@@ -67,12 +67,6 @@ struct VerbsOptions {
   absl::Duration peer_timeout = Config::Get().peer_timeout;
   absl::Duration connect_timeout = Config::Get().connect_timeout;
 };
-
-// Opens the domain `fabric` names ("auto", "ofi", "ibverbs", "loopback"), choosing an ofi
-// provider by policy when none is configured. `all_peers_local`: every task runs on this host.
-absl::StatusOr<std::unique_ptr<fabric::Domain>> OpenFabric(const std::string& fabric,
-                                                           const std::string& ofi_provider,
-                                                           bool all_peers_local);
 
 class VerbsTransport {
  public:
@@ -127,9 +121,11 @@ class VerbsTransport {
                     proto::CheckChannelResponse* response);
   Channel* FindChannel(uint64_t id);
   void CloseChannelsOf(const std::string& task, bool owner_only, const absl::Status& status);
-  std::string FabricFamily() const;
 
   void WatchdogLoop();
+  // The VerbsService client of `task` (an address from task_addresses); any thread.
+  std::shared_ptr<proto::VerbsService::Stub> Stub(const std::string& task,
+                                                  const std::string& address);
 
   const VerbsOptions options_;
   PollMode poll_mode_ = PollMode::kAdaptive;
@@ -145,7 +141,6 @@ class VerbsTransport {
   // Set by the progress thread before it sleeps, so Post knows to interrupt the wait.
   std::atomic<bool> sleeping_{false};
   std::thread progress_thread_;
-  std::thread::id progress_thread_id_;
 
   // Connect results for ConnectPeers, written by the progress thread.
   Mutex connect_mu_;
@@ -161,18 +156,20 @@ class VerbsTransport {
     proto::ConnectResponse response;
   };
   absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
-  absl::flat_hash_map<std::string, std::unique_ptr<proto::VerbsService::Stub>> stubs_;
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
   // Why recently closed acceptor channels closed, by (owner task, owner's channel id), so that
   // the owner's probe learns it; bounded.
   absl::flat_hash_map<std::pair<std::string, uint64_t>, absl::Status> closed_accepted_;
   uint64_t next_channel_id_ = 1;
 
+  Mutex stubs_mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<proto::VerbsService::Stub>> stubs_
+      ABSL_GUARDED_BY(stubs_mu_);
+
   // Watchdog.
   Mutex watchdog_mu_;
   bool watchdog_stop_ ABSL_GUARDED_BY(watchdog_mu_) = false;
-  absl::flat_hash_map<std::string, std::shared_ptr<proto::VerbsService::Stub>> watchdog_stubs_
-      ABSL_GUARDED_BY(watchdog_mu_);
+
   std::thread watchdog_thread_;
   std::atomic<int> connects_in_flight_{0};
 };

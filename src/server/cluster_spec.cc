@@ -1,8 +1,11 @@
 #include "src/server/cluster_spec.h"
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -23,6 +26,15 @@ absl::Status Bad(absl::string_view why) {
 }
 
 }  // namespace
+
+bool AddressIsLocal(absl::string_view address) {
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return false;
+  const absl::string_view host = address.substr(0, colon);
+  if (host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.")) return true;
+  char name[256] = {};
+  return gethostname(name, sizeof(name) - 1) == 0 && host == name;
+}
 
 absl::Status ValidateAddress(absl::string_view address) {
   size_t colon = address.rfind(':');

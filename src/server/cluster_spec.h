@@ -40,6 +40,10 @@ class ClusterSpec {
 // Checks "host:port" / "[v6]:port" with a port in 1..65535.
 absl::Status ValidateAddress(absl::string_view address);
 
+// True if a valid HOST:PORT names this host (localhost, a 127.x or ::1 address, or this
+// host's name): peers there can use shared memory.
+bool AddressIsLocal(absl::string_view address);
+
 }  // namespace tensorverbs
 
 #endif  // TENSORVERBS_SERVER_CLUSTER_SPEC_H_

@@ -117,6 +117,10 @@ absl::Status Server::Start() {
     verbs_options.env = &env_;
     verbs_options.pool = recv_allocator_.get();
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
+    verbs_options.all_peers_local = true;
+    for (const auto& [task, address] : verbs_options.task_addresses) {
+      verbs_options.all_peers_local &= AddressIsLocal(address);
+    }
     verbs_options.recv_timeout = recv_timeout;
     absl::StatusOr<std::unique_ptr<protocol::VerbsTransport>> verbs =
         protocol::VerbsTransport::Create(std::move(verbs_options));

@@ -390,6 +390,7 @@ class IbvDomain final : public Domain {
   explicit IbvDomain(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {
     caps_.backend = "ibverbs";
     caps_.provider = absl::StrCat(shared_->selection.device, ":", shared_->selection.port);
+    caps_.family = "ibverbs";
     caps_.max_message_size = std::min<uint64_t>(shared_->attr.max_mr_size, UINT32_MAX);
     caps_.virtual_addressing = true;
     caps_.queue_depth = shared_->options.queue_depth;

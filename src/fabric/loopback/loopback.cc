@@ -230,6 +230,7 @@ class LoopbackDomain final : public Domain {
   explicit LoopbackDomain(const DomainOptions& options) : state_(std::make_shared<DomainState>()) {
     caps_.backend = "loopback";
     caps_.provider = "loopback";
+    caps_.family = "loopback";
     caps_.max_message_size = uint64_t{1} << 40;
     caps_.virtual_addressing = true;
     caps_.queue_depth = options.queue_depth;

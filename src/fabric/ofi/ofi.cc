@@ -301,6 +301,7 @@ class OfiDomain final : public Domain {
   explicit OfiDomain(std::shared_ptr<Shared> shared) : shared_(std::move(shared)) {
     caps_.backend = "ofi";
     caps_.provider = shared_->info->fabric_attr->prov_name;
+    caps_.family = absl::StrCat("ofi/", caps_.provider);
     caps_.max_message_size = shared_->info->ep_attr->max_msg_size;
     caps_.virtual_addressing = shared_->virtual_addressing();
     caps_.queue_depth = shared_->options.queue_depth;
