@@ -187,7 +187,7 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.connect_timeout = absl::Milliseconds(connect_ms);
   ASSIGN_OR_RETURN(int64_t region_mb, ParseInt(env, "TENSORVERBS_POOL_REGION_MB", 1, 65536, 64));
   config.pool_region_bytes = region_mb << 20;
-  ASSIGN_OR_RETURN(int64_t threads, ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 1, 256, 2));
+  ASSIGN_OR_RETURN(int64_t threads, ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 0, 256, 2));
   config.callback_threads = static_cast<int>(threads);
   ASSIGN_OR_RETURN(int64_t tuning, ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, 1));
   config.malloc_tuning = tuning == 1;

@@ -55,7 +55,9 @@ struct Config {
   // (larger requests get a region of their own). 1 .. 65536, default 64.
   int64_t pool_region_bytes = int64_t{64} << 20;
 
-  // TENSORVERBS_CALLBACK_THREADS: threads that run user `done` callbacks. 1 .. 256, default 2.
+  // TENSORVERBS_CALLBACK_THREADS: threads that run user `done` callbacks. 0 .. 256, default 2;
+  // 0 runs each callback inline on the transport's thread (lowest latency; a callback that
+  // blocks then stalls every transfer).
   int callback_threads = 2;
 
   // TENSORVERBS_MALLOC_TUNING: 1 (default) lets Server raise glibc's heap trim threshold so

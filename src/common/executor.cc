@@ -7,7 +7,7 @@
 namespace tensorverbs {
 
 Executor::Executor(std::string name, int num_threads) {
-  CHECK(num_threads > 0);
+  CHECK(num_threads >= 0);
   for (int i = 0; i < num_threads; ++i) {
     threads_.emplace_back([this] { WorkerLoop(); });
     pthread_setname_np(threads_.back().native_handle(), name.substr(0, 15).c_str());
@@ -23,6 +23,10 @@ Executor::~Executor() {
 }
 
 void Executor::Schedule(Task task) {
+  if (threads_.empty()) {
+    std::move(task)();
+    return;
+  }
   MutexLock lock(&mu_);
   CHECK(!stopping_) << "Executor::Schedule after shutdown began";
   tasks_.push_back(std::move(task));

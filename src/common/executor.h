@@ -4,6 +4,10 @@
 // a gRPC completion thread, where it could stall every other transfer. Schedule() may be called
 // from any thread; tasks start in FIFO order. The destructor runs every task already scheduled,
 // then joins; Schedule() after destruction began is a programming error.
+//
+// An executor of zero threads runs each task inline, in Schedule(), on the caller's thread:
+// the lowest-latency choice (no hand-off between threads) for callbacks that never block, and
+// the callers must then not hold a lock when they schedule.
 #ifndef TENSORVERBS_COMMON_EXECUTOR_H_
 #define TENSORVERBS_COMMON_EXECUTOR_H_
 
@@ -28,6 +32,7 @@ class Executor {
   ~Executor();
 
   void Schedule(Task task);
+  bool inline_tasks() const { return threads_.empty(); }
 
  private:
   void WorkerLoop();

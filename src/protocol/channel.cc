@@ -29,9 +29,13 @@ uint64_t Checksum(const void* data, uint64_t bytes) {
   return bytes == 0 ? 0 : Crc32c(data, bytes);
 }
 
-void CountCopy(VerbsStats* stats, uint64_t bytes) {
-  stats->copies.fetch_add(1, std::memory_order_relaxed);
-  stats->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+void CountCopy(const ChannelEnv* env, uint64_t bytes) {
+  env->stats->copies.fetch_add(1, std::memory_order_relaxed);
+  env->stats->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  if (TransferStats* worker = env->worker->stats) {
+    worker->copies.fetch_add(1, std::memory_order_relaxed);
+    worker->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  }
 }
 
 }  // namespace
@@ -83,8 +87,8 @@ void RdmaTensorRequest::Start() {
 absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
                                                    std::string* key) {
   ChannelEnv* env = channel_->env();
-  result_ = Tensor();
-  staging_ = Tensor();
+  result_.Clear();
+  staging_.Clear();
   transient_.reset();
   const fabric::MemoryRegion* region = nullptr;
   void* target = nullptr;
@@ -193,10 +197,10 @@ void RdmaTensorRequest::RecvTensorContent() {
   }
   if (staging_.IsInitialized() && meta_.tensor_bytes > 0) {
     std::memcpy(result_.data(), staging_.data(), meta_.tensor_bytes);
-    CountCopy(env->stats, meta_.tensor_bytes);
+    CountCopy(env, meta_.tensor_bytes);
   }
   Tensor result = std::move(result_);
-  staging_ = Tensor();
+  staging_.Clear();
   transient_.reset();
   Deliver(absl::OkStatus(), result, false);
 }
@@ -219,7 +223,8 @@ std::vector<Tensor> RdmaTensorRequest::TakeMemory() {
   std::vector<Tensor> memory;
   if (result_.IsInitialized()) memory.push_back(std::move(result_));
   if (staging_.IsInitialized()) memory.push_back(std::move(staging_));
-  result_ = staging_ = Tensor();
+  result_.Clear();
+  staging_.Clear();
   return memory;
 }
 
@@ -289,7 +294,7 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   // Copy mode, or a tensor outside the registered pool: stage it.
   ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta_.tensor_bytes));
   std::memcpy(staging_.data(), tensor.data(), meta_.tensor_bytes);
-  CountCopy(env->stats, meta_.tensor_bytes);
+  CountCopy(env, meta_.tensor_bytes);
   ASSIGN_OR_RETURN(source_region_, env->memory->FindRegistered(staging_.data(), meta_.tensor_bytes));
   if (source_region_ == nullptr) return absl::InternalError("pool memory is not registrable");
   source_ = staging_.data();
@@ -558,9 +563,19 @@ void Channel::OnCompletion(const fabric::Completion& c) {
   }
   if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {
     switch (ClassifyImm(c.imm)) {
-      case ImmKind::kControlMessage:
+      case ImmKind::kControlMessage: {
         OnControlMessage();
+        // The ACK goes out after whatever the message set off (a content write the peer is
+        // waiting for is deferred to the end of this completion batch too), so it never
+        // delays the answer.
+        if (state_ == State::kClosed) return;
+        auto find = env_->find_channel;
+        const uint64_t id = id_;
+        env_->post([find, id]() {
+          if (Channel* c = find(id)) c->AcknowledgeMessage();
+        });
         return;
+      }
       case ImmKind::kAck:
         if (absl::Status s = mb_->OnAck(); !s.ok()) Close(s);
         return;
@@ -582,6 +597,36 @@ void Channel::OnCompletion(const fabric::Completion& c) {
       if (it != responses_.end() && it->second->OnWriteDone()) responses_.erase(it);
       return;
     }
+  }
+}
+
+absl::StatusOr<const ParsedKey*> Channel::ValidKey(const std::string& name) {
+  if (auto it = valid_keys_.find(name); it != valid_keys_.end()) return &it->second;
+  const WorkerEnv* worker = env_->worker;
+  absl::StatusOr<ParsedKey> key = ParsedKey::Parse(name);
+  if (!key.ok()) return absl::InvalidArgumentError(std::string(key.status().message()));
+  if (key->src.TaskName() != worker->task_name) {
+    return absl::InvalidArgumentError(absl::StrCat("key '", key->full_key,
+                                                   "' names source task ", key->src.TaskName(),
+                                                   ", not ", worker->task_name));
+  }
+  if (key->src_incarnation != worker->incarnation) {
+    return absl::AbortedError(absl::StrFormat(
+        "key '%s' was made for incarnation %016x of task %s, which now runs incarnation "
+        "%016x: the task was probably restarted; rebuild keys from its new incarnation",
+        key->full_key, key->src_incarnation, worker->task_name, worker->incarnation));
+  }
+  // A training loop asks for the same keys every step: parse each once. Bounded, so a peer
+  // inventing names cannot grow it without limit.
+  if (valid_keys_.size() >= kMaxCachedKeys) valid_keys_.clear();
+  return &valid_keys_.emplace(name, *std::move(key)).first->second;
+}
+
+void Channel::AcknowledgeMessage() {
+  if (state_ == State::kClosed) return;
+  if (absl::Status s = mb_->Acknowledge(); !s.ok()) {
+    Close(absl::UnavailableError(absl::StrCat("acknowledging a control message of task ",
+                                              peer_task_, " failed: ", s.message())));
   }
 }
 
@@ -634,21 +679,8 @@ void Channel::OnControlMessage() {
       auto response = std::make_unique<RdmaTensorResponse>(this, next_serial_++, *m);
       RdmaTensorResponse* raw = response.get();
       responses_.emplace(m->request_index, std::move(response));
-      const WorkerEnv* worker = env_->worker;
-      absl::Status error;
-      absl::StatusOr<ParsedKey> key = ParsedKey::Parse(m->name);
-      if (!key.ok()) {
-        error = absl::InvalidArgumentError(std::string(key.status().message()));
-      } else if (key->src.TaskName() != worker->task_name) {
-        error = absl::InvalidArgumentError(absl::StrCat(
-            "key '", key->full_key, "' names source task ", key->src.TaskName(), ", not ",
-            worker->task_name));
-      } else if (key->src_incarnation != worker->incarnation) {
-        error = absl::AbortedError(absl::StrFormat(
-            "key '%s' was made for incarnation %016x of task %s, which now runs incarnation "
-            "%016x: the task was probably restarted; rebuild keys from its new incarnation",
-            key->full_key, key->src_incarnation, worker->task_name, worker->incarnation));
-      }
+      absl::StatusOr<const ParsedKey*> key = ValidKey(m->name);
+      absl::Status error = key.status();
       std::shared_ptr<RemoteRendezvous> rendezvous;
       if (error.ok()) {
         absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r =
@@ -663,7 +695,7 @@ void Channel::OnControlMessage() {
         raw->Resume(error, Tensor(), false);  // sends ERROR_STATUS and finishes
         return;
       }
-      raw->Start(std::move(rendezvous), *key);
+      raw->Start(std::move(rendezvous), **key);
       return;
     }
     case MessageType::kTensorReRequest: {

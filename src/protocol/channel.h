@@ -72,7 +72,9 @@ struct ChannelEnv {
   bool data_validation = false;
   int message_slots = 8;
   absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
-  // Runs `task` on the progress thread later (never inline).
+  // Runs `task` on the progress thread later, never inline: called on the progress thread, at
+  // the end of the completion or task being handled; from another thread, at the loop's next
+  // turn.
   std::function<void(absl::AnyInvocable<void() &&>)> post;
   // Finds a live channel by id (progress thread); null if it is gone.
   std::function<class Channel*(uint64_t)> find_channel;
@@ -207,6 +209,8 @@ class Channel {
                      const Tensor& tensor, bool is_dead);
 
   void OnCompletion(const fabric::Completion& c);
+  // Acknowledges the oldest control message received (run after acting on it).
+  void AcknowledgeMessage();
 
   // Fails everything pending with `status` and closes the channel (idempotent).
   void Close(const absl::Status& status);
@@ -219,6 +223,10 @@ class Channel {
  private:
   void OnControlMessage();
   void OnContent(uint32_t index);
+  // Acceptor side: `name` parsed and checked to name a tensor of this task's incarnation.
+  absl::StatusOr<const ParsedKey*> ValidKey(const std::string& name);
+
+  static constexpr size_t kMaxCachedKeys = 65536;
 
   ChannelEnv* const env_;
   const Role role_;
@@ -239,6 +247,7 @@ class Channel {
   // Acceptor side.
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorResponse>> responses_;
   uint64_t next_serial_ = 1;
+  absl::flat_hash_map<std::string, ParsedKey> valid_keys_;
 };
 
 }  // namespace tensorverbs::protocol

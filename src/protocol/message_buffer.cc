@@ -112,10 +112,18 @@ absl::StatusOr<Message> MessageBuffer::OnControlMessage() {
   // Zero what was used so a stale message can never be decoded again.
   std::memset(in, 0, length);
   ++rx_received_;
+  return m;
+}
+
+absl::Status MessageBuffer::Acknowledge() {
   if (endpoint_ == nullptr) return absl::FailedPreconditionError("message buffer not connected");
+  if (rx_acked_ == rx_received_) {
+    return absl::InternalError("acknowledging a control message that was not received");
+  }
   RETURN_IF_ERROR(endpoint_->PostWriteWithImm(EmptyLocalSource(), EmptyRemoteTarget(), kImmAck,
                                               MakeContext(OpTag::kAck, 0)));
-  return m;
+  ++rx_acked_;
+  return absl::OkStatus();
 }
 
 }  // namespace tensorverbs::protocol

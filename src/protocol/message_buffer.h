@@ -68,9 +68,13 @@ class MessageBuffer {
   absl::Status OnMessageWritten(uint64_t slot);
   // The peer acknowledged the oldest unacknowledged message.
   absl::Status OnAck();
-  // A control message landed: decodes the next rx slot, checks its sequence and acknowledges
-  // it. DataLoss for a malformed or out-of-order message (a channel error).
+  // A control message landed: decodes the next rx slot and checks its sequence. DataLoss for a
+  // malformed or out-of-order message (a channel error).
   absl::StatusOr<Message> OnControlMessage();
+  // Acknowledges the oldest decoded message, which frees its slot for the peer. The channel
+  // calls it after acting on the message, so that the ACK write does not delay the answer
+  // (a content write) that the peer is waiting for.
+  absl::Status Acknowledge();
 
   // Messages queued or not yet acknowledged.
   size_t pending() const { return queue_.size() + (tx_sent_ - tx_acked_); }
@@ -99,6 +103,7 @@ class MessageBuffer {
   uint64_t tx_sent_ = 0;             // messages written; slot = tx_sent_ % remote_slots_
   uint64_t tx_acked_ = 0;            // acknowledged by the peer
   uint64_t rx_received_ = 0;         // slot = rx_received_ % rx_slots_
+  uint64_t rx_acked_ = 0;            // acknowledged to the peer
 };
 
 }  // namespace tensorverbs::protocol

@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/transport/grpc/grpc_util.h"
@@ -125,33 +126,56 @@ std::string VerbsTransport::fabric_name() const {
 }
 
 bool VerbsTransport::Post(Task& task) {
+  if (std::this_thread::get_id() == progress_thread_id_.load(std::memory_order_relaxed)) {
+    // On the progress thread (a completion, a task, or an inline user callback): no lock and
+    // no wake-up, just later in this turn of the loop.
+    deferred_.push_back(std::move(task));
+    return true;
+  }
   {
     MutexLock lock(&mu_);
     if (stopping_) return false;
     tasks_.push_back(std::move(task));
+    has_tasks_.store(true, std::memory_order_release);
   }
   if (sleeping_.load()) domain_->Interrupt();
   return true;
 }
 
+bool VerbsTransport::RunDeferred() {
+  bool ran = false;
+  while (!deferred_.empty()) {
+    std::vector<Task> batch;
+    batch.swap(deferred_);
+    for (Task& task : batch) std::move(task)();
+    ran = true;
+  }
+  return ran;
+}
+
 void VerbsTransport::ProgressLoop() {
   fabric::Completion completions[kPollBatch];
-  absl::Time now = absl::Now();
-  absl::Time last_activity = now, next_housekeeping = now;
+  absl::Time next_housekeeping = CoarseNow();
+  // The first idle turn after the last activity (adaptive mode); the fine clock is read only
+  // on idle turns, so a busy loop pays for no clock reads but the coarse one.
+  absl::Time idle_since = absl::InfiniteFuture();
   std::deque<Task> batch;
   absl::Status last_poll_error;
+  progress_thread_id_.store(std::this_thread::get_id());
   while (true) {
     bool active = false;
-    {
+    if (has_tasks_.load(std::memory_order_acquire) || stopping_requested_.load()) {
       MutexLock lock(&mu_);
       if (tasks_.empty() && stopping_) break;
       batch.swap(tasks_);
+      has_tasks_.store(false, std::memory_order_relaxed);
     }
     for (Task& task : batch) {
       std::move(task)();
       active = true;
     }
     batch.clear();
+    active |= RunDeferred();
     absl::StatusOr<size_t> n = domain_->Poll(absl::MakeSpan(completions));
     if (!n.ok()) {
       if (n.status() != last_poll_error) LOG(ERROR) << "grpc+verbs: polling failed: " << n.status();
@@ -162,18 +186,27 @@ void VerbsTransport::ProgressLoop() {
         auto it = by_endpoint_.find(completions[i].endpoint);
         if (it != by_endpoint_.end()) it->second->OnCompletion(completions[i]);
       }
+      RunDeferred();
     }
-    now = absl::Now();
-    if (now >= next_housekeeping) {
-      Housekeeping(now);
-      next_housekeeping = now + kHousekeepingInterval;
+    const absl::Time coarse = CoarseNow();
+    if (coarse >= next_housekeeping) {
+      Housekeeping(absl::Now());
+      RunDeferred();
+      next_housekeeping = coarse + kHousekeepingInterval;
     }
     if (active) {
-      last_activity = now;
+      idle_since = absl::InfiniteFuture();
       continue;
     }
     if (poll_mode_ == PollMode::kBusy) continue;
-    if (poll_mode_ == PollMode::kAdaptive && now - last_activity < options_.poll_spin) continue;
+    if (poll_mode_ == PollMode::kAdaptive) {
+      const absl::Time now = absl::Now();
+      if (idle_since == absl::InfiniteFuture()) idle_since = now;
+      if (now - idle_since < options_.poll_spin) continue;
+      // Data progress is manual on libfabric's shm and tcp providers: a transfer in flight
+      // moves only while this thread polls, so it does not sleep until its writes complete.
+      if (OperationsInFlight()) continue;
+    }
     sleeping_.store(true);
     bool work;
     {
@@ -181,7 +214,8 @@ void VerbsTransport::ProgressLoop() {
       work = !tasks_.empty() || stopping_;
     }
     if (!work) {
-      absl::Status s = domain_->Wait(std::max(next_housekeeping - now, absl::Microseconds(100)));
+      absl::Status s =
+          domain_->Wait(std::max(next_housekeeping - CoarseNow(), absl::Microseconds(100)));
       if (!s.ok() && s != last_poll_error) {
         LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << s;
         last_poll_error = s;
@@ -189,6 +223,15 @@ void VerbsTransport::ProgressLoop() {
     }
     sleeping_.store(false);
   }
+}
+
+bool VerbsTransport::OperationsInFlight() const {
+  // By channel: a closed channel's endpoint is gone while by_endpoint_ still names it.
+  for (const auto& [id, channel] : channels_) {
+    fabric::Endpoint* endpoint = channel->endpoint();
+    if (endpoint != nullptr && endpoint->Outstanding() > 0) return true;
+  }
+  return false;
 }
 
 void VerbsTransport::Housekeeping(absl::Time now) {
@@ -588,6 +631,7 @@ void VerbsTransport::Shutdown() {
     MutexLock lock(&mu_);
     stopping_ = true;
   }
+  stopping_requested_.store(true);
   domain_->Interrupt();
   progress_thread_.join();
   // Cancelled set-up calls finish promptly; their callbacks only touch connects_in_flight_

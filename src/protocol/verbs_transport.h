@@ -109,9 +109,14 @@ class VerbsTransport {
   absl::Status Start();
 
   // Queues `task` for the progress thread; false (and `task` left untouched) after shutdown.
+  // On the progress thread itself, defers it to later in the current turn of the loop.
   bool Post(Task& task);
+  // Runs the deferred tasks (and those they defer); true if there were any.
+  bool RunDeferred();
   void ProgressLoop();
   void Housekeeping(absl::Time now);
+  // Whether any endpoint has operations posted and not completed.
+  bool OperationsInFlight() const;
 
   // Progress thread.
   absl::StatusOr<Channel*> OwnerChannel(const std::string& task);
@@ -138,8 +143,14 @@ class VerbsTransport {
   Mutex mu_;
   std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Set with tasks_ so that the loop looks at the queue only when there is something in it.
+  std::atomic<bool> has_tasks_{false};
+  std::atomic<bool> stopping_requested_{false};
   // Set by the progress thread before it sleeps, so Post knows to interrupt the wait.
   std::atomic<bool> sleeping_{false};
+  std::atomic<std::thread::id> progress_thread_id_{};
+  // Tasks posted on the progress thread itself, run later in the same turn of the loop.
+  std::vector<Task> deferred_;
   std::thread progress_thread_;
 
   // Connect results for ConnectPeers, written by the progress thread.

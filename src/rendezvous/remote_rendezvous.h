@@ -33,6 +33,10 @@ struct TransferStats {
   std::atomic<int64_t> bytes{0};        // their element bytes (TotalBytes)
   std::atomic<int64_t> busy_micros{0};  // summed time from RecvAsync to done
   std::atomic<int64_t> errors{0};
+  // Copies of tensor bytes the protocol made in this process, sending or receiving (a gRPC
+  // response parsed into its tensor, a proxy or staging buffer); zero-copy transfers add none.
+  std::atomic<int64_t> copies{0};
+  std::atomic<int64_t> copied_bytes{0};
 };
 
 // What a worker task's rendezvous needs to know about its process. Outlives every rendezvous.

@@ -97,7 +97,9 @@ absl::Status Server::Start() {
   PoolAllocator::Options pool_options;
   pool_options.region_bytes = static_cast<size_t>(config.pool_region_bytes);
   recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
-  executor_ = std::make_unique<Executor>("tv-callbacks", config.callback_threads);
+  executor_ = std::make_unique<Executor>(
+      "tv-callbacks",
+      options_.callback_threads >= 0 ? options_.callback_threads : config.callback_threads);
   env_.job = options_.job;
   env_.task = options_.task;
   env_.task_name = TaskName(options_.job, options_.task);

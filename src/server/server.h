@@ -38,6 +38,9 @@ struct ServerOptions {
   std::string listen_address;
   // How long a remote recv may take; zero means TENSORVERBS_RECV_TIMEOUT_MS.
   absl::Duration recv_timeout = absl::ZeroDuration();
+  // Threads that run recv callbacks; -1 means TENSORVERBS_CALLBACK_THREADS, 0 runs them inline
+  // on the transport's thread.
+  int callback_threads = -1;
   // grpc+verbs settings (fabric, slots, poll mode, ...), from the environment by default. The
   // server fills in the env, pool, workers, addresses and recv timeout.
   protocol::VerbsOptions verbs;

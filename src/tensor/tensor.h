@@ -56,6 +56,13 @@ class Tensor {
   const TensorShape& shape() const { return shape_; }
   int64_t NumElements() const { return shape_.num_elements(); }
   bool IsInitialized() const { return dtype_ != DataType::kInvalid; }
+  // Back to uninitialized, dropping this reference to the buffer.
+  void Clear() {
+    buffer_.reset();
+    dtype_ = DataType::kInvalid;
+    total_bytes_ = 0;
+    shape_.Clear();
+  }
   bool CanMemCopy() const { return DataTypeCanMemCopy(dtype_); }
 
   // Bytes of element storage (POD) or num_elements * sizeof(std::string) (string).

@@ -29,6 +29,8 @@ class TensorShape {
   static TensorShape Of(std::initializer_list<int64_t> dims);
 
   int rank() const { return static_cast<int>(dims_.size()); }
+  // Back to a scalar, in place.
+  void Clear() { dims_.clear(); }
   int64_t dim(int i) const { return dims_[i]; }
   absl::Span<const int64_t> dims() const { return dims_; }
   int64_t num_elements() const { return num_elements_; }

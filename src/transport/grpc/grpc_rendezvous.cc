@@ -94,6 +94,14 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
           }
         } else {
           status = ParseRecvTensorResponse(&call->response, call->allocator, &parsed);
+          // The element bytes were copied once, out of gRPC's buffers into the tensor.
+          if (status.ok() && parsed.tensor.TotalBytes() > 0) {
+            if (TransferStats* stats = self->env().stats) {
+              stats->copies.fetch_add(1, std::memory_order_relaxed);
+              stats->copied_bytes.fetch_add(static_cast<int64_t>(parsed.tensor.TotalBytes()),
+                                            std::memory_order_relaxed);
+            }
+          }
           if (!status.ok()) {
             status = absl::Status(status.code(), absl::StrCat("from task ", call->worker->task_name(),
                                                               ": ", status.message()));

@@ -58,7 +58,9 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
     EXPECT_THAT(c.status().message(), HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
     EXPECT_THAT(c.status().message(), HasSubstr("[1, 86400000]"));
   }
-  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_CALLBACK_THREADS", "0"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_CALLBACK_THREADS", "-1"}}).ok());
+  EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_CALLBACK_THREADS", "0"}})->callback_threads, 0)
+      << "0 runs callbacks inline";
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_POOL_REGION_MB", "65537"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "2"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TRIM_MB", "4096"}}).ok());

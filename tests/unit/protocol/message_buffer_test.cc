@@ -50,6 +50,7 @@ class MessageBufferTest : public ::testing::TestWithParam<int> {
         ASSERT_EQ(c.imm, kImmControlMessage);
         absl::StatusOr<Message> msg = m.OnControlMessage();
         ASSERT_TRUE(msg.ok()) << msg.status();
+        ASSERT_TRUE(m.Acknowledge().ok());
         ASSERT_NE(got, nullptr);
         got->push_back(*msg);
       }
@@ -103,6 +104,8 @@ TEST_P(MessageBufferTest, AnAckForNothingAndAnOutOfOrderMessageAreChannelErrors)
   ASSERT_EQ(got.size(), 1u);
   absl::StatusOr<Message> again = mb_->OnControlMessage();
   EXPECT_EQ(again.status().code(), absl::StatusCode::kDataLoss) << "a consumed slot is zeroed";
+  EXPECT_EQ(mb_->Acknowledge().code(), absl::StatusCode::kInternal)
+      << "only received messages are acknowledged";
 }
 
 INSTANTIATE_TEST_SUITE_P(Slots, MessageBufferTest, ::testing::Values(1, 2, 8));
