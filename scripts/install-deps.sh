@@ -14,6 +14,7 @@ packages=(
   libcli11-dev
   nlohmann-json3-dev
   iproute2 procps
+  gnuplot-nox
 )
 
 missing=()

@@ -25,6 +25,8 @@
 #include "absl/time/clock.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/fabric.h"
+#include "tools/bench_fabric.h"
+#include "tools/bench_util.h"
 #include "tools/commands.h"
 #include "tools/process_util.h"
 #include "tools/subprocess.h"
@@ -110,52 +112,7 @@ class Side {
   fabric::RemoteBuffer remote_;
 };
 
-absl::StatusOr<size_t> ParseSize(absl::string_view text) {
-  text = absl::StripAsciiWhitespace(text);
-  uint64_t mult = 1;
-  for (auto [suffix, m] : std::vector<std::pair<std::string, uint64_t>>{
-           {"GiB", 1ull << 30}, {"MiB", 1ull << 20}, {"KiB", 1ull << 10}, {"G", 1ull << 30},
-           {"M", 1ull << 20}, {"K", 1ull << 10}, {"B", 1}}) {
-    if (absl::ConsumeSuffix(&text, suffix)) {
-      mult = m;
-      break;
-    }
-  }
-  uint64_t n = 0;
-  if (!absl::SimpleAtoi(text, &n) || n == 0 || n > (uint64_t{4} << 30) / mult) {
-    return absl::InvalidArgumentError(absl::StrCat("bad size '", text, "' (use 4B, 4KiB, 1MiB, ...)"));
-  }
-  return n * mult;
-}
-
-std::string SizeName(size_t n) {
-  if (n >= (1u << 20) && n % (1u << 20) == 0) return absl::StrCat(n >> 20, "MiB");
-  if (n >= 1024 && n % 1024 == 0) return absl::StrCat(n >> 10, "KiB");
-  return absl::StrCat(n, "B");
-}
-
-struct Row {
-  std::string provider;
-  size_t size = 0;
-  int lat_iters = 0, bw_iters = 0;
-  double bw_gbps = 0;          // windowed write-with-imm, GB/s (10^9)
-  double p50_us = 0, p99_us = 0;  // one-way (half the round trip)
-  double pingpong_mbps = 0;    // both directions / time, as fi_pingpong counts
-  double pingpong_us = 0;      // mean one-way, as fi_pingpong's usec/xfer
-  double fi_us = -1, fi_mbps = -1;
-};
-
-// Sends one command line to the peer.
-absl::Status Tell(Subprocess& peer, const std::string& line) {
-  if (!WriteLine(peer, line)) return absl::InternalError("the bench peer's stdin is closed");
-  return absl::OkStatus();
-}
-
-absl::Status Expect(Subprocess& peer, const std::string& want) {
-  ASSIGN_OR_RETURN(std::string line, peer.ReadLine(absl::Seconds(300)));
-  if (line != want) return absl::InternalError(absl::StrCat("bench peer said '", line, "'"));
-  return absl::OkStatus();
-}
+using Row = FabricRow;
 
 absl::Status RunLatency(Side& side, Subprocess& peer, size_t size, int iters, Row& row) {
   const int warmup = std::min(iters / 10 + 1, 100);
@@ -174,7 +131,7 @@ absl::Status RunLatency(Side& side, Subprocess& peer, size_t size, int iters, Ro
       total += d;
     }
   }
-  RETURN_IF_ERROR(Expect(peer, "done"));
+  RETURN_IF_ERROR(Expect(peer, "done").status());
   std::sort(rtt.begin(), rtt.end());
   row.lat_iters = iters;
   row.p50_us = rtt[rtt.size() / 2] / 2;
@@ -199,7 +156,7 @@ absl::Status RunBandwidth(Side& side, Subprocess& peer, size_t size, int iters, 
     RETURN_IF_ERROR(side.Poll());
   }
   absl::Duration d = absl::Now() - t0;
-  RETURN_IF_ERROR(Expect(peer, "done"));
+  RETURN_IF_ERROR(Expect(peer, "done").status());
   row.bw_iters = iters;
   row.bw_gbps = static_cast<double>(size) * iters / absl::ToDoubleSeconds(d) / 1e9;
   return absl::OkStatus();
@@ -289,77 +246,97 @@ int RunBenchFabricPeer(const BenchFabricOptions& o) {
   return 0;
 }
 
-int RunBenchFabric(const BenchFabricOptions& o) {
-  std::vector<size_t> sizes;
-  for (absl::string_view s : absl::StrSplit(o.sizes, ',', absl::SkipEmpty())) {
-    absl::StatusOr<size_t> n = ParseSize(s);
-    if (!n.ok()) {
-      std::fprintf(stderr, "tensorverbs bench fabric: --sizes: %s\n", std::string(n.status().message()).c_str());
-      return 2;
-    }
-    sizes.push_back(*n);
+absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec) {
+  if (spec.sizes.empty()) return absl::InvalidArgumentError("bench fabric: no sizes");
+  const size_t max_size = *std::max_element(spec.sizes.begin(), spec.sizes.end());
+  const bool have_fi_pingpong = spec.compare && spec.peer_prefix.empty() &&
+                                access("/usr/bin/fi_pingpong", X_OK) == 0;
+  const std::string& provider = spec.provider;
+  ASSIGN_OR_RETURN(std::unique_ptr<Side> side, Side::Open(spec.backend, provider, max_size));
+  ASSIGN_OR_RETURN(std::string exe, SelfExecutable());
+  std::vector<std::string> args = spec.peer_prefix;
+  args.insert(args.end(), {exe, "bench-fabric-peer", "--backend", spec.backend, "--providers",
+                           provider, "--max-size", absl::StrCat(max_size)});
+  const std::string path = args.front();
+  args.erase(args.begin());
+  ASSIGN_OR_RETURN(std::unique_ptr<Subprocess> peer, Subprocess::Start(path, args));
+  absl::StatusOr<std::string> hello = peer->WaitForLine("hello ", absl::Seconds(60));
+  if (!hello.ok()) {
+    return absl::Status(hello.status().code(),
+                        absl::StrCat("the bench-fabric peer did not start: ", hello.status().message()));
   }
-  if (sizes.empty()) return 2;
-  const size_t max_size = *std::max_element(sizes.begin(), sizes.end());
-  const bool have_fi_pingpong = o.compare && access("/usr/bin/fi_pingpong", X_OK) == 0;
-  std::vector<Row> rows;
-  std::vector<std::string> providers = absl::StrSplit(o.providers, ',', absl::SkipEmpty());
-  if (providers.empty()) providers.push_back("");
-  for (const std::string& provider : providers) {
-    absl::StatusOr<std::unique_ptr<Side>> side = Side::Open(o.backend, provider, max_size);
-    if (!side.ok()) {
-      std::printf("%s %s: skipped: %s\n", o.backend.c_str(), provider.c_str(),
-                  std::string(side.status().message()).c_str());
-      continue;
-    }
-    absl::StatusOr<std::unique_ptr<Subprocess>> peer = Subprocess::Start(
-        "/proc/self/exe", {"bench-fabric-peer", "--backend", o.backend, "--providers", provider,
-                           "--max-size", absl::StrCat(max_size)});
-    absl::StatusOr<std::string> hello =
-        peer.ok() ? (*peer)->WaitForLine("hello ", absl::Seconds(60)) : peer.status();
-    if (!hello.ok()) {
-      std::fprintf(stderr, "tensorverbs bench fabric: the peer did not start: %s\n",
-                   hello.status().ToString().c_str());
-      return 1;
-    }
-    std::vector<std::string> f = absl::StrSplit(hello->substr(6), ' ');
-    absl::Status s = (*side)->Connect(f);
-    if (s.ok()) s = Tell(**peer, absl::StrCat("connect ", (*side)->Hello()));
-    if (s.ok()) s = Expect(**peer, "ok");
+  std::vector<std::string> f = absl::StrSplit(hello->substr(6), ' ');
+  RETURN_IF_ERROR(side->Connect(f));
+  RETURN_IF_ERROR(Tell(*peer, absl::StrCat("connect ", side->Hello())));
+  RETURN_IF_ERROR(Expect(*peer, "ok").status());
+  if (spec.print) {
     std::printf("\nfabric write-with-immediate, backend %s, provider %s, 2 processes, busy polling\n",
-                o.backend.c_str(), provider.empty() ? "(default)" : provider.c_str());
+                spec.backend.c_str(), provider.empty() ? "(default)" : provider.c_str());
     std::printf("%10s %8s %12s %10s %10s %14s %14s %12s\n", "#bytes", "#iters", "BW[GB/s]",
                 "lat p50", "lat p99", "pingpong MB/s", "fi_pingpong", "ratio");
-    for (size_t size : sizes) {
-      if (!s.ok()) break;
-      Row row;
-      row.provider = provider.empty() ? "(default)" : provider;
-      row.size = size;
-      const int lat_iters = o.iters > 0 ? o.iters
-                                        : static_cast<int>(std::clamp<size_t>((size_t{256} << 20) / size, 20, 5000));
-      const int bw_iters = o.iters > 0 ? o.iters
-                                       : static_cast<int>(std::clamp<size_t>((size_t{2} << 30) / size, 10, 20000));
-      s = RunLatency(**side, **peer, size, lat_iters, row);
-      if (s.ok()) s = RunBandwidth(**side, **peer, size, bw_iters, o.window, row);
-      if (!s.ok()) break;
-      if (have_fi_pingpong && o.backend == "ofi" && !provider.empty()) {
-        absl::StatusOr<std::pair<double, double>> fi = RunFiPingpong(provider, size, lat_iters);
-        if (fi.ok()) std::tie(row.fi_us, row.fi_mbps) = *fi;
-      }
+  }
+  std::vector<FabricRow> rows;
+  for (size_t size : spec.sizes) {
+    Row row;
+    row.provider = provider.empty() ? "(default)" : provider;
+    row.size = size;
+    const int lat_iters =
+        spec.iters > 0 ? spec.iters
+                       : static_cast<int>(std::clamp<size_t>((size_t{256} << 20) / size, 20, 5000));
+    const int bw_iters =
+        spec.iters > 0 ? spec.iters
+                       : static_cast<int>(std::clamp<size_t>((size_t{2} << 30) / size, 10, 20000));
+    RETURN_IF_ERROR(RunLatency(*side, *peer, size, lat_iters, row));
+    RETURN_IF_ERROR(RunBandwidth(*side, *peer, size, bw_iters, spec.window, row));
+    if (have_fi_pingpong && spec.backend == "ofi" && !provider.empty()) {
+      absl::StatusOr<std::pair<double, double>> fi = RunFiPingpong(provider, size, lat_iters);
+      if (fi.ok()) std::tie(row.fi_us, row.fi_mbps) = *fi;
+    }
+    if (spec.print) {
       std::string fi_text = row.fi_mbps > 0 ? absl::StrFormat("%.1f MB/s", row.fi_mbps) : "-";
-      std::string ratio = row.fi_mbps > 0 ? absl::StrFormat("%.2f", row.pingpong_mbps / row.fi_mbps) : "-";
+      std::string ratio =
+          row.fi_mbps > 0 ? absl::StrFormat("%.2f", row.pingpong_mbps / row.fi_mbps) : "-";
       std::printf("%10s %8d %12.3f %8.2fus %8.2fus %14.1f %14s %12s\n", SizeName(size).c_str(),
                   lat_iters, row.bw_gbps, row.p50_us, row.p99_us, row.pingpong_mbps,
                   fi_text.c_str(), ratio.c_str());
       std::fflush(stdout);
-      rows.push_back(row);
     }
-    (void)Tell(**peer, "quit");  // best effort: the peer is reaped either way
-    (void)(*peer)->Wait(absl::Seconds(10));
-    if (!s.ok()) {
-      std::fprintf(stderr, "tensorverbs bench fabric: %s\n", s.ToString().c_str());
+    rows.push_back(row);
+  }
+  (void)Tell(*peer, "quit");  // best effort: the peer is reaped either way
+  (void)peer->Wait(absl::Seconds(10));
+  return rows;
+}
+
+int RunBenchFabric(const BenchFabricOptions& o) {
+  absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
+  if (!sizes.ok()) {
+    std::fprintf(stderr, "tensorverbs bench fabric: --sizes: %s\n",
+                 std::string(sizes.status().message()).c_str());
+    return 2;
+  }
+  std::vector<Row> rows;
+  std::vector<std::string> providers = absl::StrSplit(o.providers, ',', absl::SkipEmpty());
+  if (providers.empty()) providers.push_back("");
+  for (const std::string& provider : providers) {
+    FabricBenchSpec spec;
+    spec.backend = o.backend;
+    spec.provider = provider;
+    spec.sizes = *sizes;
+    spec.iters = o.iters;
+    spec.window = o.window;
+    spec.compare = o.compare;
+    absl::StatusOr<std::vector<FabricRow>> got = MeasureFabric(spec);
+    if (!got.ok()) {
+      if (absl::IsUnavailable(got.status())) {
+        std::printf("%s %s: skipped: %s\n", o.backend.c_str(), provider.c_str(),
+                    std::string(got.status().message()).c_str());
+        continue;
+      }
+      std::fprintf(stderr, "tensorverbs bench fabric: %s\n", got.status().ToString().c_str());
       return 1;
     }
+    rows.insert(rows.end(), got->begin(), got->end());
   }
   std::printf("\nBW: windowed writes (window %d) until the peer acknowledges the last; lat: half the\n"
               "round trip of a ping-pong of writes with immediate; pingpong MB/s counts both\n"

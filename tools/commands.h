@@ -50,6 +50,36 @@ struct BenchFabricOptions {
 int RunBenchFabric(const BenchFabricOptions& options);
 int RunBenchFabricPeer(const BenchFabricOptions& options);
 
+// `tensorverbs bench p2p`: bandwidth, latency, copies and CPU per protocol and size between
+// two processes, with the raw fabric write and memcpy measured in the same run.
+struct BenchP2POptions {
+  std::string sizes = "4B,4KiB,64KiB,1MiB,16MiB,64MiB,256MiB";
+  std::string protocols;  // empty: every available protocol
+  std::string json;
+  std::string plot;
+  bool netns = false;     // the peer in its own network namespace, joined by veth
+  int iters = 0;          // 0: chosen per size
+  int window = 0;         // bandwidth recvs outstanding; 0: chosen per size
+  std::string poll_mode;  // empty: TENSORVERBS_POLL_MODE
+  int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
+  bool baselines = true;  // measure the raw fabric write too
+};
+int RunBenchP2P(const BenchP2POptions& options);
+
+// `tensorverbs bench rate`: small tensors per second with many recvs outstanding, per protocol
+// and per message-slot count.
+struct BenchRateOptions {
+  std::string sizes = "4B,64B,1KiB,4KiB";
+  std::string protocols;
+  std::string slots = "1,8";
+  int recvs = 20000;
+  int window = 256;
+  std::string json;
+  std::string poll_mode;
+  int callback_threads = -1;
+};
+int RunBenchRate(const BenchRateOptions& options);
+
 // Prints the fabric backends and libfabric providers usable here, the memlock limit and the
 // configuration in effect.
 int RunInfoCommand();

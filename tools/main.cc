@@ -6,6 +6,7 @@
 #include "src/common/config.h"
 #include "src/server/server.h"
 #include "absl/strings/str_join.h"
+#include "tools/bench_cluster.h"
 #include "tools/commands.h"
 
 int main(int argc, char** argv) {
@@ -55,6 +56,49 @@ int main(int argc, char** argv) {
   bench_fabric->add_flag("!--no-compare", bench.compare, "Do not run fi_pingpong");
   bench_fabric->add_option("--json", bench.json, "Write JSON rows to this file");
 
+  BenchP2POptions p2p;
+  CLI::App* bench_p2p = bench_cmd->add_subcommand(
+      "p2p", "Protocol bandwidth, latency, copies and CPU per size between two processes");
+  bench_p2p->add_option("--sizes", p2p.sizes, "Comma-separated sizes: 4B,4KiB,1MiB,...")
+      ->default_val(p2p.sizes);
+  bench_p2p->add_option("--protocols", p2p.protocols,
+                        "Comma-separated protocols (" + protocols + "); default: all");
+  bench_p2p->add_option("--json", p2p.json, "Write JSON rows to this file");
+  bench_p2p->add_option("--plot", p2p.plot, "Draw bandwidth and latency into this PNG");
+  bench_p2p->add_flag("--netns", p2p.netns,
+                      "Run the peer in its own network namespace joined by veth (root)");
+  bench_p2p->add_option("--iters", p2p.iters, "Recvs per size and phase (default: by size)");
+  bench_p2p->add_option("--window", p2p.window, "Recvs outstanding for bandwidth (default: by size)");
+  bench_p2p->add_option("--poll-mode", p2p.poll_mode, "busy, blocking or adaptive");
+  bench_p2p->add_option("--callback-threads", p2p.callback_threads,
+                        "Recv callback threads; 0 runs them inline (default: environment)");
+  bench_p2p->add_flag("!--no-baselines", p2p.baselines, "Do not measure the raw fabric");
+
+  BenchRateOptions rate;
+  CLI::App* bench_rate = bench_cmd->add_subcommand(
+      "rate", "Small tensors per second with many recvs outstanding, per message-slot count");
+  bench_rate->add_option("--sizes", rate.sizes, "Comma-separated sizes")->default_val(rate.sizes);
+  bench_rate->add_option("--protocols", rate.protocols, "Comma-separated protocols; default: all");
+  bench_rate->add_option("--slots", rate.slots, "Message-slot counts for the verbs protocols")
+      ->default_val(rate.slots);
+  bench_rate->add_option("--recvs", rate.recvs, "Recvs per configuration")->default_val(rate.recvs);
+  bench_rate->add_option("--window", rate.window, "Recvs outstanding")->default_val(rate.window);
+  bench_rate->add_option("--json", rate.json, "Write JSON rows to this file");
+  bench_rate->add_option("--poll-mode", rate.poll_mode, "busy, blocking or adaptive");
+  bench_rate->add_option("--callback-threads", rate.callback_threads,
+                         "Recv callback threads; 0 runs them inline (default: environment)");
+
+  BenchPeerOptions bench_peer;
+  CLI::App* bench_peer_cmd = app.add_subcommand("bench-peer", "Sender side of bench p2p/rate");
+  bench_peer_cmd->group("");
+  bench_peer_cmd->add_option("--cluster", bench_peer.cluster)->required();
+  bench_peer_cmd->add_option("--job", bench_peer.job)->required();
+  bench_peer_cmd->add_option("--task", bench_peer.task)->required();
+  bench_peer_cmd->add_option("--protocol", bench_peer.server.protocol)->required();
+  bench_peer_cmd->add_option("--message-slots", bench_peer.server.message_slots);
+  bench_peer_cmd->add_option("--poll-mode", bench_peer.server.poll_mode);
+  bench_peer_cmd->add_option("--callback-threads", bench_peer.server.callback_threads);
+
   BenchFabricOptions peer;
   CLI::App* peer_cmd = app.add_subcommand("bench-fabric-peer", "Target side of bench fabric");
   peer_cmd->group("");
@@ -85,5 +129,8 @@ int main(int argc, char** argv) {
   if (info_cmd->parsed()) return RunInfoCommand();
   if (bench_fabric->parsed()) return RunBenchFabric(bench);
   if (peer_cmd->parsed()) return RunBenchFabricPeer(peer);
+  if (bench_p2p->parsed()) return RunBenchP2P(p2p);
+  if (bench_rate->parsed()) return RunBenchRate(rate);
+  if (bench_peer_cmd->parsed()) return RunBenchPeer(bench_peer);
   return 2;
 }

@@ -44,11 +44,17 @@ absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
   return ports;
 }
 
-absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args) {
+absl::StatusOr<std::string> SelfExecutable() {
   char exe[4096];
   ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
   if (n <= 0) return absl::InternalError(absl::StrCat("readlink /proc/self/exe: ", std::strerror(errno)));
-  exe[n] = '\0';
+  return std::string(exe, static_cast<size_t>(n));
+}
+
+absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args) {
+  absl::StatusOr<std::string> self = SelfExecutable();
+  if (!self.ok()) return self.status();
+  char* exe = self->data();
   std::vector<char*> argv;
   argv.push_back(exe);
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));

@@ -18,6 +18,9 @@ namespace tensorverbs::tools {
 // `count` distinct TCP ports on 127.0.0.1 that were free a moment ago.
 absl::StatusOr<std::vector<int>> PickFreePorts(int count);
 
+// The path of this executable (what /proc/self/exe points to).
+absl::StatusOr<std::string> SelfExecutable();
+
 // Starts this executable with `args` (argv[1..]). The child gets SIGTERM if the parent dies.
 absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args);
 

@@ -1,0 +1,330 @@
+#include "tools/bench_cluster.h"
+
+#include <atomic>
+#include <cstdio>
+#include <iostream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "src/common/checksum.h"
+#include "src/common/mutex.h"
+#include "src/common/status_macros.h"
+#include "src/rendezvous/device_name.h"
+#include "tools/bench_util.h"
+#include "tools/process_util.h"
+
+namespace tensorverbs::tools {
+namespace {
+
+constexpr char kJob[] = "worker";
+
+// Keys of tensors `src` sends to `dst`.
+std::vector<ParsedKey> MakeKeys(const std::string& src_device, uint64_t src_incarnation,
+                                const std::string& dst_device, const std::string& prefix,
+                                int keys) {
+  std::vector<ParsedKey> out;
+  out.reserve(keys);
+  for (int i = 0; i < keys; ++i) {
+    out.push_back(*ParsedKey::Parse(
+        ParsedKey::Create(src_device, src_incarnation, dst_device, absl::StrCat(prefix, i))));
+  }
+  return out;
+}
+
+int64_t TotalCopies(const Server& server) { return server.stats().copies.load(); }
+
+// The peer's command loop.
+absl::Status ServeCommands(Server& server) {
+  const std::string receiver = CpuDeviceName(kJob, 0);
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::vector<std::string> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    if (f.empty()) continue;
+    if (f[0] == "quit") return absl::OkStatus();
+    absl::Status status;
+    std::string reply = "ok";
+    if (f[0] == "send" && f.size() == 7) {
+      int keys = 0;
+      uint64_t bytes = 0, seed = 0;
+      int64_t first = 0, steps = 0;
+      if (!absl::SimpleAtoi(f[2], &keys) || !absl::SimpleAtoi(f[3], &bytes) ||
+          !absl::SimpleAtoi(f[4], &first) || !absl::SimpleAtoi(f[5], &steps) ||
+          !absl::SimpleAtoi(f[6], &seed) || keys < 1) {
+        status = absl::InvalidArgumentError(absl::StrCat("malformed command '", line, "'"));
+      } else {
+        // One tensor in the registered pool, shared by every send (tensors are immutable).
+        absl::StatusOr<Tensor> t =
+            Tensor::Allocate(server.recv_allocator(), DataType::kUInt8,
+                             TensorShape::Of({static_cast<int64_t>(bytes)}));
+        if (!t.ok()) {
+          status = t.status();
+        } else {
+          FillBenchPattern(t->data(), bytes, static_cast<uint32_t>(seed));
+          std::vector<ParsedKey> k =
+              MakeKeys(server.device_name(), server.incarnation(), receiver, f[1], keys);
+          for (int64_t s = first; s < first + steps && status.ok(); ++s) {
+            absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = server.rendezvous_mgr()->Find(s);
+            if (!r.ok()) {
+              status = r.status();
+              break;
+            }
+            for (const ParsedKey& key : k) {
+              status = (*r)->Send(key, *t);
+              if (!status.ok()) break;
+            }
+          }
+        }
+      }
+    } else if (f[0] == "cleanup" && f.size() == 3) {
+      int64_t first = 0, steps = 0;
+      if (!absl::SimpleAtoi(f[1], &first) || !absl::SimpleAtoi(f[2], &steps)) {
+        status = absl::InvalidArgumentError(absl::StrCat("malformed command '", line, "'"));
+      } else {
+        for (int64_t s = first; s < first + steps; ++s) server.rendezvous_mgr()->Cleanup(s);
+      }
+    } else if (f[0] == "usage") {
+      reply = absl::StrFormat("usage %.6f %d %d", CpuSeconds(), TotalCopies(server),
+                              server.stats().copied_bytes.load());
+    } else {
+      status = absl::InvalidArgumentError(absl::StrCat("unknown command '", line, "'"));
+    }
+    if (!status.ok()) {
+      std::printf("error %s\n", status.ToString().c_str());
+    } else {
+      std::printf("%s\n", reply.c_str());
+    }
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::vector<std::string> BenchServerOptions::ToArgs() const {
+  std::vector<std::string> args = {"--protocol", protocol};
+  if (message_slots > 0) args.insert(args.end(), {"--message-slots", absl::StrCat(message_slots)});
+  if (!poll_mode.empty()) args.insert(args.end(), {"--poll-mode", poll_mode});
+  if (callback_threads >= 0) {
+    args.insert(args.end(), {"--callback-threads", absl::StrCat(callback_threads)});
+  }
+  return args;
+}
+
+void BenchServerOptions::Apply(ServerOptions* options) const {
+  options->protocol = protocol;
+  if (message_slots > 0) options->verbs.message_slots = message_slots;
+  if (!poll_mode.empty()) options->verbs.poll_mode = poll_mode;
+  options->callback_threads = callback_threads;
+  // A benchmark that stalls should fail in minutes, not after the default ten.
+  options->recv_timeout = absl::Minutes(2);
+}
+
+int RunBenchPeer(const BenchPeerOptions& o) {
+  auto fail = [](const absl::Status& s) {
+    std::printf("error %s\n", s.ToString().c_str());
+    std::fflush(stdout);
+    return 1;
+  };
+  absl::StatusOr<ClusterSpec> cluster = ClusterSpec::Parse(o.cluster);
+  if (!cluster.ok()) return fail(cluster.status());
+  ServerOptions options;
+  options.cluster = *cluster;
+  options.job = o.job;
+  options.task = o.task;
+  o.server.Apply(&options);
+  absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
+  if (!server.ok()) return fail(server.status());
+  if (absl::Status s = (*server)->WaitForPeers(absl::Seconds(60)); !s.ok()) return fail(s);
+  std::printf("ready %s %016llx\n", (*server)->device_name().c_str(),
+              static_cast<unsigned long long>((*server)->incarnation()));
+  std::fflush(stdout);
+  absl::Status s = ServeCommands(**server);
+  (*server)->Stop();
+  return s.ok() ? 0 : fail(s);
+}
+
+absl::StatusOr<std::unique_ptr<PairBench>> PairBench::Start(const BenchServerOptions& options,
+                                                           const NetnsHost* netns) {
+  auto bench = std::unique_ptr<PairBench>(new PairBench);
+  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(2));
+  const std::string self_host = netns ? netns->local_address() : "127.0.0.1";
+  const std::string peer_host = netns ? netns->remote_address() : "127.0.0.1";
+  const std::string cluster = absl::StrCat(kJob, "=", self_host, ":", ports[0], ",", peer_host,
+                                           ":", ports[1]);
+  ASSIGN_OR_RETURN(std::string exe, SelfExecutable());
+  std::vector<std::string> args = netns ? netns->ExecPrefix() : std::vector<std::string>{};
+  args.insert(args.end(), {exe, "bench-peer", "--cluster", cluster, "--job", kJob, "--task", "1"});
+  for (const std::string& a : options.ToArgs()) args.push_back(a);
+  const std::string path = args.front();
+  args.erase(args.begin());
+  ASSIGN_OR_RETURN(bench->peer_, Subprocess::Start(path, args));
+
+  ServerOptions server_options;
+  ASSIGN_OR_RETURN(server_options.cluster, ClusterSpec::Parse(cluster));
+  server_options.job = kJob;
+  server_options.task = 0;
+  options.Apply(&server_options);
+  ASSIGN_OR_RETURN(bench->server_, Server::Create(server_options));
+  RETURN_IF_ERROR(bench->server_->WaitForPeers(absl::Seconds(60)));
+  ASSIGN_OR_RETURN(std::string ready, Expect(*bench->peer_, "ready ", absl::Seconds(90)));
+  std::vector<std::string> f = absl::StrSplit(ready, ' ');
+  if (f.size() != 2 || !absl::SimpleHexAtoi(f[1], &bench->peer_incarnation_)) {
+    return absl::InternalError(absl::StrCat("bench peer announced '", ready, "'"));
+  }
+  bench->peer_device_ = f[0];
+  return bench;
+}
+
+PairBench::~PairBench() {
+  if (peer_) {
+    (void)Tell(*peer_, "quit");  // best effort: the Subprocess destructor kills it otherwise
+    (void)peer_->Wait(absl::Seconds(20));
+  }
+  if (server_) server_->Stop();
+}
+
+std::string PairBench::fabric() const {
+  if (protocol::VerbsTransport* t = server_->verbs_transport()) return t->fabric_name();
+  return "tcp (gRPC)";
+}
+
+std::vector<ParsedKey> PairBench::Keys(const std::string& prefix, int keys) const {
+  return MakeKeys(peer_device_, peer_incarnation_, server_->device_name(), prefix, keys);
+}
+
+absl::Status PairBench::PeerSend(const std::string& prefix, int keys, size_t bytes,
+                                 int64_t first_step, int64_t steps, uint32_t seed) {
+  RETURN_IF_ERROR(Tell(*peer_, absl::StrCat("send ", prefix, " ", keys, " ", bytes, " ",
+                                            first_step, " ", steps, " ", seed)));
+  return Expect(*peer_, "ok").status();
+}
+
+absl::Status PairBench::Cleanup(int64_t first_step, int64_t steps) {
+  RETURN_IF_ERROR(Tell(*peer_, absl::StrCat("cleanup ", first_step, " ", steps)));
+  for (int64_t s = first_step; s < first_step + steps; ++s) server_->rendezvous_mgr()->Cleanup(s);
+  return Expect(*peer_, "ok").status();
+}
+
+absl::StatusOr<PairBench::Usage> PairBench::PeerUsage() {
+  RETURN_IF_ERROR(Tell(*peer_, "usage"));
+  ASSIGN_OR_RETURN(std::string rest, Expect(*peer_, "usage "));
+  std::vector<std::string> f = absl::StrSplit(rest, ' ');
+  Usage u;
+  if (f.size() != 3 || !absl::SimpleAtod(f[0], &u.cpu_seconds) ||
+      !absl::SimpleAtoi(f[1], &u.copies) || !absl::SimpleAtoi(f[2], &u.copied_bytes)) {
+    return absl::InternalError(absl::StrCat("bench peer reported usage '", rest, "'"));
+  }
+  return u;
+}
+
+PairBench::Usage PairBench::LocalUsage() const {
+  Usage u;
+  u.cpu_seconds = CpuSeconds();
+  u.copies = TotalCopies(*server_);
+  u.copied_bytes = server_->stats().copied_bytes.load();
+  return u;
+}
+
+absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedKey>& keys,
+                                       int64_t first_step, int64_t count, int window,
+                                       size_t bytes, uint32_t seed, absl::Duration timeout) {
+  if (keys.empty() || count < 1 || window < 1) {
+    return absl::InvalidArgumentError("RunRecvs: no keys, recvs or window");
+  }
+  // Completions are counted with atomics and only the last one wakes the waiting thread: a
+  // mutex whose waiters are woken on every unlock would put a futex wake-up on each recv.
+  struct State {
+    Server* server;
+    std::vector<ParsedKey> keys;
+    int64_t first_step, count;
+    size_t bytes;
+    uint32_t crc;
+    std::vector<int64_t> start_ns;
+    std::vector<double> latency_us;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> started{0};
+    std::atomic<int64_t> finished{0};
+    std::atomic<bool> failed{false};
+    Notification all_done;
+    Mutex mu;
+    absl::Status status ABSL_GUARDED_BY(mu);
+  };
+  auto state = std::make_shared<State>();
+  state->server = &server;
+  state->keys = keys;
+  state->first_step = first_step;
+  state->count = count;
+  state->bytes = bytes;
+  state->crc = BenchPatternCrc(bytes, seed);
+  state->start_ns.assign(count, 0);
+  state->latency_us.assign(count, 0);
+
+  // Starts recv `i`; its callback starts the next one, so `window` recvs stay outstanding.
+  struct Starter {
+    static void Start(const std::shared_ptr<State>& st, int64_t i) {
+      if (st->failed.load(std::memory_order_relaxed)) return;
+      st->started.fetch_add(1);
+      const size_t nkeys = st->keys.size();
+      const ParsedKey& key = st->keys[i % nkeys];
+      absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r =
+          st->server->rendezvous_mgr()->Find(st->first_step + i / static_cast<int64_t>(nkeys));
+      if (!r.ok()) {
+        Finish(st, r.status());
+        return;
+      }
+      st->start_ns[i] = absl::GetCurrentTimeNanos();
+      (*r)->RecvAsync(key, RecvArgs(), [st, i](const absl::Status& s, const Tensor& t, bool) {
+        st->latency_us[i] = (absl::GetCurrentTimeNanos() - st->start_ns[i]) / 1e3;
+        absl::Status result = s;
+        if (result.ok() && t.TotalBytes() != st->bytes) {
+          result = absl::DataLossError(absl::StrCat("recv ", i, " got ", t.TotalBytes(),
+                                                    " bytes, not ", st->bytes));
+        } else if (result.ok() && (i == 0 || i == st->count - 1) &&
+                   Crc32c(t.data(), st->bytes) != st->crc) {
+          result = absl::DataLossError(absl::StrCat("recv ", i, ": the bytes differ from what "
+                                                    "the peer sent"));
+        }
+        if (result.ok()) {
+          const int64_t n = st->next.fetch_add(1);
+          if (n < st->count) Start(st, n);
+        }
+        Finish(st, result);
+      });
+    }
+    static void Finish(const std::shared_ptr<State>& st, const absl::Status& s) {
+      if (!s.ok()) {
+        MutexLock lock(&st->mu);
+        if (st->status.ok()) st->status = s;
+        st->failed.store(true);
+      }
+      const int64_t finished = st->finished.fetch_add(1) + 1;
+      if (finished == st->count ||
+          (st->failed.load() && finished == st->started.load())) {
+        st->all_done.Notify();
+      }
+    }
+  };
+  const absl::Time t0 = absl::Now();
+  const int64_t initial = std::min<int64_t>(window, count);
+  state->next.store(initial);
+  for (int64_t i = 0; i < initial; ++i) Starter::Start(state, i);
+  if (!state->all_done.WaitForNotificationWithTimeout(timeout)) {
+    return absl::DeadlineExceededError(absl::StrCat("recvs did not finish within ",
+                                                    absl::FormatDuration(timeout), " (",
+                                                    state->finished.load(), " of ", state->count,
+                                                    " done)"));
+  }
+  {
+    MutexLock lock(&state->mu);
+    if (!state->status.ok()) return state->status;
+  }
+  RecvRunResult result;
+  result.elapsed = absl::Now() - t0;
+  result.latency_us = std::move(state->latency_us);
+  return result;
+}
+
+}  // namespace tensorverbs::tools

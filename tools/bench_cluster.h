@@ -1,0 +1,110 @@
+// The two-process harness of the protocol benchmarks (`tensorverbs bench p2p` and `bench rate`).
+//
+// The launcher is task 0 of a two-task cluster and receives; PairBench starts task 1, the
+// sender, as a child process (`tensorverbs bench-peer`, optionally inside a network namespace)
+// and drives it with one command line at a time on its stdin:
+//   send <prefix> <keys> <bytes> <first_step> <steps> <seed>   -> "ok"
+//       pre-sends a uint8 tensor of <bytes> from its registered pool under keys
+//       <prefix>0..<prefix><keys-1> in each step of [first_step, first_step + steps)
+//   cleanup <first_step> <steps>                                -> "ok"
+//   usage                              -> "usage <cpu seconds> <copies> <copied bytes>"
+//   quit
+// Errors come back as "error <status>". RunRecvs then receives those tensors in the launcher
+// with a bounded number outstanding and times each recv.
+//
+// All of it runs on the launcher's main thread, except the recv callbacks, which run on the
+// server's callback executor and only touch RunRecvs' shared state.
+#ifndef TENSORVERBS_TOOLS_BENCH_CLUSTER_H_
+#define TENSORVERBS_TOOLS_BENCH_CLUSTER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "src/rendezvous/parsed_key.h"
+#include "src/server/server.h"
+#include "tools/netns.h"
+#include "tools/subprocess.h"
+
+namespace tensorverbs::tools {
+
+// What every process of one benchmark configuration runs with.
+struct BenchServerOptions {
+  std::string protocol = "grpc+verbs";
+  int message_slots = 0;  // 0: TENSORVERBS_MESSAGE_SLOTS
+  std::string poll_mode;  // empty: TENSORVERBS_POLL_MODE
+  int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
+
+  // As command-line flags of `bench-peer` / `bench-ps-task`.
+  std::vector<std::string> ToArgs() const;
+  // Into a server's options.
+  void Apply(ServerOptions* options) const;
+};
+
+// `tensorverbs bench-peer`: the sender of a PairBench.
+struct BenchPeerOptions {
+  std::string cluster;
+  std::string job = "worker";
+  int task = 1;
+  BenchServerOptions server;
+};
+int RunBenchPeer(const BenchPeerOptions& options);
+
+class PairBench {
+ public:
+  // Starts the peer (inside `netns` when given) and this process's server, and waits until
+  // both see each other (channels set up, for grpc+verbs).
+  static absl::StatusOr<std::unique_ptr<PairBench>> Start(const BenchServerOptions& options,
+                                                         const NetnsHost* netns);
+  PairBench(const PairBench&) = delete;
+  PairBench& operator=(const PairBench&) = delete;
+  ~PairBench();  // tells the peer to quit and stops the server
+
+  Server& server() { return *server_; }
+  // "ofi (shm)", "ibverbs (mlx5_0:1)"; "tcp (gRPC)" for the grpc protocol.
+  std::string fabric() const;
+
+  // The keys the peer sends under `prefix`: <prefix>0 .. <prefix><keys-1>.
+  std::vector<ParsedKey> Keys(const std::string& prefix, int keys) const;
+
+  absl::Status PeerSend(const std::string& prefix, int keys, size_t bytes, int64_t first_step,
+                        int64_t steps, uint32_t seed);
+  // Cleans the steps up on both tasks.
+  absl::Status Cleanup(int64_t first_step, int64_t steps);
+
+  struct Usage {
+    double cpu_seconds = 0;
+    int64_t copies = 0;
+    int64_t copied_bytes = 0;
+  };
+  absl::StatusOr<Usage> PeerUsage();
+  Usage LocalUsage() const;
+
+ private:
+  PairBench() = default;
+
+  std::unique_ptr<Subprocess> peer_;
+  std::unique_ptr<Server> server_;
+  std::string peer_device_;
+  uint64_t peer_incarnation_ = 0;
+};
+
+struct RecvRunResult {
+  std::vector<double> latency_us;  // per recv, from RecvAsync to its callback
+  absl::Duration elapsed;          // first start to last completion
+};
+
+// Receives `count` tensors with at most `window` outstanding (window 1: each recv starts from
+// the previous one's callback). Recv i is keys[i % keys.size()] in step first_step + i /
+// keys.size(). Every tensor must have `bytes` bytes; the first and the last are checked
+// against the pattern of `seed`. The first error (or `timeout`) ends the run.
+absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedKey>& keys,
+                                       int64_t first_step, int64_t count, int window,
+                                       size_t bytes, uint32_t seed, absl::Duration timeout);
+
+}  // namespace tensorverbs::tools
+
+#endif  // TENSORVERBS_TOOLS_BENCH_CLUSTER_H_

@@ -1,0 +1,501 @@
+// `tensorverbs bench p2p` and `tensorverbs bench rate`: one receiver and one sender process
+// (PairBench), each protocol in turn, in one run, with the raw fabric and memcpy as ceilings.
+//
+// p2p, per size: latency is a chain of single recvs (each started from the previous one's
+// callback), bandwidth a stream with a window of recvs outstanding; every recv is its own step
+// with the same key, as a training loop's are, and the sender has produced the tensor before
+// it is asked for (a passive Send), so what is timed is the transport. CPU time of both
+// processes and the copies the transports made are sampled around the bandwidth stream.
+//
+// rate: many small tensors outstanding at once; tensors per second per protocol and per
+// message-slot count of the verbs protocols (1 is the seed's stop-and-wait buffer).
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "src/common/config.h"
+#include "src/common/status_macros.h"
+#include "src/fabric/fabric.h"
+#include "tools/bench_cluster.h"
+#include "tools/bench_fabric.h"
+#include "tools/bench_util.h"
+#include "tools/commands.h"
+#include "tools/netns.h"
+
+namespace tensorverbs::tools {
+namespace {
+
+// The protocols of a run, canonical names, in the order asked; the short names of the issue
+// ("verbs", "copy-verbs", "gdr") are accepted too.
+absl::StatusOr<std::vector<std::string>> ParseProtocols(const std::string& list) {
+  const std::vector<std::string> available = AvailableProtocols();
+  if (list.empty()) {
+    // Every protocol, the baseline first.
+    std::vector<std::string> all(available.rbegin(), available.rend());
+    return all;
+  }
+  const std::map<std::string, std::string> aliases = {
+      {"verbs", "grpc+verbs"}, {"zero-copy", "grpc+verbs"}, {"copy-verbs", "grpc+verbs-copy"},
+      {"gdr", "grpc+gdr"}};
+  std::vector<std::string> out;
+  for (absl::string_view p : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    std::string name(p);
+    if (auto it = aliases.find(name); it != aliases.end()) name = it->second;
+    if (std::find(available.begin(), available.end(), name) == available.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown protocol '", p, "'; available: ",
+                                                     absl::StrJoin(available, ", ")));
+    }
+    out.push_back(name);
+  }
+  if (out.empty()) return absl::InvalidArgumentError("no protocols given");
+  return out;
+}
+
+bool IsVerbsProtocol(const std::string& p) { return p != "grpc"; }
+
+// The fabric the verbs protocols will use here, by the same policy as the servers.
+absl::StatusOr<fabric::Capabilities> ProbeFabric(bool all_local) {
+  const Config& c = Config::Get();
+  ASSIGN_OR_RETURN(std::unique_ptr<fabric::Domain> d,
+                   fabric::OpenFabric(c.fabric, c.ofi_provider, all_local));
+  return d->capabilities();
+}
+
+struct P2PRow {
+  std::string protocol;
+  std::string fabric;
+  size_t size = 0;
+  int lat_iters = 0, bw_iters = 0, window = 0;
+  double p50_us = 0, p99_us = 0, bw_gbps = 0;
+  double copies_per_transfer = 0, cpu_s_per_gb = 0;
+};
+
+int LatencyIters(size_t size) {
+  return static_cast<int>(std::clamp<size_t>((size_t{512} << 20) / size, 8, 2000));
+}
+int BandwidthIters(size_t size) {
+  return static_cast<int>(std::clamp<size_t>((size_t{1} << 30) / size, 8, 20000));
+}
+int BandwidthWindow(size_t size) {
+  if (size <= (size_t{64} << 10)) return 64;
+  if (size <= (size_t{1} << 20)) return 16;
+  return static_cast<int>(std::clamp<size_t>((size_t{512} << 20) / size, 2, 8));
+}
+
+// A training loop keeps only a few steps alive; so does the benchmark: steps are pre-sent,
+// received and cleaned up in batches, so that the rendezvous tables stay small.
+constexpr int64_t kStepsPerBatch = 2048;
+
+struct PhaseResult {
+  std::vector<double> latency_us;
+  absl::Duration elapsed;  // summed over the batches' recv streams
+  PairBench::Usage local, peer;  // CPU and copies during those streams
+};
+
+// `count` recvs of `keys` (one step per keys.size() recvs), at most `window` outstanding.
+absl::StatusOr<PhaseResult> RunPhase(PairBench& bench, const std::string& prefix,
+                                     const std::vector<ParsedKey>& keys, size_t size,
+                                     uint32_t seed, int64_t count, int window, bool usage,
+                                     int64_t* next_step) {
+  PhaseResult result;
+  const int64_t per_step = static_cast<int64_t>(keys.size());
+  const int64_t batch_steps = std::max<int64_t>(1, kStepsPerBatch / per_step);
+  for (int64_t done = 0; done < count;) {
+    const int64_t recvs = std::min(count - done, batch_steps * per_step);
+    const int64_t steps = (recvs + per_step - 1) / per_step;
+    const int64_t first = *next_step;
+    *next_step += steps;
+    RETURN_IF_ERROR(bench.PeerSend(prefix, static_cast<int>(per_step), size, first, steps, seed));
+    PairBench::Usage local0, peer0;
+    if (usage) {
+      local0 = bench.LocalUsage();
+      ASSIGN_OR_RETURN(peer0, bench.PeerUsage());
+    }
+    ASSIGN_OR_RETURN(RecvRunResult run, RunRecvs(bench.server(), keys, first, recvs, window, size,
+                                                 seed, absl::Minutes(5)));
+    if (usage) {
+      const PairBench::Usage local1 = bench.LocalUsage();
+      ASSIGN_OR_RETURN(const PairBench::Usage peer1, bench.PeerUsage());
+      result.local.cpu_seconds += local1.cpu_seconds - local0.cpu_seconds;
+      result.local.copies += local1.copies - local0.copies;
+      result.peer.cpu_seconds += peer1.cpu_seconds - peer0.cpu_seconds;
+      result.peer.copies += peer1.copies - peer0.copies;
+    }
+    result.elapsed += run.elapsed;
+    result.latency_us.insert(result.latency_us.end(), run.latency_us.begin(),
+                             run.latency_us.end());
+    RETURN_IF_ERROR(bench.Cleanup(first, steps));
+    done += recvs;
+  }
+  return result;
+}
+
+absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
+                         const std::vector<size_t>& sizes, const NetnsHost* netns,
+                         int64_t* next_step, std::vector<P2PRow>* rows) {
+  BenchServerOptions server;
+  server.protocol = protocol;
+  server.poll_mode = o.poll_mode;
+  server.callback_threads = o.callback_threads;
+  ASSIGN_OR_RETURN(std::unique_ptr<PairBench> bench, PairBench::Start(server, netns));
+  const std::string fabric = bench->fabric();
+  std::printf("\n%s over %s, 2 processes%s\n", protocol.c_str(), fabric.c_str(),
+              netns ? " in two network namespaces (veth)" : "");
+  std::printf("%10s %9s %10s %10s %9s %7s %10s %12s %10s\n", "#bytes", "lat iters", "p50[us]",
+              "p99[us]", "bw iters", "window", "BW[GB/s]", "copies/xfer", "CPU s/GB");
+  const std::vector<ParsedKey> keys = bench->Keys("p2p", 1);
+  for (size_t size : sizes) {
+    P2PRow row;
+    row.protocol = protocol;
+    row.fabric = fabric;
+    row.size = size;
+    row.lat_iters = o.iters > 0 ? o.iters : LatencyIters(size);
+    row.bw_iters = o.iters > 0 ? o.iters : BandwidthIters(size);
+    row.window = o.window > 0 ? o.window : BandwidthWindow(size);
+    const uint32_t seed = static_cast<uint32_t>(size % 9973) + 1;
+    // Warm-up: meta-data caches, channel state, pool regions and their registration.
+    RETURN_IF_ERROR(RunPhase(*bench, "p2p", keys, size, seed, row.window + 2, row.window,
+                             false, next_step)
+                        .status());
+    ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters,
+                                               1, false, next_step));
+    row.p50_us = Percentile(lat.latency_us, 0.5);
+    row.p99_us = Percentile(lat.latency_us, 0.99);
+    ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters,
+                                              row.window, true, next_step));
+    const double bytes = static_cast<double>(size) * row.bw_iters;
+    row.bw_gbps = bytes / absl::ToDoubleSeconds(bw.elapsed) / 1e9;
+    row.copies_per_transfer =
+        static_cast<double>(bw.local.copies + bw.peer.copies) / row.bw_iters;
+    row.cpu_s_per_gb = (bw.local.cpu_seconds + bw.peer.cpu_seconds) / (bytes / 1e9);
+    std::printf("%10s %9d %10.2f %10.2f %9d %7d %10.3f %12.2f %10.3f\n", SizeName(size).c_str(),
+                row.lat_iters, row.p50_us, row.p99_us, row.bw_iters, row.window, row.bw_gbps,
+                row.copies_per_transfer, row.cpu_s_per_gb);
+    std::fflush(stdout);
+    rows->push_back(row);
+  }
+  return absl::OkStatus();
+}
+
+const P2PRow* FindRow(const std::vector<P2PRow>& rows, const std::string& protocol, size_t size) {
+  for (const P2PRow& r : rows) {
+    if (r.protocol == protocol && r.size == size) return &r;
+  }
+  return nullptr;
+}
+
+const FabricRow* FindFabricRow(const std::vector<FabricRow>& rows, size_t size) {
+  for (const FabricRow& r : rows) {
+    if (r.size == size) return &r;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+int RunBenchP2P(const BenchP2POptions& o) {
+  absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
+  absl::StatusOr<std::vector<std::string>> protocols = ParseProtocols(o.protocols);
+  for (const absl::Status& s : {sizes.status(), protocols.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "tensorverbs bench p2p: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  std::unique_ptr<NetnsHost> netns;
+  if (o.netns) {
+    absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create();
+    if (!host.ok()) {
+      std::fprintf(stderr, "tensorverbs bench p2p --netns: %s\n",
+                   std::string(host.status().message()).c_str());
+      return 1;
+    }
+    netns = *std::move(host);
+  }
+
+  // Ceilings, measured in the same run: memcpy, and the raw fabric the verbs protocols use.
+  std::printf("tensorverbs bench p2p: sizes %s; protocols %s\n", o.sizes.c_str(),
+              absl::StrJoin(*protocols, ", ").c_str());
+  std::printf("\nmemcpy between pre-faulted buffers (one copy, one core)\n%10s %10s\n", "#bytes",
+              "GB/s");
+  std::map<size_t, double> memcpy_gbps;
+  for (size_t size : *sizes) {
+    memcpy_gbps[size] = MeasureMemcpyGbps(size);
+    std::printf("%10s %10.3f\n", SizeName(size).c_str(), memcpy_gbps[size]);
+  }
+  std::vector<FabricRow> fabric_rows;
+  std::string fabric_name;
+  if (o.baselines) {
+    absl::StatusOr<fabric::Capabilities> caps = ProbeFabric(/*all_local=*/netns == nullptr);
+    if (!caps.ok()) {
+      std::printf("\nraw fabric: skipped: %s\n", std::string(caps.status().message()).c_str());
+    } else {
+      FabricBenchSpec spec;
+      spec.backend = caps->backend;
+      spec.provider = caps->backend == "ofi" ? caps->provider : "";
+      spec.sizes = *sizes;
+      spec.compare = false;
+      if (netns) spec.peer_prefix = netns->ExecPrefix();
+      fabric_name = absl::StrCat(caps->backend, " (", caps->provider, ")");
+      absl::StatusOr<std::vector<FabricRow>> got = MeasureFabric(spec);
+      if (!got.ok()) {
+        std::printf("raw fabric: failed: %s\n", got.status().ToString().c_str());
+      } else {
+        fabric_rows = *std::move(got);
+      }
+    }
+  }
+
+  std::vector<P2PRow> rows;
+  int64_t next_step = 1;
+  for (const std::string& protocol : *protocols) {
+    absl::Status s = RunProtocol(protocol, o, *sizes, netns.get(), &next_step, &rows);
+    if (!s.ok()) {
+      std::fprintf(stderr, "tensorverbs bench p2p: %s: %s\n", protocol.c_str(),
+                   s.ToString().c_str());
+      return 1;
+    }
+  }
+
+  // Ratios to the ceilings, per protocol and size.
+  std::printf("\nbandwidth relative to the raw fabric write (%s) and to memcpy\n%10s",
+              fabric_name.empty() ? "not measured" : fabric_name.c_str(), "#bytes");
+  for (const std::string& p : *protocols) std::printf(" %22s", p.c_str());
+  std::printf("\n");
+  for (size_t size : *sizes) {
+    std::printf("%10s", SizeName(size).c_str());
+    const FabricRow* f = FindFabricRow(fabric_rows, size);
+    for (const std::string& p : *protocols) {
+      const P2PRow* r = FindRow(rows, p, size);
+      std::string cell = "-";
+      if (r != nullptr) {
+        cell = absl::StrFormat("%.2fx fab %.2fx mcpy", f ? r->bw_gbps / f->bw_gbps : 0.0,
+                               r->bw_gbps / std::max(memcpy_gbps[size], 1e-9));
+      }
+      std::printf(" %22s", cell.c_str());
+    }
+    std::printf("\n");
+  }
+
+  // The goals of the comparison, as ratios of this run.
+  std::printf("\nsummary\n");
+  const size_t kBig = size_t{64} << 20, kSmall = 4;
+  if (const P2PRow* v = FindRow(rows, "grpc+verbs", kBig)) {
+    if (const FabricRow* f = FindFabricRow(fabric_rows, kBig)) {
+      std::printf("  64MiB: grpc+verbs %.2f GB/s = %.2f x the raw fabric write (%.2f GB/s); goal >= 0.85\n",
+                  v->bw_gbps, v->bw_gbps / f->bw_gbps, f->bw_gbps);
+    }
+    if (const P2PRow* g = FindRow(rows, "grpc", kBig)) {
+      std::printf("  64MiB: grpc+verbs = %.2f x grpc (%.2f GB/s); goal >= 3\n",
+                  v->bw_gbps / g->bw_gbps, g->bw_gbps);
+    }
+  }
+  if (const P2PRow* v = FindRow(rows, "grpc+verbs", kSmall)) {
+    if (const FabricRow* f = FindFabricRow(fabric_rows, kSmall)) {
+      const double rtt = 2 * f->p50_us;
+      std::printf("  4B: grpc+verbs recv latency p50 %.2f us = %.2f x the raw fabric round trip "
+                  "(%.2f us); goal <= 3\n",
+                  v->p50_us, v->p50_us / rtt, rtt);
+    }
+  }
+
+  if (!o.json.empty()) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const P2PRow& r : rows) {
+      nlohmann::json j = {{"protocol", r.protocol},
+                          {"fabric", r.fabric},
+                          {"size_bytes", r.size},
+                          {"bandwidth_gbps", r.bw_gbps},
+                          {"p50_us", r.p50_us},
+                          {"p99_us", r.p99_us},
+                          {"copies_per_transfer", r.copies_per_transfer},
+                          {"cpu_s_per_gb", r.cpu_s_per_gb},
+                          {"lat_iters", r.lat_iters},
+                          {"bw_iters", r.bw_iters},
+                          {"window", r.window},
+                          {"memcpy_gbps", memcpy_gbps[r.size]},
+                          {"ratio_to_memcpy", r.bw_gbps / std::max(memcpy_gbps[r.size], 1e-9)}};
+      if (const FabricRow* f = FindFabricRow(fabric_rows, r.size)) {
+        j["fabric_write_gbps"] = f->bw_gbps;
+        j["ratio_to_fabric_write"] = r.bw_gbps / f->bw_gbps;
+        j["fabric_round_trip_us"] = 2 * f->p50_us;
+      }
+      out.push_back(j);
+    }
+    for (const FabricRow& f : fabric_rows) {
+      out.push_back({{"protocol", "fabric-write"}, {"fabric", fabric_name}, {"size_bytes", f.size},
+                     {"bandwidth_gbps", f.bw_gbps}, {"p50_us", f.p50_us}, {"p99_us", f.p99_us},
+                     {"round_trip_us", 2 * f.p50_us}});
+    }
+    for (const auto& [size, gbps] : memcpy_gbps) {
+      out.push_back({{"protocol", "memcpy"}, {"size_bytes", size}, {"bandwidth_gbps", gbps}});
+    }
+    std::ofstream(o.json) << out.dump(2) << "\n";
+    std::printf("\nJSON rows: %s\n", o.json.c_str());
+  }
+  if (!o.plot.empty()) {
+    PlotPanel bw{"bandwidth", "tensor size", "GB/s", true, true, {}, {}};
+    PlotPanel lat{"recv latency p50 (raw fabric: one-way)", "tensor size", "us", true, true, {}, {}};
+    for (const std::string& p : *protocols) {
+      PlotSeries b{p, {}, {}}, l{p, {}, {}};
+      for (const P2PRow& r : rows) {
+        if (r.protocol != p) continue;
+        b.x.push_back(r.size);
+        b.y.push_back(r.bw_gbps);
+        l.x.push_back(r.size);
+        l.y.push_back(r.p50_us);
+      }
+      bw.series.push_back(b);
+      lat.series.push_back(l);
+    }
+    if (!fabric_rows.empty()) {
+      PlotSeries b{"raw fabric write", {}, {}}, l{"raw fabric write", {}, {}};
+      for (const FabricRow& f : fabric_rows) {
+        b.x.push_back(f.size);
+        b.y.push_back(f.bw_gbps);
+        l.x.push_back(f.size);
+        l.y.push_back(f.p50_us);
+      }
+      bw.series.push_back(b);
+      lat.series.push_back(l);
+    }
+    for (size_t size : *sizes) {
+      bw.x_ticks.emplace_back(static_cast<double>(size), SizeName(size));
+      lat.x_ticks.emplace_back(static_cast<double>(size), SizeName(size));
+    }
+    PlotSeries m{"memcpy", {}, {}};
+    for (const auto& [size, gbps] : memcpy_gbps) {
+      m.x.push_back(size);
+      m.y.push_back(gbps);
+    }
+    bw.series.push_back(m);
+    absl::Status s = WritePngPlot(
+        o.plot, absl::StrCat("tensorverbs bench p2p", netns ? " (netns)" : "", ", fabric ",
+                             fabric_name.empty() ? "-" : fabric_name),
+        {bw, lat});
+    if (!s.ok()) {
+      std::fprintf(stderr, "tensorverbs bench p2p: --plot: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    std::printf("plot: %s\n", o.plot.c_str());
+  }
+  return 0;
+}
+
+int RunBenchRate(const BenchRateOptions& o) {
+  absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
+  absl::StatusOr<std::vector<std::string>> protocols = ParseProtocols(o.protocols);
+  std::vector<int> slots;
+  for (absl::string_view s : absl::StrSplit(o.slots, ',', absl::SkipWhitespace())) {
+    int n = 0;
+    if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 1024) {
+      std::fprintf(stderr, "tensorverbs bench rate: --slots: bad slot count '%s' (1..1024)\n",
+                   std::string(s).c_str());
+      return 2;
+    }
+    slots.push_back(n);
+  }
+  for (const absl::Status& s : {sizes.status(), protocols.status()}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "tensorverbs bench rate: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
+  }
+  if (slots.empty() || o.recvs < 1 || o.window < 1) {
+    std::fprintf(stderr, "tensorverbs bench rate: --slots, --recvs and --window must be positive\n");
+    return 2;
+  }
+  struct RateRow {
+    std::string protocol, fabric;
+    int slots = 0;  // 0: not a verbs protocol
+    size_t size = 0;
+    int64_t recvs = 0;
+    double tensors_per_s = 0, p50_us = 0, p99_us = 0;
+  };
+  std::vector<RateRow> rows;
+  int64_t next_step = 1;
+  // Keys per step: a step of a real model carries hundreds of tensors.
+  const int keys_per_step = std::min(o.window, 1000);
+  std::printf("tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step\n",
+              o.recvs, o.window, keys_per_step);
+  std::printf("%16s %6s %8s %14s %10s %10s  %s\n", "protocol", "slots", "#bytes", "tensors/s",
+              "p50[us]", "p99[us]", "fabric");
+  for (const std::string& protocol : *protocols) {
+    const std::vector<int> slot_counts = IsVerbsProtocol(protocol) ? slots : std::vector<int>{0};
+    for (int n : slot_counts) {
+      BenchServerOptions server;
+      server.protocol = protocol;
+      server.message_slots = n;
+      server.poll_mode = o.poll_mode;
+      server.callback_threads = o.callback_threads;
+      absl::StatusOr<std::unique_ptr<PairBench>> bench = PairBench::Start(server, nullptr);
+      if (!bench.ok()) {
+        std::fprintf(stderr, "tensorverbs bench rate: %s: %s\n", protocol.c_str(),
+                     bench.status().ToString().c_str());
+        return 1;
+      }
+      for (size_t size : *sizes) {
+        const std::string prefix = absl::StrCat("rate", size, "_");
+        const std::vector<ParsedKey> keys = (*bench)->Keys(prefix, keys_per_step);
+        const uint32_t seed = static_cast<uint32_t>(size) + 7;
+        // One step of every key first: the meta-data caches fill, as after a training step.
+        absl::StatusOr<PhaseResult> run = RunPhase(**bench, prefix, keys, size, seed,
+                                                   keys_per_step, o.window, false, &next_step);
+        if (run.ok()) {
+          run = RunPhase(**bench, prefix, keys, size, seed, o.recvs, o.window, false, &next_step);
+        }
+        if (!run.ok()) {
+          std::fprintf(stderr, "tensorverbs bench rate: %s, %d slots, %s: %s\n", protocol.c_str(),
+                       n, SizeName(size).c_str(), run.status().ToString().c_str());
+          return 1;
+        }
+        RateRow row;
+        row.protocol = protocol;
+        row.fabric = (*bench)->fabric();
+        row.slots = n > 0 ? n : 0;
+        row.size = size;
+        row.recvs = o.recvs;
+        row.tensors_per_s = row.recvs / absl::ToDoubleSeconds(run->elapsed);
+        row.p50_us = Percentile(run->latency_us, 0.5);
+        row.p99_us = Percentile(run->latency_us, 0.99);
+        std::printf("%16s %6s %8s %14.0f %10.1f %10.1f  %s\n", protocol.c_str(),
+                    n > 0 ? absl::StrCat(n).c_str() : "-", SizeName(size).c_str(),
+                    row.tensors_per_s, row.p50_us, row.p99_us, row.fabric.c_str());
+        std::fflush(stdout);
+        rows.push_back(row);
+      }
+    }
+  }
+  // The message-slot optimization, as the ratio to one slot.
+  std::printf("\nrate relative to one message slot (the seed's stop-and-wait buffer)\n");
+  for (const RateRow& r : rows) {
+    if (r.slots <= 1) continue;
+    for (const RateRow& base : rows) {
+      if (base.protocol == r.protocol && base.size == r.size && base.slots == 1) {
+        std::printf("  %s %s: %d slots = %.2f x 1 slot%s\n", r.protocol.c_str(),
+                    SizeName(r.size).c_str(), r.slots, r.tensors_per_s / base.tensors_per_s,
+                    r.slots == 8 ? " (goal for 8 slots: >= 5)" : "");
+      }
+    }
+  }
+  if (!o.json.empty()) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const RateRow& r : rows) {
+      out.push_back({{"protocol", r.protocol}, {"fabric", r.fabric}, {"message_slots", r.slots},
+                     {"size_bytes", r.size}, {"recvs", r.recvs}, {"window", o.window},
+                     {"tensors_per_s", r.tensors_per_s}, {"p50_us", r.p50_us},
+                     {"p99_us", r.p99_us}});
+    }
+    std::ofstream(o.json) << out.dump(2) << "\n";
+    std::printf("\nJSON rows: %s\n", o.json.c_str());
+  }
+  return 0;
+}
+
+}  // namespace tensorverbs::tools

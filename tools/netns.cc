@@ -1,0 +1,68 @@
+#include "tools/netns.h"
+
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "src/common/status_macros.h"
+#include "tools/subprocess.h"
+
+namespace tensorverbs::tools {
+namespace {
+
+constexpr char kIp[] = "/usr/sbin/ip";
+
+absl::Status Ip(const std::vector<std::string>& args) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Subprocess> child, Subprocess::Start(kIp, args));
+  std::string out = child->ReadAll(absl::Seconds(20));
+  ASSIGN_OR_RETURN(int rc, child->Wait(absl::Seconds(10)));
+  if (rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("`ip ", absl::StrJoin(args, " "), "` failed (exit ", rc, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
+  if (geteuid() != 0) {
+    return absl::UnavailableError("network namespaces need root (CAP_NET_ADMIN)");
+  }
+  if (access(kIp, X_OK) != 0) {
+    return absl::UnavailableError("iproute2 (/usr/sbin/ip) is not installed");
+  }
+  if (index < 0 || index > 63) return absl::InvalidArgumentError("netns host index out of range");
+  auto host = std::unique_ptr<NetnsHost>(new NetnsHost);
+  const int pid = static_cast<int>(getpid());
+  host->name_ = absl::StrCat("tv", pid, "n", index);
+  const std::string local_if = absl::StrCat("tvh", pid % 100000, "n", index);
+  const std::string remote_if = absl::StrCat("tvp", pid % 100000, "n", index);
+  // A /30 per host inside 10.<200+..>.x.y, derived from the pid so that concurrent runs differ.
+  const int b = 200 + pid % 50, c = (pid / 50) % 250, d = index * 4;
+  host->local_address_ = absl::StrCat("10.", b, ".", c, ".", d + 1);
+  host->remote_address_ = absl::StrCat("10.", b, ".", c, ".", d + 2);
+  const std::string ns = host->name_;
+  RETURN_IF_ERROR(Ip({"netns", "add", ns}));
+  host->created_ = true;
+  RETURN_IF_ERROR(Ip({"link", "add", local_if, "type", "veth", "peer", "name", remote_if}));
+  RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
+  RETURN_IF_ERROR(Ip({"addr", "add", host->local_address_ + "/30", "dev", local_if}));
+  RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
+  RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "addr", "add", host->remote_address_ + "/30",
+                      "dev", remote_if}));
+  RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
+  RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", "lo", "up"}));
+  RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "route", "add", "default", "via",
+                      host->local_address_}));
+  return host;
+}
+
+NetnsHost::~NetnsHost() {
+  if (created_) (void)Ip({"netns", "del", name_});  // takes the veth pair with it
+}
+
+std::vector<std::string> NetnsHost::ExecPrefix() const { return {kIp, "netns", "exec", name_}; }
+
+}  // namespace tensorverbs::tools

@@ -1,0 +1,44 @@
+// NetnsHost: a second "host" on this machine for benchmarks and tests that must cross a network:
+// a network namespace joined to the caller's by a veth pair, with an address on each end and a
+// default route back, so that gRPC and libfabric's tcp provider reach each other across it.
+//
+// Needs root (CAP_NET_ADMIN) and iproute2; Create() says so (Unavailable) where either is
+// missing, so callers can skip. The destructor deletes the namespace, which removes the veth pair.
+// Used from one thread.
+#ifndef TENSORVERBS_TOOLS_NETNS_H_
+#define TENSORVERBS_TOOLS_NETNS_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace tensorverbs::tools {
+
+class NetnsHost {
+ public:
+  // `index` (0..63) tells apart several hosts of one process.
+  static absl::StatusOr<std::unique_ptr<NetnsHost>> Create(int index = 0);
+  NetnsHost(const NetnsHost&) = delete;
+  NetnsHost& operator=(const NetnsHost&) = delete;
+  ~NetnsHost();
+
+  const std::string& name() const { return name_; }
+  // This namespace's end of the veth pair, and the far end inside the new namespace.
+  const std::string& local_address() const { return local_address_; }
+  const std::string& remote_address() const { return remote_address_; }
+  // Prepended to a command line to run it inside the namespace.
+  std::vector<std::string> ExecPrefix() const;
+
+ private:
+  NetnsHost() = default;
+  std::string name_;
+  std::string local_address_;
+  std::string remote_address_;
+  bool created_ = false;
+};
+
+}  // namespace tensorverbs::tools
+
+#endif  // TENSORVERBS_TOOLS_NETNS_H_
