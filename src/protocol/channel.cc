@@ -11,6 +11,7 @@
 #include "src/common/checksum.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
+#include "src/protocol/copy_payload.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
@@ -38,7 +39,34 @@ void CountCopy(const ChannelEnv* env, uint64_t bytes) {
   }
 }
 
+// Copy mode: REQUEST, META_DATA_RESPONSE and RE_REQUEST describe a name's buffer as a uint8
+// tensor of its size, which keeps the codec's checks (bytes = elements x size) meaningful.
+TensorMetaData BufferMeta(uint64_t bytes) {
+  TensorMetaData meta;
+  meta.dtype = DataType::kUInt8;
+  meta.shape = TensorShape::Of({static_cast<int64_t>(bytes)});
+  meta.tensor_bytes = bytes;
+  return meta;
+}
+
+bool IsBufferMeta(const TensorMetaData& meta) {
+  return meta.dtype == DataType::kUInt8 && meta.shape.rank() == 1 && !meta.is_dead &&
+         meta.tensor_bytes >= kCopyPayloadHeaderBytes;
+}
+
 }  // namespace
+
+const char* VerbsModeProtocol(VerbsMode mode) {
+  switch (mode) {
+    case VerbsMode::kZeroCopy:
+      return "grpc+verbs";
+    case VerbsMode::kCopy:
+      return "grpc+verbs-copy";
+    case VerbsMode::kGdr:
+      return "grpc+gdr";
+  }
+  return "?";
+}
 
 // ---------------------------------------------------------------------------------------------
 // RdmaTensorRequest
@@ -61,6 +89,25 @@ void RdmaTensorRequest::Start() {
   m.name = key_.full_key;
   m.step_id = step_id_;
   m.request_index = index_;
+  if (env->mode == VerbsMode::kCopy) {
+    // Seed 002: offer the name's buffer from earlier steps; the sender asks for a new one
+    // (META_DATA_RESPONSE as BUFFER_REQUEST) when the tensor does not fit. Validation mode
+    // always asks, because the checksum rides the answer.
+    staging_ = channel_->TakeCopyBuffer(key_.full_key);
+    if (staging_.IsInitialized() && !env->data_validation) {
+      absl::StatusOr<const fabric::MemoryRegion*> region =
+          env->memory->FindRegistered(staging_.data(), staging_.TotalBytes());
+      if (region.ok() && *region != nullptr) {
+        m.remote_addr = reinterpret_cast<uint64_t>(staging_.data());
+        m.remote_key = (*region)->PackRemoteKey();
+        m.meta = BufferMeta(staging_.TotalBytes());
+      }
+    }
+    state_ = State::kRequested;
+    env->stats->requests.fetch_add(1, std::memory_order_relaxed);
+    channel_->SendMessage(std::move(m));
+    return;
+  }
   // With a cached meta-data the destination is allocated now and the sender writes at once
   // (zero round trips of meta-data); validation mode always takes the meta-data round trip
   // because the checksum travels with it.
@@ -121,11 +168,50 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
   return absl::OkStatus();
 }
 
+absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,
+                                                  std::string* key) {
+  ChannelEnv* env = channel_->env();
+  if (!staging_.IsInitialized() || staging_.TotalBytes() < bytes) {
+    // The tensor grew (or this is the name's first transfer): a new, larger buffer.
+    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, bytes));
+  }
+  ASSIGN_OR_RETURN(const fabric::MemoryRegion* region,
+                   env->memory->FindRegistered(staging_.data(), staging_.TotalBytes()));
+  if (region == nullptr) return absl::InternalError("the transport's pool memory is not registrable");
+  *addr = reinterpret_cast<uint64_t>(staging_.data());
+  *key = region->PackRemoteKey();
+  return absl::OkStatus();
+}
+
 void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   ChannelEnv* env = channel_->env();
   if (state_ != State::kRequested) {
     channel_->Close(absl::DataLossError(absl::StrCat(
         "META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
+    return;
+  }
+  if (env->mode == VerbsMode::kCopy) {
+    if (!IsBufferMeta(m.meta)) {
+      channel_->Close(absl::DataLossError(absl::StrCat(
+          "task ", channel_->peer_task(), " asked for a copy-mode buffer it described as ",
+          DataTypeName(m.meta.dtype), m.meta.shape.DebugString())));
+      return;
+    }
+    meta_ = m.meta;
+    checksum_ = m.checksum;
+    Message rr;
+    rr.type = MessageType::kTensorReRequest;
+    rr.name = key_.full_key;
+    rr.step_id = step_id_;
+    rr.request_index = index_;
+    rr.meta = m.meta;
+    if (!finished()) {
+      absl::Status s = PrepareCopyBuffer(m.meta.tensor_bytes, &rr.remote_addr, &rr.remote_key);
+      if (!s.ok()) Fail(s);
+    }
+    state_ = State::kReRequested;
+    env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
+    channel_->SendMessage(std::move(rr));
     return;
   }
   meta_ = m.meta;
@@ -148,10 +234,52 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   channel_->SendMessage(std::move(rr));
 }
 
+void RdmaTensorRequest::RecvCopyContent() {
+  ChannelEnv* env = channel_->env();
+  if (!staging_.IsInitialized()) {
+    Deliver(absl::DataLossError(absl::StrCat("recv of '", key_.full_key, "' from task ",
+                                             channel_->peer_task(),
+                                             ": content arrived for a request that named no buffer")),
+            Tensor(), false);
+    return;
+  }
+  if (env->data_validation) {
+    const uint64_t bytes = std::min<uint64_t>(meta_.tensor_bytes, staging_.TotalBytes());
+    const uint64_t sum = Checksum(staging_.data(), bytes);
+    if (sum != checksum_) {
+      env->stats->checksum_failures.fetch_add(1, std::memory_order_relaxed);
+      Deliver(absl::DataLossError(absl::StrFormat(
+                  "recv of '%s' from task %s: checksum mismatch (sent %08x, received %08x) over "
+                  "%d bytes: the data was corrupted in transit",
+                  key_.full_key, channel_->peer_task(), checksum_, sum, bytes)),
+              Tensor(), false);
+      return;
+    }
+  }
+  absl::StatusOr<ReadPayload> payload = ReadCopyPayload(
+      static_cast<const uint8_t*>(staging_.data()), staging_.TotalBytes(), allocator_);
+  if (!payload.ok()) {
+    Deliver(absl::Status(payload.status().code(),
+                         absl::StrCat("recv of '", key_.full_key, "' from task ",
+                                      channel_->peer_task(), ": ", payload.status().message())),
+            Tensor(), false);
+    return;
+  }
+  if (!payload->is_dead) CountCopy(env, payload->tensor.TotalBytes());
+  // The buffer serves the name's next transfer.
+  channel_->ReturnCopyBuffer(key_.full_key, std::move(staging_));
+  staging_.Clear();
+  Deliver(absl::OkStatus(), payload->tensor, payload->is_dead);
+}
+
 void RdmaTensorRequest::RecvTensorContent() {
   ChannelEnv* env = channel_->env();
   state_ = State::kDone;
   if (finished()) return;
+  if (env->mode == VerbsMode::kCopy) {
+    RecvCopyContent();
+    return;
+  }
   if (meta_.is_dead) {
     Deliver(absl::OkStatus(), Tensor(), true);
     return;
@@ -301,11 +429,54 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   return absl::OkStatus();
 }
 
+absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is_dead) {
+  ChannelEnv* env = channel_->env();
+  CopyPayload payload(tensor, is_dead);
+  const uint64_t bytes = payload.Size();
+  staging_ = channel_->TakeCopyBuffer(request_.name);
+  if (!staging_.IsInitialized() || staging_.TotalBytes() < bytes) {
+    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, bytes));
+  }
+  payload.WriteTo(static_cast<uint8_t*>(staging_.data()));
+  if (!is_dead) CountCopy(env, tensor.TotalBytes());
+  ASSIGN_OR_RETURN(source_region_, env->memory->FindRegistered(staging_.data(), bytes));
+  if (source_region_ == nullptr) return absl::InternalError("pool memory is not registrable");
+  source_ = staging_.data();
+  meta_ = BufferMeta(bytes);
+  return absl::OkStatus();
+}
+
 void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor, bool is_dead) {
   ChannelEnv* env = channel_->env();
   if (state_ != State::kWaitTensor) return;
   if (!status.ok()) {
     SendError(status);
+    return;
+  }
+  if (env->mode == VerbsMode::kCopy) {
+    tensor_ = tensor;
+    if (absl::Status s = PrepareCopySource(tensor, is_dead); !s.ok()) {
+      SendError(absl::Status(s.code(), absl::StrCat("the sender cannot transfer the tensor: ",
+                                                    s.message())));
+      return;
+    }
+    // The receiver's buffer for this name is large enough: write at once (seed 002's
+    // TENSOR_WRITE); else ask for a larger one (its BUFFER_REQUEST).
+    if (!env->data_validation && request_.remote_addr != 0 && IsBufferMeta(request_.meta) &&
+        request_.meta.tensor_bytes >= meta_.tensor_bytes) {
+      WriteContent(request_.remote_addr, request_.remote_key);
+      return;
+    }
+    Message m;
+    m.type = MessageType::kMetaDataResponse;
+    m.name = request_.name;
+    m.step_id = request_.step_id;
+    m.request_index = request_.request_index;
+    m.meta = meta_;
+    if (env->data_validation) m.checksum = Checksum(source_, meta_.tensor_bytes);
+    state_ = State::kWaitReRequest;
+    env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
+    channel_->SendMessage(std::move(m));
     return;
   }
   tensor_ = tensor;
@@ -394,6 +565,10 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const std::string& key) {
 bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
   ChannelEnv* env = channel_->env();
+  if (env->mode == VerbsMode::kCopy && staging_.IsInitialized()) {
+    channel_->ReturnCopyBuffer(request_.name, std::move(staging_));
+    staging_.Clear();
+  }
   env->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
   env->stats->content_bytes.fetch_add(static_cast<int64_t>(meta_.tensor_bytes),
                                       std::memory_order_relaxed);
@@ -451,6 +626,9 @@ absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr,
     }
     it->second->Start();
   }
+  std::vector<uint32_t> pulls;
+  pulls.swap(queued_pulls_);
+  for (uint32_t index : pulls) IssuePull(index);
   return absl::OkStatus();
 }
 
@@ -495,6 +673,123 @@ void Channel::StartRecv(int64_t step_id, const ParsedKey& key, Allocator* alloca
   }
 }
 
+void Channel::StartPull(const grpc_transport::RemoteTensorRef& ref, Tensor dest,
+                        absl::Time deadline, PullDone done) {
+  if (state_ == State::kClosed) {
+    std::move(done)(absl::UnavailableError(absl::StrCat("channel to task ", peer_task_,
+                                                        " is closed")));
+    return;
+  }
+  absl::StatusOr<uint32_t> index = indexes_.Allocate();
+  if (!index.ok()) {
+    std::move(done)(absl::ResourceExhaustedError(absl::StrCat("too many pending reads from task ",
+                                                              peer_task_)));
+    return;
+  }
+  auto pull = std::make_unique<Pull>();
+  pull->ref = ref;
+  pull->dest = std::move(dest);
+  pull->deadline = deadline;
+  pull->done = std::move(done);
+  pulls_.emplace(*index, std::move(pull));
+  if (state_ == State::kReady) {
+    IssuePull(*index);
+  } else {
+    queued_pulls_.push_back(*index);
+  }
+}
+
+void Channel::IssuePull(uint32_t index) {
+  auto it = pulls_.find(index);
+  if (it == pulls_.end()) return;
+  Pull& pull = *it->second;
+  auto fail = [&](const absl::Status& s) {
+    EndPull(pull, s);
+    pulls_.erase(index);  // nothing was posted: nothing can land
+    indexes_.Release(index);
+  };
+  if (pull.done == nullptr) {
+    fail(absl::OkStatus());  // ended (deadline) before it was issued
+    return;
+  }
+  const uint64_t bytes = pull.ref.bytes;
+  if (bytes != pull.dest.TotalBytes()) {
+    fail(absl::InvalidArgumentError("the destination does not match the lent tensor's size"));
+    return;
+  }
+  absl::StatusOr<const fabric::MemoryRegion*> region =
+      env_->memory->FindRegistered(pull.dest.data(), bytes);
+  if (!region.ok()) {
+    fail(region.status());
+    return;
+  }
+  void* target = pull.dest.data();
+  if (*region == nullptr) {
+    absl::StatusOr<Tensor> staging = AllocateStaging(env_->memory, bytes);
+    if (staging.ok()) {
+      pull.staging = *std::move(staging);
+      region = env_->memory->FindRegistered(pull.staging.data(), bytes);
+      target = pull.staging.data();
+    }
+    if (!staging.ok() || !region.ok() || *region == nullptr) {
+      fail(absl::InternalError("no registered memory to read the tensor into"));
+      return;
+    }
+  }
+  const uint64_t pieces = (bytes + kMaxWriteBytes - 1) / kMaxWriteBytes;
+  const uint64_t context = MakeContext(OpTag::kRead, index);
+  for (uint64_t i = 0; i < pieces; ++i) {
+    const uint64_t offset = i * kMaxWriteBytes;
+    const uint64_t len = std::min(kMaxWriteBytes, bytes - offset);
+    absl::Status s = endpoint_->PostRead(
+        fabric::LocalBuffer{*region, static_cast<uint8_t*>(target) + offset, len},
+        fabric::RemoteBuffer{pull.ref.key, pull.ref.addr + offset, len}, context);
+    if (!s.ok()) {
+      if (i == 0) {
+        fail(absl::InvalidArgumentError(absl::StrCat(
+            "task ", peer_task_, " lent a tensor that cannot be read: ", s.message())));
+      } else {
+        pull.reads_left = static_cast<int>(i);  // those posted still complete
+        Close(absl::UnavailableError(absl::StrCat("a read from task ", peer_task_,
+                                                  " failed midway: ", s.message())));
+      }
+      return;
+    }
+    ++pull.reads_left;
+  }
+}
+
+void Channel::OnReadDone(uint32_t index) {
+  auto it = pulls_.find(index);
+  if (it == pulls_.end()) return;
+  Pull& pull = *it->second;
+  if (--pull.reads_left > 0) return;
+  // The sender may release the tensor now: a zero-byte write whose immediate names it.
+  absl::Status release =
+      endpoint_->PostWriteWithImm(mb_->EmptyLocalSource(), mb_->EmptyRemoteTarget(),
+                                  pull.ref.tensor_key, MakeContext(OpTag::kAck, 0));
+  if (pull.staging.IsInitialized()) {
+    std::memcpy(pull.dest.data(), pull.staging.data(), pull.ref.bytes);
+    CountCopy(env_, pull.ref.bytes);
+  }
+  env_->stats->content_bytes.fetch_add(static_cast<int64_t>(pull.ref.bytes),
+                                       std::memory_order_relaxed);
+  EndPull(pull, absl::OkStatus());
+  pulls_.erase(it);
+  indexes_.Release(index);
+  if (!release.ok()) {
+    Close(absl::UnavailableError(absl::StrCat("releasing a tensor of task ", peer_task_,
+                                              " failed: ", release.message())));
+  }
+}
+
+void Channel::EndPull(Pull& pull, const absl::Status& status) {
+  if (pull.done == nullptr) return;
+  PullDone done = std::move(pull.done);
+  pull.done = nullptr;
+  std::move(done)(status);
+}
+
 void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
   std::vector<uint32_t> unsent;
   for (auto& [index, request] : requests_) {
@@ -523,11 +818,19 @@ void Channel::ExpireRequests(absl::Time now) {
         "recv of '", request->key(), "' from task ", peer_task_,
         " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the producer is slow")));
   }
+  for (auto& [index, pull] : pulls_) {
+    if (pull->done == nullptr || pull->deadline > now) continue;
+    // The record (and its memory) stays until the read completes or the channel closes.
+    EndPull(*pull, absl::DeadlineExceededError(absl::StrCat(
+                       "reading a tensor from task ", peer_task_,
+                       " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the network is slow")));
+  }
 }
 
 size_t Channel::pending_requests() const {
   size_t n = 0;
   for (const auto& [index, request] : requests_) n += !request->finished();
+  for (const auto& [index, pull] : pulls_) n += pull->done != nullptr;
   return n;
 }
 
@@ -538,6 +841,23 @@ void Channel::SendMessage(Message m) {
     Close(absl::UnavailableError(absl::StrCat("sending a control message to task ", peer_task_,
                                               " failed: ", s.message())));
   }
+}
+
+Tensor Channel::TakeCopyBuffer(const std::string& name) {
+  auto it = copy_buffers_.find(name);
+  if (it == copy_buffers_.end()) return Tensor();
+  Tensor buffer = std::move(it->second);
+  copy_buffers_.erase(it);
+  return buffer;
+}
+
+void Channel::ReturnCopyBuffer(const std::string& name, Tensor buffer) {
+  if (state_ == State::kClosed) return;
+  // Bounded like the key cache: a model has a fixed set of names, a runaway peer does not.
+  if (copy_buffers_.size() >= kMaxCachedKeys) copy_buffers_.clear();
+  Tensor& slot = copy_buffers_[name];
+  // Two transfers of one name overlapped (different steps): keep the larger buffer.
+  if (!slot.IsInitialized() || slot.TotalBytes() < buffer.TotalBytes()) slot = std::move(buffer);
 }
 
 void Channel::FinishRequest(uint32_t index) {
@@ -592,6 +912,9 @@ void Channel::OnCompletion(const fabric::Completion& c) {
       return;
     case OpTag::kAck:
       return;
+    case OpTag::kRead:
+      OnReadDone(static_cast<uint32_t>(value));
+      return;
     case OpTag::kContent: {
       auto it = responses_.find(static_cast<uint32_t>(value));
       if (it != responses_.end() && it->second->OnWriteDone()) responses_.erase(it);
@@ -631,6 +954,10 @@ void Channel::AcknowledgeMessage() {
 }
 
 void Channel::OnContent(uint32_t index) {
+  if (role_ == Role::kAcceptor && env_->mode == VerbsMode::kGdr) {
+    if (env_->release_lent) env_->release_lent(peer_task_, index);
+    return;
+  }
   auto it = role_ == Role::kOwner ? requests_.find(index) : requests_.end();
   if (it == requests_.end() || it->second->state() == RdmaTensorRequest::State::kQueued) {
     env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
@@ -730,12 +1057,20 @@ void Channel::Close(const absl::Status& status) {
   }
   requests_.clear();
   queued_.clear();
+  for (auto& [index, pull] : pulls_) {
+    EndPull(*pull, close_status_);
+    if (pull->dest.IsInitialized()) memory.push_back(std::move(pull->dest));
+    if (pull->staging.IsInitialized()) memory.push_back(std::move(pull->staging));
+  }
+  pulls_.clear();
+  queued_pulls_.clear();
   for (auto& [index, response] : responses_) response->Cancel();
   // No more operations from this side. The endpoint goes first: on a NIC, writes in flight read
   // the responses' tensors and the message buffers until its queue pair is gone.
   endpoint_.reset();
   mb_.reset();
   responses_.clear();
+  copy_buffers_.clear();
   if (!memory.empty() && env_->quarantine_memory) {
     // The peer may still be alive and writing into these destinations.
     env_->quarantine_memory(std::move(memory), absl::Now() + env_->quarantine);

@@ -41,6 +41,7 @@
 #include "src/protocol/message_buffer.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
+#include "src/transport/grpc/dma.h"
 
 namespace tensorverbs::protocol {
 
@@ -61,6 +62,14 @@ struct VerbsStats {
   std::atomic<int64_t> checksum_failures{0};
 };
 
+// Which design a transport runs; the protocol string picks it.
+enum class VerbsMode {
+  kZeroCopy,  // grpc+verbs (seed 000): the content is written into the result tensor
+  kCopy,      // grpc+verbs-copy (seed 002): per-name pre-registered buffers, a copy each side
+  kGdr,       // grpc+gdr: meta-data over gRPC RecvTensor, the content pulled by one RDMA read
+};
+const char* VerbsModeProtocol(VerbsMode mode);
+
 // What channels share; owned by the transport.
 struct ChannelEnv {
   const WorkerEnv* worker = nullptr;
@@ -69,6 +78,7 @@ struct ChannelEnv {
   fabric::Domain* domain = nullptr;
   VerbsStats* stats = nullptr;
   Registration registration = Registration::kPool;
+  VerbsMode mode = VerbsMode::kZeroCopy;
   bool data_validation = false;
   int message_slots = 8;
   absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
@@ -80,6 +90,8 @@ struct ChannelEnv {
   std::function<class Channel*(uint64_t)> find_channel;
   // Keeps memory alive until `until` (progress thread).
   std::function<void(std::vector<Tensor>, absl::Time until)> quarantine_memory;
+  // grpc+gdr, sender side: `task` released the tensor it read under `tensor_key`.
+  std::function<void(const std::string& task, uint32_t tensor_key)> release_lent;
 };
 
 class Channel;
@@ -109,6 +121,10 @@ class RdmaTensorRequest {
  private:
   // Allocates the destination for `meta` and returns where the sender writes.
   absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, std::string* key);
+  // Copy mode: makes staging_ (the name's buffer) hold at least `bytes` and returns where the
+  // sender writes.
+  absl::Status PrepareCopyBuffer(uint64_t bytes, uint64_t* addr, std::string* key);
+  void RecvCopyContent();
   void Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead);
 
   Channel* const channel_;
@@ -147,6 +163,8 @@ class RdmaTensorResponse {
 
  private:
   absl::Status PrepareSource(const Tensor& tensor);
+  // Copy mode: lays the tensor out in the name's registered buffer (the copy in).
+  absl::Status PrepareCopySource(const Tensor& tensor, bool is_dead);
   void WriteContent(uint64_t addr, const std::string& key);
   void SendError(const absl::Status& status);
 
@@ -199,6 +217,12 @@ class Channel {
   // Owner side: starts a recv (queued until the channel is ready).
   void StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator,
                  absl::Time deadline, RecvDoneCallback done);
+  // Owner side, grpc+gdr: reads the tensor `ref` names into `dest` (through a registered proxy
+  // if `dest` is not registered), then releases it at the peer; `done` runs once, on the
+  // progress thread. Queued until the channel is ready.
+  using PullDone = absl::AnyInvocable<void(const absl::Status&) &&>;
+  void StartPull(const grpc_transport::RemoteTensorRef& ref, Tensor dest, absl::Time deadline,
+                 PullDone done);
   // Owner side: fails the step's pending recvs.
   void AbortStep(int64_t step_id, const absl::Status& status);
   // Owner side: fails recvs past their deadline.
@@ -215,6 +239,11 @@ class Channel {
   // Fails everything pending with `status` and closes the channel (idempotent).
   void Close(const absl::Status& status);
 
+  // Copy mode: the pre-registered buffer kept for a tensor name (empty if none), taken while a
+  // transfer uses it and given back after.
+  Tensor TakeCopyBuffer(const std::string& name);
+  void ReturnCopyBuffer(const std::string& name, Tensor buffer);
+
   // For the state machines.
   void SendMessage(Message m);
   void FinishRequest(uint32_t index);
@@ -223,6 +252,19 @@ class Channel {
  private:
   void OnControlMessage();
   void OnContent(uint32_t index);
+  struct Pull {
+    grpc_transport::RemoteTensorRef ref;
+    Tensor dest;
+    Tensor staging;  // registered proxy when dest is not registered
+    absl::Time deadline;
+    PullDone done;   // null once run
+    int reads_left = 0;
+  };
+  void IssuePull(uint32_t index);
+  void OnReadDone(uint32_t index);
+  // Runs the pull's `done` (once) with `status`.
+  void EndPull(Pull& pull, const absl::Status& status);
+
   // Acceptor side: `name` parsed and checked to name a tensor of this task's incarnation.
   absl::StatusOr<const ParsedKey*> ValidKey(const std::string& name);
 
@@ -244,10 +286,15 @@ class Channel {
   RequestIndexAllocator indexes_;
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorRequest>> requests_;
   std::vector<uint32_t> queued_;  // started before the channel was ready
+  absl::flat_hash_map<uint32_t, std::unique_ptr<Pull>> pulls_;  // grpc+gdr reads, by index
+  std::vector<uint32_t> queued_pulls_;
   // Acceptor side.
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorResponse>> responses_;
   uint64_t next_serial_ = 1;
   absl::flat_hash_map<std::string, ParsedKey> valid_keys_;
+  // Copy mode: per tensor name, this side's pre-registered buffer (rx on the owner, tx on the
+  // acceptor).
+  absl::flat_hash_map<std::string, Tensor> copy_buffers_;
 };
 
 }  // namespace tensorverbs::protocol

@@ -29,7 +29,7 @@
 namespace tensorverbs::protocol {
 
 // Completion contexts of a channel's operations: the tag in the top byte, a value below.
-enum class OpTag : uint8_t { kMessage = 1, kAck = 2, kContent = 3 };
+enum class OpTag : uint8_t { kMessage = 1, kAck = 2, kContent = 3, kRead = 4 };
 inline uint64_t MakeContext(OpTag tag, uint64_t value) {
   return (static_cast<uint64_t>(tag) << 56) | (value & ((uint64_t{1} << 56) - 1));
 }

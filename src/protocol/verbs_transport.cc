@@ -1,6 +1,7 @@
 #include "src/protocol/verbs_transport.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -97,6 +98,7 @@ absl::Status VerbsTransport::Start() {
   channel_env_.domain = domain_.get();
   channel_env_.stats = &stats_;
   channel_env_.registration = registration;
+  channel_env_.mode = options_.mode;
   channel_env_.data_validation = options_.data_validation;
   channel_env_.message_slots = options_.message_slots;
   channel_env_.quarantine = options_.peer_timeout;
@@ -105,11 +107,15 @@ absl::Status VerbsTransport::Start() {
   channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
     quarantine_.emplace_back(until, std::move(memory));
   };
+  channel_env_.release_lent = [this](const std::string& task, uint32_t key) {
+    ReleaseLent(task, key);
+  };
   service_ = std::make_unique<Service>(this);
 
   progress_thread_ = std::thread([this] { ProgressLoop(); });
   watchdog_thread_ = std::thread([this] { WatchdogLoop(); });
-  LOG(INFO) << "task " << options_.env->task_name << ": grpc+verbs over " << fabric_name()
+  LOG(INFO) << "task " << options_.env->task_name << ": " << VerbsModeProtocol(options_.mode)
+            << " over " << fabric_name()
             << ", " << options_.message_slots << " message slots, " << RegistrationName(registration)
             << " registration, " << options_.poll_mode << " polling"
             << (options_.data_validation ? ", data validation on" : "");
@@ -226,6 +232,8 @@ void VerbsTransport::ProgressLoop() {
 }
 
 bool VerbsTransport::OperationsInFlight() const {
+  // A lent tensor is about to be read, and on shm the reads progress through this side too.
+  if (!lent_.empty()) return true;
   // By channel: a closed channel's endpoint is gone while by_endpoint_ still names it.
   for (const auto& [id, channel] : channels_) {
     fabric::Endpoint* endpoint = channel->endpoint();
@@ -258,6 +266,15 @@ void VerbsTransport::Housekeeping(absl::Time now) {
   quarantine_.erase(std::remove_if(quarantine_.begin(), quarantine_.end(),
                                    [now](const auto& q) { return q.first <= now; }),
                     quarantine_.end());
+  // A receiver that died (or gave up) never releases what it was lent.
+  for (auto it = lent_.begin(); it != lent_.end();) {
+    if (it->second.expires <= now) {
+      lend_keys_.Release(it->first);
+      lent_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
 }
 
 Channel* VerbsTransport::FindChannel(uint64_t id) {
@@ -292,6 +309,7 @@ absl::StatusOr<Channel*> VerbsTransport::OwnerChannel(const std::string& task) {
   request.set_task_name(options_.env->task_name);
   request.set_incarnation(options_.env->incarnation);
   request.set_fabric(domain_->capabilities().family);
+  request.set_protocol(VerbsModeProtocol(options_.mode));
   request.set_channel_id(id);
   request.mutable_end()->set_endpoint_address(raw->endpoint()->LocalAddress());
   request.mutable_end()->set_rx_addr(raw->message_buffer()->rx_addr());
@@ -355,6 +373,12 @@ absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
         "task ", task, " uses fabric ", request.fabric(), " but task ", options_.env->task_name,
         " uses ", domain_->capabilities().family,
         "; set TENSORVERBS_FABRIC and TENSORVERBS_OFI_PROVIDER the same on every task"));
+  }
+  if (request.protocol() != VerbsModeProtocol(options_.mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "task ", task, " runs protocol ", request.protocol(), " but task ",
+        options_.env->task_name, " runs ", VerbsModeProtocol(options_.mode),
+        "; every task of a cluster must use the same --protocol"));
   }
   if (request.expected_incarnation() != 0 &&
       request.expected_incarnation() != options_.env->incarnation) {
@@ -451,6 +475,99 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
     std::move(*holder)(absl::CancelledError(absl::StrCat(
                            "recv of '", key.full_key, "': the server is shutting down")),
                        Tensor(), false);
+  }
+}
+
+void VerbsTransport::Lend(
+    const std::string& requester, const Tensor& tensor,
+    absl::AnyInvocable<void(absl::StatusOr<grpc_transport::RemoteTensorRef>) &&> done) {
+  auto holder = std::make_shared<decltype(done)>(std::move(done));
+  Task task = [this, requester, tensor, holder]() mutable {
+    auto& done = *holder;
+    const size_t bytes = tensor.TotalBytes();
+    Tensor source = tensor;
+    absl::StatusOr<const fabric::MemoryRegion*> region = memory_->FindRegistered(tensor.data(), bytes);
+    if (region.ok() && *region == nullptr) {
+      // Not pool memory: lend a registered copy.
+      absl::StatusOr<Tensor> staged = Tensor::Allocate(
+          memory_->pool(), DataType::kUInt8, TensorShape::Of({static_cast<int64_t>(bytes)}));
+      if (!staged.ok()) {
+        std::move(done)(staged.status());
+        return;
+      }
+      std::memcpy(staged->data(), tensor.data(), bytes);
+      stats_.copies.fetch_add(1, std::memory_order_relaxed);
+      stats_.copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+      if (TransferStats* worker = options_.env->stats) {
+        worker->copies.fetch_add(1, std::memory_order_relaxed);
+        worker->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+      }
+      source = *std::move(staged);
+      region = memory_->FindRegistered(source.data(), bytes);
+    }
+    if (!region.ok() || *region == nullptr) {
+      std::move(done)(region.ok() ? absl::InternalError("pool memory is not registrable")
+                                  : region.status());
+      return;
+    }
+    absl::StatusOr<uint32_t> key = lend_keys_.Allocate();
+    if (!key.ok()) {
+      std::move(done)(key.status());
+      return;
+    }
+    grpc_transport::RemoteTensorRef ref;
+    ref.addr = reinterpret_cast<uint64_t>(source.data());
+    ref.key = (*region)->PackRemoteKey();
+    ref.tensor_key = *key;
+    ref.bytes = bytes;
+    lent_[*key] = Lent{std::move(source), requester,
+                       absl::Now() + options_.recv_timeout + options_.peer_timeout};
+    stats_.content_writes.fetch_add(1, std::memory_order_relaxed);
+    std::move(done)(std::move(ref));
+  };
+  if (!Post(task)) {
+    std::move(*holder)(absl::UnavailableError(absl::StrCat(
+        "task ", options_.env->task_name, " is shutting down")));
+  }
+}
+
+void VerbsTransport::ReleaseLent(const std::string& task, uint32_t tensor_key) {
+  auto it = lent_.find(tensor_key);
+  if (it == lent_.end() || it->second.requester != task) {
+    // Unknown, already released, or another task's: count and ignore.
+    stats_.dropped_imms.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  lent_.erase(it);
+  lend_keys_.Release(tensor_key);
+}
+
+size_t VerbsTransport::NumLentTensors() {
+  auto result = std::make_shared<std::pair<Notification, size_t>>();
+  Task task = [this, result]() mutable {
+    result->second = lent_.size();
+    result->first.Notify();
+  };
+  if (!Post(task)) return 0;
+  result->first.WaitForNotification();
+  return result->second;
+}
+
+void VerbsTransport::Pull(const std::string& task, const grpc_transport::RemoteTensorRef& ref,
+                          Tensor dest, absl::AnyInvocable<void(const absl::Status&) &&> done) {
+  const absl::Time deadline = absl::Now() + options_.recv_timeout;
+  auto holder = std::make_shared<decltype(done)>(std::move(done));
+  Task t = [this, task, ref, dest, deadline, holder]() mutable {
+    absl::StatusOr<Channel*> channel = OwnerChannel(task);
+    if (!channel.ok()) {
+      std::move(*holder)(channel.status());
+      return;
+    }
+    (*channel)->StartPull(ref, std::move(dest), deadline, std::move(*holder));
+  };
+  if (!Post(t)) {
+    std::move(*holder)(absl::CancelledError(absl::StrCat(
+        "task ", options_.env->task_name, " is shutting down")));
   }
 }
 
@@ -644,6 +761,7 @@ void VerbsTransport::Shutdown() {
   by_endpoint_.clear();
   connecting_.clear();
   quarantine_.clear();
+  lent_.clear();
   memory_.reset();
 }
 

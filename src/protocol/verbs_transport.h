@@ -64,11 +64,12 @@ struct VerbsOptions {
   absl::Duration poll_spin = Config::Get().poll_spin;
   bool data_validation = Config::Get().data_validation;
   std::string registration = Config::Get().registration;
+  VerbsMode mode = VerbsMode::kZeroCopy;  // set from the protocol by the server
   absl::Duration peer_timeout = Config::Get().peer_timeout;
   absl::Duration connect_timeout = Config::Get().connect_timeout;
 };
 
-class VerbsTransport {
+class VerbsTransport : public grpc_transport::TensorLender, public grpc_transport::TensorPuller {
  public:
   static absl::StatusOr<std::unique_ptr<VerbsTransport>> Create(VerbsOptions options);
   VerbsTransport(const VerbsTransport&) = delete;
@@ -86,6 +87,18 @@ class VerbsTransport {
             Allocator* allocator, RecvDoneCallback done);
   // Fails the step's pending recvs with `status`.
   void AbortStep(int64_t step_id, const absl::Status& status);
+
+  // grpc+gdr (VerbsMode::kGdr). Lend: the sender keeps `tensor` (or a registered copy of it)
+  // for `requester` until a release immediate from that task names it, or the lease of
+  // TENSORVERBS_RECV_TIMEOUT_MS + TENSORVERBS_PEER_TIMEOUT_MS passes. Pull: the receiver reads
+  // it over its channel to `task` (set up on first use) and releases it.
+  void Lend(const std::string& requester, const Tensor& tensor,
+            absl::AnyInvocable<void(absl::StatusOr<grpc_transport::RemoteTensorRef>) &&> done)
+      override;
+  void Pull(const std::string& task, const grpc_transport::RemoteTensorRef& ref, Tensor dest,
+            absl::AnyInvocable<void(const absl::Status&) &&> done) override;
+  // Tensors lent and not yet released (any thread; asks the loop).
+  size_t NumLentTensors();
 
   // Sets up channels to every peer task, waiting up to `timeout` (wait-for-peers). The error
   // names the tasks whose channel could not be set up and why.
@@ -168,6 +181,15 @@ class VerbsTransport {
   };
   absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
+  // grpc+gdr, sender side: lent tensors by the tensor key the release immediate carries.
+  struct Lent {
+    Tensor tensor;
+    std::string requester;
+    absl::Time expires;
+  };
+  absl::flat_hash_map<uint32_t, Lent> lent_;
+  RequestIndexAllocator lend_keys_;
+  void ReleaseLent(const std::string& task, uint32_t tensor_key);
   // Why recently closed acceptor channels closed, by (owner task, owner's channel id), so that
   // the owner's probe learns it; bounded.
   absl::flat_hash_map<std::pair<std::string, uint64_t>, absl::Status> closed_accepted_;

@@ -32,8 +32,12 @@ using WorkerServiceBase =
 class WorkerServiceImpl final : public WorkerServiceBase {
  public:
   WorkerServiceImpl(const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol,
-                    std::string device)
-      : env_(env), mgr_(mgr), protocol_(std::move(protocol)), device_(std::move(device)) {}
+                    std::string device, grpc_transport::TensorLender* lender)
+      : env_(env),
+        mgr_(mgr),
+        protocol_(std::move(protocol)),
+        device_(std::move(device)),
+        lender_(lender) {}
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const proto::GetStatusRequest* request,
@@ -50,7 +54,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   grpc::ServerUnaryReactor* RecvTensor(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override {
-    return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_);
+    return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_, lender_);
   }
 
   grpc::ServerUnaryReactor* CleanupStep(grpc::CallbackServerContext* context,
@@ -67,11 +71,14 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   RendezvousMgr* const mgr_;
   const std::string protocol_;
   const std::string device_;
+  grpc_transport::TensorLender* const lender_;  // grpc+gdr only
 };
 
 }  // namespace
 
-std::vector<std::string> AvailableProtocols() { return {"grpc+verbs", "grpc"}; }
+std::vector<std::string> AvailableProtocols() {
+  return {"grpc+verbs", "grpc+gdr", "grpc+verbs-copy", "grpc"};
+}
 
 Server::Server(ServerOptions options) : options_(std::move(options)) {}
 
@@ -114,8 +121,12 @@ absl::Status Server::Start() {
                                           : config.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
   const WorkerEnv* env = &env_;
-  if (options_.protocol == "grpc+verbs") {
+  const bool gdr = options_.protocol == "grpc+gdr";
+  if (options_.protocol == "grpc+verbs" || options_.protocol == "grpc+verbs-copy" || gdr) {
     protocol::VerbsOptions verbs_options = options_.verbs;
+    verbs_options.mode = options_.protocol == "grpc+verbs"        ? protocol::VerbsMode::kZeroCopy
+                         : options_.protocol == "grpc+verbs-copy" ? protocol::VerbsMode::kCopy
+                                                                  : protocol::VerbsMode::kGdr;
     verbs_options.env = &env_;
     verbs_options.pool = recv_allocator_.get();
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
@@ -132,9 +143,18 @@ absl::Status Server::Start() {
     }
     verbs_ = *std::move(verbs);
     protocol::VerbsTransport* transport = verbs_.get();
-    rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, transport](int64_t step) {
-      return std::make_shared<protocol::VerbsRemoteRendezvous>(env, step, transport);
-    });
+    if (gdr) {
+      // grpc+gdr: the grpc protocol's calls, with the transport reading the large tensors.
+      rendezvous_mgr_ = std::make_unique<RendezvousMgr>(
+          [env, workers, recv_timeout, transport](int64_t step) {
+            return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(
+                env, step, workers, recv_timeout, transport);
+          });
+    } else {
+      rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, transport](int64_t step) {
+        return std::make_shared<protocol::VerbsRemoteRendezvous>(env, step, transport);
+      });
+    }
     verbs_->set_rendezvous_mgr(rendezvous_mgr_.get());
   } else {
     rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, workers, recv_timeout](int64_t step) {
@@ -144,7 +164,7 @@ absl::Status Server::Start() {
   }
 
   service_ = std::make_unique<WorkerServiceImpl>(&env_, rendezvous_mgr_.get(), options_.protocol,
-                                                 device_name());
+                                                 device_name(), gdr ? verbs_.get() : nullptr);
   grpc::ServerBuilder builder;
   grpc_transport::ConfigureServerBuilder(&builder);
   int bound_port = 0;

@@ -17,6 +17,7 @@
 #include "src/rendezvous/device_name.h"
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
+#include "tests/support/pending_recv.h"
 #include "tools/process_util.h"
 
 namespace tensorverbs {
@@ -28,49 +29,6 @@ struct FabricParam {
   const char* name;
   const char* fabric;
   const char* provider;
-};
-
-// A recv whose outcome the test collects later; counts callback invocations.
-class PendingRecv {
- public:
-  PendingRecv(RemoteRendezvous& r, const ParsedKey& key, RecvArgs args = RecvArgs()) {
-    r.RecvAsync(key, args, [this](const absl::Status& s, const Tensor& t, bool dead) {
-      MutexLock lock(&mu_);
-      status_ = s;
-      tensor_ = t;
-      is_dead_ = dead;
-      ++calls_;
-    });
-  }
-  // Waits for the callback; false on timeout.
-  bool Wait(absl::Duration timeout = absl::Seconds(30)) {
-    MutexLock lock(&mu_);
-    return mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return calls_ > 0; },
-                                timeout);
-  }
-  absl::Status status() {
-    MutexLock lock(&mu_);
-    return status_;
-  }
-  Tensor tensor() {
-    MutexLock lock(&mu_);
-    return tensor_;
-  }
-  bool is_dead() {
-    MutexLock lock(&mu_);
-    return is_dead_;
-  }
-  int calls() {
-    MutexLock lock(&mu_);
-    return calls_;
-  }
-
- private:
-  Mutex mu_;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
-  Tensor tensor_ ABSL_GUARDED_BY(mu_);
-  bool is_dead_ ABSL_GUARDED_BY(mu_) = false;
-  int calls_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 class VerbsProtocolTest : public ::testing::TestWithParam<FabricParam> {

@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "src/common/mutex.h"
@@ -342,10 +343,14 @@ TEST_P(GrpcClusterTest, WaitForPeersNamesMissingTasks) {
   EXPECT_THAT(s.message(), HasSubstr("/job:worker/replica:0/task:1 at 127.0.0.1:"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Protocols, GrpcClusterTest, ::testing::Values("grpc", "grpc+verbs"),
+INSTANTIATE_TEST_SUITE_P(Protocols, GrpcClusterTest,
+                         ::testing::Values("grpc", "grpc+verbs", "grpc+verbs-copy", "grpc+gdr"),
                          [](const auto& info) {
-                           return info.param == "grpc" ? std::string("grpc")
-                                                       : std::string("grpc_verbs");
+                           std::string name = info.param;
+                           for (char& c : name) {
+                             if (!absl::ascii_isalnum(c)) c = '_';
+                           }
+                           return name;
                          });
 
 }  // namespace

@@ -29,8 +29,12 @@ struct GrpcRemoteRendezvous::Call {
 };
 
 GrpcRemoteRendezvous::GrpcRemoteRendezvous(const WorkerEnv* env, int64_t step_id,
-                                           GrpcWorkerCache* workers, absl::Duration recv_timeout)
-    : RemoteRendezvous(env, step_id), workers_(workers), recv_timeout_(recv_timeout) {}
+                                           GrpcWorkerCache* workers, absl::Duration recv_timeout,
+                                           TensorPuller* puller)
+    : RemoteRendezvous(env, step_id),
+      workers_(workers),
+      recv_timeout_(recv_timeout),
+      puller_(puller) {}
 
 void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
                                                RecvDoneCallback done) {
@@ -54,6 +58,10 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
   request.set_step_id(step_id());
   request.set_rendezvous_key(key.full_key);
   request.set_request_id(next_request_id.fetch_add(1, std::memory_order_relaxed));
+  if (puller_ != nullptr) {
+    request.set_dma_ok(true);
+    request.set_requester(env_->task_name);
+  }
   bool own_buffer;
   grpc::Status ser = grpc::SerializationTraits<proto::RecvTensorRequest>::Serialize(
       request, &call->request, &own_buffer);
@@ -94,8 +102,11 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
           }
         } else {
           status = ParseRecvTensorResponse(&call->response, call->allocator, &parsed);
+          if (status.ok() && parsed.has_remote && self->puller_ == nullptr) {
+            status = absl::DataLossError("a remote tensor in answer to a request without dma_ok");
+          }
           // The element bytes were copied once, out of gRPC's buffers into the tensor.
-          if (status.ok() && parsed.tensor.TotalBytes() > 0) {
+          if (status.ok() && !parsed.has_remote && parsed.tensor.TotalBytes() > 0) {
             if (TransferStats* stats = self->env().stats) {
               stats->copies.fetch_add(1, std::memory_order_relaxed);
               stats->copied_bytes.fetch_add(static_cast<int64_t>(parsed.tensor.TotalBytes()),
@@ -109,6 +120,34 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
         }
         // Free gRPC's copy of the bytes before handing the tensor on.
         call->response.Clear();
+        if (status.ok() && parsed.has_remote) {
+          // grpc+gdr: the bytes wait at the sender; read them into the destination.
+          const std::string task = call->worker->task_name();
+          RecvDoneCallback done = std::move(call->done);
+          Tensor dest = parsed.tensor;
+          std::string key = call->key;
+          self->puller_->Pull(
+              task, parsed.remote, dest,
+              [self, done = std::move(done), dest, key](const absl::Status& s) mutable {
+                // A step aborted while the read was in flight still ends with the abort.
+                absl::Status result = self->status().ok() ? s : self->status();
+                if (!result.ok() && result.message().find(key) == absl::string_view::npos) {
+                  result = absl::Status(result.code(), absl::StrCat(result.message(),
+                                                                    " (key '", key, "')"));
+                }
+                auto finish = [done = std::move(done), result, dest]() mutable {
+                  std::move(done)(result, result.ok() ? dest : Tensor(), false);
+                };
+                if (Executor* executor = self->env().callback_executor) {
+                  executor->Schedule(std::move(finish));
+                } else {
+                  finish();
+                }
+              });
+          call.reset();
+          self->workers_->CallDone();
+          return;
+        }
         Executor* executor = self->env().callback_executor;
         auto finish = [done = std::move(call->done), status, parsed = std::move(parsed)]() mutable {
           std::move(done)(status, parsed.tensor, parsed.is_dead);

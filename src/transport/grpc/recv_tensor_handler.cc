@@ -24,7 +24,9 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
       : state_(std::make_shared<State>()), response_(response) {}
 
   // Starts the local recv in `rendezvous`. Touches nothing of `this` after RecvLocalAsync.
-  void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key) {
+  // With a `lender`, a large POD tensor is lent to `requester` instead of sent.
+  void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
+             TensorLender* lender, std::string requester) {
     std::shared_ptr<State> state = state_;
     {
       MutexLock lock(&state->mu);
@@ -32,11 +34,30 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
     }
     grpc::ByteBuffer* response = response_;
     uint64_t token = rendezvous->RecvLocalAsync(
-        key, [this, response](const absl::Status& s, const Tensor& tensor, bool is_dead) {
-          if (s.ok()) {
-            EncodeRecvTensorResponse(tensor, is_dead, absl::ToUnixMicros(absl::Now()), response);
+        key, [this, response, lender, requester = std::move(requester)](
+                 const absl::Status& s, const Tensor& tensor, bool is_dead) {
+          if (!s.ok()) {
+            Finish(ToGrpcStatus(s));
+            return;
           }
-          Finish(ToGrpcStatus(s));
+          const int64_t micros = absl::ToUnixMicros(absl::Now());
+          if (lender == nullptr || is_dead || !tensor.CanMemCopy() ||
+              tensor.TotalBytes() <= kDmaMinBytes) {
+            EncodeRecvTensorResponse(tensor, is_dead, micros, response);
+            Finish(grpc::Status::OK);
+            return;
+          }
+          lender->Lend(requester, tensor,
+                       [this, response, tensor, micros](absl::StatusOr<RemoteTensorRef> ref) {
+                         if (ref.ok()) {
+                           EncodeRecvTensorResponse(tensor, false, micros, response, &*ref);
+                         } else {
+                           // The tensor cannot be lent (shutting down, no registrable
+                           // memory): it goes inline, as over grpc.
+                           EncodeRecvTensorResponse(tensor, false, micros, response);
+                         }
+                         Finish(grpc::Status::OK);
+                       });
         });
     bool cancel_now = false;
     {
@@ -90,7 +111,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
                                            const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response, RendezvousMgr* mgr,
-                                           const WorkerEnv* env) {
+                                           const WorkerEnv* env, TensorLender* lender) {
   auto* reactor = new RecvTensorReactor(response);
   proto::RecvTensorRequest req;
   grpc::ByteBuffer copy(*request);  // shares slices; the parser consumes its own reader
@@ -128,7 +149,7 @@ grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
     return reactor;
   }
   VLOG(2) << "RecvTensor step " << req.step_id() << " key " << key->full_key;
-  reactor->Start(*std::move(r), *key);
+  reactor->Start(*std::move(r), *key, req.dma_ok() ? lender : nullptr, req.requester());
   return reactor;
 }
 

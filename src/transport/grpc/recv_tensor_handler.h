@@ -11,13 +11,17 @@
 #include <grpcpp/grpcpp.h>
 
 #include "src/rendezvous/rendezvous_mgr.h"
+#include "src/transport/grpc/dma.h"
 
 namespace tensorverbs::grpc_transport {
 
+// With a `lender` (grpc+gdr) and a request that allows it, a POD tensor above kDmaMinBytes is
+// lent instead of sent: the response names where the receiver reads it.
 grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
                                            const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response, RendezvousMgr* mgr,
-                                           const WorkerEnv* env);
+                                           const WorkerEnv* env,
+                                           TensorLender* lender = nullptr);
 
 }  // namespace tensorverbs::grpc_transport
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/tensor.pb.h"
+#include "proto/worker.pb.h"
 #include "src/common/status_macros.h"
 #include "src/tensor/tensor_codec.h"
 
@@ -26,6 +27,7 @@ constexpr int kMetaField = 1;
 constexpr int kIsDeadField = 2;
 constexpr int kSendStartField = 3;
 constexpr int kContentField = 4;
+constexpr int kRemoteField = 5;
 
 void ReleaseBuffer(void* user_data) { delete static_cast<std::shared_ptr<TensorBuffer>*>(user_data); }
 
@@ -36,7 +38,7 @@ absl::Status Malformed(absl::string_view why) {
 }  // namespace
 
 void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_start_micros,
-                              grpc::ByteBuffer* out) {
+                              grpc::ByteBuffer* out, const RemoteTensorRef* remote) {
   proto::TensorProto meta;
   if (!is_dead) {
     meta.set_dtype(static_cast<int32_t>(tensor.dtype()));
@@ -46,7 +48,7 @@ void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_s
   if (!pod && !is_dead) {
     for (int64_t i = 0; i < tensor.NumElements(); ++i) meta.add_string_val(tensor.strings()[i]);
   }
-  const size_t content_bytes = (pod && !is_dead) ? tensor.TotalBytes() : 0;
+  const size_t content_bytes = (pod && !is_dead && remote == nullptr) ? tensor.TotalBytes() : 0;
 
   std::string header;
   {
@@ -57,6 +59,16 @@ void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_s
     meta.SerializeWithCachedSizes(&coded);
     if (is_dead) WireFormatLite::WriteBool(kIsDeadField, true, &coded);
     if (send_start_micros != 0) WireFormatLite::WriteInt64(kSendStartField, send_start_micros, &coded);
+    if (remote != nullptr) {
+      proto::RemoteTensor r;
+      r.set_addr(remote->addr);
+      r.set_key(remote->key);
+      r.set_tensor_key(remote->tensor_key);
+      r.set_bytes(remote->bytes);
+      WireFormatLite::WriteTag(kRemoteField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &coded);
+      coded.WriteVarint32(static_cast<uint32_t>(r.ByteSizeLong()));
+      r.SerializeWithCachedSizes(&coded);
+    }
     if (content_bytes > 0) {
       WireFormatLite::WriteTag(kContentField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &coded);
       coded.WriteVarint64(content_bytes);
@@ -142,18 +154,45 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
       }
       out->tensor = std::move(t);
       have_content = true;
+    } else if (field == kRemoteField && wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      uint32_t len;
+      if (!coded.ReadVarint32(&len)) return Malformed("truncated remote tensor length");
+      auto limit = coded.PushLimit(static_cast<int>(len));
+      proto::RemoteTensor r;
+      if (!r.MergePartialFromCodedStream(&coded) || !coded.ConsumedEntireMessage()) {
+        return Malformed("bad remote tensor");
+      }
+      coded.PopLimit(limit);
+      out->has_remote = true;
+      out->remote.addr = r.addr();
+      out->remote.key = r.key();
+      out->remote.tensor_key = r.tensor_key();
+      out->remote.bytes = r.bytes();
     } else if (!WireFormatLite::SkipField(&coded, tag)) {
       return Malformed(absl::StrCat("cannot skip unknown field ", field));
     }
   }
   if (out->is_dead) {
     // A dead tensor is an uninitialized Tensor, as in TensorFlow.
-    if (have_content) return Malformed("content for a dead tensor");
+    if (have_content || out->has_remote) return Malformed("content for a dead tensor");
     out->tensor = Tensor();
     return absl::OkStatus();
   }
+  if (out->has_remote && have_content) return Malformed("both content and a remote tensor");
   if (have_content) return absl::OkStatus();
   RETURN_IF_ERROR(resolve_meta());
+  if (out->has_remote) {
+    // The destination of the read: the receiver checks what the sender says it will read.
+    if (!DataTypeCanMemCopy(dtype)) return Malformed("a remote string tensor");
+    ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
+    if (t.TotalBytes() != out->remote.bytes || out->remote.bytes == 0 ||
+        out->remote.key.empty() || out->remote.tensor_key > 0xFFFFFFFDu) {
+      return Malformed(absl::StrCat("remote tensor of ", out->remote.bytes, " bytes for ",
+                                    t.DebugString()));
+    }
+    out->tensor = std::move(t);
+    return absl::OkStatus();
+  }
   if (DataTypeCanMemCopy(dtype)) {
     ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
     if (t.TotalBytes() != 0) return Malformed(absl::StrCat("no content for ", t.DebugString()));

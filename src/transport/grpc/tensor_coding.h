@@ -13,19 +13,24 @@
 
 #include "absl/status/status.h"
 #include "src/tensor/tensor.h"
+#include "src/transport/grpc/dma.h"
 
 namespace tensorverbs::grpc_transport {
 
 // Element bytes up to this size are copied into the header slice: a separate slice costs more.
 inline constexpr size_t kInlineLimit = 1024;
 
+// With `remote` (grpc+gdr), the response carries where the tensor can be read instead of its
+// bytes.
 void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_start_micros,
-                              grpc::ByteBuffer* out);
+                              grpc::ByteBuffer* out, const RemoteTensorRef* remote = nullptr);
 
 struct ParsedResponse {
-  Tensor tensor;
+  Tensor tensor;  // with `remote`: allocated to the right dtype and shape, not yet filled
   bool is_dead = false;
   int64_t send_start_micros = 0;
+  bool has_remote = false;
+  RemoteTensorRef remote;
 };
 
 // DataLoss for a malformed response, with what was wrong.

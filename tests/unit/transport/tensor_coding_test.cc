@@ -132,6 +132,58 @@ TEST(TensorCoding, MalformedResponsesAreDataLoss) {
   EXPECT_FALSE(parse(huge.SerializeAsString()).ok());
 }
 
+TEST(TensorCoding, ARemoteTensorCarriesWhereToReadItAndNoContent) {
+  Tensor t = Filled(DataType::kFloat32, TensorShape::Of({64, 64}));
+  RemoteTensorRef ref;
+  ref.addr = 0x7f0000001000;
+  ref.key = "opaque-key";
+  ref.tensor_key = 42;
+  ref.bytes = t.TotalBytes();
+  grpc::ByteBuffer buffer;
+  EncodeRecvTensorResponse(t, false, 7, &buffer, &ref);
+  EXPECT_LT(buffer.Length(), 256u) << "no element bytes travel";
+  ParsedResponse parsed;
+  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed).ok());
+  ASSERT_TRUE(parsed.has_remote);
+  EXPECT_EQ(parsed.remote.addr, ref.addr);
+  EXPECT_EQ(parsed.remote.key, ref.key);
+  EXPECT_EQ(parsed.remote.tensor_key, 42u);
+  EXPECT_EQ(parsed.tensor.dtype(), DataType::kFloat32);
+  EXPECT_EQ(parsed.tensor.shape(), t.shape()) << "the destination is allocated to its shape";
+
+  auto parse = [](const proto::RecvTensorResponse& r) {
+    grpc::ByteBuffer b = FromString(r.SerializeAsString());
+    ParsedResponse out;
+    return ParseRecvTensorResponse(&b, CpuAllocator(), &out);
+  };
+  proto::RecvTensorResponse good;
+  TensorToProto(t, good.mutable_meta());
+  good.mutable_meta()->clear_tensor_content();
+  good.mutable_remote()->set_addr(ref.addr);
+  good.mutable_remote()->set_key(ref.key);
+  good.mutable_remote()->set_tensor_key(3);
+  good.mutable_remote()->set_bytes(t.TotalBytes());
+  ASSERT_TRUE(parse(good).ok());
+  proto::RecvTensorResponse wrong_size = good;
+  wrong_size.mutable_remote()->set_bytes(t.TotalBytes() + 1);
+  EXPECT_EQ(parse(wrong_size).code(), absl::StatusCode::kDataLoss);
+  proto::RecvTensorResponse no_key = good;
+  no_key.mutable_remote()->clear_key();
+  EXPECT_EQ(parse(no_key).code(), absl::StatusCode::kDataLoss);
+  proto::RecvTensorResponse reserved_imm = good;
+  reserved_imm.mutable_remote()->set_tensor_key(0xFFFFFFFF);
+  EXPECT_EQ(parse(reserved_imm).code(), absl::StatusCode::kDataLoss) << "not a release immediate";
+  proto::RecvTensorResponse both = good;
+  both.set_tensor_content(std::string(t.TotalBytes(), 'x'));
+  EXPECT_EQ(parse(both).code(), absl::StatusCode::kDataLoss);
+  proto::RecvTensorResponse dead = good;
+  dead.set_is_dead(true);
+  EXPECT_EQ(parse(dead).code(), absl::StatusCode::kDataLoss);
+  proto::RecvTensorResponse strings = good;
+  strings.mutable_meta()->set_dtype(static_cast<int>(DataType::kString));
+  EXPECT_EQ(parse(strings).code(), absl::StatusCode::kDataLoss);
+}
+
 TEST(TensorCoding, RandomBytesNeverCrash) {
   std::mt19937 rng(5);
   for (int i = 0; i < 2000; ++i) {
