@@ -3,10 +3,12 @@
 #include <atomic>
 #include <cstdio>
 #include <iostream>
+#include <map>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "src/common/checksum.h"
@@ -102,6 +104,29 @@ absl::Status ServeCommands(Server& server) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& list) {
+  const std::vector<std::string> available = AvailableProtocols();
+  if (list.empty()) {
+    // Every protocol, the baseline first.
+    return std::vector<std::string>(available.rbegin(), available.rend());
+  }
+  const std::map<std::string, std::string> aliases = {
+      {"verbs", "grpc+verbs"}, {"zero-copy", "grpc+verbs"}, {"copy-verbs", "grpc+verbs-copy"},
+      {"gdr", "grpc+gdr"}};
+  std::vector<std::string> out;
+  for (absl::string_view p : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    std::string name(p);
+    if (auto it = aliases.find(name); it != aliases.end()) name = it->second;
+    if (std::find(available.begin(), available.end(), name) == available.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown protocol '", p, "'; available: ",
+                                                     absl::StrJoin(available, ", ")));
+    }
+    out.push_back(name);
+  }
+  if (out.empty()) return absl::InvalidArgumentError("no protocols given");
+  return out;
+}
 
 std::vector<std::string> BenchServerOptions::ToArgs() const {
   std::vector<std::string> args = {"--protocol", protocol};

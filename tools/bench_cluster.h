@@ -31,6 +31,10 @@
 
 namespace tensorverbs::tools {
 
+// "grpc,grpc+verbs,..." (or the short names verbs, copy-verbs, gdr) -> canonical protocol names
+// in the order given; empty: every available protocol, the baseline first.
+absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& list);
+
 // What every process of one benchmark configuration runs with.
 struct BenchServerOptions {
   std::string protocol = "grpc+verbs";
@@ -52,6 +56,20 @@ struct BenchPeerOptions {
   BenchServerOptions server;
 };
 int RunBenchPeer(const BenchPeerOptions& options);
+
+// `tensorverbs bench-ps-task`: one task of `bench ps` (bench_ps.cc). Prints "result <json>".
+struct BenchPsTaskOptions {
+  std::string cluster;
+  std::string job;
+  int task = 0;
+  std::string model;
+  int workers = 1;
+  int steps = 10;
+  int warmup = 2;
+  int64_t step_base = 1;
+  BenchServerOptions server;
+};
+int RunBenchPsTask(const BenchPsTaskOptions& options);
 
 class PairBench {
  public:

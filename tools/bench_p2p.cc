@@ -31,32 +31,6 @@
 namespace tensorverbs::tools {
 namespace {
 
-// The protocols of a run, canonical names, in the order asked; the short names of the issue
-// ("verbs", "copy-verbs", "gdr") are accepted too.
-absl::StatusOr<std::vector<std::string>> ParseProtocols(const std::string& list) {
-  const std::vector<std::string> available = AvailableProtocols();
-  if (list.empty()) {
-    // Every protocol, the baseline first.
-    std::vector<std::string> all(available.rbegin(), available.rend());
-    return all;
-  }
-  const std::map<std::string, std::string> aliases = {
-      {"verbs", "grpc+verbs"}, {"zero-copy", "grpc+verbs"}, {"copy-verbs", "grpc+verbs-copy"},
-      {"gdr", "grpc+gdr"}};
-  std::vector<std::string> out;
-  for (absl::string_view p : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
-    std::string name(p);
-    if (auto it = aliases.find(name); it != aliases.end()) name = it->second;
-    if (std::find(available.begin(), available.end(), name) == available.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown protocol '", p, "'; available: ",
-                                                     absl::StrJoin(available, ", ")));
-    }
-    out.push_back(name);
-  }
-  if (out.empty()) return absl::InvalidArgumentError("no protocols given");
-  return out;
-}
-
 bool IsVerbsProtocol(const std::string& p) { return p != "grpc"; }
 
 // The fabric the verbs protocols will use here, by the same policy as the servers.
@@ -201,7 +175,7 @@ const FabricRow* FindFabricRow(const std::vector<FabricRow>& rows, size_t size) 
 
 int RunBenchP2P(const BenchP2POptions& o) {
   absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
-  absl::StatusOr<std::vector<std::string>> protocols = ParseProtocols(o.protocols);
+  absl::StatusOr<std::vector<std::string>> protocols = ParseProtocolList(o.protocols);
   for (const absl::Status& s : {sizes.status(), protocols.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "tensorverbs bench p2p: %s\n", std::string(s.message()).c_str());
@@ -390,7 +364,7 @@ int RunBenchP2P(const BenchP2POptions& o) {
 
 int RunBenchRate(const BenchRateOptions& o) {
   absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
-  absl::StatusOr<std::vector<std::string>> protocols = ParseProtocols(o.protocols);
+  absl::StatusOr<std::vector<std::string>> protocols = ParseProtocolList(o.protocols);
   std::vector<int> slots;
   for (absl::string_view s : absl::StrSplit(o.slots, ',', absl::SkipWhitespace())) {
     int n = 0;

@@ -160,12 +160,16 @@ absl::Status WritePngPlot(const std::string& path, const std::string& title,
     return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
   }
   const std::string dir = dir_template;
+  // Text goes through gnuplot's enhanced mode, where '_' means subscript; file names do not.
   auto quote = [](const std::string& s) {
     return absl::StrCat("\"", absl::StrReplaceAll(s, {{"\"", "'"}, {"_", "\\\\_"}}), "\"");
   };
+  auto quote_file = [](const std::string& s) {
+    return absl::StrCat("\"", absl::StrReplaceAll(s, {{"\\", "\\\\"}, {"\"", "\\\""}}), "\"");
+  };
   std::string script = absl::StrCat(
       "set terminal pngcairo size ", 640 * std::max<size_t>(panels.size(), 1),
-      ",520 font 'sans,10'\n", "set output ", quote(path), "\n", "set multiplot layout 1,",
+      ",520 font 'sans,10'\n", "set output ", quote_file(path), "\n", "set multiplot layout 1,",
       panels.size(), " title ", quote(title), "\n", "set key top left box opaque\n",
       "set grid\n");
   std::vector<std::string> files;
@@ -194,7 +198,7 @@ absl::Status WritePngPlot(const std::string& path, const std::string& title,
         out << series.x[i] << " " << series.y[i] << "\n";
       }
       files.push_back(file);
-      plots.push_back(absl::StrCat(quote(file), " using 1:2 with linespoints lw 2 title ",
+      plots.push_back(absl::StrCat(quote_file(file), " using 1:2 with linespoints lw 2 title ",
                                    quote(series.title)));
     }
     if (plots.empty()) {

@@ -80,6 +80,21 @@ struct BenchRateOptions {
 };
 int RunBenchRate(const BenchRateOptions& options);
 
+// `tensorverbs bench ps`: parameter-server training steps of a real model's variables, P ps +
+// K workers as processes, per protocol.
+struct BenchPsOptions {
+  std::string models = "vgg16";  // comma-separated, or "all"
+  std::string workers = "2";     // comma-separated worker counts
+  int ps = 1;
+  std::string protocols;         // empty: every available protocol
+  int steps = 10;
+  int warmup = 2;
+  bool netns = false;            // every task in its own network namespace on a bridge
+  std::string json;
+  std::string poll_mode;
+};
+int RunBenchPs(const BenchPsOptions& options);
+
 // Prints the fabric backends and libfabric providers usable here, the memlock limit and the
 // configuration in effect.
 int RunInfoCommand();

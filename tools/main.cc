@@ -88,6 +88,37 @@ int main(int argc, char** argv) {
   bench_rate->add_option("--callback-threads", rate.callback_threads,
                          "Recv callback threads; 0 runs them inline (default: environment)");
 
+  BenchPsOptions ps;
+  CLI::App* bench_ps = bench_cmd->add_subcommand(
+      "ps", "Parameter-server training steps of VGG16, ResNet-50 or Inception v3 per protocol");
+  bench_ps->add_option("--model", ps.models, "vgg16, resnet50, inception3, comma-separated, or all")
+      ->default_val(ps.models);
+  bench_ps->add_option("--workers", ps.workers, "Worker counts, comma-separated")
+      ->default_val(ps.workers);
+  bench_ps->add_option("--ps", ps.ps, "Parameter-server tasks")->default_val(ps.ps);
+  bench_ps->add_option("--protocols", ps.protocols, "Comma-separated protocols; default: all");
+  bench_ps->add_option("--steps", ps.steps, "Measured steps")->default_val(ps.steps);
+  bench_ps->add_option("--warmup", ps.warmup, "Warm-up steps")->default_val(ps.warmup);
+  bench_ps->add_flag("--netns", ps.netns, "Every task in its own network namespace (root)");
+  bench_ps->add_option("--json", ps.json, "Write JSON rows to this file");
+  bench_ps->add_option("--poll-mode", ps.poll_mode, "busy, blocking or adaptive");
+
+  BenchPsTaskOptions ps_task;
+  CLI::App* ps_task_cmd = app.add_subcommand("bench-ps-task", "One task of bench ps");
+  ps_task_cmd->group("");
+  ps_task_cmd->add_option("--cluster", ps_task.cluster)->required();
+  ps_task_cmd->add_option("--job", ps_task.job)->required();
+  ps_task_cmd->add_option("--task", ps_task.task)->required();
+  ps_task_cmd->add_option("--model", ps_task.model)->required();
+  ps_task_cmd->add_option("--workers", ps_task.workers)->required();
+  ps_task_cmd->add_option("--steps", ps_task.steps)->required();
+  ps_task_cmd->add_option("--warmup", ps_task.warmup)->required();
+  ps_task_cmd->add_option("--step-base", ps_task.step_base)->required();
+  ps_task_cmd->add_option("--protocol", ps_task.server.protocol)->required();
+  ps_task_cmd->add_option("--message-slots", ps_task.server.message_slots);
+  ps_task_cmd->add_option("--poll-mode", ps_task.server.poll_mode);
+  ps_task_cmd->add_option("--callback-threads", ps_task.server.callback_threads);
+
   BenchPeerOptions bench_peer;
   CLI::App* bench_peer_cmd = app.add_subcommand("bench-peer", "Sender side of bench p2p/rate");
   bench_peer_cmd->group("");
@@ -132,5 +163,7 @@ int main(int argc, char** argv) {
   if (bench_p2p->parsed()) return RunBenchP2P(p2p);
   if (bench_rate->parsed()) return RunBenchRate(rate);
   if (bench_peer_cmd->parsed()) return RunBenchPeer(bench_peer);
+  if (bench_ps->parsed()) return RunBenchPs(ps);
+  if (ps_task_cmd->parsed()) return RunBenchPsTask(ps_task);
   return 2;
 }

@@ -65,4 +65,47 @@ NetnsHost::~NetnsHost() {
 
 std::vector<std::string> NetnsHost::ExecPrefix() const { return {kIp, "netns", "exec", name_}; }
 
+absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
+  if (geteuid() != 0) {
+    return absl::UnavailableError("network namespaces need root (CAP_NET_ADMIN)");
+  }
+  if (access(kIp, X_OK) != 0) {
+    return absl::UnavailableError("iproute2 (/usr/sbin/ip) is not installed");
+  }
+  if (hosts < 1 || hosts > 200) return absl::InvalidArgumentError("1..200 netns hosts");
+  auto cluster = std::unique_ptr<NetnsCluster>(new NetnsCluster);
+  const int pid = static_cast<int>(getpid());
+  const int b = 200 + pid % 50, c = (pid / 50) % 250;
+  cluster->bridge_ = absl::StrCat("tvb", pid % 100000);
+  RETURN_IF_ERROR(Ip({"link", "add", "name", cluster->bridge_, "type", "bridge"}));
+  RETURN_IF_ERROR(Ip({"link", "set", cluster->bridge_, "up"}));
+  for (int i = 0; i < hosts; ++i) {
+    const std::string ns = absl::StrCat("tv", pid, "c", i);
+    const std::string local_if = absl::StrCat("tvh", pid % 100000, "c", i);
+    const std::string remote_if = absl::StrCat("tvp", pid % 100000, "c", i);
+    const std::string address = absl::StrCat("10.", b, ".", c, ".", i + 1);
+    RETURN_IF_ERROR(Ip({"netns", "add", ns}));
+    cluster->namespaces_.push_back(ns);
+    cluster->addresses_.push_back(address);
+    RETURN_IF_ERROR(Ip({"link", "add", local_if, "type", "veth", "peer", "name", remote_if}));
+    RETURN_IF_ERROR(Ip({"link", "set", local_if, "master", cluster->bridge_}));
+    RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
+    RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
+    RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "addr", "add", address + "/24", "dev",
+                        remote_if}));
+    RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
+    RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", "lo", "up"}));
+  }
+  return cluster;
+}
+
+NetnsCluster::~NetnsCluster() {
+  for (const std::string& ns : namespaces_) (void)Ip({"netns", "del", ns});
+  if (!bridge_.empty()) (void)Ip({"link", "del", bridge_});
+}
+
+std::vector<std::string> NetnsCluster::ExecPrefix(int host) const {
+  return {kIp, "netns", "exec", namespaces_[host]};
+}
+
 }  // namespace tensorverbs::tools

@@ -39,6 +39,27 @@ class NetnsHost {
   bool created_ = false;
 };
 
+// NetnsCluster: `hosts` network namespaces on one bridge in the caller's namespace, one
+// address each in a common /24, for clusters whose every task is a separate host. The
+// destructor deletes the namespaces and the bridge. Same requirements as NetnsHost.
+class NetnsCluster {
+ public:
+  static absl::StatusOr<std::unique_ptr<NetnsCluster>> Create(int hosts);
+  NetnsCluster(const NetnsCluster&) = delete;
+  NetnsCluster& operator=(const NetnsCluster&) = delete;
+  ~NetnsCluster();
+
+  int size() const { return static_cast<int>(namespaces_.size()); }
+  const std::string& address(int host) const { return addresses_[host]; }
+  std::vector<std::string> ExecPrefix(int host) const;
+
+ private:
+  NetnsCluster() = default;
+  std::string bridge_;
+  std::vector<std::string> namespaces_;
+  std::vector<std::string> addresses_;
+};
+
 }  // namespace tensorverbs::tools
 
 #endif  // TENSORVERBS_TOOLS_NETNS_H_

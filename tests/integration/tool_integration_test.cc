@@ -2,7 +2,11 @@
 // start-up, bad input and clean shutdown on SIGTERM.
 #include <signal.h>
 
+#include <unistd.h>
+
 #include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -107,6 +111,109 @@ TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
   for (size_t pos = 0; (pos = text.find("\"bandwidth_gbps\"", pos)) != std::string::npos; ++pos) ++rows;
   EXPECT_EQ(rows, 4u) << text;
   EXPECT_THAT(text, HasSubstr("\"size_bytes\": 65536"));
+}
+
+nlohmann::json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
+TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
+  const std::string json = ::testing::TempDir() + "/bench_p2p.json";
+  const std::string png = ::testing::TempDir() + "/bench_p2p.png";
+  absl::StatusOr<ToolRun> run = RunTool({"bench", "p2p", "--sizes", "4B,64KiB", "--iters", "20",
+                                         "--window", "4", "--json", json, "--plot", png},
+                                        absl::Seconds(280));
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string& out = run->out;
+  ASSERT_EQ(run->exit_code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("memcpy between pre-faulted buffers"));
+  EXPECT_THAT(out, HasSubstr("fabric write-with-immediate, backend ofi, provider shm"));
+  EXPECT_THAT(out, HasSubstr("summary"));
+  nlohmann::json rows = ReadJson(json);
+  ASSERT_TRUE(rows.is_array()) << out;
+  // Copies per transfer at 64 KiB, by design: grpc parses into the tensor once, the copy mode
+  // copies in and out, zero copy and gdr copy nothing.
+  const std::map<std::string, double> copies = {
+      {"grpc", 1}, {"grpc+verbs-copy", 2}, {"grpc+gdr", 0}, {"grpc+verbs", 0}};
+  std::map<std::string, int> seen;
+  for (const nlohmann::json& r : rows) {
+    const std::string protocol = r.value("protocol", "");
+    ++seen[protocol];
+    EXPECT_GT(r.value("bandwidth_gbps", 0.0), 0) << r.dump();
+    if (copies.count(protocol) == 0) continue;
+    EXPECT_GT(r.value("p50_us", 0.0), 0) << r.dump();
+    EXPECT_GE(r.value("p99_us", 0.0), r.value("p50_us", 0.0)) << r.dump();
+    EXPECT_GT(r.value("ratio_to_fabric_write", 0.0), 0) << r.dump();
+    if (r.value("size_bytes", 0) == 65536) {
+      EXPECT_DOUBLE_EQ(r.value("copies_per_transfer", -1.0), copies.at(protocol)) << r.dump();
+    }
+  }
+  for (const auto& [protocol, n] : copies) EXPECT_EQ(seen[protocol], 2) << protocol;
+  EXPECT_EQ(seen["fabric-write"], 2);
+  EXPECT_EQ(seen["memcpy"], 2);
+  std::ifstream image(png, std::ios::binary);
+  char magic[8] = {};
+  image.read(magic, 8);
+  EXPECT_EQ(std::string(magic + 1, 3), "PNG") << "a PNG plot was drawn";
+}
+
+TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCount) {
+  const std::string json = ::testing::TempDir() + "/bench_rate.json";
+  absl::StatusOr<ToolRun> run =
+      RunTool({"bench", "rate", "--protocols", "grpc+verbs,grpc", "--sizes", "4B", "--recvs",
+               "2000", "--window", "64", "--slots", "1,8", "--json", json},
+              absl::Seconds(240));
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->exit_code, 0) << run->out;
+  EXPECT_THAT(run->out, HasSubstr("grpc+verbs 4B: 8 slots = "));
+  nlohmann::json rows = ReadJson(json);
+  ASSERT_TRUE(rows.is_array());
+  ASSERT_EQ(rows.size(), 3u) << rows.dump();  // grpc+verbs with 1 and 8 slots, grpc
+  for (const nlohmann::json& r : rows) {
+    EXPECT_GT(r.value("tensors_per_s", 0.0), 0) << r.dump();
+    EXPECT_EQ(r.value("recvs", 0), 2000) << r.dump();
+  }
+}
+
+TEST(ToolTest, BenchPsRunsTrainingStepsOfARealModelOverEveryProtocol) {
+  const std::string json = ::testing::TempDir() + "/bench_ps.json";
+  absl::StatusOr<ToolRun> run =
+      RunTool({"bench", "ps", "--model", "resnet50", "--workers", "1", "--steps", "2",
+               "--warmup", "1", "--json", json},
+              absl::Seconds(280));
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string& out = run->out;
+  ASSERT_EQ(run->exit_code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("resnet50 (161 variables, 25.56 M parameters"));
+  EXPECT_THAT(out, HasSubstr("zero copy (grpc+verbs) vs second place"));
+  nlohmann::json rows = ReadJson(json);
+  ASSERT_TRUE(rows.is_array());
+  ASSERT_EQ(rows.size(), 4u) << rows.dump();
+  for (const nlohmann::json& r : rows) {
+    EXPECT_GT(r.value("step_ms_p50", 0.0), 0) << r.dump();
+    EXPECT_GT(r.value("throughput_gbps", 0.0), 0) << r.dump();
+    if (r.value("protocol", "") == "grpc+verbs") {
+      EXPECT_EQ(r.value("copies_per_step", -1.0), 0) << "zero copy in steady state";
+    }
+  }
+}
+
+TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
+  // The variable lists are generated from the architectures: check them against the
+  // published trainable-parameter counts.
+  for (const auto& [model, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"vgg16", "32 variables, 138.36 M parameters"},
+           {"resnet50", "161 variables, 25.56 M parameters"},
+           {"inception3", "196 variables, 27.14 M parameters"}}) {
+    absl::StatusOr<ToolRun> run = RunTool(
+        {"bench", "ps", "--model", model, "--workers", "1", "--steps", "1", "--warmup", "0",
+         "--protocols", "grpc+verbs"},
+        absl::Seconds(200));
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_EQ(run->exit_code, 0) << run->out;
+    EXPECT_THAT(run->out, HasSubstr(model + " (" + expect)) << run->out;
+  }
 }
 
 TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
