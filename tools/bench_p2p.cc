@@ -9,6 +9,8 @@
 //
 // rate: many small tensors outstanding at once; tensors per second per protocol and per
 // message-slot count of the verbs protocols (1 is the seed's stop-and-wait buffer).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -391,6 +393,7 @@ int RunBenchRate(const BenchRateOptions& o) {
     size_t size = 0;
     int64_t recvs = 0;
     double tensors_per_s = 0, p50_us = 0, p99_us = 0;
+    double cpu_us = 0;  // CPU time of both processes per tensor
   };
   std::vector<RateRow> rows;
   int64_t next_step = 1;
@@ -398,8 +401,8 @@ int RunBenchRate(const BenchRateOptions& o) {
   const int keys_per_step = std::min(o.window, 1000);
   std::printf("tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step\n",
               o.recvs, o.window, keys_per_step);
-  std::printf("%16s %6s %8s %14s %10s %10s  %s\n", "protocol", "slots", "#bytes", "tensors/s",
-              "p50[us]", "p99[us]", "fabric");
+  std::printf("%16s %6s %8s %14s %10s %10s %12s  %s\n", "protocol", "slots", "#bytes",
+              "tensors/s", "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
   for (const std::string& protocol : *protocols) {
     const std::vector<int> slot_counts = IsVerbsProtocol(protocol) ? slots : std::vector<int>{0};
     for (int n : slot_counts) {
@@ -422,7 +425,7 @@ int RunBenchRate(const BenchRateOptions& o) {
         absl::StatusOr<PhaseResult> run = RunPhase(**bench, prefix, keys, size, seed,
                                                    keys_per_step, o.window, false, &next_step);
         if (run.ok()) {
-          run = RunPhase(**bench, prefix, keys, size, seed, o.recvs, o.window, false, &next_step);
+          run = RunPhase(**bench, prefix, keys, size, seed, o.recvs, o.window, true, &next_step);
         }
         if (!run.ok()) {
           std::fprintf(stderr, "tensorverbs bench rate: %s, %d slots, %s: %s\n", protocol.c_str(),
@@ -438,9 +441,10 @@ int RunBenchRate(const BenchRateOptions& o) {
         row.tensors_per_s = row.recvs / absl::ToDoubleSeconds(run->elapsed);
         row.p50_us = Percentile(run->latency_us, 0.5);
         row.p99_us = Percentile(run->latency_us, 0.99);
-        std::printf("%16s %6s %8s %14.0f %10.1f %10.1f  %s\n", protocol.c_str(),
+        row.cpu_us = (run->local.cpu_seconds + run->peer.cpu_seconds) * 1e6 / o.recvs;
+        std::printf("%16s %6s %8s %14.0f %10.1f %10.1f %12.2f  %s\n", protocol.c_str(),
                     n > 0 ? absl::StrCat(n).c_str() : "-", SizeName(size).c_str(),
-                    row.tensors_per_s, row.p50_us, row.p99_us, row.fabric.c_str());
+                    row.tensors_per_s, row.p50_us, row.p99_us, row.cpu_us, row.fabric.c_str());
         std::fflush(stdout);
         rows.push_back(row);
       }
@@ -452,9 +456,15 @@ int RunBenchRate(const BenchRateOptions& o) {
     if (r.slots <= 1) continue;
     for (const RateRow& base : rows) {
       if (base.protocol == r.protocol && base.size == r.size && base.slots == 1) {
-        std::printf("  %s %s: %d slots = %.2f x 1 slot%s\n", r.protocol.c_str(),
-                    SizeName(r.size).c_str(), r.slots, r.tensors_per_s / base.tensors_per_s,
-                    r.slots == 8 ? " (goal for 8 slots: >= 5)" : "");
+        // With slots enough to hide the round trip, the rate is bounded by the CPU a tensor
+        // costs (both processes) on the cores there are.
+        const double cpu_bound = sysconf(_SC_NPROCESSORS_ONLN) / (r.cpu_us * 1e-6);
+        std::printf("  %s %s: %d slots = %.2f x 1 slot%s; CPU bound at %.0f tensors/s = %.2f x "
+                    "1 slot\n",
+                    r.protocol.c_str(), SizeName(r.size).c_str(), r.slots,
+                    r.tensors_per_s / base.tensors_per_s,
+                    r.slots == 8 ? " (goal for 8 slots: >= 5)" : "", cpu_bound,
+                    cpu_bound / base.tensors_per_s);
       }
     }
   }
@@ -464,7 +474,7 @@ int RunBenchRate(const BenchRateOptions& o) {
       out.push_back({{"protocol", r.protocol}, {"fabric", r.fabric}, {"message_slots", r.slots},
                      {"size_bytes", r.size}, {"recvs", r.recvs}, {"window", o.window},
                      {"tensors_per_s", r.tensors_per_s}, {"p50_us", r.p50_us},
-                     {"p99_us", r.p99_us}});
+                     {"p99_us", r.p99_us}, {"cpu_us_per_transfer", r.cpu_us}});
     }
     std::ofstream(o.json) << out.dump(2) << "\n";
     std::printf("\nJSON rows: %s\n", o.json.c_str());
