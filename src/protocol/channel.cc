@@ -190,33 +190,16 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
         "META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
     return;
   }
-  if (env->mode == VerbsMode::kCopy) {
-    if (!IsBufferMeta(m.meta)) {
-      channel_->Close(absl::DataLossError(absl::StrCat(
-          "task ", channel_->peer_task(), " asked for a copy-mode buffer it described as ",
-          DataTypeName(m.meta.dtype), m.meta.shape.DebugString())));
-      return;
-    }
-    meta_ = m.meta;
-    checksum_ = m.checksum;
-    Message rr;
-    rr.type = MessageType::kTensorReRequest;
-    rr.name = key_.full_key;
-    rr.step_id = step_id_;
-    rr.request_index = index_;
-    rr.meta = m.meta;
-    if (!finished()) {
-      absl::Status s = PrepareCopyBuffer(m.meta.tensor_bytes, &rr.remote_addr, &rr.remote_key);
-      if (!s.ok()) Fail(s);
-    }
-    state_ = State::kReRequested;
-    env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
-    channel_->SendMessage(std::move(rr));
+  if (env->mode == VerbsMode::kCopy && !IsBufferMeta(m.meta)) {
+    channel_->Close(absl::DataLossError(absl::StrCat(
+        "task ", channel_->peer_task(), " asked for a copy-mode buffer it described as ",
+        DataTypeName(m.meta.dtype), m.meta.shape.DebugString())));
     return;
   }
   meta_ = m.meta;
   checksum_ = m.checksum;
-  if (!m.meta.is_dead) env->memory->CacheMeta(key_.full_key, m.meta);
+  const bool copy = env->mode == VerbsMode::kCopy;
+  if (!copy && !m.meta.is_dead) env->memory->CacheMeta(key_.full_key, m.meta);
   Message rr;
   rr.type = MessageType::kTensorReRequest;
   rr.name = key_.full_key;
@@ -225,8 +208,9 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   rr.meta = m.meta;
   // A recv that already ended (abort, timeout) or cannot allocate still answers, with no
   // target: the sender then writes nothing but the immediate, and releases its tensor.
-  if (!finished() && !m.meta.is_dead && m.meta.tensor_bytes > 0) {
-    absl::Status s = PrepareDestination(m.meta, &rr.remote_addr, &rr.remote_key);
+  if (!finished() && (copy || (!m.meta.is_dead && m.meta.tensor_bytes > 0))) {
+    absl::Status s = copy ? PrepareCopyBuffer(m.meta.tensor_bytes, &rr.remote_addr, &rr.remote_key)
+                          : PrepareDestination(m.meta, &rr.remote_addr, &rr.remote_key);
     if (!s.ok()) Fail(s);
   }
   state_ = State::kReRequested;
@@ -467,16 +451,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
       WriteContent(request_.remote_addr, request_.remote_key);
       return;
     }
-    Message m;
-    m.type = MessageType::kMetaDataResponse;
-    m.name = request_.name;
-    m.step_id = request_.step_id;
-    m.request_index = request_.request_index;
-    m.meta = meta_;
-    if (env->data_validation) m.checksum = Checksum(source_, meta_.tensor_bytes);
-    state_ = State::kWaitReRequest;
-    env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
-    channel_->SendMessage(std::move(m));
+    SendMetaData();
     return;
   }
   tensor_ = tensor;
@@ -497,6 +472,11 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
     WriteContent(request_.remote_addr, request_.remote_key);
     return;
   }
+  SendMetaData();
+}
+
+void RdmaTensorResponse::SendMetaData() {
+  ChannelEnv* env = channel_->env();
   Message m;
   m.type = MessageType::kMetaDataResponse;
   m.name = request_.name;

@@ -166,6 +166,8 @@ class RdmaTensorResponse {
   // Copy mode: lays the tensor out in the name's registered buffer (the copy in).
   absl::Status PrepareCopySource(const Tensor& tensor, bool is_dead);
   void WriteContent(uint64_t addr, const std::string& key);
+  // META_DATA_RESPONSE (in copy mode: the seed's BUFFER_REQUEST), then wait for RE_REQUEST.
+  void SendMetaData();
   void SendError(const absl::Status& status);
 
   Channel* const channel_;

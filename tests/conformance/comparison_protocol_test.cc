@@ -13,6 +13,7 @@
 #include "src/fabric/loopback/loopback.h"
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
+#include "tests/support/inprocess_cluster.h"
 #include "tests/support/pending_recv.h"
 #include "tools/process_util.h"
 
@@ -28,58 +29,23 @@ struct Param {
   const char* provider;
 };
 
-class ComparisonProtocolTest : public ::testing::TestWithParam<Param> {
+class ComparisonProtocolTest : public testing::ClusterTest<Param> {
  protected:
-  void TearDown() override {
-    for (auto& s : servers_) {
-      if (s) s->Stop();
-    }
-    servers_.clear();
-  }
-
   bool copy_mode() const { return std::string(GetParam().protocol) == "grpc+verbs-copy"; }
 
   // `n` tasks in this process; `protocols` overrides the protocol per task.
   void StartCluster(int n, std::function<void(protocol::VerbsOptions&)> tune = nullptr,
                     std::vector<std::string> protocols = {}) {
-    absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(n);
-    ASSERT_TRUE(ports.ok());
-    std::vector<std::string> addrs;
-    for (int p : *ports) addrs.push_back(absl::StrCat("127.0.0.1:", p));
-    const std::string cluster = absl::StrCat("worker=", absl::StrJoin(addrs, ","));
-    for (int t = 0; t < n; ++t) {
-      ServerOptions options;
-      options.cluster = *ClusterSpec::Parse(cluster);
-      options.job = "worker";
-      options.task = t;
-      options.protocol = t < static_cast<int>(protocols.size()) ? protocols[t] : GetParam().protocol;
-      options.recv_timeout = recv_timeout_;
-      options.verbs.fabric = GetParam().fabric;
-      options.verbs.ofi_provider = GetParam().provider;
-      options.verbs.peer_timeout = absl::Seconds(5);
-      options.verbs.connect_timeout = absl::Seconds(20);
-      if (tune) tune(options.verbs);
-      absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
-      ASSERT_TRUE(server.ok()) << server.status();
-      servers_.push_back(*std::move(server));
-    }
+    testing::ClusterOptions o;
+    o.protocol = GetParam().protocol;
+    o.fabric = GetParam().fabric;
+    o.provider = GetParam().provider;
+    o.recv_timeout = recv_timeout_;
+    o.tune = std::move(tune);
+    o.protocols = std::move(protocols);
+    StartWith(n, o);
   }
 
-  Server& server(int t) { return *servers_[t]; }
-  protocol::VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
-  std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
-    return *server(task).rendezvous_mgr()->Find(step);
-  }
-  ParsedKey Key(int src, const std::string& name, int dst = 0) {
-    return *ParsedKey::Parse(ParsedKey::Create(server(src).device_name(),
-                                               server(src).incarnation(),
-                                               server(dst).device_name(), name));
-  }
-  Tensor PoolTensor(int task, DataType dtype, std::vector<int64_t> dims, uint32_t seed) {
-    Tensor t = *Tensor::Allocate(server(task).recv_allocator(), dtype, *TensorShape::Create(dims));
-    testing::FillPattern(t, seed);
-    return t;
-  }
   int64_t Copies(int task) { return server(task).stats().copies.load(); }
 
   // Every tensor a gdr sender lent has been released (the release immediate can trail the
@@ -92,8 +58,6 @@ class ComparisonProtocolTest : public ::testing::TestWithParam<Param> {
     EXPECT_EQ(transport(task).NumLentTensors(), 0u) << "every lent tensor was released";
   }
 
-  std::vector<std::unique_ptr<Server>> servers_;
-  absl::Duration recv_timeout_ = absl::Seconds(60);
 };
 
 TEST_P(ComparisonProtocolTest, EveryFixtureArrivesIntactWithItsDeadness) {

@@ -17,6 +17,7 @@
 #include "src/rendezvous/device_name.h"
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
+#include "tests/support/inprocess_cluster.h"
 #include "tests/support/pending_recv.h"
 #include "tools/process_util.h"
 
@@ -31,62 +32,18 @@ struct FabricParam {
   const char* provider;
 };
 
-class VerbsProtocolTest : public ::testing::TestWithParam<FabricParam> {
+class VerbsProtocolTest : public testing::ClusterTest<FabricParam> {
  protected:
-  void TearDown() override {
-    for (auto& s : servers_) {
-      if (s) s->Stop();
-    }
-    servers_.clear();
-  }
-
   // `n` tasks in this process; `tune` adjusts every server's grpc+verbs options.
   void StartCluster(int n, std::function<void(protocol::VerbsOptions&)> tune = nullptr) {
-    absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(n);
-    ASSERT_TRUE(ports.ok());
-    std::vector<std::string> addrs;
-    for (int p : *ports) addrs.push_back(absl::StrCat("127.0.0.1:", p));
-    const std::string cluster = absl::StrCat("worker=", absl::StrJoin(addrs, ","));
-    for (int t = 0; t < n; ++t) {
-      ServerOptions options;
-      options.cluster = *ClusterSpec::Parse(cluster);
-      options.job = "worker";
-      options.task = t;
-      options.protocol = "grpc+verbs";
-      options.recv_timeout = recv_timeout_;
-      options.verbs.fabric = GetParam().fabric;
-      options.verbs.ofi_provider = GetParam().provider;
-      options.verbs.peer_timeout = absl::Seconds(5);
-      options.verbs.connect_timeout = absl::Seconds(20);
-      if (tune) tune(options.verbs);
-      absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
-      ASSERT_TRUE(server.ok()) << server.status();
-      servers_.push_back(*std::move(server));
-    }
+    testing::ClusterOptions o;
+    o.protocol = "grpc+verbs";
+    o.fabric = GetParam().fabric;
+    o.provider = GetParam().provider;
+    o.recv_timeout = recv_timeout_;
+    o.tune = std::move(tune);
+    StartWith(n, o);
   }
-
-  Server& server(int t) { return *servers_[t]; }
-  protocol::VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
-
-  std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
-    return *server(task).rendezvous_mgr()->Find(step);
-  }
-
-  ParsedKey Key(int src, const std::string& name, int dst = 0) {
-    return *ParsedKey::Parse(ParsedKey::Create(server(src).device_name(),
-                                               server(src).incarnation(),
-                                               server(dst).device_name(), name));
-  }
-
-  // A tensor in the sender's registered pool (where a training step's tensors live).
-  Tensor PoolTensor(int task, DataType dtype, std::vector<int64_t> dims, uint32_t seed) {
-    Tensor t = *Tensor::Allocate(server(task).recv_allocator(), dtype, *TensorShape::Create(dims));
-    testing::FillPattern(t, seed);
-    return t;
-  }
-
-  std::vector<std::unique_ptr<Server>> servers_;
-  absl::Duration recv_timeout_ = absl::Seconds(60);
 };
 
 TEST_P(VerbsProtocolTest, EveryFixtureArrivesIntactWithItsDeadness) {

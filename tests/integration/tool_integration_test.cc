@@ -20,24 +20,10 @@ namespace tensorverbs {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::RunTool;
 using testing::Subprocess;
+using testing::ToolRun;
 
-struct ToolRun {
-  int exit_code = -1;
-  std::string out;
-};
-
-// Runs `tensorverbs args...` to completion and collects its stdout.
-absl::StatusOr<ToolRun> RunTool(const std::vector<std::string>& args, absl::Duration timeout) {
-  absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(testing::ToolPath(), args);
-  if (!p.ok()) return p.status();
-  ToolRun run;
-  run.out = (*p)->ReadAll(timeout);
-  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
-  if (!rc.ok()) return rc.status();
-  run.exit_code = *rc;
-  return run;
-}
 
 // The demo with the default protocol (grpc+verbs here: libfabric shm is usable) and with grpc.
 void ExpectDemoTrains(const std::vector<std::string>& extra, const std::string& protocol) {

@@ -1,8 +1,13 @@
-// Test access to tools::Subprocess and the paths of the binaries under test (set by CMake).
+// Test access to tools::Subprocess, the paths of the binaries under test (set by CMake), and a
+// way to run the tool as a user does.
 #ifndef TENSORVERBS_TESTS_SUPPORT_SUBPROCESS_H_
 #define TENSORVERBS_TESTS_SUPPORT_SUBPROCESS_H_
 
 #include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 #include "tools/subprocess.h"
 
@@ -12,6 +17,13 @@ using tools::Subprocess;
 
 std::string TestPeerPath();
 std::string ToolPath();
+
+struct ToolRun {
+  int exit_code = -1;
+  std::string out;  // stdout
+};
+// Runs `tensorverbs args...` to completion (or `timeout`) and collects its stdout.
+absl::StatusOr<ToolRun> RunTool(const std::vector<std::string>& args, absl::Duration timeout);
 
 }  // namespace tensorverbs::testing
 

@@ -1,0 +1,119 @@
+// InProcessCluster: tasks of one cluster as Servers in the test's own process, on free
+// 127.0.0.1 ports, over a chosen protocol and fabric, with the accessors the protocol
+// conformance suites share (a step's rendezvous, keys between tasks, pattern tensors in a
+// task's registered pool). Used from the test's main thread; Stop() before the tensors a test
+// received outlive the servers' pools.
+#ifndef TENSORVERBS_TESTS_SUPPORT_INPROCESS_CLUSTER_H_
+#define TENSORVERBS_TESTS_SUPPORT_INPROCESS_CLUSTER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "src/server/server.h"
+#include "tests/support/fixtures.h"
+#include "tools/process_util.h"
+
+namespace tensorverbs::testing {
+
+struct ClusterOptions {
+  std::string protocol = "grpc+verbs";
+  std::string fabric = "loopback";
+  std::string provider;
+  absl::Duration recv_timeout = absl::Seconds(60);
+  // Adjusts every server's grpc+verbs options after the defaults above.
+  std::function<void(protocol::VerbsOptions&)> tune;
+  // Per-task protocol overrides (task i gets protocols[i] where given).
+  std::vector<std::string> protocols;
+};
+
+class InProcessCluster {
+ public:
+  ~InProcessCluster() { Stop(); }
+
+  absl::Status Start(int n, const ClusterOptions& o) {
+    Stop();
+    absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(n);
+    if (!ports.ok()) return ports.status();
+    std::vector<std::string> addrs;
+    for (int p : *ports) addrs.push_back(absl::StrCat("127.0.0.1:", p));
+    const std::string cluster = absl::StrCat("worker=", absl::StrJoin(addrs, ","));
+    for (int t = 0; t < n; ++t) {
+      ServerOptions options;
+      options.cluster = *ClusterSpec::Parse(cluster);
+      options.job = "worker";
+      options.task = t;
+      options.protocol = t < static_cast<int>(o.protocols.size()) ? o.protocols[t] : o.protocol;
+      options.recv_timeout = o.recv_timeout;
+      options.verbs.fabric = o.fabric;
+      options.verbs.ofi_provider = o.provider;
+      options.verbs.peer_timeout = absl::Seconds(5);
+      options.verbs.connect_timeout = absl::Seconds(20);
+      if (o.tune) o.tune(options.verbs);
+      absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
+      if (!server.ok()) return server.status();
+      servers_.push_back(*std::move(server));
+    }
+    return absl::OkStatus();
+  }
+
+  void Stop() {
+    for (auto& s : servers_) {
+      if (s) s->Stop();
+    }
+    servers_.clear();
+  }
+
+  Server& server(int t) { return *servers_[t]; }
+  protocol::VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
+  std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
+    return *server(task).rendezvous_mgr()->Find(step);
+  }
+  // The key of tensor `name` sent by task `src` to task `dst`.
+  ParsedKey Key(int src, const std::string& name, int dst = 0) {
+    return *ParsedKey::Parse(ParsedKey::Create(server(src).device_name(),
+                                               server(src).incarnation(),
+                                               server(dst).device_name(), name));
+  }
+  // A pattern tensor in task's registered pool (where a training step's tensors live).
+  Tensor PoolTensor(int task, DataType dtype, std::vector<int64_t> dims, uint32_t seed) {
+    Tensor t = *Tensor::Allocate(server(task).recv_allocator(), dtype, *TensorShape::Create(dims));
+    FillPattern(t, seed);
+    return t;
+  }
+
+ private:
+  std::vector<std::unique_ptr<Server>> servers_;
+};
+
+// A parameterized test over an InProcessCluster, with its accessors; subclasses start it.
+template <typename Param>
+class ClusterTest : public ::testing::TestWithParam<Param> {
+ protected:
+  void TearDown() override { cluster_.Stop(); }
+
+  void StartWith(int n, const ClusterOptions& o) {
+    absl::Status s = cluster_.Start(n, o);
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  Server& server(int t) { return cluster_.server(t); }
+  protocol::VerbsTransport& transport(int t) { return cluster_.transport(t); }
+  std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) { return cluster_.Step(task, step); }
+  ParsedKey Key(int src, const std::string& name, int dst = 0) { return cluster_.Key(src, name, dst); }
+  Tensor PoolTensor(int task, DataType dtype, std::vector<int64_t> dims, uint32_t seed) {
+    return cluster_.PoolTensor(task, dtype, std::move(dims), seed);
+  }
+
+  InProcessCluster cluster_;
+  absl::Duration recv_timeout_ = absl::Seconds(60);
+};
+
+}  // namespace tensorverbs::testing
+
+#endif  // TENSORVERBS_TESTS_SUPPORT_INPROCESS_CLUSTER_H_
