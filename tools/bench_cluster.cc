@@ -58,9 +58,8 @@ absl::Status ServeCommands(Server& server) {
         status = absl::InvalidArgumentError(absl::StrCat("malformed command '", line, "'"));
       } else {
         // One tensor in the registered pool, shared by every send (tensors are immutable).
-        absl::StatusOr<Tensor> t =
-            Tensor::Allocate(server.recv_allocator(), DataType::kUInt8,
-                             TensorShape::Of({static_cast<int64_t>(bytes)}));
+        absl::StatusOr<Tensor> t = Tensor::Allocate(server.recv_allocator(), DataType::kUInt8,
+                                                    TensorShape::Of({static_cast<int64_t>(bytes)}));
         if (!t.ok()) {
           status = t.status();
         } else {
@@ -111,16 +110,17 @@ absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& li
     // Every protocol, the baseline first.
     return std::vector<std::string>(available.rbegin(), available.rend());
   }
-  const std::map<std::string, std::string> aliases = {
-      {"verbs", "grpc+verbs"}, {"zero-copy", "grpc+verbs"}, {"copy-verbs", "grpc+verbs-copy"},
-      {"gdr", "grpc+gdr"}};
+  const std::map<std::string, std::string> aliases = {{"verbs", "grpc+verbs"},
+                                                      {"zero-copy", "grpc+verbs"},
+                                                      {"copy-verbs", "grpc+verbs-copy"},
+                                                      {"gdr", "grpc+gdr"}};
   std::vector<std::string> out;
   for (absl::string_view p : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
     std::string name(p);
     if (auto it = aliases.find(name); it != aliases.end()) name = it->second;
     if (std::find(available.begin(), available.end(), name) == available.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown protocol '", p, "'; available: ",
-                                                     absl::StrJoin(available, ", ")));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown protocol '", p, "'; available: ", absl::StrJoin(available, ", ")));
     }
     out.push_back(name);
   }
@@ -172,13 +172,13 @@ int RunBenchPeer(const BenchPeerOptions& o) {
 }
 
 absl::StatusOr<std::unique_ptr<PairBench>> PairBench::Start(const BenchServerOptions& options,
-                                                           const NetnsHost* netns) {
+                                                            const NetnsHost* netns) {
   auto bench = std::unique_ptr<PairBench>(new PairBench);
   ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(2));
   const std::string self_host = netns ? netns->local_address() : "127.0.0.1";
   const std::string peer_host = netns ? netns->remote_address() : "127.0.0.1";
-  const std::string cluster = absl::StrCat(kJob, "=", self_host, ":", ports[0], ",", peer_host,
-                                           ":", ports[1]);
+  const std::string cluster =
+      absl::StrCat(kJob, "=", self_host, ":", ports[0], ",", peer_host, ":", ports[1]);
   ASSIGN_OR_RETURN(std::string exe, SelfExecutable());
   std::vector<std::string> args = netns ? netns->ExecPrefix() : std::vector<std::string>{};
   args.insert(args.end(), {exe, "bench-peer", "--cluster", cluster, "--job", kJob, "--task", "1"});
@@ -222,8 +222,8 @@ std::vector<ParsedKey> PairBench::Keys(const std::string& prefix, int keys) cons
 
 absl::Status PairBench::PeerSend(const std::string& prefix, int keys, size_t bytes,
                                  int64_t first_step, int64_t steps, uint32_t seed) {
-  RETURN_IF_ERROR(Tell(*peer_, absl::StrCat("send ", prefix, " ", keys, " ", bytes, " ",
-                                            first_step, " ", steps, " ", seed)));
+  RETURN_IF_ERROR(Tell(*peer_, absl::StrCat("send ", prefix, " ", keys, " ", bytes, " ", first_step,
+                                            " ", steps, " ", seed)));
   return Expect(*peer_, "ok").status();
 }
 
@@ -254,8 +254,8 @@ PairBench::Usage PairBench::LocalUsage() const {
 }
 
 absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedKey>& keys,
-                                       int64_t first_step, int64_t count, int window,
-                                       size_t bytes, uint32_t seed, absl::Duration timeout) {
+                                       int64_t first_step, int64_t count, int window, size_t bytes,
+                                       uint32_t seed, absl::Duration timeout) {
   if (keys.empty() || count < 1 || window < 1) {
     return absl::InvalidArgumentError("RunRecvs: no keys, recvs or window");
   }
@@ -305,11 +305,12 @@ absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedK
         st->latency_us[i] = (absl::GetCurrentTimeNanos() - st->start_ns[i]) / 1e3;
         absl::Status result = s;
         if (result.ok() && t.TotalBytes() != st->bytes) {
-          result = absl::DataLossError(absl::StrCat("recv ", i, " got ", t.TotalBytes(),
-                                                    " bytes, not ", st->bytes));
+          result = absl::DataLossError(
+              absl::StrCat("recv ", i, " got ", t.TotalBytes(), " bytes, not ", st->bytes));
         } else if (result.ok() && (i == 0 || i == st->count - 1) &&
                    Crc32c(t.data(), st->bytes) != st->crc) {
-          result = absl::DataLossError(absl::StrCat("recv ", i, ": the bytes differ from what "
+          result = absl::DataLossError(absl::StrCat("recv ", i,
+                                                    ": the bytes differ from what "
                                                     "the peer sent"));
         }
         if (result.ok()) {
@@ -326,8 +327,7 @@ absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedK
         st->failed.store(true);
       }
       const int64_t finished = st->finished.fetch_add(1) + 1;
-      if (finished == st->count ||
-          (st->failed.load() && finished == st->started.load())) {
+      if (finished == st->count || (st->failed.load() && finished == st->started.load())) {
         st->all_done.Notify();
       }
     }
@@ -337,10 +337,9 @@ absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedK
   state->next.store(initial);
   for (int64_t i = 0; i < initial; ++i) Starter::Start(state, i);
   if (!state->all_done.WaitForNotificationWithTimeout(timeout)) {
-    return absl::DeadlineExceededError(absl::StrCat("recvs did not finish within ",
-                                                    absl::FormatDuration(timeout), " (",
-                                                    state->finished.load(), " of ", state->count,
-                                                    " done)"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("recvs did not finish within ", absl::FormatDuration(timeout), " (",
+                     state->finished.load(), " of ", state->count, " done)"));
   }
   {
     MutexLock lock(&state->mu);

@@ -38,8 +38,8 @@ absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& li
 // What every process of one benchmark configuration runs with.
 struct BenchServerOptions {
   std::string protocol = "grpc+verbs";
-  int message_slots = 0;  // 0: TENSORVERBS_MESSAGE_SLOTS
-  std::string poll_mode;  // empty: TENSORVERBS_POLL_MODE
+  int message_slots = 0;      // 0: TENSORVERBS_MESSAGE_SLOTS
+  std::string poll_mode;      // empty: TENSORVERBS_POLL_MODE
   int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
 
   // As command-line flags of `bench-peer` / `bench-ps-task`.
@@ -76,7 +76,7 @@ class PairBench {
   // Starts the peer (inside `netns` when given) and this process's server, and waits until
   // both see each other (channels set up, for grpc+verbs).
   static absl::StatusOr<std::unique_ptr<PairBench>> Start(const BenchServerOptions& options,
-                                                         const NetnsHost* netns);
+                                                          const NetnsHost* netns);
   PairBench(const PairBench&) = delete;
   PairBench& operator=(const PairBench&) = delete;
   ~PairBench();  // tells the peer to quit and stops the server
@@ -120,8 +120,8 @@ struct RecvRunResult {
 // keys.size(). Every tensor must have `bytes` bytes; the first and the last are checked
 // against the pattern of `seed`. The first error (or `timeout`) ends the run.
 absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedKey>& keys,
-                                       int64_t first_step, int64_t count, int window,
-                                       size_t bytes, uint32_t seed, absl::Duration timeout);
+                                       int64_t first_step, int64_t count, int window, size_t bytes,
+                                       uint32_t seed, absl::Duration timeout);
 
 }  // namespace tensorverbs::tools
 

@@ -30,12 +30,12 @@ struct FabricBenchSpec {
   std::string backend = "ofi";
   std::string provider;  // empty: the backend's default
   std::vector<size_t> sizes;
-  int iters = 0;         // 0: chosen per size
-  int window = 16;       // writes in flight for bandwidth
-  bool compare = true;   // also run fi_pingpong (not across network namespaces)
+  int iters = 0;        // 0: chosen per size
+  int window = 16;      // writes in flight for bandwidth
+  bool compare = true;  // also run fi_pingpong (not across network namespaces)
   // Command prefix the peer runs under, e.g. {"/usr/sbin/ip", "netns", "exec", "tv-b"}.
   std::vector<std::string> peer_prefix;
-  bool print = true;     // a table row per size on stdout
+  bool print = true;  // a table row per size on stdout
 };
 
 // Unavailable when the backend or provider cannot open here.

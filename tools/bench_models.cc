@@ -60,8 +60,8 @@ ModelSpec Resnet50() {
   for (int s = 0; s < 4; ++s) {
     const int64_t width = stages[s].first, out = 4 * width;
     for (int u = 0; u < stages[s].second; ++u) {
-      const std::string unit = absl::StrCat("resnet_v1_50/block", s + 1, "/unit_", u + 1,
-                                            "/bottleneck_v1");
+      const std::string unit =
+          absl::StrCat("resnet_v1_50/block", s + 1, "/unit_", u + 1, "/bottleneck_v1");
       if (u == 0) b.ConvBn(unit + "/shortcut", 1, 1, in, out, true);
       b.ConvBn(unit + "/conv1", 1, 1, in, width, true);
       b.ConvBn(unit + "/conv2", 3, 3, width, width, true);
@@ -163,8 +163,8 @@ absl::StatusOr<ModelSpec> GetModel(const std::string& name) {
   if (name == "vgg16") return Vgg16();
   if (name == "resnet50") return Resnet50();
   if (name == "inception3") return Inception3();
-  return absl::InvalidArgumentError(absl::StrCat("unknown model '", name, "'; known: ",
-                                                 absl::StrJoin(ModelNames(), ", ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown model '", name, "'; known: ", absl::StrJoin(ModelNames(), ", ")));
 }
 
 }  // namespace tensorverbs::tools

@@ -70,15 +70,14 @@ constexpr int64_t kStepsPerBatch = 2048;
 
 struct PhaseResult {
   std::vector<double> latency_us;
-  absl::Duration elapsed;  // summed over the batches' recv streams
+  absl::Duration elapsed;        // summed over the batches' recv streams
   PairBench::Usage local, peer;  // CPU and copies during those streams
 };
 
 // `count` recvs of `keys` (one step per keys.size() recvs), at most `window` outstanding.
 absl::StatusOr<PhaseResult> RunPhase(PairBench& bench, const std::string& prefix,
-                                     const std::vector<ParsedKey>& keys, size_t size,
-                                     uint32_t seed, int64_t count, int window, bool usage,
-                                     int64_t* next_step) {
+                                     const std::vector<ParsedKey>& keys, size_t size, uint32_t seed,
+                                     int64_t count, int window, bool usage, int64_t* next_step) {
   PhaseResult result;
   const int64_t per_step = static_cast<int64_t>(keys.size());
   const int64_t batch_steps = std::max<int64_t>(1, kStepsPerBatch / per_step);
@@ -104,8 +103,7 @@ absl::StatusOr<PhaseResult> RunPhase(PairBench& bench, const std::string& prefix
       result.peer.copies += peer1.copies - peer0.copies;
     }
     result.elapsed += run.elapsed;
-    result.latency_us.insert(result.latency_us.end(), run.latency_us.begin(),
-                             run.latency_us.end());
+    result.latency_us.insert(result.latency_us.end(), run.latency_us.begin(), run.latency_us.end());
     RETURN_IF_ERROR(bench.Cleanup(first, steps));
     done += recvs;
   }
@@ -136,19 +134,18 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     row.window = o.window > 0 ? o.window : BandwidthWindow(size);
     const uint32_t seed = static_cast<uint32_t>(size % 9973) + 1;
     // Warm-up: meta-data caches, channel state, pool regions and their registration.
-    RETURN_IF_ERROR(RunPhase(*bench, "p2p", keys, size, seed, row.window + 2, row.window,
-                             false, next_step)
-                        .status());
-    ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters,
-                                               1, false, next_step));
+    RETURN_IF_ERROR(
+        RunPhase(*bench, "p2p", keys, size, seed, row.window + 2, row.window, false, next_step)
+            .status());
+    ASSIGN_OR_RETURN(PhaseResult lat,
+                     RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters, 1, false, next_step));
     row.p50_us = Percentile(lat.latency_us, 0.5);
     row.p99_us = Percentile(lat.latency_us, 0.99);
     ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters,
                                               row.window, true, next_step));
     const double bytes = static_cast<double>(size) * row.bw_iters;
     row.bw_gbps = bytes / absl::ToDoubleSeconds(bw.elapsed) / 1e9;
-    row.copies_per_transfer =
-        static_cast<double>(bw.local.copies + bw.peer.copies) / row.bw_iters;
+    row.copies_per_transfer = static_cast<double>(bw.local.copies + bw.peer.copies) / row.bw_iters;
     row.cpu_s_per_gb = (bw.local.cpu_seconds + bw.peer.cpu_seconds) / (bytes / 1e9);
     std::printf("%10s %9d %10.2f %10.2f %9d %7d %10.3f %12.2f %10.3f\n", SizeName(size).c_str(),
                 row.lat_iters, row.p50_us, row.p99_us, row.bw_iters, row.window, row.bw_gbps,
@@ -264,8 +261,9 @@ int RunBenchP2P(const BenchP2POptions& o) {
   const size_t kBig = size_t{64} << 20, kSmall = 4;
   if (const P2PRow* v = FindRow(rows, "grpc+verbs", kBig)) {
     if (const FabricRow* f = FindFabricRow(fabric_rows, kBig)) {
-      std::printf("  64MiB: grpc+verbs %.2f GB/s = %.2f x the raw fabric write (%.2f GB/s); goal >= 0.85\n",
-                  v->bw_gbps, v->bw_gbps / f->bw_gbps, f->bw_gbps);
+      std::printf(
+          "  64MiB: grpc+verbs %.2f GB/s = %.2f x the raw fabric write (%.2f GB/s); goal >= 0.85\n",
+          v->bw_gbps, v->bw_gbps / f->bw_gbps, f->bw_gbps);
     }
     if (const P2PRow* g = FindRow(rows, "grpc", kBig)) {
       std::printf("  64MiB: grpc+verbs = %.2f x grpc (%.2f GB/s); goal >= 3\n",
@@ -275,9 +273,10 @@ int RunBenchP2P(const BenchP2POptions& o) {
   if (const P2PRow* v = FindRow(rows, "grpc+verbs", kSmall)) {
     if (const FabricRow* f = FindFabricRow(fabric_rows, kSmall)) {
       const double rtt = 2 * f->p50_us;
-      std::printf("  4B: grpc+verbs recv latency p50 %.2f us = %.2f x the raw fabric round trip "
-                  "(%.2f us); goal <= 3\n",
-                  v->p50_us, v->p50_us / rtt, rtt);
+      std::printf(
+          "  4B: grpc+verbs recv latency p50 %.2f us = %.2f x the raw fabric round trip "
+          "(%.2f us); goal <= 3\n",
+          v->p50_us, v->p50_us / rtt, rtt);
     }
   }
 
@@ -305,8 +304,12 @@ int RunBenchP2P(const BenchP2POptions& o) {
       out.push_back(j);
     }
     for (const FabricRow& f : fabric_rows) {
-      out.push_back({{"protocol", "fabric-write"}, {"fabric", fabric_name}, {"size_bytes", f.size},
-                     {"bandwidth_gbps", f.bw_gbps}, {"p50_us", f.p50_us}, {"p99_us", f.p99_us},
+      out.push_back({{"protocol", "fabric-write"},
+                     {"fabric", fabric_name},
+                     {"size_bytes", f.size},
+                     {"bandwidth_gbps", f.bw_gbps},
+                     {"p50_us", f.p50_us},
+                     {"p99_us", f.p99_us},
                      {"round_trip_us", 2 * f.p50_us}});
     }
     for (const auto& [size, gbps] : memcpy_gbps) {
@@ -317,7 +320,8 @@ int RunBenchP2P(const BenchP2POptions& o) {
   }
   if (!o.plot.empty()) {
     PlotPanel bw{"bandwidth", "tensor size", "GB/s", true, true, {}, {}};
-    PlotPanel lat{"recv latency p50 (raw fabric: one-way)", "tensor size", "us", true, true, {}, {}};
+    PlotPanel lat{
+        "recv latency p50 (raw fabric: one-way)", "tensor size", "us", true, true, {}, {}};
     for (const std::string& p : *protocols) {
       PlotSeries b{p, {}, {}}, l{p, {}, {}};
       for (const P2PRow& r : rows) {
@@ -351,10 +355,11 @@ int RunBenchP2P(const BenchP2POptions& o) {
       m.y.push_back(gbps);
     }
     bw.series.push_back(m);
-    absl::Status s = WritePngPlot(
-        o.plot, absl::StrCat("tensorverbs bench p2p", netns ? " (netns)" : "", ", fabric ",
-                             fabric_name.empty() ? "-" : fabric_name),
-        {bw, lat});
+    absl::Status s =
+        WritePngPlot(o.plot,
+                     absl::StrCat("tensorverbs bench p2p", netns ? " (netns)" : "", ", fabric ",
+                                  fabric_name.empty() ? "-" : fabric_name),
+                     {bw, lat});
     if (!s.ok()) {
       std::fprintf(stderr, "tensorverbs bench p2p: --plot: %s\n", std::string(s.message()).c_str());
       return 1;
@@ -384,7 +389,8 @@ int RunBenchRate(const BenchRateOptions& o) {
     }
   }
   if (slots.empty() || o.recvs < 1 || o.window < 1) {
-    std::fprintf(stderr, "tensorverbs bench rate: --slots, --recvs and --window must be positive\n");
+    std::fprintf(stderr,
+                 "tensorverbs bench rate: --slots, --recvs and --window must be positive\n");
     return 2;
   }
   struct RateRow {
@@ -399,10 +405,11 @@ int RunBenchRate(const BenchRateOptions& o) {
   int64_t next_step = 1;
   // Keys per step: a step of a real model carries hundreds of tensors.
   const int keys_per_step = std::min(o.window, 1000);
-  std::printf("tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step\n",
-              o.recvs, o.window, keys_per_step);
-  std::printf("%16s %6s %8s %14s %10s %10s %12s  %s\n", "protocol", "slots", "#bytes",
-              "tensors/s", "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
+  std::printf(
+      "tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step\n",
+      o.recvs, o.window, keys_per_step);
+  std::printf("%16s %6s %8s %14s %10s %10s %12s  %s\n", "protocol", "slots", "#bytes", "tensors/s",
+              "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
   for (const std::string& protocol : *protocols) {
     const std::vector<int> slot_counts = IsVerbsProtocol(protocol) ? slots : std::vector<int>{0};
     for (int n : slot_counts) {
@@ -422,8 +429,8 @@ int RunBenchRate(const BenchRateOptions& o) {
         const std::vector<ParsedKey> keys = (*bench)->Keys(prefix, keys_per_step);
         const uint32_t seed = static_cast<uint32_t>(size) + 7;
         // One step of every key first: the meta-data caches fill, as after a training step.
-        absl::StatusOr<PhaseResult> run = RunPhase(**bench, prefix, keys, size, seed,
-                                                   keys_per_step, o.window, false, &next_step);
+        absl::StatusOr<PhaseResult> run =
+            RunPhase(**bench, prefix, keys, size, seed, keys_per_step, o.window, false, &next_step);
         if (run.ok()) {
           run = RunPhase(**bench, prefix, keys, size, seed, o.recvs, o.window, true, &next_step);
         }
@@ -459,22 +466,28 @@ int RunBenchRate(const BenchRateOptions& o) {
         // With slots enough to hide the round trip, the rate is bounded by the CPU a tensor
         // costs (both processes) on the cores there are.
         const double cpu_bound = sysconf(_SC_NPROCESSORS_ONLN) / (r.cpu_us * 1e-6);
-        std::printf("  %s %s: %d slots = %.2f x 1 slot%s; CPU bound at %.0f tensors/s = %.2f x "
-                    "1 slot\n",
-                    r.protocol.c_str(), SizeName(r.size).c_str(), r.slots,
-                    r.tensors_per_s / base.tensors_per_s,
-                    r.slots == 8 ? " (goal for 8 slots: >= 5)" : "", cpu_bound,
-                    cpu_bound / base.tensors_per_s);
+        std::printf(
+            "  %s %s: %d slots = %.2f x 1 slot%s; CPU bound at %.0f tensors/s = %.2f x "
+            "1 slot\n",
+            r.protocol.c_str(), SizeName(r.size).c_str(), r.slots,
+            r.tensors_per_s / base.tensors_per_s, r.slots == 8 ? " (goal for 8 slots: >= 5)" : "",
+            cpu_bound, cpu_bound / base.tensors_per_s);
       }
     }
   }
   if (!o.json.empty()) {
     nlohmann::json out = nlohmann::json::array();
     for (const RateRow& r : rows) {
-      out.push_back({{"protocol", r.protocol}, {"fabric", r.fabric}, {"message_slots", r.slots},
-                     {"size_bytes", r.size}, {"recvs", r.recvs}, {"window", o.window},
-                     {"tensors_per_s", r.tensors_per_s}, {"p50_us", r.p50_us},
-                     {"p99_us", r.p99_us}, {"cpu_us_per_transfer", r.cpu_us}});
+      out.push_back({{"protocol", r.protocol},
+                     {"fabric", r.fabric},
+                     {"message_slots", r.slots},
+                     {"size_bytes", r.size},
+                     {"recvs", r.recvs},
+                     {"window", o.window},
+                     {"tensors_per_s", r.tensors_per_s},
+                     {"p50_us", r.p50_us},
+                     {"p99_us", r.p99_us},
+                     {"cpu_us_per_transfer", r.cpu_us}});
     }
     std::ofstream(o.json) << out.dump(2) << "\n";
     std::printf("\nJSON rows: %s\n", o.json.c_str());

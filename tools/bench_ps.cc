@@ -42,7 +42,8 @@ std::vector<ParsedKey> MakeKeys(const std::string& src, uint64_t src_incarnation
                                 const std::vector<const ModelVariable*>& vars) {
   std::vector<ParsedKey> keys;
   for (const ModelVariable* v : vars) {
-    keys.push_back(*ParsedKey::Parse(ParsedKey::Create(src, src_incarnation, dst, prefix + v->name)));
+    keys.push_back(
+        *ParsedKey::Parse(ParsedKey::Create(src, src_incarnation, dst, prefix + v->name)));
   }
   return keys;
 }
@@ -53,7 +54,8 @@ absl::StatusOr<std::vector<Tensor>> PoolTensors(Server& server,
   std::vector<Tensor> out;
   for (const ModelVariable* v : vars) {
     ASSIGN_OR_RETURN(TensorShape shape, TensorShape::Create(v->shape));
-    ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(server.recv_allocator(), DataType::kFloat32, shape));
+    ASSIGN_OR_RETURN(Tensor t,
+                     Tensor::Allocate(server.recv_allocator(), DataType::kFloat32, shape));
     FillBenchPattern(t.data(), t.TotalBytes(), seed + static_cast<uint32_t>(out.size()));
     out.push_back(std::move(t));
   }
@@ -101,9 +103,10 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
     std::vector<std::vector<ParsedKey>> to_worker, from_worker;
     for (int w = 0; w < o.workers; ++w) {
       ASSIGN_OR_RETURN(uint64_t inc, incarnation(kWorker, w));
-      to_worker.push_back(MakeKeys(server->device_name(), server->incarnation(),
-                                   device(kWorker, w), "var/", mine));
-      from_worker.push_back(MakeKeys(device(kWorker, w), inc, server->device_name(), "grad/", mine));
+      to_worker.push_back(
+          MakeKeys(server->device_name(), server->incarnation(), device(kWorker, w), "var/", mine));
+      from_worker.push_back(
+          MakeKeys(device(kWorker, w), inc, server->device_name(), "grad/", mine));
     }
     for (int s = 0; s < total_steps; ++s) {
       const int64_t step = o.step_base + s;
@@ -111,7 +114,8 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
       if (s == o.warmup) measured_start = t0;
       ASSIGN_OR_RETURN(std::shared_ptr<RemoteRendezvous> r, server->rendezvous_mgr()->Find(step));
       for (int w = 0; w < o.workers; ++w) {
-        for (size_t v = 0; v < mine.size(); ++v) RETURN_IF_ERROR(r->Send(to_worker[w][v], weights[v]));
+        for (size_t v = 0; v < mine.size(); ++v)
+          RETURN_IF_ERROR(r->Send(to_worker[w][v], weights[v]));
       }
       if (s == total_steps - 1) {
         // The last weights only end the workers' last measured step: wait until they are taken.
@@ -142,9 +146,10 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
     std::vector<uint32_t> fetch_seeds, push_seeds;
     for (int p = 0; p < num_ps; ++p) {
       ASSIGN_OR_RETURN(uint64_t inc, incarnation(kPs, p));
-      std::vector<ParsedKey> f = MakeKeys(device(kPs, p), inc, server->device_name(), "var/", on_ps[p]);
-      std::vector<ParsedKey> g = MakeKeys(server->device_name(), server->incarnation(),
-                                          device(kPs, p), "grad/", on_ps[p]);
+      std::vector<ParsedKey> f =
+          MakeKeys(device(kPs, p), inc, server->device_name(), "var/", on_ps[p]);
+      std::vector<ParsedKey> g =
+          MakeKeys(server->device_name(), server->incarnation(), device(kPs, p), "grad/", on_ps[p]);
       for (size_t v = 0; v < on_ps[p].size(); ++v) {
         all.push_back(on_ps[p][v]);
         fetch.push_back(f[v]);
@@ -190,8 +195,8 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
              {"cpu_s", CpuSeconds() - cpu0},
              {"wall_s", seconds},
              {"copies", server->stats().copies.load() - copies0},
-             {"fabric", server->verbs_transport() ? server->verbs_transport()->fabric_name()
-                                                  : "tcp (gRPC)"}};
+             {"fabric",
+              server->verbs_transport() ? server->verbs_transport()->fabric_name() : "tcp (gRPC)"}};
   // Report, then keep serving until the launcher says every task is done: the peers' last
   // transfers may still be reading this task's memory.
   std::printf("result %s\n", result->dump().c_str());
@@ -207,7 +212,7 @@ struct PsRow {
   std::string model, protocol, fabric;
   int workers = 0, ps = 0;
   double step_ms_p50 = 0, step_ms_p90 = 0;
-  double gbps = 0;               // weights and gradients moved per second
+  double gbps = 0;  // weights and gradients moved per second
   double copies_per_step = 0;
   double cpu_s_per_step = 0;
 };
@@ -317,18 +322,21 @@ int RunBenchPs(const BenchPsOptions& o) {
   }
   absl::StatusOr<std::vector<std::string>> parsed = ParseProtocolList(o.protocols);
   if (!parsed.ok()) {
-    std::fprintf(stderr, "tensorverbs bench ps: %s\n", std::string(parsed.status().message()).c_str());
+    std::fprintf(stderr, "tensorverbs bench ps: %s\n",
+                 std::string(parsed.status().message()).c_str());
     return 2;
   }
   const std::vector<std::string> protocols = *parsed;
   if (models.empty() || worker_counts.empty() || o.ps < 1 || o.steps < 1 || o.warmup < 0) {
-    std::fprintf(stderr, "tensorverbs bench ps: --model, --workers, --ps and --steps must be set\n");
+    std::fprintf(stderr,
+                 "tensorverbs bench ps: --model, --workers, --ps and --steps must be set\n");
     return 2;
   }
   for (const std::string& m : models) {
     absl::StatusOr<ModelSpec> spec = GetModel(m);
     if (!spec.ok()) {
-      std::fprintf(stderr, "tensorverbs bench ps: %s\n", std::string(spec.status().message()).c_str());
+      std::fprintf(stderr, "tensorverbs bench ps: %s\n",
+                   std::string(spec.status().message()).c_str());
       return 2;
     }
   }
@@ -337,11 +345,11 @@ int RunBenchPs(const BenchPsOptions& o) {
   for (const std::string& m : models) {
     const ModelSpec spec = *GetModel(m);
     for (int workers : worker_counts) {
-      std::printf("\nbench ps: %s (%zu variables, %.2f M parameters, %.1f MiB), %d ps + %d "
-                  "workers%s, %d steps after %d warm-up\n",
-                  m.c_str(), spec.variables.size(), spec.parameters() / 1e6,
-                  spec.bytes() / 1048576.0, o.ps, workers, o.netns ? " (one netns each)" : "",
-                  o.steps, o.warmup);
+      std::printf(
+          "\nbench ps: %s (%zu variables, %.2f M parameters, %.1f MiB), %d ps + %d "
+          "workers%s, %d steps after %d warm-up\n",
+          m.c_str(), spec.variables.size(), spec.parameters() / 1e6, spec.bytes() / 1048576.0, o.ps,
+          workers, o.netns ? " (one netns each)" : "", o.steps, o.warmup);
       std::printf("%16s %12s %12s %10s %12s %12s  %s\n", "protocol", "step p50 ms", "step p90 ms",
                   "GB/s", "copies/step", "CPU s/step", "fabric");
       std::vector<PsRow> group;
@@ -380,11 +388,18 @@ int RunBenchPs(const BenchPsOptions& o) {
   if (!o.json.empty()) {
     nlohmann::json out = nlohmann::json::array();
     for (const PsRow& r : rows) {
-      out.push_back({{"model", r.model}, {"protocol", r.protocol}, {"fabric", r.fabric},
-                     {"workers", r.workers}, {"ps", r.ps}, {"step_ms_p50", r.step_ms_p50},
-                     {"step_ms_p90", r.step_ms_p90}, {"throughput_gbps", r.gbps},
-                     {"steps_per_s", 1e3 / r.step_ms_p50}, {"copies_per_step", r.copies_per_step},
-                     {"cpu_s_per_step", r.cpu_s_per_step}, {"netns", o.netns}});
+      out.push_back({{"model", r.model},
+                     {"protocol", r.protocol},
+                     {"fabric", r.fabric},
+                     {"workers", r.workers},
+                     {"ps", r.ps},
+                     {"step_ms_p50", r.step_ms_p50},
+                     {"step_ms_p90", r.step_ms_p90},
+                     {"throughput_gbps", r.gbps},
+                     {"steps_per_s", 1e3 / r.step_ms_p50},
+                     {"copies_per_step", r.copies_per_step},
+                     {"cpu_s_per_step", r.cpu_s_per_step},
+                     {"netns", o.netns}});
     }
     std::ofstream(o.json) << out.dump(2) << "\n";
     std::printf("\nJSON rows: %s\n", o.json.c_str());

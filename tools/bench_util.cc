@@ -26,9 +26,13 @@ absl::StatusOr<size_t> ParseSize(absl::string_view text) {
   text = absl::StripAsciiWhitespace(text);
   const absl::string_view original = text;
   uint64_t mult = 1;
-  for (auto [suffix, m] : std::vector<std::pair<const char*, uint64_t>>{
-           {"GiB", 1ull << 30}, {"MiB", 1ull << 20}, {"KiB", 1ull << 10}, {"G", 1ull << 30},
-           {"M", 1ull << 20}, {"K", 1ull << 10}, {"B", 1}}) {
+  for (auto [suffix, m] : std::vector<std::pair<const char*, uint64_t>>{{"GiB", 1ull << 30},
+                                                                        {"MiB", 1ull << 20},
+                                                                        {"KiB", 1ull << 10},
+                                                                        {"G", 1ull << 30},
+                                                                        {"M", 1ull << 20},
+                                                                        {"K", 1ull << 10},
+                                                                        {"B", 1}}) {
     if (absl::ConsumeSuffix(&text, suffix)) {
       mult = m;
       break;
@@ -124,8 +128,8 @@ uint32_t BenchPatternCrc(size_t bytes, uint32_t seed) {
 
 absl::Status Tell(Subprocess& peer, const std::string& line) {
   if (!WriteLine(peer, line)) {
-    return absl::InternalError(absl::StrCat("the bench peer (pid ", peer.pid(),
-                                            ") closed its input; did it crash?"));
+    return absl::InternalError(
+        absl::StrCat("the bench peer (pid ", peer.pid(), ") closed its input; did it crash?"));
   }
   return absl::OkStatus();
 }
@@ -153,7 +157,8 @@ absl::Status WritePngPlot(const std::string& path, const std::string& title,
   const char* gnuplot = "/usr/bin/gnuplot";
   if (access(gnuplot, X_OK) != 0) {
     return absl::UnavailableError(
-        "gnuplot is not installed (Debian package gnuplot-nox; scripts/install-deps.sh installs it)");
+        "gnuplot is not installed (Debian package gnuplot-nox; scripts/install-deps.sh installs "
+        "it)");
   }
   char dir_template[] = "/tmp/tensorverbs-plot-XXXXXX";
   if (mkdtemp(dir_template) == nullptr) {
@@ -170,15 +175,15 @@ absl::Status WritePngPlot(const std::string& path, const std::string& title,
   std::string script = absl::StrCat(
       "set terminal pngcairo size ", 640 * std::max<size_t>(panels.size(), 1),
       ",520 font 'sans,10'\n", "set output ", quote_file(path), "\n", "set multiplot layout 1,",
-      panels.size(), " title ", quote(title), "\n", "set key top left box opaque\n",
-      "set grid\n");
+      panels.size(), " title ", quote(title), "\n", "set key top left box opaque\n", "set grid\n");
   std::vector<std::string> files;
   for (size_t p = 0; p < panels.size(); ++p) {
     const PlotPanel& panel = panels[p];
     absl::StrAppend(&script, "set title ", quote(panel.title), "\n", "set xlabel ",
                     quote(panel.x_label), "\n", "set ylabel ", quote(panel.y_label), "\n",
                     panel.log_x ? "set logscale x 2\n" : "unset logscale x\n",
-                    panel.log_y ? "set logscale y\n" : "unset logscale y\n");
+                    panel.log_y ? "set logscale y\nset format y '%g'\n"
+                                : "unset logscale y\nset format y '%g'\n");
     if (panel.x_ticks.empty()) {
       absl::StrAppend(&script, "set xtics autofreq\n");
     } else {

@@ -50,12 +50,12 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
   RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
   RETURN_IF_ERROR(Ip({"addr", "add", host->local_address_ + "/30", "dev", local_if}));
   RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
-  RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "addr", "add", host->remote_address_ + "/30",
-                      "dev", remote_if}));
+  RETURN_IF_ERROR(Ip(
+      {"netns", "exec", ns, kIp, "addr", "add", host->remote_address_ + "/30", "dev", remote_if}));
   RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
   RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", "lo", "up"}));
-  RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "route", "add", "default", "via",
-                      host->local_address_}));
+  RETURN_IF_ERROR(
+      Ip({"netns", "exec", ns, kIp, "route", "add", "default", "via", host->local_address_}));
   return host;
 }
 
@@ -91,8 +91,8 @@ absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
     RETURN_IF_ERROR(Ip({"link", "set", local_if, "master", cluster->bridge_}));
     RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
     RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
-    RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "addr", "add", address + "/24", "dev",
-                        remote_if}));
+    RETURN_IF_ERROR(
+        Ip({"netns", "exec", ns, kIp, "addr", "add", address + "/24", "dev", remote_if}));
     RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
     RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", "lo", "up"}));
   }

@@ -807,6 +807,15 @@ void Channel::ExpireRequests(absl::Time now) {
   }
 }
 
+size_t Channel::responses_in_progress() const {
+  size_t n = 0;
+  for (const auto& [index, response] : responses_) {
+    n += response->state() == RdmaTensorResponse::State::kWriting ||
+         response->state() == RdmaTensorResponse::State::kWaitReRequest;
+  }
+  return n;
+}
+
 size_t Channel::pending_requests() const {
   size_t n = 0;
   for (const auto& [index, request] : requests_) n += !request->finished();

@@ -230,6 +230,8 @@ class Channel {
   // Owner side: fails recvs past their deadline.
   void ExpireRequests(absl::Time now);
   size_t pending_requests() const;
+  // Acceptor side: responses that hold their tensor and are still sending it.
+  size_t responses_in_progress() const;
   // Acceptor side: a local tensor for response `serial` is ready.
   void OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
                      const Tensor& tensor, bool is_dead);

@@ -19,6 +19,7 @@ namespace {
 
 constexpr absl::Duration kHousekeepingInterval = absl::Milliseconds(20);
 constexpr size_t kPollBatch = 64;
+constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
 
 }  // namespace
 
@@ -736,6 +737,24 @@ void VerbsTransport::Shutdown() {
     watchdog_stop_ = true;
   }
   if (watchdog_thread_.joinable()) watchdog_thread_.join();
+  // Tensors a peer already took from this task's table are still on their way (a write posted
+  // or about to be, a lent tensor being read): let them finish, as gRPC's shutdown lets
+  // responses in progress finish, for up to kShutdownGrace.
+  const absl::Time grace_end = absl::Now() + kShutdownGrace;
+  while (absl::Now() < grace_end) {
+    auto busy = std::make_shared<std::pair<Notification, bool>>();
+    Task count = [this, busy]() mutable {
+      bool any = !lent_.empty();
+      for (auto& [id, c] : channels_) any |= c->responses_in_progress() > 0;
+      busy->second = any;
+      busy->first.Notify();
+    };
+    if (!Post(count) || !busy->first.WaitForNotificationWithTimeout(absl::Seconds(1)) ||
+        !busy->second) {
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
   Task close_all = [this]() mutable {
     for (auto& [id, c] : channels_) {
       c->Close(absl::CancelledError(

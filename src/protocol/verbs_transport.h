@@ -17,9 +17,11 @@
 // Domain::Wait whenever nothing is ready; adaptive (default) spins for TENSORVERBS_POLL_SPIN_US
 // after the last activity, then sleeps. Work queued from other threads interrupts the sleep.
 //
-// Thread-safety: public methods may be called from any thread except the progress thread; user
-// callbacks run on the worker's callback executor, each exactly once. Shutdown() (also run by
-// the destructor) fails whatever is pending with Cancelled and joins the threads.
+// Thread-safety: public methods may be called from any thread; Recv, AbortStep, Lend and Pull
+// also from the progress thread (inline callbacks), the others not. User callbacks run on the
+// worker's callback executor (inline when it has no threads), each exactly once. Shutdown()
+// (also run by the destructor) first lets tensors that peers already took finish sending (up
+// to 2 s), then fails whatever is pending with Cancelled and joins the threads.
 #ifndef TENSORVERBS_PROTOCOL_VERBS_TRANSPORT_H_
 #define TENSORVERBS_PROTOCOL_VERBS_TRANSPORT_H_
 

@@ -57,7 +57,6 @@ class ComparisonProtocolTest : public testing::ClusterTest<Param> {
     }
     EXPECT_EQ(transport(task).NumLentTensors(), 0u) << "every lent tensor was released";
   }
-
 };
 
 TEST_P(ComparisonProtocolTest, EveryFixtureArrivesIntactWithItsDeadness) {
@@ -193,8 +192,10 @@ TEST_P(ComparisonProtocolTest, AbortMidFlightCompletesOnceAndTheChannelKeepsWork
     EXPECT_EQ(r->status().code(), absl::StatusCode::kCancelled) << r->status();
   }
   for (int i = 0; i < 20; ++i) {
-    ASSERT_TRUE(Step(1, 3)->Send(Key(1, absl::StrCat("t", i)),
-                                 PoolTensor(1, DataType::kFloat32, {4096}, i)).ok());
+    ASSERT_TRUE(
+        Step(1, 3)
+            ->Send(Key(1, absl::StrCat("t", i)), PoolTensor(1, DataType::kFloat32, {4096}, i))
+            .ok());
   }
   Tensor t = PoolTensor(1, DataType::kFloat32, {4096}, 99);
   ASSERT_TRUE(Step(1, 4)->Send(Key(1, "next"), t).ok());

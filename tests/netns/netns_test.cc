@@ -1,16 +1,16 @@
 // Protocols across hosts: each task in its own network namespace, joined by veth pairs (and a
 // bridge), so that gRPC and libfabric's tcp provider cross a real network path. Needs root;
 // skips (saying why) where namespaces cannot be made.
+#include "tools/netns.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
-
 #include "tests/support/subprocess.h"
-#include "tools/netns.h"
 
 namespace tensorverbs {
 namespace {
@@ -19,7 +19,6 @@ using ::testing::HasSubstr;
 using testing::RunTool;
 using testing::Subprocess;
 using testing::ToolRun;
-
 
 class NetnsTest : public ::testing::Test {
  protected:
@@ -32,8 +31,8 @@ class NetnsTest : public ::testing::Test {
 TEST_F(NetnsTest, P2PCrossesAVethPairOverTcp) {
   const std::string json = ::testing::TempDir() + "/netns_p2p.json";
   absl::StatusOr<ToolRun> run =
-      RunTool({"bench", "p2p", "--netns", "--sizes", "4KiB,1MiB", "--iters", "20", "--window",
-               "4", "--protocols", "grpc,grpc+verbs,gdr", "--json", json},
+      RunTool({"bench", "p2p", "--netns", "--sizes", "4KiB,1MiB", "--iters", "20", "--window", "4",
+               "--protocols", "grpc,grpc+verbs,gdr", "--json", json},
               absl::Seconds(280));
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->exit_code, 0) << run->out;

@@ -6,12 +6,12 @@
 #ifndef TENSORVERBS_TESTS_SUPPORT_INPROCESS_CLUSTER_H_
 #define TENSORVERBS_TESTS_SUPPORT_INPROCESS_CLUSTER_H_
 
+#include <gtest/gtest.h>
+
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -54,7 +54,9 @@ class InProcessCluster {
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
       options.verbs.peer_timeout = absl::Seconds(5);
-      options.verbs.connect_timeout = absl::Seconds(20);
+      // Generous: under TSan on two cores hundreds of RecvTensor calls can queue ahead of a
+      // grpc+gdr channel set-up.
+      options.verbs.connect_timeout = absl::Seconds(60);
       if (o.tune) o.tune(options.verbs);
       absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
       if (!server.ok()) return server.status();
@@ -77,8 +79,7 @@ class InProcessCluster {
   }
   // The key of tensor `name` sent by task `src` to task `dst`.
   ParsedKey Key(int src, const std::string& name, int dst = 0) {
-    return *ParsedKey::Parse(ParsedKey::Create(server(src).device_name(),
-                                               server(src).incarnation(),
+    return *ParsedKey::Parse(ParsedKey::Create(server(src).device_name(), server(src).incarnation(),
                                                server(dst).device_name(), name));
   }
   // A pattern tensor in task's registered pool (where a training step's tensors live).
@@ -104,8 +105,12 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
   }
   Server& server(int t) { return cluster_.server(t); }
   protocol::VerbsTransport& transport(int t) { return cluster_.transport(t); }
-  std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) { return cluster_.Step(task, step); }
-  ParsedKey Key(int src, const std::string& name, int dst = 0) { return cluster_.Key(src, name, dst); }
+  std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
+    return cluster_.Step(task, step);
+  }
+  ParsedKey Key(int src, const std::string& name, int dst = 0) {
+    return cluster_.Key(src, name, dst);
+  }
   Tensor PoolTensor(int task, DataType dtype, std::vector<int64_t> dims, uint32_t seed) {
     return cluster_.PoolTensor(task, dtype, std::move(dims), seed);
   }

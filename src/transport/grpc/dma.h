@@ -25,7 +25,7 @@ inline constexpr size_t kDmaMinBytes = 1024;
 
 struct RemoteTensorRef {
   uint64_t addr = 0;
-  std::string key;      // the fabric's packed remote key
+  std::string key;  // the fabric's packed remote key
   uint32_t tensor_key = 0;
   uint64_t bytes = 0;
 };
