@@ -23,17 +23,11 @@ namespace {
 
 constexpr char kJob[] = "worker";
 
-// Keys of tensors `src` sends to `dst`.
-std::vector<ParsedKey> MakeKeys(const std::string& src_device, uint64_t src_incarnation,
-                                const std::string& dst_device, const std::string& prefix,
-                                int keys) {
-  std::vector<ParsedKey> out;
-  out.reserve(keys);
-  for (int i = 0; i < keys; ++i) {
-    out.push_back(*ParsedKey::Parse(
-        ParsedKey::Create(src_device, src_incarnation, dst_device, absl::StrCat(prefix, i))));
-  }
-  return out;
+// The names <prefix>0 .. <prefix><keys-1>.
+std::vector<std::string> Names(const std::string& prefix, int keys) {
+  std::vector<std::string> names;
+  for (int i = 0; i < keys; ++i) names.push_back(absl::StrCat(prefix, i));
+  return names;
 }
 
 int64_t TotalCopies(const Server& server) { return server.stats().copies.load(); }
@@ -65,7 +59,7 @@ absl::Status ServeCommands(Server& server) {
         } else {
           FillBenchPattern(t->data(), bytes, static_cast<uint32_t>(seed));
           std::vector<ParsedKey> k =
-              MakeKeys(server.device_name(), server.incarnation(), receiver, f[1], keys);
+              MakeKeys(server.device_name(), server.incarnation(), receiver, Names(f[1], keys));
           for (int64_t s = first; s < first + steps && status.ok(); ++s) {
             absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = server.rendezvous_mgr()->Find(s);
             if (!r.ok()) {
@@ -217,7 +211,7 @@ std::string PairBench::fabric() const {
 }
 
 std::vector<ParsedKey> PairBench::Keys(const std::string& prefix, int keys) const {
-  return MakeKeys(peer_device_, peer_incarnation_, server_->device_name(), prefix, keys);
+  return MakeKeys(peer_device_, peer_incarnation_, server_->device_name(), Names(prefix, keys));
 }
 
 absl::Status PairBench::PeerSend(const std::string& prefix, int keys, size_t bytes,

@@ -315,36 +315,29 @@ int RunBenchP2P(const BenchP2POptions& o) {
     for (const auto& [size, gbps] : memcpy_gbps) {
       out.push_back({{"protocol", "memcpy"}, {"size_bytes", size}, {"bandwidth_gbps", gbps}});
     }
-    std::ofstream(o.json) << out.dump(2) << "\n";
-    std::printf("\nJSON rows: %s\n", o.json.c_str());
+    if (!WriteJsonRows(o.json, out, "tensorverbs bench p2p")) return 1;
   }
   if (!o.plot.empty()) {
     PlotPanel bw{"bandwidth", "tensor size", "GB/s", true, true, {}, {}};
     PlotPanel lat{
         "recv latency p50 (raw fabric: one-way)", "tensor size", "us", true, true, {}, {}};
+    // One series per protocol and one for the raw fabric, in both panels.
+    auto add = [&bw, &lat](const std::string& title, double size, double gbps, double us) {
+      if (bw.series.empty() || bw.series.back().title != title) {
+        bw.series.push_back({title, {}, {}});
+        lat.series.push_back({title, {}, {}});
+      }
+      bw.series.back().x.push_back(size);
+      bw.series.back().y.push_back(gbps);
+      lat.series.back().x.push_back(size);
+      lat.series.back().y.push_back(us);
+    };
     for (const std::string& p : *protocols) {
-      PlotSeries b{p, {}, {}}, l{p, {}, {}};
       for (const P2PRow& r : rows) {
-        if (r.protocol != p) continue;
-        b.x.push_back(r.size);
-        b.y.push_back(r.bw_gbps);
-        l.x.push_back(r.size);
-        l.y.push_back(r.p50_us);
+        if (r.protocol == p) add(p, r.size, r.bw_gbps, r.p50_us);
       }
-      bw.series.push_back(b);
-      lat.series.push_back(l);
     }
-    if (!fabric_rows.empty()) {
-      PlotSeries b{"raw fabric write", {}, {}}, l{"raw fabric write", {}, {}};
-      for (const FabricRow& f : fabric_rows) {
-        b.x.push_back(f.size);
-        b.y.push_back(f.bw_gbps);
-        l.x.push_back(f.size);
-        l.y.push_back(f.p50_us);
-      }
-      bw.series.push_back(b);
-      lat.series.push_back(l);
-    }
+    for (const FabricRow& f : fabric_rows) add("raw fabric write", f.size, f.bw_gbps, f.p50_us);
     for (size_t size : *sizes) {
       bw.x_ticks.emplace_back(static_cast<double>(size), SizeName(size));
       lat.x_ticks.emplace_back(static_cast<double>(size), SizeName(size));
@@ -489,8 +482,7 @@ int RunBenchRate(const BenchRateOptions& o) {
                      {"p99_us", r.p99_us},
                      {"cpu_us_per_transfer", r.cpu_us}});
     }
-    std::ofstream(o.json) << out.dump(2) << "\n";
-    std::printf("\nJSON rows: %s\n", o.json.c_str());
+    if (!WriteJsonRows(o.json, out, "tensorverbs bench rate")) return 1;
   }
   return 0;
 }

@@ -126,6 +126,18 @@ uint32_t BenchPatternCrc(size_t bytes, uint32_t seed) {
   return Crc32c(buf.data(), bytes);
 }
 
+std::vector<ParsedKey> MakeKeys(const std::string& src_device, uint64_t src_incarnation,
+                                const std::string& dst_device,
+                                const std::vector<std::string>& names) {
+  std::vector<ParsedKey> keys;
+  keys.reserve(names.size());
+  for (const std::string& name : names) {
+    keys.push_back(
+        *ParsedKey::Parse(ParsedKey::Create(src_device, src_incarnation, dst_device, name)));
+  }
+  return keys;
+}
+
 absl::Status Tell(Subprocess& peer, const std::string& line) {
   if (!WriteLine(peer, line)) {
     return absl::InternalError(
@@ -150,6 +162,18 @@ absl::StatusOr<std::string> Expect(Subprocess& peer, absl::string_view prefix,
         absl::StrCat("bench peer said '", *line, "' where '", prefix, "' was expected"));
   }
   return std::string(absl::StripAsciiWhitespace(absl::string_view(*line).substr(prefix.size())));
+}
+
+bool WriteJsonRows(const std::string& path, const nlohmann::json& rows, const char* tool) {
+  std::ofstream out(path);
+  out << rows.dump(2) << "\n";
+  out.close();
+  if (!out) {
+    std::fprintf(stderr, "%s: cannot write %s: %s\n", tool, path.c_str(), std::strerror(errno));
+    return false;
+  }
+  std::printf("\nJSON rows: %s\n", path.c_str());
+  return true;
 }
 
 absl::Status WritePngPlot(const std::string& path, const std::string& title,

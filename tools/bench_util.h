@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "src/rendezvous/parsed_key.h"
 #include "tools/subprocess.h"
 
 namespace tensorverbs::tools {
@@ -41,12 +43,21 @@ void FillBenchPattern(void* data, size_t bytes, uint32_t seed);
 // CRC-32C of the pattern FillBenchPattern writes.
 uint32_t BenchPatternCrc(size_t bytes, uint32_t seed);
 
+// Keys of the tensors `src_device` sends to `dst_device`, one per name.
+std::vector<ParsedKey> MakeKeys(const std::string& src_device, uint64_t src_incarnation,
+                                const std::string& dst_device,
+                                const std::vector<std::string>& names);
+
 // Sends one command line to a peer process.
 absl::Status Tell(Subprocess& peer, const std::string& line);
 // Reads the peer's next line and checks it starts with `prefix`; returns the rest of the line.
 // A line starting with "error " becomes that error.
 absl::StatusOr<std::string> Expect(Subprocess& peer, absl::string_view prefix,
                                    absl::Duration timeout = absl::Seconds(600));
+
+// Writes `rows` (pretty-printed) to `path` and says where on stdout; false, with a message on
+// stderr naming `tool`, if the file cannot be written.
+bool WriteJsonRows(const std::string& path, const nlohmann::json& rows, const char* tool);
 
 // One line series of a plot.
 struct PlotSeries {

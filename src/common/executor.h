@@ -32,7 +32,6 @@ class Executor {
   ~Executor();
 
   void Schedule(Task task);
-  bool inline_tasks() const { return threads_.empty(); }
 
  private:
   void WorkerLoop();

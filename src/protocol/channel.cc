@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -21,9 +22,17 @@ namespace {
 // within every provider's message size and keep single operations short.
 constexpr uint64_t kMaxWriteBytes = uint64_t{1} << 30;
 
-absl::StatusOr<Tensor> AllocateStaging(RdmaMemoryMgr* memory, uint64_t bytes) {
-  ASSIGN_OR_RETURN(TensorShape shape, TensorShape::Create({static_cast<int64_t>(bytes)}));
-  return Tensor::Allocate(memory->pool(), DataType::kUInt8, shape);
+// Posts [0, total) in pieces of at most kMaxWriteBytes, calling post(offset, length, last) for
+// each, and stops at the first refused post. Returns how many were posted, and that refusal.
+template <typename PostPiece>
+std::pair<int, absl::Status> PostInPieces(uint64_t total, PostPiece post) {
+  const uint64_t pieces = (total + kMaxWriteBytes - 1) / kMaxWriteBytes;
+  for (uint64_t i = 0; i < pieces; ++i) {
+    const uint64_t offset = i * kMaxWriteBytes;
+    absl::Status s = post(offset, std::min(kMaxWriteBytes, total - offset), i + 1 == pieces);
+    if (!s.ok()) return {static_cast<int>(i), s};
+  }
+  return {static_cast<int>(pieces), absl::OkStatus()};
 }
 
 uint64_t Checksum(const void* data, uint64_t bytes) {
@@ -31,12 +40,21 @@ uint64_t Checksum(const void* data, uint64_t bytes) {
 }
 
 void CountCopy(const ChannelEnv* env, uint64_t bytes) {
-  env->stats->copies.fetch_add(1, std::memory_order_relaxed);
-  env->stats->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-  if (TransferStats* worker = env->worker->stats) {
-    worker->copies.fetch_add(1, std::memory_order_relaxed);
-    worker->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  env->stats->CountCopy(bytes, env->worker->stats);
+}
+
+// Copy mode: keeps a name's `buffer` if it holds `bytes` (it grew, or this is the name's first
+// transfer, otherwise) and returns its registered region.
+absl::StatusOr<const fabric::MemoryRegion*> EnsureCopyBuffer(RdmaMemoryMgr* memory,
+                                                            Tensor& buffer, uint64_t bytes) {
+  const fabric::MemoryRegion* region = nullptr;
+  if (!buffer.IsInitialized() || buffer.TotalBytes() < bytes) {
+    ASSIGN_OR_RETURN(buffer, memory->AllocateStaging(bytes, &region));
+    return region;
   }
+  ASSIGN_OR_RETURN(region, memory->FindRegistered(buffer.data(), buffer.TotalBytes()));
+  if (region == nullptr) return absl::InternalError("the transport's pool memory is not registrable");
+  return region;
 }
 
 // Copy mode: REQUEST, META_DATA_RESPONSE and RE_REQUEST describe a name's buffer as a uint8
@@ -156,11 +174,7 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
   }
   if (target == nullptr) {
     // Strings, copy mode, or a destination the fabric cannot reach: a registered proxy.
-    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta.tensor_bytes));
-    ASSIGN_OR_RETURN(region, env->memory->FindRegistered(staging_.data(), meta.tensor_bytes));
-    if (region == nullptr) {
-      return absl::InternalError("the transport's pool memory is not registrable");
-    }
+    ASSIGN_OR_RETURN(staging_, env->memory->AllocateStaging(meta.tensor_bytes, &region));
     target = staging_.data();
   }
   *addr = reinterpret_cast<uint64_t>(target);
@@ -170,14 +184,8 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
 
 absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,
                                                   std::string* key) {
-  ChannelEnv* env = channel_->env();
-  if (!staging_.IsInitialized() || staging_.TotalBytes() < bytes) {
-    // The tensor grew (or this is the name's first transfer): a new, larger buffer.
-    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, bytes));
-  }
   ASSIGN_OR_RETURN(const fabric::MemoryRegion* region,
-                   env->memory->FindRegistered(staging_.data(), staging_.TotalBytes()));
-  if (region == nullptr) return absl::InternalError("the transport's pool memory is not registrable");
+                   EnsureCopyBuffer(channel_->env()->memory, staging_, bytes));
   *addr = reinterpret_cast<uint64_t>(staging_.data());
   *key = region->PackRemoteKey();
   return absl::OkStatus();
@@ -378,12 +386,10 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
     proto::TensorProto tp;
     TensorToProto(tensor, &tp);
     meta_.tensor_bytes = tp.ByteSizeLong();
-    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta_.tensor_bytes));
+    ASSIGN_OR_RETURN(staging_, env->memory->AllocateStaging(meta_.tensor_bytes, &source_region_));
     if (!tp.SerializeToArray(staging_.data(), static_cast<int>(meta_.tensor_bytes))) {
       return absl::InternalError("serializing the string tensor failed");
     }
-    ASSIGN_OR_RETURN(source_region_,
-                     env->memory->FindRegistered(staging_.data(), meta_.tensor_bytes));
     source_ = staging_.data();
     return absl::OkStatus();
   }
@@ -404,11 +410,9 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
     return absl::OkStatus();
   }
   // Copy mode, or a tensor outside the registered pool: stage it.
-  ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, meta_.tensor_bytes));
-  std::memcpy(staging_.data(), tensor.data(), meta_.tensor_bytes);
+  ASSIGN_OR_RETURN(staging_,
+                   env->memory->StageCopyOf(tensor.data(), meta_.tensor_bytes, &source_region_));
   CountCopy(env, meta_.tensor_bytes);
-  ASSIGN_OR_RETURN(source_region_, env->memory->FindRegistered(staging_.data(), meta_.tensor_bytes));
-  if (source_region_ == nullptr) return absl::InternalError("pool memory is not registrable");
   source_ = staging_.data();
   return absl::OkStatus();
 }
@@ -418,13 +422,9 @@ absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is
   CopyPayload payload(tensor, is_dead);
   const uint64_t bytes = payload.Size();
   staging_ = channel_->TakeCopyBuffer(request_.name);
-  if (!staging_.IsInitialized() || staging_.TotalBytes() < bytes) {
-    ASSIGN_OR_RETURN(staging_, AllocateStaging(env->memory, bytes));
-  }
+  ASSIGN_OR_RETURN(source_region_, EnsureCopyBuffer(env->memory, staging_, bytes));
   payload.WriteTo(static_cast<uint8_t*>(staging_.data()));
   if (!is_dead) CountCopy(env, tensor.TotalBytes());
-  ASSIGN_OR_RETURN(source_region_, env->memory->FindRegistered(staging_.data(), bytes));
-  if (source_region_ == nullptr) return absl::InternalError("pool memory is not registrable");
   source_ = staging_.data();
   meta_ = BufferMeta(bytes);
   return absl::OkStatus();
@@ -514,20 +514,16 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const std::string& key) {
     writes_left_ = 1;
     s = ep->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(), imm, context);
   } else {
-    const uint64_t total = meta_.tensor_bytes;
-    const uint64_t pieces = (total + kMaxWriteBytes - 1) / kMaxWriteBytes;
-    writes_left_ = static_cast<int>(pieces);
-    for (uint64_t i = 0; i < pieces && s.ok(); ++i) {
-      const uint64_t offset = i * kMaxWriteBytes;
-      const uint64_t len = std::min(kMaxWriteBytes, total - offset);
-      fabric::LocalBuffer local{source_region_,
-                                const_cast<uint8_t*>(static_cast<const uint8_t*>(source_)) + offset,
-                                len};
-      fabric::RemoteBuffer remote{key, addr + offset, len};
-      s = i + 1 == pieces ? ep->PostWriteWithImm(local, remote, imm, context)
-                          : ep->PostWrite(local, remote, context);
-      if (!s.ok()) writes_left_ = static_cast<int>(i);  // those already posted still complete
-    }
+    // The last piece carries the immediate; pieces already posted when one is refused still
+    // complete.
+    auto* source = const_cast<uint8_t*>(static_cast<const uint8_t*>(source_));
+    std::tie(writes_left_, s) =
+        PostInPieces(meta_.tensor_bytes, [&](uint64_t offset, uint64_t len, bool last) {
+          fabric::LocalBuffer local{source_region_, source + offset, len};
+          fabric::RemoteBuffer remote{key, addr + offset, len};
+          return last ? ep->PostWriteWithImm(local, remote, imm, context)
+                      : ep->PostWrite(local, remote, context);
+        });
   }
   if (!s.ok()) {
     // The target the receiver named is not writable (a bad key or range): report it to the
@@ -705,38 +701,34 @@ void Channel::IssuePull(uint32_t index) {
   }
   void* target = pull.dest.data();
   if (*region == nullptr) {
-    absl::StatusOr<Tensor> staging = AllocateStaging(env_->memory, bytes);
-    if (staging.ok()) {
-      pull.staging = *std::move(staging);
-      region = env_->memory->FindRegistered(pull.staging.data(), bytes);
-      target = pull.staging.data();
-    }
-    if (!staging.ok() || !region.ok() || *region == nullptr) {
+    // An unregistered destination: read into a registered proxy and copy.
+    const fabric::MemoryRegion* staging_region = nullptr;
+    absl::StatusOr<Tensor> staging = env_->memory->AllocateStaging(bytes, &staging_region);
+    if (!staging.ok()) {
       fail(absl::InternalError("no registered memory to read the tensor into"));
       return;
     }
+    pull.staging = *std::move(staging);
+    region = staging_region;
+    target = pull.staging.data();
   }
-  const uint64_t pieces = (bytes + kMaxWriteBytes - 1) / kMaxWriteBytes;
   const uint64_t context = MakeContext(OpTag::kRead, index);
-  for (uint64_t i = 0; i < pieces; ++i) {
-    const uint64_t offset = i * kMaxWriteBytes;
-    const uint64_t len = std::min(kMaxWriteBytes, bytes - offset);
-    absl::Status s = endpoint_->PostRead(
+  absl::Status s;
+  std::tie(pull.reads_left, s) = PostInPieces(bytes, [&](uint64_t offset, uint64_t len, bool) {
+    return endpoint_->PostRead(
         fabric::LocalBuffer{*region, static_cast<uint8_t*>(target) + offset, len},
         fabric::RemoteBuffer{pull.ref.key, pull.ref.addr + offset, len}, context);
-    if (!s.ok()) {
-      if (i == 0) {
-        fail(absl::InvalidArgumentError(absl::StrCat(
-            "task ", peer_task_, " lent a tensor that cannot be read: ", s.message())));
-      } else {
-        pull.reads_left = static_cast<int>(i);  // those posted still complete
-        Close(absl::UnavailableError(absl::StrCat("a read from task ", peer_task_,
-                                                  " failed midway: ", s.message())));
-      }
-      return;
-    }
-    ++pull.reads_left;
+  });
+  if (s.ok()) return;
+  if (pull.reads_left == 0) {
+    fail(absl::InvalidArgumentError(absl::StrCat("task ", peer_task_,
+                                                 " lent a tensor that cannot be read: ",
+                                                 s.message())));
+    return;
   }
+  // The reads already posted still complete.
+  Close(absl::UnavailableError(absl::StrCat("a read from task ", peer_task_,
+                                            " failed midway: ", s.message())));
 }
 
 void Channel::OnReadDone(uint32_t index) {

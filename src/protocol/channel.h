@@ -60,6 +60,16 @@ struct VerbsStats {
   std::atomic<int64_t> dropped_imms{0};       // unknown or stale request indexes
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};
+
+  // One copy of `bytes` tensor bytes, counted here and in the worker's TransferStats (if any).
+  void CountCopy(uint64_t bytes, TransferStats* worker) {
+    copies.fetch_add(1, std::memory_order_relaxed);
+    copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    if (worker != nullptr) {
+      worker->copies.fetch_add(1, std::memory_order_relaxed);
+      worker->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    }
+  }
 };
 
 // Which design a transport runs; the protocol string picks it.

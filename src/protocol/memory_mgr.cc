@@ -1,5 +1,6 @@
 #include "src/protocol/memory_mgr.h"
 
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -60,7 +61,7 @@ void RdmaMemoryMgr::DropReleased() {
 }
 
 absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const void* p,
-                                                                           size_t len) {
+                                                                          size_t len) {
   DropReleased();
   MemoryRegion region;
   if (p == nullptr || !pool_->FindRegion(p, std::max<size_t>(len, 1), &region)) return nullptr;
@@ -76,8 +77,25 @@ absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const 
   return entry.region.get();
 }
 
+absl::StatusOr<Tensor> RdmaMemoryMgr::AllocateStaging(uint64_t bytes,
+                                                      const fabric::MemoryRegion** region) {
+  ASSIGN_OR_RETURN(TensorShape shape, TensorShape::Create({static_cast<int64_t>(bytes)}));
+  ASSIGN_OR_RETURN(Tensor staging, Tensor::Allocate(pool_, DataType::kUInt8, shape));
+  ASSIGN_OR_RETURN(*region, FindRegistered(staging.data(), bytes));
+  if (*region == nullptr)
+    return absl::InternalError("the transport's pool memory is not registrable");
+  return staging;
+}
+
+absl::StatusOr<Tensor> RdmaMemoryMgr::StageCopyOf(const void* data, uint64_t bytes,
+                                                  const fabric::MemoryRegion** region) {
+  ASSIGN_OR_RETURN(Tensor staging, AllocateStaging(bytes, region));
+  if (bytes > 0) std::memcpy(staging.data(), data, bytes);
+  return staging;
+}
+
 absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RdmaMemoryMgr::RegisterTransient(void* p,
-                                                                                     size_t len) {
+                                                                                       size_t len) {
   return domain_->RegisterMemory(p, len, fabric::kAccessRemoteWrite | fabric::kAccessRemoteRead);
 }
 

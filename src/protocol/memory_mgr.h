@@ -29,6 +29,7 @@
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
 #include "src/tensor/allocator.h"
+#include "src/tensor/tensor.h"
 
 namespace tensorverbs::protocol {
 
@@ -49,6 +50,13 @@ class RdmaMemoryMgr {
   // The registered region holding [p, p+len), registering its pool region on first use; null
   // if the range is not pool memory. An error if the fabric refused the registration.
   absl::StatusOr<const fabric::MemoryRegion*> FindRegistered(const void* p, size_t len);
+
+  // A uint8 tensor of `bytes` from the pool, and its registered region: the staging buffer of a
+  // copy (copy mode, proxies, unregistered sources). Internal if the pool is not registrable.
+  absl::StatusOr<Tensor> AllocateStaging(uint64_t bytes, const fabric::MemoryRegion** region);
+  // As AllocateStaging, filled with a copy of `bytes` at `data`.
+  absl::StatusOr<Tensor> StageCopyOf(const void* data, uint64_t bytes,
+                                     const fabric::MemoryRegion** region);
 
   // Registers [p, p+len) for one transfer (remote write and read).
   absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RegisterTransient(void* p, size_t len);

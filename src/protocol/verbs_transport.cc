@@ -1,7 +1,6 @@
 #include "src/protocol/verbs_transport.h"
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -171,11 +170,12 @@ void VerbsTransport::ProgressLoop() {
   progress_thread_id_.store(std::this_thread::get_id());
   while (true) {
     bool active = false;
-    if (has_tasks_.load(std::memory_order_acquire) || stopping_requested_.load()) {
+    if (has_tasks_.load(std::memory_order_acquire)) {
       MutexLock lock(&mu_);
       if (tasks_.empty() && stopping_) break;
       batch.swap(tasks_);
-      has_tasks_.store(false, std::memory_order_relaxed);
+      // While stopping, keep looking until the queue is empty.
+      has_tasks_.store(stopping_, std::memory_order_relaxed);
     }
     for (Task& task : batch) {
       std::move(task)();
@@ -479,6 +479,9 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
   }
 }
 
+static_assert(grpc_transport::kMaxTensorKey == kMaxRequestIndex,
+              "tensor keys and request indexes share the immediates below the reserved ones");
+
 void VerbsTransport::Lend(
     const std::string& requester, const Tensor& tensor,
     absl::AnyInvocable<void(absl::StatusOr<grpc_transport::RemoteTensorRef>) &&> done) {
@@ -490,25 +493,18 @@ void VerbsTransport::Lend(
     absl::StatusOr<const fabric::MemoryRegion*> region = memory_->FindRegistered(tensor.data(), bytes);
     if (region.ok() && *region == nullptr) {
       // Not pool memory: lend a registered copy.
-      absl::StatusOr<Tensor> staged = Tensor::Allocate(
-          memory_->pool(), DataType::kUInt8, TensorShape::Of({static_cast<int64_t>(bytes)}));
+      const fabric::MemoryRegion* staging_region = nullptr;
+      absl::StatusOr<Tensor> staged = memory_->StageCopyOf(tensor.data(), bytes, &staging_region);
       if (!staged.ok()) {
         std::move(done)(staged.status());
         return;
       }
-      std::memcpy(staged->data(), tensor.data(), bytes);
-      stats_.copies.fetch_add(1, std::memory_order_relaxed);
-      stats_.copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-      if (TransferStats* worker = options_.env->stats) {
-        worker->copies.fetch_add(1, std::memory_order_relaxed);
-        worker->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-      }
+      stats_.CountCopy(bytes, options_.env->stats);
       source = *std::move(staged);
-      region = memory_->FindRegistered(source.data(), bytes);
+      region = staging_region;
     }
-    if (!region.ok() || *region == nullptr) {
-      std::move(done)(region.ok() ? absl::InternalError("pool memory is not registrable")
-                                  : region.status());
+    if (!region.ok()) {
+      std::move(done)(region.status());
       return;
     }
     absl::StatusOr<uint32_t> key = lend_keys_.Allocate();
@@ -544,14 +540,7 @@ void VerbsTransport::ReleaseLent(const std::string& task, uint32_t tensor_key) {
 }
 
 size_t VerbsTransport::NumLentTensors() {
-  auto result = std::make_shared<std::pair<Notification, size_t>>();
-  Task task = [this, result]() mutable {
-    result->second = lent_.size();
-    result->first.Notify();
-  };
-  if (!Post(task)) return 0;
-  result->first.WaitForNotification();
-  return result->second;
+  return AskLoop<size_t>([this] { return lent_.size(); }).value_or(0);
 }
 
 void VerbsTransport::Pull(const std::string& task, const grpc_transport::RemoteTensorRef& ref,
@@ -627,16 +616,12 @@ absl::Status VerbsTransport::ConnectPeers(absl::Duration timeout) {
 }
 
 size_t VerbsTransport::NumReadyChannels() {
-  auto result = std::make_shared<std::pair<Notification, size_t>>();
-  Task task = [this, result]() mutable {
-    size_t n = 0;
-    for (auto& [id, c] : channels_) n += c->state() == Channel::State::kReady;
-    result->second = n;
-    result->first.Notify();
-  };
-  if (!Post(task)) return 0;
-  result->first.WaitForNotification();
-  return result->second;
+  return AskLoop<size_t>([this] {
+           size_t n = 0;
+           for (auto& [id, c] : channels_) n += c->state() == Channel::State::kReady;
+           return n;
+         })
+      .value_or(0);
 }
 
 std::shared_ptr<proto::VerbsService::Stub> VerbsTransport::Stub(const std::string& task,
@@ -668,24 +653,22 @@ void VerbsTransport::WatchdogLoop() {
       uint64_t incarnation;
       uint64_t channel_id;
     };
-    struct Snapshot {
-      Notification done;
-      std::vector<Probe> probes;
-    };
-    auto snapshot = std::make_shared<Snapshot>();
-    Task collect = [this, snapshot]() mutable {
-      for (auto& [id, c] : channels_) {
-        if (c->role() == Channel::Role::kOwner && c->state() == Channel::State::kReady &&
-            c->pending_requests() > 0) {
-          snapshot->probes.push_back({c->peer_task(), c->peer_incarnation(), id});
-        }
-      }
-      snapshot->done.Notify();
-    };
-    if (!Post(collect)) return;
-    if (!snapshot->done.WaitForNotificationWithTimeout(absl::Seconds(5))) continue;
+    absl::StatusOr<std::vector<Probe>> probes = AskLoop<std::vector<Probe>>(
+        [this] {
+          std::vector<Probe> out;
+          for (auto& [id, c] : channels_) {
+            if (c->role() == Channel::Role::kOwner && c->state() == Channel::State::kReady &&
+                c->pending_requests() > 0) {
+              out.push_back({c->peer_task(), c->peer_incarnation(), id});
+            }
+          }
+          return out;
+        },
+        absl::Seconds(5));
+    if (absl::IsCancelled(probes.status())) return;
+    if (!probes.ok()) continue;
     std::vector<std::thread> checks;
-    for (const Probe& probe : snapshot->probes) {
+    for (const Probe& probe : *probes) {
       checks.emplace_back([this, probe] {
         auto address = options_.task_addresses.find(probe.task);
         if (address == options_.task_addresses.end()) return;
@@ -742,17 +725,14 @@ void VerbsTransport::Shutdown() {
   // responses in progress finish, for up to kShutdownGrace.
   const absl::Time grace_end = absl::Now() + kShutdownGrace;
   while (absl::Now() < grace_end) {
-    auto busy = std::make_shared<std::pair<Notification, bool>>();
-    Task count = [this, busy]() mutable {
-      bool any = !lent_.empty();
-      for (auto& [id, c] : channels_) any |= c->responses_in_progress() > 0;
-      busy->second = any;
-      busy->first.Notify();
-    };
-    if (!Post(count) || !busy->first.WaitForNotificationWithTimeout(absl::Seconds(1)) ||
-        !busy->second) {
-      break;
-    }
+    absl::StatusOr<bool> busy = AskLoop<bool>(
+        [this] {
+          bool any = !lent_.empty();
+          for (auto& [id, c] : channels_) any |= c->responses_in_progress() > 0;
+          return any;
+        },
+        absl::Seconds(1));
+    if (!busy.ok() || !*busy) break;
     absl::SleepFor(absl::Milliseconds(1));
   }
   Task close_all = [this]() mutable {
@@ -766,8 +746,8 @@ void VerbsTransport::Shutdown() {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
+    has_tasks_.store(true, std::memory_order_release);  // the loop looks, and sees it stop
   }
-  stopping_requested_.store(true);
   domain_->Interrupt();
   progress_thread_.join();
   // Cancelled set-up calls finish promptly; their callbacks only touch connects_in_flight_

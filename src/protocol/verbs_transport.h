@@ -123,6 +123,12 @@ class VerbsTransport : public grpc_transport::TensorLender, public grpc_transpor
   explicit VerbsTransport(VerbsOptions options);
   absl::Status Start();
 
+  // Runs `fn` on the progress thread and returns its result; for other threads, which wait.
+  // Cancelled after shutdown, DeadlineExceeded if the loop does not get to it within `timeout`.
+  template <typename T>
+  absl::StatusOr<T> AskLoop(absl::AnyInvocable<T()> fn,
+                            absl::Duration timeout = absl::InfiniteDuration());
+
   // Queues `task` for the progress thread; false (and `task` left untouched) after shutdown.
   // On the progress thread itself, defers it to later in the current turn of the loop.
   bool Post(Task& task);
@@ -158,9 +164,9 @@ class VerbsTransport : public grpc_transport::TensorLender, public grpc_transpor
   Mutex mu_;
   std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  // Set with tasks_ so that the loop looks at the queue only when there is something in it.
+  // Set with tasks_ (and with stopping_) so that the loop looks at the queue only when there is
+  // something to see.
   std::atomic<bool> has_tasks_{false};
-  std::atomic<bool> stopping_requested_{false};
   // Set by the progress thread before it sleeps, so Post knows to interrupt the wait.
   std::atomic<bool> sleeping_{false};
   std::atomic<std::thread::id> progress_thread_id_{};
@@ -208,6 +214,25 @@ class VerbsTransport : public grpc_transport::TensorLender, public grpc_transpor
   std::thread watchdog_thread_;
   std::atomic<int> connects_in_flight_{0};
 };
+
+template <typename T>
+absl::StatusOr<T> VerbsTransport::AskLoop(absl::AnyInvocable<T()> fn, absl::Duration timeout) {
+  // Shared: after a timeout the task may still run and must have somewhere to write.
+  struct Answer {
+    Notification done;
+    T value{};
+  };
+  auto answer = std::make_shared<Answer>();
+  Task task = [answer, fn = std::move(fn)]() mutable {
+    answer->value = fn();
+    answer->done.Notify();
+  };
+  if (!Post(task)) return absl::CancelledError("the transport is shutting down");
+  if (!answer->done.WaitForNotificationWithTimeout(timeout)) {
+    return absl::DeadlineExceededError("the progress thread did not answer in time");
+  }
+  return std::move(answer->value);
+}
 
 }  // namespace tensorverbs::protocol
 

@@ -16,6 +16,15 @@ namespace {
 
 std::atomic<int64_t> next_request_id{1};
 
+// Runs a user callback on the worker's executor, or inline where there is none.
+void RunCallback(Executor* executor, absl::AnyInvocable<void() &&> callback) {
+  if (executor != nullptr) {
+    executor->Schedule(std::move(callback));
+  } else {
+    std::move(callback)();
+  }
+}
+
 }  // namespace
 
 struct GrpcRemoteRendezvous::Call {
@@ -135,28 +144,19 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
                   result = absl::Status(result.code(), absl::StrCat(result.message(),
                                                                     " (key '", key, "')"));
                 }
-                auto finish = [done = std::move(done), result, dest]() mutable {
-                  std::move(done)(result, result.ok() ? dest : Tensor(), false);
-                };
-                if (Executor* executor = self->env().callback_executor) {
-                  executor->Schedule(std::move(finish));
-                } else {
-                  finish();
-                }
+                RunCallback(self->env().callback_executor,
+                            [done = std::move(done), result, dest]() mutable {
+                              std::move(done)(result, result.ok() ? dest : Tensor(), false);
+                            });
               });
           call.reset();
           self->workers_->CallDone();
           return;
         }
-        Executor* executor = self->env().callback_executor;
-        auto finish = [done = std::move(call->done), status, parsed = std::move(parsed)]() mutable {
-          std::move(done)(status, parsed.tensor, parsed.is_dead);
-        };
-        if (executor != nullptr) {
-          executor->Schedule(std::move(finish));
-        } else {
-          finish();
-        }
+        RunCallback(self->env().callback_executor,
+                    [done = std::move(call->done), status, parsed = std::move(parsed)]() mutable {
+                      std::move(done)(status, parsed.tensor, parsed.is_dead);
+                    });
         // Release the call (and its ClientContext) here, as gRPC expects, rather than whenever
         // gRPC destroys this functor: the context holds the call that owns the functor.
         call.reset();

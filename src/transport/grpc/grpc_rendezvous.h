@@ -2,8 +2,9 @@
 // to the source task with a deadline (TENSORVERBS_RECV_TIMEOUT_MS); the response is parsed
 // straight into a tensor from the destination allocator, and the user's callback runs on the
 // worker's callback executor. With a TensorPuller it is `grpc+gdr`'s: a response may name
-// where the tensor waits instead of carrying it, and the puller reads it into the destination. StartAbort cancels in-flight calls, whose callbacks then report the
-// abort status. Thread-safe; created by the RendezvousMgr factory through std::make_shared.
+// where the tensor waits instead of carrying it, and the puller reads it into the destination.
+// StartAbort cancels in-flight calls, whose callbacks then report the abort status.
+// Thread-safe; created by the RendezvousMgr factory through std::make_shared.
 #ifndef TENSORVERBS_TRANSPORT_GRPC_GRPC_RENDEZVOUS_H_
 #define TENSORVERBS_TRANSPORT_GRPC_GRPC_RENDEZVOUS_H_
 

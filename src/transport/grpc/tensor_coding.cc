@@ -186,7 +186,7 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
     if (!DataTypeCanMemCopy(dtype)) return Malformed("a remote string tensor");
     ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
     if (t.TotalBytes() != out->remote.bytes || out->remote.bytes == 0 ||
-        out->remote.key.empty() || out->remote.tensor_key > 0xFFFFFFFDu) {
+        out->remote.key.empty() || out->remote.tensor_key > kMaxTensorKey) {
       return Malformed(absl::StrCat("remote tensor of ", out->remote.bytes, " bytes for ",
                                     t.DebugString()));
     }
