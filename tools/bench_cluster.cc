@@ -125,6 +125,7 @@ absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& li
 std::vector<std::string> BenchServerOptions::ToArgs() const {
   std::vector<std::string> args = {"--protocol", protocol};
   if (message_slots > 0) args.insert(args.end(), {"--message-slots", absl::StrCat(message_slots)});
+  if (message_batch > 0) args.insert(args.end(), {"--message-batch", absl::StrCat(message_batch)});
   if (!poll_mode.empty()) args.insert(args.end(), {"--poll-mode", poll_mode});
   if (callback_threads >= 0) {
     args.insert(args.end(), {"--callback-threads", absl::StrCat(callback_threads)});
@@ -135,6 +136,7 @@ std::vector<std::string> BenchServerOptions::ToArgs() const {
 void BenchServerOptions::Apply(ServerOptions* options) const {
   options->protocol = protocol;
   if (message_slots > 0) options->verbs.message_slots = message_slots;
+  if (message_batch > 0) options->verbs.message_batch = message_batch;
   if (!poll_mode.empty()) options->verbs.poll_mode = poll_mode;
   options->callback_threads = callback_threads;
   // A benchmark that stalls should fail in minutes, not after the default ten.

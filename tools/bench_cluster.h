@@ -39,6 +39,7 @@ absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& li
 struct BenchServerOptions {
   std::string protocol = "grpc+verbs";
   int message_slots = 0;      // 0: TENSORVERBS_MESSAGE_SLOTS
+  int message_batch = 0;      // 0: TENSORVERBS_MESSAGE_BATCH
   std::string poll_mode;      // empty: TENSORVERBS_POLL_MODE
   int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
 

@@ -8,7 +8,8 @@
 // processes and the copies the transports made are sampled around the bandwidth stream.
 //
 // rate: many small tensors outstanding at once; tensors per second per protocol and per
-// message-slot count of the verbs protocols (1 is the seed's stop-and-wait buffer).
+// message-slot count and batch limit of the verbs protocols (1 slot, batch 1 is the seed's
+// stop-and-wait buffer).
 #include <unistd.h>
 
 #include <algorithm>
@@ -362,18 +363,35 @@ int RunBenchP2P(const BenchP2POptions& o) {
   return 0;
 }
 
+namespace {
+
+// "1,8,32" -> counts in lo..hi; prints the error naming `flag`.
+bool ParseCounts(const std::string& list, const char* flag, int lo, int hi, std::vector<int>* out) {
+  for (absl::string_view s : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    int n = 0;
+    if (!absl::SimpleAtoi(s, &n) || n < lo || n > hi) {
+      std::fprintf(stderr, "tensorverbs bench rate: %s: bad count '%s' (%d..%d)\n", flag,
+                   std::string(s).c_str(), lo, hi);
+      return false;
+    }
+    out->push_back(n);
+  }
+  if (out->empty()) {
+    std::fprintf(stderr, "tensorverbs bench rate: %s: no counts given\n", flag);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 int RunBenchRate(const BenchRateOptions& o) {
   absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
   absl::StatusOr<std::vector<std::string>> protocols = ParseProtocolList(o.protocols);
-  std::vector<int> slots;
-  for (absl::string_view s : absl::StrSplit(o.slots, ',', absl::SkipWhitespace())) {
-    int n = 0;
-    if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 1024) {
-      std::fprintf(stderr, "tensorverbs bench rate: --slots: bad slot count '%s' (1..1024)\n",
-                   std::string(s).c_str());
-      return 2;
-    }
-    slots.push_back(n);
+  std::vector<int> slots, batches;
+  if (!ParseCounts(o.slots, "--slots", 1, 1024, &slots) ||
+      !ParseCounts(o.batch, "--batch", 1, 128, &batches)) {
+    return 2;
   }
   for (const absl::Status& s : {sizes.status(), protocols.status()}) {
     if (!s.ok()) {
@@ -381,14 +399,24 @@ int RunBenchRate(const BenchRateOptions& o) {
       return 2;
     }
   }
-  if (slots.empty() || o.recvs < 1 || o.window < 1) {
-    std::fprintf(stderr,
-                 "tensorverbs bench rate: --slots, --recvs and --window must be positive\n");
+  if (o.recvs < 1 || o.window < 1) {
+    std::fprintf(stderr, "tensorverbs bench rate: --recvs and --window must be positive\n");
     return 2;
+  }
+  std::unique_ptr<NetnsHost> netns;
+  if (o.netns) {
+    absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create();
+    if (!host.ok()) {
+      std::fprintf(stderr, "tensorverbs bench rate --netns: %s\n",
+                   std::string(host.status().message()).c_str());
+      return 1;
+    }
+    netns = *std::move(host);
   }
   struct RateRow {
     std::string protocol, fabric;
     int slots = 0;  // 0: not a verbs protocol
+    int batch = 0;
     size_t size = 0;
     int64_t recvs = 0;
     double tensors_per_s = 0, p50_us = 0, p99_us = 0;
@@ -399,19 +427,27 @@ int RunBenchRate(const BenchRateOptions& o) {
   // Keys per step: a step of a real model carries hundreds of tensors.
   const int keys_per_step = std::min(o.window, 1000);
   std::printf(
-      "tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step\n",
-      o.recvs, o.window, keys_per_step);
-  std::printf("%16s %6s %8s %14s %10s %10s %12s  %s\n", "protocol", "slots", "#bytes", "tensors/s",
-              "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
+      "tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step%s\n",
+      o.recvs, o.window, keys_per_step, netns ? ", peer in its own network namespace" : "");
+  std::printf("%16s %6s %6s %8s %14s %10s %10s %12s  %s\n", "protocol", "slots", "batch",
+              "#bytes", "tensors/s", "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
   for (const std::string& protocol : *protocols) {
-    const std::vector<int> slot_counts = IsVerbsProtocol(protocol) ? slots : std::vector<int>{0};
-    for (int n : slot_counts) {
+    std::vector<std::pair<int, int>> configs;  // (slots, batch); (0, 0) for grpc
+    if (IsVerbsProtocol(protocol)) {
+      for (int n : slots) {
+        for (int b : batches) configs.emplace_back(n, b);
+      }
+    } else {
+      configs.emplace_back(0, 0);
+    }
+    for (const auto& [n, batch] : configs) {
       BenchServerOptions server;
       server.protocol = protocol;
       server.message_slots = n;
+      server.message_batch = batch;
       server.poll_mode = o.poll_mode;
       server.callback_threads = o.callback_threads;
-      absl::StatusOr<std::unique_ptr<PairBench>> bench = PairBench::Start(server, nullptr);
+      absl::StatusOr<std::unique_ptr<PairBench>> bench = PairBench::Start(server, netns.get());
       if (!bench.ok()) {
         std::fprintf(stderr, "tensorverbs bench rate: %s: %s\n", protocol.c_str(),
                      bench.status().ToString().c_str());
@@ -428,44 +464,50 @@ int RunBenchRate(const BenchRateOptions& o) {
           run = RunPhase(**bench, prefix, keys, size, seed, o.recvs, o.window, true, &next_step);
         }
         if (!run.ok()) {
-          std::fprintf(stderr, "tensorverbs bench rate: %s, %d slots, %s: %s\n", protocol.c_str(),
-                       n, SizeName(size).c_str(), run.status().ToString().c_str());
+          std::fprintf(stderr, "tensorverbs bench rate: %s, %d slots, batch %d, %s: %s\n",
+                       protocol.c_str(), n, batch, SizeName(size).c_str(),
+                       run.status().ToString().c_str());
           return 1;
         }
         RateRow row;
         row.protocol = protocol;
         row.fabric = (*bench)->fabric();
-        row.slots = n > 0 ? n : 0;
+        row.slots = n;
+        row.batch = batch;
         row.size = size;
         row.recvs = o.recvs;
         row.tensors_per_s = row.recvs / absl::ToDoubleSeconds(run->elapsed);
         row.p50_us = Percentile(run->latency_us, 0.5);
         row.p99_us = Percentile(run->latency_us, 0.99);
         row.cpu_us = (run->local.cpu_seconds + run->peer.cpu_seconds) * 1e6 / o.recvs;
-        std::printf("%16s %6s %8s %14.0f %10.1f %10.1f %12.2f  %s\n", protocol.c_str(),
-                    n > 0 ? absl::StrCat(n).c_str() : "-", SizeName(size).c_str(),
+        std::printf("%16s %6s %6s %8s %14.0f %10.1f %10.1f %12.2f  %s\n", protocol.c_str(),
+                    n > 0 ? absl::StrCat(n).c_str() : "-",
+                    batch > 0 ? absl::StrCat(batch).c_str() : "-", SizeName(size).c_str(),
                     row.tensors_per_s, row.p50_us, row.p99_us, row.cpu_us, row.fabric.c_str());
         std::fflush(stdout);
         rows.push_back(row);
       }
     }
   }
-  // The message-slot optimization, as the ratio to one slot.
-  std::printf("\nrate relative to one message slot (the seed's stop-and-wait buffer)\n");
+  // The message-slot and batching optimizations, as ratios to the seed's buffer: one slot, one
+  // message per write, stop-and-wait.
+  std::printf("\nrate relative to the seed's stop-and-wait buffer (1 slot, batch 1)\n");
   for (const RateRow& r : rows) {
-    if (r.slots <= 1) continue;
+    if (r.slots == 0 || (r.slots == 1 && r.batch == 1)) continue;
     for (const RateRow& base : rows) {
-      if (base.protocol == r.protocol && base.size == r.size && base.slots == 1) {
-        // With slots enough to hide the round trip, the rate is bounded by the CPU a tensor
-        // costs (both processes) on the cores there are.
-        const double cpu_bound = sysconf(_SC_NPROCESSORS_ONLN) / (r.cpu_us * 1e-6);
-        std::printf(
-            "  %s %s: %d slots = %.2f x 1 slot%s; CPU bound at %.0f tensors/s = %.2f x "
-            "1 slot\n",
-            r.protocol.c_str(), SizeName(r.size).c_str(), r.slots,
-            r.tensors_per_s / base.tensors_per_s, r.slots == 8 ? " (goal for 8 slots: >= 5)" : "",
-            cpu_bound, cpu_bound / base.tensors_per_s);
+      if (base.protocol != r.protocol || base.size != r.size || base.slots != 1 ||
+          base.batch != 1) {
+        continue;
       }
+      // With slots enough to hide the round trip, the rate is bounded by the CPU a tensor
+      // costs (both processes) on the cores there are.
+      const double cpu_bound = sysconf(_SC_NPROCESSORS_ONLN) / (r.cpu_us * 1e-6);
+      std::printf(
+          "  %s %s: %d slots, batch %d = %.2f x%s; CPU bound at %.0f tensors/s = %.2f x\n",
+          r.protocol.c_str(), SizeName(r.size).c_str(), r.slots, r.batch,
+          r.tensors_per_s / base.tensors_per_s,
+          r.slots == 8 ? " (goal for 8 slots: >= 5)" : "", cpu_bound,
+          cpu_bound / base.tensors_per_s);
     }
   }
   if (!o.json.empty()) {
@@ -474,6 +516,8 @@ int RunBenchRate(const BenchRateOptions& o) {
       out.push_back({{"protocol", r.protocol},
                      {"fabric", r.fabric},
                      {"message_slots", r.slots},
+                     {"message_batch", r.batch},
+                     {"netns", netns != nullptr},
                      {"size_bytes", r.size},
                      {"recvs", r.recvs},
                      {"window", o.window},

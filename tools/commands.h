@@ -72,6 +72,8 @@ struct BenchRateOptions {
   std::string sizes = "4B,64B,1KiB,4KiB";
   std::string protocols;
   std::string slots = "1,8";
+  std::string batch = "1,32";
+  bool netns = false;
   int recvs = 20000;
   int window = 256;
   std::string json;

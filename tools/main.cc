@@ -81,6 +81,11 @@ int main(int argc, char** argv) {
   bench_rate->add_option("--protocols", rate.protocols, "Comma-separated protocols; default: all");
   bench_rate->add_option("--slots", rate.slots, "Message-slot counts for the verbs protocols")
       ->default_val(rate.slots);
+  bench_rate->add_option("--batch", rate.batch,
+                         "Most control messages per slot, comma-separated (1: the seed's one)")
+      ->default_val(rate.batch);
+  bench_rate->add_flag("--netns", rate.netns,
+                       "Run the peer in its own network namespace joined by veth (root)");
   bench_rate->add_option("--recvs", rate.recvs, "Recvs per configuration")->default_val(rate.recvs);
   bench_rate->add_option("--window", rate.window, "Recvs outstanding")->default_val(rate.window);
   bench_rate->add_option("--json", rate.json, "Write JSON rows to this file");
@@ -116,6 +121,7 @@ int main(int argc, char** argv) {
   ps_task_cmd->add_option("--step-base", ps_task.step_base)->required();
   ps_task_cmd->add_option("--protocol", ps_task.server.protocol)->required();
   ps_task_cmd->add_option("--message-slots", ps_task.server.message_slots);
+  ps_task_cmd->add_option("--message-batch", ps_task.server.message_batch);
   ps_task_cmd->add_option("--poll-mode", ps_task.server.poll_mode);
   ps_task_cmd->add_option("--callback-threads", ps_task.server.callback_threads);
 
@@ -127,6 +133,7 @@ int main(int argc, char** argv) {
   bench_peer_cmd->add_option("--task", bench_peer.task)->required();
   bench_peer_cmd->add_option("--protocol", bench_peer.server.protocol)->required();
   bench_peer_cmd->add_option("--message-slots", bench_peer.server.message_slots);
+  bench_peer_cmd->add_option("--message-batch", bench_peer.server.message_batch);
   bench_peer_cmd->add_option("--poll-mode", bench_peer.server.poll_mode);
   bench_peer_cmd->add_option("--callback-threads", bench_peer.server.callback_threads);
 

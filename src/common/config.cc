@@ -169,6 +169,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_CALLBACK_THREADS", "TENSORVERBS_MALLOC_TUNING",
       "TENSORVERBS_MALLOC_TRIM_MB", "TENSORVERBS_OFI_PROVIDER",
       "TENSORVERBS_FABRIC",          "TENSORVERBS_MESSAGE_SLOTS",
+      "TENSORVERBS_MESSAGE_BATCH",
       "TENSORVERBS_POLL_MODE",       "TENSORVERBS_POLL_SPIN_US",
       "TENSORVERBS_DATA_VALIDATION", "TENSORVERBS_REGISTRATION",
       "TENSORVERBS_PEER_TIMEOUT_MS",
@@ -201,6 +202,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
                                               {"auto", "ofi", "ibverbs", "loopback"}, "auto"));
   ASSIGN_OR_RETURN(int64_t slots, ParseInt(env, "TENSORVERBS_MESSAGE_SLOTS", 1, 1024, 8));
   config.message_slots = static_cast<int>(slots);
+  ASSIGN_OR_RETURN(int64_t batch, ParseInt(env, "TENSORVERBS_MESSAGE_BATCH", 1, 128, 32));
+  config.message_batch = static_cast<int>(batch);
   ASSIGN_OR_RETURN(config.poll_mode, ParseChoice(env, "TENSORVERBS_POLL_MODE",
                                                  {"busy", "blocking", "adaptive"}, "adaptive"));
   ASSIGN_OR_RETURN(int64_t spin_us, ParseInt(env, "TENSORVERBS_POLL_SPIN_US", 0, 1000000, 50));

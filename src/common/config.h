@@ -82,6 +82,9 @@ struct Config {
   // TENSORVERBS_MESSAGE_SLOTS: control messages in flight per channel direction, 1 .. 1024,
   // default 8. 1 is the seed's stop-and-wait message buffer.
   int message_slots = 8;
+  // TENSORVERBS_MESSAGE_BATCH: the most control messages one slot carries when messages queue
+  // behind busy slots, 1 .. 128, default 32. 1 writes one message per slot, as the seed does.
+  int message_batch = 32;
   // TENSORVERBS_POLL_MODE: busy | blocking | adaptive (default). adaptive spins for
   // TENSORVERBS_POLL_SPIN_US (0 .. 1000000, default 50) after the last completion, then sleeps
   // in Domain::Wait; busy never sleeps; blocking sleeps as soon as nothing is ready.

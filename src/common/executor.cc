@@ -32,6 +32,20 @@ void Executor::Schedule(Task task) {
   tasks_.push_back(std::move(task));
 }
 
+void Executor::ScheduleAll(std::vector<Task>* tasks) {
+  if (tasks->empty()) return;
+  if (threads_.empty() || tasks->size() == 1) {
+    for (Task& task : *tasks) Schedule(std::move(task));
+    tasks->clear();
+    return;
+  }
+  Task all = [batch = std::move(*tasks)]() mutable {
+    for (Task& task : batch) std::move(task)();
+  };
+  tasks->clear();
+  Schedule(std::move(all));
+}
+
 void Executor::WorkerLoop() {
   while (true) {
     Task task;

@@ -32,6 +32,10 @@ class Executor {
   ~Executor();
 
   void Schedule(Task task);
+  // Schedules every task of `tasks` (emptied) as one unit: one lock and at most one wake-up
+  // for all of them; they run in order on one thread. For a caller that completes many
+  // callbacks at once (a progress loop's turn).
+  void ScheduleAll(std::vector<Task>* tasks);
 
  private:
   void WorkerLoop();

@@ -333,10 +333,9 @@ void RdmaTensorRequest::Fail(const absl::Status& status) {
 void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead) {
   RecvDoneCallback done = std::move(done_);
   done_ = nullptr;
-  channel_->env()->worker->callback_executor->Schedule(
-      [done = std::move(done), status, tensor, is_dead]() mutable {
-        std::move(done)(status, tensor, is_dead);
-      });
+  channel_->env()->deliver([done = std::move(done), status, tensor, is_dead]() mutable {
+    std::move(done)(status, tensor, is_dead);
+  });
 }
 
 std::vector<Tensor> RdmaTensorRequest::TakeMemory() {
@@ -581,7 +580,9 @@ Channel::~Channel() {
 
 absl::Status Channel::Init() {
   ASSIGN_OR_RETURN(endpoint_, env_->domain->CreateEndpoint());
-  ASSIGN_OR_RETURN(mb_, MessageBuffer::Create(env_->domain, env_->message_slots));
+  ASSIGN_OR_RETURN(mb_, MessageBuffer::Create(
+                            env_->domain, env_->message_slots, env_->message_batch,
+                            {&env_->stats->control_slots, &env_->stats->control_messages}));
   return absl::OkStatus();
 }
 
@@ -866,19 +867,20 @@ void Channel::OnCompletion(const fabric::Completion& c) {
     switch (ClassifyImm(c.imm)) {
       case ImmKind::kControlMessage: {
         OnControlMessage();
-        // The ACK goes out after whatever the message set off (a content write the peer is
+        // The ACK goes out after whatever the messages set off (a content write the peer is
         // waiting for is deferred to the end of this completion batch too), so it never
-        // delays the answer.
-        if (state_ == State::kClosed) return;
+        // delays an answer; one ACK covers every slot that arrived in the meantime.
+        if (state_ == State::kClosed || ack_posted_) return;
+        ack_posted_ = true;
         auto find = env_->find_channel;
         const uint64_t id = id_;
         env_->post([find, id]() {
-          if (Channel* c = find(id)) c->AcknowledgeMessage();
+          if (Channel* c = find(id)) c->AcknowledgeMessages();
         });
         return;
       }
       case ImmKind::kAck:
-        if (absl::Status s = mb_->OnAck(); !s.ok()) Close(s);
+        if (absl::Status s = mb_->OnAck(AckCount(c.imm)); !s.ok()) Close(s);
         return;
       case ImmKind::kRequest:
         OnContent(c.imm);
@@ -926,7 +928,8 @@ absl::StatusOr<const ParsedKey*> Channel::ValidKey(const std::string& name) {
   return &valid_keys_.emplace(name, *std::move(key)).first->second;
 }
 
-void Channel::AcknowledgeMessage() {
+void Channel::AcknowledgeMessages() {
+  ack_posted_ = false;
   if (state_ == State::kClosed) return;
   if (absl::Status s = mb_->Acknowledge(); !s.ok()) {
     Close(absl::UnavailableError(absl::StrCat("acknowledging a control message of task ",
@@ -951,12 +954,23 @@ void Channel::OnContent(uint32_t index) {
 }
 
 void Channel::OnControlMessage() {
-  absl::StatusOr<Message> m = mb_->OnControlMessage();
-  if (!m.ok()) {
-    Close(absl::DataLossError(absl::StrCat("control message from task ", peer_task_, ": ",
-                                           m.status().message())));
+  std::vector<Message> batch;
+  batch.swap(incoming_);
+  if (absl::Status s = mb_->OnControlMessage(&batch); !s.ok()) {
+    Close(absl::DataLossError(
+        absl::StrCat("control message from task ", peer_task_, ": ", s.message())));
     return;
   }
+  for (Message& m : batch) {
+    if (state_ == State::kClosed) return;
+    HandleMessage(m);
+  }
+  batch.clear();
+  incoming_.swap(batch);
+}
+
+void Channel::HandleMessage(Message& message) {
+  Message* const m = &message;
   const bool owner = role_ == Role::kOwner;
   switch (m->type) {
     case MessageType::kMetaDataResponse:

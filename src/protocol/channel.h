@@ -52,6 +52,8 @@ struct VerbsStats {
   std::atomic<int64_t> meta_responses{0};     // META_DATA_RESPONSE messages sent
   std::atomic<int64_t> re_requests{0};        // RE_REQUEST messages sent
   std::atomic<int64_t> errors_sent{0};        // ERROR_STATUS messages sent
+  std::atomic<int64_t> control_messages{0};   // control messages written, of every type
+  std::atomic<int64_t> control_slots{0};      // ... in this many slot writes (batching)
   std::atomic<int64_t> content_writes{0};     // content transfers completed by this sender
   std::atomic<int64_t> content_bytes{0};
   std::atomic<int64_t> copies{0};             // tensor copies made by the transport (proxy,
@@ -91,11 +93,15 @@ struct ChannelEnv {
   VerbsMode mode = VerbsMode::kZeroCopy;
   bool data_validation = false;
   int message_slots = 8;
+  int message_batch = 32;  // the most control messages written into one slot
   absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
   // Runs `task` on the progress thread later, never inline: called on the progress thread, at
   // the end of the completion or task being handled; from another thread, at the loop's next
   // turn.
   std::function<void(absl::AnyInvocable<void() &&>)> post;
+  // Runs a user `done` callback on the worker's callback executor; on the progress thread, the
+  // callbacks of one turn go to the executor together at the end of the turn.
+  std::function<void(absl::AnyInvocable<void() &&>)> deliver;
   // Finds a live channel by id (progress thread); null if it is gone.
   std::function<class Channel*(uint64_t)> find_channel;
   // Keeps memory alive until `until` (progress thread).
@@ -247,8 +253,9 @@ class Channel {
                      const Tensor& tensor, bool is_dead);
 
   void OnCompletion(const fabric::Completion& c);
-  // Acknowledges the oldest control message received (run after acting on it).
-  void AcknowledgeMessage();
+  // Acknowledges, with one write, every control-message slot received since the last call (run
+  // once per turn, after acting on them).
+  void AcknowledgeMessages();
 
   // Fails everything pending with `status` and closes the channel (idempotent).
   void Close(const absl::Status& status);
@@ -265,6 +272,7 @@ class Channel {
 
  private:
   void OnControlMessage();
+  void HandleMessage(Message& m);
   void OnContent(uint32_t index);
   struct Pull {
     grpc_transport::RemoteTensorRef ref;
@@ -295,6 +303,8 @@ class Channel {
   State state_ = State::kConnecting;
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::unique_ptr<MessageBuffer> mb_;
+  std::vector<Message> incoming_;  // the slot being handled; kept for its capacity
+  bool ack_posted_ = false;        // an AcknowledgeMessages task is queued
 
   // Owner side.
   RequestIndexAllocator indexes_;

@@ -1,5 +1,8 @@
 // The 32-bit immediate space of grpc+verbs writes (seed 000): 0xFFFFFFFF marks a control
-// message, 0xFFFFFFFE an ACK, every other value names a pending request by its index.
+// message, the values just below it ACKs, every other value names a pending request by its
+// index. The seed has one ACK value (0xFFFFFFFE) that frees one message slot; here an ACK frees
+// `count` slots at once (imm = 0xFFFFFFFF - count, count 1 .. kMaxAckCount), so a receiver that
+// decoded several slots in one turn answers them with one write. 0xFFFFFFFE is still "one".
 //
 // RequestIndexAllocator hands out indexes for a channel's pending requests: it wraps around
 // the index space and never hands out an index that is still live, so a late content write can
@@ -16,16 +19,22 @@
 namespace tensorverbs::protocol {
 
 inline constexpr uint32_t kImmControlMessage = 0xFFFFFFFF;
-inline constexpr uint32_t kImmAck = 0xFFFFFFFE;
-inline constexpr uint32_t kMaxRequestIndex = 0xFFFFFFFD;
+// A message buffer has at most 1024 slots, so one ACK never frees more.
+inline constexpr uint32_t kMaxAckCount = 1024;
+inline constexpr uint32_t kImmAck = kImmControlMessage - 1;  // frees one slot
+inline constexpr uint32_t kMaxRequestIndex = kImmControlMessage - kMaxAckCount - 1;
 
 enum class ImmKind { kControlMessage, kAck, kRequest };
 
 inline ImmKind ClassifyImm(uint32_t imm) {
   if (imm == kImmControlMessage) return ImmKind::kControlMessage;
-  if (imm == kImmAck) return ImmKind::kAck;
+  if (imm > kMaxRequestIndex) return ImmKind::kAck;
   return ImmKind::kRequest;
 }
+
+// The immediate of an ACK that frees `count` slots (1 .. kMaxAckCount) and back.
+inline uint32_t AckImm(uint32_t count) { return kImmControlMessage - count; }
+inline uint32_t AckCount(uint32_t imm) { return kImmControlMessage - imm; }
 
 class RequestIndexAllocator {
  public:

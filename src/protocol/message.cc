@@ -14,8 +14,9 @@ namespace {
 //   u8 version | u8 type | u16 sequence | u32 used_bytes
 //   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 zero
 //   u64 remote_addr | u64 checksum | i32 dtype | u32 error_code | u64 tensor_bytes
-//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 zero
-//   name | remote key | rank x i64 dims | error message | zeros to the end of the slot
+//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 more
+//   name | remote key | rank x i64 dims | error message | zeros to a multiple of 8
+// `more`: how many messages follow this one in the same slot.
 constexpr size_t kHeaderSize = 8 + 16 + 8 + 8 + 4 + 4 + 8 + 8;
 static_assert(kHeaderSize + kMaxNameLength + kMaxRemoteKeyLength + 8 * TensorShape::kMaxRank +
                       kMaxErrorMessageLength <=
@@ -31,7 +32,7 @@ class Writer {
     U u = static_cast<U>(v);
     for (size_t i = 0; i < sizeof(T); ++i) out_[pos_++] = static_cast<uint8_t>(u >> (8 * i));
   }
-  void Bytes(const std::string& s) {
+  void Bytes(absl::string_view s) {
     std::memcpy(out_.data() + pos_, s.data(), s.size());
     pos_ += s.size();
   }
@@ -88,11 +89,10 @@ const char* MessageTypeName(MessageType type) {
   return "unknown";
 }
 
-absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out) {
-  if (out.size() < kMessageSize) {
-    return absl::InvalidArgumentError(absl::StrCat("message slot of ", out.size(),
-                                                   " bytes is smaller than ", kMessageSize));
-  }
+namespace {
+
+// Checks the bounds and returns the used (unpadded) length.
+absl::StatusOr<size_t> UsedBytes(const Message& m) {
   if (m.name.size() > kMaxNameLength) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rendezvous key of ", m.name.size(), " bytes is longer than the ", kMaxNameLength,
@@ -105,12 +105,28 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out) {
   if (!KnownType(static_cast<uint8_t>(m.type))) {
     return absl::InvalidArgumentError("unknown control message type");
   }
-  const std::string error_message(
-      m.error.message().substr(0, std::min(m.error.message().size(), kMaxErrorMessageLength)));
+  return kHeaderSize + m.name.size() + m.remote_key.size() + 8 * size_t(m.meta.shape.rank()) +
+         std::min(m.error.message().size(), kMaxErrorMessageLength);
+}
+
+size_t Padded(size_t n) { return (n + 7) & ~size_t{7}; }
+
+}  // namespace
+
+absl::StatusOr<size_t> EncodedSize(const Message& m) {
+  ASSIGN_OR_RETURN(size_t used, UsedBytes(m));
+  return Padded(used);
+}
+
+absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t more) {
+  ASSIGN_OR_RETURN(const size_t used, UsedBytes(m));
+  if (out.size() < Padded(used)) {
+    return absl::InvalidArgumentError(absl::StrCat("a ", Padded(used), "-byte message does not fit ",
+                                                   out.size(), " bytes of slot"));
+  }
+  const absl::string_view error_message(
+      m.error.message().data(), std::min(m.error.message().size(), kMaxErrorMessageLength));
   const int rank = m.meta.shape.rank();
-  const size_t used = kHeaderSize + m.name.size() + m.remote_key.size() + 8 * rank +
-                      error_message.size();
-  std::memset(out.data(), 0, kMessageSize);
   Writer w(out);
   w.Put<uint8_t>(kWireVersion);
   w.Put<uint8_t>(static_cast<uint8_t>(m.type));
@@ -130,18 +146,19 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out) {
   w.Put<uint8_t>(static_cast<uint8_t>(m.remote_key.size()));
   w.Put<uint8_t>(0);
   w.Put<uint16_t>(static_cast<uint16_t>(error_message.size()));
-  w.Put<uint16_t>(0);
+  w.Put<uint16_t>(more);
   w.Bytes(m.name);
   w.Bytes(m.remote_key);
   for (int64_t d : m.meta.shape.dims()) w.Put<int64_t>(d);
   w.Bytes(error_message);
+  while (w.pos() < Padded(used)) w.Put<uint8_t>(0);
   return absl::OkStatus();
 }
 
-absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in) {
+absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* more) {
   Reader r(in);
   uint8_t version, type, flags, rank, key_len;
-  uint16_t zero16, name_len, error_len;
+  uint16_t zero16, name_len, error_len, more_field;
   uint32_t used, error_code;
   int32_t dtype;
   Message m;
@@ -161,7 +178,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in) {
   if (!r.Get(&m.step_id) || !r.Get(&m.request_index) || !r.Get(&flags) || !r.Get(&rank) ||
       !r.Get(&zero16) || !r.Get(&m.remote_addr) || !r.Get(&m.checksum) || !r.Get(&dtype) ||
       !r.Get(&error_code) || !r.Get(&m.meta.tensor_bytes) || !r.Get(&name_len) ||
-      !r.Get(&key_len) || !r.Get(&zero8) || !r.Get(&error_len) || !r.Get(&zero16)) {
+      !r.Get(&key_len) || !r.Get(&zero8) || !r.Get(&error_len) || !r.Get(&more_field)) {
     return Malformed("truncated header");
   }
   if (flags > 1) return Malformed(absl::StrCat("unknown flags ", flags));
@@ -213,14 +230,15 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in) {
        m.type == MessageType::kErrorStatus) && m.name.empty()) {
     return Malformed(absl::StrCat(MessageTypeName(m.type), " without a rendezvous key"));
   }
+  if (more != nullptr) *more = more_field;
   return m;
 }
 
-size_t EncodedLength(absl::Span<const uint8_t> slot) {
-  Reader r(slot);
+size_t EncodedLength(absl::Span<const uint8_t> in) {
+  Reader r(in);
   uint32_t version_type_sequence, used;
   if (!r.Get(&version_type_sequence) || !r.Get(&used)) return 0;
-  return std::min<size_t>((size_t{used} + 7) & ~size_t{7}, slot.size());
+  return std::min<size_t>(Padded(used), in.size());
 }
 
 }  // namespace tensorverbs::protocol

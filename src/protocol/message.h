@@ -4,8 +4,8 @@
 // as RDMA writes into the peer's message buffer, so everything here is untrusted input on
 // receipt. Unlike TensorFlow's layout (a memcpy'd C++ TensorShape, an unchecked 512-byte name,
 // host byte order, uninitialised padding) the codec is explicit: a version byte, little-endian
-// fixed-width fields, rank plus int64 dims, bounded lengths checked on both sides, and every
-// unused byte of the slot zeroed. A malformed message decodes to DataLoss naming the problem;
+// fixed-width fields, rank plus int64 dims, bounded lengths checked on both sides, and padding
+// zeroed (the receiver zeroes what it consumed, so the unused rest of a slot stays zero). A malformed message decodes to DataLoss naming the problem;
 // it never crashes. Pure functions; any thread.
 #ifndef TENSORVERBS_PROTOCOL_MESSAGE_H_
 #define TENSORVERBS_PROTOCOL_MESSAGE_H_
@@ -22,8 +22,10 @@
 
 namespace tensorverbs::protocol {
 
-inline constexpr uint8_t kWireVersion = 1;
-// One message-buffer slot. The largest message (limits below, rank 254) fits.
+// 2: a slot may carry a batch of messages (the `more` header field) and an ACK may free several
+// slots (imm.h).
+inline constexpr uint8_t kWireVersion = 2;
+// One message-buffer slot. The largest message (limits below, rank 254) fits alone.
 inline constexpr size_t kMessageSize = 8192;
 inline constexpr size_t kMaxNameLength = 2048;          // rendezvous key bytes
 inline constexpr size_t kMaxRemoteKeyLength = 64;       // opaque fabric key bytes
@@ -70,16 +72,26 @@ struct Message {
   absl::Status error;          // ERROR_STATUS
 };
 
-// Encodes `m` into `out` (at least kMessageSize bytes; the whole slot is written, unused bytes
-// zero). InvalidArgument if a field exceeds its bound, naming it.
-absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out);
+// A slot holds one message or, batched, several back to back: each starts at a multiple of 8
+// bytes and its header's `more` field counts the messages after it in the slot (0 for the last).
+// The seed's layout is the one-message case.
 
-// Decodes a slot. DataLoss naming what is wrong for anything malformed.
-absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in);
+// The bytes `m` takes in a slot (a multiple of 8). InvalidArgument if a field exceeds its bound,
+// naming it.
+absl::StatusOr<size_t> EncodedSize(const Message& m);
 
-// The bytes of an encoded slot that carry the message (its header's used length, rounded up to
-// 8 and capped at the slot): what a sender writes and a receiver clears.
-size_t EncodedLength(absl::Span<const uint8_t> slot);
+// Encodes `m` at the start of `out`, which must hold EncodedSize(m) bytes: exactly those are
+// written, padding zero. `more`: the messages that follow it in the slot. InvalidArgument if a
+// field exceeds its bound or `out` is too small.
+absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t more = 0);
+
+// Decodes the message at the start of `in`; `*more` (if given) receives its `more` field.
+// DataLoss naming what is wrong for anything malformed.
+absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* more = nullptr);
+
+// The bytes of the encoded message at the start of `in` (its header's used length rounded up to
+// 8 and capped at `in`): where the next message of a batch starts, and what a receiver clears.
+size_t EncodedLength(absl::Span<const uint8_t> in);
 
 }  // namespace tensorverbs::protocol
 

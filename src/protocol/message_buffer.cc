@@ -8,18 +8,26 @@
 #include "src/protocol/imm.h"
 
 namespace tensorverbs::protocol {
-MessageBuffer::MessageBuffer(fabric::Domain* domain, int rx_slots)
-    : domain_(domain), rx_slots_(rx_slots) {}
+MessageBuffer::MessageBuffer(fabric::Domain* domain, int rx_slots, int max_batch,
+                             MessageCounters counters)
+    : domain_(domain), rx_slots_(rx_slots), max_batch_(max_batch), counters_(counters) {}
 
 MessageBuffer::~MessageBuffer() = default;
 
 absl::StatusOr<std::unique_ptr<MessageBuffer>> MessageBuffer::Create(fabric::Domain* domain,
-                                                                     int rx_slots) {
-  if (rx_slots < 1 || rx_slots > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("message buffer with ", rx_slots, " slots; expected 1..1024"));
+                                                                     int rx_slots,
+                                                                     int max_batch,
+                                                                     MessageCounters counters) {
+  if (rx_slots < 1 || rx_slots > static_cast<int>(kMaxAckCount)) {
+    return absl::InvalidArgumentError(absl::StrCat("message buffer with ", rx_slots,
+                                                   " slots; expected 1..", kMaxAckCount));
   }
-  auto mb = std::unique_ptr<MessageBuffer>(new MessageBuffer(domain, rx_slots));
+  if (max_batch < 1 || max_batch > kMaxBatch) {
+    return absl::InvalidArgumentError(absl::StrCat("message batch of ", max_batch,
+                                                   "; expected 1..", kMaxBatch));
+  }
+  auto mb = std::unique_ptr<MessageBuffer>(
+      new MessageBuffer(domain, rx_slots, max_batch, counters));
   mb->rx_memory_.assign(static_cast<size_t>(rx_slots) * kMessageSize, 0);
   ASSIGN_OR_RETURN(mb->rx_region_,
                    domain->RegisterMemory(mb->rx_memory_.data(), mb->rx_memory_.size(),
@@ -32,7 +40,8 @@ std::string MessageBuffer::rx_key() const { return rx_region_->PackRemoteKey(); 
 
 absl::Status MessageBuffer::Connect(fabric::Endpoint* endpoint, uint64_t remote_addr,
                                     std::string remote_key, int remote_slots) {
-  if (remote_slots < 1 || remote_slots > 1024 || remote_addr == 0 || remote_key.empty()) {
+  if (remote_slots < 1 || remote_slots > static_cast<int>(kMaxAckCount) || remote_addr == 0 ||
+      remote_key.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the peer described its message buffer as ", remote_slots, " slots at 0x", absl::Hex(remote_addr),
         " with a ", remote_key.size(), "-byte key"));
@@ -57,7 +66,7 @@ fabric::LocalBuffer MessageBuffer::EmptyLocalSource() const {
 }
 
 absl::Status MessageBuffer::Send(Message m) {
-  m.sequence = static_cast<uint16_t>(tx_sent_ + queue_.size());
+  m.sequence = static_cast<uint16_t>(tx_messages_ + queue_.size());
   queue_.push_back(std::move(m));
   return Pump();
 }
@@ -68,16 +77,39 @@ absl::Status MessageBuffer::Pump() {
     const uint64_t slot = tx_sent_ % static_cast<uint64_t>(remote_slots_);
     if (tx_sent_ - tx_acked_ >= static_cast<uint64_t>(remote_slots_)) break;  // remote busy
     if (tx_local_busy_[slot]) break;                                           // local busy
+    // As many queued messages as fit the slot, up to the batch limit; the first always fits.
+    size_t count = 0;
+    size_t length = 0;
+    std::vector<size_t>& sizes = batch_sizes_;
+    sizes.clear();
+    while (count < queue_.size() && count < static_cast<size_t>(max_batch_)) {
+      ASSIGN_OR_RETURN(const size_t size, EncodedSize(queue_[count]));
+      if (length + size > kMessageSize) break;
+      sizes.push_back(size);
+      length += size;
+      ++count;
+    }
     uint8_t* out = tx_memory_.data() + slot * kMessageSize;
-    RETURN_IF_ERROR(EncodeMessage(queue_.front(), absl::MakeSpan(out, kMessageSize)));
-    const size_t length = EncodedLength(absl::MakeConstSpan(out, kMessageSize));
+    size_t offset = 0;
+    for (size_t i = 0; i < count; ++i) {
+      RETURN_IF_ERROR(EncodeMessage(queue_[i], absl::MakeSpan(out + offset, sizes[i]),
+                                    static_cast<uint16_t>(count - 1 - i)));
+      offset += sizes[i];
+    }
     RETURN_IF_ERROR(endpoint_->PostWriteWithImm(
         fabric::LocalBuffer{tx_region_.get(), out, length},
         fabric::RemoteBuffer{remote_key_, remote_addr_ + slot * kMessageSize, kMessageSize},
         kImmControlMessage, MakeContext(OpTag::kMessage, slot)));
     tx_local_busy_[slot] = true;
     ++tx_sent_;
-    queue_.pop_front();
+    tx_messages_ += count;
+    if (counters_.slots_written != nullptr) {
+      counters_.slots_written->fetch_add(1, std::memory_order_relaxed);
+    }
+    if (counters_.messages_written != nullptr) {
+      counters_.messages_written->fetch_add(static_cast<int64_t>(count), std::memory_order_relaxed);
+    }
+    queue_.erase(queue_.begin(), queue_.begin() + static_cast<ptrdiff_t>(count));
   }
   return absl::OkStatus();
 }
@@ -90,39 +122,72 @@ absl::Status MessageBuffer::OnMessageWritten(uint64_t slot) {
   return Pump();
 }
 
-absl::Status MessageBuffer::OnAck() {
-  if (tx_acked_ == tx_sent_) {
-    return absl::DataLossError("the peer acknowledged a control message that was never sent");
+absl::Status MessageBuffer::OnAck(uint32_t count) {
+  if (count == 0 || count > tx_sent_ - tx_acked_) {
+    return absl::DataLossError(absl::StrCat("the peer acknowledged ", count,
+                                            " control-message slots; ", tx_sent_ - tx_acked_,
+                                            " were waiting for an acknowledgement"));
   }
-  ++tx_acked_;
+  tx_acked_ += count;
   return Pump();
 }
 
-absl::StatusOr<Message> MessageBuffer::OnControlMessage() {
+absl::Status MessageBuffer::OnControlMessage(std::vector<Message>* out) {
+  out->clear();
   const uint64_t slot = rx_received_ % static_cast<uint64_t>(rx_slots_);
   uint8_t* in = rx_memory_.data() + slot * kMessageSize;
-  absl::StatusOr<Message> m = DecodeMessage(absl::MakeConstSpan(in, kMessageSize));
-  const size_t length = EncodedLength(absl::MakeConstSpan(in, kMessageSize));
-  if (!m.ok()) return m.status();
-  if (m->sequence != static_cast<uint16_t>(rx_received_)) {
-    return absl::DataLossError(absl::StrCat(
-        "control message ", m->sequence, " arrived where ", static_cast<uint16_t>(rx_received_),
-        " was expected: the fabric delivered writes out of order or the peer wrote a busy slot"));
+  size_t offset = 0;
+  uint64_t sequence = rx_messages_;
+  // The first message says how many follow; each after it says one fewer.
+  for (int remaining = -1; remaining != 0;) {
+    uint16_t more = 0;
+    absl::StatusOr<Message> m =
+        DecodeMessage(absl::MakeConstSpan(in + offset, kMessageSize - offset), &more);
+    if (!m.ok()) {
+      const size_t position = out->size() + 1;
+      out->clear();
+      if (position == 1) return m.status();
+      return absl::DataLossError(
+          absl::StrCat("message ", position, " of a batch: ", m.status().message()));
+    }
+    if (m->sequence != static_cast<uint16_t>(sequence)) {
+      out->clear();
+      return absl::DataLossError(absl::StrCat(
+          "control message ", m->sequence, " arrived where ", static_cast<uint16_t>(sequence),
+          " was expected: the fabric delivered writes out of order or the peer wrote a busy "
+          "slot"));
+    }
+    if (remaining >= 0 && more != remaining - 1) {
+      out->clear();
+      return absl::DataLossError(absl::StrCat("a batched control message says ", more,
+                                              " follow it where ", remaining - 1,
+                                              " were announced"));
+    }
+    remaining = more;
+    offset += EncodedLength(absl::MakeConstSpan(in + offset, kMessageSize - offset));
+    ++sequence;
+    out->push_back(*std::move(m));
+    if (remaining > 0 && offset >= kMessageSize) {
+      out->clear();
+      return absl::DataLossError(absl::StrCat("a batch announces ", remaining,
+                                              " more control messages past the end of its slot"));
+    }
   }
   // Zero what was used so a stale message can never be decoded again.
-  std::memset(in, 0, length);
+  std::memset(in, 0, offset);
+  rx_messages_ = sequence;
   ++rx_received_;
-  return m;
+  return absl::OkStatus();
 }
 
 absl::Status MessageBuffer::Acknowledge() {
   if (endpoint_ == nullptr) return absl::FailedPreconditionError("message buffer not connected");
-  if (rx_acked_ == rx_received_) {
-    return absl::InternalError("acknowledging a control message that was not received");
-  }
-  RETURN_IF_ERROR(endpoint_->PostWriteWithImm(EmptyLocalSource(), EmptyRemoteTarget(), kImmAck,
+  const uint64_t count = rx_received_ - rx_acked_;
+  if (count == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(endpoint_->PostWriteWithImm(EmptyLocalSource(), EmptyRemoteTarget(),
+                                              AckImm(static_cast<uint32_t>(count)),
                                               MakeContext(OpTag::kAck, 0)));
-  ++rx_acked_;
+  rx_acked_ = rx_received_;
   return absl::OkStatus();
 }
 

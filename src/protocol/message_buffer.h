@@ -1,20 +1,26 @@
 // MessageBuffer: the control-message buffers of one channel (seed 000, "RDMA components").
 //
 // Each side owns a registered rx buffer of `rx_slots` slots the peer writes control messages
-// into, and a tx buffer of as many slots as the peer's rx buffer has. A message goes out as one
+// into, and a tx buffer of as many slots as the peer's rx buffer has. A slot goes out as one
 // RDMA write with immediate kImmControlMessage into the peer's next rx slot; the peer decodes
-// the slot and answers with a zero-byte write with immediate kImmAck, which frees the slot.
-// A tx slot is reusable when both its local write has completed (local idle) and the peer has
-// acknowledged it (remote idle). With one slot this is exactly the seed's stop-and-wait buffer;
-// with N slots N messages are in flight. Slots are used and acknowledged in ring order, which
-// the fabric's in-order delivery of writes with immediate guarantees (fabric.h); every message
-// carries a 16-bit sequence number and a message that arrives out of order is a channel error.
+// the slot and answers with a zero-byte write whose immediate frees that slot and any others it
+// decoded since its last ACK (AckImm). A tx slot is reusable when both its local write has
+// completed (local idle) and the peer has acknowledged it (remote idle). Slots are used and
+// acknowledged in ring order, which the fabric's in-order delivery of writes with immediate
+// guarantees (fabric.h); every message carries a 16-bit sequence number and a message that
+// arrives out of order is a channel error.
 //
-// Messages that find no free slot wait in a FIFO queue. Used only on the transport's progress
-// thread; the endpoint and domain must outlive it.
+// Messages that find no free slot wait in a FIFO queue. When a slot frees up, it carries as
+// many queued messages as fit, up to `max_batch` (the sender's choice; a receiver accepts any
+// batch that fits a slot). A message that finds a free slot goes at once, alone, so batching
+// never delays a message: it only forms while every slot is busy. With one slot and a batch of
+// one this is exactly the seed's stop-and-wait buffer; with N slots N writes are in flight.
+//
+// Used only on the transport's progress thread; the endpoint and domain must outlive it.
 #ifndef TENSORVERBS_PROTOCOL_MESSAGE_BUFFER_H_
 #define TENSORVERBS_PROTOCOL_MESSAGE_BUFFER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -36,11 +42,21 @@ inline uint64_t MakeContext(OpTag tag, uint64_t value) {
 inline OpTag ContextTag(uint64_t context) { return static_cast<OpTag>(context >> 56); }
 inline uint64_t ContextValue(uint64_t context) { return context & ((uint64_t{1} << 56) - 1); }
 
+// Counters a transport aggregates over its channels' message buffers (read from any thread).
+struct MessageCounters {
+  std::atomic<int64_t>* slots_written = nullptr;
+  std::atomic<int64_t>* messages_written = nullptr;
+};
+
 class MessageBuffer {
  public:
-  // Allocates and registers the rx buffer (`rx_slots` slots, remotely writable).
+  // Allocates and registers the rx buffer (`rx_slots` slots, remotely writable). `max_batch`
+  // (1 .. kMaxBatch): the most messages this side writes into one slot.
   static absl::StatusOr<std::unique_ptr<MessageBuffer>> Create(fabric::Domain* domain,
-                                                               int rx_slots);
+                                                               int rx_slots, int max_batch = 1,
+                                                               MessageCounters counters = {});
+  // Each message takes at least a 64-byte header, so no slot holds more.
+  static constexpr int kMaxBatch = 128;
   MessageBuffer(const MessageBuffer&) = delete;
   MessageBuffer& operator=(const MessageBuffer&) = delete;
   ~MessageBuffer();
@@ -64,30 +80,38 @@ class MessageBuffer {
   // here. An error is a channel error (the endpoint refused a post).
   absl::Status Send(Message m);
 
-  // The local completion of a message write (context tag kMessage, value the slot).
+  // The local completion of a slot write (context tag kMessage, value the slot).
   absl::Status OnMessageWritten(uint64_t slot);
-  // The peer acknowledged the oldest unacknowledged message.
-  absl::Status OnAck();
-  // A control message landed: decodes the next rx slot and checks its sequence. DataLoss for a
-  // malformed or out-of-order message (a channel error).
-  absl::StatusOr<Message> OnControlMessage();
-  // Acknowledges the oldest decoded message, which frees its slot for the peer. The channel
-  // calls it after acting on the message, so that the ACK write does not delay the answer
-  // (a content write) that the peer is waiting for.
+  // The peer acknowledged the `count` oldest unacknowledged slots. DataLoss if fewer are out.
+  absl::Status OnAck(uint32_t count = 1);
+  // A slot landed: decodes the next rx slot into `out` (cleared first; one message or a batch)
+  // and checks each sequence. DataLoss for a malformed or out-of-order message (a channel
+  // error); `out` then holds nothing.
+  absl::Status OnControlMessage(std::vector<Message>* out);
+  // Acknowledges, with one write, every slot decoded since the last call, which frees them for
+  // the peer; nothing to acknowledge is not an error. The channel calls it once per turn, after
+  // acting on the messages, so that the ACK write does not delay the answers (content writes)
+  // the peer is waiting for.
   absl::Status Acknowledge();
+  // Slots decoded and not yet acknowledged.
+  uint64_t unacknowledged() const { return rx_received_ - rx_acked_; }
 
-  // Messages queued or not yet acknowledged.
+  // Messages queued or in slots not yet acknowledged.
   size_t pending() const { return queue_.size() + (tx_sent_ - tx_acked_); }
-  // Messages sent / received over the buffer's life.
+  // Slots written / received, and messages sent / received, over the buffer's life.
   uint64_t sent() const { return tx_sent_; }
   uint64_t received() const { return rx_received_; }
+  uint64_t messages_sent() const { return tx_messages_; }
+  uint64_t messages_received() const { return rx_messages_; }
 
  private:
-  MessageBuffer(fabric::Domain* domain, int rx_slots);
+  MessageBuffer(fabric::Domain* domain, int rx_slots, int max_batch, MessageCounters counters);
   absl::Status Pump();
 
   fabric::Domain* const domain_;
   const int rx_slots_;
+  const int max_batch_;
+  const MessageCounters counters_;
   std::vector<uint8_t> rx_memory_;  // rx_slots_ * kMessageSize
   std::unique_ptr<fabric::MemoryRegion> rx_region_;
   std::vector<uint8_t> tx_memory_;  // remote_slots_ * kMessageSize
@@ -99,11 +123,14 @@ class MessageBuffer {
   int remote_slots_ = 0;
 
   std::deque<Message> queue_;
+  std::vector<size_t> batch_sizes_;  // Pump's scratch: encoded sizes of the batch being written
   std::vector<bool> tx_local_busy_;  // per tx slot: the write has not completed locally
-  uint64_t tx_sent_ = 0;             // messages written; slot = tx_sent_ % remote_slots_
-  uint64_t tx_acked_ = 0;            // acknowledged by the peer
-  uint64_t rx_received_ = 0;         // slot = rx_received_ % rx_slots_
-  uint64_t rx_acked_ = 0;            // acknowledged to the peer
+  uint64_t tx_sent_ = 0;             // slots written; slot = tx_sent_ % remote_slots_
+  uint64_t tx_acked_ = 0;            // slots acknowledged by the peer
+  uint64_t tx_messages_ = 0;         // messages written (the next one's sequence)
+  uint64_t rx_received_ = 0;         // slots decoded; slot = rx_received_ % rx_slots_
+  uint64_t rx_acked_ = 0;            // slots acknowledged to the peer
+  uint64_t rx_messages_ = 0;         // messages decoded (the next one's expected sequence)
 };
 
 }  // namespace tensorverbs::protocol

@@ -101,9 +101,17 @@ absl::Status VerbsTransport::Start() {
   channel_env_.mode = options_.mode;
   channel_env_.data_validation = options_.data_validation;
   channel_env_.message_slots = options_.message_slots;
+  channel_env_.message_batch = options_.message_batch;
   channel_env_.quarantine = options_.peer_timeout;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return FindChannel(id); };
+  channel_env_.deliver = [this](Executor::Task callback) {
+    if (std::this_thread::get_id() == progress_thread_id_.load(std::memory_order_relaxed)) {
+      callbacks_.push_back(std::move(callback));
+    } else {
+      options_.env->callback_executor->Schedule(std::move(callback));
+    }
+  };
   channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
     quarantine_.emplace_back(until, std::move(memory));
   };
@@ -116,7 +124,8 @@ absl::Status VerbsTransport::Start() {
   watchdog_thread_ = std::thread([this] { WatchdogLoop(); });
   LOG(INFO) << "task " << options_.env->task_name << ": " << VerbsModeProtocol(options_.mode)
             << " over " << fabric_name()
-            << ", " << options_.message_slots << " message slots, " << RegistrationName(registration)
+            << ", " << options_.message_slots << " message slots (batches of up to "
+            << options_.message_batch << "), " << RegistrationName(registration)
             << " registration, " << options_.poll_mode << " polling"
             << (options_.data_validation ? ", data validation on" : "");
   return absl::OkStatus();
@@ -201,6 +210,12 @@ void VerbsTransport::ProgressLoop() {
       RunDeferred();
       next_housekeeping = coarse + kHousekeepingInterval;
     }
+    if (!callbacks_.empty()) {
+      // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
+      // protocol's own work on a small tensor.
+      options_.env->callback_executor->ScheduleAll(&callbacks_);
+      active = true;
+    }
     if (active) {
       idle_since = absl::InfiniteFuture();
       continue;
@@ -230,6 +245,10 @@ void VerbsTransport::ProgressLoop() {
     }
     sleeping_.store(false);
   }
+  // From here on channels close on the thread that shuts the transport down; their callbacks
+  // go to the executor directly.
+  progress_thread_id_.store(std::thread::id());
+  options_.env->callback_executor->ScheduleAll(&callbacks_);
 }
 
 bool VerbsTransport::OperationsInFlight() const {

@@ -62,6 +62,7 @@ struct VerbsOptions {
   std::string fabric = Config::Get().fabric;
   std::string ofi_provider = Config::Get().ofi_provider;
   int message_slots = Config::Get().message_slots;
+  int message_batch = Config::Get().message_batch;
   std::string poll_mode = Config::Get().poll_mode;
   absl::Duration poll_spin = Config::Get().poll_spin;
   bool data_validation = Config::Get().data_validation;
@@ -172,6 +173,8 @@ class VerbsTransport : public grpc_transport::TensorLender, public grpc_transpor
   std::atomic<std::thread::id> progress_thread_id_{};
   // Tasks posted on the progress thread itself, run later in the same turn of the loop.
   std::vector<Task> deferred_;
+  // User callbacks completed in this turn of the loop, handed to the executor at its end.
+  std::vector<Executor::Task> callbacks_;
   std::thread progress_thread_;
 
   // Connect results for ConnectPeers, written by the progress thread.

@@ -287,10 +287,13 @@ TEST_P(VerbsProtocolTest, TenThousandConcurrentRecvsFromThreePeers) {
 }
 
 TEST_P(VerbsProtocolTest, OneMessageSlotAndEveryPollModeWork) {
-  for (const char* mode : {"busy", "blocking", "adaptive"}) {
-    SCOPED_TRACE(mode);
-    StartCluster(2, [mode](protocol::VerbsOptions& o) {
+  const std::vector<std::pair<const char*, int>> configs = {
+      {"busy", 32}, {"blocking", 32}, {"adaptive", 32}, {"adaptive", 1}};
+  for (const auto& [mode, batch] : configs) {
+    SCOPED_TRACE(absl::StrCat(mode, ", batch ", batch));
+    StartCluster(2, [mode = mode, batch = batch](protocol::VerbsOptions& o) {
       o.message_slots = 1;
+      o.message_batch = batch;
       o.poll_mode = mode;
     });
     std::vector<std::unique_ptr<PendingRecv>> recvs;
@@ -305,6 +308,15 @@ TEST_P(VerbsProtocolTest, OneMessageSlotAndEveryPollModeWork) {
       ASSERT_TRUE(recvs[i]->Wait());
       ASSERT_TRUE(recvs[i]->status().ok()) << recvs[i]->status();
       EXPECT_TRUE(recvs[i]->tensor().ContentEquals(PoolTensor(1, DataType::kFloat32, {16}, i)));
+    }
+    // 200 REQUESTs and 200 RE_REQUESTs (the meta-data was not cached) behind one slot.
+    const protocol::VerbsStats& rx = transport(0).stats();
+    EXPECT_EQ(rx.control_messages.load(), rx.requests.load() + rx.re_requests.load());
+    EXPECT_EQ(rx.control_messages.load(), 400);
+    if (batch == 1) {
+      EXPECT_EQ(rx.control_slots.load(), 400) << "the seed's buffer: one message per write";
+    } else {
+      EXPECT_LT(rx.control_slots.load(), 200) << "messages queued behind the slot went batched";
     }
     recvs.clear();  // the tensors go back to the pools before the servers do
     TearDown();

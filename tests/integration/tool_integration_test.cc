@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include <gmock/gmock.h>
@@ -144,22 +145,31 @@ TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
   EXPECT_EQ(std::string(magic + 1, 3), "PNG") << "a PNG plot was drawn";
 }
 
-TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCount) {
+TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
   const std::string json = ::testing::TempDir() + "/bench_rate.json";
   absl::StatusOr<ToolRun> run =
       RunTool({"bench", "rate", "--protocols", "grpc+verbs,grpc", "--sizes", "4B", "--recvs",
-               "2000", "--window", "64", "--slots", "1,8", "--json", json},
+               "2000", "--window", "64", "--slots", "1,8", "--batch", "1,16", "--json", json},
               absl::Seconds(240));
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->exit_code, 0) << run->out;
-  EXPECT_THAT(run->out, HasSubstr("grpc+verbs 4B: 8 slots = "));
+  EXPECT_THAT(run->out, HasSubstr("grpc+verbs 4B: 8 slots, batch 16 = "));
+  EXPECT_THAT(run->out, HasSubstr("grpc+verbs 4B: 1 slots, batch 16 = "));
   nlohmann::json rows = ReadJson(json);
   ASSERT_TRUE(rows.is_array());
-  ASSERT_EQ(rows.size(), 3u) << rows.dump();  // grpc+verbs with 1 and 8 slots, grpc
+  ASSERT_EQ(rows.size(), 5u) << rows.dump();  // grpc+verbs with 1 and 8 slots x 2 batches, grpc
+  std::set<std::pair<int, int>> configs;
   for (const nlohmann::json& r : rows) {
     EXPECT_GT(r.value("tensors_per_s", 0.0), 0) << r.dump();
     EXPECT_EQ(r.value("recvs", 0), 2000) << r.dump();
+    configs.insert({r.value("message_slots", -1), r.value("message_batch", -1)});
   }
+  EXPECT_EQ(configs, (std::set<std::pair<int, int>>{{0, 0}, {1, 1}, {1, 16}, {8, 1}, {8, 16}}));
+  // Bad counts are refused (a usage error) before anything starts.
+  run = RunTool({"bench", "rate", "--batch", "0"}, absl::Seconds(30));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 2);
+  EXPECT_EQ(run->out, "");
 }
 
 TEST(ToolTest, BenchPsRunsTrainingStepsOfARealModelOverEveryProtocol) {

@@ -22,9 +22,9 @@ namespace tensorverbs::grpc_transport {
 // Tensors up to this size travel inline in the response; a read costs more (TensorFlow's GDR
 // used the same threshold).
 inline constexpr size_t kDmaMinBytes = 1024;
-// Tensor keys are immediates of the release write; the two highest values mark grpc+verbs'
-// control messages and ACKs on the same channel (protocol/imm.h).
-inline constexpr uint32_t kMaxTensorKey = 0xFFFFFFFD;
+// Tensor keys are immediates of the release write; the values above mark grpc+verbs' control
+// messages and ACKs on the same channel (protocol/imm.h).
+inline constexpr uint32_t kMaxTensorKey = 0xFFFFFBFE;
 
 struct RemoteTensorRef {
   uint64_t addr = 0;

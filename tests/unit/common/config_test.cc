@@ -135,6 +135,7 @@ TEST(Config, GrpcVerbsVariables) {
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->fabric, "auto");
   EXPECT_EQ(d->message_slots, 8);
+  EXPECT_EQ(d->message_batch, 32);
   EXPECT_EQ(d->poll_mode, "adaptive");
   EXPECT_FALSE(d->data_validation);
   EXPECT_EQ(d->registration, "pool");
@@ -142,12 +143,14 @@ TEST(Config, GrpcVerbsVariables) {
 
   absl::StatusOr<Config> c = Config::FromEnvironment(
       {{"TENSORVERBS_FABRIC", "OFI"}, {"TENSORVERBS_MESSAGE_SLOTS", "1"},
+       {"TENSORVERBS_MESSAGE_BATCH", "1"},
        {"TENSORVERBS_POLL_MODE", "busy"}, {"TENSORVERBS_POLL_SPIN_US", "0"},
        {"TENSORVERBS_DATA_VALIDATION", "1"}, {"TENSORVERBS_REGISTRATION", "per-transfer"},
        {"TENSORVERBS_PEER_TIMEOUT_MS", "250"}});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->fabric, "ofi");
   EXPECT_EQ(c->message_slots, 1);
+  EXPECT_EQ(c->message_batch, 1);
   EXPECT_EQ(c->poll_mode, "busy");
   EXPECT_EQ(c->poll_spin, absl::ZeroDuration());
   EXPECT_TRUE(c->data_validation);
@@ -162,6 +165,8 @@ TEST(Config, GrpcVerbsVariables) {
                              testing::HasSubstr("pool, per-transfer, copy")));
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MESSAGE_SLOTS", "0"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MESSAGE_SLOTS", "1025"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MESSAGE_BATCH", "0"}}).ok());
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MESSAGE_BATCH", "129"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_FABRIC", "rdma"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_PEER_TIMEOUT_MS", "10"}}).ok());
 }

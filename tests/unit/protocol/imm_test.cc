@@ -9,9 +9,21 @@ namespace {
 
 TEST(Immediates, ReservedValues) {
   EXPECT_EQ(ClassifyImm(0xFFFFFFFF), ImmKind::kControlMessage);
-  EXPECT_EQ(ClassifyImm(0xFFFFFFFE), ImmKind::kAck);
-  EXPECT_EQ(ClassifyImm(0xFFFFFFFD), ImmKind::kRequest);
+  EXPECT_EQ(ClassifyImm(0xFFFFFFFE), ImmKind::kAck) << "the seed's ACK";
+  EXPECT_EQ(ClassifyImm(0xFFFFFFFD), ImmKind::kAck);
+  EXPECT_EQ(ClassifyImm(0xFFFFFBFF), ImmKind::kAck);
+  EXPECT_EQ(ClassifyImm(0xFFFFFBFE), ImmKind::kRequest);
+  EXPECT_EQ(kMaxRequestIndex, 0xFFFFFBFEu);
   EXPECT_EQ(ClassifyImm(0), ImmKind::kRequest);
+}
+
+TEST(Immediates, AcksCarryHowManySlotsTheyFree) {
+  EXPECT_EQ(AckImm(1), kImmAck);
+  EXPECT_EQ(AckImm(1), 0xFFFFFFFEu);
+  for (uint32_t n : {1u, 2u, 8u, 1023u, kMaxAckCount}) {
+    EXPECT_EQ(ClassifyImm(AckImm(n)), ImmKind::kAck) << n;
+    EXPECT_EQ(AckCount(AckImm(n)), n);
+  }
 }
 
 TEST(RequestIndexAllocator, WrapsWithoutReusingALiveIndex) {
@@ -53,7 +65,7 @@ TEST(RequestIndexAllocator, LongRunsCycleThroughTheWholeSpace) {
 }
 
 TEST(RequestIndexAllocator, FullSpaceNeverHandsOutReservedImmediates) {
-  RequestIndexAllocator a;  // 0 .. 0xFFFFFFFD
+  RequestIndexAllocator a;  // 0 .. kMaxRequestIndex
   for (int i = 0; i < 1000; ++i) {
     uint32_t x = *a.Allocate();
     ASSERT_LE(x, kMaxRequestIndex);

@@ -26,7 +26,7 @@ Message Request() {
 }
 
 std::vector<uint8_t> Encode(const Message& m) {
-  std::vector<uint8_t> slot(kMessageSize, 0xCC);
+  std::vector<uint8_t> slot(kMessageSize, 0);
   absl::Status s = EncodeMessage(m, absl::MakeSpan(slot));
   EXPECT_TRUE(s.ok()) << s;
   return slot;
@@ -107,7 +107,38 @@ TEST(MessageCodec, NamesAtAndOverTheLimit) {
   m = Request();
   m.remote_key = std::string(kMaxRemoteKeyLength + 1, 'r');
   EXPECT_FALSE(EncodeMessage(m, absl::MakeSpan(slot)).ok());
-  EXPECT_FALSE(EncodeMessage(Request(), absl::MakeSpan(slot).subspan(1)).ok()) << "small slot";
+  const size_t size = *EncodedSize(Request());
+  EXPECT_FALSE(EncodeMessage(Request(), absl::MakeSpan(slot).subspan(0, size - 8)).ok())
+      << "too little room";
+  EXPECT_TRUE(EncodeMessage(Request(), absl::MakeSpan(slot).subspan(0, size)).ok());
+}
+
+TEST(MessageCodec, EncodesExactlyItsPaddedSizeAndCarriesTheBatchCount) {
+  const Message m = Request();
+  const size_t size = *EncodedSize(m);
+  EXPECT_EQ(size % 8, 0u);
+  EXPECT_EQ(size, (64 + m.name.size() + m.remote_key.size() + 3 * 8 + 7) / 8 * 8);
+  std::vector<uint8_t> slot(kMessageSize, 0xCC);
+  ASSERT_TRUE(EncodeMessage(m, absl::MakeSpan(slot), /*more=*/5).ok());
+  EXPECT_EQ(slot[size], 0xCC) << "nothing past the message is written";
+  EXPECT_EQ(slot[size - 1], 0) << "padding is zero";
+  EXPECT_EQ(EncodedLength(slot), size);
+  uint16_t more = 0;
+  absl::StatusOr<Message> back = DecodeMessage(slot, &more);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(more, 5);
+  ExpectSame(m, *back);
+  // A second message right after the first.
+  Message second = Request();
+  second.name = "k2";
+  ASSERT_TRUE(EncodeMessage(second, absl::MakeSpan(slot).subspan(size), 0).ok());
+  back = DecodeMessage(absl::MakeConstSpan(slot).subspan(size), &more);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->name, "k2");
+  EXPECT_EQ(more, 0);
+  Message unknown;
+  unknown.type = static_cast<MessageType>(9);
+  EXPECT_EQ(EncodedSize(unknown).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(MessageCodec, LongErrorMessagesAreTruncatedNotRejected) {
