@@ -16,9 +16,10 @@ Executor::Executor(std::string name, int num_threads) {
 
 Executor::~Executor() {
   {
-    MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  cv_.notify_all();
   for (std::thread& t : threads_) t.join();
 }
 
@@ -27,9 +28,12 @@ void Executor::Schedule(Task task) {
     std::move(task)();
     return;
   }
-  MutexLock lock(&mu_);
-  CHECK(!stopping_) << "Executor::Schedule after shutdown began";
-  tasks_.push_back(std::move(task));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    CHECK(!stopping_) << "Executor::Schedule after shutdown began";
+    tasks_.push_back(std::move(task));
+  }
+  cv_.notify_one();
 }
 
 void Executor::ScheduleAll(std::vector<Task>* tasks) {
@@ -50,11 +54,8 @@ void Executor::WorkerLoop() {
   while (true) {
     Task task;
     {
-      MutexLock lock(&mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-        return stopping_ || !tasks_.empty();
-      };
-      mu_.Await(ready);
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
       if (tasks_.empty()) return;  // stopping and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();

@@ -11,14 +11,14 @@
 #ifndef TENSORVERBS_COMMON_EXECUTOR_H_
 #define TENSORVERBS_COMMON_EXECUTOR_H_
 
+#include <condition_variable>
 #include <deque>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
-#include "src/common/mutex.h"
 
 namespace tensorverbs {
 
@@ -40,9 +40,13 @@ class Executor {
  private:
   void WorkerLoop();
 
-  Mutex mu_;
-  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // A plain mutex and condition variable, not tensorverbs::Mutex: its Await wakes every waiter
+  // at every unlock, and here a task needs exactly one worker (notify_one), which keeps idle
+  // workers asleep while small tasks stream in.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> tasks_;  // guarded by mu_
+  bool stopping_ = false;   // guarded by mu_
   std::vector<std::thread> threads_;
 };
 
