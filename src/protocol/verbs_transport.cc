@@ -335,6 +335,7 @@ absl::StatusOr<Channel*> VerbsTransport::OwnerChannel(const std::string& task) {
   request.mutable_end()->set_rx_addr(raw->message_buffer()->rx_addr());
   request.mutable_end()->set_rx_key(raw->message_buffer()->rx_key());
   request.mutable_end()->set_rx_slots(static_cast<uint32_t>(raw->message_buffer()->rx_slots()));
+  request.mutable_end()->set_wire_version(kWireVersion);
   connecting->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
   connecting->context.set_wait_for_ready(true);
   Connecting* c = connecting.get();
@@ -367,11 +368,14 @@ void VerbsTransport::OnConnectDone(uint64_t id, const grpc::Status& status) {
                      options_.task_addresses.at(task), ": ", s.message()));
   } else {
     const proto::ConnectResponse& r = connecting->response;
-    result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
-                              static_cast<int>(r.end().rx_slots()), r.incarnation());
-    if (!result.ok()) {
-      result = absl::UnavailableError(absl::StrCat("connecting the grpc+verbs channel to task ",
-                                                   task, " failed: ", result.message()));
+    result = CheckWireVersion(task, r.end().wire_version());
+    if (result.ok()) {
+      result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
+                                static_cast<int>(r.end().rx_slots()), r.incarnation());
+      if (!result.ok()) {
+        result = absl::UnavailableError(absl::StrCat(
+            "connecting the grpc+verbs channel to task ", task, " failed: ", result.message()));
+      }
     }
   }
   if (result.ok()) {
@@ -383,6 +387,15 @@ void VerbsTransport::OnConnectDone(uint64_t id, const grpc::Status& status) {
   }
   MutexLock lock(&connect_mu_);
   connect_results_[task] = result;
+}
+
+absl::Status VerbsTransport::CheckWireVersion(const std::string& task, uint32_t version) const {
+  if (version == kWireVersion) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "task ", task, " speaks grpc+verbs wire version ",
+      version == 0 ? std::string("1 or older") : absl::StrCat(version), " but task ",
+      options_.env->task_name, " speaks ", kWireVersion,
+      "; run the same tensorverbs release on every task"));
 }
 
 absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
@@ -400,6 +413,7 @@ absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
         options_.env->task_name, " runs ", VerbsModeProtocol(options_.mode),
         "; every task of a cluster must use the same --protocol"));
   }
+  if (absl::Status s = CheckWireVersion(task, request.end().wire_version()); !s.ok()) return s;
   if (request.expected_incarnation() != 0 &&
       request.expected_incarnation() != options_.env->incarnation) {
     return absl::AbortedError(absl::StrFormat(
@@ -433,6 +447,7 @@ absl::Status VerbsTransport::Accept(const proto::ConnectRequest& request,
   response->mutable_end()->set_rx_addr(channel->message_buffer()->rx_addr());
   response->mutable_end()->set_rx_key(channel->message_buffer()->rx_key());
   response->mutable_end()->set_rx_slots(static_cast<uint32_t>(channel->message_buffer()->rx_slots()));
+  response->mutable_end()->set_wire_version(kWireVersion);
   LOG(INFO) << channel->Describe() << " ready; peer endpoint "
             << absl::BytesToHexString(end.endpoint_address()).substr(0, 32);
   by_endpoint_[channel->endpoint()] = channel.get();

@@ -144,6 +144,8 @@ class VerbsTransport : public grpc_transport::TensorLender, public grpc_transpor
   absl::StatusOr<Channel*> OwnerChannel(const std::string& task);
   void OnConnectDone(uint64_t channel_id, const grpc::Status& status);
   absl::Status Accept(const proto::ConnectRequest& request, proto::ConnectResponse* response);
+  // FailedPrecondition naming both tasks when `task`'s control messages use another layout.
+  absl::Status CheckWireVersion(const std::string& task, uint32_t version) const;
   void CheckChannel(const proto::CheckChannelRequest& request,
                     proto::CheckChannelResponse* response);
   Channel* FindChannel(uint64_t id);

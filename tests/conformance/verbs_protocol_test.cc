@@ -12,6 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/verbs.grpc.pb.h"
 #include "src/common/mutex.h"
 #include "src/fabric/loopback/loopback.h"
 #include "src/rendezvous/device_name.h"
@@ -320,6 +323,39 @@ TEST_P(VerbsProtocolTest, OneMessageSlotAndEveryPollModeWork) {
     }
     recvs.clear();  // the tensors go back to the pools before the servers do
     TearDown();
+  }
+}
+
+TEST_P(VerbsProtocolTest, APeerOfAnotherWireVersionIsRefusedAndTold) {
+  StartCluster(1);
+  const std::string address = *server(0).cluster().TaskAddress("worker", 0);
+  auto stub = proto::VerbsService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  for (uint32_t version : {0u, 1u, uint32_t{protocol::kWireVersion} + 1}) {
+    SCOPED_TRACE(version);
+    proto::ConnectRequest request;
+    request.set_task_name("/job:worker/replica:0/task:9");
+    request.set_incarnation(7);
+    request.set_fabric(transport(0).domain_for_testing()->capabilities().family);
+    request.set_protocol("grpc+verbs");
+    request.set_channel_id(1);
+    request.mutable_end()->set_endpoint_address("unused");
+    request.mutable_end()->set_rx_addr(4096);
+    request.mutable_end()->set_rx_key("unused");
+    request.mutable_end()->set_rx_slots(8);
+    request.mutable_end()->set_wire_version(version);
+    proto::ConnectResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    grpc::Status status = stub->Connect(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(),
+                ::testing::AllOf(HasSubstr("task:9 speaks grpc+verbs wire version"),
+                                 HasSubstr(absl::StrCat("speaks ", protocol::kWireVersion)),
+                                 HasSubstr("same tensorverbs release")));
+    if (version == 0) {
+      EXPECT_THAT(status.error_message(), HasSubstr("1 or older"));
+    }
   }
 }
 

@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
+#include "tests/support/pending_recv.h"
 #include "tools/process_util.h"
 
 namespace tensorverbs::testing {
@@ -53,7 +54,8 @@ class InProcessCluster {
       options.recv_timeout = o.recv_timeout;
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
-      options.verbs.peer_timeout = absl::Seconds(5);
+      // A probe answered by a server TSan slows tenfold, on two loaded cores, can take seconds.
+      options.verbs.peer_timeout = absl::Seconds(kUnderThreadSanitizer ? 20 : 5);
       // Generous: under TSan on two cores hundreds of RecvTensor calls can queue ahead of a
       // grpc+gdr channel set-up.
       options.verbs.connect_timeout = absl::Seconds(60);
