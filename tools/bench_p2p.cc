@@ -34,6 +34,18 @@
 namespace tensorverbs::tools {
 namespace {
 
+// The peer's network namespace for --netns; false (said on stderr) when it cannot be made.
+bool MakeNetnsHost(const char* command, std::unique_ptr<NetnsHost>* out) {
+  absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create();
+  if (!host.ok()) {
+    std::fprintf(stderr, "tensorverbs bench %s --netns: %s\n", command,
+                 std::string(host.status().message()).c_str());
+    return false;
+  }
+  *out = *std::move(host);
+  return true;
+}
+
 bool IsVerbsProtocol(const std::string& p) { return p != "grpc"; }
 
 // The fabric the verbs protocols will use here, by the same policy as the servers.
@@ -183,15 +195,7 @@ int RunBenchP2P(const BenchP2POptions& o) {
     }
   }
   std::unique_ptr<NetnsHost> netns;
-  if (o.netns) {
-    absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create();
-    if (!host.ok()) {
-      std::fprintf(stderr, "tensorverbs bench p2p --netns: %s\n",
-                   std::string(host.status().message()).c_str());
-      return 1;
-    }
-    netns = *std::move(host);
-  }
+  if (o.netns && !MakeNetnsHost("p2p", &netns)) return 1;
 
   // Ceilings, measured in the same run: memcpy, and the raw fabric the verbs protocols use.
   std::printf("tensorverbs bench p2p: sizes %s; protocols %s\n", o.sizes.c_str(),
@@ -404,15 +408,7 @@ int RunBenchRate(const BenchRateOptions& o) {
     return 2;
   }
   std::unique_ptr<NetnsHost> netns;
-  if (o.netns) {
-    absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create();
-    if (!host.ok()) {
-      std::fprintf(stderr, "tensorverbs bench rate --netns: %s\n",
-                   std::string(host.status().message()).c_str());
-      return 1;
-    }
-    netns = *std::move(host);
-  }
+  if (o.netns && !MakeNetnsHost("rate", &netns)) return 1;
   struct RateRow {
     std::string protocol, fabric;
     int slots = 0;  // 0: not a verbs protocol

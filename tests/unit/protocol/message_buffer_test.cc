@@ -26,6 +26,20 @@ Message Request(int i) {
   return m;
 }
 
+// Two loopback domains with an endpoint each, connected to each other.
+struct LoopbackPair {
+  LoopbackPair() {
+    a = *fabric::loopback::OpenLoopbackDomain({});
+    b = *fabric::loopback::OpenLoopbackDomain({});
+    ea = *a->CreateEndpoint();
+    eb = *b->CreateEndpoint();
+    EXPECT_TRUE(ea->Connect(eb->LocalAddress()).ok());
+    EXPECT_TRUE(eb->Connect(ea->LocalAddress()).ok());
+  }
+  std::unique_ptr<fabric::Domain> a, b;
+  std::unique_ptr<fabric::Endpoint> ea, eb;
+};
+
 // Two message buffers joined by loopback endpoints; the test plays both progress threads.
 // Parameters: slots per side, the most messages A writes into one slot.
 class MessageBufferTest : public ::testing::TestWithParam<std::tuple<int, int>> {
@@ -34,16 +48,10 @@ class MessageBufferTest : public ::testing::TestWithParam<std::tuple<int, int>> 
   int batch() const { return std::get<1>(GetParam()); }
 
   void SetUp() override {
-    a_ = *fabric::loopback::OpenLoopbackDomain({});
-    b_ = *fabric::loopback::OpenLoopbackDomain({});
-    ea_ = *a_->CreateEndpoint();
-    eb_ = *b_->CreateEndpoint();
-    ASSERT_TRUE(ea_->Connect(eb_->LocalAddress()).ok());
-    ASSERT_TRUE(eb_->Connect(ea_->LocalAddress()).ok());
-    ma_ = *MessageBuffer::Create(a_.get(), slots(), batch());
-    mb_ = *MessageBuffer::Create(b_.get(), slots());
-    ASSERT_TRUE(ma_->Connect(ea_.get(), mb_->rx_addr(), mb_->rx_key(), mb_->rx_slots()).ok());
-    ASSERT_TRUE(mb_->Connect(eb_.get(), ma_->rx_addr(), ma_->rx_key(), ma_->rx_slots()).ok());
+    ma_ = *MessageBuffer::Create(a_, slots(), batch());
+    mb_ = *MessageBuffer::Create(b_, slots());
+    ASSERT_TRUE(ma_->Connect(ea_, mb_->rx_addr(), mb_->rx_key(), mb_->rx_slots()).ok());
+    ASSERT_TRUE(mb_->Connect(eb_, ma_->rx_addr(), ma_->rx_key(), ma_->rx_slots()).ok());
   }
 
   // Drives both sides once, as a progress thread's turn: B handles every completion, then
@@ -83,8 +91,11 @@ class MessageBufferTest : public ::testing::TestWithParam<std::tuple<int, int>> 
     }
   }
 
-  std::unique_ptr<fabric::Domain> a_, b_;
-  std::unique_ptr<fabric::Endpoint> ea_, eb_;
+  LoopbackPair pair_;
+  fabric::Domain* const a_ = pair_.a.get();
+  fabric::Domain* const b_ = pair_.b.get();
+  fabric::Endpoint* const ea_ = pair_.ea.get();
+  fabric::Endpoint* const eb_ = pair_.eb.get();
   std::unique_ptr<MessageBuffer> ma_, mb_;
   size_t max_per_slot_ = 0;
   uint64_t max_ack_ = 0;
@@ -185,15 +196,9 @@ INSTANTIATE_TEST_SUITE_P(SlotsAndBatches, MessageBufferTest,
 class HandWrittenSlotTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    a_ = *fabric::loopback::OpenLoopbackDomain({});
-    b_ = *fabric::loopback::OpenLoopbackDomain({});
-    ea_ = *a_->CreateEndpoint();
-    eb_ = *b_->CreateEndpoint();
-    ASSERT_TRUE(ea_->Connect(eb_->LocalAddress()).ok());
-    ASSERT_TRUE(eb_->Connect(ea_->LocalAddress()).ok());
-    mb_ = *MessageBuffer::Create(b_.get(), 2);
-    auto ma = *MessageBuffer::Create(a_.get(), 2);
-    ASSERT_TRUE(mb_->Connect(eb_.get(), ma->rx_addr(), ma->rx_key(), 2).ok());
+    mb_ = *MessageBuffer::Create(b_, 2);
+    auto ma = *MessageBuffer::Create(a_, 2);
+    ASSERT_TRUE(mb_->Connect(eb_, ma->rx_addr(), ma->rx_key(), 2).ok());
     slot_.assign(kMessageSize, 0);
     region_ = *a_->RegisterMemory(slot_.data(), slot_.size(), fabric::kAccessLocal);
   }
@@ -245,8 +250,11 @@ class HandWrittenSlotTest : public ::testing::Test {
     return m;
   }
 
-  std::unique_ptr<fabric::Domain> a_, b_;
-  std::unique_ptr<fabric::Endpoint> ea_, eb_;
+  LoopbackPair pair_;
+  fabric::Domain* const a_ = pair_.a.get();
+  fabric::Domain* const b_ = pair_.b.get();
+  fabric::Endpoint* const ea_ = pair_.ea.get();
+  fabric::Endpoint* const eb_ = pair_.eb.get();
   std::unique_ptr<MessageBuffer> mb_;
   std::vector<uint8_t> slot_;
   std::unique_ptr<fabric::MemoryRegion> region_;
