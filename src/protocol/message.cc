@@ -33,6 +33,7 @@ class Writer {
     for (size_t i = 0; i < sizeof(T); ++i) out_[pos_++] = static_cast<uint8_t>(u >> (8 * i));
   }
   void Bytes(absl::string_view s) {
+    if (s.empty()) return;  // an empty view's data() may be null, which memcpy must not get
     std::memcpy(out_.data() + pos_, s.data(), s.size());
     pos_ += s.size();
   }
