@@ -21,7 +21,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "src/common/config.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/fabric.h"
@@ -367,44 +366,23 @@ int RunBenchP2P(const BenchP2POptions& o) {
   return 0;
 }
 
-namespace {
-
-// "1,8,32" -> counts in lo..hi; prints the error naming `flag`.
-bool ParseCounts(const std::string& list, const char* flag, int lo, int hi, std::vector<int>* out) {
-  for (absl::string_view s : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
-    int n = 0;
-    if (!absl::SimpleAtoi(s, &n) || n < lo || n > hi) {
-      std::fprintf(stderr, "tensorverbs bench rate: %s: bad count '%s' (%d..%d)\n", flag,
-                   std::string(s).c_str(), lo, hi);
-      return false;
-    }
-    out->push_back(n);
-  }
-  if (out->empty()) {
-    std::fprintf(stderr, "tensorverbs bench rate: %s: no counts given\n", flag);
-    return false;
-  }
-  return true;
-}
-
-}  // namespace
-
 int RunBenchRate(const BenchRateOptions& o) {
   absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
   absl::StatusOr<std::vector<std::string>> protocols = ParseProtocolList(o.protocols);
-  std::vector<int> slots, batches;
-  if (!ParseCounts(o.slots, "--slots", 1, 1024, &slots) ||
-      !ParseCounts(o.batch, "--batch", 1, 128, &batches)) {
-    return 2;
-  }
-  for (const absl::Status& s : {sizes.status(), protocols.status()}) {
+  absl::StatusOr<std::vector<int>> slot_list = ParseCountList(o.slots, "--slots", 1, 1024);
+  absl::StatusOr<std::vector<int>> batch_list = ParseCountList(o.batch, "--batch", 1, 128);
+  for (const absl::Status& s :
+       {sizes.status(), protocols.status(), slot_list.status(), batch_list.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "tensorverbs bench rate: %s\n", std::string(s.message()).c_str());
       return 2;
     }
   }
-  if (o.recvs < 1 || o.window < 1) {
-    std::fprintf(stderr, "tensorverbs bench rate: --recvs and --window must be positive\n");
+  const std::vector<int>& slots = *slot_list;
+  const std::vector<int>& batches = *batch_list;
+  if (slots.empty() || batches.empty() || o.recvs < 1 || o.window < 1) {
+    std::fprintf(stderr,
+                 "tensorverbs bench rate: --slots, --batch, --recvs and --window must be set\n");
     return 2;
   }
   std::unique_ptr<NetnsHost> netns;

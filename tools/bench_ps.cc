@@ -13,7 +13,6 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -313,16 +312,13 @@ int RunBenchPs(const BenchPsOptions& o) {
     }
     models.emplace_back(m);
   }
-  std::vector<int> worker_counts;
-  for (absl::string_view w : absl::StrSplit(o.workers, ',', absl::SkipWhitespace())) {
-    int n = 0;
-    if (!absl::SimpleAtoi(w, &n) || n < 1 || n > 64) {
-      std::fprintf(stderr, "tensorverbs bench ps: --workers: bad count '%s' (1..64)\n",
-                   std::string(w).c_str());
-      return 2;
-    }
-    worker_counts.push_back(n);
+  absl::StatusOr<std::vector<int>> workers = ParseCountList(o.workers, "--workers", 1, 64);
+  if (!workers.ok()) {
+    std::fprintf(stderr, "tensorverbs bench ps: %s\n",
+                 std::string(workers.status().message()).c_str());
+    return 2;
   }
+  const std::vector<int> worker_counts = *std::move(workers);
   absl::StatusOr<std::vector<std::string>> parsed = ParseProtocolList(o.protocols);
   if (!parsed.ok()) {
     std::fprintf(stderr, "tensorverbs bench ps: %s\n",

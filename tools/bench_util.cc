@@ -56,6 +56,20 @@ absl::StatusOr<std::vector<size_t>> ParseSizeList(absl::string_view text) {
   return sizes;
 }
 
+absl::StatusOr<std::vector<int>> ParseCountList(absl::string_view text, absl::string_view flag,
+                                                int lo, int hi) {
+  std::vector<int> counts;
+  for (absl::string_view s : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int n = 0;
+    if (!absl::SimpleAtoi(s, &n) || n < lo || n > hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": bad count '", s, "' (", lo, "..", hi, ")"));
+    }
+    counts.push_back(n);
+  }
+  return counts;
+}
+
 std::string SizeName(size_t n) {
   if (n >= (size_t{1} << 30) && n % (size_t{1} << 30) == 0) return absl::StrCat(n >> 30, "GiB");
   if (n >= (size_t{1} << 20) && n % (size_t{1} << 20) == 0) return absl::StrCat(n >> 20, "MiB");

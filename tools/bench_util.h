@@ -24,6 +24,10 @@ namespace tensorverbs::tools {
 absl::StatusOr<size_t> ParseSize(absl::string_view text);
 // A comma-separated list of sizes, in the order given.
 absl::StatusOr<std::vector<size_t>> ParseSizeList(absl::string_view text);
+// A comma-separated list of counts in lo..hi, in the order given (empty text: none);
+// InvalidArgument naming `flag` and the range for a bad one.
+absl::StatusOr<std::vector<int>> ParseCountList(absl::string_view text, absl::string_view flag,
+                                                int lo, int hi);
 // The shortest exact name: 4B, 4KiB, 64MiB.
 std::string SizeName(size_t bytes);
 

@@ -869,9 +869,10 @@ void Channel::OnCompletion(const fabric::Completion& c) {
         OnControlMessage();
         // The ACK goes out after whatever the messages set off (a content write the peer is
         // waiting for is deferred to the end of this completion batch too), so it never
-        // delays an answer; one ACK covers every slot that arrived in the meantime.
-        if (state_ == State::kClosed || ack_posted_) return;
-        ack_posted_ = true;
+        // delays an answer; one ACK covers every slot that arrived in the meantime. An ACK task
+        // is queued exactly while slots are unacknowledged (it acknowledges all of them), so
+        // only the first slot since the last ACK queues one.
+        if (state_ == State::kClosed || mb_->unacknowledged() != 1) return;
         auto find = env_->find_channel;
         const uint64_t id = id_;
         env_->post([find, id]() {
@@ -929,7 +930,6 @@ absl::StatusOr<const ParsedKey*> Channel::ValidKey(const std::string& name) {
 }
 
 void Channel::AcknowledgeMessages() {
-  ack_posted_ = false;
   if (state_ == State::kClosed) return;
   if (absl::Status s = mb_->Acknowledge(); !s.ok()) {
     Close(absl::UnavailableError(absl::StrCat("acknowledging a control message of task ",
@@ -955,7 +955,6 @@ void Channel::OnContent(uint32_t index) {
 
 void Channel::OnControlMessage() {
   std::vector<Message> batch;
-  batch.swap(incoming_);
   if (absl::Status s = mb_->OnControlMessage(&batch); !s.ok()) {
     Close(absl::DataLossError(
         absl::StrCat("control message from task ", peer_task_, ": ", s.message())));
@@ -965,48 +964,45 @@ void Channel::OnControlMessage() {
     if (state_ == State::kClosed) return;
     HandleMessage(m);
   }
-  batch.clear();
-  incoming_.swap(batch);
 }
 
-void Channel::HandleMessage(Message& message) {
-  Message* const m = &message;
+void Channel::HandleMessage(const Message& m) {
   const bool owner = role_ == Role::kOwner;
-  switch (m->type) {
+  switch (m.type) {
     case MessageType::kMetaDataResponse:
     case MessageType::kErrorStatus: {
       if (!owner) break;
-      auto it = requests_.find(m->request_index);
+      auto it = requests_.find(m.request_index);
       if (it == requests_.end()) {
         env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
         return;
       }
-      if (m->type == MessageType::kMetaDataResponse) {
-        it->second->RecvTensorMetaData(*m);
+      if (m.type == MessageType::kMetaDataResponse) {
+        it->second->RecvTensorMetaData(m);
       } else {
         it->second->Fail(absl::Status(
-            m->error.code(), absl::StrCat("task ", peer_task_, " could not send '", m->name,
-                                          "': ", m->error.message())));
-        FinishRequest(m->request_index);
+            m.error.code(), absl::StrCat("task ", peer_task_, " could not send '", m.name,
+                                          "': ", m.error.message())));
+        FinishRequest(m.request_index);
       }
       return;
     }
     case MessageType::kTensorRequest: {
       if (owner) break;
-      if (responses_.contains(m->request_index)) {
+      if (responses_.contains(m.request_index)) {
         Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " reused request index ",
-                                               m->request_index, " while it was pending")));
+                                               m.request_index, " while it was pending")));
         return;
       }
-      auto response = std::make_unique<RdmaTensorResponse>(this, next_serial_++, *m);
+      auto response = std::make_unique<RdmaTensorResponse>(this, next_serial_++, m);
       RdmaTensorResponse* raw = response.get();
-      responses_.emplace(m->request_index, std::move(response));
-      absl::StatusOr<const ParsedKey*> key = ValidKey(m->name);
+      responses_.emplace(m.request_index, std::move(response));
+      absl::StatusOr<const ParsedKey*> key = ValidKey(m.name);
       absl::Status error = key.status();
       std::shared_ptr<RemoteRendezvous> rendezvous;
       if (error.ok()) {
         absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r =
-            env_->rendezvous_mgr->Find(m->step_id);
+            env_->rendezvous_mgr->Find(m.step_id);
         if (r.ok()) {
           rendezvous = *std::move(r);
         } else {
@@ -1022,18 +1018,18 @@ void Channel::HandleMessage(Message& message) {
     }
     case MessageType::kTensorReRequest: {
       if (owner) break;
-      auto it = responses_.find(m->request_index);
+      auto it = responses_.find(m.request_index);
       if (it == responses_.end()) {
         Close(absl::DataLossError(absl::StrCat("RE_REQUEST from task ", peer_task_,
-                                               " for unknown request ", m->request_index)));
+                                               " for unknown request ", m.request_index)));
         return;
       }
-      it->second->RecvReRequest(*m);
+      it->second->RecvReRequest(m);
       return;
     }
   }
   Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " sent ",
-                                         MessageTypeName(m->type), " on a channel where ",
+                                         MessageTypeName(m.type), " on a channel where ",
                                          owner ? "it sends tensors" : "it receives them")));
 }
 

@@ -272,7 +272,7 @@ class Channel {
 
  private:
   void OnControlMessage();
-  void HandleMessage(Message& m);
+  void HandleMessage(const Message& m);
   void OnContent(uint32_t index);
   struct Pull {
     grpc_transport::RemoteTensorRef ref;
@@ -303,8 +303,6 @@ class Channel {
   State state_ = State::kConnecting;
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::unique_ptr<MessageBuffer> mb_;
-  std::vector<Message> incoming_;  // the slot being handled; kept for its capacity
-  bool ack_posted_ = false;        // an AcknowledgeMessages task is queued
 
   // Owner side.
   RequestIndexAllocator indexes_;

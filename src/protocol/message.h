@@ -5,8 +5,9 @@
 // receipt. Unlike TensorFlow's layout (a memcpy'd C++ TensorShape, an unchecked 512-byte name,
 // host byte order, uninitialised padding) the codec is explicit: a version byte, little-endian
 // fixed-width fields, rank plus int64 dims, bounded lengths checked on both sides, and padding
-// zeroed (the receiver zeroes what it consumed, so the unused rest of a slot stays zero). A malformed message decodes to DataLoss naming the problem;
-// it never crashes. Pure functions; any thread.
+// zeroed (the receiver zeroes what it consumed, so the unused rest of a slot stays zero). A
+// malformed message decodes to DataLoss naming the problem; it never crashes. Pure functions;
+// any thread.
 #ifndef TENSORVERBS_PROTOCOL_MESSAGE_H_
 #define TENSORVERBS_PROTOCOL_MESSAGE_H_
 

@@ -1,5 +1,6 @@
 #include "src/protocol/message_buffer.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -78,23 +79,21 @@ absl::Status MessageBuffer::Pump() {
     if (tx_sent_ - tx_acked_ >= static_cast<uint64_t>(remote_slots_)) break;  // remote busy
     if (tx_local_busy_[slot]) break;                                           // local busy
     // As many queued messages as fit the slot, up to the batch limit; the first always fits.
-    size_t count = 0;
     size_t length = 0;
-    std::vector<size_t>& sizes = batch_sizes_;
-    sizes.clear();
-    while (count < queue_.size() && count < static_cast<size_t>(max_batch_)) {
-      ASSIGN_OR_RETURN(const size_t size, EncodedSize(queue_[count]));
+    batch_sizes_.clear();
+    while (batch_sizes_.size() < std::min(queue_.size(), static_cast<size_t>(max_batch_))) {
+      ASSIGN_OR_RETURN(const size_t size, EncodedSize(queue_[batch_sizes_.size()]));
       if (length + size > kMessageSize) break;
-      sizes.push_back(size);
+      batch_sizes_.push_back(size);
       length += size;
-      ++count;
     }
+    const size_t count = batch_sizes_.size();
     uint8_t* out = tx_memory_.data() + slot * kMessageSize;
     size_t offset = 0;
     for (size_t i = 0; i < count; ++i) {
-      RETURN_IF_ERROR(EncodeMessage(queue_[i], absl::MakeSpan(out + offset, sizes[i]),
+      RETURN_IF_ERROR(EncodeMessage(queue_[i], absl::MakeSpan(out + offset, batch_sizes_[i]),
                                     static_cast<uint16_t>(count - 1 - i)));
-      offset += sizes[i];
+      offset += batch_sizes_[i];
     }
     RETURN_IF_ERROR(endpoint_->PostWriteWithImm(
         fabric::LocalBuffer{tx_region_.get(), out, length},
@@ -136,47 +135,42 @@ absl::Status MessageBuffer::OnControlMessage(std::vector<Message>* out) {
   out->clear();
   const uint64_t slot = rx_received_ % static_cast<uint64_t>(rx_slots_);
   uint8_t* in = rx_memory_.data() + slot * kMessageSize;
+  std::vector<Message> batch;
   size_t offset = 0;
-  uint64_t sequence = rx_messages_;
-  // The first message says how many follow; each after it says one fewer.
-  for (int remaining = -1; remaining != 0;) {
-    uint16_t more = 0;
-    absl::StatusOr<Message> m =
-        DecodeMessage(absl::MakeConstSpan(in + offset, kMessageSize - offset), &more);
-    if (!m.ok()) {
-      const size_t position = out->size() + 1;
-      out->clear();
-      if (position == 1) return m.status();
-      return absl::DataLossError(
-          absl::StrCat("message ", position, " of a batch: ", m.status().message()));
+  uint16_t more = 0;  // of the message just decoded: how many follow it in the slot
+  do {
+    if (offset >= kMessageSize) {
+      return absl::DataLossError(absl::StrCat("a batch announces ", more,
+                                              " more control messages past the end of its slot"));
     }
-    if (m->sequence != static_cast<uint16_t>(sequence)) {
-      out->clear();
+    const absl::Span<const uint8_t> rest = absl::MakeConstSpan(in + offset, kMessageSize - offset);
+    const bool first = batch.empty();
+    const uint16_t announced = first ? 0 : more - 1;
+    absl::StatusOr<Message> m = DecodeMessage(rest, &more);
+    if (!m.ok()) {
+      if (first) return m.status();
+      return absl::DataLossError(
+          absl::StrCat("message ", batch.size() + 1, " of a batch: ", m.status().message()));
+    }
+    const auto expected = static_cast<uint16_t>(rx_messages_ + batch.size());
+    if (m->sequence != expected) {
       return absl::DataLossError(absl::StrCat(
-          "control message ", m->sequence, " arrived where ", static_cast<uint16_t>(sequence),
+          "control message ", m->sequence, " arrived where ", expected,
           " was expected: the fabric delivered writes out of order or the peer wrote a busy "
           "slot"));
     }
-    if (remaining >= 0 && more != remaining - 1) {
-      out->clear();
+    if (!first && more != announced) {
       return absl::DataLossError(absl::StrCat("a batched control message says ", more,
-                                              " follow it where ", remaining - 1,
-                                              " were announced"));
+                                              " follow it where ", announced, " were announced"));
     }
-    remaining = more;
-    offset += EncodedLength(absl::MakeConstSpan(in + offset, kMessageSize - offset));
-    ++sequence;
-    out->push_back(*std::move(m));
-    if (remaining > 0 && offset >= kMessageSize) {
-      out->clear();
-      return absl::DataLossError(absl::StrCat("a batch announces ", remaining,
-                                              " more control messages past the end of its slot"));
-    }
-  }
+    offset += EncodedLength(rest);
+    batch.push_back(*std::move(m));
+  } while (more > 0);
   // Zero what was used so a stale message can never be decoded again.
   std::memset(in, 0, offset);
-  rx_messages_ = sequence;
+  rx_messages_ += batch.size();
   ++rx_received_;
+  *out = std::move(batch);
   return absl::OkStatus();
 }
 

@@ -106,7 +106,7 @@ absl::Status VerbsTransport::Start() {
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return FindChannel(id); };
   channel_env_.deliver = [this](Executor::Task callback) {
-    if (std::this_thread::get_id() == progress_thread_id_.load(std::memory_order_relaxed)) {
+    if (OnProgressThread()) {
       callbacks_.push_back(std::move(callback));
     } else {
       options_.env->callback_executor->Schedule(std::move(callback));
@@ -141,7 +141,7 @@ std::string VerbsTransport::fabric_name() const {
 }
 
 bool VerbsTransport::Post(Task& task) {
-  if (std::this_thread::get_id() == progress_thread_id_.load(std::memory_order_relaxed)) {
+  if (OnProgressThread()) {
     // On the progress thread (a completion, a task, or an inline user callback): no lock and
     // no wake-up, just later in this turn of the loop.
     deferred_.push_back(std::move(task));

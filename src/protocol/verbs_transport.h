@@ -152,6 +152,9 @@ class VerbsTransport : public grpc_transport::TensorLender, public grpc_transpor
   void CloseChannelsOf(const std::string& task, bool owner_only, const absl::Status& status);
 
   void WatchdogLoop();
+  bool OnProgressThread() const {
+    return std::this_thread::get_id() == progress_thread_id_.load(std::memory_order_relaxed);
+  }
   // The VerbsService client of `task` (an address from task_addresses); any thread.
   std::shared_ptr<proto::VerbsService::Stub> Stub(const std::string& task,
                                                   const std::string& address);
