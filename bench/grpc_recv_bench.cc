@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "src/rendezvous/device_name.h"
 #include "src/server/server.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs {
 namespace {
@@ -20,7 +20,7 @@ struct Pair {
 Pair& GetPair() {
   static Pair* pair = [] {
     auto* p = new Pair;
-    std::vector<int> ports = *tools::PickFreePorts(2);
+    std::vector<int> ports = *support::PickFreePorts(2);
     ClusterSpec cluster = *ClusterSpec::Parse(
         absl::StrCat("worker=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]));
     ServerOptions o;

@@ -11,12 +11,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "src/common/config.h"
 #include "src/common/checksum.h"
 #include "src/common/mutex.h"
 #include "src/common/status_macros.h"
 #include "src/rendezvous/device_name.h"
 #include "tools/bench_util.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -138,7 +139,7 @@ void BenchServerOptions::Apply(ServerOptions* options) const {
   if (message_slots > 0) options->verbs.message_slots = message_slots;
   if (message_batch > 0) options->verbs.message_batch = message_batch;
   if (!poll_mode.empty()) options->verbs.poll_mode = poll_mode;
-  options->callback_threads = callback_threads;
+  if (callback_threads >= 0) options->callback_threads = callback_threads;
   // A benchmark that stalls should fail in minutes, not after the default ten.
   options->recv_timeout = absl::Minutes(2);
 }
@@ -151,7 +152,7 @@ int RunBenchPeer(const BenchPeerOptions& o) {
   };
   absl::StatusOr<ClusterSpec> cluster = ClusterSpec::Parse(o.cluster);
   if (!cluster.ok()) return fail(cluster.status());
-  ServerOptions options;
+  ServerOptions options = ServerOptions::FromConfig(Config::Get());
   options.cluster = *cluster;
   options.job = o.job;
   options.task = o.task;
@@ -170,20 +171,20 @@ int RunBenchPeer(const BenchPeerOptions& o) {
 absl::StatusOr<std::unique_ptr<PairBench>> PairBench::Start(const BenchServerOptions& options,
                                                             const NetnsHost* netns) {
   auto bench = std::unique_ptr<PairBench>(new PairBench);
-  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(2));
+  ASSIGN_OR_RETURN(std::vector<int> ports, support::PickFreePorts(2));
   const std::string self_host = netns ? netns->local_address() : "127.0.0.1";
   const std::string peer_host = netns ? netns->remote_address() : "127.0.0.1";
   const std::string cluster =
       absl::StrCat(kJob, "=", self_host, ":", ports[0], ",", peer_host, ":", ports[1]);
-  ASSIGN_OR_RETURN(std::string exe, SelfExecutable());
+  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   std::vector<std::string> args = netns ? netns->ExecPrefix() : std::vector<std::string>{};
   args.insert(args.end(), {exe, "bench-peer", "--cluster", cluster, "--job", kJob, "--task", "1"});
   for (const std::string& a : options.ToArgs()) args.push_back(a);
   const std::string path = args.front();
   args.erase(args.begin());
-  ASSIGN_OR_RETURN(bench->peer_, Subprocess::Start(path, args));
+  ASSIGN_OR_RETURN(bench->peer_, support::Subprocess::Start(path, args));
 
-  ServerOptions server_options;
+  ServerOptions server_options = ServerOptions::FromConfig(Config::Get());
   ASSIGN_OR_RETURN(server_options.cluster, ClusterSpec::Parse(cluster));
   server_options.job = kJob;
   server_options.task = 0;
@@ -208,7 +209,7 @@ PairBench::~PairBench() {
 }
 
 std::string PairBench::fabric() const {
-  if (protocol::VerbsTransport* t = server_->verbs_transport()) return t->fabric_name();
+  if (verbs::VerbsTransport* t = server_->verbs_transport()) return t->fabric_name();
   return "tcp (gRPC)";
 }
 

@@ -27,7 +27,7 @@
 #include "src/rendezvous/parsed_key.h"
 #include "src/server/server.h"
 #include "tools/netns.h"
-#include "tools/subprocess.h"
+#include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {
 
@@ -105,7 +105,7 @@ class PairBench {
  private:
   PairBench() = default;
 
-  std::unique_ptr<Subprocess> peer_;
+  std::unique_ptr<support::Subprocess> peer_;
   std::unique_ptr<Server> server_;
   std::string peer_device_;
   uint64_t peer_incarnation_ = 0;

@@ -28,8 +28,8 @@
 #include "tools/bench_fabric.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
-#include "tools/process_util.h"
-#include "tools/subprocess.h"
+#include "src/support/process_util.h"
+#include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -114,7 +114,7 @@ class Side {
 
 using Row = FabricRow;
 
-absl::Status RunLatency(Side& side, Subprocess& peer, size_t size, int iters, Row& row) {
+absl::Status RunLatency(Side& side, support::Subprocess& peer, size_t size, int iters, Row& row) {
   const int warmup = std::min(iters / 10 + 1, 100);
   RETURN_IF_ERROR(Tell(peer, absl::StrCat("lat ", size, " ", iters + warmup)));
   std::vector<double> rtt;
@@ -141,7 +141,7 @@ absl::Status RunLatency(Side& side, Subprocess& peer, size_t size, int iters, Ro
   return absl::OkStatus();
 }
 
-absl::Status RunBandwidth(Side& side, Subprocess& peer, size_t size, int iters, int window,
+absl::Status RunBandwidth(Side& side, support::Subprocess& peer, size_t size, int iters, int window,
                           Row& row) {
   RETURN_IF_ERROR(Tell(peer, absl::StrCat("bw ", size, " ", iters)));
   const uint64_t base_local = side.local_done_, base_imm = side.imms_;
@@ -165,18 +165,18 @@ absl::Status RunBandwidth(Side& side, Subprocess& peer, size_t size, int iters, 
 // fi_pingpong (libfabric-bin) on the same provider and size: {usec/xfer, MB/sec}.
 absl::StatusOr<std::pair<double, double>> RunFiPingpong(const std::string& provider, size_t size,
                                                         int iters) {
-  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(1));
+  ASSIGN_OR_RETURN(std::vector<int> ports, support::PickFreePorts(1));
   const std::string port = absl::StrCat(ports[0]);
   std::vector<std::string> common = {"-p", provider, "-e", "rdm", "-S", absl::StrCat(size), "-I",
                                      absl::StrCat(iters)};
   std::vector<std::string> server_args = common;
   server_args.insert(server_args.end(), {"-B", port});
-  ASSIGN_OR_RETURN(auto server, Subprocess::Start("/usr/bin/fi_pingpong", server_args));
+  ASSIGN_OR_RETURN(auto server, support::Subprocess::Start("/usr/bin/fi_pingpong", server_args));
   for (int attempt = 0; attempt < 50; ++attempt) {
     absl::SleepFor(absl::Milliseconds(100));
     std::vector<std::string> client_args = common;
     client_args.insert(client_args.end(), {"-P", port, "127.0.0.1"});
-    ASSIGN_OR_RETURN(auto client, Subprocess::Start("/usr/bin/fi_pingpong", client_args));
+    ASSIGN_OR_RETURN(auto client, support::Subprocess::Start("/usr/bin/fi_pingpong", client_args));
     std::string out = client->ReadAll(absl::Seconds(300));
     absl::StatusOr<int> rc = client->Wait(absl::Seconds(10));
     if (!rc.ok() || *rc != 0) continue;  // the server was not listening yet
@@ -253,13 +253,13 @@ absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec
                                 access("/usr/bin/fi_pingpong", X_OK) == 0;
   const std::string& provider = spec.provider;
   ASSIGN_OR_RETURN(std::unique_ptr<Side> side, Side::Open(spec.backend, provider, max_size));
-  ASSIGN_OR_RETURN(std::string exe, SelfExecutable());
+  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   std::vector<std::string> args = spec.peer_prefix;
   args.insert(args.end(), {exe, "bench-fabric-peer", "--backend", spec.backend, "--providers",
                            provider, "--max-size", absl::StrCat(max_size)});
   const std::string path = args.front();
   args.erase(args.begin());
-  ASSIGN_OR_RETURN(std::unique_ptr<Subprocess> peer, Subprocess::Start(path, args));
+  ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> peer, support::Subprocess::Start(path, args));
   absl::StatusOr<std::string> hello = peer->WaitForLine("hello ", absl::Seconds(60));
   if (!hello.ok()) {
     return absl::Status(hello.status().code(),

@@ -49,9 +49,8 @@ bool IsVerbsProtocol(const std::string& p) { return p != "grpc"; }
 
 // The fabric the verbs protocols will use here, by the same policy as the servers.
 absl::StatusOr<fabric::Capabilities> ProbeFabric(bool all_local) {
-  const Config& c = Config::Get();
   ASSIGN_OR_RETURN(std::unique_ptr<fabric::Domain> d,
-                   fabric::OpenFabric(c.fabric, c.ofi_provider, all_local));
+                   fabric::OpenFabric(fabric::FabricChoice::FromConfig(Config::Get(), all_local)));
   return d->capabilities();
 }
 

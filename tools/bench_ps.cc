@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "src/common/config.h"
 #include "src/common/checksum.h"
 #include "src/common/status_macros.h"
 #include "src/rendezvous/device_name.h"
@@ -27,8 +28,8 @@
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 #include "tools/netns.h"
-#include "tools/process_util.h"
-#include "tools/subprocess.h"
+#include "src/support/process_util.h"
+#include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -75,7 +76,7 @@ absl::Status Verify(const Tensor& t, uint32_t seed, const std::string& what) {
 absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
   ASSIGN_OR_RETURN(ModelSpec model, GetModel(o.model));
   ASSIGN_OR_RETURN(ClusterSpec cluster, ClusterSpec::Parse(o.cluster));
-  ServerOptions options;
+  ServerOptions options = ServerOptions::FromConfig(Config::Get());
   options.cluster = cluster;
   options.job = o.job;
   options.task = o.task;
@@ -229,18 +230,18 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
     ASSIGN_OR_RETURN(netns, NetnsCluster::Create(tasks));
     for (int i = 0; i < tasks; ++i) hosts[i] = netns->address(i);
   }
-  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(tasks));
+  ASSIGN_OR_RETURN(std::vector<int> ports, support::PickFreePorts(tasks));
   std::vector<std::string> ps_addrs, worker_addrs;
   for (int i = 0; i < tasks; ++i) {
     (i < o.ps ? ps_addrs : worker_addrs).push_back(absl::StrCat(hosts[i], ":", ports[i]));
   }
   const std::string cluster = absl::StrCat(kPs, "=", absl::StrJoin(ps_addrs, ","), ";", kWorker,
                                            "=", absl::StrJoin(worker_addrs, ","));
-  ASSIGN_OR_RETURN(std::string exe, SelfExecutable());
+  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   BenchServerOptions server;
   server.protocol = protocol;
   server.poll_mode = o.poll_mode;
-  std::vector<std::unique_ptr<Subprocess>> children;
+  std::vector<std::unique_ptr<support::Subprocess>> children;
   for (int i = 0; i < tasks; ++i) {
     const bool is_ps = i < o.ps;
     std::vector<std::string> args = netns ? netns->ExecPrefix(i) : std::vector<std::string>{};
@@ -252,7 +253,7 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
     for (const std::string& a : server.ToArgs()) args.push_back(a);
     const std::string path = args.front();
     args.erase(args.begin());
-    ASSIGN_OR_RETURN(std::unique_ptr<Subprocess> child, Subprocess::Start(path, args));
+    ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child, support::Subprocess::Start(path, args));
     children.push_back(std::move(child));
   }
   std::vector<nlohmann::json> results(tasks);

@@ -152,15 +152,15 @@ std::vector<ParsedKey> MakeKeys(const std::string& src_device, uint64_t src_inca
   return keys;
 }
 
-absl::Status Tell(Subprocess& peer, const std::string& line) {
-  if (!WriteLine(peer, line)) {
+absl::Status Tell(support::Subprocess& peer, const std::string& line) {
+  if (!support::WriteLine(peer, line)) {
     return absl::InternalError(
         absl::StrCat("the bench peer (pid ", peer.pid(), ") closed its input; did it crash?"));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> Expect(Subprocess& peer, absl::string_view prefix,
+absl::StatusOr<std::string> Expect(support::Subprocess& peer, absl::string_view prefix,
                                    absl::Duration timeout) {
   absl::StatusOr<std::string> line = peer.ReadLine(timeout);
   if (!line.ok()) {
@@ -254,7 +254,7 @@ absl::Status WritePngPlot(const std::string& path, const std::string& title,
   const std::string script_file = dir + "/plot.gp";
   std::ofstream(script_file) << script;
   absl::Status result;
-  absl::StatusOr<std::unique_ptr<Subprocess>> child = Subprocess::Start(gnuplot, {script_file});
+  absl::StatusOr<std::unique_ptr<support::Subprocess>> child = support::Subprocess::Start(gnuplot, {script_file});
   if (!child.ok()) {
     result = child.status();
   } else {

@@ -16,7 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "src/rendezvous/parsed_key.h"
-#include "tools/subprocess.h"
+#include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {
 
@@ -53,10 +53,10 @@ std::vector<ParsedKey> MakeKeys(const std::string& src_device, uint64_t src_inca
                                 const std::vector<std::string>& names);
 
 // Sends one command line to a peer process.
-absl::Status Tell(Subprocess& peer, const std::string& line);
+absl::Status Tell(support::Subprocess& peer, const std::string& line);
 // Reads the peer's next line and checks it starts with `prefix`; returns the rest of the line.
 // A line starting with "error " becomes that error.
-absl::StatusOr<std::string> Expect(Subprocess& peer, absl::string_view prefix,
+absl::StatusOr<std::string> Expect(support::Subprocess& peer, absl::string_view prefix,
                                    absl::Duration timeout = absl::Seconds(600));
 
 // Writes `rows` (pretty-printed) to `path` and says where on stdout; false, with a message on

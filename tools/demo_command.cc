@@ -22,7 +22,7 @@
 #include "src/server/server.h"
 #include "tools/commands.h"
 #include "tools/demo_model.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -207,7 +207,7 @@ int RunWorker(Server& server, const DemoTaskOptions& o, const Peer& self, const 
 int RunDemoTask(const DemoTaskOptions& o) {
   absl::StatusOr<ClusterSpec> cluster = ClusterSpec::Parse(o.cluster);
   if (!cluster.ok()) return Fail(TaskName(o.job, o.task), cluster.status()), 2;
-  ServerOptions so;
+  ServerOptions so = ServerOptions::FromConfig(Config::Get());
   so.cluster = *cluster;
   so.job = o.job;
   so.task = o.task;
@@ -246,9 +246,8 @@ int RunDemoCommand(const DemoOptions& options) {
   std::string protocol = options.protocol;
   if (protocol.empty()) {
     // grpc+verbs when this host has a fabric it can open (every demo task runs here), else grpc.
-    const Config& config = Config::Get();
-    absl::StatusOr<std::unique_ptr<fabric::Domain>> fabric =
-        fabric::OpenFabric(config.fabric, config.ofi_provider, /*all_peers_local=*/true);
+    absl::StatusOr<std::unique_ptr<fabric::Domain>> fabric = fabric::OpenFabric(
+        fabric::FabricChoice::FromConfig(Config::Get(), /*all_peers_local=*/true));
     protocol = fabric.ok() ? "grpc+verbs" : "grpc";
     if (!fabric.ok()) {
       std::printf("tensorverbs demo: no RDMA fabric usable (%s); using grpc\n",
@@ -264,7 +263,7 @@ int RunDemoCommand(const DemoOptions& options) {
     std::fprintf(stderr, "tensorverbs demo: --workers must be 1..64 and --steps at least 1\n");
     return 2;
   }
-  absl::StatusOr<std::vector<int>> ports = PickFreePorts(options.workers + 1);
+  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(options.workers + 1);
   if (!ports.ok()) {
     std::fprintf(stderr, "tensorverbs demo: %s\n", ports.status().ToString().c_str());
     return 1;
@@ -282,11 +281,11 @@ int RunDemoCommand(const DemoOptions& options) {
               options.workers, protocol.c_str(), cluster.c_str());
   std::fflush(stdout);
 
-  BlockTerminationSignals();
+  support::BlockTerminationSignals();
   std::vector<pid_t> children;
   std::vector<std::string> child_names;
   auto spawn = [&](const std::string& job, int task) -> bool {
-    absl::StatusOr<pid_t> pid = SpawnSelf(
+    absl::StatusOr<pid_t> pid = support::SpawnSelf(
         {"demo-task", "--cluster", cluster, "--job", job, "--task", absl::StrCat(task),
          "--protocol", protocol, "--steps", absl::StrCat(options.steps), "--step-base",
          absl::StrCat(step_base), "--learning-rate", absl::StrCat(options.learning_rate)});
@@ -304,12 +303,12 @@ int RunDemoCommand(const DemoOptions& options) {
   int rc = ok ? 0 : 1;
   const absl::Time deadline = absl::Now() + absl::Seconds(120) + absl::Seconds(2) * options.steps;
   while (ok && !children.empty()) {
-    if (int sig = WaitForTerminationSignal(absl::ZeroDuration()); sig != 0) {
+    if (int sig = support::WaitForTerminationSignal(absl::ZeroDuration()); sig != 0) {
       std::fprintf(stderr, "tensorverbs demo: interrupted\n");
       rc = 130;
       break;
     }
-    absl::StatusOr<ChildExit> exit = WaitAnyChild(children, absl::Milliseconds(200));
+    absl::StatusOr<support::ChildExit> exit = support::WaitAnyChild(children, absl::Milliseconds(200));
     if (!exit.ok()) {
       if (absl::Now() > deadline) {
         std::fprintf(stderr, "tensorverbs demo: the cluster did not finish in time\n");
@@ -332,10 +331,10 @@ int RunDemoCommand(const DemoOptions& options) {
   }
   for (pid_t pid : children) kill(pid, SIGTERM);
   for (pid_t pid : children) {
-    absl::StatusOr<ChildExit> e = WaitAnyChild({pid}, absl::Seconds(5));
+    absl::StatusOr<support::ChildExit> e = support::WaitAnyChild({pid}, absl::Seconds(5));
     if (!e.ok()) {
       kill(pid, SIGKILL);
-      (void)WaitAnyChild({pid}, absl::Seconds(5));
+      (void)support::WaitAnyChild({pid}, absl::Seconds(5));
     }
   }
   return rc;

@@ -6,10 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
-#include "absl/strings/str_split.h"
 #include "src/fabric/fabric.h"
-#include "src/fabric/ibverbs/inventory.h"
-#include "src/fabric/ofi/ofi.h"
 #include "src/server/server.h"
 #include "tools/commands.h"
 
@@ -24,52 +21,47 @@ std::string Bytes(rlim_t v) {
 }  // namespace
 
 int RunInfoCommand() {
+  const Config& config = Config::Get();
+  fabric::FabricChoice choice;
+  choice.fabric = config.fabric;
+  choice.ofi_provider = config.ofi_provider;
+  choice.rdma = config.rdma;
+  const fabric::FabricInventory inventory = fabric::ReadFabricInventory(choice);
   std::printf("tensorverbs info\n\nprotocols: %s\n\nfabric backends:\n",
               absl::StrJoin(AvailableProtocols(), ", ").c_str());
-  for (const std::string& backend : fabric::BackendNames()) {
-    fabric::DomainOptions options;
-    absl::StatusOr<std::unique_ptr<fabric::Domain>> d = fabric::OpenDomain(backend, options);
-    if (d.ok()) {
-      const fabric::Capabilities& c = (*d)->capabilities();
+  for (const fabric::FabricInventory::Backend& b : inventory.backends) {
+    if (b.status.ok()) {
+      const fabric::Capabilities& c = b.capabilities;
       std::printf("  %-9s usable: default provider %s, %s addressing, queue depth %zu\n",
-                  backend.c_str(), c.provider.c_str(), c.virtual_addressing ? "virtual" : "offset",
+                  b.name.c_str(), c.provider.c_str(), c.virtual_addressing ? "virtual" : "offset",
                   c.queue_depth);
     } else {
-      std::printf("  %-9s not usable: %s\n", backend.c_str(), std::string(d.status().message()).c_str());
+      std::printf("  %-9s not usable: %s\n", b.name.c_str(),
+                  std::string(b.status.message()).c_str());
     }
   }
 
   std::printf("\nRDMA devices (ibverbs, configured by the RDMA_* variables):\n");
-  absl::StatusOr<fabric::ibverbs::Inventory> inventory = fabric::ibverbs::ReadInventory();
-  if (!inventory.ok()) {
-    std::printf("  none usable: %s\n", std::string(inventory.status().message()).c_str());
+  if (!inventory.rdma_status.ok()) {
+    std::printf("  none usable: %s\n", std::string(inventory.rdma_status.message()).c_str());
   } else {
-    std::string described = fabric::ibverbs::DescribeInventory(*inventory);
-    for (absl::string_view line : absl::StrSplit(described, "; ", absl::SkipEmpty())) {
-      std::printf("  %s\n", std::string(line).c_str());
-    }
-    absl::StatusOr<fabric::ibverbs::Selection> chosen =
-        fabric::ibverbs::SelectDevice(*inventory, Config::Get().rdma);
-    if (chosen.ok()) {
-      std::printf("  would use %s port %d, GID %d (%s), MTU %d: %s\n", chosen->device.c_str(),
-                  chosen->port, chosen->gid_index,
-                  fabric::ibverbs::GidToString(chosen->gid).c_str(), chosen->mtu,
-                  chosen->reason.c_str());
+    for (const std::string& line : inventory.rdma_devices) std::printf("  %s\n", line.c_str());
+    if (inventory.rdma_selection.ok()) {
+      std::printf("  would use %s\n", inventory.rdma_selection->c_str());
     } else {
-      std::printf("  cannot choose: %s\n", std::string(chosen.status().message()).c_str());
+      std::printf("  cannot choose: %s\n",
+                  std::string(inventory.rdma_selection.status().message()).c_str());
     }
   }
 
   std::printf("\nlibfabric providers with RDM endpoints, RMA and remote CQ data:\n");
-  std::vector<std::string> providers = fabric::ofi::ListUsableProviders();
-  if (providers.empty()) std::printf("  none\n");
-  for (const std::string& p : providers) std::printf("  %s\n", p.c_str());
-  const std::string& configured = Config::Get().ofi_provider;
+  if (inventory.ofi_providers.empty()) std::printf("  none\n");
+  for (const std::string& p : inventory.ofi_providers) std::printf("  %s\n", p.c_str());
   std::printf("  would use: %s for peers on this host, %s for remote peers%s\n",
-              fabric::ofi::ChooseProvider(configured, true, providers).c_str(),
-              fabric::ofi::ChooseProvider(configured, false, providers).c_str(),
-              configured.empty() ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
-                                 : " (TENSORVERBS_OFI_PROVIDER)");
+              inventory.ofi_local_choice.c_str(), inventory.ofi_remote_choice.c_str(),
+              config.ofi_provider.empty()
+                  ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
+                  : " (TENSORVERBS_OFI_PROVIDER)");
 
   rlimit memlock{};
   getrlimit(RLIMIT_MEMLOCK, &memlock);
@@ -79,7 +71,6 @@ int RunInfoCommand() {
                   ? " (RDMA NICs pin registered memory; raise it with ulimit -l for large pools)"
                   : "");
 
-  const Config& config = Config::Get();
   std::printf("\nconfiguration (from the environment):\n");
   std::printf("  TENSORVERBS_RECV_TIMEOUT_MS     %lld\n",
               static_cast<long long>(absl::ToInt64Milliseconds(config.recv_timeout)));

@@ -6,7 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "src/common/status_macros.h"
-#include "tools/subprocess.h"
+#include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -14,7 +14,7 @@ namespace {
 constexpr char kIp[] = "/usr/sbin/ip";
 
 absl::Status Ip(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Subprocess> child, Subprocess::Start(kIp, args));
+  ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child, support::Subprocess::Start(kIp, args));
   std::string out = child->ReadAll(absl::Seconds(20));
   ASSIGN_OR_RETURN(int rc, child->Wait(absl::Seconds(10)));
   if (rc != 0) {

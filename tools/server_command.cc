@@ -4,7 +4,7 @@
 #include "src/common/config.h"
 #include "src/server/server.h"
 #include "tools/commands.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs::tools {
 
@@ -14,8 +14,8 @@ int RunServerCommand(const ServerCommandOptions& options) {
     std::fprintf(stderr, "tensorverbs server: %s\n", std::string(cluster.status().message()).c_str());
     return 2;
   }
-  BlockTerminationSignals();
-  ServerOptions server_options;
+  support::BlockTerminationSignals();
+  ServerOptions server_options = ServerOptions::FromConfig(Config::Get());
   server_options.cluster = *cluster;
   server_options.job = options.job;
   server_options.task = options.task;
@@ -39,7 +39,7 @@ int RunServerCommand(const ServerCommandOptions& options) {
     std::printf("tensorverbs server: all peers are up\n");
     std::fflush(stdout);
   }
-  int sig = WaitForTerminationSignal();
+  int sig = support::WaitForTerminationSignal();
   std::printf("tensorverbs server: signal %d, shutting down\n", sig);
   std::fflush(stdout);
   (*server)->Stop();

@@ -1,9 +1,13 @@
 #include "src/fabric/fabric.h"
 
+#include <algorithm>
+
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "src/common/config.h"
+#include "absl/strings/str_split.h"
 #include "src/fabric/ibverbs/ibverbs.h"
+#include "src/fabric/ibverbs/inventory.h"
 #include "src/fabric/loopback/loopback.h"
 #include "src/fabric/ofi/ofi.h"
 
@@ -21,18 +25,42 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
                                                    const DomainOptions& options) {
   if (options.queue_depth == 0) return absl::InvalidArgumentError("fabric: queue depth must be > 0");
   if (backend == "loopback") return loopback::OpenLoopbackDomain(options);
-  if (backend == "ofi") return ofi::OpenOfiDomain(options);
+  if (backend == "ofi") {
+    if (options.provider.empty()) {
+      DomainOptions chosen = options;
+      chosen.provider = ChooseOfiProvider("", false, ListOfiProviders());
+      return ofi::OpenOfiDomain(chosen);
+    }
+    return ofi::OpenOfiDomain(options);
+  }
 #if defined(TENSORVERBS_HAVE_IBVERBS)
-  if (backend == "ibverbs") return ibverbs::OpenIbverbsDomain(options, Config::Get().rdma);
+  if (backend == "ibverbs") return ibverbs::OpenIbverbsDomain(options, options.rdma);
 #endif
   return absl::InvalidArgumentError(absl::StrCat("fabric: unknown backend '", backend,
                                                  "'; available: ", absl::StrJoin(BackendNames(), ", ")));
 }
 
-absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(absl::string_view fabric,
-                                                   const std::string& ofi_provider,
-                                                   bool all_peers_local) {
+std::string ChooseOfiProvider(const std::string& configured, bool all_peers_local,
+                              const std::vector<std::string>& available) {
+  if (!configured.empty()) return configured;
+  auto has = [&](absl::string_view name) {
+    return std::any_of(available.begin(), available.end(), [&](const std::string& a) {
+      return a == name || absl::StartsWith(a, absl::StrCat(name, " ("));
+    });
+  };
+  for (const char* hw : {"verbs;ofi_rxm", "efa", "cxi", "psm3"}) {
+    if (has(hw)) return hw;
+  }
+  if (all_peers_local && has("shm")) return "shm";
+  return "tcp;ofi_rxm";
+}
+
+std::vector<std::string> ListOfiProviders() { return ofi::ListUsableProviders(); }
+
+absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
   DomainOptions options;
+  options.rdma = choice.rdma;
+  const std::string& fabric = choice.fabric;
   if (fabric == "loopback" || fabric == "ibverbs") {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(fabric, options);
     if (!d.ok()) {
@@ -55,7 +83,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(absl::string_view fabric,
   }
 #endif
   options.provider =
-      ofi::ChooseProvider(ofi_provider, all_peers_local, ofi::ListUsableProviders());
+      ChooseOfiProvider(choice.ofi_provider, choice.all_peers_local, ListOfiProviders());
   absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain("ofi", options);
   if (!d.ok()) {
     return absl::UnavailableError(absl::StrCat(
@@ -64,6 +92,46 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(absl::string_view fabric,
         ". Set TENSORVERBS_FABRIC / TENSORVERBS_OFI_PROVIDER"));
   }
   return d;
+}
+
+FabricInventory ReadFabricInventory(const FabricChoice& choice) {
+  FabricInventory inventory;
+  for (const std::string& backend : BackendNames()) {
+    DomainOptions options;
+    options.rdma = choice.rdma;
+    if (backend == "ofi") options.provider = choice.ofi_provider;
+    FabricInventory::Backend entry;
+    entry.name = backend;
+    absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(backend, options);
+    if (d.ok()) {
+      entry.capabilities = (*d)->capabilities();
+    } else {
+      entry.status = d.status();
+    }
+    inventory.backends.push_back(std::move(entry));
+  }
+  absl::StatusOr<ibverbs::Inventory> rdma = ibverbs::ReadInventory();
+  if (!rdma.ok()) {
+    inventory.rdma_status = rdma.status();
+  } else {
+    for (absl::string_view line :
+         absl::StrSplit(ibverbs::DescribeInventory(*rdma), "; ", absl::SkipEmpty())) {
+      inventory.rdma_devices.emplace_back(line);
+    }
+    absl::StatusOr<ibverbs::Selection> chosen = ibverbs::SelectDevice(*rdma, choice.rdma);
+    if (chosen.ok()) {
+      inventory.rdma_selection = absl::StrCat(
+          chosen->device, " port ", chosen->port, ", GID ", chosen->gid_index, " (",
+          ibverbs::GidToString(chosen->gid), "), MTU ", chosen->mtu, ": ", chosen->reason);
+    } else {
+      inventory.rdma_selection = chosen.status();
+    }
+  }
+  inventory.ofi_providers = ListOfiProviders();
+  inventory.ofi_local_choice = ChooseOfiProvider(choice.ofi_provider, true, inventory.ofi_providers);
+  inventory.ofi_remote_choice =
+      ChooseOfiProvider(choice.ofi_provider, false, inventory.ofi_providers);
+  return inventory;
 }
 
 }  // namespace tensorverbs::fabric

@@ -35,6 +35,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "src/common/config.h"
 
 namespace tensorverbs::fabric {
 
@@ -64,6 +65,8 @@ struct DomainOptions {
   size_t queue_depth = 1024;
   // An operation that has not completed after this long completes with DeadlineExceeded.
   absl::Duration op_timeout = absl::Seconds(30);
+  // ibverbs: device, port, GID and queue-pair settings (the seed's RDMA_* variables).
+  RdmaConfig rdma;
 };
 
 class MemoryRegion {
@@ -162,13 +165,54 @@ std::vector<std::string> BackendNames();
 absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
                                                    const DomainOptions& options);
 
-// The selection policy (TENSORVERBS_FABRIC): opens `fabric` ("loopback", "ibverbs", "ofi") or,
-// for "auto", ibverbs where a port is usable and libfabric otherwise. The ofi provider is
-// `ofi_provider` if set, else ofi::ChooseProvider's pick (`all_peers_local`: every task runs on
-// this host, so shm serves). The error says what was tried and why each failed.
-absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(absl::string_view fabric,
-                                                   const std::string& ofi_provider,
-                                                   bool all_peers_local);
+// What to open, as the task's configuration says (TENSORVERBS_FABRIC,
+// TENSORVERBS_OFI_PROVIDER, RDMA_*) and where its peers are.
+struct FabricChoice {
+  std::string fabric = "auto";  // auto | ofi | ibverbs | loopback
+  std::string ofi_provider;     // empty: ChooseOfiProvider's pick
+  bool all_peers_local = false;  // every task runs on this host, so shm serves
+  RdmaConfig rdma;
+
+  static FabricChoice FromConfig(const Config& config, bool all_peers_local) {
+    return FabricChoice{config.fabric, config.ofi_provider, all_peers_local, config.rdma};
+  }
+};
+
+// The selection policy: opens `choice.fabric` or, for "auto", ibverbs where a port is usable
+// and libfabric otherwise, with the provider ChooseOfiProvider picks. The error says what was
+// tried and why each failed.
+absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice);
+
+// The one libfabric provider policy: `configured` if set; else a hardware provider among
+// `available` (verbs;ofi_rxm, efa, cxi, psm3, in that order); else shm when every peer is on
+// this host and shm is available; else tcp;ofi_rxm. `available` holds provider names as
+// ListOfiProviders gives them.
+std::string ChooseOfiProvider(const std::string& configured, bool all_peers_local,
+                              const std::vector<std::string>& available);
+// Providers that offer RDM endpoints with RMA and remote CQ data on this host, one line each:
+// "name (fabric, fabric, ...)".
+std::vector<std::string> ListOfiProviders();
+
+// What this host offers each backend, for `tensorverbs info`: callers above the fabric layer
+// learn it here instead of reaching into the backends.
+struct FabricInventory {
+  struct Backend {
+    std::string name;
+    absl::Status status;  // OK: a domain opened with the default options
+    Capabilities capabilities;
+  };
+  std::vector<Backend> backends;
+  // ibverbs: the devices (one line each) or why there are none, and the port the RDMA_*
+  // settings select (with the reason) or why none can be chosen.
+  absl::Status rdma_status;
+  std::vector<std::string> rdma_devices;
+  absl::StatusOr<std::string> rdma_selection = std::string();
+  // libfabric: usable providers and the policy's picks for local and remote peers.
+  std::vector<std::string> ofi_providers;
+  std::string ofi_local_choice;
+  std::string ofi_remote_choice;
+};
+FabricInventory ReadFabricInventory(const FabricChoice& choice);
 
 }  // namespace tensorverbs::fabric
 

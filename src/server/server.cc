@@ -1,7 +1,5 @@
 #include "src/server/server.h"
 
-#include "src/protocol/verbs_rendezvous.h"
-
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -12,9 +10,10 @@
 #include "src/common/malloc_tuning.h"
 #include "src/common/status_macros.h"
 #include "src/rendezvous/device_name.h"
+#include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/grpc_rendezvous.h"
-#include "src/transport/grpc/grpc_util.h"
 #include "src/transport/grpc/recv_tensor_handler.h"
+#include "src/transport/verbs/verbs_rendezvous.h"
 
 namespace tensorverbs {
 namespace {
@@ -32,7 +31,7 @@ using WorkerServiceBase =
 class WorkerServiceImpl final : public WorkerServiceBase {
  public:
   WorkerServiceImpl(const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol,
-                    std::string device, grpc_transport::TensorLender* lender)
+                    std::string device, protocol::TensorLender* lender)
       : env_(env),
         mgr_(mgr),
         protocol_(std::move(protocol)),
@@ -71,7 +70,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   RendezvousMgr* const mgr_;
   const std::string protocol_;
   const std::string device_;
-  grpc_transport::TensorLender* const lender_;  // grpc+gdr only
+  protocol::TensorLender* const lender_;  // grpc+gdr only
 };
 
 }  // namespace
@@ -82,8 +81,23 @@ std::vector<std::string> AvailableProtocols() {
 
 Server::Server(ServerOptions options) : options_(std::move(options)) {}
 
-absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
+ServerOptions ServerOptions::FromConfig(const Config& config) {
+  ServerOptions o;
+  o.recv_timeout = config.recv_timeout;
+  o.callback_threads = config.callback_threads;
+  o.pool_region_bytes = config.pool_region_bytes;
+  o.malloc_tuning = config.malloc_tuning;
+  o.malloc_trim_bytes = config.malloc_trim_bytes;
+  o.verbs = verbs::VerbsOptions::FromConfig(config);
+  return o;
+}
+
+absl::StatusOr<ServerOptions> ServerOptions::FromEnvironment() {
   RETURN_IF_ERROR(Config::EnvironmentStatus());
+  return FromConfig(Config::Get());
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
   ASSIGN_OR_RETURN(std::string address, options.cluster.TaskAddress(options.job, options.task));
   std::vector<std::string> protocols = AvailableProtocols();
   if (std::find(protocols.begin(), protocols.end(), options.protocol) == protocols.end()) {
@@ -98,15 +112,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
 }
 
 absl::Status Server::Start() {
-  grpc_transport::PinGrpcCallbackQueue();
-  ApplyMallocTuning();
-  const Config& config = Config::Get();
+  rpc::PinGrpcCallbackQueue();
+  if (options_.malloc_tuning) ApplyMallocTuning(options_.malloc_trim_bytes);
   PoolAllocator::Options pool_options;
-  pool_options.region_bytes = static_cast<size_t>(config.pool_region_bytes);
+  pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
   recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
-  executor_ = std::make_unique<Executor>(
-      "tv-callbacks",
-      options_.callback_threads >= 0 ? options_.callback_threads : config.callback_threads);
+  executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
   env_.job = options_.job;
   env_.task = options_.task;
   env_.task_name = TaskName(options_.job, options_.task);
@@ -116,14 +127,12 @@ absl::Status Server::Start() {
   env_.stats = &stats_;
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses());
 
-  const absl::Duration recv_timeout = options_.recv_timeout > absl::ZeroDuration()
-                                          ? options_.recv_timeout
-                                          : config.recv_timeout;
+  const absl::Duration recv_timeout = options_.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
   const WorkerEnv* env = &env_;
   const bool gdr = options_.protocol == "grpc+gdr";
   if (options_.protocol == "grpc+verbs" || options_.protocol == "grpc+verbs-copy" || gdr) {
-    protocol::VerbsOptions verbs_options = options_.verbs;
+    verbs::VerbsOptions verbs_options = options_.verbs;
     verbs_options.mode = options_.protocol == "grpc+verbs"        ? protocol::VerbsMode::kZeroCopy
                          : options_.protocol == "grpc+verbs-copy" ? protocol::VerbsMode::kCopy
                                                                   : protocol::VerbsMode::kGdr;
@@ -135,14 +144,14 @@ absl::Status Server::Start() {
       verbs_options.all_peers_local &= AddressIsLocal(address);
     }
     verbs_options.recv_timeout = recv_timeout;
-    absl::StatusOr<std::unique_ptr<protocol::VerbsTransport>> verbs =
-        protocol::VerbsTransport::Create(std::move(verbs_options));
+    absl::StatusOr<std::unique_ptr<verbs::VerbsTransport>> verbs =
+        verbs::VerbsTransport::Create(std::move(verbs_options));
     if (!verbs.ok()) {
       return absl::Status(verbs.status().code(),
                           absl::StrCat("task ", env_.task_name, ": ", verbs.status().message()));
     }
     verbs_ = *std::move(verbs);
-    protocol::VerbsTransport* transport = verbs_.get();
+    verbs::VerbsTransport* transport = verbs_.get();
     if (gdr) {
       // grpc+gdr: the grpc protocol's calls, with the transport reading the large tensors.
       rendezvous_mgr_ = std::make_unique<RendezvousMgr>(
@@ -152,7 +161,7 @@ absl::Status Server::Start() {
           });
     } else {
       rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, transport](int64_t step) {
-        return std::make_shared<protocol::VerbsRemoteRendezvous>(env, step, transport);
+        return std::make_shared<verbs::VerbsRemoteRendezvous>(env, step, transport);
       });
     }
     verbs_->set_rendezvous_mgr(rendezvous_mgr_.get());
@@ -166,7 +175,7 @@ absl::Status Server::Start() {
   service_ = std::make_unique<WorkerServiceImpl>(&env_, rendezvous_mgr_.get(), options_.protocol,
                                                  device_name(), gdr ? verbs_.get() : nullptr);
   grpc::ServerBuilder builder;
-  grpc_transport::ConfigureServerBuilder(&builder);
+  rpc::ConfigureServerBuilder(&builder);
   int bound_port = 0;
   builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(),
                            &bound_port);

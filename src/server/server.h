@@ -18,17 +18,21 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "src/common/mutex.h"
 #include "absl/time/time.h"
+#include "src/common/config.h"
 #include "src/common/executor.h"
-#include "src/protocol/verbs_transport.h"
+#include "src/common/mutex.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/server/cluster_spec.h"
 #include "src/tensor/allocator.h"
 #include "src/transport/grpc/worker_client.h"
+#include "src/transport/verbs/verbs_transport.h"
 
 namespace tensorverbs {
 
+// Everything a server is configured by. The defaults are the documented defaults of the
+// variables named beside each; FromEnvironment reads them (the tools' edge), so a library user
+// or a test can run differently configured servers in one process.
 struct ServerOptions {
   ClusterSpec cluster;
   std::string job;
@@ -36,14 +40,25 @@ struct ServerOptions {
   std::string protocol = "grpc";
   // Where to listen; empty means the task's own address from the cluster spec.
   std::string listen_address;
-  // How long a remote recv may take; zero means TENSORVERBS_RECV_TIMEOUT_MS.
-  absl::Duration recv_timeout = absl::ZeroDuration();
-  // Threads that run recv callbacks; -1 means TENSORVERBS_CALLBACK_THREADS, 0 runs them inline
-  // on the transport's thread.
-  int callback_threads = -1;
-  // grpc+verbs settings (fabric, slots, poll mode, ...), from the environment by default. The
-  // server fills in the env, pool, workers, addresses and recv timeout.
-  protocol::VerbsOptions verbs;
+  // How long a remote recv may take (TENSORVERBS_RECV_TIMEOUT_MS).
+  absl::Duration recv_timeout = absl::Minutes(10);
+  // Threads that run recv callbacks; 0 runs them inline on the transport's thread
+  // (TENSORVERBS_CALLBACK_THREADS).
+  int callback_threads = 2;
+  // Size of each region of the receive pool (TENSORVERBS_POOL_REGION_MB).
+  int64_t pool_region_bytes = int64_t{64} << 20;
+  // Process-wide malloc tuning, applied by the first server (TENSORVERBS_MALLOC_TUNING,
+  // TENSORVERBS_MALLOC_TRIM_MB; see common/malloc_tuning.h).
+  bool malloc_tuning = true;
+  int64_t malloc_trim_bytes = int64_t{1024} << 20;
+  // grpc+verbs settings (fabric, slots, poll mode, ...). The server fills in the env, pool,
+  // task addresses, mode and recv timeout.
+  verbs::VerbsOptions verbs;
+
+  // The defaults with every setting that has a variable taken from `config`.
+  static ServerOptions FromConfig(const Config& config);
+  // FromConfig(Config::Get()), or the environment's first bad value (naming the variable).
+  static absl::StatusOr<ServerOptions> FromEnvironment();
 };
 
 // The protocols this build provides, best first.
@@ -77,7 +92,7 @@ class Server {
   absl::StatusOr<uint64_t> PeerIncarnation(const std::string& task_name, absl::Duration timeout);
 
   // The grpc+verbs engine; null for other protocols.
-  protocol::VerbsTransport* verbs_transport() { return verbs_.get(); }
+  verbs::VerbsTransport* verbs_transport() { return verbs_.get(); }
 
   // Client of another task's WorkerService (GetStatus, CleanupStep).
   absl::StatusOr<grpc_transport::WorkerClient*> Worker(const std::string& task_name);
@@ -93,7 +108,7 @@ class Server {
   WorkerEnv env_;
   std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
   // Outlives the rendezvous manager: aborting a step reaches it.
-  std::unique_ptr<protocol::VerbsTransport> verbs_;
+  std::unique_ptr<verbs::VerbsTransport> verbs_;
   std::unique_ptr<RendezvousMgr> rendezvous_mgr_;
   std::unique_ptr<grpc::Service> service_;
   std::unique_ptr<grpc::Server> grpc_server_;

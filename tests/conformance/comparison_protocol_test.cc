@@ -15,7 +15,7 @@
 #include "tests/support/fixtures.h"
 #include "tests/support/inprocess_cluster.h"
 #include "tests/support/pending_recv.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs {
 namespace {
@@ -34,7 +34,7 @@ class ComparisonProtocolTest : public testing::ClusterTest<Param> {
   bool copy_mode() const { return std::string(GetParam().protocol) == "grpc+verbs-copy"; }
 
   // `n` tasks in this process; `protocols` overrides the protocol per task.
-  void StartCluster(int n, std::function<void(protocol::VerbsOptions&)> tune = nullptr,
+  void StartCluster(int n, std::function<void(verbs::VerbsOptions&)> tune = nullptr,
                     std::vector<std::string> protocols = {}) {
     testing::ClusterOptions o;
     o.protocol = GetParam().protocol;
@@ -249,7 +249,7 @@ TEST_P(ComparisonProtocolTest, TwoThousandConcurrentRecvsFromThreePeers) {
 
 TEST_P(ComparisonProtocolTest, DataValidationChecksEveryTransfer) {
   if (!copy_mode()) GTEST_SKIP() << "gdr's data never rides the grpc+verbs meta-data";
-  StartCluster(2, [](protocol::VerbsOptions& o) { o.data_validation = true; });
+  StartCluster(2, [](verbs::VerbsOptions& o) { o.data_validation = true; });
   for (int step = 1; step <= 3; ++step) {
     Tensor t = PoolTensor(1, DataType::kFloat32, {1000}, step);
     ASSERT_TRUE(Step(1, step)->Send(Key(1, "v"), t).ok());
@@ -274,11 +274,11 @@ TEST_P(ComparisonProtocolTest, TasksOfDifferentProtocolsRefuseToConnectAndSaySo)
 TEST_P(ComparisonProtocolTest, LentTensorsAreReleasedWhenTheirLeaseEnds) {
   if (copy_mode()) GTEST_SKIP() << "only gdr lends tensors";
   recv_timeout_ = absl::Milliseconds(300);
-  StartCluster(2, [](protocol::VerbsOptions& o) { o.peer_timeout = absl::Milliseconds(200); });
+  StartCluster(2, [](verbs::VerbsOptions& o) { o.peer_timeout = absl::Milliseconds(200); });
   Tensor t = PoolTensor(1, DataType::kUInt8, {1 << 16}, 3);
   Notification lent;
   transport(1).Lend("/job:worker/replica:0/task:7", t,
-                    [&lent](absl::StatusOr<grpc_transport::RemoteTensorRef> ref) {
+                    [&lent](absl::StatusOr<protocol::RemoteTensorRef> ref) {
                       EXPECT_TRUE(ref.ok()) << ref.status();
                       lent.Notify();
                     });
@@ -313,7 +313,7 @@ TEST_P(ComparisonFaultTest, InjectedFaultsEndEveryRecvOnceAndNeverWithWrongBytes
     for (int faulty : {0, 1}) {
       for (int kind = 0; kind < kinds; ++kind) {
         SCOPED_TRACE(absl::StrCat("fault kind ", kind, " on operation ", n, " of task ", faulty));
-        StartCluster(2, [kind](protocol::VerbsOptions& o) { o.data_validation = kind == 2; });
+        StartCluster(2, [kind](verbs::VerbsOptions& o) { o.data_validation = kind == 2; });
         fabric::loopback::Faults f;
         if (kind == 0) f.fail_post_nth = n;
         if (kind == 1) f.error_completion_nth = n;

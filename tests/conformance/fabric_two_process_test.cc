@@ -37,7 +37,7 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   auto ep = *(*domain)->CreateEndpoint();
 
   constexpr size_t kSize = 1 << 20;
-  auto peer = Subprocess::Start(TV_FABRIC_PEER_PATH,
+  auto peer = support::Subprocess::Start(TV_FABRIC_PEER_PATH,
                                 {"--backend", "ofi", "--provider", GetParam(), "--check",
                                  absl::StrCat(kSize)});
   ASSERT_TRUE(peer.ok());
@@ -49,7 +49,7 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   RemoteBuffer remote{absl::HexStringToBytes(f[3]), 0, kSize};
   ASSERT_TRUE(absl::SimpleAtoi(f[5], &remote.addr));
   // Tell the peer our address so it can connect back.
-  ASSERT_TRUE(tools::WriteLine(**peer, absl::BytesToHexString(ep->LocalAddress())));
+  ASSERT_TRUE(support::WriteLine(**peer, absl::BytesToHexString(ep->LocalAddress())));
 
   void* src = mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   for (size_t i = 0; i < kSize; ++i) static_cast<char*>(src)[i] = static_cast<char>(i * 13 + 1);

@@ -22,7 +22,7 @@
 #include "tests/support/fixtures.h"
 #include "tests/support/inprocess_cluster.h"
 #include "tests/support/pending_recv.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs {
 namespace {
@@ -38,7 +38,7 @@ struct FabricParam {
 class VerbsProtocolTest : public testing::ClusterTest<FabricParam> {
  protected:
   // `n` tasks in this process; `tune` adjusts every server's grpc+verbs options.
-  void StartCluster(int n, std::function<void(protocol::VerbsOptions&)> tune = nullptr) {
+  void StartCluster(int n, std::function<void(verbs::VerbsOptions&)> tune = nullptr) {
     testing::ClusterOptions o;
     o.protocol = "grpc+verbs";
     o.fabric = GetParam().fabric;
@@ -208,7 +208,7 @@ TEST_P(VerbsProtocolTest, AnUnregistrableDestinationGoesThroughARegisteredProxy)
 TEST_P(VerbsProtocolTest, PerTransferAndCopyRegistrationStrategies) {
   for (const char* strategy : {"per-transfer", "copy"}) {
     SCOPED_TRACE(strategy);
-    StartCluster(2, [strategy](protocol::VerbsOptions& o) { o.registration = strategy; });
+    StartCluster(2, [strategy](verbs::VerbsOptions& o) { o.registration = strategy; });
     for (int step = 1; step <= 3; ++step) {
       Tensor t = PoolTensor(1, DataType::kUInt16, {1000}, step);
       ASSERT_TRUE(Step(1, step)->Send(Key(1, "g"), t).ok());
@@ -294,7 +294,7 @@ TEST_P(VerbsProtocolTest, OneMessageSlotAndEveryPollModeWork) {
       {"busy", 32}, {"blocking", 32}, {"adaptive", 32}, {"adaptive", 1}};
   for (const auto& [mode, batch] : configs) {
     SCOPED_TRACE(absl::StrCat(mode, ", batch ", batch));
-    StartCluster(2, [mode = mode, batch = batch](protocol::VerbsOptions& o) {
+    StartCluster(2, [mode = mode, batch = batch](verbs::VerbsOptions& o) {
       o.message_slots = 1;
       o.message_batch = batch;
       o.poll_mode = mode;
@@ -360,7 +360,7 @@ TEST_P(VerbsProtocolTest, APeerOfAnotherWireVersionIsRefusedAndTold) {
 }
 
 TEST_P(VerbsProtocolTest, DataValidationVerifiesEveryTransfer) {
-  StartCluster(2, [](protocol::VerbsOptions& o) { o.data_validation = true; });
+  StartCluster(2, [](verbs::VerbsOptions& o) { o.data_validation = true; });
   for (int step = 1; step <= 3; ++step) {
     Tensor t = PoolTensor(1, DataType::kFloat32, {1000}, step);
     ASSERT_TRUE(Step(1, step)->Send(Key(1, "v"), t).ok());
@@ -424,7 +424,7 @@ class VerbsFaultTest : public VerbsProtocolTest {
   // on task `faulty`'s domain.
   Outcome Run(int faulty, const fabric::loopback::Faults& faults, bool validation = false) {
     Outcome out;
-    StartCluster(2, [validation](protocol::VerbsOptions& o) {
+    StartCluster(2, [validation](verbs::VerbsOptions& o) {
       o.data_validation = validation;
       o.message_slots = 2;
     });

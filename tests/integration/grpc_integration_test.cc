@@ -19,7 +19,7 @@
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/subprocess.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs {
 namespace {
@@ -76,7 +76,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
 
   // A cluster of `n` worker tasks; task 0 is in this process, the others are peers.
   void StartCluster(int n, absl::Duration recv_timeout = absl::Seconds(60), bool big = false) {
-    absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(n);
+    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(n);
     ASSERT_TRUE(ports.ok());
     ports_ = *ports;
     std::vector<std::string> addrs;
@@ -98,7 +98,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
   }
 
   void StartPeer(int task, bool big = false) {
-    absl::StatusOr<std::unique_ptr<Subprocess>> p = Subprocess::Start(
+    absl::StatusOr<std::unique_ptr<support::Subprocess>> p = support::Subprocess::Start(
         testing::TestPeerPath(),
         {"--cluster", cluster_, "--job", "worker", "--task", absl::StrCat(task), "--step",
          absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst",
@@ -130,7 +130,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
 
   std::vector<int> ports_;
   std::string cluster_;
-  std::vector<std::unique_ptr<Subprocess>> peers_;
+  std::vector<std::unique_ptr<support::Subprocess>> peers_;
   std::vector<pid_t> peer_pids_;
   std::vector<uint64_t> incarnations_;
   std::unique_ptr<Server> server_;

@@ -8,7 +8,7 @@
 #include "src/rendezvous/device_name.h"
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 int main(int argc, char** argv) {
   using namespace tensorverbs;
@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
     else if (flag == "--big") big = value == "1";
     else if (flag == "--protocol") protocol = value;
   }
-  tools::BlockTerminationSignals();
+  support::BlockTerminationSignals();
   absl::StatusOr<ClusterSpec> spec = ClusterSpec::Parse(cluster);
   if (!spec.ok()) {
     std::fprintf(stderr, "test_peer: %s\n", spec.status().ToString().c_str());
@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   }
   std::printf("ready %016llx\n", static_cast<unsigned long long>((*server)->incarnation()));
   std::fflush(stdout);
-  tools::WaitForTerminationSignal();
+  support::WaitForTerminationSignal();
   (*server)->Stop();
   return 0;
 }

@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "tests/support/subprocess.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs {
 namespace {
@@ -58,7 +58,7 @@ TEST(ToolTest, DemoTrainsOverGrpcVerbsByDefaultAndTheLossFalls) {
 TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) { ExpectDemoTrains({"--protocol", "grpc"}, "grpc"); }
 
 TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
-  auto p = Subprocess::Start(testing::ToolPath(), {"demo", "--protocol", "smoke-signals"});
+  auto p = support::Subprocess::Start(testing::ToolPath(), {"demo", "--protocol", "smoke-signals"});
   ASSERT_TRUE(p.ok());
   absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
   ASSERT_TRUE(rc.ok());
@@ -213,9 +213,9 @@ TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
 }
 
 TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
-  absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(1);
+  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
   ASSERT_TRUE(ports.ok());
-  auto p = Subprocess::Start(testing::ToolPath(),
+  auto p = support::Subprocess::Start(testing::ToolPath(),
                              {"server", "--cluster", absl::StrCat("ps=127.0.0.1:", (*ports)[0]),
                               "--job", "ps", "--task", "0", "--protocol", "grpc"});
   ASSERT_TRUE(p.ok());
@@ -241,7 +241,7 @@ TEST(ToolTest, ServerBadInputExitsWithAMessage) {
       {{"server", "--job", "ps"}, 106},  // CLI11: a required option is missing
   };
   for (const Case& c : cases) {
-    auto p = Subprocess::Start(testing::ToolPath(), c.args);
+    auto p = support::Subprocess::Start(testing::ToolPath(), c.args);
     ASSERT_TRUE(p.ok());
     absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
     ASSERT_TRUE(rc.ok());

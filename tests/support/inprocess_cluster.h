@@ -19,7 +19,7 @@
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs::testing {
 
@@ -29,7 +29,7 @@ struct ClusterOptions {
   std::string provider;
   absl::Duration recv_timeout = absl::Seconds(60);
   // Adjusts every server's grpc+verbs options after the defaults above.
-  std::function<void(protocol::VerbsOptions&)> tune;
+  std::function<void(verbs::VerbsOptions&)> tune;
   // Per-task protocol overrides (task i gets protocols[i] where given).
   std::vector<std::string> protocols;
 };
@@ -40,7 +40,7 @@ class InProcessCluster {
 
   absl::Status Start(int n, const ClusterOptions& o) {
     Stop();
-    absl::StatusOr<std::vector<int>> ports = tools::PickFreePorts(n);
+    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(n);
     if (!ports.ok()) return ports.status();
     std::vector<std::string> addrs;
     for (int p : *ports) addrs.push_back(absl::StrCat("127.0.0.1:", p));
@@ -75,7 +75,7 @@ class InProcessCluster {
   }
 
   Server& server(int t) { return *servers_[t]; }
-  protocol::VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
+  verbs::VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
   std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
     return *server(task).rendezvous_mgr()->Find(step);
   }
@@ -106,7 +106,7 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
     ASSERT_TRUE(s.ok()) << s;
   }
   Server& server(int t) { return cluster_.server(t); }
-  protocol::VerbsTransport& transport(int t) { return cluster_.transport(t); }
+  verbs::VerbsTransport& transport(int t) { return cluster_.transport(t); }
   std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
     return cluster_.Step(task, step);
   }

@@ -1,4 +1,4 @@
-// Test access to tools::Subprocess, the paths of the binaries under test (set by CMake), and a
+// Test access to support::Subprocess, the paths of the binaries under test (set by CMake), and a
 // way to run the tool as a user does.
 #ifndef TENSORVERBS_TESTS_SUPPORT_SUBPROCESS_H_
 #define TENSORVERBS_TESTS_SUPPORT_SUBPROCESS_H_
@@ -9,11 +9,11 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
-#include "tools/subprocess.h"
+#include "src/support/subprocess.h"
 
 namespace tensorverbs::testing {
 
-using tools::Subprocess;
+using support::Subprocess;
 
 std::string TestPeerPath();
 std::string ToolPath();

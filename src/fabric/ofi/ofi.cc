@@ -18,7 +18,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "src/common/config.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/endpoint_base.h"
@@ -426,37 +425,11 @@ absl::StatusOr<std::shared_ptr<Shared>> OpenProvider(const DomainOptions& option
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options) {
-  std::vector<std::string> candidates;
-  const std::string& configured = Config::Get().ofi_provider;
-  if (!options.provider.empty()) {
-    candidates.push_back(options.provider);
-  } else if (!configured.empty()) {
-    candidates.push_back(configured);
-  } else {
-    candidates = {"verbs;ofi_rxm", "efa", "cxi", "psm3", "tcp;ofi_rxm"};
+  if (options.provider.empty()) {
+    return absl::InvalidArgumentError("ofi: no provider named (fabric::OpenDomain chooses one)");
   }
-  absl::Status last;
-  for (const std::string& p : candidates) {
-    absl::StatusOr<std::shared_ptr<Shared>> shared = OpenProvider(options, p);
-    if (shared.ok()) return std::unique_ptr<Domain>(new OfiDomain(*std::move(shared)));
-    last = shared.status();
-  }
-  return last;
-}
-
-std::string ChooseProvider(const std::string& configured, bool all_peers_local,
-                           const std::vector<std::string>& available) {
-  if (!configured.empty()) return configured;
-  auto has = [&](absl::string_view name) {
-    return std::any_of(available.begin(), available.end(), [&](const std::string& a) {
-      return a == name || absl::StartsWith(a, absl::StrCat(name, " ("));
-    });
-  };
-  for (const char* hw : {"verbs;ofi_rxm", "efa", "cxi", "psm3"}) {
-    if (has(hw)) return hw;
-  }
-  if (all_peers_local && has("shm")) return "shm";
-  return "tcp;ofi_rxm";
+  ASSIGN_OR_RETURN(std::shared_ptr<Shared> shared, OpenProvider(options, options.provider));
+  return std::unique_ptr<Domain>(new OfiDomain(std::move(shared)));
 }
 
 std::vector<std::string> ListUsableProviders() {

@@ -23,18 +23,10 @@
 
 namespace tensorverbs::fabric::ofi {
 
-// Opens `options.provider` ("shm", "tcp;ofi_rxm", ...); if empty, TENSORVERBS_OFI_PROVIDER; if
-// that is empty too, the first hardware provider found, else tcp;ofi_rxm. Unavailable, with fi_getinfo's reason, when the
+// Opens `options.provider` ("shm", "tcp;ofi_rxm", ...; fabric::OpenDomain fills it with the
+// policy's pick when the caller names none). Unavailable, with fi_getinfo's reason, when the
 // provider cannot be used here.
 absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& options);
-
-// The provider policy, for whoever knows where the peers are (channel set-up): `configured`
-// (TENSORVERBS_OFI_PROVIDER) if set; else a hardware provider among `available` (verbs;ofi_rxm,
-// efa, cxi, psm3, in that order); else shm when every peer is on this host and shm is
-// available; else tcp;ofi_rxm. `available` holds provider names as ListUsableProviders gives
-// them (the part before " (").
-std::string ChooseProvider(const std::string& configured, bool all_peers_local,
-                           const std::vector<std::string>& available);
 
 // Providers that offer RDM endpoints with RMA and remote CQ data on this host, one line each:
 // "name (fabric, fabric, ...)", for `tensorverbs info`.

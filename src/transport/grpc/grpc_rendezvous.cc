@@ -8,7 +8,7 @@
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
 #include "src/common/logging.h"
-#include "src/transport/grpc/grpc_util.h"
+#include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/tensor_coding.h"
 
 namespace tensorverbs::grpc_transport {
@@ -39,7 +39,7 @@ struct GrpcRemoteRendezvous::Call {
 
 GrpcRemoteRendezvous::GrpcRemoteRendezvous(const WorkerEnv* env, int64_t step_id,
                                            GrpcWorkerCache* workers, absl::Duration recv_timeout,
-                                           TensorPuller* puller)
+                                           protocol::TensorPuller* puller)
     : RemoteRendezvous(env, step_id),
       workers_(workers),
       recv_timeout_(recv_timeout),
@@ -75,7 +75,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
   grpc::Status ser = grpc::SerializationTraits<proto::RecvTensorRequest>::Serialize(
       request, &call->request, &own_buffer);
   if (!ser.ok()) {
-    std::move(call->done)(FromGrpcStatus(ser), Tensor(), false);
+    std::move(call->done)(rpc::FromGrpcStatus(ser), Tensor(), false);
     return;
   }
 

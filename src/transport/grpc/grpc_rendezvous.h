@@ -1,7 +1,7 @@
 // GrpcRemoteRendezvous: the `grpc` protocol's rendezvous. A remote recv is one RecvTensor call
 // to the source task with a deadline (TENSORVERBS_RECV_TIMEOUT_MS); the response is parsed
 // straight into a tensor from the destination allocator, and the user's callback runs on the
-// worker's callback executor. With a TensorPuller it is `grpc+gdr`'s: a response may name
+// worker's callback executor. With a protocol::TensorPuller it is `grpc+gdr`'s: a response may name
 // where the tensor waits instead of carrying it, and the puller reads it into the destination.
 // StartAbort cancels in-flight calls, whose callbacks then report the abort status.
 // Thread-safe; created by the RendezvousMgr factory through std::make_shared.
@@ -16,7 +16,7 @@
 #include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "src/rendezvous/remote_rendezvous.h"
-#include "src/transport/grpc/dma.h"
+#include "src/protocol/remote_tensor.h"
 #include "src/transport/grpc/worker_client.h"
 
 namespace tensorverbs::grpc_transport {
@@ -26,7 +26,7 @@ class GrpcRemoteRendezvous final : public RemoteRendezvous,
  public:
   // With a `puller` this is grpc+gdr: large POD tensors are read by RDMA after the call.
   GrpcRemoteRendezvous(const WorkerEnv* env, int64_t step_id, GrpcWorkerCache* workers,
-                       absl::Duration recv_timeout, TensorPuller* puller = nullptr);
+                       absl::Duration recv_timeout, protocol::TensorPuller* puller = nullptr);
 
  protected:
   void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
@@ -38,7 +38,7 @@ class GrpcRemoteRendezvous final : public RemoteRendezvous,
 
   GrpcWorkerCache* const workers_;
   const absl::Duration recv_timeout_;
-  TensorPuller* const puller_;
+  protocol::TensorPuller* const puller_;
   Mutex mu_;
   // In-flight calls, shared so that AbortRemote can cancel them without holding mu_.
   absl::flat_hash_map<Call*, std::shared_ptr<Call>> active_ ABSL_GUARDED_BY(mu_);

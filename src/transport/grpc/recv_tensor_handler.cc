@@ -10,7 +10,7 @@
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
 #include "src/common/logging.h"
-#include "src/transport/grpc/grpc_util.h"
+#include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/tensor_coding.h"
 
 namespace tensorverbs::grpc_transport {
@@ -26,7 +26,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
   // Starts the local recv in `rendezvous`. Touches nothing of `this` after RecvLocalAsync.
   // With a `lender`, a large POD tensor is lent to `requester` instead of sent.
   void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
-             TensorLender* lender, std::string requester) {
+             protocol::TensorLender* lender, std::string requester) {
     std::shared_ptr<State> state = state_;
     {
       MutexLock lock(&state->mu);
@@ -37,7 +37,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
         key, [this, response, lender, requester = std::move(requester)](
                  const absl::Status& s, const Tensor& tensor, bool is_dead) {
           if (!s.ok()) {
-            Finish(ToGrpcStatus(s));
+            Finish(rpc::ToGrpcStatus(s));
             return;
           }
           const int64_t micros = absl::ToUnixMicros(absl::Now());
@@ -48,7 +48,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
             return;
           }
           lender->Lend(requester, tensor,
-                       [this, response, tensor, micros](absl::StatusOr<RemoteTensorRef> ref) {
+                       [this, response, tensor, micros](absl::StatusOr<protocol::RemoteTensorRef> ref) {
                          if (ref.ok()) {
                            EncodeRecvTensorResponse(tensor, false, micros, response, &*ref);
                          } else {
@@ -69,7 +69,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
     if (cancel_now) CancelRecv(*state, token);
   }
 
-  void FinishNow(const absl::Status& s) { Finish(ToGrpcStatus(s)); }
+  void FinishNow(const absl::Status& s) { Finish(rpc::ToGrpcStatus(s)); }
 
   void OnCancel() override {
     std::shared_ptr<State> state = state_;
@@ -111,7 +111,7 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
                                            const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response, RendezvousMgr* mgr,
-                                           const WorkerEnv* env, TensorLender* lender) {
+                                           const WorkerEnv* env, protocol::TensorLender* lender) {
   auto* reactor = new RecvTensorReactor(response);
   proto::RecvTensorRequest req;
   grpc::ByteBuffer copy(*request);  // shares slices; the parser consumes its own reader

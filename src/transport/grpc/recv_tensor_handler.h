@@ -10,10 +10,14 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "src/protocol/remote_tensor.h"
 #include "src/rendezvous/rendezvous_mgr.h"
-#include "src/transport/grpc/dma.h"
 
 namespace tensorverbs::grpc_transport {
+
+// grpc+gdr: tensors up to this size travel inline in the response; a read costs more
+// (TensorFlow's GDR used the same threshold).
+inline constexpr size_t kDmaMinBytes = 1024;
 
 // With a `lender` (grpc+gdr) and a request that allows it, a POD tensor above kDmaMinBytes is
 // lent instead of sent: the response names where the receiver reads it.
@@ -21,7 +25,7 @@ grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
                                            const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response, RendezvousMgr* mgr,
                                            const WorkerEnv* env,
-                                           TensorLender* lender = nullptr);
+                                           protocol::TensorLender* lender = nullptr);
 
 }  // namespace tensorverbs::grpc_transport
 

@@ -38,7 +38,7 @@ absl::Status Malformed(absl::string_view why) {
 }  // namespace
 
 void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_start_micros,
-                              grpc::ByteBuffer* out, const RemoteTensorRef* remote) {
+                              grpc::ByteBuffer* out, const protocol::RemoteTensorRef* remote) {
   proto::TensorProto meta;
   if (!is_dead) {
     meta.set_dtype(static_cast<int32_t>(tensor.dtype()));
@@ -186,7 +186,7 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
     if (!DataTypeCanMemCopy(dtype)) return Malformed("a remote string tensor");
     ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
     if (t.TotalBytes() != out->remote.bytes || out->remote.bytes == 0 ||
-        out->remote.key.empty() || out->remote.tensor_key > kMaxTensorKey) {
+        out->remote.key.empty() || out->remote.tensor_key > protocol::kMaxTensorKey) {
       return Malformed(absl::StrCat("remote tensor of ", out->remote.bytes, " bytes for ",
                                     t.DebugString()));
     }

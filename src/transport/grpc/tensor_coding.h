@@ -13,7 +13,7 @@
 
 #include "absl/status/status.h"
 #include "src/tensor/tensor.h"
-#include "src/transport/grpc/dma.h"
+#include "src/protocol/remote_tensor.h"
 
 namespace tensorverbs::grpc_transport {
 
@@ -23,14 +23,14 @@ inline constexpr size_t kInlineLimit = 1024;
 // With `remote` (grpc+gdr), the response carries where the tensor can be read instead of its
 // bytes.
 void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_start_micros,
-                              grpc::ByteBuffer* out, const RemoteTensorRef* remote = nullptr);
+                              grpc::ByteBuffer* out, const protocol::RemoteTensorRef* remote = nullptr);
 
 struct ParsedResponse {
   Tensor tensor;  // with `remote`: allocated to the right dtype and shape, not yet filled
   bool is_dead = false;
   int64_t send_start_micros = 0;
   bool has_remote = false;
-  RemoteTensorRef remote;
+  protocol::RemoteTensorRef remote;
 };
 
 // DataLoss for a malformed response, with what was wrong.

@@ -1,15 +1,15 @@
 #include "src/transport/grpc/worker_client.h"
 
 #include "absl/strings/str_cat.h"
-#include "src/transport/grpc/grpc_util.h"
+#include "src/rpc/grpc_util.h"
 
 namespace tensorverbs::grpc_transport {
 
 WorkerClient::WorkerClient(std::string task_name, std::string address)
     : task_name_(std::move(task_name)), address_(std::move(address)) {
-  PinGrpcCallbackQueue();
+  rpc::PinGrpcCallbackQueue();
   channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(),
-                                       ClientChannelArguments());
+                                       rpc::ClientChannelArguments());
   stub_ = proto::WorkerService::NewStub(channel_);
   generic_stub_ = std::make_unique<grpc::GenericStub>(channel_);
 }

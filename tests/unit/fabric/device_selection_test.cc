@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "src/fabric/ofi/ofi.h"
+#include "src/fabric/fabric.h"
 
 #include <arpa/inet.h>
 
@@ -133,28 +133,28 @@ TEST(DeviceSelection, ExplicitGidAndMtu) {
 }  // namespace
 }  // namespace tensorverbs::fabric::ibverbs
 
-namespace tensorverbs::fabric::ofi {
+namespace tensorverbs::fabric {
 namespace {
 
 TEST(OfiProviderPolicy, ConfiguredThenHardwareThenShmForLocalPeersThenTcp) {
   const std::vector<std::string> here = {"tcp;ofi_rxm (127.0.0.1/32)", "shm (shm)", "sockets (x)"};
-  EXPECT_EQ(ChooseProvider("sockets", true, here), "sockets") << "TENSORVERBS_OFI_PROVIDER wins";
-  EXPECT_EQ(ChooseProvider("", true, here), "shm");
-  EXPECT_EQ(ChooseProvider("", false, here), "tcp;ofi_rxm");
+  EXPECT_EQ(ChooseOfiProvider("sockets", true, here), "sockets") << "TENSORVERBS_OFI_PROVIDER wins";
+  EXPECT_EQ(ChooseOfiProvider("", true, here), "shm");
+  EXPECT_EQ(ChooseOfiProvider("", false, here), "tcp;ofi_rxm");
   std::vector<std::string> nic = here;
   nic.push_back("verbs;ofi_rxm (mlx5_0)");
   nic.push_back("efa (efa_0)");
-  EXPECT_EQ(ChooseProvider("", true, nic), "verbs;ofi_rxm") << "hardware is preferred";
-  EXPECT_EQ(ChooseProvider("", false, {"efa"}), "efa");
-  EXPECT_EQ(ChooseProvider("", true, {"tcp;ofi_rxm"}), "tcp;ofi_rxm") << "no shm here";
+  EXPECT_EQ(ChooseOfiProvider("", true, nic), "verbs;ofi_rxm") << "hardware is preferred";
+  EXPECT_EQ(ChooseOfiProvider("", false, {"efa"}), "efa");
+  EXPECT_EQ(ChooseOfiProvider("", true, {"tcp;ofi_rxm"}), "tcp;ofi_rxm") << "no shm here";
 }
 
 TEST(OfiProviderPolicy, ListsWhatThisHostHas) {
   std::vector<std::string> names;
-  for (const std::string& line : ListUsableProviders()) names.push_back(line.substr(0, line.find(" (")));
+  for (const std::string& line : ListOfiProviders()) names.push_back(line.substr(0, line.find(" (")));
   EXPECT_NE(std::find(names.begin(), names.end(), "tcp;ofi_rxm"), names.end());
-  EXPECT_EQ(ChooseProvider("", false, ListUsableProviders()), "tcp;ofi_rxm");
+  EXPECT_EQ(ChooseOfiProvider("", false, ListOfiProviders()), "tcp;ofi_rxm");
 }
 
 }  // namespace
-}  // namespace tensorverbs::fabric::ofi
+}  // namespace tensorverbs::fabric

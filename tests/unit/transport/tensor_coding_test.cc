@@ -134,7 +134,7 @@ TEST(TensorCoding, MalformedResponsesAreDataLoss) {
 
 TEST(TensorCoding, ARemoteTensorCarriesWhereToReadItAndNoContent) {
   Tensor t = Filled(DataType::kFloat32, TensorShape::Of({64, 64}));
-  RemoteTensorRef ref;
+  protocol::RemoteTensorRef ref;
   ref.addr = 0x7f0000001000;
   ref.key = "opaque-key";
   ref.tensor_key = 42;

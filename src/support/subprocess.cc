@@ -1,4 +1,4 @@
-#include "tools/subprocess.h"
+#include "src/support/subprocess.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
-namespace tensorverbs::tools {
+namespace tensorverbs::support {
 
 bool WriteLine(Subprocess& child, const std::string& line) {
   std::string data = line + "\n";
@@ -124,4 +124,4 @@ absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
   }
 }
 
-}  // namespace tensorverbs::tools
+}  // namespace tensorverbs::support

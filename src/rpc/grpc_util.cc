@@ -1,11 +1,11 @@
-#include "src/transport/grpc/grpc_util.h"
+#include "src/rpc/grpc_util.h"
 
 #include <climits>
 #include <cstdlib>
 
 #include "proto/worker.grpc.pb.h"
 
-namespace tensorverbs::grpc_transport {
+namespace tensorverbs::rpc {
 
 absl::Status FromGrpcStatus(const grpc::Status& s) {
   if (s.ok()) return absl::OkStatus();
@@ -61,4 +61,4 @@ void PinGrpcCallbackQueue() {
   }();
 }
 
-}  // namespace tensorverbs::grpc_transport
+}  // namespace tensorverbs::rpc

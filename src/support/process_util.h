@@ -2,8 +2,8 @@
 // binary as a child, and waiting for termination signals.
 //
 // Called from a tool's main thread only.
-#ifndef TENSORVERBS_TOOLS_PROCESS_UTIL_H_
-#define TENSORVERBS_TOOLS_PROCESS_UTIL_H_
+#ifndef TENSORVERBS_SUPPORT_PROCESS_UTIL_H_
+#define TENSORVERBS_SUPPORT_PROCESS_UTIL_H_
 
 #include <sys/types.h>
 
@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
-namespace tensorverbs::tools {
+namespace tensorverbs::support {
 
 // `count` distinct TCP ports on 127.0.0.1 that were free a moment ago.
 absl::StatusOr<std::vector<int>> PickFreePorts(int count);
@@ -40,6 +40,6 @@ void BlockTerminationSignals();
 // Returns the signal number once SIGINT or SIGTERM arrives, or 0 after `timeout`.
 int WaitForTerminationSignal(absl::Duration timeout = absl::InfiniteDuration());
 
-}  // namespace tensorverbs::tools
+}  // namespace tensorverbs::support
 
-#endif  // TENSORVERBS_TOOLS_PROCESS_UTIL_H_
+#endif  // TENSORVERBS_SUPPORT_PROCESS_UTIL_H_

@@ -1,15 +1,15 @@
-// Conversions between gRPC and absl statuses, and the channel and server settings every
+// tv_rpc: conversions between gRPC and absl statuses, and the channel and server settings every
 // tensorverbs gRPC endpoint uses (no message size limit, no SO_REUSEPORT so a port in use is
 // detected). Pure functions, any thread.
-#ifndef TENSORVERBS_TRANSPORT_GRPC_GRPC_UTIL_H_
-#define TENSORVERBS_TRANSPORT_GRPC_GRPC_UTIL_H_
+#ifndef TENSORVERBS_RPC_GRPC_UTIL_H_
+#define TENSORVERBS_RPC_GRPC_UTIL_H_
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
-namespace tensorverbs::grpc_transport {
+namespace tensorverbs::rpc {
 
 // Same code and message (the two code spaces are identical).
 absl::Status FromGrpcStatus(const grpc::Status& s);
@@ -22,6 +22,6 @@ void ConfigureServerBuilder(grpc::ServerBuilder* builder);
 // before creating any server or channel; idempotent and thread-safe. See grpc_util.cc.
 void PinGrpcCallbackQueue();
 
-}  // namespace tensorverbs::grpc_transport
+}  // namespace tensorverbs::rpc
 
-#endif  // TENSORVERBS_TRANSPORT_GRPC_GRPC_UTIL_H_
+#endif  // TENSORVERBS_RPC_GRPC_UTIL_H_

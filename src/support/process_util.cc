@@ -1,4 +1,4 @@
-#include "tools/process_util.h"
+#include "src/support/process_util.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
-namespace tensorverbs::tools {
+namespace tensorverbs::support {
 
 absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
   std::vector<int> fds;
@@ -121,4 +121,4 @@ int WaitForTerminationSignal(absl::Duration timeout) {
   return sig > 0 ? sig : 0;
 }
 
-}  // namespace tensorverbs::tools
+}  // namespace tensorverbs::support

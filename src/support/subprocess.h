@@ -1,8 +1,8 @@
 // Subprocess: a child process whose stdout is read line by line under a timeout and whose stdin
 // is a pipe. Used by the tools that run peers (bench) and by the multi-process tests. The
 // destructor kills (SIGKILL) and reaps a child that is still running. One thread at a time.
-#ifndef TENSORVERBS_TOOLS_SUBPROCESS_H_
-#define TENSORVERBS_TOOLS_SUBPROCESS_H_
+#ifndef TENSORVERBS_SUPPORT_SUBPROCESS_H_
+#define TENSORVERBS_SUPPORT_SUBPROCESS_H_
 
 #include <sys/types.h>
 
@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
-namespace tensorverbs::tools {
+namespace tensorverbs::support {
 
 class Subprocess {
  public:
@@ -49,6 +49,6 @@ class Subprocess {
 // Writes `line` and a newline to the child's stdin.
 bool WriteLine(Subprocess& child, const std::string& line);
 
-}  // namespace tensorverbs::tools
+}  // namespace tensorverbs::support
 
-#endif  // TENSORVERBS_TOOLS_SUBPROCESS_H_
+#endif  // TENSORVERBS_SUPPORT_SUBPROCESS_H_

@@ -1,15 +1,15 @@
 // VerbsRemoteRendezvous: the `grpc+verbs` protocol's per-step rendezvous. A remote recv goes to
 // the server's VerbsTransport; StartAbort fails the step's in-flight recvs there. Thread-safe;
 // created by the RendezvousMgr factory through std::make_shared.
-#ifndef TENSORVERBS_PROTOCOL_VERBS_RENDEZVOUS_H_
-#define TENSORVERBS_PROTOCOL_VERBS_RENDEZVOUS_H_
+#ifndef TENSORVERBS_TRANSPORT_VERBS_VERBS_RENDEZVOUS_H_
+#define TENSORVERBS_TRANSPORT_VERBS_VERBS_RENDEZVOUS_H_
 
 #include <memory>
 
-#include "src/protocol/verbs_transport.h"
+#include "src/transport/verbs/verbs_transport.h"
 #include "src/rendezvous/remote_rendezvous.h"
 
-namespace tensorverbs::protocol {
+namespace tensorverbs::verbs {
 
 class VerbsRemoteRendezvous final : public RemoteRendezvous,
                                     public std::enable_shared_from_this<VerbsRemoteRendezvous> {
@@ -32,6 +32,6 @@ class VerbsRemoteRendezvous final : public RemoteRendezvous,
   VerbsTransport* const transport_;
 };
 
-}  // namespace tensorverbs::protocol
+}  // namespace tensorverbs::verbs
 
-#endif  // TENSORVERBS_PROTOCOL_VERBS_RENDEZVOUS_H_
+#endif  // TENSORVERBS_TRANSPORT_VERBS_VERBS_RENDEZVOUS_H_

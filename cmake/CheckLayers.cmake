@@ -1,0 +1,49 @@
+# Refuses an include that points up the layer stack (run by the build: the tv_layers target).
+# Each layer of src/ may include only its own headers and those of the layers it builds on,
+# the same ones its CMake target links; tools/, tests/ and bench/ sit on top and may include
+# anything. Usage: cmake -DROOT=<source dir> -DSTAMP=<file> -P CheckLayers.cmake
+set(layers common tensor fabric rendezvous rpc protocol transport/grpc transport/verbs support
+  server)
+set(allowed_common common)
+set(allowed_tensor common tensor)
+set(allowed_fabric common fabric)
+set(allowed_rendezvous common tensor rendezvous)
+set(allowed_rpc common rpc)
+set(allowed_protocol common tensor fabric rendezvous protocol)
+set(allowed_transport/grpc common tensor rendezvous rpc protocol transport/grpc)
+set(allowed_transport/verbs common tensor fabric rendezvous rpc protocol transport/verbs)
+set(allowed_support common support)
+set(allowed_server common tensor fabric rendezvous rpc protocol transport/grpc transport/verbs
+  server)
+
+set(violations "")
+foreach(layer IN LISTS layers)
+  file(GLOB_RECURSE files "${ROOT}/src/${layer}/*.h" "${ROOT}/src/${layer}/*.cc")
+  foreach(file IN LISTS files)
+    # transport/grpc and transport/verbs are layers of their own, not parts of a "transport".
+    file(STRINGS "${file}" includes REGEX "^#include \"(src|tools|tests|bench)/")
+    foreach(line IN LISTS includes)
+      string(REGEX REPLACE "^#include \"([^\"]+)\".*" "\\1" header "${line}")
+      set(ok FALSE)
+      foreach(dep IN LISTS allowed_${layer})
+        string(LENGTH "src/${dep}/" n)
+        string(SUBSTRING "${header}" 0 ${n} prefix)
+        if(prefix STREQUAL "src/${dep}/")
+          set(ok TRUE)
+        endif()
+      endforeach()
+      if(NOT ok)
+        file(RELATIVE_PATH rel "${ROOT}" "${file}")
+        list(APPEND violations "${rel} (layer ${layer}) includes ${header}")
+      endif()
+    endforeach()
+  endforeach()
+endforeach()
+
+if(violations)
+  list(JOIN violations "\n  " text)
+  message(FATAL_ERROR "upward includes (see docs/architecture.md, Layers):\n  ${text}")
+endif()
+if(STAMP)
+  file(TOUCH "${STAMP}")
+endif()

@@ -1,0 +1,137 @@
+// What every grpc+verbs channel of one transport shares: the worker, the fabric domain, the
+// memory manager, the counters, the mode and settings, and the hooks into the progress engine
+// that runs them (post work later, deliver a user callback, find a channel by id).
+//
+// The transport owns one ChannelEnv and outlives every channel; channels and the state machines
+// (tensor_request.h, tensor_response.h, gdr_pull.h) read it on the progress thread only, except
+// VerbsStats, which any thread may read. Also here: the helpers the state machines share
+// (registration for one transfer, checksum verification, content writes in pieces).
+#ifndef TENSORVERBS_PROTOCOL_CHANNEL_ENV_H_
+#define TENSORVERBS_PROTOCOL_CHANNEL_ENV_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/memory_mgr.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/rendezvous/rendezvous_mgr.h"
+
+namespace tensorverbs::protocol {
+
+// Counters of one transport, readable from any thread.
+struct VerbsStats {
+  std::atomic<int64_t> requests{0};           // REQUEST messages sent
+  std::atomic<int64_t> meta_cache_hits{0};    // ... of which carried a cached meta-data
+  std::atomic<int64_t> meta_responses{0};     // META_DATA_RESPONSE messages sent
+  std::atomic<int64_t> re_requests{0};        // RE_REQUEST messages sent
+  std::atomic<int64_t> errors_sent{0};        // ERROR_STATUS messages sent
+  std::atomic<int64_t> control_messages{0};   // control messages written, of every type
+  std::atomic<int64_t> control_slots{0};      // ... in this many slot writes (batching)
+  std::atomic<int64_t> content_writes{0};     // content transfers completed by this sender
+  std::atomic<int64_t> content_bytes{0};
+  std::atomic<int64_t> copies{0};             // tensor copies made by the transport (proxy,
+  std::atomic<int64_t> copied_bytes{0};       //   copy strategy, unregistered sources)
+  std::atomic<int64_t> transient_registrations{0};
+  std::atomic<int64_t> dropped_imms{0};       // unknown or stale request indexes
+  std::atomic<int64_t> channel_errors{0};
+  std::atomic<int64_t> checksum_failures{0};
+
+  // One copy of `bytes` tensor bytes, counted here and in the worker's TransferStats (if any).
+  void CountCopy(uint64_t bytes, TransferStats* worker) {
+    copies.fetch_add(1, std::memory_order_relaxed);
+    copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    if (worker != nullptr) {
+      worker->copies.fetch_add(1, std::memory_order_relaxed);
+      worker->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+    }
+  }
+};
+
+// Which design a transport runs; the protocol string picks it.
+enum class VerbsMode {
+  kZeroCopy,  // grpc+verbs (seed 000): the content is written into the result tensor
+  kCopy,      // grpc+verbs-copy (seed 002): per-name pre-registered buffers, a copy each side
+  kGdr,       // grpc+gdr: meta-data over gRPC RecvTensor, the content pulled by one RDMA read
+};
+const char* VerbsModeProtocol(VerbsMode mode);
+
+class Channel;
+
+struct ChannelEnv {
+  const WorkerEnv* worker = nullptr;
+  RendezvousMgr* rendezvous_mgr = nullptr;  // serves requests (acceptor side)
+  RdmaMemoryMgr* memory = nullptr;
+  fabric::Domain* domain = nullptr;
+  VerbsStats* stats = nullptr;
+  Registration registration = Registration::kPool;
+  VerbsMode mode = VerbsMode::kZeroCopy;
+  bool data_validation = false;
+  int message_slots = 8;
+  int message_batch = 32;  // the most control messages written into one slot
+  absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
+  // Runs `task` on the progress thread later, never inline: called on the progress thread, at
+  // the end of the completion or task being handled; from another thread, at the loop's next
+  // turn.
+  std::function<void(absl::AnyInvocable<void() &&>)> post;
+  // Runs a user `done` callback on the worker's callback executor; on the progress thread, the
+  // callbacks of one turn go to the executor together at the end of the turn.
+  std::function<void(absl::AnyInvocable<void() &&>)> deliver;
+  // Finds a live channel by id (progress thread); null if it is gone.
+  std::function<Channel*(uint64_t)> find_channel;
+  // Keeps memory alive until `until` (progress thread).
+  std::function<void(std::vector<Tensor>, absl::Time until)> quarantine_memory;
+  // grpc+gdr, sender side: `task` released the tensor it read under `tensor_key`.
+  std::function<void(const std::string& task, uint32_t tensor_key)> release_lent;
+  // True on the thread that owns the channels (the progress thread, or the thread that tears
+  // the transport down after the loop ended). Channel methods DCHECK it; null: not checked.
+  std::function<bool()> on_owner_thread;
+
+  void CountCopy(uint64_t bytes) const { stats->CountCopy(bytes, worker->stats); }
+
+  // The region through which the fabric reaches [data, data+bytes) for one transfer, under the
+  // registration strategy: the pool's registered region (kPool), a registration made for this
+  // transfer and kept in `*transient` (kPerTransfer), or null (kCopy, or memory the fabric
+  // cannot reach: the caller stages it). An error only when the fabric refused a pool region.
+  absl::StatusOr<const fabric::MemoryRegion*> TransferRegion(
+      const void* data, uint64_t bytes, std::unique_ptr<fabric::MemoryRegion>* transient) const;
+
+  // OK when CRC-32C of `bytes` at `data` is `expected`; otherwise counts the failure and returns
+  // DataLoss naming the key and the peer.
+  absl::Status VerifyChecksum(const std::string& key, const std::string& peer_task,
+                              const void* data, uint64_t bytes, uint64_t expected) const;
+};
+
+// CRC-32C of `bytes` at `data`; 0 for no bytes.
+uint64_t ContentChecksum(const void* data, uint64_t bytes);
+
+// Content writes and reads larger than this are split (the last write carries the immediate),
+// to stay within every provider's message size and keep single operations short.
+inline constexpr uint64_t kMaxTransferPiece = uint64_t{1} << 30;
+
+// Posts [0, total) in pieces of at most kMaxTransferPiece, calling post(offset, length, last)
+// for each, and stops at the first refused post. Returns how many were posted, and that refusal.
+template <typename PostPiece>
+std::pair<int, absl::Status> PostInPieces(uint64_t total, PostPiece post) {
+  const uint64_t pieces = (total + kMaxTransferPiece - 1) / kMaxTransferPiece;
+  for (uint64_t i = 0; i < pieces; ++i) {
+    const uint64_t offset = i * kMaxTransferPiece;
+    const uint64_t length = total - offset < kMaxTransferPiece ? total - offset : kMaxTransferPiece;
+    absl::Status s = post(offset, length, i + 1 == pieces);
+    if (!s.ok()) return {static_cast<int>(i), s};
+  }
+  return {static_cast<int>(pieces), absl::OkStatus()};
+}
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_CHANNEL_ENV_H_

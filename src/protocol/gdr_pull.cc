@@ -1,0 +1,113 @@
+#include "src/protocol/gdr_pull.h"
+
+#include <cstring>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "src/protocol/channel.h"
+
+namespace tensorverbs::protocol {
+
+GdrPull::GdrPull(Channel* channel, uint32_t index, RemoteTensorRef ref, Tensor dest,
+                 absl::Time deadline, Done done)
+    : channel_(channel),
+      index_(index),
+      ref_(std::move(ref)),
+      dest_(std::move(dest)),
+      deadline_(deadline),
+      done_(std::move(done)) {}
+
+void GdrPull::End(const absl::Status& status) {
+  if (done_ == nullptr) return;
+  Done done = std::move(done_);
+  done_ = nullptr;
+  std::move(done)(status);
+}
+
+void GdrPull::FailBeforePosting(const absl::Status& status) {
+  End(status);
+  channel_->FinishPull(index_);  // nothing was posted: nothing can land; deletes this
+}
+
+void GdrPull::Issue() {
+  if (finished()) {
+    FailBeforePosting(absl::OkStatus());  // ended (deadline) before it was issued
+    return;
+  }
+  ChannelEnv* env = channel_->env();
+  const uint64_t bytes = ref_.bytes;
+  if (bytes != dest_.TotalBytes()) {
+    FailBeforePosting(
+        absl::InvalidArgumentError("the destination does not match the lent tensor's size"));
+    return;
+  }
+  absl::StatusOr<const fabric::MemoryRegion*> region =
+      env->memory->FindRegistered(dest_.data(), bytes);
+  if (!region.ok()) {
+    FailBeforePosting(region.status());
+    return;
+  }
+  void* target = dest_.data();
+  if (*region == nullptr) {
+    // An unregistered destination: read into a registered proxy and copy.
+    const fabric::MemoryRegion* staging_region = nullptr;
+    absl::StatusOr<Tensor> staging = env->memory->AllocateStaging(bytes, &staging_region);
+    if (!staging.ok()) {
+      FailBeforePosting(absl::InternalError("no registered memory to read the tensor into"));
+      return;
+    }
+    staging_ = *std::move(staging);
+    region = staging_region;
+    target = staging_.data();
+  }
+  fabric::Endpoint* endpoint = channel_->endpoint();
+  const uint64_t context = MakeContext(OpTag::kRead, index_);
+  absl::Status s;
+  std::tie(reads_left_, s) = PostInPieces(bytes, [&](uint64_t offset, uint64_t len, bool) {
+    return endpoint->PostRead(
+        fabric::LocalBuffer{*region, static_cast<uint8_t*>(target) + offset, len},
+        fabric::RemoteBuffer{ref_.key, ref_.addr + offset, len}, context);
+  });
+  if (s.ok()) return;
+  if (reads_left_ == 0) {
+    FailBeforePosting(absl::InvalidArgumentError(absl::StrCat(
+        "task ", channel_->peer_task(), " lent a tensor that cannot be read: ", s.message())));
+    return;
+  }
+  // The reads already posted still complete.
+  channel_->Close(absl::UnavailableError(absl::StrCat("a read from task ", channel_->peer_task(),
+                                                      " failed midway: ", s.message())));
+}
+
+void GdrPull::OnReadDone() {
+  if (--reads_left_ > 0) return;
+  ChannelEnv* env = channel_->env();
+  MessageBuffer* mb = channel_->message_buffer();
+  // The sender may release the tensor now: a zero-byte write whose immediate names it.
+  absl::Status release = channel_->endpoint()->PostWriteWithImm(
+      mb->EmptyLocalSource(), mb->EmptyRemoteTarget(), ref_.tensor_key, MakeContext(OpTag::kAck, 0));
+  if (staging_.IsInitialized()) {
+    std::memcpy(dest_.data(), staging_.data(), ref_.bytes);
+    env->CountCopy(ref_.bytes);
+  }
+  env->stats->content_bytes.fetch_add(static_cast<int64_t>(ref_.bytes), std::memory_order_relaxed);
+  End(absl::OkStatus());
+  Channel* channel = channel_;
+  channel->FinishPull(index_);  // deletes this
+  if (!release.ok()) {
+    channel->Close(absl::UnavailableError(absl::StrCat(
+        "releasing a tensor of task ", channel->peer_task(), " failed: ", release.message())));
+  }
+}
+
+std::vector<Tensor> GdrPull::TakeMemory() {
+  std::vector<Tensor> memory;
+  if (dest_.IsInitialized()) memory.push_back(std::move(dest_));
+  if (staging_.IsInitialized()) memory.push_back(std::move(staging_));
+  dest_.Clear();
+  staging_.Clear();
+  return memory;
+}
+
+}  // namespace tensorverbs::protocol

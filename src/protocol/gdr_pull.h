@@ -1,0 +1,64 @@
+// GdrPull: grpc+gdr's receiving side of one tensor over a channel the receiver owns. The
+// meta-data came in the gRPC RecvTensor response (a RemoteTensorRef); the pull reads the bytes
+// with RDMA reads (in pieces of at most kMaxTransferPiece) into the destination, or into a
+// registered proxy when the destination is not registered, then releases the sender's tensor
+// with a zero-byte write whose immediate is the tensor key.
+//
+// Owned by its Channel (by request index, from the same index space as recvs); every method
+// runs on the transport's progress thread. `done` runs exactly once, on the progress thread.
+// A pull that ends early (deadline, channel closed) keeps its memory until its reads complete
+// or the channel closes.
+#ifndef TENSORVERBS_PROTOCOL_GDR_PULL_H_
+#define TENSORVERBS_PROTOCOL_GDR_PULL_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "src/protocol/remote_tensor.h"
+#include "src/tensor/tensor.h"
+
+namespace tensorverbs::protocol {
+
+class Channel;
+
+class GdrPull {
+ public:
+  using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
+
+  GdrPull(Channel* channel, uint32_t index, RemoteTensorRef ref, Tensor dest,
+          absl::Time deadline, Done done);
+
+  // Posts the reads. When nothing could be posted it ends the pull and the channel forgets it
+  // (deletes this); when a read fails midway it closes the channel.
+  void Issue();
+  // One read completed; after the last, releases the tensor at the sender, ends the pull and
+  // the channel forgets it.
+  void OnReadDone();
+  // Runs `done` with `status` if it has not run.
+  void End(const absl::Status& status);
+
+  bool finished() const { return !done_; }
+  absl::Time deadline() const { return deadline_; }
+  // The memory the reads may still write into.
+  std::vector<Tensor> TakeMemory();
+
+ private:
+  // Ends the pull with `status` and has the channel forget it; nothing was posted.
+  void FailBeforePosting(const absl::Status& status);
+
+  Channel* const channel_;
+  const uint32_t index_;
+  const RemoteTensorRef ref_;
+  Tensor dest_;
+  Tensor staging_;  // registered proxy when dest is not registered
+  const absl::Time deadline_;
+  Done done_;
+  int reads_left_ = 0;
+};
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_GDR_PULL_H_

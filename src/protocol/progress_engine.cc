@@ -1,0 +1,164 @@
+#include "src/protocol/progress_engine.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/common/coarse_clock.h"
+#include "src/common/logging.h"
+
+namespace tensorverbs::protocol {
+namespace {
+
+constexpr size_t kPollBatch = 64;
+
+}  // namespace
+
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
+  if (name == "busy") return PollMode::kBusy;
+  if (name == "blocking") return PollMode::kBlocking;
+  if (name == "adaptive") return PollMode::kAdaptive;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown poll mode '", name, "' (TENSORVERBS_POLL_MODE); expected busy, blocking or adaptive"));
+}
+
+ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Options options,
+                               Hooks hooks)
+    : domain_(domain), executor_(executor), options_(options), hooks_(std::move(hooks)) {}
+
+ProgressEngine::~ProgressEngine() { Stop(); }
+
+void ProgressEngine::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+bool ProgressEngine::Post(Task& task) {
+  if (OnLoopThread()) {
+    // On the loop thread (a completion, a task, or an inline user callback): no lock and no
+    // wake-up, just later in this turn of the loop.
+    deferred_.push_back(std::move(task));
+    return true;
+  }
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    tasks_.push_back(std::move(task));
+    has_tasks_.store(true, std::memory_order_release);
+  }
+  if (sleeping_.load()) domain_->Interrupt();
+  return true;
+}
+
+void ProgressEngine::Deliver(Executor::Task callback) {
+  if (OnLoopThread()) {
+    callbacks_.push_back(std::move(callback));
+  } else {
+    executor_->Schedule(std::move(callback));
+  }
+}
+
+bool ProgressEngine::RunDeferred() {
+  bool ran = false;
+  while (!deferred_.empty()) {
+    std::vector<Task> batch;
+    batch.swap(deferred_);
+    for (Task& task : batch) std::move(task)();
+    ran = true;
+  }
+  return ran;
+}
+
+void ProgressEngine::Loop() {
+  fabric::Completion completions[kPollBatch];
+  absl::Time next_housekeeping = CoarseNow();
+  // The first idle turn after the last activity (adaptive mode); the fine clock is read only
+  // on idle turns, so a busy loop pays for no clock reads but the coarse one.
+  absl::Time idle_since = absl::InfiniteFuture();
+  std::deque<Task> batch;
+  absl::Status last_poll_error;
+  loop_thread_id_.store(std::this_thread::get_id());
+  while (true) {
+    bool active = false;
+    if (has_tasks_.load(std::memory_order_acquire)) {
+      MutexLock lock(&mu_);
+      if (tasks_.empty() && stopping_) break;
+      batch.swap(tasks_);
+      // While stopping, keep looking until the queue is empty.
+      has_tasks_.store(stopping_, std::memory_order_relaxed);
+    }
+    for (Task& task : batch) {
+      std::move(task)();
+      active = true;
+    }
+    batch.clear();
+    active |= RunDeferred();
+    absl::StatusOr<size_t> n = domain_->Poll(absl::MakeSpan(completions));
+    if (!n.ok()) {
+      if (n.status() != last_poll_error) LOG(ERROR) << "grpc+verbs: polling failed: " << n.status();
+      last_poll_error = n.status();
+    } else if (*n > 0) {
+      active = true;
+      for (size_t i = 0; i < *n; ++i) hooks_.on_completion(completions[i]);
+      RunDeferred();
+    }
+    const absl::Time coarse = CoarseNow();
+    if (coarse >= next_housekeeping) {
+      hooks_.housekeeping(absl::Now());
+      RunDeferred();
+      next_housekeeping = coarse + options_.housekeeping_interval;
+    }
+    if (!callbacks_.empty()) {
+      // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
+      // protocol's own work on a small tensor.
+      executor_->ScheduleAll(&callbacks_);
+      active = true;
+    }
+    if (active) {
+      idle_since = absl::InfiniteFuture();
+      continue;
+    }
+    if (options_.poll_mode == PollMode::kBusy) continue;
+    if (options_.poll_mode == PollMode::kAdaptive) {
+      const absl::Time now = absl::Now();
+      if (idle_since == absl::InfiniteFuture()) idle_since = now;
+      if (now - idle_since < options_.poll_spin) continue;
+      // Data progress is manual on libfabric's shm and tcp providers: a transfer in flight
+      // moves only while this thread polls, so it does not sleep until its writes complete.
+      if (hooks_.operations_in_flight()) continue;
+    }
+    sleeping_.store(true);
+    bool work;
+    {
+      MutexLock lock(&mu_);
+      work = !tasks_.empty() || stopping_;
+    }
+    if (!work) {
+      absl::Status s =
+          domain_->Wait(std::max(next_housekeeping - CoarseNow(), absl::Microseconds(100)));
+      if (!s.ok() && s != last_poll_error) {
+        LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << s;
+        last_poll_error = s;
+      }
+    }
+    sleeping_.store(false);
+  }
+  // From here on the owner's objects are used by the thread that tears it down; callbacks go
+  // to the executor directly.
+  stopped_.store(true);
+  loop_thread_id_.store(std::thread::id());
+  executor_->ScheduleAll(&callbacks_);
+}
+
+void ProgressEngine::Stop() {
+  {
+    MutexLock lock(&mu_);
+    if (stopping_ || !thread_.joinable()) return;
+    stopping_ = true;
+    has_tasks_.store(true, std::memory_order_release);  // the loop looks, and sees it stop
+  }
+  domain_->Interrupt();
+  thread_.join();
+}
+
+}  // namespace tensorverbs::protocol

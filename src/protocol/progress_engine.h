@@ -1,0 +1,138 @@
+// ProgressEngine: the one thread that owns a fabric domain and everything that uses it (the
+// channels, the memory manager's registrations), and the loop it runs.
+//
+// Each turn the loop runs the tasks other threads posted, polls the domain and hands each
+// completion to `Hooks::on_completion`, runs `Hooks::housekeeping` every
+// `housekeeping_interval`, and gives the user callbacks completed in the turn to the executor
+// in one hand-off. Work posted from the loop thread itself (a completion that sets off more
+// work, a user callback run inline) is deferred to the end of the current step of the turn
+// without a lock. When idle it waits according to the poll mode: busy never sleeps; blocking
+// sleeps in Domain::Wait as soon as nothing is ready; adaptive spins for `poll_spin` after the
+// last activity and does not sleep while `Hooks::operations_in_flight` says a transfer is
+// moving (libfabric's shm and tcp providers move data only while the initiator polls). A Post
+// from another thread interrupts the sleep.
+//
+// Threading: Post, Deliver, AskLoop and Stop may be called from any thread; state reached only
+// through the hooks belongs to the loop thread, which OnOwnerThread() identifies (and, after
+// Stop, the thread tearing the owner down). Stop runs what was posted before it, then joins;
+// a Post after Stop returns false and leaves the task to its caller, so no callback is lost.
+#ifndef TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
+#define TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "src/common/executor.h"
+#include "src/common/mutex.h"
+#include "src/fabric/fabric.h"
+
+namespace tensorverbs::protocol {
+
+enum class PollMode { kBusy, kBlocking, kAdaptive };
+// "busy", "blocking" or "adaptive"; InvalidArgument naming TENSORVERBS_POLL_MODE otherwise.
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);
+
+class ProgressEngine {
+ public:
+  using Task = absl::AnyInvocable<void() &&>;
+
+  struct Options {
+    PollMode poll_mode = PollMode::kAdaptive;
+    absl::Duration poll_spin = absl::Microseconds(50);
+    absl::Duration housekeeping_interval = absl::Milliseconds(20);
+  };
+  struct Hooks {
+    std::function<void(const fabric::Completion&)> on_completion;
+    std::function<void(absl::Time now)> housekeeping;
+    std::function<bool()> operations_in_flight;
+  };
+
+  // `domain` and `executor` outlive the engine.
+  ProgressEngine(fabric::Domain* domain, Executor* executor, Options options, Hooks hooks);
+  ProgressEngine(const ProgressEngine&) = delete;
+  ProgressEngine& operator=(const ProgressEngine&) = delete;
+  ~ProgressEngine();  // Stop()
+
+  void Start();
+  // Runs what was posted, stops the loop and joins it (idempotent). Never on the loop thread.
+  void Stop();
+
+  // Queues `task` for the loop thread; false (and `task` left untouched) after Stop. On the
+  // loop thread itself, defers it to later in the current turn.
+  bool Post(Task& task);
+  bool Post(Task&& task) { return Post(task); }
+  // Runs a user callback on the executor: on the loop thread, with the turn's other callbacks
+  // at the end of the turn; elsewhere at once.
+  void Deliver(Executor::Task callback);
+
+  bool OnLoopThread() const {
+    return std::this_thread::get_id() == loop_thread_id_.load(std::memory_order_relaxed);
+  }
+  // The loop thread while it runs; any thread once it has stopped (the owner's teardown).
+  bool OnOwnerThread() const { return OnLoopThread() || stopped_.load(); }
+
+  // Runs `fn` on the loop thread and returns its result; for other threads, which wait.
+  // Cancelled after Stop, DeadlineExceeded if the loop does not get to it within `timeout`.
+  template <typename T>
+  absl::StatusOr<T> AskLoop(absl::AnyInvocable<T()> fn,
+                            absl::Duration timeout = absl::InfiniteDuration());
+
+ private:
+  void Loop();
+  // Runs the deferred tasks (and those they defer); true if there were any.
+  bool RunDeferred();
+
+  fabric::Domain* const domain_;
+  Executor* const executor_;
+  const Options options_;
+  const Hooks hooks_;
+
+  Mutex mu_;
+  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Set with tasks_ (and with stopping_) so that the loop looks at the queue only when there is
+  // something to see.
+  std::atomic<bool> has_tasks_{false};
+  // Set by the loop before it sleeps, so Post knows to interrupt the wait.
+  std::atomic<bool> sleeping_{false};
+  std::atomic<std::thread::id> loop_thread_id_{};
+  std::atomic<bool> stopped_{false};
+  // Loop thread: tasks posted on it, run later in the same turn; user callbacks completed in
+  // this turn, handed to the executor at its end.
+  std::vector<Task> deferred_;
+  std::vector<Executor::Task> callbacks_;
+  std::thread thread_;
+};
+
+template <typename T>
+absl::StatusOr<T> ProgressEngine::AskLoop(absl::AnyInvocable<T()> fn, absl::Duration timeout) {
+  // Shared: after a timeout the task may still run and must have somewhere to write.
+  struct Answer {
+    Notification done;
+    T value{};
+  };
+  auto answer = std::make_shared<Answer>();
+  Task task = [answer, fn = std::move(fn)]() mutable {
+    answer->value = fn();
+    answer->done.Notify();
+  };
+  if (!Post(task)) return absl::CancelledError("the transport is shutting down");
+  if (!answer->done.WaitForNotificationWithTimeout(timeout)) {
+    return absl::DeadlineExceededError("the progress thread did not answer in time");
+  }
+  return std::move(answer->value);
+}
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_

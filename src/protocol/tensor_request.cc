@@ -1,0 +1,293 @@
+#include "src/protocol/tensor_request.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "proto/tensor.pb.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/protocol/channel.h"
+#include "src/protocol/copy_mode.h"
+#include "src/tensor/tensor_codec.h"
+
+namespace tensorverbs::protocol {
+namespace {
+
+bool AllowedTransition(RdmaTensorRequest::State from, RdmaTensorRequest::State to) {
+  using State = RdmaTensorRequest::State;
+  switch (from) {
+    case State::kQueued:
+      return to == State::kRequested || to == State::kDone;
+    case State::kRequested:
+      return to == State::kReRequested || to == State::kDone;
+    case State::kReRequested:
+      return to == State::kDone;
+    case State::kDone:
+      return false;
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* RequestStateName(RdmaTensorRequest::State state) {
+  switch (state) {
+    case RdmaTensorRequest::State::kQueued:
+      return "queued";
+    case RdmaTensorRequest::State::kRequested:
+      return "requested";
+    case RdmaTensorRequest::State::kReRequested:
+      return "re-requested";
+    case RdmaTensorRequest::State::kDone:
+      return "done";
+  }
+  return "?";
+}
+
+RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id,
+                                     ParsedKey key, Allocator* allocator, absl::Time deadline,
+                                     RecvDoneCallback done)
+    : channel_(channel),
+      index_(index),
+      step_id_(step_id),
+      key_(std::move(key)),
+      allocator_(allocator),
+      deadline_(deadline),
+      done_(std::move(done)) {}
+
+void RdmaTensorRequest::TransitionTo(State next) {
+  DCHECK(AllowedTransition(state_, next))
+      << "request " << index_ << " for '" << key_.full_key << "': " << RequestStateName(state_)
+      << " -> " << RequestStateName(next);
+  state_ = next;
+}
+
+void RdmaTensorRequest::Start() {
+  ChannelEnv* env = channel_->env();
+  Message m;
+  m.type = MessageType::kTensorRequest;
+  m.name = key_.full_key;
+  m.step_id = step_id_;
+  m.request_index = index_;
+  if (env->mode == VerbsMode::kCopy) {
+    OfferCopyBuffer(m);
+  } else {
+    // With a cached meta-data the destination is allocated now and the sender writes at once
+    // (zero round trips of meta-data); validation mode always takes the meta-data round trip
+    // because the checksum travels with it.
+    const TensorMetaData* cached = env->memory->CachedMeta(key_.full_key);
+    if (cached != nullptr && !env->data_validation && cached->dtype != DataType::kString &&
+        !cached->is_dead) {
+      if (cached->tensor_bytes > 0) {
+        absl::Status s = PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
+        if (!s.ok()) {
+          Fail(s);
+          TransitionTo(State::kDone);
+          channel_->FinishRequest(index_);  // deletes this
+          return;
+        }
+      }
+      meta_ = *cached;
+      m.meta = *cached;
+      env->stats->meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  TransitionTo(State::kRequested);
+  env->stats->requests.fetch_add(1, std::memory_order_relaxed);
+  channel_->SendMessage(std::move(m));
+}
+
+void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
+  ChannelEnv* env = channel_->env();
+  // Seed 002: offer the name's buffer from earlier steps; the sender asks for a new one
+  // (META_DATA_RESPONSE as BUFFER_REQUEST) when the tensor does not fit. Validation mode
+  // always asks, because the checksum rides the answer.
+  staging_ = channel_->copy_buffers().Take(key_.full_key);
+  if (!staging_.IsInitialized() || env->data_validation) return;
+  absl::StatusOr<const fabric::MemoryRegion*> region =
+      env->memory->FindRegistered(staging_.data(), staging_.TotalBytes());
+  if (!region.ok() || *region == nullptr) return;
+  m.remote_addr = reinterpret_cast<uint64_t>(staging_.data());
+  m.remote_key = (*region)->PackRemoteKey();
+  m.meta = BufferMeta(staging_.TotalBytes());
+}
+
+absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
+                                                   std::string* key) {
+  ChannelEnv* env = channel_->env();
+  result_.Clear();
+  staging_.Clear();
+  transient_.reset();
+  const fabric::MemoryRegion* region = nullptr;
+  void* target = nullptr;
+  if (meta.dtype != DataType::kString && env->registration != Registration::kCopy) {
+    ASSIGN_OR_RETURN(result_, Tensor::Allocate(allocator_, meta.dtype, meta.shape));
+    ASSIGN_OR_RETURN(region, env->TransferRegion(result_.data(), meta.tensor_bytes, &transient_));
+    if (region != nullptr) target = result_.data();
+  }
+  if (target == nullptr) {
+    // Strings, copy mode, or a destination the fabric cannot reach: a registered proxy.
+    ASSIGN_OR_RETURN(staging_, env->memory->AllocateStaging(meta.tensor_bytes, &region));
+    target = staging_.data();
+  }
+  *addr = reinterpret_cast<uint64_t>(target);
+  *key = region->PackRemoteKey();
+  return absl::OkStatus();
+}
+
+absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,
+                                                  std::string* key) {
+  ASSIGN_OR_RETURN(const fabric::MemoryRegion* region,
+                   EnsureCopyBuffer(channel_->env()->memory, staging_, bytes));
+  *addr = reinterpret_cast<uint64_t>(staging_.data());
+  *key = region->PackRemoteKey();
+  return absl::OkStatus();
+}
+
+void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
+  ChannelEnv* env = channel_->env();
+  if (state_ != State::kRequested) {
+    channel_->Close(absl::DataLossError(absl::StrCat(
+        "META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
+    return;  // the close deleted this
+  }
+  const bool copy = env->mode == VerbsMode::kCopy;
+  if (copy && !IsBufferMeta(m.meta)) {
+    channel_->Close(absl::DataLossError(absl::StrCat(
+        "task ", channel_->peer_task(), " asked for a copy-mode buffer it described as ",
+        DataTypeName(m.meta.dtype), m.meta.shape.DebugString())));
+    return;
+  }
+  meta_ = m.meta;
+  checksum_ = m.checksum;
+  if (!copy && !m.meta.is_dead) env->memory->CacheMeta(key_.full_key, m.meta);
+  Message rr;
+  rr.type = MessageType::kTensorReRequest;
+  rr.name = key_.full_key;
+  rr.step_id = step_id_;
+  rr.request_index = index_;
+  rr.meta = m.meta;
+  // A recv that already ended (abort, timeout) or cannot allocate still answers, with no
+  // target: the sender then writes nothing but the immediate, and releases its tensor.
+  if (!finished() && (copy || (!m.meta.is_dead && m.meta.tensor_bytes > 0))) {
+    absl::Status s = copy ? PrepareCopyBuffer(m.meta.tensor_bytes, &rr.remote_addr, &rr.remote_key)
+                          : PrepareDestination(m.meta, &rr.remote_addr, &rr.remote_key);
+    if (!s.ok()) Fail(s);
+  }
+  TransitionTo(State::kReRequested);
+  env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
+  channel_->SendMessage(std::move(rr));
+}
+
+absl::Status RdmaTensorRequest::RecvError(const absl::Status& status) const {
+  return absl::Status(status.code(), absl::StrCat("recv of '", key_.full_key, "' from task ",
+                                                  channel_->peer_task(), ": ", status.message()));
+}
+
+void RdmaTensorRequest::RecvCopyContent() {
+  ChannelEnv* env = channel_->env();
+  if (!staging_.IsInitialized()) {
+    Deliver(RecvError(absl::DataLossError("content arrived for a request that named no buffer")),
+            Tensor(), false);
+    return;
+  }
+  if (env->data_validation) {
+    const uint64_t bytes = std::min<uint64_t>(meta_.tensor_bytes, staging_.TotalBytes());
+    if (absl::Status s = env->VerifyChecksum(key_.full_key, channel_->peer_task(),
+                                             staging_.data(), bytes, checksum_);
+        !s.ok()) {
+      Deliver(s, Tensor(), false);
+      return;
+    }
+  }
+  absl::StatusOr<ReadPayload> payload = ReadCopyPayload(
+      static_cast<const uint8_t*>(staging_.data()), staging_.TotalBytes(), allocator_);
+  if (!payload.ok()) {
+    Deliver(RecvError(payload.status()), Tensor(), false);
+    return;
+  }
+  if (!payload->is_dead) env->CountCopy(payload->tensor.TotalBytes());
+  // The buffer serves the name's next transfer.
+  channel_->copy_buffers().Return(key_.full_key, std::move(staging_));
+  staging_.Clear();
+  Deliver(absl::OkStatus(), payload->tensor, payload->is_dead);
+}
+
+absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
+  proto::TensorProto tp;
+  if (!tp.ParseFromArray(staging_.data(), static_cast<int>(meta_.tensor_bytes))) {
+    return RecvError(absl::DataLossError("the string tensor's TensorProto does not parse"));
+  }
+  return TensorFromProto(tp, allocator_);
+}
+
+void RdmaTensorRequest::RecvTensorContent() {
+  ChannelEnv* env = channel_->env();
+  TransitionTo(State::kDone);
+  if (finished()) return;
+  if (env->mode == VerbsMode::kCopy) {
+    RecvCopyContent();
+    return;
+  }
+  if (meta_.is_dead) {
+    Deliver(absl::OkStatus(), Tensor(), true);
+    return;
+  }
+  const void* landed = staging_.IsInitialized() ? staging_.data() : result_.data();
+  if (env->data_validation) {
+    if (absl::Status s = env->VerifyChecksum(key_.full_key, channel_->peer_task(), landed,
+                                             meta_.tensor_bytes, checksum_);
+        !s.ok()) {
+      Deliver(s, Tensor(), false);
+      return;
+    }
+  }
+  if (meta_.dtype == DataType::kString) {
+    absl::StatusOr<Tensor> t = ParseStringContent();
+    Deliver(t.status(), t.ok() ? *t : Tensor(), false);
+    return;
+  }
+  if (!result_.IsInitialized()) {
+    // No bytes (an empty tensor), or copy registration: allocate the result now.
+    absl::StatusOr<Tensor> t = Tensor::Allocate(allocator_, meta_.dtype, meta_.shape);
+    if (!t.ok()) {
+      Deliver(t.status(), Tensor(), false);
+      return;
+    }
+    result_ = *std::move(t);
+  }
+  if (staging_.IsInitialized() && meta_.tensor_bytes > 0) {
+    std::memcpy(result_.data(), staging_.data(), meta_.tensor_bytes);
+    env->CountCopy(meta_.tensor_bytes);
+  }
+  Tensor result = std::move(result_);
+  staging_.Clear();
+  transient_.reset();
+  Deliver(absl::OkStatus(), result, false);
+}
+
+void RdmaTensorRequest::Fail(const absl::Status& status) {
+  if (finished()) return;
+  Deliver(status, Tensor(), false);
+}
+
+void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead) {
+  RecvDoneCallback done = std::move(done_);
+  done_ = nullptr;
+  channel_->env()->deliver([done = std::move(done), status, tensor, is_dead]() mutable {
+    std::move(done)(status, tensor, is_dead);
+  });
+}
+
+std::vector<Tensor> RdmaTensorRequest::TakeMemory() {
+  std::vector<Tensor> memory;
+  if (result_.IsInitialized()) memory.push_back(std::move(result_));
+  if (staging_.IsInitialized()) memory.push_back(std::move(staging_));
+  result_.Clear();
+  staging_.Clear();
+  return memory;
+}
+
+}  // namespace tensorverbs::protocol

@@ -1,0 +1,97 @@
+// RdmaTensorRequest: the receiving side of one recv over a grpc+verbs channel (the owner's
+// state machine of seed 000).
+//
+//   kQueued --Start: REQUEST--> kRequested
+//   kRequested --META_DATA_RESPONSE: RE_REQUEST--> kReRequested
+//   kRequested / kReRequested --content immediate--> kDone (RecvTensorContent)
+//   kQueued --failed before sending--> kDone
+//
+// With a cached meta-data (keyed by rendezvous key, without step id) REQUEST already names the
+// destination and the sender writes at once; otherwise (and always for strings and in
+// validation mode) the meta-data round trip names it. `Fail` (abort, deadline, ERROR_STATUS,
+// channel closed) ends the recv at once but not the record: it keeps its index and destination
+// until the sender answers, so late content never lands in memory anyone else uses.
+//
+// Owned by its Channel; every method runs on the transport's progress thread. `done` runs
+// exactly once, through ChannelEnv::deliver (the worker's callback executor).
+#ifndef TENSORVERBS_PROTOCOL_TENSOR_REQUEST_H_
+#define TENSORVERBS_PROTOCOL_TENSOR_REQUEST_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/message.h"
+#include "src/rendezvous/parsed_key.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/tensor/allocator.h"
+#include "src/tensor/tensor.h"
+
+namespace tensorverbs::protocol {
+
+class Channel;
+
+class RdmaTensorRequest {
+ public:
+  enum class State { kQueued, kRequested, kReRequested, kDone };
+
+  RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, ParsedKey key,
+                    Allocator* allocator, absl::Time deadline, RecvDoneCallback done);
+
+  // Sends REQUEST; on a failure before sending, ends the recv and finishes the record.
+  void Start();
+  void RecvTensorMetaData(const Message& m);
+  void RecvTensorContent();
+  // Ends the recv with `status` if it has not ended; the record stays until the sender is done.
+  void Fail(const absl::Status& status);
+
+  uint32_t index() const { return index_; }
+  int64_t step_id() const { return step_id_; }
+  State state() const { return state_; }
+  bool finished() const { return !done_; }  // `done` has run
+  absl::Time deadline() const { return deadline_; }
+  const std::string& key() const { return key_.full_key; }
+  // The memory the sender may still write into.
+  std::vector<Tensor> TakeMemory();
+
+ private:
+  // The one place the state changes; DCHECKs that the transition is one of the diagram's.
+  void TransitionTo(State next);
+  // Allocates the destination for `meta` and returns where the sender writes.
+  absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, std::string* key);
+  // Copy mode: makes staging_ (the name's buffer) hold at least `bytes` and returns where the
+  // sender writes.
+  absl::Status PrepareCopyBuffer(uint64_t bytes, uint64_t* addr, std::string* key);
+  // Copy mode: offers the name's buffer from earlier transfers in `m`, if it has one.
+  void OfferCopyBuffer(Message& m);
+  void RecvCopyContent();
+  // The landed string tensor's TensorProto, parsed.
+  absl::StatusOr<Tensor> ParseStringContent() const;
+  // Prefixes `status` with the recv's key and peer.
+  absl::Status RecvError(const absl::Status& status) const;
+  void Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead);
+
+  Channel* const channel_;
+  const uint32_t index_;
+  const int64_t step_id_;
+  const ParsedKey key_;
+  Allocator* const allocator_;
+  const absl::Time deadline_;
+  RecvDoneCallback done_;
+  State state_ = State::kQueued;
+  TensorMetaData meta_;   // what the content will match
+  uint64_t checksum_ = 0;
+  Tensor result_;         // the destination, when the content lands in place
+  Tensor staging_;        // registered proxy (strings, unregistrable destinations, copy mode)
+  std::unique_ptr<fabric::MemoryRegion> transient_;  // per-transfer registration
+};
+
+const char* RequestStateName(RdmaTensorRequest::State state);
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_TENSOR_REQUEST_H_

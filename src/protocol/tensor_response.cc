@@ -1,0 +1,261 @@
+#include "src/protocol/tensor_response.h"
+
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "proto/tensor.pb.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/protocol/channel.h"
+#include "src/protocol/copy_mode.h"
+#include "src/tensor/tensor_codec.h"
+
+namespace tensorverbs::protocol {
+namespace {
+
+bool AllowedTransition(RdmaTensorResponse::State from, RdmaTensorResponse::State to) {
+  using State = RdmaTensorResponse::State;
+  switch (from) {
+    case State::kWaitTensor:
+      return to != State::kWaitTensor;
+    case State::kWaitReRequest:
+      return to == State::kWriting || to == State::kDone;
+    case State::kWriting:
+      return to == State::kDone;
+    case State::kDone:
+      return false;
+  }
+  return false;
+}
+
+}  // namespace
+
+const char* ResponseStateName(RdmaTensorResponse::State state) {
+  switch (state) {
+    case RdmaTensorResponse::State::kWaitTensor:
+      return "waiting for the tensor";
+    case RdmaTensorResponse::State::kWaitReRequest:
+      return "waiting for RE_REQUEST";
+    case RdmaTensorResponse::State::kWriting:
+      return "writing";
+    case RdmaTensorResponse::State::kDone:
+      return "done";
+  }
+  return "?";
+}
+
+RdmaTensorResponse::RdmaTensorResponse(Channel* channel, uint64_t serial, const Message& request)
+    : channel_(channel), serial_(serial), request_(request) {}
+
+void RdmaTensorResponse::TransitionTo(State next) {
+  DCHECK(AllowedTransition(state_, next))
+      << "response to request " << request_.request_index << " for '" << request_.name
+      << "': " << ResponseStateName(state_) << " -> " << ResponseStateName(next);
+  state_ = next;
+}
+
+void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous,
+                               const ParsedKey& key) {
+  rendezvous_ = std::move(rendezvous);
+  ChannelEnv* env = channel_->env();
+  const uint64_t channel_id = channel_->id(), serial = serial_;
+  const uint32_t index = request_.request_index;
+  auto post = env->post;
+  auto find = env->find_channel;
+  token_ = rendezvous_->RecvLocalAsync(
+      key, [post, find, channel_id, serial, index](const absl::Status& s, const Tensor& t,
+                                                  bool is_dead) {
+        post([find, channel_id, serial, index, s, t, is_dead]() mutable {
+          if (Channel* c = find(channel_id)) c->OnLocalTensor(serial, index, s, t, is_dead);
+        });
+      });
+}
+
+void RdmaTensorResponse::Cancel() {
+  if (state_ == State::kWaitTensor && rendezvous_ != nullptr && token_ != 0) {
+    rendezvous_->CancelLocalRecv(token_, absl::CancelledError("channel closed"));
+  }
+  if (state_ != State::kDone) TransitionTo(State::kDone);
+}
+
+absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
+  ChannelEnv* env = channel_->env();
+  if (meta_.is_dead) return absl::OkStatus();
+  if (tensor.dtype() == DataType::kString) {
+    // Its TensorProto travels from registered staging.
+    proto::TensorProto tp;
+    TensorToProto(tensor, &tp);
+    meta_.tensor_bytes = tp.ByteSizeLong();
+    ASSIGN_OR_RETURN(staging_, env->memory->AllocateStaging(meta_.tensor_bytes, &source_region_));
+    if (!tp.SerializeToArray(staging_.data(), static_cast<int>(meta_.tensor_bytes))) {
+      return absl::InternalError("serializing the string tensor failed");
+    }
+    source_ = staging_.data();
+    return absl::OkStatus();
+  }
+  if (meta_.tensor_bytes == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(source_region_,
+                   env->TransferRegion(tensor.data(), meta_.tensor_bytes,
+                                       &transient_));
+  if (source_region_ != nullptr) {
+    source_ = tensor.data();
+    return absl::OkStatus();
+  }
+  // Copy registration, or a tensor outside the registered pool: stage it.
+  ASSIGN_OR_RETURN(staging_,
+                   env->memory->StageCopyOf(tensor.data(), meta_.tensor_bytes, &source_region_));
+  env->CountCopy(meta_.tensor_bytes);
+  source_ = staging_.data();
+  return absl::OkStatus();
+}
+
+absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is_dead) {
+  ChannelEnv* env = channel_->env();
+  staging_ = channel_->copy_buffers().Take(request_.name);
+  uint64_t bytes = 0;
+  ASSIGN_OR_RETURN(source_region_,
+                   LayOutCopyPayload(env->memory, tensor, is_dead, &staging_, &bytes));
+  if (!is_dead) env->CountCopy(tensor.TotalBytes());
+  source_ = staging_.data();
+  meta_ = BufferMeta(bytes);
+  return absl::OkStatus();
+}
+
+bool RdmaTensorResponse::CanWriteNow() const {
+  if (channel_->env()->data_validation) return false;  // the checksum rides META_DATA_RESPONSE
+  if (channel_->env()->mode == VerbsMode::kCopy) {
+    // The receiver's buffer for this name is large enough (seed 002's TENSOR_WRITE); else it
+    // is asked for a larger one (its BUFFER_REQUEST).
+    return request_.remote_addr != 0 && IsBufferMeta(request_.meta) &&
+           request_.meta.tensor_bytes >= meta_.tensor_bytes;
+  }
+  return request_.meta == meta_ && meta_.dtype != DataType::kString &&
+         (meta_.tensor_bytes == 0 || request_.remote_addr != 0);
+}
+
+void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor, bool is_dead) {
+  ChannelEnv* env = channel_->env();
+  if (state_ != State::kWaitTensor) return;
+  if (!status.ok()) {
+    SendError(status);
+    return;
+  }
+  tensor_ = tensor;
+  absl::Status prepared;
+  if (env->mode == VerbsMode::kCopy) {
+    prepared = PrepareCopySource(tensor, is_dead);
+  } else {
+    meta_.dtype = tensor.dtype();
+    meta_.shape = tensor.shape();
+    meta_.is_dead = is_dead;
+    // A string tensor's size is its TensorProto's, which PrepareSource serializes.
+    meta_.tensor_bytes = is_dead ? 0 : tensor.TotalBytes();
+    prepared = PrepareSource(tensor);
+  }
+  if (!prepared.ok()) {
+    SendError(absl::Status(prepared.code(), absl::StrCat("the sender cannot transfer the tensor: ",
+                                                         prepared.message())));
+    return;
+  }
+  if (CanWriteNow()) {
+    WriteContent(request_.remote_addr, request_.remote_key);
+    return;
+  }
+  SendMetaData();
+}
+
+void RdmaTensorResponse::SendMetaData() {
+  ChannelEnv* env = channel_->env();
+  Message m;
+  m.type = MessageType::kMetaDataResponse;
+  m.name = request_.name;
+  m.step_id = request_.step_id;
+  m.request_index = request_.request_index;
+  m.meta = meta_;
+  if (env->data_validation) m.checksum = ContentChecksum(source_, meta_.tensor_bytes);
+  TransitionTo(State::kWaitReRequest);
+  env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
+  channel_->SendMessage(std::move(m));
+}
+
+void RdmaTensorResponse::RecvReRequest(const Message& m) {
+  if (state_ != State::kWaitReRequest) {
+    channel_->Close(absl::DataLossError(absl::StrCat(
+        "RE_REQUEST for request ", m.request_index, " that is not waiting for one")));
+    return;  // the close deleted this
+  }
+  if (m.remote_addr == 0 && meta_.tensor_bytes > 0 && !meta_.is_dead) {
+    // The receiver gave up on this recv (or could not allocate): nothing to write but the
+    // release, which the immediate alone carries.
+    meta_.tensor_bytes = 0;
+  }
+  WriteContent(m.remote_addr, m.remote_key);
+}
+
+void RdmaTensorResponse::WriteContent(uint64_t addr, const std::string& key) {
+  MessageBuffer* mb = channel_->message_buffer();
+  fabric::Endpoint* ep = channel_->endpoint();
+  TransitionTo(State::kWriting);
+  const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
+  const uint32_t imm = request_.request_index;
+  absl::Status s;
+  if (meta_.is_dead || meta_.tensor_bytes == 0) {
+    writes_left_ = 1;
+    s = ep->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(), imm, context);
+  } else {
+    // The last piece carries the immediate; pieces already posted when one is refused still
+    // complete.
+    auto* source = const_cast<uint8_t*>(static_cast<const uint8_t*>(source_));
+    std::tie(writes_left_, s) =
+        PostInPieces(meta_.tensor_bytes, [&](uint64_t offset, uint64_t len, bool last) {
+          fabric::LocalBuffer local{source_region_, source + offset, len};
+          fabric::RemoteBuffer remote{key, addr + offset, len};
+          return last ? ep->PostWriteWithImm(local, remote, imm, context)
+                      : ep->PostWrite(local, remote, context);
+        });
+  }
+  if (s.ok()) return;
+  if (writes_left_ > 0) {
+    channel_->Close(absl::UnavailableError(absl::StrCat(
+        "content write to task ", channel_->peer_task(), " failed midway: ", s.message())));
+    return;
+  }
+  // The target the receiver named is not writable (a bad key or range): report it to the
+  // receiver rather than trusting the peer's description.
+  SendError(absl::InvalidArgumentError(absl::StrCat(
+      "the sender could not write the tensor to the receiver's destination: ", s.message())));
+}
+
+bool RdmaTensorResponse::OnWriteDone() {
+  if (--writes_left_ > 0) return false;
+  ChannelEnv* env = channel_->env();
+  if (env->mode == VerbsMode::kCopy && staging_.IsInitialized()) {
+    channel_->copy_buffers().Return(request_.name, std::move(staging_));
+    staging_.Clear();
+  }
+  env->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
+  env->stats->content_bytes.fetch_add(static_cast<int64_t>(meta_.tensor_bytes),
+                                      std::memory_order_relaxed);
+  TransitionTo(State::kDone);
+  return true;
+}
+
+void RdmaTensorResponse::SendError(const absl::Status& status) {
+  ChannelEnv* env = channel_->env();
+  Message m;
+  m.type = MessageType::kErrorStatus;
+  m.name = request_.name;
+  m.step_id = request_.step_id;
+  m.request_index = request_.request_index;
+  m.error = status.ok() ? absl::InternalError("unknown error") : status;
+  TransitionTo(State::kDone);
+  env->stats->errors_sent.fetch_add(1, std::memory_order_relaxed);
+  // A failed send closes the channel, which deletes this response: nothing of `this` after it.
+  Channel* channel = channel_;
+  const uint32_t index = request_.request_index;
+  channel->SendMessage(std::move(m));
+  channel->FinishResponse(index);
+}
+
+}  // namespace tensorverbs::protocol

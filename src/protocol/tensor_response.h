@@ -1,0 +1,91 @@
+// RdmaTensorResponse: the sending side of one recv over a grpc+verbs channel (the acceptor's
+// state machine of seed 000).
+//
+//   kWaitTensor --local tensor; meta matches the request's: write content--> kWriting
+//   kWaitTensor --local tensor; otherwise: META_DATA_RESPONSE--> kWaitReRequest
+//   kWaitReRequest --RE_REQUEST: write content--> kWriting
+//   kWriting --last write completed--> kDone
+//   any --error: ERROR_STATUS, or Cancel--> kDone
+//
+// Any sender-side failure (bad key, stale incarnation, cleaned-up or aborted step,
+// unserializable tensor, unwritable destination) goes back as ERROR_STATUS with its code and
+// message. The response keeps the tensor (or its registered staging copy) alive until the
+// content writes complete.
+//
+// Owned by its Channel; every method runs on the transport's progress thread.
+#ifndef TENSORVERBS_PROTOCOL_TENSOR_RESPONSE_H_
+#define TENSORVERBS_PROTOCOL_TENSOR_RESPONSE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/message.h"
+#include "src/rendezvous/parsed_key.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/tensor/tensor.h"
+
+namespace tensorverbs::protocol {
+
+class Channel;
+
+class RdmaTensorResponse {
+ public:
+  enum class State { kWaitTensor, kWaitReRequest, kWriting, kDone };
+
+  RdmaTensorResponse(Channel* channel, uint64_t serial, const Message& request);
+
+  // Asks the local rendezvous for the tensor; Resume runs (on the progress thread) when sent.
+  void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key);
+  // The local tensor, or why there is none (then ERROR_STATUS, and the channel forgets this).
+  void Resume(const absl::Status& status, const Tensor& tensor, bool is_dead);
+  void RecvReRequest(const Message& m);
+  // One content write completed; true when the response is finished.
+  bool OnWriteDone();
+  // Stops waiting for the local tensor (channel closing).
+  void Cancel();
+
+  uint64_t serial() const { return serial_; }
+  uint32_t index() const { return request_.request_index; }
+  State state() const { return state_; }
+  // Holds its tensor and is still sending it.
+  bool in_progress() const {
+    return state_ == State::kWriting || state_ == State::kWaitReRequest;
+  }
+
+ private:
+  // The one place the state changes; DCHECKs that the transition is one of the diagram's.
+  void TransitionTo(State next);
+  absl::Status PrepareSource(const Tensor& tensor);
+  // Copy mode: lays the tensor out in the name's registered buffer (the copy in).
+  absl::Status PrepareCopySource(const Tensor& tensor, bool is_dead);
+  // Whether the request already named a destination the tensor fits.
+  bool CanWriteNow() const;
+  void WriteContent(uint64_t addr, const std::string& key);
+  // META_DATA_RESPONSE (in copy mode: the seed's BUFFER_REQUEST), then wait for RE_REQUEST.
+  void SendMetaData();
+  // ERROR_STATUS; the channel then forgets this response (deletes it).
+  void SendError(const absl::Status& status);
+
+  Channel* const channel_;
+  const uint64_t serial_;
+  const Message request_;  // REQUEST as received (name, step, index, target, meta)
+  State state_ = State::kWaitTensor;
+  std::shared_ptr<RemoteRendezvous> rendezvous_;
+  uint64_t token_ = 0;
+  TensorMetaData meta_;
+  Tensor tensor_;   // keeps the source alive until the writes complete
+  Tensor staging_;  // registered copy (strings, unregistered sources, copy mode)
+  const void* source_ = nullptr;
+  const fabric::MemoryRegion* source_region_ = nullptr;
+  std::unique_ptr<fabric::MemoryRegion> transient_;
+  int writes_left_ = 0;
+};
+
+const char* ResponseStateName(RdmaTensorResponse::State state);
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_TENSOR_RESPONSE_H_

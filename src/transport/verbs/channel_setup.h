@@ -1,0 +1,122 @@
+// ChannelSetup: the grpc+verbs transport's channels, by id, endpoint and owner task, and how
+// they are set up.
+//
+// The receiving task owns a channel per peer it receives from. OwnerChannel creates it on first
+// use and calls the peer's VerbsService.Connect with its endpoint address and message-buffer
+// key; the answer connects it (OnConnectDone). The peer's Accept checks fabric, protocol, wire
+// version and incarnation, replaces any older channel from that task, and answers with its own
+// end. CheckChannel answers the owner's liveness probes. Closed channels are collected by
+// Housekeeping; why an accepted channel closed is kept (bounded) so the owner's probe learns it.
+//
+// Threading: everything but ConnectPeers and WaitForCallbacks runs on the transport's progress
+// thread (the engine's owner thread), which owns the channels. ConnectPeers waits on another
+// thread; gRPC completion callbacks only post to the engine. The owner (VerbsTransport) outlives
+// it and destroys it after the engine stopped.
+#ifndef TENSORVERBS_TRANSPORT_VERBS_CHANNEL_SETUP_H_
+#define TENSORVERBS_TRANSPORT_VERBS_CHANNEL_SETUP_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/verbs.grpc.pb.h"
+#include "src/common/mutex.h"
+#include "src/protocol/channel.h"
+#include "src/protocol/progress_engine.h"
+#include "src/transport/verbs/verbs_stubs.h"
+
+namespace tensorverbs::verbs {
+
+class ChannelSetup {
+ public:
+  struct Options {
+    absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
+    absl::Duration connect_timeout = absl::Seconds(60);
+  };
+
+  ChannelSetup(Options options, protocol::ChannelEnv* env, protocol::ProgressEngine* engine,
+               VerbsStubs* stubs);
+  ChannelSetup(const ChannelSetup&) = delete;
+  ChannelSetup& operator=(const ChannelSetup&) = delete;
+
+  // Progress thread.
+  // The ready or connecting channel that receives from `task`, set up now if there is none.
+  absl::StatusOr<protocol::Channel*> OwnerChannel(const std::string& task);
+  // The acceptor's side of Connect.
+  absl::Status Accept(const proto::ConnectRequest& request, proto::ConnectResponse* response);
+  // The acceptor's side of a liveness probe.
+  void CheckChannel(const proto::CheckChannelRequest& request,
+                    proto::CheckChannelResponse* response);
+  protocol::Channel* Find(uint64_t id);
+  // Hands a completion to the channel of its endpoint.
+  void Dispatch(const fabric::Completion& c);
+  // Expires recvs past their deadline and forgets closed channels.
+  void Housekeeping(absl::Time now);
+  // Whether any endpoint has operations posted and not completed.
+  bool OperationsInFlight() const;
+  // Whether a response still holds a tensor a peer took.
+  bool ResponsesInProgress() const;
+  size_t NumReady() const;
+  void CloseAll(const absl::Status& status);
+  // Owner channels with recvs or reads pending: what the watchdog probes.
+  struct Probe {
+    std::string task;
+    std::string address;
+    uint64_t incarnation;
+    uint64_t channel_id;
+  };
+  std::vector<Probe> PendingPeers() const;
+  // Fails every owner channel's recvs of `step_id`.
+  void AbortStep(int64_t step_id, const absl::Status& status);
+
+  // Any thread but the progress thread: sets up channels to every peer task, waiting up to
+  // `timeout`. The error names the tasks whose channel could not be set up and why.
+  absl::Status ConnectPeers(const std::string& self, absl::Duration timeout);
+  // After the engine stopped: waits (up to `timeout`) for set-up calls still in flight, whose
+  // callbacks refer to this object, then drops every channel.
+  void Shutdown(absl::Duration timeout);
+
+ private:
+  void OnConnectDone(uint64_t channel_id, const grpc::Status& status);
+  // FailedPrecondition naming both tasks when `task`'s control messages use another layout.
+  absl::Status CheckWireVersion(const std::string& task, uint32_t version) const;
+  void RecordConnectResult(const std::string& task, const absl::Status& status);
+  protocol::Channel* Add(std::unique_ptr<protocol::Channel> channel);
+
+  const Options options_;
+  protocol::ChannelEnv* const env_;
+  protocol::ProgressEngine* const engine_;
+  VerbsStubs* const stubs_;
+
+  // Progress-thread state.
+  absl::flat_hash_map<uint64_t, std::unique_ptr<protocol::Channel>> channels_;
+  absl::flat_hash_map<fabric::Endpoint*, protocol::Channel*> by_endpoint_;
+  absl::flat_hash_map<std::string, uint64_t> owner_by_task_;
+  struct Connecting {
+    grpc::ClientContext context;
+    proto::ConnectRequest request;
+    proto::ConnectResponse response;
+  };
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
+  // Why recently closed acceptor channels closed, by (owner task, owner's channel id); bounded.
+  absl::flat_hash_map<std::pair<std::string, uint64_t>, absl::Status> closed_accepted_;
+  uint64_t next_channel_id_ = 1;
+
+  std::atomic<int> connects_in_flight_{0};
+  // Set-up results for ConnectPeers, written by the progress thread.
+  Mutex connect_mu_;
+  absl::flat_hash_map<std::string, absl::Status> connect_results_ ABSL_GUARDED_BY(connect_mu_);
+};
+
+}  // namespace tensorverbs::verbs
+
+#endif  // TENSORVERBS_TRANSPORT_VERBS_CHANNEL_SETUP_H_

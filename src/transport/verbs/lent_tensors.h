@@ -1,0 +1,54 @@
+// LentTensors: grpc+gdr's sender side. A tensor a RecvTensor response names instead of
+// carrying is lent: kept (or a registered copy of it, when it is not pool memory) under a
+// tensor key from the request-index space, until a zero-byte write whose immediate is that key
+// arrives from the requester, or the lease ends (a receiver that died or gave up never
+// releases).
+//
+// Owned by the transport; every method runs on its progress thread.
+#ifndef TENSORVERBS_TRANSPORT_VERBS_LENT_TENSORS_H_
+#define TENSORVERBS_TRANSPORT_VERBS_LENT_TENSORS_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "src/protocol/channel_env.h"
+#include "src/protocol/imm.h"
+#include "src/protocol/remote_tensor.h"
+#include "src/tensor/tensor.h"
+
+namespace tensorverbs::verbs {
+
+class LentTensors {
+ public:
+  // `env` (memory, stats) outlives this.
+  explicit LentTensors(const protocol::ChannelEnv* env) : env_(env) {}
+
+  // Keeps `tensor` for `requester` until `expires` and says where it can be read.
+  absl::StatusOr<protocol::RemoteTensorRef> Lend(const std::string& requester,
+                                                 const Tensor& tensor, absl::Time expires);
+  // `task` finished reading `tensor_key`. Unknown, already released or another task's keys are
+  // counted as dropped immediates and ignored.
+  void Release(const std::string& task, uint32_t tensor_key);
+  // Ends the leases that passed `now`.
+  void Expire(absl::Time now);
+  size_t size() const { return lent_.size(); }
+  bool empty() const { return lent_.empty(); }
+  void Clear() { lent_.clear(); }
+
+ private:
+  struct Lent {
+    Tensor tensor;
+    std::string requester;
+    absl::Time expires;
+  };
+  const protocol::ChannelEnv* const env_;
+  absl::flat_hash_map<uint32_t, Lent> lent_;
+  protocol::RequestIndexAllocator keys_;
+};
+
+}  // namespace tensorverbs::verbs
+
+#endif  // TENSORVERBS_TRANSPORT_VERBS_LENT_TENSORS_H_

@@ -1,0 +1,126 @@
+#include "src/transport/verbs/peer_watchdog.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "proto/verbs.grpc.pb.h"
+#include "src/common/logging.h"
+
+namespace tensorverbs::verbs {
+
+struct PeerWatchdog::Probe {
+  ChannelSetup::Probe peer;
+  grpc::ClientContext context;
+  proto::CheckChannelRequest request;
+  proto::CheckChannelResponse response;
+  grpc::Status status;
+};
+
+PeerWatchdog::PeerWatchdog(std::string self, absl::Duration peer_timeout,
+                           protocol::ProgressEngine* engine, ChannelSetup* channels,
+                           VerbsStubs* stubs)
+    : self_(std::move(self)),
+      peer_timeout_(peer_timeout),
+      engine_(engine),
+      channels_(channels),
+      stubs_(stubs) {}
+
+PeerWatchdog::~PeerWatchdog() { Stop(); }
+
+void PeerWatchdog::Start() {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+void PeerWatchdog::Stop() {
+  {
+    MutexLock lock(&mu_);
+    stop_ = true;
+    for (const std::shared_ptr<Probe>& probe : round_) probe->context.TryCancel();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void PeerWatchdog::Loop() {
+  const absl::Duration interval =
+      std::clamp(peer_timeout_ / 4, absl::Milliseconds(25), absl::Seconds(5));
+  while (true) {
+    {
+      MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; },
+                               interval)) {
+        return;
+      }
+    }
+    absl::StatusOr<std::vector<ChannelSetup::Probe>> peers =
+        engine_->AskLoop<std::vector<ChannelSetup::Probe>>(
+            [this] { return channels_->PendingPeers(); }, absl::Seconds(5));
+    if (absl::IsCancelled(peers.status())) return;
+    if (!peers.ok() || peers->empty()) continue;
+    ProbeRound(*peers);
+  }
+}
+
+void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers) {
+  std::vector<std::shared_ptr<Probe>> round;
+  {
+    MutexLock lock(&mu_);
+    if (stop_) return;
+    for (const ChannelSetup::Probe& peer : peers) {
+      auto probe = std::make_shared<Probe>();
+      probe->peer = peer;
+      probe->context.set_deadline(absl::ToChronoTime(absl::Now() + peer_timeout_));
+      probe->context.set_wait_for_ready(true);
+      probe->request.set_task_name(self_);
+      probe->request.set_channel_id(peer.channel_id);
+      round.push_back(probe);
+    }
+    round_ = round;
+    outstanding_ = static_cast<int>(round.size());
+  }
+  for (const std::shared_ptr<Probe>& probe : round) {
+    std::shared_ptr<proto::VerbsService::Stub> stub =
+        stubs_->Get(probe->peer.task, probe->peer.address);
+    stub->async()->CheckChannel(&probe->context, &probe->request, &probe->response,
+                                [this, probe](grpc::Status status) {
+                                  probe->status = std::move(status);
+                                  MutexLock lock(&mu_);
+                                  --outstanding_;
+                                });
+  }
+  MutexLock lock(&mu_);
+  mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return outstanding_ == 0; });
+  round_.clear();
+  if (stop_) return;
+  for (const std::shared_ptr<Probe>& probe : round) Judge(*probe);
+}
+
+void PeerWatchdog::Judge(const Probe& probe) {
+  const ChannelSetup::Probe& peer = probe.peer;
+  absl::Status verdict;
+  if (!probe.status.ok()) {
+    verdict = absl::UnavailableError(absl::StrCat(
+        "task ", peer.task, " at ", peer.address,
+        " stopped answering (no reply within TENSORVERBS_PEER_TIMEOUT_MS=",
+        absl::ToInt64Milliseconds(peer_timeout_), "): ", probe.status.error_message()));
+  } else if (probe.response.incarnation() != peer.incarnation) {
+    verdict = absl::AbortedError(absl::StrFormat(
+        "task %s restarted (incarnation %016x, now %016x): its tensors of the old incarnation "
+        "are gone",
+        peer.task, peer.incarnation, probe.response.incarnation()));
+  } else if (!probe.response.open()) {
+    verdict = absl::UnavailableError(absl::StrCat("task ", peer.task,
+                                                  " closed its end of the channel: ",
+                                                  probe.response.reason()));
+  }
+  if (verdict.ok()) return;
+  LOG(WARNING) << "grpc+verbs: " << verdict.message();
+  const uint64_t id = peer.channel_id;
+  engine_->Post([this, id, verdict]() mutable {
+    if (protocol::Channel* c = channels_->Find(id)) c->Close(verdict);
+  });
+}
+
+}  // namespace tensorverbs::verbs

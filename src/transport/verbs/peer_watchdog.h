@@ -1,0 +1,66 @@
+// PeerWatchdog: liveness of the peers a task receives from. libfabric reports nothing when a
+// peer dies, so every `peer_timeout / 4` (clamped to 25 ms .. 5 s) the watchdog asks the
+// progress thread which owner channels have recvs pending and probes each such peer with
+// VerbsService.CheckChannel, all probes of a round in flight at once on gRPC's async API. A
+// peer that does not answer within `peer_timeout` fails its recvs with Unavailable naming it;
+// one that answers with a new incarnation fails them with Aborted ("restarted"); one that
+// closed its end of the channel fails them with its reason. The verdict closes the channel on
+// the progress thread, and the next recv from that task sets up a new one.
+//
+// One thread (its own), started by Start and joined by Stop (idempotent, any thread but its
+// own). Stop cancels the probes in flight and waits for their callbacks, so nothing refers to
+// the watchdog after it returns.
+#ifndef TENSORVERBS_TRANSPORT_VERBS_PEER_WATCHDOG_H_
+#define TENSORVERBS_TRANSPORT_VERBS_PEER_WATCHDOG_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/time/time.h"
+#include "src/common/mutex.h"
+#include "src/protocol/progress_engine.h"
+#include "src/transport/verbs/channel_setup.h"
+#include "src/transport/verbs/verbs_stubs.h"
+
+namespace tensorverbs::verbs {
+
+class PeerWatchdog {
+ public:
+  // `self` is this task's name (the probes carry it); the others outlive the watchdog.
+  PeerWatchdog(std::string self, absl::Duration peer_timeout, protocol::ProgressEngine* engine,
+               ChannelSetup* channels, VerbsStubs* stubs);
+  PeerWatchdog(const PeerWatchdog&) = delete;
+  PeerWatchdog& operator=(const PeerWatchdog&) = delete;
+  ~PeerWatchdog();  // Stop()
+
+  void Start();
+  void Stop();
+
+ private:
+  struct Probe;
+  void Loop();
+  // Probes every peer of `peers` at once and returns when every probe has an answer (or was
+  // cancelled by Stop).
+  void ProbeRound(const std::vector<ChannelSetup::Probe>& peers);
+  // The verdict on one answer, applied on the progress thread.
+  void Judge(const Probe& probe);
+
+  const std::string self_;
+  const absl::Duration peer_timeout_;
+  protocol::ProgressEngine* const engine_;
+  ChannelSetup* const channels_;
+  VerbsStubs* const stubs_;
+
+  Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int outstanding_ ABSL_GUARDED_BY(mu_) = 0;  // probes of the current round without an answer
+  std::vector<std::shared_ptr<Probe>> round_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace tensorverbs::verbs
+
+#endif  // TENSORVERBS_TRANSPORT_VERBS_PEER_WATCHDOG_H_

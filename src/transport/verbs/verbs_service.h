@@ -1,0 +1,37 @@
+// VerbsServiceImpl: the gRPC service a grpc+verbs task serves on its port for its peers:
+// Connect (channel set-up) and CheckChannel (liveness probes). Each call runs on a gRPC
+// callback thread, which only posts the work to the progress thread (ChannelSetup owns the
+// channels there) and returns; the reactor finishes once, with the answer, or with Unavailable
+// when the transport is shutting down. Registered on the server's builder before it starts;
+// outlives the gRPC server's shutdown.
+#ifndef TENSORVERBS_TRANSPORT_VERBS_VERBS_SERVICE_H_
+#define TENSORVERBS_TRANSPORT_VERBS_VERBS_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "proto/verbs.grpc.pb.h"
+#include "src/protocol/progress_engine.h"
+#include "src/transport/verbs/channel_setup.h"
+
+namespace tensorverbs::verbs {
+
+class VerbsServiceImpl final : public proto::VerbsService::CallbackService {
+ public:
+  VerbsServiceImpl(protocol::ProgressEngine* engine, ChannelSetup* channels)
+      : engine_(engine), channels_(channels) {}
+
+  grpc::ServerUnaryReactor* Connect(grpc::CallbackServerContext* context,
+                                    const proto::ConnectRequest* request,
+                                    proto::ConnectResponse* response) override;
+  grpc::ServerUnaryReactor* CheckChannel(grpc::CallbackServerContext* context,
+                                         const proto::CheckChannelRequest* request,
+                                         proto::CheckChannelResponse* response) override;
+
+ private:
+  protocol::ProgressEngine* const engine_;
+  ChannelSetup* const channels_;
+};
+
+}  // namespace tensorverbs::verbs
+
+#endif  // TENSORVERBS_TRANSPORT_VERBS_VERBS_SERVICE_H_

@@ -1,0 +1,40 @@
+// VerbsStubs: the VerbsService clients of the other tasks, one per task, created on first use
+// and kept for the transport's life (channel set-up and the watchdog's probes share them).
+// Thread-safe.
+#ifndef TENSORVERBS_TRANSPORT_VERBS_VERBS_STUBS_H_
+#define TENSORVERBS_TRANSPORT_VERBS_VERBS_STUBS_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "proto/verbs.grpc.pb.h"
+#include "src/common/mutex.h"
+#include "src/rpc/grpc_util.h"
+
+namespace tensorverbs::verbs {
+
+class VerbsStubs {
+ public:
+  // The client of `task` at `address` (host:port).
+  std::shared_ptr<proto::VerbsService::Stub> Get(const std::string& task,
+                                                 const std::string& address) {
+    MutexLock lock(&mu_);
+    std::shared_ptr<proto::VerbsService::Stub>& stub = stubs_[task];
+    if (stub == nullptr) {
+      stub = proto::VerbsService::NewStub(grpc::CreateCustomChannel(
+          address, grpc::InsecureChannelCredentials(), rpc::ClientChannelArguments()));
+    }
+    return stub;
+  }
+
+ private:
+  Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<proto::VerbsService::Stub>> stubs_
+      ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorverbs::verbs
+
+#endif  // TENSORVERBS_TRANSPORT_VERBS_VERBS_STUBS_H_

@@ -1,0 +1,250 @@
+#include "src/transport/verbs/verbs_transport.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/transport/verbs/channel_setup.h"
+#include "src/transport/verbs/lent_tensors.h"
+#include "src/transport/verbs/peer_watchdog.h"
+#include "src/transport/verbs/verbs_service.h"
+#include "src/transport/verbs/verbs_stubs.h"
+
+namespace tensorverbs::verbs {
+namespace {
+
+constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
+
+}  // namespace
+
+VerbsOptions VerbsOptions::FromConfig(const Config& config) {
+  VerbsOptions o;
+  o.recv_timeout = config.recv_timeout;
+  o.fabric = config.fabric;
+  o.ofi_provider = config.ofi_provider;
+  o.rdma = config.rdma;
+  o.message_slots = config.message_slots;
+  o.message_batch = config.message_batch;
+  o.poll_mode = config.poll_mode;
+  o.poll_spin = config.poll_spin;
+  o.data_validation = config.data_validation;
+  o.registration = config.registration;
+  o.peer_timeout = config.peer_timeout;
+  o.connect_timeout = config.connect_timeout;
+  return o;
+}
+
+VerbsTransport::VerbsTransport(VerbsOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(VerbsOptions options) {
+  if (options.env == nullptr || options.pool == nullptr) {
+    return absl::InvalidArgumentError("VerbsTransport needs a worker env and a pool");
+  }
+  auto transport = std::unique_ptr<VerbsTransport>(new VerbsTransport(std::move(options)));
+  RETURN_IF_ERROR(transport->Start());
+  return transport;
+}
+
+absl::Status VerbsTransport::Start() {
+  ASSIGN_OR_RETURN(protocol::PollMode poll_mode, protocol::ParsePollMode(options_.poll_mode));
+  ASSIGN_OR_RETURN(protocol::Registration registration,
+                   protocol::ParseRegistration(options_.registration));
+  fabric::FabricChoice choice;
+  choice.fabric = options_.fabric;
+  choice.ofi_provider = options_.ofi_provider;
+  choice.all_peers_local = options_.all_peers_local;
+  choice.rdma = options_.rdma;
+  absl::StatusOr<std::unique_ptr<fabric::Domain>> domain = fabric::OpenFabric(choice);
+  if (!domain.ok()) {
+    return absl::Status(domain.status().code(),
+                        absl::StrCat("grpc+verbs: ", domain.status().message(),
+                                     ", or use --protocol grpc"));
+  }
+  domain_ = *std::move(domain);
+  memory_ = std::make_unique<protocol::RdmaMemoryMgr>(domain_.get(), options_.pool);
+
+  protocol::ProgressEngine::Options engine_options;
+  engine_options.poll_mode = poll_mode;
+  engine_options.poll_spin = options_.poll_spin;
+  protocol::ProgressEngine::Hooks hooks;
+  hooks.on_completion = [this](const fabric::Completion& c) { channels_->Dispatch(c); };
+  hooks.housekeeping = [this](absl::Time now) { Housekeeping(now); };
+  hooks.operations_in_flight = [this] { return OperationsInFlight(); };
+  engine_ = std::make_unique<protocol::ProgressEngine>(
+      domain_.get(), options_.env->callback_executor, engine_options, std::move(hooks));
+
+  channel_env_.worker = options_.env;
+  channel_env_.memory = memory_.get();
+  channel_env_.domain = domain_.get();
+  channel_env_.stats = &stats_;
+  channel_env_.registration = registration;
+  channel_env_.mode = options_.mode;
+  channel_env_.data_validation = options_.data_validation;
+  channel_env_.message_slots = options_.message_slots;
+  channel_env_.message_batch = options_.message_batch;
+  channel_env_.quarantine = options_.peer_timeout;
+  channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
+  channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };
+  channel_env_.deliver = [this](Executor::Task callback) {
+    engine_->Deliver(std::move(callback));
+  };
+  channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
+    quarantine_.emplace_back(until, std::move(memory));
+  };
+  channel_env_.release_lent = [this](const std::string& task, uint32_t key) {
+    lent_->Release(task, key);
+  };
+  channel_env_.on_owner_thread = [this] { return engine_->OnOwnerThread(); };
+
+  stubs_ = std::make_unique<VerbsStubs>();
+  ChannelSetup::Options setup;
+  setup.task_addresses = options_.task_addresses;
+  setup.connect_timeout = options_.connect_timeout;
+  channels_ = std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, engine_.get(),
+                                             stubs_.get());
+  lent_ = std::make_unique<LentTensors>(&channel_env_);
+  service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get());
+  watchdog_ = std::make_unique<PeerWatchdog>(options_.env->task_name, options_.peer_timeout,
+                                             engine_.get(), channels_.get(), stubs_.get());
+
+  engine_->Start();
+  watchdog_->Start();
+  LOG(INFO) << "task " << options_.env->task_name << ": "
+            << protocol::VerbsModeProtocol(options_.mode) << " over " << fabric_name() << ", "
+            << options_.message_slots << " message slots (batches of up to "
+            << options_.message_batch << "), " << protocol::RegistrationName(registration)
+            << " registration, " << options_.poll_mode << " polling"
+            << (options_.data_validation ? ", data validation on" : "");
+  return absl::OkStatus();
+}
+
+VerbsTransport::~VerbsTransport() { Shutdown(); }
+
+grpc::Service* VerbsTransport::service() { return service_.get(); }
+
+std::string VerbsTransport::fabric_name() const {
+  const fabric::Capabilities& caps = domain_->capabilities();
+  return absl::StrCat(caps.backend, " (", caps.provider, ")");
+}
+
+bool VerbsTransport::OperationsInFlight() const {
+  // A lent tensor is about to be read, and on shm the reads progress through this side too.
+  return !lent_->empty() || channels_->OperationsInFlight();
+}
+
+void VerbsTransport::Housekeeping(absl::Time now) {
+  channels_->Housekeeping(now);
+  quarantine_.erase(std::remove_if(quarantine_.begin(), quarantine_.end(),
+                                   [now](const auto& q) { return q.first <= now; }),
+                    quarantine_.end());
+  lent_->Expire(now);
+}
+
+void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
+                          Allocator* allocator, RecvDoneCallback done) {
+  const absl::Time deadline = absl::Now() + options_.recv_timeout;
+  auto holder = std::make_shared<RecvDoneCallback>(std::move(done));
+  protocol::ProgressEngine::Task task = [this, rendezvous, key, allocator, deadline,
+                                         holder]() mutable {
+    // An abort that raced with this recv's start: its AbortStep ran before this task, so the
+    // step's status already tells.
+    if (absl::Status s = rendezvous->status(); !s.ok()) {
+      options_.env->callback_executor->Schedule(
+          [holder, s]() mutable { std::move(*holder)(s, Tensor(), false); });
+      return;
+    }
+    absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(key.src.TaskName());
+    if (!channel.ok()) {
+      absl::Status s = absl::Status(channel.status().code(),
+                                    absl::StrCat("recv of '", key.full_key, "': ",
+                                                 channel.status().message()));
+      options_.env->callback_executor->Schedule(
+          [holder, s]() mutable { std::move(*holder)(s, Tensor(), false); });
+      return;
+    }
+    (*channel)->StartRecv(rendezvous->step_id(), key, allocator, deadline, std::move(*holder));
+  };
+  if (!engine_->Post(task)) {
+    std::move(*holder)(absl::CancelledError(absl::StrCat(
+                           "recv of '", key.full_key, "': the server is shutting down")),
+                       Tensor(), false);
+  }
+}
+
+void VerbsTransport::Lend(
+    const std::string& requester, const Tensor& tensor,
+    absl::AnyInvocable<void(absl::StatusOr<protocol::RemoteTensorRef>) &&> done) {
+  auto holder = std::make_shared<decltype(done)>(std::move(done));
+  protocol::ProgressEngine::Task task = [this, requester, tensor, holder]() mutable {
+    std::move(*holder)(lent_->Lend(requester, tensor,
+                                    absl::Now() + options_.recv_timeout + options_.peer_timeout));
+  };
+  if (!engine_->Post(task)) {
+    std::move(*holder)(absl::UnavailableError(absl::StrCat(
+        "task ", options_.env->task_name, " is shutting down")));
+  }
+}
+
+size_t VerbsTransport::NumLentTensors() {
+  return engine_->AskLoop<size_t>([this] { return lent_->size(); }).value_or(0);
+}
+
+void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorRef& ref,
+                          Tensor dest, absl::AnyInvocable<void(const absl::Status&) &&> done) {
+  const absl::Time deadline = absl::Now() + options_.recv_timeout;
+  auto holder = std::make_shared<decltype(done)>(std::move(done));
+  protocol::ProgressEngine::Task t = [this, task, ref, dest, deadline, holder]() mutable {
+    absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(task);
+    if (!channel.ok()) {
+      std::move(*holder)(channel.status());
+      return;
+    }
+    (*channel)->StartPull(ref, std::move(dest), deadline, std::move(*holder));
+  };
+  if (!engine_->Post(t)) {
+    std::move(*holder)(absl::CancelledError(absl::StrCat(
+        "task ", options_.env->task_name, " is shutting down")));
+  }
+}
+
+void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
+  engine_->Post([this, step_id, status]() mutable { channels_->AbortStep(step_id, status); });
+}
+
+absl::Status VerbsTransport::ConnectPeers(absl::Duration timeout) {
+  return channels_->ConnectPeers(options_.env->task_name, timeout);
+}
+
+size_t VerbsTransport::NumReadyChannels() {
+  return engine_->AskLoop<size_t>([this] { return channels_->NumReady(); }).value_or(0);
+}
+
+void VerbsTransport::Shutdown() {
+  if (engine_ == nullptr || shut_down_.exchange(true)) return;
+  watchdog_->Stop();
+  // Tensors a peer already took from this task's table are still on their way (a write posted
+  // or about to be, a lent tensor being read): let them finish, as gRPC's shutdown lets
+  // responses in progress finish, for up to kShutdownGrace.
+  const absl::Time grace_end = absl::Now() + kShutdownGrace;
+  while (absl::Now() < grace_end) {
+    absl::StatusOr<bool> busy = engine_->AskLoop<bool>(
+        [this] { return !lent_->empty() || channels_->ResponsesInProgress(); },
+        absl::Seconds(1));
+    if (!busy.ok() || !*busy) break;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  engine_->Post([this]() mutable {
+    channels_->CloseAll(absl::CancelledError(
+        absl::StrCat("task ", options_.env->task_name, " is shutting down")));
+  });
+  engine_->Stop();
+  channels_->Shutdown(absl::Seconds(10));
+  quarantine_.clear();
+  lent_->Clear();
+  memory_.reset();
+}
+
+}  // namespace tensorverbs::verbs

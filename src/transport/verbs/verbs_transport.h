@@ -1,0 +1,148 @@
+// VerbsTransport: the grpc+verbs protocol engine of one server (also grpc+verbs-copy, and the
+// RDMA half of grpc+gdr).
+//
+// It owns the fabric domain (chosen by fabric::OpenFabric's policy from VerbsOptions::fabric),
+// the memory manager, and the parts that run the protocol on it:
+// - ProgressEngine (protocol/progress_engine.h): the one thread that touches the domain and
+//   every channel; other threads reach them by posting tasks to it.
+// - ChannelSetup (channel_setup.h): the channels and their set-up over VerbsService.Connect,
+//   served by VerbsServiceImpl (verbs_service.h) on the server's gRPC port.
+// - PeerWatchdog (peer_watchdog.h): liveness probes of peers with pending recvs.
+// - LentTensors (lent_tensors.h): grpc+gdr's tensors lent to readers.
+// Recv() starts a recv of a remote tensor: on first use of a peer the channel is set up by one
+// Connect RPC, then the tensor moves by RDMA as protocol/channel.h describes.
+//
+// Configuration comes in VerbsOptions only (the server fills it from the environment at its
+// edge), so two differently configured transports can run in one process.
+//
+// Thread-safety: public methods may be called from any thread; Recv, AbortStep, Lend and Pull
+// also from the progress thread (inline callbacks), the others not. User callbacks run on the
+// worker's callback executor (inline when it has no threads), each exactly once. Shutdown()
+// (also run by the destructor) first lets tensors that peers already took finish sending (up
+// to 2 s), then fails whatever is pending with Cancelled and joins the threads.
+#ifndef TENSORVERBS_TRANSPORT_VERBS_VERBS_TRANSPORT_H_
+#define TENSORVERBS_TRANSPORT_VERBS_VERBS_TRANSPORT_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "src/common/config.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/channel_env.h"
+#include "src/protocol/memory_mgr.h"
+#include "src/protocol/progress_engine.h"
+#include "src/protocol/remote_tensor.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/rendezvous/rendezvous_mgr.h"
+
+namespace tensorverbs::verbs {
+
+class ChannelSetup;
+class LentTensors;
+class PeerWatchdog;
+class VerbsServiceImpl;
+class VerbsStubs;
+
+// The defaults are the documented defaults of the TENSORVERBS_* variables named beside each.
+struct VerbsOptions {
+  const WorkerEnv* env = nullptr;
+  PoolAllocator* pool = nullptr;  // registered once per region; staging comes from it too
+  absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
+  bool all_peers_local = false;  // every task runs on this host (shm is then a candidate)
+  absl::Duration recv_timeout = absl::Minutes(10);  // TENSORVERBS_RECV_TIMEOUT_MS
+  std::string fabric = "auto";                      // TENSORVERBS_FABRIC
+  std::string ofi_provider;                         // TENSORVERBS_OFI_PROVIDER (empty: choose)
+  RdmaConfig rdma;                                  // the RDMA_* variables (ibverbs)
+  int message_slots = 8;                            // TENSORVERBS_MESSAGE_SLOTS
+  int message_batch = 32;                           // TENSORVERBS_MESSAGE_BATCH
+  std::string poll_mode = "adaptive";               // TENSORVERBS_POLL_MODE
+  absl::Duration poll_spin = absl::Microseconds(50);  // TENSORVERBS_POLL_SPIN_US
+  bool data_validation = false;                     // TENSORVERBS_DATA_VALIDATION
+  std::string registration = "pool";                // TENSORVERBS_REGISTRATION
+  protocol::VerbsMode mode = protocol::VerbsMode::kZeroCopy;  // set from the protocol
+  absl::Duration peer_timeout = absl::Seconds(10);     // TENSORVERBS_PEER_TIMEOUT_MS
+  absl::Duration connect_timeout = absl::Seconds(60);  // TENSORVERBS_CONNECT_TIMEOUT_MS
+
+  // The settings above that have a variable, from `config`.
+  static VerbsOptions FromConfig(const Config& config);
+};
+
+class VerbsTransport : public protocol::TensorLender, public protocol::TensorPuller {
+ public:
+  static absl::StatusOr<std::unique_ptr<VerbsTransport>> Create(VerbsOptions options);
+  VerbsTransport(const VerbsTransport&) = delete;
+  VerbsTransport& operator=(const VerbsTransport&) = delete;
+  ~VerbsTransport() override;
+
+  // The service to register on the server's gRPC port, before it starts.
+  grpc::Service* service();
+  // Where requests from peers find the local sends. Set before the server starts serving.
+  void set_rendezvous_mgr(RendezvousMgr* mgr) { channel_env_.rendezvous_mgr = mgr; }
+
+  // Receives `key` (its source task is a peer) for `rendezvous`'s step into memory from
+  // `allocator`. The recv fails at once if the rendezvous was aborted before it started.
+  void Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
+            Allocator* allocator, RecvDoneCallback done);
+  // Fails the step's pending recvs with `status`.
+  void AbortStep(int64_t step_id, const absl::Status& status);
+
+  // grpc+gdr (VerbsMode::kGdr). Lend: the sender keeps `tensor` (or a registered copy of it)
+  // for `requester` until a release immediate from that task names it, or the lease of
+  // recv_timeout + peer_timeout passes. Pull: the receiver reads it over its channel to `task`
+  // (set up on first use) and releases it.
+  void Lend(const std::string& requester, const Tensor& tensor,
+            absl::AnyInvocable<void(absl::StatusOr<protocol::RemoteTensorRef>) &&> done) override;
+  void Pull(const std::string& task, const protocol::RemoteTensorRef& ref, Tensor dest,
+            absl::AnyInvocable<void(const absl::Status&) &&> done) override;
+  // Tensors lent and not yet released (any thread; asks the loop).
+  size_t NumLentTensors();
+
+  // Sets up channels to every peer task, waiting up to `timeout` (wait-for-peers). The error
+  // names the tasks whose channel could not be set up and why.
+  absl::Status ConnectPeers(absl::Duration timeout);
+
+  // "ofi (shm)", "ibverbs (mlx5_0:1)", "loopback (loopback)".
+  std::string fabric_name() const;
+  const protocol::VerbsStats& stats() const { return stats_; }
+  // For fault injection in tests (loopback::SetFaults is thread-safe); nothing else may use it.
+  fabric::Domain* domain_for_testing() { return domain_.get(); }
+  // Channels that are set up, of both roles, for tests and tools (any thread; asks the loop).
+  size_t NumReadyChannels();
+
+  void Shutdown();
+
+ private:
+  explicit VerbsTransport(VerbsOptions options);
+  absl::Status Start();
+  // Progress thread.
+  void Housekeeping(absl::Time now);
+  bool OperationsInFlight() const;
+
+  const VerbsOptions options_;
+  protocol::VerbsStats stats_;
+  std::unique_ptr<fabric::Domain> domain_;
+  std::unique_ptr<protocol::RdmaMemoryMgr> memory_;
+  protocol::ChannelEnv channel_env_;
+  std::unique_ptr<protocol::ProgressEngine> engine_;
+  std::unique_ptr<VerbsStubs> stubs_;
+  std::unique_ptr<ChannelSetup> channels_;
+  std::unique_ptr<VerbsServiceImpl> service_;
+  std::unique_ptr<PeerWatchdog> watchdog_;
+
+  // Progress-thread state.
+  std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
+  std::unique_ptr<LentTensors> lent_;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace tensorverbs::verbs
+
+#endif  // TENSORVERBS_TRANSPORT_VERBS_VERBS_TRANSPORT_H_
