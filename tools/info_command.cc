@@ -59,9 +59,8 @@ int RunInfoCommand() {
   for (const std::string& p : inventory.ofi_providers) std::printf("  %s\n", p.c_str());
   std::printf("  would use: %s for peers on this host, %s for remote peers%s\n",
               inventory.ofi_local_choice.c_str(), inventory.ofi_remote_choice.c_str(),
-              config.ofi_provider.empty()
-                  ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
-                  : " (TENSORVERBS_OFI_PROVIDER)");
+              config.ofi_provider.empty() ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
+                                          : " (TENSORVERBS_OFI_PROVIDER)");
 
   rlimit memlock{};
   getrlimit(RLIMIT_MEMLOCK, &memlock);
@@ -88,9 +87,10 @@ int RunInfoCommand() {
               r.port ? absl::StrCat(r.port).c_str() : "(auto)",
               r.gid_index >= 0 ? absl::StrCat(r.gid_index).c_str() : "(auto)",
               r.mtu ? absl::StrCat(r.mtu).c_str() : "(active)");
-  std::printf("  RDMA_QP_QUEUE_DEPTH %d, RDMA_QP_TIMEOUT %d, RDMA_QP_RETRY_COUNT %d, RDMA_QP_SL %d, "
-              "RDMA_QP_PKEY_INDEX %d, RDMA_TRAFFIC_CLASS %d\n",
-              r.queue_depth, r.timeout, r.retry_count, r.sl, r.pkey_index, r.traffic_class);
+  std::printf(
+      "  RDMA_QP_QUEUE_DEPTH %d, RDMA_QP_TIMEOUT %d, RDMA_QP_RETRY_COUNT %d, RDMA_QP_SL %d, "
+      "RDMA_QP_PKEY_INDEX %d, RDMA_TRAFFIC_CLASS %d\n",
+      r.queue_depth, r.timeout, r.retry_count, r.sl, r.pkey_index, r.traffic_class);
   for (const std::string& w : config.warnings) std::printf("  warning: %s\n", w.c_str());
   return 0;
 }

@@ -23,7 +23,8 @@ std::vector<std::string> BackendNames() {
 
 absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
                                                    const DomainOptions& options) {
-  if (options.queue_depth == 0) return absl::InvalidArgumentError("fabric: queue depth must be > 0");
+  if (options.queue_depth == 0)
+    return absl::InvalidArgumentError("fabric: queue depth must be > 0");
   if (backend == "loopback") return loopback::OpenLoopbackDomain(options);
   if (backend == "ofi") {
     if (options.provider.empty()) {
@@ -36,8 +37,8 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
 #if defined(TENSORVERBS_HAVE_IBVERBS)
   if (backend == "ibverbs") return ibverbs::OpenIbverbsDomain(options, options.rdma);
 #endif
-  return absl::InvalidArgumentError(absl::StrCat("fabric: unknown backend '", backend,
-                                                 "'; available: ", absl::StrJoin(BackendNames(), ", ")));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "fabric: unknown backend '", backend, "'; available: ", absl::StrJoin(BackendNames(), ", ")));
 }
 
 std::string ChooseOfiProvider(const std::string& configured, bool all_peers_local,
@@ -64,15 +65,15 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
   if (fabric == "loopback" || fabric == "ibverbs") {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(fabric, options);
     if (!d.ok()) {
-      return absl::Status(d.status().code(), absl::StrCat("TENSORVERBS_FABRIC=", fabric,
-                                                          " cannot be opened: ",
-                                                          d.status().message()));
+      return absl::Status(
+          d.status().code(),
+          absl::StrCat("TENSORVERBS_FABRIC=", fabric, " cannot be opened: ", d.status().message()));
     }
     return d;
   }
   if (fabric != "auto" && fabric != "ofi") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown fabric '", fabric, "'; expected auto, ofi, ibverbs or loopback"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown fabric '", fabric, "'; expected auto, ofi, ibverbs or loopback"));
   }
   std::string ibverbs_reason;
 #if defined(TENSORVERBS_HAVE_IBVERBS)
@@ -128,7 +129,8 @@ FabricInventory ReadFabricInventory(const FabricChoice& choice) {
     }
   }
   inventory.ofi_providers = ListOfiProviders();
-  inventory.ofi_local_choice = ChooseOfiProvider(choice.ofi_provider, true, inventory.ofi_providers);
+  inventory.ofi_local_choice =
+      ChooseOfiProvider(choice.ofi_provider, true, inventory.ofi_providers);
   inventory.ofi_remote_choice =
       ChooseOfiProvider(choice.ofi_provider, false, inventory.ofi_providers);
   return inventory;

@@ -20,8 +20,8 @@
 // kRemoteWriteImm completions are reported on the target, in posting order (RC queue pairs,
 // and FI_ORDER_WAW, which the ofi backend requires); the protocol's multi-slot message
 // buffers depend on it and check it with a sequence number. Outstanding operations that do
-// not complete within DomainOptions::op_timeout complete with DeadlineExceeded. Objects may be destroyed in any
-// order; the underlying handles are released when the last user lets go.
+// not complete within DomainOptions::op_timeout complete with DeadlineExceeded. Objects may be
+// destroyed in any order; the underlying handles are released when the last user lets go.
 #ifndef TENSORVERBS_FABRIC_FABRIC_H_
 #define TENSORVERBS_FABRIC_FABRIC_H_
 
@@ -168,8 +168,8 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
 // What to open, as the task's configuration says (TENSORVERBS_FABRIC,
 // TENSORVERBS_OFI_PROVIDER, RDMA_*) and where its peers are.
 struct FabricChoice {
-  std::string fabric = "auto";  // auto | ofi | ibverbs | loopback
-  std::string ofi_provider;     // empty: ChooseOfiProvider's pick
+  std::string fabric = "auto";   // auto | ofi | ibverbs | loopback
+  std::string ofi_provider;      // empty: ChooseOfiProvider's pick
   bool all_peers_local = false;  // every task runs on this host, so shm serves
   RdmaConfig rdma;
 

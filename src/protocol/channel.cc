@@ -25,14 +25,14 @@ Channel::~Channel() {
 
 absl::Status Channel::Init() {
   ASSIGN_OR_RETURN(endpoint_, env_->domain->CreateEndpoint());
-  ASSIGN_OR_RETURN(mb_, MessageBuffer::Create(
-                            env_->domain, env_->message_slots, env_->message_batch,
-                            {&env_->stats->control_slots, &env_->stats->control_messages}));
+  ASSIGN_OR_RETURN(
+      mb_, MessageBuffer::Create(env_->domain, env_->message_slots, env_->message_batch,
+                                 {&env_->stats->control_slots, &env_->stats->control_messages}));
   return absl::OkStatus();
 }
 
-absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr,
-                              std::string rx_key, int rx_slots, uint64_t peer_incarnation) {
+absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr, std::string rx_key,
+                              int rx_slots, uint64_t peer_incarnation) {
   AssertOwnerThread();
   RETURN_IF_ERROR(endpoint_->Connect(peer_address));
   RETURN_IF_ERROR(mb_->Connect(endpoint_.get(), rx_addr, std::move(rx_key), rx_slots));
@@ -57,11 +57,11 @@ absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr,
 
 std::string Channel::Describe() const {
   const fabric::Capabilities& caps = env_->domain->capabilities();
-  return absl::StrCat(role_ == Role::kOwner ? "recv channel from task " : "send channel to task ",
-                      peer_task_, " over ", caps.backend, " (", caps.provider, "), endpoint ",
-                      absl::BytesToHexString(endpoint_ ? endpoint_->LocalAddress() : "")
-                          .substr(0, 32),
-                      ", ", mb_ ? mb_->rx_slots() : 0, " message slots");
+  return absl::StrCat(
+      role_ == Role::kOwner ? "recv channel from task " : "send channel to task ", peer_task_,
+      " over ", caps.backend, " (", caps.provider, "), endpoint ",
+      absl::BytesToHexString(endpoint_ ? endpoint_->LocalAddress() : "").substr(0, 32), ", ",
+      mb_ ? mb_->rx_slots() : 0, " message slots");
 }
 
 void Channel::StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator,
@@ -76,14 +76,17 @@ void Channel::StartRecv(int64_t step_id, const ParsedKey& key, Allocator* alloca
     return;
   }
   if (key.full_key.size() > kMaxNameLength) {
-    fail(absl::InvalidArgumentError(absl::StrCat(
-        "recv of a ", key.full_key.size(), "-byte rendezvous key over grpc+verbs: the protocol's "
-        "limit is ", kMaxNameLength, " bytes; use shorter tensor names")));
+    fail(absl::InvalidArgumentError(
+        absl::StrCat("recv of a ", key.full_key.size(),
+                     "-byte rendezvous key over grpc+verbs: the protocol's "
+                     "limit is ",
+                     kMaxNameLength, " bytes; use shorter tensor names")));
     return;
   }
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) {
-    fail(absl::ResourceExhaustedError(absl::StrCat("too many pending recvs from task ", peer_task_)));
+    fail(absl::ResourceExhaustedError(
+        absl::StrCat("too many pending recvs from task ", peer_task_)));
     return;
   }
   auto request = std::make_unique<RdmaTensorRequest>(this, *index, step_id, key, allocator,
@@ -101,14 +104,14 @@ void Channel::StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time dead
                         GdrPull::Done done) {
   AssertOwnerThread();
   if (state_ == State::kClosed) {
-    std::move(done)(absl::UnavailableError(absl::StrCat("channel to task ", peer_task_,
-                                                        " is closed")));
+    std::move(done)(
+        absl::UnavailableError(absl::StrCat("channel to task ", peer_task_, " is closed")));
     return;
   }
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) {
-    std::move(done)(absl::ResourceExhaustedError(absl::StrCat("too many pending reads from task ",
-                                                              peer_task_)));
+    std::move(done)(absl::ResourceExhaustedError(
+        absl::StrCat("too many pending reads from task ", peer_task_)));
     return;
   }
   pulls_.emplace(*index, std::make_unique<GdrPull>(this, *index, ref, std::move(dest), deadline,
@@ -151,16 +154,16 @@ void Channel::ExpireRequests(absl::Time now) {
           peer_address_, " was not set up before the recv's deadline (is the task running?)")));
       continue;
     }
-    request->Fail(absl::DeadlineExceededError(absl::StrCat(
-        "recv of '", request->key(), "' from task ", peer_task_,
-        " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the producer is slow")));
+    request->Fail(absl::DeadlineExceededError(
+        absl::StrCat("recv of '", request->key(), "' from task ", peer_task_,
+                     " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the producer is slow")));
   }
   for (auto& [index, pull] : pulls_) {
     if (pull->finished() || pull->deadline() > now) continue;
     // The record (and its memory) stays until the read completes or the channel closes.
-    pull->End(absl::DeadlineExceededError(absl::StrCat(
-        "reading a tensor from task ", peer_task_,
-        " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the network is slow")));
+    pull->End(absl::DeadlineExceededError(
+        absl::StrCat("reading a tensor from task ", peer_task_,
+                     " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the network is slow")));
   }
 }
 
@@ -183,8 +186,8 @@ void Channel::SendMessage(Message m) {
   if (state_ == State::kClosed) return;
   absl::Status s = mb_->Send(std::move(m));
   if (!s.ok()) {
-    Close(absl::UnavailableError(absl::StrCat("sending a control message to task ", peer_task_,
-                                              " failed: ", s.message())));
+    Close(absl::UnavailableError(
+        absl::StrCat("sending a control message to task ", peer_task_, " failed: ", s.message())));
   }
 }
 
@@ -212,8 +215,8 @@ void Channel::OnCompletion(const fabric::Completion& c) {
   AssertOwnerThread();
   if (state_ == State::kClosed) return;
   if (!c.status.ok()) {
-    Close(absl::UnavailableError(absl::StrCat("RDMA operation with task ", peer_task_,
-                                              " failed: ", c.status.message())));
+    Close(absl::UnavailableError(
+        absl::StrCat("RDMA operation with task ", peer_task_, " failed: ", c.status.message())));
     return;
   }
   if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {
@@ -268,9 +271,9 @@ absl::StatusOr<const ParsedKey*> Channel::ValidKey(const std::string& name) {
   absl::StatusOr<ParsedKey> key = ParsedKey::Parse(name);
   if (!key.ok()) return absl::InvalidArgumentError(std::string(key.status().message()));
   if (key->src.TaskName() != worker->task_name) {
-    return absl::InvalidArgumentError(absl::StrCat("key '", key->full_key,
-                                                   "' names source task ", key->src.TaskName(),
-                                                   ", not ", worker->task_name));
+    return absl::InvalidArgumentError(absl::StrCat("key '", key->full_key, "' names source task ",
+                                                   key->src.TaskName(), ", not ",
+                                                   worker->task_name));
   }
   if (key->src_incarnation != worker->incarnation) {
     return absl::AbortedError(absl::StrFormat(
@@ -344,8 +347,8 @@ void Channel::HandleMessage(const Message& m) {
       return;
     }
   }
-  Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " sent ",
-                                         MessageTypeName(m.type), " on a channel where ",
+  Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " sent ", MessageTypeName(m.type),
+                                         " on a channel where ",
                                          owner ? "it sends tensors" : "it receives them")));
 }
 
@@ -359,9 +362,9 @@ void Channel::HandleAnswer(const Message& m) {
     it->second->RecvTensorMetaData(m);
     return;
   }
-  it->second->Fail(absl::Status(m.error.code(), absl::StrCat("task ", peer_task_,
-                                                             " could not send '", m.name,
-                                                             "': ", m.error.message())));
+  it->second->Fail(absl::Status(
+      m.error.code(),
+      absl::StrCat("task ", peer_task_, " could not send '", m.name, "': ", m.error.message())));
   FinishRequest(m.request_index);
 }
 

@@ -84,13 +84,12 @@ class Channel {
   std::string Describe() const;
 
   // Owner side: starts a recv (queued until the channel is ready).
-  void StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator,
-                 absl::Time deadline, RecvDoneCallback done);
+  void StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator, absl::Time deadline,
+                 RecvDoneCallback done);
   // Owner side, grpc+gdr: reads the tensor `ref` names into `dest` (through a registered proxy
   // if `dest` is not registered), then releases it at the peer; `done` runs once, on the
   // progress thread. Queued until the channel is ready.
-  void StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline,
-                 GdrPull::Done done);
+  void StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline, GdrPull::Done done);
   // Owner side: fails the step's pending recvs.
   void AbortStep(int64_t step_id, const absl::Status& status);
   // Owner side: fails recvs and pulls past their deadline.

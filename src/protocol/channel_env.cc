@@ -42,8 +42,7 @@ absl::StatusOr<const fabric::MemoryRegion*> ChannelEnv::TransferRegion(
 }
 
 absl::Status ChannelEnv::VerifyChecksum(const std::string& key, const std::string& peer_task,
-                                        const void* data, uint64_t bytes,
-                                        uint64_t expected) const {
+                                        const void* data, uint64_t bytes, uint64_t expected) const {
   const uint64_t sum = ContentChecksum(data, bytes);
   if (sum == expected) return absl::OkStatus();
   stats->checksum_failures.fetch_add(1, std::memory_order_relaxed);

@@ -30,19 +30,19 @@ namespace tensorverbs::protocol {
 
 // Counters of one transport, readable from any thread.
 struct VerbsStats {
-  std::atomic<int64_t> requests{0};           // REQUEST messages sent
-  std::atomic<int64_t> meta_cache_hits{0};    // ... of which carried a cached meta-data
-  std::atomic<int64_t> meta_responses{0};     // META_DATA_RESPONSE messages sent
-  std::atomic<int64_t> re_requests{0};        // RE_REQUEST messages sent
-  std::atomic<int64_t> errors_sent{0};        // ERROR_STATUS messages sent
-  std::atomic<int64_t> control_messages{0};   // control messages written, of every type
-  std::atomic<int64_t> control_slots{0};      // ... in this many slot writes (batching)
-  std::atomic<int64_t> content_writes{0};     // content transfers completed by this sender
+  std::atomic<int64_t> requests{0};          // REQUEST messages sent
+  std::atomic<int64_t> meta_cache_hits{0};   // ... of which carried a cached meta-data
+  std::atomic<int64_t> meta_responses{0};    // META_DATA_RESPONSE messages sent
+  std::atomic<int64_t> re_requests{0};       // RE_REQUEST messages sent
+  std::atomic<int64_t> errors_sent{0};       // ERROR_STATUS messages sent
+  std::atomic<int64_t> control_messages{0};  // control messages written, of every type
+  std::atomic<int64_t> control_slots{0};     // ... in this many slot writes (batching)
+  std::atomic<int64_t> content_writes{0};    // content transfers completed by this sender
   std::atomic<int64_t> content_bytes{0};
-  std::atomic<int64_t> copies{0};             // tensor copies made by the transport (proxy,
-  std::atomic<int64_t> copied_bytes{0};       //   copy strategy, unregistered sources)
+  std::atomic<int64_t> copies{0};        // tensor copies made by the transport (proxy,
+  std::atomic<int64_t> copied_bytes{0};  //   copy strategy, unregistered sources)
   std::atomic<int64_t> transient_registrations{0};
-  std::atomic<int64_t> dropped_imms{0};       // unknown or stale request indexes
+  std::atomic<int64_t> dropped_imms{0};  // unknown or stale request indexes
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};
 
@@ -77,7 +77,7 @@ struct ChannelEnv {
   VerbsMode mode = VerbsMode::kZeroCopy;
   bool data_validation = false;
   int message_slots = 8;
-  int message_batch = 32;  // the most control messages written into one slot
+  int message_batch = 32;                         // the most control messages written into one slot
   absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
   // Runs `task` on the progress thread later, never inline: called on the progress thread, at
   // the end of the completion or task being handled; from another thread, at the loop's next

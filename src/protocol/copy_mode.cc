@@ -19,15 +19,16 @@ bool IsBufferMeta(const TensorMetaData& meta) {
          meta.tensor_bytes >= kCopyPayloadHeaderBytes;
 }
 
-absl::StatusOr<const fabric::MemoryRegion*> EnsureCopyBuffer(RdmaMemoryMgr* memory,
-                                                            Tensor& buffer, uint64_t bytes) {
+absl::StatusOr<const fabric::MemoryRegion*> EnsureCopyBuffer(RdmaMemoryMgr* memory, Tensor& buffer,
+                                                             uint64_t bytes) {
   const fabric::MemoryRegion* region = nullptr;
   if (!buffer.IsInitialized() || buffer.TotalBytes() < bytes) {
     ASSIGN_OR_RETURN(buffer, memory->AllocateStaging(bytes, &region));
     return region;
   }
   ASSIGN_OR_RETURN(region, memory->FindRegistered(buffer.data(), buffer.TotalBytes()));
-  if (region == nullptr) return absl::InternalError("the transport's pool memory is not registrable");
+  if (region == nullptr)
+    return absl::InternalError("the transport's pool memory is not registrable");
   return region;
 }
 
@@ -46,8 +47,8 @@ void CopyBuffers::Return(const std::string& name, Tensor buffer) {
 }
 
 absl::StatusOr<const fabric::MemoryRegion*> LayOutCopyPayload(RdmaMemoryMgr* memory,
-                                                             const Tensor& tensor, bool is_dead,
-                                                             Tensor* buffer, uint64_t* bytes) {
+                                                              const Tensor& tensor, bool is_dead,
+                                                              Tensor* buffer, uint64_t* bytes) {
   CopyPayload payload(tensor, is_dead);
   *bytes = payload.Size();
   ASSIGN_OR_RETURN(const fabric::MemoryRegion* region, EnsureCopyBuffer(memory, *buffer, *bytes));

@@ -31,8 +31,8 @@ bool IsBufferMeta(const TensorMetaData& meta);
 
 // Keeps `buffer` if it holds `bytes` (else replaces it with a larger registered one) and
 // returns its registered region.
-absl::StatusOr<const fabric::MemoryRegion*> EnsureCopyBuffer(RdmaMemoryMgr* memory,
-                                                            Tensor& buffer, uint64_t bytes);
+absl::StatusOr<const fabric::MemoryRegion*> EnsureCopyBuffer(RdmaMemoryMgr* memory, Tensor& buffer,
+                                                             uint64_t bytes);
 
 // One channel side's pre-registered buffers by tensor name (rx on the owner, tx on the
 // acceptor). A buffer is taken while a transfer uses it and given back after.
@@ -53,8 +53,8 @@ class CopyBuffers {
 // Sender: lays `tensor` out in `*buffer` (grown to fit, registered) and returns the buffer's
 // region, with the payload's size in `*bytes` (the copy in; the caller counts it).
 absl::StatusOr<const fabric::MemoryRegion*> LayOutCopyPayload(RdmaMemoryMgr* memory,
-                                                             const Tensor& tensor, bool is_dead,
-                                                             Tensor* buffer, uint64_t* bytes);
+                                                              const Tensor& tensor, bool is_dead,
+                                                              Tensor* buffer, uint64_t* bytes);
 
 }  // namespace tensorverbs::protocol
 

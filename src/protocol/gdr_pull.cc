@@ -76,8 +76,8 @@ void GdrPull::Issue() {
     return;
   }
   // The reads already posted still complete.
-  channel_->Close(absl::UnavailableError(absl::StrCat("a read from task ", channel_->peer_task(),
-                                                      " failed midway: ", s.message())));
+  channel_->Close(absl::UnavailableError(
+      absl::StrCat("a read from task ", channel_->peer_task(), " failed midway: ", s.message())));
 }
 
 void GdrPull::OnReadDone() {
@@ -85,8 +85,9 @@ void GdrPull::OnReadDone() {
   ChannelEnv* env = channel_->env();
   MessageBuffer* mb = channel_->message_buffer();
   // The sender may release the tensor now: a zero-byte write whose immediate names it.
-  absl::Status release = channel_->endpoint()->PostWriteWithImm(
-      mb->EmptyLocalSource(), mb->EmptyRemoteTarget(), ref_.tensor_key, MakeContext(OpTag::kAck, 0));
+  absl::Status release =
+      channel_->endpoint()->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(),
+                                             ref_.tensor_key, MakeContext(OpTag::kAck, 0));
   if (staging_.IsInitialized()) {
     std::memcpy(dest_.data(), staging_.data(), ref_.bytes);
     env->CountCopy(ref_.bytes);

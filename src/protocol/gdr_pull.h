@@ -28,8 +28,8 @@ class GdrPull {
  public:
   using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
 
-  GdrPull(Channel* channel, uint32_t index, RemoteTensorRef ref, Tensor dest,
-          absl::Time deadline, Done done);
+  GdrPull(Channel* channel, uint32_t index, RemoteTensorRef ref, Tensor dest, absl::Time deadline,
+          Done done);
 
   // Posts the reads. When nothing could be posted it ends the pull and the channel forgets it
   // (deletes this); when a read fails midway it closes the channel.

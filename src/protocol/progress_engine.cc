@@ -19,8 +19,9 @@ absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
   if (name == "busy") return PollMode::kBusy;
   if (name == "blocking") return PollMode::kBlocking;
   if (name == "adaptive") return PollMode::kAdaptive;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown poll mode '", name, "' (TENSORVERBS_POLL_MODE); expected busy, blocking or adaptive"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown poll mode '", name,
+                   "' (TENSORVERBS_POLL_MODE); expected busy, blocking or adaptive"));
 }
 
 ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Options options,

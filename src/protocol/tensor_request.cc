@@ -149,8 +149,8 @@ absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr
 void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   ChannelEnv* env = channel_->env();
   if (state_ != State::kRequested) {
-    channel_->Close(absl::DataLossError(absl::StrCat(
-        "META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
+    channel_->Close(absl::DataLossError(
+        absl::StrCat("META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
     return;  // the close deleted this
   }
   const bool copy = env->mode == VerbsMode::kCopy;
@@ -195,8 +195,8 @@ void RdmaTensorRequest::RecvCopyContent() {
   }
   if (env->data_validation) {
     const uint64_t bytes = std::min<uint64_t>(meta_.tensor_bytes, staging_.TotalBytes());
-    if (absl::Status s = env->VerifyChecksum(key_.full_key, channel_->peer_task(),
-                                             staging_.data(), bytes, checksum_);
+    if (absl::Status s = env->VerifyChecksum(key_.full_key, channel_->peer_task(), staging_.data(),
+                                             bytes, checksum_);
         !s.ok()) {
       Deliver(s, Tensor(), false);
       return;

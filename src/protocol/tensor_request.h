@@ -83,10 +83,10 @@ class RdmaTensorRequest {
   const absl::Time deadline_;
   RecvDoneCallback done_;
   State state_ = State::kQueued;
-  TensorMetaData meta_;   // what the content will match
+  TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;
-  Tensor result_;         // the destination, when the content lands in place
-  Tensor staging_;        // registered proxy (strings, unregistrable destinations, copy mode)
+  Tensor result_;   // the destination, when the content lands in place
+  Tensor staging_;  // registered proxy (strings, unregistrable destinations, copy mode)
   std::unique_ptr<fabric::MemoryRegion> transient_;  // per-transfer registration
 };
 

@@ -55,17 +55,16 @@ void RdmaTensorResponse::TransitionTo(State next) {
   state_ = next;
 }
 
-void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous,
-                               const ParsedKey& key) {
+void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key) {
   rendezvous_ = std::move(rendezvous);
   ChannelEnv* env = channel_->env();
   const uint64_t channel_id = channel_->id(), serial = serial_;
   const uint32_t index = request_.request_index;
   auto post = env->post;
   auto find = env->find_channel;
-  token_ = rendezvous_->RecvLocalAsync(
-      key, [post, find, channel_id, serial, index](const absl::Status& s, const Tensor& t,
-                                                  bool is_dead) {
+  token_ =
+      rendezvous_->RecvLocalAsync(key, [post, find, channel_id, serial, index](
+                                           const absl::Status& s, const Tensor& t, bool is_dead) {
         post([find, channel_id, serial, index, s, t, is_dead]() mutable {
           if (Channel* c = find(channel_id)) c->OnLocalTensor(serial, index, s, t, is_dead);
         });
@@ -96,8 +95,7 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   }
   if (meta_.tensor_bytes == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(source_region_,
-                   env->TransferRegion(tensor.data(), meta_.tensor_bytes,
-                                       &transient_));
+                   env->TransferRegion(tensor.data(), meta_.tensor_bytes, &transient_));
   if (source_region_ != nullptr) {
     source_ = tensor.data();
     return absl::OkStatus();
@@ -181,8 +179,8 @@ void RdmaTensorResponse::SendMetaData() {
 
 void RdmaTensorResponse::RecvReRequest(const Message& m) {
   if (state_ != State::kWaitReRequest) {
-    channel_->Close(absl::DataLossError(absl::StrCat(
-        "RE_REQUEST for request ", m.request_index, " that is not waiting for one")));
+    channel_->Close(absl::DataLossError(
+        absl::StrCat("RE_REQUEST for request ", m.request_index, " that is not waiting for one")));
     return;  // the close deleted this
   }
   if (m.remote_addr == 0 && meta_.tensor_bytes > 0 && !meta_.is_dead) {

@@ -51,9 +51,7 @@ class RdmaTensorResponse {
   uint32_t index() const { return request_.request_index; }
   State state() const { return state_; }
   // Holds its tensor and is still sending it.
-  bool in_progress() const {
-    return state_ == State::kWriting || state_ == State::kWaitReRequest;
-  }
+  bool in_progress() const { return state_ == State::kWriting || state_ == State::kWaitReRequest; }
 
  private:
   // The one place the state changes; DCHECKs that the transition is one of the diagram's.

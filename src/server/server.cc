@@ -101,9 +101,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
   ASSIGN_OR_RETURN(std::string address, options.cluster.TaskAddress(options.job, options.task));
   std::vector<std::string> protocols = AvailableProtocols();
   if (std::find(protocols.begin(), protocols.end(), options.protocol) == protocols.end()) {
-    return absl::InvalidArgumentError(absl::StrCat("unknown protocol '", options.protocol,
-                                                   "'; available: ",
-                                                   absl::StrJoin(protocols, ", ")));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown protocol '", options.protocol, "'; available: ", absl::StrJoin(protocols, ", ")));
   }
   if (options.listen_address.empty()) options.listen_address = address;
   auto server = std::unique_ptr<Server>(new Server(std::move(options)));
@@ -154,10 +153,10 @@ absl::Status Server::Start() {
     verbs::VerbsTransport* transport = verbs_.get();
     if (gdr) {
       // grpc+gdr: the grpc protocol's calls, with the transport reading the large tensors.
-      rendezvous_mgr_ = std::make_unique<RendezvousMgr>(
-          [env, workers, recv_timeout, transport](int64_t step) {
-            return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(
-                env, step, workers, recv_timeout, transport);
+      rendezvous_mgr_ =
+          std::make_unique<RendezvousMgr>([env, workers, recv_timeout, transport](int64_t step) {
+            return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(env, step, workers,
+                                                                          recv_timeout, transport);
           });
     } else {
       rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, transport](int64_t step) {
@@ -177,16 +176,15 @@ absl::Status Server::Start() {
   grpc::ServerBuilder builder;
   rpc::ConfigureServerBuilder(&builder);
   int bound_port = 0;
-  builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(),
-                           &bound_port);
+  builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(), &bound_port);
   builder.RegisterService(service_.get());
   if (verbs_) builder.RegisterService(verbs_->service());
   grpc_server_ = builder.BuildAndStart();
   if (grpc_server_ == nullptr || bound_port == 0) {
     grpc_server_.reset();
-    return absl::UnavailableError(absl::StrCat(
-        "task ", env_.task_name, " cannot listen on ", options_.listen_address,
-        ": the port is in use or the address is not local to this host"));
+    return absl::UnavailableError(
+        absl::StrCat("task ", env_.task_name, " cannot listen on ", options_.listen_address,
+                     ": the port is in use or the address is not local to this host"));
   }
   LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
             << options_.listen_address << " (incarnation " << std::hex << env_.incarnation

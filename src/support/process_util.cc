@@ -47,7 +47,8 @@ absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
 absl::StatusOr<std::string> SelfExecutable() {
   char exe[4096];
   ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-  if (n <= 0) return absl::InternalError(absl::StrCat("readlink /proc/self/exe: ", std::strerror(errno)));
+  if (n <= 0)
+    return absl::InternalError(absl::StrCat("readlink /proc/self/exe: ", std::strerror(errno)));
   return std::string(exe, static_cast<size_t>(n));
 }
 

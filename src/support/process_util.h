@@ -26,7 +26,7 @@ absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args);
 
 struct ChildExit {
   pid_t pid = 0;
-  int exit_code = 0;    // valid when !signaled
+  int exit_code = 0;  // valid when !signaled
   bool signaled = false;
   int signal = 0;
 };

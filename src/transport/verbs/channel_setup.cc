@@ -33,7 +33,12 @@ ChannelSetup::ChannelSetup(Options options, protocol::ChannelEnv* env,
                            protocol::ProgressEngine* engine, VerbsStubs* stubs)
     : options_(std::move(options)), env_(env), engine_(engine), stubs_(stubs) {}
 
+void ChannelSetup::AssertOnLoop() const {
+  DCHECK(engine_->OnOwnerThread()) << "grpc+verbs channel state used off the progress thread";
+}
+
 Channel* ChannelSetup::Find(uint64_t id) {
+  AssertOnLoop();
   auto it = channels_.find(id);
   return it == channels_.end() ? nullptr : it->second.get();
 }
@@ -46,11 +51,13 @@ Channel* ChannelSetup::Add(std::unique_ptr<Channel> channel) {
 }
 
 void ChannelSetup::Dispatch(const fabric::Completion& c) {
+  AssertOnLoop();
   auto it = by_endpoint_.find(c.endpoint);
   if (it != by_endpoint_.end()) it->second->OnCompletion(c);
 }
 
 absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
+  AssertOnLoop();
   if (auto it = owner_by_task_.find(task); it != owner_by_task_.end()) {
     Channel* c = Find(it->second);
     if (c != nullptr && c->state() != Channel::State::kClosed) return c;
@@ -63,8 +70,8 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
   auto channel = std::make_unique<Channel>(env_, Channel::Role::kOwner, id, task);
   channel->set_peer_address(address->second);
   if (absl::Status s = channel->Init(); !s.ok()) {
-    return absl::UnavailableError(absl::StrCat("cannot create the grpc+verbs channel to task ",
-                                               task, ": ", s.message()));
+    return absl::UnavailableError(
+        absl::StrCat("cannot create the grpc+verbs channel to task ", task, ": ", s.message()));
   }
   Channel* raw = Add(std::move(channel));
   owner_by_task_[task] = id;
@@ -103,8 +110,7 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
   } else if (!status.ok()) {
     absl::Status s = rpc::FromGrpcStatus(status);
     result = absl::Status(
-        s.code() == absl::StatusCode::kDeadlineExceeded ? absl::StatusCode::kUnavailable
-                                                        : s.code(),
+        s.code() == absl::StatusCode::kDeadlineExceeded ? absl::StatusCode::kUnavailable : s.code(),
         absl::StrCat("could not set up the grpc+verbs channel to task ", task, " at ",
                      options_.task_addresses.at(task), ": ", s.message()));
   } else {
@@ -114,8 +120,8 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
       result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
                                 static_cast<int>(r.end().rx_slots()), r.incarnation());
       if (!result.ok()) {
-        result = absl::UnavailableError(absl::StrCat(
-            "connecting the grpc+verbs channel to task ", task, " failed: ", result.message()));
+        result = absl::UnavailableError(absl::StrCat("connecting the grpc+verbs channel to task ",
+                                                     task, " failed: ", result.message()));
       }
     }
   }
@@ -136,15 +142,16 @@ void ChannelSetup::RecordConnectResult(const std::string& task, const absl::Stat
 
 absl::Status ChannelSetup::CheckWireVersion(const std::string& task, uint32_t version) const {
   if (version == protocol::kWireVersion) return absl::OkStatus();
-  return absl::FailedPreconditionError(absl::StrCat(
-      "task ", task, " speaks grpc+verbs wire version ",
-      version == 0 ? std::string("1 or older") : absl::StrCat(version), " but task ",
-      env_->worker->task_name, " speaks ", protocol::kWireVersion,
-      "; run the same tensorverbs release on every task"));
+  return absl::FailedPreconditionError(
+      absl::StrCat("task ", task, " speaks grpc+verbs wire version ",
+                   version == 0 ? std::string("1 or older") : absl::StrCat(version), " but task ",
+                   env_->worker->task_name, " speaks ", protocol::kWireVersion,
+                   "; run the same tensorverbs release on every task"));
 }
 
 absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
                                   proto::ConnectResponse* response) {
+  AssertOnLoop();
   const std::string& task = request.task_name();
   const std::string& self = env_->worker->task_name;
   const std::string& family = env_->domain->capabilities().family;
@@ -155,9 +162,9 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
         "; set TENSORVERBS_FABRIC and TENSORVERBS_OFI_PROVIDER the same on every task"));
   }
   if (request.protocol() != protocol) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "task ", task, " runs protocol ", request.protocol(), " but task ", self, " runs ",
-        protocol, "; every task of a cluster must use the same --protocol"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("task ", task, " runs protocol ", request.protocol(), " but task ", self,
+                     " runs ", protocol, "; every task of a cluster must use the same --protocol"));
   }
   RETURN_IF_ERROR(CheckWireVersion(task, request.end().wire_version()));
   if (request.expected_incarnation() != 0 &&
@@ -184,8 +191,8 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   absl::Status s = channel->Connect(end.endpoint_address(), end.rx_addr(), end.rx_key(),
                                     static_cast<int>(end.rx_slots()), request.incarnation());
   if (!s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("task ", task, "'s channel end is unusable: ",
-                                                   s.message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("task ", task, "'s channel end is unusable: ", s.message()));
   }
   response->set_task_name(self);
   response->set_incarnation(env_->worker->incarnation);
@@ -198,6 +205,7 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
 
 void ChannelSetup::CheckChannel(const proto::CheckChannelRequest& request,
                                 proto::CheckChannelResponse* response) {
+  AssertOnLoop();
   response->set_incarnation(env_->worker->incarnation);
   for (auto& [id, channel] : channels_) {
     if (channel->role() == Channel::Role::kAcceptor &&
@@ -215,6 +223,7 @@ void ChannelSetup::CheckChannel(const proto::CheckChannelRequest& request,
 }
 
 void ChannelSetup::Housekeeping(absl::Time now) {
+  AssertOnLoop();
   std::vector<uint64_t> closed;
   for (auto& [id, channel] : channels_) {
     if (channel->state() == Channel::State::kClosed) {
@@ -254,30 +263,34 @@ bool ChannelSetup::ResponsesInProgress() const {
 }
 
 size_t ChannelSetup::NumReady() const {
+  AssertOnLoop();
   size_t n = 0;
   for (const auto& [id, c] : channels_) n += c->state() == Channel::State::kReady;
   return n;
 }
 
 std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
+  AssertOnLoop();
   std::vector<Probe> out;
   for (const auto& [id, c] : channels_) {
     if (c->role() == Channel::Role::kOwner && c->state() == Channel::State::kReady &&
         c->pending_requests() > 0) {
-      out.push_back({c->peer_task(), options_.task_addresses.at(c->peer_task()),
-                     c->peer_incarnation(), id});
+      out.push_back(
+          {c->peer_task(), options_.task_addresses.at(c->peer_task()), c->peer_incarnation(), id});
     }
   }
   return out;
 }
 
 void ChannelSetup::AbortStep(int64_t step_id, const absl::Status& status) {
+  AssertOnLoop();
   for (auto& [id, channel] : channels_) {
     if (channel->role() == Channel::Role::kOwner) channel->AbortStep(step_id, status);
   }
 }
 
 void ChannelSetup::CloseAll(const absl::Status& status) {
+  AssertOnLoop();
   for (auto& [id, c] : channels_) c->Close(status);
   for (auto& [id, c] : connecting_) c->context.TryCancel();
 }
@@ -318,10 +331,10 @@ absl::Status ChannelSetup::ConnectPeers(const std::string& self, absl::Duration 
     }
   }
   if (failures.empty()) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat(
-      "task ", self, " could not set up grpc+verbs channels to ", failures.size(),
-      " peer(s): ", absl::StrJoin(failures, "; "),
-      " (raise TENSORVERBS_CONNECT_TIMEOUT_MS if peers start slowly)"));
+  return absl::UnavailableError(
+      absl::StrCat("task ", self, " could not set up grpc+verbs channels to ", failures.size(),
+                   " peer(s): ", absl::StrJoin(failures, "; "),
+                   " (raise TENSORVERBS_CONNECT_TIMEOUT_MS if peers start slowly)"));
 }
 
 void ChannelSetup::Shutdown(absl::Duration timeout) {

@@ -86,6 +86,7 @@ class ChannelSetup {
   void Shutdown(absl::Duration timeout);
 
  private:
+  void AssertOnLoop() const;
   void OnConnectDone(uint64_t channel_id, const grpc::Status& status);
   // FailedPrecondition naming both tasks when `task`'s control messages use another layout.
   absl::Status CheckWireVersion(const std::string& task, uint32_t version) const;

@@ -27,8 +27,8 @@ class LentTensors {
   explicit LentTensors(const protocol::ChannelEnv* env) : env_(env) {}
 
   // Keeps `tensor` for `requester` until `expires` and says where it can be read.
-  absl::StatusOr<protocol::RemoteTensorRef> Lend(const std::string& requester,
-                                                 const Tensor& tensor, absl::Time expires);
+  absl::StatusOr<protocol::RemoteTensorRef> Lend(const std::string& requester, const Tensor& tensor,
+                                                 absl::Time expires);
   // `task` finished reading `tensor_key`. Unknown, already released or another task's keys are
   // counted as dropped immediates and ignored.
   void Release(const std::string& task, uint32_t tensor_key);

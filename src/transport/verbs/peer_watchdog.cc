@@ -111,9 +111,8 @@ void PeerWatchdog::Judge(const Probe& probe) {
         "are gone",
         peer.task, peer.incarnation, probe.response.incarnation()));
   } else if (!probe.response.open()) {
-    verdict = absl::UnavailableError(absl::StrCat("task ", peer.task,
-                                                  " closed its end of the channel: ",
-                                                  probe.response.reason()));
+    verdict = absl::UnavailableError(absl::StrCat(
+        "task ", peer.task, " closed its end of the channel: ", probe.response.reason()));
   }
   if (verdict.ok()) return;
   LOG(WARNING) << "grpc+verbs: " << verdict.message();

@@ -6,8 +6,8 @@
 
 #include <memory>
 
-#include "src/transport/verbs/verbs_transport.h"
 #include "src/rendezvous/remote_rendezvous.h"
+#include "src/transport/verbs/verbs_transport.h"
 
 namespace tensorverbs::verbs {
 

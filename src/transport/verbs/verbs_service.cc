@@ -24,9 +24,9 @@ grpc::ServerUnaryReactor* VerbsServiceImpl::Connect(grpc::CallbackServerContext*
   return reactor;
 }
 
-grpc::ServerUnaryReactor* VerbsServiceImpl::CheckChannel(
-    grpc::CallbackServerContext* context, const proto::CheckChannelRequest* request,
-    proto::CheckChannelResponse* response) {
+grpc::ServerUnaryReactor* VerbsServiceImpl::CheckChannel(grpc::CallbackServerContext* context,
+                                                         const proto::CheckChannelRequest* request,
+                                                         proto::CheckChannelResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   protocol::ProgressEngine::Task task = [this, request, response, reactor]() mutable {
     channels_->CheckChannel(*request, response);

@@ -59,9 +59,9 @@ absl::Status VerbsTransport::Start() {
   choice.rdma = options_.rdma;
   absl::StatusOr<std::unique_ptr<fabric::Domain>> domain = fabric::OpenFabric(choice);
   if (!domain.ok()) {
-    return absl::Status(domain.status().code(),
-                        absl::StrCat("grpc+verbs: ", domain.status().message(),
-                                     ", or use --protocol grpc"));
+    return absl::Status(
+        domain.status().code(),
+        absl::StrCat("grpc+verbs: ", domain.status().message(), ", or use --protocol grpc"));
   }
   domain_ = *std::move(domain);
   memory_ = std::make_unique<protocol::RdmaMemoryMgr>(domain_.get(), options_.pool);
@@ -88,9 +88,7 @@ absl::Status VerbsTransport::Start() {
   channel_env_.quarantine = options_.peer_timeout;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };
-  channel_env_.deliver = [this](Executor::Task callback) {
-    engine_->Deliver(std::move(callback));
-  };
+  channel_env_.deliver = [this](Executor::Task callback) { engine_->Deliver(std::move(callback)); };
   channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
     quarantine_.emplace_back(until, std::move(memory));
   };
@@ -103,8 +101,8 @@ absl::Status VerbsTransport::Start() {
   ChannelSetup::Options setup;
   setup.task_addresses = options_.task_addresses;
   setup.connect_timeout = options_.connect_timeout;
-  channels_ = std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, engine_.get(),
-                                             stubs_.get());
+  channels_ =
+      std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, engine_.get(), stubs_.get());
   lent_ = std::make_unique<LentTensors>(&channel_env_);
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get());
   watchdog_ = std::make_unique<PeerWatchdog>(options_.env->task_name, options_.peer_timeout,
@@ -153,24 +151,24 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
     // step's status already tells.
     if (absl::Status s = rendezvous->status(); !s.ok()) {
       options_.env->callback_executor->Schedule(
-          [holder, s]() mutable { std::move(*holder)(s, Tensor(), false); });
+          [holder, s]() mutable { std::move (*holder)(s, Tensor(), false); });
       return;
     }
     absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(key.src.TaskName());
     if (!channel.ok()) {
-      absl::Status s = absl::Status(channel.status().code(),
-                                    absl::StrCat("recv of '", key.full_key, "': ",
-                                                 channel.status().message()));
+      absl::Status s =
+          absl::Status(channel.status().code(),
+                       absl::StrCat("recv of '", key.full_key, "': ", channel.status().message()));
       options_.env->callback_executor->Schedule(
-          [holder, s]() mutable { std::move(*holder)(s, Tensor(), false); });
+          [holder, s]() mutable { std::move (*holder)(s, Tensor(), false); });
       return;
     }
     (*channel)->StartRecv(rendezvous->step_id(), key, allocator, deadline, std::move(*holder));
   };
   if (!engine_->Post(task)) {
-    std::move(*holder)(absl::CancelledError(absl::StrCat(
-                           "recv of '", key.full_key, "': the server is shutting down")),
-                       Tensor(), false);
+    std::move (*holder)(absl::CancelledError(absl::StrCat("recv of '", key.full_key,
+                                                          "': the server is shutting down")),
+                        Tensor(), false);
   }
 }
 
@@ -179,12 +177,12 @@ void VerbsTransport::Lend(
     absl::AnyInvocable<void(absl::StatusOr<protocol::RemoteTensorRef>) &&> done) {
   auto holder = std::make_shared<decltype(done)>(std::move(done));
   protocol::ProgressEngine::Task task = [this, requester, tensor, holder]() mutable {
-    std::move(*holder)(lent_->Lend(requester, tensor,
+    std::move (*holder)(lent_->Lend(requester, tensor,
                                     absl::Now() + options_.recv_timeout + options_.peer_timeout));
   };
   if (!engine_->Post(task)) {
-    std::move(*holder)(absl::UnavailableError(absl::StrCat(
-        "task ", options_.env->task_name, " is shutting down")));
+    std::move (*holder)(absl::UnavailableError(
+        absl::StrCat("task ", options_.env->task_name, " is shutting down")));
   }
 }
 
@@ -199,14 +197,14 @@ void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorR
   protocol::ProgressEngine::Task t = [this, task, ref, dest, deadline, holder]() mutable {
     absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(task);
     if (!channel.ok()) {
-      std::move(*holder)(channel.status());
+      std::move (*holder)(channel.status());
       return;
     }
     (*channel)->StartPull(ref, std::move(dest), deadline, std::move(*holder));
   };
   if (!engine_->Post(t)) {
-    std::move(*holder)(absl::CancelledError(absl::StrCat(
-        "task ", options_.env->task_name, " is shutting down")));
+    std::move (*holder)(
+        absl::CancelledError(absl::StrCat("task ", options_.env->task_name, " is shutting down")));
   }
 }
 
@@ -231,14 +229,13 @@ void VerbsTransport::Shutdown() {
   const absl::Time grace_end = absl::Now() + kShutdownGrace;
   while (absl::Now() < grace_end) {
     absl::StatusOr<bool> busy = engine_->AskLoop<bool>(
-        [this] { return !lent_->empty() || channels_->ResponsesInProgress(); },
-        absl::Seconds(1));
+        [this] { return !lent_->empty() || channels_->ResponsesInProgress(); }, absl::Seconds(1));
     if (!busy.ok() || !*busy) break;
     absl::SleepFor(absl::Milliseconds(1));
   }
   engine_->Post([this]() mutable {
-    channels_->CloseAll(absl::CancelledError(
-        absl::StrCat("task ", options_.env->task_name, " is shutting down")));
+    channels_->CloseAll(
+        absl::CancelledError(absl::StrCat("task ", options_.env->task_name, " is shutting down")));
   });
   engine_->Stop();
   channels_->Shutdown(absl::Seconds(10));

@@ -57,19 +57,19 @@ struct VerbsOptions {
   PoolAllocator* pool = nullptr;  // registered once per region; staging comes from it too
   absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
   bool all_peers_local = false;  // every task runs on this host (shm is then a candidate)
-  absl::Duration recv_timeout = absl::Minutes(10);  // TENSORVERBS_RECV_TIMEOUT_MS
-  std::string fabric = "auto";                      // TENSORVERBS_FABRIC
-  std::string ofi_provider;                         // TENSORVERBS_OFI_PROVIDER (empty: choose)
-  RdmaConfig rdma;                                  // the RDMA_* variables (ibverbs)
-  int message_slots = 8;                            // TENSORVERBS_MESSAGE_SLOTS
-  int message_batch = 32;                           // TENSORVERBS_MESSAGE_BATCH
-  std::string poll_mode = "adaptive";               // TENSORVERBS_POLL_MODE
+  absl::Duration recv_timeout = absl::Minutes(10);    // TENSORVERBS_RECV_TIMEOUT_MS
+  std::string fabric = "auto";                        // TENSORVERBS_FABRIC
+  std::string ofi_provider;                           // TENSORVERBS_OFI_PROVIDER (empty: choose)
+  RdmaConfig rdma;                                    // the RDMA_* variables (ibverbs)
+  int message_slots = 8;                              // TENSORVERBS_MESSAGE_SLOTS
+  int message_batch = 32;                             // TENSORVERBS_MESSAGE_BATCH
+  std::string poll_mode = "adaptive";                 // TENSORVERBS_POLL_MODE
   absl::Duration poll_spin = absl::Microseconds(50);  // TENSORVERBS_POLL_SPIN_US
-  bool data_validation = false;                     // TENSORVERBS_DATA_VALIDATION
-  std::string registration = "pool";                // TENSORVERBS_REGISTRATION
+  bool data_validation = false;                       // TENSORVERBS_DATA_VALIDATION
+  std::string registration = "pool";                  // TENSORVERBS_REGISTRATION
   protocol::VerbsMode mode = protocol::VerbsMode::kZeroCopy;  // set from the protocol
-  absl::Duration peer_timeout = absl::Seconds(10);     // TENSORVERBS_PEER_TIMEOUT_MS
-  absl::Duration connect_timeout = absl::Seconds(60);  // TENSORVERBS_CONNECT_TIMEOUT_MS
+  absl::Duration peer_timeout = absl::Seconds(10);            // TENSORVERBS_PEER_TIMEOUT_MS
+  absl::Duration connect_timeout = absl::Seconds(60);         // TENSORVERBS_CONNECT_TIMEOUT_MS
 
   // The settings above that have a variable, from `config`.
   static VerbsOptions FromConfig(const Config& config);
