@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "src/common/executor.h"
 #include "src/fabric/fabric.h"
+#include "src/fabric/loopback/loopback.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/message.h"
@@ -223,15 +224,16 @@ class ChannelTest : public ::testing::Test {
     return owner || acceptor;
   }
 
-  // Turns both loops until `until` holds.
+  // Turns the loops, one side at a time, until `until` holds: it is checked after each side's
+  // turn, so a test can stop between a message being sent and the peer acting on it.
   ::testing::AssertionResult Pump(const std::function<bool()>& until,
                                   absl::Duration timeout = absl::Seconds(10)) {
     const absl::Time deadline = absl::Now() + timeout;
-    while (!until()) {
+    for (Side* side = &owner_; !until(); side = side == &owner_ ? &acceptor_ : &owner_) {
       if (absl::Now() > deadline) {
         return ::testing::AssertionFailure() << "not reached within " << timeout;
       }
-      Turn();
+      side->Turn();
     }
     return ::testing::AssertionSuccess();
   }
@@ -281,12 +283,15 @@ class ChannelTest : public ::testing::Test {
     ASSERT_TRUE(s.ok()) << s;
   }
 
-  // Sends `value` and receives it in `step_id`, returning what arrived.
+  // Sends `value` and receives it in `step_id`, returning what arrived once both sides are
+  // done (the sender counts a content write at its local completion, after the receiver may
+  // already have the tensor).
   std::shared_ptr<RecvOutcome> Transfer(int64_t step_id, const ParsedKey& key,
                                         const Tensor& value) {
     Send(step_id, key, value);
     std::shared_ptr<RecvOutcome> out = StartRecv(step_id, key);
     EXPECT_TRUE(Pump([&] { return out->calls > 0; }));
+    Settle();
     return out;
   }
 
@@ -359,6 +364,38 @@ TEST_F(ChannelTest, FirstRecvTakesTheMetaDataRoundTripAndTheNextHitsTheCache) {
   EXPECT_EQ(Get(owner_.stats.dropped_imms), 0);
   EXPECT_EQ(owner_.channel->message_buffer()->pending(), 0u) << "every slot was acknowledged";
   EXPECT_EQ(acceptor_.channel->message_buffer()->pending(), 0u);
+}
+
+TEST_F(ChannelTest, AStaleCachedMetaDataFallsBackToTheRoundTrip) {
+  const ParsedKey key = Key("reshaped");
+  std::vector<Tensor> sent = {Floats(&acceptor_.pool, 1000, 1.0f),
+                              Floats(&acceptor_.pool, 10, 2.0f)};
+  Tensor ints = *Tensor::Allocate(&acceptor_.pool, DataType::kInt32, TensorShape::Of({5, 2}));
+  for (int i = 0; i < 10; ++i) ints.flat<int32_t>()[i] = -i;
+  sent.push_back(ints);
+  sent.push_back(Tensor());  // dead
+  for (size_t i = 0; i < sent.size(); ++i) {
+    SCOPED_TRACE(i);
+    const bool dead = !sent[i].IsInitialized();
+    Send(static_cast<int64_t>(i), key, sent[i], dead);
+    std::shared_ptr<RecvOutcome> out = StartRecv(static_cast<int64_t>(i), key);
+    ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+    ASSERT_TRUE(out->status.ok()) << out->status;
+    EXPECT_EQ(out->is_dead, dead);
+    if (!dead) {
+      EXPECT_TRUE(out->tensor.ContentEquals(sent[i]));
+    }
+  }
+  Settle();
+  // Every step after the first offered the previous meta-data, and the sender answered each
+  // mismatch with the current one.
+  EXPECT_EQ(Get(owner_.stats.meta_cache_hits), 3);
+  EXPECT_EQ(Get(acceptor_.stats.meta_responses), 4);
+  EXPECT_EQ(Get(owner_.stats.re_requests), 4);
+  EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
+  // A dead tensor's meta-data does not replace what the next step will most likely send.
+  ASSERT_NE(owner_.memory.CachedMeta(key.full_key), nullptr);
+  EXPECT_EQ(owner_.memory.CachedMeta(key.full_key)->dtype, DataType::kInt32);
 }
 
 TEST_F(ChannelTest, RecvBeforeSendWaitsForTheTensor) {
@@ -534,8 +571,11 @@ TEST_F(ChannelTest, AbortBeforeTheMetaDataRoundTripReleasesWithAnEmptyWrite) {
 
 TEST_F(ChannelTest, ExpireRequestsFailsARecvPastItsDeadline) {
   const ParsedKey key = Key("slow producer");
+  // A cached meta-data gives the recv a destination before the tensor exists.
+  ASSERT_TRUE(Transfer(1, key, Floats(&acceptor_.pool, 512, 1.0f))->status.ok());
+  const size_t baseline = owner_.pool.GetStats().allocations;
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  std::shared_ptr<RecvOutcome> out = StartRecv(1, key, deadline);
+  std::shared_ptr<RecvOutcome> out = StartRecv(2, key, deadline);
   Settle();
   owner_.channel->ExpireRequests(deadline - absl::Seconds(1));
   Settle();
@@ -552,6 +592,16 @@ TEST_F(ChannelTest, ExpireRequestsFailsARecvPastItsDeadline) {
   owner_.channel->ExpireRequests(deadline + absl::Minutes(1));
   Settle();
   EXPECT_EQ(out->calls, 1);
+  EXPECT_EQ(owner_.pool.GetStats().allocations, baseline + 1) << "kept for a late write";
+
+  // The sender gives up too (its step is cleaned up): its ERROR_STATUS releases the record
+  // without a second callback.
+  acceptor_.rendezvous_mgr->Cleanup(2);
+  ASSERT_TRUE(Pump([&] { return owner_.pool.GetStats().allocations == baseline; }));
+  Settle();
+  EXPECT_EQ(Get(acceptor_.stats.errors_sent), 1);
+  EXPECT_EQ(out->calls, 1);
+  EXPECT_EQ(out->status.code(), absl::StatusCode::kDeadlineExceeded) << "the first end stands";
 }
 
 TEST_F(ChannelTest, CloseFailsEveryPendingRecvOnceAndQuarantinesTheirMemory) {
@@ -681,6 +731,83 @@ TEST_F(ChannelTest, AnswerSentToTheSendingSideClosesTheChannel) {
       acceptor_, absl::StrCat("task ", TaskName(kJob, kOwnerTaskIndex), " sent ",
                               MessageTypeName(MessageType::kMetaDataResponse),
                               " on a channel where it receives them"));
+}
+
+TEST_F(ChannelTest, ManyRecvsAtOnceBatchTheirMessagesAndAllArrive) {
+  // Far more requests than message slots: they queue behind the busy slots and go out batched,
+  // and every ACK frees what the peer decoded in its turn.
+  constexpr int kRecvs = 300;
+  std::vector<Tensor> sent;
+  std::vector<std::shared_ptr<RecvOutcome>> got;
+  for (int i = 0; i < kRecvs; ++i) {
+    const ParsedKey key = Key(absl::StrCat("t", i));
+    sent.push_back(Floats(&acceptor_.pool, 1 + i, static_cast<float>(i)));
+    Send(1, key, sent.back());
+    got.push_back(StartRecv(1, key));
+  }
+  ASSERT_TRUE(Pump([&] {
+    for (const auto& g : got) {
+      if (g->calls == 0) return false;
+    }
+    return true;
+  }));
+  Settle();
+  for (int i = 0; i < kRecvs; ++i) {
+    ASSERT_EQ(got[i]->calls, 1) << i;
+    ASSERT_TRUE(got[i]->status.ok()) << i << ": " << got[i]->status;
+    EXPECT_TRUE(got[i]->tensor.ContentEquals(sent[i])) << i;
+  }
+  // REQUEST and RE_REQUEST per recv one way, META_DATA_RESPONSE the other.
+  EXPECT_EQ(Get(owner_.stats.control_messages), 2 * kRecvs);
+  EXPECT_EQ(Get(acceptor_.stats.control_messages), kRecvs);
+  EXPECT_LT(Get(owner_.stats.control_slots), Get(owner_.stats.control_messages));
+  EXPECT_EQ(owner_.channel->message_buffer()->pending(), 0u);
+  EXPECT_EQ(acceptor_.channel->message_buffer()->pending(), 0u);
+  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+}
+
+TEST_F(ChannelTest, ADuplicatedContentImmediateIsDroppedNotDeliveredTwice) {
+  const ParsedKey key = Key("once");
+  ASSERT_TRUE(Transfer(1, key, Floats(&acceptor_.pool, 64, 1.0f))->status.ok());
+  const Tensor sent = Floats(&acceptor_.pool, 64, 2.0f);
+  Send(2, key, sent);
+  std::shared_ptr<RecvOutcome> out = StartRecv(2, key);
+  // With the meta-data cached, the sender's next write with an immediate is the content.
+  ASSERT_TRUE(Pump([&] { return Get(owner_.stats.requests) == 2; }));
+  fabric::loopback::SetFaults(acceptor_.domain.get(), {.duplicate_imm_nth = 1});
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  EXPECT_EQ(out->calls, 1);
+  ASSERT_TRUE(out->status.ok()) << out->status;
+  EXPECT_TRUE(out->tensor.ContentEquals(sent));
+  EXPECT_EQ(Get(owner_.stats.dropped_imms), 1) << "the copy found no request and was counted";
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+}
+
+TEST_F(ChannelTest, DataValidationFailsACorruptedTransferWithDataLoss) {
+  owner_.env.data_validation = true;
+  acceptor_.env.data_validation = true;
+  const ParsedKey key = Key("checked");
+  const Tensor sent = Floats(&acceptor_.pool, 1000, 3.0f);
+  std::shared_ptr<RecvOutcome> good = Transfer(1, key, sent);
+  ASSERT_TRUE(good->status.ok()) << good->status;
+  EXPECT_TRUE(good->tensor.ContentEquals(sent));
+
+  Send(2, key, sent);
+  std::shared_ptr<RecvOutcome> out = StartRecv(2, key);
+  // Validation always takes the round trip (the checksum rides META_DATA_RESPONSE): once the
+  // owner has sent RE_REQUEST, the sender's next write with an immediate is the content.
+  ASSERT_TRUE(Pump([&] { return Get(owner_.stats.re_requests) == 2; }));
+  fabric::loopback::SetFaults(acceptor_.domain.get(), {.corrupt_write_nth = 1});
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  EXPECT_EQ(out->calls, 1);
+  EXPECT_EQ(out->status.code(), absl::StatusCode::kDataLoss) << out->status;
+  EXPECT_THAT(std::string(out->status.message()), HasSubstr("checksum mismatch"));
+  EXPECT_THAT(std::string(out->status.message()), HasSubstr(key.full_key));
+  EXPECT_EQ(Get(owner_.stats.checksum_failures), 1);
+  EXPECT_EQ(Get(owner_.stats.meta_cache_hits), 0);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady) << "one recv failed, not the channel";
 }
 
 class UnconnectedChannelTest : public ChannelTest {
