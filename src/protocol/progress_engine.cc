@@ -152,11 +152,22 @@ void ProgressEngine::Loop() {
 }
 
 void ProgressEngine::Stop() {
+  std::deque<Task> never_run;
   {
     MutexLock lock(&mu_);
-    if (stopping_ || !thread_.joinable()) return;
+    if (stopping_) return;
     stopping_ = true;
     has_tasks_.store(true, std::memory_order_release);  // the loop looks, and sees it stop
+    if (!thread_.joinable()) {
+      // Never started: what was posted runs here, on the thread that now owns everything.
+      stopped_.store(true);
+      never_run.swap(tasks_);
+    }
+  }
+  if (!thread_.joinable()) {
+    for (Task& task : never_run) std::move(task)();
+    executor_->ScheduleAll(&callbacks_);
+    return;
   }
   domain_->Interrupt();
   thread_.join();

@@ -64,7 +64,8 @@ class ProgressEngine {
   ~ProgressEngine();  // Stop()
 
   void Start();
-  // Runs what was posted, stops the loop and joins it (idempotent). Never on the loop thread.
+  // Runs what was posted, stops the loop and joins it (idempotent; on an engine never started,
+  // runs what was posted on the calling thread). Never on the loop thread.
   void Stop();
 
   // Queues `task` for the loop thread; false (and `task` left untouched) after Stop. On the
