@@ -163,13 +163,18 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
   SendMetaData();
 }
 
-void RdmaTensorResponse::SendMetaData() {
-  ChannelEnv* env = channel_->env();
+Message RdmaTensorResponse::Answer(MessageType type) const {
   Message m;
-  m.type = MessageType::kMetaDataResponse;
+  m.type = type;
   m.name = request_.name;
   m.step_id = request_.step_id;
   m.request_index = request_.request_index;
+  return m;
+}
+
+void RdmaTensorResponse::SendMetaData() {
+  ChannelEnv* env = channel_->env();
+  Message m = Answer(MessageType::kMetaDataResponse);
   m.meta = meta_;
   if (env->data_validation) m.checksum = ContentChecksum(source_, meta_.tensor_bytes);
   TransitionTo(State::kWaitReRequest);
@@ -241,11 +246,7 @@ bool RdmaTensorResponse::OnWriteDone() {
 
 void RdmaTensorResponse::SendError(const absl::Status& status) {
   ChannelEnv* env = channel_->env();
-  Message m;
-  m.type = MessageType::kErrorStatus;
-  m.name = request_.name;
-  m.step_id = request_.step_id;
-  m.request_index = request_.request_index;
+  Message m = Answer(MessageType::kErrorStatus);
   m.error = status.ok() ? absl::InternalError("unknown error") : status;
   TransitionTo(State::kDone);
   env->stats->errors_sent.fetch_add(1, std::memory_order_relaxed);

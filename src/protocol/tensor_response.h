@@ -62,6 +62,8 @@ class RdmaTensorResponse {
   // Whether the request already named a destination the tensor fits.
   bool CanWriteNow() const;
   void WriteContent(uint64_t addr, const std::string& key);
+  // A message to the requester about this request (name, step and index filled in).
+  Message Answer(MessageType type) const;
   // META_DATA_RESPONSE (in copy mode: the seed's BUFFER_REQUEST), then wait for RE_REQUEST.
   void SendMetaData();
   // ERROR_STATUS; the channel then forgets this response (deletes it).

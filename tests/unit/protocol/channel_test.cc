@@ -254,6 +254,16 @@ class ChannelTest : public ::testing::Test {
                                                CpuDeviceName(kJob, kOwnerTaskIndex), name));
   }
 
+  // A control message of `type` for `key` in step 1 under request `index`, for tests that
+  // write what a misbehaving peer would.
+  static Message Control(MessageType type, const ParsedKey& key, uint32_t index) {
+    Message m;
+    m.type = type;
+    m.name = key.full_key;
+    m.step_id = 1;
+    m.request_index = index;
+    return m;
+  }
   static Tensor Floats(Allocator* allocator, int64_t n, float scale) {
     Tensor t = *Tensor::Allocate(allocator, DataType::kFloat32, TensorShape::Of({n}));
     for (int64_t i = 0; i < n; ++i) t.flat<float>()[i] = scale * static_cast<float>(i);
@@ -657,11 +667,7 @@ TEST_F(ChannelTest, CloseFailsEveryPendingRecvOnceAndQuarantinesTheirMemory) {
 }
 
 TEST_F(ChannelTest, RequestReusingAPendingIndexClosesTheChannel) {
-  Message m;
-  m.type = MessageType::kTensorRequest;
-  m.name = Key("never sent").full_key;
-  m.step_id = 1;
-  m.request_index = 77;
+  Message m = Control(MessageType::kTensorRequest, Key("never sent"), 77);
   owner_.channel->SendMessage(m);
   owner_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
@@ -669,11 +675,7 @@ TEST_F(ChannelTest, RequestReusingAPendingIndexClosesTheChannel) {
 }
 
 TEST_F(ChannelTest, ReRequestForAnUnknownRequestClosesTheChannel) {
-  Message m;
-  m.type = MessageType::kTensorReRequest;
-  m.name = Key("never asked").full_key;
-  m.step_id = 1;
-  m.request_index = 78;
+  Message m = Control(MessageType::kTensorReRequest, Key("never asked"), 78);
   owner_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
   ExpectClosedWithDataLoss(
@@ -686,11 +688,7 @@ TEST_F(ChannelTest, MetaDataResponseForARequestNotWaitingForOneClosesTheChannel)
   // A fresh channel's first request has index 0 (RequestIndexAllocator counts up from 0).
   std::shared_ptr<RecvOutcome> out = StartRecv(1, key);
   Settle();
-  Message m;
-  m.type = MessageType::kMetaDataResponse;
-  m.name = key.full_key;
-  m.step_id = 1;
-  m.request_index = 0;
+  Message m = Control(MessageType::kMetaDataResponse, key, 0);
   m.meta.dtype = DataType::kFloat32;
   m.meta.shape = TensorShape::Of({4});
   m.meta.tensor_bytes = 4 * sizeof(float);
@@ -706,11 +704,7 @@ TEST_F(ChannelTest, MetaDataResponseForARequestNotWaitingForOneClosesTheChannel)
 }
 
 TEST_F(ChannelTest, RequestSentToTheReceivingSideClosesTheChannel) {
-  Message m;
-  m.type = MessageType::kTensorRequest;
-  m.name = Key("backwards").full_key;
-  m.step_id = 1;
-  m.request_index = 5;
+  Message m = Control(MessageType::kTensorRequest, Key("backwards"), 5);
   acceptor_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return owner_.channel->state() == Channel::State::kClosed; }));
   ExpectClosedWithDataLoss(
@@ -720,11 +714,7 @@ TEST_F(ChannelTest, RequestSentToTheReceivingSideClosesTheChannel) {
 }
 
 TEST_F(ChannelTest, AnswerSentToTheSendingSideClosesTheChannel) {
-  Message m;
-  m.type = MessageType::kMetaDataResponse;
-  m.name = Key("backwards").full_key;
-  m.step_id = 1;
-  m.request_index = 5;
+  Message m = Control(MessageType::kMetaDataResponse, Key("backwards"), 5);
   owner_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
   ExpectClosedWithDataLoss(
