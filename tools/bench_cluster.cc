@@ -208,7 +208,7 @@ PairBench::~PairBench() {
 }
 
 std::string PairBench::fabric() const {
-  if (protocol::VerbsTransport* t = server_->verbs_transport()) return t->fabric_name();
+  if (auto* t = server_->verbs_transport()) return t->fabric_name();
   return "tcp (gRPC)";
 }
 

@@ -23,13 +23,23 @@
 
 namespace tensorverbs::testing {
 
+// The grpc+verbs engine's names, for every test that looks inside it (its options, counters,
+// limits). Tests use these and never the engine's own namespace or header, so that moving or
+// renaming the engine changes this block only.
+namespace verbs_engine = ::tensorverbs::protocol;
+using VerbsTransport = verbs_engine::VerbsTransport;
+using VerbsOptions = verbs_engine::VerbsOptions;
+using VerbsStats = verbs_engine::VerbsStats;
+inline constexpr size_t kMaxKeyBytes = verbs_engine::kMaxNameLength;
+inline constexpr uint32_t kVerbsWireVersion = verbs_engine::kWireVersion;
+
 struct ClusterOptions {
   std::string protocol = "grpc+verbs";
   std::string fabric = "loopback";
   std::string provider;
   absl::Duration recv_timeout = absl::Seconds(60);
   // Adjusts every server's grpc+verbs options after the defaults above.
-  std::function<void(protocol::VerbsOptions&)> tune;
+  std::function<void(VerbsOptions&)> tune;
   // Per-task protocol overrides (task i gets protocols[i] where given).
   std::vector<std::string> protocols;
 };
@@ -75,7 +85,7 @@ class InProcessCluster {
   }
 
   Server& server(int t) { return *servers_[t]; }
-  protocol::VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
+  VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
   std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
     return *server(task).rendezvous_mgr()->Find(step);
   }
@@ -106,7 +116,7 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
     ASSERT_TRUE(s.ok()) << s;
   }
   Server& server(int t) { return cluster_.server(t); }
-  protocol::VerbsTransport& transport(int t) { return cluster_.transport(t); }
+  VerbsTransport& transport(int t) { return cluster_.transport(t); }
   std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
     return cluster_.Step(task, step);
   }
