@@ -3,15 +3,12 @@
 // (killed, restarted and unreachable peers, ports held by another process, tensors crossing
 // process boundaries) is here; protocol behaviour that one process shows is in
 // tests/conformance/protocol_conformance_test.cc.
-#include <dirent.h>
 #include <signal.h>
-#include <sys/mman.h>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "src/common/mutex.h"
 #include "absl/strings/str_cat.h"
@@ -22,6 +19,7 @@
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
+#include "tests/support/shm_regions.h"
 #include "tests/support/subprocess.h"
 #include "tools/process_util.h"
 
@@ -35,7 +33,6 @@ constexpr int64_t kStep = 42;
 
 class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
  protected:
-  // A SIGKILLed peer cannot unlink libfabric shm's regions ("<pid>:..." in /dev/shm).
   void TearDown() override {
     for (auto& p : peers_) {
       if (p) p->Signal(SIGTERM);
@@ -44,16 +41,8 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
       if (p) (void)p->Wait(absl::Seconds(10));
     }
     peers_.clear();
-    if (DIR* d = opendir("/dev/shm")) {
-      std::vector<std::string> stale;
-      while (dirent* e = readdir(d)) {
-        for (pid_t pid : peer_pids_) {
-          if (absl::StartsWith(e->d_name, absl::StrCat(pid, ":"))) stale.push_back(e->d_name);
-        }
-      }
-      closedir(d);
-      for (const std::string& name : stale) shm_unlink(name.c_str());
-    }
+    // Peers the test SIGKILLed left their shm regions behind.
+    for (pid_t pid : peer_pids_) testing::UnlinkShmRegionsOf(pid);
   }
 
   // A cluster of `n` worker tasks; task 0 is in this process, the others are peers.
