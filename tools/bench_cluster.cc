@@ -209,7 +209,7 @@ PairBench::~PairBench() {
 }
 
 std::string PairBench::fabric() const {
-  if (verbs::VerbsTransport* t = server_->verbs_transport()) return t->fabric_name();
+  if (auto* t = server_->verbs_transport()) return t->fabric_name();
   return "tcp (gRPC)";
 }
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 
 #include "absl/strings/ascii.h"
@@ -198,9 +199,12 @@ absl::Status WritePngPlot(const std::string& path, const std::string& title,
         "gnuplot is not installed (Debian package gnuplot-nox; scripts/install-deps.sh installs "
         "it)");
   }
-  char dir_template[] = "/tmp/tensorverbs-plot-XXXXXX";
-  if (mkdtemp(dir_template) == nullptr) {
-    return absl::InternalError(absl::StrCat("mkdtemp: ", std::strerror(errno)));
+  // gnuplot's data and script go next to the plot, where the caller can write, rather than
+  // into a shared /tmp that the caller (a test with its own directory, say) never chose.
+  std::string dir_template =
+      (std::filesystem::path(path).parent_path() / ".tensorverbs-plot-XXXXXX").string();
+  if (mkdtemp(dir_template.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("mkdtemp ", dir_template, ": ", std::strerror(errno)));
   }
   const std::string dir = dir_template;
   // Text goes through gnuplot's enhanced mode, where '_' means subscript; file names do not.

@@ -1,7 +1,6 @@
 // The fabric contract (src/fabric/fabric.h), checked on every backend that can run here:
 // loopback always, ofi shm and ofi tcp;ofi_rxm where libfabric provides them. Two domains in
 // this process play the two peers; the test thread drives both.
-#include <dirent.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -13,12 +12,12 @@
 #include <set>
 #include <thread>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "src/fabric/fabric.h"
 #include "src/fabric/loopback/loopback.h"
+#include "tests/support/shm_regions.h"
 
 namespace tensorverbs::fabric {
 namespace {
@@ -319,17 +318,7 @@ TEST_P(FabricConformanceTest, ClosedPeerGivesAnErrorWithinABoundedTime) {
 }
 
 TEST_P(FabricConformanceTest, ShmLeavesNothingBehindInDevShm) {
-  // shm names its regions "<pid>:..."; count only this process's, since other tests may run
-  // concurrently.
-  const std::string mine = absl::StrCat(getpid(), ":");
-  auto count = [&] {
-    size_t n = 0;
-    if (DIR* d = opendir("/dev/shm")) {
-      while (dirent* e = readdir(d)) n += absl::StartsWith(e->d_name, mine);
-      closedir(d);
-    }
-    return n;
-  };
+  auto count = [] { return testing::ShmRegionsOf(getpid()).size(); };
   ea_.reset();
   eb_.reset();
   a_.reset();

@@ -1,6 +1,5 @@
 // The fabric between two real processes, over shm and tcp;ofi_rxm: data and immediates arrive,
 // and a killed peer shows up as errors within a bounded time, never a hang.
-#include <dirent.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -11,13 +10,13 @@
 #include <cstring>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "src/common/checksum.h"
 #include "src/fabric/fabric.h"
+#include "tests/support/shm_regions.h"
 #include "tests/support/subprocess.h"
 
 namespace tensorverbs::fabric {
@@ -77,16 +76,7 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   const pid_t peer_pid = (*peer)->pid();
   (*peer)->Signal(SIGKILL);
   ASSERT_TRUE((*peer)->Wait(absl::Seconds(10)).ok());
-  // A killed process cannot unlink its shm regions ("<pid>:..." in /dev/shm); clean up for it.
-  if (DIR* d = opendir("/dev/shm")) {
-    const std::string prefix = absl::StrCat(peer_pid, ":");
-    std::vector<std::string> stale;
-    while (dirent* e = readdir(d)) {
-      if (absl::StartsWith(e->d_name, prefix)) stale.push_back(e->d_name);
-    }
-    closedir(d);
-    for (const std::string& name : stale) shm_unlink(name.c_str());
-  }
+  testing::UnlinkShmRegionsOf(peer_pid);
   absl::Time start = absl::Now();
   absl::Status last;
   for (int i = 0; i < 3 && last.ok(); ++i) {

@@ -16,12 +16,14 @@
 #include "absl/strings/str_split.h"
 #include "tests/support/subprocess.h"
 #include "src/support/process_util.h"
+#include "tests/support/temp_dir.h"
 
 namespace tensorverbs {
 namespace {
 
 using ::testing::HasSubstr;
 using testing::RunTool;
+using testing::ScopedTempDir;
 using testing::Subprocess;
 using testing::ToolRun;
 
@@ -81,7 +83,8 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
 }
 
 TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
-  const std::string json = ::testing::TempDir() + "/bench_fabric.json";
+  const ScopedTempDir dir;
+  const std::string json = dir.File("bench_fabric.json");
   absl::StatusOr<ToolRun> run =
       RunTool({"bench", "fabric", "--sizes", "4B,64KiB", "--iters", "50", "--providers",
                "shm,tcp;ofi_rxm", "--json", json},
@@ -106,8 +109,9 @@ nlohmann::json ReadJson(const std::string& path) {
 }
 
 TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
-  const std::string json = ::testing::TempDir() + "/bench_p2p.json";
-  const std::string png = ::testing::TempDir() + "/bench_p2p.png";
+  const ScopedTempDir dir;
+  const std::string json = dir.File("bench_p2p.json");
+  const std::string png = dir.File("bench_p2p.png");
   absl::StatusOr<ToolRun> run = RunTool({"bench", "p2p", "--sizes", "4B,64KiB", "--iters", "20",
                                          "--window", "4", "--json", json, "--plot", png},
                                         absl::Seconds(280));
@@ -146,7 +150,8 @@ TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
 }
 
 TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
-  const std::string json = ::testing::TempDir() + "/bench_rate.json";
+  const ScopedTempDir dir;
+  const std::string json = dir.File("bench_rate.json");
   absl::StatusOr<ToolRun> run =
       RunTool({"bench", "rate", "--protocols", "grpc+verbs,grpc", "--sizes", "4B", "--recvs",
                "2000", "--window", "64", "--slots", "1,8", "--batch", "1,16", "--json", json},
@@ -173,7 +178,8 @@ TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
 }
 
 TEST(ToolTest, BenchPsRunsTrainingStepsOfARealModelOverEveryProtocol) {
-  const std::string json = ::testing::TempDir() + "/bench_ps.json";
+  const ScopedTempDir dir;
+  const std::string json = dir.File("bench_ps.json");
   absl::StatusOr<ToolRun> run =
       RunTool({"bench", "ps", "--model", "resnet50", "--workers", "1", "--steps", "2",
                "--warmup", "1", "--json", json},

@@ -11,12 +11,14 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/support/subprocess.h"
+#include "tests/support/temp_dir.h"
 
 namespace tensorverbs {
 namespace {
 
 using ::testing::HasSubstr;
 using testing::RunTool;
+using testing::ScopedTempDir;
 using testing::Subprocess;
 using testing::ToolRun;
 
@@ -29,7 +31,8 @@ class NetnsTest : public ::testing::Test {
 };
 
 TEST_F(NetnsTest, P2PCrossesAVethPairOverTcp) {
-  const std::string json = ::testing::TempDir() + "/netns_p2p.json";
+  const ScopedTempDir dir;
+  const std::string json = dir.File("netns_p2p.json");
   absl::StatusOr<ToolRun> run =
       RunTool({"bench", "p2p", "--netns", "--sizes", "4KiB,1MiB", "--iters", "20", "--window", "4",
                "--protocols", "grpc,grpc+verbs,gdr", "--json", json},

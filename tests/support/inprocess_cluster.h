@@ -16,12 +16,22 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "src/protocol/message.h"
 #include "src/server/server.h"
+#include "src/support/process_util.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
-#include "src/support/process_util.h"
 
 namespace tensorverbs::testing {
+
+// The grpc+verbs engine's names, for every test that looks inside it (its options, counters,
+// limits). Tests use these and never the engine's own namespace or header, so that moving or
+// renaming the engine changes this block only.
+using VerbsTransport = ::tensorverbs::verbs::VerbsTransport;
+using VerbsOptions = ::tensorverbs::verbs::VerbsOptions;
+using VerbsStats = ::tensorverbs::protocol::VerbsStats;
+inline constexpr size_t kMaxKeyBytes = ::tensorverbs::protocol::kMaxNameLength;
+inline constexpr uint32_t kVerbsWireVersion = ::tensorverbs::protocol::kWireVersion;
 
 struct ClusterOptions {
   std::string protocol = "grpc+verbs";
@@ -29,7 +39,7 @@ struct ClusterOptions {
   std::string provider;
   absl::Duration recv_timeout = absl::Seconds(60);
   // Adjusts every server's grpc+verbs options after the defaults above.
-  std::function<void(verbs::VerbsOptions&)> tune;
+  std::function<void(VerbsOptions&)> tune;
   // Per-task protocol overrides (task i gets protocols[i] where given).
   std::vector<std::string> protocols;
 };
@@ -75,7 +85,7 @@ class InProcessCluster {
   }
 
   Server& server(int t) { return *servers_[t]; }
-  verbs::VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
+  VerbsTransport& transport(int t) { return *servers_[t]->verbs_transport(); }
   std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
     return *server(task).rendezvous_mgr()->Find(step);
   }
@@ -106,7 +116,7 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
     ASSERT_TRUE(s.ok()) << s;
   }
   Server& server(int t) { return cluster_.server(t); }
-  verbs::VerbsTransport& transport(int t) { return cluster_.transport(t); }
+  VerbsTransport& transport(int t) { return cluster_.transport(t); }
   std::shared_ptr<RemoteRendezvous> Step(int task, int64_t step) {
     return cluster_.Step(task, step);
   }

@@ -1,0 +1,933 @@
+// The tensor protocols between servers of one process: grpc+verbs, grpc+verbs-copy and grpc+gdr
+// over every fabric that runs here (loopback, libfabric shm, libfabric tcp;ofi_rxm), and grpc,
+// which has no fabric. Task 0 receives; the other tasks send.
+//
+// Where the designs differ (copies per transfer, meta-data round trips, lent tensors), the
+// difference is data in ProtocolDesign, so that one body states one property for every protocol
+// and a design change is one edited row. A property that only one design has is a suite
+// instantiated for the designs that have it. The second half injects faults into the loopback
+// fabric under each protocol built on the grpc+verbs transport. Multi-process behaviour (killed
+// and restarted peers) is in tests/integration.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "proto/verbs.grpc.pb.h"
+#include "src/common/mutex.h"
+#include "src/fabric/loopback/loopback.h"
+#include "src/server/server.h"
+#include "tests/support/fixtures.h"
+#include "tests/support/inprocess_cluster.h"
+#include "tests/support/pending_recv.h"
+
+namespace tensorverbs {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+using testing::kMaxKeyBytes;
+using testing::kVerbsWireVersion;
+using testing::VerbsOptions;
+using testing::VerbsStats;
+
+// Tensor copies one transfer costs the sending and the receiving task, for a tensor above
+// grpc+gdr's 1 KiB inline limit.
+struct Copies {
+  int sender;
+  int receiver;
+};
+
+// When the receiver learns a tensor's dtype and shape in a round trip of its own
+// (META_DATA_RESPONSE, answered by RE_REQUEST) before the content moves.
+enum class MetaDataRoundTrip {
+  kNever,           // the meta-data rides the RecvTensor response (grpc, grpc+gdr)
+  kWhenItChanges,   // cached per name; asked for again when the dtype or shape differ
+  kWhenItOutgrows,  // a buffer per name; a larger one when the payload outgrows it
+};
+
+// What a protocol's design says a test should observe.
+struct ProtocolDesign {
+  const char* protocol;
+  const char* label;  // in test names
+  // Runs on the grpc+verbs transport: channels, VerbsStats, the loopback fabric's faults.
+  bool on_verbs_transport;
+  // Requests travel as grpc+verbs control messages (REQUEST, ERROR_STATUS), which bound the key
+  // length and carry the checksum of data validation; otherwise they are RecvTensor calls.
+  bool requests_over_channel;
+  // The content arrives by a write with immediate (which the loopback fabric can corrupt), not
+  // by the receiver's read.
+  bool content_by_write;
+  // The content travels inside a framed payload (a header and the TensorProto meta-data), so
+  // more bytes move than the tensor has.
+  bool frames_content;
+  bool lends_tensors;
+  MetaDataRoundTrip meta_data;
+  Copies pool_to_pool;  // the steady state: source and destination in registered pool memory
+  Copies pool_to_heap;  // a destination the fabric never registered
+  Copies heap_to_heap;  // a source outside the pool as well
+  // Recvs per sending peer in ManyConcurrentRecvsFromThreePeers, and under TSan (which slows
+  // libfabric's copies and gRPC tenfold).
+  int concurrent_recvs_per_peer;
+  int concurrent_recvs_per_peer_under_tsan;
+  // Whether the 64 MiB fixture goes along under TSan.
+  bool big_fixture_under_tsan;
+};
+
+// Seed 000: the content is written straight into the result tensor.
+constexpr ProtocolDesign kGrpcVerbs = {
+    .protocol = "grpc+verbs",
+    .label = "GrpcVerbs",
+    .on_verbs_transport = true,
+    .requests_over_channel = true,
+    .content_by_write = true,
+    .frames_content = false,
+    .lends_tensors = false,
+    .meta_data = MetaDataRoundTrip::kWhenItChanges,
+    .pool_to_pool = {0, 0},
+    .pool_to_heap = {0, 1},  // a registered proxy, copied out of
+    .heap_to_heap = {1, 1},  // and a registered staging copy of the source
+    .concurrent_recvs_per_peer = 3334,
+    .concurrent_recvs_per_peer_under_tsan = 3334,
+    .big_fixture_under_tsan = true,
+};
+
+// Seed 002: a pre-registered buffer per tensor name on each side, a copy in and a copy out.
+constexpr ProtocolDesign kGrpcVerbsCopy = {
+    .protocol = "grpc+verbs-copy",
+    .label = "GrpcVerbsCopy",
+    .on_verbs_transport = true,
+    .requests_over_channel = true,
+    .content_by_write = true,
+    .frames_content = true,
+    .lends_tensors = false,
+    .meta_data = MetaDataRoundTrip::kWhenItOutgrows,
+    .pool_to_pool = {1, 1},
+    .pool_to_heap = {1, 1},
+    .heap_to_heap = {1, 1},
+    .concurrent_recvs_per_peer = 667,
+    .concurrent_recvs_per_peer_under_tsan = 100,
+    .big_fixture_under_tsan = false,
+};
+
+// TensorFlow's GDR: meta-data over the RecvTensor call, the bytes pulled by one RDMA read.
+constexpr ProtocolDesign kGrpcGdr = {
+    .protocol = "grpc+gdr",
+    .label = "GrpcGdr",
+    .on_verbs_transport = true,
+    .requests_over_channel = false,
+    .content_by_write = false,
+    .frames_content = false,
+    .lends_tensors = true,
+    .meta_data = MetaDataRoundTrip::kNever,
+    .pool_to_pool = {0, 0},
+    .pool_to_heap = {0, 1},  // read into a registered proxy
+    .heap_to_heap = {1, 1},  // and the sender lends a registered copy
+    .concurrent_recvs_per_peer = 667,
+    .concurrent_recvs_per_peer_under_tsan = 100,
+    .big_fixture_under_tsan = false,
+};
+
+// The baseline: the receiver parses the response into its tensor (one copy); the sender's
+// response points into the tensor's buffer.
+constexpr ProtocolDesign kGrpc = {
+    .protocol = "grpc",
+    .label = "Grpc",
+    .on_verbs_transport = false,
+    .requests_over_channel = false,
+    .content_by_write = false,
+    .frames_content = false,
+    .lends_tensors = false,
+    .meta_data = MetaDataRoundTrip::kNever,
+    .pool_to_pool = {0, 1},
+    .pool_to_heap = {0, 1},
+    .heap_to_heap = {0, 1},
+    .concurrent_recvs_per_peer = 667,
+    .concurrent_recvs_per_peer_under_tsan = 100,
+    .big_fixture_under_tsan = false,
+};
+
+struct FabricChoice {
+  const char* label;  // in test names
+  const char* fabric;
+  const char* provider;
+  const char* description;
+};
+
+constexpr FabricChoice kLoopback = {"Loopback", "loopback", "", "the loopback fabric"};
+constexpr FabricChoice kShm = {"Shm", "ofi", "shm", "libfabric shm"};
+constexpr FabricChoice kTcp = {"Tcp", "ofi", "tcp;ofi_rxm", "libfabric tcp;ofi_rxm"};
+// grpc moves tensors over gRPC's own TCP connections.
+constexpr FabricChoice kNoFabric = {"NoFabric", "", "", "gRPC alone"};
+
+struct Param {
+  const ProtocolDesign* design;
+  const FabricChoice* fabric;
+};
+
+// For test listings and failure messages (ctest shows it next to each test's name).
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.design->protocol << " over " << p.fabric->description;
+}
+
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  return absl::StrCat(info.param.design->label, "_", info.param.fabric->label);
+}
+
+const std::vector<const ProtocolDesign*> kVerbsFamily = {&kGrpcVerbs, &kGrpcVerbsCopy, &kGrpcGdr};
+const std::vector<const FabricChoice*> kEveryFabric = {&kLoopback, &kShm, &kTcp};
+
+std::vector<Param> Combine(const std::vector<const ProtocolDesign*>& designs,
+                           const std::vector<const FabricChoice*>& fabrics) {
+  std::vector<Param> out;
+  for (const ProtocolDesign* d : designs) {
+    for (const FabricChoice* f : fabrics) out.push_back({d, f});
+  }
+  return out;
+}
+
+// The verbs-family designs that have `property`.
+std::vector<const ProtocolDesign*> With(bool ProtocolDesign::*property) {
+  std::vector<const ProtocolDesign*> out;
+  for (const ProtocolDesign* d : kVerbsFamily) {
+    if (d->*property) out.push_back(d);
+  }
+  return out;
+}
+
+// Every protocol: the verbs family over every fabric, and grpc once.
+std::vector<Param> EveryProtocol() {
+  std::vector<Param> out = Combine(kVerbsFamily, kEveryFabric);
+  out.push_back({&kGrpc, &kNoFabric});
+  return out;
+}
+
+// META_DATA_RESPONSEs (each answered by one RE_REQUEST) and REQUESTs that carried cached
+// meta-data, for one name whose tensors are `sent` in turn, without data validation.
+struct MetaDataCounts {
+  int64_t round_trips = 0;
+  int64_t cache_hits = 0;
+};
+
+MetaDataCounts ExpectedMetaData(MetaDataRoundTrip rule, const std::vector<Tensor>& sent) {
+  MetaDataCounts out;
+  for (size_t i = 0; i < sent.size(); ++i) {
+    const Tensor* previous = i > 0 ? &sent[i - 1] : nullptr;
+    switch (rule) {
+      case MetaDataRoundTrip::kNever:
+        break;
+      case MetaDataRoundTrip::kWhenItChanges:
+        out.round_trips += previous == nullptr || previous->dtype() != sent[i].dtype() ||
+                           previous->shape() != sent[i].shape();
+        out.cache_hits += previous != nullptr;
+        break;
+      case MetaDataRoundTrip::kWhenItOutgrows: {
+        // The framing is the same size for every tensor of one test's sequence, so the payload
+        // outgrows the buffer exactly when the tensor outgrows every earlier one.
+        size_t largest = 0;
+        for (size_t j = 0; j < i; ++j) largest = std::max(largest, sent[j].TotalBytes());
+        out.round_trips += i == 0 || sent[i].TotalBytes() > largest;
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+// What tasks copied so far: the server's counters (every protocol) and the transport's.
+struct CopyCounts {
+  int64_t server[2] = {0, 0};
+  int64_t transport[2] = {0, 0};
+};
+
+class ProtocolTest : public testing::ClusterTest<Param> {
+ protected:
+  const ProtocolDesign& design() const { return *GetParam().design; }
+
+  // `n` tasks in this process; `tune` adjusts every server's grpc+verbs options, `protocols`
+  // overrides the protocol per task.
+  void StartCluster(int n, std::function<void(VerbsOptions&)> tune = nullptr,
+                    std::vector<std::string> protocols = {}) {
+    testing::ClusterOptions o;
+    o.protocol = design().protocol;
+    o.fabric = GetParam().fabric->fabric;
+    o.provider = GetParam().fabric->provider;
+    o.recv_timeout = recv_timeout_;
+    o.tune = std::move(tune);
+    o.protocols = std::move(protocols);
+    StartWith(n, o);
+  }
+
+  // The transport's counters, or zeros for a protocol without one (whose designs expect none
+  // of what they count).
+  const VerbsStats& verbs_stats(int task) {
+    static const VerbsStats kNone;
+    return design().on_verbs_transport ? transport(task).stats() : kNone;
+  }
+
+  // Task 1 sends, task 0 receives.
+  CopyCounts CountCopies() {
+    CopyCounts c;
+    for (int t : {0, 1}) {
+      c.server[t] = server(t).stats().copies.load();
+      c.transport[t] = verbs_stats(t).copies.load();
+    }
+    return c;
+  }
+
+  // `transfers` from task 1 to task 0 since `before` cost `per_transfer` copies each.
+  void ExpectCopies(const Copies& per_transfer, int transfers, const CopyCounts& before) {
+    const CopyCounts now = CountCopies();
+    EXPECT_EQ(now.server[1] - before.server[1], per_transfer.sender * transfers)
+        << "sender copies (the server's count)";
+    EXPECT_EQ(now.server[0] - before.server[0], per_transfer.receiver * transfers)
+        << "receiver copies (the server's count)";
+    if (!design().on_verbs_transport) return;
+    EXPECT_EQ(now.transport[1] - before.transport[1], per_transfer.sender * transfers)
+        << "sender copies (the transport's count)";
+    EXPECT_EQ(now.transport[0] - before.transport[0], per_transfer.receiver * transfers)
+        << "receiver copies (the transport's count)";
+  }
+
+  // Task 1 sent `sent` under one name to task 0 since the counters read `before`.
+  void ExpectMetaDataRoundTrips(const std::vector<Tensor>& sent, const MetaDataCounts& before) {
+    const MetaDataCounts want = ExpectedMetaData(design().meta_data, sent);
+    EXPECT_EQ(verbs_stats(1).meta_responses.load() - before.round_trips, want.round_trips)
+        << "META_DATA_RESPONSEs";
+    EXPECT_EQ(verbs_stats(0).re_requests.load(), verbs_stats(1).meta_responses.load())
+        << "every META_DATA_RESPONSE is answered by one RE_REQUEST";
+    EXPECT_EQ(verbs_stats(0).meta_cache_hits.load() - before.cache_hits, want.cache_hits)
+        << "REQUESTs that carried cached meta-data";
+  }
+  MetaDataCounts CountMetaData() {
+    return {verbs_stats(1).meta_responses.load(), verbs_stats(0).meta_cache_hits.load()};
+  }
+
+  // Every tensor a sender lent has been released (the release immediate can trail the
+  // receiver's completion a little). Trivially true where nothing is lent.
+  void ExpectNothingLent(int task) {
+    if (!design().on_verbs_transport) return;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (transport(task).NumLentTensors() > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(transport(task).NumLentTensors(), 0u) << "every lent tensor was released";
+  }
+
+  // Sends `t` from task 1 at `step` and receives it on task 0 into `got` (if given). Callers
+  // wrap it in ASSERT_NO_FATAL_FAILURE: after a recv that never came, the next would wait too.
+  void SendAndRecv(int64_t step, const std::string& name, const Tensor& t, Tensor* got = nullptr,
+                   RecvArgs args = RecvArgs()) {
+    ASSERT_TRUE(Step(1, step)->Send(Key(1, name), t).ok());
+    PendingRecv recv(*Step(0, step), Key(1, name), args);
+    ASSERT_TRUE(recv.Wait()) << name << " at step " << step;
+    ASSERT_TRUE(recv.status().ok()) << name << " at step " << step << ": " << recv.status();
+    EXPECT_TRUE(recv.tensor().ContentEquals(t))
+        << name << " at step " << step << ": got " << recv.tensor().DebugString();
+    EXPECT_EQ(recv.calls(), 1);
+    if (got != nullptr) *got = recv.tensor();
+  }
+};
+
+TEST_P(ProtocolTest, EveryFixtureArrivesIntactWithItsDeadness) {
+  StartCluster(2);
+  // tcp;ofi_rxm moves 64 MiB slowly here.
+  const bool big =
+      GetParam().fabric != &kTcp && (!kUnderThreadSanitizer || design().big_fixture_under_tsan);
+  std::vector<testing::Fixture> fixtures = testing::MakeFixtures(/*seed=*/7, big);
+  auto sender = Step(1, 1);
+  auto receiver = Step(0, 1);
+  std::vector<std::unique_ptr<PendingRecv>> recvs;
+  for (const testing::Fixture& f : fixtures) {
+    recvs.push_back(std::make_unique<PendingRecv>(*receiver, Key(1, f.name)));
+  }
+  for (const testing::Fixture& f : fixtures) {
+    ASSERT_TRUE(sender->Send(Key(1, f.name), f.tensor, f.is_dead).ok());
+  }
+  for (size_t i = 0; i < fixtures.size(); ++i) {
+    const testing::Fixture& f = fixtures[i];
+    ASSERT_TRUE(recvs[i]->Wait(absl::Seconds(90))) << f.name;
+    ASSERT_TRUE(recvs[i]->status().ok()) << f.name << ": " << recvs[i]->status();
+    EXPECT_EQ(recvs[i]->is_dead(), f.is_dead) << f.name;
+    if (!f.is_dead) {
+      EXPECT_TRUE(recvs[i]->tensor().ContentEquals(f.tensor))
+          << f.name << ": got " << recvs[i]->tensor().DebugString();
+    }
+    EXPECT_EQ(recvs[i]->calls(), 1) << f.name;
+  }
+  ExpectNothingLent(1);
+}
+
+TEST_P(ProtocolTest, SteadyStateCopiesAndMetaDataRoundTripsAreWhatTheDesignSays) {
+  StartCluster(2);
+  constexpr int kSteps = 10;
+  // 256 KiB: above grpc+gdr's inline limit, and small enough for its reads over shm, which
+  // take seconds per MiB under TSan.
+  const std::vector<int64_t> dims = {64, 1024};
+  std::vector<Tensor> sent;
+  for (int step = 1; step <= kSteps; ++step) {
+    Tensor t = PoolTensor(1, DataType::kFloat32, dims, step);
+    Tensor got;
+    ASSERT_NO_FATAL_FAILURE(SendAndRecv(step, "weights", t, &got));
+    // The result is pool memory: the content landed (or was copied) where tensors live.
+    MemoryRegion region;
+    EXPECT_TRUE(server(0).recv_allocator()->FindRegion(got.data(), 1, &region)) << step;
+    sent.push_back(t);
+    server(0).rendezvous_mgr()->Cleanup(step);
+    server(1).rendezvous_mgr()->Cleanup(step);
+  }
+  const VerbsStats& rx = verbs_stats(0);
+  const VerbsStats& tx = verbs_stats(1);
+  // A sender counts a transfer at its local completion, which may come after the receiver's.
+  const int64_t transfers = design().on_verbs_transport ? kSteps : 0;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (tx.content_writes.load() < transfers && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ExpectCopies(design().pool_to_pool, kSteps, CopyCounts());
+  ExpectMetaDataRoundTrips(sent, MetaDataCounts());
+  EXPECT_EQ(tx.content_writes.load(), transfers);
+  const int64_t tensor_bytes = int64_t{kSteps} * sent[0].TotalBytes();
+  const int64_t moved = tx.content_bytes.load() + rx.content_bytes.load();
+  if (design().frames_content) {
+    EXPECT_GT(moved, tensor_bytes);
+  } else {
+    EXPECT_EQ(moved, design().on_verbs_transport ? tensor_bytes : 0);
+  }
+  EXPECT_EQ(rx.dropped_imms.load() + tx.dropped_imms.load(), 0);
+  EXPECT_EQ(rx.channel_errors.load() + tx.channel_errors.load(), 0);
+  ExpectNothingLent(1);
+  // A small tensor: over grpc+gdr it goes inline in the RecvTensor response, as over grpc.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(99, "small", PoolTensor(1, DataType::kInt32, {4}, 9)));
+}
+
+TEST_P(ProtocolTest, ChangingShapesTakeTheMetaDataRoundTripsTheDesignSays) {
+  StartCluster(2);
+  int64_t step = 0;
+  {
+    SCOPED_TRACE("a shape that changes every step, in size or only in its dims");
+    const MetaDataCounts before = CountMetaData();
+    std::vector<Tensor> sent;
+    for (int i = 1; i <= 8; ++i) {
+      sent.push_back(PoolTensor(1, DataType::kInt64, {i, 3 + i % 2}, i));
+      ASSERT_NO_FATAL_FAILURE(SendAndRecv(++step, "activations", sent.back()));
+    }
+    ExpectMetaDataRoundTrips(sent, before);
+  }
+  {
+    SCOPED_TRACE("a tensor that grows, stays and shrinks");
+    const MetaDataCounts before = CountMetaData();
+    std::vector<Tensor> sent;
+    for (int64_t size : {100, 1000, 500, 5000, 5000, 10}) {
+      sent.push_back(PoolTensor(1, DataType::kInt64, {size}, static_cast<uint32_t>(size)));
+      ASSERT_NO_FATAL_FAILURE(SendAndRecv(++step, "act", sent.back()));
+    }
+    ExpectMetaDataRoundTrips(sent, before);
+  }
+  ExpectNothingLent(1);
+}
+
+TEST_P(ProtocolTest, UnregisteredDestinationsAndSourcesGoThroughRegisteredCopies) {
+  StartCluster(2);
+  RecvArgs to_heap;
+  to_heap.allocator = CpuAllocator();  // heap memory the fabric never registered
+  // The heap source goes first, as in the suites this one replaced. After pool transfers TSan
+  // often reports grpc+gdr's staging copy on the sender and the receiver's loopback read of it
+  // as a race: the only order between them runs through gRPC's uninstrumented threads.
+  CopyCounts before = CountCopies();
+  Tensor heap = Tensor::Make(DataType::kFloat64, TensorShape::Of({4096}));  // not pool memory
+  testing::FillPattern(heap, 5);
+  Tensor got;
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "h", heap, &got, to_heap));
+  EXPECT_EQ(got.allocator(), CpuAllocator());
+  ExpectCopies(design().heap_to_heap, 1, before);
+
+  before = CountCopies();
+  Tensor pooled = PoolTensor(1, DataType::kFloat64, {333}, 5);
+  for (int step = 2; step <= 3; ++step) {
+    ASSERT_NO_FATAL_FAILURE(SendAndRecv(step, "w", pooled, &got, to_heap));
+    EXPECT_EQ(got.allocator(), CpuAllocator());
+  }
+  ExpectCopies(design().pool_to_heap, 2, before);
+  ExpectNothingLent(1);
+}
+
+TEST_P(ProtocolTest, SenderSideErrorsReachTheReceiverWithCodeAndMessage) {
+  StartCluster(2);
+  // A key made for another incarnation of the sender.
+  ParsedKey stale = *ParsedKey::Parse(ParsedKey::Create(
+      server(1).device_name(), server(1).incarnation() ^ 1, server(0).device_name(), "x"));
+  PendingRecv wrong_incarnation(*Step(0, 5), stale);
+  ASSERT_TRUE(wrong_incarnation.Wait());
+  EXPECT_EQ(wrong_incarnation.status().code(), absl::StatusCode::kAborted)
+      << wrong_incarnation.status();
+  EXPECT_THAT(std::string(wrong_incarnation.status().message()),
+              AllOf(HasSubstr("probably restarted"), HasSubstr("/job:worker/replica:0/task:1")));
+  // A step the sender already cleaned up.
+  server(1).rendezvous_mgr()->Cleanup(6);
+  PendingRecv cleaned(*Step(0, 6), Key(1, "y"));
+  ASSERT_TRUE(cleaned.Wait());
+  EXPECT_EQ(cleaned.status().code(), absl::StatusCode::kFailedPrecondition) << cleaned.status();
+  // The sender aborts the step while the recv waits.
+  PendingRecv aborted(*Step(0, 7), Key(1, "z"));
+  absl::SleepFor(absl::Milliseconds(100));
+  Step(1, 7)->StartAbort(absl::InternalError("the producer op failed"));
+  ASSERT_TRUE(aborted.Wait());
+  EXPECT_EQ(aborted.status().code(), absl::StatusCode::kInternal) << aborted.status();
+  EXPECT_THAT(std::string(aborted.status().message()), HasSubstr("the producer op failed"));
+  // Over the channel each went back as an ERROR_STATUS; otherwise as the call's status.
+  if (design().requests_over_channel) {
+    EXPECT_GE(verbs_stats(1).errors_sent.load(), 3);
+  } else {
+    EXPECT_EQ(verbs_stats(1).errors_sent.load(), 0);
+  }
+  // The channel (and the gRPC path) survived all of it.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(8, "after", PoolTensor(1, DataType::kFloat32, {4096}, 1)));
+  EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+  for (PendingRecv* r : {&wrong_incarnation, &cleaned, &aborted}) EXPECT_EQ(r->calls(), 1);
+}
+
+TEST_P(ProtocolTest, AbortMidFlightCompletesOnceAndLateContentLandsHarmlessly) {
+  StartCluster(2);
+  std::vector<std::unique_ptr<PendingRecv>> recvs;
+  for (int i = 0; i < 20; ++i) {
+    recvs.push_back(std::make_unique<PendingRecv>(*Step(0, 3), Key(1, absl::StrCat("t", i))));
+  }
+  absl::SleepFor(absl::Milliseconds(100));  // the requests reach the sender
+  Step(0, 3)->StartAbort(absl::CancelledError("step 3 cancelled by the user"));
+  for (auto& r : recvs) {
+    ASSERT_TRUE(r->Wait());
+    EXPECT_EQ(r->status().code(), absl::StatusCode::kCancelled) << r->status();
+  }
+  // The sender produces after all: the content goes to memory the aborted requests still own.
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(
+        Step(1, 3)
+            ->Send(Key(1, absl::StrCat("t", i)), PoolTensor(1, DataType::kFloat32, {4096}, i))
+            .ok());
+  }
+  // The channel keeps working and nothing ran twice.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(4, "next", PoolTensor(1, DataType::kFloat32, {4096}, 99)));
+  absl::SleepFor(absl::Milliseconds(200));
+  for (auto& r : recvs) EXPECT_EQ(r->calls(), 1);
+  EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+  ExpectNothingLent(1);
+}
+
+TEST_P(ProtocolTest, ManyConcurrentRecvsFromThreePeers) {
+  StartCluster(4);
+  constexpr int kPeers = 3;
+  const int per_peer = kUnderThreadSanitizer ? design().concurrent_recvs_per_peer_under_tsan
+                                             : design().concurrent_recvs_per_peer;
+  // Every third tensor is pool memory above grpc+gdr's inline limit (which gdr reads); the
+  // others are small heap tensors (which grpc+verbs stages).
+  auto elements = [](int i) -> int64_t { return i % 3 == 0 ? 600 : 1 + i % 7; };
+  std::vector<std::unique_ptr<PendingRecv>> recvs;
+  recvs.reserve(kPeers * per_peer);
+  auto receiver = Step(0, 9);
+  for (int i = 0; i < per_peer; ++i) {
+    for (int peer = 1; peer <= kPeers; ++peer) {
+      recvs.push_back(std::make_unique<PendingRecv>(*receiver, Key(peer, absl::StrCat("k", i))));
+    }
+  }
+  std::vector<std::thread> senders;
+  for (int peer = 1; peer <= kPeers; ++peer) {
+    senders.emplace_back([this, peer, per_peer, elements] {
+      auto r = Step(peer, 9);
+      for (int i = 0; i < per_peer; ++i) {
+        const TensorShape shape = TensorShape::Of({elements(i)});
+        Tensor t = i % 3 == 0
+                       ? *Tensor::Allocate(server(peer).recv_allocator(), DataType::kInt32, shape)
+                       : Tensor::Make(DataType::kInt32, shape);
+        for (int64_t j = 0; j < t.NumElements(); ++j) t.flat<int32_t>()[j] = peer * 1000000 + i;
+        ASSERT_TRUE(r->Send(Key(peer, absl::StrCat("k", i)), t).ok());
+      }
+    });
+  }
+  for (auto& s : senders) s.join();
+  for (int i = 0; i < per_peer; ++i) {
+    for (int peer = 1; peer <= kPeers; ++peer) {
+      PendingRecv& r = *recvs[kPeers * i + (peer - 1)];
+      ASSERT_TRUE(r.Wait(absl::Seconds(120))) << i;
+      ASSERT_TRUE(r.status().ok()) << r.status();
+      Tensor t = r.tensor();
+      ASSERT_EQ(t.NumElements(), elements(i));
+      for (int64_t j = 0; j < t.NumElements(); ++j) {
+        ASSERT_EQ(t.flat<int32_t>()[j], peer * 1000000 + i) << "element " << j;
+      }
+    }
+  }
+  for (auto& r : recvs) EXPECT_EQ(r->calls(), 1);
+  EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+  for (int peer = 1; peer <= kPeers; ++peer) ExpectNothingLent(peer);
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProtocol()), ParamName);
+
+// Designs whose requests are grpc+verbs control messages, which carry the checksum.
+class ChannelRequestTest : public ProtocolTest {};
+
+TEST_P(ChannelRequestTest, DataValidationVerifiesEveryTransfer) {
+  StartCluster(2, [](VerbsOptions& o) { o.data_validation = true; });
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_NO_FATAL_FAILURE(
+        SendAndRecv(step, "v", PoolTensor(1, DataType::kFloat32, {1000}, step)));
+  }
+  EXPECT_EQ(transport(1).stats().meta_responses.load(), 3) << "the checksum rides the meta-data";
+  EXPECT_EQ(transport(0).stats().checksum_failures.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, ChannelRequestTest,
+                         ::testing::ValuesIn(Combine(With(&ProtocolDesign::requests_over_channel),
+                                                     kEveryFabric)),
+                         ParamName);
+
+// grpc+verbs alone: its registration strategies and message slots; and, once per fabric rather
+// than once per design, what the other designs do by the same code: the key limit of a
+// control message, the wire-version check of channel set-up, and wait-for-peers.
+class ZeroCopyTest : public ProtocolTest {};
+
+TEST_P(ZeroCopyTest, APeerOfAnotherWireVersionIsRefusedAndTold) {
+  StartCluster(1);
+  const std::string address = *server(0).cluster().TaskAddress("worker", 0);
+  auto stub = proto::VerbsService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  for (uint32_t version : {0u, 1u, kVerbsWireVersion + 1}) {
+    SCOPED_TRACE(version);
+    proto::ConnectRequest request;
+    request.set_task_name("/job:worker/replica:0/task:9");
+    request.set_incarnation(7);
+    request.set_fabric(transport(0).domain_for_testing()->capabilities().family);
+    request.set_protocol(design().protocol);
+    request.set_channel_id(1);
+    request.mutable_end()->set_endpoint_address("unused");
+    request.mutable_end()->set_rx_addr(4096);
+    request.mutable_end()->set_rx_key("unused");
+    request.mutable_end()->set_rx_slots(8);
+    request.mutable_end()->set_wire_version(version);
+    proto::ConnectResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    grpc::Status status = stub->Connect(&context, request, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), AllOf(HasSubstr("task:9 speaks grpc+verbs wire version"),
+                                              HasSubstr(absl::StrCat("speaks ", kVerbsWireVersion)),
+                                              HasSubstr("same tensorverbs release")));
+    if (version == 0) {
+      EXPECT_THAT(status.error_message(), HasSubstr("1 or older"));
+    }
+  }
+}
+
+TEST_P(ZeroCopyTest, KeysAtTheNameLimitWorkAndLongerOnesFailClearly) {
+  StartCluster(2);
+  // Size the edge name so that the whole key is exactly the limit.
+  const size_t edge = kMaxKeyBytes - (Key(1, "a").full_key.size() - 1);
+  const std::string at_limit(edge, 'a');
+  ParsedKey key = Key(1, at_limit);
+  ASSERT_EQ(key.full_key.size(), kMaxKeyBytes);
+  Tensor t = PoolTensor(1, DataType::kInt8, {10}, 3);
+  ASSERT_TRUE(Step(1, 1)->Send(key, t).ok());
+  PendingRecv ok(*Step(0, 1), key);
+  ASSERT_TRUE(ok.Wait());
+  ASSERT_TRUE(ok.status().ok()) << ok.status();
+  EXPECT_TRUE(ok.tensor().ContentEquals(t));
+
+  PendingRecv too_long(*Step(0, 1), Key(1, at_limit + "b"));
+  ASSERT_TRUE(too_long.Wait());
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("2048"));
+}
+
+TEST_P(ZeroCopyTest, WaitForPeersSetsUpEveryChannel) {
+  StartCluster(3);
+  for (int t = 0; t < 3; ++t) {
+    absl::Status s = server(t).WaitForPeers(absl::Seconds(20));
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  // Each task owns a channel to each peer and accepted one from each.
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(transport(t).NumReadyChannels(), 4u) << t;
+}
+
+TEST_P(ZeroCopyTest, PerTransferAndCopyRegistrationStrategies) {
+  for (const char* strategy : {"per-transfer", "copy"}) {
+    SCOPED_TRACE(strategy);
+    StartCluster(2, [strategy](VerbsOptions& o) { o.registration = strategy; });
+    for (int step = 1; step <= 3; ++step) {
+      ASSERT_NO_FATAL_FAILURE(
+          SendAndRecv(step, "g", PoolTensor(1, DataType::kUInt16, {1000}, step)));
+    }
+    const int64_t copies = transport(0).stats().copies.load() + transport(1).stats().copies.load();
+    const int64_t registrations = transport(0).stats().transient_registrations.load() +
+                                  transport(1).stats().transient_registrations.load();
+    if (std::string(strategy) == "copy") {
+      EXPECT_EQ(copies, 6) << "a copy in and a copy out per transfer";
+      EXPECT_EQ(registrations, 0);
+    } else {
+      EXPECT_EQ(copies, 0);
+      EXPECT_EQ(registrations, 6) << "source and destination pinned per transfer";
+    }
+    TearDown();
+  }
+}
+
+TEST_P(ZeroCopyTest, OneMessageSlotAndEveryPollModeWork) {
+  const std::vector<std::pair<const char*, int>> configs = {
+      {"busy", 32}, {"blocking", 32}, {"adaptive", 32}, {"adaptive", 1}};
+  for (const auto& [mode, batch] : configs) {
+    SCOPED_TRACE(absl::StrCat(mode, ", batch ", batch));
+    StartCluster(2, [mode = mode, batch = batch](VerbsOptions& o) {
+      o.message_slots = 1;
+      o.message_batch = batch;
+      o.poll_mode = mode;
+    });
+    std::vector<std::unique_ptr<PendingRecv>> recvs;
+    for (int i = 0; i < 200; ++i) {
+      recvs.push_back(std::make_unique<PendingRecv>(*Step(0, 1), Key(1, absl::StrCat("s", i))));
+    }
+    for (int i = 0; i < 200; ++i) {
+      ASSERT_TRUE(
+          Step(1, 1)
+              ->Send(Key(1, absl::StrCat("s", i)), PoolTensor(1, DataType::kFloat32, {16}, i))
+              .ok());
+    }
+    for (int i = 0; i < 200; ++i) {
+      ASSERT_TRUE(recvs[i]->Wait());
+      ASSERT_TRUE(recvs[i]->status().ok()) << recvs[i]->status();
+      EXPECT_TRUE(recvs[i]->tensor().ContentEquals(PoolTensor(1, DataType::kFloat32, {16}, i)));
+    }
+    // 200 REQUESTs and 200 RE_REQUESTs (the meta-data was not cached) behind one slot.
+    const VerbsStats& rx = transport(0).stats();
+    EXPECT_EQ(rx.control_messages.load(), rx.requests.load() + rx.re_requests.load());
+    EXPECT_EQ(rx.control_messages.load(), 400);
+    if (batch == 1) {
+      EXPECT_EQ(rx.control_slots.load(), 400) << "the seed's buffer: one message per write";
+    } else {
+      EXPECT_LT(rx.control_slots.load(), 200) << "messages queued behind the slot went batched";
+    }
+    recvs.clear();  // the tensors go back to the pools before the servers do
+    TearDown();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, ZeroCopyTest,
+                         ::testing::ValuesIn(Combine({&kGrpcVerbs}, kEveryFabric)), ParamName);
+
+// 256 MiB runs once, over shm: the other fabrics and designs move it by the same code path as
+// the 64 MiB fixture, which runs everywhere.
+class HugeTensorTest : public ProtocolTest {};
+
+TEST_P(HugeTensorTest, A256MiBTensorAndAnEmptyOneInPlace) {
+  StartCluster(2);
+  Tensor big = PoolTensor(1, DataType::kUInt8, {int64_t{256} << 20}, 11);
+  Tensor empty = PoolTensor(1, DataType::kFloat32, {0, 16}, 0);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "big"), big).ok());
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "empty"), empty).ok());
+  PendingRecv got_big(*Step(0, 1), Key(1, "big"));
+  PendingRecv got_empty(*Step(0, 1), Key(1, "empty"));
+  ASSERT_TRUE(got_big.Wait(absl::Seconds(120)));
+  ASSERT_TRUE(got_empty.Wait());
+  ASSERT_TRUE(got_big.status().ok()) << got_big.status();
+  ASSERT_TRUE(got_empty.status().ok()) << got_empty.status();
+  EXPECT_TRUE(got_big.tensor().ContentEquals(big));
+  EXPECT_EQ(got_empty.tensor().shape(), empty.shape());
+  ExpectCopies(design().pool_to_pool, 2, CopyCounts());
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, HugeTensorTest,
+                         ::testing::ValuesIn(Combine({&kGrpcVerbs}, {&kShm})), ParamName);
+
+// Designs other than grpc+verbs on its transport: a task of another protocol must not connect.
+class MixedProtocolTest : public ProtocolTest {};
+
+TEST_P(MixedProtocolTest, TasksOfDifferentProtocolsRefuseToConnectAndSaySo) {
+  // Task 0 receives over grpc+verbs and sets up a channel to task 1, which runs this protocol.
+  StartCluster(2, nullptr, {"grpc+verbs", design().protocol});
+  PendingRecv recv(*Step(0, 1), Key(1, "x"));
+  ASSERT_TRUE(recv.Wait());
+  EXPECT_EQ(recv.status().code(), absl::StatusCode::kFailedPrecondition) << recv.status();
+  EXPECT_THAT(std::string(recv.status().message()),
+              AllOf(HasSubstr(design().protocol), HasSubstr("--protocol")));
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, MixedProtocolTest,
+                         ::testing::ValuesIn(Combine({&kGrpcVerbsCopy, &kGrpcGdr}, kEveryFabric)),
+                         ParamName);
+
+// Designs that lend tensors to their readers.
+class LendingTest : public ProtocolTest {};
+
+TEST_P(LendingTest, LentTensorsAreReleasedWhenTheirLeaseEnds) {
+  recv_timeout_ = absl::Milliseconds(300);
+  StartCluster(2, [](VerbsOptions& o) { o.peer_timeout = absl::Milliseconds(200); });
+  Tensor t = PoolTensor(1, DataType::kUInt8, {1 << 16}, 3);
+  Notification lent;
+  transport(1).Lend("/job:worker/replica:0/task:7", t,
+                    [&lent](absl::StatusOr<grpc_transport::RemoteTensorRef> ref) {
+                      EXPECT_TRUE(ref.ok()) << ref.status();
+                      lent.Notify();
+                    });
+  ASSERT_TRUE(lent.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(transport(1).NumLentTensors(), 1u);
+  // Nobody reads or releases it: the lease (recv timeout + peer timeout) ends it.
+  ExpectNothingLent(1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, LendingTest,
+                         ::testing::ValuesIn(Combine(With(&ProtocolDesign::lends_tensors),
+                                                     kEveryFabric)),
+                         ParamName);
+
+// Faults the loopback fabric injects into the sender's or the receiver's operations. Whatever
+// breaks, every recv ends exactly once, within its deadline, with either the right tensor or
+// an error: never with wrong bytes, never with a crash or a hang.
+class FaultTest : public ProtocolTest {
+ protected:
+  struct Outcome {
+    int ok = 0;
+    int failed = 0;
+    std::vector<absl::Status> errors;
+  };
+
+  // Runs three recvs (the first takes the meta-data round trip where the design has one, the
+  // others hit the cache) with `faults` on task `faulty`'s domain.
+  Outcome Run(int faulty, const fabric::loopback::Faults& faults, bool validation = false) {
+    Outcome out;
+    StartCluster(2, [validation](VerbsOptions& o) {
+      o.data_validation = validation;
+      o.message_slots = 2;
+    });
+    if (HasFatalFailure()) return out;
+    fabric::loopback::SetFaults(transport(faulty).domain_for_testing(), faults);
+    std::vector<std::unique_ptr<PendingRecv>> recvs;
+    for (int step = 1; step <= 3; ++step) {
+      Tensor t = PoolTensor(1, DataType::kFloat32, {4096}, step);
+      EXPECT_TRUE(Step(1, step)->Send(Key(1, "f"), t).ok());
+      recvs.push_back(std::make_unique<PendingRecv>(*Step(0, step), Key(1, "f")));
+      PendingRecv& recv = *recvs.back();
+      EXPECT_TRUE(recv.Wait(recv_timeout_ + absl::Seconds(20))) << "the recv hung";
+      if (recv.status().ok()) {
+        EXPECT_TRUE(recv.tensor().ContentEquals(t)) << "a recv succeeded with wrong bytes";
+        ++out.ok;
+      } else {
+        ++out.failed;
+        out.errors.push_back(recv.status());
+      }
+    }
+    // A second callback would come soon after the first: every recv is watched for at least
+    // this long after it ended (the earlier ones for longer), before the servers stop.
+    absl::SleepFor(absl::Milliseconds(20));
+    for (auto& recv : recvs) EXPECT_EQ(recv->calls(), 1);
+    recvs.clear();  // the tensors go back to the pools before the servers do
+    TearDown();
+    return out;
+  }
+};
+
+TEST_P(FaultTest, FailedPostsAndErrorCompletionsCloseTheChannelAndItReconnects) {
+  recv_timeout_ = absl::Seconds(5);
+  int failed = 0;
+  for (int n = 1; n <= 6; ++n) {
+    for (int faulty : {0, 1}) {
+      SCOPED_TRACE(absl::StrCat("operation ", n, " of task ", faulty));
+      fabric::loopback::Faults post;
+      post.fail_post_nth = n;
+      Outcome a = Run(faulty, post);
+      EXPECT_EQ(a.ok + a.failed, 3);
+      EXPECT_GE(a.ok, 1) << "a new channel serves the recvs after the broken one";
+      fabric::loopback::Faults completion;
+      completion.error_completion_nth = n;
+      Outcome b = Run(faulty, completion);
+      EXPECT_EQ(b.ok + b.failed, 3);
+      EXPECT_GE(b.ok, 1);
+      for (const absl::Status& e : b.errors) {
+        EXPECT_THAT(std::string(e.message()), HasSubstr("task:")) << "errors name the peer";
+      }
+      failed += a.failed + b.failed;
+    }
+  }
+  EXPECT_GT(failed, 0) << "some injected faults failed recvs";
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, FaultTest,
+                         ::testing::ValuesIn(Combine(kVerbsFamily, {&kLoopback})), ParamName);
+
+// Designs whose content arrives by a write with immediate, which the fabric can corrupt,
+// duplicate or lose.
+class WrittenContentFaultTest : public FaultTest {};
+
+TEST_P(WrittenContentFaultTest, CorruptedWritesAreCaughtByTheCodecOrTheChecksum) {
+  recv_timeout_ = absl::Seconds(2);
+  int checksum_failures = 0;
+  for (int n = 1; n <= 8; ++n) {
+    for (int faulty : {0, 1}) {
+      SCOPED_TRACE(absl::StrCat("corrupt write ", n, " of task ", faulty));
+      fabric::loopback::Faults f;
+      f.corrupt_write_nth = n;
+      Outcome o = Run(faulty, f, /*validation=*/true);
+      EXPECT_EQ(o.ok + o.failed, 3);
+      for (const absl::Status& e : o.errors) {
+        checksum_failures += absl::StrContains(e.message(), "checksum mismatch");
+      }
+    }
+  }
+  EXPECT_GT(checksum_failures, 0) << "a corrupted content write fails its recv with DataLoss";
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, WrittenContentFaultTest,
+                         ::testing::ValuesIn(Combine(With(&ProtocolDesign::content_by_write),
+                                                     {&kLoopback})),
+                         ParamName);
+
+// grpc+verbs alone: duplicated and lost immediates.
+class ZeroCopyFaultTest : public FaultTest {};
+
+TEST_P(ZeroCopyFaultTest, DuplicatedImmediatesAreDroppedOrCloseTheChannel) {
+  recv_timeout_ = absl::Seconds(2);
+  int dropped = 0;
+  for (int n = 1; n <= 8; ++n) {
+    for (int faulty : {0, 1}) {
+      SCOPED_TRACE(absl::StrCat("duplicate immediate ", n, " of task ", faulty));
+      fabric::loopback::Faults f;
+      f.duplicate_imm_nth = n;
+      Outcome o = Run(faulty, f);
+      EXPECT_EQ(o.ok + o.failed, 3);
+      for (const absl::Status& e : o.errors) {
+        EXPECT_THAT(e.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kDataLoss,
+                                    absl::StatusCode::kDeadlineExceeded))
+            << e;
+      }
+      dropped += o.errors.empty();
+    }
+  }
+  EXPECT_GT(dropped, 0) << "some duplicates (of content immediates) are harmless";
+}
+
+TEST_P(ZeroCopyFaultTest, LostImmediatesFailPendingRecvsAtTheirDeadline) {
+  recv_timeout_ = absl::Seconds(1);
+  for (int n = 1; n <= 6; ++n) {
+    SCOPED_TRACE(absl::StrCat("drop immediate ", n));
+    fabric::loopback::Faults f;
+    f.drop_imm_nth = n;
+    Outcome o = Run(1, f);
+    EXPECT_EQ(o.ok + o.failed, 3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, ZeroCopyFaultTest,
+                         ::testing::ValuesIn(Combine({&kGrpcVerbs}, {&kLoopback})), ParamName);
+
+}  // namespace
+}  // namespace tensorverbs
