@@ -775,7 +775,7 @@ TEST_P(LendingTest, LentTensorsAreReleasedWhenTheirLeaseEnds) {
   Tensor t = PoolTensor(1, DataType::kUInt8, {1 << 16}, 3);
   Notification lent;
   transport(1).Lend("/job:worker/replica:0/task:7", t,
-                    [&lent](absl::StatusOr<grpc_transport::RemoteTensorRef> ref) {
+                    [&lent](absl::StatusOr<protocol::RemoteTensorRef> ref) {
                       EXPECT_TRUE(ref.ok()) << ref.status();
                       lent.Notify();
                     });
