@@ -336,6 +336,8 @@ int RunDemoCommand(const DemoOptions& options) {
       kill(pid, SIGKILL);
       (void)support::WaitAnyChild({pid}, absl::Seconds(5));
     }
+    // A task that was killed, by us or by a signal, never closed its shm endpoints.
+    support::UnlinkShmRegionsOf(pid);
   }
   return rc;
 }

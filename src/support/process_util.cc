@@ -1,9 +1,11 @@
 #include "src/support/process_util.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
@@ -120,6 +123,22 @@ int WaitForTerminationSignal(absl::Duration timeout) {
   timespec ts = absl::ToTimespec(timeout);
   int sig = sigtimedwait(&set, nullptr, &ts);
   return sig > 0 ? sig : 0;
+}
+
+std::vector<std::string> ShmRegionsOf(pid_t pid) {
+  std::vector<std::string> names;
+  const std::string prefix = absl::StrCat(pid, ":");
+  if (DIR* d = opendir("/dev/shm")) {
+    while (dirent* e = readdir(d)) {
+      if (absl::StartsWith(e->d_name, prefix)) names.push_back(e->d_name);
+    }
+    closedir(d);
+  }
+  return names;
+}
+
+void UnlinkShmRegionsOf(pid_t pid) {
+  for (const std::string& name : ShmRegionsOf(pid)) shm_unlink(name.c_str());
 }
 
 }  // namespace tensorverbs::support

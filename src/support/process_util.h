@@ -34,6 +34,12 @@ struct ChildExit {
 // Waits for any of `pids` to exit, up to `timeout`; DeadlineExceeded if none did.
 absl::StatusOr<ChildExit> WaitAnyChild(const std::vector<pid_t>& pids, absl::Duration timeout);
 
+// libfabric's shm provider keeps its regions in /dev/shm under names that start with "<pid>:"
+// and unlinks them when the process closes its endpoints; a killed process never does. The
+// names of `pid`'s regions, and their removal once `pid` is dead and reaped.
+std::vector<std::string> ShmRegionsOf(pid_t pid);
+void UnlinkShmRegionsOf(pid_t pid);
+
 // Blocks SIGINT and SIGTERM in the calling thread (call before starting other threads, which
 // inherit the mask), so that WaitForTerminationSignal can take them synchronously.
 void BlockTerminationSignals();

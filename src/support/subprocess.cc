@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/support/process_util.h"
 
 namespace tensorverbs::support {
 
@@ -55,6 +56,8 @@ Subprocess::~Subprocess() {
   if (!reaped_) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
+    // A tensorverbs child killed before it closed its endpoints leaves libfabric shm regions.
+    UnlinkShmRegionsOf(pid_);
   }
   close(stdout_fd_);
   close(stdin_fd_);
