@@ -9,6 +9,7 @@
 #ifndef TENSORVERBS_PROTOCOL_CHANNEL_ENV_H_
 #define TENSORVERBS_PROTOCOL_CHANNEL_ENV_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -125,8 +126,7 @@ std::pair<int, absl::Status> PostInPieces(uint64_t total, PostPiece post) {
   const uint64_t pieces = (total + kMaxTransferPiece - 1) / kMaxTransferPiece;
   for (uint64_t i = 0; i < pieces; ++i) {
     const uint64_t offset = i * kMaxTransferPiece;
-    const uint64_t length = total - offset < kMaxTransferPiece ? total - offset : kMaxTransferPiece;
-    absl::Status s = post(offset, length, i + 1 == pieces);
+    absl::Status s = post(offset, std::min(kMaxTransferPiece, total - offset), i + 1 == pieces);
     if (!s.ok()) return {static_cast<int>(i), s};
   }
   return {static_cast<int>(pieces), absl::OkStatus()};

@@ -90,10 +90,13 @@ void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers) {
                                   --outstanding_;
                                 });
   }
-  MutexLock lock(&mu_);
-  mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return outstanding_ == 0; });
-  round_.clear();
-  if (stop_) return;
+  {
+    MutexLock lock(&mu_);
+    mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return outstanding_ == 0; });
+    round_.clear();
+    if (stop_) return;
+  }
+  // Outside the lock: a verdict logs and posts to the progress thread.
   for (const std::shared_ptr<Probe>& probe : round) Judge(*probe);
 }
 
