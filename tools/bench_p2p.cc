@@ -9,7 +9,10 @@
 //
 // rate: many small tensors outstanding at once; tensors per second per protocol and per
 // message-slot count and batch limit of the verbs protocols (1 slot, batch 1 is the seed's
-// stop-and-wait buffer).
+// stop-and-wait buffer), beside the raw fabric's rate of small writes measured in the same run.
+//
+// Both repeat each measurement (--repeat) after a warm-up and report the median and the range:
+// on a small shared machine one run's figure can be off by half.
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,8 +61,10 @@ struct P2PRow {
   std::string protocol;
   std::string fabric;
   size_t size = 0;
-  int lat_iters = 0, bw_iters = 0, window = 0;
+  int lat_iters = 0, bw_iters = 0, window = 0, repeat = 1;
+  // Medians over the repetitions; the ranges beside them.
   double p50_us = 0, p99_us = 0, bw_gbps = 0;
+  Spread p50, bw;
   double copies_per_transfer = 0, cpu_s_per_gb = 0;
 };
 
@@ -132,7 +137,7 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
   const std::string fabric = bench->fabric();
   std::printf("\n%s over %s, 2 processes%s\n", protocol.c_str(), fabric.c_str(),
               netns ? " in two network namespaces (veth)" : "");
-  std::printf("%10s %9s %10s %10s %9s %7s %10s %12s %10s\n", "#bytes", "lat iters", "p50[us]",
+  std::printf("%10s %9s %22s %10s %9s %7s %24s %12s %10s\n", "#bytes", "lat iters", "p50[us]",
               "p99[us]", "bw iters", "window", "BW[GB/s]", "copies/xfer", "CPU s/GB");
   const std::vector<ParsedKey> keys = bench->Keys("p2p", 1);
   for (size_t size : sizes) {
@@ -143,23 +148,37 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     row.lat_iters = o.iters > 0 ? o.iters : LatencyIters(size);
     row.bw_iters = o.iters > 0 ? o.iters : BandwidthIters(size);
     row.window = o.window > 0 ? o.window : BandwidthWindow(size);
+    row.repeat = o.repeat;
     const uint32_t seed = static_cast<uint32_t>(size % 9973) + 1;
-    // Warm-up: meta-data caches, channel state, pool regions and their registration.
-    RETURN_IF_ERROR(
-        RunPhase(*bench, "p2p", keys, size, seed, row.window + 2, row.window, false, next_step)
-            .status());
-    ASSIGN_OR_RETURN(PhaseResult lat,
-                     RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters, 1, false, next_step));
-    row.p50_us = Percentile(lat.latency_us, 0.5);
-    row.p99_us = Percentile(lat.latency_us, 0.99);
-    ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters,
-                                              row.window, true, next_step));
-    const double bytes = static_cast<double>(size) * row.bw_iters;
-    row.bw_gbps = bytes / absl::ToDoubleSeconds(bw.elapsed) / 1e9;
-    row.copies_per_transfer = static_cast<double>(bw.local.copies + bw.peer.copies) / row.bw_iters;
-    row.cpu_s_per_gb = (bw.local.cpu_seconds + bw.peer.cpu_seconds) / (bytes / 1e9);
-    std::printf("%10s %9d %10.2f %10.2f %9d %7d %10.3f %12.2f %10.3f\n", SizeName(size).c_str(),
-                row.lat_iters, row.p50_us, row.p99_us, row.bw_iters, row.window, row.bw_gbps,
+    // Warm-up: one unmeasured bandwidth stream, as long as a measured one, so that meta-data
+    // caches, channel state, pool growth with its first-touch page faults and registration all
+    // happen before anything is timed.
+    RETURN_IF_ERROR(RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters, row.window, false,
+                             next_step)
+                        .status());
+    std::vector<double> p50s, p99s, bws, copies, cpu;
+    for (int rep = 0; rep < o.repeat; ++rep) {
+      ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters,
+                                                 1, false, next_step));
+      p50s.push_back(Percentile(lat.latency_us, 0.5));
+      p99s.push_back(Percentile(lat.latency_us, 0.99));
+      ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters,
+                                                row.window, true, next_step));
+      const double bytes = static_cast<double>(size) * row.bw_iters;
+      bws.push_back(bytes / absl::ToDoubleSeconds(bw.elapsed) / 1e9);
+      copies.push_back(static_cast<double>(bw.local.copies + bw.peer.copies) / row.bw_iters);
+      cpu.push_back((bw.local.cpu_seconds + bw.peer.cpu_seconds) / (bytes / 1e9));
+    }
+    row.p50 = SpreadOf(p50s);
+    row.bw = SpreadOf(bws);
+    row.p50_us = row.p50.median;
+    row.p99_us = SpreadOf(p99s).median;
+    row.bw_gbps = row.bw.median;
+    row.copies_per_transfer = SpreadOf(copies).median;
+    row.cpu_s_per_gb = SpreadOf(cpu).median;
+    std::printf("%10s %9d %22s %10.2f %9d %7d %24s %12.2f %10.3f\n", SizeName(size).c_str(),
+                row.lat_iters, FormatSpread(row.p50, 2, o.repeat).c_str(), row.p99_us,
+                row.bw_iters, row.window, FormatSpread(row.bw, 3, o.repeat).c_str(),
                 row.copies_per_transfer, row.cpu_s_per_gb);
     std::fflush(stdout);
     rows->push_back(row);
@@ -196,8 +215,11 @@ int RunBenchP2P(const BenchP2POptions& o) {
   if (o.netns && !MakeNetnsHost("p2p", &netns)) return 1;
 
   // Ceilings, measured in the same run: memcpy, and the raw fabric the verbs protocols use.
-  std::printf("tensorverbs bench p2p: sizes %s; protocols %s\n", o.sizes.c_str(),
-              absl::StrJoin(*protocols, ", ").c_str());
+  std::printf(
+      "tensorverbs bench p2p: sizes %s; protocols %s; per size a warm-up stream, then %d "
+      "measured repetition%s%s\n",
+      o.sizes.c_str(), absl::StrJoin(*protocols, ", ").c_str(), o.repeat, o.repeat == 1 ? "" : "s",
+      o.repeat == 1 ? "" : " (median [min-max])");
   std::printf("\nmemcpy between pre-faulted buffers (one copy, one core)\n%10s %10s\n", "#bytes",
               "GB/s");
   std::map<size_t, double> memcpy_gbps;
@@ -297,6 +319,11 @@ int RunBenchP2P(const BenchP2POptions& o) {
                           {"lat_iters", r.lat_iters},
                           {"bw_iters", r.bw_iters},
                           {"window", r.window},
+                          {"repeat", r.repeat},
+                          {"p50_us_min", r.p50.min},
+                          {"p50_us_max", r.p50.max},
+                          {"bandwidth_gbps_min", r.bw.min},
+                          {"bandwidth_gbps_max", r.bw.max},
                           {"memcpy_gbps", memcpy_gbps[r.size]},
                           {"ratio_to_memcpy", r.bw_gbps / std::max(memcpy_gbps[r.size], 1e-9)}};
       if (const FabricRow* f = FindFabricRow(fabric_rows, r.size)) {
@@ -392,17 +419,45 @@ int RunBenchRate(const BenchRateOptions& o) {
     int batch = 0;
     size_t size = 0;
     int64_t recvs = 0;
-    double tensors_per_s = 0, p50_us = 0, p99_us = 0;
-    double cpu_us = 0;  // CPU time of both processes per tensor
+    double tensors_per_s = 0, p50_us = 0, p99_us = 0;  // medians over the repetitions
+    double cpu_us = 0;  // CPU time of both processes per tensor (median)
+    Spread rate, cpu;
   };
+  // The ceiling: the raw fabric's windowed small writes with immediate, in the same run.
+  std::vector<FabricRow> fabric_rows;
+  std::string fabric_name;
+  if (o.baselines) {
+    absl::StatusOr<fabric::Capabilities> caps = ProbeFabric(/*all_local=*/netns == nullptr);
+    if (!caps.ok()) {
+      std::printf("raw fabric: skipped: %s\n", std::string(caps.status().message()).c_str());
+    } else {
+      FabricBenchSpec spec;
+      spec.backend = caps->backend;
+      spec.provider = caps->backend == "ofi" ? caps->provider : "";
+      spec.sizes = *sizes;
+      spec.compare = false;
+      spec.window = std::min(o.window, 64);
+      if (netns) spec.peer_prefix = netns->ExecPrefix();
+      fabric_name = absl::StrCat(caps->backend, " (", caps->provider, ")");
+      absl::StatusOr<std::vector<FabricRow>> got = MeasureFabric(spec);
+      if (!got.ok()) {
+        std::printf("raw fabric: failed: %s\n", got.status().ToString().c_str());
+      } else {
+        fabric_rows = *std::move(got);
+      }
+    }
+    std::printf("\n");
+  }
   std::vector<RateRow> rows;
   int64_t next_step = 1;
   // Keys per step: a step of a real model carries hundreds of tensors.
   const int keys_per_step = std::min(o.window, 1000);
   std::printf(
-      "tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step%s\n",
-      o.recvs, o.window, keys_per_step, netns ? ", peer in its own network namespace" : "");
-  std::printf("%16s %6s %6s %8s %14s %10s %10s %12s  %s\n", "protocol", "slots", "batch",
+      "tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step, "
+      "%d measured repetition%s%s%s\n",
+      o.recvs, o.window, keys_per_step, o.repeat, o.repeat == 1 ? "" : "s",
+      o.repeat == 1 ? "" : " (median [min-max])", netns ? ", peer in its own network namespace" : "");
+  std::printf("%16s %6s %6s %8s %26s %10s %10s %12s  %s\n", "protocol", "slots", "batch",
               "#bytes", "tensors/s", "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
   for (const std::string& protocol : *protocols) {
     std::vector<std::pair<int, int>> configs;  // (slots, batch); (0, 0) for grpc
@@ -430,11 +485,19 @@ int RunBenchRate(const BenchRateOptions& o) {
         const std::string prefix = absl::StrCat("rate", size, "_");
         const std::vector<ParsedKey> keys = (*bench)->Keys(prefix, keys_per_step);
         const uint32_t seed = static_cast<uint32_t>(size) + 7;
-        // One step of every key first: the meta-data caches fill, as after a training step.
+        // A warm-up stream as long as a measured one: the meta-data caches fill, as after a
+        // training step, and pools and tables reach their steady size.
         absl::StatusOr<PhaseResult> run =
-            RunPhase(**bench, prefix, keys, size, seed, keys_per_step, o.window, false, &next_step);
-        if (run.ok()) {
+            RunPhase(**bench, prefix, keys, size, seed, std::max(keys_per_step, o.recvs),
+                     o.window, false, &next_step);
+        std::vector<double> rates, p50s, p99s, cpus;
+        for (int rep = 0; run.ok() && rep < o.repeat; ++rep) {
           run = RunPhase(**bench, prefix, keys, size, seed, o.recvs, o.window, true, &next_step);
+          if (!run.ok()) break;
+          rates.push_back(o.recvs / absl::ToDoubleSeconds(run->elapsed));
+          p50s.push_back(Percentile(run->latency_us, 0.5));
+          p99s.push_back(Percentile(run->latency_us, 0.99));
+          cpus.push_back((run->local.cpu_seconds + run->peer.cpu_seconds) * 1e6 / o.recvs);
         }
         if (!run.ok()) {
           std::fprintf(stderr, "tensorverbs bench rate: %s, %d slots, batch %d, %s: %s\n",
@@ -449,17 +512,37 @@ int RunBenchRate(const BenchRateOptions& o) {
         row.batch = batch;
         row.size = size;
         row.recvs = o.recvs;
-        row.tensors_per_s = row.recvs / absl::ToDoubleSeconds(run->elapsed);
-        row.p50_us = Percentile(run->latency_us, 0.5);
-        row.p99_us = Percentile(run->latency_us, 0.99);
-        row.cpu_us = (run->local.cpu_seconds + run->peer.cpu_seconds) * 1e6 / o.recvs;
-        std::printf("%16s %6s %6s %8s %14.0f %10.1f %10.1f %12.2f  %s\n", protocol.c_str(),
+        row.rate = SpreadOf(rates);
+        row.cpu = SpreadOf(cpus);
+        row.tensors_per_s = row.rate.median;
+        row.p50_us = SpreadOf(p50s).median;
+        row.p99_us = SpreadOf(p99s).median;
+        row.cpu_us = row.cpu.median;
+        std::printf("%16s %6s %6s %8s %26s %10.1f %10.1f %12s  %s\n", protocol.c_str(),
                     n > 0 ? absl::StrCat(n).c_str() : "-",
                     batch > 0 ? absl::StrCat(batch).c_str() : "-", SizeName(size).c_str(),
-                    row.tensors_per_s, row.p50_us, row.p99_us, row.cpu_us, row.fabric.c_str());
+                    FormatSpread(row.rate, 0, o.repeat).c_str(), row.p50_us, row.p99_us,
+                    FormatSpread(row.cpu, 2, o.repeat).c_str(), row.fabric.c_str());
         std::fflush(stdout);
         rows.push_back(row);
       }
+    }
+  }
+  // Tensors per second against the raw fabric's writes per second: a tensor takes at least one
+  // content write, so this is the protocol's per-tensor overhead on top of the fabric's.
+  if (!fabric_rows.empty()) {
+    std::printf("\nrate relative to the raw fabric's small writes (%s, window %d)\n",
+                fabric_name.c_str(), std::min(o.window, 64));
+    for (const RateRow& r : rows) {
+      const FabricRow* f = FindFabricRow(fabric_rows, r.size);
+      if (f == nullptr || f->bw_gbps <= 0) continue;
+      const double writes_per_s = f->bw_gbps * 1e9 / static_cast<double>(r.size);
+      std::printf("  %s %s: %s slots, batch %s: %.0f tensors/s = %.2f x %.0f writes/s; %.2f us "
+                  "of CPU per tensor (goal <= 2)\n",
+                  r.protocol.c_str(), SizeName(r.size).c_str(),
+                  r.slots > 0 ? absl::StrCat(r.slots).c_str() : "-",
+                  r.batch > 0 ? absl::StrCat(r.batch).c_str() : "-", r.tensors_per_s,
+                  r.tensors_per_s / writes_per_s, writes_per_s, r.cpu_us);
     }
   }
   // The message-slot and batching optimizations, as ratios to the seed's buffer: one slot, one
@@ -497,7 +580,17 @@ int RunBenchRate(const BenchRateOptions& o) {
                      {"tensors_per_s", r.tensors_per_s},
                      {"p50_us", r.p50_us},
                      {"p99_us", r.p99_us},
-                     {"cpu_us_per_transfer", r.cpu_us}});
+                     {"cpu_us_per_transfer", r.cpu_us},
+                     {"repeat", o.repeat},
+                     {"tensors_per_s_min", r.rate.min},
+                     {"tensors_per_s_max", r.rate.max},
+                     {"cpu_us_per_transfer_min", r.cpu.min},
+                     {"cpu_us_per_transfer_max", r.cpu.max}});
+      if (const FabricRow* f = FindFabricRow(fabric_rows, r.size); f != nullptr && f->bw_gbps > 0) {
+        const double writes_per_s = f->bw_gbps * 1e9 / static_cast<double>(r.size);
+        out.back()["fabric_writes_per_s"] = writes_per_s;
+        out.back()["ratio_to_fabric_writes"] = r.tensors_per_s / writes_per_s;
+      }
     }
     if (!WriteJsonRows(o.json, out, "tensorverbs bench rate")) return 1;
   }

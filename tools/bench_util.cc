@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
@@ -83,6 +84,23 @@ double Percentile(std::vector<double>& values, double p) {
   std::sort(values.begin(), values.end());
   const size_t i = std::min(values.size() - 1, static_cast<size_t>(p * values.size()));
   return values[i];
+}
+
+Spread SpreadOf(std::vector<double> values) {
+  Spread s;
+  if (values.empty()) return s;
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  s.median = n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
+  s.min = values.front();
+  s.max = values.back();
+  return s;
+}
+
+std::string FormatSpread(const Spread& s, int precision, int repeat) {
+  if (repeat <= 1) return absl::StrFormat("%.*f", precision, s.median);
+  return absl::StrFormat("%.*f [%.*f-%.*f]", precision, s.median, precision, s.min, precision,
+                         s.max);
 }
 
 double CpuSeconds() {

@@ -34,6 +34,15 @@ std::string SizeName(size_t bytes);
 // The p-quantile (0..1) of `values` (sorted in place); 0 for an empty vector.
 double Percentile(std::vector<double>& values, double p);
 
+// A figure measured several times: its median and range.
+struct Spread {
+  double median = 0, min = 0, max = 0;
+};
+// The median and range of `values`; zeros for an empty vector.
+Spread SpreadOf(std::vector<double> values);
+// "12.3 [11.9-13.0]" with `precision` decimals (just the value for one repetition).
+std::string FormatSpread(const Spread& s, int precision, int repeat);
+
 // User plus system CPU time of this process so far, in seconds.
 double CpuSeconds();
 

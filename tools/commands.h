@@ -63,6 +63,7 @@ struct BenchP2POptions {
   std::string poll_mode;  // empty: TENSORVERBS_POLL_MODE
   int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
   bool baselines = true;  // measure the raw fabric write too
+  int repeat = 3;         // measured repetitions per size (after a warm-up); medians reported
 };
 int RunBenchP2P(const BenchP2POptions& options);
 
@@ -79,6 +80,8 @@ struct BenchRateOptions {
   std::string json;
   std::string poll_mode;
   int callback_threads = -1;
+  int repeat = 3;          // measured repetitions per configuration; medians reported
+  bool baselines = true;   // measure the raw fabric's small-write rate too
 };
 int RunBenchRate(const BenchRateOptions& options);
 

@@ -73,6 +73,10 @@ int main(int argc, char** argv) {
   bench_p2p->add_option("--callback-threads", p2p.callback_threads,
                         "Recv callback threads; 0 runs them inline (default: environment)");
   bench_p2p->add_flag("!--no-baselines", p2p.baselines, "Do not measure the raw fabric");
+  bench_p2p->add_option("--repeat", p2p.repeat,
+                        "Measured repetitions per size after a warm-up; medians and ranges")
+      ->default_val(p2p.repeat)
+      ->check(CLI::Range(1, 100));
 
   BenchRateOptions rate;
   CLI::App* bench_rate = bench_cmd->add_subcommand(
@@ -92,6 +96,12 @@ int main(int argc, char** argv) {
   bench_rate->add_option("--poll-mode", rate.poll_mode, "busy, blocking or adaptive");
   bench_rate->add_option("--callback-threads", rate.callback_threads,
                          "Recv callback threads; 0 runs them inline (default: environment)");
+  bench_rate->add_option("--repeat", rate.repeat,
+                         "Measured repetitions per configuration; medians and ranges")
+      ->default_val(rate.repeat)
+      ->check(CLI::Range(1, 100));
+  bench_rate->add_flag("!--no-baselines", rate.baselines,
+                       "Do not measure the raw fabric's small-write rate");
 
   BenchPsOptions ps;
   CLI::App* bench_ps = bench_cmd->add_subcommand(

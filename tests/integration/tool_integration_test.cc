@@ -136,6 +136,12 @@ TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
     EXPECT_GT(r.value("p50_us", 0.0), 0) << r.dump();
     EXPECT_GE(r.value("p99_us", 0.0), r.value("p50_us", 0.0)) << r.dump();
     EXPECT_GT(r.value("ratio_to_fabric_write", 0.0), 0) << r.dump();
+    // Three measured repetitions (the default): the median lies within their range.
+    EXPECT_EQ(r.value("repeat", 0), 3) << r.dump();
+    EXPECT_LE(r.value("bandwidth_gbps_min", 1e9), r.value("bandwidth_gbps", 0.0)) << r.dump();
+    EXPECT_LE(r.value("bandwidth_gbps", 1e9), r.value("bandwidth_gbps_max", 0.0)) << r.dump();
+    EXPECT_LE(r.value("p50_us_min", 1e9), r.value("p50_us", 0.0)) << r.dump();
+    EXPECT_LE(r.value("p50_us", 1e9), r.value("p50_us_max", 0.0)) << r.dump();
     if (r.value("size_bytes", 0) == 65536) {
       EXPECT_DOUBLE_EQ(r.value("copies_per_transfer", -1.0), copies.at(protocol)) << r.dump();
     }
@@ -154,12 +160,15 @@ TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
   const std::string json = dir.File("bench_rate.json");
   absl::StatusOr<ToolRun> run =
       RunTool({"bench", "rate", "--protocols", "grpc+verbs,grpc", "--sizes", "4B", "--recvs",
-               "2000", "--window", "64", "--slots", "1,8", "--batch", "1,16", "--json", json},
+               "2000", "--window", "64", "--slots", "1,8", "--batch", "1,16", "--repeat", "2",
+               "--json", json},
               absl::Seconds(240));
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->exit_code, 0) << run->out;
   EXPECT_THAT(run->out, HasSubstr("grpc+verbs 4B: 8 slots, batch 16 = "));
   EXPECT_THAT(run->out, HasSubstr("grpc+verbs 4B: 1 slots, batch 16 = "));
+  // The raw fabric's small-write rate, measured in the same run, is the ceiling it is set against.
+  EXPECT_THAT(run->out, HasSubstr("rate relative to the raw fabric's small writes"));
   nlohmann::json rows = ReadJson(json);
   ASSERT_TRUE(rows.is_array());
   ASSERT_EQ(rows.size(), 5u) << rows.dump();  // grpc+verbs with 1 and 8 slots x 2 batches, grpc
@@ -167,6 +176,11 @@ TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
   for (const nlohmann::json& r : rows) {
     EXPECT_GT(r.value("tensors_per_s", 0.0), 0) << r.dump();
     EXPECT_EQ(r.value("recvs", 0), 2000) << r.dump();
+    EXPECT_EQ(r.value("repeat", 0), 2) << r.dump();
+    EXPECT_LE(r.value("tensors_per_s_min", 1e12), r.value("tensors_per_s", 0.0)) << r.dump();
+    EXPECT_LE(r.value("tensors_per_s", 1e12), r.value("tensors_per_s_max", 0.0)) << r.dump();
+    EXPECT_GT(r.value("fabric_writes_per_s", 0.0), 0) << r.dump();
+    EXPECT_GT(r.value("ratio_to_fabric_writes", 0.0), 0) << r.dump();
     configs.insert({r.value("message_slots", -1), r.value("message_batch", -1)});
   }
   EXPECT_EQ(configs, (std::set<std::pair<int, int>>{{0, 0}, {1, 1}, {1, 16}, {8, 1}, {8, 16}}));

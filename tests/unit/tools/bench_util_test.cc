@@ -21,5 +21,19 @@ TEST(BenchUtil, SizeAndCountListsParseInOrderAndRejectBadItemsByName) {
   }
 }
 
+TEST(BenchUtil, SpreadIsTheMedianAndRangeOfTheRepetitions) {
+  Spread odd = SpreadOf({5.0, 1.0, 3.0});
+  EXPECT_DOUBLE_EQ(odd.median, 3.0);
+  EXPECT_DOUBLE_EQ(odd.min, 1.0);
+  EXPECT_DOUBLE_EQ(odd.max, 5.0);
+  Spread even = SpreadOf({4.0, 1.0, 2.0, 10.0});
+  EXPECT_DOUBLE_EQ(even.median, 3.0);  // the mean of the middle two
+  EXPECT_DOUBLE_EQ(even.max, 10.0);
+  Spread none = SpreadOf({});
+  EXPECT_DOUBLE_EQ(none.median, 0.0);
+  EXPECT_EQ(FormatSpread(odd, 1, 3), "3.0 [1.0-5.0]");
+  EXPECT_EQ(FormatSpread(odd, 2, 1), "3.00");  // one repetition has no range
+}
+
 }  // namespace
 }  // namespace tensorverbs::tools
