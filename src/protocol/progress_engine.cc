@@ -119,11 +119,21 @@ void ProgressEngine::Loop() {
       idle_since = absl::InfiniteFuture();
       continue;
     }
-    if (options_.poll_mode == PollMode::kBusy) continue;
+    // An idle spinning turn gives its core to any runnable thread (a callback thread this loop
+    // just woke, a worker about to post the next recv): with as many spinning loops as cores,
+    // a woken thread otherwise waits for the scheduler's next tick, which costs far more than
+    // the transfer it would start.
+    if (options_.poll_mode == PollMode::kBusy) {
+      std::this_thread::yield();
+      continue;
+    }
     if (options_.poll_mode == PollMode::kAdaptive) {
       const absl::Time now = absl::Now();
       if (idle_since == absl::InfiniteFuture()) idle_since = now;
-      if (now - idle_since < options_.poll_spin) continue;
+      if (now - idle_since < options_.poll_spin) {
+        std::this_thread::yield();
+        continue;
+      }
       // Data progress is manual on libfabric's shm and tcp providers: a transfer in flight
       // moves only while this thread polls, so it does not sleep until its writes complete.
       if (hooks_.operations_in_flight()) continue;
