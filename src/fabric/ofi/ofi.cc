@@ -340,9 +340,14 @@ class OfiDomain final : public Domain {
     fds.push_back(pollfd{shared_->wake.fd(), POLLIN, 0});
     for (OfiEndpoint* ep : shared_->endpoints) {
       if (ep->wait_fd() < 0) {
-        // No wait object on this provider: sleep briefly and let the caller poll (an
-        // Interrupt is then seen within the sleep).
-        absl::SleepFor(std::min(timeout, absl::Microseconds(50)));
+        // No wait object on this provider (shm): nap briefly on the interrupt fd alone, so a
+        // local post (a new recv) ends the nap at once and peer traffic waits at most one nap.
+        const absl::Duration nap = std::min(timeout, absl::Microseconds(50));
+        const timespec ts = absl::ToTimespec(std::max(nap, absl::ZeroDuration()));
+        if (ppoll(&fds[0], 1, &ts, nullptr) < 0 && errno != EINTR) {
+          return absl::UnavailableError(absl::StrCat("ofi: ppoll: ", std::strerror(errno)));
+        }
+        if (fds[0].revents & POLLIN) shared_->wake.Drain();
         return absl::OkStatus();
       }
       fids.push_back(ep->cq_fid());
