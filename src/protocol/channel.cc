@@ -270,7 +270,7 @@ absl::StatusOr<const ParsedKey*> Channel::ValidKey(const std::string& name) {
   const WorkerEnv* worker = env_->worker;
   absl::StatusOr<ParsedKey> key = ParsedKey::Parse(name);
   if (!key.ok()) return absl::InvalidArgumentError(std::string(key.status().message()));
-  if (key->src.TaskName() != worker->task_name) {
+  if (!key->src.IsOnTask(worker->task_name)) {
     return absl::InvalidArgumentError(absl::StrCat("key '", key->full_key, "' names source task ",
                                                    key->src.TaskName(), ", not ",
                                                    worker->task_name));

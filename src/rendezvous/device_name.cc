@@ -82,6 +82,17 @@ std::string DeviceName::TaskName() const {
   return absl::StrCat("/job:", job, "/replica:", replica, "/task:", task);
 }
 
+bool DeviceName::IsOnTask(absl::string_view task_name) const {
+  char digits[absl::numbers_internal::kFastToBufferSize];
+  auto number = [&digits](int n) {
+    return absl::string_view(digits, absl::numbers_internal::FastIntToBuffer(n, digits) - digits);
+  };
+  absl::string_view rest = task_name;
+  return absl::ConsumePrefix(&rest, "/job:") && absl::ConsumePrefix(&rest, job) &&
+         absl::ConsumePrefix(&rest, "/replica:") && absl::ConsumePrefix(&rest, number(replica)) &&
+         absl::ConsumePrefix(&rest, "/task:") && rest == number(task);
+}
+
 std::string TaskName(absl::string_view job, int task) {
   return absl::StrCat("/job:", job, "/replica:0/task:", task);
 }

@@ -24,6 +24,8 @@ struct DeviceName {
   std::string FullName() const;
   // /job:J/replica:R/task:T
   std::string TaskName() const;
+  // TaskName() == task_name, without building the string (every send and recv asks).
+  bool IsOnTask(absl::string_view task_name) const;
 };
 
 // "/job:J/replica:0/task:T"

@@ -12,7 +12,7 @@ RemoteRendezvous::RemoteRendezvous(const WorkerEnv* env, int64_t step_id)
     : env_(env), step_id_(step_id) {}
 
 absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
-  if (key.src.TaskName() != env_->task_name) {
+  if (!key.src.IsOnTask(env_->task_name)) {
     return absl::InvalidArgumentError(absl::StrCat("send of key '", key.full_key,
                                                    "' on task ", env_->task_name,
                                                    ": its source device is on another task"));
@@ -22,14 +22,14 @@ absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, b
 
 void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
                                  RecvDoneCallback done) {
-  if (key.dst.TaskName() != env_->task_name) {
+  if (!key.dst.IsOnTask(env_->task_name)) {
     std::move(done)(absl::InvalidArgumentError(absl::StrCat(
                         "recv of key '", key.full_key, "' on task ", env_->task_name,
                         ": its destination device is on another task")),
                     Tensor(), false);
     return;
   }
-  if (key.src.TaskName() == env_->task_name) {
+  if (key.src.IsOnTask(env_->task_name)) {
     local_.RecvAsync(key, std::move(done));
     return;
   }

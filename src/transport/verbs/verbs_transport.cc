@@ -144,32 +144,35 @@ void VerbsTransport::Housekeeping(absl::Time now) {
 void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
                           Allocator* allocator, RecvDoneCallback done) {
   const absl::Time deadline = absl::Now() + options_.recv_timeout;
-  auto holder = std::make_shared<RecvDoneCallback>(std::move(done));
-  protocol::ProgressEngine::Task task = [this, rendezvous, key, allocator, deadline,
-                                         holder]() mutable {
+  // The task owns `done`. If the engine refuses it (shutting down), the task runs right here,
+  // off the loop thread, and only fails the recv; so does a task that a stopping engine that
+  // never started runs on the stopping thread.
+  protocol::ProgressEngine::Task task = [this, rendezvous = std::move(rendezvous), key, allocator,
+                                         deadline, done = std::move(done)]() mutable {
+    auto fail = [this, &done](const absl::Status& s) {
+      options_.env->callback_executor->Schedule(
+          [done = std::move(done), s]() mutable { std::move(done)(s, Tensor(), false); });
+    };
+    if (!engine_->OnLoopThread()) {
+      fail(absl::CancelledError(
+          absl::StrCat("recv of '", key.full_key, "': the server is shutting down")));
+      return;
+    }
     // An abort that raced with this recv's start: its AbortStep ran before this task, so the
     // step's status already tells.
     if (absl::Status s = rendezvous->status(); !s.ok()) {
-      options_.env->callback_executor->Schedule(
-          [holder, s]() mutable { std::move (*holder)(s, Tensor(), false); });
+      fail(s);
       return;
     }
     absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(key.src.TaskName());
     if (!channel.ok()) {
-      absl::Status s =
-          absl::Status(channel.status().code(),
-                       absl::StrCat("recv of '", key.full_key, "': ", channel.status().message()));
-      options_.env->callback_executor->Schedule(
-          [holder, s]() mutable { std::move (*holder)(s, Tensor(), false); });
+      fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", key.full_key, "': ",
+                                                              channel.status().message())));
       return;
     }
-    (*channel)->StartRecv(rendezvous->step_id(), key, allocator, deadline, std::move(*holder));
+    (*channel)->StartRecv(rendezvous->step_id(), key, allocator, deadline, std::move(done));
   };
-  if (!engine_->Post(task)) {
-    std::move (*holder)(absl::CancelledError(absl::StrCat("recv of '", key.full_key,
-                                                          "': the server is shutting down")),
-                        Tensor(), false);
-  }
+  if (!engine_->Post(task)) std::move(task)();
 }
 
 void VerbsTransport::Lend(

@@ -78,5 +78,18 @@ TEST(ParsedKey, EachMalformedFormGetsAClearError) {
   }
 }
 
+TEST(ParsedKey, IsOnTaskAgreesWithTaskNameWithoutBuildingIt) {
+  absl::StatusOr<DeviceName> d = DeviceName::Parse(kDst);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_TRUE(d->IsOnTask(d->TaskName()));
+  EXPECT_TRUE(d->IsOnTask("/job:worker/replica:0/task:3"));
+  for (const char* other :
+       {"/job:worker/replica:0/task:31", "/job:worker/replica:0/task:", "/job:worke/replica:0/task:3",
+        "/job:workers/replica:0/task:3", "/job:worker/replica:1/task:3",
+        "/job:worker/replica:0/task:3/device:GPU:1", "", "/job:ps/replica:0/task:3"}) {
+    EXPECT_FALSE(d->IsOnTask(other)) << other;
+  }
+}
+
 }  // namespace
 }  // namespace tensorverbs
