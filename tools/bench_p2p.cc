@@ -57,6 +57,31 @@ absl::StatusOr<fabric::Capabilities> ProbeFabric(bool all_local) {
   return d->capabilities();
 }
 
+// The raw fabric write the verbs protocols use here, per size, measured as a ceiling in the same
+// run (`window` writes in flight); says on stdout why when it cannot be measured.
+void MeasureCeiling(const std::vector<size_t>& sizes, int window, const NetnsHost* netns,
+                    std::vector<FabricRow>* rows, std::string* name) {
+  absl::StatusOr<fabric::Capabilities> caps = ProbeFabric(/*all_local=*/netns == nullptr);
+  if (!caps.ok()) {
+    std::printf("\nraw fabric: skipped: %s\n", std::string(caps.status().message()).c_str());
+    return;
+  }
+  FabricBenchSpec spec;
+  spec.backend = caps->backend;
+  spec.provider = caps->backend == "ofi" ? caps->provider : "";
+  spec.sizes = sizes;
+  spec.compare = false;
+  spec.window = window;
+  if (netns) spec.peer_prefix = netns->ExecPrefix();
+  *name = absl::StrCat(caps->backend, " (", caps->provider, ")");
+  absl::StatusOr<std::vector<FabricRow>> got = MeasureFabric(spec);
+  if (!got.ok()) {
+    std::printf("raw fabric: failed: %s\n", got.status().ToString().c_str());
+    return;
+  }
+  *rows = *std::move(got);
+}
+
 struct P2PRow {
   std::string protocol;
   std::string fabric;
@@ -229,26 +254,7 @@ int RunBenchP2P(const BenchP2POptions& o) {
   }
   std::vector<FabricRow> fabric_rows;
   std::string fabric_name;
-  if (o.baselines) {
-    absl::StatusOr<fabric::Capabilities> caps = ProbeFabric(/*all_local=*/netns == nullptr);
-    if (!caps.ok()) {
-      std::printf("\nraw fabric: skipped: %s\n", std::string(caps.status().message()).c_str());
-    } else {
-      FabricBenchSpec spec;
-      spec.backend = caps->backend;
-      spec.provider = caps->backend == "ofi" ? caps->provider : "";
-      spec.sizes = *sizes;
-      spec.compare = false;
-      if (netns) spec.peer_prefix = netns->ExecPrefix();
-      fabric_name = absl::StrCat(caps->backend, " (", caps->provider, ")");
-      absl::StatusOr<std::vector<FabricRow>> got = MeasureFabric(spec);
-      if (!got.ok()) {
-        std::printf("raw fabric: failed: %s\n", got.status().ToString().c_str());
-      } else {
-        fabric_rows = *std::move(got);
-      }
-    }
-  }
+  if (o.baselines) MeasureCeiling(*sizes, /*window=*/16, netns.get(), &fabric_rows, &fabric_name);
 
   std::vector<P2PRow> rows;
   int64_t next_step = 1;
@@ -427,25 +433,7 @@ int RunBenchRate(const BenchRateOptions& o) {
   std::vector<FabricRow> fabric_rows;
   std::string fabric_name;
   if (o.baselines) {
-    absl::StatusOr<fabric::Capabilities> caps = ProbeFabric(/*all_local=*/netns == nullptr);
-    if (!caps.ok()) {
-      std::printf("raw fabric: skipped: %s\n", std::string(caps.status().message()).c_str());
-    } else {
-      FabricBenchSpec spec;
-      spec.backend = caps->backend;
-      spec.provider = caps->backend == "ofi" ? caps->provider : "";
-      spec.sizes = *sizes;
-      spec.compare = false;
-      spec.window = std::min(o.window, 64);
-      if (netns) spec.peer_prefix = netns->ExecPrefix();
-      fabric_name = absl::StrCat(caps->backend, " (", caps->provider, ")");
-      absl::StatusOr<std::vector<FabricRow>> got = MeasureFabric(spec);
-      if (!got.ok()) {
-        std::printf("raw fabric: failed: %s\n", got.status().ToString().c_str());
-      } else {
-        fabric_rows = *std::move(got);
-      }
-    }
+    MeasureCeiling(*sizes, std::min(o.window, 64), netns.get(), &fabric_rows, &fabric_name);
     std::printf("\n");
   }
   std::vector<RateRow> rows;
