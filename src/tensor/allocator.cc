@@ -42,6 +42,7 @@ PoolAllocator::~PoolAllocator() {
     LOG(WARNING) << "pool " << name_ << " destroyed with " << stats_.allocations
                  << " live allocations (" << stats_.bytes_in_use << " bytes)";
   }
+  recycled_.clear();
   while (!regions_.empty()) ReleaseRegion(regions_.begin()->first);
 }
 
@@ -91,7 +92,22 @@ void* PoolAllocator::AllocateRaw(size_t bytes) {
   size_t need = RoundUp(std::max<size_t>(bytes, 1), kAlignment);
   if (need < bytes) return nullptr;  // overflow
   MutexLock lock(&mu_);
+  if (auto r = recycled_.find(need); r != recycled_.end() && !r->second.empty()) {
+    const uintptr_t start = r->second.back();
+    r->second.pop_back();
+    Chunk& chunk = chunks_[start];
+    chunk.recycled = false;
+    stats_.recycled_bytes -= chunk.size;
+    stats_.recycled_hits++;
+    stats_.bytes_in_use += chunk.size;
+    stats_.allocations++;
+    return reinterpret_cast<void*>(start);
+  }
   auto it = free_.lower_bound({need, 0});
+  if (it == free_.end() && stats_.recycled_bytes > 0) {
+    FlushRecycled();
+    it = free_.lower_bound({need, 0});
+  }
   if (it == free_.end()) {
     if (!CreateRegion(need)) return nullptr;
     it = free_.lower_bound({need, 0});
@@ -116,11 +132,24 @@ void PoolAllocator::DeallocateRaw(void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
   MutexLock lock(&mu_);
   auto it = chunks_.find(reinterpret_cast<uintptr_t>(ptr));
-  CHECK(it != chunks_.end() && !it->second.free)
+  CHECK(it != chunks_.end() && !it->second.free && !it->second.recycled)
       << "pool " << name_ << ": free of unknown pointer " << ptr;
-  stats_.bytes_in_use -= it->second.size;
+  Chunk& chunk = it->second;
+  stats_.bytes_in_use -= chunk.size;
   stats_.allocations--;
+  if (chunk.size <= kMaxRecycledChunk &&
+      stats_.recycled_bytes + chunk.size <= options_.max_recycled_bytes) {
+    chunk.recycled = true;
+    stats_.recycled_bytes += chunk.size;
+    recycled_[chunk.size].push_back(it->first);
+    return;
+  }
+  FreeChunk(it);
+}
+
+void PoolAllocator::FreeChunk(std::map<uintptr_t, Chunk>::iterator it) {
   it->second.free = true;
+  it->second.recycled = false;
   // Coalesce with the next chunk, then with the previous one, within the same region.
   auto next = std::next(it);
   if (next != chunks_.end() && next->second.free && next->second.region == it->second.region) {
@@ -140,6 +169,14 @@ void PoolAllocator::DeallocateRaw(void* ptr, size_t bytes) {
   free_.emplace(it->second.size, it->first);
 }
 
+void PoolAllocator::FlushRecycled() {
+  for (auto& [size, starts] : recycled_) {
+    for (uintptr_t start : starts) FreeChunk(chunks_.find(start));
+    starts.clear();
+  }
+  stats_.recycled_bytes = 0;
+}
+
 int PoolAllocator::AddRegionVisitor(RegionVisitor on_create, RegionVisitor on_release) {
   MutexLock lock(&mu_);
   int id = next_visitor_id_++;
@@ -157,6 +194,7 @@ void PoolAllocator::RemoveRegionVisitor(int id) {
 
 size_t PoolAllocator::ReleaseFreeRegions() {
   MutexLock lock(&mu_);
+  FlushRecycled();
   size_t released = 0;
   for (auto it = regions_.begin(); it != regions_.end();) {
     uintptr_t base = it->first;

@@ -26,7 +26,7 @@ TEST(PoolAllocator, AlignsReusesAndGrows) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(b) % Allocator::kAlignment, 0u);
   EXPECT_EQ(pool.GetStats().regions, 1u);
   pool.DeallocateRaw(a, 100);
-  void* c = pool.AllocateRaw(64);
+  void* c = pool.AllocateRaw(100);
   EXPECT_EQ(c, a) << "freed space is reused";
   // A request larger than a region gets a region of its own.
   void* big = pool.AllocateRaw(size_t{10} << 20);
@@ -55,6 +55,45 @@ TEST(PoolAllocator, CoalescesFreedNeighbours) {
   EXPECT_EQ(whole, parts[0]) << "the region coalesced back into one chunk";
   EXPECT_EQ(pool.GetStats().regions, 1u);
   pool.DeallocateRaw(whole, 0);
+}
+
+TEST(PoolAllocator, FreedChunksServeTheirSizeAgainAndGoBackWhenSpaceRunsOut) {
+  PoolAllocator pool("test", SmallRegions());
+  // A training step: the same sizes, freed and allocated again.
+  std::vector<void*> step;
+  for (size_t n : {4096, 640, 4096, 1 << 20}) step.push_back(pool.AllocateRaw(n));
+  for (void* p : step) pool.DeallocateRaw(p, 0);
+  EXPECT_EQ(pool.GetStats().recycled_bytes, 4096u + 640u + 4096u + (1u << 20));
+  EXPECT_EQ(pool.GetStats().bytes_in_use, 0u);
+  std::vector<void*> again;
+  for (size_t n : {4096, 640, 4096, 1 << 20}) again.push_back(pool.AllocateRaw(n));
+  EXPECT_EQ(pool.GetStats().recycled_hits, 4u);
+  EXPECT_EQ(pool.GetStats().recycled_bytes, 0u);
+  // The most recently freed chunk of a size comes back first.
+  EXPECT_EQ(again[0], step[2]);
+  EXPECT_EQ(again[2], step[0]);
+  EXPECT_EQ(again[1], step[1]);
+  EXPECT_EQ(again[3], step[3]);
+  for (void* p : again) pool.DeallocateRaw(p, 0);
+  // A size that only fits once the recycled chunks coalesce gets them back, not a new region.
+  void* whole = pool.AllocateRaw(size_t{4} << 20);
+  EXPECT_EQ(pool.GetStats().regions, 1u);
+  EXPECT_EQ(pool.GetStats().recycled_bytes, 0u);
+  pool.DeallocateRaw(whole, 0);
+  // Chunks above kMaxRecycledChunk, and those past the bound, go straight back to the tree.
+  PoolAllocator::Options small_bound = SmallRegions();
+  small_bound.max_recycled_bytes = 8192;
+  PoolAllocator bounded("bounded", small_bound);
+  void* x = bounded.AllocateRaw(8192);
+  void* y = bounded.AllocateRaw(64);
+  void* z = bounded.AllocateRaw(PoolAllocator::kMaxRecycledChunk + 64);  // a region of its own
+  bounded.DeallocateRaw(x, 0);
+  bounded.DeallocateRaw(y, 0);
+  bounded.DeallocateRaw(z, 0);
+  EXPECT_EQ(bounded.GetStats().recycled_bytes, 8192u);
+  // Releasing free regions takes the recycled chunks back first.
+  EXPECT_EQ(bounded.ReleaseFreeRegions(), 2u);
+  EXPECT_EQ(bounded.GetStats().regions, 0u);
 }
 
 TEST(PoolAllocator, VisitorsSeeEveryRegionOnceEvenWhenAddedLate) {
