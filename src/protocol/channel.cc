@@ -64,7 +64,7 @@ std::string Channel::Describe() const {
       mb_ ? mb_->rx_slots() : 0, " message slots");
 }
 
-void Channel::StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator,
+void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
                         absl::Time deadline, RecvDoneCallback done) {
   AssertOwnerThread();
   auto fail = [&](const absl::Status& s) {
@@ -75,9 +75,9 @@ void Channel::StartRecv(int64_t step_id, const ParsedKey& key, Allocator* alloca
     fail(absl::UnavailableError(absl::StrCat("channel to task ", peer_task_, " is closed")));
     return;
   }
-  if (key.full_key.size() > kMaxNameLength) {
+  if (key->key.full_key.size() > kMaxNameLength) {
     fail(absl::InvalidArgumentError(
-        absl::StrCat("recv of a ", key.full_key.size(),
+        absl::StrCat("recv of a ", key->key.full_key.size(),
                      "-byte rendezvous key over grpc+verbs: the protocol's "
                      "limit is ",
                      kMaxNameLength, " bytes; use shorter tensor names")));
@@ -89,7 +89,7 @@ void Channel::StartRecv(int64_t step_id, const ParsedKey& key, Allocator* alloca
         absl::StrCat("too many pending recvs from task ", peer_task_)));
     return;
   }
-  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step_id, key, allocator,
+  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step_id, std::move(key), allocator,
                                                      deadline, std::move(done));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));

@@ -84,7 +84,7 @@ class Channel {
   std::string Describe() const;
 
   // Owner side: starts a recv (queued until the channel is ready).
-  void StartRecv(int64_t step_id, const ParsedKey& key, Allocator* allocator, absl::Time deadline,
+  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, absl::Time deadline,
                  RecvDoneCallback done);
   // Owner side, grpc+gdr: reads the tensor `ref` names into `dest` (through a registered proxy
   // if `dest` is not registered), then releases it at the peer; `done` runs once, on the

@@ -47,7 +47,7 @@ const char* RequestStateName(RdmaTensorRequest::State state) {
 }
 
 RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id,
-                                     ParsedKey key, Allocator* allocator, absl::Time deadline,
+                                     KeyRef key, Allocator* allocator, absl::Time deadline,
                                      RecvDoneCallback done)
     : channel_(channel),
       index_(index),
@@ -59,7 +59,7 @@ RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t s
 
 void RdmaTensorRequest::TransitionTo(State next) {
   DCHECK(AllowedTransition(state_, next))
-      << "request " << index_ << " for '" << key_.full_key << "': " << RequestStateName(state_)
+      << "request " << index_ << " for '" << key_->key.full_key << "': " << RequestStateName(state_)
       << " -> " << RequestStateName(next);
   state_ = next;
 }
@@ -68,7 +68,7 @@ void RdmaTensorRequest::Start() {
   ChannelEnv* env = channel_->env();
   Message m;
   m.type = MessageType::kTensorRequest;
-  m.name = key_.full_key;
+  m.name = key_->key.full_key;
   m.step_id = step_id_;
   m.request_index = index_;
   if (env->mode == VerbsMode::kCopy) {
@@ -77,7 +77,7 @@ void RdmaTensorRequest::Start() {
     // With a cached meta-data the destination is allocated now and the sender writes at once
     // (zero round trips of meta-data); validation mode always takes the meta-data round trip
     // because the checksum travels with it.
-    const TensorMetaData* cached = env->memory->CachedMeta(key_.full_key);
+    const TensorMetaData* cached = env->memory->CachedMeta(key_->key.full_key);
     if (cached != nullptr && !env->data_validation && cached->dtype != DataType::kString &&
         !cached->is_dead) {
       if (cached->tensor_bytes > 0) {
@@ -104,7 +104,7 @@ void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
   // Seed 002: offer the name's buffer from earlier steps; the sender asks for a new one
   // (META_DATA_RESPONSE as BUFFER_REQUEST) when the tensor does not fit. Validation mode
   // always asks, because the checksum rides the answer.
-  staging_ = channel_->copy_buffers().Take(key_.full_key);
+  staging_ = channel_->copy_buffers().Take(key_->key.full_key);
   if (!staging_.IsInitialized() || env->data_validation) return;
   absl::StatusOr<const fabric::MemoryRegion*> region =
       env->memory->FindRegistered(staging_.data(), staging_.TotalBytes());
@@ -162,10 +162,10 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   }
   meta_ = m.meta;
   checksum_ = m.checksum;
-  if (!copy && !m.meta.is_dead) env->memory->CacheMeta(key_.full_key, m.meta);
+  if (!copy && !m.meta.is_dead) env->memory->CacheMeta(key_->key.full_key, m.meta);
   Message rr;
   rr.type = MessageType::kTensorReRequest;
-  rr.name = key_.full_key;
+  rr.name = key_->key.full_key;
   rr.step_id = step_id_;
   rr.request_index = index_;
   rr.meta = m.meta;
@@ -182,7 +182,7 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
 }
 
 absl::Status RdmaTensorRequest::RecvError(const absl::Status& status) const {
-  return absl::Status(status.code(), absl::StrCat("recv of '", key_.full_key, "' from task ",
+  return absl::Status(status.code(), absl::StrCat("recv of '", key_->key.full_key, "' from task ",
                                                   channel_->peer_task(), ": ", status.message()));
 }
 
@@ -195,7 +195,7 @@ void RdmaTensorRequest::RecvCopyContent() {
   }
   if (env->data_validation) {
     const uint64_t bytes = std::min<uint64_t>(meta_.tensor_bytes, staging_.TotalBytes());
-    if (absl::Status s = env->VerifyChecksum(key_.full_key, channel_->peer_task(), staging_.data(),
+    if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(), staging_.data(),
                                              bytes, checksum_);
         !s.ok()) {
       Deliver(s, Tensor(), false);
@@ -210,7 +210,7 @@ void RdmaTensorRequest::RecvCopyContent() {
   }
   if (!payload->is_dead) env->CountCopy(payload->tensor.TotalBytes());
   // The buffer serves the name's next transfer.
-  channel_->copy_buffers().Return(key_.full_key, std::move(staging_));
+  channel_->copy_buffers().Return(key_->key.full_key, std::move(staging_));
   staging_.Clear();
   Deliver(absl::OkStatus(), payload->tensor, payload->is_dead);
 }
@@ -237,7 +237,7 @@ void RdmaTensorRequest::RecvTensorContent() {
   }
   const void* landed = staging_.IsInitialized() ? staging_.data() : result_.data();
   if (env->data_validation) {
-    if (absl::Status s = env->VerifyChecksum(key_.full_key, channel_->peer_task(), landed,
+    if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(), landed,
                                              meta_.tensor_bytes, checksum_);
         !s.ok()) {
       Deliver(s, Tensor(), false);

@@ -26,7 +26,7 @@
 #include "absl/time/time.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
-#include "src/rendezvous/parsed_key.h"
+#include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/tensor/allocator.h"
 #include "src/tensor/tensor.h"
@@ -39,7 +39,7 @@ class RdmaTensorRequest {
  public:
   enum class State { kQueued, kRequested, kReRequested, kDone };
 
-  RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, ParsedKey key,
+  RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, KeyRef key,
                     Allocator* allocator, absl::Time deadline, RecvDoneCallback done);
 
   // Sends REQUEST; on a failure before sending, ends the recv and finishes the record.
@@ -54,7 +54,7 @@ class RdmaTensorRequest {
   State state() const { return state_; }
   bool finished() const { return !done_; }  // `done` has run
   absl::Time deadline() const { return deadline_; }
-  const std::string& key() const { return key_.full_key; }
+  const std::string& key() const { return key_->key.full_key; }
   // The memory the sender may still write into.
   std::vector<Tensor> TakeMemory();
 
@@ -78,7 +78,7 @@ class RdmaTensorRequest {
   Channel* const channel_;
   const uint32_t index_;
   const int64_t step_id_;
-  const ParsedKey key_;
+  const KeyRef key_;  // shared with every other recv of the key
   Allocator* const allocator_;
   const absl::Time deadline_;
   RecvDoneCallback done_;

@@ -147,15 +147,16 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
   // The task owns `done`. If the engine refuses it (shutting down), the task runs right here,
   // off the loop thread, and only fails the recv; so does a task that a stopping engine that
   // never started runs on the stopping thread.
-  protocol::ProgressEngine::Task task = [this, rendezvous = std::move(rendezvous), key, allocator,
-                                         deadline, done = std::move(done)]() mutable {
+  protocol::ProgressEngine::Task task = [this, rendezvous = std::move(rendezvous),
+                                         key = keys_.Intern(key), allocator, deadline,
+                                         done = std::move(done)]() mutable {
     auto fail = [this, &done](const absl::Status& s) {
       options_.env->callback_executor->Schedule(
           [done = std::move(done), s]() mutable { std::move(done)(s, Tensor(), false); });
     };
     if (!engine_->OnLoopThread()) {
       fail(absl::CancelledError(
-          absl::StrCat("recv of '", key.full_key, "': the server is shutting down")));
+          absl::StrCat("recv of '", key->key.full_key, "': the server is shutting down")));
       return;
     }
     // An abort that raced with this recv's start: its AbortStep ran before this task, so the
@@ -164,13 +165,14 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
       fail(s);
       return;
     }
-    absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(key.src.TaskName());
+    absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(key->src_task);
     if (!channel.ok()) {
-      fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", key.full_key, "': ",
-                                                              channel.status().message())));
+      fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", key->key.full_key,
+                                                              "': ", channel.status().message())));
       return;
     }
-    (*channel)->StartRecv(rendezvous->step_id(), key, allocator, deadline, std::move(done));
+    (*channel)->StartRecv(rendezvous->step_id(), std::move(key), allocator, deadline,
+                          std::move(done));
   };
   if (!engine_->Post(task)) std::move(task)();
 }

@@ -40,6 +40,7 @@
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/progress_engine.h"
 #include "src/protocol/remote_tensor.h"
+#include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 
@@ -128,6 +129,7 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
 
   const VerbsOptions options_;
   protocol::VerbsStats stats_;
+  KeyTable keys_;  // the keys recvs ask for, parsed once (any thread)
   std::unique_ptr<fabric::Domain> domain_;
   std::unique_ptr<protocol::RdmaMemoryMgr> memory_;
   protocol::ChannelEnv channel_env_;

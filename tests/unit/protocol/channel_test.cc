@@ -275,7 +275,7 @@ class ChannelTest : public ::testing::Test {
                                          Allocator* allocator = nullptr) {
     auto outcome = std::make_shared<RecvOutcome>();
     owner_.channel->StartRecv(
-        step_id, key, allocator != nullptr ? allocator : &owner_.pool, deadline,
+        step_id, MakeKeyRef(key), allocator != nullptr ? allocator : &owner_.pool, deadline,
         [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
           ++outcome->calls;
           outcome->status = s;

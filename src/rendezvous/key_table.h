@@ -1,0 +1,58 @@
+// KeyTable: rendezvous keys parsed once and shared by every recv of them.
+//
+// A training loop receives the same keys every step. Copying a ParsedKey into each recv costs
+// several heap allocations (the full key, the edge name, the device names) and deriving the
+// source task name costs another; an interned key is shared by reference count instead, and
+// carries what a transport derives from it once. Intern() is called by any thread (a recv's
+// caller); the table is bounded: past `max_keys` distinct keys it starts over, and keys already
+// handed out stay valid (they are reference counted).
+#ifndef TENSORVERBS_RENDEZVOUS_KEY_TABLE_H_
+#define TENSORVERBS_RENDEZVOUS_KEY_TABLE_H_
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/string_view.h"
+#include "src/common/mutex.h"
+#include "src/rendezvous/parsed_key.h"
+
+namespace tensorverbs {
+
+struct InternedKey {
+  explicit InternedKey(ParsedKey k) : key(std::move(k)), src_task(key.src.TaskName()) {}
+
+  const ParsedKey key;
+  const std::string src_task;  // key.src.TaskName()
+};
+
+using KeyRef = std::shared_ptr<const InternedKey>;
+
+// An interned key outside any table (a one-off recv, a test).
+inline KeyRef MakeKeyRef(ParsedKey key) { return std::make_shared<InternedKey>(std::move(key)); }
+
+class KeyTable {
+ public:
+  static constexpr size_t kDefaultMaxKeys = 65536;
+
+  explicit KeyTable(size_t max_keys = kDefaultMaxKeys) : max_keys_(max_keys) {}
+  KeyTable(const KeyTable&) = delete;
+  KeyTable& operator=(const KeyTable&) = delete;
+
+  // The shared copy of `key` (the same one for every call with the same full key until the
+  // table starts over).
+  KeyRef Intern(const ParsedKey& key);
+  size_t size() const;
+
+ private:
+  const size_t max_keys_;
+  mutable Mutex mu_;
+  // Views into the interned keys' own full_key, which the values keep alive.
+  absl::flat_hash_map<absl::string_view, KeyRef> keys_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_RENDEZVOUS_KEY_TABLE_H_
