@@ -265,8 +265,8 @@ void Channel::OnCompletion(const fabric::Completion& c) {
   }
 }
 
-absl::StatusOr<const ParsedKey*> Channel::ValidKey(const std::string& name) {
-  if (auto it = valid_keys_.find(name); it != valid_keys_.end()) return &it->second;
+absl::StatusOr<KeyRef> Channel::ValidKey(const std::string& name) {
+  if (auto it = valid_keys_.find(name); it != valid_keys_.end()) return it->second;
   const WorkerEnv* worker = env_->worker;
   absl::StatusOr<ParsedKey> key = ParsedKey::Parse(name);
   if (!key.ok()) return absl::InvalidArgumentError(std::string(key.status().message()));
@@ -284,7 +284,50 @@ absl::StatusOr<const ParsedKey*> Channel::ValidKey(const std::string& name) {
   // A training loop asks for the same keys every step: parse each once. Bounded, so a peer
   // inventing names cannot grow it without limit.
   if (valid_keys_.size() >= kMaxCachedKeys) valid_keys_.clear();
-  return &valid_keys_.emplace(name, *std::move(key)).first->second;
+  KeyRef ref = MakeKeyRef(*std::move(key));
+  valid_keys_.emplace(name, ref);
+  return ref;
+}
+
+void Channel::NameKey(const KeyRef& key, Message* m) {
+  if (auto it = name_indexes_.find(key); it != name_indexes_.end()) {
+    m->name_index = it->second;
+    env_->stats->indexed_requests.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  m->name = key->key.full_key;
+  if (name_indexes_.size() < kMaxNameIndexes) {
+    m->name_index = static_cast<uint32_t>(name_indexes_.size());
+    name_indexes_.emplace(key, m->name_index);
+  }
+}
+
+absl::StatusOr<KeyRef> Channel::RequestedKey(const Message& m, bool* closed) {
+  *closed = false;
+  if (m.name.empty()) {
+    // By index: one the owner defined earlier on this channel.
+    if (m.name_index >= indexed_keys_.size()) {
+      *closed = true;
+      Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " asked for key index ",
+                                             m.name_index, ", which it never defined (",
+                                             indexed_keys_.size(), " defined)")));
+      return absl::DataLossError("closed");
+    }
+    return indexed_keys_[m.name_index];
+  }
+  absl::StatusOr<KeyRef> key = ValidKey(m.name);
+  if (m.name_index != kNoNameIndex) {
+    if (m.name_index != indexed_keys_.size()) {
+      *closed = true;
+      Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " defined key index ",
+                                             m.name_index, " out of order (expected ",
+                                             indexed_keys_.size(), ")")));
+      return absl::DataLossError("closed");
+    }
+    // An invalid key is remembered with its error: later REQUESTs by index get the same one.
+    indexed_keys_.push_back(key);
+  }
+  return key;
 }
 
 void Channel::AcknowledgeMessages() {
@@ -325,7 +368,7 @@ void Channel::OnControlMessage() {
   }
 }
 
-void Channel::HandleMessage(const Message& m) {
+void Channel::HandleMessage(Message& m) {
   const bool owner = role_ == Role::kOwner;
   switch (m.type) {
     case MessageType::kMetaDataResponse:
@@ -362,22 +405,22 @@ void Channel::HandleAnswer(const Message& m) {
     it->second->RecvTensorMetaData(m);
     return;
   }
-  it->second->Fail(absl::Status(
-      m.error.code(),
-      absl::StrCat("task ", peer_task_, " could not send '", m.name, "': ", m.error.message())));
+  it->second->Fail(absl::Status(m.error.code(),
+                                absl::StrCat("task ", peer_task_, " could not send '",
+                                             it->second->key(), "': ", m.error.message())));
   FinishRequest(m.request_index);
 }
 
-void Channel::HandleRequest(const Message& m) {
-  if (responses_.contains(m.request_index)) {
-    Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " reused request index ",
-                                           m.request_index, " while it was pending")));
+void Channel::HandleRequest(Message& m) {
+  const uint32_t index = m.request_index;
+  if (responses_.contains(index)) {
+    Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " reused request index ", index,
+                                           " while it was pending")));
     return;
   }
-  auto response = std::make_unique<RdmaTensorResponse>(this, next_serial_++, m);
-  RdmaTensorResponse* raw = response.get();
-  responses_.emplace(m.request_index, std::move(response));
-  absl::StatusOr<const ParsedKey*> key = ValidKey(m.name);
+  bool closed = false;
+  absl::StatusOr<KeyRef> key = RequestedKey(m, &closed);
+  if (closed) return;
   absl::Status error = key.status();
   std::shared_ptr<RemoteRendezvous> rendezvous;
   if (error.ok()) {
@@ -388,11 +431,14 @@ void Channel::HandleRequest(const Message& m) {
       error = r.status();
     }
   }
+  auto response = std::make_unique<RdmaTensorResponse>(this, next_serial_++, std::move(m));
+  RdmaTensorResponse* raw = response.get();
+  responses_.emplace(index, std::move(response));
   if (!error.ok()) {
     raw->Resume(error, Tensor(), false);  // sends ERROR_STATUS and finishes
     return;
   }
-  raw->Start(std::move(rendezvous), **key);
+  raw->Start(std::move(rendezvous), *std::move(key));
 }
 
 void Channel::Close(const absl::Status& status) {

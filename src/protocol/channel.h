@@ -111,6 +111,9 @@ class Channel {
 
   // For the state machines.
   void SendMessage(Message m);
+  // Owner side: names `key` in REQUEST `m`: by its index on this channel once the peer knows
+  // it, else by the full key, defining the next index while there are indexes left.
+  void NameKey(const KeyRef& key, Message* m);
   // Forget a finished request, response or pull (deletes it) and free its index.
   void FinishRequest(uint32_t index);
   void FinishResponse(uint32_t index);
@@ -121,18 +124,24 @@ class Channel {
  private:
   void AssertOwnerThread() const;
   void OnControlMessage();
-  void HandleMessage(const Message& m);
+  void HandleMessage(Message& m);
   // Owner side: META_DATA_RESPONSE or ERROR_STATUS for a request.
   void HandleAnswer(const Message& m);
-  // Acceptor side: a new REQUEST.
-  void HandleRequest(const Message& m);
+  // Acceptor side: a new REQUEST (moved into its response).
+  void HandleRequest(Message& m);
+  // Acceptor side: the key REQUEST `m` names, by name or index (defining the index if it
+  // does), or why it names none this task serves. A REQUEST that breaks the indexing rules
+  // (an index never defined, a definition out of order) closes the channel: null then.
+  absl::StatusOr<KeyRef> RequestedKey(const Message& m, bool* closed);
   void OnContent(uint32_t index);
   void IssuePull(uint32_t index);
 
   // Acceptor side: `name` parsed and checked to name a tensor of this task's incarnation.
-  absl::StatusOr<const ParsedKey*> ValidKey(const std::string& name);
+  absl::StatusOr<KeyRef> ValidKey(const std::string& name);
 
   static constexpr size_t kMaxCachedKeys = 65536;
+  // Keys a channel names by index; later keys travel by name.
+  static constexpr uint32_t kMaxNameIndexes = 65536;
 
   ChannelEnv* const env_;
   const Role role_;
@@ -152,10 +161,15 @@ class Channel {
   std::vector<uint32_t> queued_;  // started before the channel was ready
   absl::flat_hash_map<uint32_t, std::unique_ptr<GdrPull>> pulls_;  // grpc+gdr reads, by index
   std::vector<uint32_t> queued_pulls_;
+  // Keys the peer knows by index (the index is the order in which they were first sent). The
+  // table holds the keys, so an entry's pointer is never another key's.
+  absl::flat_hash_map<KeyRef, uint32_t> name_indexes_;
   // Acceptor side.
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorResponse>> responses_;
   uint64_t next_serial_ = 1;
-  absl::flat_hash_map<std::string, ParsedKey> valid_keys_;
+  absl::flat_hash_map<std::string, KeyRef> valid_keys_;
+  // By the index the owner defined: the key, or why it is not one this task serves.
+  std::vector<absl::StatusOr<KeyRef>> indexed_keys_;
   CopyBuffers copy_buffers_;
 };
 

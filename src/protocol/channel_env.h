@@ -33,6 +33,7 @@ namespace tensorverbs::protocol {
 struct VerbsStats {
   std::atomic<int64_t> requests{0};          // REQUEST messages sent
   std::atomic<int64_t> meta_cache_hits{0};   // ... of which carried a cached meta-data
+  std::atomic<int64_t> indexed_requests{0};  // ... of which named the key by its index
   std::atomic<int64_t> meta_responses{0};    // META_DATA_RESPONSE messages sent
   std::atomic<int64_t> re_requests{0};       // RE_REQUEST messages sent
   std::atomic<int64_t> errors_sent{0};       // ERROR_STATUS messages sent

@@ -14,10 +14,12 @@ namespace {
 //   u8 version | u8 type | u16 sequence | u32 used_bytes
 //   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 zero
 //   u64 remote_addr | u64 checksum | i32 dtype | u32 error_code | u64 tensor_bytes
-//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 more
+//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 more | u32 name_index | u32 zero
 //   name | remote key | rank x i64 dims | error message | zeros to a multiple of 8
-// `more`: how many messages follow this one in the same slot.
-constexpr size_t kHeaderSize = 8 + 16 + 8 + 8 + 4 + 4 + 8 + 8;
+// `more`: how many messages follow this one in the same slot. Flags bit 1: name_index is set.
+constexpr size_t kHeaderSize = 8 + 16 + 8 + 8 + 4 + 4 + 8 + 8 + 8;
+constexpr uint8_t kFlagDead = 1;
+constexpr uint8_t kFlagNameIndex = 2;
 static_assert(kHeaderSize + kMaxNameLength + kMaxRemoteKeyLength + 8 * TensorShape::kMaxRank +
                       kMaxErrorMessageLength <=
                   kMessageSize,
@@ -106,6 +108,10 @@ absl::StatusOr<size_t> UsedBytes(const Message& m) {
   if (!KnownType(static_cast<uint8_t>(m.type))) {
     return absl::InvalidArgumentError("unknown control message type");
   }
+  if (m.type != MessageType::kTensorRequest && m.name_index != kNoNameIndex) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(MessageTypeName(m.type), " cannot carry a name index"));
+  }
   return kHeaderSize + m.name.size() + m.remote_key.size() + 8 * size_t(m.meta.shape.rank()) +
          std::min(m.error.message().size(), kMaxErrorMessageLength);
 }
@@ -135,7 +141,8 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t m
   w.Put<uint32_t>(static_cast<uint32_t>(used));
   w.Put<int64_t>(m.step_id);
   w.Put<uint32_t>(m.request_index);
-  w.Put<uint8_t>(m.meta.is_dead ? 1 : 0);
+  w.Put<uint8_t>((m.meta.is_dead ? kFlagDead : 0) |
+                 (m.name_index != kNoNameIndex ? kFlagNameIndex : 0));
   w.Put<uint8_t>(static_cast<uint8_t>(rank));
   w.Put<uint16_t>(0);
   w.Put<uint64_t>(m.remote_addr);
@@ -148,6 +155,8 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t m
   w.Put<uint8_t>(0);
   w.Put<uint16_t>(static_cast<uint16_t>(error_message.size()));
   w.Put<uint16_t>(more);
+  w.Put<uint32_t>(m.name_index != kNoNameIndex ? m.name_index : 0);
+  w.Put<uint32_t>(0);
   w.Bytes(m.name);
   w.Bytes(m.remote_key);
   for (int64_t d : m.meta.shape.dims()) w.Put<int64_t>(d);
@@ -160,7 +169,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   Reader r(in);
   uint8_t version, type, flags, rank, key_len;
   uint16_t zero16, name_len, error_len, more_field;
-  uint32_t used, error_code;
+  uint32_t used, error_code, name_index, zero32;
   int32_t dtype;
   Message m;
   if (!r.Get(&version) || !r.Get(&type) || !r.Get(&m.sequence) || !r.Get(&used)) {
@@ -179,11 +188,18 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   if (!r.Get(&m.step_id) || !r.Get(&m.request_index) || !r.Get(&flags) || !r.Get(&rank) ||
       !r.Get(&zero16) || !r.Get(&m.remote_addr) || !r.Get(&m.checksum) || !r.Get(&dtype) ||
       !r.Get(&error_code) || !r.Get(&m.meta.tensor_bytes) || !r.Get(&name_len) ||
-      !r.Get(&key_len) || !r.Get(&zero8) || !r.Get(&error_len) || !r.Get(&more_field)) {
+      !r.Get(&key_len) || !r.Get(&zero8) || !r.Get(&error_len) || !r.Get(&more_field) ||
+      !r.Get(&name_index) || !r.Get(&zero32)) {
     return Malformed("truncated header");
   }
-  if (flags > 1) return Malformed(absl::StrCat("unknown flags ", flags));
-  m.meta.is_dead = flags & 1;
+  if (flags > (kFlagDead | kFlagNameIndex)) return Malformed(absl::StrCat("unknown flags ", flags));
+  m.meta.is_dead = flags & kFlagDead;
+  if (flags & kFlagNameIndex) {
+    if (name_index == kNoNameIndex) return Malformed("name index 4294967295");
+    m.name_index = name_index;
+  } else if (name_index != 0) {
+    return Malformed(absl::StrCat("name index ", name_index, " without its flag"));
+  }
   if (name_len > kMaxNameLength) return Malformed(absl::StrCat("name length ", name_len));
   if (key_len > kMaxRemoteKeyLength) return Malformed(absl::StrCat("remote key length ", key_len));
   if (error_len > kMaxErrorMessageLength) return Malformed(absl::StrCat("error length ", error_len));
@@ -227,9 +243,11 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   } else if (error_code != 0 || error_len != 0) {
     return Malformed(absl::StrCat(MessageTypeName(m.type), " carries an error status"));
   }
-  if ((m.type == MessageType::kTensorRequest || m.type == MessageType::kTensorReRequest ||
-       m.type == MessageType::kErrorStatus) && m.name.empty()) {
-    return Malformed(absl::StrCat(MessageTypeName(m.type), " without a rendezvous key"));
+  if (m.type == MessageType::kTensorRequest && m.name.empty() && m.name_index == kNoNameIndex) {
+    return Malformed(absl::StrCat(MessageTypeName(m.type), " without a rendezvous key or its index"));
+  }
+  if (m.type != MessageType::kTensorRequest && m.name_index != kNoNameIndex) {
+    return Malformed(absl::StrCat(MessageTypeName(m.type), " carries a name index"));
   }
   if (more != nullptr) *more = more_field;
   return m;

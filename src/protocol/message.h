@@ -24,8 +24,11 @@
 namespace tensorverbs::protocol {
 
 // 2: a slot may carry a batch of messages (the `more` header field) and an ACK may free several
-// slots (imm.h).
-inline constexpr uint8_t kWireVersion = 2;
+// slots (imm.h). 3: a REQUEST may name its key by a per-channel index (`name_index`), and only
+// REQUESTs carry names.
+inline constexpr uint8_t kWireVersion = 3;
+// Message::name_index when the message does not use one.
+inline constexpr uint32_t kNoNameIndex = 0xFFFFFFFF;
 // One message-buffer slot. The largest message (limits below, rank 254) fits alone.
 inline constexpr size_t kMessageSize = 8192;
 inline constexpr size_t kMaxNameLength = 2048;          // rendezvous key bytes
@@ -63,7 +66,10 @@ struct Message {
   // Set by the message buffer: the sender's count of messages on this channel direction,
   // modulo 2^16. The receiver checks it to detect a fabric that broke posting order.
   uint16_t sequence = 0;
-  std::string name;            // the rendezvous key
+  std::string name;            // REQUEST: the rendezvous key (empty when name_index refers to it)
+  // REQUEST: the key's index on this channel (seed 001's "names to indexes"). With a name, the
+  // message defines the index (the next one, in order); without, it refers to a defined one.
+  uint32_t name_index = kNoNameIndex;
   int64_t step_id = 0;
   uint32_t request_index = 0;
   uint64_t remote_addr = 0;    // REQUEST / RE_REQUEST: where the content goes

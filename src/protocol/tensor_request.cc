@@ -68,7 +68,6 @@ void RdmaTensorRequest::Start() {
   ChannelEnv* env = channel_->env();
   Message m;
   m.type = MessageType::kTensorRequest;
-  m.name = key_->key.full_key;
   m.step_id = step_id_;
   m.request_index = index_;
   if (env->mode == VerbsMode::kCopy) {
@@ -94,6 +93,9 @@ void RdmaTensorRequest::Start() {
       env->stats->meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
     }
   }
+  // Named last, once nothing can stop the REQUEST from going out: a key's first REQUEST on the
+  // channel defines its index, and the peer must see every index it is later asked by.
+  channel_->NameKey(key_, &m);
   TransitionTo(State::kRequested);
   env->stats->requests.fetch_add(1, std::memory_order_relaxed);
   channel_->SendMessage(std::move(m));
@@ -165,7 +167,6 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   if (!copy && !m.meta.is_dead) env->memory->CacheMeta(key_->key.full_key, m.meta);
   Message rr;
   rr.type = MessageType::kTensorReRequest;
-  rr.name = key_->key.full_key;
   rr.step_id = step_id_;
   rr.request_index = index_;
   rr.meta = m.meta;

@@ -45,25 +45,31 @@ const char* ResponseStateName(RdmaTensorResponse::State state) {
   return "?";
 }
 
-RdmaTensorResponse::RdmaTensorResponse(Channel* channel, uint64_t serial, const Message& request)
-    : channel_(channel), serial_(serial), request_(request) {}
+RdmaTensorResponse::RdmaTensorResponse(Channel* channel, uint64_t serial, Message request)
+    : channel_(channel), serial_(serial), request_(std::move(request)) {}
+
+const std::string& RdmaTensorResponse::name() const {
+  static const std::string kUnresolved = "?";
+  return key_ != nullptr ? key_->key.full_key : kUnresolved;
+}
 
 void RdmaTensorResponse::TransitionTo(State next) {
   DCHECK(AllowedTransition(state_, next))
-      << "response to request " << request_.request_index << " for '" << request_.name
+      << "response to request " << request_.request_index << " for '" << name()
       << "': " << ResponseStateName(state_) << " -> " << ResponseStateName(next);
   state_ = next;
 }
 
-void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key) {
+void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, KeyRef key) {
   rendezvous_ = std::move(rendezvous);
+  key_ = std::move(key);
   ChannelEnv* env = channel_->env();
   const uint64_t channel_id = channel_->id(), serial = serial_;
   const uint32_t index = request_.request_index;
   auto post = env->post;
   auto find = env->find_channel;
   token_ =
-      rendezvous_->RecvLocalAsync(key, [post, find, channel_id, serial, index](
+      rendezvous_->RecvLocalAsync(key_->key, [post, find, channel_id, serial, index](
                                            const absl::Status& s, const Tensor& t, bool is_dead) {
         post([find, channel_id, serial, index, s, t, is_dead]() mutable {
           if (Channel* c = find(channel_id)) c->OnLocalTensor(serial, index, s, t, is_dead);
@@ -110,7 +116,7 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
 
 absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is_dead) {
   ChannelEnv* env = channel_->env();
-  staging_ = channel_->copy_buffers().Take(request_.name);
+  staging_ = channel_->copy_buffers().Take(name());
   uint64_t bytes = 0;
   ASSIGN_OR_RETURN(source_region_,
                    LayOutCopyPayload(env->memory, tensor, is_dead, &staging_, &bytes));
@@ -166,7 +172,6 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
 Message RdmaTensorResponse::Answer(MessageType type) const {
   Message m;
   m.type = type;
-  m.name = request_.name;
   m.step_id = request_.step_id;
   m.request_index = request_.request_index;
   return m;
@@ -234,7 +239,7 @@ bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
   ChannelEnv* env = channel_->env();
   if (env->mode == VerbsMode::kCopy && staging_.IsInitialized()) {
-    channel_->copy_buffers().Return(request_.name, std::move(staging_));
+    channel_->copy_buffers().Return(name(), std::move(staging_));
     staging_.Clear();
   }
   env->stats->content_writes.fetch_add(1, std::memory_order_relaxed);

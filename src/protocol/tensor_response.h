@@ -23,7 +23,7 @@
 #include "absl/status/status.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
-#include "src/rendezvous/parsed_key.h"
+#include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/tensor/tensor.h"
 
@@ -35,10 +35,11 @@ class RdmaTensorResponse {
  public:
   enum class State { kWaitTensor, kWaitReRequest, kWriting, kDone };
 
-  RdmaTensorResponse(Channel* channel, uint64_t serial, const Message& request);
+  RdmaTensorResponse(Channel* channel, uint64_t serial, Message request);
 
-  // Asks the local rendezvous for the tensor; Resume runs (on the progress thread) when sent.
-  void Start(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key);
+  // Asks the local rendezvous for the tensor `key` names; Resume runs (on the progress thread)
+  // when sent.
+  void Start(std::shared_ptr<RemoteRendezvous> rendezvous, KeyRef key);
   // The local tensor, or why there is none (then ERROR_STATUS, and the channel forgets this).
   void Resume(const absl::Status& status, const Tensor& tensor, bool is_dead);
   void RecvReRequest(const Message& m);
@@ -62,7 +63,9 @@ class RdmaTensorResponse {
   // Whether the request already named a destination the tensor fits.
   bool CanWriteNow() const;
   void WriteContent(uint64_t addr, const std::string& key);
-  // A message to the requester about this request (name, step and index filled in).
+  // The requested key, for messages ("?" when it did not resolve).
+  const std::string& name() const;
+  // A message to the requester about this request (step and index filled in).
   Message Answer(MessageType type) const;
   // META_DATA_RESPONSE (in copy mode: the seed's BUFFER_REQUEST), then wait for RE_REQUEST.
   void SendMetaData();
@@ -71,7 +74,8 @@ class RdmaTensorResponse {
 
   Channel* const channel_;
   const uint64_t serial_;
-  const Message request_;  // REQUEST as received (name, step, index, target, meta)
+  const Message request_;  // REQUEST as received (step, index, target, meta)
+  KeyRef key_;             // what it asked for, once resolved (Start)
   State state_ = State::kWaitTensor;
   std::shared_ptr<RemoteRendezvous> rendezvous_;
   uint64_t token_ = 0;

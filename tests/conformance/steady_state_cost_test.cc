@@ -116,8 +116,8 @@ TEST_P(SteadyStateCostTest, AllocationsPerTransferStayWithinTheBudget) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Steps, SteadyStateCostTest,
-                         ::testing::Values(Param{"OneKeyPerStep", 1, 47},
-                                           Param{"SixtyFourKeysPerStep", 64, 22}),
+                         ::testing::Values(Param{"OneKeyPerStep", 1, 44},
+                                           Param{"SixtyFourKeysPerStep", 64, 18}),
                          [](const ::testing::TestParamInfo<Param>& info) {
                            return std::string(info.param.name);
                          });

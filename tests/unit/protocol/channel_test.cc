@@ -275,7 +275,7 @@ class ChannelTest : public ::testing::Test {
                                          Allocator* allocator = nullptr) {
     auto outcome = std::make_shared<RecvOutcome>();
     owner_.channel->StartRecv(
-        step_id, MakeKeyRef(key), allocator != nullptr ? allocator : &owner_.pool, deadline,
+        step_id, keys_.Intern(key), allocator != nullptr ? allocator : &owner_.pool, deadline,
         [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
           ++outcome->calls;
           outcome->status = s;
@@ -316,6 +316,7 @@ class ChannelTest : public ::testing::Test {
     EXPECT_EQ(Get(side.stats.channel_errors), 1);
   }
 
+  KeyTable keys_;  // as the transport does: every recv of a key shares one copy
   Side owner_{kOwnerTaskIndex, kOwnerIncarnation};
   Side acceptor_{kAcceptorTaskIndex, kAcceptorIncarnation};
 };
@@ -491,9 +492,18 @@ TEST_F(ChannelTest, KeyOfAnotherSourceTaskEndsTheRecvWithTheSendersError) {
   EXPECT_THAT(std::string(restarted->status.message()), HasSubstr("probably restarted"));
   EXPECT_EQ(Get(acceptor_.stats.errors_sent), 2);
 
+  // Asked again, now by the index its first REQUEST defined: the same error.
+  std::shared_ptr<RecvOutcome> again = StartRecv(2, key);
+  ASSERT_TRUE(Pump([&] { return again->calls > 0; }));
+  EXPECT_EQ(again->status.code(), absl::StatusCode::kInvalidArgument) << again->status;
+  EXPECT_THAT(std::string(again->status.message()),
+              HasSubstr(absl::StrCat("names source task ", TaskName(kJob, 2))));
+  EXPECT_EQ(Get(owner_.stats.indexed_requests), 1);
+
   Settle();
   EXPECT_EQ(out->calls, 1);
   EXPECT_EQ(restarted->calls, 1);
+  EXPECT_EQ(again->calls, 1);
   EXPECT_EQ(owner_.channel->pending_requests(), 0u);
   // A sender's error ends one recv, not the channel.
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
@@ -672,6 +682,39 @@ TEST_F(ChannelTest, RequestReusingAPendingIndexClosesTheChannel) {
   owner_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
   ExpectClosedWithDataLoss(acceptor_, "reused request index 77 while it was pending");
+}
+
+TEST_F(ChannelTest, KeysTravelByIndexAfterTheirFirstRequest) {
+  // Seed 001's "names to indexes": a key's first REQUEST on the channel carries the key and
+  // defines its index; every later one carries the index alone.
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (const char* name : {"weights", "bias"}) {
+      const Tensor sent = Floats(&acceptor_.pool, 32, static_cast<float>(step));
+      std::shared_ptr<RecvOutcome> out = Transfer(step, Key(name), sent);
+      ASSERT_TRUE(out->status.ok()) << name << " at step " << step << ": " << out->status;
+      EXPECT_TRUE(out->tensor.ContentEquals(sent)) << name << " at step " << step;
+    }
+  }
+  EXPECT_EQ(Get(owner_.stats.requests), 6);
+  EXPECT_EQ(Get(owner_.stats.indexed_requests), 4) << "all but each key's first";
+  EXPECT_EQ(Get(acceptor_.stats.errors_sent), 0);
+}
+
+TEST_F(ChannelTest, RequestByAnIndexNeverDefinedClosesTheChannel) {
+  Message m = Control(MessageType::kTensorRequest, Key("unnamed"), 80);
+  m.name.clear();
+  m.name_index = 3;
+  owner_.channel->SendMessage(m);
+  ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
+  ExpectClosedWithDataLoss(acceptor_, "asked for key index 3, which it never defined (0 defined)");
+}
+
+TEST_F(ChannelTest, AnIndexDefinedOutOfOrderClosesTheChannel) {
+  Message m = Control(MessageType::kTensorRequest, Key("skipping"), 81);
+  m.name_index = 5;
+  owner_.channel->SendMessage(m);
+  ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
+  ExpectClosedWithDataLoss(acceptor_, "defined key index 5 out of order (expected 0)");
 }
 
 TEST_F(ChannelTest, ReRequestForAnUnknownRequestClosesTheChannel) {

@@ -292,7 +292,7 @@ TEST_F(HandWrittenSlotTest, ABatchRunningPastItsSlotIsDataLoss) {
   std::vector<std::pair<Message, uint16_t>> batch;
   for (int i = 0; i < 4; ++i) {
     Message m = WithSequence(i, static_cast<uint16_t>(i));
-    m.name = std::string(kMaxNameLength - 64, 'k');
+    m.name = std::string(kMaxNameLength - 72, 'k');  // 72: the header
     batch.push_back({m, static_cast<uint16_t>(4 - i)});
   }
   absl::Status s = WriteAndDecode(batch);

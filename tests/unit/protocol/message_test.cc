@@ -117,7 +117,7 @@ TEST(MessageCodec, EncodesExactlyItsPaddedSizeAndCarriesTheBatchCount) {
   const Message m = Request();
   const size_t size = *EncodedSize(m);
   EXPECT_EQ(size % 8, 0u);
-  EXPECT_EQ(size, (64 + m.name.size() + m.remote_key.size() + 3 * 8 + 7) / 8 * 8);
+  EXPECT_EQ(size, (72 + m.name.size() + m.remote_key.size() + 3 * 8 + 7) / 8 * 8);
   std::vector<uint8_t> slot(kMessageSize, 0xCC);
   ASSERT_TRUE(EncodeMessage(m, absl::MakeSpan(slot), /*more=*/5).ok());
   EXPECT_EQ(slot[size], 0xCC) << "nothing past the message is written";
@@ -162,7 +162,7 @@ TEST(MessageCodec, EachMalformedFormIsDataLossNamingTheProblem) {
   EXPECT_THAT(std::string(decode_with(1, 0).message()), HasSubstr("unknown type 0"));
   EXPECT_THAT(std::string(decode_with(1, 5).message()), HasSubstr("unknown type 5"));
   EXPECT_THAT(std::string(decode_with(4, 0xFF).message()), HasSubstr("add up to"));
-  EXPECT_THAT(std::string(decode_with(20, 2).message()), HasSubstr("unknown flags"));
+  EXPECT_THAT(std::string(decode_with(20, 4).message()), HasSubstr("unknown flags"));
   EXPECT_THAT(std::string(decode_with(21, 255).message()), HasSubstr("rank 255"));
   EXPECT_THAT(std::string(decode_with(40, 99).message()), HasSubstr("unknown data type"));
   EXPECT_THAT(std::string(decode_with(48, 1).message()), HasSubstr("tensor bytes for float32[2,3,4]"));
@@ -172,7 +172,7 @@ TEST(MessageCodec, EachMalformedFormIsDataLossNamingTheProblem) {
             absl::StatusCode::kDataLoss);
   // A negative dimension.
   std::vector<uint8_t> negative = good;
-  const size_t dims_at = 64 + Request().name.size() + Request().remote_key.size();
+  const size_t dims_at = 72 + Request().name.size() + Request().remote_key.size();
   negative[dims_at + 7] = 0x80;
   EXPECT_THAT(std::string(DecodeMessage(negative).status().message()), HasSubstr("negative"));
   // Error statuses need a real code and requests a key.
@@ -189,10 +189,43 @@ TEST(MessageCodec, EachMalformedFormIsDataLossNamingTheProblem) {
               HasSubstr("without a rendezvous key"));
 }
 
+TEST(MessageCodec, ARequestNamesItsKeyByIndexOrDefinesTheIndex) {
+  Message define = Request();
+  define.name_index = 7;
+  absl::StatusOr<Message> back = DecodeMessage(Encode(define));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->name, define.name);
+  EXPECT_EQ(back->name_index, 7u);
+  Message refer = Request();
+  refer.name.clear();
+  refer.name_index = 7;
+  back = DecodeMessage(Encode(refer));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->name.empty());
+  EXPECT_EQ(back->name_index, 7u);
+  EXPECT_LT(EncodedSize(refer).value(), EncodedSize(define).value())
+      << "the index replaces the key's bytes";
+  // Without the flag the index field must be zero, and only REQUESTs carry one.
+  std::vector<uint8_t> stray = Encode(Request());
+  stray[64] = 5;
+  EXPECT_THAT(std::string(DecodeMessage(stray).status().message()),
+              HasSubstr("name index 5 without its flag"));
+  Message answer;
+  answer.type = MessageType::kMetaDataResponse;
+  answer.name_index = 1;
+  EXPECT_EQ(EncodedSize(answer).status().code(), absl::StatusCode::kInvalidArgument);
+  answer.name_index = kNoNameIndex;
+  std::vector<uint8_t> flagged = Encode(answer);
+  flagged[20] |= 2;
+  EXPECT_THAT(std::string(DecodeMessage(flagged).status().message()),
+              HasSubstr("carries a name index"));
+  EXPECT_EQ(DecodeMessage(Encode(Request())).value().name_index, kNoNameIndex);
+}
+
 TEST(MessageCodec, EveryTruncationAndBitFlipIsHandled) {
   const std::vector<uint8_t> good = Encode(Request());
   const size_t used = good[4] | good[5] << 8;
-  ASSERT_GT(used, 64u);
+  ASSERT_GT(used, 72u);
   for (size_t n = 0; n < used; ++n) {
     absl::StatusOr<Message> m = DecodeMessage(absl::MakeConstSpan(good).subspan(0, n));
     EXPECT_FALSE(m.ok()) << "truncated to " << n;
