@@ -172,7 +172,8 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_MESSAGE_BATCH",
       "TENSORVERBS_POLL_MODE",       "TENSORVERBS_POLL_SPIN_US",
       "TENSORVERBS_DATA_VALIDATION", "TENSORVERBS_REGISTRATION",
-      "TENSORVERBS_PEER_TIMEOUT_MS",
+      "TENSORVERBS_PEER_TIMEOUT_MS", "TENSORVERBS_PUSH",
+      "TENSORVERBS_PUSH_MAX",        "TENSORVERBS_PUSH_MAX_MB",
   };
   return names;
 }
@@ -216,6 +217,12 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t peer_ms,
                    ParseInt(env, "TENSORVERBS_PEER_TIMEOUT_MS", 100, 86400000, 10000));
   config.peer_timeout = absl::Milliseconds(peer_ms);
+  ASSIGN_OR_RETURN(std::string push, ParseChoice(env, "TENSORVERBS_PUSH", {"on", "off"}, "on"));
+  config.push = push == "on";
+  ASSIGN_OR_RETURN(int64_t push_max, ParseInt(env, "TENSORVERBS_PUSH_MAX", 1, 65536, 1024));
+  config.push_max_destinations = static_cast<int>(push_max);
+  ASSIGN_OR_RETURN(int64_t push_mb, ParseInt(env, "TENSORVERBS_PUSH_MAX_MB", 1, 1048576, 256));
+  config.push_max_bytes = static_cast<uint64_t>(push_mb) << 20;
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {

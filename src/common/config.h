@@ -101,6 +101,14 @@ struct Config {
   // is dead: everything pending on its channel fails with Unavailable. 100 .. 86400000,
   // default 10000.
   absl::Duration peer_timeout = absl::Seconds(10);
+  // TENSORVERBS_PUSH: on (default) | off. On, a grpc+verbs receiver that just received a key at
+  // step s asks for it at step s+1 at once, with a destination from the key's meta-data, so the
+  // sender writes the moment it sends and the next recv of the key needs no REQUEST round
+  // trip. TENSORVERBS_PUSH_MAX (1 .. 65536, default 1024) and TENSORVERBS_PUSH_MAX_MB (1 ..
+  // 1048576, default 256) bound the destinations and bytes a channel has pushed ahead.
+  bool push = true;
+  int push_max_destinations = 1024;
+  uint64_t push_max_bytes = uint64_t{256} << 20;
 
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;

@@ -83,14 +83,20 @@ void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
                      kMaxNameLength, " bytes; use shorter tensor names")));
     return;
   }
+  KeyState* state = StateOf(key);
+  if (state != nullptr && state->pushed != kNoPush &&
+      AdoptPushed(state, step_id, done, deadline)) {
+    return;  // no REQUEST: it went out when the key's previous step completed
+  }
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) {
     fail(absl::ResourceExhaustedError(
         absl::StrCat("too many pending recvs from task ", peer_task_)));
     return;
   }
-  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step_id, std::move(key), allocator,
-                                                     deadline, std::move(done));
+  if (state != nullptr) ++state->active;
+  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step_id, std::move(key),
+                                                     allocator, deadline, std::move(done));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   if (state_ == State::kReady) {
@@ -133,14 +139,32 @@ void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
   std::vector<uint32_t> unsent;
   for (auto& [index, request] : requests_) {
     if (request->step_id() != step_id) continue;
-    request->Fail(status);
-    if (request->state() == RdmaTensorRequest::State::kQueued) unsent.push_back(index);
+    request->Fail(status);  // a pushed request no recv took is declined
+    // Never sent, or pushed content no recv will take: nothing more can land.
+    if (request->state() == RdmaTensorRequest::State::kQueued || request->landed()) {
+      unsent.push_back(index);
+    }
   }
   // Never sent: no late content can come, so the record goes now. Sent ones stay until the
   // sender answers (content or ERROR_STATUS) so their memory is not reused under a write.
   for (uint32_t index : unsent) {
     queued_.erase(std::remove(queued_.begin(), queued_.end(), index), queued_.end());
     FinishRequest(index);
+  }
+  ReleaseDeclined();
+}
+
+void Channel::ReleaseDeclined() {
+  // Pushed requests holding a META_DATA_RESPONSE that no recv will take: the sender keeps the
+  // tensor until told. One at a time, by index: a failed send closes the channel.
+  std::vector<uint32_t> release;
+  for (const auto& [index, request] : requests_) {
+    if (request->needs_release()) release.push_back(index);
+  }
+  for (uint32_t index : release) {
+    if (state_ == State::kClosed) return;
+    auto it = requests_.find(index);
+    if (it != requests_.end() && it->second->needs_release()) it->second->Release();
   }
 }
 
@@ -192,7 +216,17 @@ void Channel::SendMessage(Message m) {
 }
 
 void Channel::FinishRequest(uint32_t index) {
-  requests_.erase(index);
+  auto it = requests_.find(index);
+  if (it != requests_.end()) {
+    RdmaTensorRequest& r = *it->second;
+    if (r.pushed() && !r.adopted()) {
+      Unpush(r, /*counts_in_budget=*/true);
+      env_->stats->push_unused.fetch_add(1, std::memory_order_relaxed);
+    } else if (auto k = keys_.find(r.key_ref()); k != keys_.end()) {
+      --k->second.active;
+    }
+    requests_.erase(it);
+  }
   indexes_.Release(index);
 }
 
@@ -289,17 +323,83 @@ absl::StatusOr<KeyRef> Channel::ValidKey(const std::string& name) {
   return ref;
 }
 
+Channel::KeyState* Channel::StateOf(const KeyRef& key) {
+  if (auto it = keys_.find(key); it != keys_.end()) return &it->second;
+  if (keys_.size() >= kMaxNameIndexes) return nullptr;
+  return &keys_[key];
+}
+
 void Channel::NameKey(const KeyRef& key, Message* m) {
-  if (auto it = name_indexes_.find(key); it != name_indexes_.end()) {
-    m->name_index = it->second;
+  KeyState* state = StateOf(key);
+  if (state != nullptr && state->name_index != kNoNameIndex) {
+    m->name_index = state->name_index;
     env_->stats->indexed_requests.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   m->name = key->key.full_key;
-  if (name_indexes_.size() < kMaxNameIndexes) {
-    m->name_index = static_cast<uint32_t>(name_indexes_.size());
-    name_indexes_.emplace(key, m->name_index);
+  if (state != nullptr) m->name_index = state->name_index = next_name_index_++;
+}
+
+void Channel::Unpush(RdmaTensorRequest& r, bool counts_in_budget) {
+  if (auto it = keys_.find(r.key_ref()); it != keys_.end() && it->second.pushed == r.index()) {
+    it->second.pushed = kNoPush;
   }
+  if (counts_in_budget) {
+    --pushed_requests_;
+    pushed_bytes_ -= r.tensor_bytes();
+  }
+}
+
+bool Channel::AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done,
+                          absl::Time deadline) {
+  auto it = requests_.find(state->pushed);
+  if (it == requests_.end()) {
+    state->pushed = kNoPush;
+    return false;
+  }
+  RdmaTensorRequest& r = *it->second;
+  if (r.step_id() == step && r.adoptable()) {
+    Unpush(r, /*counts_in_budget=*/true);
+    ++state->active;
+    env_->stats->push_hits.fetch_add(1, std::memory_order_relaxed);
+    if (r.Adopt(std::move(done), deadline)) {
+      // It had landed: this recv is complete, so the key's next step is asked for now.
+      const KeyRef key = r.key_ref();
+      Allocator* allocator = r.allocator();
+      FinishRequest(r.index());
+      Push(key, step + 1, allocator);
+    }
+    return true;
+  }
+  // Another step's (the recvs of this key are out of order, or skip steps): it stays for its
+  // own recv, or until its step ends.
+  return false;
+}
+
+void Channel::Push(const KeyRef& key, int64_t step, Allocator* allocator) {
+  if (state_ != State::kReady) return;
+  KeyState* state = StateOf(key);
+  if (state == nullptr || state->active > 0 || state->pushed != kNoPush) return;
+  const TensorMetaData* meta = env_->memory->CachedMeta(key->key.full_key);
+  if (meta == nullptr || meta->is_dead || meta->dtype == DataType::kString ||
+      meta->tensor_bytes > kMaxPushedTensorBytes) {
+    return;
+  }
+  if (pushed_requests_ >= env_->push_max_destinations ||
+      pushed_bytes_ + meta->tensor_bytes > env_->push_max_bytes) {
+    return;
+  }
+  absl::StatusOr<uint32_t> index = indexes_.Allocate();
+  if (!index.ok()) return;
+  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step, key, allocator,
+                                                     absl::InfiniteFuture(), nullptr);
+  RdmaTensorRequest* raw = request.get();
+  requests_.emplace(*index, std::move(request));
+  state->pushed = *index;
+  ++pushed_requests_;
+  pushed_bytes_ += meta->tensor_bytes;
+  env_->stats->pushed.fetch_add(1, std::memory_order_relaxed);
+  raw->Start();  // may finish (delete) the record on a local failure
 }
 
 absl::StatusOr<KeyRef> Channel::RequestedKey(const Message& m, bool* closed) {
@@ -351,8 +451,15 @@ void Channel::OnContent(uint32_t index) {
             << ": no request with that index is waiting";
     return;
   }
-  it->second->RecvTensorContent();
+  RdmaTensorRequest& r = *it->second;
+  r.RecvTensorContent();
+  if (r.landed()) return;  // pushed: it waits for the recv that takes it
+  const bool push = env_->push && r.delivered_in_place();
+  const KeyRef key = r.key_ref();
+  const int64_t step = r.step_id();
+  Allocator* allocator = r.allocator();
   FinishRequest(index);
+  if (push) Push(key, step + 1, allocator);
 }
 
 void Channel::OnControlMessage() {
@@ -444,6 +551,15 @@ void Channel::HandleRequest(Message& m) {
 void Channel::Close(const absl::Status& status) {
   AssertOwnerThread();
   if (state_ == State::kClosed) return;
+  if (status.code() == absl::StatusCode::kCancelled && state_ == State::kReady) {
+    // A shutdown: let the sender go of tensors it holds for requests made ahead, rather than
+    // keep them until it notices this side is gone.
+    for (auto& [index, request] : requests_) {
+      if (request->adoptable()) request->Decline();
+    }
+    ReleaseDeclined();
+    if (state_ == State::kClosed) return;  // a release failed and closed the channel
+  }
   state_ = State::kClosed;
   close_status_ = status.ok() ? absl::CancelledError("closed") : status;
   if (status.code() != absl::StatusCode::kCancelled) {

@@ -34,6 +34,9 @@ struct VerbsStats {
   std::atomic<int64_t> requests{0};          // REQUEST messages sent
   std::atomic<int64_t> meta_cache_hits{0};   // ... of which carried a cached meta-data
   std::atomic<int64_t> indexed_requests{0};  // ... of which named the key by its index
+  std::atomic<int64_t> pushed{0};            // ... of which asked for a key's next step ahead
+  std::atomic<int64_t> push_hits{0};         // recvs that found their request already made
+  std::atomic<int64_t> push_unused{0};       // pushed requests no recv took
   std::atomic<int64_t> meta_responses{0};    // META_DATA_RESPONSE messages sent
   std::atomic<int64_t> re_requests{0};       // RE_REQUEST messages sent
   std::atomic<int64_t> errors_sent{0};       // ERROR_STATUS messages sent
@@ -81,6 +84,11 @@ struct ChannelEnv {
   int message_slots = 8;
   int message_batch = 32;                         // the most control messages written into one slot
   absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
+  // Owner side: ask for a key's next step as soon as a recv of it completes (TENSORVERBS_PUSH),
+  // with at most this many such requests, and bytes of destinations, per channel.
+  bool push = false;
+  int push_max_destinations = 1024;
+  uint64_t push_max_bytes = uint64_t{256} << 20;
   // Runs `task` on the progress thread later, never inline: called on the progress thread, at
   // the end of the completion or task being handled; from another thread, at the loop's next
   // turn.

@@ -135,7 +135,9 @@ void ProgressEngine::Loop() {
     if (options_.poll_mode == PollMode::kAdaptive) {
       const absl::Time now = absl::Now();
       if (idle_since == absl::InfiniteFuture()) idle_since = now;
-      if (now - idle_since < options_.poll_spin) {
+      const absl::Duration idle = now - idle_since;
+      if (idle < options_.poll_spin ||
+          (idle < options_.awaiting_spin && hooks_.awaiting_peer && hooks_.awaiting_peer())) {
         std::this_thread::yield();
         continue;
       }

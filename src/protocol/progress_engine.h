@@ -49,12 +49,17 @@ class ProgressEngine {
   struct Options {
     PollMode poll_mode = PollMode::kAdaptive;
     absl::Duration poll_spin = absl::Microseconds(50);
+    // Adaptive mode spins this long (if longer than poll_spin) while a peer owes this side an
+    // answer: on a fabric without a wait object a nap would delay it by up to the nap.
+    absl::Duration awaiting_spin = absl::Milliseconds(1);
     absl::Duration housekeeping_interval = absl::Milliseconds(20);
   };
   struct Hooks {
     std::function<void(const fabric::Completion&)> on_completion;
     std::function<void(absl::Time now)> housekeeping;
     std::function<bool()> operations_in_flight;
+    // Whether a peer owes this side something (content for a pending request); may be null.
+    std::function<bool()> awaiting_peer;
   };
 
   // `domain` and `executor` outlive the engine.

@@ -54,8 +54,9 @@ RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t s
       step_id_(step_id),
       key_(std::move(key)),
       allocator_(allocator),
-      deadline_(deadline),
-      done_(std::move(done)) {}
+      deadline_(done == nullptr ? absl::InfiniteFuture() : deadline),
+      done_(std::move(done)),
+      pushed_(done_ == nullptr) {}
 
 void RdmaTensorRequest::TransitionTo(State next) {
   DCHECK(AllowedTransition(state_, next))
@@ -150,7 +151,7 @@ absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr
 
 void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   ChannelEnv* env = channel_->env();
-  if (state_ != State::kRequested) {
+  if (state_ != State::kRequested || meta_parked_) {
     channel_->Close(absl::DataLossError(
         absl::StrCat("META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
     return;  // the close deleted this
@@ -164,22 +165,48 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   }
   meta_ = m.meta;
   checksum_ = m.checksum;
-  if (!copy && !m.meta.is_dead) env->memory->CacheMeta(key_->key.full_key, m.meta);
+  if (!copy) {
+    // The sender answered instead of writing into what REQUEST named: that destination (made
+    // from cached meta-data that no longer holds) is never written now, and must not be
+    // delivered for a tensor of another shape, such as an empty one.
+    result_.Clear();
+    staging_.Clear();
+    transient_.reset();
+    if (!m.meta.is_dead) env->memory->CacheMeta(key_->key.full_key, m.meta);
+  }
+  if (adoptable()) {
+    // Pushed, and no recv has taken it yet: the sender holds the tensor for it, so it waits
+    // here for the recv (Adopt) or for its step to end (Release), whichever comes first.
+    meta_parked_ = true;
+    return;
+  }
+  SendReRequest();
+}
+
+void RdmaTensorRequest::SendReRequest() {
+  ChannelEnv* env = channel_->env();
+  const bool copy = env->mode == VerbsMode::kCopy;
   Message rr;
   rr.type = MessageType::kTensorReRequest;
   rr.step_id = step_id_;
   rr.request_index = index_;
-  rr.meta = m.meta;
+  rr.meta = meta_;
   // A recv that already ended (abort, timeout) or cannot allocate still answers, with no
   // target: the sender then writes nothing but the immediate, and releases its tensor.
-  if (!finished() && (copy || (!m.meta.is_dead && m.meta.tensor_bytes > 0))) {
-    absl::Status s = copy ? PrepareCopyBuffer(m.meta.tensor_bytes, &rr.remote_addr, &rr.remote_key)
-                          : PrepareDestination(m.meta, &rr.remote_addr, &rr.remote_key);
+  if (!finished() && (copy || (!meta_.is_dead && meta_.tensor_bytes > 0))) {
+    absl::Status s = copy ? PrepareCopyBuffer(meta_.tensor_bytes, &rr.remote_addr, &rr.remote_key)
+                          : PrepareDestination(meta_, &rr.remote_addr, &rr.remote_key);
     if (!s.ok()) Fail(s);
   }
   TransitionTo(State::kReRequested);
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
-  channel_->SendMessage(std::move(rr));
+  channel_->SendMessage(std::move(rr));  // a failure closes the channel, which deletes this
+}
+
+void RdmaTensorRequest::Release() {
+  DCHECK(needs_release());
+  meta_parked_ = false;
+  SendReRequest();
 }
 
 absl::Status RdmaTensorRequest::RecvError(const absl::Status& status) const {
@@ -227,7 +254,7 @@ absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
 void RdmaTensorRequest::RecvTensorContent() {
   ChannelEnv* env = channel_->env();
   TransitionTo(State::kDone);
-  if (finished()) return;
+  if (finished() && !adoptable()) return;
   if (env->mode == VerbsMode::kCopy) {
     RecvCopyContent();
     return;
@@ -263,18 +290,52 @@ void RdmaTensorRequest::RecvTensorContent() {
     std::memcpy(result_.data(), staging_.data(), meta_.tensor_bytes);
     env->CountCopy(meta_.tensor_bytes);
   }
-  Tensor result = std::move(result_);
   staging_.Clear();
   transient_.reset();
+  if (adoptable()) {
+    landed_ = true;  // result_ waits for the recv that takes this request
+    return;
+  }
+  delivered_in_place_ = true;
+  Tensor result = std::move(result_);
   Deliver(absl::OkStatus(), result, false);
 }
 
+bool RdmaTensorRequest::Adopt(RecvDoneCallback done, absl::Time deadline) {
+  DCHECK(adoptable()) << "request " << index_ << " for '" << key() << "' cannot be adopted";
+  adopted_ = true;
+  done_ = std::move(done);
+  deadline_ = deadline;
+  if (meta_parked_) {
+    // The sender described another tensor than the cached meta-data: now that a recv owns
+    // this request, it names a destination for it (last: the send may close the channel).
+    meta_parked_ = false;
+    SendReRequest();
+    return false;
+  }
+  if (!landed_) return false;
+  landed_ = false;
+  delivered_in_place_ = true;
+  Tensor result = std::move(result_);
+  Deliver(absl::OkStatus(), result, false);
+  return true;
+}
+
 void RdmaTensorRequest::Fail(const absl::Status& status) {
-  if (finished()) return;
+  if (finished()) {
+    if (adoptable()) declined_ = true;
+    return;
+  }
   Deliver(status, Tensor(), false);
 }
 
 void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead) {
+  if (done_ == nullptr) {
+    // A pushed request no recv took ends here (a dead or string tensor, a bad destination):
+    // nobody to tell.
+    declined_ = true;
+    return;
+  }
   RecvDoneCallback done = std::move(done_);
   done_ = nullptr;
   channel_->env()->deliver([done = std::move(done), status, tensor, is_dead]() mutable {

@@ -12,6 +12,16 @@
 // channel closed) ends the recv at once but not the record: it keeps its index and destination
 // until the sender answers, so late content never lands in memory anyone else uses.
 //
+// A pushed request (TENSORVERBS_PUSH) is one the channel made ahead of any recv: after a recv of
+// a key at step s completes, it asks for the key at step s+1 with a destination from the cached
+// meta-data, and no `done`. The recv of (key, s+1) then takes it over (Adopt) instead of sending
+// REQUEST: if the content already landed, the recv completes at once. A pushed request that no
+// recv can take (its step was aborted) is declined: it still ends as any ended recv does, when
+// the sender answers. A META_DATA_RESPONSE (the tensor changed shape, died, is a string) does
+// not decline it: the sender holds that step's tensor for this request, so the request keeps
+// the answer until a recv takes it over (and then asks with a fitting destination) or its
+// step ends (then it releases the tensor with an empty RE_REQUEST).
+//
 // Owned by its Channel; every method runs on the transport's progress thread. `done` runs
 // exactly once, through ChannelEnv::deliver (the worker's callback executor).
 #ifndef TENSORVERBS_PROTOCOL_TENSOR_REQUEST_H_
@@ -39,6 +49,7 @@ class RdmaTensorRequest {
  public:
   enum class State { kQueued, kRequested, kReRequested, kDone };
 
+  // A null `done` makes a pushed request (deadline ignored until a recv adopts it).
   RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, KeyRef key,
                     Allocator* allocator, absl::Time deadline, RecvDoneCallback done);
 
@@ -46,8 +57,31 @@ class RdmaTensorRequest {
   void Start();
   void RecvTensorMetaData(const Message& m);
   void RecvTensorContent();
-  // Ends the recv with `status` if it has not ended; the record stays until the sender is done.
+  // Ends the recv with `status` if it has not ended (declines a pushed request no recv took);
+  // the record stays until the sender is done.
   void Fail(const absl::Status& status);
+  // Pushed requests: a recv takes this one over. True when its content had already landed:
+  // `done` has then been called and the record is finished.
+  bool Adopt(RecvDoneCallback done, absl::Time deadline);
+  // Pushed requests: no recv will take this one.
+  void Decline() { declined_ = true; }
+  // Declined while it held the sender's META_DATA_RESPONSE: the sender still holds the tensor
+  // and waits for RE_REQUEST. Release sends it, without a destination (the channel calls it
+  // where a send that fails and closes the channel cannot pull the record from under a loop).
+  bool needs_release() const { return meta_parked_ && declined_; }
+  void Release();
+  bool pushed() const { return pushed_; }
+  bool adopted() const { return adopted_; }
+  // Pushed, not adopted, and a recv could still take it.
+  bool adoptable() const { return pushed_ && !adopted_ && !declined_; }
+  // Pushed, not adopted, and its content is here.
+  bool landed() const { return landed_; }
+  // The recv ended with a tensor written in place from the cached meta-data (what pushing the
+  // key's next step needs).
+  bool delivered_in_place() const { return delivered_in_place_; }
+  const KeyRef& key_ref() const { return key_; }
+  Allocator* allocator() const { return allocator_; }
+  uint64_t tensor_bytes() const { return meta_.tensor_bytes; }
 
   uint32_t index() const { return index_; }
   int64_t step_id() const { return step_id_; }
@@ -61,6 +95,8 @@ class RdmaTensorRequest {
  private:
   // The one place the state changes; DCHECKs that the transition is one of the diagram's.
   void TransitionTo(State next);
+  // RE_REQUEST for meta_: a destination if the recv is still wanted, else none.
+  void SendReRequest();
   // Allocates the destination for `meta` and returns where the sender writes.
   absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, std::string* key);
   // Copy mode: makes staging_ (the name's buffer) hold at least `bytes` and returns where the
@@ -80,8 +116,14 @@ class RdmaTensorRequest {
   const int64_t step_id_;
   const KeyRef key_;  // shared with every other recv of the key
   Allocator* const allocator_;
-  const absl::Time deadline_;
+  absl::Time deadline_;
   RecvDoneCallback done_;
+  bool pushed_ = false;
+  bool adopted_ = false;
+  bool declined_ = false;
+  bool landed_ = false;
+  bool meta_parked_ = false;  // pushed: META_DATA_RESPONSE came before any recv took it
+  bool delivered_in_place_ = false;
   State state_ = State::kQueued;
   TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;

@@ -6,8 +6,10 @@
 
 namespace tensorverbs {
 
-RendezvousMgr::RendezvousMgr(Factory factory, size_t remembered_cleanups)
-    : factory_(std::move(factory)), remembered_cleanups_(remembered_cleanups) {}
+RendezvousMgr::RendezvousMgr(Factory factory, size_t remembered_cleanups, StepEnded step_ended)
+    : factory_(std::move(factory)),
+      remembered_cleanups_(remembered_cleanups),
+      step_ended_(std::move(step_ended)) {}
 
 RendezvousMgr::~RendezvousMgr() { CleanupAll(); }
 
@@ -48,7 +50,11 @@ void RendezvousMgr::Cleanup(int64_t step_id) {
       }
     }
   }
-  if (r) r->StartAbort(absl::CancelledError(absl::StrCat("step ", step_id, " was cleaned up")));
+  if (r) {
+    r->StartAbort(absl::CancelledError(absl::StrCat("step ", step_id, " was cleaned up")));
+  } else if (step_ended_) {
+    step_ended_(step_id);
+  }
 }
 
 void RendezvousMgr::CleanupAll() {

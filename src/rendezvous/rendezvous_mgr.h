@@ -25,8 +25,12 @@ namespace tensorverbs {
 class RendezvousMgr {
  public:
   using Factory = std::function<std::shared_ptr<RemoteRendezvous>(int64_t step_id)>;
+  // Told of a cleaned-up step this task never made a rendezvous for (a transport may have work
+  // for it anyway: grpc+verbs asks for a key's next step before its recv). Any thread.
+  using StepEnded = std::function<void(int64_t step_id)>;
 
-  explicit RendezvousMgr(Factory factory, size_t remembered_cleanups = 100000);
+  explicit RendezvousMgr(Factory factory, size_t remembered_cleanups = 100000,
+                         StepEnded step_ended = nullptr);
   RendezvousMgr(const RendezvousMgr&) = delete;
   RendezvousMgr& operator=(const RendezvousMgr&) = delete;
   ~RendezvousMgr();  // CleanupAll
@@ -42,6 +46,7 @@ class RendezvousMgr {
  private:
   const Factory factory_;
   const size_t remembered_cleanups_;
+  const StepEnded step_ended_;
   mutable Mutex mu_;
   absl::flat_hash_map<int64_t, std::shared_ptr<RemoteRendezvous>> table_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<int64_t> cleaned_ ABSL_GUARDED_BY(mu_);

@@ -159,9 +159,16 @@ absl::Status Server::Start() {
                                                                           recv_timeout, transport);
           });
     } else {
-      rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, transport](int64_t step) {
-        return std::make_shared<verbs::VerbsRemoteRendezvous>(env, step, transport);
-      });
+      rendezvous_mgr_ = std::make_unique<RendezvousMgr>(
+          [env, transport](int64_t step) {
+            return std::make_shared<verbs::VerbsRemoteRendezvous>(env, step, transport);
+          },
+          /*remembered_cleanups=*/100000,
+          [transport](int64_t step) {
+            // Requests made ahead for a step this task skipped end with it.
+            transport->AbortStep(step, absl::CancelledError(
+                                           absl::StrCat("step ", step, " was cleaned up")));
+          });
     }
     verbs_->set_rendezvous_mgr(rendezvous_mgr_.get());
   } else {
@@ -200,14 +207,17 @@ void Server::Stop() {
     if (stopped_) return;
     stopped_ = true;
   }
-  // Fail pending recvs first so RecvTensor handlers finish and the shutdown does not wait.
+  // The grpc+verbs channels close first (after the writes already under way finish): the
+  // requests peers made ahead of their recvs wait in this task's rendezvous tables, and
+  // cleaning those up must not answer over a channel whose peer may be gone.
+  if (verbs_) verbs_->Shutdown();
+  // Fail pending recvs so RecvTensor handlers finish and the shutdown does not wait.
   if (rendezvous_mgr_) rendezvous_mgr_->CleanupAll();
   if (grpc_server_) {
     // Responses already being sent may finish; the rest are cancelled at the deadline.
     grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     grpc_server_->Wait();
   }
-  if (verbs_) verbs_->Shutdown();
   // Cancelled client calls complete promptly; their callbacks use the executor below.
   if (workers_ && !workers_->WaitForNoCalls(absl::Seconds(10))) {
     LOG(WARNING) << "task " << env_.task_name << ": remote recvs still in flight at shutdown";

@@ -255,6 +255,13 @@ bool ChannelSetup::OperationsInFlight() const {
   return false;
 }
 
+bool ChannelSetup::AwaitingPeers() const {
+  for (const auto& [id, c] : channels_) {
+    if (c->state() == protocol::Channel::State::kReady && c->awaiting_peer()) return true;
+  }
+  return false;
+}
+
 bool ChannelSetup::ResponsesInProgress() const {
   for (const auto& [id, c] : channels_) {
     if (c->responses_in_progress() > 0) return true;

@@ -65,6 +65,8 @@ class ChannelSetup {
   bool OperationsInFlight() const;
   // Whether a response still holds a tensor a peer took.
   bool ResponsesInProgress() const;
+  // Whether a ready channel has requests its peer still owes content or an answer.
+  bool AwaitingPeers() const;
   size_t NumReady() const;
   void CloseAll(const absl::Status& status);
   // Owner channels with recvs or reads pending: what the watchdog probes.

@@ -34,6 +34,9 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.registration = config.registration;
   o.peer_timeout = config.peer_timeout;
   o.connect_timeout = config.connect_timeout;
+  o.push = config.push;
+  o.push_max_destinations = config.push_max_destinations;
+  o.push_max_bytes = config.push_max_bytes;
   return o;
 }
 
@@ -73,6 +76,7 @@ absl::Status VerbsTransport::Start() {
   hooks.on_completion = [this](const fabric::Completion& c) { channels_->Dispatch(c); };
   hooks.housekeeping = [this](absl::Time now) { Housekeeping(now); };
   hooks.operations_in_flight = [this] { return OperationsInFlight(); };
+  hooks.awaiting_peer = [this] { return channels_->AwaitingPeers(); };
   engine_ = std::make_unique<protocol::ProgressEngine>(
       domain_.get(), options_.env->callback_executor, engine_options, std::move(hooks));
 
@@ -86,6 +90,12 @@ absl::Status VerbsTransport::Start() {
   channel_env_.message_slots = options_.message_slots;
   channel_env_.message_batch = options_.message_batch;
   channel_env_.quarantine = options_.peer_timeout;
+  // Pushing destinations ahead needs the meta-data cache of zero copy, and the checksum of
+  // data validation rides the meta-data round trip that pushing skips.
+  channel_env_.push = options_.push && options_.mode == protocol::VerbsMode::kZeroCopy &&
+                      !options_.data_validation;
+  channel_env_.push_max_destinations = options_.push_max_destinations;
+  channel_env_.push_max_bytes = options_.push_max_bytes;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };
   channel_env_.deliver = [this](Executor::Task callback) { engine_->Deliver(std::move(callback)); };

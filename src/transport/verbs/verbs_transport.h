@@ -71,6 +71,9 @@ struct VerbsOptions {
   protocol::VerbsMode mode = protocol::VerbsMode::kZeroCopy;  // set from the protocol
   absl::Duration peer_timeout = absl::Seconds(10);            // TENSORVERBS_PEER_TIMEOUT_MS
   absl::Duration connect_timeout = absl::Seconds(60);         // TENSORVERBS_CONNECT_TIMEOUT_MS
+  bool push = true;                                           // TENSORVERBS_PUSH
+  int push_max_destinations = 1024;                           // TENSORVERBS_PUSH_MAX
+  uint64_t push_max_bytes = uint64_t{256} << 20;              // TENSORVERBS_PUSH_MAX_MB
 
   // The settings above that have a variable, from `config`.
   static VerbsOptions FromConfig(const Config& config);

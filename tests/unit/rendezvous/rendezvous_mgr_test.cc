@@ -66,6 +66,16 @@ TEST_F(RendezvousMgrTest, FindCreatesOncePerStep) {
   EXPECT_EQ((*c)->step_id(), 2);
 }
 
+TEST_F(RendezvousMgrTest, CleanupOfAStepNeverMadeHereTellsTheStepEndedHook) {
+  std::vector<int64_t> ended;
+  RendezvousMgr mgr(Factory(), 100, [&ended](int64_t step) { ended.push_back(step); });
+  ASSERT_TRUE(mgr.Find(1).ok());
+  mgr.Cleanup(1);  // made here: its rendezvous is aborted, which tells the transport
+  mgr.Cleanup(2);  // never made here: the hook tells it
+  EXPECT_EQ(ended, std::vector<int64_t>{2});
+  EXPECT_EQ(created_[0]->aborted_with.code(), absl::StatusCode::kCancelled);
+}
+
 TEST_F(RendezvousMgrTest, SameTaskKeysAreServedLocallyOthersRemotely) {
   RendezvousMgr mgr(Factory());
   auto r = *mgr.Find(7);
