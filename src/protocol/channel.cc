@@ -551,15 +551,6 @@ void Channel::HandleRequest(Message& m) {
 void Channel::Close(const absl::Status& status) {
   AssertOwnerThread();
   if (state_ == State::kClosed) return;
-  if (status.code() == absl::StatusCode::kCancelled && state_ == State::kReady) {
-    // A shutdown: let the sender go of tensors it holds for requests made ahead, rather than
-    // keep them until it notices this side is gone.
-    for (auto& [index, request] : requests_) {
-      if (request->adoptable()) request->Decline();
-    }
-    ReleaseDeclined();
-    if (state_ == State::kClosed) return;  // a release failed and closed the channel
-  }
   state_ = State::kClosed;
   close_status_ = status.ok() ? absl::CancelledError("closed") : status;
   if (status.code() != absl::StatusCode::kCancelled) {
