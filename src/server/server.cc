@@ -201,6 +201,10 @@ absl::Status Server::Start() {
 
 Server::~Server() { Stop(); }
 
+void Server::StopTraffic() {
+  if (verbs_) verbs_->StopTraffic();
+}
+
 void Server::Stop() {
   {
     MutexLock lock(&mu_);

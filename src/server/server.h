@@ -72,6 +72,10 @@ class Server {
   ~Server();
 
   void Stop();
+  // Stops this task's grpc+verbs traffic (writes under way finish first) without closing
+  // anything: for stopping several servers of one process, whose shared-memory peers must not
+  // be written to once one of them has closed. Stop() does it too.
+  void StopTraffic();
 
   const std::string& task_name() const { return env_.task_name; }
   std::string device_name() const;  // /job:J/replica:0/task:T/device:CPU:0

@@ -78,6 +78,11 @@ class InProcessCluster {
   }
 
   void Stop() {
+    // Every task stops writing before any closes: over shm between servers of one process, a
+    // write into a closed peer's region would land in unmapped memory.
+    for (auto& s : servers_) {
+      if (s) s->StopTraffic();
+    }
     for (auto& s : servers_) {
       if (s) s->Stop();
     }

@@ -235,8 +235,8 @@ size_t VerbsTransport::NumReadyChannels() {
   return engine_->AskLoop<size_t>([this] { return channels_->NumReady(); }).value_or(0);
 }
 
-void VerbsTransport::Shutdown() {
-  if (engine_ == nullptr || shut_down_.exchange(true)) return;
+void VerbsTransport::StopTraffic() {
+  if (engine_ == nullptr || traffic_stopped_.exchange(true)) return;
   watchdog_->Stop();
   // Tensors a peer already took from this task's table are still on their way (a write posted
   // or about to be, a lent tensor being read): let them finish, as gRPC's shutdown lets
@@ -248,11 +248,15 @@ void VerbsTransport::Shutdown() {
     if (!busy.ok() || !*busy) break;
     absl::SleepFor(absl::Milliseconds(1));
   }
-  engine_->Post([this]() mutable {
-    channels_->CloseAll(
-        absl::CancelledError(absl::StrCat("task ", options_.env->task_name, " is shutting down")));
-  });
   engine_->Stop();
+}
+
+void VerbsTransport::Shutdown() {
+  if (engine_ == nullptr || shut_down_.exchange(true)) return;
+  StopTraffic();
+  // The loop has stopped, so this thread owns the channels now.
+  channels_->CloseAll(
+      absl::CancelledError(absl::StrCat("task ", options_.env->task_name, " is shutting down")));
   channels_->Shutdown(absl::Seconds(10));
   quarantine_.clear();
   lent_->Clear();

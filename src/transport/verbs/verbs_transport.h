@@ -121,6 +121,11 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // Channels that are set up, of both roles, for tests and tools (any thread; asks the loop).
   size_t NumReadyChannels();
 
+  // Lets the writes already under way finish (up to a grace period), then stops the progress
+  // loop: from here on this task posts nothing to any peer. Channels stay open until Shutdown.
+  // Idempotent; any thread but the loop's.
+  void StopTraffic();
+  // StopTraffic, then closes every channel and releases the fabric. Idempotent.
   void Shutdown();
 
  private:
@@ -145,6 +150,7 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // Progress-thread state.
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
   std::unique_ptr<LentTensors> lent_;
+  std::atomic<bool> traffic_stopped_{false};
   std::atomic<bool> shut_down_{false};
 };
 
