@@ -136,7 +136,7 @@ void Channel::IssuePull(uint32_t index) {
 
 void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
   AssertOwnerThread();
-  std::vector<uint32_t> unsent;
+  std::vector<uint32_t> unsent, release;
   for (auto& [index, request] : requests_) {
     if (request->step_id() != step_id) continue;
     request->Fail(status);  // a pushed request no recv took is declined
@@ -144,6 +144,9 @@ void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
     if (request->state() == RdmaTensorRequest::State::kQueued || request->landed()) {
       unsent.push_back(index);
     }
+    // Declined while holding the sender's META_DATA_RESPONSE: the sender keeps the tensor
+    // until told.
+    if (request->needs_release()) release.push_back(index);
   }
   // Never sent: no late content can come, so the record goes now. Sent ones stay until the
   // sender answers (content or ERROR_STATUS) so their memory is not reused under a write.
@@ -151,16 +154,7 @@ void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
     queued_.erase(std::remove(queued_.begin(), queued_.end(), index), queued_.end());
     FinishRequest(index);
   }
-  ReleaseDeclined();
-}
-
-void Channel::ReleaseDeclined() {
-  // Pushed requests holding a META_DATA_RESPONSE that no recv will take: the sender keeps the
-  // tensor until told. One at a time, by index: a failed send closes the channel.
-  std::vector<uint32_t> release;
-  for (const auto& [index, request] : requests_) {
-    if (request->needs_release()) release.push_back(index);
-  }
+  // One at a time, by index: a failed send closes the channel, which deletes every request.
   for (uint32_t index : release) {
     if (state_ == State::kClosed) return;
     auto it = requests_.find(index);
@@ -220,7 +214,7 @@ void Channel::FinishRequest(uint32_t index) {
   if (it != requests_.end()) {
     RdmaTensorRequest& r = *it->second;
     if (r.pushed() && !r.adopted()) {
-      Unpush(r, /*counts_in_budget=*/true);
+      Unpush(r);
       env_->stats->push_unused.fetch_add(1, std::memory_order_relaxed);
     } else if (auto k = keys_.find(r.key_ref()); k != keys_.end()) {
       --k->second.active;
@@ -340,14 +334,12 @@ void Channel::NameKey(const KeyRef& key, Message* m) {
   if (state != nullptr) m->name_index = state->name_index = next_name_index_++;
 }
 
-void Channel::Unpush(RdmaTensorRequest& r, bool counts_in_budget) {
+void Channel::Unpush(RdmaTensorRequest& r) {
   if (auto it = keys_.find(r.key_ref()); it != keys_.end() && it->second.pushed == r.index()) {
     it->second.pushed = kNoPush;
   }
-  if (counts_in_budget) {
-    --pushed_requests_;
-    pushed_bytes_ -= r.tensor_bytes();
-  }
+  --pushed_requests_;
+  pushed_bytes_ -= r.tensor_bytes();
 }
 
 bool Channel::AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done,
@@ -359,16 +351,11 @@ bool Channel::AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done,
   }
   RdmaTensorRequest& r = *it->second;
   if (r.step_id() == step && r.adoptable()) {
-    Unpush(r, /*counts_in_budget=*/true);
+    Unpush(r);
     ++state->active;
     env_->stats->push_hits.fetch_add(1, std::memory_order_relaxed);
-    if (r.Adopt(std::move(done), deadline)) {
-      // It had landed: this recv is complete, so the key's next step is asked for now.
-      const KeyRef key = r.key_ref();
-      Allocator* allocator = r.allocator();
-      FinishRequest(r.index());
-      Push(key, step + 1, allocator);
-    }
+    // If it had landed, this recv is complete.
+    if (r.Adopt(std::move(done), deadline)) FinishDelivered(r.index());
     return true;
   }
   // Another step's (the recvs of this key are out of order, or skip steps): it stays for its
@@ -402,27 +389,24 @@ void Channel::Push(const KeyRef& key, int64_t step, Allocator* allocator) {
   raw->Start();  // may finish (delete) the record on a local failure
 }
 
-absl::StatusOr<KeyRef> Channel::RequestedKey(const Message& m, bool* closed) {
-  *closed = false;
+absl::StatusOr<KeyRef> Channel::RequestedKey(const Message& m) {
   if (m.name.empty()) {
     // By index: one the owner defined earlier on this channel.
     if (m.name_index >= indexed_keys_.size()) {
-      *closed = true;
       Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " asked for key index ",
                                              m.name_index, ", which it never defined (",
                                              indexed_keys_.size(), " defined)")));
-      return absl::DataLossError("closed");
+      return close_status_;
     }
     return indexed_keys_[m.name_index];
   }
   absl::StatusOr<KeyRef> key = ValidKey(m.name);
   if (m.name_index != kNoNameIndex) {
     if (m.name_index != indexed_keys_.size()) {
-      *closed = true;
       Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " defined key index ",
                                              m.name_index, " out of order (expected ",
                                              indexed_keys_.size(), ")")));
-      return absl::DataLossError("closed");
+      return close_status_;
     }
     // An invalid key is remembered with its error: later REQUESTs by index get the same one.
     indexed_keys_.push_back(key);
@@ -451,9 +435,13 @@ void Channel::OnContent(uint32_t index) {
             << ": no request with that index is waiting";
     return;
   }
-  RdmaTensorRequest& r = *it->second;
-  r.RecvTensorContent();
-  if (r.landed()) return;  // pushed: it waits for the recv that takes it
+  it->second->RecvTensorContent();
+  if (it->second->landed()) return;  // pushed: it waits for the recv that takes it
+  FinishDelivered(index);
+}
+
+void Channel::FinishDelivered(uint32_t index) {
+  RdmaTensorRequest& r = *requests_.at(index);
   const bool push = env_->push && r.delivered_in_place();
   const KeyRef key = r.key_ref();
   const int64_t step = r.step_id();
@@ -525,9 +513,8 @@ void Channel::HandleRequest(Message& m) {
                                            " while it was pending")));
     return;
   }
-  bool closed = false;
-  absl::StatusOr<KeyRef> key = RequestedKey(m, &closed);
-  if (closed) return;
+  absl::StatusOr<KeyRef> key = RequestedKey(m);
+  if (state_ == State::kClosed) return;  // the REQUEST broke the indexing rules
   absl::Status error = key.status();
   std::shared_ptr<RemoteRendezvous> rendezvous;
   if (error.ok()) {

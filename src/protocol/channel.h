@@ -117,9 +117,6 @@ class Channel {
   // Owner side: names `key` in REQUEST `m`: by its index on this channel once the peer knows
   // it, else by the full key, defining the next index while there are indexes left.
   void NameKey(const KeyRef& key, Message* m);
-  // Owner side: requests made ahead of their recv (TENSORVERBS_PUSH) that no recv has taken.
-  int pushed_requests() const { return pushed_requests_; }
-  uint64_t pushed_bytes() const { return pushed_bytes_; }
   // Forget a finished request, response or pull (deletes it) and free its index.
   void FinishRequest(uint32_t index);
   void FinishResponse(uint32_t index);
@@ -137,8 +134,8 @@ class Channel {
   void HandleRequest(Message& m);
   // Acceptor side: the key REQUEST `m` names, by name or index (defining the index if it
   // does), or why it names none this task serves. A REQUEST that breaks the indexing rules
-  // (an index never defined, a definition out of order) closes the channel: null then.
-  absl::StatusOr<KeyRef> RequestedKey(const Message& m, bool* closed);
+  // (an index never defined, a definition out of order) closes the channel.
+  absl::StatusOr<KeyRef> RequestedKey(const Message& m);
   void OnContent(uint32_t index);
   // Owner side, per key on this channel.
   struct KeyState {
@@ -155,10 +152,11 @@ class Channel {
   // The recv of (`key`, `step`) takes the pushed request if it is the one; true if it did (and
   // `done` is then the request's). A pushed request for another step stays for its own recv.
   bool AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done, absl::Time deadline);
-  // Sends the release of every declined pushed request that holds a META_DATA_RESPONSE.
-  void ReleaseDeclined();
+  // Finishes request `index`, whose recv completed, and pushes its key's next step if the recv
+  // was written in place.
+  void FinishDelivered(uint32_t index);
   // Takes pushed request `r` out of its key's slot and the budget (adopted or finished).
-  void Unpush(RdmaTensorRequest& r, bool counts_in_budget);
+  void Unpush(RdmaTensorRequest& r);
   void IssuePull(uint32_t index);
 
   // Acceptor side: `name` parsed and checked to name a tensor of this task's incarnation.
