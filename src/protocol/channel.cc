@@ -429,10 +429,13 @@ void Channel::OnContent(uint32_t index) {
     return;
   }
   auto it = role_ == Role::kOwner ? requests_.find(index) : requests_.end();
-  if (it == requests_.end() || it->second->state() == RdmaTensorRequest::State::kQueued) {
+  // kDone: its content is already in (a pushed request's waits for its recv), so this is a
+  // duplicated immediate.
+  if (it == requests_.end() || it->second->state() == RdmaTensorRequest::State::kQueued ||
+      it->second->state() == RdmaTensorRequest::State::kDone) {
     env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
     VLOG(1) << "dropped immediate " << index << " from task " << peer_task_
-            << ": no request with that index is waiting";
+            << ": no request with that index is waiting for content";
     return;
   }
   it->second->RecvTensorContent();

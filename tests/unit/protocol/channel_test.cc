@@ -817,6 +817,29 @@ TEST_F(ChannelTest, ADuplicatedContentImmediateIsDroppedNotDeliveredTwice) {
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
 }
 
+TEST_F(ChannelTest, ADuplicatedImmediateForContentThatAlreadyLandedIsDropped) {
+  owner_.env.push = true;
+  const ParsedKey key = Key("ahead");
+  ASSERT_TRUE(Transfer(1, key, Floats(&acceptor_.pool, 64, 1.0f))->status.ok());
+  // The recv of step 1 asked for step 2 ahead; once the sender has it, the content lands in
+  // the pushed request before any recv wants it, and its immediate arrives twice.
+  ASSERT_TRUE(Pump([&] { return Get(owner_.stats.pushed) == 1; }));
+  Settle();
+  fabric::loopback::SetFaults(acceptor_.domain.get(), {.duplicate_imm_nth = 1});
+  const Tensor sent = Floats(&acceptor_.pool, 64, 2.0f);
+  Send(2, key, sent);
+  ASSERT_TRUE(Pump([&] { return Get(owner_.stats.dropped_imms) == 1; }))
+      << "the copy finds a request whose content is in and is counted";
+  std::shared_ptr<RecvOutcome> out = StartRecv(2, key);
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  EXPECT_EQ(out->calls, 1);
+  ASSERT_TRUE(out->status.ok()) << out->status;
+  EXPECT_TRUE(out->tensor.ContentEquals(sent));
+  EXPECT_EQ(Get(owner_.stats.push_hits), 1);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+}
+
 TEST_F(ChannelTest, DataValidationFailsACorruptedTransferWithDataLoss) {
   owner_.env.data_validation = true;
   acceptor_.env.data_validation = true;
