@@ -23,6 +23,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "src/common/shared_memory.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/fabric.h"
 #include "tools/bench_fabric.h"
@@ -46,8 +47,15 @@ class Side {
     ASSIGN_OR_RETURN(side->domain_, fabric::OpenDomain(backend, options));
     ASSIGN_OR_RETURN(side->ep_, side->domain_->CreateEndpoint());
     side->size_ = std::max<size_t>(bytes, 4096);
-    void* p = mmap(nullptr, side->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return absl::ResourceExhaustedError("bench: cannot map the buffer");
+    void* p;
+    if (side->domain_->capabilities().shared_memory) {
+      // Where the protocol's pool would be: memory the peer maps.
+      ASSIGN_OR_RETURN(side->shared_, SharedMemory::Create(side->size_, "bench-fabric"));
+      p = side->shared_->data();
+    } else {
+      p = mmap(nullptr, side->size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return absl::ResourceExhaustedError("bench: cannot map the buffer");
+    }
     madvise(p, side->size_, MADV_HUGEPAGE);
     std::memset(p, 0x5A, side->size_);  // fault every page in before measuring
     side->buf_ = static_cast<char*>(p);
@@ -60,7 +68,7 @@ class Side {
     mr_.reset();
     ep_.reset();
     domain_.reset();
-    if (buf_) munmap(buf_, size_);
+    if (buf_ != nullptr && shared_ == nullptr) munmap(buf_, size_);
   }
 
   std::string Hello() const {
@@ -107,6 +115,7 @@ class Side {
   std::unique_ptr<fabric::Domain> domain_;
   std::unique_ptr<fabric::Endpoint> ep_;
   std::unique_ptr<fabric::MemoryRegion> mr_;
+  std::unique_ptr<SharedMemory> shared_;
   char* buf_ = nullptr;
   size_t size_ = 0;
   fabric::RemoteBuffer remote_;
@@ -272,8 +281,9 @@ absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec
   if (spec.print) {
     std::printf("\nfabric write-with-immediate, backend %s, provider %s, 2 processes, busy polling\n",
                 spec.backend.c_str(), provider.empty() ? "(default)" : provider.c_str());
-    std::printf("%10s %8s %12s %10s %10s %14s %14s %12s\n", "#bytes", "#iters", "BW[GB/s]",
-                "lat p50", "lat p99", "pingpong MB/s", "fi_pingpong", "ratio");
+    std::printf("%10s %8s %12s %10s %10s %14s %14s %12s %10s %9s\n", "#bytes", "#iters",
+                "BW[GB/s]", "lat p50", "lat p99", "pingpong MB/s", "fi_pingpong", "ratio",
+                "memcpy", "x memcpy");
   }
   std::vector<FabricRow> rows;
   for (size_t size : spec.sizes) {
@@ -292,13 +302,19 @@ absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec
       absl::StatusOr<std::pair<double, double>> fi = RunFiPingpong(provider, size, lat_iters);
       if (fi.ok()) std::tie(row.fi_us, row.fi_mbps) = *fi;
     }
+    if (spec.compare) row.memcpy_gbps = MeasureMemcpyGbps(size);
     if (spec.print) {
       std::string fi_text = row.fi_mbps > 0 ? absl::StrFormat("%.1f MB/s", row.fi_mbps) : "-";
       std::string ratio =
           row.fi_mbps > 0 ? absl::StrFormat("%.2f", row.pingpong_mbps / row.fi_mbps) : "-";
-      std::printf("%10s %8d %12.3f %8.2fus %8.2fus %14.1f %14s %12s\n", SizeName(size).c_str(),
-                  lat_iters, row.bw_gbps, row.p50_us, row.p99_us, row.pingpong_mbps,
-                  fi_text.c_str(), ratio.c_str());
+      std::string memcpy_text =
+          row.memcpy_gbps > 0 ? absl::StrFormat("%.3f", row.memcpy_gbps) : "-";
+      std::string memcpy_ratio =
+          row.memcpy_gbps > 0 ? absl::StrFormat("%.2f", row.bw_gbps / row.memcpy_gbps) : "-";
+      std::printf("%10s %8d %12.3f %8.2fus %8.2fus %14.1f %14s %12s %10s %9s\n",
+                  SizeName(size).c_str(), lat_iters, row.bw_gbps, row.p50_us, row.p99_us,
+                  row.pingpong_mbps, fi_text.c_str(), ratio.c_str(), memcpy_text.c_str(),
+                  memcpy_ratio.c_str());
       std::fflush(stdout);
     }
     rows.push_back(row);
@@ -317,7 +333,8 @@ int RunBenchFabric(const BenchFabricOptions& o) {
   }
   std::vector<Row> rows;
   std::vector<std::string> providers = absl::StrSplit(o.providers, ',', absl::SkipEmpty());
-  if (providers.empty()) providers.push_back("");
+  // Providers are libfabric's; the other backends have one each.
+  if (providers.empty() || o.backend != "ofi") providers = {""};
   for (const std::string& provider : providers) {
     FabricBenchSpec spec;
     spec.backend = o.backend;
@@ -340,7 +357,8 @@ int RunBenchFabric(const BenchFabricOptions& o) {
   }
   std::printf("\nBW: windowed writes (window %d) until the peer acknowledges the last; lat: half the\n"
               "round trip of a ping-pong of writes with immediate; pingpong MB/s counts both\n"
-              "directions over the ping-pong time, as fi_pingpong does; ratio = ours / fi_pingpong.\n",
+              "directions over the ping-pong time, as fi_pingpong does; ratio = ours / fi_pingpong;\n"
+              "memcpy: one core copying between pre-faulted buffers of the size, in the same run.\n",
               o.window);
   if (!o.json.empty()) {
     nlohmann::json out = nlohmann::json::array();
@@ -349,6 +367,10 @@ int RunBenchFabric(const BenchFabricOptions& o) {
                           {"bw_iters", r.bw_iters}, {"lat_iters", r.lat_iters},
                           {"bandwidth_gbps", r.bw_gbps}, {"p50_us", r.p50_us}, {"p99_us", r.p99_us},
                           {"pingpong_mbps", r.pingpong_mbps}, {"pingpong_us", r.pingpong_us}};
+      if (r.memcpy_gbps > 0) {
+        j["memcpy_gbps"] = r.memcpy_gbps;
+        j["ratio_to_memcpy"] = r.bw_gbps / r.memcpy_gbps;
+      }
       if (r.fi_mbps > 0) {
         j["fi_pingpong_mbps"] = r.fi_mbps;
         j["fi_pingpong_us"] = r.fi_us;

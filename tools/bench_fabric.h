@@ -24,6 +24,7 @@ struct FabricRow {
   double pingpong_mbps = 0;       // both directions / time, as fi_pingpong counts
   double pingpong_us = 0;         // mean one-way, as fi_pingpong's usec/xfer
   double fi_us = -1, fi_mbps = -1;
+  double memcpy_gbps = 0;  // one core's memcpy of the size, same run (0: not measured)
 };
 
 struct FabricBenchSpec {

@@ -41,6 +41,13 @@ int RunInfoCommand() {
     }
   }
 
+  if (config.fabric == "auto") {
+    std::printf("  grpc+verbs picks (TENSORVERBS_FABRIC=auto): shmem when every task is on this "
+                "host, else ibverbs where a port is usable, else libfabric (below)\n");
+  } else {
+    std::printf("  grpc+verbs uses %s (TENSORVERBS_FABRIC)\n", config.fabric.c_str());
+  }
+
   std::printf("\nRDMA devices (ibverbs, configured by the RDMA_* variables):\n");
   if (!inventory.rdma_status.ok()) {
     std::printf("  none usable: %s\n", std::string(inventory.rdma_status.message()).c_str());

@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
   bench_cmd->require_subcommand(1);
   CLI::App* bench_fabric = bench_cmd->add_subcommand(
       "fabric", "Write-with-immediate bandwidth and latency per size between two processes");
-  bench_fabric->add_option("--backend", bench.backend, "Fabric backend (ofi, loopback)")
+  bench_fabric->add_option("--backend", bench.backend, "Fabric backend (shmem, ofi, loopback)")
       ->default_val("ofi");
   bench_fabric->add_option("--providers", bench.providers,
                            "Comma-separated libfabric providers")->default_val("shm,tcp;ofi_rxm");

@@ -200,7 +200,7 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
     config.ofi_provider = std::string(absl::StripAsciiWhitespace(it->second));
   }
   ASSIGN_OR_RETURN(config.fabric, ParseChoice(env, "TENSORVERBS_FABRIC",
-                                              {"auto", "ofi", "ibverbs", "loopback"}, "auto"));
+                                              {"auto", "shmem", "ofi", "ibverbs", "loopback"}, "auto"));
   ASSIGN_OR_RETURN(int64_t slots, ParseInt(env, "TENSORVERBS_MESSAGE_SLOTS", 1, 1024, 8));
   config.message_slots = static_cast<int>(slots);
   ASSIGN_OR_RETURN(int64_t batch, ParseInt(env, "TENSORVERBS_MESSAGE_BATCH", 1, 128, 32));

@@ -76,8 +76,9 @@ struct Config {
   RdmaConfig rdma;
 
   // --- grpc+verbs ---
-  // TENSORVERBS_FABRIC: auto | ofi | ibverbs | loopback. auto: ibverbs where a usable port
-  // exists, else ofi. loopback works only between servers of one process (tests).
+  // TENSORVERBS_FABRIC: auto | shmem | ofi | ibverbs | loopback. auto: shmem when every peer
+  // is on this host, else ibverbs where a usable port exists, else ofi. shmem works only
+  // between processes of one host; loopback only between servers of one process (tests).
   std::string fabric = "auto";
   // TENSORVERBS_MESSAGE_SLOTS: control messages in flight per channel direction, 1 .. 1024,
   // default 8. 1 is the seed's stop-and-wait message buffer.

@@ -6,18 +6,20 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "src/common/logging.h"
 #include "src/fabric/ibverbs/ibverbs.h"
 #include "src/fabric/ibverbs/inventory.h"
 #include "src/fabric/loopback/loopback.h"
 #include "src/fabric/ofi/ofi.h"
+#include "src/fabric/shmem/shmem.h"
 
 namespace tensorverbs::fabric {
 
 std::vector<std::string> BackendNames() {
 #if defined(TENSORVERBS_HAVE_IBVERBS)
-  return {"loopback", "ofi", "ibverbs"};
+  return {"loopback", "shmem", "ofi", "ibverbs"};
 #else
-  return {"loopback", "ofi"};
+  return {"loopback", "shmem", "ofi"};
 #endif
 }
 
@@ -26,6 +28,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
   if (options.queue_depth == 0)
     return absl::InvalidArgumentError("fabric: queue depth must be > 0");
   if (backend == "loopback") return loopback::OpenLoopbackDomain(options);
+  if (backend == "shmem") return shmem::OpenShmemDomain(options);
   if (backend == "ofi") {
     if (options.provider.empty()) {
       DomainOptions chosen = options;
@@ -39,6 +42,10 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
 #endif
   return absl::InvalidArgumentError(absl::StrCat(
       "fabric: unknown backend '", backend, "'; available: ", absl::StrJoin(BackendNames(), ", ")));
+}
+
+bool UsesSharedMemory(const FabricChoice& choice) {
+  return choice.fabric == "shmem" || (choice.fabric == "auto" && choice.all_peers_local);
 }
 
 std::string ChooseOfiProvider(const std::string& configured, bool all_peers_local,
@@ -62,7 +69,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
   DomainOptions options;
   options.rdma = choice.rdma;
   const std::string& fabric = choice.fabric;
-  if (fabric == "loopback" || fabric == "ibverbs") {
+  if (fabric == "loopback" || fabric == "ibverbs" || fabric == "shmem") {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(fabric, options);
     if (!d.ok()) {
       return absl::Status(
@@ -73,7 +80,15 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
   }
   if (fabric != "auto" && fabric != "ofi") {
     return absl::InvalidArgumentError(
-        absl::StrCat("unknown fabric '", fabric, "'; expected auto, ofi, ibverbs or loopback"));
+        absl::StrCat("unknown fabric '", fabric, "'; expected auto, shmem, ofi, ibverbs or loopback"));
+  }
+  std::string shmem_reason;
+  if (UsesSharedMemory(choice)) {
+    absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain("shmem", options);
+    if (d.ok()) return d;
+    shmem_reason = std::string(d.status().message());
+    LOG(WARNING) << "every peer is on this host but the shmem fabric cannot open ("
+                 << shmem_reason << "); trying the others";
   }
   std::string ibverbs_reason;
 #if defined(TENSORVERBS_HAVE_IBVERBS)
@@ -90,6 +105,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
     return absl::UnavailableError(absl::StrCat(
         "no usable fabric: ofi provider '", options.provider, "': ", d.status().message(),
         ibverbs_reason.empty() ? "" : absl::StrCat("; ibverbs: ", ibverbs_reason),
+        shmem_reason.empty() ? "" : absl::StrCat("; shmem: ", shmem_reason),
         ". Set TENSORVERBS_FABRIC / TENSORVERBS_OFI_PROVIDER"));
   }
   return d;

@@ -1,5 +1,5 @@
 // The fabric boundary: the RDMA operations the grpc+verbs protocol needs, behind one interface
-// with several backends (loopback, ofi, ibverbs).
+// with several backends (loopback, shmem, ofi, ibverbs).
 //
 // A Domain is one opened NIC / provider. It registers memory (MemoryRegion), creates endpoints
 // (one per peer), and reports completions through Poll(). An Endpoint is a reliable connection
@@ -22,6 +22,7 @@
 // buffers depend on it and check it with a sequence number. Outstanding operations that do
 // not complete within DomainOptions::op_timeout complete with DeadlineExceeded. Objects may be
 // destroyed in any order; the underlying handles are released when the last user lets go.
+// Destroying an endpoint drops its completions not yet polled, with its operations.
 #ifndef TENSORVERBS_FABRIC_FABRIC_H_
 #define TENSORVERBS_FABRIC_FABRIC_H_
 
@@ -55,6 +56,9 @@ struct Capabilities {
   uint64_t max_message_size = 0;
   bool virtual_addressing = true;  // false: the provider addresses regions by offset
   size_t queue_depth = 0;          // operations in flight per endpoint before queueing
+  // Peers reach memory from SharedMemory (src/common/shared_memory.h) by mapping it: memory
+  // that peers write often (message buffers, the receive pool) should come from there.
+  bool shared_memory = false;
 };
 
 struct DomainOptions {
@@ -168,7 +172,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
 // What to open, as the task's configuration says (TENSORVERBS_FABRIC,
 // TENSORVERBS_OFI_PROVIDER, RDMA_*) and where its peers are.
 struct FabricChoice {
-  std::string fabric = "auto";   // auto | ofi | ibverbs | loopback
+  std::string fabric = "auto";   // auto | shmem | ofi | ibverbs | loopback
   std::string ofi_provider;      // empty: ChooseOfiProvider's pick
   bool all_peers_local = false;  // every task runs on this host, so shm serves
   RdmaConfig rdma;
@@ -178,10 +182,15 @@ struct FabricChoice {
   }
 };
 
-// The selection policy: opens `choice.fabric` or, for "auto", ibverbs where a port is usable
-// and libfabric otherwise, with the provider ChooseOfiProvider picks. The error says what was
-// tried and why each failed.
+// The selection policy: opens `choice.fabric` or, for "auto", the same-host shmem fabric when
+// every peer is on this host, else ibverbs where a port is usable, else libfabric with the
+// provider ChooseOfiProvider picks. The error says what was tried and why each failed.
 absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice);
+
+// Whether OpenFabric(choice) tries the shmem fabric first. Memory that peers will write into
+// (the pool allocator's regions) should then come from SharedMemory, so a write is one memcpy
+// instead of the kernel's cross-memory copy.
+bool UsesSharedMemory(const FabricChoice& choice);
 
 // The one libfabric provider policy: `configured` if set; else a hardware provider among
 // `available` (verbs;ofi_rxm, efa, cxi, psm3, in that order); else shm when every peer is on

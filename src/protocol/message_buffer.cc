@@ -29,14 +29,21 @@ absl::StatusOr<std::unique_ptr<MessageBuffer>> MessageBuffer::Create(fabric::Dom
   }
   auto mb = std::unique_ptr<MessageBuffer>(
       new MessageBuffer(domain, rx_slots, max_batch, counters));
-  mb->rx_memory_.assign(static_cast<size_t>(rx_slots) * kMessageSize, 0);
+  mb->rx_bytes_ = static_cast<size_t>(rx_slots) * kMessageSize;
+  if (domain->capabilities().shared_memory) {
+    ASSIGN_OR_RETURN(mb->rx_shared_, SharedMemory::Create(mb->rx_bytes_, "tensorverbs-messages"));
+    mb->rx_memory_ = static_cast<uint8_t*>(mb->rx_shared_->data());  // zeroed by the kernel
+  } else {
+    mb->rx_heap_.assign(mb->rx_bytes_, 0);
+    mb->rx_memory_ = mb->rx_heap_.data();
+  }
   ASSIGN_OR_RETURN(mb->rx_region_,
-                   domain->RegisterMemory(mb->rx_memory_.data(), mb->rx_memory_.size(),
+                   domain->RegisterMemory(mb->rx_memory_, mb->rx_bytes_,
                                           fabric::kAccessRemoteWrite));
   return mb;
 }
 
-uint64_t MessageBuffer::rx_addr() const { return reinterpret_cast<uint64_t>(rx_memory_.data()); }
+uint64_t MessageBuffer::rx_addr() const { return reinterpret_cast<uint64_t>(rx_memory_); }
 std::string MessageBuffer::rx_key() const { return rx_region_->PackRemoteKey(); }
 
 absl::Status MessageBuffer::Connect(fabric::Endpoint* endpoint, uint64_t remote_addr,
@@ -63,7 +70,7 @@ fabric::RemoteBuffer MessageBuffer::EmptyRemoteTarget() const {
 }
 
 fabric::LocalBuffer MessageBuffer::EmptyLocalSource() const {
-  return fabric::LocalBuffer{rx_region_.get(), const_cast<uint8_t*>(rx_memory_.data()), 0};
+  return fabric::LocalBuffer{rx_region_.get(), rx_memory_, 0};
 }
 
 absl::Status MessageBuffer::Send(Message m) {
@@ -134,7 +141,7 @@ absl::Status MessageBuffer::OnAck(uint32_t count) {
 absl::Status MessageBuffer::OnControlMessage(std::vector<Message>* out) {
   out->clear();
   const uint64_t slot = rx_received_ % static_cast<uint64_t>(rx_slots_);
-  uint8_t* in = rx_memory_.data() + slot * kMessageSize;
+  uint8_t* in = rx_memory_ + slot * kMessageSize;
   std::vector<Message> batch;
   size_t offset = 0;
   uint16_t more = 0;  // of the message just decoded: how many follow it in the slot

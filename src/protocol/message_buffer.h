@@ -29,6 +29,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "src/common/shared_memory.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
 
@@ -112,7 +113,12 @@ class MessageBuffer {
   const int rx_slots_;
   const int max_batch_;
   const MessageCounters counters_;
-  std::vector<uint8_t> rx_memory_;  // rx_slots_ * kMessageSize
+  // rx_slots_ * kMessageSize bytes: in SharedMemory where the fabric maps peers' memory (so a
+  // control message is one memcpy), else on the heap.
+  std::unique_ptr<SharedMemory> rx_shared_;
+  std::vector<uint8_t> rx_heap_;
+  uint8_t* rx_memory_ = nullptr;
+  size_t rx_bytes_ = 0;
   std::unique_ptr<fabric::MemoryRegion> rx_region_;
   std::vector<uint8_t> tx_memory_;  // remote_slots_ * kMessageSize
   std::unique_ptr<fabric::MemoryRegion> tx_region_;

@@ -9,6 +9,7 @@
 #include "src/common/logging.h"
 #include "src/common/malloc_tuning.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/fabric.h"
 #include "src/rendezvous/device_name.h"
 #include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/grpc_rendezvous.h"
@@ -113,8 +114,21 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
 absl::Status Server::Start() {
   rpc::PinGrpcCallbackQueue();
   if (options_.malloc_tuning) ApplyMallocTuning(options_.malloc_trim_bytes);
+  const bool verbs_protocol = options_.protocol == "grpc+verbs" ||
+                              options_.protocol == "grpc+verbs-copy" ||
+                              options_.protocol == "grpc+gdr";
+  bool all_peers_local = true;
+  for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
+    all_peers_local &= AddressIsLocal(address);
+  }
   PoolAllocator::Options pool_options;
   pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
+  // Tensors land in the pool: when the same-host fabric will carry them, the pool's memory is
+  // what peers map, so a write into it is one memcpy.
+  pool_options.shareable =
+      verbs_protocol && fabric::UsesSharedMemory(fabric::FabricChoice{
+                            options_.verbs.fabric, options_.verbs.ofi_provider, all_peers_local,
+                            options_.verbs.rdma});
   recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
   executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
   env_.job = options_.job;
@@ -130,7 +144,7 @@ absl::Status Server::Start() {
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
   const WorkerEnv* env = &env_;
   const bool gdr = options_.protocol == "grpc+gdr";
-  if (options_.protocol == "grpc+verbs" || options_.protocol == "grpc+verbs-copy" || gdr) {
+  if (verbs_protocol) {
     verbs::VerbsOptions verbs_options = options_.verbs;
     verbs_options.mode = options_.protocol == "grpc+verbs"        ? protocol::VerbsMode::kZeroCopy
                          : options_.protocol == "grpc+verbs-copy" ? protocol::VerbsMode::kCopy
@@ -138,10 +152,7 @@ absl::Status Server::Start() {
     verbs_options.env = &env_;
     verbs_options.pool = recv_allocator_.get();
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
-    verbs_options.all_peers_local = true;
-    for (const auto& [task, address] : verbs_options.task_addresses) {
-      verbs_options.all_peers_local &= AddressIsLocal(address);
-    }
+    verbs_options.all_peers_local = all_peers_local;
     verbs_options.recv_timeout = recv_timeout;
     absl::StatusOr<std::unique_ptr<verbs::VerbsTransport>> verbs =
         verbs::VerbsTransport::Create(std::move(verbs_options));

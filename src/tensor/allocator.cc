@@ -48,7 +48,18 @@ PoolAllocator::~PoolAllocator() {
 
 bool PoolAllocator::CreateRegion(size_t min_bytes) {
   size_t size = RoundUp(std::max(min_bytes, options_.region_bytes), kHugePage);
-  void* base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  std::unique_ptr<SharedMemory> shared;
+  if (options_.shareable) {
+    absl::StatusOr<std::unique_ptr<SharedMemory>> s = SharedMemory::Create(size, "tensorverbs-pool");
+    if (s.ok()) {
+      shared = *std::move(s);
+    } else {
+      LOG(WARNING) << "pool " << name_ << ": " << s.status() << "; using private memory";
+    }
+  }
+  void* base = shared != nullptr ? shared->data()
+                                 : mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) {
     LOG(WARNING) << "pool " << name_ << ": mmap of " << size << " bytes failed: "
                  << std::strerror(errno);
@@ -58,6 +69,7 @@ bool PoolAllocator::CreateRegion(size_t min_bytes) {
   if (options_.pretouch) std::memset(base, 0, size);
   auto b = reinterpret_cast<uintptr_t>(base);
   regions_.emplace(b, size);
+  if (shared != nullptr) shared_.emplace(b, std::move(shared));
   chunks_.emplace(b, Chunk{size, b, true});
   free_.emplace(size, b);
   stats_.regions++;
@@ -82,7 +94,11 @@ void PoolAllocator::ReleaseRegion(uintptr_t base) {
     if (c->second.free) free_.erase({c->second.size, c->first});
     c = chunks_.erase(c);
   }
-  munmap(reinterpret_cast<void*>(base), size);
+  if (auto s = shared_.find(base); s != shared_.end()) {
+    shared_.erase(s);  // unmaps
+  } else {
+    munmap(reinterpret_cast<void*>(base), size);
+  }
   regions_.erase(it);
   stats_.regions--;
   stats_.region_bytes -= size;

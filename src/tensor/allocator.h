@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <utility>
@@ -32,6 +33,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "src/common/mutex.h"
+#include "src/common/shared_memory.h"
 
 namespace tensorverbs {
 
@@ -61,6 +63,9 @@ class PoolAllocator final : public Allocator {
     size_t region_bytes = size_t{64} << 20;  // minimum size of each region
     bool pretouch = true;                    // fault every page in when the region is created
     size_t max_recycled_bytes = size_t{32} << 20;  // freed chunks kept whole for reuse, at most
+    // Regions come from SharedMemory (a memfd), so a peer on this host can map them and write
+    // tensors with one memcpy (src/fabric/shmem). Falls back to private memory if refused.
+    bool shareable = false;
   };
   // Larger chunks always go back to the free tree: their transfer dwarfs the bookkeeping.
   static constexpr size_t kMaxRecycledChunk = size_t{4} << 20;
@@ -120,6 +125,8 @@ class PoolAllocator final : public Allocator {
   const Options options_;
   mutable Mutex mu_;
   std::map<uintptr_t, size_t> regions_ ABSL_GUARDED_BY(mu_);  // base -> size
+  // The regions that live in shared memory, by base.
+  std::map<uintptr_t, std::unique_ptr<SharedMemory>> shared_ ABSL_GUARDED_BY(mu_);
   std::map<uintptr_t, Chunk> chunks_ ABSL_GUARDED_BY(mu_);    // start -> chunk
   std::set<std::pair<size_t, uintptr_t>> free_ ABSL_GUARDED_BY(mu_);  // (size, start)
   // Recycled chunks by size, most recently freed last.

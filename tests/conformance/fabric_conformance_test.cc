@@ -1,5 +1,5 @@
 // The fabric contract (src/fabric/fabric.h), checked on every backend that can run here:
-// loopback always, ofi shm and ofi tcp;ofi_rxm where libfabric provides them. Two domains in
+// loopback and shmem always, ofi shm and ofi tcp;ofi_rxm where libfabric provides them. Two domains in
 // this process play the two peers; the test thread drives both.
 #include <sys/mman.h>
 #include <unistd.h>
@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "src/common/shared_memory.h"
 #include "src/fabric/fabric.h"
 #include "src/fabric/loopback/loopback.h"
 #include "tests/support/shm_regions.h"
@@ -24,19 +25,31 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Page-aligned, pre-touched memory.
+// Whether the running backend's buffers come from SharedMemory (set by the fixture).
+bool g_shared_buffers = false;
+
+// Page-aligned, pre-touched memory: private, or SharedMemory where the backend maps peers'
+// memory and the case covers that path.
 class Buffer {
  public:
   explicit Buffer(size_t size) : size_(size) {
-    ptr_ = static_cast<char*>(mmap(nullptr, size, PROT_READ | PROT_WRITE,
-                                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    if (g_shared_buffers) {
+      shared_ = *SharedMemory::Create(size, "fabric-conformance");
+      ptr_ = static_cast<char*>(shared_->data());
+    } else {
+      ptr_ = static_cast<char*>(mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    }
     std::memset(ptr_, 0, size);
   }
-  ~Buffer() { munmap(ptr_, size_); }
+  ~Buffer() {
+    if (shared_ == nullptr) munmap(ptr_, size_);
+  }
   char* data() { return ptr_; }
   size_t size() const { return size_; }
 
  private:
+  std::unique_ptr<SharedMemory> shared_;
   char* ptr_;
   size_t size_;
 };
@@ -45,13 +58,17 @@ struct Backend {
   std::string backend;
   std::string provider;
   std::string name;
+  bool shared_buffers = false;
 };
 
 std::ostream& operator<<(std::ostream& os, const Backend& b) { return os << b.name; }
 
 class FabricConformanceTest : public ::testing::TestWithParam<Backend> {
  protected:
-  void SetUp() override { ASSERT_NO_FATAL_FAILURE(Open(DomainOptions())); }
+  void SetUp() override {
+    g_shared_buffers = GetParam().shared_buffers;
+    ASSERT_NO_FATAL_FAILURE(Open(DomainOptions()));
+  }
 
   void Open(DomainOptions options) {
     options.provider = GetParam().provider;
@@ -339,7 +356,13 @@ TEST_P(FabricConformanceTest, ShmLeavesNothingBehindInDevShm) {
 
 std::vector<Backend> Backends() {
   std::vector<Backend> backends = {
-      {"loopback", "", "loopback"}, {"ofi", "shm", "ofi_shm"}, {"ofi", "tcp;ofi_rxm", "ofi_tcp"}};
+      {"loopback", "", "loopback"},
+      // The same-host fabric twice: into memory peers map, and into private memory that only
+      // the kernel's cross-memory copy reaches.
+      {"shmem", "", "shmem", true},
+      {"shmem", "", "shmem_cross_memory", false},
+      {"ofi", "shm", "ofi_shm"},
+      {"ofi", "tcp;ofi_rxm", "ofi_tcp"}};
   // On a host with an active RDMA port this runs on the NIC; elsewhere it skips with the reason.
   for (const std::string& b : BackendNames()) {
     if (b == "ibverbs") backends.push_back({"ibverbs", "", "ibverbs"});

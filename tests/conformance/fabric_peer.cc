@@ -1,5 +1,6 @@
 // A fabric peer in its own process, for fabric_two_process_test. It opens --backend/--provider,
-// creates one endpoint and registers a 4 MiB buffer, then prints
+// creates one endpoint and registers a 4 MiB buffer (from SharedMemory with --shared 1), then
+// prints
 //   address <hex> key <hex> base <decimal>
 // reads the test's endpoint address (hex) from stdin, connects, and polls forever, echoing every
 // immediate it receives as "imm <n> crc <crc32c of the first --check bytes>" so the test can
@@ -14,17 +15,20 @@
 
 #include "absl/strings/escaping.h"
 #include "src/common/checksum.h"
+#include "src/common/shared_memory.h"
 #include "src/fabric/fabric.h"
 
 int main(int argc, char** argv) {
   using namespace tensorverbs;
   std::string backend = "ofi", provider;
   size_t check = 0;
+  bool shared = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
     if (flag == "--backend") backend = argv[i + 1];
     if (flag == "--provider") provider = argv[i + 1];
     if (flag == "--check") check = std::stoul(argv[i + 1]);
+    if (flag == "--shared") shared = std::string(argv[i + 1]) == "1";
   }
   fabric::DomainOptions options;
   options.provider = provider;
@@ -35,7 +39,14 @@ int main(int argc, char** argv) {
   }
   auto ep = *(*domain)->CreateEndpoint();
   constexpr size_t kSize = 4 << 20;
-  void* buf = mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  std::unique_ptr<SharedMemory> shared_memory;
+  void* buf;
+  if (shared) {
+    shared_memory = *SharedMemory::Create(kSize, "fabric-peer");
+    buf = shared_memory->data();
+  } else {
+    buf = mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  }
   std::memset(buf, 0, kSize);
   auto mr = *(*domain)->RegisterMemory(buf, kSize, fabric::kAccessRemoteWrite | fabric::kAccessRemoteRead);
   std::printf("address %s key %s base %llu\n", absl::BytesToHexString(ep->LocalAddress()).c_str(),

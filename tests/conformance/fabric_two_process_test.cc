@@ -1,5 +1,6 @@
-// The fabric between two real processes, over shm and tcp;ofi_rxm: data and immediates arrive,
-// and a killed peer shows up as errors within a bounded time, never a hang.
+// The fabric between two real processes, over the shmem fabric (into shared and private memory),
+// libfabric shm and tcp;ofi_rxm: data and immediates arrive, a killed peer shows up as errors
+// within a bounded time, never a hang, and the shmem fabric leaves nothing behind it.
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -24,21 +25,29 @@ namespace {
 
 using testing::Subprocess;
 
-class FabricTwoProcessTest : public ::testing::TestWithParam<std::string> {};
+struct Case {
+  std::string backend;
+  std::string provider;
+  bool shared;  // the peer's buffer comes from SharedMemory
+  std::string name;
+};
+
+class FabricTwoProcessTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime) {
   DomainOptions options;
-  options.provider = GetParam();
+  options.provider = GetParam().provider;
   options.op_timeout = absl::Seconds(3);
-  absl::StatusOr<std::unique_ptr<Domain>> domain = OpenDomain("ofi", options);
+  absl::StatusOr<std::unique_ptr<Domain>> domain = OpenDomain(GetParam().backend, options);
   if (absl::IsUnavailable(domain.status())) GTEST_SKIP() << domain.status();
   ASSERT_TRUE(domain.ok()) << domain.status();
   auto ep = *(*domain)->CreateEndpoint();
 
   constexpr size_t kSize = 1 << 20;
   auto peer = support::Subprocess::Start(TV_FABRIC_PEER_PATH,
-                                {"--backend", "ofi", "--provider", GetParam(), "--check",
-                                 absl::StrCat(kSize)});
+                                {"--backend", GetParam().backend, "--provider",
+                                 GetParam().provider, "--check", absl::StrCat(kSize),
+                                 "--shared", GetParam().shared ? "1" : "0"});
   ASSERT_TRUE(peer.ok());
   absl::StatusOr<std::string> hello = (*peer)->WaitForLine("address ", absl::Seconds(30));
   ASSERT_TRUE(hello.ok()) << hello.status();
@@ -76,6 +85,10 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   const pid_t peer_pid = (*peer)->pid();
   (*peer)->Signal(SIGKILL);
   ASSERT_TRUE((*peer)->Wait(absl::Seconds(10)).ok());
+  if (GetParam().backend == "shmem") {
+    // Its memory was memfds and its socket abstract: the kernel took all of it with the process.
+    EXPECT_THAT(testing::ShmRegionsOf(peer_pid), ::testing::IsEmpty());
+  }
   testing::UnlinkShmRegionsOf(peer_pid);
   absl::Time start = absl::Now();
   absl::Status last;
@@ -95,10 +108,11 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, FabricTwoProcessTest,
-                         ::testing::Values("shm", "tcp;ofi_rxm"),
-                         [](const auto& info) {
-                           return std::string(info.param == "shm" ? "shm" : "tcp");
-                         });
+                         ::testing::Values(Case{"shmem", "", true, "shmem"},
+                                           Case{"shmem", "", false, "shmem_cross_memory"},
+                                           Case{"ofi", "shm", false, "shm"},
+                                           Case{"ofi", "tcp;ofi_rxm", false, "tcp"}),
+                         [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace tensorverbs::fabric

@@ -167,6 +167,7 @@ struct FabricChoice {
 };
 
 constexpr FabricChoice kLoopback = {"Loopback", "loopback", "", "the loopback fabric"};
+constexpr FabricChoice kShmem = {"Shmem", "shmem", "", "the shmem fabric"};
 constexpr FabricChoice kShm = {"Shm", "ofi", "shm", "libfabric shm"};
 constexpr FabricChoice kTcp = {"Tcp", "ofi", "tcp;ofi_rxm", "libfabric tcp;ofi_rxm"};
 // grpc moves tensors over gRPC's own TCP connections.
@@ -187,7 +188,7 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 }
 
 const std::vector<const ProtocolDesign*> kVerbsFamily = {&kGrpcVerbs, &kGrpcVerbsCopy, &kGrpcGdr};
-const std::vector<const FabricChoice*> kEveryFabric = {&kLoopback, &kShm, &kTcp};
+const std::vector<const FabricChoice*> kEveryFabric = {&kLoopback, &kShmem, &kShm, &kTcp};
 
 std::vector<Param> Combine(const std::vector<const ProtocolDesign*>& designs,
                            const std::vector<const FabricChoice*>& fabrics) {
@@ -943,8 +944,8 @@ INSTANTIATE_TEST_SUITE_P(Protocols, PushTest,
 INSTANTIATE_TEST_SUITE_P(Protocols, PushScaleTest,
                          ::testing::ValuesIn(Combine({&kGrpcVerbs}, {&kLoopback})), ParamName);
 
-// 256 MiB runs once, over shm: the other fabrics and designs move it by the same code path as
-// the 64 MiB fixture, which runs everywhere.
+// 256 MiB runs over the two same-host fabrics: the others and the other designs move it by the
+// same code path as the 64 MiB fixture, which runs everywhere.
 class HugeTensorTest : public ProtocolTest {};
 
 TEST_P(HugeTensorTest, A256MiBTensorAndAnEmptyOneInPlace) {
@@ -965,7 +966,7 @@ TEST_P(HugeTensorTest, A256MiBTensorAndAnEmptyOneInPlace) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, HugeTensorTest,
-                         ::testing::ValuesIn(Combine({&kGrpcVerbs}, {&kShm})), ParamName);
+                         ::testing::ValuesIn(Combine({&kGrpcVerbs}, {&kShmem, &kShm})), ParamName);
 
 // Designs other than grpc+verbs on its transport: a task of another protocol must not connect.
 class MixedProtocolTest : public ProtocolTest {};

@@ -76,6 +76,8 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
   EXPECT_THAT(out, HasSubstr("ofi       "));
   EXPECT_THAT(out, HasSubstr("shm (shm)")) << "libfabric's shm provider is installed here";
   EXPECT_THAT(out, HasSubstr("would use: shm for peers on this host, tcp;ofi_rxm for remote peers"));
+  EXPECT_THAT(out, HasSubstr("shmem     usable"));
+  EXPECT_THAT(out, HasSubstr("shmem when every task is on this host"));
   EXPECT_THAT(out, HasSubstr("memlock limit"));
   EXPECT_THAT(out, HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
   EXPECT_THAT(out, HasSubstr("RDMA devices (ibverbs"));
@@ -103,6 +105,30 @@ TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
   EXPECT_THAT(text, HasSubstr("\"size_bytes\": 65536"));
 }
 
+TEST(ToolTest, BenchFabricRunsTheShmemBackendBesideMemcpy) {
+  const ScopedTempDir dir;
+  const std::string json = dir.File("bench_fabric_shmem.json");
+  absl::StatusOr<ToolRun> run =
+      RunTool({"bench", "fabric", "--backend", "shmem", "--sizes", "4B,1MiB", "--iters", "50",
+               "--json", json},
+              absl::Seconds(240));
+  ASSERT_TRUE(run.ok()) << run.status();
+  const std::string& out = run->out;
+  ASSERT_EQ(run->exit_code, 0) << out;
+  EXPECT_THAT(out, HasSubstr("backend shmem, provider (default), 2 processes"));
+  EXPECT_THAT(out, HasSubstr("x memcpy"));
+  std::ifstream in(json);
+  const nlohmann::json rows = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(rows.is_array()) << out;
+  ASSERT_EQ(rows.size(), 2u) << "one backend, no provider list: one row per size";
+  for (const nlohmann::json& r : rows) {
+    EXPECT_EQ(r.value("backend", ""), "shmem");
+    EXPECT_GT(r.value("bandwidth_gbps", 0.0), 0.0) << r;
+    EXPECT_GT(r.value("memcpy_gbps", 0.0), 0.0) << r;
+    EXPECT_GT(r.value("ratio_to_memcpy", 0.0), 0.0) << r;
+  }
+}
+
 nlohmann::json ReadJson(const std::string& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
@@ -119,7 +145,8 @@ TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
   const std::string& out = run->out;
   ASSERT_EQ(run->exit_code, 0) << out;
   EXPECT_THAT(out, HasSubstr("memcpy between pre-faulted buffers"));
-  EXPECT_THAT(out, HasSubstr("fabric write-with-immediate, backend ofi, provider shm"));
+  // Every task is on this host, so the raw ceiling is the same-host fabric the protocols use.
+  EXPECT_THAT(out, HasSubstr("fabric write-with-immediate, backend shmem"));
   EXPECT_THAT(out, HasSubstr("summary"));
   nlohmann::json rows = ReadJson(json);
   ASSERT_TRUE(rows.is_array()) << out;

@@ -1,5 +1,7 @@
 #include "src/tensor/allocator.h"
 
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -125,6 +127,26 @@ TEST(PoolAllocator, VisitorsSeeEveryRegionOnceEvenWhenAddedLate) {
   pool.RemoveRegionVisitor(id);
   EXPECT_EQ(pool.ReleaseFreeRegions(), 1u);
   EXPECT_EQ(releases, 1) << "removed visitor is not called";
+}
+
+TEST(PoolAllocator, ShareableRegionsLiveInSharedMemoryUntilReleased) {
+  PoolAllocator::Options options = SmallRegions();
+  options.shareable = true;
+  PoolAllocator pool("test", options);
+  auto* p = static_cast<char*>(pool.AllocateRaw(1000));
+  ASSERT_NE(p, nullptr);
+  SharedMemory::Location where;
+  ASSERT_TRUE(SharedMemory::Find(p, 1000, &where)) << "a peer on this host can map it";
+  close(where.fd);
+  std::memset(p, 7, 1000);
+  pool.DeallocateRaw(p, 1000);
+  EXPECT_EQ(pool.ReleaseFreeRegions(), 1u);
+  EXPECT_FALSE(SharedMemory::Find(p, 1000, &where)) << "released with its region";
+
+  PoolAllocator private_pool("test", SmallRegions());
+  void* q = private_pool.AllocateRaw(1000);
+  EXPECT_FALSE(SharedMemory::Find(q, 1000, &where)) << "not shareable unless asked";
+  private_pool.DeallocateRaw(q, 1000);
 }
 
 TEST(PoolAllocator, RandomizedAllocationsNeverOverlap) {

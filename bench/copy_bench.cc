@@ -1,0 +1,86 @@
+// memcpy against non-temporal stores for a shmem write: the source is private memory (the
+// sender's tensor), the destination a second mapping of a memfd (the writer's view of the
+// receiver's pool), rotating over destinations that together exceed the last-level cache, as
+// a stream of tensors into the pool does. The shmem fabric picks its copy per size from this.
+//
+//   build/bench/copy_bench --benchmark_min_time=0.5
+#include <benchmark/benchmark.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "src/common/shared_memory.h"
+#include "src/fabric/shmem/copy.h"
+
+namespace tensorverbs {
+namespace {
+
+struct Target {
+  std::unique_ptr<SharedMemory> memory;
+  char* alias = nullptr;  // the writer's mapping of it
+  size_t size = 0;
+};
+
+class Buffers {
+ public:
+  explicit Buffers(size_t size) : size_(size) {
+    src_ = static_cast<char*>(
+        mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+    std::memset(src_, 0x5A, size);
+    const size_t count = std::max<size_t>(4, (size_t{256} << 20) / size);
+    for (size_t i = 0; i < count; ++i) {
+      Target t;
+      t.memory = *SharedMemory::Create(size, "copy-bench");
+      std::memset(t.memory->data(), 0, t.memory->size());
+      t.alias = static_cast<char*>(mmap(nullptr, t.memory->size(), PROT_READ | PROT_WRITE,
+                                        MAP_SHARED | MAP_POPULATE, t.memory->fd(), 0));
+      t.size = t.memory->size();
+      targets_.push_back(std::move(t));
+    }
+  }
+  ~Buffers() {
+    munmap(src_, size_);
+    for (Target& t : targets_) munmap(t.alias, t.size);
+  }
+  char* src() const { return src_; }
+  char* Next() { return targets_[next_++ % targets_.size()].alias; }
+
+ private:
+  size_t size_;
+  char* src_;
+  std::vector<Target> targets_;
+  size_t next_ = 0;
+};
+
+void BM_Memcpy(benchmark::State& state) {
+  const auto size = static_cast<size_t>(state.range(0));
+  Buffers b(size);
+  for (auto _ : state) {
+    char* dst = b.Next();
+    std::memcpy(dst, b.src(), size);
+    benchmark::DoNotOptimize(dst);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
+}
+
+void BM_StreamingCopy(benchmark::State& state) {
+  const auto size = static_cast<size_t>(state.range(0));
+  Buffers b(size);
+  for (auto _ : state) {
+    char* dst = b.Next();
+    fabric::shmem::StreamingCopy(dst, b.src(), size);
+    benchmark::DoNotOptimize(dst);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
+}
+
+BENCHMARK(BM_Memcpy)->RangeMultiplier(4)->Range(64 << 10, 64 << 20)->UseRealTime();
+BENCHMARK(BM_StreamingCopy)->RangeMultiplier(4)->Range(64 << 10, 64 << 20)->UseRealTime();
+
+}  // namespace
+}  // namespace tensorverbs
+
+BENCHMARK_MAIN();

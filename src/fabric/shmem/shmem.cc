@@ -1,0 +1,1103 @@
+#include "src/fabric/shmem/shmem.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "src/common/logging.h"
+#include "src/common/mutex.h"
+#include "src/common/shared_memory.h"
+#include "src/common/status_macros.h"
+#include "src/fabric/endpoint_base.h"
+#include "src/fabric/shmem/copy.h"
+
+namespace tensorverbs::fabric::shmem {
+namespace {
+
+// ---- What travels between processes ------------------------------------------------------
+
+constexpr uint32_t kKeyMagic = 0x314b5654;      // "TVK1"
+constexpr uint32_t kRingMagic = 0x31525654;     // "TVR1"
+constexpr uint32_t kRequestMagic = 0x31515654;  // "TVQ1"
+constexpr uint32_t kReplyMagic = 0x31505654;    // "TVP1"
+constexpr uint32_t kKeyShared = 1u << 0;        // the region lives in a memfd a peer can map
+constexpr uint32_t kRingCapacity = 4096;        // immediates in flight per endpoint
+constexpr size_t kMaxMappingsPerEndpoint = 256;
+constexpr absl::Duration kSocketTimeout = absl::Seconds(10);
+// Writes of at least this many bytes into a peer's mapping use non-temporal stores. Measured
+// (docs/PERFORMANCE.md): into destinations the writer has not touched lately
+// (bench/copy_bench.cc) streaming stores beat memcpy at every size from 64 KiB, 1.3x at
+// 4-64 MiB; but into a destination still in cache, as a pool chunk reused at once often is,
+// memcpy won at 1 MiB (`bench fabric`: 0.72x memcpy streaming, 1.06x plain). From twice a
+// core's L2 up a destination cannot be in that cache anyway.
+constexpr size_t kStreamingCopyBytes = size_t{4} << 20;
+
+// The packed remote key. `offset` is where `base` lies in the region's memfd.
+struct PackedKey {
+  uint32_t magic;
+  uint32_t flags;
+  uint64_t domain;
+  uint64_t region;
+  uint64_t base;
+  uint64_t length;
+  uint64_t offset;
+  uint32_t access;
+  uint32_t reserved;
+};
+static_assert(sizeof(PackedKey) == 56);
+
+enum RequestType : uint32_t { kHello = 1, kRegion = 2 };
+struct Request {
+  uint32_t magic;
+  uint32_t type;
+  uint64_t id;  // kHello: the endpoint connected to; kRegion: the region
+};
+enum ReplyStatus : uint32_t {
+  kOk = 0,
+  kNoSuchEndpoint = 1,
+  kEndpointTaken = 2,
+  kNoSuchRegion = 3,
+  kNotShared = 4,
+  kNoAccess = 5,
+  kNotConnected = 6,
+};
+struct Reply {
+  uint32_t magic;
+  uint32_t status;
+  uint32_t type;      // of the request answered, with its id: a late answer is never taken for
+  uint32_t capacity;  // kHello: ring entries                  another request's
+  uint64_t id;
+  uint64_t size;    // kHello: ring segment bytes; kRegion: memfd bytes
+  uint32_t access;  // kRegion
+  uint32_t reserved;
+};
+constexpr size_t kMaxClients = 4096;  // connections one descriptor server takes at once
+
+std::string ReplyText(uint32_t status) {
+  switch (status) {
+    case kNoSuchEndpoint:
+      return "no such endpoint (it was closed)";
+    case kEndpointTaken:
+      return "the endpoint is already connected to another peer";
+    case kNoSuchRegion:
+      return "the key names no registered region (deregistered?)";
+    case kNotShared:
+      return "the region is not in shared memory";
+    case kNoAccess:
+      return "the region allows no remote access";
+    case kNotConnected:
+      return "ask for the endpoint first";
+    default:
+      return absl::StrCat("status ", status);
+  }
+}
+
+// The inbound ring of one endpoint, in shared memory. The producer (the peer's endpoint) owns
+// `tail`, the consumer (this endpoint) `head` and `sleeping`; each is on its own cache line.
+struct RingHeader {
+  uint32_t magic;
+  uint32_t capacity;
+  alignas(64) uint64_t tail;
+  alignas(64) uint64_t head;
+  alignas(64) uint32_t sleeping;  // 1: the consumer may block on its doorbell; ring it
+};
+struct RingEntry {
+  uint32_t imm;
+  uint32_t reserved;
+  uint64_t byte_len;
+};
+constexpr size_t kRingBytes = sizeof(RingHeader) + size_t{kRingCapacity} * sizeof(RingEntry);
+
+// Atomics shared between processes must not fall back to a lock inside one process.
+static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
+static_assert(std::atomic_ref<uint32_t>::is_always_lock_free);
+
+template <typename T>
+std::atomic_ref<T> Atomic(T& field) {
+  return std::atomic_ref<T>(field);
+}
+
+RingEntry* Entries(RingHeader* h) { return reinterpret_cast<RingEntry*>(h + 1); }
+
+std::string SocketName(uint64_t uid) {
+  return absl::StrCat("tensorverbs-shmem-", absl::Hex(uid, absl::kZeroPad16));
+}
+
+sockaddr_un SocketAddress(uint64_t uid, socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string name = SocketName(uid);
+  // Abstract namespace: sun_path[0] is NUL, so nothing appears in any file system.
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+void SetTimeouts(int fd) {
+  const timeval tv = absl::ToTimeval(kSocketTimeout);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// Sends `msg` with up to two descriptors.
+bool SendWithFds(int sock, const void* msg, size_t len, const int* fds, int nfds, int flags = 0) {
+  iovec iov{const_cast<void*>(msg), len};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  if (nfds > 0) {
+    mh.msg_control = control;
+    mh.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
+    cmsghdr* c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+    std::memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
+  }
+  return sendmsg(sock, &mh, MSG_NOSIGNAL | flags) == static_cast<ssize_t>(len);
+}
+
+// Receives one message of exactly `len` bytes and the descriptors that came with it (closed
+// if the caller does not want that many). Returns the byte count, 0 on EOF, -1 on error.
+ssize_t RecvWithFds(int sock, void* msg, size_t len, int* fds, int max_fds, int* nfds) {
+  iovec iov{msg, len};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))] = {};
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  *nfds = 0;
+  if (n < 0) return n;  // the control buffer holds nothing of this call
+  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const int count = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+    for (int i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      if (*nfds < max_fds) {
+        fds[(*nfds)++] = fd;
+      } else {
+        close(fd);
+      }
+    }
+  }
+  if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+    for (int i = 0; i < *nfds; ++i) close(fds[i]);
+    *nfds = 0;
+    errno = EMSGSIZE;
+    return -1;
+  }
+  return n;
+}
+
+int PidfdOpen(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+
+// ---- The domain's shared state -------------------------------------------------------------
+
+// One endpoint as the descriptor server sees it.
+struct EndpointShared {
+  uint64_t id = 0;
+  std::unique_ptr<SharedMemory> ring;  // the inbound ring this endpoint consumes
+  std::atomic<bool> claimed{false};    // a peer connected to it
+  std::atomic<bool> peer_gone{false};  // that peer's connection closed
+  int client_fd = -1;  // that connection, under DomainState::mu (shut down when we close)
+};
+
+struct RegionEntry {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  uint32_t access = 0;
+  int fd = -1;  // memfd (ours, closed with the entry); -1 for private memory
+  uint64_t file_size = 0;
+};
+
+struct DomainState {
+  uint64_t uid = 0;
+  pid_t pid = 0;
+  int listen_fd = -1;
+  int bell_fd = -1;  // eventfd: the doorbell peers ring and Interrupt signals
+  int stop_fd = -1;  // eventfd: ends the server thread
+  std::thread server;
+  std::atomic<uint64_t> next_id{1};
+
+  Mutex mu;
+  std::map<uint64_t, std::shared_ptr<EndpointShared>> endpoints ABSL_GUARDED_BY(mu);
+  std::map<uint64_t, RegionEntry> regions ABSL_GUARDED_BY(mu);
+
+  // Progress thread only.
+  std::deque<Completion> local;  // completions of operations already done
+  std::vector<class ShmemEndpoint*> live;
+
+  ~DomainState() {
+    if (server.joinable()) {
+      uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = write(stop_fd, &one, sizeof(one));
+      server.join();
+    }
+    for (int fd : {listen_fd, bell_fd, stop_fd}) {
+      if (fd >= 0) close(fd);
+    }
+    MutexLock lock(&mu);
+    for (auto& [id, r] : regions) {
+      if (r.fd >= 0) close(r.fd);
+    }
+  }
+
+  void Ring() {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(bell_fd, &one, sizeof(one));
+  }
+
+  void Serve();
+  // False when the reply could not be sent: the connection is then closed.
+  bool Answer(int client, const Request& request, std::shared_ptr<EndpointShared>* hello);
+};
+
+// The descriptor server: answers each connected peer's requests until it hangs up, then marks
+// the endpoint it connected to as having lost its peer and wakes the progress thread.
+void DomainState::Serve() {
+  struct Client {
+    int fd;
+    std::shared_ptr<EndpointShared> endpoint;  // after kHello
+  };
+  std::vector<Client> clients;
+  std::vector<pollfd> fds;
+  while (true) {
+    fds.clear();
+    fds.push_back({stop_fd, POLLIN, 0});
+    fds.push_back({listen_fd, static_cast<short>(clients.size() < kMaxClients ? POLLIN : 0), 0});
+    for (const Client& c : clients) fds.push_back({c.fd, POLLIN, 0});
+    if (poll(fds.data(), fds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      LOG(ERROR) << "shmem: the descriptor server stops: poll: " << std::strerror(errno);
+      break;
+    }
+    if (fds[0].revents) break;
+    std::vector<size_t> gone;
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      Client& c = clients[i - 2];
+      Request request{};
+      int extra[4];
+      int nextra = 0;
+      const ssize_t n = RecvWithFds(c.fd, &request, sizeof(request), extra, 4, &nextra);
+      for (int k = 0; k < nextra; ++k) close(extra[k]);
+      if (n == static_cast<ssize_t>(sizeof(request)) && request.magic == kRequestMagic) {
+        if (Answer(c.fd, request, &c.endpoint)) continue;
+      } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+        continue;
+      } else if (n > 0) {
+        LOG(WARNING) << "shmem: a peer sent a malformed request; closing its connection";
+      }
+      gone.push_back(i - 2);
+    }
+    for (auto it = gone.rbegin(); it != gone.rend(); ++it) {
+      Client& c = clients[*it];
+      {
+        MutexLock lock(&mu);
+        if (c.endpoint != nullptr && c.endpoint->client_fd == c.fd) c.endpoint->client_fd = -1;
+        close(c.fd);
+      }
+      if (c.endpoint != nullptr) {
+        c.endpoint->peer_gone.store(true, std::memory_order_release);
+        Ring();
+      }
+      clients.erase(clients.begin() + static_cast<ptrdiff_t>(*it));
+    }
+    if (fds[1].revents & POLLIN) {
+      const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        // Abstract sockets have no file permissions: only processes of our own user (who could
+        // ptrace us anyway) may connect.
+        ucred cred{};
+        socklen_t cred_len = sizeof(cred);
+        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0 ||
+            cred.uid != geteuid()) {
+          LOG(WARNING) << "shmem: refused a connection from pid " << cred.pid << " of user "
+                       << cred.uid << " (only user " << geteuid() << " may connect)";
+          close(fd);
+        } else {
+          clients.push_back({fd, nullptr});
+        }
+      }
+    }
+  }
+  MutexLock lock(&mu);
+  for (Client& c : clients) {
+    if (c.endpoint != nullptr && c.endpoint->client_fd == c.fd) c.endpoint->client_fd = -1;
+    close(c.fd);
+  }
+}
+
+bool DomainState::Answer(int client, const Request& request,
+                         std::shared_ptr<EndpointShared>* hello) {
+  Reply reply{};
+  reply.magic = kReplyMagic;
+  reply.status = kOk;
+  reply.type = request.type;
+  reply.id = request.id;
+  // Descriptors to send, each our own duplicate (closed below): a deregistration on another
+  // thread may close the region's descriptor, and its number be reused, while we send.
+  int fds[2] = {-1, -1};
+  int nfds = 0;
+  if (request.type == kHello) {
+    MutexLock lock(&mu);
+    auto it = endpoints.find(request.id);
+    if (*hello != nullptr) {
+      reply.status = kEndpointTaken;
+    } else if (it == endpoints.end()) {
+      reply.status = kNoSuchEndpoint;
+    } else if (it->second->claimed.exchange(true)) {
+      reply.status = kEndpointTaken;
+    } else {
+      const std::shared_ptr<EndpointShared>& ep = it->second;
+      *hello = ep;
+      ep->client_fd = client;
+      reply.size = ep->ring->size();
+      reply.capacity = kRingCapacity;
+      fds[nfds++] = fcntl(ep->ring->fd(), F_DUPFD_CLOEXEC, 0);
+      fds[nfds++] = fcntl(bell_fd, F_DUPFD_CLOEXEC, 0);
+    }
+  } else if (request.type == kRegion) {
+    // Regions are handed out only on a connection that named one of our endpoints first.
+    MutexLock lock(&mu);
+    auto it = regions.find(request.id);
+    if (*hello == nullptr) {
+      reply.status = kNotConnected;
+    } else if (it == regions.end()) {
+      reply.status = kNoSuchRegion;
+    } else if (it->second.fd < 0) {
+      reply.status = kNotShared;
+    } else if ((it->second.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
+      reply.status = kNoAccess;
+    } else {
+      reply.size = it->second.file_size;
+      reply.access = it->second.access;
+      // Read-only access: a read-only descriptor, so the peer cannot map it writable.
+      fds[nfds++] =
+          (it->second.access & kAccessRemoteWrite)
+              ? fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0)
+              : open(absl::StrCat("/proc/self/fd/", it->second.fd).c_str(), O_RDONLY | O_CLOEXEC);
+    }
+  } else {
+    reply.status = kNoSuchRegion;
+  }
+  for (int i = 0; i < nfds; ++i) {
+    if (fds[i] < 0) reply.status = kNoAccess;  // out of descriptors, or no /proc
+  }
+  const int sent = reply.status == kOk ? nfds : 0;
+  // Never blocks: a peer that does not read its replies loses its own connection.
+  const bool ok = SendWithFds(client, &reply, sizeof(reply), fds, sent, MSG_DONTWAIT);
+  if (!ok) VLOG(1) << "shmem: a reply to a peer failed: " << std::strerror(errno);
+  for (int i = 0; i < nfds; ++i) {
+    if (fds[i] >= 0) close(fds[i]);
+  }
+  return ok;
+}
+
+// ---- Regions --------------------------------------------------------------------------------
+
+class ShmemRegion final : public MemoryRegion {
+ public:
+  ShmemRegion(std::shared_ptr<DomainState> d, uint64_t id, void* base, size_t length,
+              uint32_t access, bool shared, uint64_t offset)
+      : MemoryRegion(base, length),
+        d_(std::move(d)),
+        id_(id),
+        access_(access),
+        shared_(shared),
+        offset_(offset) {}
+  ~ShmemRegion() override {
+    MutexLock lock(&d_->mu);
+    auto it = d_->regions.find(id_);
+    if (it != d_->regions.end()) {
+      if (it->second.fd >= 0) close(it->second.fd);
+      d_->regions.erase(it);
+    }
+  }
+  std::string PackRemoteKey() const override {
+    PackedKey k{kKeyMagic,
+                shared_ ? kKeyShared : 0u,
+                d_->uid,
+                id_,
+                reinterpret_cast<uint64_t>(base()),
+                length(),
+                offset_,
+                access_,
+                0};
+    return std::string(reinterpret_cast<const char*>(&k), sizeof(k));
+  }
+
+ private:
+  std::shared_ptr<DomainState> d_;
+  const uint64_t id_;
+  const uint32_t access_;
+  const bool shared_;
+  const uint64_t offset_;
+};
+
+// ---- Endpoints ------------------------------------------------------------------------------
+
+// The size of a memfd a peer sent, if it is one we can map without risk: sealed against
+// shrinking (so our accesses can never fault past its end) and at least `needed` bytes.
+absl::StatusOr<uint64_t> CheckPeerMemory(int fd, uint64_t needed, absl::string_view what) {
+  struct stat st {};
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (fstat(fd, &st) != 0 || seals < 0 || (seals & F_SEAL_SHRINK) == 0 || !S_ISREG(st.st_mode)) {
+    return absl::DataLossError(
+        absl::StrCat("shmem: the peer's ", what, " is not sealed shared memory"));
+  }
+  if (static_cast<uint64_t>(st.st_size) < needed) {
+    return absl::DataLossError(absl::StrCat("shmem: the peer's ", what, " has ", st.st_size,
+                                            " bytes where ", needed, " were announced"));
+  }
+  return static_cast<uint64_t>(st.st_size);
+}
+
+class ShmemEndpoint final : public EndpointBase {
+ public:
+  ShmemEndpoint(std::shared_ptr<DomainState> d, std::shared_ptr<EndpointShared> shared,
+                absl::Duration op_timeout)
+      : op_timeout_(op_timeout),
+        d_(std::move(d)),
+        shared_(std::move(shared)),
+        in_(static_cast<RingHeader*>(shared_->ring->data())) {
+    d_->live.push_back(this);
+  }
+
+  ~ShmemEndpoint() override {
+    {
+      MutexLock lock(&d_->mu);
+      d_->endpoints.erase(shared_->id);
+      // The peer that writes into our ring learns at once that nobody reads it any more.
+      if (shared_->client_fd >= 0) shutdown(shared_->client_fd, SHUT_RDWR);
+    }
+    auto& live = d_->live;
+    live.erase(std::remove(live.begin(), live.end(), this), live.end());
+    // Completions of this endpoint, delivered or not, die with it (as on every backend).
+    auto& q = d_->local;
+    q.erase(
+        std::remove_if(q.begin(), q.end(), [&](const Completion& c) { return c.endpoint == this; }),
+        q.end());
+    Disconnect();
+  }
+
+  std::string LocalAddress() const override {
+    return absl::StrCat("shmem:", absl::Hex(d_->uid, absl::kZeroPad16), ":", shared_->id);
+  }
+
+  absl::Status Connect(absl::string_view peer_address) override {
+    if (conn_fd_ >= 0) return absl::FailedPreconditionError("shmem: endpoint already connected");
+    std::vector<absl::string_view> parts = absl::StrSplit(peer_address, ':');
+    uint64_t uid = 0, id = 0;
+    if (parts.size() != 3 || parts[0] != "shmem" || !absl::SimpleHexAtoi(parts[1], &uid) ||
+        !absl::SimpleAtoi(parts[2], &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shmem: '", absl::CHexEscape(peer_address), "' is not a shmem address"));
+    }
+    absl::Status s = ConnectTo(uid, id, peer_address);
+    if (!s.ok()) {
+      Disconnect();
+      return absl::Status(s.code(),
+                          absl::StrCat(s.message(), " (connecting to ", peer_address, ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  size_t Outstanding() const override { return outstanding_; }
+
+  // Progress thread: runs queued operations, so what waits for room in the peer's ring goes
+  // as soon as there is some, or fails when the peer is gone or the operation too old.
+  void RunPending() {
+    while (!pending_.empty()) {
+      Op& op = pending_.front();
+      absl::Status status = Usable();
+      if (status.ok() && op.with_imm && RingFull()) {
+        const uint64_t head = Atomic(out_->head).load(std::memory_order_acquire);
+        if (out_tail_ - head > out_capacity_) {
+          status = Break(absl::DataLossError("shmem: the peer left its ring inconsistent"));
+        } else if (absl::Now() - op.posted < op_timeout_) {
+          return;  // the peer has not consumed yet; retried from Poll
+        } else {
+          status = absl::DeadlineExceededError(absl::StrCat("shmem: the peer of ", LocalAddress(),
+                                                            " took no immediate for ",
+                                                            absl::FormatDuration(op_timeout_)));
+        }
+      } else if (status.ok()) {
+        status = Copy(op);
+        if (status.ok() && op.with_imm) Publish(op.imm, op.length);
+      }
+      Complete(op, std::move(status));
+      pending_.pop_front();
+    }
+  }
+
+  // Moves up to out.size() immediates that arrived into `out`.
+  size_t TakeInbound(absl::Span<Completion> out) {
+    if (ring_broken_) return 0;
+    const uint64_t tail = Atomic(in_->tail).load(std::memory_order_acquire);
+    if (tail - in_head_ > kRingCapacity) {
+      LOG(ERROR) << "shmem: endpoint " << LocalAddress()
+                 << ": the peer left its ring inconsistent; ignoring it from now on";
+      ring_broken_ = true;
+      return 0;
+    }
+    size_t n = 0;
+    while (n < out.size() && in_head_ != tail) {
+      RingEntry& e = Entries(in_)[in_head_ % kRingCapacity];
+      Completion& c = out[n++];
+      c = Completion();
+      c.kind = CompletionKind::kRemoteWriteImm;
+      c.endpoint = this;
+      c.imm = Atomic(e.imm).load(std::memory_order_relaxed);
+      c.byte_len = Atomic(e.byte_len).load(std::memory_order_relaxed);
+      ++in_head_;
+    }
+    if (n > 0) Atomic(in_->head).store(in_head_, std::memory_order_release);
+    return n;
+  }
+
+  // Whether our connection to the peer's descriptor server has closed: then the peer process
+  // is gone even if it never connected back to us (which is how we usually learn it).
+  void CheckConnection() {
+    if (conn_fd_ < 0 || !broken_.ok()) return;
+    pollfd p{conn_fd_, POLLRDHUP, 0};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) {
+      (void)Break(PeerGone());
+    }
+  }
+
+  int conn_fd() const { return conn_fd_; }
+  bool HasInbound() const {
+    return !ring_broken_ && Atomic(in_->tail).load(std::memory_order_seq_cst) != in_head_;
+  }
+  bool HasPending() const { return !pending_.empty(); }
+  void SetSleeping(uint32_t v) { Atomic(in_->sleeping).store(v, std::memory_order_seq_cst); }
+  void Delivered() { --outstanding_; }
+
+ protected:
+  absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
+                    const RemoteBuffer& remote, uint64_t context) override {
+    if (remote.key.size() != sizeof(PackedKey)) {
+      return absl::InvalidArgumentError("shmem: malformed remote key");
+    }
+    PackedKey key;
+    std::memcpy(&key, remote.key.data(), sizeof(key));
+    if (key.magic != kKeyMagic) return absl::InvalidArgumentError("shmem: malformed remote key");
+    RETURN_IF_ERROR(CheckRanges("shmem", local, remote, key.base, key.length));
+    if (conn_fd_ < 0) return absl::FailedPreconditionError("shmem: endpoint is not connected");
+    if (key.domain != peer_uid_) {
+      return absl::InvalidArgumentError(
+          "shmem: the remote key belongs to another domain than this endpoint's peer");
+    }
+    const uint32_t needed = kind == CompletionKind::kRead ? kAccessRemoteRead : kAccessRemoteWrite;
+    if ((key.access & needed) == 0) {
+      return absl::PermissionDeniedError("shmem: the remote region does not allow this access");
+    }
+    RETURN_IF_ERROR(Usable());
+    Op op;
+    op.kind = kind;
+    op.with_imm = with_imm;
+    op.imm = imm;
+    op.local = static_cast<char*>(local.addr);
+    op.length = local.length;
+    op.key = key;
+    op.remote_addr = remote.addr;
+    op.context = context;
+    op.posted = absl::Now();
+    pending_.push_back(op);
+    ++outstanding_;
+    RunPending();
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Op {
+    CompletionKind kind;
+    bool with_imm;
+    uint32_t imm;
+    char* local;
+    size_t length;
+    PackedKey key;
+    uint64_t remote_addr;
+    uint64_t context;
+    absl::Time posted;
+  };
+  struct Mapping {
+    void* addr;
+    size_t map_length;
+    uint64_t delta;  // remote address + delta = local address
+    PackedKey key;   // the key it was mapped for: base, length and offset must match
+    bool writable;
+    uint64_t order;  // for eviction: the oldest mapping goes first
+  };
+
+  absl::Status PeerGone() const {
+    return absl::UnavailableError(
+        absl::StrCat("shmem: the peer of ", LocalAddress(), " (pid ", peer_pid_,
+                     ") is gone: its process exited or it closed the endpoint"));
+  }
+
+  // OK while the peer may be written to.
+  absl::Status Usable() const {
+    if (!broken_.ok()) return broken_;
+    if (shared_->peer_gone.load(std::memory_order_acquire)) return PeerGone();
+    return absl::OkStatus();
+  }
+
+  // From now on every operation fails with `status`: the connection to the peer can no longer
+  // be trusted (it hung up, timed out, or answered something else than what was asked).
+  absl::Status Break(absl::Status status) {
+    if (broken_.ok()) broken_ = status;
+    return broken_;
+  }
+
+  absl::Status ConnectTo(uint64_t uid, uint64_t id, absl::string_view peer_address) {
+    conn_fd_ = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (conn_fd_ < 0) {
+      return absl::UnavailableError(absl::StrCat("shmem: socket: ", std::strerror(errno)));
+    }
+    SetTimeouts(conn_fd_);
+    socklen_t len;
+    sockaddr_un addr = SocketAddress(uid, &len);
+    if (connect(conn_fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "shmem: no peer domain there (", std::strerror(errno),
+          "): is the peer on this host, in this network namespace, and still running?"));
+    }
+    ucred cred{};
+    socklen_t cred_len = sizeof(cred);
+    if (getsockopt(conn_fd_, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) {
+      return absl::UnavailableError("shmem: the peer's process is unknown (SO_PEERCRED)");
+    }
+    if (cred.uid != geteuid()) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "shmem: the peer runs as user ", cred.uid, ", not ", geteuid(),
+          "; the shmem fabric connects processes of one user (use TENSORVERBS_FABRIC=ofi)"));
+    }
+    if (cred.pid == 0) {
+      return absl::UnavailableError(
+          "shmem: the peer is in another PID namespace; the shmem fabric needs one (use "
+          "TENSORVERBS_FABRIC=ofi)");
+    }
+    peer_uid_ = uid;
+    peer_pid_ = cred.pid;
+    peer_pidfd_ = PidfdOpen(cred.pid);  // -1 on old kernels: then liveness is the socket's alone
+    Reply reply{};
+    int fds[2] = {-1, -1};
+    int nfds = 0;
+    RETURN_IF_ERROR(Ask(kHello, id, &reply, fds, 2, &nfds));
+    absl::Cleanup close_fds = [&] {
+      for (int i = 0; i < nfds; ++i) {
+        if (fds[i] >= 0) close(fds[i]);
+      }
+    };
+    if (nfds != 2) return absl::DataLossError("shmem: the peer sent no ring");
+    const uint64_t ring_bytes = sizeof(RingHeader) + uint64_t{reply.capacity} * sizeof(RingEntry);
+    if (reply.capacity == 0 || reply.capacity > (1u << 20) || reply.size < ring_bytes) {
+      return absl::DataLossError("shmem: the peer described a malformed ring");
+    }
+    RETURN_IF_ERROR(CheckPeerMemory(fds[0], ring_bytes, "ring").status());
+    const int flags = fcntl(fds[1], F_GETFL);
+    if (flags < 0 || fcntl(fds[1], F_SETFL, flags | O_NONBLOCK) != 0) {
+      return absl::DataLossError("shmem: the peer's doorbell is not a descriptor we can use");
+    }
+    void* ring = mmap(nullptr, ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+    if (ring == MAP_FAILED) {
+      return absl::UnavailableError(
+          absl::StrCat("shmem: mapping the peer's ring: ", std::strerror(errno)));
+    }
+    out_ = static_cast<RingHeader*>(ring);
+    out_bytes_ = ring_bytes;
+    if (Atomic(out_->magic).load(std::memory_order_acquire) != kRingMagic ||
+        out_->capacity != reply.capacity) {
+      return absl::DataLossError("shmem: the peer's ring is not one");
+    }
+    out_capacity_ = reply.capacity;
+    out_tail_ = Atomic(out_->tail).load(std::memory_order_acquire);
+    peer_bell_fd_ = fds[1];
+    fds[1] = -1;  // kept
+    return absl::OkStatus();
+  }
+
+  // Releases everything Connect acquired; the endpoint is unconnected afterwards.
+  void Disconnect() {
+    for (auto& [id, m] : mappings_) munmap(m.addr, m.map_length);
+    mappings_.clear();
+    if (out_ != nullptr) munmap(out_, out_bytes_);
+    out_ = nullptr;
+    for (int* fd : {&conn_fd_, &peer_bell_fd_, &peer_pidfd_}) {
+      if (*fd >= 0) close(*fd);
+      *fd = -1;
+    }
+  }
+
+  // One request to the peer's descriptor server, answered at once or within the socket
+  // timeout. A failure to get the answer breaks the endpoint: a late answer would otherwise
+  // be read as the answer to the next request.
+  absl::Status Ask(RequestType type, uint64_t id, Reply* reply, int* fds, int max_fds, int* nfds) {
+    *nfds = 0;
+    Request request{kRequestMagic, type, id};
+    if (!SendWithFds(conn_fd_, &request, sizeof(request), nullptr, 0)) {
+      return Break(absl::UnavailableError(absl::StrCat(
+          "shmem: the peer (pid ", peer_pid_, ") does not answer: ", std::strerror(errno))));
+    }
+    const ssize_t n = RecvWithFds(conn_fd_, reply, sizeof(*reply), fds, max_fds, nfds);
+    const bool matches = n == static_cast<ssize_t>(sizeof(*reply)) && reply->magic == kReplyMagic &&
+                         reply->type == type && reply->id == id;
+    if (!matches || reply->status != kOk) {
+      for (int i = 0; i < *nfds; ++i) close(fds[i]);
+      *nfds = 0;
+    }
+    if (!matches) {
+      return Break(absl::UnavailableError(
+          absl::StrCat("shmem: the peer (pid ", peer_pid_, ") ",
+                       n == 0  ? "hung up"
+                       : n < 0 ? absl::StrCat("did not answer: ", std::strerror(errno))
+                               : std::string("answered something else"))));
+    }
+    if (reply->status != kOk) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shmem: the peer refused: ", ReplyText(reply->status)));
+    }
+    return absl::OkStatus();
+  }
+
+  // Where region `key` is mapped here, mapping it on first use.
+  absl::StatusOr<const Mapping*> MapRegion(const PackedKey& key) {
+    if (auto it = mappings_.find(key.region); it != mappings_.end()) {
+      const Mapping& m = it->second;
+      if (m.key.base != key.base || m.key.length != key.length || m.key.offset != key.offset) {
+        return absl::DataLossError(
+            "shmem: a remote key describes its region differently than when it was mapped");
+      }
+      return &m;
+    }
+    Reply reply{};
+    int fd = -1;
+    int nfds = 0;
+    RETURN_IF_ERROR(Ask(kRegion, key.region, &reply, &fd, 1, &nfds));
+    absl::Cleanup close_fd = [fd] { close(fd); };
+    if (nfds != 1) return absl::DataLossError("shmem: the peer sent no descriptor for a region");
+    if (key.offset > reply.size || key.length > reply.size - key.offset) {
+      return absl::DataLossError("shmem: a remote key does not fit its region's memory");
+    }
+    RETURN_IF_ERROR(CheckPeerMemory(fd, key.offset + key.length, "region").status());
+    const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t start = key.offset / page * page;
+    const size_t map_length = key.offset + key.length - start;
+    const bool writable = (reply.access & kAccessRemoteWrite) != 0;
+    // Populated at once, as an RDMA registration pins the whole region: no page faults later,
+    // in the middle of a transfer.
+    void* addr = mmap(nullptr, map_length, PROT_READ | (writable ? PROT_WRITE : 0),
+                      MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(start));
+    if (addr == MAP_FAILED) {
+      return absl::UnavailableError(absl::StrCat("shmem: mapping a peer's region of ", map_length,
+                                                 " bytes: ", std::strerror(errno)));
+    }
+    if (mappings_.size() >= kMaxMappingsPerEndpoint) {
+      auto oldest = std::min_element(
+          mappings_.begin(), mappings_.end(),
+          [](const auto& a, const auto& b) { return a.second.order < b.second.order; });
+      munmap(oldest->second.addr, oldest->second.map_length);
+      mappings_.erase(oldest);
+    }
+    Counters().regions_mapped.fetch_add(1, std::memory_order_relaxed);
+    const uint64_t local_base = reinterpret_cast<uint64_t>(addr) + (key.offset - start);
+    Mapping& m = mappings_[key.region];
+    m = Mapping{addr, map_length, local_base - key.base, key, writable, ++mapping_order_};
+    return &m;
+  }
+
+  absl::Status Copy(const Op& op) {
+    if (op.length == 0) return absl::OkStatus();
+    const bool read = op.kind == CompletionKind::kRead;
+    if (op.key.flags & kKeyShared) {
+      ASSIGN_OR_RETURN(const Mapping* m, MapRegion(op.key));
+      if (!read && !m->writable) {
+        return absl::PermissionDeniedError("shmem: the peer mapped this region read-only");
+      }
+      char* there = reinterpret_cast<char*>(op.remote_addr + m->delta);
+      if (read) {
+        std::memcpy(op.local, there, op.length);
+      } else if (op.length >= kStreamingCopyBytes) {
+        StreamingCopy(there, op.local, op.length);
+      } else {
+        std::memcpy(there, op.local, op.length);
+      }
+      Counters().mapped_ops.fetch_add(1, std::memory_order_relaxed);
+      Counters().mapped_bytes.fetch_add(op.length, std::memory_order_relaxed);
+      return absl::OkStatus();
+    }
+    // Private memory of the peer: the kernel's cross-memory copy. The pidfd check first, so a
+    // recycled pid can never receive the bytes.
+    if (peer_pidfd_ >= 0) {
+      pollfd p{peer_pidfd_, POLLIN, 0};
+      if (poll(&p, 1, 0) > 0) return Break(PeerGone());
+    }
+    size_t done = 0;
+    while (done < op.length) {
+      iovec mine{op.local + done, op.length - done};
+      iovec theirs{reinterpret_cast<void*>(op.remote_addr + done), op.length - done};
+      const ssize_t n = read ? process_vm_readv(peer_pid_, &mine, 1, &theirs, 1, 0)
+                             : process_vm_writev(peer_pid_, &mine, 1, &theirs, 1, 0);
+      if (n <= 0) {
+        if (n < 0 && errno == EINTR) continue;
+        const int e = n < 0 ? errno : EFAULT;
+        if (e == ESRCH) return Break(PeerGone());
+        return absl::UnavailableError(absl::StrCat(
+            "shmem: cross-memory ", read ? "read from" : "write to", " pid ", peer_pid_, ": ",
+            std::strerror(e),
+            e == EPERM ? " (ptrace scope forbids it; register memory from SharedMemory)" : ""));
+      }
+      done += static_cast<size_t>(n);
+    }
+    Counters().cross_memory_ops.fetch_add(1, std::memory_order_relaxed);
+    Counters().cross_memory_bytes.fetch_add(op.length, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+
+  bool RingFull() const {
+    const uint64_t head = Atomic(out_->head).load(std::memory_order_acquire);
+    return out_tail_ - head >= out_capacity_;
+  }
+
+  void Publish(uint32_t imm, uint64_t byte_len) {
+    RingEntry& e = Entries(out_)[out_tail_ % out_capacity_];
+    Atomic(e.imm).store(imm, std::memory_order_relaxed);
+    Atomic(e.byte_len).store(byte_len, std::memory_order_relaxed);
+    ++out_tail_;
+    // Sequentially consistent store, then load: with the reader's store of `sleeping` and its
+    // load of `tail` (both seq_cst) at least one side sees the other's, so a reader never
+    // sleeps on a published immediate without its doorbell being rung.
+    Atomic(out_->tail).store(out_tail_, std::memory_order_seq_cst);
+    if (Atomic(out_->sleeping).load(std::memory_order_seq_cst) != 0) {
+      uint64_t one = 1;
+      [[maybe_unused]] ssize_t n = write(peer_bell_fd_, &one, sizeof(one));
+    }
+  }
+
+  void Complete(const Op& op, absl::Status status) {
+    Completion c;
+    c.kind = op.kind;
+    c.endpoint = this;
+    c.context = op.context;
+    c.status = std::move(status);
+    d_->local.push_back(std::move(c));
+  }
+
+  const absl::Duration op_timeout_;
+  std::shared_ptr<DomainState> d_;
+  std::shared_ptr<EndpointShared> shared_;
+  RingHeader* const in_;
+  uint64_t in_head_ = 0;
+  bool ring_broken_ = false;
+
+  int conn_fd_ = -1;
+  uint64_t peer_uid_ = 0;
+  pid_t peer_pid_ = 0;
+  int peer_pidfd_ = -1;
+  int peer_bell_fd_ = -1;
+  RingHeader* out_ = nullptr;
+  size_t out_bytes_ = 0;
+  uint32_t out_capacity_ = 0;
+  uint64_t out_tail_ = 0;
+  absl::Status broken_;
+
+  std::deque<Op> pending_;
+  size_t outstanding_ = 0;
+  std::map<uint64_t, Mapping> mappings_;
+  uint64_t mapping_order_ = 0;
+};
+
+// ---- The domain -----------------------------------------------------------------------------
+
+class ShmemDomain final : public Domain {
+ public:
+  ShmemDomain(std::shared_ptr<DomainState> d, const DomainOptions& options)
+      : d_(std::move(d)), options_(options) {
+    caps_.backend = "shmem";
+    caps_.provider = "shmem";
+    caps_.family = "shmem";
+    caps_.max_message_size = uint64_t{1} << 40;
+    caps_.virtual_addressing = true;
+    caps_.queue_depth = kRingCapacity;
+    caps_.shared_memory = true;
+  }
+
+  const Capabilities& capabilities() const override { return caps_; }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
+                                                               uint32_t access) override {
+    if (addr == nullptr || length == 0) {
+      return absl::InvalidArgumentError("shmem: cannot register an empty region");
+    }
+    SharedMemory::Location where;
+    const bool shared = SharedMemory::Find(addr, length, &where);
+    const uint64_t id = d_->next_id.fetch_add(1);
+    {
+      MutexLock lock(&d_->mu);
+      d_->regions[id] = RegionEntry{reinterpret_cast<uint64_t>(addr), length, access,
+                                    shared ? where.fd : -1, where.file_size};
+    }
+    return std::unique_ptr<MemoryRegion>(
+        new ShmemRegion(d_, id, addr, length, access, shared, shared ? where.offset : 0));
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    auto shared = std::make_shared<EndpointShared>();
+    shared->id = d_->next_id.fetch_add(1);
+    ASSIGN_OR_RETURN(shared->ring, SharedMemory::Create(kRingBytes, "tensorverbs-shmem-ring"));
+    auto* h = static_cast<RingHeader*>(shared->ring->data());
+    h->capacity = kRingCapacity;
+    Atomic(h->magic).store(kRingMagic, std::memory_order_release);
+    {
+      MutexLock lock(&d_->mu);
+      d_->endpoints[shared->id] = shared;
+    }
+    return std::unique_ptr<Endpoint>(new ShmemEndpoint(d_, shared, options_.op_timeout));
+  }
+
+  absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
+    std::vector<ShmemEndpoint*>& live = d_->live;
+    const absl::Time now = absl::Now();
+    if (now >= next_connection_check_) {
+      for (ShmemEndpoint* ep : live) ep->CheckConnection();
+      next_connection_check_ = now + kConnectionCheckInterval;
+    }
+    for (ShmemEndpoint* ep : live) ep->RunPending();
+    size_t n = 0;
+    while (n < out.size() && !d_->local.empty()) {
+      Completion& c = d_->local.front();
+      static_cast<ShmemEndpoint*>(c.endpoint)->Delivered();
+      out[n++] = std::move(c);
+      d_->local.pop_front();
+    }
+    // Each Poll starts the rings at the next endpoint, so a busy one cannot starve the others.
+    const size_t count = live.size();
+    for (size_t k = 0; k < count && n < out.size(); ++k) {
+      n += live[(next_ring_ + k) % count]->TakeInbound(out.subspan(n));
+    }
+    if (count > 0) next_ring_ = (next_ring_ + 1) % count;
+    return n;
+  }
+
+  absl::Status Wait(absl::Duration timeout) override {
+    if (!d_->local.empty() || timeout <= absl::ZeroDuration()) return absl::OkStatus();
+    std::vector<ShmemEndpoint*>& live = d_->live;
+    bool pending = false;
+    for (ShmemEndpoint* ep : live) {
+      ep->SetSleeping(1);
+      pending |= ep->HasPending();
+    }
+    // Operations waiting for room in a peer's ring are retried soon: the peer rings no bell
+    // when it makes room.
+    if (pending) timeout = std::min(timeout, absl::Microseconds(100));
+    bool ready = false;
+    for (ShmemEndpoint* ep : live) ready |= ep->HasInbound();
+    if (!ready) {
+      // The doorbell, and our connections to the peers' servers: one that closes means its
+      // peer is gone, which the next Poll reports.
+      fds_.clear();
+      fds_.push_back({d_->bell_fd, POLLIN, 0});
+      for (ShmemEndpoint* ep : live) {
+        if (ep->conn_fd() >= 0) fds_.push_back({ep->conn_fd(), POLLRDHUP, 0});
+      }
+      const timespec ts = absl::ToTimespec(timeout);
+      if (ppoll(fds_.data(), fds_.size(), &ts, nullptr) < 0 && errno != EINTR) {
+        const int e = errno;
+        for (ShmemEndpoint* ep : live) ep->SetSleeping(0);
+        return absl::UnavailableError(absl::StrCat("shmem: ppoll: ", std::strerror(e)));
+      }
+      for (size_t i = 1; i < fds_.size(); ++i) {
+        if (fds_[i].revents != 0) next_connection_check_ = absl::InfinitePast();
+      }
+    }
+    for (ShmemEndpoint* ep : live) ep->SetSleeping(0);
+    uint64_t value;
+    [[maybe_unused]] ssize_t r = read(d_->bell_fd, &value, sizeof(value));
+    return absl::OkStatus();
+  }
+
+  void Interrupt() override { d_->Ring(); }
+
+ private:
+  // How often Poll looks for peers whose connection closed (Wait notices at once).
+  static constexpr absl::Duration kConnectionCheckInterval = absl::Milliseconds(10);
+
+  std::shared_ptr<DomainState> d_;
+  const DomainOptions options_;
+  Capabilities caps_;
+  absl::Time next_connection_check_ = absl::InfinitePast();
+  size_t next_ring_ = 0;
+  std::vector<pollfd> fds_;
+};
+
+}  // namespace
+
+CopyCounters& Counters() {
+  static auto* counters = new CopyCounters;
+  return *counters;
+}
+
+absl::StatusOr<std::unique_ptr<Domain>> OpenShmemDomain(const DomainOptions& options) {
+  auto d = std::make_shared<DomainState>();
+  d->pid = getpid();
+  if (getrandom(&d->uid, sizeof(d->uid), 0) != sizeof(d->uid)) {
+    return absl::UnavailableError(absl::StrCat("shmem: getrandom: ", std::strerror(errno)));
+  }
+  d->bell_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  d->stop_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (d->bell_fd < 0 || d->stop_fd < 0) {
+    return absl::UnavailableError(absl::StrCat("shmem: eventfd: ", std::strerror(errno)));
+  }
+  d->listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (d->listen_fd < 0) {
+    return absl::UnavailableError(absl::StrCat("shmem: socket: ", std::strerror(errno)));
+  }
+  socklen_t len;
+  sockaddr_un addr = SocketAddress(d->uid, &len);
+  if (bind(d->listen_fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 ||
+      listen(d->listen_fd, 64) != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("shmem: listening on @", SocketName(d->uid), ": ", std::strerror(errno)));
+  }
+  // Probe what the data path needs, so a host without it fails here with the reason.
+  absl::StatusOr<std::unique_ptr<SharedMemory>> probe =
+      SharedMemory::Create(4096, "tensorverbs-shmem-probe");
+  if (!probe.ok()) {
+    return absl::UnavailableError(absl::StrCat("shmem: ", probe.status().message()));
+  }
+  d->server = std::thread([raw = d.get()] { raw->Serve(); });
+  return std::unique_ptr<Domain>(new ShmemDomain(std::move(d), options));
+}
+
+}  // namespace tensorverbs::fabric::shmem

@@ -1,0 +1,49 @@
+// The same-host fabric: one-sided writes and reads between processes on one machine by plain
+// memory copies, with no kernel copy and no provider in between.
+//
+// Memory that comes from SharedMemory (the pool allocator's regions when this fabric is chosen,
+// every message buffer) is registered as shareable: a peer maps its memfd once, on first use,
+// and a write is one memcpy through that mapping straight into the receiver's tensor. Any other
+// registered memory is reached with the kernel's cross-memory copy (process_vm_writev/readv),
+// so every destination works; the two paths are counted separately (CopyCounters).
+//
+// Each endpoint owns an inbound ring of immediates in a memfd that its one peer maps: a write
+// with immediate is copy, then publish {imm, length} with release ordering, so completions
+// arrive in posting order with the data visible. Waiting is an eventfd doorbell per domain that
+// a writer rings only when the reader declared it is about to sleep, so blocking and adaptive
+// progress sleep without napping and wake in microseconds.
+//
+// Descriptors travel over a Unix socket in the abstract namespace (SCM_RIGHTS), served by one
+// thread per domain: a peer says which endpoint it connects to and receives that ring and the
+// doorbell, then asks for a region's memfd the first time a key names it. The socket needs no
+// ptrace permission (pidfd_getfd would), leaves no file behind, and its closing is how a dead or
+// departed peer is noticed: its endpoint's posts fail from then on, within microseconds.
+//
+// Threading: as every Domain (see fabric.h); the descriptor server runs on its own thread and
+// shares only the endpoint and region tables (under a mutex) and per-endpoint atomics.
+#ifndef TENSORVERBS_FABRIC_SHMEM_SHMEM_H_
+#define TENSORVERBS_FABRIC_SHMEM_SHMEM_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "src/fabric/fabric.h"
+
+namespace tensorverbs::fabric::shmem {
+
+absl::StatusOr<std::unique_ptr<Domain>> OpenShmemDomain(const DomainOptions& options);
+
+// Bytes moved by each path, over the process's lifetime (every shmem domain adds to them).
+struct CopyCounters {
+  std::atomic<uint64_t> mapped_ops{0};
+  std::atomic<uint64_t> mapped_bytes{0};
+  std::atomic<uint64_t> cross_memory_ops{0};
+  std::atomic<uint64_t> cross_memory_bytes{0};
+  std::atomic<uint64_t> regions_mapped{0};
+};
+CopyCounters& Counters();
+
+}  // namespace tensorverbs::fabric::shmem
+
+#endif  // TENSORVERBS_FABRIC_SHMEM_SHMEM_H_
