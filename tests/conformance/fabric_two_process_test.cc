@@ -1,12 +1,11 @@
 // The fabric between two real processes, over the shmem fabric (into shared and private memory),
 // libfabric shm and tcp;ofi_rxm: data and immediates arrive, a killed peer shows up as errors
 // within a bounded time, never a hang, and the shmem fabric leaves nothing behind it.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include <cstring>
 
@@ -44,10 +43,10 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   auto ep = *(*domain)->CreateEndpoint();
 
   constexpr size_t kSize = 1 << 20;
-  auto peer = support::Subprocess::Start(TV_FABRIC_PEER_PATH,
-                                {"--backend", GetParam().backend, "--provider",
-                                 GetParam().provider, "--check", absl::StrCat(kSize),
-                                 "--shared", GetParam().shared ? "1" : "0"});
+  auto peer = support::Subprocess::Start(
+      TV_FABRIC_PEER_PATH,
+      {"--backend", GetParam().backend, "--provider", GetParam().provider, "--check",
+       absl::StrCat(kSize), "--shared", GetParam().shared ? "1" : "0"});
   ASSERT_TRUE(peer.ok());
   absl::StatusOr<std::string> hello = (*peer)->WaitForLine("address ", absl::Seconds(30));
   ASSERT_TRUE(hello.ok()) << hello.status();
@@ -105,6 +104,35 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   EXPECT_FALSE(last.ok()) << "writes to a killed peer all looked successful";
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
   munmap(src, kSize);
+}
+
+// The shmem fabric's boundary is the user: a process of another user neither connects to us nor
+// is connected to, and each side says why.
+TEST(ShmemTwoUsersTest, AProcessOfAnotherUserIsRefusedBothWays) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to run the peer as another user";
+  if (access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "needs setpriv (util-linux)";
+  absl::StatusOr<std::unique_ptr<Domain>> domain = OpenDomain("shmem", DomainOptions());
+  ASSERT_TRUE(domain.ok()) << domain.status();
+  auto ep = *(*domain)->CreateEndpoint();
+  auto peer = support::Subprocess::Start(
+      "/usr/bin/setpriv", {"--reuid=65534", "--regid=65534", "--clear-groups", TV_FABRIC_PEER_PATH,
+                           "--backend", "shmem", "--shared", "1", "--check", "64"});
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  absl::StatusOr<std::string> hello = (*peer)->WaitForLine("address ", absl::Seconds(30));
+  if (!hello.ok()) {
+    GTEST_SKIP() << "the peer did not start as user 65534 (can it reach " << TV_FABRIC_PEER_PATH
+                 << "?): " << hello.status();
+  }
+  std::vector<std::string> f = absl::StrSplit(*hello, ' ');
+  ASSERT_EQ(f.size(), 6u) << *hello;
+  absl::Status s = ep->Connect(absl::HexStringToBytes(f[1]));
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("user 65534")) << s;
+  // And its attempt to connect to us is refused by our descriptor server: it gives up.
+  ASSERT_TRUE(support::WriteLine(**peer, absl::BytesToHexString(ep->LocalAddress())));
+  absl::StatusOr<int> code = (*peer)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(code.ok()) << "the refused peer kept running: " << code.status();
+  EXPECT_NE(*code, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, FabricTwoProcessTest,
