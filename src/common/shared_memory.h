@@ -2,8 +2,8 @@
 // a memfd rather than in this process's private pages.
 //
 // The pool allocator creates its regions here when the chosen fabric is the same-host one
-// (src/fabric/shmem), and message buffers always do, so that a peer's write into them is one
-// memcpy through its own mapping instead of a cross-memory copy by the kernel. Find() is how
+// (src/fabric/shmem), and message buffers do on such a fabric, so that a peer's write into them is
+// one memcpy through its own mapping instead of a cross-memory copy by the kernel. Find() is how
 // the fabric learns which descriptor and offset lie behind an address it is asked to register;
 // nothing else needs to know where memory came from. A memfd has no name in any file system:
 // nothing is left behind when the process dies, however it dies.
