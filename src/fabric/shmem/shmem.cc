@@ -32,20 +32,12 @@
 #include "src/common/status_macros.h"
 #include "src/fabric/endpoint_base.h"
 #include "src/fabric/shmem/copy.h"
+#include "src/fabric/shmem/wire.h"
 
 namespace tensorverbs::fabric::shmem {
 namespace {
 
-// ---- What travels between processes ------------------------------------------------------
-
-constexpr uint32_t kKeyMagic = 0x314b5654;      // "TVK1"
-constexpr uint32_t kRingMagic = 0x31525654;     // "TVR1"
-constexpr uint32_t kRequestMagic = 0x31515654;  // "TVQ1"
-constexpr uint32_t kReplyMagic = 0x31505654;    // "TVP1"
-constexpr uint32_t kKeyShared = 1u << 0;        // the region lives in a memfd a peer can map
-constexpr uint32_t kRingCapacity = 4096;        // immediates in flight per endpoint
 constexpr size_t kMaxMappingsPerEndpoint = 256;
-constexpr absl::Duration kSocketTimeout = absl::Seconds(10);
 // Writes of at least this many bytes into a peer's mapping use non-temporal stores. Measured
 // (docs/PERFORMANCE.md): into destinations the writer has not touched lately
 // (bench/copy_bench.cc) streaming stores beat memcpy at every size from 64 KiB, 1.3x at
@@ -53,172 +45,7 @@ constexpr absl::Duration kSocketTimeout = absl::Seconds(10);
 // memcpy won at 1 MiB (`bench fabric`: 0.72x memcpy streaming, 1.06x plain). From twice a
 // core's L2 up a destination cannot be in that cache anyway.
 constexpr size_t kStreamingCopyBytes = size_t{4} << 20;
-
-// The packed remote key. `offset` is where `base` lies in the region's memfd.
-struct PackedKey {
-  uint32_t magic;
-  uint32_t flags;
-  uint64_t domain;
-  uint64_t region;
-  uint64_t base;
-  uint64_t length;
-  uint64_t offset;
-  uint32_t access;
-  uint32_t reserved;
-};
-static_assert(sizeof(PackedKey) == 56);
-
-enum RequestType : uint32_t { kHello = 1, kRegion = 2 };
-struct Request {
-  uint32_t magic;
-  uint32_t type;
-  uint64_t id;  // kHello: the endpoint connected to; kRegion: the region
-};
-enum ReplyStatus : uint32_t {
-  kOk = 0,
-  kNoSuchEndpoint = 1,
-  kEndpointTaken = 2,
-  kNoSuchRegion = 3,
-  kNotShared = 4,
-  kNoAccess = 5,
-  kNotConnected = 6,
-};
-struct Reply {
-  uint32_t magic;
-  uint32_t status;
-  uint32_t type;      // of the request answered, with its id: a late answer is never taken for
-  uint32_t capacity;  // kHello: ring entries                  another request's
-  uint64_t id;
-  uint64_t size;    // kHello: ring segment bytes; kRegion: memfd bytes
-  uint32_t access;  // kRegion
-  uint32_t reserved;
-};
 constexpr size_t kMaxClients = 4096;  // connections one descriptor server takes at once
-
-std::string ReplyText(uint32_t status) {
-  switch (status) {
-    case kNoSuchEndpoint:
-      return "no such endpoint (it was closed)";
-    case kEndpointTaken:
-      return "the endpoint is already connected to another peer";
-    case kNoSuchRegion:
-      return "the key names no registered region (deregistered?)";
-    case kNotShared:
-      return "the region is not in shared memory";
-    case kNoAccess:
-      return "the region allows no remote access";
-    case kNotConnected:
-      return "ask for the endpoint first";
-    default:
-      return absl::StrCat("status ", status);
-  }
-}
-
-// The inbound ring of one endpoint, in shared memory. The producer (the peer's endpoint) owns
-// `tail`, the consumer (this endpoint) `head` and `sleeping`; each is on its own cache line.
-struct RingHeader {
-  uint32_t magic;
-  uint32_t capacity;
-  alignas(64) uint64_t tail;
-  alignas(64) uint64_t head;
-  alignas(64) uint32_t sleeping;  // 1: the consumer may block on its doorbell; ring it
-};
-struct RingEntry {
-  uint32_t imm;
-  uint32_t reserved;
-  uint64_t byte_len;
-};
-constexpr size_t kRingBytes = sizeof(RingHeader) + size_t{kRingCapacity} * sizeof(RingEntry);
-
-// Atomics shared between processes must not fall back to a lock inside one process.
-static_assert(std::atomic_ref<uint64_t>::is_always_lock_free);
-static_assert(std::atomic_ref<uint32_t>::is_always_lock_free);
-
-template <typename T>
-std::atomic_ref<T> Atomic(T& field) {
-  return std::atomic_ref<T>(field);
-}
-
-RingEntry* Entries(RingHeader* h) { return reinterpret_cast<RingEntry*>(h + 1); }
-
-std::string SocketName(uint64_t uid) {
-  return absl::StrCat("tensorverbs-shmem-", absl::Hex(uid, absl::kZeroPad16));
-}
-
-sockaddr_un SocketAddress(uint64_t uid, socklen_t* len) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string name = SocketName(uid);
-  // Abstract namespace: sun_path[0] is NUL, so nothing appears in any file system.
-  std::memcpy(addr.sun_path + 1, name.data(), name.size());
-  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-  return addr;
-}
-
-void SetTimeouts(int fd) {
-  const timeval tv = absl::ToTimeval(kSocketTimeout);
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-}
-
-// Sends `msg` with up to two descriptors.
-bool SendWithFds(int sock, const void* msg, size_t len, const int* fds, int nfds, int flags = 0) {
-  iovec iov{const_cast<void*>(msg), len};
-  msghdr mh{};
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-  if (nfds > 0) {
-    mh.msg_control = control;
-    mh.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
-    cmsghdr* c = CMSG_FIRSTHDR(&mh);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
-    std::memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
-  }
-  return sendmsg(sock, &mh, MSG_NOSIGNAL | flags) == static_cast<ssize_t>(len);
-}
-
-// Receives one message of exactly `len` bytes and the descriptors that came with it (closed
-// if the caller does not want that many). Returns the byte count, 0 on EOF, -1 on error.
-ssize_t RecvWithFds(int sock, void* msg, size_t len, int* fds, int max_fds, int* nfds) {
-  iovec iov{msg, len};
-  msghdr mh{};
-  mh.msg_iov = &iov;
-  mh.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))] = {};
-  mh.msg_control = control;
-  mh.msg_controllen = sizeof(control);
-  ssize_t n;
-  do {
-    n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
-  } while (n < 0 && errno == EINTR);
-  *nfds = 0;
-  if (n < 0) return n;  // the control buffer holds nothing of this call
-  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const int count = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-    for (int i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-      if (*nfds < max_fds) {
-        fds[(*nfds)++] = fd;
-      } else {
-        close(fd);
-      }
-    }
-  }
-  if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
-    for (int i = 0; i < *nfds; ++i) close(fds[i]);
-    *nfds = 0;
-    errno = EMSGSIZE;
-    return -1;
-  }
-  return n;
-}
-
-int PidfdOpen(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
 
 // ---- The domain's shared state -------------------------------------------------------------
 
@@ -338,9 +165,7 @@ void DomainState::Serve() {
         // Abstract sockets have no file permissions: only processes of our own user (who could
         // ptrace us anyway) may connect.
         ucred cred{};
-        socklen_t cred_len = sizeof(cred);
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0 ||
-            cred.uid != geteuid()) {
+        if (!PeerCredentials(fd, &cred) || cred.uid != geteuid()) {
           LOG(WARNING) << "shmem: refused a connection from pid " << cred.pid << " of user "
                        << cred.uid << " (only user " << geteuid() << " may connect)";
           close(fd);
@@ -465,22 +290,6 @@ class ShmemRegion final : public MemoryRegion {
 };
 
 // ---- Endpoints ------------------------------------------------------------------------------
-
-// The size of a memfd a peer sent, if it is one we can map without risk: sealed against
-// shrinking (so our accesses can never fault past its end) and at least `needed` bytes.
-absl::StatusOr<uint64_t> CheckPeerMemory(int fd, uint64_t needed, absl::string_view what) {
-  struct stat st {};
-  const int seals = fcntl(fd, F_GET_SEALS);
-  if (fstat(fd, &st) != 0 || seals < 0 || (seals & F_SEAL_SHRINK) == 0 || !S_ISREG(st.st_mode)) {
-    return absl::DataLossError(
-        absl::StrCat("shmem: the peer's ", what, " is not sealed shared memory"));
-  }
-  if (static_cast<uint64_t>(st.st_size) < needed) {
-    return absl::DataLossError(absl::StrCat("shmem: the peer's ", what, " has ", st.st_size,
-                                            " bytes where ", needed, " were announced"));
-  }
-  return static_cast<uint64_t>(st.st_size);
-}
 
 class ShmemEndpoint final : public EndpointBase {
  public:
@@ -694,8 +503,7 @@ class ShmemEndpoint final : public EndpointBase {
           "): is the peer on this host, in this network namespace, and still running?"));
     }
     ucred cred{};
-    socklen_t cred_len = sizeof(cred);
-    if (getsockopt(conn_fd_, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) != 0) {
+    if (!PeerCredentials(conn_fd_, &cred)) {
       return absl::UnavailableError("shmem: the peer's process is unknown (SO_PEERCRED)");
     }
     if (cred.uid != geteuid()) {

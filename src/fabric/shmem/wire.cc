@@ -1,0 +1,128 @@
+#include "src/fabric/shmem/wire.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace tensorverbs::fabric::shmem {
+
+std::string ReplyText(uint32_t status) {
+  switch (status) {
+    case kNoSuchEndpoint:
+      return "no such endpoint (it was closed)";
+    case kEndpointTaken:
+      return "the endpoint is already connected to another peer";
+    case kNoSuchRegion:
+      return "the key names no registered region (deregistered?)";
+    case kNotShared:
+      return "the region is not in shared memory";
+    case kNoAccess:
+      return "the region allows no remote access";
+    case kNotConnected:
+      return "ask for the endpoint first";
+    default:
+      return absl::StrCat("status ", status);
+  }
+}
+
+std::string SocketName(uint64_t uid) {
+  return absl::StrCat("tensorverbs-shmem-", absl::Hex(uid, absl::kZeroPad16));
+}
+
+sockaddr_un SocketAddress(uint64_t uid, socklen_t* len) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string name = SocketName(uid);
+  // Abstract namespace: sun_path[0] is NUL, so nothing appears in any file system.
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return addr;
+}
+
+void SetTimeouts(int fd) {
+  const timeval tv = absl::ToTimeval(kSocketTimeout);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+bool SendWithFds(int sock, const void* msg, size_t len, const int* fds, int nfds, int flags) {
+  iovec iov{const_cast<void*>(msg), len};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+  if (nfds > 0) {
+    mh.msg_control = control;
+    mh.msg_controllen = CMSG_SPACE(nfds * sizeof(int));
+    cmsghdr* c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+    std::memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
+  }
+  return sendmsg(sock, &mh, MSG_NOSIGNAL | flags) == static_cast<ssize_t>(len);
+}
+
+ssize_t RecvWithFds(int sock, void* msg, size_t len, int* fds, int max_fds, int* nfds) {
+  iovec iov{msg, len};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(4 * sizeof(int))] = {};
+  mh.msg_control = control;
+  mh.msg_controllen = sizeof(control);
+  ssize_t n;
+  do {
+    n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  *nfds = 0;
+  if (n < 0) return n;  // the control buffer holds nothing of this call
+  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const int count = static_cast<int>((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+    for (int i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      if (*nfds < max_fds) {
+        fds[(*nfds)++] = fd;
+      } else {
+        close(fd);
+      }
+    }
+  }
+  if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
+    for (int i = 0; i < *nfds; ++i) close(fds[i]);
+    *nfds = 0;
+    errno = EMSGSIZE;
+    return -1;
+  }
+  return n;
+}
+
+bool PeerCredentials(int sock, ucred* cred) {
+  socklen_t len = sizeof(*cred);
+  return getsockopt(sock, SOL_SOCKET, SO_PEERCRED, cred, &len) == 0;
+}
+
+int PidfdOpen(pid_t pid) { return static_cast<int>(syscall(SYS_pidfd_open, pid, 0)); }
+
+absl::StatusOr<uint64_t> CheckPeerMemory(int fd, uint64_t needed, absl::string_view what) {
+  struct stat st {};
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (fstat(fd, &st) != 0 || seals < 0 || (seals & F_SEAL_SHRINK) == 0 || !S_ISREG(st.st_mode)) {
+    return absl::DataLossError(
+        absl::StrCat("shmem: the peer's ", what, " is not sealed shared memory"));
+  }
+  if (static_cast<uint64_t>(st.st_size) < needed) {
+    return absl::DataLossError(absl::StrCat("shmem: the peer's ", what, " has ", st.st_size,
+                                            " bytes where ", needed, " were announced"));
+  }
+  return static_cast<uint64_t>(st.st_size);
+}
+
+}  // namespace tensorverbs::fabric::shmem
