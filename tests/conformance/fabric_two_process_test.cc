@@ -89,9 +89,14 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
     EXPECT_THAT(testing::ShmRegionsOf(peer_pid), ::testing::IsEmpty());
   }
   testing::UnlinkShmRegionsOf(peer_pid);
-  absl::Time start = absl::Now();
+  // A fabric learns of the death asynchronously (the shmem fabric checks its peers every 10 ms,
+  // and until then a write into the dead peer's still-mapped memory is a plain copy), so the
+  // contract is an error within a bounded time, not on the first write: keep writing until one
+  // fails.
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + absl::Seconds(25);
   absl::Status last;
-  for (int i = 0; i < 3 && last.ok(); ++i) {
+  for (int i = 0; last.ok() && absl::Now() < deadline; ++i) {
     absl::Status posted = ep->PostWriteWithImm({mr.get(), src, kSize}, remote, i, 10 + i);
     if (!posted.ok()) {
       last = posted;
@@ -100,8 +105,9 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
     absl::StatusOr<Completion> c = poll_one(absl::Seconds(20));
     ASSERT_TRUE(c.ok()) << "write " << i << " to the killed peer never completed";
     last = c->status;
+    if (last.ok()) absl::SleepFor(absl::Milliseconds(2));
   }
-  EXPECT_FALSE(last.ok()) << "writes to a killed peer all looked successful";
+  EXPECT_FALSE(last.ok()) << "writes to a killed peer looked successful for 25 s";
   EXPECT_LT(absl::Now() - start, absl::Seconds(30));
   munmap(src, kSize);
 }
