@@ -2,8 +2,11 @@
 
 #include <unistd.h>
 
+#include <atomic>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "src/common/status_macros.h"
 #include "src/support/subprocess.h"
@@ -24,6 +27,21 @@ absl::Status Ip(const std::vector<std::string>& args) {
   return absl::OkStatus();
 }
 
+// A process-wide count of the hosts and clusters made, part of every interface name. A
+// namespace's devices go away asynchronously after `ip netns del` (the kernel frees the
+// namespace once nothing refers to it any more), so the names of a cluster made right after
+// another one in the same process must differ; and the host's ends are deleted explicitly.
+int NextGeneration() {
+  static std::atomic<int> generation{0};
+  return generation.fetch_add(1) % 100;
+}
+
+// An interface name (at most 15 bytes): prefix, pid, generation, kind and index.
+std::string InterfaceName(absl::string_view prefix, int pid, int generation, char kind,
+                          int index) {
+  return absl::StrCat(prefix, pid % 100000, "x", generation, std::string(1, kind), index);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
@@ -36,9 +54,10 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
   if (index < 0 || index > 63) return absl::InvalidArgumentError("netns host index out of range");
   auto host = std::unique_ptr<NetnsHost>(new NetnsHost);
   const int pid = static_cast<int>(getpid());
-  host->name_ = absl::StrCat("tv", pid, "n", index);
-  const std::string local_if = absl::StrCat("tvh", pid % 100000, "n", index);
-  const std::string remote_if = absl::StrCat("tvp", pid % 100000, "n", index);
+  const int generation = NextGeneration();
+  host->name_ = absl::StrCat("tv", pid, "x", generation, "n", index);
+  const std::string local_if = InterfaceName("tvh", pid, generation, 'n', index);
+  const std::string remote_if = InterfaceName("tvp", pid, generation, 'n', index);
   // A /30 per host inside 10.<200+..>.x.y, derived from the pid so that concurrent runs differ.
   const int b = 200 + pid % 50, c = (pid / 50) % 250, d = index * 4;
   host->local_address_ = absl::StrCat("10.", b, ".", c, ".", d + 1);
@@ -47,6 +66,7 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
   RETURN_IF_ERROR(Ip({"netns", "add", ns}));
   host->created_ = true;
   RETURN_IF_ERROR(Ip({"link", "add", local_if, "type", "veth", "peer", "name", remote_if}));
+  host->local_if_ = local_if;
   RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
   RETURN_IF_ERROR(Ip({"addr", "add", host->local_address_ + "/30", "dev", local_if}));
   RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
@@ -60,7 +80,10 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
 }
 
 NetnsHost::~NetnsHost() {
-  if (created_) (void)Ip({"netns", "del", name_});  // takes the veth pair with it
+  // Deleting one end of a veth pair deletes both at once; the namespace's own deletion would
+  // take them only when the kernel gets to freeing it.
+  if (!local_if_.empty()) (void)Ip({"link", "del", local_if_});
+  if (created_) (void)Ip({"netns", "del", name_});
 }
 
 std::vector<std::string> NetnsHost::ExecPrefix() const { return {kIp, "netns", "exec", name_}; }
@@ -76,18 +99,20 @@ absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
   auto cluster = std::unique_ptr<NetnsCluster>(new NetnsCluster);
   const int pid = static_cast<int>(getpid());
   const int b = 200 + pid % 50, c = (pid / 50) % 250;
-  cluster->bridge_ = absl::StrCat("tvb", pid % 100000);
+  const int generation = NextGeneration();
+  cluster->bridge_ = InterfaceName("tvb", pid, generation, 'b', 0);
   RETURN_IF_ERROR(Ip({"link", "add", "name", cluster->bridge_, "type", "bridge"}));
   RETURN_IF_ERROR(Ip({"link", "set", cluster->bridge_, "up"}));
   for (int i = 0; i < hosts; ++i) {
-    const std::string ns = absl::StrCat("tv", pid, "c", i);
-    const std::string local_if = absl::StrCat("tvh", pid % 100000, "c", i);
-    const std::string remote_if = absl::StrCat("tvp", pid % 100000, "c", i);
+    const std::string ns = absl::StrCat("tv", pid, "x", generation, "c", i);
+    const std::string local_if = InterfaceName("tvh", pid, generation, 'c', i);
+    const std::string remote_if = InterfaceName("tvp", pid, generation, 'c', i);
     const std::string address = absl::StrCat("10.", b, ".", c, ".", i + 1);
     RETURN_IF_ERROR(Ip({"netns", "add", ns}));
     cluster->namespaces_.push_back(ns);
     cluster->addresses_.push_back(address);
     RETURN_IF_ERROR(Ip({"link", "add", local_if, "type", "veth", "peer", "name", remote_if}));
+    cluster->local_ifs_.push_back(local_if);
     RETURN_IF_ERROR(Ip({"link", "set", local_if, "master", cluster->bridge_}));
     RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
     RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
@@ -100,6 +125,7 @@ absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
 }
 
 NetnsCluster::~NetnsCluster() {
+  for (const std::string& link : local_ifs_) (void)Ip({"link", "del", link});
   for (const std::string& ns : namespaces_) (void)Ip({"netns", "del", ns});
   if (!bridge_.empty()) (void)Ip({"link", "del", bridge_});
 }

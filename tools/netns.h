@@ -34,6 +34,7 @@ class NetnsHost {
  private:
   NetnsHost() = default;
   std::string name_;
+  std::string local_if_;  // the host's end of the veth pair, deleted first on destruction
   std::string local_address_;
   std::string remote_address_;
   bool created_ = false;
@@ -57,6 +58,7 @@ class NetnsCluster {
   NetnsCluster() = default;
   std::string bridge_;
   std::vector<std::string> namespaces_;
+  std::vector<std::string> local_ifs_;  // the host's ends of the veth pairs
   std::vector<std::string> addresses_;
 };
 
