@@ -27,6 +27,7 @@
 #define TENSORVERBS_FABRIC_FABRIC_H_
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,13 +74,57 @@ struct DomainOptions {
   RdmaConfig rdma;
 };
 
+// A packed remote key, held inline: the opaque bytes MemoryRegion::PackRemoteKey produced. Every
+// backend's key fits kCapacity bytes, so keys travel in control messages and posts without heap
+// allocations (one per tensor each way, otherwise). Bytes longer than kCapacity make an empty
+// key, which every backend refuses as malformed.
+class RemoteKey {
+ public:
+  static constexpr size_t kCapacity = 64;
+
+  RemoteKey() = default;
+  RemoteKey(absl::string_view bytes) { assign(bytes); }         // NOLINT(google-explicit-constructor)
+  RemoteKey(const std::string& bytes) { assign(bytes); }        // NOLINT(google-explicit-constructor)
+  RemoteKey(const char* bytes) { assign(absl::string_view(bytes)); }  // NOLINT
+  RemoteKey& operator=(absl::string_view bytes) {
+    assign(bytes);
+    return *this;
+  }
+  RemoteKey& operator=(const std::string& bytes) {
+    assign(bytes);
+    return *this;
+  }
+  RemoteKey& operator=(const char* bytes) {
+    assign(absl::string_view(bytes));
+    return *this;
+  }
+
+  void assign(absl::string_view bytes) {
+    size_ = bytes.size() <= kCapacity ? static_cast<uint8_t>(bytes.size()) : 0;
+    if (size_ > 0) std::memcpy(bytes_, bytes.data(), size_);
+  }
+  void clear() { size_ = 0; }
+  const char* data() const { return bytes_; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  absl::string_view view() const { return absl::string_view(bytes_, size_); }
+  operator absl::string_view() const { return view(); }  // NOLINT(google-explicit-constructor)
+  std::string ToString() const { return std::string(view()); }
+
+  friend bool operator==(const RemoteKey& a, const RemoteKey& b) { return a.view() == b.view(); }
+
+ private:
+  uint8_t size_ = 0;
+  char bytes_[kCapacity];
+};
+
 class MemoryRegion {
  public:
   virtual ~MemoryRegion() = default;  // deregisters
   void* base() const { return base_; }
   size_t length() const { return length_; }
   // Opaque bytes a peer needs (with an address inside the region) to access it.
-  virtual std::string PackRemoteKey() const = 0;
+  virtual RemoteKey PackRemoteKey() const = 0;
   bool Contains(const void* p, size_t len) const {
     auto b = reinterpret_cast<uintptr_t>(base_), a = reinterpret_cast<uintptr_t>(p);
     return a >= b && len <= length_ && a - b <= length_ - len;
@@ -102,7 +147,7 @@ struct LocalBuffer {
 
 // The peer's memory: `key` from its PackRemoteKey, `addr` its virtual address there.
 struct RemoteBuffer {
-  std::string key;
+  RemoteKey key;
   uint64_t addr = 0;
   uint64_t length = 0;
 };

@@ -454,16 +454,20 @@ void Channel::FinishDelivered(uint32_t index) {
 }
 
 void Channel::OnControlMessage() {
-  std::vector<Message> batch;
+  // The batch decodes into the channel's vector, whose capacity a steady channel reuses; it is
+  // taken out while in use, so a nested call (none today) would simply start its own.
+  std::vector<Message> batch = std::move(batch_);
   if (absl::Status s = mb_->OnControlMessage(&batch); !s.ok()) {
     Close(absl::DataLossError(
         absl::StrCat("control message from task ", peer_task_, ": ", s.message())));
-    return;
+  } else {
+    for (Message& m : batch) {
+      if (state_ == State::kClosed) break;
+      HandleMessage(m);
+    }
   }
-  for (Message& m : batch) {
-    if (state_ == State::kClosed) return;
-    HandleMessage(m);
-  }
+  batch.clear();
+  batch_ = std::move(batch);
 }
 
 void Channel::HandleMessage(Message& m) {

@@ -180,6 +180,7 @@ class Channel {
   State state_ = State::kConnecting;
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::unique_ptr<MessageBuffer> mb_;
+  std::vector<Message> batch_;  // OnControlMessage's decoded batch, kept for its capacity
 
   // Owner side.
   RequestIndexAllocator indexes_;

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "src/common/status_macros.h"
 
@@ -60,6 +61,12 @@ class Reader {
   bool Bytes(size_t n, std::string* s) {
     if (in_.size() - pos_ < n) return false;
     s->assign(reinterpret_cast<const char*>(in_.data() + pos_), n);
+    pos_ += n;
+    return true;
+  }
+  bool Bytes(size_t n, fabric::RemoteKey* k) {
+    if (in_.size() - pos_ < n || n > fabric::RemoteKey::kCapacity) return false;
+    k->assign(absl::string_view(reinterpret_cast<const char*>(in_.data() + pos_), n));
     pos_ += n;
     return true;
   }
@@ -211,7 +218,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   r = Reader(in.subspan(0, used));
   for (size_t skipped = 0; skipped < kHeaderSize; ++skipped) r.Get(&zero8);
   if (!r.Bytes(name_len, &m.name) || !r.Bytes(key_len, &m.remote_key)) return Malformed("truncated");
-  std::vector<int64_t> dims(rank);
+  absl::InlinedVector<int64_t, 8> dims(rank);
   for (int64_t& d : dims) {
     if (!r.Get(&d)) return Malformed("truncated shape");
   }

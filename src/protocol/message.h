@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "src/fabric/fabric.h"
 #include "src/tensor/tensor_shape.h"
 #include "src/tensor/types.h"
 
@@ -33,6 +34,7 @@ inline constexpr uint32_t kNoNameIndex = 0xFFFFFFFF;
 inline constexpr size_t kMessageSize = 8192;
 inline constexpr size_t kMaxNameLength = 2048;          // rendezvous key bytes
 inline constexpr size_t kMaxRemoteKeyLength = 64;       // opaque fabric key bytes
+static_assert(kMaxRemoteKeyLength == fabric::RemoteKey::kCapacity);
 inline constexpr size_t kMaxErrorMessageLength = 2048;  // longer messages are truncated
 
 enum class MessageType : uint8_t {
@@ -73,7 +75,7 @@ struct Message {
   int64_t step_id = 0;
   uint32_t request_index = 0;
   uint64_t remote_addr = 0;    // REQUEST / RE_REQUEST: where the content goes
-  std::string remote_key;      // REQUEST / RE_REQUEST: the fabric's packed key for it
+  fabric::RemoteKey remote_key;  // REQUEST / RE_REQUEST: the fabric's packed key for it
   uint64_t checksum = 0;       // META_DATA_RESPONSE in data-validation mode
   TensorMetaData meta;         // REQUEST: the receiver's cached copy; META_DATA_RESPONSE: current
   absl::Status error;          // ERROR_STATUS

@@ -44,19 +44,19 @@ absl::StatusOr<std::unique_ptr<MessageBuffer>> MessageBuffer::Create(fabric::Dom
 }
 
 uint64_t MessageBuffer::rx_addr() const { return reinterpret_cast<uint64_t>(rx_memory_); }
-std::string MessageBuffer::rx_key() const { return rx_region_->PackRemoteKey(); }
+std::string MessageBuffer::rx_key() const { return rx_region_->PackRemoteKey().ToString(); }
 
 absl::Status MessageBuffer::Connect(fabric::Endpoint* endpoint, uint64_t remote_addr,
                                     std::string remote_key, int remote_slots) {
   if (remote_slots < 1 || remote_slots > static_cast<int>(kMaxAckCount) || remote_addr == 0 ||
-      remote_key.empty()) {
+      remote_key.empty() || remote_key.size() > fabric::RemoteKey::kCapacity) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the peer described its message buffer as ", remote_slots, " slots at 0x", absl::Hex(remote_addr),
         " with a ", remote_key.size(), "-byte key"));
   }
   endpoint_ = endpoint;
   remote_addr_ = remote_addr;
-  remote_key_ = std::move(remote_key);
+  remote_key_ = remote_key;
   remote_slots_ = remote_slots;
   tx_memory_.assign(static_cast<size_t>(remote_slots) * kMessageSize, 0);
   ASSIGN_OR_RETURN(tx_region_, domain_->RegisterMemory(tx_memory_.data(), tx_memory_.size(),
@@ -140,9 +140,16 @@ absl::Status MessageBuffer::OnAck(uint32_t count) {
 
 absl::Status MessageBuffer::OnControlMessage(std::vector<Message>* out) {
   out->clear();
+  absl::Status s = DecodeSlot(out);
+  if (!s.ok()) out->clear();
+  return s;
+}
+
+absl::Status MessageBuffer::DecodeSlot(std::vector<Message>* out) {
   const uint64_t slot = rx_received_ % static_cast<uint64_t>(rx_slots_);
   uint8_t* in = rx_memory_ + slot * kMessageSize;
-  std::vector<Message> batch;
+  // Decoded straight into the caller's vector, whose capacity a steady channel reuses.
+  std::vector<Message>& batch = *out;
   size_t offset = 0;
   uint16_t more = 0;  // of the message just decoded: how many follow it in the slot
   do {
@@ -177,7 +184,6 @@ absl::Status MessageBuffer::OnControlMessage(std::vector<Message>* out) {
   std::memset(in, 0, offset);
   rx_messages_ += batch.size();
   ++rx_received_;
-  *out = std::move(batch);
   return absl::OkStatus();
 }
 

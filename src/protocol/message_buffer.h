@@ -106,6 +106,8 @@ class MessageBuffer {
   uint64_t messages_received() const { return rx_messages_; }
 
  private:
+  // OnControlMessage's work, appending to `out`.
+  absl::Status DecodeSlot(std::vector<Message>* out);
   MessageBuffer(fabric::Domain* domain, int rx_slots, int max_batch, MessageCounters counters);
   absl::Status Pump();
 
@@ -125,7 +127,7 @@ class MessageBuffer {
 
   fabric::Endpoint* endpoint_ = nullptr;
   uint64_t remote_addr_ = 0;
-  std::string remote_key_;
+  fabric::RemoteKey remote_key_;
   int remote_slots_ = 0;
 
   std::deque<Message> queue_;

@@ -118,7 +118,7 @@ void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
 }
 
 absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
-                                                   std::string* key) {
+                                                   fabric::RemoteKey* key) {
   ChannelEnv* env = channel_->env();
   result_.Clear();
   staging_.Clear();
@@ -141,7 +141,7 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
 }
 
 absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,
-                                                  std::string* key) {
+                                                  fabric::RemoteKey* key) {
   ASSIGN_OR_RETURN(const fabric::MemoryRegion* region,
                    EnsureCopyBuffer(channel_->env()->memory, staging_, bytes));
   *addr = reinterpret_cast<uint64_t>(staging_.data());

@@ -98,10 +98,10 @@ class RdmaTensorRequest {
   // RE_REQUEST for meta_: a destination if the recv is still wanted, else none.
   void SendReRequest();
   // Allocates the destination for `meta` and returns where the sender writes.
-  absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, std::string* key);
+  absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, fabric::RemoteKey* key);
   // Copy mode: makes staging_ (the name's buffer) hold at least `bytes` and returns where the
   // sender writes.
-  absl::Status PrepareCopyBuffer(uint64_t bytes, uint64_t* addr, std::string* key);
+  absl::Status PrepareCopyBuffer(uint64_t bytes, uint64_t* addr, fabric::RemoteKey* key);
   // Copy mode: offers the name's buffer from earlier transfers in `m`, if it has one.
   void OfferCopyBuffer(Message& m);
   void RecvCopyContent();

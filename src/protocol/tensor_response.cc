@@ -201,7 +201,7 @@ void RdmaTensorResponse::RecvReRequest(const Message& m) {
   WriteContent(m.remote_addr, m.remote_key);
 }
 
-void RdmaTensorResponse::WriteContent(uint64_t addr, const std::string& key) {
+void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& key) {
   MessageBuffer* mb = channel_->message_buffer();
   fabric::Endpoint* ep = channel_->endpoint();
   TransitionTo(State::kWriting);

@@ -62,7 +62,7 @@ class RdmaTensorResponse {
   absl::Status PrepareCopySource(const Tensor& tensor, bool is_dead);
   // Whether the request already named a destination the tensor fits.
   bool CanWriteNow() const;
-  void WriteContent(uint64_t addr, const std::string& key);
+  void WriteContent(uint64_t addr, const fabric::RemoteKey& key);
   // The requested key, for messages ("?" when it did not resolve).
   const std::string& name() const;
   // A message to the requester about this request (step and index filled in).

@@ -127,7 +127,7 @@ TEST_P(FabricConformanceTest, RegistersAndDeregistersManyRegions) {
         a_->RegisterMemory(buf.data() + i * 4096, 4096, kAccessRemoteWrite);
     ASSERT_TRUE(mr.ok()) << mr.status();
     EXPECT_EQ((*mr)->base(), buf.data() + i * 4096);
-    keys.insert((*mr)->PackRemoteKey());
+    keys.insert((*mr)->PackRemoteKey().ToString());
     regions.push_back(*std::move(mr));
   }
   EXPECT_EQ(keys.size(), 64u) << "each region has its own key";

@@ -87,12 +87,12 @@ struct PackedKey {
   uint32_t rkey = 0;
   uint64_t base = 0;
   uint64_t length = 0;
-  std::string Pack() const {
-    std::string out(kSize, '\0');
+  RemoteKey Pack() const {
+    char out[kSize];
     std::memcpy(&out[0], &rkey, 4);
     std::memcpy(&out[4], &base, 8);
     std::memcpy(&out[12], &length, 8);
-    return out;
+    return RemoteKey(absl::string_view(out, kSize));
   }
   static absl::StatusOr<PackedKey> Unpack(absl::string_view b) {
     if (b.size() != kSize) return absl::InvalidArgumentError("ibverbs: malformed remote key");
@@ -130,7 +130,7 @@ class IbvRegion final : public MemoryRegion {
   IbvRegion(std::shared_ptr<Shared> shared, ibv_mr* mr, void* base, size_t length)
       : MemoryRegion(base, length), shared_(std::move(shared)), mr_(mr) {}
   ~IbvRegion() override { ibv_dereg_mr(mr_); }
-  std::string PackRemoteKey() const override {
+  RemoteKey PackRemoteKey() const override {
     return PackedKey{mr_->rkey, reinterpret_cast<uint64_t>(base()), length()}.Pack();
   }
   uint32_t lkey() const { return mr_->lkey; }

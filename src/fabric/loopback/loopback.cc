@@ -67,12 +67,12 @@ std::map<std::string, std::weak_ptr<EndpointState>>& Registry() {
   return *registry;
 }
 
-std::string PackKey(uint64_t key, uint64_t base, uint64_t length) {
-  std::string out(24, '\0');
+RemoteKey PackKey(uint64_t key, uint64_t base, uint64_t length) {
+  char out[24];
   std::memcpy(&out[0], &key, 8);
   std::memcpy(&out[8], &base, 8);
   std::memcpy(&out[16], &length, 8);
-  return out;
+  return RemoteKey(absl::string_view(out, sizeof(out)));
 }
 
 class LoopbackRegion final : public MemoryRegion {
@@ -83,7 +83,7 @@ class LoopbackRegion final : public MemoryRegion {
     MutexLock lock(&domain_->mu);
     domain_->regions.erase(key_);
   }
-  std::string PackRemoteKey() const override {
+  RemoteKey PackRemoteKey() const override {
     return PackKey(key_, reinterpret_cast<uint64_t>(base()), length());
   }
 

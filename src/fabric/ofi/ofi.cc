@@ -43,13 +43,13 @@ struct PackedKey {
   uint8_t virtual_addressing = 1;
   static constexpr size_t kSize = 25;
 
-  std::string Pack() const {
-    std::string out(kSize, '\0');
+  RemoteKey Pack() const {
+    char out[kSize];
     std::memcpy(&out[0], &key, 8);
     std::memcpy(&out[8], &base, 8);
     std::memcpy(&out[16], &length, 8);
     out[24] = static_cast<char>(virtual_addressing);
-    return out;
+    return RemoteKey(absl::string_view(out, kSize));
   }
   static absl::StatusOr<PackedKey> Unpack(absl::string_view bytes) {
     if (bytes.size() != kSize) {
@@ -98,7 +98,7 @@ class OfiRegion final : public MemoryRegion {
   OfiRegion(std::shared_ptr<Shared> shared, fid_mr* mr, void* base, size_t length)
       : MemoryRegion(base, length), shared_(std::move(shared)), mr_(mr) {}
   ~OfiRegion() override { fi_close(&mr_->fid); }
-  std::string PackRemoteKey() const override {
+  RemoteKey PackRemoteKey() const override {
     PackedKey k;
     k.key = fi_mr_key(mr_);
     k.base = reinterpret_cast<uint64_t>(base());

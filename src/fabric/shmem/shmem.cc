@@ -268,7 +268,7 @@ class ShmemRegion final : public MemoryRegion {
       d_->regions.erase(it);
     }
   }
-  std::string PackRemoteKey() const override {
+  RemoteKey PackRemoteKey() const override {
     PackedKey k{kKeyMagic,
                 shared_ ? kKeyShared : 0u,
                 d_->uid,
@@ -278,7 +278,7 @@ class ShmemRegion final : public MemoryRegion {
                 offset_,
                 access_,
                 0};
-    return std::string(reinterpret_cast<const char*>(&k), sizeof(k));
+    return RemoteKey(absl::string_view(reinterpret_cast<const char*>(&k), sizeof(k)));
   }
 
  private:

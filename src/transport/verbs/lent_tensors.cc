@@ -21,7 +21,7 @@ absl::StatusOr<protocol::RemoteTensorRef> LentTensors::Lend(const std::string& r
   ASSIGN_OR_RETURN(uint32_t key, keys_.Allocate());
   protocol::RemoteTensorRef ref;
   ref.addr = reinterpret_cast<uint64_t>(source.data());
-  ref.key = region->PackRemoteKey();
+  ref.key = region->PackRemoteKey().ToString();
   ref.tensor_key = key;
   ref.bytes = bytes;
   lent_[key] = Lent{std::move(source), requester, expires};

@@ -148,7 +148,9 @@ TEST_F(IbverbsFakeNicTest, ReadsAndErrorCompletionsBecomeStatuses) {
   EXPECT_EQ(src_[99], 'z');
   // A key the NIC does not know (the range itself is consistent, so the backend posts it).
   RemoteBuffer bogus = Dst(0, 64);
-  bogus.key[0] ^= 0x55;
+  std::string flipped = bogus.key.ToString();
+  flipped[0] ^= 0x55;
+  bogus.key = flipped;
   ASSERT_TRUE(a_->PostWrite({src_mr_.get(), src_.data(), 64}, bogus, 2).ok());
   got = Drain();
   ASSERT_EQ(got.size(), 1u);

@@ -46,7 +46,7 @@ class MemoryMgrTest : public ::testing::Test {
 
   // Writes `len` (<= 256) bytes of 0, 1, 2, ... from the peer into `dest` through `key`, as a
   // sender would; the result is the post's status (the loopback checks key and range there).
-  absl::Status RemoteWrite(const std::string& key, void* dest, size_t len) {
+  absl::Status RemoteWrite(const fabric::RemoteKey& key, void* dest, size_t len) {
     fabric::LocalBuffer local{source_region_.get(), source_.data(), len};
     fabric::RemoteBuffer remote{key, reinterpret_cast<uint64_t>(dest), len};
     absl::Status s = writer_->PostWrite(local, remote, /*context=*/1);
@@ -159,7 +159,7 @@ TEST_F(MemoryMgrTest, RegisterTransientRegistersArbitraryMemory) {
       memory_->RegisterTransient(heap.data(), heap.size());
   ASSERT_TRUE(mr.ok()) << mr.status();
   EXPECT_TRUE((*mr)->Contains(heap.data(), heap.size()));
-  const std::string key = (*mr)->PackRemoteKey();
+  const fabric::RemoteKey key = (*mr)->PackRemoteKey();
   ASSERT_TRUE(RemoteWrite(key, heap.data() + 100, 256).ok());
   EXPECT_TRUE(Holds(heap.data() + 100, 256));
   EXPECT_EQ(heap[99], 0xEE);
@@ -190,7 +190,7 @@ TEST_F(MemoryMgrTest, MetaDataCacheRoundTrips) {
 }
 
 TEST_F(MemoryMgrTest, RegionsThePoolReleasesAreDeregisteredBeforeTheNextLookup) {
-  std::string old_key;
+  fabric::RemoteKey old_key;
   void* old_base = nullptr;
   {
     Tensor t = *Tensor::Allocate(&pool_, DataType::kUInt8, TensorShape::Of({4096}));
