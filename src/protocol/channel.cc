@@ -68,6 +68,7 @@ void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
                         absl::Time deadline, RecvDoneCallback done) {
   AssertOwnerThread();
   auto fail = [&](const absl::Status& s) {
+    env_->CountRecv(s, Tensor());
     env_->worker->callback_executor->Schedule(
         [done = std::move(done), s]() mutable { std::move(done)(s, Tensor(), false); });
   };

@@ -107,6 +107,10 @@ struct ChannelEnv {
   std::function<bool()> on_owner_thread;
 
   void CountCopy(uint64_t bytes) const { stats->CountCopy(bytes, worker->stats); }
+  // A recv's outcome in the worker's TransferStats, on each path that runs its `done`.
+  void CountRecv(const absl::Status& status, const Tensor& tensor) const {
+    if (worker != nullptr && worker->stats != nullptr) worker->stats->CountRecv(status, tensor);
+  }
 
   // The region through which the fabric reaches [data, data+bytes) for one transfer, under the
   // registration strategy: the pool's registered region (kPool), a registration made for this

@@ -38,26 +38,17 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
     std::move(done)(s, Tensor(), false);
     return;
   }
-  if (env_->stats == nullptr) {
+  if (env_->stats == nullptr || CountsOwnRecvs()) {
     RecvFromRemoteAsync(key, args, std::move(done));
     return;
   }
   TransferStats* stats = env_->stats;
-  absl::Time start = absl::Now();
-  RecvFromRemoteAsync(
-      key, args,
-      [stats, start, done = std::move(done)](const absl::Status& s, const Tensor& t,
-                                             bool is_dead) mutable {
-        if (s.ok()) {
-          stats->tensors.fetch_add(1, std::memory_order_relaxed);
-          stats->bytes.fetch_add(static_cast<int64_t>(t.TotalBytes()), std::memory_order_relaxed);
-        } else {
-          stats->errors.fetch_add(1, std::memory_order_relaxed);
-        }
-        stats->busy_micros.fetch_add(absl::ToInt64Microseconds(absl::Now() - start),
-                                     std::memory_order_relaxed);
-        std::move(done)(s, t, is_dead);
-      });
+  RecvFromRemoteAsync(key, args,
+                      [stats, done = std::move(done)](const absl::Status& s, const Tensor& t,
+                                                      bool is_dead) mutable {
+                        stats->CountRecv(s, t);
+                        std::move(done)(s, t, is_dead);
+                      });
 }
 
 uint64_t RemoteRendezvous::RecvLocalAsync(const ParsedKey& key, RecvDoneCallback done) {

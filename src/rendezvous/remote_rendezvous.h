@@ -27,16 +27,26 @@
 
 namespace tensorverbs {
 
-// Counters of remote recvs, updated by every protocol through RemoteRendezvous::RecvAsync.
+// Counters of remote recvs, updated for every protocol: by RemoteRendezvous::RecvAsync, or by
+// the transport itself where it says so (RemoteRendezvous::CountsOwnRecvs).
 struct TransferStats {
-  std::atomic<int64_t> tensors{0};      // remote recvs completed OK
-  std::atomic<int64_t> bytes{0};        // their element bytes (TotalBytes)
-  std::atomic<int64_t> busy_micros{0};  // summed time from RecvAsync to done
+  std::atomic<int64_t> tensors{0};  // remote recvs completed OK
+  std::atomic<int64_t> bytes{0};    // their element bytes (TotalBytes)
   std::atomic<int64_t> errors{0};
   // Copies of tensor bytes the protocol made in this process, sending or receiving (a gRPC
   // response parsed into its tensor, a proxy or staging buffer); zero-copy transfers add none.
   std::atomic<int64_t> copies{0};
   std::atomic<int64_t> copied_bytes{0};
+
+  // One remote recv's outcome, just before its `done` runs.
+  void CountRecv(const absl::Status& status, const Tensor& tensor) {
+    if (status.ok()) {
+      tensors.fetch_add(1, std::memory_order_relaxed);
+      bytes.fetch_add(static_cast<int64_t>(tensor.TotalBytes()), std::memory_order_relaxed);
+    } else {
+      errors.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
 };
 
 // What a worker task's rendezvous needs to know about its process. Outlives every rendezvous.
@@ -82,6 +92,10 @@ class RemoteRendezvous {
   size_t NumPendingSends() const { return local_.NumPendingSends(); }
 
  protected:
+  // Whether RecvFromRemoteAsync counts each recv in env's TransferStats itself (CountRecv, on
+  // every path that runs `done`). Otherwise RecvAsync wraps `done` to count it, which costs a
+  // heap allocation per recv.
+  virtual bool CountsOwnRecvs() const { return false; }
   virtual void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
                                    RecvDoneCallback done) = 0;
   // Fails every in-flight remote recv; later ones fail because status() is no longer OK.

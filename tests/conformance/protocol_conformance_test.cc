@@ -372,6 +372,12 @@ TEST_P(ProtocolTest, EveryFixtureArrivesIntactWithItsDeadness) {
     }
     EXPECT_EQ(recvs[i]->calls(), 1) << f.name;
   }
+  // The receiving task counted every recv and its bytes (what `tensorverbs demo` reports).
+  int64_t bytes = 0;
+  for (const auto& r : recvs) bytes += static_cast<int64_t>(r->tensor().TotalBytes());
+  EXPECT_EQ(server(0).stats().tensors.load(), static_cast<int64_t>(fixtures.size()));
+  EXPECT_EQ(server(0).stats().bytes.load(), bytes);
+  EXPECT_EQ(server(0).stats().errors.load(), 0);
   ExpectNothingLent(1);
 }
 
@@ -502,6 +508,8 @@ TEST_P(ProtocolTest, SenderSideErrorsReachTheReceiverWithCodeAndMessage) {
   ASSERT_NO_FATAL_FAILURE(SendAndRecv(8, "after", PoolTensor(1, DataType::kFloat32, {4096}, 1)));
   EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
   for (PendingRecv* r : {&wrong_incarnation, &cleaned, &aborted}) EXPECT_EQ(r->calls(), 1);
+  EXPECT_EQ(server(0).stats().errors.load(), 3) << "each failed recv is counted once";
+  EXPECT_EQ(server(0).stats().tensors.load(), 1);
 }
 
 TEST_P(ProtocolTest, AbortMidFlightCompletesOnceAndLateContentLandsHarmlessly) {

@@ -18,6 +18,7 @@ class VerbsRemoteRendezvous final : public RemoteRendezvous,
       : RemoteRendezvous(env, step_id), transport_(transport) {}
 
  protected:
+  bool CountsOwnRecvs() const override { return true; }  // VerbsTransport and its channels
   void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
                            RecvDoneCallback done) override {
     transport_->Recv(shared_from_this(), key,

@@ -161,6 +161,7 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
                                          key = keys_.Intern(key), allocator, deadline,
                                          done = std::move(done)]() mutable {
     auto fail = [this, &done](const absl::Status& s) {
+      if (options_.env->stats != nullptr) options_.env->stats->CountRecv(s, Tensor());
       options_.env->callback_executor->Schedule(
           [done = std::move(done), s]() mutable { std::move(done)(s, Tensor(), false); });
     };
