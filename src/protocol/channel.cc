@@ -11,6 +11,44 @@
 
 namespace tensorverbs::protocol {
 
+namespace {
+
+// Finished request and response records are kept (up to this many of each) and reassigned to
+// the next ones, so a steady channel makes no heap allocation for them. Sanitizer builds free
+// them instead, so that a use after finish stays a use after free that ASan reports.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr size_t kMaxSpareRecords = 0;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr size_t kMaxSpareRecords = 0;
+#else
+constexpr size_t kMaxSpareRecords = 256;
+#endif
+#else
+constexpr size_t kMaxSpareRecords = 256;
+#endif
+
+// A record built from `args`: a spare one reassigned, or a new one.
+template <typename T, typename... Args>
+std::unique_ptr<T> Renew(std::vector<std::unique_ptr<T>>& spares, Args&&... args) {
+  if (spares.empty()) return std::make_unique<T>(std::forward<Args>(args)...);
+  std::unique_ptr<T> r = std::move(spares.back());
+  spares.pop_back();
+  *r = T(std::forward<Args>(args)...);
+  return r;
+}
+
+// Keeps a finished record as a spare, after `blank` replaced everything it held (tensors,
+// callbacks, its rendezvous): nothing outlives the record's use.
+template <typename T>
+void Retire(std::vector<std::unique_ptr<T>>& spares, std::unique_ptr<T> r, T blank) {
+  if (spares.size() >= kMaxSpareRecords) return;  // `r` is deleted here
+  *r = std::move(blank);
+  spares.push_back(std::move(r));
+}
+
+}  // namespace
+
 void Channel::AssertOwnerThread() const {
   DCHECK(env_->on_owner_thread == nullptr || env_->on_owner_thread())
       << Describe() << " used off the progress thread";
@@ -96,8 +134,8 @@ void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
     return;
   }
   if (state != nullptr) ++state->active;
-  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step_id, std::move(key),
-                                                     allocator, deadline, std::move(done));
+  auto request = Renew(spare_requests_, this, *index, step_id, std::move(key), allocator,
+                       deadline, std::move(done));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   if (state_ == State::kReady) {
@@ -220,12 +258,27 @@ void Channel::FinishRequest(uint32_t index) {
     } else if (auto k = keys_.find(r.key_ref()); k != keys_.end()) {
       --k->second.active;
     }
+    RetireRequest(std::move(it->second));
     requests_.erase(it);
   }
   indexes_.Release(index);
 }
 
-void Channel::FinishResponse(uint32_t index) { responses_.erase(index); }
+void Channel::FinishResponse(uint32_t index) {
+  auto it = responses_.find(index);
+  if (it == responses_.end()) return;
+  RetireResponse(std::move(it->second));
+  responses_.erase(it);
+}
+
+void Channel::RetireRequest(std::unique_ptr<RdmaTensorRequest> r) {
+  Retire(spare_requests_, std::move(r),
+         RdmaTensorRequest(this, 0, 0, nullptr, nullptr, absl::InfiniteFuture(), nullptr));
+}
+
+void Channel::RetireResponse(std::unique_ptr<RdmaTensorResponse> r) {
+  Retire(spare_responses_, std::move(r), RdmaTensorResponse(this, 0, Message()));
+}
 
 void Channel::FinishPull(uint32_t index) {
   pulls_.erase(index);
@@ -288,7 +341,10 @@ void Channel::OnCompletion(const fabric::Completion& c) {
     }
     case OpTag::kContent: {
       auto it = responses_.find(static_cast<uint32_t>(value));
-      if (it != responses_.end() && it->second->OnWriteDone()) responses_.erase(it);
+      if (it != responses_.end() && it->second->OnWriteDone()) {
+        RetireResponse(std::move(it->second));
+        responses_.erase(it);
+      }
       return;
     }
   }
@@ -379,8 +435,8 @@ void Channel::Push(const KeyRef& key, int64_t step, Allocator* allocator) {
   }
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) return;
-  auto request = std::make_unique<RdmaTensorRequest>(this, *index, step, key, allocator,
-                                                     absl::InfiniteFuture(), nullptr);
+  auto request = Renew(spare_requests_, this, *index, step, key, allocator,
+                       absl::InfiniteFuture(), RecvDoneCallback());
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   state->pushed = *index;
@@ -533,7 +589,7 @@ void Channel::HandleRequest(Message& m) {
       error = r.status();
     }
   }
-  auto response = std::make_unique<RdmaTensorResponse>(this, next_serial_++, std::move(m));
+  auto response = Renew(spare_responses_, this, next_serial_++, std::move(m));
   RdmaTensorResponse* raw = response.get();
   responses_.emplace(index, std::move(response));
   if (!error.ok()) {

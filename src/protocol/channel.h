@@ -125,6 +125,9 @@ class Channel {
   CopyBuffers& copy_buffers() { return copy_buffers_; }
 
  private:
+  // Keep a finished record as a spare (FinishRequest, FinishResponse, a completed write).
+  void RetireRequest(std::unique_ptr<RdmaTensorRequest> r);
+  void RetireResponse(std::unique_ptr<RdmaTensorResponse> r);
   void AssertOwnerThread() const;
   void OnControlMessage();
   void HandleMessage(Message& m);
@@ -196,6 +199,9 @@ class Channel {
   uint64_t pushed_bytes_ = 0;  // their destinations
   // Acceptor side.
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorResponse>> responses_;
+  // Finished records kept for reuse (see Renew in channel.cc).
+  std::vector<std::unique_ptr<RdmaTensorRequest>> spare_requests_;
+  std::vector<std::unique_ptr<RdmaTensorResponse>> spare_responses_;
   uint64_t next_serial_ = 1;
   absl::flat_hash_map<std::string, KeyRef> valid_keys_;
   // By the index the owner defined: the key, or why it is not one this task serves.

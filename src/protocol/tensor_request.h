@@ -111,11 +111,12 @@ class RdmaTensorRequest {
   absl::Status RecvError(const absl::Status& status) const;
   void Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead);
 
-  Channel* const channel_;
-  const uint32_t index_;
-  const int64_t step_id_;
-  const KeyRef key_;  // shared with every other recv of the key
-  Allocator* const allocator_;
+  // Not const: a finished record is recycled by assignment (Channel's spare records).
+  Channel* channel_;
+  uint32_t index_;
+  int64_t step_id_;
+  KeyRef key_;  // shared with every other recv of the key
+  Allocator* allocator_;
   absl::Time deadline_;
   RecvDoneCallback done_;
   bool pushed_ = false;

@@ -72,9 +72,10 @@ class RdmaTensorResponse {
   // ERROR_STATUS; the channel then forgets this response (deletes it).
   void SendError(const absl::Status& status);
 
-  Channel* const channel_;
-  const uint64_t serial_;
-  const Message request_;  // REQUEST as received (step, index, target, meta)
+  // Not const: a finished record is recycled by assignment (Channel's spare records).
+  Channel* channel_;
+  uint64_t serial_;
+  Message request_;  // REQUEST as received (step, index, target, meta)
   KeyRef key_;             // what it asked for, once resolved (Start)
   State state_ = State::kWaitTensor;
   std::shared_ptr<RemoteRendezvous> rendezvous_;
