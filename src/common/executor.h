@@ -36,6 +36,8 @@ class Executor {
   // for all of them; they run in order on one thread. For a caller that completes many
   // callbacks at once (a progress loop's turn).
   void ScheduleAll(std::vector<Task>* tasks);
+  // Without threads, Schedule runs each task on the caller's thread.
+  bool runs_inline() const { return threads_.empty(); }
 
  private:
   void WorkerLoop();

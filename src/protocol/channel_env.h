@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/memory_mgr.h"
+#include "src/protocol/progress_engine.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 
@@ -93,9 +94,9 @@ struct ChannelEnv {
   // the end of the completion or task being handled; from another thread, at the loop's next
   // turn.
   std::function<void(absl::AnyInvocable<void() &&>)> post;
-  // Runs a user `done` callback on the worker's callback executor; on the progress thread, the
-  // callbacks of one turn go to the executor together at the end of the turn.
-  std::function<void(absl::AnyInvocable<void() &&>)> deliver;
+  // Runs a recv's `done` with its outcome on the worker's callback executor; on the progress
+  // thread, the recvs of one turn go to the executor together at the end of the turn.
+  std::function<void(ProgressEngine::RecvDelivery)> deliver;
   // Finds a live channel by id (progress thread); null if it is gone.
   std::function<Channel*(uint64_t)> find_channel;
   // Keeps memory alive until `until` (progress thread).

@@ -61,12 +61,36 @@ void ProgressEngine::Deliver(Executor::Task callback) {
   }
 }
 
+void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
+  if (OnLoopThread()) {
+    deliveries_.push_back(std::move(delivery));
+  } else {
+    executor_->Schedule([d = std::move(delivery)]() mutable {
+      std::move(d.done)(d.status, d.tensor, d.is_dead);
+    });
+  }
+}
+
+void ProgressEngine::HandOffCallbacks() {
+  executor_->ScheduleAll(&callbacks_);
+  if (deliveries_.empty()) return;
+  if (executor_->runs_inline()) {
+    for (RecvDelivery& d : deliveries_) std::move(d.done)(d.status, d.tensor, d.is_dead);
+    deliveries_.clear();
+    return;
+  }
+  executor_->Schedule([batch = std::move(deliveries_)]() mutable {
+    for (RecvDelivery& d : batch) std::move(d.done)(d.status, d.tensor, d.is_dead);
+  });
+  deliveries_.clear();
+}
+
 bool ProgressEngine::RunDeferred() {
   bool ran = false;
   while (!deferred_.empty()) {
-    std::vector<Task> batch;
-    batch.swap(deferred_);
-    for (Task& task : batch) std::move(task)();
+    running_.swap(deferred_);  // deferred_ gets the empty vector, with its capacity
+    for (Task& task : running_) std::move(task)();
+    running_.clear();
     ran = true;
   }
   return ran;
@@ -78,7 +102,7 @@ void ProgressEngine::Loop() {
   // The first idle turn after the last activity (adaptive mode); the fine clock is read only
   // on idle turns, so a busy loop pays for no clock reads but the coarse one.
   absl::Time idle_since = absl::InfiniteFuture();
-  std::deque<Task> batch;
+  std::vector<Task> batch;
   absl::Status last_poll_error;
   loop_thread_id_.store(std::this_thread::get_id());
   // The kernel lets a sleeping thread's timer fire up to its slack late (50 us by default), which
@@ -114,10 +138,10 @@ void ProgressEngine::Loop() {
       RunDeferred();
       next_housekeeping = coarse + options_.housekeeping_interval;
     }
-    if (!callbacks_.empty()) {
+    if (!callbacks_.empty() || !deliveries_.empty()) {
       // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
       // protocol's own work on a small tensor.
-      executor_->ScheduleAll(&callbacks_);
+      HandOffCallbacks();
       active = true;
     }
     if (active) {
@@ -165,11 +189,11 @@ void ProgressEngine::Loop() {
   // to the executor directly.
   stopped_.store(true);
   loop_thread_id_.store(std::thread::id());
-  executor_->ScheduleAll(&callbacks_);
+  HandOffCallbacks();
 }
 
 void ProgressEngine::Stop() {
-  std::deque<Task> never_run;
+  std::vector<Task> never_run;
   {
     MutexLock lock(&mu_);
     if (stopping_) return;
@@ -183,7 +207,7 @@ void ProgressEngine::Stop() {
   }
   if (!thread_.joinable()) {
     for (Task& task : never_run) std::move(task)();
-    executor_->ScheduleAll(&callbacks_);
+    HandOffCallbacks();
     return;
   }
   domain_->Interrupt();

@@ -35,6 +35,8 @@
 #include "src/common/executor.h"
 #include "src/common/mutex.h"
 #include "src/fabric/fabric.h"
+#include "src/rendezvous/local_rendezvous.h"
+#include "src/tensor/tensor.h"
 
 namespace tensorverbs::protocol {
 
@@ -80,6 +82,15 @@ class ProgressEngine {
   // Runs a user callback on the executor: on the loop thread, with the turn's other callbacks
   // at the end of the turn; elsewhere at once.
   void Deliver(Executor::Task callback);
+  // The same for a recv's `done` with its outcome, without wrapping it in a task: the turn's
+  // recvs go to the executor as one task, so a recv costs no heap allocation of its own.
+  struct RecvDelivery {
+    RecvDoneCallback done;
+    absl::Status status;
+    Tensor tensor;
+    bool is_dead = false;
+  };
+  void DeliverRecv(RecvDelivery delivery);
 
   bool OnLoopThread() const {
     return std::this_thread::get_id() == loop_thread_id_.load(std::memory_order_relaxed);
@@ -97,6 +108,8 @@ class ProgressEngine {
   void Loop();
   // Runs the deferred tasks (and those they defer); true if there were any.
   bool RunDeferred();
+  // The turn's callbacks and recv deliveries to the executor (loop thread, or the stopping one).
+  void HandOffCallbacks();
 
   fabric::Domain* const domain_;
   Executor* const executor_;
@@ -104,7 +117,8 @@ class ProgressEngine {
   const Hooks hooks_;
 
   Mutex mu_;
-  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
+  // Vectors, swapped with the loop's own, so that their capacity is reused turn after turn.
+  std::vector<Task> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // Set with tasks_ (and with stopping_) so that the loop looks at the queue only when there is
   // something to see.
@@ -116,7 +130,9 @@ class ProgressEngine {
   // Loop thread: tasks posted on it, run later in the same turn; user callbacks completed in
   // this turn, handed to the executor at its end.
   std::vector<Task> deferred_;
+  std::vector<Task> running_;  // RunDeferred's batch, kept for its capacity
   std::vector<Executor::Task> callbacks_;
+  std::vector<RecvDelivery> deliveries_;
   std::thread thread_;
 };
 

@@ -339,9 +339,7 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
   RecvDoneCallback done = std::move(done_);
   done_ = nullptr;
   channel_->env()->CountRecv(status, tensor);
-  channel_->env()->deliver([done = std::move(done), status, tensor, is_dead]() mutable {
-    std::move(done)(status, tensor, is_dead);
-  });
+  channel_->env()->deliver({std::move(done), status, tensor, is_dead});
 }
 
 std::vector<Tensor> RdmaTensorRequest::TakeMemory() {

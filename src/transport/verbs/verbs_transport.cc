@@ -98,7 +98,9 @@ absl::Status VerbsTransport::Start() {
   channel_env_.push_max_bytes = options_.push_max_bytes;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };
-  channel_env_.deliver = [this](Executor::Task callback) { engine_->Deliver(std::move(callback)); };
+  channel_env_.deliver = [this](protocol::ProgressEngine::RecvDelivery d) {
+    engine_->DeliverRecv(std::move(d));
+  };
   channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
     quarantine_.emplace_back(until, std::move(memory));
   };

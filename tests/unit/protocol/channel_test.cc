@@ -91,7 +91,11 @@ struct Side {
     env.domain = domain.get();
     env.stats = &stats;
     env.post = [this](absl::AnyInvocable<void() &&> task) { posted.push_back(std::move(task)); };
-    env.deliver = [this](Executor::Task callback) { callbacks.push_back(std::move(callback)); };
+    env.deliver = [this](ProgressEngine::RecvDelivery d) {
+      callbacks.push_back([d = std::move(d)]() mutable {
+        std::move(d.done)(d.status, d.tensor, d.is_dead);
+      });
+    };
     env.find_channel = [this](uint64_t id) -> Channel* {
       return channel != nullptr && channel->id() == id ? channel.get() : nullptr;
     };

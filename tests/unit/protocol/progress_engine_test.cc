@@ -186,6 +186,46 @@ TEST_F(ProgressEngineTest, DeliverHandsCallbacksToTheExecutorsThread) {
   EXPECT_EQ(other_thread, ran_on[0]);
 }
 
+TEST_F(ProgressEngineTest, RecvDeliveriesRunOnceEachInOrderAfterTheTurnOffTheLoopThread) {
+  for (int threads : {0, 1}) {
+    SCOPED_TRACE(threads == 0 ? "inline executor" : "one callback thread");
+    MakeEngine({}, threads);
+    engine_->Start();
+    std::vector<std::string> got;
+    std::thread::id loop_thread;
+    std::vector<std::thread::id> ran_on;
+    Notification all_ran;
+    ASSERT_TRUE(engine_->Post([&] {
+      loop_thread = std::this_thread::get_id();
+      for (int i = 0; i < 3; ++i) {
+        ProgressEngine::RecvDelivery d;
+        d.done = [&, i](const absl::Status& s, const Tensor& t, bool is_dead) {
+          MutexLock lock(&mu_);
+          got.push_back(absl::StrCat(i, " ", s.ok() ? "ok" : std::string(s.message()), " ",
+                                     t.IsInitialized() ? t.NumElements() : 0,
+                                     is_dead ? " dead" : ""));
+          ran_on.push_back(std::this_thread::get_id());
+          if (i == 2) all_ran.Notify();
+        };
+        if (i == 1) d.status = absl::UnavailableError("gone");
+        if (i == 0) d.tensor = Tensor::Make(DataType::kFloat32, TensorShape::Of({3}));
+        d.is_dead = i == 2;
+        engine_->DeliverRecv(std::move(d));
+      }
+      MutexLock lock(&mu_);
+      got.push_back("turn");
+    }));
+    ASSERT_TRUE(all_ran.WaitForNotificationWithTimeout(kPatience));
+    engine_->Stop();
+    engine_.reset();
+    MutexLock lock(&mu_);
+    EXPECT_THAT(got, ElementsAre("turn", "0 ok 3", "1 gone 0", "2 ok 0 dead"));
+    if (threads > 0) {
+      EXPECT_NE(ran_on[0], loop_thread) << "user code stays off the loop thread";
+    }
+  }
+}
+
 TEST_F(ProgressEngineTest, StopRunsWhatWasPostedThenPostLeavesTheTaskWithTheCaller) {
   MakeEngine();
   engine_->Start();
