@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/transport/verbs/channel_setup.h"
@@ -155,39 +156,61 @@ void VerbsTransport::Housekeeping(absl::Time now) {
 
 void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
                           Allocator* allocator, RecvDoneCallback done) {
-  const absl::Time deadline = absl::Now() + options_.recv_timeout;
-  // The task owns `done`. If the engine refuses it (shutting down), the task runs right here,
-  // off the loop thread, and only fails the recv; so does a task that a stopping engine that
-  // never started runs on the stopping thread.
-  protocol::ProgressEngine::Task task = [this, rendezvous = std::move(rendezvous),
-                                         key = keys_.Intern(key), allocator, deadline,
-                                         done = std::move(done)]() mutable {
-    auto fail = [this, &done](const absl::Status& s) {
-      if (options_.env->stats != nullptr) options_.env->stats->CountRecv(s, Tensor());
-      options_.env->callback_executor->Schedule(
-          [done = std::move(done), s]() mutable { std::move(done)(s, Tensor(), false); });
-    };
-    if (!engine_->OnLoopThread()) {
-      fail(absl::CancelledError(
-          absl::StrCat("recv of '", key->key.full_key, "': the server is shutting down")));
-      return;
-    }
-    // An abort that raced with this recv's start: its AbortStep ran before this task, so the
-    // step's status already tells.
-    if (absl::Status s = rendezvous->status(); !s.ok()) {
-      fail(s);
-      return;
-    }
-    absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(key->src_task);
-    if (!channel.ok()) {
-      fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", key->key.full_key,
-                                                              "': ", channel.status().message())));
-      return;
-    }
-    (*channel)->StartRecv(rendezvous->step_id(), std::move(key), allocator, deadline,
-                          std::move(done));
-  };
+  // The coarse clock: a recv timeout is seconds long, and this runs for every tensor.
+  RecvStart r{std::move(rendezvous), keys_.Intern(key), allocator,
+              CoarseNow() + options_.recv_timeout, std::move(done)};
+  bool first;
+  {
+    MutexLock lock(&recv_inbox_mu_);
+    first = recv_inbox_.empty();
+    recv_inbox_.push_back(std::move(r));
+  }
+  if (!first) return;  // the task posted for the earlier ones has not taken them yet
+  // If the engine refuses the task (shutting down), it runs right here, off the loop thread,
+  // and only fails the recvs; so does a task that a stopping engine that never started runs
+  // on the stopping thread.
+  protocol::ProgressEngine::Task task = [this] { StartQueuedRecvs(); };
   if (!engine_->Post(task)) std::move(task)();
+}
+
+void VerbsTransport::StartQueuedRecvs() {
+  const bool on_loop = engine_->OnLoopThread();
+  // Off the loop thread (shutting down), possibly on several threads at once: a batch of its own.
+  std::vector<RecvStart> own;
+  std::vector<RecvStart>& batch = on_loop ? recv_batch_ : own;
+  {
+    MutexLock lock(&recv_inbox_mu_);
+    batch.swap(recv_inbox_);
+  }
+  for (RecvStart& r : batch) StartRecv(std::move(r));
+  batch.clear();
+}
+
+void VerbsTransport::StartRecv(RecvStart r) {
+  auto fail = [this, &r](const absl::Status& s) {
+    if (options_.env->stats != nullptr) options_.env->stats->CountRecv(s, Tensor());
+    options_.env->callback_executor->Schedule(
+        [done = std::move(r.done), s]() mutable { std::move(done)(s, Tensor(), false); });
+  };
+  if (!engine_->OnLoopThread()) {
+    fail(absl::CancelledError(
+        absl::StrCat("recv of '", r.key->key.full_key, "': the server is shutting down")));
+    return;
+  }
+  // An abort that raced with this recv's start: its AbortStep ran before this task, so the
+  // step's status already tells.
+  if (absl::Status s = r.rendezvous->status(); !s.ok()) {
+    fail(s);
+    return;
+  }
+  absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(r.key->src_task);
+  if (!channel.ok()) {
+    fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", r.key->key.full_key,
+                                                            "': ", channel.status().message())));
+    return;
+  }
+  (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator, r.deadline,
+                        std::move(r.done));
 }
 
 void VerbsTransport::Lend(

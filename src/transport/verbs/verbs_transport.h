@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "src/common/config.h"
+#include "src/common/mutex.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/memory_mgr.h"
@@ -135,6 +136,19 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   void Housekeeping(absl::Time now);
   bool OperationsInFlight() const;
 
+  // A recv on its way from the caller's thread to the progress thread.
+  struct RecvStart {
+    std::shared_ptr<RemoteRendezvous> rendezvous;
+    KeyRef key;
+    Allocator* allocator = nullptr;
+    absl::Time deadline;
+    RecvDoneCallback done;
+  };
+  // Starts the recvs in recv_inbox_: on the progress thread; on any other (the engine refused
+  // the task: shutting down) it fails them.
+  void StartQueuedRecvs();
+  void StartRecv(RecvStart r);
+
   const VerbsOptions options_;
   protocol::VerbsStats stats_;
   KeyTable keys_;  // the keys recvs ask for, parsed once (any thread)
@@ -150,6 +164,12 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // Progress-thread state.
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
   std::unique_ptr<LentTensors> lent_;
+  // Recvs posted by callers, waiting for the progress thread: one small task per batch rather
+  // than a task owning each recv (a heap allocation per recv). StartQueuedRecvs' batch keeps
+  // its capacity in recv_batch_ (progress thread).
+  Mutex recv_inbox_mu_;
+  std::vector<RecvStart> recv_inbox_ ABSL_GUARDED_BY(recv_inbox_mu_);
+  std::vector<RecvStart> recv_batch_;
   std::atomic<bool> traffic_stopped_{false};
   std::atomic<bool> shut_down_{false};
 };
