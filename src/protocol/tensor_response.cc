@@ -69,7 +69,7 @@ void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, Key
   auto post = env->post;
   auto find = env->find_channel;
   token_ =
-      rendezvous_->RecvLocalAsync(key_->key, [post, find, channel_id, serial, index](
+      rendezvous_->RecvLocalAsync(key_, [post, find, channel_id, serial, index](
                                            const absl::Status& s, const Tensor& t, bool is_dead) {
         post([find, channel_id, serial, index, s, t, is_dead]() mutable {
           if (Channel* c = find(channel_id)) c->OnLocalTensor(serial, index, s, t, is_dead);

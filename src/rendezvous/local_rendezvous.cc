@@ -12,21 +12,26 @@ LocalRendezvous::~LocalRendezvous() {
 }
 
 absl::Status LocalRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
+  return Send(Intern(key), value, is_dead);
+}
+
+absl::Status LocalRendezvous::Send(KeyRef key, const Tensor& value, bool is_dead) {
   RecvDoneCallback done;
   {
     MutexLock lock(&mu_);
     if (!status_.ok()) return status_;
-    auto it = table_.find(key.full_key);
+    const absl::string_view name = key->key.full_key;
+    auto it = table_.find(name);
     if (it == table_.end()) {
-      table_.emplace(key.full_key, Value{value, is_dead});
+      table_.emplace(name, Item{std::move(key), Value{value, is_dead}});
       return absl::OkStatus();
     }
-    if (std::holds_alternative<Value>(it->second)) {
+    if (std::holds_alternative<Value>(it->second.what)) {
       return absl::AlreadyExistsError(
-          absl::StrCat("duplicate send of rendezvous key '", key.full_key,
+          absl::StrCat("duplicate send of rendezvous key '", name,
                        "': the previous value has not been received yet"));
     }
-    Waiter& waiter = std::get<Waiter>(it->second);
+    Waiter& waiter = std::get<Waiter>(it->second.what);
     done = std::move(waiter.done);
     waiter_keys_.erase(waiter.token);
     table_.erase(it);
@@ -36,6 +41,10 @@ absl::Status LocalRendezvous::Send(const ParsedKey& key, const Tensor& value, bo
 }
 
 uint64_t LocalRendezvous::RecvAsync(const ParsedKey& key, RecvDoneCallback done) {
+  return RecvAsync(Intern(key), std::move(done));
+}
+
+uint64_t LocalRendezvous::RecvAsync(KeyRef key, RecvDoneCallback done) {
   absl::Status error;
   Value value;
   {
@@ -43,18 +52,19 @@ uint64_t LocalRendezvous::RecvAsync(const ParsedKey& key, RecvDoneCallback done)
     if (!status_.ok()) {
       error = status_;
     } else {
-      auto it = table_.find(key.full_key);
+      const absl::string_view name = key->key.full_key;
+      auto it = table_.find(name);
       if (it == table_.end()) {
         uint64_t token = next_token_++;
-        table_.emplace(key.full_key, Waiter{token, std::move(done)});
-        waiter_keys_.emplace(token, key.full_key);
+        table_.emplace(name, Item{std::move(key), Waiter{token, std::move(done)}});
+        waiter_keys_.emplace(token, name);
         return token;
       }
-      if (std::holds_alternative<Waiter>(it->second)) {
+      if (std::holds_alternative<Waiter>(it->second.what)) {
         error = absl::AlreadyExistsError(absl::StrCat(
-            "duplicate recv of rendezvous key '", key.full_key, "': a recv is already waiting"));
+            "duplicate recv of rendezvous key '", name, "': a recv is already waiting"));
       } else {
-        value = std::move(std::get<Value>(it->second));
+        value = std::move(std::get<Value>(it->second.what));
         table_.erase(it);
       }
     }
@@ -74,9 +84,9 @@ bool LocalRendezvous::CancelRecv(uint64_t token, const absl::Status& status) {
     auto k = waiter_keys_.find(token);
     if (k == waiter_keys_.end()) return false;
     auto it = table_.find(k->second);
-    done = std::move(std::get<Waiter>(it->second).done);
-    table_.erase(it);
+    done = std::move(std::get<Waiter>(it->second.what).done);
     waiter_keys_.erase(k);
+    table_.erase(it);  // last: the view `k` held pointed into this item's key
   }
   std::move(done)(status, Tensor(), false);
   return true;
@@ -90,10 +100,10 @@ void LocalRendezvous::StartAbort(const absl::Status& status) {
     if (status_.ok()) status_ = abort_status;
     abort_status = status_;
     for (auto& [key, item] : table_) {
-      if (auto* w = std::get_if<Waiter>(&item)) waiters.push_back(std::move(w->done));
+      if (auto* w = std::get_if<Waiter>(&item.what)) waiters.push_back(std::move(w->done));
     }
+    waiter_keys_.clear();  // first: its views point into the table's keys
     table_.clear();
-    waiter_keys_.clear();
   }
   for (RecvDoneCallback& done : waiters) std::move(done)(abort_status, Tensor(), false);
 }
@@ -106,7 +116,7 @@ absl::Status LocalRendezvous::status() const {
 size_t LocalRendezvous::NumPendingSends() const {
   MutexLock lock(&mu_);
   size_t n = 0;
-  for (const auto& [key, item] : table_) n += std::holds_alternative<Value>(item);
+  for (const auto& [key, item] : table_) n += std::holds_alternative<Value>(item.what);
   return n;
 }
 

@@ -9,6 +9,10 @@
 // Thread-safe: one mutex guards the table, and callbacks always run after it is released, on
 // the thread that completed the match (Send's, RecvAsync's, CancelRecv's or StartAbort's).
 // Every `done` runs exactly once.
+//
+// Entries hold their key as an interned KeyRef and the table looks them up by views of it, so
+// a steady step (the same keys every step) copies no key strings: keys given as a ParsedKey are
+// interned in the KeyTable passed at construction (a one-off copy without one).
 #ifndef TENSORVERBS_RENDEZVOUS_LOCAL_RENDEZVOUS_H_
 #define TENSORVERBS_RENDEZVOUS_LOCAL_RENDEZVOUS_H_
 
@@ -21,6 +25,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "src/common/mutex.h"
+#include "src/rendezvous/key_table.h"
 #include "src/rendezvous/parsed_key.h"
 #include "src/tensor/tensor.h"
 
@@ -32,15 +37,18 @@ using RecvDoneCallback =
 
 class LocalRendezvous {
  public:
-  LocalRendezvous() = default;
+  // `keys` (optional, outlives this) interns the keys given as ParsedKeys.
+  explicit LocalRendezvous(KeyTable* keys = nullptr) : keys_(keys) {}
   LocalRendezvous(const LocalRendezvous&) = delete;
   LocalRendezvous& operator=(const LocalRendezvous&) = delete;
   ~LocalRendezvous();  // Fails remaining waiters with Cancelled.
 
   absl::Status Send(const ParsedKey& key, const Tensor& value, bool is_dead);
+  absl::Status Send(KeyRef key, const Tensor& value, bool is_dead);
 
   // Returns a token for CancelRecv (0 when `done` already ran).
   uint64_t RecvAsync(const ParsedKey& key, RecvDoneCallback done);
+  uint64_t RecvAsync(KeyRef key, RecvDoneCallback done);
 
   // Fails the waiter `token` with `status` if it is still waiting. Returns whether it was.
   bool CancelRecv(uint64_t token, const absl::Status& status);
@@ -61,11 +69,20 @@ class LocalRendezvous {
     uint64_t token;
     RecvDoneCallback done;
   };
-  using Item = std::variant<Value, Waiter>;
+  struct Item {
+    KeyRef key;  // owns the string the table's view of it points into
+    std::variant<Value, Waiter> what;
+  };
 
+  KeyRef Intern(const ParsedKey& key) const {
+    return keys_ != nullptr ? keys_->Intern(key) : MakeKeyRef(key);
+  }
+
+  KeyTable* const keys_;
   mutable Mutex mu_;
-  absl::flat_hash_map<std::string, Item> table_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, std::string> waiter_keys_ ABSL_GUARDED_BY(mu_);
+  // Keyed by views of each item's own full key (an interned key never moves).
+  absl::flat_hash_map<absl::string_view, Item> table_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, absl::string_view> waiter_keys_ ABSL_GUARDED_BY(mu_);
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };

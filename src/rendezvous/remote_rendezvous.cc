@@ -9,7 +9,7 @@
 namespace tensorverbs {
 
 RemoteRendezvous::RemoteRendezvous(const WorkerEnv* env, int64_t step_id)
-    : env_(env), step_id_(step_id) {}
+    : env_(env), step_id_(step_id), local_(env->keys) {}
 
 absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
   if (!key.src.IsOnTask(env_->task_name)) {
@@ -53,6 +53,10 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
 
 uint64_t RemoteRendezvous::RecvLocalAsync(const ParsedKey& key, RecvDoneCallback done) {
   return local_.RecvAsync(key, std::move(done));
+}
+
+uint64_t RemoteRendezvous::RecvLocalAsync(KeyRef key, RecvDoneCallback done) {
+  return local_.RecvAsync(std::move(key), std::move(done));
 }
 
 bool RemoteRendezvous::CancelLocalRecv(uint64_t token, const absl::Status& status) {

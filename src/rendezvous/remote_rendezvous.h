@@ -58,6 +58,7 @@ struct WorkerEnv {
   Allocator* recv_allocator = nullptr;  // where received tensors are allocated
   Executor* callback_executor = nullptr;  // runs user callbacks of remote recvs
   TransferStats* stats = nullptr;         // optional
+  KeyTable* keys = nullptr;  // optional: interns the keys of sends and local recvs
 };
 
 struct RecvArgs {
@@ -83,6 +84,7 @@ class RemoteRendezvous {
   // For the protocols' server side: takes `key` from this task's table once it is sent.
   // Returns a token for CancelLocalRecv.
   uint64_t RecvLocalAsync(const ParsedKey& key, RecvDoneCallback done);
+  uint64_t RecvLocalAsync(KeyRef key, RecvDoneCallback done);
   bool CancelLocalRecv(uint64_t token, const absl::Status& status);
 
   void StartAbort(const absl::Status& status);

@@ -138,6 +138,7 @@ absl::Status Server::Start() {
   env_.recv_allocator = recv_allocator_.get();
   env_.callback_executor = executor_.get();
   env_.stats = &stats_;
+  env_.keys = &keys_;
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses());
 
   const absl::Duration recv_timeout = options_.recv_timeout;

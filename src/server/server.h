@@ -110,6 +110,7 @@ class Server {
   std::unique_ptr<PoolAllocator> recv_allocator_;
   std::unique_ptr<Executor> executor_;
   WorkerEnv env_;
+  KeyTable keys_;  // env_.keys: the keys of this task's sends and local recvs
   std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
   // Outlives the rendezvous manager: aborting a step reaches it.
   std::unique_ptr<verbs::VerbsTransport> verbs_;

@@ -124,6 +124,36 @@ TEST(LocalRendezvous, CancelRecv) {
   EXPECT_EQ(r.NumPendingSends(), 1u);
 }
 
+// Keys interned in a table, given as ParsedKeys or as the table's references (as the protocols'
+// server side does), match each other by name; so do keys from a table that started over, or
+// from none, and a cancelled waiter is found by its token.
+TEST(LocalRendezvous, InternedAndPlainKeysMatchByName) {
+  KeyTable keys(/*max_keys=*/2);
+  LocalRendezvous r(&keys);
+  Recorder by_ref, by_parsed, plain, cancelled;
+  r.RecvAsync(keys.Intern(Key("a")), by_ref.Callback());
+  ASSERT_TRUE(r.Send(Key("a"), Scalar(1), false).ok());
+  EXPECT_EQ(by_ref.calls.load(), 1);
+  EXPECT_EQ(by_ref.tensor.flat<float>()[0], 1);
+
+  ASSERT_TRUE(r.Send(keys.Intern(Key("b")), Scalar(2), false).ok());
+  for (const char* other : {"c", "d", "e"}) keys.Intern(Key(other));  // the table starts over
+  EXPECT_EQ(r.Send(Key("b"), Scalar(3), false).code(), absl::StatusCode::kAlreadyExists);
+  r.RecvAsync(Key("b"), by_parsed.Callback());
+  EXPECT_EQ(by_parsed.tensor.flat<float>()[0], 2);
+
+  ASSERT_TRUE(r.Send(MakeKeyRef(Key("f")), Scalar(4), false).ok());
+  r.RecvAsync(Key("f"), plain.Callback());
+  EXPECT_EQ(plain.tensor.flat<float>()[0], 4);
+
+  const uint64_t token = r.RecvAsync(keys.Intern(Key("g")), cancelled.Callback());
+  ASSERT_NE(token, 0u);
+  EXPECT_TRUE(r.CancelRecv(token, absl::CancelledError("gone")));
+  EXPECT_EQ(cancelled.status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(r.NumWaiters(), 0u);
+  EXPECT_EQ(r.NumPendingSends(), 0u);
+}
+
 TEST(LocalRendezvous, CallbacksRunWithoutTheLockHeld) {
   LocalRendezvous r;
   Recorder inner;
