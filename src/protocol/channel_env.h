@@ -72,6 +72,7 @@ enum class VerbsMode {
 const char* VerbsModeProtocol(VerbsMode mode);
 
 class Channel;
+class LocalTensorInbox;
 
 struct ChannelEnv {
   const WorkerEnv* worker = nullptr;
@@ -99,6 +100,8 @@ struct ChannelEnv {
   std::function<void(ProgressEngine::RecvDelivery)> deliver;
   // Finds a live channel by id (progress thread); null if it is gone.
   std::function<Channel*(uint64_t)> find_channel;
+  // Carries a sender's local tensors to the responses waiting for them (progress thread).
+  LocalTensorInbox* local_tensors = nullptr;
   // Keeps memory alive until `until` (progress thread).
   std::function<void(std::vector<Tensor>, absl::Time until)> quarantine_memory;
   // grpc+gdr, sender side: `task` released the tensor it read under `tensor_key`.

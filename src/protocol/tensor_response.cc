@@ -9,6 +9,7 @@
 #include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/copy_mode.h"
+#include "src/protocol/local_tensor_inbox.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
@@ -64,17 +65,8 @@ void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, Key
   rendezvous_ = std::move(rendezvous);
   key_ = std::move(key);
   ChannelEnv* env = channel_->env();
-  const uint64_t channel_id = channel_->id(), serial = serial_;
-  const uint32_t index = request_.request_index;
-  auto post = env->post;
-  auto find = env->find_channel;
-  token_ =
-      rendezvous_->RecvLocalAsync(key_, [post, find, channel_id, serial, index](
-                                           const absl::Status& s, const Tensor& t, bool is_dead) {
-        post([find, channel_id, serial, index, s, t, is_dead]() mutable {
-          if (Channel* c = find(channel_id)) c->OnLocalTensor(serial, index, s, t, is_dead);
-        });
-      });
+  token_ = rendezvous_->RecvLocalAsync(
+      key_, env->local_tensors->Open(channel_->id(), request_.request_index, serial_));
 }
 
 void RdmaTensorResponse::Cancel() {

@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
+#include "src/protocol/local_tensor_inbox.h"
 #include "src/common/status_macros.h"
 #include "src/transport/verbs/channel_setup.h"
 #include "src/transport/verbs/lent_tensors.h"
@@ -99,6 +100,8 @@ absl::Status VerbsTransport::Start() {
   channel_env_.push_max_bytes = options_.push_max_bytes;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };
+  local_tensors_ = std::make_unique<protocol::LocalTensorInbox>(&channel_env_);
+  channel_env_.local_tensors = local_tensors_.get();
   channel_env_.deliver = [this](protocol::ProgressEngine::RecvDelivery d) {
     engine_->DeliverRecv(std::move(d));
   };

@@ -38,6 +38,7 @@
 #include "src/common/mutex.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel_env.h"
+#include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/progress_engine.h"
 #include "src/protocol/remote_tensor.h"
@@ -156,6 +157,7 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   std::unique_ptr<protocol::RdmaMemoryMgr> memory_;
   protocol::ChannelEnv channel_env_;
   std::unique_ptr<protocol::ProgressEngine> engine_;
+  std::unique_ptr<protocol::LocalTensorInbox> local_tensors_;
   std::unique_ptr<VerbsStubs> stubs_;
   std::unique_ptr<ChannelSetup> channels_;
   std::unique_ptr<VerbsServiceImpl> service_;

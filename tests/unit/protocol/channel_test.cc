@@ -22,6 +22,7 @@
 #include "src/fabric/fabric.h"
 #include "src/fabric/loopback/loopback.h"
 #include "src/protocol/channel_env.h"
+#include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/message.h"
 #include "src/rendezvous/device_name.h"
@@ -99,6 +100,7 @@ struct Side {
     env.find_channel = [this](uint64_t id) -> Channel* {
       return channel != nullptr && channel->id() == id ? channel.get() : nullptr;
     };
+    env.local_tensors = &local_tensors;
     env.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
       quarantined.push_back({std::move(memory), until});
     };
@@ -168,6 +170,7 @@ struct Side {
   fabric::Endpoint* endpoint = nullptr;  // the channel's, once connected
   std::unique_ptr<RendezvousMgr> rendezvous_mgr;  // acceptor only
   ChannelEnv env;
+  LocalTensorInbox local_tensors{&env};
   std::unique_ptr<Channel> channel;
 };
 
@@ -431,6 +434,34 @@ TEST_F(ChannelTest, RecvBeforeSendWaitsForTheTensor) {
   Settle();
   EXPECT_EQ(out->calls, 1);
   EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+}
+
+// The sender's response waits for its local tensor under one ticket of the inbox, which the
+// tensor's arrival or the channel's close (cancelling the wait) gives back.
+TEST_F(ChannelTest, AWaitingResponseHoldsOneInboxTicketUntilItsTensorOrTheClose) {
+  std::shared_ptr<RecvOutcome> out = StartRecv(1, Key("w"));
+  ASSERT_TRUE(
+      Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 1; }));
+  Settle();
+  EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 1u);
+  Send(1, Key("w"), Floats(&acceptor_.pool, 10, 1.0f));
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  EXPECT_TRUE(out->status.ok()) << out->status;
+  EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 0u);
+
+  std::shared_ptr<RecvOutcome> never = StartRecv(2, Key("w"));
+  ASSERT_TRUE(
+      Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 2; }));
+  Settle();
+  EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 1u);
+  acceptor_.channel->Close(absl::UnavailableError("going away"));
+  Settle();
+  EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 0u);
+  // A send after the close finds no waiter; the step keeps it until it is cleaned up.
+  Send(2, Key("w"), Floats(&acceptor_.pool, 10, 2.0f));
+  Settle();
+  EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 0u);
 }
 
 TEST_F(ChannelTest, DeadEmptyAndStringTensorsArriveAsSuch) {
