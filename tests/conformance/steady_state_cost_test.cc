@@ -4,6 +4,12 @@
 // steps nothing about a transfer is new, so each allocation it still makes is per-tensor cost
 // (a malloc, a free, often a lock in the allocator) that the design can pool away.
 //
+// Measured on 2026-11-24: 26 per transfer with one key per step (the step's own objects: its
+// rendezvous on each task, their tables, the test's step handles) and 3.0 with 64 keys per
+// step. What a transfer still allocates: the destination tensor's buffer object, a control
+// message queued behind busy slots, and the per-turn vector of completed recvs handed to the
+// callback thread.
+//
 // The counter replaces the global operator new of this binary only; the test is built without
 // sanitizers, whose allocators count differently.
 #include <gtest/gtest.h>
@@ -116,8 +122,8 @@ TEST_P(SteadyStateCostTest, AllocationsPerTransferStayWithinTheBudget) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Steps, SteadyStateCostTest,
-                         ::testing::Values(Param{"OneKeyPerStep", 1, 44},
-                                           Param{"SixtyFourKeysPerStep", 64, 18}),
+                         ::testing::Values(Param{"OneKeyPerStep", 1, 30},
+                                           Param{"SixtyFourKeysPerStep", 64, 4.5}),
                          [](const ::testing::TestParamInfo<Param>& info) {
                            return std::string(info.param.name);
                          });
