@@ -74,22 +74,22 @@ fabric::LocalBuffer MessageBuffer::EmptyLocalSource() const {
 }
 
 absl::Status MessageBuffer::Send(Message m) {
-  m.sequence = static_cast<uint16_t>(tx_messages_ + queue_.size());
+  m.sequence = static_cast<uint16_t>(tx_messages_ + queued());
   queue_.push_back(std::move(m));
   return Pump();
 }
 
 absl::Status MessageBuffer::Pump() {
   if (endpoint_ == nullptr) return absl::OkStatus();  // not connected yet: stay queued
-  while (!queue_.empty()) {
+  while (queued() > 0) {
     const uint64_t slot = tx_sent_ % static_cast<uint64_t>(remote_slots_);
     if (tx_sent_ - tx_acked_ >= static_cast<uint64_t>(remote_slots_)) break;  // remote busy
     if (tx_local_busy_[slot]) break;                                           // local busy
     // As many queued messages as fit the slot, up to the batch limit; the first always fits.
     size_t length = 0;
     batch_sizes_.clear();
-    while (batch_sizes_.size() < std::min(queue_.size(), static_cast<size_t>(max_batch_))) {
-      ASSIGN_OR_RETURN(const size_t size, EncodedSize(queue_[batch_sizes_.size()]));
+    while (batch_sizes_.size() < std::min(queued(), static_cast<size_t>(max_batch_))) {
+      ASSIGN_OR_RETURN(const size_t size, EncodedSize(queue_[queue_head_ + batch_sizes_.size()]));
       if (length + size > kMessageSize) break;
       batch_sizes_.push_back(size);
       length += size;
@@ -98,7 +98,8 @@ absl::Status MessageBuffer::Pump() {
     uint8_t* out = tx_memory_.data() + slot * kMessageSize;
     size_t offset = 0;
     for (size_t i = 0; i < count; ++i) {
-      RETURN_IF_ERROR(EncodeMessage(queue_[i], absl::MakeSpan(out + offset, batch_sizes_[i]),
+      RETURN_IF_ERROR(EncodeMessage(queue_[queue_head_ + i],
+                                    absl::MakeSpan(out + offset, batch_sizes_[i]),
                                     static_cast<uint16_t>(count - 1 - i)));
       offset += batch_sizes_[i];
     }
@@ -115,9 +116,21 @@ absl::Status MessageBuffer::Pump() {
     if (counters_.messages_written != nullptr) {
       counters_.messages_written->fetch_add(static_cast<int64_t>(count), std::memory_order_relaxed);
     }
-    queue_.erase(queue_.begin(), queue_.begin() + static_cast<ptrdiff_t>(count));
+    PopQueued(count);
   }
   return absl::OkStatus();
+}
+
+void MessageBuffer::PopQueued(size_t count) {
+  queue_head_ += count;
+  if (queue_head_ == queue_.size()) {
+    queue_.clear();
+    queue_head_ = 0;
+  } else if (queue_head_ >= 64 && queue_head_ * 2 >= queue_.size()) {
+    // A backlog that never drains: move the rest to the front now and then.
+    queue_.erase(queue_.begin(), queue_.begin() + static_cast<ptrdiff_t>(queue_head_));
+    queue_head_ = 0;
+  }
 }
 
 absl::Status MessageBuffer::OnMessageWritten(uint64_t slot) {

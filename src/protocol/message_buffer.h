@@ -22,7 +22,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -98,7 +97,7 @@ class MessageBuffer {
   uint64_t unacknowledged() const { return rx_received_ - rx_acked_; }
 
   // Messages queued or in slots not yet acknowledged.
-  size_t pending() const { return queue_.size() + (tx_sent_ - tx_acked_); }
+  size_t pending() const { return queued() + (tx_sent_ - tx_acked_); }
   // Slots written / received, and messages sent / received, over the buffer's life.
   uint64_t sent() const { return tx_sent_; }
   uint64_t received() const { return rx_received_; }
@@ -130,7 +129,12 @@ class MessageBuffer {
   fabric::RemoteKey remote_key_;
   int remote_slots_ = 0;
 
-  std::deque<Message> queue_;
+  // Messages waiting for a slot: queue_[queue_head_, end). A vector that is cleared (keeping its
+  // capacity) whenever it drains; a deque allocated a node for every two messages.
+  std::vector<Message> queue_;
+  size_t queue_head_ = 0;
+  size_t queued() const { return queue_.size() - queue_head_; }
+  void PopQueued(size_t count);
   std::vector<size_t> batch_sizes_;  // Pump's scratch: encoded sizes of the batch being written
   std::vector<bool> tx_local_busy_;  // per tx slot: the write has not completed locally
   uint64_t tx_sent_ = 0;             // slots written; slot = tx_sent_ % remote_slots_
