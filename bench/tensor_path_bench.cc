@@ -80,8 +80,8 @@ struct Pair {
 Pair* StartPair(const std::string& fabric) {
   auto* p = new Pair;
   std::vector<int> ports = *support::PickFreePorts(2);
-  ClusterSpec cluster = *ClusterSpec::Parse(
-      absl::StrCat("worker=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]));
+  ClusterSpec cluster =
+      *ClusterSpec::Parse(absl::StrCat("worker=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]));
   ServerOptions o;
   o.cluster = cluster;
   o.job = "worker";
@@ -150,8 +150,8 @@ void BM_TensorPath(benchmark::State& state) {
     keys.push_back(*ParsedKey::Parse(ParsedKey::Create(
         pair->sender->device_name(), pair->sender->incarnation(), pair->receiver->device_name(),
         absl::StrCat("gradients/layer_", i, "/conv/weights_grad:0"))));
-    Tensor t = *Tensor::Allocate(pair->sender->recv_allocator(), DataType::kFloat32,
-                                 TensorShape::Of({1}));
+    Tensor t =
+        *Tensor::Allocate(pair->sender->recv_allocator(), DataType::kFloat32, TensorShape::Of({1}));
     *static_cast<float*>(t.data()) = static_cast<float>(i);
     tensors.push_back(std::move(t));
   }
@@ -173,8 +173,7 @@ void BM_TensorPath(benchmark::State& state) {
   }
   const double tensors_moved = static_cast<double>(state.iterations()) * n;
   state.SetItemsProcessed(static_cast<int64_t>(tensors_moved));
-  state.counters["us_per_tensor_process_cpu"] =
-      (ProcessCpuSeconds() - cpu0) * 1e6 / tensors_moved;
+  state.counters["us_per_tensor_process_cpu"] = (ProcessCpuSeconds() - cpu0) * 1e6 / tensors_moved;
   state.counters["allocs_per_tensor"] =
       static_cast<double>(g_allocations.load() - alloc0) / tensors_moved;
 }
