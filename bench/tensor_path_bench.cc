@@ -18,9 +18,7 @@
 #include <time.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <memory>
-#include <new>
 #include <string>
 #include <vector>
 
@@ -36,25 +34,7 @@
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "src/tensor/allocator.h"
-
-namespace {
-std::atomic<int64_t> g_allocations{0};
-
-void* CountedAlloc(size_t n) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  void* p = std::malloc(n == 0 ? 1 : n);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-}  // namespace
-
-// Every heap allocation of the process, to report them per tensor.
-void* operator new(size_t n) { return CountedAlloc(n); }
-void* operator new[](size_t n) { return CountedAlloc(n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
+#include "tests/support/allocation_counter.h"
 
 namespace tensorverbs {
 namespace {
@@ -164,7 +144,7 @@ void BM_TensorPath(benchmark::State& state) {
     }
   }
   const double cpu0 = ProcessCpuSeconds();
-  const int64_t alloc0 = g_allocations.load();
+  testing::StartCountingAllocations();
   for (auto _ : state) {
     if (!RunStep(*pair, ++step, keys, tensors)) {
       state.SkipWithError("a step failed");
@@ -175,7 +155,7 @@ void BM_TensorPath(benchmark::State& state) {
   state.SetItemsProcessed(static_cast<int64_t>(tensors_moved));
   state.counters["us_per_tensor_process_cpu"] = (ProcessCpuSeconds() - cpu0) * 1e6 / tensors_moved;
   state.counters["allocs_per_tensor"] =
-      static_cast<double>(g_allocations.load() - alloc0) / tensors_moved;
+      static_cast<double>(testing::StopCountingAllocations()) / tensors_moved;
 }
 BENCHMARK(BM_TensorPath)
     ->ArgsProduct({{1, 64}, {0, 1}})
@@ -235,9 +215,8 @@ protocol::Message RequestMessage() {
   return m;
 }
 
-// Both ends of a REQUEST: the receiver encodes it into a slot, the sender decodes it.
-void BM_RequestEncodeDecode(benchmark::State& state) {
-  const protocol::Message m = RequestMessage();
+// Encodes `m` into a slot and decodes it back, once per iteration.
+void EncodeAndDecode(benchmark::State& state, const protocol::Message& m) {
   std::vector<uint8_t> slot(protocol::kMessageSize);
   for (auto _ : state) {
     absl::StatusOr<size_t> size = protocol::EncodedSize(m);
@@ -253,6 +232,12 @@ void BM_RequestEncodeDecode(benchmark::State& state) {
     benchmark::DoNotOptimize(back);
   }
 }
+
+// Both ends of a REQUEST: the receiver encodes it into a slot, the sender decodes it.
+void BM_RequestEncodeDecode(benchmark::State& state) {
+  const protocol::Message m = RequestMessage();
+  EncodeAndDecode(state, m);
+}
 BENCHMARK(BM_RequestEncodeDecode);
 
 // Both ends of a META_DATA_RESPONSE (the sender's answer when the receiver had no cached meta).
@@ -264,20 +249,7 @@ void BM_MetaDataEncodeDecode(benchmark::State& state) {
   m.remote_key.clear();
   m.meta.shape = TensorShape::Of({64, 3, 3, 3});
   m.meta.tensor_bytes = 64 * 3 * 3 * 3 * 4;
-  std::vector<uint8_t> slot(protocol::kMessageSize);
-  for (auto _ : state) {
-    absl::StatusOr<size_t> size = protocol::EncodedSize(m);
-    if (!size.ok() || !protocol::EncodeMessage(m, absl::MakeSpan(slot.data(), *size)).ok()) {
-      state.SkipWithError("the message does not encode");
-      break;
-    }
-    absl::StatusOr<protocol::Message> back = protocol::DecodeMessage(slot);
-    if (!back.ok()) {
-      state.SkipWithError(std::string(back.status().message()).c_str());
-      break;
-    }
-    benchmark::DoNotOptimize(back);
-  }
+  EncodeAndDecode(state, m);
 }
 BENCHMARK(BM_MetaDataEncodeDecode);
 

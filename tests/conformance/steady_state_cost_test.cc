@@ -10,42 +10,18 @@
 // message queued behind busy slots, and the per-turn vector of completed recvs handed to the
 // callback thread.
 //
-// The counter replaces the global operator new of this binary only; the test is built without
-// sanitizers, whose allocators count differently.
+// The counter (tests/support/allocation_counter.cc) replaces the global operator new of this
+// binary only; the test is built without sanitizers, whose allocators count differently.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
-#include <new>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "tests/support/allocation_counter.h"
 #include "tests/support/inprocess_cluster.h"
-
-namespace {
-
-std::atomic<bool> g_counting{false};
-std::atomic<int64_t> g_allocations{0};
-
-void* CountedAlloc(size_t n) {
-  if (g_counting.load(std::memory_order_relaxed)) {
-    g_allocations.fetch_add(1, std::memory_order_relaxed);
-  }
-  void* p = std::malloc(n == 0 ? 1 : n);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-
-}  // namespace
-
-void* operator new(size_t n) { return CountedAlloc(n); }
-void* operator new[](size_t n) { return CountedAlloc(n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
 
 namespace tensorverbs {
 namespace {
@@ -106,15 +82,14 @@ TEST_P(SteadyStateCostTest, AllocationsPerTransferStayWithinTheBudget) {
   // Warm-up: channels, meta-data caches, pools and tables reach their steady size.
   for (; step <= 8; ++step) ASSERT_NO_FATAL_FAILURE(RunStep(cluster_, step, keys, tensors, &errors));
   constexpr int kSteps = 20;
-  g_allocations.store(0);
-  g_counting.store(true);
+  testing::StartCountingAllocations();
   for (int s = 0; s < kSteps; ++s, ++step) {
     ASSERT_NO_FATAL_FAILURE(RunStep(cluster_, step, keys, tensors, &errors));
   }
-  g_counting.store(false);
+  const int64_t allocations = testing::StopCountingAllocations();
   EXPECT_EQ(errors.load(), 0);
   const double per_transfer =
-      static_cast<double>(g_allocations.load()) / (static_cast<double>(kSteps) * n);
+      static_cast<double>(allocations) / (static_cast<double>(kSteps) * n);
   std::printf("%d keys per step: %.2f heap allocations per transfer (both tasks, every thread)\n",
               n, per_transfer);
   RecordProperty("allocations_per_transfer", absl::StrCat(per_transfer));
