@@ -71,6 +71,11 @@ class Reader {
     return true;
   }
   size_t pos() const { return pos_; }
+  bool Skip(size_t n) {
+    if (in_.size() - pos_ < n) return false;
+    pos_ += n;
+    return true;
+  }
 
  private:
   absl::Span<const uint8_t> in_;
@@ -216,7 +221,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
     return Malformed(absl::StrCat("field lengths add up to ", expected, " bytes, header says ", used));
   }
   r = Reader(in.subspan(0, used));
-  for (size_t skipped = 0; skipped < kHeaderSize; ++skipped) r.Get(&zero8);
+  r.Skip(kHeaderSize);  // decoded above
   if (!r.Bytes(name_len, &m.name) || !r.Bytes(key_len, &m.remote_key)) return Malformed("truncated");
   absl::InlinedVector<int64_t, 8> dims(rank);
   for (int64_t& d : dims) {
