@@ -38,6 +38,7 @@ PoolAllocator::PoolAllocator(std::string name, Options options)
 
 PoolAllocator::~PoolAllocator() {
   MutexLock lock(&mu_);
+  ApplyDeferredFrees();
   if (stats_.allocations != 0) {
     LOG(WARNING) << "pool " << name_ << " destroyed with " << stats_.allocations
                  << " live allocations (" << stats_.bytes_in_use << " bytes)";
@@ -108,6 +109,7 @@ void* PoolAllocator::AllocateRaw(size_t bytes) {
   size_t need = RoundUp(std::max<size_t>(bytes, 1), kAlignment);
   if (need < bytes) return nullptr;  // overflow
   MutexLock lock(&mu_);
+  ApplyDeferredFrees();  // first: a steady step reuses the chunks its last step freed
   if (auto r = recycled_.find(need); r != recycled_.end() && !r->second.empty()) {
     const uintptr_t start = r->second.back();
     r->second.pop_back();
@@ -146,10 +148,21 @@ void* PoolAllocator::AllocateRaw(size_t bytes) {
 
 void PoolAllocator::DeallocateRaw(void* ptr, size_t bytes) {
   if (ptr == nullptr) return;
+  if (deferred_frees_.TryPush(reinterpret_cast<uintptr_t>(ptr))) return;
   MutexLock lock(&mu_);
-  auto it = chunks_.find(reinterpret_cast<uintptr_t>(ptr));
+  ApplyDeferredFrees();
+  FreeLocked(reinterpret_cast<uintptr_t>(ptr));
+}
+
+void PoolAllocator::ApplyDeferredFrees() {
+  uintptr_t start;
+  while (deferred_frees_.TryPop(&start)) FreeLocked(start);
+}
+
+void PoolAllocator::FreeLocked(uintptr_t start) {
+  auto it = chunks_.find(start);
   CHECK(it != chunks_.end() && !it->second.free && !it->second.recycled)
-      << "pool " << name_ << ": free of unknown pointer " << ptr;
+      << "pool " << name_ << ": free of unknown pointer " << reinterpret_cast<void*>(start);
   Chunk& chunk = it->second;
   stats_.bytes_in_use -= chunk.size;
   stats_.allocations--;
@@ -210,6 +223,7 @@ void PoolAllocator::RemoveRegionVisitor(int id) {
 
 size_t PoolAllocator::ReleaseFreeRegions() {
   MutexLock lock(&mu_);
+  ApplyDeferredFrees();
   FlushRecycled();
   size_t released = 0;
   for (auto it = regions_.begin(); it != regions_.end();) {
@@ -238,6 +252,9 @@ bool PoolAllocator::FindRegion(const void* ptr, size_t len, MemoryRegion* region
 
 PoolAllocator::Stats PoolAllocator::GetStats() const {
   MutexLock lock(&mu_);
+  // Applying the queued frees changes no allocation the caller can see, only when the pool
+  // accounts for them: the stats then include every free that returned before this call.
+  const_cast<PoolAllocator*>(this)->ApplyDeferredFrees();
   return stats_;
 }
 

@@ -15,8 +15,12 @@
 // tree nodes, that is no heap allocation, per tensor. Recycled chunks go back to the free tree
 // when an allocation would otherwise need a new region, and before regions are released.
 //
-// Thread-safe. Visitors run under the pool's lock, on the thread that allocates (or adds the
-// visitor, or releases); they must not call back into the same pool.
+// Thread-safe. A free does not take the pool's lock: it queues the pointer in a lock-free queue
+// that the next holder of the lock (an allocation, GetStats, a release) applies, so the threads
+// that drop received tensors never contend with the progress thread that allocates
+// destinations (a full queue falls back to the lock). Visitors run under the pool's lock, on
+// the thread that allocates (or adds the visitor, or releases); they must not call back into
+// the same pool.
 #ifndef TENSORVERBS_TENSOR_ALLOCATOR_H_
 #define TENSORVERBS_TENSOR_ALLOCATOR_H_
 
@@ -32,6 +36,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "src/common/mpsc_queue.h"
 #include "src/common/mutex.h"
 #include "src/common/shared_memory.h"
 
@@ -120,6 +125,10 @@ class PoolAllocator final : public Allocator {
   void FreeChunk(std::map<uintptr_t, Chunk>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns every recycled chunk to the free tree.
   void FlushRecycled() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees the chunk that starts at `start` (recycling it when it qualifies).
+  void FreeLocked(uintptr_t start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Applies the frees queued without the lock.
+  void ApplyDeferredFrees() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string name_;
   const Options options_;
@@ -134,6 +143,8 @@ class PoolAllocator final : public Allocator {
   std::map<int, Visitor> visitors_ ABSL_GUARDED_BY(mu_);
   int next_visitor_id_ ABSL_GUARDED_BY(mu_) = 1;
   Stats stats_ ABSL_GUARDED_BY(mu_);
+  // Pushed by DeallocateRaw from any thread; popped only under mu_ (one consumer at a time).
+  BoundedMpscQueue<uintptr_t> deferred_frees_{4096};
 };
 
 }  // namespace tensorverbs

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace tensorverbs {
@@ -40,6 +41,42 @@ TEST(PoolAllocator, AlignsReusesAndGrows) {
   pool.DeallocateRaw(c, 0);
   EXPECT_EQ(pool.GetStats().allocations, 0u);
   EXPECT_EQ(pool.GetStats().bytes_in_use, 0u);
+}
+
+// Frees from threads that never allocate (a recv's user, a callback thread) go through the
+// lock-free queue, beyond its capacity too, while this thread allocates: every chunk comes back
+// once, none is handed out while still live, and the stats see each free that returned.
+TEST(PoolAllocator, FreesFromOtherThreadsComeBackWhileThisOneAllocates) {
+  PoolAllocator pool("test", SmallRegions());
+  constexpr int kRounds = 20, kPerRound = 6000;  // more than the free queue holds
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<void*> chunks;
+    for (int i = 0; i < kPerRound; ++i) {
+      void* p = pool.AllocateRaw(64 + 64 * (i % 4));
+      ASSERT_NE(p, nullptr);
+      *static_cast<int*>(p) = i;
+      chunks.push_back(p);
+    }
+    std::thread freer([&] {
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        ASSERT_EQ(*static_cast<int*>(chunks[i]), static_cast<int>(i)) << "overwritten while live";
+        pool.DeallocateRaw(chunks[i], 0);
+      }
+    });
+    // Allocations meanwhile must not get a chunk the other thread has not freed yet.
+    std::vector<void*> mine;
+    for (int i = 0; i < 500; ++i) {
+      void* p = pool.AllocateRaw(64);
+      ASSERT_NE(p, nullptr);
+      *static_cast<int*>(p) = -1;
+      mine.push_back(p);
+    }
+    freer.join();
+    for (void* p : mine) pool.DeallocateRaw(p, 0);
+    EXPECT_EQ(pool.GetStats().allocations, 0u) << "round " << round;
+    EXPECT_EQ(pool.GetStats().bytes_in_use, 0u);
+  }
+  EXPECT_EQ(pool.GetStats().regions, 1u) << "freed chunks were reused, not leaked";
 }
 
 TEST(PoolAllocator, CoalescesFreedNeighbours) {
