@@ -26,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 #include "src/common/mutex.h"
 #include "src/common/shared_memory.h"
@@ -353,7 +354,7 @@ class ShmemEndpoint final : public EndpointBase {
         const uint64_t head = Atomic(out_->head).load(std::memory_order_acquire);
         if (out_tail_ - head > out_capacity_) {
           status = Break(absl::DataLossError("shmem: the peer left its ring inconsistent"));
-        } else if (absl::Now() - op.posted < op_timeout_) {
+        } else if (CoarseNow() - op.posted < op_timeout_) {
           return;  // the peer has not consumed yet; retried from Poll
         } else {
           status = absl::DeadlineExceededError(absl::StrCat("shmem: the peer of ", LocalAddress(),
@@ -441,7 +442,7 @@ class ShmemEndpoint final : public EndpointBase {
     op.key = key;
     op.remote_addr = remote.addr;
     op.context = context;
-    op.posted = absl::Now();
+    op.posted = CoarseNow();  // for a timeout of seconds, on every post: the cheap clock
     pending_.push_back(op);
     ++outstanding_;
     RunPending();
@@ -796,7 +797,7 @@ class ShmemDomain final : public Domain {
 
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
     std::vector<ShmemEndpoint*>& live = d_->live;
-    const absl::Time now = absl::Now();
+    const absl::Time now = CoarseNow();  // every turn of a progress loop: the cheap clock
     if (now >= next_connection_check_) {
       for (ShmemEndpoint* ep : live) ep->CheckConnection();
       next_connection_check_ = now + kConnectionCheckInterval;
