@@ -3,19 +3,20 @@
 //
 // Each turn the loop runs the tasks other threads posted, polls the domain and hands each
 // completion to `Hooks::on_completion`, runs `Hooks::housekeeping` every
-// `housekeeping_interval`, and gives the user callbacks completed in the turn to the executor
-// in one hand-off. Work posted from the loop thread itself (a completion that sets off more
-// work, a user callback run inline) is deferred to the end of the current step of the turn
-// without a lock. When idle it waits according to the poll mode: busy never sleeps; blocking
-// sleeps in Domain::Wait as soon as nothing is ready; adaptive spins for `poll_spin` after the
-// last activity and does not sleep while `Hooks::operations_in_flight` says a transfer is
-// moving (libfabric's shm and tcp providers move data only while the initiator polls). A Post
-// from another thread interrupts the sleep.
+// `housekeeping_interval`, and gives the user callbacks and recv outcomes completed in the turn
+// to the executor in one hand-off. Work posted from the loop thread itself (a completion that
+// sets off more work, a user callback run inline) is deferred to the end of the current step of
+// the turn without a lock. When idle it waits according to the poll mode: busy never sleeps;
+// blocking sleeps in Domain::Wait as soon as nothing is ready; adaptive spins for `poll_spin`
+// after the last activity and does not sleep while `Hooks::operations_in_flight` says a
+// transfer is moving (libfabric's shm and tcp providers move data only while the initiator
+// polls). A Post from another thread interrupts the sleep.
 //
-// Threading: Post, Deliver, AskLoop and Stop may be called from any thread; state reached only
-// through the hooks belongs to the loop thread, which OnOwnerThread() identifies (and, after
-// Stop, the thread tearing the owner down). Stop runs what was posted before it, then joins;
-// a Post after Stop returns false and leaves the task to its caller, so no callback is lost.
+// Threading: Post, Deliver, DeliverRecv, AskLoop and Stop may be called from any thread; state
+// reached only through the hooks belongs to the loop thread, which OnOwnerThread() identifies
+// (and, after Stop, the thread tearing the owner down). Stop runs what was posted before it,
+// then joins; a Post after Stop returns false and leaves the task to its caller, so no callback
+// is lost.
 #ifndef TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 #define TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 
