@@ -83,8 +83,8 @@ class RemoteKey {
   static constexpr size_t kCapacity = 64;
 
   RemoteKey() = default;
-  RemoteKey(absl::string_view bytes) { assign(bytes); }         // NOLINT(google-explicit-constructor)
-  RemoteKey(const std::string& bytes) { assign(bytes); }        // NOLINT(google-explicit-constructor)
+  RemoteKey(absl::string_view bytes) { assign(bytes); }   // NOLINT(google-explicit-constructor)
+  RemoteKey(const std::string& bytes) { assign(bytes); }  // NOLINT(google-explicit-constructor)
   RemoteKey(const char* bytes) { assign(absl::string_view(bytes)); }  // NOLINT
   RemoteKey& operator=(absl::string_view bytes) {
     assign(bytes);
@@ -115,7 +115,7 @@ class RemoteKey {
 
  private:
   uint8_t size_ = 0;
-  char bytes_[kCapacity];
+  char bytes_[kCapacity] = {};  // zeroed, so that copying a short key copies no indeterminate bytes
 };
 
 class MemoryRegion {
