@@ -1,4 +1,5 @@
-// Annotations for ThreadSanitizer builds; they compile to nothing in every other build.
+// Annotations for ThreadSanitizer builds; they compile to nothing in every other build. And
+// kUnderAddressSanitizer, for code that trades a check for speed only outside ASan builds.
 //
 // ScopedTsanIgnoreAccesses makes TSan skip the memory accesses of the calling thread while it
 // lives. The loopback fabric uses it for one thing: its stand-in for a NIC's DMA write after a
@@ -17,6 +18,14 @@
 #endif
 #endif
 
+#if defined(__SANITIZE_ADDRESS__)
+#define TENSORVERBS_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TENSORVERBS_ASAN 1
+#endif
+#endif
+
 #ifdef TENSORVERBS_TSAN
 // From the TSan runtime (its dynamic-annotation interface).
 extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
@@ -24,6 +33,12 @@ extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #endif
 
 namespace tensorverbs {
+
+#ifdef TENSORVERBS_ASAN
+inline constexpr bool kUnderAddressSanitizer = true;
+#else
+inline constexpr bool kUnderAddressSanitizer = false;
+#endif
 
 class ScopedTsanIgnoreAccesses {
  public:

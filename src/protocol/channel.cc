@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "src/common/logging.h"
+#include "src/common/sanitizers.h"
 #include "src/common/status_macros.h"
 
 namespace tensorverbs::protocol {
@@ -16,17 +17,7 @@ namespace {
 // Finished request and response records are kept (up to this many of each) and reassigned to
 // the next ones, so a steady channel makes no heap allocation for them. Sanitizer builds free
 // them instead, so that a use after finish stays a use after free that ASan reports.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr size_t kMaxSpareRecords = 0;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr size_t kMaxSpareRecords = 0;
-#else
-constexpr size_t kMaxSpareRecords = 256;
-#endif
-#else
-constexpr size_t kMaxSpareRecords = 256;
-#endif
+constexpr size_t kMaxSpareRecords = kUnderAddressSanitizer ? 0 : 256;
 
 // A record built from `args`: a spare one reassigned, or a new one.
 template <typename T, typename... Args>
@@ -105,11 +96,7 @@ std::string Channel::Describe() const {
 void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
                         absl::Time deadline, RecvDoneCallback done) {
   AssertOwnerThread();
-  auto fail = [&](const absl::Status& s) {
-    env_->CountRecv(s, Tensor());
-    env_->worker->callback_executor->Schedule(
-        [done = std::move(done), s]() mutable { std::move(done)(s, Tensor(), false); });
-  };
+  auto fail = [&](const absl::Status& s) { env_->FailRecv(std::move(done), s); };
   if (state_ == State::kClosed) {
     fail(absl::UnavailableError(absl::StrCat("channel to task ", peer_task_, " is closed")));
     return;

@@ -115,6 +115,13 @@ struct ChannelEnv {
   void CountRecv(const absl::Status& status, const Tensor& tensor) const {
     if (worker != nullptr && worker->stats != nullptr) worker->stats->CountRecv(status, tensor);
   }
+  // Ends a recv that never reached a request with `status`: counted, and `done` run on the
+  // worker's callback executor (never inline: the caller may hold channel state).
+  void FailRecv(RecvDoneCallback done, const absl::Status& status) const {
+    CountRecv(status, Tensor());
+    worker->callback_executor->Schedule(
+        [done = std::move(done), status]() mutable { std::move(done)(status, Tensor(), false); });
+  }
 
   // The region through which the fabric reaches [data, data+bytes) for one transfer, under the
   // registration strategy: the pool's registered region (kPool), a registration made for this

@@ -7,8 +7,8 @@
 #include "absl/time/clock.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
-#include "src/protocol/local_tensor_inbox.h"
 #include "src/common/status_macros.h"
+#include "src/protocol/local_tensor_inbox.h"
 #include "src/transport/verbs/channel_setup.h"
 #include "src/transport/verbs/lent_tensors.h"
 #include "src/transport/verbs/peer_watchdog.h"
@@ -190,11 +190,7 @@ void VerbsTransport::StartQueuedRecvs() {
 }
 
 void VerbsTransport::StartRecv(RecvStart r) {
-  auto fail = [this, &r](const absl::Status& s) {
-    if (options_.env->stats != nullptr) options_.env->stats->CountRecv(s, Tensor());
-    options_.env->callback_executor->Schedule(
-        [done = std::move(r.done), s]() mutable { std::move(done)(s, Tensor(), false); });
-  };
+  auto fail = [this, &r](const absl::Status& s) { channel_env_.FailRecv(std::move(r.done), s); };
   if (!engine_->OnLoopThread()) {
     fail(absl::CancelledError(
         absl::StrCat("recv of '", r.key->key.full_key, "': the server is shutting down")));
