@@ -53,14 +53,6 @@ bool ProgressEngine::Post(Task& task) {
   return true;
 }
 
-void ProgressEngine::Deliver(Executor::Task callback) {
-  if (OnLoopThread()) {
-    callbacks_.push_back(std::move(callback));
-  } else {
-    executor_->Schedule(std::move(callback));
-  }
-}
-
 void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
   if (OnLoopThread()) {
     deliveries_.push_back(std::move(delivery));
@@ -72,7 +64,6 @@ void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
 }
 
 void ProgressEngine::HandOffCallbacks() {
-  executor_->ScheduleAll(&callbacks_);
   if (deliveries_.empty()) return;
   if (executor_->runs_inline()) {
     for (RecvDelivery& d : deliveries_) std::move(d.done)(d.status, d.tensor, d.is_dead);
@@ -138,7 +129,7 @@ void ProgressEngine::Loop() {
       RunDeferred();
       next_housekeeping = coarse + options_.housekeeping_interval;
     }
-    if (!callbacks_.empty() || !deliveries_.empty()) {
+    if (!deliveries_.empty()) {
       // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
       // protocol's own work on a small tensor.
       HandOffCallbacks();

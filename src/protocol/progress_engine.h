@@ -3,7 +3,7 @@
 //
 // Each turn the loop runs the tasks other threads posted, polls the domain and hands each
 // completion to `Hooks::on_completion`, runs `Hooks::housekeeping` every
-// `housekeeping_interval`, and gives the user callbacks and recv outcomes completed in the turn
+// `housekeeping_interval`, and gives the recv outcomes (user callbacks) completed in the turn
 // to the executor in one hand-off. Work posted from the loop thread itself (a completion that
 // sets off more work, a user callback run inline) is deferred to the end of the current step of
 // the turn without a lock. When idle it waits according to the poll mode: busy never sleeps;
@@ -12,7 +12,7 @@
 // transfer is moving (libfabric's shm and tcp providers move data only while the initiator
 // polls). A Post from another thread interrupts the sleep.
 //
-// Threading: Post, Deliver, DeliverRecv, AskLoop and Stop may be called from any thread; state
+// Threading: Post, DeliverRecv, AskLoop and Stop may be called from any thread; state
 // reached only through the hooks belongs to the loop thread, which OnOwnerThread() identifies
 // (and, after Stop, the thread tearing the owner down). Stop runs what was posted before it,
 // then joins; a Post after Stop returns false and leaves the task to its caller, so no callback
@@ -80,11 +80,9 @@ class ProgressEngine {
   // loop thread itself, defers it to later in the current turn.
   bool Post(Task& task);
   bool Post(Task&& task) { return Post(task); }
-  // Runs a user callback on the executor: on the loop thread, with the turn's other callbacks
-  // at the end of the turn; elsewhere at once.
-  void Deliver(Executor::Task callback);
-  // The same for a recv's `done` with its outcome, without wrapping it in a task: the turn's
-  // recvs go to the executor as one task, so a recv costs no heap allocation of its own.
+  // Runs a recv's `done` with its outcome on the executor: on the loop thread, with the turn's
+  // other recvs at the end of the turn (one task for all of them, so a recv costs no heap
+  // allocation of its own); elsewhere at once.
   struct RecvDelivery {
     RecvDoneCallback done;
     absl::Status status;
@@ -109,7 +107,7 @@ class ProgressEngine {
   void Loop();
   // Runs the deferred tasks (and those they defer); true if there were any.
   bool RunDeferred();
-  // The turn's callbacks and recv deliveries to the executor (loop thread, or the stopping one).
+  // The turn's recv deliveries to the executor (loop thread, or the stopping one).
   void HandOffCallbacks();
 
   fabric::Domain* const domain_;
@@ -132,7 +130,6 @@ class ProgressEngine {
   // this turn, handed to the executor at its end.
   std::vector<Task> deferred_;
   std::vector<Task> running_;  // RunDeferred's batch, kept for its capacity
-  std::vector<Executor::Task> callbacks_;
   std::vector<RecvDelivery> deliveries_;
   std::thread thread_;
 };

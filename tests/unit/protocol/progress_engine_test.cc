@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <ostream>
 #include <string>
@@ -135,13 +136,20 @@ TEST_F(ProgressEngineTest, AskLoopReturnsTheLoopsAnswer) {
             absl::StatusCode::kCancelled);
 }
 
+// A recv delivery whose done runs `f`.
+ProgressEngine::RecvDelivery Delivery(std::function<void()> f) {
+  ProgressEngine::RecvDelivery d;
+  d.done = [f = std::move(f)](const absl::Status&, const Tensor&, bool) { f(); };
+  return d;
+}
+
 TEST_F(ProgressEngineTest, CallbacksDeliveredOnTheLoopThreadWaitForTheEndOfTheTurn) {
   // An inline executor: a callback handed over at once would run inside Deliver.
   MakeEngine({}, /*callback_threads=*/0);
   engine_->Start();
   ASSERT_TRUE(engine_->Post([&] {
     for (int i = 0; i < 3; ++i) {
-      engine_->Deliver([this, i] { Log(absl::StrCat("callback ", i)); });
+      engine_->DeliverRecv(Delivery([this, i] { Log(absl::StrCat("callback ", i)); }));
     }
     Log("task ends");
   }));
@@ -158,12 +166,12 @@ TEST_F(ProgressEngineTest, DeliverHandsCallbacksToTheExecutorsThread) {
   ASSERT_TRUE(engine_->Post([&] {
     loop_thread = std::this_thread::get_id();
     for (int i = 0; i < 3; ++i) {
-      engine_->Deliver([&, i] {
+      engine_->DeliverRecv(Delivery([&, i] {
         MutexLock lock(&mu_);
         order.push_back(i);
         ran_on.push_back(std::this_thread::get_id());
         if (i == 2) all_ran.Notify();
-      });
+      }));
     }
   }));
   ASSERT_TRUE(all_ran.WaitForNotificationWithTimeout(kPatience));
@@ -178,10 +186,10 @@ TEST_F(ProgressEngineTest, DeliverHandsCallbacksToTheExecutorsThread) {
   // From any other thread a callback goes to the executor at once.
   Notification ran;
   std::thread::id other_thread;
-  engine_->Deliver([&] {
+  engine_->DeliverRecv(Delivery([&] {
     other_thread = std::this_thread::get_id();
     ran.Notify();
-  });
+  }));
   ASSERT_TRUE(ran.WaitForNotificationWithTimeout(kPatience));
   EXPECT_EQ(other_thread, ran_on[0]);
 }
