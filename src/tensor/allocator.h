@@ -36,7 +36,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "src/common/mpsc_queue.h"
+#include "src/common/bounded_queue.h"
 #include "src/common/mutex.h"
 #include "src/common/shared_memory.h"
 
@@ -144,7 +144,7 @@ class PoolAllocator final : public Allocator {
   int next_visitor_id_ ABSL_GUARDED_BY(mu_) = 1;
   Stats stats_ ABSL_GUARDED_BY(mu_);
   // Pushed by DeallocateRaw from any thread; popped only under mu_ (one consumer at a time).
-  BoundedMpscQueue<uintptr_t> deferred_frees_{4096};
+  BoundedQueue<uintptr_t> deferred_frees_{4096};
 };
 
 }  // namespace tensorverbs
