@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <cstddef>
+
 #include "src/common/logging.h"
 
 namespace tensorverbs {
@@ -55,10 +57,18 @@ void Executor::WorkerLoop() {
     Task task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stopping and drained
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
+      cv_.wait(lock, [this] { return stopping_ || tasks_.size() > head_; });
+      if (tasks_.size() == head_) return;  // stopping and drained
+      task = std::move(tasks_[head_]);
+      ++head_;
+      if (head_ == tasks_.size()) {
+        tasks_.clear();  // keeps its capacity
+        head_ = 0;
+      } else if (head_ >= kCompactAfter && 2 * head_ >= tasks_.size()) {
+        // A queue that never drains: drop the run slots in front, at most once per its length.
+        tasks_.erase(tasks_.begin(), tasks_.begin() + static_cast<std::ptrdiff_t>(head_));
+        head_ = 0;
+      }
     }
     std::move(task)();
   }

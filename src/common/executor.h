@@ -12,7 +12,7 @@
 #define TENSORVERBS_COMMON_EXECUTOR_H_
 
 #include <condition_variable>
-#include <deque>
+#include <cstddef>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -47,7 +47,11 @@ class Executor {
   // workers asleep while small tasks stream in.
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Task> tasks_;  // guarded by mu_
+  // A vector and the index of the next task to run, not a deque: a deque allocates a node every
+  // few tasks, and a stream of callbacks would pay a malloc for it.
+  static constexpr size_t kCompactAfter = 1024;
+  std::vector<Task> tasks_;  // guarded by mu_
+  size_t head_ = 0;          // guarded by mu_
   bool stopping_ = false;   // guarded by mu_
   std::vector<std::thread> threads_;
 };

@@ -298,10 +298,11 @@ void Channel::OnCompletion(const fabric::Completion& c) {
         // is queued exactly while slots are unacknowledged (it acknowledges all of them), so
         // only the first slot since the last ACK queues one.
         if (state_ == State::kClosed || mb_->unacknowledged() != 1) return;
-        auto find = env_->find_channel;
+        // Two words, stored inside the task with no allocation; the env outlives the loop.
+        ChannelEnv* const env = env_;
         const uint64_t id = id_;
-        env_->post([find, id]() {
-          if (Channel* c = find(id)) c->AcknowledgeMessages();
+        env_->post([env, id]() {
+          if (Channel* c = env->find_channel(id)) c->AcknowledgeMessages();
         });
         return;
       }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/common/bounded_queue.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 
@@ -28,7 +29,11 @@ absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
 
 ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Options options,
                                Hooks hooks)
-    : domain_(domain), executor_(executor), options_(options), hooks_(std::move(hooks)) {}
+    : domain_(domain),
+      executor_(executor),
+      options_(options),
+      hooks_(std::move(hooks)),
+      spare_batches_(std::make_shared<SpareBatches>()) {}
 
 ProgressEngine::~ProgressEngine() { Stop(); }
 
@@ -63,6 +68,33 @@ void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
   }
 }
 
+// A turn's deliveries travel to the executor in a batch that comes back, emptied but with its
+// capacity, for a later turn: a fresh vector per turn would cost a malloc per turn and its
+// growth. A parked batch holds no reference to the spares, and one in flight holds the spares
+// alive, so a batch whose callbacks run after the engine is gone still has a home to go to or
+// is freed.
+struct ProgressEngine::DeliveryBatch {
+  std::vector<RecvDelivery> items;
+  std::shared_ptr<SpareBatches> home;  // set only while in flight
+};
+
+struct ProgressEngine::SpareBatches {
+  // A batch that once carried more than this many callbacks is freed, not kept.
+  static constexpr size_t kMaxKeptCapacity = 1024;
+  BoundedQueue<DeliveryBatch*> queue{8};
+
+  ~SpareBatches() {
+    DeliveryBatch* batch = nullptr;
+    while (queue.TryPop(&batch)) delete batch;
+  }
+
+  static void Return(DeliveryBatch* batch) {
+    std::shared_ptr<SpareBatches> home = std::move(batch->home);
+    batch->items.clear();
+    if (batch->items.capacity() > kMaxKeptCapacity || !home->queue.TryPush(batch)) delete batch;
+  }
+};
+
 void ProgressEngine::HandOffCallbacks() {
   if (deliveries_.empty()) return;
   if (executor_->runs_inline()) {
@@ -70,10 +102,15 @@ void ProgressEngine::HandOffCallbacks() {
     deliveries_.clear();
     return;
   }
-  executor_->Schedule([batch = std::move(deliveries_)]() mutable {
-    for (RecvDelivery& d : batch) std::move(d.done)(d.status, d.tensor, d.is_dead);
+  DeliveryBatch* batch = nullptr;
+  if (!spare_batches_->queue.TryPop(&batch)) batch = new DeliveryBatch();
+  batch->items.swap(deliveries_);  // deliveries_ takes the batch's empty vector and capacity
+  batch->home = spare_batches_;
+  // One pointer: stored inside the task itself, with no allocation.
+  executor_->Schedule([batch]() {
+    for (RecvDelivery& d : batch->items) std::move(d.done)(d.status, d.tensor, d.is_dead);
+    SpareBatches::Return(batch);
   });
-  deliveries_.clear();
 }
 
 bool ProgressEngine::RunDeferred() {

@@ -131,6 +131,9 @@ class ProgressEngine {
   std::vector<Task> deferred_;
   std::vector<Task> running_;  // RunDeferred's batch, kept for its capacity
   std::vector<RecvDelivery> deliveries_;
+  struct DeliveryBatch;
+  struct SpareBatches;
+  const std::shared_ptr<SpareBatches> spare_batches_;
   std::thread thread_;
 };
 

@@ -2,8 +2,9 @@
 
 #include <atomic>
 #include <cstring>
-#include <deque>
+#include <algorithm>
 #include <map>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -36,7 +37,8 @@ struct DomainState {
   const uint64_t id = next_id.fetch_add(1);
   Mutex mu;
   std::map<uint64_t, Region> regions ABSL_GUARDED_BY(mu);  // key -> region
-  std::deque<PendingCompletion> queue ABSL_GUARDED_BY(mu);
+  // A vector compacted by Poll, not a deque, which would allocate a node every few completions.
+  std::vector<PendingCompletion> queue ABSL_GUARDED_BY(mu);
   Faults faults ABSL_GUARDED_BY(mu);
   int posts ABSL_GUARDED_BY(mu) = 0;
   int registrations ABSL_GUARDED_BY(mu) = 0;
@@ -272,19 +274,25 @@ class LoopbackDomain final : public Domain {
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
     MutexLock lock(&state_->mu);
     if (state_->faults.stalled) return 0;
-    std::vector<Completion> ready;
-    for (auto it = state_->queue.begin(); it != state_->queue.end() && ready.size() < out.size();) {
-      if (it->polls_left > 0) {
-        --it->polls_left;
-        ++it;
+    // Ready completions go out in queue order; delayed ones stay, in order, at the front.
+    size_t ready = 0;
+    size_t kept = 0;
+    std::vector<PendingCompletion>& queue = state_->queue;
+    for (PendingCompletion& pending : queue) {
+      if (ready == out.size()) {
+        queue[kept++] = pending;
         continue;
       }
-      ready.push_back(it->completion);
-      it = state_->queue.erase(it);
+      if (pending.polls_left > 0) {
+        --pending.polls_left;
+        queue[kept++] = pending;
+        continue;
+      }
+      out[ready++] = pending.completion;
     }
-    if (state_->faults.reverse_order) std::reverse(ready.begin(), ready.end());
-    for (size_t i = 0; i < ready.size(); ++i) out[i] = ready[i];
-    return ready.size();
+    queue.resize(kept);
+    if (state_->faults.reverse_order) std::reverse(out.begin(), out.begin() + ready);
+    return ready;
   }
 
   absl::Status Wait(absl::Duration timeout) override {
