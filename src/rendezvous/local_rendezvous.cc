@@ -1,5 +1,6 @@
 #include "src/rendezvous/local_rendezvous.h"
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -7,8 +8,21 @@
 
 namespace tensorverbs {
 
+LocalRendezvous::LocalRendezvous(KeyTable* keys, StepSizeHint* sizes) : keys_(keys), sizes_(sizes) {
+  if (sizes_ == nullptr) return;
+  MutexLock lock(&mu_);
+  table_.reserve(sizes_->items());
+  waiter_keys_.reserve(sizes_->waiters());
+}
+
 LocalRendezvous::~LocalRendezvous() {
   StartAbort(absl::CancelledError("rendezvous destroyed while a recv was pending"));
+  if (sizes_ != nullptr) {
+    MutexLock lock(&mu_);
+    // A step that saw nothing (one created twice in a race, then dropped) says nothing about
+    // the next step's size.
+    if (most_items_ > 0) sizes_->Record(most_items_, most_waiters_);
+  }
 }
 
 absl::Status LocalRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
@@ -24,6 +38,7 @@ absl::Status LocalRendezvous::Send(KeyRef key, const Tensor& value, bool is_dead
     auto it = table_.find(name);
     if (it == table_.end()) {
       table_.emplace(name, Item{std::move(key), Value{value, is_dead}});
+      most_items_ = std::max(most_items_, table_.size());
       return absl::OkStatus();
     }
     if (std::holds_alternative<Value>(it->second.what)) {
@@ -58,6 +73,8 @@ uint64_t LocalRendezvous::RecvAsync(KeyRef key, RecvDoneCallback done) {
         uint64_t token = next_token_++;
         table_.emplace(name, Item{std::move(key), Waiter{token, std::move(done)}});
         waiter_keys_.emplace(token, name);
+        most_items_ = std::max(most_items_, table_.size());
+        most_waiters_ = std::max(most_waiters_, waiter_keys_.size());
         return token;
       }
       if (std::holds_alternative<Waiter>(it->second.what)) {

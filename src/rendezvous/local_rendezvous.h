@@ -12,10 +12,15 @@
 //
 // Entries hold their key as an interned KeyRef and the table looks them up by views of it, so
 // a steady step (the same keys every step) copies no key strings: keys given as a ParsedKey are
-// interned in the KeyTable passed at construction (a one-off copy without one).
+// interned in the KeyTable passed at construction (a one-off copy without one). A StepSizeHint
+// shared by a task's steps sizes each new table for what the last step held, so a steady step's
+// tables do not grow entry by entry.
 #ifndef TENSORVERBS_RENDEZVOUS_LOCAL_RENDEZVOUS_H_
 #define TENSORVERBS_RENDEZVOUS_LOCAL_RENDEZVOUS_H_
 
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <variant>
@@ -35,10 +40,28 @@ namespace tensorverbs {
 using RecvDoneCallback =
     absl::AnyInvocable<void(const absl::Status& status, const Tensor& tensor, bool is_dead) &&>;
 
+// How many entries the tables of a task's last finished step held at most. Any thread.
+class StepSizeHint {
+ public:
+  size_t items() const { return items_.load(std::memory_order_relaxed); }
+  size_t waiters() const { return waiters_.load(std::memory_order_relaxed); }
+  void Record(size_t items, size_t waiters) {
+    items_.store(std::min(items, kMaxHint), std::memory_order_relaxed);
+    waiters_.store(std::min(waiters, kMaxHint), std::memory_order_relaxed);
+  }
+
+ private:
+  // A step of a million tensors should not make every later step reserve for it.
+  static constexpr size_t kMaxHint = 1 << 16;
+  std::atomic<size_t> items_{0};
+  std::atomic<size_t> waiters_{0};
+};
+
 class LocalRendezvous {
  public:
-  // `keys` (optional, outlives this) interns the keys given as ParsedKeys.
-  explicit LocalRendezvous(KeyTable* keys = nullptr) : keys_(keys) {}
+  // `keys` (optional, outlives this) interns the keys given as ParsedKeys; `sizes` (optional,
+  // outlives this) presizes the tables and learns this step's size when it ends.
+  explicit LocalRendezvous(KeyTable* keys = nullptr, StepSizeHint* sizes = nullptr);
   LocalRendezvous(const LocalRendezvous&) = delete;
   LocalRendezvous& operator=(const LocalRendezvous&) = delete;
   ~LocalRendezvous();  // Fails remaining waiters with Cancelled.
@@ -79,11 +102,14 @@ class LocalRendezvous {
   }
 
   KeyTable* const keys_;
+  StepSizeHint* const sizes_;
   mutable Mutex mu_;
   // Keyed by views of each item's own full key (an interned key never moves).
   absl::flat_hash_map<absl::string_view, Item> table_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, absl::string_view> waiter_keys_ ABSL_GUARDED_BY(mu_);
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
+  size_t most_items_ ABSL_GUARDED_BY(mu_) = 0;  // the tables' high-water marks, for sizes_
+  size_t most_waiters_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 

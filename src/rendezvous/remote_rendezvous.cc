@@ -9,7 +9,7 @@
 namespace tensorverbs {
 
 RemoteRendezvous::RemoteRendezvous(const WorkerEnv* env, int64_t step_id)
-    : env_(env), step_id_(step_id), local_(env->keys) {}
+    : env_(env), step_id_(step_id), local_(env->keys, env->step_sizes) {}
 
 absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
   if (!key.src.IsOnTask(env_->task_name)) {

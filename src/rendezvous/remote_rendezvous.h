@@ -59,6 +59,7 @@ struct WorkerEnv {
   Executor* callback_executor = nullptr;  // runs user callbacks of remote recvs
   TransferStats* stats = nullptr;         // optional
   KeyTable* keys = nullptr;  // optional: interns the keys of sends and local recvs
+  StepSizeHint* step_sizes = nullptr;  // optional: presizes each step's tables
 };
 
 struct RecvArgs {

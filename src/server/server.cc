@@ -139,6 +139,7 @@ absl::Status Server::Start() {
   env_.callback_executor = executor_.get();
   env_.stats = &stats_;
   env_.keys = &keys_;
+  env_.step_sizes = &step_sizes_;
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses());
 
   const absl::Duration recv_timeout = options_.recv_timeout;

@@ -111,6 +111,7 @@ class Server {
   std::unique_ptr<Executor> executor_;
   WorkerEnv env_;
   KeyTable keys_;  // env_.keys: the keys of this task's sends and local recvs
+  StepSizeHint step_sizes_;  // env_.step_sizes
   std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
   // Outlives the rendezvous manager: aborting a step reaches it.
   std::unique_ptr<verbs::VerbsTransport> verbs_;
