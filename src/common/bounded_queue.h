@@ -1,7 +1,7 @@
 // BoundedQueue: a fixed-capacity queue of trivially copyable values that any number of threads
-// push to and pop from without a lock. The pool allocator's deferred frees and the recycled
-// blocks of tensor buffers use it: a free on one thread and an allocation on another meet here
-// instead of on a mutex.
+// push to and pop from without a lock. The pool allocator's deferred frees, the recycled blocks
+// of tensor buffers and the progress engine's spare delivery batches use it: a free on one
+// thread and an allocation on another meet here instead of on a mutex.
 //
 // Each cell carries a sequence number that says whose turn it is (the classic bounded-queue
 // design of sequence-stamped cells): a producer claims a position with one compare-and-swap on

@@ -27,6 +27,33 @@ absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
                    "' (TENSORVERBS_POLL_MODE); expected busy, blocking or adaptive"));
 }
 
+// A turn's deliveries travel to the executor in a batch that comes back, emptied but with its
+// capacity, for a later turn: a fresh vector per turn would cost a malloc per turn and its
+// growth. A parked batch holds no reference to the spares, and one in flight holds the spares
+// alive, so a batch whose callbacks run after the engine is gone still has a home to go to or
+// is freed.
+struct ProgressEngine::DeliveryBatch {
+  std::vector<RecvDelivery> items;
+  std::shared_ptr<SpareBatches> home;  // set only while in flight
+};
+
+struct ProgressEngine::SpareBatches {
+  // A batch that once carried more than this many callbacks is freed, not kept.
+  static constexpr size_t kMaxKeptCapacity = 1024;
+  BoundedQueue<DeliveryBatch*> queue{8};
+
+  ~SpareBatches() {
+    DeliveryBatch* batch = nullptr;
+    while (queue.TryPop(&batch)) delete batch;
+  }
+
+  static void Return(DeliveryBatch* batch) {
+    std::shared_ptr<SpareBatches> home = std::move(batch->home);
+    batch->items.clear();
+    if (batch->items.capacity() > kMaxKeptCapacity || !home->queue.TryPush(batch)) delete batch;
+  }
+};
+
 ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Options options,
                                Hooks hooks)
     : domain_(domain),
@@ -67,33 +94,6 @@ void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
     });
   }
 }
-
-// A turn's deliveries travel to the executor in a batch that comes back, emptied but with its
-// capacity, for a later turn: a fresh vector per turn would cost a malloc per turn and its
-// growth. A parked batch holds no reference to the spares, and one in flight holds the spares
-// alive, so a batch whose callbacks run after the engine is gone still has a home to go to or
-// is freed.
-struct ProgressEngine::DeliveryBatch {
-  std::vector<RecvDelivery> items;
-  std::shared_ptr<SpareBatches> home;  // set only while in flight
-};
-
-struct ProgressEngine::SpareBatches {
-  // A batch that once carried more than this many callbacks is freed, not kept.
-  static constexpr size_t kMaxKeptCapacity = 1024;
-  BoundedQueue<DeliveryBatch*> queue{8};
-
-  ~SpareBatches() {
-    DeliveryBatch* batch = nullptr;
-    while (queue.TryPop(&batch)) delete batch;
-  }
-
-  static void Return(DeliveryBatch* batch) {
-    std::shared_ptr<SpareBatches> home = std::move(batch->home);
-    batch->items.clear();
-    if (batch->items.capacity() > kMaxKeptCapacity || !home->queue.TryPush(batch)) delete batch;
-  }
-};
 
 void ProgressEngine::HandOffCallbacks() {
   if (deliveries_.empty()) return;

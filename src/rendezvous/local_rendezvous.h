@@ -40,17 +40,25 @@ namespace tensorverbs {
 using RecvDoneCallback =
     absl::AnyInvocable<void(const absl::Status& status, const Tensor& tensor, bool is_dead) &&>;
 
-// How many entries the tables of a task's last finished step held at most. Any thread.
+// How many entries the tables of a task's recent steps held at most: the largest step's size,
+// forgotten by a sixteenth per smaller step, so that steps which differ a little (how many
+// recvs arrived before their sends) all fit, and one huge step does not size every later one.
+// Any thread; a lost update only costs a table some growth.
 class StepSizeHint {
  public:
   size_t items() const { return items_.load(std::memory_order_relaxed); }
   size_t waiters() const { return waiters_.load(std::memory_order_relaxed); }
   void Record(size_t items, size_t waiters) {
-    items_.store(std::min(items, kMaxHint), std::memory_order_relaxed);
-    waiters_.store(std::min(waiters, kMaxHint), std::memory_order_relaxed);
+    Remember(items_, items);
+    Remember(waiters_, waiters);
   }
 
  private:
+  static void Remember(std::atomic<size_t>& hint, size_t seen) {
+    const size_t old = hint.load(std::memory_order_relaxed);
+    hint.store(std::min(std::max(seen, old - old / 16), kMaxHint), std::memory_order_relaxed);
+  }
+
   // A step of a million tensors should not make every later step reserve for it.
   static constexpr size_t kMaxHint = 1 << 16;
   std::atomic<size_t> items_{0};

@@ -14,23 +14,17 @@ RendezvousMgr::RendezvousMgr(Factory factory, size_t remembered_cleanups, StepEn
 RendezvousMgr::~RendezvousMgr() { CleanupAll(); }
 
 absl::StatusOr<std::shared_ptr<RemoteRendezvous>> RendezvousMgr::Find(int64_t step_id) {
-  {
-    MutexLock lock(&mu_);
-    auto it = table_.find(step_id);
-    if (it != table_.end()) return it->second;
-    if (cleaned_.contains(step_id)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", step_id, " was already cleaned up on this task"));
-    }
-  }
-  std::shared_ptr<RemoteRendezvous> fresh = factory_(step_id);
   MutexLock lock(&mu_);
+  auto it = table_.find(step_id);
+  if (it != table_.end()) return it->second;
   if (cleaned_.contains(step_id)) {
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step_id, " was already cleaned up on this task"));
   }
-  auto [it, inserted] = table_.emplace(step_id, std::move(fresh));
-  return it->second;
+  // Made under the lock (the factories only construct), so that two threads asking for a new
+  // step at once (a local Send and a peer's request made ahead) build one rendezvous, not two
+  // of which one is thrown away.
+  return table_.emplace(step_id, factory_(step_id)).first->second;
 }
 
 void RendezvousMgr::Cleanup(int64_t step_id) {

@@ -4,7 +4,8 @@
 // Cleanup(step_id) aborts it (pending recvs fail with Cancelled naming the step) and forgets
 // it; the most recent cleaned-up step ids are remembered so that a late request for one gets a
 // clear FailedPrecondition instead of waiting forever in a fresh rendezvous. Thread-safe; the
-// factory and aborts run outside the lock.
+// factory runs under the lock, so it must only construct (take no lock, run no callback), and
+// aborts run outside it.
 #ifndef TENSORVERBS_RENDEZVOUS_RENDEZVOUS_MGR_H_
 #define TENSORVERBS_RENDEZVOUS_RENDEZVOUS_MGR_H_
 
@@ -24,6 +25,7 @@ namespace tensorverbs {
 
 class RendezvousMgr {
  public:
+  // Constructs a step's rendezvous; called under the manager's lock.
   using Factory = std::function<std::shared_ptr<RemoteRendezvous>(int64_t step_id)>;
   // Told of a cleaned-up step this task never made a rendezvous for (a transport may have work
   // for it anyway: grpc+verbs asks for a key's next step before its recv). Any thread.

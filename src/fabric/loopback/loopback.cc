@@ -1,8 +1,8 @@
 #include "src/fabric/loopback/loopback.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <algorithm>
 #include <map>
 #include <vector>
 
