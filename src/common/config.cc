@@ -174,6 +174,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_DATA_VALIDATION", "TENSORVERBS_REGISTRATION",
       "TENSORVERBS_PEER_TIMEOUT_MS", "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",        "TENSORVERBS_PUSH_MAX_MB",
+      "TENSORVERBS_MAX_TENSOR_MB",
   };
   return names;
 }
@@ -189,6 +190,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.connect_timeout = absl::Milliseconds(connect_ms);
   ASSIGN_OR_RETURN(int64_t region_mb, ParseInt(env, "TENSORVERBS_POOL_REGION_MB", 1, 65536, 64));
   config.pool_region_bytes = region_mb << 20;
+  ASSIGN_OR_RETURN(int64_t max_tensor_mb,
+                   ParseInt(env, "TENSORVERBS_MAX_TENSOR_MB", 1, 1048576, 4096));
+  config.max_tensor_bytes = static_cast<uint64_t>(max_tensor_mb) << 20;
   ASSIGN_OR_RETURN(int64_t threads, ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 0, 256, 2));
   config.callback_threads = static_cast<int>(threads);
   ASSIGN_OR_RETURN(int64_t tuning, ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, 1));

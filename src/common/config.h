@@ -55,6 +55,11 @@ struct Config {
   // (larger requests get a region of their own). 1 .. 65536, default 64.
   int64_t pool_region_bytes = int64_t{64} << 20;
 
+  // TENSORVERBS_MAX_TENSOR_MB: the largest tensor this task accepts from a peer, 1 .. 1048576,
+  // default 4096. A peer's announced size is checked against it before anything is allocated,
+  // so a faulty or hostile peer cannot make a receiver commit more memory than this per recv.
+  uint64_t max_tensor_bytes = uint64_t{4096} << 20;
+
   // TENSORVERBS_CALLBACK_THREADS: threads that run user `done` callbacks. 0 .. 256, default 2;
   // 0 runs each callback inline on the transport's thread (lowest latency; a callback that
   // blocks then stalls every transfer).

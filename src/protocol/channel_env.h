@@ -111,6 +111,10 @@ struct ChannelEnv {
   std::function<bool()> on_owner_thread;
 
   void CountCopy(uint64_t bytes) const { stats->CountCopy(bytes, worker->stats); }
+  // The largest tensor this task accepts from a peer.
+  uint64_t max_tensor_bytes() const {
+    return worker != nullptr ? worker->max_tensor_bytes : kDefaultMaxTensorBytes;
+  }
   // A recv's outcome in the worker's TransferStats, on each path that runs its `done`.
   void CountRecv(const absl::Status& status, const Tensor& tensor) const {
     if (worker != nullptr && worker->stats != nullptr) worker->stats->CountRecv(status, tensor);

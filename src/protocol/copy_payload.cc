@@ -97,10 +97,14 @@ absl::StatusOr<ReadPayload> ReadCopyPayload(const uint8_t* in, size_t available,
   }
   absl::StatusOr<TensorShape> shape = ShapeFromProto(header.tensor_shape());
   if (!shape.ok()) return Malformed(shape.status().message());
-  ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, *dtype, *shape));
-  if (t.TotalBytes() != content_len) {
-    return Malformed(absl::StrCat(content_len, " content bytes for ", t.DebugString()));
+  // Checked before allocating: the header's shape must match the bytes that came with it.
+  absl::StatusOr<uint64_t> expected = Tensor::AllocationBytes(*dtype, *shape);
+  if (!expected.ok()) return Malformed(expected.status().message());
+  if (*expected != content_len) {
+    return Malformed(absl::StrCat(content_len, " content bytes for ", DataTypeName(*dtype),
+                                  shape->DebugString()));
   }
+  ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, *dtype, *shape));
   if (content_len > 0) {
     std::memcpy(t.data(), in + kCopyPayloadHeaderBytes + header_len, content_len);
   }

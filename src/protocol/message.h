@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "src/fabric/fabric.h"
+#include "src/rendezvous/parsed_key.h"
 #include "src/tensor/tensor_shape.h"
 #include "src/tensor/types.h"
 
@@ -32,7 +33,7 @@ inline constexpr uint8_t kWireVersion = 3;
 inline constexpr uint32_t kNoNameIndex = 0xFFFFFFFF;
 // One message-buffer slot. The largest message (limits below, rank 254) fits alone.
 inline constexpr size_t kMessageSize = 8192;
-inline constexpr size_t kMaxNameLength = 2048;          // rendezvous key bytes
+inline constexpr size_t kMaxNameLength = ParsedKey::kMaxKeyLength;  // rendezvous key bytes
 inline constexpr size_t kMaxRemoteKeyLength = 64;       // opaque fabric key bytes
 static_assert(kMaxRemoteKeyLength == fabric::RemoteKey::kCapacity);
 inline constexpr size_t kMaxErrorMessageLength = 2048;  // longer messages are truncated

@@ -1,6 +1,7 @@
 #include "src/protocol/tensor_request.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <utility>
 
@@ -117,9 +118,26 @@ void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
   m.meta = BufferMeta(staging_.TotalBytes());
 }
 
+absl::Status RdmaTensorRequest::CheckAnnouncedSize(const TensorMetaData& meta) const {
+  const uint64_t max_bytes = channel_->env()->max_tensor_bytes();
+  absl::Status s = CheckReceivedTensorBytes(meta.tensor_bytes, max_bytes);
+  if (s.ok() && meta.dtype == DataType::kString) {
+    // The string objects are allocated beside the encoded bytes, and the encoding is parsed
+    // as one protobuf message, which cannot reach 2 GiB.
+    absl::StatusOr<uint64_t> objects = Tensor::AllocationBytes(meta.dtype, meta.shape);
+    s = objects.ok() ? CheckReceivedTensorBytes(*objects, max_bytes) : objects.status();
+    if (s.ok() && meta.tensor_bytes > static_cast<uint64_t>(INT_MAX)) {
+      s = absl::DataLossError(absl::StrCat("a string tensor encoded in ", meta.tensor_bytes,
+                                           " bytes: its encoding must stay under 2 GiB"));
+    }
+  }
+  return s.ok() ? s : RecvError(s);
+}
+
 absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
                                                    fabric::RemoteKey* key) {
   ChannelEnv* env = channel_->env();
+  RETURN_IF_ERROR(CheckAnnouncedSize(meta));
   result_.Clear();
   staging_.Clear();
   transient_.reset();
@@ -142,6 +160,10 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
 
 absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,
                                                   fabric::RemoteKey* key) {
+  if (absl::Status s = CheckReceivedTensorBytes(bytes, channel_->env()->max_tensor_bytes());
+      !s.ok()) {
+    return RecvError(s);
+  }
   ASSIGN_OR_RETURN(const fabric::MemoryRegion* region,
                    EnsureCopyBuffer(channel_->env()->memory, staging_, bytes));
   *addr = reinterpret_cast<uint64_t>(staging_.data());

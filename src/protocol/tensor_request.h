@@ -99,6 +99,9 @@ class RdmaTensorRequest {
   void SendReRequest();
   // Allocates the destination for `meta` and returns where the sender writes.
   absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, fabric::RemoteKey* key);
+  // The peer's announced size against this task's limit (TENSORVERBS_MAX_TENSOR_MB), before
+  // anything is allocated for it.
+  absl::Status CheckAnnouncedSize(const TensorMetaData& meta) const;
   // Copy mode: makes staging_ (the name's buffer) hold at least `bytes` and returns where the
   // sender writes.
   absl::Status PrepareCopyBuffer(uint64_t bytes, uint64_t* addr, fabric::RemoteKey* key);

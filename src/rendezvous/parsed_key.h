@@ -15,8 +15,9 @@
 namespace tensorverbs {
 
 struct ParsedKey {
-  // Longest key accepted, in bytes (wire formats bound it too).
-  static constexpr size_t kMaxKeyLength = 4096;
+  // Longest key accepted, in bytes: the grpc+verbs REQUEST's bound, so that a key every
+  // protocol can carry is refused at Send, not lost on the wire.
+  static constexpr size_t kMaxKeyLength = 2048;
 
   std::string full_key;
   DeviceName src;

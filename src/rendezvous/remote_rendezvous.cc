@@ -8,6 +8,13 @@
 
 namespace tensorverbs {
 
+absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes) {
+  if (bytes <= max_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the peer announced a tensor of ", bytes, " bytes, more than this task accepts (",
+      max_bytes >> 20, " MiB); raise TENSORVERBS_MAX_TENSOR_MB if tensors this large are expected"));
+}
+
 RemoteRendezvous::RemoteRendezvous(const WorkerEnv* env, int64_t step_id)
     : env_(env), step_id_(step_id), local_(env->keys, env->step_sizes) {}
 

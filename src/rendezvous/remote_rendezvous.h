@@ -50,6 +50,9 @@ struct TransferStats {
 };
 
 // What a worker task's rendezvous needs to know about its process. Outlives every rendezvous.
+// TENSORVERBS_MAX_TENSOR_MB's default (Config::max_tensor_bytes).
+inline constexpr uint64_t kDefaultMaxTensorBytes = uint64_t{4096} << 20;
+
 struct WorkerEnv {
   std::string job;
   int task = 0;
@@ -60,7 +63,14 @@ struct WorkerEnv {
   TransferStats* stats = nullptr;         // optional
   KeyTable* keys = nullptr;  // optional: interns the keys of sends and local recvs
   StepSizeHint* step_sizes = nullptr;  // optional: presizes each step's tables
+  // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB).
+  uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;
 };
+
+// OK if a peer's tensor of `bytes` (what receiving it allocates) fits under `max_bytes`;
+// ResourceExhausted otherwise, naming the size and the variable that raises the limit. Called
+// with the peer's announced size before anything is allocated for it.
+absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes);
 
 struct RecvArgs {
   Allocator* allocator = nullptr;  // destination allocator; null means env.recv_allocator

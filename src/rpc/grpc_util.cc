@@ -33,7 +33,10 @@ grpc::ChannelArguments ClientChannelArguments() {
 }
 
 void ConfigureServerBuilder(grpc::ServerBuilder* builder) {
-  builder->SetMaxReceiveMessageSize(INT_MAX);
+  // Every request a task serves is small (a key, a task name, endpoint addresses); only
+  // answers carry tensors. A bound on requests keeps a stranger from making a server buffer
+  // and parse megabytes before any check.
+  builder->SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder->SetMaxSendMessageSize(INT_MAX);
   // gRPC sets SO_REUSEPORT by default, which would let two servers share a port silently.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);

@@ -16,6 +16,10 @@ absl::Status FromGrpcStatus(const grpc::Status& s);
 grpc::Status ToGrpcStatus(const absl::Status& s);
 
 grpc::ChannelArguments ClientChannelArguments();
+// The largest request a server accepts; larger ones fail with RESOURCE_EXHAUSTED in gRPC,
+// before any service sees them.
+inline constexpr int kMaxRequestBytes = 16 << 10;
+// Message limits (requests kMaxRequestBytes, answers unbounded) and socket options.
 void ConfigureServerBuilder(grpc::ServerBuilder* builder);
 
 // Keeps gRPC's process-wide callback completion queue alive for the life of the process. Call

@@ -87,6 +87,7 @@ ServerOptions ServerOptions::FromConfig(const Config& config) {
   o.recv_timeout = config.recv_timeout;
   o.callback_threads = config.callback_threads;
   o.pool_region_bytes = config.pool_region_bytes;
+  o.max_tensor_bytes = config.max_tensor_bytes;
   o.malloc_tuning = config.malloc_tuning;
   o.malloc_trim_bytes = config.malloc_trim_bytes;
   o.verbs = verbs::VerbsOptions::FromConfig(config);
@@ -139,6 +140,7 @@ absl::Status Server::Start() {
   env_.callback_executor = executor_.get();
   env_.stats = &stats_;
   env_.keys = &keys_;
+  env_.max_tensor_bytes = options_.max_tensor_bytes;
   env_.step_sizes = &step_sizes_;
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses());
 

@@ -47,6 +47,9 @@ struct ServerOptions {
   int callback_threads = 2;
   // Size of each region of the receive pool (TENSORVERBS_POOL_REGION_MB).
   int64_t pool_region_bytes = int64_t{64} << 20;
+  // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB); a larger announced
+  // tensor fails its recv with ResourceExhausted before anything is allocated.
+  uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;
   // Process-wide malloc tuning, applied by the first server (TENSORVERBS_MALLOC_TUNING,
   // TENSORVERBS_MALLOC_TRIM_MB; see common/malloc_tuning.h).
   bool malloc_tuning = true;
@@ -108,10 +111,12 @@ class Server {
   const ServerOptions options_;
   TransferStats stats_;
   std::unique_ptr<PoolAllocator> recv_allocator_;
+  // Before the executor, so they outlive it: a step whose last reference goes in a callback
+  // the executor drains at shutdown still reaches them.
+  KeyTable keys_;            // env_.keys: the keys of this task's sends and local recvs
+  StepSizeHint step_sizes_;  // env_.step_sizes
   std::unique_ptr<Executor> executor_;
   WorkerEnv env_;
-  KeyTable keys_;  // env_.keys: the keys of this task's sends and local recvs
-  StepSizeHint step_sizes_;  // env_.step_sizes
   std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
   // Outlives the rendezvous manager: aborting a step reaches it.
   std::unique_ptr<verbs::VerbsTransport> verbs_;

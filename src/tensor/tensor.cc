@@ -8,6 +8,7 @@
 #include "src/common/bounded_queue.h"
 #include "src/common/logging.h"
 #include "src/common/sanitizers.h"
+#include "src/common/status_macros.h"
 
 namespace tensorverbs {
 namespace {
@@ -73,20 +74,25 @@ TensorBuffer::~TensorBuffer() {
   allocator_->DeallocateRaw(data_, size_);
 }
 
-absl::StatusOr<Tensor> Tensor::Allocate(Allocator* allocator, DataType dtype,
-                                        const TensorShape& shape) {
+absl::StatusOr<uint64_t> Tensor::AllocationBytes(DataType dtype, const TensorShape& shape) {
   if (!DataTypeFromInt(static_cast<int64_t>(dtype)).ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("cannot allocate a tensor of data type ", static_cast<int>(dtype)));
   }
-  const bool is_string = !DataTypeCanMemCopy(dtype);
-  const size_t element_size = is_string ? sizeof(std::string) : DataTypeSize(dtype);
+  const size_t element_size = DataTypeCanMemCopy(dtype) ? DataTypeSize(dtype) : sizeof(std::string);
   int64_t bytes;
   if (__builtin_mul_overflow(shape.num_elements(), static_cast<int64_t>(element_size), &bytes)) {
     return absl::InvalidArgumentError(absl::StrCat("tensor ", DataTypeName(dtype),
                                                    shape.DebugString(),
                                                    " is larger than 2^63 bytes"));
   }
+  return static_cast<uint64_t>(bytes);
+}
+
+absl::StatusOr<Tensor> Tensor::Allocate(Allocator* allocator, DataType dtype,
+                                        const TensorShape& shape) {
+  ASSIGN_OR_RETURN(const uint64_t bytes, AllocationBytes(dtype, shape));
+  const bool is_string = !DataTypeCanMemCopy(dtype);
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = shape;

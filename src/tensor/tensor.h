@@ -49,6 +49,11 @@ class Tensor {
   static absl::StatusOr<Tensor> Allocate(Allocator* allocator, DataType dtype,
                                          const TensorShape& shape);
 
+  // The bytes Allocate() takes for `dtype` and `shape` (the elements; for strings, their
+  // std::string objects), checked before anything is allocated: InvalidArgument for a data type
+  // it does not know or a size past 2^63.
+  static absl::StatusOr<uint64_t> AllocationBytes(DataType dtype, const TensorShape& shape);
+
   // Allocate() from CpuAllocator() that CHECK-fails on error: for literals in tools and tests.
   static Tensor Make(DataType dtype, const TensorShape& shape);
 

@@ -25,6 +25,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/verbs.grpc.pb.h"
+#include "proto/worker.grpc.pb.h"
 #include "src/common/mutex.h"
 #include "src/fabric/loopback/loopback.h"
 #include "src/server/server.h"
@@ -270,6 +271,7 @@ class ProtocolTest : public testing::ClusterTest<Param> {
     o.fabric = GetParam().fabric->fabric;
     o.provider = GetParam().fabric->provider;
     o.recv_timeout = recv_timeout_;
+    o.max_tensor_bytes = max_tensor_bytes_;
     o.tune = std::move(tune);
     o.protocols = std::move(protocols);
     StartWith(n, o);
@@ -475,6 +477,61 @@ TEST_P(ProtocolTest, UnregisteredDestinationsAndSourcesGoThroughRegisteredCopies
   ExpectNothingLent(1);
 }
 
+// A receiver that accepts tensors of at most 64 KiB: a larger one fails its recv, naming the
+// key and the variable, before anything is allocated for it; smaller ones keep arriving, step
+// after step (pushed requests and cached meta-data included).
+TEST_P(ProtocolTest, ATensorAboveTheReceiversLimitFailsItsRecvAndOthersStillArrive) {
+  max_tensor_bytes_ = 64 << 10;
+  StartCluster(2);
+  for (int64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    const Tensor big = PoolTensor(1, DataType::kUInt8, {128 << 10}, 5);
+    const Tensor small = PoolTensor(1, DataType::kFloat32, {1024}, 6);
+    ASSERT_TRUE(Step(1, step)->Send(Key(1, "big"), big).ok());
+    ASSERT_TRUE(Step(1, step)->Send(Key(1, "small"), small).ok());
+    PendingRecv refused(*Step(0, step), Key(1, "big"));
+    PendingRecv fine(*Step(0, step), Key(1, "small"));
+    ASSERT_TRUE(refused.Wait());
+    ASSERT_TRUE(fine.Wait());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("TENSORVERBS_MAX_TENSOR_MB"));
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("big"));
+    ASSERT_TRUE(fine.status().ok()) << fine.status();
+    EXPECT_TRUE(fine.tensor().ContentEquals(small));
+    server(0).rendezvous_mgr()->Cleanup(step);
+    server(1).rendezvous_mgr()->Cleanup(step);
+  }
+}
+
+// What anyone who reaches a task's port can send: a request larger than any real one is
+// refused by gRPC before a service parses it, and a key that is not UTF-8 is an ordinary bad
+// key (proto3 `string` fields would fail the parse and log an error per request instead).
+TEST_P(ProtocolTest, OversizedAndNonUtf8RequestsAreRefusedCleanly) {
+  StartCluster(1);
+  const std::string address = *server(0).cluster().TaskAddress("worker", 0);
+  auto stub = proto::WorkerService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto recv_tensor = [&stub](const std::string& key) {
+    proto::RecvTensorRequest request;
+    request.set_step_id(1);
+    request.set_rendezvous_key(key);
+    proto::RecvTensorResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    return stub->RecvTensor(&context, request, &response);
+  };
+  grpc::Status huge = recv_tensor(std::string(64 << 10, 'k'));
+  EXPECT_EQ(huge.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << huge.error_message();
+  grpc::Status not_utf8 = recv_tensor(std::string("\xff\xfe;\xc0\x80;key", 9));
+  EXPECT_FALSE(not_utf8.ok());
+  EXPECT_NE(not_utf8.error_code(), grpc::StatusCode::INTERNAL) << not_utf8.error_message();
+  EXPECT_NE(not_utf8.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << "answered, not hung";
+  // The server still serves.
+  proto::GetStatusResponse status_response;
+  grpc::ClientContext context;
+  EXPECT_TRUE(stub->GetStatus(&context, proto::GetStatusRequest(), &status_response).ok());
+}
+
 TEST_P(ProtocolTest, SenderSideErrorsReachTheReceiverWithCodeAndMessage) {
   StartCluster(2);
   // A key made for another incarnation of the sender.
@@ -658,8 +715,10 @@ TEST_P(ZeroCopyTest, KeysAtTheNameLimitWorkAndLongerOnesFailClearly) {
   ASSERT_TRUE(ok.status().ok()) << ok.status();
   EXPECT_TRUE(ok.tensor().ContentEquals(t));
 
-  PendingRecv too_long(*Step(0, 1), Key(1, at_limit + "b"));
-  ASSERT_TRUE(too_long.Wait());
+  // One byte more is refused where the key is made, so no Send can take a key that a protocol
+  // cannot carry.
+  absl::StatusOr<ParsedKey> too_long = ParsedKey::Parse(ParsedKey::Create(
+      server(1).device_name(), server(1).incarnation(), server(0).device_name(), at_limit + "b"));
   EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("2048"));
 }

@@ -38,6 +38,7 @@ struct ClusterOptions {
   std::string fabric = "loopback";
   std::string provider;
   absl::Duration recv_timeout = absl::Seconds(60);
+  uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;  // what each task accepts from a peer
   // Adjusts every server's grpc+verbs options after the defaults above.
   std::function<void(VerbsOptions&)> tune;
   // Per-task protocol overrides (task i gets protocols[i] where given).
@@ -62,6 +63,7 @@ class InProcessCluster {
       options.task = t;
       options.protocol = t < static_cast<int>(o.protocols.size()) ? o.protocols[t] : o.protocol;
       options.recv_timeout = o.recv_timeout;
+      options.max_tensor_bytes = o.max_tensor_bytes;
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
       // A probe answered by a server TSan slows tenfold, on two loaded cores, can take seconds.
@@ -134,6 +136,7 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
 
   InProcessCluster cluster_;
   absl::Duration recv_timeout_ = absl::Seconds(60);
+  uint64_t max_tensor_bytes_ = kDefaultMaxTensorBytes;
 };
 
 }  // namespace tensorverbs::testing

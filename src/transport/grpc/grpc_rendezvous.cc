@@ -110,7 +110,8 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
                                   absl::StrCat(status.message(), " (key '", call->key, "')"));
           }
         } else {
-          status = ParseRecvTensorResponse(&call->response, call->allocator, &parsed);
+          status = ParseRecvTensorResponse(&call->response, call->allocator,
+                                           self->env().max_tensor_bytes, &parsed);
           if (status.ok() && parsed.has_remote && self->puller_ == nullptr) {
             status = absl::DataLossError("a remote tensor in answer to a request without dma_ok");
           }
@@ -123,8 +124,9 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
             }
           }
           if (!status.ok()) {
-            status = absl::Status(status.code(), absl::StrCat("from task ", call->worker->task_name(),
-                                                              ": ", status.message()));
+            status = absl::Status(status.code(),
+                                  absl::StrCat("recv of '", call->key, "' from task ",
+                                               call->worker->task_name(), ": ", status.message()));
           }
         }
         // Free gRPC's copy of the bytes before handing the tensor on.

@@ -12,6 +12,7 @@
 #include "proto/tensor.pb.h"
 #include "proto/worker.pb.h"
 #include "src/common/status_macros.h"
+#include "src/rendezvous/remote_rendezvous.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::grpc_transport {
@@ -89,7 +90,7 @@ void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_s
 }
 
 absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
-                                     ParsedResponse* out) {
+                                     uint64_t max_tensor_bytes, ParsedResponse* out) {
   grpc::ProtoBufferReader reader(in);
   CodedInputStream coded(&reader);
   coded.SetTotalBytesLimit(INT_MAX);
@@ -109,6 +110,13 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
     dtype = *d;
     shape = *std::move(s);
     return absl::OkStatus();
+  };
+  // What the resolved meta-data makes this task allocate, checked against what the response
+  // carries and the limit before any allocation: a peer's word costs nothing until it holds.
+  auto announced_bytes = [&]() -> absl::StatusOr<uint64_t> {
+    absl::StatusOr<uint64_t> bytes = Tensor::AllocationBytes(dtype, shape);
+    if (!bytes.ok()) return Malformed(bytes.status().message());
+    return bytes;
   };
   while (true) {
     uint32_t tag = coded.ReadTag();
@@ -138,11 +146,13 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
       uint64_t len;
       if (!coded.ReadVarint64(&len)) return Malformed("truncated content length");
       if (!DataTypeCanMemCopy(dtype)) return Malformed("raw content for a string tensor");
-      ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
-      if (len != t.TotalBytes()) {
-        return Malformed(absl::StrCat(len, " content bytes for ", t.DebugString(), " (",
-                                      t.TotalBytes(), " expected)"));
+      ASSIGN_OR_RETURN(const uint64_t expected, announced_bytes());
+      if (len != expected) {
+        return Malformed(absl::StrCat(len, " content bytes for ", DataTypeName(dtype),
+                                      shape.DebugString(), " (", expected, " expected)"));
       }
+      RETURN_IF_ERROR(CheckReceivedTensorBytes(expected, max_tensor_bytes));
+      ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
       // ReadRaw takes an int: read in chunks so tensors of 2 GiB and more work.
       auto* dst = static_cast<char*>(t.data());
       uint64_t left = len;
@@ -184,21 +194,25 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
   if (out->has_remote) {
     // The destination of the read: the receiver checks what the sender says it will read.
     if (!DataTypeCanMemCopy(dtype)) return Malformed("a remote string tensor");
-    ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
-    if (t.TotalBytes() != out->remote.bytes || out->remote.bytes == 0 ||
-        out->remote.key.empty() || out->remote.tensor_key > protocol::kMaxTensorKey) {
+    ASSIGN_OR_RETURN(const uint64_t expected, announced_bytes());
+    if (expected != out->remote.bytes || out->remote.bytes == 0 || out->remote.key.empty() ||
+        out->remote.tensor_key > protocol::kMaxTensorKey) {
       return Malformed(absl::StrCat("remote tensor of ", out->remote.bytes, " bytes for ",
-                                    t.DebugString()));
+                                    DataTypeName(dtype), shape.DebugString()));
     }
-    out->tensor = std::move(t);
+    RETURN_IF_ERROR(CheckReceivedTensorBytes(expected, max_tensor_bytes));
+    ASSIGN_OR_RETURN(out->tensor, Tensor::Allocate(allocator, dtype, shape));
     return absl::OkStatus();
   }
+  ASSIGN_OR_RETURN(const uint64_t expected, announced_bytes());
   if (DataTypeCanMemCopy(dtype)) {
-    ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
-    if (t.TotalBytes() != 0) return Malformed(absl::StrCat("no content for ", t.DebugString()));
-    out->tensor = std::move(t);
+    if (expected != 0) {
+      return Malformed(absl::StrCat("no content for ", DataTypeName(dtype), shape.DebugString()));
+    }
+    ASSIGN_OR_RETURN(out->tensor, Tensor::Allocate(allocator, dtype, shape));
     return absl::OkStatus();
   }
+  RETURN_IF_ERROR(CheckReceivedTensorBytes(expected, max_tensor_bytes));
   absl::StatusOr<Tensor> t = TensorFromProto(meta, allocator);
   if (!t.ok()) return Malformed(t.status().message());
   out->tensor = *std::move(t);

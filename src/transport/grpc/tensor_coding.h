@@ -33,9 +33,11 @@ struct ParsedResponse {
   protocol::RemoteTensorRef remote;
 };
 
-// DataLoss for a malformed response, with what was wrong.
+// DataLoss for a malformed response, with what was wrong; ResourceExhausted for a tensor larger
+// than `max_tensor_bytes`. Sizes are checked against the bytes the response carries and the
+// limit before anything is allocated.
 absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
-                                     ParsedResponse* out);
+                                     uint64_t max_tensor_bytes, ParsedResponse* out);
 
 }  // namespace tensorverbs::grpc_transport
 

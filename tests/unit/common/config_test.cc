@@ -22,6 +22,7 @@ TEST(Config, Defaults) {
   EXPECT_EQ(c->callback_threads, 2);
   EXPECT_TRUE(c->malloc_tuning);
   EXPECT_EQ(c->malloc_trim_bytes, int64_t{1024} << 20);
+  EXPECT_EQ(c->max_tensor_bytes, uint64_t{4096} << 20);
   EXPECT_TRUE(c->warnings.empty());
 }
 
@@ -65,6 +66,15 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "2"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TRIM_MB", "4096"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "0"}})->malloc_tuning);
+  EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_MAX_TENSOR_MB", "1"}})->max_tensor_bytes,
+            uint64_t{1} << 20);
+  EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_MAX_TENSOR_MB", "1048576"}})->max_tensor_bytes,
+            uint64_t{1} << 40);
+  for (const char* value : {"0", "1048577", "-1", "4G"}) {
+    absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_MAX_TENSOR_MB", value}});
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << value;
+    EXPECT_THAT(c.status().message(), HasSubstr("TENSORVERBS_MAX_TENSOR_MB"));
+  }
 }
 
 TEST(Config, UnknownVariableIsWarned) {

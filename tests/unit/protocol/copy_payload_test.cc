@@ -3,8 +3,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <random>
 #include <vector>
+
+#include "proto/tensor.pb.h"
+#include "tests/support/recording_allocator.h"
 
 namespace tensorverbs::protocol {
 namespace {
@@ -49,6 +53,28 @@ TEST(CopyPayload, RoundTripsEveryDtypeShapeStringsAndDeadness) {
   absl::StatusOr<ReadPayload> got = ReadCopyPayload(dead.data(), dead.size(), CpuAllocator());
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(got->is_dead);
+}
+
+// A header announcing int32[2^29] (2 GiB) over 16 content bytes: DataLoss, nothing allocated.
+TEST(CopyPayload, AHeaderLargerThanItsContentAllocatesNothing) {
+  const std::vector<uint8_t> good = Lay(Pattern(DataType::kInt32, TensorShape::Of({4}), 1), false);
+  uint32_t header_len;
+  std::memcpy(&header_len, good.data() + 8, 4);
+  proto::TensorProto header;
+  ASSERT_TRUE(header.ParseFromArray(good.data() + kCopyPayloadHeaderBytes,
+                                    static_cast<int>(header_len)));
+  header.mutable_tensor_shape()->mutable_dim(0)->set_size(int64_t{1} << 29);
+  const std::string liar = header.SerializeAsString();
+  std::vector<uint8_t> bad(good.begin(), good.begin() + kCopyPayloadHeaderBytes);
+  const auto liar_len = static_cast<uint32_t>(liar.size());
+  std::memcpy(bad.data() + 8, &liar_len, 4);
+  bad.insert(bad.end(), liar.begin(), liar.end());
+  bad.insert(bad.end(), good.begin() + kCopyPayloadHeaderBytes + header_len, good.end());
+  testing::RecordingAllocator allocator;
+  absl::StatusOr<ReadPayload> got = ReadCopyPayload(bad.data(), bad.size(), &allocator);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("16 content bytes"));
+  EXPECT_EQ(allocator.largest(), 0u);
 }
 
 TEST(CopyPayload, TruncationsAndCorruptionsAreDataLossNeverACrash) {

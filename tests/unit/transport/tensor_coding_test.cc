@@ -6,7 +6,9 @@
 #include <random>
 
 #include "proto/worker.pb.h"
+#include "src/rendezvous/remote_rendezvous.h"
 #include "src/tensor/tensor_codec.h"
+#include "tests/support/recording_allocator.h"
 
 namespace tensorverbs::grpc_transport {
 namespace {
@@ -50,7 +52,7 @@ TEST(TensorCoding, RoundTripsEveryDtypeAndSize) {
       ASSERT_TRUE(generic.ParseFromString(Flatten(buffer)));
       EXPECT_EQ(generic.send_start_micros(), 123);
       ParsedResponse parsed;
-      absl::Status s = ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed);
+      absl::Status s = ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed);
       ASSERT_TRUE(s.ok()) << s << " " << t.DebugString();
       EXPECT_TRUE(parsed.tensor.ContentEquals(t)) << t.DebugString();
       EXPECT_FALSE(parsed.is_dead);
@@ -69,7 +71,7 @@ TEST(TensorCoding, LargeTensorsLeaveWithoutACopy) {
   ASSERT_EQ(slices.size(), 2u);
   EXPECT_EQ(slices[1].begin(), static_cast<const uint8_t*>(t.data())) << "slice points into the tensor";
   ParsedResponse parsed;
-  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed).ok());
+  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
   EXPECT_TRUE(parsed.tensor.ContentEquals(t));
   slices.clear();
   buffer.Clear();
@@ -80,7 +82,7 @@ TEST(TensorCoding, DeadTensors) {
   grpc::ByteBuffer buffer;
   EncodeRecvTensorResponse(Tensor(), true, 0, &buffer);
   ParsedResponse parsed;
-  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed).ok());
+  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
   EXPECT_TRUE(parsed.is_dead);
   EXPECT_FALSE(parsed.tensor.IsInitialized());
 }
@@ -95,7 +97,7 @@ TEST(TensorCoding, MalformedResponsesAreDataLoss) {
   auto parse = [](const std::string& bytes) {
     grpc::ByteBuffer b = FromString(bytes);
     ParsedResponse parsed;
-    return ParseRecvTensorResponse(&b, CpuAllocator(), &parsed);
+    return ParseRecvTensorResponse(&b, CpuAllocator(), kDefaultMaxTensorBytes, &parsed);
   };
   ASSERT_TRUE(parse(good.SerializeAsString()).ok());
 
@@ -143,7 +145,7 @@ TEST(TensorCoding, ARemoteTensorCarriesWhereToReadItAndNoContent) {
   EncodeRecvTensorResponse(t, false, 7, &buffer, &ref);
   EXPECT_LT(buffer.Length(), 256u) << "no element bytes travel";
   ParsedResponse parsed;
-  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), &parsed).ok());
+  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
   ASSERT_TRUE(parsed.has_remote);
   EXPECT_EQ(parsed.remote.addr, ref.addr);
   EXPECT_EQ(parsed.remote.key, ref.key);
@@ -154,7 +156,7 @@ TEST(TensorCoding, ARemoteTensorCarriesWhereToReadItAndNoContent) {
   auto parse = [](const proto::RecvTensorResponse& r) {
     grpc::ByteBuffer b = FromString(r.SerializeAsString());
     ParsedResponse out;
-    return ParseRecvTensorResponse(&b, CpuAllocator(), &out);
+    return ParseRecvTensorResponse(&b, CpuAllocator(), kDefaultMaxTensorBytes, &out);
   };
   proto::RecvTensorResponse good;
   TensorToProto(t, good.mutable_meta());
@@ -184,6 +186,60 @@ TEST(TensorCoding, ARemoteTensorCarriesWhereToReadItAndNoContent) {
   EXPECT_EQ(parse(strings).code(), absl::StatusCode::kDataLoss);
 }
 
+// A peer's announced shape costs nothing until the bytes that came with it match it, and a
+// tensor above the receiver's limit is refused before it is allocated.
+TEST(TensorCoding, AnnouncedSizesAreCheckedBeforeAnythingIsAllocated) {
+  testing::RecordingAllocator allocator;
+  auto parse = [&allocator](const proto::RecvTensorResponse& r, uint64_t max_bytes) {
+    grpc::ByteBuffer b = FromString(r.SerializeAsString());
+    ParsedResponse out;
+    return ParseRecvTensorResponse(&b, &allocator, max_bytes, &out);
+  };
+  // float32[2^29] (2 GiB) with 4 content bytes.
+  proto::RecvTensorResponse liar;
+  TensorToProto(Filled(DataType::kFloat32, TensorShape::Of({1})), liar.mutable_meta());
+  liar.mutable_meta()->clear_tensor_content();
+  liar.mutable_meta()->mutable_tensor_shape()->mutable_dim(0)->set_size(int64_t{1} << 29);
+  liar.set_tensor_content("abcd");
+  absl::Status s = parse(liar, kDefaultMaxTensorBytes);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("4 content bytes"));
+  EXPECT_EQ(allocator.largest(), 0u) << "allocated for a size the response did not carry";
+
+  // The same shape with no content at all, and as a remote tensor of the wrong size.
+  proto::RecvTensorResponse empty = liar;
+  empty.clear_tensor_content();
+  EXPECT_EQ(parse(empty, kDefaultMaxTensorBytes).code(), absl::StatusCode::kDataLoss);
+  proto::RecvTensorResponse remote = empty;
+  remote.mutable_remote()->set_addr(4096);
+  remote.mutable_remote()->set_key("key");
+  remote.mutable_remote()->set_tensor_key(1);
+  remote.mutable_remote()->set_bytes(4);
+  EXPECT_EQ(parse(remote, kDefaultMaxTensorBytes).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(allocator.largest(), 0u);
+
+  // Honest tensors above the limit: refused, naming the variable, with nothing allocated.
+  proto::RecvTensorResponse honest;
+  TensorToProto(Filled(DataType::kInt32, TensorShape::Of({1024})), honest.mutable_meta());
+  honest.set_tensor_content(honest.meta().tensor_content());
+  honest.mutable_meta()->clear_tensor_content();
+  s = parse(honest, 4095);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("TENSORVERBS_MAX_TENSOR_MB"));
+  proto::RecvTensorResponse honest_remote = remote;
+  honest_remote.mutable_remote()->set_bytes(uint64_t{4} << 29);
+  EXPECT_EQ(parse(honest_remote, uint64_t{1} << 30).code(), absl::StatusCode::kResourceExhausted);
+  proto::RecvTensorResponse strings;
+  Tensor names = Tensor::Make(DataType::kString, TensorShape::Of({100}));
+  TensorToProto(names, strings.mutable_meta());
+  EXPECT_EQ(parse(strings, 100).code(), absl::StatusCode::kResourceExhausted)
+      << "100 string objects are more than 100 bytes";
+  EXPECT_EQ(allocator.largest(), 0u);
+  // At the limit it is received.
+  EXPECT_TRUE(parse(honest, 4096).ok());
+  EXPECT_EQ(allocator.largest(), 4096u);
+}
+
 TEST(TensorCoding, RandomBytesNeverCrash) {
   std::mt19937 rng(5);
   for (int i = 0; i < 2000; ++i) {
@@ -191,7 +247,7 @@ TEST(TensorCoding, RandomBytesNeverCrash) {
     for (char& c : bytes) c = static_cast<char>(rng());
     grpc::ByteBuffer b = FromString(bytes);
     ParsedResponse parsed;
-    (void)ParseRecvTensorResponse(&b, CpuAllocator(), &parsed);
+    (void)ParseRecvTensorResponse(&b, CpuAllocator(), kDefaultMaxTensorBytes, &parsed);
   }
 }
 
