@@ -670,14 +670,14 @@ INSTANTIATE_TEST_SUITE_P(Protocols, ChannelRequestTest,
 class ZeroCopyTest : public ProtocolTest {};
 
 TEST_P(ZeroCopyTest, APeerOfAnotherWireVersionIsRefusedAndTold) {
-  StartCluster(1);
+  StartCluster(2);
   const std::string address = *server(0).cluster().TaskAddress("worker", 0);
   auto stub = proto::VerbsService::NewStub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   for (uint32_t version : {0u, 1u, kVerbsWireVersion + 1}) {
     SCOPED_TRACE(version);
     proto::ConnectRequest request;
-    request.set_task_name("/job:worker/replica:0/task:9");
+    request.set_task_name("/job:worker/replica:0/task:1");
     request.set_incarnation(7);
     request.set_fabric(transport(0).domain_for_testing()->capabilities().family);
     request.set_protocol(design().protocol);
@@ -692,13 +692,54 @@ TEST_P(ZeroCopyTest, APeerOfAnotherWireVersionIsRefusedAndTold) {
     context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
     grpc::Status status = stub->Connect(&context, request, &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-    EXPECT_THAT(status.error_message(), AllOf(HasSubstr("task:9 speaks grpc+verbs wire version"),
+    EXPECT_THAT(status.error_message(), AllOf(HasSubstr("task:1 speaks grpc+verbs wire version"),
                                               HasSubstr(absl::StrCat("speaks ", kVerbsWireVersion)),
                                               HasSubstr("same tensorverbs release")));
     if (version == 0) {
       EXPECT_THAT(status.error_message(), HasSubstr("1 or older"));
     }
   }
+}
+
+// Connect as an outsider would send it: a made-up task is refused before anything is set up,
+// and a request claiming to be a real task whose channel end is junk leaves that task's
+// channel working. (A well-formed end from an impostor is authentication's to refuse.)
+TEST_P(ZeroCopyTest, ConnectChecksTheCallerAndItsEndBeforeTouchingAnyChannel) {
+  StartCluster(2);
+  // Task 0 receives from task 1 over the channel task 1 accepted.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "w", PoolTensor(1, DataType::kFloat32, {256}, 1)));
+  const std::string address = *server(1).cluster().TaskAddress("worker", 1);
+  auto stub = proto::VerbsService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto connect = [&](const std::string& task, const std::string& endpoint) {
+    proto::ConnectRequest request;
+    request.set_task_name(task);
+    request.set_incarnation(server(0).incarnation());
+    request.set_fabric(transport(1).domain_for_testing()->capabilities().family);
+    request.set_protocol(design().protocol);
+    request.set_channel_id(77);
+    request.mutable_end()->set_endpoint_address(endpoint);
+    request.mutable_end()->set_rx_addr(4096);
+    request.mutable_end()->set_rx_key("junk");
+    request.mutable_end()->set_rx_slots(8);
+    request.mutable_end()->set_wire_version(kVerbsWireVersion);
+    proto::ConnectResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    return stub->Connect(&context, request, &response);
+  };
+  const size_t channels = transport(1).NumReadyChannels();
+  for (const char* stranger : {"/job:evil/replica:0/task:0", "/job:worker/replica:0/task:7",
+                               "/job:worker/replica:0/task:1", "\xff\xfe"}) {
+    grpc::Status s = connect(stranger, std::string(100, 'x'));
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << stranger;
+    EXPECT_THAT(s.error_message(), HasSubstr("cluster spec"));
+  }
+  grpc::Status junk = connect("/job:worker/replica:0/task:0", std::string(40, 'x'));
+  EXPECT_FALSE(junk.ok());
+  EXPECT_EQ(transport(1).NumReadyChannels(), channels) << "no channel was added or closed";
+  // The real channel still carries tensors.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(2, "w", PoolTensor(1, DataType::kFloat32, {256}, 2)));
 }
 
 TEST_P(ZeroCopyTest, KeysAtTheNameLimitWorkAndLongerOnesFailClearly) {

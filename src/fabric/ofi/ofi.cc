@@ -27,6 +27,9 @@
 namespace tensorverbs::fabric::ofi {
 namespace {
 
+// The longest address a string-format provider is believed to have (shm's are ~20 bytes).
+constexpr size_t kMaxStringAddress = 256;
+
 constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
 // Zero-length receives kept posted per endpoint when the provider consumes one per immediate.
 constexpr int kPostedReceives = 64;
@@ -168,6 +171,29 @@ class OfiEndpoint final : public EndpointBase {
 
   absl::Status Connect(absl::string_view peer_address) override {
     if (connected_) return absl::FailedPreconditionError("ofi: endpoint is already connected");
+    // fi_av_insert reads as many bytes as the provider's address format has, whatever it is
+    // given: an address it cannot be is refused here rather than read past its end or inserted
+    // as garbage. Binary formats have one length per provider; string formats (shm's
+    // "fi_shm://PID:N", with its terminating NUL) vary in length but are short, end at their
+    // first NUL and start with the provider's scheme, as ours does.
+    const bool string_format = shared_->info->addr_format == FI_ADDR_STR;
+    const size_t nul = peer_address.find('\0');
+    const size_t scheme_end = address_.find("://");
+    const bool plausible =
+        string_format
+            ? peer_address.size() <= kMaxStringAddress &&
+                  (nul == absl::string_view::npos || nul == peer_address.size() - 1) &&
+                  scheme_end != std::string::npos &&
+                  absl::StartsWith(peer_address, absl::string_view(address_).substr(0, scheme_end + 3))
+            : peer_address.size() == address_.size();
+    if (!plausible) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ofi: a peer address of ", peer_address.size(), " bytes cannot be a ",
+          shared_->info->fabric_attr->prov_name, " address (",
+          string_format ? absl::StrCat("a string of at most ", kMaxStringAddress, " bytes")
+                        : absl::StrCat(address_.size(), " bytes"),
+          "): a peer on another provider, or not a tensorverbs peer"));
+    }
     std::string addr(peer_address);
     int n = fi_av_insert(shared_->av, addr.data(), 1, &peer_, 0, nullptr);
     if (n != 1) {

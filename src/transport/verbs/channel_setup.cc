@@ -156,6 +156,14 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   const std::string& self = env_->worker->task_name;
   const std::string& family = env_->domain->capabilities().family;
   const char* protocol = protocol::VerbsModeProtocol(env_->mode);
+  // Everything is checked before anything existing is touched: only a task of the cluster
+  // spec may have a channel here, and a request that fails any check leaves the caller's
+  // current channel (if any) as it was.
+  if (task == self || !options_.task_addresses.contains(task)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "task '", absl::CEscape(task.substr(0, 256)), "' is not a peer in task ", self,
+        "'s cluster spec; every task must be started with the same cluster"));
+  }
   if (request.fabric() != family) {
     return absl::FailedPreconditionError(absl::StrCat(
         "task ", task, " uses fabric ", request.fabric(), " but task ", self, " uses ", family,
@@ -173,16 +181,6 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
         "task %s expected incarnation %016x of task %s, which now runs %016x (restarted)", task,
         request.expected_incarnation(), self, env_->worker->incarnation));
   }
-  // The caller sets up a new channel only when it has none: any older one from it is obsolete
-  // (it restarted, or dropped that channel after an error).
-  for (auto& [id, channel] : channels_) {
-    if (channel->role() != Channel::Role::kAcceptor || channel->peer_task() != task) continue;
-    if (channel->peer_incarnation() != request.incarnation()) {
-      channel->Close(absl::AbortedError(absl::StrCat("task ", task, " restarted")));
-    } else {
-      channel->Close(absl::CancelledError(absl::StrCat("task ", task, " replaced the channel")));
-    }
-  }
   const uint64_t id = next_channel_id_++;
   auto channel = std::make_unique<Channel>(env_, Channel::Role::kAcceptor, id, task);
   channel->set_peer_channel_id(request.channel_id());
@@ -193,6 +191,17 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   if (!s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("task ", task, "'s channel end is unusable: ", s.message()));
+  }
+  // The caller sets up a new channel only when it has none: any older one from it is obsolete
+  // (it restarted, or dropped that channel after an error). Closed only now that the new one
+  // stands.
+  for (auto& [other_id, other] : channels_) {
+    if (other->role() != Channel::Role::kAcceptor || other->peer_task() != task) continue;
+    if (other->peer_incarnation() != request.incarnation()) {
+      other->Close(absl::AbortedError(absl::StrCat("task ", task, " restarted")));
+    } else {
+      other->Close(absl::CancelledError(absl::StrCat("task ", task, " replaced the channel")));
+    }
   }
   response->set_task_name(self);
   response->set_incarnation(env_->worker->incarnation);
