@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "proto/tensor.pb.h"
 #include "src/common/status_macros.h"
+#include "src/rendezvous/remote_rendezvous.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
@@ -61,7 +62,7 @@ void CopyPayload::WriteTo(uint8_t* out) const {
 }
 
 absl::StatusOr<ReadPayload> ReadCopyPayload(const uint8_t* in, size_t available,
-                                            Allocator* allocator) {
+                                            Allocator* allocator, uint64_t max_tensor_bytes) {
   if (available < kCopyPayloadHeaderBytes) return Malformed("shorter than its header");
   if (Get<uint32_t>(in, 0) != kMagic) return Malformed("bad magic");
   if (in[4] != kVersion) return Malformed(absl::StrCat("unknown version ", in[4]));
@@ -82,15 +83,34 @@ absl::StatusOr<ReadPayload> ReadCopyPayload(const uint8_t* in, size_t available,
     out.is_dead = true;
     return out;
   }
+  const absl::string_view encoded(reinterpret_cast<const char*>(in + kCopyPayloadHeaderBytes),
+                                  header_len);
+  absl::StatusOr<EncodedTensorCounts> counts = CountEncodedTensor(encoded);
+  if (!counts.ok()) return Malformed(counts.status().message());
+  if (counts->strings > 0) {
+    // Strings travel in the header: an element costs a string object whatever its encoding.
+    if (content_len != 0) return Malformed("raw content for a string tensor");
+    RETURN_IF_ERROR(CheckReceivedTensorBytes(
+        static_cast<uint64_t>(counts->strings) * sizeof(std::string), max_tensor_bytes));
+    absl::StatusOr<Tensor> t = TensorFromEncodedProto(encoded, *counts, allocator);
+    if (!t.ok()) return Malformed(t.status().message());
+    if (t->dtype() != DataType::kString) return Malformed("strings in a tensor of numbers");
+    out.tensor = *std::move(t);
+    return out;
+  }
+  if (counts->dims > TensorShape::kMaxRank) {
+    return Malformed(absl::StrCat(counts->dims, " dimensions"));
+  }
   proto::TensorProto header;
-  if (!header.ParseFromArray(in + kCopyPayloadHeaderBytes, static_cast<int>(header_len))) {
+  if (!header.ParseFromArray(encoded.data(), static_cast<int>(encoded.size()))) {
     return Malformed("the TensorProto header does not parse");
   }
   absl::StatusOr<DataType> dtype = DataTypeFromInt(header.dtype());
   if (!dtype.ok()) return Malformed(dtype.status().message());
   if (!DataTypeCanMemCopy(*dtype)) {
+    // An empty string tensor (no elements) or one with a shape its elements do not fill.
     if (content_len != 0) return Malformed("raw content for a string tensor");
-    absl::StatusOr<Tensor> t = TensorFromProto(header, allocator);
+    absl::StatusOr<Tensor> t = TensorFromEncodedProto(encoded, *counts, allocator);
     if (!t.ok()) return Malformed(t.status().message());
     out.tensor = *std::move(t);
     return out;

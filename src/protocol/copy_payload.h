@@ -44,9 +44,11 @@ struct ReadPayload {
 };
 
 // Reads a payload from the first `available` bytes at `in`, copying the elements into a tensor
-// from `allocator`: the copy out.
+// from `allocator`: the copy out. What the payload asks this task to allocate is checked against
+// its contents and `max_tensor_bytes` before anything is allocated (string elements are counted
+// in their encoding first).
 absl::StatusOr<ReadPayload> ReadCopyPayload(const uint8_t* in, size_t available,
-                                            Allocator* allocator);
+                                            Allocator* allocator, uint64_t max_tensor_bytes);
 
 }  // namespace tensorverbs::protocol
 

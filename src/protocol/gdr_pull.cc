@@ -37,6 +37,16 @@ void GdrPull::Issue() {
   }
   ChannelEnv* env = channel_->env();
   const uint64_t bytes = ref_.bytes;
+  if (!dest_.IsInitialized()) {
+    // The receiver refused the tensor (too large, no memory): nothing is read, but the sender
+    // is told at once rather than holding it until its lease ends.
+    absl::Status release = PostRelease();
+    End(release);
+    Channel* channel = channel_;
+    channel->FinishPull(index_);  // deletes this
+    if (!release.ok()) channel->Close(ReleaseFailed(channel, release));
+    return;
+  }
   if (bytes != dest_.TotalBytes()) {
     FailBeforePosting(
         absl::InvalidArgumentError("the destination does not match the lent tensor's size"));
@@ -83,11 +93,7 @@ void GdrPull::Issue() {
 void GdrPull::OnReadDone() {
   if (--reads_left_ > 0) return;
   ChannelEnv* env = channel_->env();
-  MessageBuffer* mb = channel_->message_buffer();
-  // The sender may release the tensor now: a zero-byte write whose immediate names it.
-  absl::Status release =
-      channel_->endpoint()->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(),
-                                             ref_.tensor_key, MakeContext(OpTag::kAck, 0));
+  absl::Status release = PostRelease();
   if (staging_.IsInitialized()) {
     std::memcpy(dest_.data(), staging_.data(), ref_.bytes);
     env->CountCopy(ref_.bytes);
@@ -96,10 +102,19 @@ void GdrPull::OnReadDone() {
   End(absl::OkStatus());
   Channel* channel = channel_;
   channel->FinishPull(index_);  // deletes this
-  if (!release.ok()) {
-    channel->Close(absl::UnavailableError(absl::StrCat(
-        "releasing a tensor of task ", channel->peer_task(), " failed: ", release.message())));
-  }
+  if (!release.ok()) channel->Close(ReleaseFailed(channel, release));
+}
+
+absl::Status GdrPull::PostRelease() {
+  // The sender may release the tensor now: a zero-byte write whose immediate names it.
+  MessageBuffer* mb = channel_->message_buffer();
+  return channel_->endpoint()->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(),
+                                                ref_.tensor_key, MakeContext(OpTag::kAck, 0));
+}
+
+absl::Status GdrPull::ReleaseFailed(const Channel* channel, const absl::Status& status) {
+  return absl::UnavailableError(absl::StrCat("releasing a tensor of task ", channel->peer_task(),
+                                             " failed: ", status.message()));
 }
 
 std::vector<Tensor> GdrPull::TakeMemory() {

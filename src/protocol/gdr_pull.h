@@ -2,7 +2,8 @@
 // meta-data came in the gRPC RecvTensor response (a RemoteTensorRef); the pull reads the bytes
 // with RDMA reads (in pieces of at most kMaxTransferPiece) into the destination, or into a
 // registered proxy when the destination is not registered, then releases the sender's tensor
-// with a zero-byte write whose immediate is the tensor key.
+// with a zero-byte write whose immediate is the tensor key. A pull with no destination (the
+// receiver refused the tensor) only releases it.
 //
 // Owned by its Channel (by request index, from the same index space as recvs); every method
 // runs on the transport's progress thread. `done` runs exactly once, on the progress thread.
@@ -48,6 +49,9 @@ class GdrPull {
  private:
   // Ends the pull with `status` and has the channel forget it; nothing was posted.
   void FailBeforePosting(const absl::Status& status);
+  // Posts the zero-byte write that lets the sender drop the tensor.
+  absl::Status PostRelease();
+  static absl::Status ReleaseFailed(const Channel* channel, const absl::Status& status);
 
   Channel* const channel_;
   const uint32_t index_;

@@ -47,7 +47,7 @@ class TensorPuller {
  public:
   virtual ~TensorPuller() = default;
   // Reads the tensor `ref` names from task `task` into `dest` (allocated to its size), then
-  // releases it at the sender.
+  // releases it at the sender. An uninitialized `dest` releases it without reading.
   virtual void Pull(const std::string& task, const RemoteTensorRef& ref, Tensor dest,
                     absl::AnyInvocable<void(const absl::Status&) &&> done) = 0;
 };

@@ -194,7 +194,11 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     result_.Clear();
     staging_.Clear();
     transient_.reset();
-    if (!m.meta.is_dead) env->memory->CacheMeta(key_->key.full_key, m.meta);
+    // Meta-data this task would refuse is not remembered: the next recv of the name asks
+    // afresh rather than failing on the cached word of a peer that may since have changed.
+    if (!m.meta.is_dead && CheckAnnouncedSize(m.meta).ok()) {
+      env->memory->CacheMeta(key_->key.full_key, m.meta);
+    }
   }
   if (adoptable()) {
     // Pushed, and no recv has taken it yet: the sender holds the tensor for it, so it waits
@@ -252,8 +256,9 @@ void RdmaTensorRequest::RecvCopyContent() {
       return;
     }
   }
-  absl::StatusOr<ReadPayload> payload = ReadCopyPayload(
-      static_cast<const uint8_t*>(staging_.data()), staging_.TotalBytes(), allocator_);
+  absl::StatusOr<ReadPayload> payload =
+      ReadCopyPayload(static_cast<const uint8_t*>(staging_.data()), staging_.TotalBytes(),
+                      allocator_, env->max_tensor_bytes());
   if (!payload.ok()) {
     Deliver(RecvError(payload.status()), Tensor(), false);
     return;
@@ -266,11 +271,24 @@ void RdmaTensorRequest::RecvCopyContent() {
 }
 
 absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
-  proto::TensorProto tp;
-  if (!tp.ParseFromArray(staging_.data(), static_cast<int>(meta_.tensor_bytes))) {
-    return RecvError(absl::DataLossError("the string tensor's TensorProto does not parse"));
+  // The encoding is the sender's word too: its elements are counted against the announced
+  // shape (whose size the limit admitted) before parsing builds them.
+  const absl::string_view encoded(static_cast<const char*>(staging_.data()),
+                                  static_cast<size_t>(meta_.tensor_bytes));
+  absl::StatusOr<EncodedTensorCounts> counts = CountEncodedTensor(encoded);
+  if (counts.ok() && counts->strings != meta_.shape.num_elements()) {
+    counts = absl::DataLossError(absl::StrCat("the string tensor carries ", counts->strings,
+                                              " strings where its meta-data announced ",
+                                              meta_.shape.DebugString()));
   }
-  return TensorFromProto(tp, allocator_);
+  if (!counts.ok()) return RecvError(counts.status());
+  absl::StatusOr<Tensor> t = TensorFromEncodedProto(encoded, *counts, allocator_);
+  if (t.ok() && t->shape() != meta_.shape) {
+    t = absl::DataLossError(absl::StrCat("the string tensor is ", t->shape().DebugString(),
+                                         " where its meta-data announced ",
+                                         meta_.shape.DebugString()));
+  }
+  return t.ok() ? t : RecvError(t.status());
 }
 
 void RdmaTensorRequest::RecvTensorContent() {

@@ -1,6 +1,7 @@
 #include "src/rendezvous/remote_rendezvous.h"
 
 #include <memory>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "src/common/mutex.h"
@@ -10,9 +11,12 @@ namespace tensorverbs {
 
 absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes) {
   if (bytes <= max_bytes) return absl::OkStatus();
+  const std::string limit = max_bytes % (uint64_t{1} << 20) == 0
+                                ? absl::StrCat(max_bytes >> 20, " MiB")
+                                : absl::StrCat(max_bytes, " bytes");
   return absl::ResourceExhaustedError(absl::StrCat(
-      "the peer announced a tensor of ", bytes, " bytes, more than this task accepts (",
-      max_bytes >> 20, " MiB); raise TENSORVERBS_MAX_TENSOR_MB if tensors this large are expected"));
+      "the peer announced a tensor of ", bytes, " bytes, more than this task accepts (", limit,
+      "); raise TENSORVERBS_MAX_TENSOR_MB if tensors this large are expected"));
 }
 
 RemoteRendezvous::RemoteRendezvous(const WorkerEnv* env, int64_t step_id)

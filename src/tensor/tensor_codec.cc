@@ -1,7 +1,11 @@
 #include "src/tensor/tensor_codec.h"
 
+#include <climits>
 #include <cstring>
 #include <vector>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/wire_format_lite.h>
 
 #include "absl/strings/str_cat.h"
 #include "src/common/status_macros.h"
@@ -56,6 +60,77 @@ absl::StatusOr<Tensor> TensorFromProto(const proto::TensorProto& in, Allocator* 
   ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));
   for (int64_t i = 0; i < shape.num_elements(); ++i) t.strings()[i] = in.string_val(i);
   return t;
+}
+
+namespace {
+
+using google::protobuf::io::CodedInputStream;
+using google::protobuf::internal::WireFormatLite;
+
+// TensorProto and TensorShapeProto field numbers (proto/tensor.proto).
+constexpr int kShapeField = 2;
+constexpr int kStringValField = 8;
+constexpr int kDimField = 2;
+
+absl::Status BadEncoding(absl::string_view why) {
+  return absl::DataLossError(absl::StrCat("malformed TensorProto: ", why));
+}
+
+absl::StatusOr<int64_t> CountDims(CodedInputStream* in) {
+  int64_t dims = 0;
+  while (uint32_t tag = in->ReadTag()) {
+    if (WireFormatLite::GetTagFieldNumber(tag) == kDimField) ++dims;
+    if (!WireFormatLite::SkipField(in, tag)) return BadEncoding("truncated shape");
+  }
+  if (!in->ConsumedEntireMessage()) return BadEncoding("bad shape");
+  return dims;
+}
+
+}  // namespace
+
+absl::StatusOr<EncodedTensorCounts> CountEncodedTensor(absl::string_view encoded) {
+  if (encoded.size() > static_cast<size_t>(INT_MAX)) {
+    return BadEncoding(absl::StrCat(encoded.size(), " bytes: a TensorProto stays under 2 GiB"));
+  }
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(encoded.data()),
+                      static_cast<int>(encoded.size()));
+  EncodedTensorCounts counts;
+  while (uint32_t tag = in.ReadTag()) {
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const bool delimited =
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
+    if (field == kShapeField && delimited) {
+      // Parsing merges repeated occurrences of the shape, so their dimensions add up.
+      uint32_t len;
+      if (!in.ReadVarint32(&len)) return BadEncoding("truncated shape length");
+      const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(len));
+      ASSIGN_OR_RETURN(const int64_t dims, CountDims(&in));
+      in.PopLimit(limit);
+      counts.dims += dims;
+      continue;
+    }
+    if (field == kStringValField && delimited) ++counts.strings;
+    if (!WireFormatLite::SkipField(&in, tag)) return BadEncoding(absl::StrCat("truncated field ", field));
+  }
+  if (!in.ConsumedEntireMessage()) return BadEncoding("a stray end-group tag");
+  return counts;
+}
+
+absl::StatusOr<Tensor> TensorFromEncodedProto(absl::string_view encoded,
+                                              const EncodedTensorCounts& counts,
+                                              Allocator* allocator) {
+  if (counts.dims > TensorShape::kMaxRank) {
+    return BadEncoding(absl::StrCat(counts.dims, " dimensions; the maximum rank is ",
+                                    TensorShape::kMaxRank));
+  }
+  proto::TensorProto proto;
+  if (!proto.ParseFromArray(encoded.data(), static_cast<int>(encoded.size()))) {
+    return BadEncoding("does not parse");
+  }
+  if (proto.string_val_size() != counts.strings) {
+    return absl::InvalidArgumentError("the TensorProto is not the one that was counted");
+  }
+  return TensorFromProto(proto, allocator);
 }
 
 }  // namespace tensorverbs

@@ -501,6 +501,12 @@ TEST_P(ProtocolTest, ATensorAboveTheReceiversLimitFailsItsRecvAndOthersStillArri
     server(0).rendezvous_mgr()->Cleanup(step);
     server(1).rendezvous_mgr()->Cleanup(step);
   }
+  // A refused tensor that was lent is released at once, not when its lease ends.
+  ExpectNothingLent(1);
+  // The refusal is not remembered as the name's meta-data: once the tensor fits, it arrives.
+  const Tensor fits = PoolTensor(1, DataType::kUInt8, {1024}, 7);
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(4, "big", fits));
+  ExpectNothingLent(1);
 }
 
 // What anyone who reaches a task's port can send: a request larger than any real one is

@@ -127,6 +127,12 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
             status = absl::Status(status.code(),
                                   absl::StrCat("recv of '", call->key, "' from task ",
                                                call->worker->task_name(), ": ", status.message()));
+            if (parsed.has_remote && self->puller_ != nullptr) {
+              // Refused (too large, no memory, inconsistent): the sender lent the tensor for
+              // this recv and is told at once to drop it.
+              self->puller_->Pull(call->worker->task_name(), parsed.remote, Tensor(),
+                                  [](const absl::Status&) {});
+            }
           }
         }
         // Free gRPC's copy of the bytes before handing the tensor on.

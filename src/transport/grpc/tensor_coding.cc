@@ -5,7 +5,9 @@
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <climits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -29,6 +31,9 @@ constexpr int kIsDeadField = 2;
 constexpr int kSendStartField = 3;
 constexpr int kContentField = 4;
 constexpr int kRemoteField = 5;
+
+// A thread keeps the buffer its last meta-data was read into up to this size.
+constexpr size_t kKeptMetaBytes = 64 << 10;
 
 void ReleaseBuffer(void* user_data) { delete static_cast<std::shared_ptr<TensorBuffer>*>(user_data); }
 
@@ -124,13 +129,28 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
     const int field = WireFormatLite::GetTagFieldNumber(tag);
     const auto wire = WireFormatLite::GetTagWireType(tag);
     if (field == kMetaField && wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      if (have_meta) return Malformed("meta-data twice");
       uint32_t len;
       if (!coded.ReadVarint32(&len)) return Malformed("truncated meta-data length");
-      auto limit = coded.PushLimit(static_cast<int>(len));
-      if (!meta.MergePartialFromCodedStream(&coded) || !coded.ConsumedEntireMessage()) {
-        return Malformed("bad meta-data");
+      // String elements ride in the meta-data and cost an object each however short their
+      // encoding: count them against the limit before the parse builds them. The buffer is
+      // reused, so a recv does not allocate for this.
+      static thread_local std::string encoded;
+      if (len > static_cast<uint32_t>(INT_MAX) ||
+          !coded.ReadString(&encoded, static_cast<int>(len))) {
+        return Malformed("truncated meta-data");
       }
-      coded.PopLimit(limit);
+      absl::StatusOr<EncodedTensorCounts> counts = CountEncodedTensor(encoded);
+      if (!counts.ok()) return Malformed(counts.status().message());
+      if (counts->dims > TensorShape::kMaxRank) {
+        return Malformed(absl::StrCat("meta-data of ", counts->dims, " dimensions"));
+      }
+      RETURN_IF_ERROR(CheckReceivedTensorBytes(
+          static_cast<uint64_t>(counts->strings) * sizeof(std::string), max_tensor_bytes));
+      if (!meta.ParseFromString(encoded)) return Malformed("bad meta-data");
+      if (encoded.capacity() > kKeptMetaBytes) {
+        encoded = std::string();  // a large string tensor's encoding is not kept
+      }
       have_meta = true;
     } else if (field == kIsDeadField && wire == WireFormatLite::WIRETYPE_VARINT) {
       uint64_t v;

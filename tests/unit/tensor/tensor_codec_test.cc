@@ -75,5 +75,46 @@ TEST(TensorCodec, RejectsInconsistentProtos) {
   EXPECT_FALSE(TensorFromProto(o, CpuAllocator()).ok());
 }
 
+TEST(TensorCodec, CountsAnEncodingsStringsAndDimensionsWithoutParsingIt) {
+  Tensor t = Filled(DataType::kString, TensorShape::Of({3, 5}), 7);
+  proto::TensorProto p;
+  TensorToProto(t, &p);
+  const std::string bytes = p.SerializeAsString();
+  absl::StatusOr<EncodedTensorCounts> counts = CountEncodedTensor(bytes);
+  ASSERT_TRUE(counts.ok()) << counts.status();
+  EXPECT_EQ(counts->strings, 15);
+  EXPECT_EQ(counts->dims, 2);
+  absl::StatusOr<Tensor> back = TensorFromEncodedProto(bytes, *counts, CpuAllocator());
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_TRUE(back->ContentEquals(t));
+
+  // Two shape fields merge when parsed, so their dimensions add up.
+  proto::TensorProto deep;
+  deep.set_dtype(static_cast<int>(DataType::kFloat32));
+  for (int i = 0; i < 200; ++i) deep.mutable_tensor_shape()->add_dim()->set_size(1);
+  std::string twice = deep.SerializeAsString();
+  twice += twice;
+  counts = CountEncodedTensor(twice);
+  ASSERT_TRUE(counts.ok()) << counts.status();
+  EXPECT_EQ(counts->dims, 400);
+  EXPECT_EQ(TensorFromEncodedProto(twice, *counts, CpuAllocator()).status().code(),
+            absl::StatusCode::kDataLoss);
+
+  // Every truncation and random bytes: a count or DataLoss, never a crash.
+  for (size_t len = 0; len < bytes.size(); ++len) {
+    absl::StatusOr<EncodedTensorCounts> c = CountEncodedTensor(bytes.substr(0, len));
+    if (!c.ok()) {
+      EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss);
+    }
+  }
+  std::mt19937 rng(5);
+  for (int i = 0; i < 2000; ++i) {
+    std::string noise(rng() % 64, '\0');
+    for (char& c : noise) c = static_cast<char>(rng());
+    absl::StatusOr<EncodedTensorCounts> c = CountEncodedTensor(noise);
+    if (c.ok()) (void)TensorFromEncodedProto(noise, *c, CpuAllocator());
+  }
+}
+
 }  // namespace
 }  // namespace tensorverbs

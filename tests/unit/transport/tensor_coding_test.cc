@@ -240,6 +240,37 @@ TEST(TensorCoding, AnnouncedSizesAreCheckedBeforeAnythingIsAllocated) {
   EXPECT_EQ(allocator.largest(), 4096u);
 }
 
+// A string tensor whose meta-data names one element and carries 200,000 empty ones (two bytes
+// each on the wire, a string object each once parsed): the elements are counted against the
+// limit before the meta-data is parsed, and against the shape after.
+TEST(TensorCoding, StringElementsAreCountedBeforeTheMetaDataIsParsed) {
+  testing::RecordingAllocator allocator;
+  proto::RecvTensorResponse liar;
+  liar.mutable_meta()->set_dtype(static_cast<int32_t>(DataType::kString));
+  liar.mutable_meta()->mutable_tensor_shape()->add_dim()->set_size(1);
+  for (int i = 0; i < 200000; ++i) liar.mutable_meta()->add_string_val("");
+  grpc::ByteBuffer b = FromString(liar.SerializeAsString());
+  ParsedResponse out;
+  absl::Status s = ParseRecvTensorResponse(&b, &allocator, uint64_t{1} << 20, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_THAT(s.message(), HasSubstr("TENSORVERBS_MAX_TENSOR_MB"));
+  b = FromString(liar.SerializeAsString());
+  s = ParseRecvTensorResponse(&b, &allocator, kDefaultMaxTensorBytes, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_EQ(allocator.largest(), 0u);
+  // Meta-data twice (which a parse would merge) is refused.
+  proto::RecvTensorResponse one;
+  TensorToProto(Filled(DataType::kString, TensorShape::Of({2})), one.mutable_meta());
+  const std::string twice = one.SerializeAsString() + one.SerializeAsString();
+  b = FromString(twice);
+  EXPECT_EQ(ParseRecvTensorResponse(&b, &allocator, kDefaultMaxTensorBytes, &out).code(),
+            absl::StatusCode::kDataLoss);
+  b = FromString(one.SerializeAsString());
+  s = ParseRecvTensorResponse(&b, &allocator, kDefaultMaxTensorBytes, &out);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(out.tensor.NumElements(), 2);
+}
+
 TEST(TensorCoding, RandomBytesNeverCrash) {
   std::mt19937 rng(5);
   for (int i = 0; i < 2000; ++i) {
