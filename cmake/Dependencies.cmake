@@ -5,6 +5,7 @@ find_package(Protobuf REQUIRED)          # Debian's protobuf ships no CMake conf
 find_package(gRPC CONFIG REQUIRED)       # Needs protobuf-compiler-grpc for gRPC::grpc_cpp_plugin.
 find_package(PkgConfig REQUIRED)
 find_package(nlohmann_json CONFIG REQUIRED)
+find_package(OpenSSL REQUIRED)           # libcrypto: the cluster secret's HMAC (libssl-dev).
 find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
 
 # libfabric and libibverbs are detected here; the fabric layer uses them. The build succeeds

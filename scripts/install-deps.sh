@@ -12,6 +12,7 @@ packages=(
   libgtest-dev libgmock-dev googletest
   libbenchmark-dev
   libcli11-dev
+  libssl-dev openssl
   nlohmann-json3-dev
   iproute2 procps
   gnuplot-nox

@@ -2,6 +2,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "src/common/config.h"
 #include "src/server/server.h"
@@ -165,7 +167,31 @@ int main(int argc, char** argv) {
   task_cmd->add_option("--step-base", task.step_base)->required();
   task_cmd->add_option("--learning-rate", task.learning_rate)->required();
 
+  // Authentication for the commands that run tasks. The flags set the variables, before the
+  // environment is read, so the tasks these commands start inherit them.
+  struct SecurityFlag {
+    const char* flag;
+    const char* variable;
+    const char* help;
+    std::string value;
+  };
+  SecurityFlag security_flags[] = {
+      {"--secret-file", "TENSORVERBS_SECRET_FILE", "File holding the cluster secret", ""},
+      {"--tls-cert", "TENSORVERBS_TLS_CERT", "This task's TLS certificate (PEM)", ""},
+      {"--tls-key", "TENSORVERBS_TLS_KEY", "The certificate's private key (PEM)", ""},
+      {"--tls-ca", "TENSORVERBS_TLS_CA", "The cluster's CA certificate (PEM)", ""},
+  };
+  for (CLI::App* cmd : {server_cmd, demo_cmd, bench_p2p, bench_rate, bench_ps}) {
+    for (SecurityFlag& f : security_flags) {
+      cmd->add_option(f.flag, f.value, std::string(f.help) + " (" + f.variable + ")")
+          ->group("Security");
+    }
+  }
+
   CLI11_PARSE(app, argc, argv);
+  for (const SecurityFlag& f : security_flags) {
+    if (!f.value.empty()) setenv(f.variable, f.value.c_str(), /*overwrite=*/1);
+  }
 
   if (absl::Status s = tensorverbs::Config::EnvironmentStatus(); !s.ok()) {
     std::fprintf(stderr, "tensorverbs: %s\n", std::string(s.message()).c_str());

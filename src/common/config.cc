@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -175,6 +176,8 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_PEER_TIMEOUT_MS", "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",        "TENSORVERBS_PUSH_MAX_MB",
       "TENSORVERBS_MAX_TENSOR_MB",
+      "TENSORVERBS_TLS_CERT",        "TENSORVERBS_TLS_KEY",
+      "TENSORVERBS_TLS_CA",          "TENSORVERBS_SECRET_FILE",
   };
   return names;
 }
@@ -193,6 +196,21 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t max_tensor_mb,
                    ParseInt(env, "TENSORVERBS_MAX_TENSOR_MB", 1, 1048576, 4096));
   config.max_tensor_bytes = static_cast<uint64_t>(max_tensor_mb) << 20;
+  for (auto [name, field] : {std::pair{"TENSORVERBS_TLS_CERT", &config.tls_cert_file},
+                             std::pair{"TENSORVERBS_TLS_KEY", &config.tls_key_file},
+                             std::pair{"TENSORVERBS_TLS_CA", &config.tls_ca_file},
+                             std::pair{"TENSORVERBS_SECRET_FILE", &config.secret_file}}) {
+    if (auto it = env.find(name); it != env.end()) {
+      *field = std::string(absl::StripAsciiWhitespace(it->second));
+    }
+  }
+  const int tls_files = !config.tls_cert_file.empty() + !config.tls_key_file.empty() +
+                        !config.tls_ca_file.empty();
+  if (tls_files != 0 && tls_files != 3) {
+    return absl::InvalidArgumentError(
+        "TENSORVERBS_TLS_CERT, TENSORVERBS_TLS_KEY and TENSORVERBS_TLS_CA: mutual TLS needs all "
+        "three (this task's certificate, its private key and the cluster's CA), or none");
+  }
   ASSIGN_OR_RETURN(int64_t threads, ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 0, 256, 2));
   config.callback_threads = static_cast<int>(threads);
   ASSIGN_OR_RETURN(int64_t tuning, ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, 1));

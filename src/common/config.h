@@ -60,6 +60,14 @@ struct Config {
   // so a faulty or hostile peer cannot make a receiver commit more memory than this per recv.
   uint64_t max_tensor_bytes = uint64_t{4096} << 20;
 
+  // Authentication of the calls between tasks (see rpc/security.h). TENSORVERBS_TLS_CERT,
+  // TENSORVERBS_TLS_KEY, TENSORVERBS_TLS_CA: PEM files for mutual TLS (all three or none).
+  // TENSORVERBS_SECRET_FILE: a file holding the cluster secret. Empty: not configured.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_ca_file;
+  std::string secret_file;
+
   // TENSORVERBS_CALLBACK_THREADS: threads that run user `done` callbacks. 0 .. 256, default 2;
   // 0 runs each callback inline on the transport's thread (lowest latency; a callback that
   // blocks then stalls every transfer).

@@ -1,5 +1,6 @@
 #include "src/rpc/grpc_util.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 
@@ -17,9 +18,18 @@ grpc::Status ToGrpcStatus(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-grpc::ChannelArguments ClientChannelArguments() {
+uint64_t TensorAnswerLimit(uint64_t max_tensor_bytes) {
+  // The response's own fields, and a string tensor's per-element framing.
+  constexpr uint64_t kFraming = 64 << 10;
+  return max_tensor_bytes > UINT64_MAX - kFraming ? UINT64_MAX : max_tensor_bytes + kFraming;
+}
+
+grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
+                                              absl::Duration peer_timeout) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxReceiveMessageSize(max_answer_bytes > static_cast<uint64_t>(INT_MAX)
+                                    ? -1
+                                    : static_cast<int>(max_answer_bytes));
   args.SetMaxSendMessageSize(-1);
   // Reconnect quickly to a task that is starting up; the default backoff reaches 120 s.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -29,6 +39,16 @@ grpc::ChannelArguments ClientChannelArguments() {
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 1);
   // Each peer gets its own subchannel so two tasks in one process do not share a connection.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (peer_timeout > absl::ZeroDuration()) {
+    const int half_ms = static_cast<int>(
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(peer_timeout) / 2, 1, INT_MAX));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, half_ms);
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, half_ms);
+    // Only while calls are in flight (a RecvTensor waiting for its tensor sends no data), and
+    // as often as that takes.
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+    args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
   return args;
 }
 
@@ -40,6 +60,10 @@ void ConfigureServerBuilder(grpc::ServerBuilder* builder) {
   builder->SetMaxSendMessageSize(INT_MAX);
   // gRPC sets SO_REUSEPORT by default, which would let two servers share a port silently.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Peers ping a connection whose calls wait for tensors (ClientChannelArguments); by default a
+  // server answers pings more frequent than every 5 minutes without data with GOAWAY.
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 50);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
 }
 
 void PinGrpcCallbackQueue() {

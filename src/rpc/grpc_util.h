@@ -1,6 +1,6 @@
 // tv_rpc: conversions between gRPC and absl statuses, and the channel and server settings every
-// tensorverbs gRPC endpoint uses (no message size limit, no SO_REUSEPORT so a port in use is
-// detected). Pure functions, any thread.
+// tensorverbs gRPC endpoint uses (message limits, no SO_REUSEPORT so a port in use is detected).
+// Pure functions, any thread.
 #ifndef TENSORVERBS_RPC_GRPC_UTIL_H_
 #define TENSORVERBS_RPC_GRPC_UTIL_H_
 
@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace tensorverbs::rpc {
 
@@ -15,7 +16,17 @@ namespace tensorverbs::rpc {
 absl::Status FromGrpcStatus(const grpc::Status& s);
 grpc::Status ToGrpcStatus(const absl::Status& s);
 
-grpc::ChannelArguments ClientChannelArguments();
+// `max_answer_bytes`: the largest answer the channel accepts (gRPC's limit is an int: larger
+// values mean no limit below the 4 GiB its framing allows). With a `peer_timeout`, a connection
+// with calls in flight is pinged every half of it and closed when a ping goes unanswered for
+// the other half, failing those calls with UNAVAILABLE: a frozen or vanished peer costs about
+// `peer_timeout`, not the call's whole deadline.
+grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
+                                              absl::Duration peer_timeout = absl::ZeroDuration());
+// What a WorkerService client accepts: a tensor of the task's limit plus its framing.
+uint64_t TensorAnswerLimit(uint64_t max_tensor_bytes);
+// Every other answer (status, channel set-up) is small.
+inline constexpr uint64_t kMaxControlAnswerBytes = 1 << 20;
 // The largest request a server accepts; larger ones fail with RESOURCE_EXHAUSTED in gRPC,
 // before any service sees them.
 inline constexpr int kMaxRequestBytes = 16 << 10;

@@ -1,8 +1,10 @@
 #include "src/server/server.h"
 
+#include <mutex>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "proto/worker.grpc.pb.h"
 #include "src/common/config.h"
@@ -32,16 +34,22 @@ using WorkerServiceBase =
 class WorkerServiceImpl final : public WorkerServiceBase {
  public:
   WorkerServiceImpl(const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol,
-                    std::string device, protocol::TensorLender* lender)
+                    std::string device, protocol::TensorLender* lender,
+                    const rpc::RpcSecurity* security)
       : env_(env),
         mgr_(mgr),
         protocol_(std::move(protocol)),
         device_(std::move(device)),
-        lender_(lender) {}
+        lender_(lender),
+        security_(security) {}
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const proto::GetStatusRequest* request,
                                       proto::GetStatusResponse* response) override {
+    std::string caller;
+    if (grpc::Status allowed = security_->Authenticate(*context, &caller); !allowed.ok()) {
+      return Refuse(context, allowed);
+    }
     response->set_task_name(env_->task_name);
     response->set_incarnation(env_->incarnation);
     response->add_devices(device_);
@@ -54,12 +62,30 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   grpc::ServerUnaryReactor* RecvTensor(grpc::CallbackServerContext* context,
                                        const grpc::ByteBuffer* request,
                                        grpc::ByteBuffer* response) override {
-    return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_, lender_);
+    std::string caller;
+    if (grpc::Status allowed = security_->Authenticate(*context, &caller); !allowed.ok()) {
+      return Refuse(context, allowed);
+    }
+    if (protocol_ == "grpc+verbs" || protocol_ == "grpc+verbs-copy") {
+      // Only the protocol in use is served: these tensors go over RDMA channels.
+      auto* reactor = context->DefaultReactor();
+      reactor->Finish(grpc::Status(
+          grpc::StatusCode::UNIMPLEMENTED,
+          absl::StrCat("task ", env_->task_name, " serves protocol ", protocol_,
+                       ": its tensors are received over RDMA channels, not RecvTensor")));
+      return reactor;
+    }
+    return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_, caller,
+                                            lender_);
   }
 
   grpc::ServerUnaryReactor* CleanupStep(grpc::CallbackServerContext* context,
                                         const proto::CleanupStepRequest* request,
                                         proto::CleanupStepResponse* response) override {
+    std::string caller;
+    if (grpc::Status allowed = security_->Authenticate(*context, &caller); !allowed.ok()) {
+      return Refuse(context, allowed);
+    }
     mgr_->Cleanup(request->step_id());
     auto* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
@@ -67,11 +93,19 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   }
 
  private:
+  static grpc::ServerUnaryReactor* Refuse(grpc::CallbackServerContext* context,
+                                          const grpc::Status& status) {
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(status);
+    return reactor;
+  }
+
   const WorkerEnv* const env_;
   RendezvousMgr* const mgr_;
   const std::string protocol_;
   const std::string device_;
   protocol::TensorLender* const lender_;  // grpc+gdr only
+  const rpc::RpcSecurity* const security_;
 };
 
 }  // namespace
@@ -88,6 +122,10 @@ ServerOptions ServerOptions::FromConfig(const Config& config) {
   o.callback_threads = config.callback_threads;
   o.pool_region_bytes = config.pool_region_bytes;
   o.max_tensor_bytes = config.max_tensor_bytes;
+  o.security.tls_cert_file = config.tls_cert_file;
+  o.security.tls_key_file = config.tls_key_file;
+  o.security.tls_ca_file = config.tls_ca_file;
+  o.security.secret_file = config.secret_file;
   o.malloc_tuning = config.malloc_tuning;
   o.malloc_trim_bytes = config.malloc_trim_bytes;
   o.verbs = verbs::VerbsOptions::FromConfig(config);
@@ -142,7 +180,20 @@ absl::Status Server::Start() {
   env_.keys = &keys_;
   env_.max_tensor_bytes = options_.max_tensor_bytes;
   env_.step_sizes = &step_sizes_;
-  workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses());
+  {
+    std::vector<std::string> tasks;
+    for (const auto& [task, address] : options_.cluster.TaskAddresses()) tasks.push_back(task);
+    absl::StatusOr<std::shared_ptr<const rpc::RpcSecurity>> security =
+        rpc::RpcSecurity::Create(options_.security, env_.task_name, std::move(tasks));
+    if (!security.ok()) {
+      return absl::Status(security.status().code(), absl::StrCat("task ", env_.task_name, ": ",
+                                                                 security.status().message()));
+    }
+    security_ = *std::move(security);
+  }
+  workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(
+      options_.cluster.TaskAddresses(), security_, options_.max_tensor_bytes,
+      options_.verbs.peer_timeout);
 
   const absl::Duration recv_timeout = options_.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
@@ -156,6 +207,7 @@ absl::Status Server::Start() {
     verbs_options.env = &env_;
     verbs_options.pool = recv_allocator_.get();
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
+    verbs_options.security = security_;
     verbs_options.all_peers_local = all_peers_local;
     verbs_options.recv_timeout = recv_timeout;
     absl::StatusOr<std::unique_ptr<verbs::VerbsTransport>> verbs =
@@ -194,11 +246,12 @@ absl::Status Server::Start() {
   }
 
   service_ = std::make_unique<WorkerServiceImpl>(&env_, rendezvous_mgr_.get(), options_.protocol,
-                                                 device_name(), gdr ? verbs_.get() : nullptr);
+                                                 device_name(), gdr ? verbs_.get() : nullptr,
+                                                 security_.get());
   grpc::ServerBuilder builder;
   rpc::ConfigureServerBuilder(&builder);
   int bound_port = 0;
-  builder.AddListeningPort(options_.listen_address, grpc::InsecureServerCredentials(), &bound_port);
+  builder.AddListeningPort(options_.listen_address, security_->ServerCredentials(), &bound_port);
   builder.RegisterService(service_.get());
   if (verbs_) builder.RegisterService(verbs_->service());
   grpc_server_ = builder.BuildAndStart();
@@ -210,7 +263,20 @@ absl::Status Server::Start() {
   }
   LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
             << options_.listen_address << " (incarnation " << std::hex << env_.incarnation
-            << std::dec << ")";
+            << std::dec << ", authentication: " << security_->Describe() << ")";
+  const absl::string_view host = absl::string_view(options_.listen_address)
+                                     .substr(0, options_.listen_address.rfind(':'));
+  const bool loopback_only =
+      host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
+  if (!security_->enabled() && !loopback_only) {
+    static std::once_flag warned;
+    std::call_once(warned, [this] {
+      LOG(WARNING) << "task " << env_.task_name << " listens on " << options_.listen_address
+                   << " without authentication: anyone who reaches the port can receive its "
+                      "tensors; set TENSORVERBS_SECRET_FILE or TENSORVERBS_TLS_* (README, "
+                      "\"Security\")";
+    });
+  }
   return absl::OkStatus();
 }
 

@@ -23,6 +23,7 @@
 #include "src/common/executor.h"
 #include "src/common/mutex.h"
 #include "src/rendezvous/rendezvous_mgr.h"
+#include "src/rpc/security.h"
 #include "src/server/cluster_spec.h"
 #include "src/tensor/allocator.h"
 #include "src/transport/grpc/worker_client.h"
@@ -54,6 +55,9 @@ struct ServerOptions {
   // TENSORVERBS_MALLOC_TRIM_MB; see common/malloc_tuning.h).
   bool malloc_tuning = true;
   int64_t malloc_trim_bytes = int64_t{1024} << 20;
+  // Who may call this task and how it proves itself to the others (TENSORVERBS_TLS_*,
+  // TENSORVERBS_SECRET_FILE; see rpc/security.h). Every task of a cluster needs the same.
+  rpc::SecurityOptions security;
   // grpc+verbs settings (fabric, slots, poll mode, ...). The server fills in the env, pool,
   // task addresses, mode and recv timeout.
   verbs::VerbsOptions verbs;
@@ -117,6 +121,7 @@ class Server {
   StepSizeHint step_sizes_;  // env_.step_sizes
   std::unique_ptr<Executor> executor_;
   WorkerEnv env_;
+  std::shared_ptr<const rpc::RpcSecurity> security_;
   std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
   // Outlives the rendezvous manager: aborting a step reaches it.
   std::unique_ptr<verbs::VerbsTransport> verbs_;

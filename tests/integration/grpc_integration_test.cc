@@ -196,6 +196,24 @@ TEST_P(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
   EXPECT_THAT(recv.status().message(), HasSubstr(absl::StrCat("127.0.0.1:", ports_[1])));
 }
 
+// A peer that stops (SIGSTOP: its sockets stay open, nothing answers) fails a waiting recv
+// within about the peer timeout (2 s here), not at the recv's 60 s deadline.
+TEST_P(GrpcClusterTest, FrozenPeerGivesUnavailableWithinThePeerTimeout) {
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(60));
+  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  PendingRecv recv(*r, Key(1, "never"));
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time frozen = absl::Now();
+  peers_[1]->Signal(SIGSTOP);
+  const bool ended = recv.Wait(absl::Seconds(30));
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(ended) << "the recv waited for its deadline";
+  EXPECT_LT(absl::Now() - frozen, absl::Seconds(15));
+  EXPECT_EQ(recv.status().code(), absl::StatusCode::kUnavailable) << recv.status();
+  EXPECT_THAT(recv.status().message(), HasSubstr("task:1"));
+}
+
 TEST_P(GrpcClusterTest, PeerKilledWhileBytesAreInFlightEndsTheRecvOnceNeverWithWrongBytes) {
   // A 64 MiB transfer takes a few milliseconds here; kills at several points of it land
   // before, during and after the bytes move.
@@ -296,6 +314,14 @@ TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
     done.WaitForNotification();
     return status;
   };
+  if (GetParam() == "grpc+verbs" || GetParam() == "grpc+verbs-copy") {
+    // These tasks receive over their channels and do not serve RecvTensor at all.
+    grpc::Status refused = raw_recv(Key(1, "dtype/float32").full_key, kStep);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNIMPLEMENTED) << refused.error_message();
+    absl::StatusOr<Tensor> good = Recv(kStep, Key(1, "dtype/float32"));
+    EXPECT_TRUE(good.ok()) << good.status();
+    return;
+  }
   grpc::Status garbage = raw_recv("not a key", kStep);
   EXPECT_EQ(garbage.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(garbage.error_message(), HasSubstr("malformed rendezvous key"));

@@ -43,6 +43,9 @@ struct ClusterOptions {
   std::function<void(VerbsOptions&)> tune;
   // Per-task protocol overrides (task i gets protocols[i] where given).
   std::vector<std::string> protocols;
+  // Authentication; `security_for(t)` overrides it per task where set.
+  rpc::SecurityOptions security;
+  std::function<rpc::SecurityOptions(int)> security_for;
 };
 
 class InProcessCluster {
@@ -64,6 +67,7 @@ class InProcessCluster {
       options.protocol = t < static_cast<int>(o.protocols.size()) ? o.protocols[t] : o.protocol;
       options.recv_timeout = o.recv_timeout;
       options.max_tensor_bytes = o.max_tensor_bytes;
+      options.security = o.security_for ? o.security_for(t) : o.security;
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
       // A probe answered by a server TSan slows tenfold, on two loaded cores, can take seconds.

@@ -11,6 +11,7 @@
 #include "proto/worker.pb.h"
 #include "src/common/logging.h"
 #include "src/rpc/grpc_util.h"
+#include "src/rpc/security.h"
 #include "src/transport/grpc/tensor_coding.h"
 
 namespace tensorverbs::grpc_transport {
@@ -111,7 +112,8 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
                                            const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response, RendezvousMgr* mgr,
-                                           const WorkerEnv* env, protocol::TensorLender* lender) {
+                                           const WorkerEnv* env, const std::string& caller,
+                                           protocol::TensorLender* lender) {
   auto* reactor = new RecvTensorReactor(response);
   proto::RecvTensorRequest req;
   grpc::ByteBuffer copy(*request);  // shares slices; the parser consumes its own reader
@@ -140,6 +142,21 @@ grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
         "incarnation",
         env->task_name, key->full_key, key->src_incarnation, env->incarnation)));
     return reactor;
+  }
+  // With authentication on, a task receives only the tensors sent to it.
+  if (grpc::Status allowed = rpc::RpcSecurity::CheckCallerIs(
+          caller, key->dst.TaskName(), absl::StrCat("receive '", key->full_key, "'"));
+      !allowed.ok()) {
+    reactor->FinishNow(rpc::FromGrpcStatus(allowed));
+    return reactor;
+  }
+  if (req.dma_ok()) {
+    if (grpc::Status allowed = rpc::RpcSecurity::CheckCallerIs(
+            caller, req.requester(), "have tensors lent to another task");
+        !allowed.ok()) {
+      reactor->FinishNow(rpc::FromGrpcStatus(allowed));
+      return reactor;
+    }
   }
   absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = mgr->Find(req.step_id());
   if (!r.ok()) {

@@ -20,11 +20,12 @@ namespace tensorverbs::grpc_transport {
 inline constexpr size_t kDmaMinBytes = 1024;
 
 // With a `lender` (grpc+gdr) and a request that allows it, a POD tensor above kDmaMinBytes is
-// lent instead of sent: the response names where the receiver reads it.
+// lent instead of sent: the response names where the receiver reads it. `caller` is the task
+// the call was authenticated as (empty without security): it may receive only its own keys.
 grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
                                            const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response, RendezvousMgr* mgr,
-                                           const WorkerEnv* env,
+                                           const WorkerEnv* env, const std::string& caller,
                                            protocol::TensorLender* lender = nullptr);
 
 }  // namespace tensorverbs::grpc_transport

@@ -1,15 +1,18 @@
 #include "src/transport/grpc/worker_client.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "src/rpc/grpc_util.h"
 
 namespace tensorverbs::grpc_transport {
 
-WorkerClient::WorkerClient(std::string task_name, std::string address)
+WorkerClient::WorkerClient(std::string task_name, std::string address,
+                           const rpc::RpcSecurity& security, uint64_t max_answer_bytes,
+                           absl::Duration peer_timeout)
     : task_name_(std::move(task_name)), address_(std::move(address)) {
   rpc::PinGrpcCallbackQueue();
-  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(),
-                                       rpc::ClientChannelArguments());
+  channel_ = security.NewChannel(address_,
+                                 rpc::ClientChannelArguments(max_answer_bytes, peer_timeout));
   stub_ = proto::WorkerService::NewStub(channel_);
   generic_stub_ = std::make_unique<grpc::GenericStub>(channel_);
 }
@@ -39,6 +42,14 @@ absl::Status WorkerClient::CallError(absl::string_view method, const grpc::Statu
       return absl::DeadlineExceededError(
           absl::StrCat(who, " did not complete within ", absl::FormatDuration(timeout)));
     }
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      if (absl::StrContains(status.error_message(), "larger than max")) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            who, ": ", status.error_message(),
+            ": the answer is larger than this task accepts; raise TENSORVERBS_MAX_TENSOR_MB if "
+            "tensors this large are expected"));
+      }
+      [[fallthrough]];
     default:
       return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                           absl::StrCat(who, ": ", status.error_message()));
@@ -66,8 +77,13 @@ absl::Status WorkerClient::CleanupStep(int64_t step_id, absl::Duration timeout) 
   return absl::OkStatus();
 }
 
-GrpcWorkerCache::GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses)
-    : addresses_(std::move(addresses)) {}
+GrpcWorkerCache::GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses,
+                                 std::shared_ptr<const rpc::RpcSecurity> security,
+                                 uint64_t max_tensor_bytes, absl::Duration peer_timeout)
+    : addresses_(std::move(addresses)),
+      security_(std::move(security)),
+      max_tensor_bytes_(max_tensor_bytes),
+      peer_timeout_(peer_timeout) {}
 
 absl::StatusOr<WorkerClient*> GrpcWorkerCache::Get(const std::string& task_name) {
   MutexLock lock(&mu_);
@@ -78,7 +94,9 @@ absl::StatusOr<WorkerClient*> GrpcWorkerCache::Get(const std::string& task_name)
     return absl::NotFoundError(
         absl::StrCat("task ", task_name, " is not in the cluster spec"));
   }
-  auto client = std::make_unique<WorkerClient>(task_name, addr->second);
+  auto client = std::make_unique<WorkerClient>(task_name, addr->second, *security_,
+                                               rpc::TensorAnswerLimit(max_tensor_bytes_),
+                                               peer_timeout_);
   WorkerClient* raw = client.get();
   clients_.emplace(task_name, std::move(client));
   return raw;

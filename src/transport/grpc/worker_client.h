@@ -21,12 +21,16 @@
 #include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "proto/worker.grpc.pb.h"
+#include "src/rpc/security.h"
 
 namespace tensorverbs::grpc_transport {
 
 class WorkerClient {
  public:
-  WorkerClient(std::string task_name, std::string address);
+  // Calls prove this task with `security`; answers above `max_answer_bytes` are refused; a
+  // connection that stops answering pings for about `peer_timeout` fails its calls.
+  WorkerClient(std::string task_name, std::string address, const rpc::RpcSecurity& security,
+               uint64_t max_answer_bytes, absl::Duration peer_timeout);
 
   const std::string& task_name() const { return task_name_; }
   const std::string& address() const { return address_; }
@@ -55,7 +59,11 @@ class WorkerClient {
 class GrpcWorkerCache {
  public:
   // task name (/job:J/replica:0/task:T) -> host:port
-  explicit GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses);
+  // Clients accept tensors of up to `max_tensor_bytes` (the task's limit) and give up on a
+  // peer that stops answering for `peer_timeout`.
+  GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses,
+                  std::shared_ptr<const rpc::RpcSecurity> security, uint64_t max_tensor_bytes,
+                  absl::Duration peer_timeout);
 
   // NotFound naming the task when it is not in the cluster.
   absl::StatusOr<WorkerClient*> Get(const std::string& task_name);
@@ -72,6 +80,9 @@ class GrpcWorkerCache {
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
 
   const absl::flat_hash_map<std::string, std::string> addresses_;
+  const std::shared_ptr<const rpc::RpcSecurity> security_;
+  const uint64_t max_tensor_bytes_;
+  const absl::Duration peer_timeout_;
   Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<WorkerClient>> clients_ ABSL_GUARDED_BY(mu_);
 };

@@ -1,6 +1,7 @@
 #include "src/transport/verbs/verbs_service.h"
 
 #include "src/rpc/grpc_util.h"
+#include "src/rpc/security.h"
 
 namespace tensorverbs::verbs {
 namespace {
@@ -17,6 +18,16 @@ grpc::ServerUnaryReactor* VerbsServiceImpl::Connect(grpc::CallbackServerContext*
                                                     const proto::ConnectRequest* request,
                                                     proto::ConnectResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // With authentication on, a task connects only as itself.
+  std::string caller;
+  grpc::Status allowed = security_->Authenticate(*context, &caller);
+  if (allowed.ok()) {
+    allowed = rpc::RpcSecurity::CheckCallerIs(caller, request->task_name(), "connect as another task");
+  }
+  if (!allowed.ok()) {
+    reactor->Finish(allowed);
+    return reactor;
+  }
   protocol::ProgressEngine::Task task = [this, request, response, reactor]() mutable {
     reactor->Finish(rpc::ToGrpcStatus(channels_->Accept(*request, response)));
   };
@@ -28,6 +39,16 @@ grpc::ServerUnaryReactor* VerbsServiceImpl::CheckChannel(grpc::CallbackServerCon
                                                          const proto::CheckChannelRequest* request,
                                                          proto::CheckChannelResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  std::string caller;
+  grpc::Status allowed = security_->Authenticate(*context, &caller);
+  if (allowed.ok()) {
+    allowed = rpc::RpcSecurity::CheckCallerIs(caller, request->task_name(),
+                                              "probe another task's channel");
+  }
+  if (!allowed.ok()) {
+    reactor->Finish(allowed);
+    return reactor;
+  }
   protocol::ProgressEngine::Task task = [this, request, response, reactor]() mutable {
     channels_->CheckChannel(*request, response);
     reactor->Finish(grpc::Status::OK);

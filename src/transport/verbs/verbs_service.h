@@ -11,14 +11,17 @@
 
 #include "proto/verbs.grpc.pb.h"
 #include "src/protocol/progress_engine.h"
+#include "src/rpc/security.h"
 #include "src/transport/verbs/channel_setup.h"
 
 namespace tensorverbs::verbs {
 
 class VerbsServiceImpl final : public proto::VerbsService::CallbackService {
  public:
-  VerbsServiceImpl(protocol::ProgressEngine* engine, ChannelSetup* channels)
-      : engine_(engine), channels_(channels) {}
+  // Every call is authenticated with `security` first (rpc/security.h).
+  VerbsServiceImpl(protocol::ProgressEngine* engine, ChannelSetup* channels,
+                   std::shared_ptr<const rpc::RpcSecurity> security)
+      : engine_(engine), channels_(channels), security_(std::move(security)) {}
 
   grpc::ServerUnaryReactor* Connect(grpc::CallbackServerContext* context,
                                     const proto::ConnectRequest* request,
@@ -30,6 +33,7 @@ class VerbsServiceImpl final : public proto::VerbsService::CallbackService {
  private:
   protocol::ProgressEngine* const engine_;
   ChannelSetup* const channels_;
+  const std::shared_ptr<const rpc::RpcSecurity> security_;
 };
 
 }  // namespace tensorverbs::verbs

@@ -12,24 +12,29 @@
 #include "proto/verbs.grpc.pb.h"
 #include "src/common/mutex.h"
 #include "src/rpc/grpc_util.h"
+#include "src/rpc/security.h"
 
 namespace tensorverbs::verbs {
 
 class VerbsStubs {
  public:
+  explicit VerbsStubs(std::shared_ptr<const rpc::RpcSecurity> security)
+      : security_(std::move(security)) {}
+
   // The client of `task` at `address` (host:port).
   std::shared_ptr<proto::VerbsService::Stub> Get(const std::string& task,
                                                  const std::string& address) {
     MutexLock lock(&mu_);
     std::shared_ptr<proto::VerbsService::Stub>& stub = stubs_[task];
     if (stub == nullptr) {
-      stub = proto::VerbsService::NewStub(grpc::CreateCustomChannel(
-          address, grpc::InsecureChannelCredentials(), rpc::ClientChannelArguments()));
+      stub = proto::VerbsService::NewStub(security_->NewChannel(
+          address, rpc::ClientChannelArguments(rpc::kMaxControlAnswerBytes)));
     }
     return stub;
   }
 
  private:
+  const std::shared_ptr<const rpc::RpcSecurity> security_;
   Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<proto::VerbsService::Stub>> stubs_
       ABSL_GUARDED_BY(mu_);

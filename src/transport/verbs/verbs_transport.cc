@@ -113,14 +113,16 @@ absl::Status VerbsTransport::Start() {
   };
   channel_env_.on_owner_thread = [this] { return engine_->OnOwnerThread(); };
 
-  stubs_ = std::make_unique<VerbsStubs>();
+  std::shared_ptr<const rpc::RpcSecurity> security =
+      options_.security != nullptr ? options_.security : rpc::RpcSecurity::Insecure();
+  stubs_ = std::make_unique<VerbsStubs>(security);
   ChannelSetup::Options setup;
   setup.task_addresses = options_.task_addresses;
   setup.connect_timeout = options_.connect_timeout;
   channels_ =
       std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, engine_.get(), stubs_.get());
   lent_ = std::make_unique<LentTensors>(&channel_env_);
-  service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get());
+  service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
   watchdog_ = std::make_unique<PeerWatchdog>(options_.env->task_name, options_.peer_timeout,
                                              engine_.get(), channels_.get(), stubs_.get());
 

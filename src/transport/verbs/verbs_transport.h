@@ -45,6 +45,7 @@
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
+#include "src/rpc/security.h"
 
 namespace tensorverbs::verbs {
 
@@ -59,6 +60,8 @@ struct VerbsOptions {
   const WorkerEnv* env = nullptr;
   PoolAllocator* pool = nullptr;  // registered once per region; staging comes from it too
   absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
+  // How calls to other tasks prove this one (null: no security).
+  std::shared_ptr<const rpc::RpcSecurity> security;
   bool all_peers_local = false;  // every task runs on this host (shm is then a candidate)
   absl::Duration recv_timeout = absl::Minutes(10);    // TENSORVERBS_RECV_TIMEOUT_MS
   std::string fabric = "auto";                        // TENSORVERBS_FABRIC

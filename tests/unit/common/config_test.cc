@@ -66,6 +66,17 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "2"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TRIM_MB", "4096"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "0"}})->malloc_tuning);
+  // Security files: taken as given (read by the server), TLS all three or none.
+  absl::StatusOr<Config> secured = Config::FromEnvironment(
+      {{"TENSORVERBS_SECRET_FILE", " /etc/tv/secret\n"}, {"TENSORVERBS_TLS_CERT", "c.pem"},
+       {"TENSORVERBS_TLS_KEY", "k.pem"}, {"TENSORVERBS_TLS_CA", "ca.pem"}});
+  ASSERT_TRUE(secured.ok()) << secured.status();
+  EXPECT_EQ(secured->secret_file, "/etc/tv/secret");
+  EXPECT_EQ(secured->tls_ca_file, "ca.pem");
+  EXPECT_TRUE(secured->warnings.empty());
+  absl::StatusOr<Config> half = Config::FromEnvironment({{"TENSORVERBS_TLS_CERT", "c.pem"}});
+  EXPECT_EQ(half.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(half.status().message(), HasSubstr("TENSORVERBS_TLS_KEY"));
   EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_MAX_TENSOR_MB", "1"}})->max_tensor_bytes,
             uint64_t{1} << 20);
   EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_MAX_TENSOR_MB", "1048576"}})->max_tensor_bytes,
