@@ -27,17 +27,15 @@ constexpr size_t kMaxClaimBytes = 512;
 absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view setting) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
-    return absl::InvalidArgumentError(absl::StrCat(setting, ": cannot read '", path,
-                                                   "': ", std::strerror(errno)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(setting, ": cannot read '", path, "': ", std::strerror(errno)));
   }
   std::ostringstream contents;
   contents << in.rdbuf();
   return contents.str();
 }
 
-std::string Printable(absl::string_view claim) {
-  return absl::CHexEscape(claim.substr(0, 128));
-}
+std::string Printable(absl::string_view claim) { return absl::CHexEscape(claim.substr(0, 128)); }
 
 grpc::Status Unauthenticated(absl::string_view why) {
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(why));
@@ -46,7 +44,8 @@ grpc::Status Unauthenticated(absl::string_view why) {
 // Adds this task's claim and proof to every call of a channel.
 class ProofInterceptor final : public grpc::experimental::Interceptor {
  public:
-  ProofInterceptor(const std::string* task, const std::string* proof) : task_(task), proof_(proof) {}
+  ProofInterceptor(const std::string* task, const std::string* proof)
+      : task_(task), proof_(proof) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(
@@ -63,8 +62,7 @@ class ProofInterceptor final : public grpc::experimental::Interceptor {
   const std::string* const proof_;
 };
 
-class ProofInterceptorFactory final
-    : public grpc::experimental::ClientInterceptorFactoryInterface {
+class ProofInterceptorFactory final : public grpc::experimental::ClientInterceptorFactoryInterface {
  public:
   // Owned by the channel, which every call (and so every interceptor) holds alive.
   ProofInterceptorFactory(std::string task, std::string proof)
@@ -106,10 +104,10 @@ absl::StatusOr<std::shared_ptr<const RpcSecurity>> RpcSecurity::Create(
     if (!contents.ok()) return contents.status();
     secret = std::string(absl::StripAsciiWhitespace(*contents));
     if (secret.size() < kMinSecretBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "TENSORVERBS_SECRET_FILE: '", options.secret_file, "' holds ", secret.size(),
-          " bytes; a cluster secret needs at least ", kMinSecretBytes,
-          " (for example: openssl rand -hex 32 > FILE)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("TENSORVERBS_SECRET_FILE: '", options.secret_file, "' holds ", secret.size(),
+                       " bytes; a cluster secret needs at least ", kMinSecretBytes,
+                       " (for example: openssl rand -hex 32 > FILE)"));
     }
     struct stat st;
     if (::stat(options.secret_file.c_str(), &st) == 0 && (st.st_mode & 077) != 0) {
@@ -130,9 +128,9 @@ absl::StatusOr<std::shared_ptr<const RpcSecurity>> RpcSecurity::Create(
     if (!k.ok()) return k.status();
     absl::StatusOr<std::string> a = ReadFile(options.tls_ca_file, "TENSORVERBS_TLS_CA");
     if (!a.ok()) return a.status();
-    for (const auto& [setting, pem] : {std::pair{"TENSORVERBS_TLS_CERT", &*c},
-                                       std::pair{"TENSORVERBS_TLS_KEY", &*k},
-                                       std::pair{"TENSORVERBS_TLS_CA", &*a}}) {
+    for (const auto& [setting, pem] :
+         {std::pair{"TENSORVERBS_TLS_CERT", &*c}, std::pair{"TENSORVERBS_TLS_KEY", &*k},
+          std::pair{"TENSORVERBS_TLS_CA", &*a}}) {
       if (pem->find("-----BEGIN ") == std::string::npos) {
         return absl::InvalidArgumentError(
             absl::StrCat(setting, ": the file is not in PEM format (no '-----BEGIN' line)"));
@@ -195,10 +193,11 @@ grpc::Status RpcSecurity::Authenticate(const grpc::ServerContextBase& context,
   const std::multimap<grpc::string_ref, grpc::string_ref>& metadata = context.client_metadata();
   auto claim_it = metadata.find(kTaskKey);
   if (claim_it == metadata.end()) {
-    return Unauthenticated(absl::StrCat(
-        "task ", own_task_, " accepts calls only from tasks of its cluster, and this call names "
-        "none; configure the caller with the cluster's TENSORVERBS_SECRET_FILE / "
-        "TENSORVERBS_TLS_* settings"));
+    return Unauthenticated(
+        absl::StrCat("task ", own_task_,
+                     " accepts calls only from tasks of its cluster, and this call names "
+                     "none; configure the caller with the cluster's TENSORVERBS_SECRET_FILE / "
+                     "TENSORVERBS_TLS_* settings"));
   }
   const absl::string_view claim(claim_it->second.data(), claim_it->second.size());
   if (claim.size() > kMaxClaimBytes || !cluster_tasks_.contains(claim)) {
@@ -210,10 +209,10 @@ grpc::Status RpcSecurity::Authenticate(const grpc::ServerContextBase& context,
     const std::string expected = Proof(secret_, claim);
     if (proof_it == metadata.end() || proof_it->second.size() != expected.size() ||
         CRYPTO_memcmp(proof_it->second.data(), expected.data(), expected.size()) != 0) {
-      return Unauthenticated(absl::StrCat(
-          "task ", own_task_, ": the call from ", claim,
-          " does not prove the cluster secret; check that both tasks read the same "
-          "TENSORVERBS_SECRET_FILE"));
+      return Unauthenticated(
+          absl::StrCat("task ", own_task_, ": the call from ", claim,
+                       " does not prove the cluster secret; check that both tasks read the same "
+                       "TENSORVERBS_SECRET_FILE"));
     }
   }
   if (tls_) {
@@ -239,9 +238,9 @@ grpc::Status RpcSecurity::Authenticate(const grpc::ServerContextBase& context,
 grpc::Status RpcSecurity::CheckCallerIs(absl::string_view caller, absl::string_view task,
                                         absl::string_view what) {
   if (caller.empty() || caller == task) return grpc::Status::OK;
-  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                      absl::StrCat("task ", caller, " may not ", what, ": that is for task ",
-                                   Printable(task)));
+  return grpc::Status(
+      grpc::StatusCode::PERMISSION_DENIED,
+      absl::StrCat("task ", caller, " may not ", what, ": that is for task ", Printable(task)));
 }
 
 std::string RpcSecurity::Proof(absl::string_view secret, absl::string_view task) {
@@ -250,8 +249,7 @@ std::string RpcSecurity::Proof(absl::string_view secret, absl::string_view task)
   unsigned int length = 0;
   HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
        reinterpret_cast<const unsigned char*>(message.data()), message.size(), digest, &length);
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(digest), length));
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), length));
 }
 
 }  // namespace tensorverbs::rpc

@@ -27,7 +27,6 @@
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
-
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 

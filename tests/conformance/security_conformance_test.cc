@@ -2,8 +2,8 @@
 // protocol: a cluster secured with a secret or mutual TLS works, and every RPC of every service
 // from anyone else is refused before a handler acts on it; a member asking for what belongs to
 // another task is refused too.
-#include <grpcpp/grpcpp.h>
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
@@ -22,8 +22,8 @@
 namespace tensorverbs {
 namespace {
 
-using ::testing::HasSubstr;
 using rpc::RpcSecurity;
+using ::testing::HasSubstr;
 
 constexpr char kTask0[] = "/job:worker/replica:0/task:0";
 constexpr char kTask1[] = "/job:worker/replica:0/task:1";
