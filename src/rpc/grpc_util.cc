@@ -40,8 +40,11 @@ grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
   // Each peer gets its own subchannel so two tasks in one process do not share a connection.
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (peer_timeout > absl::ZeroDuration()) {
-    const int half_ms = static_cast<int>(
-        std::clamp<int64_t>(absl::ToInt64Milliseconds(peer_timeout) / 2, 1, INT_MAX));
+    // Half the timeout to the ping and half to its answer, so a frozen peer is found within
+    // the peer timeout; never more often than kMinKeepaliveMs (a timeout shorter than twice
+    // that is found in 2 x kMinKeepaliveMs), which servers accept (ConfigureServerBuilder).
+    const int half_ms = static_cast<int>(std::clamp<int64_t>(
+        absl::ToInt64Milliseconds(peer_timeout) / 2, kMinKeepaliveMs, INT_MAX));
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, half_ms);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, half_ms);
     // Only while calls are in flight (a RecvTensor waiting for its tensor sends no data), and
@@ -60,10 +63,13 @@ void ConfigureServerBuilder(grpc::ServerBuilder* builder) {
   builder->SetMaxSendMessageSize(INT_MAX);
   // gRPC sets SO_REUSEPORT by default, which would let two servers share a port silently.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Peers ping a connection whose calls wait for tensors (ClientChannelArguments); by default a
-  // server answers pings more frequent than every 5 minutes without data with GOAWAY.
-  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 50);
-  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  // Peers ping a connection whose calls wait for tensors (ClientChannelArguments), at most
+  // every kMinKeepaliveMs; by default a server answers pings more frequent than every 5
+  // minutes without data with GOAWAY. Pings faster than half that still count as strikes
+  // (gRPC's default of two), so a client flooding pings is cut off.
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                              kMinKeepaliveMs / 2);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
 }
 
 void PinGrpcCallbackQueue() {

@@ -20,7 +20,9 @@ grpc::Status ToGrpcStatus(const absl::Status& s);
 // values mean no limit below the 4 GiB its framing allows). With a `peer_timeout`, a connection
 // with calls in flight is pinged every half of it and closed when a ping goes unanswered for
 // the other half, failing those calls with UNAVAILABLE: a frozen or vanished peer costs about
-// `peer_timeout`, not the call's whole deadline.
+// `peer_timeout`, not the call's whole deadline. Pings are never more frequent than
+// kMinKeepaliveMs, so a peer timeout under twice that is enforced at 2 x kMinKeepaliveMs.
+inline constexpr int kMinKeepaliveMs = 250;
 grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
                                               absl::Duration peer_timeout = absl::ZeroDuration());
 // What a WorkerService client accepts: a tensor of the task's limit plus its framing.

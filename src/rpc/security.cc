@@ -11,9 +11,11 @@
 #include <fstream>
 #include <sstream>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "src/common/logging.h"
 
@@ -36,6 +38,13 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view 
 }
 
 std::string Printable(absl::string_view claim) { return absl::CHexEscape(claim.substr(0, 128)); }
+
+// The host of a "host:port" or "[v6 address]:port" address.
+std::string HostOf(absl::string_view address) {
+  if (absl::ConsumePrefix(&address, "[")) return std::string(address.substr(0, address.find(']')));
+  const size_t colon = address.rfind(':');
+  return std::string(colon == absl::string_view::npos ? address : address.substr(0, colon));
+}
 
 grpc::Status Unauthenticated(absl::string_view why) {
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(why));
@@ -84,11 +93,12 @@ bool SecurityOptions::tls() const {
   return !tls_cert_file.empty() || !tls_key_file.empty() || !tls_ca_file.empty();
 }
 
-RpcSecurity::RpcSecurity(std::string own_task, std::vector<std::string> cluster_tasks,
+RpcSecurity::RpcSecurity(std::string own_task,
+                         absl::flat_hash_map<std::string, std::string> task_hosts,
                          std::string secret, bool tls, std::string cert, std::string key,
                          std::string ca)
     : own_task_(std::move(own_task)),
-      cluster_tasks_(cluster_tasks.begin(), cluster_tasks.end()),
+      task_hosts_(std::move(task_hosts)),
       secret_(std::move(secret)),
       tls_(tls),
       cert_pem_(std::move(cert)),
@@ -97,7 +107,10 @@ RpcSecurity::RpcSecurity(std::string own_task, std::vector<std::string> cluster_
       own_proof_(secret_.empty() ? std::string() : Proof(secret_, own_task_)) {}
 
 absl::StatusOr<std::shared_ptr<const RpcSecurity>> RpcSecurity::Create(
-    const SecurityOptions& options, std::string own_task, std::vector<std::string> cluster_tasks) {
+    const SecurityOptions& options, std::string own_task,
+    absl::flat_hash_map<std::string, std::string> cluster_tasks) {
+  absl::flat_hash_map<std::string, std::string> task_hosts;
+  for (auto& [task, address] : cluster_tasks) task_hosts[task] = HostOf(address);
   std::string secret, cert, key, ca;
   if (!options.secret_file.empty()) {
     absl::StatusOr<std::string> contents = ReadFile(options.secret_file, "TENSORVERBS_SECRET_FILE");
@@ -140,14 +153,15 @@ absl::StatusOr<std::shared_ptr<const RpcSecurity>> RpcSecurity::Create(
     key = *std::move(k);
     ca = *std::move(a);
   }
-  return std::make_shared<const RpcSecurity>(std::move(own_task), std::move(cluster_tasks),
+  return std::make_shared<const RpcSecurity>(std::move(own_task), std::move(task_hosts),
                                              std::move(secret), options.tls(), std::move(cert),
                                              std::move(key), std::move(ca));
 }
 
 std::shared_ptr<const RpcSecurity> RpcSecurity::Insecure() {
   static const auto* insecure = new std::shared_ptr<const RpcSecurity>(
-      std::make_shared<const RpcSecurity>("", std::vector<std::string>(), "", false, "", "", ""));
+      std::make_shared<const RpcSecurity>("", absl::flat_hash_map<std::string, std::string>(), "",
+                                          false, "", "", ""));
   return *insecure;
 }
 
@@ -200,7 +214,8 @@ grpc::Status RpcSecurity::Authenticate(const grpc::ServerContextBase& context,
                      "TENSORVERBS_TLS_* settings"));
   }
   const absl::string_view claim(claim_it->second.data(), claim_it->second.size());
-  if (claim.size() > kMaxClaimBytes || !cluster_tasks_.contains(claim)) {
+  auto host_it = claim.size() > kMaxClaimBytes ? task_hosts_.end() : task_hosts_.find(claim);
+  if (host_it == task_hosts_.end()) {
     return Unauthenticated(absl::StrCat("task ", own_task_, ": '", Printable(claim),
                                         "' is not a task of this cluster"));
   }
@@ -216,19 +231,41 @@ grpc::Status RpcSecurity::Authenticate(const grpc::ServerContextBase& context,
     }
   }
   if (tls_) {
-    // gRPC verified the certificate chain during the handshake. A certificate made for one task
-    // speaks only for it; one that names no task (shared by the cluster) speaks for any member.
+    // gRPC verified the certificate chain during the handshake; what is left is whom the
+    // certificate speaks for. One that names a task (its common name) speaks for that task
+    // only. Otherwise it is a host's, shared by the tasks that run there, and speaks for a task
+    // whose address names a host the certificate names (common name or subject alternative
+    // name): a host's key lets no one act as a task of another host.
     std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
     if (auth == nullptr || !auth->IsPeerAuthenticated()) {
       return Unauthenticated(absl::StrCat("task ", own_task_, ": the call from ", claim,
                                           " presented no verified certificate"));
     }
-    for (const grpc::string_ref& name : auth->FindPropertyValues("x509_common_name")) {
-      const absl::string_view cn(name.data(), name.size());
-      if (cluster_tasks_.contains(cn) && cn != claim) {
-        return Unauthenticated(absl::StrCat("task ", own_task_, ": a call claiming to be ", claim,
-                                            " presented the certificate of ", cn));
+    std::vector<std::string> names;
+    for (const char* property : {"x509_common_name", "x509_subject_alternative_name"}) {
+      for (const grpc::string_ref& name : auth->FindPropertyValues(property)) {
+        names.emplace_back(name.data(), name.size());
       }
+    }
+    bool names_a_task = false;
+    bool names_the_claim = false;
+    bool names_its_host = false;
+    for (const std::string& name : names) {
+      names_a_task |= task_hosts_.contains(name);
+      names_the_claim |= name == claim;
+      names_its_host |= name == host_it->second;
+    }
+    const std::string named = names.empty() ? std::string("no name") : absl::StrJoin(names, ", ");
+    if (names_a_task && !names_the_claim) {
+      return Unauthenticated(absl::StrCat("task ", own_task_, ": a call claiming to be ", claim,
+                                          " presented the certificate of ", named,
+                                          ", which speaks only for the task it names"));
+    }
+    if (!names_a_task && !names_its_host) {
+      return Unauthenticated(absl::StrCat("task ", own_task_, ": a call claiming to be ", claim,
+                                          " presented a certificate for ", named,
+                                          ", which names neither that task nor its host ",
+                                          host_it->second));
     }
   }
   *caller = std::string(claim);

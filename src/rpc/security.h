@@ -12,7 +12,7 @@
 //     cannot be recovered from it): it keeps out whoever can reach the port but not sniff.
 // When either is configured, every handler of every service starts with Authenticate(): a call
 // without a valid proof (a caller that is not a task of the cluster, a bad or missing proof, a
-// certificate naming another task) is refused with UNAUTHENTICATED before anything is acted on,
+// certificate naming another task, or another host than the claimed task's) is refused with UNAUTHENTICATED before anything is acted on,
 // and the authenticated task is what the handler authorizes (CheckCallerIs: PERMISSION_DENIED).
 // (gRPC 1.51 offers no metadata processor on insecure server credentials, and a server
 // interceptor cannot fail a call, so the check is the handlers' first statement.) Without
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -49,10 +49,12 @@ struct SecurityOptions {
 
 class RpcSecurity {
  public:
-  // Reads the files named in `options` for task `own_task` of a cluster whose tasks are
-  // `cluster_tasks`. Errors name the file, the setting and what to do.
+  // Reads the files named in `options` for task `own_task` of a cluster whose tasks and their
+  // addresses ("host:port") are `cluster_tasks`. Errors name the file, the setting and what to
+  // do.
   static absl::StatusOr<std::shared_ptr<const RpcSecurity>> Create(
-      const SecurityOptions& options, std::string own_task, std::vector<std::string> cluster_tasks);
+      const SecurityOptions& options, std::string own_task,
+      absl::flat_hash_map<std::string, std::string> cluster_tasks);
   // Calls nothing and checks nothing (no security configured): for tools and tests.
   static std::shared_ptr<const RpcSecurity> Insecure();
 
@@ -82,12 +84,13 @@ class RpcSecurity {
   static constexpr char kTaskKey[] = "tensorverbs-task";
   static constexpr char kProofKey[] = "tensorverbs-proof";
 
-  RpcSecurity(std::string own_task, std::vector<std::string> cluster_tasks, std::string secret,
-              bool tls, std::string cert, std::string key, std::string ca);
+  RpcSecurity(std::string own_task, absl::flat_hash_map<std::string, std::string> task_hosts,
+              std::string secret, bool tls, std::string cert, std::string key, std::string ca);
 
  private:
   const std::string own_task_;
-  const absl::flat_hash_set<std::string> cluster_tasks_;
+  // Each task of the cluster and the host its address names.
+  const absl::flat_hash_map<std::string, std::string> task_hosts_;
   const std::string secret_;
   const bool tls_;
   const std::string cert_pem_;

@@ -181,10 +181,8 @@ absl::Status Server::Start() {
   env_.max_tensor_bytes = options_.max_tensor_bytes;
   env_.step_sizes = &step_sizes_;
   {
-    std::vector<std::string> tasks;
-    for (const auto& [task, address] : options_.cluster.TaskAddresses()) tasks.push_back(task);
-    absl::StatusOr<std::shared_ptr<const rpc::RpcSecurity>> security =
-        rpc::RpcSecurity::Create(options_.security, env_.task_name, std::move(tasks));
+    absl::StatusOr<std::shared_ptr<const rpc::RpcSecurity>> security = rpc::RpcSecurity::Create(
+        options_.security, env_.task_name, options_.cluster.TaskAddresses());
     if (!security.ok()) {
       return absl::Status(security.status().code(), absl::StrCat("task ", env_.task_name, ": ",
                                                                  security.status().message()));

@@ -67,20 +67,73 @@ namespace {
 using google::protobuf::io::CodedInputStream;
 using google::protobuf::internal::WireFormatLite;
 
-// TensorProto and TensorShapeProto field numbers (proto/tensor.proto).
+// TensorProto, TensorShapeProto and Dim field numbers (proto/tensor.proto).
+constexpr int kDtypeField = 1;
 constexpr int kShapeField = 2;
+constexpr int kContentField = 4;
 constexpr int kStringValField = 8;
 constexpr int kDimField = 2;
+constexpr int kDimSizeField = 1;
 
 absl::Status BadEncoding(absl::string_view why) {
   return absl::DataLossError(absl::StrCat("malformed TensorProto: ", why));
 }
 
+// A field this project never writes. Parsing keeps every unknown field (tens of bytes each for
+// a few bytes of wire), and a group has no length to check, so the counter refuses them: what
+// a peer may make the receiver build is exactly what it counted.
+absl::Status UnexpectedField(absl::string_view message, uint32_t tag) {
+  return BadEncoding(absl::StrCat("unexpected field ", WireFormatLite::GetTagFieldNumber(tag),
+                                  " (wire type ", WireFormatLite::GetTagWireType(tag), ") in ",
+                                  message));
+}
+
+bool IsVarint(uint32_t tag) {
+  return WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_VARINT;
+}
+bool IsDelimited(uint32_t tag) {
+  return WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
+}
+
+// Reads a length-delimited field's length and limits `in` to it; the length must fit in what is
+// left of the enclosing message (PushLimit alone would keep the wider outer limit).
+absl::StatusOr<CodedInputStream::Limit> EnterDelimited(CodedInputStream* in,
+                                                       absl::string_view what) {
+  uint32_t len;
+  if (!in->ReadVarint32(&len)) return BadEncoding(absl::StrCat("truncated ", what, " length"));
+  if (static_cast<int64_t>(len) > in->BytesUntilLimit()) {
+    return BadEncoding(absl::StrCat(what, " of ", len, " bytes runs past its message"));
+  }
+  return in->PushLimit(static_cast<int>(len));
+}
+
+absl::Status SkipVarint(CodedInputStream* in, absl::string_view what) {
+  uint64_t ignored;
+  if (!in->ReadVarint64(&ignored)) return BadEncoding(absl::StrCat("truncated ", what));
+  return absl::OkStatus();
+}
+
+absl::Status CheckDim(CodedInputStream* in) {
+  while (uint32_t tag = in->ReadTag()) {
+    if (WireFormatLite::GetTagFieldNumber(tag) != kDimSizeField || !IsVarint(tag)) {
+      return UnexpectedField("a dimension", tag);
+    }
+    RETURN_IF_ERROR(SkipVarint(in, "dimension size"));
+  }
+  if (!in->ConsumedEntireMessage()) return BadEncoding("bad dimension");
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> CountDims(CodedInputStream* in) {
   int64_t dims = 0;
   while (uint32_t tag = in->ReadTag()) {
-    if (WireFormatLite::GetTagFieldNumber(tag) == kDimField) ++dims;
-    if (!WireFormatLite::SkipField(in, tag)) return BadEncoding("truncated shape");
+    if (WireFormatLite::GetTagFieldNumber(tag) != kDimField || !IsDelimited(tag)) {
+      return UnexpectedField("the shape", tag);
+    }
+    ASSIGN_OR_RETURN(const CodedInputStream::Limit limit, EnterDelimited(in, "dimension"));
+    RETURN_IF_ERROR(CheckDim(in));
+    in->PopLimit(limit);
+    ++dims;
   }
   if (!in->ConsumedEntireMessage()) return BadEncoding("bad shape");
   return dims;
@@ -97,20 +150,23 @@ absl::StatusOr<EncodedTensorCounts> CountEncodedTensor(absl::string_view encoded
   EncodedTensorCounts counts;
   while (uint32_t tag = in.ReadTag()) {
     const int field = WireFormatLite::GetTagFieldNumber(tag);
-    const bool delimited =
-        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
-    if (field == kShapeField && delimited) {
+    if (field == kDtypeField && IsVarint(tag)) {
+      RETURN_IF_ERROR(SkipVarint(&in, "dtype"));
+    } else if (field == kShapeField && IsDelimited(tag)) {
       // Parsing merges repeated occurrences of the shape, so their dimensions add up.
-      uint32_t len;
-      if (!in.ReadVarint32(&len)) return BadEncoding("truncated shape length");
-      const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(len));
+      ASSIGN_OR_RETURN(const CodedInputStream::Limit limit, EnterDelimited(&in, "shape"));
       ASSIGN_OR_RETURN(const int64_t dims, CountDims(&in));
       in.PopLimit(limit);
       counts.dims += dims;
-      continue;
+    } else if ((field == kContentField || field == kStringValField) && IsDelimited(tag)) {
+      ASSIGN_OR_RETURN(const CodedInputStream::Limit limit,
+                       EnterDelimited(&in, field == kContentField ? "content" : "string"));
+      if (!in.Skip(in.BytesUntilLimit())) return BadEncoding("truncated field");
+      in.PopLimit(limit);
+      if (field == kStringValField) ++counts.strings;
+    } else {
+      return UnexpectedField("the TensorProto", tag);
     }
-    if (field == kStringValField && delimited) ++counts.strings;
-    if (!WireFormatLite::SkipField(&in, tag)) return BadEncoding(absl::StrCat("truncated field ", field));
   }
   if (!in.ConsumedEntireMessage()) return BadEncoding("a stray end-group tag");
   return counts;

@@ -275,10 +275,11 @@ class TlsTest : public SecurityTest {
     Run(absl::StrCat("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes ",
                      "-keyout ", name, ".key -out ", name, ".pem -days 2 -subj '/CN=", name, "'"));
   }
-  void MakeCert(const std::string& ca, const std::string& name, const std::string& common_name) {
+  void MakeCert(const std::string& ca, const std::string& name, const std::string& common_name,
+                const std::string& alt_names = "IP:127.0.0.1,DNS:localhost") {
     WriteFile(dir_.File(name + ".cnf"),
               absl::StrCat("[req]\ndistinguished_name = dn\nprompt = no\n[dn]\nCN = ", common_name,
-                           "\n[ext]\nsubjectAltName = IP:127.0.0.1,DNS:localhost\n"));
+                           "\n[ext]\nsubjectAltName = ", alt_names, "\n"));
     Run(absl::StrCat("openssl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes ",
                      "-keyout ", name, ".key -out ", name, ".csr -config ", name, ".cnf && ",
                      "openssl x509 -req -in ", name, ".csr -CA ", ca, ".pem -CAkey ", ca,
@@ -332,6 +333,19 @@ TEST_P(TlsTest, MutualTlsClustersWorkAndNoOneElseGetsIn) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
   }
   ASSERT_NO_FATAL_FAILURE(ExpectTransfer(2, "weights"));
+}
+
+// A certificate that names no task is a host's: it speaks for the tasks whose address names
+// that host (here every task is on 127.0.0.1) and for no task elsewhere.
+TEST_P(TlsTest, AHostsCertificateSpeaksForTheTasksOnThatHostOnly) {
+  ASSERT_NO_FATAL_FAILURE(MakeCert("ca", "host", "worker host"));
+  ASSERT_NO_FATAL_FAILURE(MakeCert("ca", "elsewhere", "elsewhere", "DNS:elsewhere.example"));
+  StartSecured(2, {}, [this](int) { return Tls("host"); });
+  ASSERT_TRUE(server(0).WaitForPeers(absl::Seconds(30)).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectTransfer(1, "weights"));
+  Caller elsewhere(Address(1), {kTask0, ""}, ClientTls("elsewhere"));
+  ExpectEverythingRefused(elsewhere, grpc::StatusCode::UNAUTHENTICATED,
+                          "names neither that task nor its host 127.0.0.1");
 }
 
 TEST_P(TlsTest, TlsAndASecretTogether) {

@@ -73,7 +73,8 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
         testing::TestPeerPath(),
         {"--cluster", cluster_, "--job", "worker", "--task", absl::StrCat(task), "--step",
          absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst",
-         CpuDeviceName("worker", 0), "--big", big ? "1" : "0", "--protocol", GetParam()});
+         CpuDeviceName("worker", 0), "--big", big ? "1" : "0", "--protocol", GetParam(),
+         "--late-ms", absl::StrCat(late_ms_)});
     ASSERT_TRUE(p.ok()) << p.status();
     peer_pids_.push_back((*p)->pid());
     absl::StatusOr<std::string> ready = (*p)->WaitForLine("ready ", absl::Seconds(60));
@@ -105,6 +106,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
   std::vector<pid_t> peer_pids_;
   std::vector<uint64_t> incarnations_;
   std::unique_ptr<Server> server_;
+  int late_ms_ = 0;  // peers send "late" this long after they are ready
 };
 
 TEST_P(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64MiB) {
@@ -212,6 +214,22 @@ TEST_P(GrpcClusterTest, FrozenPeerGivesUnavailableWithinThePeerTimeout) {
   EXPECT_LT(absl::Now() - frozen, absl::Seconds(15));
   EXPECT_EQ(recv.status().code(), absl::StatusCode::kUnavailable) << recv.status();
   EXPECT_THAT(recv.status().message(), HasSubstr("task:1"));
+}
+
+// The keepalive that finds frozen peers must not fail a live one that is merely slow: a recv
+// that waits three peer timeouts (2 s here) for its tensor gets it.
+TEST_P(GrpcClusterTest, ARecvOutlivesThePeerTimeoutWhileTheSenderIsAliveButSlow) {
+  late_ms_ = 6000;
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(60));
+  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  const absl::Time start = absl::Now();
+  PendingRecv recv(*r, Key(1, "late"));
+  ASSERT_TRUE(recv.Wait(absl::Seconds(40))) << "the recv hung";
+  ASSERT_TRUE(recv.status().ok()) << recv.status();
+  EXPECT_GT(absl::Now() - start, absl::Seconds(3)) << "the tensor came before the sender sent it";
+  const testing::Fixture first = testing::MakeFixtures(/*seed=*/1, false).front();
+  EXPECT_TRUE(recv.tensor().ContentEquals(first.tensor)) << recv.tensor().DebugString();
 }
 
 TEST_P(GrpcClusterTest, PeerKilledWhileBytesAreInFlightEndsTheRecvOnceNeverWithWrongBytes) {

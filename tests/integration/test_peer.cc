@@ -1,8 +1,11 @@
 // A peer task for integration tests: starts a Server for --job/--task of --cluster, sends the
 // standard fixtures (seeded with --seed) at --step over --protocol, prints "ready <incarnation-hex>" and serves
-// until SIGTERM/SIGINT.
+// until SIGTERM/SIGINT. With --late-ms N it sends one more tensor, "late" (a copy of the first
+// fixture), N ms after it is ready: a slow sender.
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include "absl/strings/numbers.h"
 #include "src/rendezvous/device_name.h"
@@ -17,6 +20,7 @@ int main(int argc, char** argv) {
   int64_t step = 1;
   uint32_t seed = 1;
   bool big = false;
+  int late_ms = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--cluster") cluster = value;
@@ -27,6 +31,7 @@ int main(int argc, char** argv) {
     else if (flag == "--dst") dst_device = value;
     else if (flag == "--big") big = value == "1";
     else if (flag == "--protocol") protocol = value;
+    else if (flag == "--late-ms") late_ms = std::stoi(value);
   }
   support::BlockTerminationSignals();
   absl::StatusOr<ClusterSpec> spec = ClusterSpec::Parse(cluster);
@@ -56,6 +61,17 @@ int main(int argc, char** argv) {
   }
   std::printf("ready %016llx\n", static_cast<unsigned long long>((*server)->incarnation()));
   std::fflush(stdout);
+  if (late_ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
+    const testing::Fixture first = testing::MakeFixtures(seed, false).front();
+    std::string key = ParsedKey::Create((*server)->device_name(), (*server)->incarnation(),
+                                        dst_device, "late");
+    absl::Status s = (*r)->Send(*ParsedKey::Parse(key), first.tensor, first.is_dead);
+    if (!s.ok()) {
+      std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
   support::WaitForTerminationSignal();
   (*server)->Stop();
   return 0;

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
 #include "src/common/logging.h"
+#include "src/protocol/remote_tensor.h"
 #include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/tensor_coding.h"
 
@@ -127,9 +128,11 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
             status = absl::Status(status.code(),
                                   absl::StrCat("recv of '", call->key, "' from task ",
                                                call->worker->task_name(), ": ", status.message()));
-            if (parsed.has_remote && self->puller_ != nullptr) {
+            if (parsed.has_remote && self->puller_ != nullptr && !parsed.remote.key.empty() &&
+                parsed.remote.tensor_key <= protocol::kMaxTensorKey) {
               // Refused (too large, no memory, inconsistent): the sender lent the tensor for
-              // this recv and is told at once to drop it.
+              // this recv and is told at once to drop it, if the reference is one it could
+              // have made.
               self->puller_->Pull(call->worker->task_name(), parsed.remote, Tensor(),
                                   [](const absl::Status&) {});
             }

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "proto/tensor.pb.h"
 #include "proto/worker.pb.h"
@@ -34,6 +35,8 @@ constexpr int kRemoteField = 5;
 
 // A thread keeps the buffer its last meta-data was read into up to this size.
 constexpr size_t kKeptMetaBytes = 64 << 10;
+// The most a RemoteTensor reference may take on the wire (its packed key is tens of bytes).
+constexpr uint32_t kMaxRemoteTensorBytes = 4 << 10;
 
 void ReleaseBuffer(void* user_data) { delete static_cast<std::shared_ptr<TensorBuffer>*>(user_data); }
 
@@ -136,6 +139,11 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
       // encoding: count them against the limit before the parse builds them. The buffer is
       // reused, so a recv does not allocate for this.
       static thread_local std::string encoded;
+      absl::Cleanup trim = [] {
+        if (encoded.capacity() > kKeptMetaBytes) {
+          encoded = std::string();  // a large string tensor's encoding is not kept
+        }
+      };
       if (len > static_cast<uint32_t>(INT_MAX) ||
           !coded.ReadString(&encoded, static_cast<int>(len))) {
         return Malformed("truncated meta-data");
@@ -148,9 +156,6 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
       RETURN_IF_ERROR(CheckReceivedTensorBytes(
           static_cast<uint64_t>(counts->strings) * sizeof(std::string), max_tensor_bytes));
       if (!meta.ParseFromString(encoded)) return Malformed("bad meta-data");
-      if (encoded.capacity() > kKeptMetaBytes) {
-        encoded = std::string();  // a large string tensor's encoding is not kept
-      }
       have_meta = true;
     } else if (field == kIsDeadField && wire == WireFormatLite::WIRETYPE_VARINT) {
       uint64_t v;
@@ -187,6 +192,10 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
     } else if (field == kRemoteField && wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
       uint32_t len;
       if (!coded.ReadVarint32(&len)) return Malformed("truncated remote tensor length");
+      // A few fixed fields and a packed key: anything longer is not one.
+      if (len > kMaxRemoteTensorBytes) {
+        return Malformed(absl::StrCat("remote tensor reference of ", len, " bytes"));
+      }
       auto limit = coded.PushLimit(static_cast<int>(len));
       proto::RemoteTensor r;
       if (!r.MergePartialFromCodedStream(&coded) || !coded.ConsumedEntireMessage()) {

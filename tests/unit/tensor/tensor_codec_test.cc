@@ -116,5 +116,41 @@ TEST(TensorCodec, CountsAnEncodingsStringsAndDimensionsWithoutParsingIt) {
   }
 }
 
+// Parsing keeps unknown fields (tens of bytes each for two bytes of wire), so a peer could make
+// a small encoding cost a large parse by padding it with them. The counter accepts only the
+// fields this project writes, each with its own wire type, at every level.
+TEST(TensorCodec, CountingRefusesFieldsThisProjectNeverWrites) {
+  proto::TensorProto p;
+  p.set_dtype(static_cast<int>(DataType::kFloat32));
+  p.mutable_tensor_shape()->add_dim()->set_size(2);
+  p.set_tensor_content(std::string(8, '\1'));
+  const std::string good = p.SerializeAsString();
+  ASSERT_TRUE(CountEncodedTensor(good).ok());
+
+  auto expect_refused = [](const std::string& bytes, absl::string_view why) {
+    absl::StatusOr<EncodedTensorCounts> c = CountEncodedTensor(bytes);
+    ASSERT_FALSE(c.ok()) << why;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kDataLoss) << why;
+  };
+  // A flood of unknown varint fields (field 3: tag 0x18, value 0) after a valid tensor.
+  std::string flood = good;
+  for (int i = 0; i < 100000; ++i) flood += std::string("\x18\x00", 2);
+  expect_refused(flood, "unknown varint fields");
+  // An unknown length-delimited field, and a group (start-group tag of field 9).
+  expect_refused(good + std::string("\x2a\x00", 2), "unknown field 5");
+  expect_refused(good + std::string("\x4b\x4c", 2), "group");
+  // The known fields with the wrong wire type: dtype delimited, string_val as a varint.
+  expect_refused(std::string("\x0a\x00", 2), "dtype as bytes");
+  expect_refused(std::string("\x40\x01", 2), "string_val as a varint");
+  // Unknown fields inside the shape and inside a dimension.
+  expect_refused(std::string("\x12\x02\x08\x01", 4), "shape field 1");
+  expect_refused(std::string("\x12\x04\x12\x02\x10\x01", 6), "dimension field 2");
+  expect_refused(std::string("\x12\x03\x12\x01\x0a", 5), "dimension size as bytes");
+  // A dimension claiming more bytes than its shape holds (the shape is followed by content
+  // bytes the dimension would swallow without the check).
+  expect_refused(std::string("\x12\x02\x12\x05\x22\x03\x08\x01\x00", 9),
+                 "dimension longer than its shape");
+}
+
 }  // namespace
 }  // namespace tensorverbs
