@@ -175,7 +175,8 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_DATA_VALIDATION", "TENSORVERBS_REGISTRATION",
       "TENSORVERBS_PEER_TIMEOUT_MS", "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",        "TENSORVERBS_PUSH_MAX_MB",
-      "TENSORVERBS_MAX_TENSOR_MB",
+      "TENSORVERBS_MAX_TENSOR_MB",   "TENSORVERBS_MAX_PEER_STEPS",
+      "TENSORVERBS_MAX_RESPONSES",   "TENSORVERBS_POOL_KEEP_FREE_MB",
       "TENSORVERBS_TLS_CERT",        "TENSORVERBS_TLS_KEY",
       "TENSORVERBS_TLS_CA",          "TENSORVERBS_SECRET_FILE",
   };
@@ -196,6 +197,11 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t max_tensor_mb,
                    ParseInt(env, "TENSORVERBS_MAX_TENSOR_MB", 1, 1048576, 4096));
   config.max_tensor_bytes = static_cast<uint64_t>(max_tensor_mb) << 20;
+  ASSIGN_OR_RETURN(int64_t keep_free_mb,
+                   ParseInt(env, "TENSORVERBS_POOL_KEEP_FREE_MB", 0, 1048576, 1024));
+  config.pool_keep_free_bytes = static_cast<uint64_t>(keep_free_mb) << 20;
+  ASSIGN_OR_RETURN(config.max_peer_steps,
+                   ParseInt(env, "TENSORVERBS_MAX_PEER_STEPS", 1, 1048576, 1024));
   for (auto [name, field] : {std::pair{"TENSORVERBS_TLS_CERT", &config.tls_cert_file},
                              std::pair{"TENSORVERBS_TLS_KEY", &config.tls_key_file},
                              std::pair{"TENSORVERBS_TLS_CA", &config.tls_ca_file},
@@ -245,6 +251,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.push_max_destinations = static_cast<int>(push_max);
   ASSIGN_OR_RETURN(int64_t push_mb, ParseInt(env, "TENSORVERBS_PUSH_MAX_MB", 1, 1048576, 256));
   config.push_max_bytes = static_cast<uint64_t>(push_mb) << 20;
+  ASSIGN_OR_RETURN(int64_t max_responses,
+                   ParseInt(env, "TENSORVERBS_MAX_RESPONSES", 1, 1048576, 65536));
+  config.max_responses = static_cast<int>(max_responses);
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {

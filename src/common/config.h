@@ -59,6 +59,14 @@ struct Config {
   // default 4096. A peer's announced size is checked against it before anything is allocated,
   // so a faulty or hostile peer cannot make a receiver commit more memory than this per recv.
   uint64_t max_tensor_bytes = uint64_t{4096} << 20;
+  // TENSORVERBS_MAX_PEER_STEPS: steps that peers' requests may start before this task takes
+  // them up, 1 .. 1048576, default 1024; those it has not taken up within the recv timeout are
+  // aborted (see rendezvous/rendezvous_mgr.h).
+  int64_t max_peer_steps = 1024;
+  // TENSORVERBS_POOL_KEEP_FREE_MB: wholly free receive-pool memory kept however long it idles,
+  // in MiB, 0 .. 1048576, default 1024; free regions beyond it are returned to the OS after
+  // 30 s unused (see tensor/allocator.h).
+  uint64_t pool_keep_free_bytes = uint64_t{1024} << 20;
 
   // Authentication of the calls between tasks (see rpc/security.h). TENSORVERBS_TLS_CERT,
   // TENSORVERBS_TLS_KEY, TENSORVERBS_TLS_CA: PEM files for mutual TLS (all three or none).
@@ -123,6 +131,10 @@ struct Config {
   bool push = true;
   int push_max_destinations = 1024;
   uint64_t push_max_bytes = uint64_t{256} << 20;
+  // TENSORVERBS_MAX_RESPONSES: requests a peer may have pending at this task on one channel
+  // (tensors it asked for that are not yet sent), 1 .. 1048576, default 65536; beyond, a
+  // request fails with ResourceExhausted at once.
+  int max_responses = 65536;
 
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;

@@ -568,9 +568,16 @@ void Channel::HandleRequest(Message& m) {
   absl::StatusOr<KeyRef> key = RequestedKey(m);
   if (state_ == State::kClosed) return;  // the REQUEST broke the indexing rules
   absl::Status error = key.status();
+  if (error.ok() && responses_.size() >= static_cast<size_t>(env_->max_responses)) {
+    error = absl::ResourceExhaustedError(absl::StrCat(
+        "this task already holds ", responses_.size(),
+        " of this channel's requests (TENSORVERBS_MAX_RESPONSES=", env_->max_responses,
+        "); the receiver asks for more tensors at once than the sender allows"));
+  }
   std::shared_ptr<RemoteRendezvous> rendezvous;
   if (error.ok()) {
-    absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = env_->rendezvous_mgr->Find(m.step_id);
+    absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r =
+        env_->rendezvous_mgr->FindForPeer(m.step_id);
     if (r.ok()) {
       rendezvous = *std::move(r);
     } else {

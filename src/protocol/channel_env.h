@@ -91,6 +91,9 @@ struct ChannelEnv {
   bool push = false;
   int push_max_destinations = 1024;
   uint64_t push_max_bytes = uint64_t{256} << 20;
+  // Acceptor side: the most requests of the peer pending here at once (TENSORVERBS_MAX_RESPONSES);
+  // beyond, a request is answered with ResourceExhausted.
+  int max_responses = 65536;
   // Runs `task` on the progress thread later, never inline: called on the progress thread, at
   // the end of the completion or task being handled; from another thread, at the loop's next
   // turn.

@@ -122,6 +122,8 @@ ServerOptions ServerOptions::FromConfig(const Config& config) {
   o.callback_threads = config.callback_threads;
   o.pool_region_bytes = config.pool_region_bytes;
   o.max_tensor_bytes = config.max_tensor_bytes;
+  o.max_peer_steps = config.max_peer_steps;
+  o.pool_keep_free_bytes = config.pool_keep_free_bytes;
   o.security.tls_cert_file = config.tls_cert_file;
   o.security.tls_key_file = config.tls_key_file;
   o.security.tls_ca_file = config.tls_ca_file;
@@ -162,6 +164,8 @@ absl::Status Server::Start() {
   }
   PoolAllocator::Options pool_options;
   pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
+  pool_options.keep_free_bytes = static_cast<size_t>(options_.pool_keep_free_bytes);
+  pool_options.release_after = ServerOptions::kPoolReleaseAfter;
   // Tensors land in the pool: when the same-host fabric will carry them, the pool's memory is
   // what peers map, so a write into it is one memcpy.
   pool_options.shareable =
@@ -243,6 +247,8 @@ absl::Status Server::Start() {
     });
   }
 
+  rendezvous_mgr_->SetPeerStepLimits(
+      {static_cast<size_t>(options_.max_peer_steps), options_.recv_timeout});
   service_ = std::make_unique<WorkerServiceImpl>(&env_, rendezvous_mgr_.get(), options_.protocol,
                                                  device_name(), gdr ? verbs_.get() : nullptr,
                                                  security_.get());

@@ -48,9 +48,16 @@ struct ServerOptions {
   int callback_threads = 2;
   // Size of each region of the receive pool (TENSORVERBS_POOL_REGION_MB).
   int64_t pool_region_bytes = int64_t{64} << 20;
+  // Wholly free pool memory kept however long it idles (TENSORVERBS_POOL_KEEP_FREE_MB); free
+  // regions beyond it are returned to the OS after kPoolReleaseAfter unused.
+  uint64_t pool_keep_free_bytes = uint64_t{1024} << 20;
+  static constexpr absl::Duration kPoolReleaseAfter = absl::Seconds(30);
   // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB); a larger announced
   // tensor fails its recv with ResourceExhausted before anything is allocated.
   uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;
+  // Steps peers' requests may start before this task does (TENSORVERBS_MAX_PEER_STEPS); one it
+  // has not taken up within recv_timeout is aborted.
+  int64_t max_peer_steps = 1024;
   // Process-wide malloc tuning, applied by the first server (TENSORVERBS_MALLOC_TUNING,
   // TENSORVERBS_MALLOC_TRIM_MB; see common/malloc_tuning.h).
   bool malloc_tuning = true;

@@ -2,8 +2,12 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstring>
 #include <new>
+#include <vector>
+
+#include "absl/time/clock.h"
 
 #include "src/common/logging.h"
 
@@ -100,9 +104,27 @@ void PoolAllocator::ReleaseRegion(uintptr_t base) {
   } else {
     munmap(reinterpret_cast<void*>(base), size);
   }
+  if (idle_.erase(base) > 0) stats_.idle_bytes -= size;
   regions_.erase(it);
   stats_.regions--;
   stats_.region_bytes -= size;
+}
+
+void PoolAllocator::ReleaseIdleRegions() {
+  if (stats_.idle_bytes <= options_.keep_free_bytes) return;
+  const absl::Time now = absl::Now();
+  std::vector<std::pair<absl::Time, uintptr_t>> oldest_first;
+  for (const auto& [base, since] : idle_) {
+    if (now - since >= options_.release_after) oldest_first.emplace_back(since, base);
+  }
+  std::sort(oldest_first.begin(), oldest_first.end());
+  for (const auto& [since, base] : oldest_first) {
+    if (stats_.idle_bytes <= options_.keep_free_bytes) break;
+    VLOG(1) << "pool " << name_ << ": returning a region idle for "
+            << absl::FormatDuration(now - since);
+    ReleaseRegion(base);
+    stats_.regions_released++;
+  }
 }
 
 void* PoolAllocator::AllocateRaw(size_t bytes) {
@@ -110,6 +132,7 @@ void* PoolAllocator::AllocateRaw(size_t bytes) {
   if (need < bytes) return nullptr;  // overflow
   MutexLock lock(&mu_);
   ApplyDeferredFrees();  // first: a steady step reuses the chunks its last step freed
+  if (!idle_.empty()) ReleaseIdleRegions();
   if (auto r = recycled_.find(need); r != recycled_.end() && !r->second.empty()) {
     const uintptr_t start = r->second.back();
     r->second.pop_back();
@@ -133,6 +156,12 @@ void* PoolAllocator::AllocateRaw(size_t bytes) {
   }
   auto [size, start] = *it;
   free_.erase(it);
+  if (!idle_.empty()) {
+    if (auto i = idle_.find(start); i != idle_.end()) {  // a wholly free region is used again
+      idle_.erase(i);
+      stats_.idle_bytes -= size;
+    }
+  }
   Chunk& chunk = chunks_[start];
   if (size - need >= kAlignment) {
     uintptr_t rest = start + need;
@@ -196,6 +225,12 @@ void PoolAllocator::FreeChunk(std::map<uintptr_t, Chunk>::iterator it) {
     }
   }
   free_.emplace(it->second.size, it->first);
+  if (it->first == it->second.region) {
+    auto r = regions_.find(it->first);
+    if (r != regions_.end() && r->second == it->second.size && idle_.emplace(r->first, absl::Now()).second) {
+      stats_.idle_bytes += r->second;
+    }
+  }
 }
 
 void PoolAllocator::FlushRecycled() {

@@ -15,6 +15,13 @@
 // tree nodes, that is no heap allocation, per tensor. Recycled chunks go back to the free tree
 // when an allocation would otherwise need a new region, and before regions are released.
 //
+// Regions are kept while free, since making one costs its page faults and its registration;
+// but a pool that grew for a burst (a peer sending large tensors once) should not hold that
+// memory for the life of the process. A region that has been wholly free for
+// Options::release_after is returned to the OS, oldest first, while the wholly free regions
+// add up to more than Options::keep_free_bytes. This is checked when the pool is next used
+// (an allocation or ReleaseFreeRegions), so no thread wakes for it.
+//
 // Thread-safe. A free does not take the pool's lock: it queues the pointer in a lock-free queue
 // that the next holder of the lock (an allocation, GetStats, a release) applies, so the threads
 // that drop received tensors never contend with the progress thread that allocates
@@ -36,6 +43,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
 #include "src/common/bounded_queue.h"
 #include "src/common/mutex.h"
 #include "src/common/shared_memory.h"
@@ -71,6 +79,10 @@ class PoolAllocator final : public Allocator {
     // Regions come from SharedMemory (a memfd), so a peer on this host can map them and write
     // tensors with one memcpy (src/fabric/shmem). Falls back to private memory if refused.
     bool shareable = false;
+    // Wholly free regions kept whatever their age, and how long one beyond that stays free
+    // before it is returned (see above). The defaults keep everything.
+    size_t keep_free_bytes = SIZE_MAX;
+    absl::Duration release_after = absl::Seconds(30);
   };
   // Larger chunks always go back to the free tree: their transfer dwarfs the bookkeeping.
   static constexpr size_t kMaxRecycledChunk = size_t{4} << 20;
@@ -82,6 +94,8 @@ class PoolAllocator final : public Allocator {
     size_t regions_created = 0;  // over the pool's lifetime
     size_t recycled_bytes = 0;   // freed chunks kept whole for an allocation of their size
     size_t recycled_hits = 0;    // allocations served from them, over the pool's lifetime
+    size_t idle_bytes = 0;        // regions wholly free, in bytes
+    size_t regions_released = 0;  // returned to the OS while the pool lived
   };
   using RegionVisitor = std::function<void(const MemoryRegion&)>;
 
@@ -129,6 +143,8 @@ class PoolAllocator final : public Allocator {
   void FreeLocked(uintptr_t start) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Applies the frees queued without the lock.
   void ApplyDeferredFrees() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Returns regions idle past release_after while idle bytes exceed keep_free_bytes.
+  void ReleaseIdleRegions() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string name_;
   const Options options_;
@@ -140,6 +156,8 @@ class PoolAllocator final : public Allocator {
   std::set<std::pair<size_t, uintptr_t>> free_ ABSL_GUARDED_BY(mu_);  // (size, start)
   // Recycled chunks by size, most recently freed last.
   absl::flat_hash_map<size_t, std::vector<uintptr_t>> recycled_ ABSL_GUARDED_BY(mu_);
+  // Wholly free regions, by base, with when they became so.
+  std::map<uintptr_t, absl::Time> idle_ ABSL_GUARDED_BY(mu_);
   std::map<int, Visitor> visitors_ ABSL_GUARDED_BY(mu_);
   int next_visitor_id_ ABSL_GUARDED_BY(mu_) = 1;
   Stats stats_ ABSL_GUARDED_BY(mu_);

@@ -272,6 +272,7 @@ class ProtocolTest : public testing::ClusterTest<Param> {
     o.provider = GetParam().fabric->provider;
     o.recv_timeout = recv_timeout_;
     o.max_tensor_bytes = max_tensor_bytes_;
+    o.max_peer_steps = max_peer_steps_;
     o.tune = std::move(tune);
     o.protocols = std::move(protocols);
     StartWith(n, o);
@@ -509,6 +510,42 @@ TEST_P(ProtocolTest, ATensorAboveTheReceiversLimitFailsItsRecvAndOthersStillArri
   ExpectNothingLent(1);
 }
 
+// A receiver may ask for steps its sender has not started; how many such steps one task holds
+// is bounded (TENSORVERBS_MAX_PEER_STEPS), requests beyond fail at once, and the steps within
+// the bound still deliver when the sender gets to them.
+TEST_P(ProtocolTest, StepsStartedByPeersAreBoundedAndTheOnesWithinTheBoundDeliver) {
+  max_peer_steps_ = 3;
+  StartCluster(2, NoPush);  // a pushed request would start the next step too
+  ASSERT_TRUE(server(0).WaitForPeers(absl::Seconds(30)).ok());
+  std::vector<std::unique_ptr<PendingRecv>> recvs;
+  for (int64_t step = 1; step <= 5; ++step) {
+    recvs.push_back(std::make_unique<PendingRecv>(*Step(0, step), Key(1, "ahead")));
+    if (step <= 3) {
+      // The sender holds each request before the next is made, so the first three are the
+      // ones it took (their order across steps is otherwise not promised).
+      const absl::Time deadline = absl::Now() + absl::Seconds(10);
+      while (server(1).rendezvous_mgr()->NumPeerSteps() < static_cast<size_t>(step) &&
+             absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(2));
+      }
+      ASSERT_EQ(server(1).rendezvous_mgr()->NumPeerSteps(), static_cast<size_t>(step));
+    }
+  }
+  for (int i : {3, 4}) {
+    ASSERT_TRUE(recvs[i]->Wait()) << "step " << i + 1;
+    EXPECT_EQ(recvs[i]->status().code(), absl::StatusCode::kResourceExhausted)
+        << recvs[i]->status();
+    EXPECT_THAT(std::string(recvs[i]->status().message()),
+                HasSubstr("TENSORVERBS_MAX_PEER_STEPS=3"));
+  }
+  for (int64_t step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(Step(1, step)->Send(Key(1, "ahead"), PoolTensor(1, DataType::kInt32, {8}, 9)).ok());
+    ASSERT_TRUE(recvs[step - 1]->Wait()) << "step " << step;
+    ASSERT_TRUE(recvs[step - 1]->status().ok()) << recvs[step - 1]->status();
+  }
+  EXPECT_EQ(server(1).rendezvous_mgr()->NumPeerSteps(), 0u);
+}
+
 // What anyone who reaches a task's port can send: a request larger than any real one is
 // refused by gRPC before a service parses it, and a key that is not UTF-8 is an ordinary bad
 // key (proto3 `string` fields would fail the parse and log an error per request instead).
@@ -654,6 +691,38 @@ INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProto
 
 // Designs whose requests are grpc+verbs control messages, which carry the checksum.
 class ChannelRequestTest : public ProtocolTest {};
+
+// A peer asking for more tensors at once than TENSORVERBS_MAX_RESPONSES gets ResourceExhausted
+// for the excess at once; the requests within the bound are served.
+TEST_P(ChannelRequestTest, RequestsBeyondTheResponseBoundFailAtOnce) {
+  StartCluster(2, [](VerbsOptions& o) {
+    o.max_responses = 2;
+    o.push = false;
+  });
+  ASSERT_TRUE(server(0).WaitForPeers(absl::Seconds(30)).ok());
+  std::vector<std::unique_ptr<PendingRecv>> recvs;
+  for (int i = 0; i < 5; ++i) {
+    recvs.push_back(std::make_unique<PendingRecv>(*Step(0, 1), Key(1, absl::StrCat("k", i))));
+  }
+  int exhausted = 0;
+  for (auto& recv : recvs) {
+    if (!recv->Wait(absl::Milliseconds(300))) continue;  // held by the sender
+    EXPECT_EQ(recv->status().code(), absl::StatusCode::kResourceExhausted) << recv->status();
+    EXPECT_THAT(std::string(recv->status().message()), HasSubstr("TENSORVERBS_MAX_RESPONSES=2"));
+    ++exhausted;
+  }
+  EXPECT_EQ(exhausted, 3);
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(
+        Step(1, 1)->Send(Key(1, absl::StrCat("k", i)), PoolTensor(1, DataType::kInt8, {4}, i)).ok());
+  }
+  int delivered = 0;
+  for (auto& recv : recvs) {
+    ASSERT_TRUE(recv->Wait());
+    delivered += recv->status().ok();
+  }
+  EXPECT_EQ(delivered, 2);
+}
 
 TEST_P(ChannelRequestTest, DataValidationVerifiesEveryTransfer) {
   StartCluster(2, [](VerbsOptions& o) { o.data_validation = true; });

@@ -39,6 +39,7 @@ struct ClusterOptions {
   std::string provider;
   absl::Duration recv_timeout = absl::Seconds(60);
   uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;  // what each task accepts from a peer
+  int64_t max_peer_steps = 1024;  // steps peers' requests may start on each task
   // Adjusts every server's grpc+verbs options after the defaults above.
   std::function<void(VerbsOptions&)> tune;
   // Per-task protocol overrides (task i gets protocols[i] where given).
@@ -67,6 +68,7 @@ class InProcessCluster {
       options.protocol = t < static_cast<int>(o.protocols.size()) ? o.protocols[t] : o.protocol;
       options.recv_timeout = o.recv_timeout;
       options.max_tensor_bytes = o.max_tensor_bytes;
+      options.max_peer_steps = o.max_peer_steps;
       options.security = o.security_for ? o.security_for(t) : o.security;
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
@@ -141,6 +143,7 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
   InProcessCluster cluster_;
   absl::Duration recv_timeout_ = absl::Seconds(60);
   uint64_t max_tensor_bytes_ = kDefaultMaxTensorBytes;
+  int64_t max_peer_steps_ = 1024;
 };
 
 }  // namespace tensorverbs::testing

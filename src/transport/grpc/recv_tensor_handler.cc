@@ -158,7 +158,7 @@ grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
       return reactor;
     }
   }
-  absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = mgr->Find(req.step_id());
+  absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = mgr->FindForPeer(req.step_id());
   if (!r.ok()) {
     reactor->FinishNow(absl::Status(
         r.status().code(), absl::StrCat("RecvTensor on task ", env->task_name, " for key '",

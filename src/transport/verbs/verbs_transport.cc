@@ -38,6 +38,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.connect_timeout = config.connect_timeout;
   o.push = config.push;
   o.push_max_destinations = config.push_max_destinations;
+  o.max_responses = config.max_responses;
   o.push_max_bytes = config.push_max_bytes;
   return o;
 }
@@ -97,6 +98,7 @@ absl::Status VerbsTransport::Start() {
   channel_env_.push = options_.push && options_.mode == protocol::VerbsMode::kZeroCopy &&
                       !options_.data_validation;
   channel_env_.push_max_destinations = options_.push_max_destinations;
+  channel_env_.max_responses = options_.max_responses;
   channel_env_.push_max_bytes = options_.push_max_bytes;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };

@@ -78,6 +78,7 @@ struct VerbsOptions {
   absl::Duration connect_timeout = absl::Seconds(60);         // TENSORVERBS_CONNECT_TIMEOUT_MS
   bool push = true;                                           // TENSORVERBS_PUSH
   int push_max_destinations = 1024;                           // TENSORVERBS_PUSH_MAX
+  int max_responses = 65536;                                  // TENSORVERBS_MAX_RESPONSES
   uint64_t push_max_bytes = uint64_t{256} << 20;              // TENSORVERBS_PUSH_MAX_MB
 
   // The settings above that have a variable, from `config`.

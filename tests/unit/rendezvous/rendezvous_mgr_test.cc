@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include "absl/time/clock.h"
+
 namespace tensorverbs {
 namespace {
 
@@ -74,6 +76,51 @@ TEST_F(RendezvousMgrTest, CleanupOfAStepNeverMadeHereTellsTheStepEndedHook) {
   mgr.Cleanup(2);  // never made here: the hook tells it
   EXPECT_EQ(ended, std::vector<int64_t>{2});
   EXPECT_EQ(created_[0]->aborted_with.code(), absl::StatusCode::kCancelled);
+}
+
+// Peers' requests start steps ahead of this task; a flood of made-up step ids is bounded, and
+// a step this task takes up (its own Find) stops counting.
+TEST_F(RendezvousMgrTest, StepsStartedByPeersAreCappedUntilThisTaskTakesThemUp) {
+  RendezvousMgr mgr(Factory());
+  mgr.SetPeerStepLimits({/*max_steps=*/3, absl::InfiniteDuration()});
+  for (int64_t step = 1; step <= 3; ++step) ASSERT_TRUE(mgr.FindForPeer(step).ok()) << step;
+  EXPECT_TRUE(mgr.FindForPeer(2).ok()) << "an existing step is not a new one";
+  absl::StatusOr<std::shared_ptr<RemoteRendezvous>> refused = mgr.FindForPeer(4);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.status().message(), HasSubstr("TENSORVERBS_MAX_PEER_STEPS=3"));
+  EXPECT_THAT(refused.status().message(), HasSubstr("step 4"));
+  EXPECT_EQ(mgr.NumPeerSteps(), 3u);
+  // This task takes step 1 up and cleans step 2 up: room for two more.
+  ASSERT_TRUE(mgr.Find(1).ok());
+  mgr.Cleanup(2);
+  EXPECT_EQ(mgr.NumPeerSteps(), 1u);
+  EXPECT_TRUE(mgr.FindForPeer(4).ok());
+  EXPECT_TRUE(mgr.FindForPeer(5).ok());
+  EXPECT_FALSE(mgr.FindForPeer(6).ok());
+  // This task's own steps are never refused.
+  for (int64_t step = 100; step < 110; ++step) EXPECT_TRUE(mgr.Find(step).ok());
+}
+
+// A step only peers started, which this task does not take up within the expiry, is aborted
+// (its waiting requests fail with DeadlineExceeded) and forgotten: the task may still run it.
+TEST_F(RendezvousMgrTest, StepsOnlyPeersStartedExpire) {
+  RendezvousMgr mgr(Factory());
+  mgr.SetPeerStepLimits({/*max_steps=*/100, absl::Milliseconds(50)});
+  auto early = *mgr.FindForPeer(1);
+  absl::Status waiting;
+  early->RecvAsync(Key("worker", 0, "never sent"), RecvArgs(),
+                   [&](const absl::Status& s, const Tensor&, bool) { waiting = s; });
+  ASSERT_TRUE(mgr.FindForPeer(2).ok());
+  ASSERT_TRUE(mgr.Find(2).ok());  // taken up: it never expires
+  absl::SleepFor(absl::Milliseconds(80));
+  ASSERT_TRUE(mgr.FindForPeer(3).ok());  // a new peer step sweeps the expired ones
+  EXPECT_EQ(waiting.code(), absl::StatusCode::kDeadlineExceeded) << waiting;
+  EXPECT_THAT(waiting.message(), HasSubstr("step 1 was started by peers' requests"));
+  EXPECT_EQ(mgr.NumPeerSteps(), 1u);  // step 3
+  EXPECT_EQ(mgr.NumActiveSteps(), 2u);  // steps 2 and 3
+  absl::StatusOr<std::shared_ptr<RemoteRendezvous>> again = mgr.Find(1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_NE(again->get(), early.get());
 }
 
 TEST_F(RendezvousMgrTest, SameTaskKeysAreServedLocallyOthersRemotely) {

@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+
 namespace tensorverbs {
 namespace {
 
@@ -133,6 +135,45 @@ TEST(PoolAllocator, FreedChunksServeTheirSizeAgainAndGoBackWhenSpaceRunsOut) {
   // Releasing free regions takes the recycled chunks back first.
   EXPECT_EQ(bounded.ReleaseFreeRegions(), 2u);
   EXPECT_EQ(bounded.GetStats().regions, 0u);
+}
+
+// A pool that grew for a burst gives the memory back: regions wholly free for release_after,
+// beyond keep_free_bytes of them, are returned (oldest first) when the pool is next used; a
+// region freed and used again in between is kept.
+TEST(PoolAllocator, RegionsIdleBeyondTheWatermarkAreReturnedToTheSystem) {
+  PoolAllocator::Options options = SmallRegions();
+  options.max_recycled_bytes = 0;  // frees go straight back to the free tree
+  options.keep_free_bytes = options.region_bytes;
+  options.release_after = absl::Milliseconds(50);
+  PoolAllocator pool("test", options);
+  int releases = 0;
+  pool.AddRegionVisitor(nullptr, [&](const MemoryRegion&) { ++releases; });
+  std::vector<void*> burst;
+  for (int i = 0; i < 4; ++i) burst.push_back(pool.AllocateRaw(options.region_bytes));
+  ASSERT_EQ(pool.GetStats().regions, 4u);
+  for (void* p : burst) pool.DeallocateRaw(p, 0);
+  EXPECT_EQ(pool.GetStats().idle_bytes, 4 * options.region_bytes);
+  // Used again at once: nothing is old enough to go, and the region it takes is no longer idle.
+  void* busy = pool.AllocateRaw(64);
+  EXPECT_EQ(pool.GetStats().regions, 4u);
+  EXPECT_EQ(pool.GetStats().idle_bytes, 3 * options.region_bytes);
+  absl::SleepFor(absl::Milliseconds(80));
+  void* next = pool.AllocateRaw(64);  // the next use returns the idle regions beyond one
+  PoolAllocator::Stats stats = pool.GetStats();
+  EXPECT_EQ(stats.regions, 2u);
+  EXPECT_EQ(stats.regions_released, 2u);
+  EXPECT_EQ(stats.idle_bytes, options.region_bytes);
+  EXPECT_EQ(releases, 2) << "visitors (deregistration) hear of every release";
+  EXPECT_TRUE(pool.FindRegion(busy, 64, nullptr)) << "the region in use stays";
+  pool.DeallocateRaw(busy, 0);
+  pool.DeallocateRaw(next, 0);
+  // Default options keep every region however long it idles.
+  PoolAllocator keeper("test", SmallRegions());
+  void* once = keeper.AllocateRaw(64);
+  keeper.DeallocateRaw(once, 0);
+  absl::SleepFor(absl::Milliseconds(10));
+  keeper.DeallocateRaw(keeper.AllocateRaw(64), 0);
+  EXPECT_EQ(keeper.GetStats().regions, 1u);
 }
 
 TEST(PoolAllocator, VisitorsSeeEveryRegionOnceEvenWhenAddedLate) {
