@@ -569,10 +569,10 @@ void Channel::HandleRequest(Message& m) {
   if (state_ == State::kClosed) return;  // the REQUEST broke the indexing rules
   absl::Status error = key.status();
   if (error.ok() && responses_.size() >= static_cast<size_t>(env_->max_responses)) {
-    error = absl::ResourceExhaustedError(absl::StrCat(
-        "this task already holds ", responses_.size(),
-        " of this channel's requests (TENSORVERBS_MAX_RESPONSES=", env_->max_responses,
-        "); the receiver asks for more tensors at once than the sender allows"));
+    error = absl::ResourceExhaustedError(
+        absl::StrCat("this task already holds ", responses_.size(),
+                     " of this channel's requests (TENSORVERBS_MAX_RESPONSES=", env_->max_responses,
+                     "); the receiver asks for more tensors at once than the sender allows"));
   }
   std::shared_ptr<RemoteRendezvous> rendezvous;
   if (error.ok()) {

@@ -59,11 +59,11 @@ absl::StatusOr<std::shared_ptr<RemoteRendezvous>> RendezvousMgr::FindForPeer(int
       peer_order_.pop_front();
     }
     if (peer_steps_.size() >= peer_limits_.max_steps) {
-      result = absl::ResourceExhaustedError(absl::StrCat(
-          "this task has ", peer_steps_.size(),
-          " steps that only peers' requests started (TENSORVERBS_MAX_PEER_STEPS=",
-          peer_limits_.max_steps, "), so a request for step ", step_id,
-          " is refused: a peer runs that far ahead of this task, or is faulty"));
+      result = absl::ResourceExhaustedError(
+          absl::StrCat("this task has ", peer_steps_.size(),
+                       " steps that only peers' requests started (TENSORVERBS_MAX_PEER_STEPS=",
+                       peer_limits_.max_steps, "), so a request for step ", step_id,
+                       " is refused: a peer runs that far ahead of this task, or is faulty"));
     } else {
       result = table_.emplace(step_id, factory_(step_id)).first->second;
       peer_steps_.emplace(step_id, now);
@@ -81,8 +81,9 @@ absl::StatusOr<std::shared_ptr<RemoteRendezvous>> RendezvousMgr::FindForPeer(int
   }
   for (auto& r : expired) {
     r->StartAbort(absl::DeadlineExceededError(
-        absl::StrCat("step ", r->step_id(), " was started by peers' requests and this task did "
-                     "not run it within ", absl::FormatDuration(expiry))));
+        absl::StrCat("step ", r->step_id(),
+                     " was started by peers' requests and this task did not run it within ",
+                     absl::FormatDuration(expiry))));
   }
   return result;
 }

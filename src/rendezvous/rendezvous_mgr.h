@@ -16,8 +16,8 @@
 #ifndef TENSORVERBS_RENDEZVOUS_RENDEZVOUS_MGR_H_
 #define TENSORVERBS_RENDEZVOUS_RENDEZVOUS_MGR_H_
 
-#include <cstdint>
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>

@@ -43,8 +43,8 @@ grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
     // Half the timeout to the ping and half to its answer, so a frozen peer is found within
     // the peer timeout; never more often than kMinKeepaliveMs (a timeout shorter than twice
     // that is found in 2 x kMinKeepaliveMs), which servers accept (ConfigureServerBuilder).
-    const int half_ms = static_cast<int>(std::clamp<int64_t>(
-        absl::ToInt64Milliseconds(peer_timeout) / 2, kMinKeepaliveMs, INT_MAX));
+    const int half_ms = static_cast<int>(
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(peer_timeout) / 2, kMinKeepaliveMs, INT_MAX));
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, half_ms);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, half_ms);
     // Only while calls are in flight (a RecvTensor waiting for its tensor sends no data), and

@@ -159,9 +159,9 @@ absl::StatusOr<std::shared_ptr<const RpcSecurity>> RpcSecurity::Create(
 }
 
 std::shared_ptr<const RpcSecurity> RpcSecurity::Insecure() {
-  static const auto* insecure = new std::shared_ptr<const RpcSecurity>(
-      std::make_shared<const RpcSecurity>("", absl::flat_hash_map<std::string, std::string>(), "",
-                                          false, "", "", ""));
+  static const auto* insecure =
+      new std::shared_ptr<const RpcSecurity>(std::make_shared<const RpcSecurity>(
+          "", absl::flat_hash_map<std::string, std::string>(), "", false, "", "", ""));
   return *insecure;
 }
 
@@ -262,10 +262,9 @@ grpc::Status RpcSecurity::Authenticate(const grpc::ServerContextBase& context,
                                           ", which speaks only for the task it names"));
     }
     if (!names_a_task && !names_its_host) {
-      return Unauthenticated(absl::StrCat("task ", own_task_, ": a call claiming to be ", claim,
-                                          " presented a certificate for ", named,
-                                          ", which names neither that task nor its host ",
-                                          host_it->second));
+      return Unauthenticated(absl::StrCat(
+          "task ", own_task_, ": a call claiming to be ", claim, " presented a certificate for ",
+          named, ", which names neither that task nor its host ", host_it->second));
     }
   }
   *caller = std::string(claim);

@@ -12,11 +12,12 @@
 //     cannot be recovered from it): it keeps out whoever can reach the port but not sniff.
 // When either is configured, every handler of every service starts with Authenticate(): a call
 // without a valid proof (a caller that is not a task of the cluster, a bad or missing proof, a
-// certificate naming another task, or another host than the claimed task's) is refused with UNAUTHENTICATED before anything is acted on,
-// and the authenticated task is what the handler authorizes (CheckCallerIs: PERMISSION_DENIED).
-// (gRPC 1.51 offers no metadata processor on insecure server credentials, and a server
-// interceptor cannot fail a call, so the check is the handlers' first statement.) Without
-// either, calls carry nothing, the caller is empty and everything works as before.
+// certificate naming another task, or another host than the claimed task's) is refused with
+// UNAUTHENTICATED before anything is acted on, and the authenticated task is what the handler
+// authorizes (CheckCallerIs: PERMISSION_DENIED). (gRPC 1.51 offers no metadata processor on
+// insecure server credentials, and a server interceptor cannot fail a call, so the check is the
+// handlers' first statement.) Without either, calls carry nothing, the caller is empty and
+// everything works as before.
 #ifndef TENSORVERBS_RPC_SECURITY_H_
 #define TENSORVERBS_RPC_SECURITY_H_
 

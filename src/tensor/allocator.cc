@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-
 #include "src/common/logging.h"
 
 namespace tensorverbs {
@@ -227,7 +226,8 @@ void PoolAllocator::FreeChunk(std::map<uintptr_t, Chunk>::iterator it) {
   free_.emplace(it->second.size, it->first);
   if (it->first == it->second.region) {
     auto r = regions_.find(it->first);
-    if (r != regions_.end() && r->second == it->second.size && idle_.emplace(r->first, absl::Now()).second) {
+    if (r != regions_.end() && r->second == it->second.size &&
+        idle_.emplace(r->first, absl::Now()).second) {
       stats_.idle_bytes += r->second;
     }
   }

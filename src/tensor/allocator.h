@@ -94,7 +94,7 @@ class PoolAllocator final : public Allocator {
     size_t regions_created = 0;  // over the pool's lifetime
     size_t recycled_bytes = 0;   // freed chunks kept whole for an allocation of their size
     size_t recycled_hits = 0;    // allocations served from them, over the pool's lifetime
-    size_t idle_bytes = 0;        // regions wholly free, in bytes
+    size_t idle_bytes = 0;       // regions wholly free, in bytes
     size_t regions_released = 0;  // returned to the OS while the pool lived
   };
   using RegionVisitor = std::function<void(const MemoryRegion&)>;

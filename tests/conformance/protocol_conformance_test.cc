@@ -713,8 +713,9 @@ TEST_P(ChannelRequestTest, RequestsBeyondTheResponseBoundFailAtOnce) {
   }
   EXPECT_EQ(exhausted, 3);
   for (int i = 0; i < 5; ++i) {
-    ASSERT_TRUE(
-        Step(1, 1)->Send(Key(1, absl::StrCat("k", i)), PoolTensor(1, DataType::kInt8, {4}, i)).ok());
+    ASSERT_TRUE(Step(1, 1)
+                    ->Send(Key(1, absl::StrCat("k", i)), PoolTensor(1, DataType::kInt8, {4}, i))
+                    .ok());
   }
   int delivered = 0;
   for (auto& recv : recvs) {

@@ -72,9 +72,8 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
     absl::StatusOr<std::unique_ptr<support::Subprocess>> p = support::Subprocess::Start(
         testing::TestPeerPath(),
         {"--cluster", cluster_, "--job", "worker", "--task", absl::StrCat(task), "--step",
-         absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst",
-         CpuDeviceName("worker", 0), "--big", big ? "1" : "0", "--protocol", GetParam(),
-         "--late-ms", absl::StrCat(late_ms_)});
+         absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst", CpuDeviceName("worker", 0),
+         "--big", big ? "1" : "0", "--protocol", GetParam(), "--late-ms", absl::StrCat(late_ms_)});
     ASSERT_TRUE(p.ok()) << p.status();
     peer_pids_.push_back((*p)->pid());
     absl::StatusOr<std::string> ready = (*p)->WaitForLine("ready ", absl::Seconds(60));

@@ -1,7 +1,7 @@
 // A peer task for integration tests: starts a Server for --job/--task of --cluster, sends the
-// standard fixtures (seeded with --seed) at --step over --protocol, prints "ready <incarnation-hex>" and serves
-// until SIGTERM/SIGINT. With --late-ms N it sends one more tensor, "late" (a copy of the first
-// fixture), N ms after it is ready: a slow sender.
+// standard fixtures (seeded with --seed) at --step over --protocol, prints "ready
+// <incarnation-hex>" and serves until SIGTERM/SIGINT. With --late-ms N it sends one more tensor,
+// "late" (a copy of the first fixture), N ms after it is ready: a slow sender.
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -10,8 +10,8 @@
 #include "absl/strings/numbers.h"
 #include "src/rendezvous/device_name.h"
 #include "src/server/server.h"
-#include "tests/support/fixtures.h"
 #include "src/support/process_util.h"
+#include "tests/support/fixtures.h"
 
 int main(int argc, char** argv) {
   using namespace tensorverbs;
@@ -64,8 +64,8 @@ int main(int argc, char** argv) {
   if (late_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(late_ms));
     const testing::Fixture first = testing::MakeFixtures(seed, false).front();
-    std::string key = ParsedKey::Create((*server)->device_name(), (*server)->incarnation(),
-                                        dst_device, "late");
+    std::string key =
+        ParsedKey::Create((*server)->device_name(), (*server)->incarnation(), dst_device, "late");
     absl::Status s = (*r)->Send(*ParsedKey::Parse(key), first.tensor, first.is_dead);
     if (!s.ok()) {
       std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());

@@ -116,7 +116,7 @@ TEST_F(RendezvousMgrTest, StepsOnlyPeersStartedExpire) {
   ASSERT_TRUE(mgr.FindForPeer(3).ok());  // a new peer step sweeps the expired ones
   EXPECT_EQ(waiting.code(), absl::StatusCode::kDeadlineExceeded) << waiting;
   EXPECT_THAT(waiting.message(), HasSubstr("step 1 was started by peers' requests"));
-  EXPECT_EQ(mgr.NumPeerSteps(), 1u);  // step 3
+  EXPECT_EQ(mgr.NumPeerSteps(), 1u);    // step 3
   EXPECT_EQ(mgr.NumActiveSteps(), 2u);  // steps 2 and 3
   absl::StatusOr<std::shared_ptr<RemoteRendezvous>> again = mgr.Find(1);
   ASSERT_TRUE(again.ok()) << again.status();

@@ -1,8 +1,7 @@
 #include "src/tensor/allocator.h"
 
-#include <unistd.h>
-
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <map>
