@@ -812,7 +812,8 @@ TEST_P(ZeroCopyTest, ConnectChecksTheCallerAndItsEndBeforeTouchingAnyChannel) {
     EXPECT_THAT(s.error_message(), HasSubstr("cluster spec"));
   }
   grpc::Status junk = connect("/job:worker/replica:0/task:0", std::string(40, 'x'));
-  EXPECT_FALSE(junk.ok());
+  EXPECT_EQ(junk.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << junk.error_message();
+  EXPECT_THAT(junk.error_message(), HasSubstr("channel end is unusable"));
   EXPECT_EQ(transport(1).NumReadyChannels(), channels) << "no channel was added or closed";
   // The real channel still carries tensors.
   ASSERT_NO_FATAL_FAILURE(SendAndRecv(2, "w", PoolTensor(1, DataType::kFloat32, {256}, 2)));

@@ -284,6 +284,23 @@ TEST_P(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
   EXPECT_LT(took, absl::Seconds(10));
 }
 
+// A recv to a task that cannot be reached fails within about the peer timeout (2 s here), not
+// at the recv's deadline (60 s): the connection watch for grpc and grpc+gdr, the channel's for
+// the verbs protocols.
+TEST_P(GrpcClusterTest, ADeadPeerFailsARecvWithinThePeerTimeoutNotItsDeadline) {
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(60));
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
+  peers_[1].reset();  // reaped: TearDown has nothing to wait for
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Tensor> got = Recv(kStep, Key(1, "scalar"));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kUnavailable) << got.status();
+  EXPECT_THAT(got.status().message(), HasSubstr("task:1"));
+  EXPECT_LT(took, absl::Seconds(15)) << got.status();
+  std::printf("recv from a dead peer failed after %s\n", absl::FormatDuration(took).c_str());
+}
+
 TEST_P(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
   StartCluster(2);
   const uint64_t old_incarnation = incarnations_[1];
@@ -320,11 +337,11 @@ TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
     grpc::ByteBuffer req, resp;
     bool own;
     EXPECT_TRUE(grpc::SerializationTraits<proto::RecvTensorRequest>::Serialize(request, &req, &own).ok());
-    grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+    auto ctx = std::make_shared<grpc::ClientContext>();
+    ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     Notification done;
     grpc::Status status;
-    (*peer)->RecvTensorAsync(&ctx, &req, &resp, [&](grpc::Status s) {
+    (*peer)->RecvTensorAsync(ctx, &req, &resp, [&](grpc::Status s) {
       status = s;
       done.Notify();
     });

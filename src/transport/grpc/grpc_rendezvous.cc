@@ -92,8 +92,10 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
   }
   workers_->CallStarted();
   Call* raw = call.get();
+  // The client holds the context, and through it the call, until the callback has run.
+  std::shared_ptr<grpc::ClientContext> context(call, &call->context);
   raw->worker->RecvTensorAsync(
-      &raw->context, &raw->request, &raw->response,
+      std::move(context), &raw->request, &raw->response,
       [self = shared_from_this(), call = std::move(call)](grpc::Status s) mutable {
         {
           MutexLock lock(&self->mu_);

@@ -1,7 +1,11 @@
 #include "src/transport/grpc/worker_client.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "src/common/logging.h"
 #include "src/rpc/grpc_util.h"
 
 namespace tensorverbs::grpc_transport {
@@ -17,11 +21,57 @@ WorkerClient::WorkerClient(std::string task_name, std::string address,
   generic_stub_ = std::make_unique<grpc::GenericStub>(channel_);
 }
 
-void WorkerClient::RecvTensorAsync(grpc::ClientContext* context, const grpc::ByteBuffer* request,
-                                   grpc::ByteBuffer* response,
+void WorkerClient::RecvTensorAsync(std::shared_ptr<grpc::ClientContext> context,
+                                   const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
                                    std::function<void(grpc::Status)> done) {
-  generic_stub_->UnaryCall(context, "/tensorverbs.proto.WorkerService/RecvTensor",
-                           grpc::StubOptions(), request, response, std::move(done));
+  grpc::ClientContext* const raw = context.get();
+  {
+    MutexLock lock(&waiting_mu_);
+    waiting_.emplace(raw, Waiting{std::move(context), absl::Now()});
+  }
+  generic_stub_->UnaryCall(
+      raw, "/tensorverbs.proto.WorkerService/RecvTensor", grpc::StubOptions(), request, response,
+      [this, raw, done = std::move(done)](grpc::Status status) {
+        bool unreachable = false;
+        std::shared_ptr<grpc::ClientContext> held;  // released after `done`
+        {
+          MutexLock lock(&waiting_mu_);
+          auto it = waiting_.find(raw);
+          if (it != waiting_.end()) {
+            unreachable = it->second.unreachable;
+            held = std::move(it->second.context);
+            waiting_.erase(it);
+          }
+        }
+        if (unreachable && status.error_code() == grpc::StatusCode::CANCELLED) {
+          status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                "no connection to the task within TENSORVERBS_PEER_TIMEOUT_MS");
+        }
+        done(status);
+      });
+}
+
+int WorkerClient::CancelIfUnreachable(absl::Time now, absl::Duration peer_timeout) {
+  const bool ready = channel_->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY;
+  std::vector<std::shared_ptr<grpc::ClientContext>> cancel;
+  {
+    MutexLock lock(&waiting_mu_);
+    if (ready) last_ready_ = now;
+    if (ready) return 0;
+    for (auto& [raw, waiting] : waiting_) {
+      // Each call gets the whole peer timeout from its start, or from the last time the
+      // connection was seen ready, whichever is later.
+      if (waiting.unreachable || now - std::max(waiting.started, last_ready_) < peer_timeout) {
+        continue;
+      }
+      waiting.unreachable = true;
+      cancel.push_back(waiting.context);
+    }
+  }
+  // Outside the lock: gRPC may run the call's callback inside TryCancel. The shared pointers
+  // keep each context alive however its call ends meanwhile.
+  for (const auto& context : cancel) context->TryCancel();
+  return static_cast<int>(cancel.size());
 }
 
 absl::Status WorkerClient::CallError(absl::string_view method, const grpc::Status& status,
@@ -83,7 +133,36 @@ GrpcWorkerCache::GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> a
     : addresses_(std::move(addresses)),
       security_(std::move(security)),
       max_tensor_bytes_(max_tensor_bytes),
-      peer_timeout_(peer_timeout) {}
+      peer_timeout_(peer_timeout) {
+  if (peer_timeout_ > absl::ZeroDuration()) watch_ = std::thread([this] { Watch(); });
+}
+
+GrpcWorkerCache::~GrpcWorkerCache() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (watch_.joinable()) watch_.join();
+}
+
+void GrpcWorkerCache::Watch() {
+  // A quarter of the timeout between looks: an unreachable peer fails its calls within 1.25
+  // peer timeouts.
+  const absl::Duration period =
+      std::clamp(peer_timeout_ / 4, absl::Milliseconds(25), absl::Seconds(1));
+  MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_; },
+                               period)) {
+    const absl::Time now = absl::Now();
+    for (auto& [task, client] : clients_) {
+      if (int n = client->CancelIfUnreachable(now, peer_timeout_); n > 0) {
+        LOG(WARNING) << "task " << task << " at " << client->address()
+                     << " has not been reachable for " << absl::FormatDuration(peer_timeout_)
+                     << " (TENSORVERBS_PEER_TIMEOUT_MS); failing " << n << " waiting recv(s)";
+      }
+    }
+  }
+}
 
 absl::StatusOr<WorkerClient*> GrpcWorkerCache::Get(const std::string& task_name) {
   MutexLock lock(&mu_);

@@ -5,6 +5,11 @@
 // CleanupStep block the calling thread (start-up and tools only, never a gRPC or loop thread).
 // Errors name the method, the peer task and its address; a call that could not reach the peer
 // before its deadline is Unavailable. Thread-safe.
+//
+// A RecvTensor call waits for its peer's connection (wait_for_ready: a peer may be starting or
+// restarting), but not for the whole recv timeout: GrpcWorkerCache's watch thread fails the
+// calls to a peer whose connection has not been ready for the peer timeout (none since the
+// oldest waiting call started) with Unavailable, as keepalive does for a frozen connection.
 #ifndef TENSORVERBS_TRANSPORT_GRPC_WORKER_CLIENT_H_
 #define TENSORVERBS_TRANSPORT_GRPC_WORKER_CLIENT_H_
 
@@ -14,13 +19,14 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "src/common/mutex.h"
 #include "absl/time/time.h"
 #include "proto/worker.grpc.pb.h"
+#include "src/common/mutex.h"
 #include "src/rpc/security.h"
 
 namespace tensorverbs::grpc_transport {
@@ -35,10 +41,12 @@ class WorkerClient {
   const std::string& task_name() const { return task_name_; }
   const std::string& address() const { return address_; }
 
-  // `response` receives the raw RecvTensorResponse. `context` carries the deadline and must
-  // outlive the callback; cancelling it fails the call with CANCELLED.
-  void RecvTensorAsync(grpc::ClientContext* context, const grpc::ByteBuffer* request,
-                       grpc::ByteBuffer* response, std::function<void(grpc::Status)> done);
+  // `response` receives the raw RecvTensorResponse. `context` carries the deadline; the client
+  // holds it (and whatever owns it, when it is an aliasing pointer) until the callback has run,
+  // so that the watch can cancel it. Cancelling it fails the call with CANCELLED.
+  void RecvTensorAsync(std::shared_ptr<grpc::ClientContext> context,
+                       const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                       std::function<void(grpc::Status)> done);
 
   absl::StatusOr<proto::GetStatusResponse> GetStatus(absl::Duration timeout);
   absl::Status CleanupStep(int64_t step_id, absl::Duration timeout);
@@ -48,9 +56,22 @@ class WorkerClient {
   absl::Status CallError(absl::string_view method, const grpc::Status& status,
                          absl::Duration timeout);
 
+  // The watch: fails the waiting RecvTensor calls if the connection has not been ready since
+  // `now - peer_timeout` (nor since the oldest of them started). Returns how many it failed.
+  int CancelIfUnreachable(absl::Time now, absl::Duration peer_timeout);
+
  private:
+  struct Waiting {
+    std::shared_ptr<grpc::ClientContext> context;
+    absl::Time started;
+    bool unreachable = false;  // cancelled by the watch
+  };
+
   const std::string task_name_;
   const std::string address_;
+  Mutex waiting_mu_;
+  absl::flat_hash_map<grpc::ClientContext*, Waiting> waiting_ ABSL_GUARDED_BY(waiting_mu_);
+  absl::Time last_ready_ ABSL_GUARDED_BY(waiting_mu_) = absl::InfinitePast();
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<proto::WorkerService::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_stub_;
@@ -61,9 +82,11 @@ class GrpcWorkerCache {
   // task name (/job:J/replica:0/task:T) -> host:port
   // Clients accept tensors of up to `max_tensor_bytes` (the task's limit) and give up on a
   // peer that stops answering for `peer_timeout`.
+  // A zero `peer_timeout` leaves calls to their deadlines (no keepalive, no watch thread).
   GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses,
                   std::shared_ptr<const rpc::RpcSecurity> security, uint64_t max_tensor_bytes,
                   absl::Duration peer_timeout);
+  ~GrpcWorkerCache();  // stops the watch thread
 
   // NotFound naming the task when it is not in the cluster.
   absl::StatusOr<WorkerClient*> Get(const std::string& task_name);
@@ -76,6 +99,8 @@ class GrpcWorkerCache {
   bool WaitForNoCalls(absl::Duration timeout);
 
  private:
+  void Watch();
+
   Mutex calls_mu_;
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
 
@@ -85,6 +110,8 @@ class GrpcWorkerCache {
   const absl::Duration peer_timeout_;
   Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<WorkerClient>> clients_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread watch_;
 };
 
 }  // namespace tensorverbs::grpc_transport

@@ -289,10 +289,10 @@ std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
   AssertOnLoop();
   std::vector<Probe> out;
   for (const auto& [id, c] : channels_) {
-    if (c->role() == Channel::Role::kOwner && c->state() == Channel::State::kReady &&
+    if (c->role() == Channel::Role::kOwner && c->state() != Channel::State::kClosed &&
         c->pending_requests() > 0) {
-      out.push_back(
-          {c->peer_task(), options_.task_addresses.at(c->peer_task()), c->peer_incarnation(), id});
+      out.push_back({c->peer_task(), options_.task_addresses.at(c->peer_task()),
+                     c->peer_incarnation(), id, c->state() == Channel::State::kConnecting});
     }
   }
   return out;

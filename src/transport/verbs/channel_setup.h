@@ -69,12 +69,14 @@ class ChannelSetup {
   bool AwaitingPeers() const;
   size_t NumReady() const;
   void CloseAll(const absl::Status& status);
-  // Owner channels with recvs or reads pending: what the watchdog probes.
+  // Owner channels with recvs or reads pending: what the watchdog probes. A channel still
+  // being set up is probed too (`connecting`), for whether its peer answers at all.
   struct Probe {
     std::string task;
     std::string address;
     uint64_t incarnation;
     uint64_t channel_id;
+    bool connecting = false;
   };
   std::vector<Probe> PendingPeers() const;
   // Fails every owner channel's recvs of `step_id`.

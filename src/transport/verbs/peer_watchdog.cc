@@ -103,7 +103,18 @@ void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers) {
 void PeerWatchdog::Judge(const Probe& probe) {
   const ChannelSetup::Probe& peer = probe.peer;
   absl::Status verdict;
-  if (!probe.status.ok()) {
+  if (peer.connecting) {
+    // The peer does not know the channel yet, so only silence is a verdict: a peer that never
+    // comes up fails the recvs waiting for the channel within the peer timeout, not at the
+    // connect timeout.
+    if (!probe.status.ok()) {
+      verdict = absl::UnavailableError(absl::StrCat(
+          "task ", peer.task, " at ", peer.address,
+          " could not be reached to set up the channel (no reply within "
+          "TENSORVERBS_PEER_TIMEOUT_MS=",
+          absl::ToInt64Milliseconds(peer_timeout_), "): ", probe.status.error_message()));
+    }
+  } else if (!probe.status.ok()) {
     verdict = absl::UnavailableError(absl::StrCat(
         "task ", peer.task, " at ", peer.address,
         " stopped answering (no reply within TENSORVERBS_PEER_TIMEOUT_MS=",

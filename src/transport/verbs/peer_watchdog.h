@@ -4,8 +4,10 @@
 // VerbsService.CheckChannel, all probes of a round in flight at once on gRPC's async API. A
 // peer that does not answer within `peer_timeout` fails its recvs with Unavailable naming it;
 // one that answers with a new incarnation fails them with Aborted ("restarted"); one that
-// closed its end of the channel fails them with its reason. The verdict closes the channel on
-// the progress thread, and the next recv from that task sets up a new one.
+// closed its end of the channel fails them with its reason. A channel still being set up with
+// recvs waiting on it is probed too, and fails them only if its peer does not answer at all
+// (the peer cannot know the channel yet). The verdict closes the channel on the progress
+// thread, and the next recv from that task sets up a new one.
 //
 // One thread (its own), started by Start and joined by Stop (idempotent, any thread but its
 // own). Stop cancels the probes in flight and waits for their callbacks, so nothing refers to
