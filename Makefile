@@ -4,8 +4,11 @@ BUILD_DIR ?= build
 SANITIZE ?=
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# Seconds each fuzz target runs: in `make fuzz`, and in `make test` (a smoke run).
+FUZZ_SECONDS ?= 60
+TEST_FUZZ_SECONDS ?= 3
 
-.PHONY: all deps configure build demo test test-unit test-asan test-tsan format clean
+.PHONY: all deps configure build demo test test-unit test-asan test-tsan fuzz format clean
 
 all: build
 
@@ -24,6 +27,7 @@ demo: build
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --label-exclude hw
+	$(MAKE) fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)
 
 test-unit: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -L unit
@@ -39,8 +43,17 @@ test-tsan:
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$(CURDIR)/cmake/tsan.supp \
 	  ctest --output-on-failure -j $(JOBS) -L 'unit|conformance'
 
+# The libFuzzer targets (fuzz/), built with clang, ASan and UBSan in build-fuzz/, each run for
+# FUZZ_SECONDS from its seed corpus (TENSORVERBS_FUZZ_CORPUS=DIR keeps what they find).
+fuzz: deps
+	cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DTENSORVERBS_FUZZ=ON $(CMAKE_FLAGS)
+	cmake --build build-fuzz -j $(JOBS) --target fuzzers
+	cd build-fuzz && TENSORVERBS_FUZZ_SECONDS=$(FUZZ_SECONDS) \
+	  ctest --output-on-failure -j $(JOBS) -L fuzz --timeout $$(( $(FUZZ_SECONDS) + 300 ))
+
 format:
 	find src tools tests -name '*.h' -o -name '*.cc' | xargs clang-format -i
 
 clean:
-	rm -rf build build-asan build-tsan
+	rm -rf build build-asan build-tsan build-fuzz

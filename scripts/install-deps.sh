@@ -13,6 +13,7 @@ packages=(
   libbenchmark-dev
   libcli11-dev
   libssl-dev openssl
+  clang libclang-rt-14-dev
   nlohmann-json3-dev
   iproute2 procps
   gnuplot-nox
