@@ -36,6 +36,7 @@ test-unit: build
 test-asan:
 	$(MAKE) build BUILD_DIR=build-asan SANITIZE=address
 	cd build-asan && ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1 \
+	  LSAN_OPTIONS=suppressions=$(CURDIR)/cmake/lsan.supp \
 	  ctest --output-on-failure -j $(JOBS) -L 'unit|conformance'
 
 test-tsan:
