@@ -28,9 +28,9 @@ absl::StatusOr<int64_t> ParseInt(const std::map<std::string, std::string>& env,
   int64_t value = 0;
   std::string text(absl::StripAsciiWhitespace(it->second));
   if (!absl::SimpleAtoi(text, &value) || value < min || value > max) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("environment variable ", name, "='", it->second,
-                     "' is invalid: expected an integer in [", min, ", ", max, "]"));
+    return absl::InvalidArgumentError(absl::StrCat("environment variable ", name, "='", it->second,
+                                                   "' is invalid: expected an integer in [", min,
+                                                   ", ", max, "]"));
   }
   return value;
 }
@@ -79,14 +79,14 @@ absl::Status ParseLogLevel(const std::map<std::string, std::string>& env, Config
 
 // Reads `name`, or its TensorFlow-code alias; an error if both are set and disagree.
 absl::StatusOr<int64_t> ParseAliased(const std::map<std::string, std::string>& env,
-                                     const std::string& name, const std::string& alias,
-                                     int64_t min, int64_t max, int64_t default_value) {
+                                     const std::string& name, const std::string& alias, int64_t min,
+                                     int64_t max, int64_t default_value) {
   auto a = env.find(name), b = env.find(alias);
   if (a != env.end() && b != env.end() &&
       absl::StripAsciiWhitespace(a->second) != absl::StripAsciiWhitespace(b->second)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "environment variables ", name, "='", a->second, "' and its alias ", alias, "='",
-        b->second, "' disagree; set only ", name));
+    return absl::InvalidArgumentError(absl::StrCat("environment variables ", name, "='", a->second,
+                                                   "' and its alias ", alias, "='", b->second,
+                                                   "' disagree; set only ", name));
   }
   return ParseInt(env, a != env.end() ? name : alias, min, max, default_value);
 }
@@ -100,14 +100,16 @@ absl::Status ParseRdma(const std::map<std::string, std::string>& env, RdmaConfig
   ASSIGN_OR_RETURN(int64_t pkey, ParseAliased(env, "RDMA_QP_PKEY_INDEX", "RDMA_PKEY", 0, 65535, 0));
   ASSIGN_OR_RETURN(int64_t depth,
                    ParseAliased(env, "RDMA_QP_QUEUE_DEPTH", "RDMA_QUEUE_DEPTH", 1, 65536, 1024));
-  ASSIGN_OR_RETURN(int64_t timeout, ParseAliased(env, "RDMA_QP_TIMEOUT", "RDMA_TIMEOUT", 0, 31, 14));
+  ASSIGN_OR_RETURN(int64_t timeout,
+                   ParseAliased(env, "RDMA_QP_TIMEOUT", "RDMA_TIMEOUT", 0, 31, 14));
   ASSIGN_OR_RETURN(int64_t retry,
                    ParseAliased(env, "RDMA_QP_RETRY_COUNT", "RDMA_RETRY_CNT", 0, 7, 7));
   ASSIGN_OR_RETURN(int64_t sl, ParseAliased(env, "RDMA_QP_SL", "RDMA_SL", 0, 7, 0));
   ASSIGN_OR_RETURN(int64_t mtu, ParseAliased(env, "RDMA_QP_MTU", "RDMA_MTU", 256, 4096, 0));
   if (mtu != 0 && mtu != 256 && mtu != 512 && mtu != 1024 && mtu != 2048 && mtu != 4096) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "environment variable RDMA_QP_MTU=", mtu, " is invalid: expected 256, 512, 1024, 2048 or 4096"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("environment variable RDMA_QP_MTU=", mtu,
+                     " is invalid: expected 256, 512, 1024, 2048 or 4096"));
   }
   ASSIGN_OR_RETURN(int64_t tc, ParseInt(env, "RDMA_TRAFFIC_CLASS", 0, 255, 0));
   rdma.port = static_cast<int>(port);
@@ -165,20 +167,34 @@ const ProcessConfig& GetProcessConfig() {
 
 const std::vector<std::string>& Config::KnownVariables() {
   static const std::vector<std::string> names = {
-      "TENSORVERBS_LOG_LEVEL",       "TENSORVERBS_RECV_TIMEOUT_MS",
-      "TENSORVERBS_CONNECT_TIMEOUT_MS", "TENSORVERBS_POOL_REGION_MB",
-      "TENSORVERBS_CALLBACK_THREADS", "TENSORVERBS_MALLOC_TUNING",
-      "TENSORVERBS_MALLOC_TRIM_MB", "TENSORVERBS_OFI_PROVIDER",
-      "TENSORVERBS_FABRIC",          "TENSORVERBS_MESSAGE_SLOTS",
+      "TENSORVERBS_LOG_LEVEL",
+      "TENSORVERBS_RECV_TIMEOUT_MS",
+      "TENSORVERBS_CONNECT_TIMEOUT_MS",
+      "TENSORVERBS_POOL_REGION_MB",
+      "TENSORVERBS_CALLBACK_THREADS",
+      "TENSORVERBS_MALLOC_TUNING",
+      "TENSORVERBS_MALLOC_TRIM_MB",
+      "TENSORVERBS_OFI_PROVIDER",
+      "TENSORVERBS_FABRIC",
+      "TENSORVERBS_MESSAGE_SLOTS",
       "TENSORVERBS_MESSAGE_BATCH",
-      "TENSORVERBS_POLL_MODE",       "TENSORVERBS_POLL_SPIN_US",
-      "TENSORVERBS_DATA_VALIDATION", "TENSORVERBS_REGISTRATION",
-      "TENSORVERBS_PEER_TIMEOUT_MS", "TENSORVERBS_PUSH",
-      "TENSORVERBS_PUSH_MAX",        "TENSORVERBS_PUSH_MAX_MB",
-      "TENSORVERBS_MAX_TENSOR_MB",   "TENSORVERBS_MAX_PEER_STEPS",
-      "TENSORVERBS_MAX_RESPONSES",   "TENSORVERBS_POOL_KEEP_FREE_MB",
-      "TENSORVERBS_TLS_CERT",        "TENSORVERBS_TLS_KEY",
-      "TENSORVERBS_TLS_CA",          "TENSORVERBS_SECRET_FILE",
+      "TENSORVERBS_POLL_MODE",
+      "TENSORVERBS_POLL_SPIN_US",
+      "TENSORVERBS_DATA_VALIDATION",
+      "TENSORVERBS_REGISTRATION",
+      "TENSORVERBS_PEER_TIMEOUT_MS",
+      "TENSORVERBS_PUSH",
+      "TENSORVERBS_PUSH_MAX",
+      "TENSORVERBS_PUSH_MAX_MB",
+      "TENSORVERBS_MAX_TENSOR_MB",
+      "TENSORVERBS_MAX_PEER_STEPS",
+      "TENSORVERBS_MAX_RESPONSES",
+      "TENSORVERBS_POOL_KEEP_FREE_MB",
+      "TENSORVERBS_MAX_PENDING_RECVS",
+      "TENSORVERBS_TLS_CERT",
+      "TENSORVERBS_TLS_KEY",
+      "TENSORVERBS_TLS_CA",
+      "TENSORVERBS_SECRET_FILE",
   };
   return names;
 }
@@ -210,8 +226,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
       *field = std::string(absl::StripAsciiWhitespace(it->second));
     }
   }
-  const int tls_files = !config.tls_cert_file.empty() + !config.tls_key_file.empty() +
-                        !config.tls_ca_file.empty();
+  const int tls_files =
+      !config.tls_cert_file.empty() + !config.tls_key_file.empty() + !config.tls_ca_file.empty();
   if (tls_files != 0 && tls_files != 3) {
     return absl::InvalidArgumentError(
         "TENSORVERBS_TLS_CERT, TENSORVERBS_TLS_KEY and TENSORVERBS_TLS_CA: mutual TLS needs all "
@@ -227,8 +243,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   if (auto it = env.find("TENSORVERBS_OFI_PROVIDER"); it != env.end()) {
     config.ofi_provider = std::string(absl::StripAsciiWhitespace(it->second));
   }
-  ASSIGN_OR_RETURN(config.fabric, ParseChoice(env, "TENSORVERBS_FABRIC",
-                                              {"auto", "shmem", "ofi", "ibverbs", "loopback"}, "auto"));
+  ASSIGN_OR_RETURN(config.fabric,
+                   ParseChoice(env, "TENSORVERBS_FABRIC",
+                               {"auto", "shmem", "ofi", "ibverbs", "loopback"}, "auto"));
   ASSIGN_OR_RETURN(int64_t slots, ParseInt(env, "TENSORVERBS_MESSAGE_SLOTS", 1, 1024, 8));
   config.message_slots = static_cast<int>(slots);
   ASSIGN_OR_RETURN(int64_t batch, ParseInt(env, "TENSORVERBS_MESSAGE_BATCH", 1, 128, 32));
@@ -239,9 +256,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.poll_spin = absl::Microseconds(spin_us);
   ASSIGN_OR_RETURN(int64_t validation, ParseInt(env, "TENSORVERBS_DATA_VALIDATION", 0, 1, 0));
   config.data_validation = validation == 1;
-  ASSIGN_OR_RETURN(config.registration,
-                   ParseChoice(env, "TENSORVERBS_REGISTRATION", {"pool", "per-transfer", "copy"},
-                               "pool"));
+  ASSIGN_OR_RETURN(config.registration, ParseChoice(env, "TENSORVERBS_REGISTRATION",
+                                                    {"pool", "per-transfer", "copy"}, "pool"));
   ASSIGN_OR_RETURN(int64_t peer_ms,
                    ParseInt(env, "TENSORVERBS_PEER_TIMEOUT_MS", 100, 86400000, 10000));
   config.peer_timeout = absl::Milliseconds(peer_ms);
@@ -254,6 +270,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t max_responses,
                    ParseInt(env, "TENSORVERBS_MAX_RESPONSES", 1, 1048576, 65536));
   config.max_responses = static_cast<int>(max_responses);
+  ASSIGN_OR_RETURN(int64_t max_pending_recvs,
+                   ParseInt(env, "TENSORVERBS_MAX_PENDING_RECVS", 1, 1048576, 65536));
+  config.max_pending_recvs = static_cast<int>(max_pending_recvs);
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {
@@ -261,9 +280,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
     bool is_known = false;
     for (const std::string& k : known) is_known |= (k == name);
     if (!is_known) {
-      config.warnings.push_back(absl::StrCat("unknown environment variable ", name,
-                                             " is ignored; known variables: ",
-                                             absl::StrJoin(known, ", ")));
+      config.warnings.push_back(
+          absl::StrCat("unknown environment variable ", name,
+                       " is ignored; known variables: ", absl::StrJoin(known, ", ")));
     }
   }
   return config;

@@ -26,16 +26,16 @@ enum class LogSeverity;
 // spellings TensorFlow's code read are accepted as aliases (setting both to different values is
 // an error). Zero / -1 / empty mean "choose automatically".
 struct RdmaConfig {
-  std::string device;       // RDMA_DEVICE: e.g. mlx5_0
-  int port = 0;             // RDMA_DEVICE_PORT: 1..255
-  int gid_index = -1;       // RDMA_GID_INDEX: 0..255 (default: RoCEv2 preferred)
-  int pkey_index = 0;       // RDMA_QP_PKEY_INDEX (alias RDMA_PKEY): 0..65535
-  int queue_depth = 1024;   // RDMA_QP_QUEUE_DEPTH (alias RDMA_QUEUE_DEPTH): 1..65536
-  int timeout = 14;         // RDMA_QP_TIMEOUT (alias RDMA_TIMEOUT): 0..31 (4.096 us * 2^t)
-  int retry_count = 7;      // RDMA_QP_RETRY_COUNT (alias RDMA_RETRY_CNT): 0..7
-  int sl = 0;               // RDMA_QP_SL (alias RDMA_SL): 0..7
-  int mtu = 0;              // RDMA_QP_MTU (alias RDMA_MTU): 256, 512, 1024, 2048 or 4096
-  int traffic_class = 0;    // RDMA_TRAFFIC_CLASS: 0..255
+  std::string device;      // RDMA_DEVICE: e.g. mlx5_0
+  int port = 0;            // RDMA_DEVICE_PORT: 1..255
+  int gid_index = -1;      // RDMA_GID_INDEX: 0..255 (default: RoCEv2 preferred)
+  int pkey_index = 0;      // RDMA_QP_PKEY_INDEX (alias RDMA_PKEY): 0..65535
+  int queue_depth = 1024;  // RDMA_QP_QUEUE_DEPTH (alias RDMA_QUEUE_DEPTH): 1..65536
+  int timeout = 14;        // RDMA_QP_TIMEOUT (alias RDMA_TIMEOUT): 0..31 (4.096 us * 2^t)
+  int retry_count = 7;     // RDMA_QP_RETRY_COUNT (alias RDMA_RETRY_CNT): 0..7
+  int sl = 0;              // RDMA_QP_SL (alias RDMA_SL): 0..7
+  int mtu = 0;             // RDMA_QP_MTU (alias RDMA_MTU): 256, 512, 1024, 2048 or 4096
+  int traffic_class = 0;   // RDMA_TRAFFIC_CLASS: 0..255
 };
 
 struct Config {
@@ -135,6 +135,10 @@ struct Config {
   // (tensors it asked for that are not yet sent), 1 .. 1048576, default 65536; beyond, a
   // request fails with ResourceExhausted at once.
   int max_responses = 65536;
+  // TENSORVERBS_MAX_PENDING_RECVS: recvs (and grpc+gdr reads) this task may have waiting on one
+  // channel for the peer's answer, ended ones whose destination the peer may still write
+  // included; 1 .. 1048576, default 65536. Beyond, a recv fails with ResourceExhausted at once.
+  int max_pending_recvs = 65536;
 
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;

@@ -93,8 +93,8 @@ std::string Channel::Describe() const {
       mb_ ? mb_->rx_slots() : 0, " message slots");
 }
 
-void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
-                        absl::Time deadline, RecvDoneCallback done) {
+void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, absl::Time deadline,
+                        RecvDoneCallback done) {
   AssertOwnerThread();
   auto fail = [&](const absl::Status& s) { env_->FailRecv(std::move(done), s); };
   if (state_ == State::kClosed) {
@@ -110,9 +110,12 @@ void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
     return;
   }
   KeyState* state = StateOf(key);
-  if (state != nullptr && state->pushed != kNoPush &&
-      AdoptPushed(state, step_id, done, deadline)) {
+  if (state != nullptr && state->pushed != kNoPush && AdoptPushed(state, step_id, done, deadline)) {
     return;  // no REQUEST: it went out when the key's previous step completed
+  }
+  if (absl::Status s = CheckPendingBound("recv"); !s.ok()) {
+    fail(s);
+    return;
   }
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) {
@@ -121,8 +124,8 @@ void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
     return;
   }
   if (state != nullptr) ++state->active;
-  auto request = Renew(spare_requests_, this, *index, step_id, std::move(key), allocator,
-                       deadline, std::move(done));
+  auto request = Renew(spare_requests_, this, *index, step_id, std::move(key), allocator, deadline,
+                       std::move(done));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   if (state_ == State::kReady) {
@@ -140,6 +143,10 @@ void Channel::StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time dead
         absl::UnavailableError(absl::StrCat("channel to task ", peer_task_, " is closed")));
     return;
   }
+  if (absl::Status s = CheckPendingBound("read"); !s.ok()) {
+    std::move(done)(s);
+    return;
+  }
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) {
     std::move(done)(absl::ResourceExhaustedError(
@@ -153,6 +160,15 @@ void Channel::StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time dead
   } else {
     queued_pulls_.push_back(*index);
   }
+}
+
+absl::Status Channel::CheckPendingBound(absl::string_view what) const {
+  const size_t pending = requests_.size() + pulls_.size();
+  if (pending < static_cast<size_t>(env_->max_pending_recvs)) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "no ", what, " from task ", peer_task_, ": its channel already has ", pending,
+      " recvs and reads pending (TENSORVERBS_MAX_PENDING_RECVS=", env_->max_pending_recvs,
+      "); wait for earlier recvs, or raise the limit"));
 }
 
 void Channel::IssuePull(uint32_t index) {
@@ -208,6 +224,30 @@ void Channel::ExpireRequests(absl::Time now) {
     pull->End(absl::DeadlineExceededError(
         absl::StrCat("reading a tensor from task ", peer_task_,
                      " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the network is slow")));
+  }
+}
+
+void Channel::ExpireResponses(absl::Time now) {
+  AssertOwnerThread();
+  if (env_->response_timeout == absl::InfiniteDuration()) return;
+  std::vector<uint32_t> expired;
+  for (const auto& [index, response] : responses_) {
+    if (response->state() == RdmaTensorResponse::State::kWaitReRequest &&
+        response->meta_sent_at() + env_->response_timeout <= now) {
+      expired.push_back(index);
+    }
+  }
+  for (uint32_t index : expired) {
+    if (state_ == State::kClosed) return;  // an ERROR_STATUS that failed to go closed it
+    auto it = responses_.find(index);
+    if (it == responses_.end()) continue;
+    // At most max_responses entries: one per response, dropped when the index comes back.
+    expired_responses_.insert(index);
+    it->second->Expire(absl::DeadlineExceededError(absl::StrCat(
+        "task ", peer_task_, " did not ask for the content within ",
+        absl::FormatDuration(env_->response_timeout),
+        " of its meta-data (TENSORVERBS_RECV_TIMEOUT_MS plus TENSORVERBS_PEER_TIMEOUT_MS); "
+        "the sender dropped the tensor")));
   }
 }
 
@@ -423,8 +463,8 @@ void Channel::Push(const KeyRef& key, int64_t step, Allocator* allocator) {
   }
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) return;
-  auto request = Renew(spare_requests_, this, *index, step, key, allocator,
-                       absl::InfiniteFuture(), RecvDoneCallback());
+  auto request = Renew(spare_requests_, this, *index, step, key, allocator, absl::InfiniteFuture(),
+                       RecvDoneCallback());
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   state->pushed = *index;
@@ -448,9 +488,9 @@ absl::StatusOr<KeyRef> Channel::RequestedKey(const Message& m) {
   absl::StatusOr<KeyRef> key = ValidKey(m.name);
   if (m.name_index != kNoNameIndex) {
     if (m.name_index != indexed_keys_.size()) {
-      Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " defined key index ",
-                                             m.name_index, " out of order (expected ",
-                                             indexed_keys_.size(), ")")));
+      Close(
+          absl::DataLossError(absl::StrCat("task ", peer_task_, " defined key index ", m.name_index,
+                                           " out of order (expected ", indexed_keys_.size(), ")")));
       return close_status_;
     }
     // An invalid key is remembered with its error: later REQUESTs by index get the same one.
@@ -528,6 +568,11 @@ void Channel::HandleMessage(Message& m) {
     case MessageType::kTensorReRequest: {
       if (owner) break;
       auto it = responses_.find(m.request_index);
+      if (it == responses_.end() && expired_responses_.erase(m.request_index) > 0) {
+        // It crossed the ERROR_STATUS of an expired response, which the receiver acts on.
+        env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
       if (it == responses_.end()) {
         Close(absl::DataLossError(absl::StrCat("RE_REQUEST from task ", peer_task_,
                                                " for unknown request ", m.request_index)));
@@ -552,14 +597,17 @@ void Channel::HandleAnswer(const Message& m) {
     it->second->RecvTensorMetaData(m);
     return;
   }
-  it->second->Fail(absl::Status(m.error.code(),
-                                absl::StrCat("task ", peer_task_, " could not send '",
-                                             it->second->key(), "': ", m.error.message())));
+  it->second->Fail(
+      absl::Status(m.error.code(), absl::StrCat("task ", peer_task_, " could not send '",
+                                                it->second->key(), "': ", m.error.message())));
   FinishRequest(m.request_index);
 }
 
 void Channel::HandleRequest(Message& m) {
   const uint32_t index = m.request_index;
+  // The receiver reuses an index only after it took the expired response's ERROR_STATUS, and
+  // then its crossing RE_REQUEST (if any) came before this.
+  if (!expired_responses_.empty()) expired_responses_.erase(index);
   if (responses_.contains(index)) {
     Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " reused request index ", index,
                                            " while it was pending")));

@@ -36,9 +36,11 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel_env.h"
@@ -100,6 +102,10 @@ class Channel {
   bool awaiting_peer() const { return !requests_.empty() || !pulls_.empty(); }
   // Acceptor side: responses that hold their tensor and are still sending it.
   size_t responses_in_progress() const;
+  // Acceptor side: ends the responses whose receiver has not asked for the content within
+  // env->response_timeout of their META_DATA_RESPONSE (a faulty receiver would otherwise pin
+  // their tensors for the channel's life): ERROR_STATUS, and a late RE_REQUEST is ignored.
+  void ExpireResponses(absl::Time now);
   // Acceptor side: a local tensor for response `serial` is ready.
   void OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
                      const Tensor& tensor, bool is_dead);
@@ -161,6 +167,8 @@ class Channel {
   // Takes pushed request `r` out of its key's slot and the budget (adopted or finished).
   void Unpush(RdmaTensorRequest& r);
   void IssuePull(uint32_t index);
+  // Owner side: ResourceExhausted when the channel holds max_pending_recvs recvs and reads.
+  absl::Status CheckPendingBound(absl::string_view what) const;
 
   // Acceptor side: `name` parsed and checked to name a tensor of this task's incarnation.
   absl::StatusOr<KeyRef> ValidKey(const std::string& name);
@@ -199,6 +207,9 @@ class Channel {
   uint64_t pushed_bytes_ = 0;  // their destinations
   // Acceptor side.
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorResponse>> responses_;
+  // Indexes of expired responses whose RE_REQUEST may still be on its way (it crossed the
+  // ERROR_STATUS); forgotten at that RE_REQUEST or the index's next REQUEST.
+  absl::flat_hash_set<uint32_t> expired_responses_;
   // Finished records kept for reuse (see Renew in channel.cc).
   std::vector<std::unique_ptr<RdmaTensorRequest>> spare_requests_;
   std::vector<std::unique_ptr<RdmaTensorResponse>> spare_responses_;

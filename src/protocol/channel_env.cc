@@ -17,6 +17,10 @@ const char* VerbsModeProtocol(VerbsMode mode) {
   return "?";
 }
 
+uint32_t RemoteAccessFor(VerbsMode mode) {
+  return mode == VerbsMode::kGdr ? fabric::kAccessRemoteRead : fabric::kAccessRemoteWrite;
+}
+
 uint64_t ContentChecksum(const void* data, uint64_t bytes) {
   return bytes == 0 ? 0 : Crc32c(data, bytes);
 }

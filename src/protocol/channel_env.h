@@ -70,6 +70,11 @@ enum class VerbsMode {
   kGdr,       // grpc+gdr: meta-data over gRPC RecvTensor, the content pulled by one RDMA read
 };
 const char* VerbsModeProtocol(VerbsMode mode);
+// The remote access (fabric::Access bits) a mode's registered memory needs, and nothing more:
+// grpc+verbs and its copy mode only take remote writes (destinations, proxies, copy buffers);
+// grpc+gdr only lends tensors to remote reads (its destinations are filled by local reads).
+// So a peer can never read this task's memory over grpc+verbs, nor write it over grpc+gdr.
+uint32_t RemoteAccessFor(VerbsMode mode);
 
 class Channel;
 class LocalTensorInbox;
@@ -94,6 +99,12 @@ struct ChannelEnv {
   // Acceptor side: the most requests of the peer pending here at once (TENSORVERBS_MAX_RESPONSES);
   // beyond, a request is answered with ResourceExhausted.
   int max_responses = 65536;
+  // Owner side: the most recvs and reads pending on one channel, ended ones the peer may still
+  // write included (TENSORVERBS_MAX_PENDING_RECVS); beyond, a recv fails with ResourceExhausted.
+  int max_pending_recvs = 65536;
+  // Acceptor side: how long a response that sent META_DATA_RESPONSE waits for the receiver's
+  // RE_REQUEST before it drops the tensor (the transport: recv timeout plus peer timeout).
+  absl::Duration response_timeout = absl::InfiniteDuration();
   // Runs `task` on the progress thread later, never inline: called on the progress thread, at
   // the end of the completion or task being handled; from another thread, at the loop's next
   // turn.

@@ -35,8 +35,8 @@ const char* RegistrationName(Registration r) {
   return "?";
 }
 
-RdmaMemoryMgr::RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool)
-    : domain_(domain), pool_(pool) {
+RdmaMemoryMgr::RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32_t remote_access)
+    : domain_(domain), pool_(pool), remote_access_(remote_access) {
   visitor_id_ = pool_->AddRegionVisitor(
       [](const MemoryRegion&) {},  // registered lazily on the progress thread
       [this](const MemoryRegion& r) {
@@ -69,8 +69,7 @@ absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const 
   auto it = registered_.find(base);
   if (it != registered_.end() && it->second.size == region.size) return it->second.region.get();
   ASSIGN_OR_RETURN(std::unique_ptr<fabric::MemoryRegion> mr,
-                   domain_->RegisterMemory(region.base, region.size,
-                                           fabric::kAccessRemoteWrite | fabric::kAccessRemoteRead));
+                   domain_->RegisterMemory(region.base, region.size, remote_access_));
   Registered& entry = registered_[base];
   entry.size = region.size;
   entry.region = std::move(mr);
@@ -96,7 +95,7 @@ absl::StatusOr<Tensor> RdmaMemoryMgr::StageCopyOf(const void* data, uint64_t byt
 
 absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RdmaMemoryMgr::RegisterTransient(void* p,
                                                                                        size_t len) {
-  return domain_->RegisterMemory(p, len, fabric::kAccessRemoteWrite | fabric::kAccessRemoteRead);
+  return domain_->RegisterMemory(p, len, remote_access_);
 }
 
 const TensorMetaData* RdmaMemoryMgr::CachedMeta(const std::string& key) const {

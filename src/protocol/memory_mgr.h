@@ -40,7 +40,8 @@ const char* RegistrationName(Registration r);
 
 class RdmaMemoryMgr {
  public:
-  RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool);
+  // Registers pool regions and transient ranges with `remote_access` (fabric::Access bits).
+  RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32_t remote_access);
   RdmaMemoryMgr(const RdmaMemoryMgr&) = delete;
   RdmaMemoryMgr& operator=(const RdmaMemoryMgr&) = delete;
   ~RdmaMemoryMgr();  // deregisters everything; call on the progress thread or after it ended
@@ -58,7 +59,7 @@ class RdmaMemoryMgr {
   absl::StatusOr<Tensor> StageCopyOf(const void* data, uint64_t bytes,
                                      const fabric::MemoryRegion** region);
 
-  // Registers [p, p+len) for one transfer (remote write and read).
+  // Registers [p, p+len) for one transfer, with the same remote access as the pool's regions.
   absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RegisterTransient(void* p, size_t len);
 
   // Meta-data cache, keyed by rendezvous key.
@@ -76,6 +77,7 @@ class RdmaMemoryMgr {
 
   fabric::Domain* const domain_;
   PoolAllocator* const pool_;
+  const uint32_t remote_access_;
   int visitor_id_ = 0;
 
   Mutex mu_;

@@ -175,6 +175,7 @@ void RdmaTensorResponse::SendMetaData() {
   m.meta = meta_;
   if (env->data_validation) m.checksum = ContentChecksum(source_, meta_.tensor_bytes);
   TransitionTo(State::kWaitReRequest);
+  meta_sent_at_ = absl::Now();
   env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
   channel_->SendMessage(std::move(m));
 }
@@ -239,6 +240,11 @@ bool RdmaTensorResponse::OnWriteDone() {
                                       std::memory_order_relaxed);
   TransitionTo(State::kDone);
   return true;
+}
+
+void RdmaTensorResponse::Expire(const absl::Status& status) {
+  if (state_ != State::kWaitReRequest) return;
+  SendError(status);
 }
 
 void RdmaTensorResponse::SendError(const absl::Status& status) {

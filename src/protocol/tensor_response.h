@@ -4,6 +4,7 @@
 //   kWaitTensor --local tensor; meta matches the request's: write content--> kWriting
 //   kWaitTensor --local tensor; otherwise: META_DATA_RESPONSE--> kWaitReRequest
 //   kWaitReRequest --RE_REQUEST: write content--> kWriting
+//   kWaitReRequest --no RE_REQUEST within the response timeout: ERROR_STATUS--> kDone
 //   kWriting --last write completed--> kDone
 //   any --error: ERROR_STATUS, or Cancel--> kDone
 //
@@ -21,6 +22,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
 #include "src/rendezvous/key_table.h"
@@ -47,10 +49,15 @@ class RdmaTensorResponse {
   bool OnWriteDone();
   // Stops waiting for the local tensor (channel closing).
   void Cancel();
+  // Gives up waiting for the RE_REQUEST (the receiver did not ask for the content in time):
+  // ERROR_STATUS with `status`, and the channel forgets this. Only in kWaitReRequest.
+  void Expire(const absl::Status& status);
 
   uint64_t serial() const { return serial_; }
   uint32_t index() const { return request_.request_index; }
   State state() const { return state_; }
+  // When META_DATA_RESPONSE went out (kWaitReRequest).
+  absl::Time meta_sent_at() const { return meta_sent_at_; }
   // Holds its tensor and is still sending it.
   bool in_progress() const { return state_ == State::kWriting || state_ == State::kWaitReRequest; }
 
@@ -76,7 +83,7 @@ class RdmaTensorResponse {
   Channel* channel_;
   uint64_t serial_;
   Message request_;  // REQUEST as received (step, index, target, meta)
-  KeyRef key_;             // what it asked for, once resolved (Start)
+  KeyRef key_;       // what it asked for, once resolved (Start)
   State state_ = State::kWaitTensor;
   std::shared_ptr<RemoteRendezvous> rendezvous_;
   uint64_t token_ = 0;
@@ -87,6 +94,7 @@ class RdmaTensorResponse {
   const fabric::MemoryRegion* source_region_ = nullptr;
   std::unique_ptr<fabric::MemoryRegion> transient_;
   int writes_left_ = 0;
+  absl::Time meta_sent_at_ = absl::InfiniteFuture();
 };
 
 const char* ResponseStateName(RdmaTensorResponse::State state);

@@ -160,9 +160,9 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   // spec may have a channel here, and a request that fails any check leaves the caller's
   // current channel (if any) as it was.
   if (task == self || !options_.task_addresses.contains(task)) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "task '", absl::CEscape(task.substr(0, 256)), "' is not a peer in task ", self,
-        "'s cluster spec; every task must be started with the same cluster"));
+    return absl::PermissionDeniedError(
+        absl::StrCat("task '", absl::CEscape(task.substr(0, 256)), "' is not a peer in task ", self,
+                     "'s cluster spec; every task must be started with the same cluster"));
   }
   if (request.fabric() != family) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -239,6 +239,8 @@ void ChannelSetup::Housekeeping(absl::Time now) {
       closed.push_back(id);
     } else if (channel->role() == Channel::Role::kOwner) {
       channel->ExpireRequests(now);
+    } else {
+      channel->ExpireResponses(now);
     }
   }
   for (uint64_t id : closed) {

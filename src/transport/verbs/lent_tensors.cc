@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "src/common/status_macros.h"
 
 namespace tensorverbs::verbs {
@@ -9,6 +10,11 @@ namespace tensorverbs::verbs {
 absl::StatusOr<protocol::RemoteTensorRef> LentTensors::Lend(const std::string& requester,
                                                             const Tensor& tensor,
                                                             absl::Time expires) {
+  if (lent_.size() >= static_cast<size_t>(env_->max_responses)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        lent_.size(), " tensors are lent already (TENSORVERBS_MAX_RESPONSES=", env_->max_responses,
+        "); this one goes inline"));
+  }
   const size_t bytes = tensor.TotalBytes();
   Tensor source = tensor;
   ASSIGN_OR_RETURN(const fabric::MemoryRegion* region,
@@ -18,7 +24,12 @@ absl::StatusOr<protocol::RemoteTensorRef> LentTensors::Lend(const std::string& r
     ASSIGN_OR_RETURN(source, env_->memory->StageCopyOf(tensor.data(), bytes, &region));
     env_->CountCopy(bytes);
   }
-  ASSIGN_OR_RETURN(uint32_t key, keys_.Allocate());
+  // The space holds billions of keys and at most max_responses are live: a free one is found
+  // in a draw or two.
+  uint32_t key = absl::Uniform<uint32_t>(absl::IntervalClosed, random_, 0, protocol::kMaxTensorKey);
+  while (lent_.contains(key)) {
+    key = absl::Uniform<uint32_t>(absl::IntervalClosed, random_, 0, protocol::kMaxTensorKey);
+  }
   protocol::RemoteTensorRef ref;
   ref.addr = reinterpret_cast<uint64_t>(source.data());
   ref.key = region->PackRemoteKey().ToString();
@@ -36,13 +47,11 @@ void LentTensors::Release(const std::string& task, uint32_t tensor_key) {
     return;
   }
   lent_.erase(it);
-  keys_.Release(tensor_key);
 }
 
 void LentTensors::Expire(absl::Time now) {
   for (auto it = lent_.begin(); it != lent_.end();) {
     if (it->second.expires <= now) {
-      keys_.Release(it->first);
       lent_.erase(it++);
     } else {
       ++it;

@@ -1,8 +1,15 @@
 // LentTensors: grpc+gdr's sender side. A tensor a RecvTensor response names instead of
 // carrying is lent: kept (or a registered copy of it, when it is not pool memory) under a
 // tensor key from the request-index space, until a zero-byte write whose immediate is that key
-// arrives from the requester, or the lease ends (a receiver that died or gave up never
-// releases).
+// arrives over the requester's own channel, or the lease ends (a receiver that died or gave up
+// never releases).
+//
+// Tensor keys are drawn at random from the whole space, not counted up: a release names a
+// lease, and a faulty peer that guesses keys must not be able to end another lease early (the
+// sender would then reuse memory a reader is still reading). A release from any task but the
+// requester is ignored, and at most `max_lent` tensors are lent at once
+// (TENSORVERBS_MAX_RESPONSES): beyond, Lend refuses and the tensor goes inline in the response
+// instead.
 //
 // Owned by the transport; every method runs on its progress thread.
 #ifndef TENSORVERBS_TRANSPORT_VERBS_LENT_TENSORS_H_
@@ -12,10 +19,10 @@
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/random/random.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "src/protocol/channel_env.h"
-#include "src/protocol/imm.h"
 #include "src/protocol/remote_tensor.h"
 #include "src/tensor/tensor.h"
 
@@ -23,7 +30,7 @@ namespace tensorverbs::verbs {
 
 class LentTensors {
  public:
-  // `env` (memory, stats) outlives this.
+  // `env` (memory, stats, max_responses) outlives this.
   explicit LentTensors(const protocol::ChannelEnv* env) : env_(env) {}
 
   // Keeps `tensor` for `requester` until `expires` and says where it can be read.
@@ -46,7 +53,7 @@ class LentTensors {
   };
   const protocol::ChannelEnv* const env_;
   absl::flat_hash_map<uint32_t, Lent> lent_;
-  protocol::RequestIndexAllocator keys_;
+  absl::BitGen random_;
 };
 
 }  // namespace tensorverbs::verbs

@@ -39,6 +39,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.push = config.push;
   o.push_max_destinations = config.push_max_destinations;
   o.max_responses = config.max_responses;
+  o.max_pending_recvs = config.max_pending_recvs;
   o.push_max_bytes = config.push_max_bytes;
   return o;
 }
@@ -70,7 +71,8 @@ absl::Status VerbsTransport::Start() {
         absl::StrCat("grpc+verbs: ", domain.status().message(), ", or use --protocol grpc"));
   }
   domain_ = *std::move(domain);
-  memory_ = std::make_unique<protocol::RdmaMemoryMgr>(domain_.get(), options_.pool);
+  memory_ = std::make_unique<protocol::RdmaMemoryMgr>(domain_.get(), options_.pool,
+                                                      protocol::RemoteAccessFor(options_.mode));
 
   protocol::ProgressEngine::Options engine_options;
   engine_options.poll_mode = poll_mode;
@@ -95,10 +97,13 @@ absl::Status VerbsTransport::Start() {
   channel_env_.quarantine = options_.peer_timeout;
   // Pushing destinations ahead needs the meta-data cache of zero copy, and the checksum of
   // data validation rides the meta-data round trip that pushing skips.
-  channel_env_.push = options_.push && options_.mode == protocol::VerbsMode::kZeroCopy &&
-                      !options_.data_validation;
+  channel_env_.push =
+      options_.push && options_.mode == protocol::VerbsMode::kZeroCopy && !options_.data_validation;
   channel_env_.push_max_destinations = options_.push_max_destinations;
   channel_env_.max_responses = options_.max_responses;
+  channel_env_.max_pending_recvs = options_.max_pending_recvs;
+  // A receiver has given up on its recv by then; a well-behaved one answers in a round trip.
+  channel_env_.response_timeout = options_.recv_timeout + options_.peer_timeout;
   channel_env_.push_max_bytes = options_.push_max_bytes;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };

@@ -3,9 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include "src/common/logging.h"
-
 #include <vector>
+
+#include "src/common/logging.h"
 
 namespace tensorverbs {
 namespace {
@@ -67,9 +67,11 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TRIM_MB", "4096"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "0"}})->malloc_tuning);
   // Security files: taken as given (read by the server), TLS all three or none.
-  absl::StatusOr<Config> secured = Config::FromEnvironment(
-      {{"TENSORVERBS_SECRET_FILE", " /etc/tv/secret\n"}, {"TENSORVERBS_TLS_CERT", "c.pem"},
-       {"TENSORVERBS_TLS_KEY", "k.pem"}, {"TENSORVERBS_TLS_CA", "ca.pem"}});
+  absl::StatusOr<Config> secured =
+      Config::FromEnvironment({{"TENSORVERBS_SECRET_FILE", " /etc/tv/secret\n"},
+                               {"TENSORVERBS_TLS_CERT", "c.pem"},
+                               {"TENSORVERBS_TLS_KEY", "k.pem"},
+                               {"TENSORVERBS_TLS_CA", "ca.pem"}});
   ASSERT_TRUE(secured.ok()) << secured.status();
   EXPECT_EQ(secured->secret_file, "/etc/tv/secret");
   EXPECT_EQ(secured->tls_ca_file, "ca.pem");
@@ -89,8 +91,8 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
 }
 
 TEST(Config, UnknownVariableIsWarned) {
-  absl::StatusOr<Config> c = Config::FromEnvironment(
-      {{"TENSORVERBS_RECV_TIMEOUT", "5"}, {"RDMA_DEVICE", "mlx5_0"}});
+  absl::StatusOr<Config> c =
+      Config::FromEnvironment({{"TENSORVERBS_RECV_TIMEOUT", "5"}, {"RDMA_DEVICE", "mlx5_0"}});
   ASSERT_TRUE(c.ok());
   ASSERT_EQ(c->warnings.size(), 1u);
   EXPECT_THAT(c->warnings[0], HasSubstr("TENSORVERBS_RECV_TIMEOUT"));
@@ -112,11 +114,16 @@ TEST(Config, RdmaDefaultsAreTheSeeds) {
 }
 
 TEST(Config, RdmaReadmeNamesAndTensorFlowAliases) {
-  absl::StatusOr<Config> c = Config::FromEnvironment(
-      {{"RDMA_DEVICE", "mlx5_1"}, {"RDMA_DEVICE_PORT", "2"}, {"RDMA_GID_INDEX", "3"},
-       {"RDMA_QP_PKEY_INDEX", "1"}, {"RDMA_QUEUE_DEPTH", "256"}, {"RDMA_TIMEOUT", "20"},
-       {"RDMA_RETRY_CNT", "5"}, {"RDMA_SL", "3"}, {"RDMA_MTU", "2048"},
-       {"RDMA_TRAFFIC_CLASS", "106"}});
+  absl::StatusOr<Config> c = Config::FromEnvironment({{"RDMA_DEVICE", "mlx5_1"},
+                                                      {"RDMA_DEVICE_PORT", "2"},
+                                                      {"RDMA_GID_INDEX", "3"},
+                                                      {"RDMA_QP_PKEY_INDEX", "1"},
+                                                      {"RDMA_QUEUE_DEPTH", "256"},
+                                                      {"RDMA_TIMEOUT", "20"},
+                                                      {"RDMA_RETRY_CNT", "5"},
+                                                      {"RDMA_SL", "3"},
+                                                      {"RDMA_MTU", "2048"},
+                                                      {"RDMA_TRAFFIC_CLASS", "106"}});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->rdma.device, "mlx5_1");
   EXPECT_EQ(c->rdma.port, 2);
@@ -138,10 +145,10 @@ TEST(Config, RdmaReadmeNamesAndTensorFlowAliases) {
 
 TEST(Config, RdmaOutOfRangeNamesTheVariableAndRange) {
   const std::vector<std::pair<std::string, std::string>> bad = {
-      {"RDMA_DEVICE_PORT", "0"},      {"RDMA_GID_INDEX", "256"},  {"RDMA_QP_PKEY_INDEX", "-1"},
-      {"RDMA_QP_QUEUE_DEPTH", "0"},   {"RDMA_QP_TIMEOUT", "32"},  {"RDMA_QP_RETRY_COUNT", "8"},
-      {"RDMA_QP_SL", "8"},            {"RDMA_QP_MTU", "1500"},    {"RDMA_QP_MTU", "8192"},
-      {"RDMA_TRAFFIC_CLASS", "256"},  {"RDMA_RETRY_CNT", "x"},
+      {"RDMA_DEVICE_PORT", "0"},     {"RDMA_GID_INDEX", "256"}, {"RDMA_QP_PKEY_INDEX", "-1"},
+      {"RDMA_QP_QUEUE_DEPTH", "0"},  {"RDMA_QP_TIMEOUT", "32"}, {"RDMA_QP_RETRY_COUNT", "8"},
+      {"RDMA_QP_SL", "8"},           {"RDMA_QP_MTU", "1500"},   {"RDMA_QP_MTU", "8192"},
+      {"RDMA_TRAFFIC_CLASS", "256"}, {"RDMA_RETRY_CNT", "x"},
   };
   for (const auto& [name, value] : bad) {
     absl::StatusOr<Config> c = Config::FromEnvironment({{name, value}});
@@ -162,12 +169,14 @@ TEST(Config, GrpcVerbsVariables) {
   EXPECT_EQ(d->registration, "pool");
   EXPECT_EQ(d->peer_timeout, absl::Seconds(10));
 
-  absl::StatusOr<Config> c = Config::FromEnvironment(
-      {{"TENSORVERBS_FABRIC", "OFI"}, {"TENSORVERBS_MESSAGE_SLOTS", "1"},
-       {"TENSORVERBS_MESSAGE_BATCH", "1"},
-       {"TENSORVERBS_POLL_MODE", "busy"}, {"TENSORVERBS_POLL_SPIN_US", "0"},
-       {"TENSORVERBS_DATA_VALIDATION", "1"}, {"TENSORVERBS_REGISTRATION", "per-transfer"},
-       {"TENSORVERBS_PEER_TIMEOUT_MS", "250"}});
+  absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_FABRIC", "OFI"},
+                                                      {"TENSORVERBS_MESSAGE_SLOTS", "1"},
+                                                      {"TENSORVERBS_MESSAGE_BATCH", "1"},
+                                                      {"TENSORVERBS_POLL_MODE", "busy"},
+                                                      {"TENSORVERBS_POLL_SPIN_US", "0"},
+                                                      {"TENSORVERBS_DATA_VALIDATION", "1"},
+                                                      {"TENSORVERBS_REGISTRATION", "per-transfer"},
+                                                      {"TENSORVERBS_PEER_TIMEOUT_MS", "250"}});
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->fabric, "ofi");
   EXPECT_EQ(c->message_slots, 1);
@@ -190,6 +199,27 @@ TEST(Config, GrpcVerbsVariables) {
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MESSAGE_BATCH", "129"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_FABRIC", "rdma"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_PEER_TIMEOUT_MS", "10"}}).ok());
+}
+
+TEST(Config, PeerStateBounds) {
+  absl::StatusOr<Config> d = Config::FromEnvironment({});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->max_responses, 65536);
+  EXPECT_EQ(d->max_pending_recvs, 65536);
+  absl::StatusOr<Config> c = Config::FromEnvironment(
+      {{"TENSORVERBS_MAX_RESPONSES", "1"}, {"TENSORVERBS_MAX_PENDING_RECVS", "1048576"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->max_responses, 1);
+  EXPECT_EQ(c->max_pending_recvs, 1048576);
+  EXPECT_TRUE(c->warnings.empty()) << "both are known variables";
+  for (const char* name : {"TENSORVERBS_MAX_RESPONSES", "TENSORVERBS_MAX_PENDING_RECVS"}) {
+    for (const char* value : {"0", "1048577", "-1", "many"}) {
+      absl::StatusOr<Config> bad = Config::FromEnvironment({{name, value}});
+      EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << name << "=" << value;
+      EXPECT_THAT(bad.status().message(), HasSubstr(name));
+      EXPECT_THAT(bad.status().message(), HasSubstr("[1, 1048576]"));
+    }
+  }
 }
 
 }  // namespace

@@ -77,7 +77,8 @@ struct Side {
         // Small and not pre-touched: a test needs a few MiB, not the server's 64.
         pool(absl::StrCat("pool", task_index),
              PoolAllocator::Options{.region_bytes = size_t{4} << 20, .pretouch = false}),
-        memory(domain.get(), &pool),
+        // Every strategy tested here takes remote writes only, as the transport registers them.
+        memory(domain.get(), &pool, RemoteAccessFor(VerbsMode::kZeroCopy)),
         owner_thread(std::this_thread::get_id()) {
     worker.job = kJob;
     worker.task = task_index;
@@ -93,9 +94,8 @@ struct Side {
     env.stats = &stats;
     env.post = [this](absl::AnyInvocable<void() &&> task) { posted.push_back(std::move(task)); };
     env.deliver = [this](ProgressEngine::RecvDelivery d) {
-      callbacks.push_back([d = std::move(d)]() mutable {
-        std::move(d.done)(d.status, d.tensor, d.is_dead);
-      });
+      callbacks.push_back(
+          [d = std::move(d)]() mutable { std::move(d.done)(d.status, d.tensor, d.is_dead); });
     };
     env.find_channel = [this](uint64_t id) -> Channel* {
       return channel != nullptr && channel->id() == id ? channel.get() : nullptr;
@@ -114,7 +114,7 @@ struct Side {
   bool RunPosted() {
     bool ran = false;
     while (!posted.empty()) {
-      absl::AnyInvocable<void() &&> task = std::move(posted.front());
+      absl::AnyInvocable<void()&&> task = std::move(posted.front());
       posted.pop_front();
       std::move(task)();
       ran = true;
@@ -167,7 +167,7 @@ struct Side {
   std::vector<Executor::Task> callbacks;
   std::vector<Quarantined> quarantined;
   int unrouted = 0;
-  fabric::Endpoint* endpoint = nullptr;  // the channel's, once connected
+  fabric::Endpoint* endpoint = nullptr;           // the channel's, once connected
   std::unique_ptr<RendezvousMgr> rendezvous_mgr;  // acceptor only
   ChannelEnv env;
   LocalTensorInbox local_tensors{&env};
@@ -188,8 +188,8 @@ class ChannelTest : public ::testing::Test {
     acceptor_.env.rendezvous_mgr = acceptor_.rendezvous_mgr.get();
     Configure(&owner_.env);
     Configure(&acceptor_.env);
-    owner_.channel = std::make_unique<Channel>(&owner_.env, Channel::Role::kOwner,
-                                               kOwnerChannelId, acceptor_.worker.task_name);
+    owner_.channel = std::make_unique<Channel>(&owner_.env, Channel::Role::kOwner, kOwnerChannelId,
+                                               acceptor_.worker.task_name);
     acceptor_.channel = std::make_unique<Channel>(&acceptor_.env, Channel::Role::kAcceptor,
                                                   kAcceptorChannelId, owner_.worker.task_name);
     acceptor_.channel->set_peer_channel_id(kOwnerChannelId);
@@ -204,9 +204,9 @@ class ChannelTest : public ::testing::Test {
     // What VerbsService.Connect exchanges: each end's endpoint and message-buffer description.
     Channel& o = *owner_.channel;
     Channel& a = *acceptor_.channel;
-    absl::Status s = a.Connect(o.endpoint()->LocalAddress(), o.message_buffer()->rx_addr(),
-                               o.message_buffer()->rx_key(), o.message_buffer()->rx_slots(),
-                               kOwnerIncarnation);
+    absl::Status s =
+        a.Connect(o.endpoint()->LocalAddress(), o.message_buffer()->rx_addr(),
+                  o.message_buffer()->rx_key(), o.message_buffer()->rx_slots(), kOwnerIncarnation);
     ASSERT_TRUE(s.ok()) << s;
     s = o.Connect(a.endpoint()->LocalAddress(), a.message_buffer()->rx_addr(),
                   a.message_buffer()->rx_key(), a.message_buffer()->rx_slots(),
@@ -281,20 +281,19 @@ class ChannelTest : public ::testing::Test {
                                          absl::Time deadline = absl::InfiniteFuture(),
                                          Allocator* allocator = nullptr) {
     auto outcome = std::make_shared<RecvOutcome>();
-    owner_.channel->StartRecv(
-        step_id, keys_.Intern(key), allocator != nullptr ? allocator : &owner_.pool, deadline,
-        [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
-          ++outcome->calls;
-          outcome->status = s;
-          outcome->tensor = t;
-          outcome->is_dead = is_dead;
-        });
+    owner_.channel->StartRecv(step_id, keys_.Intern(key),
+                              allocator != nullptr ? allocator : &owner_.pool, deadline,
+                              [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
+                                ++outcome->calls;
+                                outcome->status = s;
+                                outcome->tensor = t;
+                                outcome->is_dead = is_dead;
+                              });
     return outcome;
   }
 
   void Send(int64_t step_id, const ParsedKey& key, const Tensor& value, bool is_dead = false) {
-    absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r =
-        acceptor_.rendezvous_mgr->Find(step_id);
+    absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = acceptor_.rendezvous_mgr->Find(step_id);
     ASSERT_TRUE(r.ok()) << r.status();
     absl::Status s = (*r)->Send(key, value, is_dead);
     ASSERT_TRUE(s.ok()) << s;
@@ -419,8 +418,7 @@ TEST_F(ChannelTest, AStaleCachedMetaDataFallsBackToTheRoundTrip) {
 TEST_F(ChannelTest, RecvBeforeSendWaitsForTheTensor) {
   const ParsedKey key = Key("activations");
   std::shared_ptr<RecvOutcome> out = StartRecv(1, key);
-  ASSERT_TRUE(
-      Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 1; }));
+  ASSERT_TRUE(Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 1; }));
   Settle();
   EXPECT_EQ(out->calls, 0);
   EXPECT_EQ(owner_.channel->pending_requests(), 1u);
@@ -440,8 +438,7 @@ TEST_F(ChannelTest, RecvBeforeSendWaitsForTheTensor) {
 // tensor's arrival or the channel's close (cancelling the wait) gives back.
 TEST_F(ChannelTest, AWaitingResponseHoldsOneInboxTicketUntilItsTensorOrTheClose) {
   std::shared_ptr<RecvOutcome> out = StartRecv(1, Key("w"));
-  ASSERT_TRUE(
-      Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 1; }));
+  ASSERT_TRUE(Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 1; }));
   Settle();
   EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 1u);
   Send(1, Key("w"), Floats(&acceptor_.pool, 10, 1.0f));
@@ -451,8 +448,7 @@ TEST_F(ChannelTest, AWaitingResponseHoldsOneInboxTicketUntilItsTensorOrTheClose)
   EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 0u);
 
   std::shared_ptr<RecvOutcome> never = StartRecv(2, Key("w"));
-  ASSERT_TRUE(
-      Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 2; }));
+  ASSERT_TRUE(Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 2; }));
   Settle();
   EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 1u);
   acceptor_.channel->Close(absl::UnavailableError("going away"));
@@ -659,6 +655,84 @@ TEST_F(ChannelTest, ExpireRequestsFailsARecvPastItsDeadline) {
   EXPECT_EQ(out->status.code(), absl::StatusCode::kDeadlineExceeded) << "the first end stands";
 }
 
+// A channel holds at most TENSORVERBS_MAX_PENDING_RECVS recvs waiting for the peer; one more
+// fails at once, and a finished recv gives its place back.
+class PendingBoundTest : public ChannelTest {
+ protected:
+  void Configure(ChannelEnv* env) override { env->max_pending_recvs = 2; }
+};
+
+TEST_F(PendingBoundTest, RecvsBeyondThePendingBoundFailAtOnceAndAFinishedOneGivesItsPlaceBack) {
+  std::shared_ptr<RecvOutcome> a = StartRecv(1, Key("a"));
+  std::shared_ptr<RecvOutcome> b = StartRecv(1, Key("b"));
+  std::shared_ptr<RecvOutcome> c = StartRecv(1, Key("c"));
+  EXPECT_EQ(a->calls, 0);
+  EXPECT_EQ(b->calls, 0);
+  ASSERT_EQ(c->calls, 1) << "refused at once, before any message";
+  EXPECT_EQ(c->status.code(), absl::StatusCode::kResourceExhausted) << c->status;
+  EXPECT_THAT(std::string(c->status.message()), HasSubstr("TENSORVERBS_MAX_PENDING_RECVS=2"));
+  EXPECT_THAT(std::string(c->status.message()), HasSubstr(TaskName(kJob, kAcceptorTaskIndex)));
+  EXPECT_EQ(owner_.channel->pending_requests(), 2u);
+  Settle();
+  EXPECT_EQ(Get(owner_.stats.requests), 2) << "the refused recv asked for nothing";
+
+  const Tensor sent = Floats(&acceptor_.pool, 64, 1.0f);
+  Send(1, Key("a"), sent);
+  ASSERT_TRUE(Pump([&] { return a->calls > 0; }));
+  ASSERT_TRUE(a->status.ok()) << a->status;
+  Settle();
+  std::shared_ptr<RecvOutcome> d = StartRecv(1, Key("d"));
+  Settle();
+  EXPECT_EQ(d->calls, 0) << "the finished recv's place was free";
+  EXPECT_EQ(owner_.channel->pending_requests(), 2u);
+  Send(1, Key("b"), sent);
+  Send(1, Key("d"), sent);
+  ASSERT_TRUE(Pump([&] { return b->calls > 0 && d->calls > 0; }));
+  EXPECT_TRUE(b->status.ok() && d->status.ok()) << b->status << " " << d->status;
+  Settle();
+  EXPECT_EQ(c->calls, 1);
+}
+
+// A receiver that never asks for the content after the meta-data would pin the sender's tensor
+// for the channel's life; the sender drops it after the response timeout.
+class ResponseExpiryTest : public ChannelTest {
+ protected:
+  void Configure(ChannelEnv* env) override { env->response_timeout = absl::Seconds(5); }
+};
+
+TEST_F(ResponseExpiryTest, AResponseTheReceiverNeverAnswersIsDroppedAndALateAnswerIgnored) {
+  const ParsedKey key = Key("pinned");
+  const Tensor sent = Floats(&acceptor_.pool, 4096, 1.0f);
+  Send(1, key, sent);
+  std::shared_ptr<RecvOutcome> out = StartRecv(1, key);
+  // Stop right after the sender's META_DATA_RESPONSE, before the receiver reads it.
+  ASSERT_TRUE(Pump([&] { return Get(acceptor_.stats.meta_responses) == 1; }));
+  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 1u);
+  acceptor_.channel->ExpireResponses(absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 1u) << "not yet due";
+  acceptor_.channel->ExpireResponses(absl::Now() + absl::Seconds(6));
+  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u) << "the tensor is let go";
+  EXPECT_EQ(Get(acceptor_.stats.errors_sent), 1);
+
+  // The receiver answers the meta-data (its RE_REQUEST crosses the ERROR_STATUS), then takes
+  // the error; the sender ignores the late RE_REQUEST and the channel stays up.
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  EXPECT_EQ(out->calls, 1);
+  EXPECT_EQ(out->status.code(), absl::StatusCode::kDeadlineExceeded) << out->status;
+  EXPECT_THAT(std::string(out->status.message()), HasSubstr("did not ask for the content"));
+  EXPECT_EQ(Get(acceptor_.stats.dropped_imms), 1) << "the crossing RE_REQUEST";
+  EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(Get(acceptor_.stats.content_writes), 0) << "nothing was written";
+
+  // The channel carries the next recvs, reusing the index.
+  std::shared_ptr<RecvOutcome> next = Transfer(2, key, sent);
+  ASSERT_TRUE(next->status.ok()) << next->status;
+  EXPECT_TRUE(next->tensor.ContentEquals(sent));
+}
+
 TEST_F(ChannelTest, CloseFailsEveryPendingRecvOnceAndQuarantinesTheirMemory) {
   // Two keys with cached meta-data, so their step-2 destinations exist before the tensors do,
   // and one without, which has no memory yet.
@@ -700,7 +774,7 @@ TEST_F(ChannelTest, CloseFailsEveryPendingRecvOnceAndQuarantinesTheirMemory) {
     EXPECT_TRUE(owner_.pool.FindRegion(t.data(), t.TotalBytes(), &region));
   }
   EXPECT_THAT(sizes, ::testing::UnorderedElementsAre(kElementsA * sizeof(float),
-                                                      kElementsB * sizeof(float)));
+                                                     kElementsB * sizeof(float)));
   EXPECT_GE(q.until, before + owner_.env.quarantine);
   EXPECT_LE(q.until, after + owner_.env.quarantine);
 
@@ -756,9 +830,9 @@ TEST_F(ChannelTest, ReRequestForAnUnknownRequestClosesTheChannel) {
   Message m = Control(MessageType::kTensorReRequest, Key("never asked"), 78);
   owner_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
-  ExpectClosedWithDataLoss(
-      acceptor_,
-      absl::StrCat("RE_REQUEST from task ", TaskName(kJob, kOwnerTaskIndex), " for unknown request 78"));
+  ExpectClosedWithDataLoss(acceptor_,
+                           absl::StrCat("RE_REQUEST from task ", TaskName(kJob, kOwnerTaskIndex),
+                                        " for unknown request 78"));
 }
 
 TEST_F(ChannelTest, MetaDataResponseForARequestNotWaitingForOneClosesTheChannel) {
@@ -785,20 +859,20 @@ TEST_F(ChannelTest, RequestSentToTheReceivingSideClosesTheChannel) {
   Message m = Control(MessageType::kTensorRequest, Key("backwards"), 5);
   acceptor_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return owner_.channel->state() == Channel::State::kClosed; }));
-  ExpectClosedWithDataLoss(
-      owner_, absl::StrCat("task ", TaskName(kJob, kAcceptorTaskIndex), " sent ",
-                           MessageTypeName(MessageType::kTensorRequest),
-                           " on a channel where it sends tensors"));
+  ExpectClosedWithDataLoss(owner_,
+                           absl::StrCat("task ", TaskName(kJob, kAcceptorTaskIndex), " sent ",
+                                        MessageTypeName(MessageType::kTensorRequest),
+                                        " on a channel where it sends tensors"));
 }
 
 TEST_F(ChannelTest, AnswerSentToTheSendingSideClosesTheChannel) {
   Message m = Control(MessageType::kMetaDataResponse, Key("backwards"), 5);
   owner_.channel->SendMessage(m);
   ASSERT_TRUE(Pump([&] { return acceptor_.channel->state() == Channel::State::kClosed; }));
-  ExpectClosedWithDataLoss(
-      acceptor_, absl::StrCat("task ", TaskName(kJob, kOwnerTaskIndex), " sent ",
-                              MessageTypeName(MessageType::kMetaDataResponse),
-                              " on a channel where it receives them"));
+  ExpectClosedWithDataLoss(acceptor_,
+                           absl::StrCat("task ", TaskName(kJob, kOwnerTaskIndex), " sent ",
+                                        MessageTypeName(MessageType::kMetaDataResponse),
+                                        " on a channel where it receives them"));
 }
 
 TEST_F(ChannelTest, ManyRecvsAtOnceBatchTheirMessagesAndAllArrive) {
@@ -946,8 +1020,8 @@ TEST_F(ChannelTest, PoolRegistrationStagesMemoryOutsideThePoolOnceEachSide) {
   // the content in a registered proxy and copies it out.
   const Tensor sent = Floats(CpuAllocator(), 5000, 0.5f);
   Send(1, Key("heap"), sent);
-  std::shared_ptr<RecvOutcome> out = StartRecv(1, Key("heap"), absl::InfiniteFuture(),
-                                               CpuAllocator());
+  std::shared_ptr<RecvOutcome> out =
+      StartRecv(1, Key("heap"), absl::InfiniteFuture(), CpuAllocator());
   ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
   ASSERT_TRUE(out->status.ok()) << out->status;
   EXPECT_TRUE(out->tensor.ContentEquals(sent));
@@ -1039,8 +1113,8 @@ TEST_F(ChannelTest, PerTransferRegistrationMovesMemoryOutsideThePoolWithoutCopie
   acceptor_.env.registration = Registration::kPerTransfer;
   const Tensor sent = Floats(CpuAllocator(), 5000, 0.75f);
   Send(1, Key("heap"), sent);
-  std::shared_ptr<RecvOutcome> out = StartRecv(1, Key("heap"), absl::InfiniteFuture(),
-                                               CpuAllocator());
+  std::shared_ptr<RecvOutcome> out =
+      StartRecv(1, Key("heap"), absl::InfiniteFuture(), CpuAllocator());
   ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
   ASSERT_TRUE(out->status.ok()) << out->status;
   EXPECT_TRUE(out->tensor.ContentEquals(sent));

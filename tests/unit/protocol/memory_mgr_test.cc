@@ -13,6 +13,7 @@
 
 #include "src/fabric/fabric.h"
 #include "src/fabric/loopback/loopback.h"
+#include "src/protocol/channel_env.h"
 #include "src/tensor/allocator.h"
 #include "src/tensor/tensor.h"
 
@@ -25,9 +26,11 @@ class MemoryMgrTest : public ::testing::Test {
  protected:
   MemoryMgrTest()
       : domain_(*fabric::OpenDomain("loopback", {})),
-        pool_("test pool", PoolAllocator::Options{.region_bytes = size_t{2} << 20,
-                                                  .pretouch = false}),
-        memory_(std::make_unique<RdmaMemoryMgr>(domain_.get(), &pool_)) {
+        pool_("test pool",
+              PoolAllocator::Options{.region_bytes = size_t{2} << 20, .pretouch = false}),
+        // A grpc+verbs receiver's memory: remote writes only.
+        memory_(std::make_unique<RdmaMemoryMgr>(domain_.get(), &pool_,
+                                                RemoteAccessFor(VerbsMode::kZeroCopy))) {
     peer_domain_ = *fabric::OpenDomain("loopback", {});
     target_ = *domain_->CreateEndpoint();
     writer_ = *peer_domain_->CreateEndpoint();
@@ -35,8 +38,8 @@ class MemoryMgrTest : public ::testing::Test {
     EXPECT_TRUE(target_->Connect(writer_->LocalAddress()).ok());
     source_.resize(256);
     std::iota(source_.begin(), source_.end(), 0);
-    source_region_ = *peer_domain_->RegisterMemory(source_.data(), source_.size(),
-                                                   fabric::kAccessLocal);
+    source_region_ =
+        *peer_domain_->RegisterMemory(source_.data(), source_.size(), fabric::kAccessLocal);
   }
 
   ~MemoryMgrTest() override {
@@ -58,9 +61,21 @@ class MemoryMgrTest : public ::testing::Test {
     return s;
   }
 
-  bool Holds(const void* p, size_t len) {
-    return std::memcmp(p, source_.data(), len) == 0;
+  // Reads `len` (<= 256) bytes at `src` from the peer into the source buffer through `key`, as
+  // a grpc+gdr reader would; the result is the post's status.
+  absl::Status RemoteRead(const fabric::RemoteKey& key, const void* src, size_t len) {
+    fabric::LocalBuffer local{source_region_.get(), source_.data(), len};
+    fabric::RemoteBuffer remote{key, reinterpret_cast<uint64_t>(src), len};
+    absl::Status s = writer_->PostRead(local, remote, /*context=*/2);
+    if (s.ok()) {
+      fabric::Completion c[4];
+      absl::StatusOr<size_t> n = peer_domain_->Poll(absl::MakeSpan(c));
+      EXPECT_TRUE(n.ok() && *n == 1);
+    }
+    return s;
   }
+
+  bool Holds(const void* p, size_t len) { return std::memcmp(p, source_.data(), len) == 0; }
 
   std::unique_ptr<fabric::Domain> domain_;
   PoolAllocator pool_;
@@ -99,6 +114,39 @@ TEST_F(MemoryMgrTest, APoolRegionIsRegisteredOnceHoweverManyLookups) {
   EXPECT_EQ(first->length(), region.size);
   ASSERT_TRUE(RemoteWrite(first->PackRemoteKey(), tensors[5].data(), 200).ok());
   EXPECT_TRUE(Holds(tensors[5].data(), 200));
+}
+
+TEST_F(MemoryMgrTest, AReceiversMemoryTakesRemoteWritesButNeverRemoteReads) {
+  Tensor t = *Tensor::Allocate(&pool_, DataType::kUInt8, TensorShape::Of({256}));
+  std::memset(t.data(), 0x5A, 256);
+  absl::StatusOr<const fabric::MemoryRegion*> r = memory_->FindRegistered(t.data(), 256);
+  ASSERT_TRUE(r.ok() && *r != nullptr) << r.status();
+  const absl::Status read = RemoteRead((*r)->PackRemoteKey(), t.data(), 64);
+  EXPECT_EQ(read.code(), absl::StatusCode::kPermissionDenied) << read;
+  EXPECT_EQ(source_[1], 1) << "nothing was read";
+  ASSERT_TRUE(RemoteWrite((*r)->PackRemoteKey(), t.data(), 64).ok());
+  EXPECT_TRUE(Holds(t.data(), 64));
+  // A transient registration gets the same rights.
+  std::vector<uint8_t> heap(512, 0x5A);
+  std::unique_ptr<fabric::MemoryRegion> mr = *memory_->RegisterTransient(heap.data(), heap.size());
+  EXPECT_EQ(RemoteRead(mr->PackRemoteKey(), heap.data(), 64).code(),
+            absl::StatusCode::kPermissionDenied);
+}
+
+TEST_F(MemoryMgrTest, ALendersMemoryTakesRemoteReadsButNeverRemoteWrites) {
+  PoolAllocator lending_pool(
+      "lending pool", PoolAllocator::Options{.region_bytes = size_t{1} << 20, .pretouch = false});
+  RdmaMemoryMgr lender(domain_.get(), &lending_pool, RemoteAccessFor(VerbsMode::kGdr));
+  Tensor t = *Tensor::Allocate(&lending_pool, DataType::kUInt8, TensorShape::Of({256}));
+  std::memset(t.data(), 0x5A, 256);
+  absl::StatusOr<const fabric::MemoryRegion*> r = lender.FindRegistered(t.data(), 256);
+  ASSERT_TRUE(r.ok() && *r != nullptr) << r.status();
+  const absl::Status write = RemoteWrite((*r)->PackRemoteKey(), t.data(), 64);
+  EXPECT_EQ(write.code(), absl::StatusCode::kPermissionDenied) << write;
+  EXPECT_EQ(static_cast<const uint8_t*>(t.data())[0], 0x5A) << "nothing was written";
+  ASSERT_TRUE(RemoteRead((*r)->PackRemoteKey(), t.data(), 64).ok());
+  EXPECT_EQ(source_[0], 0x5A);
+  EXPECT_EQ(source_[63], 0x5A);
 }
 
 TEST_F(MemoryMgrTest, MemoryOutsideThePoolIsNotRegistrable) {

@@ -189,8 +189,7 @@ TEST_P(MessageBufferTest, MessagesOfEveryTypeAndSizeShareASlot) {
 }
 
 INSTANTIATE_TEST_SUITE_P(SlotsAndBatches, MessageBufferTest,
-                         ::testing::Combine(::testing::Values(1, 2, 8),
-                                            ::testing::Values(1, 32)));
+                         ::testing::Combine(::testing::Values(1, 2, 8), ::testing::Values(1, 32)));
 
 // A peer that writes a slot by hand: the receiver's checks on a batch.
 class HandWrittenSlotTest : public ::testing::Test {
@@ -216,9 +215,8 @@ class HandWrittenSlotTest : public ::testing::Test {
       }
       offset += size;
     }
-    const fabric::RemoteBuffer target{mb_->rx_key(),
-                                      mb_->rx_addr() + (mb_->received() % 2) * kMessageSize,
-                                      kMessageSize};
+    const fabric::RemoteBuffer target{
+        mb_->rx_key(), mb_->rx_addr() + (mb_->received() % 2) * kMessageSize, kMessageSize};
     if (absl::Status s = ea_->PostWriteWithImm({region_.get(), slot_.data(), offset}, target,
                                                kImmControlMessage, 1);
         !s.ok()) {
@@ -261,9 +259,9 @@ class HandWrittenSlotTest : public ::testing::Test {
 };
 
 TEST_F(HandWrittenSlotTest, AWellFormedBatchDecodes) {
-  ASSERT_TRUE(WriteAndDecode({{WithSequence(0, 0), 2}, {WithSequence(1, 1), 1},
-                              {WithSequence(2, 2), 0}})
-                  .ok());
+  ASSERT_TRUE(
+      WriteAndDecode({{WithSequence(0, 0), 2}, {WithSequence(1, 1), 1}, {WithSequence(2, 2), 0}})
+          .ok());
   EXPECT_EQ(mb_->messages_received(), 3u);
   EXPECT_EQ(mb_->received(), 1u);
   EXPECT_TRUE(WriteAndDecode({{WithSequence(3, 3), 0}}).ok()) << "sequences run on";
@@ -319,7 +317,7 @@ TEST(RdmaMemoryMgr, RegistersEachPoolRegionOnceAndForgetsReleasedOnes) {
   options.region_bytes = 1 << 20;
   options.pretouch = false;
   PoolAllocator pool("test", options);
-  RdmaMemoryMgr mgr(d.get(), &pool);
+  RdmaMemoryMgr mgr(d.get(), &pool, fabric::kAccessRemoteWrite);
   void* p = pool.AllocateRaw(4096);
   void* q = pool.AllocateRaw(8192);
   absl::StatusOr<const fabric::MemoryRegion*> r1 = mgr.FindRegistered(p, 4096);
