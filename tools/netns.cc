@@ -17,7 +17,8 @@ namespace {
 constexpr char kIp[] = "/usr/sbin/ip";
 
 absl::Status Ip(const std::vector<std::string>& args) {
-  ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child, support::Subprocess::Start(kIp, args));
+  ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
+                   support::Subprocess::Start(kIp, args));
   std::string out = child->ReadAll(absl::Seconds(20));
   ASSIGN_OR_RETURN(int rc, child->Wait(absl::Seconds(10)));
   if (rc != 0) {
@@ -37,8 +38,7 @@ int NextGeneration() {
 }
 
 // An interface name (at most 15 bytes): prefix, pid, generation, kind and index.
-std::string InterfaceName(absl::string_view prefix, int pid, int generation, char kind,
-                          int index) {
+std::string InterfaceName(absl::string_view prefix, int pid, int generation, char kind, int index) {
   return absl::StrCat(prefix, pid % 100000, "x", generation, std::string(1, kind), index);
 }
 
@@ -87,6 +87,10 @@ NetnsHost::~NetnsHost() {
 }
 
 std::vector<std::string> NetnsHost::ExecPrefix() const { return {kIp, "netns", "exec", name_}; }
+
+absl::Status NetnsHost::SetLinkUp(bool up) {
+  return Ip({"link", "set", local_if_, up ? "up" : "down"});
+}
 
 absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
   if (geteuid() != 0) {

@@ -30,6 +30,9 @@ class NetnsHost {
   const std::string& remote_address() const { return remote_address_; }
   // Prepended to a command line to run it inside the namespace.
   std::vector<std::string> ExecPrefix() const;
+  // Takes the host's end of the link down (a partition: packets are dropped, connections see
+  // silence, not resets) or back up (healed).
+  absl::Status SetLinkUp(bool up);
 
  private:
   NetnsHost() = default;

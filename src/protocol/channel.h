@@ -102,6 +102,9 @@ class Channel {
   bool awaiting_peer() const { return !requests_.empty() || !pulls_.empty(); }
   // Acceptor side: responses that hold their tensor and are still sending it.
   size_t responses_in_progress() const;
+  // Acceptor side: whether this end holds anything for its peer (responses, copy buffers),
+  // which a dead peer would otherwise pin until the channel closes.
+  bool holds_state_for_peer() const { return !responses_.empty() || !copy_buffers_.empty(); }
   // Acceptor side: ends the responses whose receiver has not asked for the content within
   // env->response_timeout of their META_DATA_RESPONSE (a faulty receiver would otherwise pin
   // their tensors for the channel's life): ERROR_STATUS, and a late RE_REQUEST is ignored.

@@ -43,6 +43,7 @@ class CopyBuffers {
   // Two transfers of one name may overlap (different steps): the larger buffer is kept.
   void Return(const std::string& name, Tensor buffer);
   void Clear() { buffers_.clear(); }
+  bool empty() const { return buffers_.empty(); }
 
  private:
   // Bounded like the key cache: a model has a fixed set of names, a runaway peer does not.

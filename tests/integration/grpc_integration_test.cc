@@ -3,25 +3,29 @@
 // (killed, restarted and unreachable peers, ports held by another process, tensors crossing
 // process boundaries) is here; protocol behaviour that one process shows is in
 // tests/conformance/protocol_conformance_test.cc.
-#include <signal.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
-#include "src/common/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
+#include "src/common/mutex.h"
 #include "src/rendezvous/device_name.h"
 #include "src/server/server.h"
+#include "src/support/process_util.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
 #include "tests/support/shm_regions.h"
 #include "tests/support/subprocess.h"
-#include "src/support/process_util.h"
 
 namespace tensorverbs {
 namespace {
@@ -69,11 +73,18 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
   }
 
   void StartPeer(int task, bool big = false) {
-    absl::StatusOr<std::unique_ptr<support::Subprocess>> p = support::Subprocess::Start(
-        testing::TestPeerPath(),
-        {"--cluster", cluster_, "--job", "worker", "--task", absl::StrCat(task), "--step",
-         absl::StrCat(kStep), "--seed", absl::StrCat(task), "--dst", CpuDeviceName("worker", 0),
-         "--big", big ? "1" : "0", "--protocol", GetParam(), "--late-ms", absl::StrCat(late_ms_)});
+    std::vector<std::string> args = {"--cluster",  cluster_,
+                                     "--job",      "worker",
+                                     "--task",     absl::StrCat(task),
+                                     "--step",     absl::StrCat(kStep),
+                                     "--seed",     absl::StrCat(task),
+                                     "--dst",      CpuDeviceName("worker", 0),
+                                     "--big",      big ? "1" : "0",
+                                     "--protocol", GetParam(),
+                                     "--late-ms",  absl::StrCat(late_ms_)};
+    args.insert(args.end(), peer_args_[task].begin(), peer_args_[task].end());
+    absl::StatusOr<std::unique_ptr<support::Subprocess>> p =
+        support::Subprocess::Start(testing::TestPeerPath(), args);
     ASSERT_TRUE(p.ok()) << p.status();
     peer_pids_.push_back((*p)->pid());
     absl::StatusOr<std::string> ready = (*p)->WaitForLine("ready ", absl::Seconds(60));
@@ -85,9 +96,9 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
   }
 
   ParsedKey Key(int task, const std::string& name, uint64_t incarnation = 0) {
-    return *ParsedKey::Parse(ParsedKey::Create(
-        CpuDeviceName("worker", task), incarnation ? incarnation : incarnations_[task],
-        server_->device_name(), name));
+    return *ParsedKey::Parse(ParsedKey::Create(CpuDeviceName("worker", task),
+                                               incarnation ? incarnation : incarnations_[task],
+                                               server_->device_name(), name));
   }
 
   // One recv with its status.
@@ -106,6 +117,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
   std::vector<uint64_t> incarnations_;
   std::unique_ptr<Server> server_;
   int late_ms_ = 0;  // peers send "late" this long after they are ready
+  std::map<int, std::vector<std::string>> peer_args_;  // more flags for a peer, by task
 };
 
 TEST_P(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64MiB) {
@@ -164,8 +176,7 @@ TEST_P(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
 
 TEST_P(GrpcClusterTest, StepCleanupOnThePeer) {
   StartCluster(2);
-  absl::StatusOr<grpc_transport::WorkerClient*> peer =
-      server_->Worker(TaskName("worker", 1));
+  absl::StatusOr<grpc_transport::WorkerClient*> peer = server_->Worker(TaskName("worker", 1));
   ASSERT_TRUE(peer.ok());
   // A recv waiting on the peer for a step is failed when the peer cleans that step up.
   auto r = *server_->rendezvous_mgr()->Find(kStep + 5);
@@ -174,7 +185,8 @@ TEST_P(GrpcClusterTest, StepCleanupOnThePeer) {
   ASSERT_TRUE((*peer)->CleanupStep(kStep + 5, absl::Seconds(10)).ok());
   ASSERT_TRUE(recv.Wait(absl::Seconds(10)));
   EXPECT_EQ(recv.status().code(), absl::StatusCode::kCancelled) << recv.status();
-  EXPECT_THAT(recv.status().message(), HasSubstr(absl::StrCat("step ", kStep + 5, " was cleaned up")));
+  EXPECT_THAT(recv.status().message(),
+              HasSubstr(absl::StrCat("step ", kStep + 5, " was cleaned up")));
   EXPECT_THAT(recv.status().message(), HasSubstr("/job:worker/replica:0/task:1"));
   // Tensors of a cleaned-up step are gone, and asking for them says so.
   ASSERT_TRUE((*peer)->CleanupStep(kStep, absl::Seconds(10)).ok());
@@ -213,6 +225,62 @@ TEST_P(GrpcClusterTest, FrozenPeerGivesUnavailableWithinThePeerTimeout) {
   EXPECT_LT(absl::Now() - frozen, absl::Seconds(15));
   EXPECT_EQ(recv.status().code(), absl::StatusCode::kUnavailable) << recv.status();
   EXPECT_THAT(recv.status().message(), HasSubstr("task:1"));
+}
+
+// A sender frozen for less than the peer timeout (2 s here) in the middle of a 64 MiB transfer
+// is slow, not dead: when it resumes, the recv completes with the right bytes.
+TEST_P(GrpcClusterTest, APeerFrozenShorterThanThePeerTimeoutMidTransferDeliversIntact) {
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(60), /*big=*/true);
+  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+  ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  PendingRecv big(*r, Key(1, "big"));
+  absl::SleepFor(absl::Milliseconds(1));
+  peers_[1]->Signal(SIGSTOP);
+  absl::SleepFor(absl::Milliseconds(600));
+  peers_[1]->Signal(SIGCONT);
+  ASSERT_TRUE(big.Wait(absl::Seconds(30))) << "the recv hung";
+  ASSERT_TRUE(big.status().ok()) << big.status();
+  for (const testing::Fixture& f : testing::MakeFixtures(/*seed=*/1, /*with_big=*/true)) {
+    if (f.name == "big") {
+      EXPECT_TRUE(big.tensor().ContentEquals(f.tensor));
+    }
+  }
+  EXPECT_TRUE(Recv(kStep, Key(1, "medium")).ok()) << "the channel carries on";
+}
+
+// A sender frozen for longer than the peer timeout fails the recv waiting on it; once it
+// resumes, the same two tasks exchange tensors again (grpc reconnects, a verbs channel is set
+// up anew), without a restart.
+TEST_P(GrpcClusterTest, APeerFrozenLongerThanThePeerTimeoutServesAgainOnceResumed) {
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(60));
+  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+  ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  PendingRecv never(*r, Key(1, "never"));
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time frozen = absl::Now();
+  peers_[1]->Signal(SIGSTOP);
+  const bool ended = never.Wait(absl::Seconds(30));
+  peers_[1]->Signal(SIGCONT);
+  ASSERT_TRUE(ended) << "the recv waited for its deadline";
+  EXPECT_LT(absl::Now() - frozen, absl::Seconds(15));
+  EXPECT_EQ(never.status().code(), absl::StatusCode::kUnavailable) << never.status();
+  EXPECT_THAT(never.status().message(), HasSubstr("task:1"));
+
+  const absl::Time resumed = absl::Now();
+  absl::Status last;
+  bool delivered = false;
+  while (!delivered && absl::Now() - resumed < absl::Seconds(30)) {
+    PendingRecv again(*r, Key(1, "medium"));
+    ASSERT_TRUE(again.Wait(absl::Seconds(70))) << "a recv after the resume hung";
+    last = again.status();
+    delivered = last.ok();
+    if (!delivered) absl::SleepFor(absl::Milliseconds(300));
+  }
+  ASSERT_TRUE(delivered) << "no recv succeeded within 30 s of the resume; last: " << last;
+  std::printf("first recv after the resume succeeded %s later\n",
+              absl::FormatDuration(absl::Now() - resumed).c_str());
 }
 
 // The keepalive that finds frozen peers must not fail a live one that is merely slow: a recv
@@ -270,6 +338,44 @@ TEST_P(GrpcClusterTest, PeerKilledWhileBytesAreInFlightEndsTheRecvOnceNeverWithW
   }
   EXPECT_GT(failed, 0) << "at least the earliest kill lands before the bytes";
   RecordProperty("completed_before_the_kill", completed);
+}
+
+// A receiver killed while this task writes a 64 MiB tensor to it: the sender neither crashes
+// nor hangs, lets go of the tensor within a bounded time, and goes on serving its other peers.
+TEST_P(GrpcClusterTest, AReceiverKilledWhileTheSenderWritesLeavesTheSenderWhole) {
+  peer_args_[1] = {"--recv-from", "0", "--recv-steps", "2"};
+  StartCluster(3, /*recv_timeout=*/absl::Seconds(60));
+  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+  PoolAllocator* pool = server_->recv_allocator();
+  const size_t baseline = pool->GetStats().allocations;
+  const ParsedKey stream = *ParsedKey::Parse(ParsedKey::Create(
+      server_->device_name(), server_->incarnation(), CpuDeviceName("worker", 1), "stream"));
+  auto send = [&](int i) {
+    Tensor t = *Tensor::Allocate(pool, DataType::kFloat32, TensorShape::Of({16 << 20}));
+    std::fill_n(t.flat<float>(), t.NumElements(), static_cast<float>(i));
+    ASSERT_TRUE((*server_->rendezvous_mgr()->Find(kStep + i))->Send(stream, t).ok());
+  };
+  ASSERT_NO_FATAL_FAILURE(send(1));
+  absl::StatusOr<std::string> got = peers_[1]->WaitForLine("got 1 ", absl::Seconds(30));
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_NO_FATAL_FAILURE(send(2));
+  absl::SleepFor(absl::Milliseconds(2));
+  const absl::Time killed = absl::Now();
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
+  server_->rendezvous_mgr()->Cleanup(kStep + 1);
+  server_->rendezvous_mgr()->Cleanup(kStep + 2);
+  // The tensor is let go once the transport knows the receiver is gone (a failed write, the
+  // closed channel, the cancelled call), after the quarantine that keeps late writes from
+  // landing in reused memory.
+  while (pool->GetStats().allocations != baseline && absl::Now() - killed < absl::Seconds(30)) {
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_EQ(pool->GetStats().allocations, baseline) << "the sender still holds the tensor";
+  std::printf("the sender let go of the tensor %s after the kill\n",
+              absl::FormatDuration(absl::Now() - killed).c_str());
+  absl::StatusOr<Tensor> other = Recv(kStep, Key(2, "medium"));
+  EXPECT_TRUE(other.ok()) << "another peer is affected: " << other.status();
 }
 
 TEST_P(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
@@ -336,7 +442,8 @@ TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
     request.set_rendezvous_key(key);
     grpc::ByteBuffer req, resp;
     bool own;
-    EXPECT_TRUE(grpc::SerializationTraits<proto::RecvTensorRequest>::Serialize(request, &req, &own).ok());
+    EXPECT_TRUE(
+        grpc::SerializationTraits<proto::RecvTensorRequest>::Serialize(request, &req, &own).ok());
     auto ctx = std::make_shared<grpc::ClientContext>();
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     Notification done;
@@ -360,8 +467,10 @@ TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
   EXPECT_EQ(garbage.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(garbage.error_message(), HasSubstr("malformed rendezvous key"));
   // A key that names another task as its source.
-  grpc::Status wrong_task = raw_recv(Key(1, "x").full_key.replace(Key(1, "x").full_key.find("task:1"), 6, "task:0"), kStep);
-  EXPECT_EQ(wrong_task.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << wrong_task.error_message();
+  grpc::Status wrong_task = raw_recv(
+      Key(1, "x").full_key.replace(Key(1, "x").full_key.find("task:1"), 6, "task:0"), kStep);
+  EXPECT_EQ(wrong_task.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << wrong_task.error_message();
   // Still serving.
   absl::StatusOr<Tensor> good = Recv(kStep, Key(1, "dtype/float32"));
   EXPECT_TRUE(good.ok()) << good.status();
@@ -369,8 +478,8 @@ TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
 
 TEST_P(GrpcClusterTest, KeysNamingTasksOutsideTheClusterFail) {
   StartCluster(2);
-  ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(CpuDeviceName("worker", 9), 1,
-                                                      server_->device_name(), "x"));
+  ParsedKey key = *ParsedKey::Parse(
+      ParsedKey::Create(CpuDeviceName("worker", 9), 1, server_->device_name(), "x"));
   absl::StatusOr<Tensor> got = Recv(kStep, key);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(got.status().message(), HasSubstr("not in the cluster spec"));

@@ -1,7 +1,10 @@
 // A peer task for integration tests: starts a Server for --job/--task of --cluster, sends the
 // standard fixtures (seeded with --seed) at --step over --protocol, prints "ready
 // <incarnation-hex>" and serves until SIGTERM/SIGINT. With --late-ms N it sends one more tensor,
-// "late" (a copy of the first fixture), N ms after it is ready: a slow sender.
+// "late" (a copy of the first fixture), N ms after it is ready: a slow sender. With
+// --recv-from T --recv-steps N it also receives "stream" from task T of its job at steps
+// --step+1 .. --step+N, one at a time, printing "got <i> <bytes>" or "failed <i> <status>".
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -21,17 +24,31 @@ int main(int argc, char** argv) {
   uint32_t seed = 1;
   bool big = false;
   int late_ms = 0;
+  int recv_from = -1, recv_steps = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
-    if (flag == "--cluster") cluster = value;
-    else if (flag == "--job") job = value;
-    else if (flag == "--task") task = std::stoi(value);
-    else if (flag == "--step") step = std::stoll(value);
-    else if (flag == "--seed") seed = static_cast<uint32_t>(std::stoul(value));
-    else if (flag == "--dst") dst_device = value;
-    else if (flag == "--big") big = value == "1";
-    else if (flag == "--protocol") protocol = value;
-    else if (flag == "--late-ms") late_ms = std::stoi(value);
+    if (flag == "--cluster")
+      cluster = value;
+    else if (flag == "--job")
+      job = value;
+    else if (flag == "--task")
+      task = std::stoi(value);
+    else if (flag == "--step")
+      step = std::stoll(value);
+    else if (flag == "--seed")
+      seed = static_cast<uint32_t>(std::stoul(value));
+    else if (flag == "--dst")
+      dst_device = value;
+    else if (flag == "--big")
+      big = value == "1";
+    else if (flag == "--protocol")
+      protocol = value;
+    else if (flag == "--late-ms")
+      late_ms = std::stoi(value);
+    else if (flag == "--recv-from")
+      recv_from = std::stoi(value);
+    else if (flag == "--recv-steps")
+      recv_steps = std::stoi(value);
   }
   support::BlockTerminationSignals();
   absl::StatusOr<ClusterSpec> spec = ClusterSpec::Parse(cluster);
@@ -51,8 +68,8 @@ int main(int argc, char** argv) {
   }
   auto r = (*server)->rendezvous_mgr()->Find(step);
   for (const testing::Fixture& f : testing::MakeFixtures(seed, big)) {
-    std::string key = ParsedKey::Create((*server)->device_name(), (*server)->incarnation(),
-                                        dst_device, f.name);
+    std::string key =
+        ParsedKey::Create((*server)->device_name(), (*server)->incarnation(), dst_device, f.name);
     absl::Status s = (*r)->Send(*ParsedKey::Parse(key), f.tensor, f.is_dead);
     if (!s.ok()) {
       std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
@@ -72,7 +89,38 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  std::thread receiver;
+  std::atomic<bool> stopping{false};
+  if (recv_from >= 0 && recv_steps > 0) {
+    receiver = std::thread([&server, &stopping, job, recv_from, recv_steps, step] {
+      Server& s = **server;
+      const std::string src = CpuDeviceName(job, recv_from);
+      absl::StatusOr<uint64_t> incarnation =
+          s.PeerIncarnation(TaskName(job, recv_from), absl::Seconds(60));
+      for (int i = 1; i <= recv_steps && !stopping.load(); ++i) {
+        absl::Status status = incarnation.status();
+        int64_t bytes = 0;
+        if (status.ok()) {
+          auto r = *s.rendezvous_mgr()->Find(step + i);
+          absl::StatusOr<std::vector<Tensor>> got = RecvAll(
+              *r,
+              {*ParsedKey::Parse(ParsedKey::Create(src, *incarnation, s.device_name(), "stream"))});
+          status = got.status();
+          if (got.ok()) bytes = static_cast<int64_t>((*got)[0].TotalBytes());
+          s.rendezvous_mgr()->Cleanup(step + i);
+        }
+        if (status.ok()) {
+          std::printf("got %d %lld\n", i, static_cast<long long>(bytes));
+        } else {
+          std::printf("failed %d %s\n", i, status.ToString().c_str());
+        }
+        std::fflush(stdout);
+      }
+    });
+  }
   support::WaitForTerminationSignal();
-  (*server)->Stop();
+  stopping.store(true);
+  (*server)->Stop();  // fails a recv still waiting
+  if (receiver.joinable()) receiver.join();
   return 0;
 }

@@ -216,6 +216,21 @@ void ChannelSetup::CheckChannel(const proto::CheckChannelRequest& request,
                                 proto::CheckChannelResponse* response) {
   AssertOnLoop();
   response->set_incarnation(env_->worker->incarnation);
+  if (request.owned_channel_id() != 0) {
+    // The acceptor of a channel this task owns asks whether this end still stands.
+    auto it = channels_.find(request.owned_channel_id());
+    if (it != channels_.end() && it->second->role() == Channel::Role::kOwner &&
+        it->second->peer_task() == request.task_name()) {
+      response->set_open(it->second->state() != Channel::State::kClosed);
+      if (!response->open()) {
+        response->set_reason(std::string(it->second->close_status().message()));
+      }
+      return;
+    }
+    response->set_open(false);
+    response->set_reason("no such channel (it was closed and replaced, or this task restarted)");
+    return;
+  }
   for (auto& [id, channel] : channels_) {
     if (channel->role() == Channel::Role::kAcceptor &&
         channel->peer_task() == request.task_name() &&
@@ -295,6 +310,15 @@ std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
         c->pending_requests() > 0) {
       out.push_back({c->peer_task(), options_.task_addresses.at(c->peer_task()),
                      c->peer_incarnation(), id, c->state() == Channel::State::kConnecting});
+    } else if (c->role() == Channel::Role::kAcceptor && c->state() == Channel::State::kReady &&
+               (c->holds_state_for_peer() ||
+                (options_.holds_for && options_.holds_for(c->peer_task())))) {
+      auto address = options_.task_addresses.find(c->peer_task());
+      if (address == options_.task_addresses.end()) continue;
+      Probe probe{c->peer_task(), address->second, c->peer_incarnation(), id};
+      probe.accepting = true;
+      probe.peer_channel_id = c->peer_channel_id();
+      out.push_back(std::move(probe));
     }
   }
   return out;

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -41,6 +42,12 @@ class ChannelSetup {
   struct Options {
     absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
     absl::Duration connect_timeout = absl::Seconds(60);
+    // Whether this task holds something else for `task` (grpc+gdr's lent tensors): its
+    // accepted channel is then probed too. Null: nothing.
+    std::function<bool(const std::string& task)> holds_for;
+    // `task` stopped answering the probes of the channel it owns towards this one: what this
+    // task keeps for it alone (lent tensors) can go. Null: nothing to do.
+    std::function<void(const std::string& task)> peer_gone;
   };
 
   ChannelSetup(Options options, protocol::ChannelEnv* env, protocol::ProgressEngine* engine,
@@ -69,16 +76,25 @@ class ChannelSetup {
   bool AwaitingPeers() const;
   size_t NumReady() const;
   void CloseAll(const absl::Status& status);
-  // Owner channels with recvs or reads pending: what the watchdog probes. A channel still
-  // being set up is probed too (`connecting`), for whether its peer answers at all.
+  // What the watchdog probes: owner channels with recvs or reads pending (one still being set up
+  // too, `connecting`, for whether its peer answers at all), and accepted channels that hold
+  // something for their peer (`accepting`), so a receiver that died does not pin it.
   struct Probe {
     std::string task;
     std::string address;
     uint64_t incarnation;
-    uint64_t channel_id;
+    uint64_t channel_id;  // this task's id of the channel
     bool connecting = false;
+    // An accepted channel that holds something for its peer: probed for whether the peer's
+    // own end (`peer_channel_id`) still stands.
+    bool accepting = false;
+    uint64_t peer_channel_id = 0;
   };
   std::vector<Probe> PendingPeers() const;
+  // A probe found `task` silent: see Options::peer_gone.
+  void PeerGone(const std::string& task) {
+    if (options_.peer_gone) options_.peer_gone(task);
+  }
   // Fails every owner channel's recvs of `step_id`.
   void AbortStep(int64_t step_id, const absl::Status& status);
 

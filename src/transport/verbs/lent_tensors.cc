@@ -1,6 +1,7 @@
 #include "src/transport/verbs/lent_tensors.h"
 
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "src/common/status_macros.h"
@@ -36,6 +37,7 @@ absl::StatusOr<protocol::RemoteTensorRef> LentTensors::Lend(const std::string& r
   ref.tensor_key = key;
   ref.bytes = bytes;
   lent_[key] = Lent{std::move(source), requester, expires};
+  ++per_task_[requester];
   env_->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
   return ref;
 }
@@ -46,13 +48,39 @@ void LentTensors::Release(const std::string& task, uint32_t tensor_key) {
     env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
     return;
   }
+  Forget(it);
+}
+
+void LentTensors::EndLeasesOf(const std::string& task) {
+  std::vector<Tensor> memory;
+  for (auto it = lent_.begin(); it != lent_.end();) {
+    if (it->second.requester == task) {
+      memory.push_back(std::move(it->second.tensor));
+      it = Forget(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!memory.empty() && env_->quarantine_memory) {
+    env_->quarantine_memory(std::move(memory), absl::Now() + env_->quarantine);
+  }
+}
+
+bool LentTensors::LendsTo(const std::string& task) const { return per_task_.contains(task); }
+
+absl::flat_hash_map<uint32_t, LentTensors::Lent>::iterator LentTensors::Forget(
+    absl::flat_hash_map<uint32_t, Lent>::iterator it) {
+  auto count = per_task_.find(it->second.requester);
+  if (count != per_task_.end() && --count->second == 0) per_task_.erase(count);
+  auto next = std::next(it);
   lent_.erase(it);
+  return next;
 }
 
 void LentTensors::Expire(absl::Time now) {
   for (auto it = lent_.begin(); it != lent_.end();) {
     if (it->second.expires <= now) {
-      lent_.erase(it++);
+      it = Forget(it);
     } else {
       ++it;
     }

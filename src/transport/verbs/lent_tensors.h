@@ -41,9 +41,18 @@ class LentTensors {
   void Release(const std::string& task, uint32_t tensor_key);
   // Ends the leases that passed `now`.
   void Expire(absl::Time now);
+  // Ends every lease of `task` (it stopped answering): the memory is quarantined through the
+  // env (a reader frozen mid-read still reads the right bytes until the quarantine ends), not
+  // freed at once.
+  void EndLeasesOf(const std::string& task);
+  // Whether anything is lent to `task`.
+  bool LendsTo(const std::string& task) const;
   size_t size() const { return lent_.size(); }
   bool empty() const { return lent_.empty(); }
-  void Clear() { lent_.clear(); }
+  void Clear() {
+    lent_.clear();
+    per_task_.clear();
+  }
 
  private:
   struct Lent {
@@ -52,7 +61,11 @@ class LentTensors {
     absl::Time expires;
   };
   const protocol::ChannelEnv* const env_;
+  // Forgets lease `it` (and its task's count); returns the next one.
+  absl::flat_hash_map<uint32_t, Lent>::iterator Forget(
+      absl::flat_hash_map<uint32_t, Lent>::iterator it);
   absl::flat_hash_map<uint32_t, Lent> lent_;
+  absl::flat_hash_map<std::string, int> per_task_;  // live leases by requester
   absl::BitGen random_;
 };
 

@@ -74,7 +74,11 @@ void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers) {
       probe->context.set_deadline(absl::ToChronoTime(absl::Now() + peer_timeout_));
       probe->context.set_wait_for_ready(true);
       probe->request.set_task_name(self_);
-      probe->request.set_channel_id(peer.channel_id);
+      if (peer.accepting) {
+        probe->request.set_owned_channel_id(peer.peer_channel_id);
+      } else {
+        probe->request.set_channel_id(peer.channel_id);
+      }
       round.push_back(probe);
     }
     round_ = round;
@@ -129,10 +133,20 @@ void PeerWatchdog::Judge(const Probe& probe) {
         "task ", peer.task, " closed its end of the channel: ", probe.response.reason()));
   }
   if (verdict.ok()) return;
-  LOG(WARNING) << "grpc+verbs: " << verdict.message();
+  // Only silence says the peer is gone; a restart or a closed end says it is alive.
+  const bool gone = !peer.connecting && !probe.status.ok();
+  if (peer.accepting && !gone) {
+    // Its owner dropped the channel (and set up another, or will): routine.
+    VLOG(1) << "grpc+verbs: send channel: " << verdict.message();
+  } else {
+    LOG(WARNING) << "grpc+verbs: " << (peer.accepting ? "send channel: " : "") << verdict.message();
+  }
   const uint64_t id = peer.channel_id;
-  engine_->Post([this, id, verdict]() mutable {
+  const bool accepting = peer.accepting;
+  const std::string task = peer.task;
+  engine_->Post([this, id, verdict, accepting, gone, task]() mutable {
     if (protocol::Channel* c = channels_->Find(id)) c->Close(verdict);
+    if (accepting && gone) channels_->PeerGone(task);
   });
 }
 

@@ -9,6 +9,12 @@
 // (the peer cannot know the channel yet). The verdict closes the channel on the progress
 // thread, and the next recv from that task sets up a new one.
 //
+// The sending side is watched the same way: an accepted channel that holds something for its
+// peer (responses, copy buffers, grpc+gdr's lent tensors) is probed for whether the peer's own
+// end still stands, so a receiver that died or dropped the channel does not pin that memory
+// until this process ends. Its verdict closes the accepted channel (its memory quarantined as
+// on any close); silence also ends what was lent to that task alone (ChannelSetup::PeerGone).
+//
 // One thread (its own), started by Start and joined by Stop (idempotent, any thread but its
 // own). Stop cancels the probes in flight and waits for their callbacks, so nothing refers to
 // the watchdog after it returns.

@@ -99,6 +99,34 @@ TEST_F(LentTensorsTest, AtMostMaxResponsesAreLentAndExpiredLeasesFreeTheirPlace)
   EXPECT_TRUE(lent.Lend("/job:w/task:1", PoolTensor(), lease_).ok());
 }
 
+TEST_F(LentTensorsTest, ThePeerGoneEndsItsLeasesIntoQuarantineAndNoOneElses) {
+  std::vector<Tensor> quarantined;
+  absl::Time until;
+  env_.quarantine = absl::Seconds(2);
+  env_.quarantine_memory = [&](std::vector<Tensor> memory, absl::Time t) {
+    for (Tensor& m : memory) quarantined.push_back(std::move(m));
+    until = t;
+  };
+  LentTensors lent(&env_);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(lent.Lend("/job:w/task:1", PoolTensor(), lease_).ok());
+  absl::StatusOr<protocol::RemoteTensorRef> other =
+      lent.Lend("/job:w/task:2", PoolTensor(), lease_);
+  ASSERT_TRUE(other.ok());
+  EXPECT_TRUE(lent.LendsTo("/job:w/task:1"));
+  EXPECT_TRUE(lent.LendsTo("/job:w/task:2"));
+  EXPECT_FALSE(lent.LendsTo("/job:w/task:3"));
+
+  const absl::Time before = absl::Now();
+  lent.EndLeasesOf("/job:w/task:1");
+  EXPECT_EQ(lent.size(), 1u);
+  EXPECT_FALSE(lent.LendsTo("/job:w/task:1"));
+  EXPECT_EQ(quarantined.size(), 3u) << "kept for a reader frozen mid-read, not freed";
+  EXPECT_GE(until, before + absl::Seconds(2));
+  lent.Release("/job:w/task:2", other->tensor_key);
+  EXPECT_FALSE(lent.LendsTo("/job:w/task:2"));
+  EXPECT_TRUE(lent.empty());
+}
+
 TEST_F(LentTensorsTest, ALentTensorIsReadableAndNeverWritableByThePeer) {
   LentTensors lent(&env_);
   Tensor t = PoolTensor();
