@@ -7,8 +7,10 @@ CMAKE_FLAGS ?=
 # Seconds each fuzz target runs: in `make fuzz`, and in `make test` (a smoke run).
 FUZZ_SECONDS ?= 60
 TEST_FUZZ_SECONDS ?= 3
+SOAK_SECONDS ?= 600
+SOAK_PROTOCOL ?= grpc+verbs
 
-.PHONY: all deps configure build demo test test-unit test-asan test-tsan fuzz format clean
+.PHONY: all deps configure build demo test test-unit test-asan test-tsan fuzz soak format clean
 
 all: build
 
@@ -26,8 +28,15 @@ demo: build
 	$(BUILD_DIR)/tools/tensorverbs demo
 
 test: build
-	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --label-exclude hw
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --label-exclude 'hw|soak'
 	$(MAKE) fuzz FUZZ_SECONDS=$(TEST_FUZZ_SECONDS)
+
+# Minutes of churn between real processes (tests/soak/): mixed sizes, aborted steps, killed
+# and restarted peers; memory and descriptors must stay flat. SOAK_PROTOCOL picks the protocol.
+soak: build
+	cd $(BUILD_DIR) && TV_SOAK_SECONDS=$(SOAK_SECONDS) \
+	  TV_SOAK_PROTOCOL=$(SOAK_PROTOCOL) \
+	  ctest --output-on-failure -L soak --timeout $$(( $(SOAK_SECONDS) + 600 ))
 
 test-unit: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -L unit

@@ -3,9 +3,12 @@
 // (killed, restarted and unreachable peers, ports held by another process, tensors crossing
 // process boundaries) is here; protocol behaviour that one process shows is in
 // tests/conformance/protocol_conformance_test.cc.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <map>
@@ -376,6 +379,49 @@ TEST_P(GrpcClusterTest, AReceiverKilledWhileTheSenderWritesLeavesTheSenderWhole)
               absl::FormatDuration(absl::Now() - killed).c_str());
   absl::StatusOr<Tensor> other = Recv(kStep, Key(2, "medium"));
   EXPECT_TRUE(other.ok()) << "another peer is affected: " << other.status();
+}
+
+// Every file descriptor in use when a task first reaches a peer (sockets, shared memory and
+// doorbells for the channel cannot be made): the recv ends with an error naming the peer,
+// within its deadline, and the task works again once descriptors are free.
+TEST_P(GrpcClusterTest, RunningOutOfFileDescriptorsFailsTheRecvAndTheTaskRecovers) {
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(20));
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  std::vector<int> burned;
+  {
+    rlimit low = old;
+    low.rlim_cur = 4096;
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+    for (int fd; (fd = open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) burned.push_back(fd);
+  }
+  ASSERT_EQ(errno, EMFILE);
+  PendingRecv starved(*r, Key(1, "medium"));
+  const bool ended = starved.Wait(absl::Seconds(40));
+  for (int fd : burned) close(fd);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &old), 0);
+  ASSERT_TRUE(ended) << "the recv hung without descriptors";
+  std::printf("recv without descriptors: %s\n", starved.status().ToString().c_str());
+  if (!starved.status().ok()) {
+    EXPECT_THAT(starved.status().message(), HasSubstr("task:1")) << starved.status();
+    // The cause is named: this process, not the peer.
+    EXPECT_THAT(starved.status().message(),
+                ::testing::AnyOf(HasSubstr("Too many open files"), HasSubstr("ulimit -n")))
+        << starved.status();
+  }
+
+  absl::Status last;
+  bool delivered = false;
+  const absl::Time freed = absl::Now();
+  while (!delivered && absl::Now() - freed < absl::Seconds(30)) {
+    PendingRecv again(*r, Key(1, "scalar"));
+    ASSERT_TRUE(again.Wait(absl::Seconds(40))) << "a recv after the descriptors came back hung";
+    last = again.status();
+    delivered = last.ok();
+    if (!delivered) absl::SleepFor(absl::Milliseconds(300));
+  }
+  EXPECT_TRUE(delivered) << "no recv succeeded within 30 s; last: " << last;
 }
 
 TEST_P(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {

@@ -1,6 +1,10 @@
 #include "src/transport/grpc/worker_client.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -9,14 +13,27 @@
 #include "src/rpc/grpc_util.h"
 
 namespace tensorverbs::grpc_transport {
+namespace {
+
+// Whether this process can open no more descriptors (EMFILE, or ENFILE system-wide).
+bool OutOfDescriptors() {
+  const int fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    close(fd);
+    return false;
+  }
+  return errno == EMFILE || errno == ENFILE;
+}
+
+}  // namespace
 
 WorkerClient::WorkerClient(std::string task_name, std::string address,
                            const rpc::RpcSecurity& security, uint64_t max_answer_bytes,
                            absl::Duration peer_timeout)
     : task_name_(std::move(task_name)), address_(std::move(address)) {
   rpc::PinGrpcCallbackQueue();
-  channel_ = security.NewChannel(address_,
-                                 rpc::ClientChannelArguments(max_answer_bytes, peer_timeout));
+  channel_ =
+      security.NewChannel(address_, rpc::ClientChannelArguments(max_answer_bytes, peer_timeout));
   stub_ = proto::WorkerService::NewStub(channel_);
   generic_stub_ = std::make_unique<grpc::GenericStub>(channel_);
 }
@@ -32,20 +49,27 @@ void WorkerClient::RecvTensorAsync(std::shared_ptr<grpc::ClientContext> context,
   generic_stub_->UnaryCall(
       raw, "/tensorverbs.proto.WorkerService/RecvTensor", grpc::StubOptions(), request, response,
       [this, raw, done = std::move(done)](grpc::Status status) {
-        bool unreachable = false;
+        bool unreachable = false, out_of_descriptors = false;
         std::shared_ptr<grpc::ClientContext> held;  // released after `done`
         {
           MutexLock lock(&waiting_mu_);
           auto it = waiting_.find(raw);
           if (it != waiting_.end()) {
             unreachable = it->second.unreachable;
+            out_of_descriptors = it->second.out_of_descriptors;
             held = std::move(it->second.context);
             waiting_.erase(it);
           }
         }
         if (unreachable && status.error_code() == grpc::StatusCode::CANCELLED) {
-          status = grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                "no connection to the task within TENSORVERBS_PEER_TIMEOUT_MS");
+          // gRPC keeps why it could not connect to itself; a local cause worth naming is this
+          // process running out of descriptors, where the peer is blameless.
+          status = grpc::Status(
+              grpc::StatusCode::UNAVAILABLE,
+              out_of_descriptors
+                  ? "no connection to the task within TENSORVERBS_PEER_TIMEOUT_MS, while this "
+                    "process had no file descriptor left (raise `ulimit -n`)"
+                  : "no connection to the task within TENSORVERBS_PEER_TIMEOUT_MS");
         }
         done(status);
       });
@@ -54,6 +78,7 @@ void WorkerClient::RecvTensorAsync(std::shared_ptr<grpc::ClientContext> context,
 int WorkerClient::CancelIfUnreachable(absl::Time now, absl::Duration peer_timeout) {
   const bool ready = channel_->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY;
   std::vector<std::shared_ptr<grpc::ClientContext>> cancel;
+  bool checked_descriptors = false, out_of_descriptors = false;
   {
     MutexLock lock(&waiting_mu_);
     if (ready) last_ready_ = now;
@@ -65,6 +90,11 @@ int WorkerClient::CancelIfUnreachable(absl::Time now, absl::Duration peer_timeou
         continue;
       }
       waiting.unreachable = true;
+      if (!checked_descriptors) {
+        checked_descriptors = true;
+        out_of_descriptors = OutOfDescriptors();
+      }
+      waiting.out_of_descriptors = out_of_descriptors;
       cancel.push_back(waiting.context);
     }
   }
@@ -79,15 +109,15 @@ absl::Status WorkerClient::CallError(absl::string_view method, const grpc::Statu
   const std::string who = absl::StrCat(method, " to task ", task_name_, " at ", address_);
   switch (status.error_code()) {
     case grpc::StatusCode::UNAVAILABLE:
-      return absl::UnavailableError(absl::StrCat(
-          who, " failed: the task is unavailable (", status.error_message(),
-          "); check that it is running and reachable"));
+      return absl::UnavailableError(absl::StrCat(who, " failed: the task is unavailable (",
+                                                 status.error_message(),
+                                                 "); check that it is running and reachable"));
     case grpc::StatusCode::DEADLINE_EXCEEDED: {
       grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/false);
       if (state != GRPC_CHANNEL_READY) {
-        return absl::UnavailableError(absl::StrCat(
-            who, " failed: could not reach the task within ", absl::FormatDuration(timeout),
-            "; check that it is running and reachable"));
+        return absl::UnavailableError(absl::StrCat(who, " failed: could not reach the task within ",
+                                                   absl::FormatDuration(timeout),
+                                                   "; check that it is running and reachable"));
       }
       return absl::DeadlineExceededError(
           absl::StrCat(who, " did not complete within ", absl::FormatDuration(timeout)));
@@ -170,12 +200,11 @@ absl::StatusOr<WorkerClient*> GrpcWorkerCache::Get(const std::string& task_name)
   if (it != clients_.end()) return it->second.get();
   auto addr = addresses_.find(task_name);
   if (addr == addresses_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("task ", task_name, " is not in the cluster spec"));
+    return absl::NotFoundError(absl::StrCat("task ", task_name, " is not in the cluster spec"));
   }
-  auto client = std::make_unique<WorkerClient>(task_name, addr->second, *security_,
-                                               rpc::TensorAnswerLimit(max_tensor_bytes_),
-                                               peer_timeout_);
+  auto client =
+      std::make_unique<WorkerClient>(task_name, addr->second, *security_,
+                                     rpc::TensorAnswerLimit(max_tensor_bytes_), peer_timeout_);
   WorkerClient* raw = client.get();
   clients_.emplace(task_name, std::move(client));
   return raw;

@@ -64,7 +64,8 @@ class WorkerClient {
   struct Waiting {
     std::shared_ptr<grpc::ClientContext> context;
     absl::Time started;
-    bool unreachable = false;  // cancelled by the watch
+    bool unreachable = false;         // cancelled by the watch
+    bool out_of_descriptors = false;  // ... while this process could not open a descriptor
   };
 
   const std::string task_name_;

@@ -160,7 +160,8 @@ int PollCq(ibv_cq* cq, int n, ibv_wc* wc) {
     wc[got] = c->queue.front();
     c->queue.pop_front();
     auto it = S().qps.find(wc[got].qp_num);
-    if (it != S().qps.end() && wc[got].opcode != IBV_WC_RECV_RDMA_WITH_IMM) --it->second->sends_in_cq;
+    if (it != S().qps.end() && wc[got].opcode != IBV_WC_RECV_RDMA_WITH_IMM)
+      --it->second->sends_in_cq;
     ++got;
   }
   return got;
@@ -249,7 +250,14 @@ ibv_pd* __wrap_ibv_alloc_pd(ibv_context* ctx) {
   return &S().pd;
 }
 int __wrap_ibv_dealloc_pd(ibv_pd*) { return 0; }
-ibv_mr* __wrap_ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t, unsigned int access) {
+ibv_mr* __wrap_ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t,
+                                unsigned int access) {
+  FakeNic& nic = FakeNic::Get();
+  if (length > nic.memlock_bytes || nic.pinned_bytes > nic.memlock_bytes - length) {
+    errno = ENOMEM;
+    return nullptr;
+  }
+  nic.pinned_bytes += length;
   auto mr = std::make_unique<tensorverbs::testing::FakeMr>();
   mr->mr.context = pd->context;
   mr->mr.pd = pd;
@@ -265,6 +273,7 @@ ibv_mr* __wrap_ibv_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
   return __wrap_ibv_reg_mr_iova2(pd, addr, length, 0, static_cast<unsigned int>(access));
 }
 int __wrap_ibv_dereg_mr(ibv_mr* mr) {
+  FakeNic::Get().pinned_bytes -= mr->length;
   S().mrs.erase(mr->rkey);
   return 0;
 }

@@ -12,6 +12,7 @@
 
 #include <infiniband/verbs.h>
 
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <string>
@@ -32,6 +33,10 @@ struct FakeNic {
   bool fail_create_cq = false;
   bool fail_create_qp = false;
   int fail_modify_to = -1;  // an ibv_qp_state that modify_qp refuses (EINVAL)
+  // The memlock limit (RLIMIT_MEMLOCK): a registration that would pin more fails with ENOMEM,
+  // as the kernel refuses it.
+  uint64_t memlock_bytes = UINT64_MAX;
+  uint64_t pinned_bytes = 0;  // registered and not deregistered
 
   struct Modify {
     uint32_t qp_num;

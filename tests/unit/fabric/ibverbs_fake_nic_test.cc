@@ -2,23 +2,21 @@
 // path (immediate byte order, receives kept posted, send credits), error completions and
 // set-up failures — everything a host without an RDMA NIC can check.
 #include <arpa/inet.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
-
-#include "absl/time/clock.h"
 #include <set>
 
+#include "absl/time/clock.h"
 #include "src/fabric/ibverbs/ibverbs.h"
 #include "tests/unit/fabric/fake_nic.h"
 
 namespace tensorverbs::fabric::ibverbs {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FakeNic;
+using ::testing::HasSubstr;
 
 class IbverbsFakeNicTest : public ::testing::Test {
  protected:
@@ -35,7 +33,8 @@ class IbverbsFakeNicTest : public ::testing::Test {
     src_.assign(1 << 16, 'a');
     dst_.assign(1 << 16, 0);
     src_mr_ = *domain_->RegisterMemory(src_.data(), src_.size(), kAccessLocal);
-    dst_mr_ = *domain_->RegisterMemory(dst_.data(), dst_.size(), kAccessRemoteWrite | kAccessRemoteRead);
+    dst_mr_ =
+        *domain_->RegisterMemory(dst_.data(), dst_.size(), kAccessRemoteWrite | kAccessRemoteRead);
   }
   RemoteBuffer Dst(size_t offset, size_t len) {
     return {dst_mr_->PackRemoteKey(), reinterpret_cast<uint64_t>(dst_.data()) + offset, len};
@@ -97,7 +96,8 @@ TEST_F(IbverbsFakeNicTest, SelectsTheDeviceAndMovesQpsThroughInitRtrRtsWithTheSe
 TEST_F(IbverbsFakeNicTest, WriteWithImmediateLandsAndTheImmediateKeepsItsValue) {
   ASSERT_NO_FATAL_FAILURE(Open());
   for (uint32_t imm : {0u, 7u, 0xFFFFFFFDu, 0xFFFFFFFEu, 0xFFFFFFFFu}) {
-    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 4096}, Dst(0, 4096), imm, imm + 1).ok());
+    ASSERT_TRUE(
+        a_->PostWriteWithImm({src_mr_.get(), src_.data(), 4096}, Dst(0, 4096), imm, imm + 1).ok());
   }
   ASSERT_TRUE(a_->PostWriteWithImm({}, Dst(0, 0), 0x12345678, 99).ok()) << "zero bytes";
   std::vector<Completion> got = Drain();
@@ -124,7 +124,9 @@ TEST_F(IbverbsFakeNicTest, ThousandsOfWritesBeyondTheQueueDepthKeepReceivesPoste
   ASSERT_NO_FATAL_FAILURE(Open(config));
   constexpr int kWrites = 3000;
   for (int i = 0; i < kWrites; ++i) {
-    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * (i % 1000), 16), i, i).ok());
+    ASSERT_TRUE(
+        a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * (i % 1000), 16), i, i)
+            .ok());
   }
   EXPECT_GT(a_->Outstanding(), 8u) << "posts beyond the depth are queued, not refused";
   std::vector<Completion> got = Drain();
@@ -195,14 +197,57 @@ TEST_F(IbverbsFakeNicTest, FatalQpEventFailsLaterPosts) {
   absl::Status s = a_->PostWrite({src_mr_.get(), src_.data(), 8}, Dst(0, 8), 1);
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(s.message(), HasSubstr("queue pair error"));
-  EXPECT_TRUE(b_->PostWrite({src_mr_.get(), src_.data(), 8}, Dst(0, 8), 1).ok()) << "b is unaffected";
+  EXPECT_TRUE(b_->PostWrite({src_mr_.get(), src_.data(), 8}, Dst(0, 8), 1).ok())
+      << "b is unaffected";
+}
+
+// `ulimit -l` too small for what a task registers: the registration fails with
+// ResourceExhausted naming the limit, nothing crashes, and once memory is deregistered (or the
+// limit raised) registrations succeed again.
+TEST_F(IbverbsFakeNicTest, AMemlockLimitTooSmallIsResourceExhaustedNamingTheLimit) {
+  Open();
+  FakeNic& nic = FakeNic::Get();
+  nic.memlock_bytes = nic.pinned_bytes + (64 << 10);
+  std::vector<char> big(1 << 20), small(32 << 10);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> refused =
+      domain_->RegisterMemory(big.data(), big.size(), kAccessRemoteWrite);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("ulimit -l")) << refused.status();
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> fits =
+      domain_->RegisterMemory(small.data(), small.size(), kAccessRemoteWrite);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(domain_->RegisterMemory(big.data(), 48 << 10, kAccessRemoteWrite).status().code(),
+            absl::StatusCode::kResourceExhausted)
+      << "the limit counts every registration";
+  fits->reset();
+  nic.memlock_bytes = UINT64_MAX;
+  EXPECT_TRUE(domain_->RegisterMemory(big.data(), big.size(), kAccessRemoteWrite).ok());
+}
+
+// The rights a region is registered with are the NIC's: a remote read of a write-only region
+// (a grpc+verbs destination) completes with an access error, never with the bytes.
+TEST_F(IbverbsFakeNicTest, AWriteOnlyRegionRefusesRemoteReads) {
+  Open();
+  std::string secret(4096, 's');
+  std::unique_ptr<MemoryRegion> write_only =
+      *domain_->RegisterMemory(secret.data(), secret.size(), kAccessRemoteWrite);
+  const RemoteBuffer remote{write_only->PackRemoteKey(), reinterpret_cast<uint64_t>(secret.data()),
+                            64};
+  ASSERT_TRUE(a_->PostRead({src_mr_.get(), src_.data(), 64}, remote, 9).ok());
+  bool failed = false;
+  for (const Completion& c : Drain()) {
+    if (c.context == 9) failed = !c.status.ok();
+  }
+  EXPECT_TRUE(failed) << "a remote read of a write-only region succeeded";
+  EXPECT_EQ(src_[0], 'a') << "no byte was read";
 }
 
 TEST_F(IbverbsFakeNicTest, SetUpFailuresAreClearErrors) {
   FakeNic::Get().port_state = IBV_PORT_DOWN;
   absl::StatusOr<std::unique_ptr<Domain>> d = OpenIbverbsDomain(DomainOptions(), RdmaConfig());
   EXPECT_EQ(d.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(std::string(d.status().message()), HasSubstr("fake_0 port 1: down, Ethernet")) << d.status();
+  EXPECT_THAT(std::string(d.status().message()), HasSubstr("fake_0 port 1: down, Ethernet"))
+      << d.status();
   FakeNic::Get().Reset();
 
   FakeNic::Get().fail_alloc_pd = true;
