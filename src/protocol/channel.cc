@@ -241,7 +241,12 @@ void Channel::ExpireResponses(absl::Time now) {
     if (state_ == State::kClosed) return;  // an ERROR_STATUS that failed to go closed it
     auto it = responses_.find(index);
     if (it == responses_.end()) continue;
-    // At most max_responses entries: one per response, dropped when the index comes back.
+    // An entry goes when its RE_REQUEST or the index's next REQUEST comes; a faulty peer that
+    // sends neither cannot grow the set past max_responses (then a late RE_REQUEST of an
+    // entry forgotten here closes the channel, as any unknown one does).
+    if (expired_responses_.size() >= static_cast<size_t>(env_->max_responses)) {
+      expired_responses_.clear();
+    }
     expired_responses_.insert(index);
     it->second->Expire(absl::DeadlineExceededError(absl::StrCat(
         "task ", peer_task_, " did not ask for the content within ",
