@@ -612,7 +612,7 @@ void Channel::HandleRequest(Message& m) {
   const uint32_t index = m.request_index;
   // The receiver reuses an index only after it took the expired response's ERROR_STATUS, and
   // then its crossing RE_REQUEST (if any) came before this.
-  if (!expired_responses_.empty()) expired_responses_.erase(index);
+  expired_responses_.erase(index);
   if (responses_.contains(index)) {
     Close(absl::DataLossError(absl::StrCat("task ", peer_task_, " reused request index ", index,
                                            " while it was pending")));

@@ -305,14 +305,15 @@ size_t ChannelSetup::NumReady() const {
 std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
   AssertOnLoop();
   std::vector<Probe> out;
+  const absl::flat_hash_set<std::string> lent_to =
+      options_.lent_to ? options_.lent_to() : absl::flat_hash_set<std::string>();
   for (const auto& [id, c] : channels_) {
     if (c->role() == Channel::Role::kOwner && c->state() != Channel::State::kClosed &&
         c->pending_requests() > 0) {
       out.push_back({c->peer_task(), options_.task_addresses.at(c->peer_task()),
                      c->peer_incarnation(), id, c->state() == Channel::State::kConnecting});
     } else if (c->role() == Channel::Role::kAcceptor && c->state() == Channel::State::kReady &&
-               (c->holds_state_for_peer() ||
-                (options_.holds_for && options_.holds_for(c->peer_task())))) {
+               (c->holds_state_for_peer() || lent_to.contains(c->peer_task()))) {
       auto address = options_.task_addresses.find(c->peer_task());
       if (address == options_.task_addresses.end()) continue;
       Probe probe{c->peer_task(), address->second, c->peer_incarnation(), id};

@@ -27,6 +27,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "proto/verbs.grpc.pb.h"
@@ -42,9 +43,9 @@ class ChannelSetup {
   struct Options {
     absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
     absl::Duration connect_timeout = absl::Seconds(60);
-    // Whether this task holds something else for `task` (grpc+gdr's lent tensors): its
-    // accepted channel is then probed too. Null: nothing.
-    std::function<bool(const std::string& task)> holds_for;
+    // The tasks this task holds something else for (grpc+gdr's lent tensors): their accepted
+    // channels are then probed too. Null: none.
+    std::function<absl::flat_hash_set<std::string>()> lent_to;
     // `task` stopped answering the probes of the channel it owns towards this one: what this
     // task keeps for it alone (lent tensors) can go. Null: nothing to do.
     std::function<void(const std::string& task)> peer_gone;

@@ -37,7 +37,6 @@ absl::StatusOr<protocol::RemoteTensorRef> LentTensors::Lend(const std::string& r
   ref.tensor_key = key;
   ref.bytes = bytes;
   lent_[key] = Lent{std::move(source), requester, expires};
-  ++per_task_[requester];
   env_->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
   return ref;
 }
@@ -48,43 +47,29 @@ void LentTensors::Release(const std::string& task, uint32_t tensor_key) {
     env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  Forget(it);
+  lent_.erase(it);
 }
 
 void LentTensors::EndLeasesOf(const std::string& task) {
   std::vector<Tensor> memory;
-  for (auto it = lent_.begin(); it != lent_.end();) {
-    if (it->second.requester == task) {
-      memory.push_back(std::move(it->second.tensor));
-      it = Forget(it);
-    } else {
-      ++it;
-    }
-  }
+  absl::erase_if(lent_, [&](auto& entry) {
+    if (entry.second.requester != task) return false;
+    memory.push_back(std::move(entry.second.tensor));
+    return true;
+  });
   if (!memory.empty() && env_->quarantine_memory) {
     env_->quarantine_memory(std::move(memory), absl::Now() + env_->quarantine);
   }
 }
 
-bool LentTensors::LendsTo(const std::string& task) const { return per_task_.contains(task); }
-
-absl::flat_hash_map<uint32_t, LentTensors::Lent>::iterator LentTensors::Forget(
-    absl::flat_hash_map<uint32_t, Lent>::iterator it) {
-  auto count = per_task_.find(it->second.requester);
-  if (count != per_task_.end() && --count->second == 0) per_task_.erase(count);
-  auto next = std::next(it);
-  lent_.erase(it);
-  return next;
+absl::flat_hash_set<std::string> LentTensors::Borrowers() const {
+  absl::flat_hash_set<std::string> tasks;
+  for (const auto& [key, lent] : lent_) tasks.insert(lent.requester);
+  return tasks;
 }
 
 void LentTensors::Expire(absl::Time now) {
-  for (auto it = lent_.begin(); it != lent_.end();) {
-    if (it->second.expires <= now) {
-      it = Forget(it);
-    } else {
-      ++it;
-    }
-  }
+  absl::erase_if(lent_, [now](const auto& entry) { return entry.second.expires <= now; });
 }
 
 }  // namespace tensorverbs::verbs

@@ -7,7 +7,7 @@
 // Tensor keys are drawn at random from the whole space, not counted up: a release names a
 // lease, and a faulty peer that guesses keys must not be able to end another lease early (the
 // sender would then reuse memory a reader is still reading). A release from any task but the
-// requester is ignored, and at most `max_lent` tensors are lent at once
+// requester is ignored, and at most env->max_responses tensors are lent at once
 // (TENSORVERBS_MAX_RESPONSES): beyond, Lend refuses and the tensor goes inline in the response
 // instead.
 //
@@ -19,6 +19,7 @@
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -45,14 +46,11 @@ class LentTensors {
   // env (a reader frozen mid-read still reads the right bytes until the quarantine ends), not
   // freed at once.
   void EndLeasesOf(const std::string& task);
-  // Whether anything is lent to `task`.
-  bool LendsTo(const std::string& task) const;
+  // The tasks something is lent to (one pass over the leases).
+  absl::flat_hash_set<std::string> Borrowers() const;
   size_t size() const { return lent_.size(); }
   bool empty() const { return lent_.empty(); }
-  void Clear() {
-    lent_.clear();
-    per_task_.clear();
-  }
+  void Clear() { lent_.clear(); }
 
  private:
   struct Lent {
@@ -61,11 +59,7 @@ class LentTensors {
     absl::Time expires;
   };
   const protocol::ChannelEnv* const env_;
-  // Forgets lease `it` (and its task's count); returns the next one.
-  absl::flat_hash_map<uint32_t, Lent>::iterator Forget(
-      absl::flat_hash_map<uint32_t, Lent>::iterator it);
   absl::flat_hash_map<uint32_t, Lent> lent_;
-  absl::flat_hash_map<std::string, int> per_task_;  // live leases by requester
   absl::BitGen random_;
 };
 

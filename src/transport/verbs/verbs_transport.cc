@@ -127,7 +127,7 @@ absl::Status VerbsTransport::Start() {
   setup.task_addresses = options_.task_addresses;
   setup.connect_timeout = options_.connect_timeout;
   // Progress thread, like every use of lent_ (created below, before the engine starts).
-  setup.holds_for = [this](const std::string& task) { return lent_->LendsTo(task); };
+  setup.lent_to = [this] { return lent_->Borrowers(); };
   setup.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
   channels_ =
       std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, engine_.get(), stubs_.get());

@@ -48,25 +48,22 @@ class MemoryMgrTest : public ::testing::Test {
   }
 
   // Writes `len` (<= 256) bytes of 0, 1, 2, ... from the peer into `dest` through `key`, as a
-  // sender would; the result is the post's status (the loopback checks key and range there).
+  // sender would; the result is the post's status (the loopback checks key, range and rights
+  // there).
   absl::Status RemoteWrite(const fabric::RemoteKey& key, void* dest, size_t len) {
-    fabric::LocalBuffer local{source_region_.get(), source_.data(), len};
-    fabric::RemoteBuffer remote{key, reinterpret_cast<uint64_t>(dest), len};
-    absl::Status s = writer_->PostWrite(local, remote, /*context=*/1);
-    if (s.ok()) {
-      fabric::Completion c[4];
-      absl::StatusOr<size_t> n = peer_domain_->Poll(absl::MakeSpan(c));
-      EXPECT_TRUE(n.ok() && *n == 1);
-    }
-    return s;
+    return PeerAccess(/*read=*/false, key, dest, len);
   }
-
   // Reads `len` (<= 256) bytes at `src` from the peer into the source buffer through `key`, as
   // a grpc+gdr reader would; the result is the post's status.
   absl::Status RemoteRead(const fabric::RemoteKey& key, const void* src, size_t len) {
+    return PeerAccess(/*read=*/true, key, src, len);
+  }
+
+  absl::Status PeerAccess(bool read, const fabric::RemoteKey& key, const void* addr, size_t len) {
     fabric::LocalBuffer local{source_region_.get(), source_.data(), len};
-    fabric::RemoteBuffer remote{key, reinterpret_cast<uint64_t>(src), len};
-    absl::Status s = writer_->PostRead(local, remote, /*context=*/2);
+    fabric::RemoteBuffer remote{key, reinterpret_cast<uint64_t>(addr), len};
+    absl::Status s = read ? writer_->PostRead(local, remote, /*context=*/2)
+                          : writer_->PostWrite(local, remote, /*context=*/1);
     if (s.ok()) {
       fabric::Completion c[4];
       absl::StatusOr<size_t> n = peer_domain_->Poll(absl::MakeSpan(c));

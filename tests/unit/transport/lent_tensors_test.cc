@@ -112,18 +112,18 @@ TEST_F(LentTensorsTest, ThePeerGoneEndsItsLeasesIntoQuarantineAndNoOneElses) {
   absl::StatusOr<protocol::RemoteTensorRef> other =
       lent.Lend("/job:w/task:2", PoolTensor(), lease_);
   ASSERT_TRUE(other.ok());
-  EXPECT_TRUE(lent.LendsTo("/job:w/task:1"));
-  EXPECT_TRUE(lent.LendsTo("/job:w/task:2"));
-  EXPECT_FALSE(lent.LendsTo("/job:w/task:3"));
+  EXPECT_TRUE(lent.Borrowers().contains("/job:w/task:1"));
+  EXPECT_TRUE(lent.Borrowers().contains("/job:w/task:2"));
+  EXPECT_FALSE(lent.Borrowers().contains("/job:w/task:3"));
 
   const absl::Time before = absl::Now();
   lent.EndLeasesOf("/job:w/task:1");
   EXPECT_EQ(lent.size(), 1u);
-  EXPECT_FALSE(lent.LendsTo("/job:w/task:1"));
+  EXPECT_FALSE(lent.Borrowers().contains("/job:w/task:1"));
   EXPECT_EQ(quarantined.size(), 3u) << "kept for a reader frozen mid-read, not freed";
   EXPECT_GE(until, before + absl::Seconds(2));
   lent.Release("/job:w/task:2", other->tensor_key);
-  EXPECT_FALSE(lent.LendsTo("/job:w/task:2"));
+  EXPECT_FALSE(lent.Borrowers().contains("/job:w/task:2"));
   EXPECT_TRUE(lent.empty());
 }
 
