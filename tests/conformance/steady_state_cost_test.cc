@@ -117,15 +117,17 @@ TEST_F(SteadyStateCostTest, TransfersAllocateNothingOnceTheStepsAreSteady) {
   EXPECT_EQ(errors, 0);
   const double per_transfer = (many - few) / (kMany - kFew);
   const double per_step = few - kFew * per_transfer;
-  std::printf("heap allocations (both tasks, every thread): %.2f per transfer, %.1f per step "
-              "(%.1f per step of %d keys, %.1f of %d)\n",
-              per_transfer, per_step, few, kFew, many, kMany);
+  std::printf(
+      "heap allocations (both tasks, every thread): %.2f per transfer, %.1f per step "
+      "(%.1f per step of %d keys, %.1f of %d)\n",
+      per_transfer, per_step, few, kFew, many, kMany);
   RecordProperty("allocations_per_transfer", absl::StrCat(per_transfer));
   RecordProperty("allocations_per_step", absl::StrCat(per_step));
   // Zero, give or take a step's own noise (whether a step's rendezvous is created once or twice
-  // in a race, a background thread's timer): 0.02 is 2.4 allocations per step of 128 keys. An
-  // allocation added to every transfer reads 1.
-  EXPECT_LE(per_transfer, 0.02) << "a change added heap allocations to every transfer";
+  // in a race, a background thread's timer, how messages batch per turn): 0.25 is 30
+  // allocations more in a step of 128 keys than in one of 8, several times the 3.7 seen at
+  // worst on a loaded 2-core machine. An allocation added to every transfer reads 1.
+  EXPECT_LE(per_transfer, 0.25) << "a change added heap allocations to every transfer";
   // A step's own objects: two rendezvous with their tables, the cleanup's status, the test's
   // step handles. It should not grow either.
   EXPECT_LE(per_step, 30) << "a change added heap allocations to every step";
