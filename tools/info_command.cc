@@ -32,9 +32,12 @@ int RunInfoCommand() {
   for (const fabric::FabricInventory::Backend& b : inventory.backends) {
     if (b.status.ok()) {
       const fabric::Capabilities& c = b.capabilities;
-      std::printf("  %-9s usable: default provider %s, %s addressing, queue depth %zu\n",
+      std::printf("  %-9s usable: default provider %s, %s addressing, queue depth %zu, %s\n",
                   b.name.c_str(), c.provider.c_str(), c.virtual_addressing ? "virtual" : "offset",
-                  c.queue_depth);
+                  c.queue_depth,
+                  c.endpoint_bound_keys ? "endpoint-bound keys per channel"
+                  : c.channel_keys      ? "keys per channel (not bound to endpoints)"
+                                        : "one key per region for every peer");
     } else {
       std::printf("  %-9s not usable: %s\n", b.name.c_str(),
                   std::string(b.status.message()).c_str());
@@ -42,8 +45,9 @@ int RunInfoCommand() {
   }
 
   if (config.fabric == "auto") {
-    std::printf("  grpc+verbs picks (TENSORVERBS_FABRIC=auto): shmem when every task is on this "
-                "host, else ibverbs where a port is usable, else libfabric (below)\n");
+    std::printf(
+        "  grpc+verbs picks (TENSORVERBS_FABRIC=auto): shmem when every task is on this "
+        "host, else ibverbs where a port is usable, else libfabric (below)\n");
   } else {
     std::printf("  grpc+verbs uses %s (TENSORVERBS_FABRIC)\n", config.fabric.c_str());
   }

@@ -191,6 +191,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_MAX_RESPONSES",
       "TENSORVERBS_POOL_KEEP_FREE_MB",
       "TENSORVERBS_MAX_PENDING_RECVS",
+      "TENSORVERBS_REMOTE_KEYS",
       "TENSORVERBS_TLS_CERT",
       "TENSORVERBS_TLS_KEY",
       "TENSORVERBS_TLS_CA",
@@ -273,6 +274,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t max_pending_recvs,
                    ParseInt(env, "TENSORVERBS_MAX_PENDING_RECVS", 1, 1048576, 65536));
   config.max_pending_recvs = static_cast<int>(max_pending_recvs);
+  ASSIGN_OR_RETURN(config.remote_keys, ParseChoice(env, "TENSORVERBS_REMOTE_KEYS",
+                                                   {"per-channel", "shared"}, "per-channel"));
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {

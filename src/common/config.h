@@ -139,6 +139,11 @@ struct Config {
   // channel for the peer's answer, ended ones whose destination the peer may still write
   // included; 1 .. 1048576, default 65536. Beyond, a recv fails with ResourceExhausted at once.
   int max_pending_recvs = 65536;
+  // TENSORVERBS_REMOTE_KEYS: per-channel (default) | shared. Per-channel: where the fabric
+  // offers keys of its own to each endpoint (Capabilities::channel_keys), each peer is offered
+  // its own registration of this task's memory, dropped when its channel closes; elsewhere,
+  // and with shared, one registration per pool region serves every peer.
+  std::string remote_keys = "per-channel";
 
   // Non-fatal remarks about the environment (unknown TENSORVERBS_* variables).
   std::vector<std::string> warnings;

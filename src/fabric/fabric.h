@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -60,6 +61,15 @@ struct Capabilities {
   // Peers reach memory from SharedMemory (src/common/shared_memory.h) by mapping it: memory
   // that peers write often (message buffers, the receive pool) should come from there.
   bool shared_memory = false;
+  // RegisterMemoryFor gives each endpoint registrations of its own: a key offered to one peer
+  // is not the key offered to another, and it stops working when its registration is dropped
+  // (the protocol drops a channel's when the channel closes).
+  bool channel_keys = false;
+  // ... and the fabric refuses such a key on any other endpoint: a peer cannot use a key it
+  // guessed or was not offered (loopback; ibverbs memory windows would give it). Without it
+  // (libfabric's shm and tcp choose keys themselves and do not bind them to endpoints) a peer
+  // that learns another channel's key can still use it while it lives.
+  bool endpoint_bound_keys = false;
 };
 
 struct DomainOptions {
@@ -194,6 +204,17 @@ class Domain {
   virtual const Capabilities& capabilities() const = 0;
   virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
                                                                        uint32_t access) = 0;
+  // Registers [addr, addr+length) for the peer of `endpoint` alone (see Capabilities::
+  // channel_keys and endpoint_bound_keys): local operations may use it like any region. A
+  // region that outlives its endpoint accepts nothing more. Unimplemented where the fabric has
+  // no such keys; callers then share one RegisterMemory registration among peers.
+  virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemoryFor(Endpoint& endpoint,
+                                                                          void* addr, size_t length,
+                                                                          uint32_t access) {
+    (void)endpoint, (void)addr, (void)length, (void)access;
+    return absl::UnimplementedError(
+        absl::StrCat(capabilities().backend, ": no per-endpoint registrations"));
+  }
   virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() = 0;
   // Drives progress and returns up to out.size() completions. Never blocks.
   virtual absl::StatusOr<size_t> Poll(absl::Span<Completion> out) = 0;

@@ -54,10 +54,22 @@ Channel::~Channel() {
 
 absl::Status Channel::Init() {
   ASSIGN_OR_RETURN(endpoint_, env_->domain->CreateEndpoint());
+  // With channel keys the peer's slots are registered for this endpoint alone, so no other
+  // peer can write control messages into this channel.
   ASSIGN_OR_RETURN(
-      mb_, MessageBuffer::Create(env_->domain, env_->message_slots, env_->message_batch,
-                                 {&env_->stats->control_slots, &env_->stats->control_messages}));
+      mb_,
+      MessageBuffer::Create(
+          env_->domain, env_->message_slots, env_->message_batch,
+          {&env_->stats->control_slots, &env_->stats->control_messages},
+          env_->memory != nullptr && env_->memory->channel_keys() ? endpoint_.get() : nullptr));
   return absl::OkStatus();
+}
+
+absl::StatusOr<fabric::RemoteKey> Channel::OfferKey(const fabric::MemoryRegion& region) {
+  if (endpoint_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(Describe(), " is closed"));
+  }
+  return env_->memory->RemoteKeyFor(*endpoint_, region);
 }
 
 absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr, std::string rx_key,
@@ -329,8 +341,13 @@ void Channel::OnCompletion(const fabric::Completion& c) {
   AssertOwnerThread();
   if (state_ == State::kClosed) return;
   if (!c.status.ok()) {
-    Close(absl::UnavailableError(
-        absl::StrCat("RDMA operation with task ", peer_task_, " failed: ", c.status.message())));
+    // Running out of memory here (a fabric mapping the peer's memory) is this task's trouble,
+    // not the peer's, and keeps its code; anything else means the link is gone.
+    const absl::StatusCode code = absl::IsResourceExhausted(c.status)
+                                      ? absl::StatusCode::kResourceExhausted
+                                      : absl::StatusCode::kUnavailable;
+    Close(absl::Status(code, absl::StrCat("RDMA operation with task ", peer_task_,
+                                          " failed: ", c.status.message())));
     return;
   }
   if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {
@@ -671,7 +688,9 @@ void Channel::Close(const absl::Status& status) {
   queued_pulls_.clear();
   for (auto& [index, response] : responses_) response->Cancel();
   // No more operations from this side. The endpoint goes first: on a NIC, writes in flight read
-  // the responses' tensors and the message buffers until its queue pair is gone.
+  // the responses' tensors and the message buffers until its queue pair is gone. The keys
+  // offered to the peer go with it: a write the peer still makes with them is refused.
+  if (endpoint_ != nullptr && env_->memory != nullptr) env_->memory->DropEndpoint(endpoint_.get());
   endpoint_.reset();
   mb_.reset();
   responses_.clear();

@@ -82,6 +82,10 @@ class Channel {
   // Why the channel closed (OK while open).
   const absl::Status& close_status() const { return close_status_; }
   fabric::Endpoint* endpoint() const { return endpoint_.get(); }
+  // The key this channel's peer is offered for memory in `region` (RdmaMemoryMgr::
+  // RemoteKeyFor): with channel keys, one that only this channel's peer holds and that dies
+  // with the channel. FailedPrecondition once the channel closed.
+  absl::StatusOr<fabric::RemoteKey> OfferKey(const fabric::MemoryRegion& region);
   MessageBuffer* message_buffer() const { return mb_.get(); }
   ChannelEnv* env() const { return env_; }
   std::string Describe() const;

@@ -35,8 +35,12 @@ const char* RegistrationName(Registration r) {
   return "?";
 }
 
-RdmaMemoryMgr::RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32_t remote_access)
-    : domain_(domain), pool_(pool), remote_access_(remote_access) {
+RdmaMemoryMgr::RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32_t remote_access,
+                             bool channel_keys)
+    : domain_(domain),
+      pool_(pool),
+      remote_access_(remote_access),
+      channel_keys_(channel_keys && domain->capabilities().channel_keys) {
   visitor_id_ = pool_->AddRegionVisitor(
       [](const MemoryRegion&) {},  // registered lazily on the progress thread
       [this](const MemoryRegion& r) {
@@ -71,9 +75,37 @@ absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const 
   ASSIGN_OR_RETURN(std::unique_ptr<fabric::MemoryRegion> mr,
                    domain_->RegisterMemory(region.base, region.size, remote_access_));
   Registered& entry = registered_[base];
+  entry.for_endpoint.clear();  // registrations of the memory the region held before
   entry.size = region.size;
   entry.region = std::move(mr);
   return entry.region.get();
+}
+
+absl::StatusOr<fabric::RemoteKey> RdmaMemoryMgr::RemoteKeyFor(fabric::Endpoint& endpoint,
+                                                              const fabric::MemoryRegion& region) {
+  if (!channel_keys_) return region.PackRemoteKey();
+  auto it = registered_.find(reinterpret_cast<uintptr_t>(region.base()));
+  // A transient registration is made for one transfer to one peer already.
+  if (it == registered_.end() || it->second.region.get() != &region) return region.PackRemoteKey();
+  Registered& entry = it->second;
+  auto own = entry.for_endpoint.find(&endpoint);
+  if (own == entry.for_endpoint.end()) {
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<fabric::MemoryRegion> mr,
+        domain_->RegisterMemoryFor(endpoint, region.base(), entry.size, remote_access_));
+    own = entry.for_endpoint.emplace(&endpoint, std::move(mr)).first;
+  }
+  return own->second->PackRemoteKey();
+}
+
+void RdmaMemoryMgr::DropEndpoint(const fabric::Endpoint* endpoint) {
+  for (auto& [base, entry] : registered_) entry.for_endpoint.erase(endpoint);
+}
+
+size_t RdmaMemoryMgr::endpoint_registrations() const {
+  size_t n = 0;
+  for (const auto& [base, entry] : registered_) n += entry.for_endpoint.size();
+  return n;
 }
 
 absl::StatusOr<Tensor> RdmaMemoryMgr::AllocateStaging(uint64_t bytes,

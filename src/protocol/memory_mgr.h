@@ -5,6 +5,11 @@
 //   tensor), and deregistered after the pool releases them. A pointer outside every pool region
 //   is not registrable here: the transport then uses a registered proxy (staging) tensor or,
 //   with TENSORVERBS_REGISTRATION=per-transfer, registers that buffer for one transfer.
+// - The keys offered to peers. With channel keys (the fabric's Capabilities::channel_keys and
+//   TENSORVERBS_REMOTE_KEYS=per-channel), each peer's endpoint gets registrations of the pool
+//   regions of its own, made on first use and dropped when the channel closes (DropEndpoint)
+//   or the pool releases the region: a key offered to one peer is not the key offered to
+//   another, and it dies with its channel. Local operations use the shared registration.
 // - The meta-data cache: rendezvous key (no step id) -> the tensor meta-data last received, so
 //   a steady-state recv allocates its result before asking and the sender writes at once.
 //
@@ -41,7 +46,10 @@ const char* RegistrationName(Registration r);
 class RdmaMemoryMgr {
  public:
   // Registers pool regions and transient ranges with `remote_access` (fabric::Access bits).
-  RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32_t remote_access);
+  // With `channel_keys`, RemoteKeyFor offers each endpoint registrations of its own (the domain
+  // must offer Capabilities::channel_keys).
+  RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32_t remote_access,
+                bool channel_keys = false);
   RdmaMemoryMgr(const RdmaMemoryMgr&) = delete;
   RdmaMemoryMgr& operator=(const RdmaMemoryMgr&) = delete;
   ~RdmaMemoryMgr();  // deregisters everything; call on the progress thread or after it ended
@@ -62,6 +70,19 @@ class RdmaMemoryMgr {
   // Registers [p, p+len) for one transfer, with the same remote access as the pool's regions.
   absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RegisterTransient(void* p, size_t len);
 
+  // The key to offer the peer of `endpoint` for memory in `region` (one this manager returned,
+  // or a transient registration). With channel keys, that of the endpoint's own registration of
+  // the region's pool region (registered on first use); otherwise `region`'s own key. An error
+  // if the fabric refused the registration.
+  absl::StatusOr<fabric::RemoteKey> RemoteKeyFor(fabric::Endpoint& endpoint,
+                                                 const fabric::MemoryRegion& region);
+  // Drops the registrations made for `endpoint`: its peer's keys stop working. Call when its
+  // channel closes, before the endpoint is destroyed.
+  void DropEndpoint(const fabric::Endpoint* endpoint);
+  bool channel_keys() const { return channel_keys_; }
+  // Registrations made for endpoints, over every region.
+  size_t endpoint_registrations() const;
+
   // Meta-data cache, keyed by rendezvous key.
   const TensorMetaData* CachedMeta(const std::string& key) const;
   void CacheMeta(const std::string& key, const TensorMetaData& meta);
@@ -72,12 +93,16 @@ class RdmaMemoryMgr {
   struct Registered {
     size_t size = 0;
     std::unique_ptr<fabric::MemoryRegion> region;
+    // Channel keys: the same memory registered for one endpoint's peer each.
+    absl::flat_hash_map<const fabric::Endpoint*, std::unique_ptr<fabric::MemoryRegion>>
+        for_endpoint;
   };
   void DropReleased();
 
   fabric::Domain* const domain_;
   PoolAllocator* const pool_;
   const uint32_t remote_access_;
+  const bool channel_keys_;
   int visitor_id_ = 0;
 
   Mutex mu_;

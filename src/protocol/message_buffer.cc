@@ -16,19 +16,19 @@ MessageBuffer::MessageBuffer(fabric::Domain* domain, int rx_slots, int max_batch
 MessageBuffer::~MessageBuffer() = default;
 
 absl::StatusOr<std::unique_ptr<MessageBuffer>> MessageBuffer::Create(fabric::Domain* domain,
-                                                                     int rx_slots,
-                                                                     int max_batch,
-                                                                     MessageCounters counters) {
+                                                                     int rx_slots, int max_batch,
+                                                                     MessageCounters counters,
+                                                                     fabric::Endpoint* peer) {
   if (rx_slots < 1 || rx_slots > static_cast<int>(kMaxAckCount)) {
-    return absl::InvalidArgumentError(absl::StrCat("message buffer with ", rx_slots,
-                                                   " slots; expected 1..", kMaxAckCount));
+    return absl::InvalidArgumentError(
+        absl::StrCat("message buffer with ", rx_slots, " slots; expected 1..", kMaxAckCount));
   }
   if (max_batch < 1 || max_batch > kMaxBatch) {
-    return absl::InvalidArgumentError(absl::StrCat("message batch of ", max_batch,
-                                                   "; expected 1..", kMaxBatch));
+    return absl::InvalidArgumentError(
+        absl::StrCat("message batch of ", max_batch, "; expected 1..", kMaxBatch));
   }
-  auto mb = std::unique_ptr<MessageBuffer>(
-      new MessageBuffer(domain, rx_slots, max_batch, counters));
+  auto mb =
+      std::unique_ptr<MessageBuffer>(new MessageBuffer(domain, rx_slots, max_batch, counters));
   mb->rx_bytes_ = static_cast<size_t>(rx_slots) * kMessageSize;
   if (domain->capabilities().shared_memory) {
     ASSIGN_OR_RETURN(mb->rx_shared_, SharedMemory::Create(mb->rx_bytes_, "tensorverbs-messages"));
@@ -38,8 +38,10 @@ absl::StatusOr<std::unique_ptr<MessageBuffer>> MessageBuffer::Create(fabric::Dom
     mb->rx_memory_ = mb->rx_heap_.data();
   }
   ASSIGN_OR_RETURN(mb->rx_region_,
-                   domain->RegisterMemory(mb->rx_memory_, mb->rx_bytes_,
-                                          fabric::kAccessRemoteWrite));
+                   peer != nullptr ? domain->RegisterMemoryFor(*peer, mb->rx_memory_, mb->rx_bytes_,
+                                                               fabric::kAccessRemoteWrite)
+                                   : domain->RegisterMemory(mb->rx_memory_, mb->rx_bytes_,
+                                                            fabric::kAccessRemoteWrite));
   return mb;
 }
 
@@ -50,9 +52,9 @@ absl::Status MessageBuffer::Connect(fabric::Endpoint* endpoint, uint64_t remote_
                                     std::string remote_key, int remote_slots) {
   if (remote_slots < 1 || remote_slots > static_cast<int>(kMaxAckCount) || remote_addr == 0 ||
       remote_key.empty() || remote_key.size() > fabric::RemoteKey::kCapacity) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the peer described its message buffer as ", remote_slots, " slots at 0x", absl::Hex(remote_addr),
-        " with a ", remote_key.size(), "-byte key"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the peer described its message buffer as ", remote_slots, " slots at 0x",
+                     absl::Hex(remote_addr), " with a ", remote_key.size(), "-byte key"));
   }
   endpoint_ = endpoint;
   remote_addr_ = remote_addr;
@@ -84,7 +86,7 @@ absl::Status MessageBuffer::Pump() {
   while (queued() > 0) {
     const uint64_t slot = tx_sent_ % static_cast<uint64_t>(remote_slots_);
     if (tx_sent_ - tx_acked_ >= static_cast<uint64_t>(remote_slots_)) break;  // remote busy
-    if (tx_local_busy_[slot]) break;                                           // local busy
+    if (tx_local_busy_[slot]) break;                                          // local busy
     // As many queued messages as fit the slot, up to the batch limit; the first always fits.
     size_t length = 0;
     batch_sizes_.clear();

@@ -50,11 +50,13 @@ struct MessageCounters {
 
 class MessageBuffer {
  public:
-  // Allocates and registers the rx buffer (`rx_slots` slots, remotely writable). `max_batch`
-  // (1 .. kMaxBatch): the most messages this side writes into one slot.
-  static absl::StatusOr<std::unique_ptr<MessageBuffer>> Create(fabric::Domain* domain,
-                                                               int rx_slots, int max_batch = 1,
-                                                               MessageCounters counters = {});
+  // Allocates and registers the rx buffer (`rx_slots` slots, remotely writable: by the peer of
+  // `peer` alone when given, Domain::RegisterMemoryFor). `max_batch` (1 .. kMaxBatch): the most
+  // messages this side writes into one slot.
+  static absl::StatusOr<std::unique_ptr<MessageBuffer>> Create(fabric::Domain* domain, int rx_slots,
+                                                               int max_batch = 1,
+                                                               MessageCounters counters = {},
+                                                               fabric::Endpoint* peer = nullptr);
   // Each message takes at least a 64-byte header, so no slot holds more.
   static constexpr int kMaxBatch = 128;
   MessageBuffer(const MessageBuffer&) = delete;

@@ -47,8 +47,8 @@ const char* RequestStateName(RdmaTensorRequest::State state) {
   return "?";
 }
 
-RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id,
-                                     KeyRef key, Allocator* allocator, absl::Time deadline,
+RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, KeyRef key,
+                                     Allocator* allocator, absl::Time deadline,
                                      RecvDoneCallback done)
     : channel_(channel),
       index_(index),
@@ -113,8 +113,10 @@ void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
   absl::StatusOr<const fabric::MemoryRegion*> region =
       env->memory->FindRegistered(staging_.data(), staging_.TotalBytes());
   if (!region.ok() || *region == nullptr) return;
+  absl::StatusOr<fabric::RemoteKey> key = channel_->OfferKey(**region);
+  if (!key.ok()) return;
   m.remote_addr = reinterpret_cast<uint64_t>(staging_.data());
-  m.remote_key = (*region)->PackRemoteKey();
+  m.remote_key = *key;
   m.meta = BufferMeta(staging_.TotalBytes());
 }
 
@@ -144,17 +146,22 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
   const fabric::MemoryRegion* region = nullptr;
   void* target = nullptr;
   if (meta.dtype != DataType::kString && env->registration != Registration::kCopy) {
-    ASSIGN_OR_RETURN(result_, Tensor::Allocate(allocator_, meta.dtype, meta.shape));
+    // Out of memory names the recv: the allocator knows only sizes.
+    absl::StatusOr<Tensor> result = Tensor::Allocate(allocator_, meta.dtype, meta.shape);
+    if (!result.ok()) return RecvError(result.status());
+    result_ = *std::move(result);
     ASSIGN_OR_RETURN(region, env->TransferRegion(result_.data(), meta.tensor_bytes, &transient_));
     if (region != nullptr) target = result_.data();
   }
   if (target == nullptr) {
     // Strings, copy mode, or a destination the fabric cannot reach: a registered proxy.
-    ASSIGN_OR_RETURN(staging_, env->memory->AllocateStaging(meta.tensor_bytes, &region));
+    absl::StatusOr<Tensor> staging = env->memory->AllocateStaging(meta.tensor_bytes, &region);
+    if (!staging.ok()) return RecvError(staging.status());
+    staging_ = *std::move(staging);
     target = staging_.data();
   }
+  ASSIGN_OR_RETURN(*key, channel_->OfferKey(*region));
   *addr = reinterpret_cast<uint64_t>(target);
-  *key = region->PackRemoteKey();
   return absl::OkStatus();
 }
 
@@ -164,10 +171,12 @@ absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr
       !s.ok()) {
     return RecvError(s);
   }
-  ASSIGN_OR_RETURN(const fabric::MemoryRegion* region,
-                   EnsureCopyBuffer(channel_->env()->memory, staging_, bytes));
+  absl::StatusOr<const fabric::MemoryRegion*> buffer =
+      EnsureCopyBuffer(channel_->env()->memory, staging_, bytes);
+  if (!buffer.ok()) return RecvError(buffer.status());
+  const fabric::MemoryRegion* region = *buffer;
+  ASSIGN_OR_RETURN(*key, channel_->OfferKey(*region));
   *addr = reinterpret_cast<uint64_t>(staging_.data());
-  *key = region->PackRemoteKey();
   return absl::OkStatus();
 }
 
@@ -249,8 +258,8 @@ void RdmaTensorRequest::RecvCopyContent() {
   }
   if (env->data_validation) {
     const uint64_t bytes = std::min<uint64_t>(meta_.tensor_bytes, staging_.TotalBytes());
-    if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(), staging_.data(),
-                                             bytes, checksum_);
+    if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(),
+                                             staging_.data(), bytes, checksum_);
         !s.ok()) {
       Deliver(s, Tensor(), false);
       return;

@@ -1,11 +1,10 @@
 // The fabric contract (src/fabric/fabric.h), checked on every backend that can run here:
-// loopback and shmem always, ofi shm and ofi tcp;ofi_rxm where libfabric provides them. Two domains in
-// this process play the two peers; the test thread drives both.
-#include <sys/mman.h>
-#include <unistd.h>
-
+// loopback and shmem always, ofi shm and ofi tcp;ofi_rxm where libfabric provides them. Two domains
+// in this process play the two peers; the test thread drives both.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <iostream>
@@ -37,8 +36,8 @@ class Buffer {
       shared_ = *SharedMemory::Create(size, "fabric-conformance");
       ptr_ = static_cast<char*>(shared_->data());
     } else {
-      ptr_ = static_cast<char*>(mmap(nullptr, size, PROT_READ | PROT_WRITE,
-                                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+      ptr_ = static_cast<char*>(
+          mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     }
     std::memset(ptr_, 0, size);
   }
@@ -109,6 +108,17 @@ class FabricConformanceTest : public ::testing::TestWithParam<Backend> {
     EXPECT_TRUE(mr.ok()) << mr.status();
     return mr.ok() ? *std::move(mr) : nullptr;
   }
+  // Posts one write through `ep` (an endpoint of a_) and reports its outcome: the post's
+  // refusal, or its completion's status.
+  absl::Status WriteOnce(Endpoint& ep, const LocalBuffer& local, const RemoteBuffer& remote) {
+    const size_t before = at_a_.size();
+    absl::Status posted = ep.PostWrite(local, remote, 77);
+    if (!posted.ok()) return posted;
+    if (!PollUntil([&] { return at_a_.size() > before; }, absl::Seconds(20))) {
+      return absl::DeadlineExceededError("the write never completed");
+    }
+    return at_a_.back().status;
+  }
   size_t Count(const std::vector<Completion>& v, CompletionKind kind) {
     return std::count_if(v.begin(), v.end(), [&](const Completion& c) { return c.kind == kind; });
   }
@@ -174,11 +184,14 @@ TEST_P(FabricConformanceTest, ReservedAndExtremeImmediatesArriveIntact) {
   Buffer src(4096), dst(4096);
   auto src_mr = Register(*a_, src);
   auto dst_mr = Register(*b_, dst);
-  const std::vector<uint32_t> imms = {0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFD, 0xFFFFFFFE, 0xFFFFFFFF};
+  const std::vector<uint32_t> imms = {0,          1,          0x7FFFFFFF, 0x80000000,
+                                      0xFFFFFFFD, 0xFFFFFFFE, 0xFFFFFFFF};
   for (uint32_t imm : imms) {
-    ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src.data(), 8}, Remote(*dst_mr, 0, 8), imm, imm).ok());
+    ASSERT_TRUE(
+        ea_->PostWriteWithImm({src_mr.get(), src.data(), 8}, Remote(*dst_mr, 0, 8), imm, imm).ok());
   }
-  ASSERT_TRUE(PollUntil([&] { return at_b_.size() == imms.size() && at_a_.size() == imms.size(); }));
+  ASSERT_TRUE(
+      PollUntil([&] { return at_b_.size() == imms.size() && at_a_.size() == imms.size(); }));
   std::multiset<uint32_t> got;
   for (const Completion& c : at_b_) got.insert(c.imm);
   EXPECT_EQ(got, std::multiset<uint32_t>(imms.begin(), imms.end()));
@@ -220,7 +233,8 @@ TEST_P(FabricConformanceTest, WaitSleepsWhenIdleAndReturnsWhenWorkArrives) {
   Buffer src(4096), dst(4096);
   auto src_mr = Register(*a_, src);
   auto dst_mr = Register(*b_, dst);
-  ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src.data(), 64}, Remote(*dst_mr, 0, 64), 1, 1).ok());
+  ASSERT_TRUE(
+      ea_->PostWriteWithImm({src_mr.get(), src.data(), 64}, Remote(*dst_mr, 0, 64), 1, 1).ok());
   // The writer's side may need progress too (manual progress): poll it, then wait on b.
   absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (at_b_.empty() && absl::Now() < deadline) {
@@ -285,7 +299,8 @@ TEST_P(FabricConformanceTest, BadKeysAndRangesAreErrorsAndTheProcessLives) {
   RemoteBuffer below = Remote(*dst_mr, 0, 4096);
   below.addr -= 64;
   EXPECT_FALSE(ea_->PostWrite(local, below, 1).ok()) << "before the start";
-  EXPECT_FALSE(ea_->PostWrite(local, Remote(*dst_mr, 0, 100), 1).ok()) << "larger than the remote buffer";
+  EXPECT_FALSE(ea_->PostWrite(local, Remote(*dst_mr, 0, 100), 1).ok())
+      << "larger than the remote buffer";
   EXPECT_FALSE(ea_->PostWrite({other_mr.get(), src.data(), 4096}, Remote(*dst_mr, 0, 4096), 1).ok())
       << "local buffer outside its region";
   PollUntil([] { return false; }, absl::Milliseconds(50));
@@ -293,6 +308,56 @@ TEST_P(FabricConformanceTest, BadKeysAndRangesAreErrorsAndTheProcessLives) {
   ASSERT_TRUE(ea_->PostWriteWithImm(local, Remote(*dst_mr, 0, 4096), 3, 2).ok());
   ASSERT_TRUE(PollUntil([&] { return !at_a_.empty() && !at_b_.empty(); }));
   EXPECT_TRUE(at_a_[0].status.ok());
+}
+
+TEST_P(FabricConformanceTest, ChannelKeysAreTheirEndpointsAloneAndDieWithTheirRegistration) {
+  if (!a_->capabilities().channel_keys) {
+    EXPECT_TRUE(
+        absl::IsUnimplemented(b_->RegisterMemoryFor(*eb_, this, 64, kAccessRemoteWrite).status()))
+        << "without channel keys, RegisterMemoryFor says so";
+    GTEST_SKIP() << GetParam().name << " offers no per-endpoint keys";
+  }
+  // A second pair of endpoints between the same domains: another channel.
+  std::unique_ptr<Endpoint> ea2 = *a_->CreateEndpoint();
+  std::unique_ptr<Endpoint> eb2 = *b_->CreateEndpoint();
+  ASSERT_TRUE(ea2->Connect(eb2->LocalAddress()).ok());
+  ASSERT_TRUE(eb2->Connect(ea2->LocalAddress()).ok());
+  Buffer src(8192), dst(8192);
+  std::memset(src.data(), 0x5C, src.size());
+  auto src_mr = Register(*a_, src);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> for_b =
+      b_->RegisterMemoryFor(*eb_, dst.data(), dst.size(), kAccessRemoteWrite);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> for_b2 =
+      b_->RegisterMemoryFor(*eb2, dst.data(), dst.size(), kAccessRemoteWrite);
+  ASSERT_TRUE(for_b.ok()) << for_b.status();
+  ASSERT_TRUE(for_b2.ok()) << for_b2.status();
+  EXPECT_NE((*for_b)->PackRemoteKey(), (*for_b2)->PackRemoteKey())
+      << "two channels' keys to the same memory differ";
+  const LocalBuffer local{src_mr.get(), src.data(), 4096};
+  const RemoteBuffer remote = Remote(**for_b, 0, 4096);
+  EXPECT_TRUE(WriteOnce(*ea_, local, remote).ok()) << "through its own channel";
+  EXPECT_EQ(dst.data()[100], 0x5C);
+  if (a_->capabilities().endpoint_bound_keys) {
+    std::memset(dst.data(), 0, dst.size());
+    absl::Status s = WriteOnce(*ea2, local, remote);
+    EXPECT_FALSE(s.ok()) << "a key offered to one channel is refused on another";
+    EXPECT_EQ(dst.data()[100], 0) << "and nothing landed";
+  }
+  // The channel closes: its registration goes, and the key with it. The other channel's
+  // registration of the same memory still works.
+  for_b->reset();
+  std::memset(dst.data(), 0, dst.size());
+  absl::Status stale = WriteOnce(*ea_, local, remote);
+  // The writer may hear of the refusal (loopback) or not: libfabric's shm and tcp complete the
+  // write as sent and the target drops it. Either way nothing lands, which is what keeps a
+  // closed channel's peer out.
+  PollUntil([] { return false; }, absl::Milliseconds(200));
+  EXPECT_EQ(dst.data()[100], 0) << "a dropped registration's key still wrote (" << stale << ")";
+  if (a_->capabilities().endpoint_bound_keys) {
+    EXPECT_FALSE(stale.ok());
+  }
+  EXPECT_TRUE(WriteOnce(*ea2, local, Remote(**for_b2, 0, 4096)).ok());
+  EXPECT_EQ(dst.data()[100], 0x5C);
 }
 
 TEST_P(FabricConformanceTest, ClosedPeerGivesAnErrorWithinABoundedTime) {

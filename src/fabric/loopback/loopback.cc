@@ -23,6 +23,7 @@ struct Region {
   uint64_t base;
   uint64_t length;
   uint32_t access;
+  uint64_t endpoint = 0;  // RegisterMemoryFor: the only local endpoint whose peer may use it
 };
 
 struct PendingCompletion {
@@ -124,6 +125,7 @@ class LoopbackEndpoint final : public EndpointBase {
   std::string LocalAddress() const override {
     return absl::StrCat("loopback:", state_->domain->id, ":", state_->id);
   }
+  uint64_t id() const { return state_->id; }
 
   absl::Status Connect(absl::string_view peer_address) override {
     MutexLock lock(&registry_mu);
@@ -135,7 +137,6 @@ class LoopbackEndpoint final : public EndpointBase {
     peer_ = it->second;
     return absl::OkStatus();
   }
-
 
   size_t Outstanding() const override {
     MutexLock lock(&state_->domain->mu);
@@ -153,7 +154,8 @@ class LoopbackEndpoint final : public EndpointBase {
     {
       MutexLock lock(&self.mu);
       if (++self.posts == self.faults.fail_post_nth) {
-        return absl::UnavailableError(absl::StrCat("loopback: injected failure of post ", self.posts));
+        return absl::UnavailableError(
+            absl::StrCat("loopback: injected failure of post ", self.posts));
       }
     }
     if (remote.key.size() != 24) {
@@ -195,15 +197,23 @@ class LoopbackEndpoint final : public EndpointBase {
       }
       auto r = target.regions.find(key);
       if (r == target.regions.end()) {
-        return absl::InvalidArgumentError(absl::StrCat("loopback: remote key ", key, " is not registered on the peer"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("loopback: remote key ", key, " is not registered on the peer"));
       }
       const Region& region = r->second;
       if (region.base != key_base || region.length != key_length) {
-        return absl::InvalidArgumentError("loopback: remote key does not match the registered region");
+        return absl::InvalidArgumentError(
+            "loopback: remote key does not match the registered region");
       }
-      const uint32_t needed = kind == CompletionKind::kRead ? kAccessRemoteRead : kAccessRemoteWrite;
+      if (region.endpoint != 0 && region.endpoint != peer->id) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "loopback: remote key ", key, " was registered for another endpoint's peer"));
+      }
+      const uint32_t needed =
+          kind == CompletionKind::kRead ? kAccessRemoteRead : kAccessRemoteWrite;
       if ((region.access & needed) == 0) {
-        return absl::PermissionDeniedError("loopback: the remote region does not allow this access");
+        return absl::PermissionDeniedError(
+            "loopback: the remote region does not allow this access");
       }
       auto* remote_ptr = reinterpret_cast<char*>(remote.addr);
       if (local.length > 0) {
@@ -245,6 +255,8 @@ class LoopbackDomain final : public Domain {
     caps_.max_message_size = uint64_t{1} << 40;
     caps_.virtual_addressing = true;
     caps_.queue_depth = options.queue_depth;
+    caps_.channel_keys = true;
+    caps_.endpoint_bound_keys = true;
   }
   ~LoopbackDomain() override {
     MutexLock lock(&state_->mu);
@@ -255,6 +267,21 @@ class LoopbackDomain final : public Domain {
 
   absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
                                                                uint32_t access) override {
+    return Register(addr, length, access, 0);
+  }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemoryFor(Endpoint& endpoint, void* addr,
+                                                                  size_t length,
+                                                                  uint32_t access) override {
+    return Register(addr, length, access, static_cast<LoopbackEndpoint&>(endpoint).id());
+  }
+
+  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
+    return std::unique_ptr<Endpoint>(new LoopbackEndpoint(state_));
+  }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> Register(void* addr, size_t length, uint32_t access,
+                                                         uint64_t endpoint) {
     if (addr == nullptr || length == 0) {
       return absl::InvalidArgumentError("loopback: cannot register an empty range");
     }
@@ -263,12 +290,8 @@ class LoopbackDomain final : public Domain {
     if (++state_->registrations == state_->faults.fail_register_nth) {
       return absl::ResourceExhaustedError("loopback: injected registration failure");
     }
-    state_->regions[key] = Region{reinterpret_cast<uint64_t>(addr), length, access};
+    state_->regions[key] = Region{reinterpret_cast<uint64_t>(addr), length, access, endpoint};
     return std::unique_ptr<MemoryRegion>(new LoopbackRegion(state_, key, addr, length));
-  }
-
-  absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
-    return std::unique_ptr<Endpoint>(new LoopbackEndpoint(state_));
   }
 
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
@@ -316,7 +339,8 @@ class LoopbackDomain final : public Domain {
   void SetFaults(const Faults& faults) {
     MutexLock lock(&state_->mu);
     state_->faults = faults;
-    state_->posts = state_->registrations = state_->ops = state_->imms = state_->writes_with_imm = 0;
+    state_->posts = state_->registrations = state_->ops = state_->imms = state_->writes_with_imm =
+        0;
   }
 
  private:

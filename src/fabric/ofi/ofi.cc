@@ -9,8 +9,8 @@
 #include <rdma/fi_rma.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <utility>
 
@@ -56,8 +56,8 @@ struct PackedKey {
   }
   static absl::StatusOr<PackedKey> Unpack(absl::string_view bytes) {
     if (bytes.size() != kSize) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ofi: malformed remote key (", bytes.size(), " bytes, expected ", kSize, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("ofi: malformed remote key (", bytes.size(),
+                                                     " bytes, expected ", kSize, ")"));
     }
     PackedKey k;
     std::memcpy(&k.key, bytes.data(), 8);
@@ -80,7 +80,7 @@ struct Shared {
   DomainOptions options;
   std::atomic<uint64_t> next_key{1};
   std::vector<OfiEndpoint*> endpoints;  // polled by the domain
-  WakeFd wake;                           // Domain::Interrupt
+  WakeFd wake;                          // Domain::Interrupt
 
   bool virtual_addressing() const {
     // FI_MR_BASIC implies virtual addresses; FI_MR_SCALABLE offsets.
@@ -180,12 +180,12 @@ class OfiEndpoint final : public EndpointBase {
     const size_t nul = peer_address.find('\0');
     const size_t scheme_end = address_.find("://");
     const bool plausible =
-        string_format
-            ? peer_address.size() <= kMaxStringAddress &&
-                  (nul == absl::string_view::npos || nul == peer_address.size() - 1) &&
-                  scheme_end != std::string::npos &&
-                  absl::StartsWith(peer_address, absl::string_view(address_).substr(0, scheme_end + 3))
-            : peer_address.size() == address_.size();
+        string_format ? peer_address.size() <= kMaxStringAddress &&
+                            (nul == absl::string_view::npos || nul == peer_address.size() - 1) &&
+                            scheme_end != std::string::npos &&
+                            absl::StartsWith(peer_address,
+                                             absl::string_view(address_).substr(0, scheme_end + 3))
+                      : peer_address.size() == address_.size();
     if (!plausible) {
       return absl::InvalidArgumentError(absl::StrCat(
           "ofi: a peer address of ", peer_address.size(), " bytes cannot be a ",
@@ -197,9 +197,9 @@ class OfiEndpoint final : public EndpointBase {
     std::string addr(peer_address);
     int n = fi_av_insert(shared_->av, addr.data(), 1, &peer_, 0, nullptr);
     if (n != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ofi: the peer address (", addr.size(), " bytes) was rejected by ",
-                       shared_->info->fabric_attr->prov_name));
+      return absl::InvalidArgumentError(absl::StrCat("ofi: the peer address (", addr.size(),
+                                                     " bytes) was rejected by ",
+                                                     shared_->info->fabric_attr->prov_name));
     }
     connected_ = true;
     return absl::OkStatus();
@@ -261,8 +261,8 @@ class OfiEndpoint final : public EndpointBase {
     ASSIGN_OR_RETURN(PackedKey key, PackedKey::Unpack(remote.key));
     RETURN_IF_ERROR(CheckRanges("ofi", local, remote, key.base, key.length));
     if (local.length > shared_->info->ep_attr->max_msg_size) {
-      return absl::InvalidArgumentError(absl::StrCat("ofi: ", local.length,
-                                                     " bytes exceed the provider's message size"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ofi: ", local.length, " bytes exceed the provider's message size"));
     }
     Op* op = ops_.NewOp(kind, with_imm, imm, local, remote, context);
     // Descriptors are required under FI_MR_LOCAL and harmless otherwise.
@@ -294,10 +294,9 @@ class OfiEndpoint final : public EndpointBase {
     ssize_t r = fi_cq_readerr(cq_, &err, 0);
     if (r < 0) return 0;
     const char* detail = fi_cq_strerror(cq_, err.prov_errno, err.err_data, nullptr, 0);
-    absl::Status status = absl::UnavailableError(
-        absl::StrCat("ofi (", shared_->info->fabric_attr->prov_name, "): operation failed: ",
-                     fi_strerror(err.err), "; provider error ", err.prov_errno, ": ",
-                     detail ? detail : "?"));
+    absl::Status status = absl::UnavailableError(absl::StrCat(
+        "ofi (", shared_->info->fabric_attr->prov_name, "): operation failed: ",
+        fi_strerror(err.err), "; provider error ", err.prov_errno, ": ", detail ? detail : "?"));
     if (err.op_context == nullptr || err.op_context == receive_ctx()) {
       LOG(WARNING) << status.message();
       return 0;
@@ -330,9 +329,20 @@ class OfiDomain final : public Domain {
     caps_.max_message_size = shared_->info->ep_attr->max_msg_size;
     caps_.virtual_addressing = shared_->virtual_addressing();
     caps_.queue_depth = shared_->options.queue_depth;
+    // Each registration gets a key of its own from the provider (FI_MR_PROV_KEY), so a
+    // registration per endpoint is a key per channel; the providers run here do not bind keys
+    // to endpoints (no FI_MR_ENDPOINT), so a key is only as private as it is hard to learn.
+    caps_.channel_keys = true;
   }
 
   const Capabilities& capabilities() const override { return caps_; }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemoryFor(Endpoint& endpoint, void* addr,
+                                                                  size_t length,
+                                                                  uint32_t access) override {
+    (void)endpoint;
+    return RegisterMemory(addr, length, access);
+  }
 
   absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
                                                                uint32_t access) override {
@@ -345,11 +355,12 @@ class OfiDomain final : public Domain {
     // Application-chosen keys must be unique per domain; ignored under FI_MR_PROV_KEY.
     const uint64_t requested_key = shared_->next_key.fetch_add(1);
     fid_mr* mr = nullptr;
-    int ret = fi_mr_reg(shared_->domain, addr, length, fi_access, 0, requested_key, 0, &mr, nullptr);
+    int ret =
+        fi_mr_reg(shared_->domain, addr, length, fi_access, 0, requested_key, 0, &mr, nullptr);
     if (ret) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          FiError("ofi: fi_mr_reg", ret), " registering ", length,
-          " bytes; check the memlock limit (ulimit -l)"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(FiError("ofi: fi_mr_reg", ret), " registering ", length,
+                       " bytes; check the memlock limit (ulimit -l)"));
     }
     return std::unique_ptr<MemoryRegion>(new OfiRegion(shared_, mr, addr, length));
   }
@@ -385,7 +396,8 @@ class OfiDomain final : public Domain {
       if (ret == -FI_EAGAIN) return absl::OkStatus();
       if (ret != 0) return absl::UnavailableError(FiError("ofi: fi_trywait", ret));
     }
-    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
+    const int ms =
+        static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
     if (poll(fds.data(), fds.size(), std::max(ms, 0)) < 0 && errno != EINTR) {
       return absl::UnavailableError(absl::StrCat("ofi: poll: ", std::strerror(errno)));
     }
@@ -470,7 +482,8 @@ std::vector<std::string> ListUsableProviders() {
   if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info) == 0) {
     for (fi_info* i = info; i != nullptr; i = i->next) {
       std::string prov = i->fabric_attr->prov_name, fabric = i->fabric_attr->name;
-      auto it = std::find_if(found.begin(), found.end(), [&](const auto& p) { return p.first == prov; });
+      auto it =
+          std::find_if(found.begin(), found.end(), [&](const auto& p) { return p.first == prov; });
       if (it == found.end()) it = found.insert(found.end(), {prov, {}});
       if (std::find(it->second.begin(), it->second.end(), fabric) == it->second.end()) {
         it->second.push_back(fabric);

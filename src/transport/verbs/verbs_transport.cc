@@ -40,6 +40,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.push_max_destinations = config.push_max_destinations;
   o.max_responses = config.max_responses;
   o.max_pending_recvs = config.max_pending_recvs;
+  o.remote_keys = config.remote_keys;
   o.push_max_bytes = config.push_max_bytes;
   return o;
 }
@@ -71,8 +72,13 @@ absl::Status VerbsTransport::Start() {
         absl::StrCat("grpc+verbs: ", domain.status().message(), ", or use --protocol grpc"));
   }
   domain_ = *std::move(domain);
-  memory_ = std::make_unique<protocol::RdmaMemoryMgr>(domain_.get(), options_.pool,
-                                                      protocol::RemoteAccessFor(options_.mode));
+  if (options_.remote_keys != "per-channel" && options_.remote_keys != "shared") {
+    return absl::InvalidArgumentError(absl::StrCat("unknown remote keys '", options_.remote_keys,
+                                                   "'; expected per-channel or shared"));
+  }
+  memory_ = std::make_unique<protocol::RdmaMemoryMgr>(
+      domain_.get(), options_.pool, protocol::RemoteAccessFor(options_.mode),
+      options_.remote_keys == "per-channel" && domain_->capabilities().channel_keys);
 
   protocol::ProgressEngine::Options engine_options;
   engine_options.poll_mode = poll_mode;
@@ -142,7 +148,12 @@ absl::Status VerbsTransport::Start() {
             << protocol::VerbsModeProtocol(options_.mode) << " over " << fabric_name() << ", "
             << options_.message_slots << " message slots (batches of up to "
             << options_.message_batch << "), " << protocol::RegistrationName(registration)
-            << " registration, " << options_.poll_mode << " polling"
+            << " registration, "
+            << (memory_->channel_keys()
+                    ? (domain_->capabilities().endpoint_bound_keys ? "endpoint-bound channel keys"
+                                                                   : "per-channel keys")
+                    : "shared keys")
+            << ", " << options_.poll_mode << " polling"
             << (options_.data_validation ? ", data validation on" : "");
   return absl::OkStatus();
 }

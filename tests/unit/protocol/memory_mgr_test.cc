@@ -267,5 +267,95 @@ TEST_F(MemoryMgrTest, RegionsThePoolReleasesAreDeregisteredBeforeTheNextLookup) 
   EXPECT_TRUE(Holds(t.data(), 16));
 }
 
+TEST_F(MemoryMgrTest, WithChannelKeysEachPeerIsOfferedAKeyOfItsOwnThatDiesWithItsChannel) {
+  memory_ =
+      std::make_unique<RdmaMemoryMgr>(domain_.get(), &pool_, RemoteAccessFor(VerbsMode::kZeroCopy),
+                                      /*channel_keys=*/true);
+  ASSERT_TRUE(memory_->channel_keys());
+  // A second channel: another peer's endpoint, connected to its own endpoint here.
+  std::unique_ptr<fabric::Domain> other_domain = *fabric::OpenDomain("loopback", {});
+  std::unique_ptr<fabric::Endpoint> other_target = *domain_->CreateEndpoint();
+  std::unique_ptr<fabric::Endpoint> other_writer = *other_domain->CreateEndpoint();
+  ASSERT_TRUE(other_writer->Connect(other_target->LocalAddress()).ok());
+  ASSERT_TRUE(other_target->Connect(other_writer->LocalAddress()).ok());
+
+  Tensor t = *Tensor::Allocate(&pool_, DataType::kUInt8, TensorShape::Of({4096}));
+  Tensor u = *Tensor::Allocate(&pool_, DataType::kUInt8, TensorShape::Of({4096}));
+  const fabric::MemoryRegion* region = *memory_->FindRegistered(t.data(), 4096);
+  ASSERT_NE(region, nullptr);
+  absl::StatusOr<fabric::RemoteKey> key = memory_->RemoteKeyFor(*target_, *region);
+  absl::StatusOr<fabric::RemoteKey> other_key = memory_->RemoteKeyFor(*other_target, *region);
+  ASSERT_TRUE(key.ok()) << key.status();
+  ASSERT_TRUE(other_key.ok()) << other_key.status();
+  EXPECT_NE(*key, *other_key);
+  EXPECT_NE(*key, region->PackRemoteKey()) << "the shared registration is not offered";
+  // Steady state: a destination in the same pool region reuses the channel's registration.
+  const fabric::MemoryRegion* same = *memory_->FindRegistered(u.data(), 4096);
+  EXPECT_EQ(*memory_->RemoteKeyFor(*target_, *same), *key);
+  EXPECT_EQ(memory_->endpoint_registrations(), 2u);
+
+  ASSERT_TRUE(RemoteWrite(*key, t.data(), 64).ok());
+  EXPECT_TRUE(Holds(t.data(), 64));
+  // The peer of another channel cannot use it (the loopback binds keys to endpoints).
+  std::vector<uint8_t> junk(64, 0xAB);
+  std::unique_ptr<fabric::MemoryRegion> junk_region =
+      *other_domain->RegisterMemory(junk.data(), junk.size(), fabric::kAccessLocal);
+  absl::Status s = other_writer->PostWrite({junk_region.get(), junk.data(), 64},
+                                           {*key, reinterpret_cast<uint64_t>(u.data()), 64}, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_NE(static_cast<uint8_t*>(u.data())[0], 0xAB);
+
+  // The channel closes: its keys stop working, the other channel's still do.
+  memory_->DropEndpoint(target_.get());
+  EXPECT_EQ(memory_->endpoint_registrations(), 1u);
+  EXPECT_FALSE(RemoteWrite(*key, t.data(), 64).ok());
+  ASSERT_TRUE(other_writer
+                  ->PostWrite({junk_region.get(), junk.data(), 64},
+                              {*other_key, reinterpret_cast<uint64_t>(u.data()), 64}, 2)
+                  .ok());
+  EXPECT_EQ(static_cast<uint8_t*>(u.data())[0], 0xAB);
+
+  // A key asked for again after the close is a new registration.
+  absl::StatusOr<fabric::RemoteKey> again = memory_->RemoteKeyFor(*target_, *region);
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(*again, *key);
+  memory_->DropEndpoint(target_.get());
+  memory_->DropEndpoint(other_target.get());
+  EXPECT_EQ(memory_->endpoint_registrations(), 0u);
+}
+
+TEST_F(MemoryMgrTest, ChannelKeysOfAReleasedPoolRegionGoWithIt) {
+  memory_ =
+      std::make_unique<RdmaMemoryMgr>(domain_.get(), &pool_, RemoteAccessFor(VerbsMode::kZeroCopy),
+                                      /*channel_keys=*/true);
+  fabric::RemoteKey key;
+  void* base = nullptr;
+  {
+    Tensor t = *Tensor::Allocate(&pool_, DataType::kUInt8, TensorShape::Of({4096}));
+    const fabric::MemoryRegion* region = *memory_->FindRegistered(t.data(), 4096);
+    key = *memory_->RemoteKeyFor(*target_, *region);
+    base = t.data();
+  }
+  ASSERT_EQ(pool_.ReleaseFreeRegions(), 1u);
+  ASSERT_TRUE(memory_->FindRegistered(nullptr, 0).ok());
+  EXPECT_EQ(memory_->endpoint_registrations(), 0u);
+  EXPECT_FALSE(RemoteWrite(key, base, 16).ok());
+}
+
+TEST_F(MemoryMgrTest, SharedKeysOfferTheRegionsOwnKeyToEveryPeer) {
+  // memory_ was made without channel keys (TENSORVERBS_REMOTE_KEYS=shared, or a fabric
+  // without them).
+  EXPECT_FALSE(memory_->channel_keys());
+  Tensor t = *Tensor::Allocate(&pool_, DataType::kUInt8, TensorShape::Of({4096}));
+  const fabric::MemoryRegion* region = *memory_->FindRegistered(t.data(), 4096);
+  EXPECT_EQ(*memory_->RemoteKeyFor(*target_, *region), region->PackRemoteKey());
+  EXPECT_EQ(memory_->endpoint_registrations(), 0u);
+  // A transient registration is offered as it is, with or without channel keys.
+  std::vector<uint8_t> heap(100);
+  std::unique_ptr<fabric::MemoryRegion> transient =
+      *memory_->RegisterTransient(heap.data(), heap.size());
+  EXPECT_EQ(*memory_->RemoteKeyFor(*target_, *transient), transient->PackRemoteKey());
+}
+
 }  // namespace
 }  // namespace tensorverbs::protocol
