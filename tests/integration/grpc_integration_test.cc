@@ -11,14 +11,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
 #include "src/common/mutex.h"
@@ -401,6 +404,47 @@ TEST_P(GrpcClusterTest, RunningOutOfFileDescriptorsFailsTheRecvAndTheTaskRecover
   }
 
   ExpectDeliveredSoon(*r, Key(1, "scalar"), "descriptors came back");
+}
+
+// The task's memory runs out (its address space is capped just above what it uses) when a
+// 64 MiB tensor arrives: the pool cannot grow, the recv fails with ResourceExhausted naming
+// the key, nothing crashes, and the task receives again once memory is back.
+TEST_P(GrpcClusterTest, RunningOutOfMemoryFailsTheRecvAndTheTaskRecovers) {
+  if (GetParam() == "grpc") {
+    // gRPC allocates the received message itself, with an allocator that aborts the process
+    // when memory runs out; the verbs protocols allocate from the pool and can refuse.
+    GTEST_SKIP() << "gRPC's own allocator aborts on exhaustion";
+  }
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(20), /*big=*/true);
+  auto r = *server_->rendezvous_mgr()->Find(kStep);
+  // Channels, threads and the pool's first region exist before the cap.
+  ExpectDeliveredSoon(*r, Key(1, "scalar"), "the start");
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &old), 0);
+  uint64_t used = 0;
+  {
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);) {
+      if (absl::StartsWith(line, "VmSize:")) {
+        ASSERT_TRUE(absl::SimpleAtoi(
+            absl::StripAsciiWhitespace(absl::StripSuffix(line.substr(7), "kB")), &used))
+            << line;
+      }
+    }
+  }
+  ASSERT_GT(used, 0u);
+  rlimit capped = old;
+  capped.rlim_cur = (used << 10) + (uint64_t{48} << 20);  // room for a few thread stacks
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &capped), 0);
+  PendingRecv starved(*r, Key(1, "big"));
+  const bool ended = starved.Wait(absl::Seconds(40));
+  ASSERT_EQ(setrlimit(RLIMIT_AS, &old), 0);
+  ASSERT_TRUE(ended) << "the recv hung without memory";
+  std::printf("recv without memory: %s\n", starved.status().ToString().c_str());
+  EXPECT_EQ(starved.status().code(), absl::StatusCode::kResourceExhausted) << starved.status();
+  EXPECT_THAT(starved.status().message(), HasSubstr("big")) << starved.status();
+
+  ExpectDeliveredSoon(*r, Key(1, "medium"), "memory came back");
 }
 
 TEST_P(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {

@@ -629,8 +629,14 @@ class ShmemEndpoint final : public EndpointBase {
     void* addr = mmap(nullptr, map_length, PROT_READ | (writable ? PROT_WRITE : 0),
                       MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(start));
     if (addr == MAP_FAILED) {
+      const int error = errno;
+      if (error == ENOMEM || error == EAGAIN) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "shmem: mapping a peer's region of ", map_length, " bytes: ", std::strerror(error),
+            " (this process is out of memory or address space; check ulimit -v)"));
+      }
       return absl::UnavailableError(absl::StrCat("shmem: mapping a peer's region of ", map_length,
-                                                 " bytes: ", std::strerror(errno)));
+                                                 " bytes: ", std::strerror(error)));
     }
     if (mappings_.size() >= kMaxMappingsPerEndpoint) {
       auto oldest = std::min_element(
