@@ -178,13 +178,13 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     // Warm-up: one unmeasured bandwidth stream, as long as a measured one, so that meta-data
     // caches, channel state, pool growth with its first-touch page faults and registration all
     // happen before anything is timed.
-    RETURN_IF_ERROR(RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters, row.window, false,
-                             next_step)
-                        .status());
+    RETURN_IF_ERROR(
+        RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters, row.window, false, next_step)
+            .status());
     std::vector<double> p50s, p99s, bws, copies, cpu;
     for (int rep = 0; rep < o.repeat; ++rep) {
-      ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters,
-                                                 1, false, next_step));
+      ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters, 1,
+                                                 false, next_step));
       p50s.push_back(Percentile(lat.latency_us, 0.5));
       p99s.push_back(Percentile(lat.latency_us, 0.99));
       ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters,
@@ -202,9 +202,9 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     row.copies_per_transfer = SpreadOf(copies).median;
     row.cpu_s_per_gb = SpreadOf(cpu).median;
     std::printf("%10s %9d %22s %10.2f %9d %7d %24s %12.2f %10.3f\n", SizeName(size).c_str(),
-                row.lat_iters, FormatSpread(row.p50, 2, o.repeat).c_str(), row.p99_us,
-                row.bw_iters, row.window, FormatSpread(row.bw, 3, o.repeat).c_str(),
-                row.copies_per_transfer, row.cpu_s_per_gb);
+                row.lat_iters, FormatSpread(row.p50, 2, o.repeat).c_str(), row.p99_us, row.bw_iters,
+                row.window, FormatSpread(row.bw, 3, o.repeat).c_str(), row.copies_per_transfer,
+                row.cpu_s_per_gb);
     std::fflush(stdout);
     rows->push_back(row);
   }
@@ -279,8 +279,11 @@ int RunBenchP2P(const BenchP2POptions& o) {
       const P2PRow* r = FindRow(rows, p, size);
       std::string cell = "-";
       if (r != nullptr) {
-        cell = absl::StrFormat("%.2fx fab %.2fx mcpy", f ? r->bw_gbps / f->bw_gbps : 0.0,
-                               r->bw_gbps / std::max(memcpy_gbps[size], 1e-9));
+        // Without the raw fabric's row (--no-baselines) there is no ratio to print, not 0.
+        const std::string fab =
+            f != nullptr ? absl::StrFormat("%.2fx fab", r->bw_gbps / f->bw_gbps) : "- fab";
+        cell =
+            absl::StrFormat("%s %.2fx mcpy", fab, r->bw_gbps / std::max(memcpy_gbps[size], 1e-9));
       }
       std::printf(" %22s", cell.c_str());
     }
@@ -444,9 +447,10 @@ int RunBenchRate(const BenchRateOptions& o) {
       "tensorverbs bench rate: %d recvs per configuration, %d outstanding, %d keys per step, "
       "%d measured repetition%s%s%s\n",
       o.recvs, o.window, keys_per_step, o.repeat, o.repeat == 1 ? "" : "s",
-      o.repeat == 1 ? "" : " (median [min-max])", netns ? ", peer in its own network namespace" : "");
-  std::printf("%16s %6s %6s %8s %26s %10s %10s %12s  %s\n", "protocol", "slots", "batch",
-              "#bytes", "tensors/s", "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
+      o.repeat == 1 ? "" : " (median [min-max])",
+      netns ? ", peer in its own network namespace" : "");
+  std::printf("%16s %6s %6s %8s %26s %10s %10s %12s  %s\n", "protocol", "slots", "batch", "#bytes",
+              "tensors/s", "p50[us]", "p99[us]", "CPU us/xfer", "fabric");
   for (const std::string& protocol : *protocols) {
     std::vector<std::pair<int, int>> configs;  // (slots, batch); (0, 0) for grpc
     if (IsVerbsProtocol(protocol)) {
@@ -476,8 +480,8 @@ int RunBenchRate(const BenchRateOptions& o) {
         // A warm-up stream as long as a measured one: the meta-data caches fill, as after a
         // training step, and pools and tables reach their steady size.
         absl::StatusOr<PhaseResult> run =
-            RunPhase(**bench, prefix, keys, size, seed, std::max(keys_per_step, o.recvs),
-                     o.window, false, &next_step);
+            RunPhase(**bench, prefix, keys, size, seed, std::max(keys_per_step, o.recvs), o.window,
+                     false, &next_step);
         std::vector<double> rates, p50s, p99s, cpus;
         for (int rep = 0; run.ok() && rep < o.repeat; ++rep) {
           run = RunPhase(**bench, prefix, keys, size, seed, o.recvs, o.window, true, &next_step);
@@ -525,12 +529,13 @@ int RunBenchRate(const BenchRateOptions& o) {
       const FabricRow* f = FindFabricRow(fabric_rows, r.size);
       if (f == nullptr || f->bw_gbps <= 0) continue;
       const double writes_per_s = f->bw_gbps * 1e9 / static_cast<double>(r.size);
-      std::printf("  %s %s: %s slots, batch %s: %.0f tensors/s = %.2f x %.0f writes/s; %.2f us "
-                  "of CPU per tensor (goal <= 2)\n",
-                  r.protocol.c_str(), SizeName(r.size).c_str(),
-                  r.slots > 0 ? absl::StrCat(r.slots).c_str() : "-",
-                  r.batch > 0 ? absl::StrCat(r.batch).c_str() : "-", r.tensors_per_s,
-                  r.tensors_per_s / writes_per_s, writes_per_s, r.cpu_us);
+      std::printf(
+          "  %s %s: %s slots, batch %s: %.0f tensors/s = %.2f x %.0f writes/s; %.2f us "
+          "of CPU per tensor (goal <= 2)\n",
+          r.protocol.c_str(), SizeName(r.size).c_str(),
+          r.slots > 0 ? absl::StrCat(r.slots).c_str() : "-",
+          r.batch > 0 ? absl::StrCat(r.batch).c_str() : "-", r.tensors_per_s,
+          r.tensors_per_s / writes_per_s, writes_per_s, r.cpu_us);
     }
   }
   // The message-slot and batching optimizations, as ratios to the seed's buffer: one slot, one
@@ -546,12 +551,11 @@ int RunBenchRate(const BenchRateOptions& o) {
       // With slots enough to hide the round trip, the rate is bounded by the CPU a tensor
       // costs (both processes) on the cores there are.
       const double cpu_bound = sysconf(_SC_NPROCESSORS_ONLN) / (r.cpu_us * 1e-6);
-      std::printf(
-          "  %s %s: %d slots, batch %d = %.2f x%s; CPU bound at %.0f tensors/s = %.2f x\n",
-          r.protocol.c_str(), SizeName(r.size).c_str(), r.slots, r.batch,
-          r.tensors_per_s / base.tensors_per_s,
-          r.slots == 8 ? " (goal for 8 slots: >= 5)" : "", cpu_bound,
-          cpu_bound / base.tensors_per_s);
+      std::printf("  %s %s: %d slots, batch %d = %.2f x%s; CPU bound at %.0f tensors/s = %.2f x\n",
+                  r.protocol.c_str(), SizeName(r.size).c_str(), r.slots, r.batch,
+                  r.tensors_per_s / base.tensors_per_s,
+                  r.slots == 8 ? " (goal for 8 slots: >= 5)" : "", cpu_bound,
+                  cpu_bound / base.tensors_per_s);
     }
   }
   if (!o.json.empty()) {
