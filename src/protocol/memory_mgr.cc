@@ -40,7 +40,13 @@ RdmaMemoryMgr::RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32
     : domain_(domain),
       pool_(pool),
       remote_access_(remote_access),
-      channel_keys_(channel_keys && domain->capabilities().channel_keys) {
+      channel_keys_(channel_keys && domain->capabilities().channel_keys),
+      // With channel keys a receiver's peers get keys only from the channels' registrations, so
+      // the shared one needs no remote access: no key of it is offered, and none guessed works.
+      // grpc+gdr lends through the shared registration (read access) and keeps it.
+      shared_access_(channel_keys_ && remote_access == fabric::kAccessRemoteWrite
+                         ? static_cast<uint32_t>(fabric::kAccessLocal)
+                         : remote_access) {
   visitor_id_ = pool_->AddRegionVisitor(
       [](const MemoryRegion&) {},  // registered lazily on the progress thread
       [this](const MemoryRegion& r) {
@@ -73,7 +79,7 @@ absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const 
   auto it = registered_.find(base);
   if (it != registered_.end() && it->second.size == region.size) return it->second.region.get();
   ASSIGN_OR_RETURN(std::unique_ptr<fabric::MemoryRegion> mr,
-                   domain_->RegisterMemory(region.base, region.size, remote_access_));
+                   domain_->RegisterMemory(region.base, region.size, shared_access_));
   Registered& entry = registered_[base];
   entry.for_endpoint.clear();  // registrations of the memory the region held before
   entry.size = region.size;

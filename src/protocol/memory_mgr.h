@@ -9,7 +9,8 @@
 //   TENSORVERBS_REMOTE_KEYS=per-channel), each peer's endpoint gets registrations of the pool
 //   regions of its own, made on first use and dropped when the channel closes (DropEndpoint)
 //   or the pool releases the region: a key offered to one peer is not the key offered to
-//   another, and it dies with its channel. Local operations use the shared registration.
+//   another, and it dies with its channel. Local operations use the shared registration, which
+//   then takes no remote access at all (grpc+gdr's, which it lends through, excepted).
 // - The meta-data cache: rendezvous key (no step id) -> the tensor meta-data last received, so
 //   a steady-state recv allocates its result before asking and the sender writes at once.
 //
@@ -103,6 +104,7 @@ class RdmaMemoryMgr {
   PoolAllocator* const pool_;
   const uint32_t remote_access_;
   const bool channel_keys_;
+  const uint32_t shared_access_;  // of the pool regions' shared registrations
   int visitor_id_ = 0;
 
   Mutex mu_;

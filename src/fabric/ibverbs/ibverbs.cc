@@ -2,20 +2,21 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <infiniband/verbs.h>
+#include <poll.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/endpoint_base.h"
 #include "src/fabric/ibverbs/device_selection.h"
 #include "src/fabric/ibverbs/inventory.h"
-#include "src/fabric/endpoint_base.h"
 #include "src/fabric/op_tracker.h"
 #include "src/fabric/wake_fd.h"
 
@@ -23,6 +24,10 @@ namespace tensorverbs::fabric::ibverbs {
 namespace {
 
 constexpr uint64_t kReceiveWrId = 0;  // wr_id of posted receives; ops use their address
+constexpr uint64_t kBindWrId = 1;     // wr_id of memory window binds
+// Send queue entries beyond the operations' depth, for memory window binds (one per pool region
+// per channel, so rarely more than a few at once).
+constexpr uint32_t kBindSlack = 16;
 
 std::string Errno(absl::string_view what, int err) {
   return absl::StrCat("ibverbs: ", what, ": ", std::strerror(err));
@@ -66,9 +71,9 @@ struct Address {
   }
   static absl::StatusOr<Address> Unpack(absl::string_view bytes) {
     if (bytes.size() != kSize || static_cast<uint8_t>(bytes[0]) != kVersion) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "ibverbs: malformed peer address (", bytes.size(), " bytes; expected ", kSize,
-          " of version ", kVersion, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("ibverbs: malformed peer address (",
+                                                     bytes.size(), " bytes; expected ", kSize,
+                                                     " of version ", kVersion, ")"));
     }
     const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
     Address a;
@@ -105,6 +110,7 @@ struct PackedKey {
 };
 
 class IbvEndpoint;
+class IbvRegion;
 
 struct Shared {
   ibv_context* ctx = nullptr;
@@ -115,6 +121,11 @@ struct Shared {
   RdmaConfig config;
   DomainOptions options;
   std::vector<IbvEndpoint*> endpoints;
+  // Type-2 memory windows work here: keys per channel are windows bound to the channel's queue
+  // pair, which the NIC refuses on any other. Regions are then registered bindable, and these
+  // are they (base -> region), for RegisterMemoryFor to bind windows to.
+  bool windows = false;
+  std::map<uintptr_t, const IbvRegion*> bindable;
   absl::Status device_error;  // sticky, from a fatal async event
   WakeFd wake;                // Domain::Interrupt
 
@@ -125,19 +136,72 @@ struct Shared {
   }
 };
 
-class IbvRegion final : public MemoryRegion {
+// What local operations need of any registration: its lkey.
+class IbvMemory : public MemoryRegion {
  public:
-  IbvRegion(std::shared_ptr<Shared> shared, ibv_mr* mr, void* base, size_t length)
-      : MemoryRegion(base, length), shared_(std::move(shared)), mr_(mr) {}
-  ~IbvRegion() override { ibv_dereg_mr(mr_); }
+  uint32_t lkey() const { return lkey_; }
+
+ protected:
+  IbvMemory(void* base, size_t length, uint32_t lkey) : MemoryRegion(base, length), lkey_(lkey) {}
+
+ private:
+  const uint32_t lkey_;
+};
+
+class IbvRegion final : public IbvMemory {
+ public:
+  IbvRegion(std::shared_ptr<Shared> shared, ibv_mr* mr, void* base, size_t length, bool bindable)
+      : IbvMemory(base, length, mr->lkey),
+        shared_(std::move(shared)),
+        mr_(mr),
+        bindable_(bindable) {
+    if (bindable_) shared_->bindable[reinterpret_cast<uintptr_t>(base)] = this;
+  }
+  ~IbvRegion() override {
+    if (bindable_) {
+      auto it = shared_->bindable.find(reinterpret_cast<uintptr_t>(base()));
+      if (it != shared_->bindable.end() && it->second == this) shared_->bindable.erase(it);
+    }
+    ibv_dereg_mr(mr_);
+  }
   RemoteKey PackRemoteKey() const override {
     return PackedKey{mr_->rkey, reinterpret_cast<uint64_t>(base()), length()}.Pack();
   }
-  uint32_t lkey() const { return mr_->lkey; }
+  ibv_mr* mr() const { return mr_; }
 
  private:
   std::shared_ptr<Shared> shared_;
   ibv_mr* mr_;
+  const bool bindable_;
+};
+
+// A registration for one channel: a type-2 memory window bound to the channel's queue pair over
+// a bindable registration (the region's own, or `owned_mr` made for it). Deallocating the window
+// invalidates its key.
+class IbvWindow final : public IbvMemory {
+ public:
+  IbvWindow(std::shared_ptr<Shared> shared, ibv_mw* mw, uint32_t rkey, ibv_mr* mr, bool owned_mr,
+            void* base, size_t length)
+      : IbvMemory(base, length, mr->lkey),
+        shared_(std::move(shared)),
+        mw_(mw),
+        rkey_(rkey),
+        mr_(mr),
+        owned_mr_(owned_mr) {}
+  ~IbvWindow() override {
+    ibv_dealloc_mw(mw_);
+    if (owned_mr_) ibv_dereg_mr(mr_);
+  }
+  RemoteKey PackRemoteKey() const override {
+    return PackedKey{rkey_, reinterpret_cast<uint64_t>(base()), length()}.Pack();
+  }
+
+ private:
+  std::shared_ptr<Shared> shared_;
+  ibv_mw* const mw_;
+  const uint32_t rkey_;
+  ibv_mr* const mr_;
+  const bool owned_mr_;
 };
 
 class IbvEndpoint final : public EndpointBase {
@@ -157,7 +221,10 @@ class IbvEndpoint final : public EndpointBase {
     init.send_cq = cq_;
     init.recv_cq = cq_;
     init.qp_type = IBV_QPT_RC;
-    init.cap.max_send_wr = static_cast<uint32_t>(depth_);
+    // Room for memory window binds beside the operations, where the device allows it.
+    init.cap.max_send_wr =
+        static_cast<uint32_t>(std::min<size_t>(depth_ + (shared_->windows ? kBindSlack : 0),
+                                               static_cast<size_t>(shared_->attr.max_qp_wr)));
     init.cap.max_recv_wr = static_cast<uint32_t>(depth_);
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
@@ -168,11 +235,11 @@ class IbvEndpoint final : public EndpointBase {
     a.pkey_index = static_cast<uint16_t>(shared_->config.pkey_index);
     a.port_num = static_cast<uint8_t>(shared_->selection.port);
     a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
-    if (int e = ibv_modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                           IBV_QP_ACCESS_FLAGS)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          Errno("moving the QP to INIT", e), " (check RDMA_QP_PKEY_INDEX=",
-          shared_->config.pkey_index, ")"));
+    if (int e = ibv_modify_qp(
+            qp_, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Errno("moving the QP to INIT", e),
+                       " (check RDMA_QP_PKEY_INDEX=", shared_->config.pkey_index, ")"));
     }
     // Writes with immediate consume a receive each: keep the receive queue full.
     for (size_t i = 0; i < depth_; ++i) RETURN_IF_ERROR(PostReceive());
@@ -194,6 +261,40 @@ class IbvEndpoint final : public EndpointBase {
   }
 
   ibv_cq* cq() const { return cq_; }
+  bool connected() const { return connected_; }
+
+  // Binds a new type-2 window over [addr, addr+length) of `mr` to this queue pair, granting
+  // `access` (IBV_ACCESS_REMOTE_*), and returns it with its key. The bind is a send work request:
+  // everything this side posts later (the message carrying the key) executes after it, so the
+  // peer cannot use the key before it is valid. A failed bind breaks the queue pair, like any
+  // failed work request.
+  absl::StatusOr<std::pair<ibv_mw*, uint32_t>> BindWindow(ibv_mr* mr, void* addr, size_t length,
+                                                          int access) {
+    if (!connected_) return absl::FailedPreconditionError("ibverbs: endpoint is not connected");
+    if (!qp_error_.ok()) return qp_error_;
+    ibv_mw* mw = ibv_alloc_mw(shared_->pd, IBV_MW_TYPE_2);
+    if (mw == nullptr) return absl::ResourceExhaustedError(Errno("ibv_alloc_mw", errno));
+    const uint32_t rkey = ibv_inc_rkey(mw->rkey);
+    ibv_send_wr wr{};
+    wr.wr_id = kBindWrId;
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.bind_mw.mw = mw;
+    wr.bind_mw.rkey = rkey;
+    wr.bind_mw.bind_info.mr = mr;
+    wr.bind_mw.bind_info.addr = reinterpret_cast<uint64_t>(addr);
+    wr.bind_mw.bind_info.length = length;
+    wr.bind_mw.bind_info.mw_access_flags = static_cast<unsigned int>(access);
+    ibv_send_wr* bad = nullptr;
+    if (int e = ibv_post_send(qp_, &wr, &bad)) {
+      ibv_dealloc_mw(mw);
+      return e == ENOMEM ? absl::ResourceExhaustedError(absl::StrCat(
+                               Errno("binding a memory window", e),
+                               ": the send queue is full; raise RDMA_QUEUE_DEPTH or try again"))
+                         : absl::UnavailableError(Errno("binding a memory window", e));
+    }
+    return std::make_pair(mw, rkey);
+  }
 
   std::string LocalAddress() const override {
     Address a;
@@ -229,9 +330,10 @@ class IbvEndpoint final : public EndpointBase {
       a.ah_attr.grh.hop_limit = 64;
       a.ah_attr.grh.traffic_class = static_cast<uint8_t>(cfg.traffic_class);
     }
-    if (int e = ibv_modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
-                                           IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-                                           IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) {
+    if (int e =
+            ibv_modify_qp(qp_, &a,
+                          IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                              IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) {
       return absl::UnavailableError(absl::StrCat(
           Errno("moving the QP to RTR", e), " (peer QPN ", peer.qpn, ", LID ", peer.lid, ", GID ",
           GidToString(peer.gid), "; check RDMA_GID_INDEX, RDMA_QP_MTU and RDMA_QP_SL)"));
@@ -243,11 +345,11 @@ class IbvEndpoint final : public EndpointBase {
     r.rnr_retry = 7;
     r.sq_psn = psn_;
     r.max_rd_atomic = static_cast<uint8_t>(std::clamp(shared_->attr.max_qp_init_rd_atom, 1, 16));
-    if (int e = ibv_modify_qp(qp_, &r, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                           IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
-                                           IBV_QP_MAX_QP_RD_ATOMIC)) {
-      return absl::UnavailableError(absl::StrCat(Errno("moving the QP to RTS", e),
-                                                 " (check RDMA_QP_TIMEOUT and RDMA_QP_RETRY_COUNT)"));
+    if (int e = ibv_modify_qp(qp_, &r,
+                              IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                                  IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC)) {
+      return absl::UnavailableError(absl::StrCat(
+          Errno("moving the QP to RTS", e), " (check RDMA_QP_TIMEOUT and RDMA_QP_RETRY_COUNT)"));
     }
     connected_ = true;
     return absl::OkStatus();
@@ -286,6 +388,11 @@ class IbvEndpoint final : public EndpointBase {
       if (n == 0) break;
       for (int i = 0; i < n; ++i) {
         const ibv_wc& w = wc[i];
+        if (w.wr_id == kBindWrId) {
+          // A bind produces no completion of the fabric's; a failed one breaks the queue pair.
+          if (w.status != IBV_WC_SUCCESS && qp_error_.ok()) qp_error_ = WcError(w);
+          continue;
+        }
         if (w.wr_id == kReceiveWrId) {
           if (w.status != IBV_WC_SUCCESS) {
             // The QP went to error; its receives flush. The peer's writes cannot land.
@@ -317,9 +424,9 @@ class IbvEndpoint final : public EndpointBase {
 
  private:
   absl::Status WcError(const ibv_wc& w) {
-    return absl::UnavailableError(absl::StrCat(
-        "ibverbs (", shared_->selection.device, "): work completion failed: ",
-        ibv_wc_status_str(w.status), " (vendor error ", w.vendor_err, ")"));
+    return absl::UnavailableError(
+        absl::StrCat("ibverbs (", shared_->selection.device, "): work completion failed: ",
+                     ibv_wc_status_str(w.status), " (vendor error ", w.vendor_err, ")"));
   }
 
   absl::Status PostReceive() {
@@ -341,11 +448,11 @@ class IbvEndpoint final : public EndpointBase {
     ASSIGN_OR_RETURN(PackedKey key, PackedKey::Unpack(remote.key));
     RETURN_IF_ERROR(CheckRanges("ibverbs", local, remote, key.base, key.length));
     if (local.length > shared_->attr.max_mr_size || local.length > UINT32_MAX) {
-      return absl::InvalidArgumentError(absl::StrCat("ibverbs: ", local.length,
-                                                     " bytes exceed one work request"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ibverbs: ", local.length, " bytes exceed one work request"));
     }
     Op* op = ops_.NewOp(kind, with_imm, imm, local, remote, context);
-    op->lkey = local.length > 0 ? static_cast<const IbvRegion*>(local.region)->lkey() : 0;
+    op->lkey = local.length > 0 ? static_cast<const IbvMemory*>(local.region)->lkey() : 0;
     op->remote_key = key.rkey;
     return ops_.Submit(op, [this](Op* o) { return Issue(o); });
   }
@@ -394,8 +501,46 @@ class IbvDomain final : public Domain {
     caps_.max_message_size = std::min<uint64_t>(shared_->attr.max_mr_size, UINT32_MAX);
     caps_.virtual_addressing = true;
     caps_.queue_depth = shared_->options.queue_depth;
+    caps_.channel_keys = caps_.endpoint_bound_keys = shared_->windows;
   }
   const Capabilities& capabilities() const override { return caps_; }
+
+  // A window bound to the endpoint's queue pair over the bindable registration that holds the
+  // range (registering one if none does). Before the endpoint is connected there is no queue
+  // pair to bind to: the range gets a registration of its own (its own key, dropped with it,
+  // but not bound to the endpoint), which is what a channel's message slots get.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemoryFor(Endpoint& endpoint, void* addr,
+                                                                  size_t length,
+                                                                  uint32_t access) override {
+    if (!shared_->windows) return Domain::RegisterMemoryFor(endpoint, addr, length, access);
+    auto& ep = static_cast<IbvEndpoint&>(endpoint);
+    if (!ep.connected()) return RegisterMemory(addr, length, access);
+    if (addr == nullptr || length == 0) {
+      return absl::InvalidArgumentError("ibverbs: cannot register an empty range");
+    }
+    ibv_mr* mr = nullptr;
+    bool owned = false;
+    const auto a = reinterpret_cast<uintptr_t>(addr);
+    auto it = shared_->bindable.upper_bound(a);
+    if (it != shared_->bindable.begin()) {
+      const IbvRegion* r = std::prev(it)->second;
+      if (r->Contains(addr, length)) mr = r->mr();
+    }
+    if (mr == nullptr) {
+      ASSIGN_OR_RETURN(mr, Register(addr, length, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND));
+      owned = true;
+    }
+    int flags = 0;
+    if (access & kAccessRemoteWrite) flags |= IBV_ACCESS_REMOTE_WRITE;
+    if (access & kAccessRemoteRead) flags |= IBV_ACCESS_REMOTE_READ;
+    absl::StatusOr<std::pair<ibv_mw*, uint32_t>> window = ep.BindWindow(mr, addr, length, flags);
+    if (!window.ok()) {
+      if (owned) ibv_dereg_mr(mr);
+      return window.status();
+    }
+    return std::unique_ptr<MemoryRegion>(
+        new IbvWindow(shared_, window->first, window->second, mr, owned, addr, length));
+  }
 
   absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterMemory(void* addr, size_t length,
                                                                uint32_t access) override {
@@ -405,13 +550,11 @@ class IbvDomain final : public Domain {
     int flags = IBV_ACCESS_LOCAL_WRITE;
     if (access & kAccessRemoteWrite) flags |= IBV_ACCESS_REMOTE_WRITE;
     if (access & kAccessRemoteRead) flags |= IBV_ACCESS_REMOTE_READ;
-    ibv_mr* mr = ibv_reg_mr(shared_->pd, addr, length, flags);
-    if (mr == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          Errno("ibv_reg_mr", errno), " registering ", length,
-          " bytes; check the memlock limit (ulimit -l)"));
-    }
-    return std::unique_ptr<MemoryRegion>(new IbvRegion(shared_, mr, addr, length));
+    // Bindable where windows work, so channels' windows need no registration of their own.
+    if (shared_->windows) flags |= IBV_ACCESS_MW_BIND;
+    ASSIGN_OR_RETURN(ibv_mr * mr, Register(addr, length, flags));
+    return std::unique_ptr<MemoryRegion>(
+        new IbvRegion(shared_, mr, addr, length, shared_->windows));
   }
 
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
@@ -428,7 +571,8 @@ class IbvDomain final : public Domain {
     pollfd fds[3] = {{shared_->channel->fd, POLLIN, 0},
                      {shared_->ctx->async_fd, POLLIN, 0},
                      {shared_->wake.fd(), POLLIN, 0}};
-    const int ms = static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
+    const int ms =
+        static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
     if (poll(fds, 3, std::max(ms, 0)) < 0 && errno != EINTR) {
       return absl::UnavailableError(Errno("poll", errno));
     }
@@ -458,6 +602,16 @@ class IbvDomain final : public Domain {
   }
 
  private:
+  absl::StatusOr<ibv_mr*> Register(void* addr, size_t length, int flags) {
+    ibv_mr* mr = ibv_reg_mr(shared_->pd, addr, length, flags);
+    if (mr == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(Errno("ibv_reg_mr", errno), " registering ", length,
+                       " bytes; check the memlock limit (ulimit -l)"));
+    }
+    return mr;
+  }
+
   // The async fd is non-blocking, so this never waits: no extra thread is needed.
   void ReadAsyncEvents() {
     ibv_async_event event;
@@ -469,16 +623,17 @@ class IbvDomain final : public Domain {
         case IBV_EVENT_QP_ACCESS_ERR:
           for (IbvEndpoint* ep : shared_->endpoints) {
             if (ep->qp_num() == event.element.qp->qp_num) {
-              ep->SetError(absl::UnavailableError(absl::StrCat("ibverbs: queue pair error: ", what)));
+              ep->SetError(
+                  absl::UnavailableError(absl::StrCat("ibverbs: queue pair error: ", what)));
             }
           }
           break;
         case IBV_EVENT_DEVICE_FATAL:
         case IBV_EVENT_PORT_ERR:
           if (shared_->device_error.ok()) {
-            shared_->device_error = absl::UnavailableError(absl::StrCat(
-                "ibverbs (", shared_->selection.device, " port ", shared_->selection.port,
-                "): ", what));
+            shared_->device_error = absl::UnavailableError(
+                absl::StrCat("ibverbs (", shared_->selection.device, " port ",
+                             shared_->selection.port, "): ", what));
           }
           break;
         default:
@@ -522,6 +677,19 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenIbverbsDomain(const DomainOptions& o
   }
   shared->pd = ibv_alloc_pd(shared->ctx);
   if (shared->pd == nullptr) return absl::UnavailableError(Errno("ibv_alloc_pd", errno));
+  // Type-2 windows, where the device says so and one can be allocated (some drivers leave
+  // alloc_mw out).
+  if ((shared->attr.device_cap_flags &
+       (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B)) != 0) {
+    if (ibv_mw* probe = ibv_alloc_mw(shared->pd, IBV_MW_TYPE_2); probe != nullptr) {
+      ibv_dealloc_mw(probe);
+      shared->windows = true;
+    } else {
+      LOG(INFO) << "ibverbs: " << selection.device
+                << " reports type-2 memory windows but cannot allocate one ("
+                << std::strerror(errno) << "): one key per region for every peer";
+    }
+  }
   shared->channel = ibv_create_comp_channel(shared->ctx);
   if (shared->channel == nullptr) {
     return absl::UnavailableError(Errno("ibv_create_comp_channel", errno));

@@ -56,6 +56,16 @@ struct FakeMr {
   int access = 0;
 };
 
+struct FakeMw {
+  ibv_mw mw{};
+  bool bound = false;
+  uint32_t rkey = 0;  // the key of the current binding
+  uint64_t addr = 0;
+  uint64_t length = 0;
+  int access = 0;
+  uint32_t qp_num = 0;  // the queue pair it was bound on, the only one it takes access through
+};
+
 struct State {
   ibv_device device{};
   ibv_device* list[2] = {&device, nullptr};
@@ -64,8 +74,10 @@ struct State {
   int async_pipe[2] = {-1, -1};
   std::map<uint32_t, std::unique_ptr<FakeQp>> qps;
   std::map<uint32_t, std::unique_ptr<FakeMr>> mrs;  // rkey == lkey
+  std::map<ibv_mw*, std::unique_ptr<FakeMw>> mws;
   uint32_t next_qpn = 100;
   uint32_t next_key = 0x1000;
+  uint32_t next_window = 0x10000;  // keys: index << 8 | tag, apart from the registrations' keys
 };
 
 State& S() {
@@ -75,7 +87,18 @@ State& S() {
 
 FakeQp* Qp(ibv_qp* qp) { return S().qps.at(qp->qp_num).get(); }
 
-bool InRegion(uint32_t key, uint64_t addr, uint64_t len, int need) {
+bool InRange(uint64_t base, uint64_t length, uint64_t addr, uint64_t len) {
+  return addr >= base && len <= length && addr - base <= length - len;
+}
+
+// Whether `key` grants `need` on [addr, addr+len) to a request arriving on queue pair `target`.
+bool InRegion(uint32_t key, uint64_t addr, uint64_t len, int need, uint32_t target) {
+  for (const auto& [handle, w] : S().mws) {
+    if (w->bound && w->rkey == key) {
+      return w->qp_num == target && (w->access & need) == need &&
+             InRange(w->addr, w->length, addr, len);
+    }
+  }
   auto it = S().mrs.find(key);
   if (it == S().mrs.end()) return false;
   const ibv_mr& mr = it->second->mr;
@@ -96,12 +119,39 @@ int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   done.status = IBV_WC_SUCCESS;
   const uint64_t len = wr->num_sge ? wr->sg_list[0].length : 0;
   void* local = wr->num_sge ? reinterpret_cast<void*>(wr->sg_list[0].addr) : nullptr;
+  if (wr->opcode == IBV_WR_BIND_MW) {
+    // Type 2: bound to this queue pair, over a registration that allows binding.
+    done.opcode = IBV_WC_BIND_MW;
+    auto w = S().mws.find(wr->bind_mw.mw);
+    const ibv_mw_bind_info& info = wr->bind_mw.bind_info;
+    auto mr = info.mr != nullptr ? S().mrs.find(info.mr->rkey) : S().mrs.end();
+    if (q->state != IBV_QPS_RTS || w == S().mws.end() || mr == S().mrs.end() ||
+        (mr->second->access & IBV_ACCESS_MW_BIND) == 0 ||
+        (wr->bind_mw.rkey & ~0xFFu) != (w->second->mw.rkey & ~0xFFu) ||
+        !InRange(reinterpret_cast<uint64_t>(info.mr->addr), info.mr->length, info.addr,
+                 info.length)) {
+      done.status = IBV_WC_MW_BIND_ERR;
+    } else {
+      FakeMw& fw = *w->second;
+      fw.bound = true;
+      fw.rkey = wr->bind_mw.rkey;
+      fw.addr = info.addr;
+      fw.length = info.length;
+      fw.access = static_cast<int>(info.mw_access_flags);
+      fw.qp_num = qp->qp_num;
+      ++FakeNic::Get().windows_bound;
+    }
+    q->cq->Push(done);
+    ++q->sends_in_cq;
+    return 0;
+  }
   const bool read = wr->opcode == IBV_WR_RDMA_READ;
   const int need = read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE;
   auto dest = S().qps.find(q->dest_qp);
   if (q->state != IBV_QPS_RTS || dest == S().qps.end()) {
     done.status = IBV_WC_RETRY_EXC_ERR;
-  } else if (len > 0 && !InRegion(wr->wr.rdma.rkey, wr->wr.rdma.remote_addr, len, need)) {
+  } else if (len > 0 &&
+             !InRegion(wr->wr.rdma.rkey, wr->wr.rdma.remote_addr, len, need, q->dest_qp)) {
     done.status = IBV_WC_REM_ACCESS_ERR;
   } else {
     auto* remote = reinterpret_cast<void*>(wr->wr.rdma.remote_addr);
@@ -148,6 +198,28 @@ int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   return 0;
 }
 
+ibv_mw* AllocMw(ibv_pd* pd, ibv_mw_type type) {
+  if (type != IBV_MW_TYPE_2) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  auto w = std::make_unique<FakeMw>();
+  w->mw.context = pd->context;
+  w->mw.pd = pd;
+  w->mw.type = type;
+  w->mw.rkey = S().next_window++ << 8;
+  ibv_mw* out = &w->mw;
+  S().mws[out] = std::move(w);
+  ++FakeNic::Get().windows_live;
+  return out;
+}
+
+int DeallocMw(ibv_mw* mw) {
+  if (S().mws.erase(mw) == 0) return EINVAL;
+  --FakeNic::Get().windows_live;
+  return 0;
+}
+
 int ReqNotifyCq(ibv_cq* cq, int) {
   reinterpret_cast<FakeCq*>(cq)->armed = true;
   return 0;
@@ -179,6 +251,7 @@ void FakeNic::Reset() {
   State& s = S();
   s.qps.clear();
   s.mrs.clear();
+  s.mws.clear();
 }
 
 }  // namespace tensorverbs::testing
@@ -203,6 +276,10 @@ ibv_context* __wrap_ibv_open_device(ibv_device* device) {
   s.ctx.ops.post_recv = tensorverbs::testing::PostRecv;
   s.ctx.ops.poll_cq = tensorverbs::testing::PollCq;
   s.ctx.ops.req_notify_cq = tensorverbs::testing::ReqNotifyCq;
+  if (FakeNic::Get().memory_windows) {
+    s.ctx.ops.alloc_mw = tensorverbs::testing::AllocMw;
+    s.ctx.ops.dealloc_mw = tensorverbs::testing::DeallocMw;
+  }
   if (s.async_pipe[0] < 0) pipe(s.async_pipe);
   s.ctx.async_fd = s.async_pipe[0];
   return &s.ctx;
@@ -216,6 +293,7 @@ int __wrap_ibv_query_device(ibv_context*, ibv_device_attr* attr) {
   attr->max_mr_size = uint64_t{1} << 40;
   attr->max_qp_rd_atom = 16;
   attr->max_qp_init_rd_atom = 16;
+  if (FakeNic::Get().memory_windows) attr->device_cap_flags |= IBV_DEVICE_MEM_WINDOW_TYPE_2B;
   return 0;
 }
 int __wrap_ibv_query_port(ibv_context*, uint8_t port, _compat_ibv_port_attr* compat) {

@@ -6,7 +6,8 @@
 // carried out at post time between QPs of this process, with the RC semantics the backend relies
 // on: a write with immediate consumes a receive on the target and completes there as
 // IBV_WC_RECV_RDMA_WITH_IMM; a bad rkey or range completes with IBV_WC_REM_ACCESS_ERR; a full send
-// queue refuses with ENOMEM. Every modify_qp is recorded. Single-threaded, like the tests.
+// queue refuses with ENOMEM; type-2 memory windows are bound by a send work request and honoured
+// only on their queue pair. Every modify_qp is recorded. Single-threaded, like the tests.
 #ifndef TENSORVERBS_TESTS_UNIT_FABRIC_FAKE_NIC_H_
 #define TENSORVERBS_TESTS_UNIT_FABRIC_FAKE_NIC_H_
 
@@ -37,6 +38,12 @@ struct FakeNic {
   // as the kernel refuses it.
   uint64_t memlock_bytes = UINT64_MAX;
   uint64_t pinned_bytes = 0;  // registered and not deregistered
+  // Type-2 memory windows: reported in the device capabilities and allocatable. A window is
+  // bound by a send work request (IBV_WR_BIND_MW) over a registration with IBV_ACCESS_MW_BIND
+  // and takes remote access only through the queue pair it was bound on.
+  bool memory_windows = true;
+  int windows_bound = 0;
+  int windows_live = 0;  // allocated and not deallocated
 
   struct Modify {
     uint32_t qp_num;

@@ -276,5 +276,81 @@ TEST_F(IbverbsFakeNicTest, SetUpFailuresAreClearErrors) {
               HasSubstr("RDMA_QP_MTU=4096 exceeds the active MTU 1024"));
 }
 
+// Keys per channel on a NIC are type-2 memory windows bound to the channel's queue pair over
+// the region's own (bindable, remotely inaccessible) registration: no second pinning, the key
+// works from that channel's peer alone, and dropping the window revokes it.
+TEST_F(IbverbsFakeNicTest, ChannelKeysAreWindowsBoundToTheChannelsQueuePair) {
+  ASSERT_NO_FATAL_FAILURE(Open());
+  EXPECT_TRUE(domain_->capabilities().channel_keys);
+  EXPECT_TRUE(domain_->capabilities().endpoint_bound_keys);
+  // Another channel between the same domains (one fake NIC plays both hosts).
+  std::unique_ptr<Endpoint> c = *domain_->CreateEndpoint();
+  std::unique_ptr<Endpoint> d = *domain_->CreateEndpoint();
+  ASSERT_TRUE(c->Connect(d->LocalAddress()).ok());
+  ASSERT_TRUE(d->Connect(c->LocalAddress()).ok());
+  std::string pool(1 << 16, 0);
+  // What the memory manager registers with channel keys: local access only.
+  std::unique_ptr<MemoryRegion> shared =
+      *domain_->RegisterMemory(pool.data(), pool.size(), kAccessLocal);
+  const uint64_t pinned = FakeNic::Get().pinned_bytes;
+  // b_ receives from a_: its window over 16 KiB of the pool.
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> window =
+      domain_->RegisterMemoryFor(*b_, pool.data() + 4096, 16384, kAccessRemoteWrite);
+  ASSERT_TRUE(window.ok()) << window.status();
+  EXPECT_EQ(FakeNic::Get().pinned_bytes, pinned) << "a window pins nothing more";
+  EXPECT_EQ(FakeNic::Get().windows_bound, 1);
+  EXPECT_NE((*window)->PackRemoteKey(), shared->PackRemoteKey());
+  ASSERT_TRUE(Drain().empty()) << "the bind's own completion is not the fabric's";
+  auto write = [&](Endpoint& from, const RemoteKey& key, size_t offset) {
+    RemoteBuffer remote{key, reinterpret_cast<uint64_t>(pool.data()) + offset, 1024};
+    EXPECT_TRUE(from.PostWrite({src_mr_.get(), src_.data(), 1024}, remote, 5).ok());
+    std::vector<Completion> got = Drain();
+    return got.size() == 1 ? got[0].status : absl::InternalError("not one completion");
+  };
+  EXPECT_TRUE(write(*a_, (*window)->PackRemoteKey(), 4096).ok());
+  EXPECT_EQ(pool[4096], 'a');
+  std::fill(pool.begin(), pool.end(), 0);
+  EXPECT_FALSE(write(*c, (*window)->PackRemoteKey(), 4096).ok()) << "another channel's peer";
+  EXPECT_FALSE(write(*a_, shared->PackRemoteKey(), 4096).ok()) << "the unoffered registration";
+  const RemoteKey old = (*window)->PackRemoteKey();
+  window->reset();
+  EXPECT_EQ(FakeNic::Get().windows_live, 0);
+  EXPECT_FALSE(write(*a_, old, 4096).ok()) << "a dropped window's key";
+  EXPECT_EQ(pool[4096], 0) << "nothing landed";
+
+  // Memory outside every bindable registration gets one of its own under the window.
+  std::string heap(8192, 0);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> own =
+      domain_->RegisterMemoryFor(*b_, heap.data(), heap.size(), kAccessRemoteWrite);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_EQ(FakeNic::Get().pinned_bytes, pinned + heap.size());
+  own->reset();
+  EXPECT_EQ(FakeNic::Get().pinned_bytes, pinned);
+}
+
+TEST_F(IbverbsFakeNicTest, BeforeItsQueuePairIsConnectedAnEndpointGetsARegistrationOfItsOwn) {
+  ASSERT_NO_FATAL_FAILURE(Open());
+  std::unique_ptr<Endpoint> fresh = *domain_->CreateEndpoint();
+  std::string slots(4096, 0);
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> mr =
+      domain_->RegisterMemoryFor(*fresh, slots.data(), slots.size(), kAccessRemoteWrite);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  EXPECT_EQ(FakeNic::Get().windows_bound, 0);
+  RemoteBuffer remote{(*mr)->PackRemoteKey(), reinterpret_cast<uint64_t>(slots.data()), 64};
+  ASSERT_TRUE(a_->PostWrite({src_mr_.get(), src_.data(), 64}, remote, 1).ok());
+  std::vector<Completion> got = Drain();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_TRUE(got[0].status.ok()) << got[0].status;
+}
+
+TEST_F(IbverbsFakeNicTest, WithoutMemoryWindowsEveryPeerSharesTheRegionsKey) {
+  FakeNic::Get().memory_windows = false;
+  ASSERT_NO_FATAL_FAILURE(Open());
+  EXPECT_FALSE(domain_->capabilities().channel_keys);
+  std::string pool(4096, 0);
+  EXPECT_TRUE(absl::IsUnimplemented(
+      domain_->RegisterMemoryFor(*b_, pool.data(), pool.size(), kAccessRemoteWrite).status()));
+}
+
 }  // namespace
 }  // namespace tensorverbs::fabric::ibverbs

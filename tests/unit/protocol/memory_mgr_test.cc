@@ -289,6 +289,9 @@ TEST_F(MemoryMgrTest, WithChannelKeysEachPeerIsOfferedAKeyOfItsOwnThatDiesWithIt
   ASSERT_TRUE(other_key.ok()) << other_key.status();
   EXPECT_NE(*key, *other_key);
   EXPECT_NE(*key, region->PackRemoteKey()) << "the shared registration is not offered";
+  EXPECT_EQ(RemoteWrite(region->PackRemoteKey(), t.data(), 64).code(),
+            absl::StatusCode::kPermissionDenied)
+      << "and takes no remote access: no key but a channel's reaches the memory";
   // Steady state: a destination in the same pool region reuses the channel's registration.
   const fabric::MemoryRegion* same = *memory_->FindRegistered(u.data(), 4096);
   EXPECT_EQ(*memory_->RemoteKeyFor(*target_, *same), *key);
