@@ -508,6 +508,14 @@ TEST_P(ProtocolTest, ATensorAboveTheReceiversLimitFailsItsRecvAndOthersStillArri
   const Tensor fits = PoolTensor(1, DataType::kUInt8, {1024}, 7);
   ASSERT_NO_FATAL_FAILURE(SendAndRecv(4, "big", fits));
   ExpectNothingLent(1);
+  // Strings cost a string object each however short their encoding: 4096 empty ones are a few
+  // KiB on the wire and 128 KiB of objects, above the limit.
+  const Tensor names = Tensor::Make(DataType::kString, TensorShape::Of({4096}));
+  ASSERT_TRUE(Step(1, 5)->Send(Key(1, "names"), names).ok());
+  PendingRecv strings(*Step(0, 5), Key(1, "names"));
+  ASSERT_TRUE(strings.Wait());
+  EXPECT_EQ(strings.status().code(), absl::StatusCode::kResourceExhausted) << strings.status();
+  EXPECT_THAT(std::string(strings.status().message()), HasSubstr("names"));
 }
 
 // A receiver may ask for steps its sender has not started; how many such steps one task holds
@@ -959,8 +967,8 @@ TEST_P(PushTest, SteadyStateRecvsFindTheirRequestAlreadyMade) {
   EXPECT_EQ(tx().errors_sent.load() + rx().channel_errors.load() + tx().channel_errors.load(), 0);
   // The results are the receiver's pool memory, written in place.
   Tensor last;
-  ASSERT_TRUE(Step(1, kSteps + 1)->Send(Key(1, "w"), PoolTensor(1, DataType::kFloat32, {256}, 99))
-                  .ok());
+  ASSERT_TRUE(
+      Step(1, kSteps + 1)->Send(Key(1, "w"), PoolTensor(1, DataType::kFloat32, {256}, 99)).ok());
   PendingRecv recv(*Step(0, kSteps + 1), Key(1, "w"));
   ASSERT_TRUE(recv.Wait());
   MemoryRegion region;
@@ -1001,7 +1009,8 @@ TEST_P(PushTest, AnAbortedStepReleasesItsPushedRequestAndLaterStepsStillArrive) 
   Step(0, 2)->StartAbort(absl::CancelledError("step 2 cancelled"));
   Step(1, 2)->StartAbort(absl::CancelledError("step 2 cancelled"));
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (rx().push_unused.load() < 1 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  while (rx().push_unused.load() < 1 && absl::Now() < deadline)
+    absl::SleepFor(absl::Milliseconds(5));
   EXPECT_EQ(rx().push_unused.load(), 1);
   CleanupStep(2);
   for (int step = 3; step <= 6; ++step) {
@@ -1017,8 +1026,7 @@ TEST_P(PushTest, AReceiverThatSkipsStepsStillGetsEveryTensorItAsksFor) {
   // and every step is cleaned up on both tasks once the receiver is past it, as a training
   // loop's steps are.
   for (int step = 1; step <= 9; ++step) {
-    ASSERT_TRUE(
-        Step(1, step)->Send(Key(1, "x"), PoolTensor(1, DataType::kInt32, {32}, step)).ok());
+    ASSERT_TRUE(Step(1, step)->Send(Key(1, "x"), PoolTensor(1, DataType::kInt32, {32}, step)).ok());
   }
   int cleaned = 0;
   for (int step : {1, 3, 5, 6, 7, 8, 9}) {
@@ -1092,8 +1100,8 @@ TEST_P(PushTest, TheBudgetBoundsRequestsMadeAhead) {
     for (int k = 0; k < kKeys; ++k) {
       ASSERT_TRUE(recvs[k]->Wait());
       ASSERT_TRUE(recvs[k]->status().ok()) << recvs[k]->status();
-      EXPECT_TRUE(recvs[k]->tensor().ContentEquals(
-          PoolTensor(1, DataType::kFloat32, {8}, step * 100 + k)));
+      EXPECT_TRUE(
+          recvs[k]->tensor().ContentEquals(PoolTensor(1, DataType::kFloat32, {8}, step * 100 + k)));
     }
     CleanupStep(step);
   }

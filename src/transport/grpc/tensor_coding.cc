@@ -21,10 +21,10 @@
 namespace tensorverbs::grpc_transport {
 namespace {
 
+using google::protobuf::internal::WireFormatLite;
 using google::protobuf::io::CodedInputStream;
 using google::protobuf::io::CodedOutputStream;
 using google::protobuf::io::StringOutputStream;
-using google::protobuf::internal::WireFormatLite;
 
 // RecvTensorResponse field numbers (proto/worker.proto).
 constexpr int kMetaField = 1;
@@ -38,7 +38,9 @@ constexpr size_t kKeptMetaBytes = 64 << 10;
 // The most a RemoteTensor reference may take on the wire (its packed key is tens of bytes).
 constexpr uint32_t kMaxRemoteTensorBytes = 4 << 10;
 
-void ReleaseBuffer(void* user_data) { delete static_cast<std::shared_ptr<TensorBuffer>*>(user_data); }
+void ReleaseBuffer(void* user_data) {
+  delete static_cast<std::shared_ptr<TensorBuffer>*>(user_data);
+}
 
 absl::Status Malformed(absl::string_view why) {
   return absl::DataLossError(absl::StrCat("malformed RecvTensor response: ", why));
@@ -67,7 +69,8 @@ void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_s
     coded.WriteVarint32(static_cast<uint32_t>(meta.ByteSizeLong()));
     meta.SerializeWithCachedSizes(&coded);
     if (is_dead) WireFormatLite::WriteBool(kIsDeadField, true, &coded);
-    if (send_start_micros != 0) WireFormatLite::WriteInt64(kSendStartField, send_start_micros, &coded);
+    if (send_start_micros != 0)
+      WireFormatLite::WriteInt64(kSendStartField, send_start_micros, &coded);
     if (remote != nullptr) {
       proto::RemoteTensor r;
       r.set_addr(remote->addr);
@@ -81,7 +84,8 @@ void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_s
     if (content_bytes > 0) {
       WireFormatLite::WriteTag(kContentField, WireFormatLite::WIRETYPE_LENGTH_DELIMITED, &coded);
       coded.WriteVarint64(content_bytes);
-      if (content_bytes <= kInlineLimit) coded.WriteRaw(tensor.data(), static_cast<int>(content_bytes));
+      if (content_bytes <= kInlineLimit)
+        coded.WriteRaw(tensor.data(), static_cast<int>(content_bytes));
     }
   }
   if (content_bytes <= kInlineLimit) {
@@ -99,6 +103,8 @@ void EncodeRecvTensorResponse(const Tensor& tensor, bool is_dead, int64_t send_s
 
 absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
                                      uint64_t max_tensor_bytes, ParsedResponse* out) {
+  // The whole response is here: a length field is believed only as far as bytes follow it.
+  const uint64_t total = in->Length();
   grpc::ProtoBufferReader reader(in);
   CodedInputStream coded(&reader);
   coded.SetTotalBytesLimit(INT_MAX);
@@ -175,6 +181,11 @@ absl::Status ParseRecvTensorResponse(grpc::ByteBuffer* in, Allocator* allocator,
       if (len != expected) {
         return Malformed(absl::StrCat(len, " content bytes for ", DataTypeName(dtype),
                                       shape.DebugString(), " (", expected, " expected)"));
+      }
+      const uint64_t remaining = total - static_cast<uint64_t>(coded.CurrentPosition());
+      if (len > remaining) {
+        return Malformed(
+            absl::StrCat(len, " content bytes announced and ", remaining, " left in the response"));
       }
       RETURN_IF_ERROR(CheckReceivedTensorBytes(expected, max_tensor_bytes));
       ASSIGN_OR_RETURN(Tensor t, Tensor::Allocate(allocator, dtype, shape));

@@ -5,6 +5,9 @@
 
 #include <random>
 
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/wire_format_lite.h"
 #include "proto/worker.pb.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/tensor/tensor_codec.h"
@@ -42,8 +45,9 @@ grpc::ByteBuffer FromString(const std::string& s) {
 
 TEST(TensorCoding, RoundTripsEveryDtypeAndSize) {
   for (DataType d : AllDataTypes()) {
-    for (const TensorShape& shape : {TensorShape(), TensorShape::Of({0}), TensorShape::Of({3, 5}),
-                                     TensorShape::Of({700}), TensorShape::Of({2, 1, 1, 1, 1, 1, 1, 3})}) {
+    for (const TensorShape& shape :
+         {TensorShape(), TensorShape::Of({0}), TensorShape::Of({3, 5}), TensorShape::Of({700}),
+          TensorShape::Of({2, 1, 1, 1, 1, 1, 1, 3})}) {
       Tensor t = Filled(d, shape);
       grpc::ByteBuffer buffer;
       EncodeRecvTensorResponse(t, false, 123, &buffer);
@@ -52,7 +56,8 @@ TEST(TensorCoding, RoundTripsEveryDtypeAndSize) {
       ASSERT_TRUE(generic.ParseFromString(Flatten(buffer)));
       EXPECT_EQ(generic.send_start_micros(), 123);
       ParsedResponse parsed;
-      absl::Status s = ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed);
+      absl::Status s =
+          ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed);
       ASSERT_TRUE(s.ok()) << s << " " << t.DebugString();
       EXPECT_TRUE(parsed.tensor.ContentEquals(t)) << t.DebugString();
       EXPECT_FALSE(parsed.is_dead);
@@ -69,9 +74,11 @@ TEST(TensorCoding, LargeTensorsLeaveWithoutACopy) {
   std::vector<grpc::Slice> slices;
   ASSERT_TRUE(buffer.Dump(&slices).ok());
   ASSERT_EQ(slices.size(), 2u);
-  EXPECT_EQ(slices[1].begin(), static_cast<const uint8_t*>(t.data())) << "slice points into the tensor";
+  EXPECT_EQ(slices[1].begin(), static_cast<const uint8_t*>(t.data()))
+      << "slice points into the tensor";
   ParsedResponse parsed;
-  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
+  ASSERT_TRUE(
+      ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
   EXPECT_TRUE(parsed.tensor.ContentEquals(t));
   slices.clear();
   buffer.Clear();
@@ -82,7 +89,8 @@ TEST(TensorCoding, DeadTensors) {
   grpc::ByteBuffer buffer;
   EncodeRecvTensorResponse(Tensor(), true, 0, &buffer);
   ParsedResponse parsed;
-  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
+  ASSERT_TRUE(
+      ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
   EXPECT_TRUE(parsed.is_dead);
   EXPECT_FALSE(parsed.tensor.IsInitialized());
 }
@@ -145,7 +153,8 @@ TEST(TensorCoding, ARemoteTensorCarriesWhereToReadItAndNoContent) {
   EncodeRecvTensorResponse(t, false, 7, &buffer, &ref);
   EXPECT_LT(buffer.Length(), 256u) << "no element bytes travel";
   ParsedResponse parsed;
-  ASSERT_TRUE(ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
+  ASSERT_TRUE(
+      ParseRecvTensorResponse(&buffer, CpuAllocator(), kDefaultMaxTensorBytes, &parsed).ok());
   ASSERT_TRUE(parsed.has_remote);
   EXPECT_EQ(parsed.remote.addr, ref.addr);
   EXPECT_EQ(parsed.remote.key, ref.key);
@@ -205,6 +214,29 @@ TEST(TensorCoding, AnnouncedSizesAreCheckedBeforeAnythingIsAllocated) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(), HasSubstr("4 content bytes"));
   EXPECT_EQ(allocator.largest(), 0u) << "allocated for a size the response did not carry";
+
+  // The same lie told in the encoding: the content's length field says 2 GiB, as the shape
+  // does, and 4 bytes follow. The length is believed only as far as the response goes.
+  {
+    proto::RecvTensorResponse meta_only = liar;
+    meta_only.clear_tensor_content();
+    std::string forged = meta_only.SerializeAsString();
+    {
+      google::protobuf::io::StringOutputStream stream(&forged);
+      google::protobuf::io::CodedOutputStream coded(&stream);
+      coded.WriteTag(google::protobuf::internal::WireFormatLite::MakeTag(
+          proto::RecvTensorResponse::kTensorContentFieldNumber,
+          google::protobuf::internal::WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+      coded.WriteVarint64(uint64_t{4} << 29);
+      coded.WriteRaw("abcd", 4);
+    }
+    grpc::ByteBuffer b = FromString(forged);
+    ParsedResponse out;
+    s = ParseRecvTensorResponse(&b, &allocator, kDefaultMaxTensorBytes, &out);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+    EXPECT_THAT(s.message(), HasSubstr("left in the response"));
+    EXPECT_EQ(allocator.largest(), 0u) << "allocated for a length the response did not carry";
+  }
 
   // The same shape with no content at all, and as a remote tensor of the wrong size.
   proto::RecvTensorResponse empty = liar;
