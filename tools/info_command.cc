@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
+#include "src/common/version.h"
 #include "src/fabric/fabric.h"
 #include "src/server/server.h"
 #include "tools/commands.h"
@@ -27,7 +28,7 @@ int RunInfoCommand() {
   choice.ofi_provider = config.ofi_provider;
   choice.rdma = config.rdma;
   const fabric::FabricInventory inventory = fabric::ReadFabricInventory(choice);
-  std::printf("tensorverbs info\n\nprotocols: %s\n\nfabric backends:\n",
+  std::printf("tensorverbs %s info\n\nprotocols: %s\n\nfabric backends:\n", Version(),
               absl::StrJoin(AvailableProtocols(), ", ").c_str());
   for (const fabric::FabricInventory::Backend& b : inventory.backends) {
     if (b.status.ok()) {

@@ -1,26 +1,29 @@
 // tensorverbs: the command-line tool. `tensorverbs --help` lists the subcommands.
 #include <CLI/CLI.hpp>
-
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
-#include "src/common/config.h"
-#include "src/server/server.h"
 #include "absl/strings/str_join.h"
+#include "src/common/config.h"
+#include "src/common/version.h"
+#include "src/server/server.h"
 #include "tools/bench_cluster.h"
 #include "tools/commands.h"
 
 int main(int argc, char** argv) {
   using namespace tensorverbs::tools;
   CLI::App app{"tensorverbs: RDMA tensor transport (grpc, grpc+verbs) with server, demo and tools"};
+  app.set_version_flag("--version", std::string("tensorverbs ") + tensorverbs::Version());
   app.require_subcommand(1);
   const std::string protocols = absl::StrJoin(tensorverbs::AvailableProtocols(), ", ");
 
   ServerCommandOptions server;
-  CLI::App* server_cmd = app.add_subcommand("server", "Run one task of a cluster until SIGTERM/SIGINT");
-  server_cmd->add_option("--cluster", server.cluster,
-                         "Cluster spec: ps=host:port;worker=host:port,host:port or JSON")
+  CLI::App* server_cmd =
+      app.add_subcommand("server", "Run one task of a cluster until SIGTERM/SIGINT");
+  server_cmd
+      ->add_option("--cluster", server.cluster,
+                   "Cluster spec: ps=host:port;worker=host:port,host:port or JSON")
       ->required();
   server_cmd->add_option("--job", server.job, "This task's job name")->required();
   server_cmd->add_option("--task", server.task, "This task's index in its job")->required();
@@ -30,13 +33,14 @@ int main(int argc, char** argv) {
                        "Wait until every other task answers (TENSORVERBS_CONNECT_TIMEOUT_MS)");
 
   DemoOptions demo;
-  CLI::App* demo_cmd = app.add_subcommand(
-      "demo", "Train a small model with 1 ps + K workers as local processes");
+  CLI::App* demo_cmd =
+      app.add_subcommand("demo", "Train a small model with 1 ps + K workers as local processes");
   demo_cmd->add_option("--protocol", demo.protocol,
                        "Protocol (" + protocols + "); default: the best available");
   demo_cmd->add_option("--steps", demo.steps, "Training steps")->default_val(20);
   demo_cmd->add_option("--workers", demo.workers, "Worker tasks")->default_val(2);
-  demo_cmd->add_option("--learning-rate", demo.learning_rate, "SGD learning rate")->default_val(0.2);
+  demo_cmd->add_option("--learning-rate", demo.learning_rate, "SGD learning rate")
+      ->default_val(0.2);
 
   CLI::App* info_cmd = app.add_subcommand(
       "info", "Show the fabric backends and providers usable here and the configuration");
@@ -48,8 +52,8 @@ int main(int argc, char** argv) {
       "fabric", "Write-with-immediate bandwidth and latency per size between two processes");
   bench_fabric->add_option("--backend", bench.backend, "Fabric backend (shmem, ofi, loopback)")
       ->default_val("ofi");
-  bench_fabric->add_option("--providers", bench.providers,
-                           "Comma-separated libfabric providers")->default_val("shm,tcp;ofi_rxm");
+  bench_fabric->add_option("--providers", bench.providers, "Comma-separated libfabric providers")
+      ->default_val("shm,tcp;ofi_rxm");
   bench_fabric->add_option("--sizes", bench.sizes, "Comma-separated sizes: 4B,4KiB,1MiB,...")
       ->default_val("4B,64B,1KiB,4KiB,64KiB,1MiB,16MiB,64MiB,256MiB");
   bench_fabric->add_option("--iters", bench.iters, "Iterations per size (default: by size)");
@@ -70,13 +74,15 @@ int main(int argc, char** argv) {
   bench_p2p->add_flag("--netns", p2p.netns,
                       "Run the peer in its own network namespace joined by veth (root)");
   bench_p2p->add_option("--iters", p2p.iters, "Recvs per size and phase (default: by size)");
-  bench_p2p->add_option("--window", p2p.window, "Recvs outstanding for bandwidth (default: by size)");
+  bench_p2p->add_option("--window", p2p.window,
+                        "Recvs outstanding for bandwidth (default: by size)");
   bench_p2p->add_option("--poll-mode", p2p.poll_mode, "busy, blocking or adaptive");
   bench_p2p->add_option("--callback-threads", p2p.callback_threads,
                         "Recv callback threads; 0 runs them inline (default: environment)");
   bench_p2p->add_flag("!--no-baselines", p2p.baselines, "Do not measure the raw fabric");
-  bench_p2p->add_option("--repeat", p2p.repeat,
-                        "Measured repetitions per size after a warm-up; medians and ranges")
+  bench_p2p
+      ->add_option("--repeat", p2p.repeat,
+                   "Measured repetitions per size after a warm-up; medians and ranges")
       ->default_val(p2p.repeat)
       ->check(CLI::Range(1, 100));
 
@@ -87,8 +93,9 @@ int main(int argc, char** argv) {
   bench_rate->add_option("--protocols", rate.protocols, "Comma-separated protocols; default: all");
   bench_rate->add_option("--slots", rate.slots, "Message-slot counts for the verbs protocols")
       ->default_val(rate.slots);
-  bench_rate->add_option("--batch", rate.batch,
-                         "Most control messages per slot, comma-separated (1: the seed's one)")
+  bench_rate
+      ->add_option("--batch", rate.batch,
+                   "Most control messages per slot, comma-separated (1: the seed's one)")
       ->default_val(rate.batch);
   bench_rate->add_flag("--netns", rate.netns,
                        "Run the peer in its own network namespace joined by veth (root)");
@@ -98,8 +105,9 @@ int main(int argc, char** argv) {
   bench_rate->add_option("--poll-mode", rate.poll_mode, "busy, blocking or adaptive");
   bench_rate->add_option("--callback-threads", rate.callback_threads,
                          "Recv callback threads; 0 runs them inline (default: environment)");
-  bench_rate->add_option("--repeat", rate.repeat,
-                         "Measured repetitions per configuration; medians and ranges")
+  bench_rate
+      ->add_option("--repeat", rate.repeat,
+                   "Measured repetitions per configuration; medians and ranges")
       ->default_val(rate.repeat)
       ->check(CLI::Range(1, 100));
   bench_rate->add_flag("!--no-baselines", rate.baselines,

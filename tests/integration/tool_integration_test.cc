@@ -1,21 +1,20 @@
 // The `tensorverbs` tool as a user runs it: the demo end to end, and the server subcommand's
 // start-up, bad input and clean shutdown on SIGTERM.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <signal.h>
-
 #include <unistd.h>
 
 #include <fstream>
 #include <map>
-#include <set>
 #include <nlohmann/json.hpp>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "tests/support/subprocess.h"
+#include "absl/strings/strip.h"
 #include "src/support/process_util.h"
+#include "tests/support/subprocess.h"
 #include "tests/support/temp_dir.h"
 
 namespace tensorverbs {
@@ -26,7 +25,6 @@ using testing::RunTool;
 using testing::ScopedTempDir;
 using testing::Subprocess;
 using testing::ToolRun;
-
 
 // The demo with the default protocol (grpc+verbs here: libfabric shm is usable) and with grpc.
 void ExpectDemoTrains(const std::vector<std::string>& extra, const std::string& protocol) {
@@ -57,7 +55,9 @@ TEST(ToolTest, DemoTrainsOverGrpcVerbsByDefaultAndTheLossFalls) {
   ExpectDemoTrains({}, "grpc+verbs");
 }
 
-TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) { ExpectDemoTrains({"--protocol", "grpc"}, "grpc"); }
+TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
+  ExpectDemoTrains({"--protocol", "grpc"}, "grpc");
+}
 
 TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
   auto p = support::Subprocess::Start(testing::ToolPath(), {"demo", "--protocol", "smoke-signals"});
@@ -75,22 +75,36 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
   EXPECT_THAT(out, HasSubstr("loopback  usable"));
   EXPECT_THAT(out, HasSubstr("ofi       "));
   EXPECT_THAT(out, HasSubstr("shm (shm)")) << "libfabric's shm provider is installed here";
-  EXPECT_THAT(out, HasSubstr("would use: shm for peers on this host, tcp;ofi_rxm for remote peers"));
+  EXPECT_THAT(out,
+              HasSubstr("would use: shm for peers on this host, tcp;ofi_rxm for remote peers"));
   EXPECT_THAT(out, HasSubstr("shmem     usable"));
   EXPECT_THAT(out, HasSubstr("shmem when every task is on this host"));
   EXPECT_THAT(out, HasSubstr("memlock limit"));
   EXPECT_THAT(out, HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
   EXPECT_THAT(out, HasSubstr("RDMA devices (ibverbs"));
   EXPECT_THAT(out, HasSubstr("RDMA_QP_QUEUE_DEPTH 1024"));
+  EXPECT_THAT(out, HasSubstr("endpoint-bound keys per channel")) << "what loopback offers";
+  EXPECT_THAT(out, HasSubstr("one key per region for every peer")) << "what shmem offers";
+}
+
+// One version, set in project() and reported by --version and info alike.
+TEST(ToolTest, VersionIsSemanticAndTheSameEverywhere) {
+  absl::StatusOr<ToolRun> version = RunTool({"--version"}, absl::Seconds(30));
+  ASSERT_TRUE(version.ok()) << version.status();
+  EXPECT_EQ(version->exit_code, 0) << version->out;
+  EXPECT_THAT(version->out, ::testing::MatchesRegex("tensorverbs [0-9]+\\.[0-9]+\\.[0-9]+\n"));
+  const std::string number = std::string(absl::StripSuffix(version->out, "\n")).substr(12);
+  absl::StatusOr<ToolRun> info = RunTool({"info"}, absl::Seconds(60));
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_THAT(info->out, HasSubstr("tensorverbs " + number + " info"));
 }
 
 TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
   const ScopedTempDir dir;
   const std::string json = dir.File("bench_fabric.json");
-  absl::StatusOr<ToolRun> run =
-      RunTool({"bench", "fabric", "--sizes", "4B,64KiB", "--iters", "50", "--providers",
-               "shm,tcp;ofi_rxm", "--json", json},
-              absl::Seconds(240));
+  absl::StatusOr<ToolRun> run = RunTool({"bench", "fabric", "--sizes", "4B,64KiB", "--iters", "50",
+                                         "--providers", "shm,tcp;ofi_rxm", "--json", json},
+                                        absl::Seconds(240));
   ASSERT_TRUE(run.ok()) << run.status();
   const std::string& out = run->out;
   EXPECT_EQ(run->exit_code, 0) << out;
@@ -100,7 +114,8 @@ TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   // Two providers x two sizes, each with a measured bandwidth.
   size_t rows = 0;
-  for (size_t pos = 0; (pos = text.find("\"bandwidth_gbps\"", pos)) != std::string::npos; ++pos) ++rows;
+  for (size_t pos = 0; (pos = text.find("\"bandwidth_gbps\"", pos)) != std::string::npos; ++pos)
+    ++rows;
   EXPECT_EQ(rows, 4u) << text;
   EXPECT_THAT(text, HasSubstr("\"size_bytes\": 65536"));
 }
@@ -108,10 +123,9 @@ TEST(ToolTest, BenchFabricMeasuresEveryProviderAndWritesJson) {
 TEST(ToolTest, BenchFabricRunsTheShmemBackendBesideMemcpy) {
   const ScopedTempDir dir;
   const std::string json = dir.File("bench_fabric_shmem.json");
-  absl::StatusOr<ToolRun> run =
-      RunTool({"bench", "fabric", "--backend", "shmem", "--sizes", "4B,1MiB", "--iters", "50",
-               "--json", json},
-              absl::Seconds(240));
+  absl::StatusOr<ToolRun> run = RunTool({"bench", "fabric", "--backend", "shmem", "--sizes",
+                                         "4B,1MiB", "--iters", "50", "--json", json},
+                                        absl::Seconds(240));
   ASSERT_TRUE(run.ok()) << run.status();
   const std::string& out = run->out;
   ASSERT_EQ(run->exit_code, 0) << out;
@@ -185,11 +199,10 @@ TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
 TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
   const ScopedTempDir dir;
   const std::string json = dir.File("bench_rate.json");
-  absl::StatusOr<ToolRun> run =
-      RunTool({"bench", "rate", "--protocols", "grpc+verbs,grpc", "--sizes", "4B", "--recvs",
-               "2000", "--window", "64", "--slots", "1,8", "--batch", "1,16", "--repeat", "2",
-               "--json", json},
-              absl::Seconds(240));
+  absl::StatusOr<ToolRun> run = RunTool(
+      {"bench", "rate", "--protocols", "grpc+verbs,grpc", "--sizes", "4B", "--recvs", "2000",
+       "--window", "64", "--slots", "1,8", "--batch", "1,16", "--repeat", "2", "--json", json},
+      absl::Seconds(240));
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->exit_code, 0) << run->out;
   EXPECT_THAT(run->out, HasSubstr("grpc+verbs 4B: 8 slots, batch 16 = "));
@@ -221,10 +234,9 @@ TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
 TEST(ToolTest, BenchPsRunsTrainingStepsOfARealModelOverEveryProtocol) {
   const ScopedTempDir dir;
   const std::string json = dir.File("bench_ps.json");
-  absl::StatusOr<ToolRun> run =
-      RunTool({"bench", "ps", "--model", "resnet50", "--workers", "1", "--steps", "2",
-               "--warmup", "1", "--json", json},
-              absl::Seconds(280));
+  absl::StatusOr<ToolRun> run = RunTool({"bench", "ps", "--model", "resnet50", "--workers", "1",
+                                         "--steps", "2", "--warmup", "1", "--json", json},
+                                        absl::Seconds(280));
   ASSERT_TRUE(run.ok()) << run.status();
   const std::string& out = run->out;
   ASSERT_EQ(run->exit_code, 0) << out;
@@ -249,10 +261,10 @@ TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
            {"vgg16", "32 variables, 138.36 M parameters"},
            {"resnet50", "161 variables, 25.56 M parameters"},
            {"inception3", "196 variables, 27.14 M parameters"}}) {
-    absl::StatusOr<ToolRun> run = RunTool(
-        {"bench", "ps", "--model", model, "--workers", "1", "--steps", "1", "--warmup", "0",
-         "--protocols", "grpc+verbs"},
-        absl::Seconds(200));
+    absl::StatusOr<ToolRun> run =
+        RunTool({"bench", "ps", "--model", model, "--workers", "1", "--steps", "1", "--warmup", "0",
+                 "--protocols", "grpc+verbs"},
+                absl::Seconds(200));
     ASSERT_TRUE(run.ok()) << run.status();
     EXPECT_EQ(run->exit_code, 0) << run->out;
     EXPECT_THAT(run->out, HasSubstr(model + " (" + expect)) << run->out;
@@ -262,11 +274,12 @@ TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
 TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
   absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
   ASSERT_TRUE(ports.ok());
-  auto p = support::Subprocess::Start(testing::ToolPath(),
-                             {"server", "--cluster", absl::StrCat("ps=127.0.0.1:", (*ports)[0]),
-                              "--job", "ps", "--task", "0", "--protocol", "grpc"});
+  auto p = support::Subprocess::Start(
+      testing::ToolPath(), {"server", "--cluster", absl::StrCat("ps=127.0.0.1:", (*ports)[0]),
+                            "--job", "ps", "--task", "0", "--protocol", "grpc"});
   ASSERT_TRUE(p.ok());
-  absl::StatusOr<std::string> line = (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
+  absl::StatusOr<std::string> line =
+      (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
   ASSERT_TRUE(line.ok()) << line.status();
   EXPECT_THAT(*line, HasSubstr("/job:ps/replica:0/task:0 serving protocol grpc"));
   (*p)->Signal(SIGTERM);
@@ -284,7 +297,8 @@ TEST(ToolTest, ServerBadInputExitsWithAMessage) {
       {{"server", "--cluster", "ps=nohost", "--job", "ps", "--task", "0"}, 2},
       {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "worker", "--task", "0"}, 1},
       {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "ps", "--task", "3"}, 1},
-      {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "ps", "--task", "0", "--protocol", "x"}, 1},
+      {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "ps", "--task", "0", "--protocol", "x"},
+       1},
       {{"server", "--job", "ps"}, 106},  // CLI11: a required option is missing
   };
   for (const Case& c : cases) {
