@@ -27,9 +27,8 @@ uint64_t TensorAnswerLimit(uint64_t max_tensor_bytes) {
 grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
                                               absl::Duration peer_timeout) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(max_answer_bytes > static_cast<uint64_t>(INT_MAX)
-                                    ? -1
-                                    : static_cast<int>(max_answer_bytes));
+  args.SetMaxReceiveMessageSize(
+      max_answer_bytes > static_cast<uint64_t>(INT_MAX) ? -1 : static_cast<int>(max_answer_bytes));
   args.SetMaxSendMessageSize(-1);
   // Reconnect quickly to a task that is starting up; the default backoff reaches 120 s.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
@@ -55,7 +54,7 @@ grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
   return args;
 }
 
-void ConfigureServerBuilder(grpc::ServerBuilder* builder) {
+void ConfigureServerBuilder(grpc::ServerBuilder* builder, absl::Duration peer_timeout) {
   // Every request a task serves is small (a key, a task name, endpoint addresses); only
   // answers carry tensors. A bound on requests keeps a stranger from making a server buffer
   // and parse megabytes before any check.
@@ -70,6 +69,17 @@ void ConfigureServerBuilder(grpc::ServerBuilder* builder) {
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                               kMinKeepaliveMs / 2);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+  if (peer_timeout > absl::ZeroDuration()) {
+    // As the clients do (ClientChannelArguments): half the timeout to the ping, half to its
+    // answer, only while calls are in flight. A RecvTensor whose caller froze after the tensor
+    // was handed over would otherwise hold it until the call's deadline (the recv timeout).
+    const int half_ms = static_cast<int>(
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(peer_timeout) / 2, kMinKeepaliveMs, INT_MAX));
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, half_ms);
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, half_ms);
+    builder->AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 0);
+    builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  }
 }
 
 void PinGrpcCallbackQueue() {

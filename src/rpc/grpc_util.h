@@ -32,8 +32,12 @@ inline constexpr uint64_t kMaxControlAnswerBytes = 1 << 20;
 // The largest request a server accepts; larger ones fail with RESOURCE_EXHAUSTED in gRPC,
 // before any service sees them.
 inline constexpr int kMaxRequestBytes = 16 << 10;
-// Message limits (requests kMaxRequestBytes, answers unbounded) and socket options.
-void ConfigureServerBuilder(grpc::ServerBuilder* builder);
+// Message limits (requests kMaxRequestBytes, answers unbounded) and socket options. With a
+// `peer_timeout`, the server also pings its callers while their calls are in flight, so a
+// caller frozen mid-call (a receiver that stopped reading its tensor) is found within it and
+// its call cancelled, letting go of what the call held.
+void ConfigureServerBuilder(grpc::ServerBuilder* builder,
+                            absl::Duration peer_timeout = absl::ZeroDuration());
 
 // Keeps gRPC's process-wide callback completion queue alive for the life of the process. Call
 // before creating any server or channel; idempotent and thread-safe. See grpc_util.cc.

@@ -3,8 +3,8 @@
 #include <mutex>
 #include <random>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "proto/worker.grpc.pb.h"
 #include "src/common/config.h"
@@ -168,10 +168,9 @@ absl::Status Server::Start() {
   pool_options.release_after = ServerOptions::kPoolReleaseAfter;
   // Tensors land in the pool: when the same-host fabric will carry them, the pool's memory is
   // what peers map, so a write into it is one memcpy.
-  pool_options.shareable =
-      verbs_protocol && fabric::UsesSharedMemory(fabric::FabricChoice{
-                            options_.verbs.fabric, options_.verbs.ofi_provider, all_peers_local,
-                            options_.verbs.rdma});
+  pool_options.shareable = verbs_protocol && fabric::UsesSharedMemory(fabric::FabricChoice{
+                                                 options_.verbs.fabric, options_.verbs.ofi_provider,
+                                                 all_peers_local, options_.verbs.rdma});
   recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
   executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
   env_.job = options_.job;
@@ -188,14 +187,14 @@ absl::Status Server::Start() {
     absl::StatusOr<std::shared_ptr<const rpc::RpcSecurity>> security = rpc::RpcSecurity::Create(
         options_.security, env_.task_name, options_.cluster.TaskAddresses());
     if (!security.ok()) {
-      return absl::Status(security.status().code(), absl::StrCat("task ", env_.task_name, ": ",
-                                                                 security.status().message()));
+      return absl::Status(security.status().code(),
+                          absl::StrCat("task ", env_.task_name, ": ", security.status().message()));
     }
     security_ = *std::move(security);
   }
-  workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(
-      options_.cluster.TaskAddresses(), security_, options_.max_tensor_bytes,
-      options_.verbs.peer_timeout);
+  workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses(),
+                                                               security_, options_.max_tensor_bytes,
+                                                               options_.verbs.peer_timeout);
 
   const absl::Duration recv_timeout = options_.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
@@ -235,8 +234,8 @@ absl::Status Server::Start() {
           /*remembered_cleanups=*/100000,
           [transport](int64_t step) {
             // Requests made ahead for a step this task skipped end with it.
-            transport->AbortStep(step, absl::CancelledError(
-                                           absl::StrCat("step ", step, " was cleaned up")));
+            transport->AbortStep(
+                step, absl::CancelledError(absl::StrCat("step ", step, " was cleaned up")));
           });
     }
     verbs_->set_rendezvous_mgr(rendezvous_mgr_.get());
@@ -253,7 +252,7 @@ absl::Status Server::Start() {
                                                  device_name(), gdr ? verbs_.get() : nullptr,
                                                  security_.get());
   grpc::ServerBuilder builder;
-  rpc::ConfigureServerBuilder(&builder);
+  rpc::ConfigureServerBuilder(&builder, options_.verbs.peer_timeout);
   int bound_port = 0;
   builder.AddListeningPort(options_.listen_address, security_->ServerCredentials(), &bound_port);
   builder.RegisterService(service_.get());
@@ -268,8 +267,8 @@ absl::Status Server::Start() {
   LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
             << options_.listen_address << " (incarnation " << std::hex << env_.incarnation
             << std::dec << ", authentication: " << security_->Describe() << ")";
-  const absl::string_view host = absl::string_view(options_.listen_address)
-                                     .substr(0, options_.listen_address.rfind(':'));
+  const absl::string_view host =
+      absl::string_view(options_.listen_address).substr(0, options_.listen_address.rfind(':'));
   const bool loopback_only =
       host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
   if (!security_->enabled() && !loopback_only) {
