@@ -126,6 +126,31 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
     ADD_FAILURE() << "no recv succeeded within 30 s of " << event << "; last: " << last;
   }
 
+  // A cluster of three whose task 1 receives "stream" from this task at steps kStep + 1 and
+  // kStep + 2, printing "got i BYTES" or "failed i STATUS" for each. Sends both (64 MiB of
+  // float i each, from the receive pool), the second once the first arrived, and returns 2 ms
+  // into the second's transfer. `*baseline`: the pool's allocation count before either, which
+  // tells when this task no longer holds them.
+  void StreamToTask1UntilTheSecondIsInFlight(absl::Duration recv_timeout, size_t* baseline) {
+    peer_args_[1] = {"--recv-from", "0", "--recv-steps", "2"};
+    ASSERT_NO_FATAL_FAILURE(StartCluster(3, recv_timeout));
+    ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+    PoolAllocator* pool = server_->recv_allocator();
+    *baseline = pool->GetStats().allocations;
+    const ParsedKey stream = *ParsedKey::Parse(ParsedKey::Create(
+        server_->device_name(), server_->incarnation(), CpuDeviceName("worker", 1), "stream"));
+    for (int i = 1; i <= 2; ++i) {
+      Tensor t = *Tensor::Allocate(pool, DataType::kFloat32, TensorShape::Of({16 << 20}));
+      std::fill_n(t.flat<float>(), t.NumElements(), static_cast<float>(i));
+      ASSERT_TRUE((*server_->rendezvous_mgr()->Find(kStep + i))->Send(stream, t).ok());
+      if (i == 1) {
+        absl::StatusOr<std::string> got = peers_[1]->WaitForLine("got 1 ", absl::Seconds(30));
+        ASSERT_TRUE(got.ok()) << got.status();
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+
   // One recv with its status.
   absl::StatusOr<Tensor> Recv(int64_t step, const ParsedKey& key) {
     absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = server_->rendezvous_mgr()->Find(step);
@@ -338,23 +363,9 @@ TEST_P(GrpcClusterTest, PeerKilledWhileBytesAreInFlightEndsTheRecvOnceNeverWithW
 // A receiver killed while this task writes a 64 MiB tensor to it: the sender neither crashes
 // nor hangs, lets go of the tensor within a bounded time, and goes on serving its other peers.
 TEST_P(GrpcClusterTest, AReceiverKilledWhileTheSenderWritesLeavesTheSenderWhole) {
-  peer_args_[1] = {"--recv-from", "0", "--recv-steps", "2"};
-  StartCluster(3, /*recv_timeout=*/absl::Seconds(60));
-  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+  size_t baseline = 0;
+  ASSERT_NO_FATAL_FAILURE(StreamToTask1UntilTheSecondIsInFlight(absl::Seconds(60), &baseline));
   PoolAllocator* pool = server_->recv_allocator();
-  const size_t baseline = pool->GetStats().allocations;
-  const ParsedKey stream = *ParsedKey::Parse(ParsedKey::Create(
-      server_->device_name(), server_->incarnation(), CpuDeviceName("worker", 1), "stream"));
-  auto send = [&](int i) {
-    Tensor t = *Tensor::Allocate(pool, DataType::kFloat32, TensorShape::Of({16 << 20}));
-    std::fill_n(t.flat<float>(), t.NumElements(), static_cast<float>(i));
-    ASSERT_TRUE((*server_->rendezvous_mgr()->Find(kStep + i))->Send(stream, t).ok());
-  };
-  ASSERT_NO_FATAL_FAILURE(send(1));
-  absl::StatusOr<std::string> got = peers_[1]->WaitForLine("got 1 ", absl::Seconds(30));
-  ASSERT_TRUE(got.ok()) << got.status();
-  ASSERT_NO_FATAL_FAILURE(send(2));
-  absl::SleepFor(absl::Milliseconds(2));
   const absl::Time killed = absl::Now();
   peers_[1]->Signal(SIGKILL);
   ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
@@ -378,23 +389,9 @@ TEST_P(GrpcClusterTest, AReceiverKilledWhileTheSenderWritesLeavesTheSenderWhole)
 // channel's probes), not at the recv timeout; once resumed, the receiver's recv has either the
 // whole tensor or an error, and other peers were never affected.
 TEST_P(GrpcClusterTest, AReceiverFrozenWhileTheSenderWritesIsLetGoWithinThePeerTimeout) {
-  peer_args_[1] = {"--recv-from", "0", "--recv-steps", "2"};
-  StartCluster(3, /*recv_timeout=*/absl::Seconds(120));
-  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
+  size_t baseline = 0;
+  ASSERT_NO_FATAL_FAILURE(StreamToTask1UntilTheSecondIsInFlight(absl::Seconds(120), &baseline));
   PoolAllocator* pool = server_->recv_allocator();
-  const size_t baseline = pool->GetStats().allocations;
-  const ParsedKey stream = *ParsedKey::Parse(ParsedKey::Create(
-      server_->device_name(), server_->incarnation(), CpuDeviceName("worker", 1), "stream"));
-  auto send = [&](int i) {
-    Tensor t = *Tensor::Allocate(pool, DataType::kFloat32, TensorShape::Of({16 << 20}));
-    std::fill_n(t.flat<float>(), t.NumElements(), static_cast<float>(i));
-    ASSERT_TRUE((*server_->rendezvous_mgr()->Find(kStep + i))->Send(stream, t).ok());
-  };
-  ASSERT_NO_FATAL_FAILURE(send(1));
-  absl::StatusOr<std::string> got = peers_[1]->WaitForLine("got 1 ", absl::Seconds(30));
-  ASSERT_TRUE(got.ok()) << got.status();
-  ASSERT_NO_FATAL_FAILURE(send(2));
-  absl::SleepFor(absl::Milliseconds(2));
   const absl::Time frozen = absl::Now();
   peers_[1]->Signal(SIGSTOP);
   server_->rendezvous_mgr()->Cleanup(kStep + 1);
