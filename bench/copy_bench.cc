@@ -26,11 +26,12 @@ struct Target {
 
 class Buffers {
  public:
-  explicit Buffers(size_t size) : size_(size) {
+  // `count` destinations, or enough to exceed 256 MiB (and at least 4) when 0.
+  Buffers(size_t size, size_t count) : size_(size) {
     src_ = static_cast<char*>(
         mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     std::memset(src_, 0x5A, size);
-    const size_t count = std::max<size_t>(4, (size_t{256} << 20) / size);
+    if (count == 0) count = std::max<size_t>(4, (size_t{256} << 20) / size);
     for (size_t i = 0; i < count; ++i) {
       Target t;
       t.memory = *SharedMemory::Create(size, "copy-bench");
@@ -57,7 +58,7 @@ class Buffers {
 
 void BM_Memcpy(benchmark::State& state) {
   const auto size = static_cast<size_t>(state.range(0));
-  Buffers b(size);
+  Buffers b(size, static_cast<size_t>(state.range(1)));
   for (auto _ : state) {
     char* dst = b.Next();
     std::memcpy(dst, b.src(), size);
@@ -68,7 +69,7 @@ void BM_Memcpy(benchmark::State& state) {
 
 void BM_StreamingCopy(benchmark::State& state) {
   const auto size = static_cast<size_t>(state.range(0));
-  Buffers b(size);
+  Buffers b(size, static_cast<size_t>(state.range(1)));
   for (auto _ : state) {
     char* dst = b.Next();
     fabric::shmem::StreamingCopy(dst, b.src(), size);
@@ -77,8 +78,15 @@ void BM_StreamingCopy(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
 }
 
-BENCHMARK(BM_Memcpy)->RangeMultiplier(4)->Range(64 << 10, 64 << 20)->UseRealTime();
-BENCHMARK(BM_StreamingCopy)->RangeMultiplier(4)->Range(64 << 10, 64 << 20)->UseRealTime();
+// Second argument: how many destinations the copies rotate over (0: past the cache). A stream
+// of large tensors rotates over as many pool chunks as it has recvs outstanding.
+void CopyArgs(benchmark::internal::Benchmark* b) {
+  for (int64_t size = 64 << 10; size <= (64 << 20); size *= 4) b->Args({size, 0});
+  for (int64_t count : {1, 2, 3, 4, 8}) b->Args({64 << 20, count});
+}
+
+BENCHMARK(BM_Memcpy)->Apply(CopyArgs)->UseRealTime();
+BENCHMARK(BM_StreamingCopy)->Apply(CopyArgs)->UseRealTime();
 
 }  // namespace
 }  // namespace tensorverbs

@@ -118,8 +118,9 @@ struct RecvRunResult {
 
 // Receives `count` tensors with at most `window` outstanding (window 1: each recv starts from
 // the previous one's callback). Recv i is keys[i % keys.size()] in step first_step + i /
-// keys.size(). Every tensor must have `bytes` bytes; the first and the last are checked
-// against the pattern of `seed`. The first error (or `timeout`) ends the run.
+// keys.size(). Every tensor must have `bytes` bytes; the first and the last are checked,
+// once the run is over and outside its time, against the pattern of `seed`. The first error (or
+// `timeout`) ends the run.
 absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedKey>& keys,
                                        int64_t first_step, int64_t count, int window, size_t bytes,
                                        uint32_t seed, absl::Duration timeout);

@@ -191,6 +191,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_MAX_RESPONSES",
       "TENSORVERBS_POOL_KEEP_FREE_MB",
       "TENSORVERBS_MAX_PENDING_RECVS",
+      "TENSORVERBS_LARGE_IN_FLIGHT",
       "TENSORVERBS_REMOTE_KEYS",
       "TENSORVERBS_TLS_CERT",
       "TENSORVERBS_TLS_KEY",
@@ -274,6 +275,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t max_pending_recvs,
                    ParseInt(env, "TENSORVERBS_MAX_PENDING_RECVS", 1, 1048576, 65536));
   config.max_pending_recvs = static_cast<int>(max_pending_recvs);
+  ASSIGN_OR_RETURN(int64_t large_in_flight,
+                   ParseInt(env, "TENSORVERBS_LARGE_IN_FLIGHT", 0, 1048576, 2));
+  config.large_in_flight = static_cast<int>(large_in_flight);
   ASSIGN_OR_RETURN(config.remote_keys, ParseChoice(env, "TENSORVERBS_REMOTE_KEYS",
                                                    {"per-channel", "shared"}, "per-channel"));
 

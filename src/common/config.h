@@ -139,6 +139,10 @@ struct Config {
   // channel for the peer's answer, ended ones whose destination the peer may still write
   // included; 1 .. 1048576, default 65536. Beyond, a recv fails with ResourceExhausted at once.
   int max_pending_recvs = 65536;
+  // TENSORVERBS_LARGE_IN_FLIGHT: grpc+verbs destinations of 4 MiB and more that one channel
+  // hands its sender at once, 0 .. 1048576 (0: no limit), default 2; further large recvs name
+  // their destination when an earlier one has landed (ChannelEnv::large_in_flight says why).
+  int large_in_flight = 2;
   // TENSORVERBS_REMOTE_KEYS: per-channel (default) | shared. Per-channel: where the fabric
   // offers keys of its own to each endpoint (Capabilities::channel_keys), each peer is offered
   // its own registration of this task's memory, dropped when its channel closes; elsewhere,

@@ -214,6 +214,8 @@ void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
     auto it = requests_.find(index);
     if (it != requests_.end() && it->second->needs_release()) it->second->Release();
   }
+  // Aborted recvs waiting for a large destination release the sender's tensor now.
+  if (state_ != State::kClosed) GrantWaiting();
 }
 
 void Channel::ExpireRequests(absl::Time now) {
@@ -237,6 +239,7 @@ void Channel::ExpireRequests(absl::Time now) {
         absl::StrCat("reading a tensor from task ", peer_task_,
                      " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the network is slow")));
   }
+  GrantWaiting();  // expired recvs waiting for a large destination release the sender's tensor
 }
 
 void Channel::ExpireResponses(absl::Time now) {
@@ -292,10 +295,78 @@ void Channel::SendMessage(Message m) {
   }
 }
 
+bool Channel::MayNameLargeDestination(RdmaTensorRequest& r, uint64_t bytes) {
+  if (env_->large_in_flight == 0 || bytes < env_->large_bytes) return true;
+  if (large_in_request_ > 0) return false;
+  ++large_in_request_;
+  r.set_large_slot(RdmaTensorRequest::LargeSlot::kInRequest);
+  return true;
+}
+
+bool Channel::GrantLargeDestination(RdmaTensorRequest& r) {
+  if (env_->large_in_flight == 0 || r.tensor_bytes() < env_->large_bytes) return true;
+  if (large_waiting_.empty() && large_granted_ < env_->large_in_flight) {
+    ++large_granted_;
+    r.set_large_slot(RdmaTensorRequest::LargeSlot::kGranted);
+    return true;
+  }
+  large_waiting_.push_back(r.index());
+  return false;
+}
+
+void Channel::ReleaseLargeSlot(RdmaTensorRequest& r) {
+  switch (r.large_slot()) {
+    case RdmaTensorRequest::LargeSlot::kNone:
+      return;
+    case RdmaTensorRequest::LargeSlot::kInRequest:
+      --large_in_request_;
+      break;
+    case RdmaTensorRequest::LargeSlot::kGranted:
+      --large_granted_;
+      break;
+  }
+  r.set_large_slot(RdmaTensorRequest::LargeSlot::kNone);
+}
+
+void Channel::GrantWaiting() {
+  if (large_waiting_.empty()) return;
+  // Requests whose recv ended first, wherever they are in the queue: they only release the
+  // sender's tensor. One send at a time, each request looked up again: a failed send closes
+  // the channel, which deletes every request.
+  std::vector<uint32_t> ended;
+  for (uint32_t index : large_waiting_) {
+    auto it = requests_.find(index);
+    if (it != requests_.end() && it->second->awaiting_grant() && it->second->finished()) {
+      ended.push_back(index);
+    }
+  }
+  for (uint32_t index : ended) {
+    if (state_ == State::kClosed) return;
+    auto it = requests_.find(index);
+    if (it != requests_.end() && it->second->awaiting_grant()) it->second->Grant();
+  }
+  while (!large_waiting_.empty() && state_ != State::kClosed) {
+    auto it = requests_.find(large_waiting_.front());
+    if (it == requests_.end() || !it->second->awaiting_grant()) {
+      large_waiting_.pop_front();  // answered above, or gone
+      continue;
+    }
+    RdmaTensorRequest& r = *it->second;
+    if (!r.finished()) {
+      if (large_granted_ >= env_->large_in_flight) return;
+      ++large_granted_;
+      r.set_large_slot(RdmaTensorRequest::LargeSlot::kGranted);
+    }
+    large_waiting_.pop_front();
+    r.Grant();
+  }
+}
+
 void Channel::FinishRequest(uint32_t index) {
   auto it = requests_.find(index);
   if (it != requests_.end()) {
     RdmaTensorRequest& r = *it->second;
+    ReleaseLargeSlot(r);
     if (r.pushed() && !r.adopted()) {
       Unpush(r);
       env_->stats->push_unused.fetch_add(1, std::memory_order_relaxed);
@@ -548,6 +619,7 @@ void Channel::OnContent(uint32_t index) {
   it->second->RecvTensorContent();
   if (it->second->landed()) return;  // pushed: it waits for the recv that takes it
   FinishDelivered(index);
+  if (state_ != State::kClosed) GrantWaiting();
 }
 
 void Channel::FinishDelivered(uint32_t index) {
@@ -623,6 +695,7 @@ void Channel::HandleAnswer(const Message& m) {
       absl::Status(m.error.code(), absl::StrCat("task ", peer_task_, " could not send '",
                                                 it->second->key(), "': ", m.error.message())));
   FinishRequest(m.request_index);
+  GrantWaiting();
 }
 
 void Channel::HandleRequest(Message& m) {
@@ -680,6 +753,9 @@ void Channel::Close(const absl::Status& status) {
   }
   requests_.clear();
   queued_.clear();
+  large_in_request_ = 0;
+  large_granted_ = 0;
+  large_waiting_.clear();
   for (auto& [index, pull] : pulls_) {
     pull->End(close_status_);
     for (Tensor& t : pull->TakeMemory()) memory.push_back(std::move(t));

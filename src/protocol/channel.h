@@ -31,6 +31,7 @@
 #define TENSORVERBS_PROTOCOL_CHANNEL_H_
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -130,6 +131,15 @@ class Channel {
   // Owner side: names `key` in REQUEST `m`: by its index on this channel once the peer knows
   // it, else by the full key, defining the next index while there are indexes left.
   void NameKey(const KeyRef& key, Message* m);
+  // Owner side, large destinations (ChannelEnv::large_in_flight). Whether request `r` may name
+  // a destination of `bytes` in its REQUEST (taking the channel's one allowance for that if
+  // the destination is large).
+  bool MayNameLargeDestination(RdmaTensorRequest& r, uint64_t bytes);
+  // Whether `r`, whose sender holds its tensor (meta_ is set), may name its destination now:
+  // true for small ones, or with a grant taken; false queues it for GrantWaiting.
+  bool GrantLargeDestination(RdmaTensorRequest& r);
+  // Gives back what `r` holds (its destination will not be written, or it is finished).
+  void ReleaseLargeSlot(RdmaTensorRequest& r);
   // Forget a finished request, response or pull (deletes it) and free its index.
   void FinishRequest(uint32_t index);
   void FinishResponse(uint32_t index);
@@ -174,6 +184,10 @@ class Channel {
   // Takes pushed request `r` out of its key's slot and the budget (adopted or finished).
   void Unpush(RdmaTensorRequest& r);
   void IssuePull(uint32_t index);
+  // Owner side: answers the queued requests whose recv ended (no destination needed) and
+  // grants the others in order while grants are free. Sends messages, so it runs where a
+  // close cannot pull records from under a loop.
+  void GrantWaiting();
   // Owner side: ResourceExhausted when the channel holds max_pending_recvs recvs and reads.
   absl::Status CheckPendingBound(absl::string_view what) const;
 
@@ -212,6 +226,11 @@ class Channel {
   uint32_t next_name_index_ = 0;
   int pushed_requests_ = 0;    // pushed, not adopted, not finished
   uint64_t pushed_bytes_ = 0;  // their destinations
+  // Large destinations: named in a REQUEST (at most one), granted at META_DATA_RESPONSE (at
+  // most large_in_flight), and the requests waiting for a grant, in order.
+  int large_in_request_ = 0;
+  int large_granted_ = 0;
+  std::deque<uint32_t> large_waiting_;
   // Acceptor side.
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorResponse>> responses_;
   // Indexes of expired responses whose RE_REQUEST may still be on its way (it crossed the

@@ -102,6 +102,16 @@ struct ChannelEnv {
   // Owner side: the most recvs and reads pending on one channel, ended ones the peer may still
   // write included (TENSORVERBS_MAX_PENDING_RECVS); beyond, a recv fails with ResourceExhausted.
   int max_pending_recvs = 65536;
+  // Owner side: destinations of `large_bytes` and more that one channel hands its sender at
+  // once for tensors the sender has ready (TENSORVERBS_LARGE_IN_FLIGHT; 0: no limit). Beyond,
+  // such a recv asks without a destination and names one, once an earlier large one has
+  // landed, in its RE_REQUEST. The sender copies them one after another anyway, and a stream
+  // that rotates over many large destinations copies at half the speed of one that reuses a
+  // few (bench/copy_bench.cc). Only destinations for tensors the sender said it holds are
+  // counted (plus one named in a REQUEST), so a recv whose tensor is produced later never
+  // holds up one whose tensor exists: no order of sends can deadlock on the limit.
+  int large_in_flight = 2;
+  uint64_t large_bytes = uint64_t{4} << 20;
   // Acceptor side: how long a response that sent META_DATA_RESPONSE waits for the receiver's
   // RE_REQUEST before it drops the tensor (the transport: recv timeout plus peer timeout).
   absl::Duration response_timeout = absl::InfiniteDuration();

@@ -79,8 +79,10 @@ void RdmaTensorRequest::Start() {
     // (zero round trips of meta-data); validation mode always takes the meta-data round trip
     // because the checksum travels with it.
     const TensorMetaData* cached = env->memory->CachedMeta(key_->key.full_key);
+    // A large destination goes in REQUEST only while no other one does on this channel: the
+    // rest wait for the sender's word that their tensor exists (RecvTensorMetaData).
     if (cached != nullptr && !env->data_validation && cached->dtype != DataType::kString &&
-        !cached->is_dead) {
+        !cached->is_dead && channel_->MayNameLargeDestination(*this, cached->tensor_bytes)) {
       if (cached->tensor_bytes > 0) {
         absl::Status s = PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
         if (!s.ok()) {
@@ -182,7 +184,7 @@ absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr
 
 void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   ChannelEnv* env = channel_->env();
-  if (state_ != State::kRequested || meta_parked_) {
+  if (state_ != State::kRequested || meta_parked_ || awaiting_grant_) {
     channel_->Close(absl::DataLossError(
         absl::StrCat("META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
     return;  // the close deleted this
@@ -203,6 +205,7 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     result_.Clear();
     staging_.Clear();
     transient_.reset();
+    channel_->ReleaseLargeSlot(*this);
     // Meta-data this task would refuse is not remembered: the next recv of the name asks
     // afresh rather than failing on the cached word of a peer that may since have changed.
     if (!m.meta.is_dead && CheckAnnouncedSize(m.meta).ok()) {
@@ -215,6 +218,16 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     meta_parked_ = true;
     return;
   }
+  if (!copy && !finished() && !meta_.is_dead && !channel_->GrantLargeDestination(*this)) {
+    awaiting_grant_ = true;  // the channel calls Grant when an earlier large recv has landed
+    return;
+  }
+  SendReRequest();
+}
+
+void RdmaTensorRequest::Grant() {
+  DCHECK(awaiting_grant_);
+  awaiting_grant_ = false;
   SendReRequest();
 }
 

@@ -12,6 +12,12 @@
 // channel closed) ends the recv at once but not the record: it keeps its index and destination
 // until the sender answers, so late content never lands in memory anyone else uses.
 //
+// Large destinations (ChannelEnv::large_in_flight): a recv of a large tensor names its
+// destination in REQUEST only while the channel has no other such REQUEST out; otherwise it
+// asks without one, and at META_DATA_RESPONSE takes one of the channel's grants (or waits in
+// the channel's queue for one, still kRequested) before RE_REQUEST names the destination. The
+// record holds its grant until it is finished.
+//
 // A pushed request (TENSORVERBS_PUSH) is one the channel made ahead of any recv: after a recv of
 // a key at step s completes, it asks for the key at step s+1 with a destination from the cached
 // meta-data, and no `done`. The recv of (key, s+1) then takes it over (Adopt) instead of sending
@@ -48,6 +54,8 @@ class Channel;
 class RdmaTensorRequest {
  public:
   enum class State { kQueued, kRequested, kReRequested, kDone };
+  // Which of the channel's large-destination allowances this request holds.
+  enum class LargeSlot : uint8_t { kNone, kInRequest, kGranted };
 
   // A null `done` makes a pushed request (deadline ignored until a recv adopts it).
   RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, KeyRef key,
@@ -70,6 +78,13 @@ class RdmaTensorRequest {
   // where a send that fails and closes the channel cannot pull the record from under a loop).
   bool needs_release() const { return meta_parked_ && declined_; }
   void Release();
+  // Large destinations: whether this request waits in the channel's queue for a grant, and
+  // the answer to it: RE_REQUEST, with a destination if the recv is still wanted (the channel
+  // set large_slot() to kGranted then) or to release the sender's tensor if not.
+  bool awaiting_grant() const { return awaiting_grant_; }
+  void Grant();
+  LargeSlot large_slot() const { return large_slot_; }
+  void set_large_slot(LargeSlot slot) { large_slot_ = slot; }
   bool pushed() const { return pushed_; }
   bool adopted() const { return adopted_; }
   // Pushed, not adopted, and a recv could still take it.
@@ -98,7 +113,8 @@ class RdmaTensorRequest {
   // RE_REQUEST for meta_: a destination if the recv is still wanted, else none.
   void SendReRequest();
   // Allocates the destination for `meta` and returns where the sender writes.
-  absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr, fabric::RemoteKey* key);
+  absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
+                                  fabric::RemoteKey* key);
   // The peer's announced size against this task's limit (TENSORVERBS_MAX_TENSOR_MB), before
   // anything is allocated for it.
   absl::Status CheckAnnouncedSize(const TensorMetaData& meta) const;
@@ -128,6 +144,8 @@ class RdmaTensorRequest {
   bool landed_ = false;
   bool meta_parked_ = false;  // pushed: META_DATA_RESPONSE came before any recv took it
   bool delivered_in_place_ = false;
+  bool awaiting_grant_ = false;
+  LargeSlot large_slot_ = LargeSlot::kNone;
   State state_ = State::kQueued;
   TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;

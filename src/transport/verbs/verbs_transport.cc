@@ -40,6 +40,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.push_max_destinations = config.push_max_destinations;
   o.max_responses = config.max_responses;
   o.max_pending_recvs = config.max_pending_recvs;
+  o.large_in_flight = config.large_in_flight;
   o.remote_keys = config.remote_keys;
   o.push_max_bytes = config.push_max_bytes;
   return o;
@@ -108,6 +109,7 @@ absl::Status VerbsTransport::Start() {
   channel_env_.push_max_destinations = options_.push_max_destinations;
   channel_env_.max_responses = options_.max_responses;
   channel_env_.max_pending_recvs = options_.max_pending_recvs;
+  channel_env_.large_in_flight = options_.large_in_flight;
   // A receiver has given up on its recv by then; a well-behaved one answers in a round trip.
   channel_env_.response_timeout = options_.recv_timeout + options_.peer_timeout;
   channel_env_.push_max_bytes = options_.push_max_bytes;

@@ -80,6 +80,7 @@ struct VerbsOptions {
   int push_max_destinations = 1024;                           // TENSORVERBS_PUSH_MAX
   int max_responses = 65536;                                  // TENSORVERBS_MAX_RESPONSES
   int max_pending_recvs = 65536;                              // TENSORVERBS_MAX_PENDING_RECVS
+  int large_in_flight = 2;                                    // TENSORVERBS_LARGE_IN_FLIGHT
   std::string remote_keys = "per-channel";                    // TENSORVERBS_REMOTE_KEYS
   uint64_t push_max_bytes = uint64_t{256} << 20;              // TENSORVERBS_PUSH_MAX_MB
 

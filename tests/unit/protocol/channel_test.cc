@@ -1123,5 +1123,124 @@ TEST_F(ChannelTest, PerTransferRegistrationMovesMemoryOutsideThePoolWithoutCopie
   EXPECT_EQ(Get(acceptor_.stats.transient_registrations), 1);
 }
 
+// Large destinations (ChannelEnv::large_in_flight): 128 KiB counts as large here, and a
+// channel hands its sender one such destination for a ready tensor at a time (plus one named
+// in a REQUEST from the cached meta-data).
+class LargeDestinationTest : public ChannelTest {
+ protected:
+  static constexpr int64_t kElements = 32768;  // 128 KiB of floats
+  void Configure(ChannelEnv* env) override {
+    env->large_bytes = uint64_t{64} << 10;
+    env->large_in_flight = 1;
+  }
+
+  // Sends `count` large tensors in `step` and receives them all at once. Each callback checks
+  // its tensor and lets go of it, so the owner's live pool allocations are the destinations
+  // the sender may write plus results not yet handed to their callback. Returns the peak.
+  size_t ReceiveAtOnce(int64_t step, int count) {
+    std::vector<ParsedKey> keys;
+    for (int i = 0; i < count; ++i) {
+      keys.push_back(Key(absl::StrCat("layer", i)));
+      Send(step, keys.back(), Floats(&acceptor_.pool, kElements, static_cast<float>(step + i)));
+    }
+    auto landed = std::make_shared<int>(0);
+    for (int i = 0; i < count; ++i) {
+      const Tensor expected = Floats(CpuAllocator(), kElements, static_cast<float>(step + i));
+      owner_.channel->StartRecv(
+          step, keys_.Intern(keys[i]), &owner_.pool, absl::InfiniteFuture(),
+          [landed, expected, i](const absl::Status& s, const Tensor& t, bool) {
+            EXPECT_TRUE(s.ok()) << "recv " << i << ": " << s;
+            EXPECT_TRUE(t.ContentEquals(expected)) << "recv " << i;
+            ++*landed;
+          });
+    }
+    size_t peak = 0;
+    EXPECT_TRUE(Pump([&] {
+      peak = std::max(peak, owner_.pool.GetStats().allocations);
+      return *landed == count;
+    }));
+    Settle();
+    EXPECT_EQ(*landed, count);
+    EXPECT_EQ(owner_.pool.GetStats().allocations, 0u);
+    return peak;
+  }
+};
+
+TEST_F(LargeDestinationTest, ManyLargeRecvsHoldAFewDestinationsAtATimeAndAllLand) {
+  constexpr int kRecvs = 8;
+  // No meta-data cached: every REQUEST goes without a destination, and the sender's answers
+  // get one each as the one before lands (one live destination, and one result on its way to
+  // its callback).
+  EXPECT_LE(ReceiveAtOnce(1, kRecvs), 2u);
+  EXPECT_EQ(Get(owner_.stats.re_requests), kRecvs);
+  // Cached: the first REQUEST names its destination, the other seven ask and wait.
+  EXPECT_LE(ReceiveAtOnce(2, kRecvs), 3u);
+  EXPECT_EQ(Get(owner_.stats.meta_cache_hits), 1);
+  EXPECT_EQ(Get(owner_.stats.re_requests), 2 * kRecvs - 1);
+  // Without the limit, every cached REQUEST names its destination at once.
+  owner_.env.large_in_flight = 0;
+  EXPECT_GE(ReceiveAtOnce(3, kRecvs), static_cast<size_t>(kRecvs));
+  EXPECT_EQ(Get(owner_.stats.meta_cache_hits), 1 + kRecvs);
+  EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
+}
+
+// The sender produces C, then B once C has arrived, then A once B has: a limit that counted
+// A's destination (named in its REQUEST before A existed) against B and C would never let
+// them land.
+TEST_F(LargeDestinationTest, ALargeRecvWhoseTensorComesLaterNeverHoldsUpOnesThatAreReady) {
+  const ParsedKey a = Key("a"), b = Key("b"), c = Key("c");
+  for (const ParsedKey* key : {&a, &b, &c}) {  // caches their meta-data
+    ASSERT_TRUE(Transfer(1, *key, Floats(&acceptor_.pool, kElements, 1.0f))->status.ok());
+  }
+  std::shared_ptr<RecvOutcome> got_a = StartRecv(2, a);
+  std::shared_ptr<RecvOutcome> got_b = StartRecv(2, b);
+  std::shared_ptr<RecvOutcome> got_c = StartRecv(2, c);
+  Settle();
+  const Tensor sent_c = Floats(&acceptor_.pool, kElements, 3.0f);
+  Send(2, c, sent_c);
+  ASSERT_TRUE(Pump([&] { return got_c->calls > 0; }));
+  EXPECT_TRUE(got_c->status.ok()) << got_c->status;
+  EXPECT_TRUE(got_c->tensor.ContentEquals(sent_c));
+  const Tensor sent_b = Floats(&acceptor_.pool, kElements, 2.0f);
+  Send(2, b, sent_b);
+  ASSERT_TRUE(Pump([&] { return got_b->calls > 0; }));
+  EXPECT_TRUE(got_b->status.ok()) << got_b->status;
+  EXPECT_TRUE(got_b->tensor.ContentEquals(sent_b));
+  const Tensor sent_a = Floats(&acceptor_.pool, kElements, 1.5f);
+  Send(2, a, sent_a);
+  ASSERT_TRUE(Pump([&] { return got_a->calls > 0; }));
+  EXPECT_TRUE(got_a->status.ok()) << got_a->status;
+  EXPECT_TRUE(got_a->tensor.ContentEquals(sent_a));
+  Settle();
+  EXPECT_EQ(got_a->calls + got_b->calls + got_c->calls, 3);
+  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+}
+
+// A recv that ends while it waits for a large destination answers the sender at once, without
+// a destination, so the sender lets go of its tensor; the recv it waited behind still lands.
+TEST_F(LargeDestinationTest, ARecvAbortedWhileWaitingForADestinationReleasesTheSendersTensor) {
+  const ParsedKey first = Key("first"), second = Key("second");
+  const Tensor sent_first = Floats(&acceptor_.pool, kElements, 1.0f);
+  Send(1, first, sent_first);
+  Send(2, second, Floats(&acceptor_.pool, kElements, 2.0f));
+  std::shared_ptr<RecvOutcome> got_first = StartRecv(1, first);
+  std::shared_ptr<RecvOutcome> waiting = StartRecv(2, second);
+  // Both answers came in one batch: the first got the grant, the second waits for it.
+  ASSERT_TRUE(Pump([&] { return Get(owner_.stats.re_requests) > 0; }));
+  EXPECT_EQ(Get(acceptor_.stats.meta_responses), 2);
+  EXPECT_EQ(Get(owner_.stats.re_requests), 1);
+  owner_.channel->AbortStep(2, absl::AbortedError("step 2 was aborted"));
+  EXPECT_EQ(Get(owner_.stats.re_requests), 2) << "released at once, not behind the first";
+  Settle();
+  EXPECT_EQ(waiting->calls, 1);
+  EXPECT_EQ(waiting->status.code(), absl::StatusCode::kAborted) << waiting->status;
+  ASSERT_EQ(got_first->calls, 1);
+  EXPECT_TRUE(got_first->status.ok()) << got_first->status;
+  EXPECT_TRUE(got_first->tensor.ContentEquals(sent_first));
+  EXPECT_EQ(Get(acceptor_.stats.content_bytes), kElements * static_cast<int64_t>(sizeof(float)));
+  EXPECT_FALSE(acceptor_.channel->holds_state_for_peer()) << "the sender let go of both";
+  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+}
+
 }  // namespace
 }  // namespace tensorverbs::protocol
