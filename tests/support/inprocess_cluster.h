@@ -72,8 +72,11 @@ class InProcessCluster {
       options.security = o.security_for ? o.security_for(t) : o.security;
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
-      // A probe answered by a server TSan slows tenfold, on two loaded cores, can take seconds.
-      options.verbs.peer_timeout = absl::Seconds(kUnderThreadSanitizer ? 20 : 5);
+      // A probe answered by a server TSan slows tenfold, on two loaded cores, can take seconds
+      // (it runs on the progress thread). A grpc+gdr test over libfabric shm under TSan once
+      // went 20 s without an answer: the watchdog closed the channel mid-test, and libfabric
+      // shm, whose peer is in the same process, crashed in its next poll.
+      options.verbs.peer_timeout = absl::Seconds(kUnderThreadSanitizer ? 60 : 5);
       // Generous: under TSan on two cores hundreds of RecvTensor calls can queue ahead of a
       // grpc+gdr channel set-up.
       options.verbs.connect_timeout = absl::Seconds(60);
