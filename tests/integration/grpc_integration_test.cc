@@ -151,6 +151,19 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
     absl::SleepFor(absl::Milliseconds(2));
   }
 
+  // Ends both steps of StreamToTask1UntilTheSecondIsInFlight here and waits, at most until
+  // `since` + `limit`, for this task's pool to hold no more than `baseline` allocations again:
+  // true once it does (the sender let go of the tensors).
+  bool CleanUpAndWaitForTheSenderToLetGo(size_t baseline, absl::Time since, absl::Duration limit) {
+    server_->rendezvous_mgr()->Cleanup(kStep + 1);
+    server_->rendezvous_mgr()->Cleanup(kStep + 2);
+    PoolAllocator* pool = server_->recv_allocator();
+    while (pool->GetStats().allocations != baseline && absl::Now() - since < limit) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    return pool->GetStats().allocations == baseline;
+  }
+
   // One recv with its status.
   absl::StatusOr<Tensor> Recv(int64_t step, const ParsedKey& key) {
     absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = server_->rendezvous_mgr()->Find(step);
@@ -365,19 +378,14 @@ TEST_P(GrpcClusterTest, PeerKilledWhileBytesAreInFlightEndsTheRecvOnceNeverWithW
 TEST_P(GrpcClusterTest, AReceiverKilledWhileTheSenderWritesLeavesTheSenderWhole) {
   size_t baseline = 0;
   ASSERT_NO_FATAL_FAILURE(StreamToTask1UntilTheSecondIsInFlight(absl::Seconds(60), &baseline));
-  PoolAllocator* pool = server_->recv_allocator();
   const absl::Time killed = absl::Now();
   peers_[1]->Signal(SIGKILL);
   ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
-  server_->rendezvous_mgr()->Cleanup(kStep + 1);
-  server_->rendezvous_mgr()->Cleanup(kStep + 2);
   // The tensor is let go once the transport knows the receiver is gone (a failed write, the
   // closed channel, the cancelled call), after the quarantine that keeps late writes from
   // landing in reused memory.
-  while (pool->GetStats().allocations != baseline && absl::Now() - killed < absl::Seconds(30)) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  EXPECT_EQ(pool->GetStats().allocations, baseline) << "the sender still holds the tensor";
+  EXPECT_TRUE(CleanUpAndWaitForTheSenderToLetGo(baseline, killed, absl::Seconds(30)))
+      << "the sender still holds the tensor";
   std::printf("the sender let go of the tensor %s after the kill\n",
               absl::FormatDuration(absl::Now() - killed).c_str());
   absl::StatusOr<Tensor> other = Recv(kStep, Key(2, "medium"));
@@ -391,18 +399,12 @@ TEST_P(GrpcClusterTest, AReceiverKilledWhileTheSenderWritesLeavesTheSenderWhole)
 TEST_P(GrpcClusterTest, AReceiverFrozenWhileTheSenderWritesIsLetGoWithinThePeerTimeout) {
   size_t baseline = 0;
   ASSERT_NO_FATAL_FAILURE(StreamToTask1UntilTheSecondIsInFlight(absl::Seconds(120), &baseline));
-  PoolAllocator* pool = server_->recv_allocator();
   const absl::Time frozen = absl::Now();
   peers_[1]->Signal(SIGSTOP);
-  server_->rendezvous_mgr()->Cleanup(kStep + 1);
-  server_->rendezvous_mgr()->Cleanup(kStep + 2);
   // The peer timeout is 2 s and the recv timeout 120 s; measured: 0.0-4.4 s by protocol, and
   // 20.8 s over grpc before its server pinged frozen callers. 15 s tells the two apart.
-  while (pool->GetStats().allocations != baseline && absl::Now() - frozen < absl::Seconds(15)) {
-    absl::SleepFor(absl::Milliseconds(50));
-  }
+  const bool let_go = CleanUpAndWaitForTheSenderToLetGo(baseline, frozen, absl::Seconds(15));
   const absl::Duration held = absl::Now() - frozen;
-  const bool let_go = pool->GetStats().allocations == baseline;
   absl::StatusOr<Tensor> other = Recv(kStep, Key(2, "medium"));
   peers_[1]->Signal(SIGCONT);
   EXPECT_TRUE(let_go) << "the sender still holds the tensor after " << held;
