@@ -30,15 +30,16 @@ struct Op {
   uint32_t imm = 0;
   void* buf = nullptr;
   size_t len = 0;
-  void* desc = nullptr;    // libfabric descriptor
-  uint32_t lkey = 0;       // verbs local key
+  void* desc = nullptr;  // libfabric descriptor
+  uint32_t lkey = 0;     // verbs local key
   uint64_t remote_addr = 0;
   uint64_t remote_key = 0;
   uint64_t context = 0;
   absl::Time posted;
-  bool issued = false;     // handed to the provider
-  bool timed_out = false;  // reported as DeadlineExceeded; the provider may still return it
-  Op* prev = nullptr;      // live ops, in posting order
+  bool issued = false;       // handed to the provider
+  bool data_posted = false;  // a write posted in two parts (ofi): its data part is posted
+  bool timed_out = false;    // reported as DeadlineExceeded; the provider may still return it
+  Op* prev = nullptr;        // live ops, in posting order
   Op* next = nullptr;
 };
 

@@ -34,6 +34,22 @@ constexpr uint32_t kApiVersion = FI_VERSION(1, 9);
 // Zero-length receives kept posted per endpoint when the provider consumes one per immediate.
 constexpr int kPostedReceives = 64;
 
+// Writes with an immediate above this size go as two posts where the provider needs it (see
+// SplitsWrites): the data, then an empty write carrying the immediate.
+constexpr size_t kSplitWritesAbove = 4096;
+
+// libfabric 1.17's rxm over tcp crashes when an endpoint closes, or its connection drops,
+// while a write with an immediate is half received: tcp reports the half-placed write to rxm as
+// a cancelled operation with no context, and rxm dereferences the context. A write without an
+// immediate is internal to tcp and dropped silently, and tcp places writes in the order they
+// were posted, so sending the data plainly and the immediate in an empty write after it keeps
+// the receiver's state between the two harmless and costs one small post per large write.
+bool SplitsWrites(const fi_info* info) {
+  const absl::string_view name = info->fabric_attr->prov_name;
+  return absl::StartsWith(name, "tcp") && absl::StrContains(name, "ofi_rxm") &&
+         (info->tx_attr->msg_order & FI_ORDER_WAW) != 0;
+}
+
 std::string FiError(absl::string_view what, int ret) {
   return absl::StrCat(what, ": ", fi_strerror(-ret), " (", ret, ")");
 }
@@ -122,6 +138,7 @@ class OfiEndpoint final : public EndpointBase {
  public:
   explicit OfiEndpoint(std::shared_ptr<Shared> shared)
       : shared_(std::move(shared)),
+        split_writes_(SplitsWrites(shared_->info)),
         ops_(this, shared_->options.queue_depth, shared_->options.op_timeout,
              absl::StrCat("ofi (", shared_->info->fabric_attr->prov_name, ")")) {}
 
@@ -239,8 +256,11 @@ class OfiEndpoint final : public EndpointBase {
           continue;
         }
         if (e.op_context == receive_ctx()) continue;  // a consumed receive without data
+        if (e.op_context == data_ctx()) continue;     // the data part of a split write
         Op* op = static_cast<Op*>(e.op_context);
-        if (ops_.Complete(op, absl::OkStatus(), &out[produced])) ++produced;
+        // tcp completes in posting order, so a failed data part has been seen by now.
+        const absl::Status status = op->data_posted ? split_error_ : absl::OkStatus();
+        if (ops_.Complete(op, status, &out[produced])) ++produced;
       }
     }
     produced += ops_.Drain([this](Op* op) { return Issue(op); }, out.subspan(produced));
@@ -254,6 +274,7 @@ class OfiEndpoint final : public EndpointBase {
     return absl::OkStatus();
   }
   void* receive_ctx() { return &receive_ctx_; }
+  void* data_ctx() { return &data_ctx_; }
 
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
                     const RemoteBuffer& remote, uint64_t context) override {
@@ -278,6 +299,19 @@ class OfiEndpoint final : public EndpointBase {
     ssize_t ret;
     if (op->kind == CompletionKind::kRead) {
       ret = fi_read(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key, ctx);
+    } else if (op->with_imm && split_writes_ && op->len > kSplitWritesAbove) {
+      if (!op->data_posted) {
+        ret = fi_write(ep_, op->buf, op->len, op->desc, peer_, op->remote_addr, op->remote_key,
+                       data_ctx());
+        if (ret == -FI_EAGAIN) return false;
+        if (ret != 0) {
+          return absl::UnavailableError(
+              FiError("ofi: posting the operation", static_cast<int>(ret)));
+        }
+        op->data_posted = true;  // a retry after EAGAIN posts the immediate alone
+      }
+      ret = fi_writedata(ep_, nullptr, 0, nullptr, op->imm, peer_, op->remote_addr, op->remote_key,
+                         ctx);
     } else if (op->with_imm) {
       ret = fi_writedata(ep_, op->buf, op->len, op->desc, op->imm, peer_, op->remote_addr,
                          op->remote_key, ctx);
@@ -297,6 +331,12 @@ class OfiEndpoint final : public EndpointBase {
     absl::Status status = absl::UnavailableError(absl::StrCat(
         "ofi (", shared_->info->fabric_attr->prov_name, "): operation failed: ",
         fi_strerror(err.err), "; provider error ", err.prov_errno, ": ", detail ? detail : "?"));
+    if (err.op_context == data_ctx()) {
+      // Which write it was is not known here; the connection is broken, so every split write
+      // from now on reports it, and the one whose data failed has not completed yet.
+      if (split_error_.ok()) split_error_ = status;
+      return 0;
+    }
     if (err.op_context == nullptr || err.op_context == receive_ctx()) {
       LOG(WARNING) << status.message();
       return 0;
@@ -316,6 +356,9 @@ class OfiEndpoint final : public EndpointBase {
   bool connected_ = false;
   std::string address_;
   fi_context2 receive_ctx_{};
+  fi_context2 data_ctx_{};
+  const bool split_writes_;
+  absl::Status split_error_;  // the first failed data part of a split write
   int wait_fd_ = -1;
   OpTracker ops_;
 };
