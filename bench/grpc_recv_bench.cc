@@ -6,7 +6,7 @@
 #include <benchmark/benchmark.h>
 
 #include "absl/strings/str_cat.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 

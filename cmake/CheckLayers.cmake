@@ -3,7 +3,7 @@
 # the same ones its CMake target links; tools/, tests/ and bench/ sit on top and may include
 # anything. Usage: cmake -DROOT=<source dir> -DSTAMP=<file> -P CheckLayers.cmake
 set(layers common tensor fabric rendezvous rpc protocol transport/grpc transport/verbs support
-  server)
+  server api)
 set(allowed_common common)
 set(allowed_tensor common tensor)
 set(allowed_fabric common fabric)
@@ -15,11 +15,19 @@ set(allowed_transport/verbs common tensor fabric rendezvous rpc protocol transpo
 set(allowed_support common support)
 set(allowed_server common tensor fabric rendezvous rpc protocol transport/grpc transport/verbs
   server)
+set(allowed_api ${allowed_server} api)
 
 set(violations "")
 foreach(layer IN LISTS layers)
   file(GLOB_RECURSE files "${ROOT}/src/${layer}/*.h" "${ROOT}/src/${layer}/*.cc")
   foreach(file IN LISTS files)
+    # The public value types (include/tensorverbs/) need only abseil, so every layer may use
+    # them; task.h and the umbrella header are the api layer's, the top of the stack.
+    file(STRINGS "${file}" public REGEX "^#include \"tensorverbs/(task|tensorverbs)\\.h\"")
+    if(public AND NOT layer STREQUAL "api")
+      file(RELATIVE_PATH rel "${ROOT}" "${file}")
+      list(APPEND violations "${rel} (layer ${layer}) includes the api layer's ${public}")
+    endif()
     # transport/grpc and transport/verbs are layers of their own, not parts of a "transport".
     file(STRINGS "${file}" includes REGEX "^#include \"(src|tools|tests|bench)/")
     foreach(line IN LISTS includes)

@@ -5,7 +5,7 @@
 
 #include "absl/strings/string_view.h"
 #include "fuzz/fuzz_check.h"
-#include "src/server/cluster_spec.h"
+#include "tensorverbs/cluster_spec.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using tensorverbs::ClusterSpec;

@@ -17,8 +17,8 @@
 #include "proto/verbs.pb.h"
 #include "src/protocol/copy_payload.h"
 #include "src/protocol/message.h"
-#include "src/rendezvous/device_name.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/device_name.h"
+#include "tensorverbs/parsed_key.h"
 #include "src/tensor/tensor_codec.h"
 #include "src/transport/grpc/tensor_coding.h"
 

@@ -6,7 +6,7 @@
 
 #include "absl/strings/string_view.h"
 #include "fuzz/fuzz_check.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/parsed_key.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using tensorverbs::ParsedKey;

@@ -15,7 +15,7 @@
 #include "src/common/checksum.h"
 #include "src/common/mutex.h"
 #include "src/common/status_macros.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "tools/bench_util.h"
 #include "src/support/process_util.h"
 

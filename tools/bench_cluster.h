@@ -24,7 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/parsed_key.h"
 #include "src/server/server.h"
 #include "tools/netns.h"
 #include "src/support/subprocess.h"

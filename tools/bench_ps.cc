@@ -21,7 +21,7 @@
 #include "src/common/config.h"
 #include "src/common/checksum.h"
 #include "src/common/status_macros.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "tools/bench_cluster.h"
 #include "tools/bench_models.h"

@@ -15,7 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/parsed_key.h"
 #include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {

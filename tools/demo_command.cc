@@ -17,7 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/common/config.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/fabric/fabric.h"
 #include "src/server/server.h"
 #include "tools/commands.h"

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::demo {
 

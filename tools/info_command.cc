@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
-#include "src/common/version.h"
+#include "tensorverbs/version.h"
 #include "src/fabric/fabric.h"
 #include "src/server/server.h"
 #include "tools/commands.h"

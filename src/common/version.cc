@@ -1,4 +1,4 @@
-#include "src/common/version.h"
+#include "tensorverbs/version.h"
 
 #ifndef TENSORVERBS_VERSION
 #error "TENSORVERBS_VERSION is defined by src/common/CMakeLists.txt from the project's version"

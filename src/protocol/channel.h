@@ -52,7 +52,7 @@
 #include "src/protocol/remote_tensor.h"
 #include "src/protocol/tensor_request.h"
 #include "src/protocol/tensor_response.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/parsed_key.h"
 
 namespace tensorverbs::protocol {
 

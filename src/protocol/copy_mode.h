@@ -21,7 +21,7 @@
 #include "src/fabric/fabric.h"
 #include "src/protocol/copy_payload.h"
 #include "src/protocol/memory_mgr.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

@@ -16,7 +16,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

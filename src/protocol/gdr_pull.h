@@ -19,7 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "src/protocol/remote_tensor.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

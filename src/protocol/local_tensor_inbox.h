@@ -24,7 +24,7 @@
 #include "absl/status/status.h"
 #include "src/common/mutex.h"
 #include "src/rendezvous/local_rendezvous.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

@@ -35,7 +35,7 @@
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
 #include "src/tensor/allocator.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

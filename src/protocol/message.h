@@ -19,9 +19,9 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "src/fabric/fabric.h"
-#include "src/rendezvous/parsed_key.h"
-#include "src/tensor/tensor_shape.h"
-#include "src/tensor/types.h"
+#include "tensorverbs/parsed_key.h"
+#include "tensorverbs/tensor_shape.h"
+#include "tensorverbs/types.h"
 
 namespace tensorverbs::protocol {
 

@@ -37,7 +37,7 @@
 #include "src/common/mutex.h"
 #include "src/fabric/fabric.h"
 #include "src/rendezvous/local_rendezvous.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

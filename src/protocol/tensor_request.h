@@ -45,7 +45,7 @@
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/tensor/allocator.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

@@ -27,7 +27,7 @@
 #include "src/protocol/message.h"
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 

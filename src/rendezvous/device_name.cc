@@ -1,4 +1,4 @@
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 
 #include <vector>
 

@@ -17,7 +17,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/string_view.h"
 #include "src/common/mutex.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/parsed_key.h"
 
 namespace tensorverbs {
 

@@ -31,8 +31,8 @@
 #include "absl/status/status.h"
 #include "src/common/mutex.h"
 #include "src/rendezvous/key_table.h"
-#include "src/rendezvous/parsed_key.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/parsed_key.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs {
 

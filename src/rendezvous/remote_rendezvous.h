@@ -22,7 +22,7 @@
 #include "absl/status/statusor.h"
 #include "src/common/executor.h"
 #include "src/rendezvous/local_rendezvous.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/parsed_key.h"
 #include "src/tensor/allocator.h"
 
 namespace tensorverbs {

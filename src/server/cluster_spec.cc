@@ -1,4 +1,4 @@
-#include "src/server/cluster_spec.h"
+#include "tensorverbs/cluster_spec.h"
 
 #include <unistd.h>
 
@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/common/status_macros.h"
 
 namespace tensorverbs {

@@ -12,7 +12,7 @@
 #include "src/common/malloc_tuning.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/fabric.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/grpc_rendezvous.h"
 #include "src/transport/grpc/recv_tensor_handler.h"

@@ -24,7 +24,7 @@
 #include "src/common/mutex.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/rpc/security.h"
-#include "src/server/cluster_spec.h"
+#include "tensorverbs/cluster_spec.h"
 #include "src/tensor/allocator.h"
 #include "src/transport/grpc/worker_client.h"
 #include "src/transport/verbs/verbs_transport.h"

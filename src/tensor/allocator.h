@@ -1,6 +1,6 @@
-// Allocator: where tensor memory comes from, and PoolAllocator, the registered-pool allocator.
+// PoolAllocator: the registered-pool allocator (Allocator and CpuAllocator() are public, in
+// tensorverbs/allocator.h).
 //
-// Every allocation is 64-byte aligned. CpuAllocator() is a plain process-wide allocator.
 // PoolAllocator obtains large regions from the OS once (huge-page advised and pre-touched,
 // because first-touch page faults cost ~11 µs per 4 KiB page on the VMs this runs on), carves
 // tensors out of them and reuses freed space, so steady-state allocation never faults fresh
@@ -44,25 +44,12 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+#include "tensorverbs/allocator.h"
 #include "src/common/bounded_queue.h"
 #include "src/common/mutex.h"
 #include "src/common/shared_memory.h"
 
 namespace tensorverbs {
-
-class Allocator {
- public:
-  static constexpr size_t kAlignment = 64;
-
-  virtual ~Allocator() = default;
-  virtual std::string Name() const = 0;
-  // Returns kAlignment-aligned memory of at least `bytes` (> 0), or nullptr when exhausted.
-  virtual void* AllocateRaw(size_t bytes) = 0;
-  virtual void DeallocateRaw(void* ptr, size_t bytes) = 0;
-};
-
-// The process-wide heap allocator (aligned operator new). Never null.
-Allocator* CpuAllocator();
 
 // A contiguous block of memory a PoolAllocator obtained from the OS.
 struct MemoryRegion {

@@ -1,4 +1,4 @@
-#include "src/tensor/tensor_shape.h"
+#include "tensorverbs/tensor_shape.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

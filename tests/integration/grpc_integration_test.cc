@@ -25,7 +25,7 @@
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
 #include "src/common/mutex.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "tests/support/fixtures.h"

@@ -11,7 +11,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "tests/support/fixtures.h"

@@ -13,7 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "src/rendezvous/device_name.h"
+#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "tests/support/fixtures.h"

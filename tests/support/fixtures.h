@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::testing {
 

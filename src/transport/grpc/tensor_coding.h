@@ -12,7 +12,7 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/status/status.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 #include "src/protocol/remote_tensor.h"
 
 namespace tensorverbs::grpc_transport {

@@ -25,7 +25,7 @@
 #include "absl/time/time.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/remote_tensor.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::verbs {
 

@@ -25,12 +25,12 @@
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/message.h"
-#include "src/rendezvous/device_name.h"
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/device_name.h"
+#include "tensorverbs/parsed_key.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/tensor/allocator.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 namespace {

@@ -15,7 +15,7 @@
 #include "src/fabric/loopback/loopback.h"
 #include "src/protocol/channel_env.h"
 #include "src/tensor/allocator.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
 namespace {

@@ -1,4 +1,4 @@
-#include "src/rendezvous/parsed_key.h"
+#include "tensorverbs/parsed_key.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

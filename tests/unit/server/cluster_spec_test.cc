@@ -1,4 +1,4 @@
-#include "src/server/cluster_spec.h"
+#include "tensorverbs/cluster_spec.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

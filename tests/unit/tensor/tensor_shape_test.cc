@@ -1,4 +1,4 @@
-#include "src/tensor/tensor_shape.h"
+#include "tensorverbs/tensor_shape.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "src/tensor/types.h"
+#include "tensorverbs/types.h"
 
 #include <gtest/gtest.h>
 

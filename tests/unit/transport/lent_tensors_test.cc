@@ -12,7 +12,7 @@
 #include "src/protocol/channel_env.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/tensor/allocator.h"
-#include "src/tensor/tensor.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::verbs {
 namespace {

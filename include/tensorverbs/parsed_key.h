@@ -2,15 +2,15 @@
 //   src_device;src_incarnation;dst_device;tensor_name;frame_id:iter_id
 // with the incarnation as 16 hex digits. Keys come from peers, so Parse validates every part
 // and names the one that is wrong. Value type, any thread.
-#ifndef TENSORVERBS_RENDEZVOUS_PARSED_KEY_H_
-#define TENSORVERBS_RENDEZVOUS_PARSED_KEY_H_
+#ifndef TENSORVERBS_PUBLIC_PARSED_KEY_H_
+#define TENSORVERBS_PUBLIC_PARSED_KEY_H_
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
-#include "src/rendezvous/device_name.h"
+#include "absl/strings/string_view.h"
+#include "tensorverbs/device_name.h"
 
 namespace tensorverbs {
 
@@ -37,4 +37,4 @@ struct ParsedKey {
 
 }  // namespace tensorverbs
 
-#endif  // TENSORVERBS_RENDEZVOUS_PARSED_KEY_H_
+#endif  // TENSORVERBS_PUBLIC_PARSED_KEY_H_

@@ -3,8 +3,8 @@
 // Built only through Create(), which rejects negative sizes and element counts or byte sizes
 // that overflow int64, so every TensorShape in the process is valid. A value type; not
 // synchronized.
-#ifndef TENSORVERBS_TENSOR_TENSOR_SHAPE_H_
-#define TENSORVERBS_TENSOR_TENSOR_SHAPE_H_
+#ifndef TENSORVERBS_PUBLIC_TENSOR_SHAPE_H_
+#define TENSORVERBS_PUBLIC_TENSOR_SHAPE_H_
 
 #include <cstdint>
 #include <initializer_list>
@@ -37,9 +37,7 @@ class TensorShape {
 
   std::string DebugString() const;  // "[2,3]"
 
-  friend bool operator==(const TensorShape& a, const TensorShape& b) {
-    return a.dims_ == b.dims_;
-  }
+  friend bool operator==(const TensorShape& a, const TensorShape& b) { return a.dims_ == b.dims_; }
   friend bool operator!=(const TensorShape& a, const TensorShape& b) { return !(a == b); }
 
  private:
@@ -49,4 +47,4 @@ class TensorShape {
 
 }  // namespace tensorverbs
 
-#endif  // TENSORVERBS_TENSOR_TENSOR_SHAPE_H_
+#endif  // TENSORVERBS_PUBLIC_TENSOR_SHAPE_H_

@@ -2,13 +2,13 @@
 //
 // The short legacy form /job:J/replica:R/task:T/cpu:0 is accepted too. Every component is
 // required: a rendezvous key must name exactly one task. Value type, any thread.
-#ifndef TENSORVERBS_RENDEZVOUS_DEVICE_NAME_H_
-#define TENSORVERBS_RENDEZVOUS_DEVICE_NAME_H_
+#ifndef TENSORVERBS_PUBLIC_DEVICE_NAME_H_
+#define TENSORVERBS_PUBLIC_DEVICE_NAME_H_
 
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace tensorverbs {
 
@@ -38,4 +38,4 @@ bool IsValidJobName(absl::string_view job);
 
 }  // namespace tensorverbs
 
-#endif  // TENSORVERBS_RENDEZVOUS_DEVICE_NAME_H_
+#endif  // TENSORVERBS_PUBLIC_DEVICE_NAME_H_

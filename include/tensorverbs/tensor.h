@@ -5,17 +5,17 @@
 // POD tensors hold num_elements * DataTypeSize bytes; string tensors hold std::string objects
 // and report CanMemCopy() == false. A Tensor is not synchronized: share it across threads only
 // for reading.
-#ifndef TENSORVERBS_TENSOR_TENSOR_H_
-#define TENSORVERBS_TENSOR_TENSOR_H_
+#ifndef TENSORVERBS_PUBLIC_TENSOR_H_
+#define TENSORVERBS_PUBLIC_TENSOR_H_
 
 #include <cstddef>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "src/tensor/allocator.h"
-#include "src/tensor/tensor_shape.h"
-#include "src/tensor/types.h"
+#include "tensorverbs/allocator.h"
+#include "tensorverbs/tensor_shape.h"
+#include "tensorverbs/types.h"
 
 namespace tensorverbs {
 
@@ -104,4 +104,4 @@ class Tensor {
 
 }  // namespace tensorverbs
 
-#endif  // TENSORVERBS_TENSOR_TENSOR_H_
+#endif  // TENSORVERBS_PUBLIC_TENSOR_H_

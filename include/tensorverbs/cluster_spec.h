@@ -4,8 +4,8 @@
 // or from JSON, {"ps": ["localhost:2222"], "worker": [...]} (a TF_CONFIG object with a
 // "cluster" member is accepted too). Every malformed form is an InvalidArgument that says what
 // is wrong and shows the expected form. Value type, any thread.
-#ifndef TENSORVERBS_SERVER_CLUSTER_SPEC_H_
-#define TENSORVERBS_SERVER_CLUSTER_SPEC_H_
+#ifndef TENSORVERBS_PUBLIC_CLUSTER_SPEC_H_
+#define TENSORVERBS_PUBLIC_CLUSTER_SPEC_H_
 
 #include <map>
 #include <string>
@@ -46,4 +46,4 @@ bool AddressIsLocal(absl::string_view address);
 
 }  // namespace tensorverbs
 
-#endif  // TENSORVERBS_SERVER_CLUSTER_SPEC_H_
+#endif  // TENSORVERBS_PUBLIC_CLUSTER_SPEC_H_

@@ -2,15 +2,15 @@
 //
 // The numeric values equal TensorFlow's DataType enum so that TensorProto bytes and logs read
 // the same as TensorFlow's. Pure functions, callable from any thread.
-#ifndef TENSORVERBS_TENSOR_TYPES_H_
-#define TENSORVERBS_TENSOR_TYPES_H_
+#ifndef TENSORVERBS_PUBLIC_TYPES_H_
+#define TENSORVERBS_PUBLIC_TYPES_H_
 
 #include <cstddef>
 #include <cstdint>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace tensorverbs {
 
@@ -54,4 +54,4 @@ const std::vector<DataType>& AllDataTypes();
 
 }  // namespace tensorverbs
 
-#endif  // TENSORVERBS_TENSOR_TYPES_H_
+#endif  // TENSORVERBS_PUBLIC_TYPES_H_

@@ -1,0 +1,153 @@
+// Task and Step: tensorverbs as a library. A Task is one task of a cluster (a process, or a
+// part of one, that serves the tasks it sends to and receives from); a Step is one training
+// step's sends and recvs, ended (its pending recvs cancelled, its untaken sends dropped) when
+// the Step object goes.
+//
+// A program starts a Task from TaskOptions (or the TENSORVERBS_* environment, as the tools do),
+// waits for its peers, then for each step makes a Step, sends the tensors its peers need by
+// name and receives the ones it needs:
+//
+//   auto task = tensorverbs::Task::Start(options).value();
+//   task->WaitForPeers(absl::Seconds(30)).IgnoreError();
+//   auto step = task->BeginStep(1).value();
+//   step->Send("/job:ps/replica:0/task:0", "grad", grad).IgnoreError();
+//   absl::StatusOr<tensorverbs::Tensor> w = step->Recv("ps:0", "weights");
+//
+// Tasks are named "/job:J/replica:0/task:T" or "J:T". A received tensor's memory comes from the
+// task's registered pool and stays valid while any Tensor refers to it, after its Step and its
+// Task are gone too: a Task destroyed while its tensors live stops at once but keeps its pool
+// until they are dropped (it is freed when a later Task starts or goes). Every method is
+// thread-safe. RecvAsync's callback runs exactly once, on one of the task's callback threads
+// (TENSORVERBS_CALLBACK_THREADS), never inside the call that started it; it must not block for
+// long. Errors are absl::Status values whose message names the key, the peer and, where a setting
+// is involved, its variable.
+#ifndef TENSORVERBS_PUBLIC_TASK_H_
+#define TENSORVERBS_PUBLIC_TASK_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "tensorverbs/cluster_spec.h"
+#include "tensorverbs/parsed_key.h"
+#include "tensorverbs/tensor.h"
+
+namespace tensorverbs {
+
+struct TaskOptions {
+  ClusterSpec cluster;  // ClusterSpec::Parse("worker=h1:2222,h2:2222;ps=h3:2222")
+  std::string job;
+  int task = 0;
+  // "grpc+verbs" (RDMA writes into the receiver's memory), "grpc", "grpc+gdr" or
+  // "grpc+verbs-copy"; AvailableProtocols() lists what this build has. Every task of a cluster
+  // uses the same.
+  std::string protocol = "grpc+verbs";
+  // How long a remote recv may wait for its tensor; unset takes TENSORVERBS_RECV_TIMEOUT_MS.
+  std::optional<absl::Duration> recv_timeout;
+  // Every other setting (fabric, pool, security, ...) comes from the TENSORVERBS_* variables the
+  // README lists; an invalid one fails Start naming the variable.
+};
+
+// Counters of this task's remote recvs, since it started.
+struct TaskStats {
+  int64_t tensors = 0;  // received OK
+  int64_t bytes = 0;    // their element bytes
+  int64_t errors = 0;   // recvs that failed
+  int64_t copies = 0;   // copies of tensor bytes this task made (zero-copy paths add none)
+  int64_t copied_bytes = 0;
+};
+
+// The protocols this build provides, best first (the same function the server uses).
+std::vector<std::string> AvailableProtocols();
+
+class Step;
+
+class Task {
+ public:
+  // Validates the options, binds the task's port and starts serving. InvalidArgument names
+  // the field or variable that is wrong; Unavailable says why the port or fabric failed.
+  static absl::StatusOr<std::unique_ptr<Task>> Start(TaskOptions options);
+  Task(const Task&) = delete;
+  Task& operator=(const Task&) = delete;
+  ~Task();  // Stop(); the pool stays while tensors from it live (see above)
+
+  // Waits until every other task of the cluster answers, or Unavailable naming the ones that
+  // did not within `timeout`. Over grpc+verbs it also sets up the RDMA channels.
+  absl::Status WaitForPeers(absl::Duration timeout);
+
+  // "/job:J/replica:0/task:T".
+  const std::string& name() const;
+  const std::string& protocol() const;
+  // Changes each time the task starts; a peer's key carries it, so tensors of a task that
+  // restarted are never mistaken for the new task's.
+  uint64_t incarnation() const;
+
+  // The step's sends and recvs, until the Step goes. FailedPrecondition if `step_id` was ended
+  // recently in this task.
+  absl::StatusOr<std::unique_ptr<Step>> BeginStep(int64_t step_id);
+
+  // A tensor in the task's registered pool: sent from, it needs no staging copy.
+  absl::StatusOr<Tensor> Empty(DataType dtype, const TensorShape& shape);
+
+  TaskStats stats() const;
+
+  // Fails every pending recv with Cancelled and shuts the task's server down. Idempotent.
+  void Stop();
+
+  struct Impl;
+
+ private:
+  explicit Task(std::shared_ptr<Impl> impl);
+  std::shared_ptr<Impl> impl_;
+};
+
+class Step {
+ public:
+  using RecvCallback = std::function<void(absl::StatusOr<Tensor>)>;
+
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+  // Ends the step: its pending recvs fail with Cancelled, sends no peer took are dropped.
+  ~Step();
+
+  int64_t id() const;
+
+  // Makes `value` available to `dst_task` under `name` in this step; returns at once (the peer
+  // takes it when it asks). InvalidArgument for an unknown task or a bad name, AlreadyExists
+  // for a name sent twice.
+  absl::Status Send(absl::string_view dst_task, absl::string_view name, const Tensor& value);
+
+  // Receives `name` from `src_task`, waiting at most `timeout` (and at most the task's recv
+  // timeout). After DeadlineExceeded from `timeout` the key stays asked for in this step: a
+  // later Recv of it in the same step fails.
+  absl::StatusOr<Tensor> Recv(absl::string_view src_task, absl::string_view name,
+                              absl::Duration timeout = absl::InfiniteDuration());
+  void RecvAsync(absl::string_view src_task, absl::string_view name, RecvCallback done);
+
+  // The same with a full rendezvous key (TensorFlow's form, see parsed_key.h): its source or
+  // destination device must be on this task.
+  absl::Status SendKey(const ParsedKey& key, const Tensor& value);
+  void RecvKeyAsync(const ParsedKey& key, RecvCallback done);
+
+  // Waits until peers have taken every tensor this step sent, so ending it drops nothing; or
+  // DeadlineExceeded naming how many are left.
+  absl::Status WaitUntilSendsTaken(absl::Duration timeout);
+
+  struct Impl;
+
+ private:
+  friend class Task;
+  explicit Step(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tensorverbs
+
+#endif  // TENSORVERBS_PUBLIC_TASK_H_

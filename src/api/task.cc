@@ -1,0 +1,258 @@
+// The public Task and Step (include/tensorverbs/task.h) over the server and its rendezvous.
+#include "tensorverbs/task.h"
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "src/common/mutex.h"
+#include "src/common/status_macros.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/server/server.h"
+#include "src/tensor/allocator.h"
+#include "tensorverbs/device_name.h"
+
+namespace tensorverbs {
+
+struct Task::Impl {
+  std::unique_ptr<Server> server;
+  std::string name;
+  std::string protocol;
+};
+
+struct Step::Impl {
+  std::shared_ptr<Task::Impl> task;
+  std::shared_ptr<RemoteRendezvous> rendezvous;
+  int64_t id = 0;
+};
+
+namespace {
+
+// The CPU device of a task named "/job:J/replica:0/task:T" or "J:T".
+absl::StatusOr<DeviceName> TaskDevice(absl::string_view task) {
+  if (absl::StartsWith(task, "/job:")) {
+    absl::StatusOr<DeviceName> d = DeviceName::Parse(absl::StrCat(task, "/device:CPU:0"));
+    if (d.ok()) return d;
+  } else {
+    std::pair<absl::string_view, absl::string_view> parts = absl::StrSplit(task, ':');
+    int index = 0;
+    if (!parts.first.empty() && absl::SimpleAtoi(parts.second, &index) && index >= 0) {
+      return *DeviceName::Parse(CpuDeviceName(parts.first, index));
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", task, "' is not a task name: give /job:J/replica:0/task:T or J:T"));
+}
+
+// Tasks destroyed while tensors from their pool were still referenced: stopped, but kept (with
+// their pool's memory) until those tensors are gone, so no Tensor ever points at unmapped
+// memory. Reaped whenever a task starts or goes.
+struct Parked {
+  Mutex mu;
+  std::vector<std::shared_ptr<Task::Impl>> tasks ABSL_GUARDED_BY(mu);
+};
+Parked& parked() {
+  static Parked* p = new Parked();  // never destroyed: tensors may go during exit
+  return *p;
+}
+
+bool PoolInUse(const Task::Impl& impl) {
+  return impl.server->recv_allocator()->GetStats().allocations > 0;
+}
+
+void ReapParked() {
+  std::vector<std::shared_ptr<Task::Impl>> done;
+  {
+    MutexLock lock(&parked().mu);
+    std::vector<std::shared_ptr<Task::Impl>>& tasks = parked().tasks;
+    for (auto it = tasks.begin(); it != tasks.end();) {
+      if (!PoolInUse(**it)) {
+        done.push_back(std::move(*it));
+        it = tasks.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  // `done` destroys the servers here, outside the lock.
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Task>> Task::Start(TaskOptions options) {
+  ReapParked();
+  ASSIGN_OR_RETURN(ServerOptions server_options, ServerOptions::FromEnvironment());
+  server_options.cluster = std::move(options.cluster);
+  server_options.job = std::move(options.job);
+  server_options.task = options.task;
+  server_options.protocol = std::move(options.protocol);
+  if (options.recv_timeout.has_value()) {
+    if (*options.recv_timeout <= absl::ZeroDuration()) {
+      return absl::InvalidArgumentError("TaskOptions::recv_timeout must be positive");
+    }
+    server_options.recv_timeout = *options.recv_timeout;
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(std::move(server_options)));
+  auto impl = std::make_shared<Impl>();
+  impl->name = server->task_name();
+  impl->protocol = server->protocol();
+  impl->server = std::move(server);
+  return std::unique_ptr<Task>(new Task(std::move(impl)));
+}
+
+Task::Task(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Task::~Task() {
+  Stop();
+  ReapParked();
+  if (PoolInUse(*impl_)) {
+    MutexLock lock(&parked().mu);
+    parked().tasks.push_back(std::move(impl_));
+  }
+}
+
+void Task::Stop() { impl_->server->Stop(); }
+
+absl::Status Task::WaitForPeers(absl::Duration timeout) {
+  return impl_->server->WaitForPeers(timeout);
+}
+
+const std::string& Task::name() const { return impl_->name; }
+const std::string& Task::protocol() const { return impl_->protocol; }
+uint64_t Task::incarnation() const { return impl_->server->incarnation(); }
+
+absl::StatusOr<std::unique_ptr<Step>> Task::BeginStep(int64_t step_id) {
+  ASSIGN_OR_RETURN(std::shared_ptr<RemoteRendezvous> rendezvous,
+                   impl_->server->rendezvous_mgr()->Find(step_id));
+  auto step = std::make_unique<Step::Impl>();
+  step->task = impl_;
+  step->rendezvous = std::move(rendezvous);
+  step->id = step_id;
+  return std::unique_ptr<Step>(new Step(std::move(step)));
+}
+
+absl::StatusOr<Tensor> Task::Empty(DataType dtype, const TensorShape& shape) {
+  return Tensor::Allocate(impl_->server->recv_allocator(), dtype, shape);
+}
+
+TaskStats Task::stats() const {
+  const TransferStats& s = impl_->server->stats();
+  TaskStats out;
+  out.tensors = s.tensors.load(std::memory_order_relaxed);
+  out.bytes = s.bytes.load(std::memory_order_relaxed);
+  out.errors = s.errors.load(std::memory_order_relaxed);
+  out.copies = s.copies.load(std::memory_order_relaxed);
+  out.copied_bytes = s.copied_bytes.load(std::memory_order_relaxed);
+  return out;
+}
+
+Step::Step(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Step::~Step() {
+  impl_->rendezvous.reset();
+  impl_->task->server->rendezvous_mgr()->Cleanup(impl_->id);
+}
+
+int64_t Step::id() const { return impl_->id; }
+
+absl::Status Step::Send(absl::string_view dst_task, absl::string_view name, const Tensor& value) {
+  ASSIGN_OR_RETURN(DeviceName dst, TaskDevice(dst_task));
+  Server& server = *impl_->task->server;
+  ASSIGN_OR_RETURN(ParsedKey key,
+                   ParsedKey::Parse(ParsedKey::Create(server.device_name(), server.incarnation(),
+                                                      dst.FullName(), name)));
+  return SendKey(key, value);
+}
+
+absl::Status Step::SendKey(const ParsedKey& key, const Tensor& value) {
+  if (!value.IsInitialized()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sending ", key.edge_name, ": the tensor is uninitialized"));
+  }
+  return impl_->rendezvous->Send(key, value);
+}
+
+void Step::RecvAsync(absl::string_view src_task, absl::string_view name, RecvCallback done) {
+  absl::StatusOr<DeviceName> src = TaskDevice(src_task);
+  if (!src.ok()) {
+    done(src.status());
+    return;
+  }
+  Server& server = *impl_->task->server;
+  const std::string src_name = src->TaskName();
+  absl::StatusOr<uint64_t> incarnation;
+  if (src_name == server.task_name()) {
+    incarnation = server.incarnation();
+  } else {
+    // Recorded by WaitForPeers; asked for now (within the recv timeout) otherwise.
+    incarnation = server.PeerIncarnation(src_name, absl::Seconds(30));
+  }
+  if (!incarnation.ok()) {
+    done(incarnation.status());
+    return;
+  }
+  absl::StatusOr<ParsedKey> key = ParsedKey::Parse(
+      ParsedKey::Create(src->FullName(), *incarnation, server.device_name(), name));
+  if (!key.ok()) {
+    done(key.status());
+    return;
+  }
+  RecvKeyAsync(*key, std::move(done));
+}
+
+void Step::RecvKeyAsync(const ParsedKey& key, RecvCallback done) {
+  impl_->rendezvous->RecvAsync(
+      key, RecvArgs(),
+      [done = std::move(done)](const absl::Status& status, const Tensor& tensor, bool is_dead) {
+        if (!status.ok()) {
+          done(status);
+        } else if (is_dead) {
+          done(Tensor());  // TensorFlow's dead tensor (an untaken branch): no value
+        } else {
+          done(tensor);
+        }
+      });
+}
+
+absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view name,
+                                  absl::Duration timeout) {
+  // Shared with the callback, which may run after a timed-out Recv returned.
+  struct State {
+    Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = false;
+    absl::StatusOr<Tensor> result ABSL_GUARDED_BY(mu);
+  };
+  auto state = std::make_shared<State>();
+  RecvAsync(src_task, name, [state](absl::StatusOr<Tensor> result) {
+    MutexLock lock(&state->mu);
+    state->result = std::move(result);
+    state->done = true;
+  });
+  MutexLock lock(&state->mu);
+  if (!state->mu.AwaitWithTimeout(
+          [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) { return state->done; }, timeout)) {
+    return absl::DeadlineExceededError(absl::StrCat("recv of '", name, "' from ", src_task,
+                                                    " in step ", impl_->id, " took over ",
+                                                    absl::FormatDuration(timeout)));
+  }
+  return std::move(state->result);
+}
+
+absl::Status Step::WaitUntilSendsTaken(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const size_t left = impl_->rendezvous->NumPendingSends();
+    if (left == 0) return absl::OkStatus();
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(left, " tensors sent in step ", impl_->id,
+                                                      " were not taken by their peers within ",
+                                                      absl::FormatDuration(timeout)));
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+}  // namespace tensorverbs

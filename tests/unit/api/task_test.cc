@@ -1,0 +1,144 @@
+// The public Task and Step (include/tensorverbs/task.h): two tasks of one cluster in this
+// process, over grpc on loopback, used only through the public headers.
+#include "tensorverbs/task.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "src/support/process_util.h"
+
+namespace tensorverbs {
+namespace {
+
+using ::testing::HasSubstr;
+
+class TaskTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+    ASSERT_TRUE(ports.ok()) << ports.status();
+    cluster_ = *ClusterSpec::Parse(
+        absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*ports)[1]));
+    for (int i = 0; i < 2; ++i) {
+      absl::StatusOr<std::unique_ptr<Task>> t = Task::Start(Options(i));
+      ASSERT_TRUE(t.ok()) << t.status();
+      tasks_[i] = *std::move(t);
+    }
+    for (auto& t : tasks_) ASSERT_TRUE(t->WaitForPeers(absl::Seconds(30)).ok());
+  }
+
+  TaskOptions Options(int task) {
+    TaskOptions o;
+    o.cluster = cluster_;
+    o.job = "worker";
+    o.task = task;
+    o.protocol = "grpc";
+    o.recv_timeout = absl::Seconds(30);
+    return o;
+  }
+
+  ClusterSpec cluster_;
+  std::unique_ptr<Task> tasks_[2];
+};
+
+TEST_F(TaskTest, TwoTasksExchangeTensorsByTaskNameAndTheTensorOutlivesItsStepAndTask) {
+  EXPECT_EQ(tasks_[1]->name(), "/job:worker/replica:0/task:1");
+  EXPECT_EQ(tasks_[1]->protocol(), "grpc");
+  std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(3);
+  std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(3);
+  EXPECT_EQ(s0->id(), 3);
+  Tensor sent = *tasks_[1]->Empty(DataType::kInt32, TensorShape::Of({4, 5}));
+  for (int i = 0; i < 20; ++i) sent.flat<int32_t>()[i] = i * 3;
+  ASSERT_TRUE(s1->Send("worker:0", "a", sent).ok());
+  // The full task name and the short one name the same task.
+  absl::StatusOr<Tensor> got = s0->Recv("/job:worker/replica:0/task:1", "a", absl::Seconds(30));
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->ContentEquals(sent));
+  EXPECT_TRUE(s1->WaitUntilSendsTaken(absl::Seconds(10)).ok());
+  EXPECT_EQ(tasks_[0]->stats().tensors, 1);
+  EXPECT_EQ(tasks_[0]->stats().bytes, 80);
+  EXPECT_EQ(tasks_[0]->stats().errors, 0);
+  Tensor kept = *got;
+  s0.reset();
+  s1.reset();
+  tasks_[0].reset();
+  EXPECT_TRUE(kept.ContentEquals(sent)) << "the received tensor died with its task";
+}
+
+TEST_F(TaskTest, BadInputIsAClearErrorAndNothingElse) {
+  TaskOptions bad = Options(7);
+  absl::StatusOr<std::unique_ptr<Task>> t = Task::Start(bad);
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr("7"));
+  bad = Options(0);
+  bad.protocol = "carrier-pigeon";
+  t = Task::Start(bad);
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr("carrier-pigeon"));
+  bad = Options(0);
+  bad.recv_timeout = absl::ZeroDuration();
+  EXPECT_EQ(Task::Start(bad).status().code(), absl::StatusCode::kInvalidArgument);
+
+  std::unique_ptr<Step> step = *tasks_[0]->BeginStep(1);
+  Tensor x = Tensor::Make(DataType::kFloat32, TensorShape::Of({2}));
+  for (const char* task : {"nonsense", "worker:", ":1", "worker:-1", "/job:worker/task:x"}) {
+    absl::Status s = step->Send(task, "x", x);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << task << ": " << s;
+    EXPECT_THAT(s.message(), HasSubstr("not a task name")) << task;
+  }
+  EXPECT_EQ(step->Send("worker:1", "x", Tensor()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(step->Recv("worker:5", "x", absl::Seconds(5)).ok()) << "no such task";
+  std::atomic<int> calls{0};
+  absl::Notification done;
+  step->RecvAsync("worker", "x", [&](absl::StatusOr<Tensor> r) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    if (calls.fetch_add(1) == 0) done.Notify();
+  });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  // Sending the same name twice in a step is refused; the first send stands.
+  ASSERT_TRUE(step->Send("worker:1", "twice", x).ok());
+  EXPECT_FALSE(step->Send("worker:1", "twice", x).ok());
+  EXPECT_EQ(calls.load(), 1);
+}
+
+TEST_F(TaskTest, ARecvTimesOutAndEndingTheStepCancelsWhatStillWaits) {
+  std::unique_ptr<Step> step = *tasks_[0]->BeginStep(2);
+  absl::StatusOr<Tensor> r = step->Recv("worker:1", "never", absl::Milliseconds(200));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(r.status().message(), HasSubstr("never"));
+  std::atomic<int> calls{0};
+  absl::Status status;
+  absl::Notification done;
+  step->RecvAsync("worker:1", "also-never", [&](absl::StatusOr<Tensor> r) {
+    status = r.status();
+    if (calls.fetch_add(1) == 0) done.Notify();
+  });
+  step.reset();
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_EQ(calls.load(), 1);
+  // A step just ended cannot be begun again by mistake.
+  EXPECT_EQ(tasks_[0]->BeginStep(2).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(TaskTest, WaitingForSendsToBeTakenNamesWhatIsLeft) {
+  std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(4);
+  Tensor x = Tensor::Make(DataType::kFloat32, TensorShape::Of({3}));
+  ASSERT_TRUE(s1->Send("worker:0", "x", x).ok());
+  absl::Status s = s1->WaitUntilSendsTaken(absl::Milliseconds(100));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(s.message(), HasSubstr("1 tensors"));
+  std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(4);
+  ASSERT_TRUE(s0->Recv("worker:1", "x", absl::Seconds(30)).ok());
+  EXPECT_TRUE(s1->WaitUntilSendsTaken(absl::Seconds(10)).ok());
+}
+
+}  // namespace
+}  // namespace tensorverbs
