@@ -3,6 +3,7 @@
 #include <mutex>
 #include <random>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -35,13 +36,15 @@ class WorkerServiceImpl final : public WorkerServiceBase {
  public:
   WorkerServiceImpl(const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol,
                     std::string device, protocol::TensorLender* lender,
-                    const rpc::RpcSecurity* security)
+                    const rpc::RpcSecurity* security,
+                    std::shared_ptr<grpc_transport::RecvTensorBudget> budget)
       : env_(env),
         mgr_(mgr),
         protocol_(std::move(protocol)),
         device_(std::move(device)),
         lender_(lender),
-        security_(security) {}
+        security_(security),
+        budget_(std::move(budget)) {}
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const proto::GetStatusRequest* request,
@@ -76,7 +79,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
       return reactor;
     }
     return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_, caller,
-                                            lender_);
+                                            lender_, budget_);
   }
 
   grpc::ServerUnaryReactor* CleanupStep(grpc::CallbackServerContext* context,
@@ -106,6 +109,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   const std::string device_;
   protocol::TensorLender* const lender_;  // grpc+gdr only
   const rpc::RpcSecurity* const security_;
+  const std::shared_ptr<grpc_transport::RecvTensorBudget> budget_;  // shared with held calls
 };
 
 }  // namespace
@@ -248,9 +252,13 @@ absl::Status Server::Start() {
 
   rendezvous_mgr_->SetPeerStepLimits(
       {static_cast<size_t>(options_.max_peer_steps), options_.recv_timeout});
-  service_ = std::make_unique<WorkerServiceImpl>(&env_, rendezvous_mgr_.get(), options_.protocol,
-                                                 device_name(), gdr ? verbs_.get() : nullptr,
-                                                 security_.get());
+  absl::flat_hash_set<std::string> task_names;
+  for (const auto& [name, address] : options_.cluster.TaskAddresses()) task_names.insert(name);
+  service_ = std::make_unique<WorkerServiceImpl>(
+      &env_, rendezvous_mgr_.get(), options_.protocol, device_name(), gdr ? verbs_.get() : nullptr,
+      security_.get(),
+      std::make_shared<grpc_transport::RecvTensorBudget>(options_.verbs.max_responses,
+                                                         std::move(task_names)));
   grpc::ServerBuilder builder;
   rpc::ConfigureServerBuilder(&builder, options_.verbs.peer_timeout);
   int bound_port = 0;

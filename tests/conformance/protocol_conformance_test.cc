@@ -695,14 +695,11 @@ TEST_P(ProtocolTest, ManyConcurrentRecvsFromThreePeers) {
   for (int peer = 1; peer <= kPeers; ++peer) ExpectNothingLent(peer);
 }
 
-INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProtocol()), ParamName);
-
-// Designs whose requests are grpc+verbs control messages, which carry the checksum.
-class ChannelRequestTest : public ProtocolTest {};
-
 // A peer asking for more tensors at once than TENSORVERBS_MAX_RESPONSES gets ResourceExhausted
-// for the excess at once; the requests within the bound are served.
-TEST_P(ChannelRequestTest, RequestsBeyondTheResponseBoundFailAtOnce) {
+// for the excess at once; the requests within the bound are served. Over grpc+verbs and its copy
+// mode the bound is the channel's responses; over grpc and grpc+gdr the RecvTensor calls held
+// for that receiver.
+TEST_P(ProtocolTest, RequestsBeyondTheResponseBoundFailAtOnce) {
   StartCluster(2, [](VerbsOptions& o) {
     o.max_responses = 2;
     o.push = false;
@@ -732,6 +729,11 @@ TEST_P(ChannelRequestTest, RequestsBeyondTheResponseBoundFailAtOnce) {
   }
   EXPECT_EQ(delivered, 2);
 }
+
+INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProtocol()), ParamName);
+
+// Designs whose requests are grpc+verbs control messages, which carry the checksum.
+class ChannelRequestTest : public ProtocolTest {};
 
 TEST_P(ChannelRequestTest, DataValidationVerifiesEveryTransfer) {
   StartCluster(2, [](VerbsOptions& o) { o.data_validation = true; });

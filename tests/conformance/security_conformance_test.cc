@@ -16,6 +16,8 @@
 #include "proto/verbs.grpc.pb.h"
 #include "proto/worker.grpc.pb.h"
 #include "src/rpc/security.h"
+#include "src/server/server.h"
+#include "src/support/process_util.h"
 #include "tests/support/inprocess_cluster.h"
 #include "tests/support/temp_dir.h"
 
@@ -369,6 +371,52 @@ TEST(RpcSecurity, ProofsDependOnTheSecretAndTheTask) {
   EXPECT_NE(a, RpcSecurity::Proof("secret one", kTask1));
   EXPECT_FALSE(RpcSecurity::Insecure()->enabled());
   EXPECT_EQ(RpcSecurity::Insecure()->Describe(), "none");
+}
+
+// A task without security that listens beyond loopback says so once per process, however many
+// tasks it runs; one with a secret, or one on loopback only, does not.
+TEST(SecurityWarningTest, AnUnsecuredTaskListeningBeyondLoopbackWarnsOncePerProcess) {
+  testing::ScopedTempDir dir;
+  WriteFile(dir.File("secret"), "a cluster secret of some length");
+  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(4);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  std::string spec = "worker=";
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&spec, i ? "," : "", "127.0.0.1:", (*ports)[i]);
+  absl::StatusOr<ClusterSpec> cluster = ClusterSpec::Parse(spec);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  auto start = [&](int task, bool everywhere, bool secured) {
+    ServerOptions options;
+    options.cluster = *cluster;
+    options.job = "worker";
+    options.task = task;
+    options.protocol = "grpc";
+    if (everywhere) options.listen_address = absl::StrCat("0.0.0.0:", (*ports)[task]);
+    if (secured) options.security.secret_file = dir.File("secret");
+    return Server::Create(options);
+  };
+  constexpr char kWarning[] = "without authentication";
+  ::testing::internal::CaptureStderr();
+  absl::StatusOr<std::unique_ptr<Server>> secured = start(0, true, true);
+  absl::StatusOr<std::unique_ptr<Server>> loopback = start(1, false, false);
+  const std::string quiet = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(secured.ok()) << secured.status();
+  ASSERT_TRUE(loopback.ok()) << loopback.status();
+  EXPECT_THAT(quiet, ::testing::Not(HasSubstr(kWarning)));
+
+  ::testing::internal::CaptureStderr();
+  absl::StatusOr<std::unique_ptr<Server>> open_a = start(2, true, false);
+  absl::StatusOr<std::unique_ptr<Server>> open_b = start(3, true, false);
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(open_a.ok()) << open_a.status();
+  ASSERT_TRUE(open_b.ok()) << open_b.status();
+  size_t count = 0;
+  for (size_t at = warned.find(kWarning); at != std::string::npos;
+       at = warned.find(kWarning, at + 1)) {
+    ++count;
+  }
+  EXPECT_EQ(count, 1u) << warned;
+  EXPECT_THAT(warned, HasSubstr(absl::StrCat("0.0.0.0:", (*ports)[2])));
+  EXPECT_THAT(warned, HasSubstr("TENSORVERBS_SECRET_FILE"));
 }
 
 std::string ParamName(const ::testing::TestParamInfo<std::string>& info) {

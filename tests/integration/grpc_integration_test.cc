@@ -555,6 +555,36 @@ TEST_P(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
   }
 }
 
+// A sender killed and restarted in the middle of a step, while a recv of that step waits on it:
+// the waiting recv ends once, with an error naming the peer, and the step goes on with the new
+// incarnation, whose tensors of the same step arrive intact.
+TEST_P(GrpcClusterTest, APeerRestartedMidStepFailsTheRecvWaitingOnItAndTheStepGoesOn) {
+  StartCluster(2, /*recv_timeout=*/absl::Seconds(30));
+  ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());  // the step is under way
+  std::shared_ptr<RemoteRendezvous> r = *server_->rendezvous_mgr()->Find(kStep);
+  PendingRecv waiting(*r, Key(1, "never"));
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time killed = absl::Now();
+  peers_[1]->Signal(SIGKILL);
+  ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
+  ASSERT_NO_FATAL_FAILURE(StartPeer(1));
+  ASSERT_TRUE(waiting.Wait(absl::Seconds(30))) << "the recv outlived its peer's restart";
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(15));
+  EXPECT_THAT(waiting.status().code(),
+              ::testing::AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kAborted))
+      << waiting.status();
+  EXPECT_THAT(waiting.status().message(), HasSubstr("task:1")) << waiting.status();
+  // A recv may fail fast while the connection or channel to the new process comes up.
+  ASSERT_NO_FATAL_FAILURE(ExpectDeliveredSoon(*r, Key(1, "scalar"), "the restart"));
+  absl::StatusOr<Tensor> fresh = Recv(kStep, Key(1, "medium"));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  for (const testing::Fixture& f : testing::MakeFixtures(1, false)) {
+    if (f.name == "medium") {
+      EXPECT_TRUE(fresh->ContentEquals(f.tensor));
+    }
+  }
+}
+
 TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
   StartCluster(2);
   absl::StatusOr<grpc_transport::WorkerClient*> peer = server_->Worker(TaskName("worker", 1));

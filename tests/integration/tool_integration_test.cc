@@ -2,7 +2,9 @@
 // start-up, bad input and clean shutdown on SIGTERM.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -13,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "proto/worker.grpc.pb.h"
 #include "src/support/process_util.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/temp_dir.h"
@@ -282,6 +286,54 @@ TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
       (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
   ASSERT_TRUE(line.ok()) << line.status();
   EXPECT_THAT(*line, HasSubstr("/job:ps/replica:0/task:0 serving protocol grpc"));
+  (*p)->Signal(SIGTERM);
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(rc.ok());
+  EXPECT_EQ(*rc, 0);
+}
+
+// The security options reach every task the tools start: a demo whose tasks share a secret
+// trains, and a server started with one refuses a caller without its proof.
+TEST(ToolTest, ServerAndDemoTakeTheSecurityOptions) {
+  ScopedTempDir dir;
+  const std::string secret = dir.File("secret");
+  std::ofstream(secret) << "a cluster secret for the tool test\n";
+  ASSERT_EQ(::chmod(secret.c_str(), 0600), 0);
+  ASSERT_NO_FATAL_FAILURE(ExpectDemoTrains({"--secret-file", secret}, "grpc+verbs"));
+  // The flag reaches the tasks: one they cannot use stops the demo with the setting named.
+  const std::string short_secret = dir.File("short");
+  std::ofstream(short_secret) << "short\n";
+  ASSERT_EQ(::chmod(short_secret.c_str(), 0600), 0);
+  auto demo = support::Subprocess::Start(
+      "/bin/sh", {"-c", absl::StrCat("exec '", testing::ToolPath(), "' demo --steps 2 --secret-file '",
+                                     short_secret, "' 2>&1")});
+  ASSERT_TRUE(demo.ok()) << demo.status();
+  absl::StatusOr<std::string> failed =
+      (*demo)->WaitForLine("tensorverbs demo: task", absl::Seconds(60));
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_THAT(*failed, HasSubstr("TENSORVERBS_SECRET_FILE"));
+  EXPECT_THAT(*failed, HasSubstr("at least 16"));
+  absl::StatusOr<int> demo_rc = (*demo)->Wait(absl::Seconds(60));
+  ASSERT_TRUE(demo_rc.ok()) << demo_rc.status();
+  EXPECT_NE(*demo_rc, 0);
+
+  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
+  ASSERT_TRUE(ports.ok());
+  const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
+  auto p = support::Subprocess::Start(
+      testing::ToolPath(), {"server", "--cluster", absl::StrCat("ps=", address), "--job", "ps",
+                            "--task", "0", "--protocol", "grpc", "--secret-file", secret});
+  ASSERT_TRUE(p.ok());
+  absl::StatusOr<std::string> line =
+      (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
+  ASSERT_TRUE(line.ok()) << line.status();
+  auto stub = proto::WorkerService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  proto::GetStatusResponse response;
+  const grpc::Status outsider = stub->GetStatus(&context, proto::GetStatusRequest(), &response);
+  EXPECT_EQ(outsider.error_code(), grpc::StatusCode::UNAUTHENTICATED) << outsider.error_message();
   (*p)->Signal(SIGTERM);
   absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
   ASSERT_TRUE(rc.ok());

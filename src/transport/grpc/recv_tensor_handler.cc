@@ -83,7 +83,16 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
     if (token != 0) CancelRecv(*state, token);
   }
 
-  void OnDone() override { delete this; }
+  // The call counts against `budget` for `receiver` until it is done.
+  void HoldBudget(std::shared_ptr<RecvTensorBudget> budget, std::string receiver) {
+    budget_ = std::move(budget);
+    budget_receiver_ = std::move(receiver);
+  }
+
+  void OnDone() override {
+    if (budget_ != nullptr) budget_->Release(budget_receiver_);
+    delete this;
+  }
 
  private:
   struct State {
@@ -105,15 +114,50 @@ class RecvTensorReactor final : public grpc::ServerUnaryReactor {
 
   const std::shared_ptr<State> state_;
   grpc::ByteBuffer* const response_;
+  std::shared_ptr<RecvTensorBudget> budget_;
+  std::string budget_receiver_;
 };
 
 }  // namespace
+
+const std::string& RecvTensorBudget::Bucket(const std::string& receiver) const {
+  static const std::string* const kOutside = new std::string("(a task outside the cluster)");
+  return tasks_.contains(receiver) ? receiver : *kOutside;
+}
+
+absl::Status RecvTensorBudget::Acquire(const std::string& receiver) {
+  const std::string& bucket = Bucket(receiver);
+  MutexLock lock(&mu_);
+  int& held = held_[bucket];
+  if (held >= max_per_task_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        held, " RecvTensor calls for ", bucket, " are waiting here already (TENSORVERBS_MAX_RESPONSES=",
+        max_per_task_, "); send the tensors they wait for, or raise the variable"));
+  }
+  ++held;
+  return absl::OkStatus();
+}
+
+void RecvTensorBudget::Release(const std::string& receiver) {
+  const std::string& bucket = Bucket(receiver);
+  MutexLock lock(&mu_);
+  auto it = held_.find(bucket);
+  if (it == held_.end()) return;
+  if (--it->second <= 0) held_.erase(it);
+}
+
+int RecvTensorBudget::Held(const std::string& receiver) const {
+  MutexLock lock(&mu_);
+  auto it = held_.find(Bucket(receiver));
+  return it == held_.end() ? 0 : it->second;
+}
 
 grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
                                            const grpc::ByteBuffer* request,
                                            grpc::ByteBuffer* response, RendezvousMgr* mgr,
                                            const WorkerEnv* env, const std::string& caller,
-                                           protocol::TensorLender* lender) {
+                                           protocol::TensorLender* lender,
+                                           std::shared_ptr<RecvTensorBudget> budget) {
   auto* reactor = new RecvTensorReactor(response);
   proto::RecvTensorRequest req;
   grpc::ByteBuffer copy(*request);  // shares slices; the parser consumes its own reader
@@ -157,6 +201,17 @@ grpc::ServerUnaryReactor* HandleRecvTensor(grpc::CallbackServerContext* context,
       reactor->FinishNow(rpc::FromGrpcStatus(allowed));
       return reactor;
     }
+  }
+  // Counted before the step is looked up, so a refused call starts no step.
+  if (budget != nullptr) {
+    const std::string receiver = key->dst.TaskName();
+    if (absl::Status s = budget->Acquire(receiver); !s.ok()) {
+      reactor->FinishNow(absl::Status(
+          s.code(), absl::StrCat("RecvTensor on task ", env->task_name, " for key '",
+                                 key->full_key, "': ", s.message())));
+      return reactor;
+    }
+    reactor->HoldBudget(std::move(budget), receiver);  // released when the call is done
   }
   absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = mgr->FindForPeer(req.step_id());
   if (!r.ok()) {
