@@ -17,10 +17,12 @@
 // task's registered pool and stays valid while any Tensor refers to it, after its Step and its
 // Task are gone too: a Task destroyed while its tensors live stops at once but keeps its pool
 // until they are dropped (it is freed when a later Task starts or goes). Every method is
-// thread-safe. RecvAsync's callback runs exactly once, on one of the task's callback threads
-// (TENSORVERBS_CALLBACK_THREADS), never inside the call that started it; it must not block for
-// long. Errors are absl::Status values whose message names the key, the peer and, where a setting
-// is involved, its variable.
+// thread-safe. RecvAsync never waits, and its callback runs exactly once: for a recv that
+// started, on one of the task's callback threads (TENSORVERBS_CALLBACK_THREADS); for one refused
+// before it started (a malformed task name or key, a peer that did not answer when asked for its
+// incarnation), inside the call or on the thread that asked. It must not block for long. Errors are
+// absl::Status values whose message names the key, the peer and, where a setting is involved, its
+// variable.
 #ifndef TENSORVERBS_PUBLIC_TASK_H_
 #define TENSORVERBS_PUBLIC_TASK_H_
 
@@ -129,6 +131,8 @@ class Step {
   // later Recv of it in the same step fails.
   absl::StatusOr<Tensor> Recv(absl::string_view src_task, absl::string_view name,
                               absl::Duration timeout = absl::InfiniteDuration());
+  // Never waits: a peer this task has not heard from yet (WaitForPeers asks them all) is asked
+  // on a thread of its own.
   void RecvAsync(absl::string_view src_task, absl::string_view name, RecvCallback done);
 
   // The same with a full rendezvous key (TensorFlow's form, see parsed_key.h): its source or

@@ -1,6 +1,8 @@
 // The public Task and Step (include/tensorverbs/task.h) over the server and its rendezvous.
 #include "tensorverbs/task.h"
 
+#include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -175,36 +177,12 @@ absl::Status Step::SendKey(const ParsedKey& key, const Tensor& value) {
   return impl_->rendezvous->Send(key, value);
 }
 
-void Step::RecvAsync(absl::string_view src_task, absl::string_view name, RecvCallback done) {
-  absl::StatusOr<DeviceName> src = TaskDevice(src_task);
-  if (!src.ok()) {
-    done(src.status());
-    return;
-  }
-  Server& server = *impl_->task->server;
-  const std::string src_name = src->TaskName();
-  absl::StatusOr<uint64_t> incarnation;
-  if (src_name == server.task_name()) {
-    incarnation = server.incarnation();
-  } else {
-    // Recorded by WaitForPeers; asked for now (within the recv timeout) otherwise.
-    incarnation = server.PeerIncarnation(src_name, absl::Seconds(30));
-  }
-  if (!incarnation.ok()) {
-    done(incarnation.status());
-    return;
-  }
-  absl::StatusOr<ParsedKey> key = ParsedKey::Parse(
-      ParsedKey::Create(src->FullName(), *incarnation, server.device_name(), name));
-  if (!key.ok()) {
-    done(key.status());
-    return;
-  }
-  RecvKeyAsync(*key, std::move(done));
-}
+namespace {
 
-void Step::RecvKeyAsync(const ParsedKey& key, RecvCallback done) {
-  impl_->rendezvous->RecvAsync(
+// Starts the recv of `key` in `rendezvous`; `done` gets the tensor, or an uninitialized one for a
+// dead tensor.
+void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, Step::RecvCallback done) {
+  rendezvous.RecvAsync(
       key, RecvArgs(),
       [done = std::move(done)](const absl::Status& status, const Tensor& tensor, bool is_dead) {
         if (!status.ok()) {
@@ -215,6 +193,56 @@ void Step::RecvKeyAsync(const ParsedKey& key, RecvCallback done) {
           done(tensor);
         }
       });
+}
+
+// The key of `name` sent by `src` (whose incarnation is `incarnation`) to this task.
+absl::StatusOr<ParsedKey> KeyFrom(const Server& server, const DeviceName& src, uint64_t incarnation,
+                                  absl::string_view name) {
+  return ParsedKey::Parse(
+      ParsedKey::Create(src.FullName(), incarnation, server.device_name(), name));
+}
+
+}  // namespace
+
+void Step::RecvAsync(absl::string_view src_task, absl::string_view name, RecvCallback done) {
+  absl::StatusOr<DeviceName> src = TaskDevice(src_task);
+  if (!src.ok()) {
+    done(src.status());
+    return;
+  }
+  Server& server = *impl_->task->server;
+  const std::string src_name = src->TaskName();
+  if (std::optional<uint64_t> known = server.KnownPeerIncarnation(src_name)) {
+    absl::StatusOr<ParsedKey> key = KeyFrom(server, *src, *known, name);
+    if (!key.ok()) {
+      done(key.status());
+      return;
+    }
+    RecvKeyAsync(*key, std::move(done));
+    return;
+  }
+  // A peer not asked yet (WaitForPeers records them all): asking waits for it to answer, up to
+  // 30 s, which an asynchronous call must not do on its caller's thread. A thread of its own
+  // asks, holding the task and the step's rendezvous; a step ended meanwhile fails the recv.
+  std::thread([task = impl_->task, rendezvous = impl_->rendezvous, src = *src,
+               name = std::string(name), done = std::move(done)]() mutable {
+    absl::StatusOr<uint64_t> incarnation =
+        task->server->PeerIncarnation(src.TaskName(), absl::Seconds(30));
+    if (!incarnation.ok()) {
+      done(incarnation.status());
+      return;
+    }
+    absl::StatusOr<ParsedKey> key = KeyFrom(*task->server, src, *incarnation, name);
+    if (!key.ok()) {
+      done(key.status());
+      return;
+    }
+    StartRecv(*rendezvous, *key, std::move(done));
+  }).detach();
+}
+
+void Step::RecvKeyAsync(const ParsedKey& key, RecvCallback done) {
+  StartRecv(*impl_->rendezvous, key, std::move(done));
 }
 
 absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view name,

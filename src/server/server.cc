@@ -341,6 +341,14 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
   return status.incarnation();
 }
 
+std::optional<uint64_t> Server::KnownPeerIncarnation(const std::string& task_name) {
+  if (task_name == env_.task_name) return env_.incarnation;
+  MutexLock lock(&mu_);
+  auto it = peer_incarnations_.find(task_name);
+  if (it == peer_incarnations_.end()) return std::nullopt;
+  return it->second;
+}
+
 absl::Status Server::WaitForPeers(absl::Duration timeout) {
   absl::Time deadline = absl::Now() + timeout;
   std::vector<std::string> missing;

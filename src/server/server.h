@@ -12,6 +12,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,10 +25,10 @@
 #include "src/common/mutex.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/rpc/security.h"
-#include "tensorverbs/cluster_spec.h"
 #include "src/tensor/allocator.h"
 #include "src/transport/grpc/worker_client.h"
 #include "src/transport/verbs/verbs_transport.h"
+#include "tensorverbs/cluster_spec.h"
 
 namespace tensorverbs {
 
@@ -108,6 +109,8 @@ class Server {
 
   // The peer's incarnation as recorded by WaitForPeers, or asked now (bounded by `timeout`).
   absl::StatusOr<uint64_t> PeerIncarnation(const std::string& task_name, absl::Duration timeout);
+  // The peer's incarnation if it is known already (this task's own, or recorded); never waits.
+  std::optional<uint64_t> KnownPeerIncarnation(const std::string& task_name);
 
   // The grpc+verbs engine; null for other protocols.
   verbs::VerbsTransport* verbs_transport() { return verbs_.get(); }

@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "src/common/mutex.h"
 #include "src/support/process_util.h"
 
 namespace tensorverbs {
@@ -46,6 +48,45 @@ class TaskTest : public ::testing::Test {
   ClusterSpec cluster_;
   std::unique_ptr<Task> tasks_[2];
 };
+
+// RecvAsync from a peer this task has not heard from yet returns at once (asking the peer for
+// its incarnation may take up to 30 s, so a thread of its own asks), and the recv completes once
+// the peer is up and sends.
+TEST(TaskAloneTest, RecvAsyncFromAPeerNotStartedYetReturnsAtOnceAndCompletesWhenItSends) {
+  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const ClusterSpec cluster = *ClusterSpec::Parse(
+      absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*ports)[1]));
+  auto options = [&](int task) {
+    TaskOptions o;
+    o.cluster = cluster;
+    o.job = "worker";
+    o.task = task;
+    o.protocol = "grpc";
+    o.recv_timeout = absl::Seconds(30);
+    return o;
+  };
+  std::unique_ptr<Task> receiver = *Task::Start(options(0));
+  std::unique_ptr<Step> step = *receiver->BeginStep(1);
+  Notification done;
+  absl::StatusOr<Tensor> result;
+  const absl::Time start = absl::Now();
+  step->RecvAsync("worker:1", "late", [&](absl::StatusOr<Tensor> r) {
+    result = std::move(r);
+    done.Notify();
+  });
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "RecvAsync waited for the peer";
+  EXPECT_FALSE(done.HasBeenNotified());
+  absl::SleepFor(absl::Milliseconds(300));
+  std::unique_ptr<Task> sender = *Task::Start(options(1));
+  std::unique_ptr<Step> sending = *sender->BeginStep(1);
+  Tensor sent = *sender->Empty(DataType::kInt64, TensorShape::Of({3}));
+  for (int i = 0; i < 3; ++i) sent.flat<int64_t>()[i] = 40 + i;
+  ASSERT_TRUE(sending->Send("worker:0", "late", sent).ok());
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(result->ContentEquals(sent));
+}
 
 TEST_F(TaskTest, TwoTasksExchangeTensorsByTaskNameAndTheTensorOutlivesItsStepAndTask) {
   EXPECT_EQ(tasks_[1]->name(), "/job:worker/replica:0/task:1");
@@ -95,7 +136,7 @@ TEST_F(TaskTest, BadInputIsAClearErrorAndNothingElse) {
   EXPECT_EQ(step->Send("worker:1", "x", Tensor()).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_FALSE(step->Recv("worker:5", "x", absl::Seconds(5)).ok()) << "no such task";
   std::atomic<int> calls{0};
-  absl::Notification done;
+  Notification done;
   step->RecvAsync("worker", "x", [&](absl::StatusOr<Tensor> r) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
     if (calls.fetch_add(1) == 0) done.Notify();
@@ -114,7 +155,7 @@ TEST_F(TaskTest, ARecvTimesOutAndEndingTheStepCancelsWhatStillWaits) {
   EXPECT_THAT(r.status().message(), HasSubstr("never"));
   std::atomic<int> calls{0};
   absl::Status status;
-  absl::Notification done;
+  Notification done;
   step->RecvAsync("worker:1", "also-never", [&](absl::StatusOr<Tensor> r) {
     status = r.status();
     if (calls.fetch_add(1) == 0) done.Notify();

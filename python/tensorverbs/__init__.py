@@ -1,0 +1,287 @@
+"""tensorverbs: send and receive tensors between the tasks of a training cluster over gRPC and
+RDMA (TensorFlow's grpc+verbs design), from Python.
+
+    import numpy as np
+    import tensorverbs as tv
+
+    cluster = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+    with tv.Server(cluster, job="worker", task=0) as server:
+        server.wait_for_peers(timeout=30)
+        with server.step(1) as step:
+            step.send("worker:1", "weights", np.ones((4, 4), np.float32))
+            grad = step.recv("worker:1", "grad", timeout=10)
+
+A Server is one task of the cluster; every task runs one (in its own process, as a rule). A
+Step is one training step's sends and recvs: leaving its `with` block cancels its pending
+recvs and drops what no peer took. Tasks are named "job:index" or "/job:J/replica:0/task:T".
+
+What can be sent: NumPy arrays of every numeric dtype (bool, int8-64, uint8-64, float16-64,
+complex64/128), C-contiguous, and scalars (rank 0); objects with __dlpack__ on the CPU (PyTorch tensors); lists of
+bytes or str (string tensors). An array from `server.empty(shape, dtype)` lives in the task's
+registered pool and is sent without a copy (do not change it until its step's sends are
+taken); any other value is copied once into the pool.
+
+What a recv returns: a NumPy array viewing the received buffer itself (no copy; the buffer
+lives as long as the array, also after the step and the server are gone; `torch.from_dlpack`
+takes it without a copy too), a list of bytes for a string tensor, or None for a dead tensor.
+
+Waiting releases the GIL, and Ctrl-C interrupts a blocking recv. Failures raise a subclass of
+tensorverbs.Error whose message names the key, the peer and any setting involved.
+"""
+
+import asyncio
+import atexit
+import concurrent.futures
+import signal
+import threading
+import weakref
+
+import numpy as _np
+
+from . import _tensorverbs
+from ._errors import (  # noqa: F401 (the package's exceptions)
+    AbortedError,
+    AlreadyExistsError,
+    CancelledError,
+    DataLossError,
+    DeadlineExceededError,
+    Error,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    StatusCode,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+    UnknownError,
+    error_from_status,
+)
+
+__version__ = _tensorverbs.__version__
+
+
+def _restore_signal_handlers():
+    # Debian's libfabric links libinfinipath (its psm provider), whose constructor, run when the
+    # core above was loaded, installs SIGINT and SIGTERM handlers that exit(1) at once: Ctrl-C
+    # would end the program with no KeyboardInterrupt and no clean-up. Python's own go back.
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+_restore_signal_handlers()
+
+__all__ = [
+    "ClusterSpec",
+    "Server",
+    "Step",
+    "available_protocols",
+    "Error",
+    "StatusCode",
+]
+
+
+def available_protocols():
+    """The protocols this build provides, best first."""
+    return list(_tensorverbs.available_protocols())
+
+
+class ClusterSpec:
+    """The jobs of a cluster and each task's host:port.
+
+    From TensorFlow's text form ("ps=h0:2222;worker=h1:2222,h2:2222"), a dict of job name to a
+    list of addresses, or JSON text.
+    """
+
+    def __init__(self, spec):
+        if isinstance(spec, ClusterSpec):
+            text = spec.text
+        elif isinstance(spec, dict):
+            parts = []
+            for job, addresses in spec.items():
+                if isinstance(addresses, str) or not all(isinstance(a, str) for a in addresses):
+                    raise TypeError(f"job {job!r}: give a list of 'host:port' strings")
+                parts.append(f"{job}={','.join(addresses)}")
+            text = ";".join(parts)
+        elif isinstance(spec, str):
+            text = spec
+        else:
+            raise TypeError(f"a cluster spec is a str or a dict, not a {type(spec).__name__}")
+        self.text = _tensorverbs.parse_cluster(text)
+
+    def __str__(self):
+        return self.text
+
+    def __repr__(self):
+        return f"ClusterSpec({self.text!r})"
+
+
+# Servers still running, stopped before the interpreter goes so that no callback thread needs
+# the interpreter while it is being torn down.
+_live_servers = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_servers():
+    for server in list(_live_servers):
+        server.stop()
+
+
+def _to_sendable(value):
+    if isinstance(value, (_np.ndarray, list, tuple)):
+        return value
+    if isinstance(value, (_np.generic, bool, int, float, complex)):
+        return _np.asarray(value)  # a scalar: a rank-0 tensor
+    if hasattr(value, "__dlpack__"):
+        return _np.from_dlpack(value)
+    return value  # the core says what it takes
+
+
+class Server:
+    """One task of a cluster, serving its peers until stop() or the end of its `with` block.
+
+    protocol: "grpc+verbs" (RDMA writes into the receiver's memory; the default), "grpc",
+    "grpc+gdr" or "grpc+verbs-copy". recv_timeout: seconds a recv may wait at most (default
+    TENSORVERBS_RECV_TIMEOUT_MS). Other settings come from the TENSORVERBS_* variables.
+    """
+
+    def __init__(self, cluster, job, task, protocol="grpc+verbs", recv_timeout=None):
+        self._task = _tensorverbs.Task(
+            str(ClusterSpec(cluster)), job, int(task), protocol,
+            None if recv_timeout is None else float(recv_timeout))
+        self._stopped = False
+        _live_servers.add(self)
+
+    @property
+    def name(self):
+        """This task's name, /job:J/replica:0/task:T."""
+        return self._task.name
+
+    @property
+    def protocol(self):
+        return self._task.protocol
+
+    @property
+    def incarnation(self):
+        return self._task.incarnation
+
+    def wait_for_peers(self, timeout=30.0):
+        """Waits until every other task answers (and, over grpc+verbs, its channels are up)."""
+        self._task.wait_for_peers(float(timeout))
+
+    def step(self, step_id):
+        """The sends and recvs of step `step_id`, a context manager that ends the step."""
+        return Step(self, _tensorverbs.Step(self._task, int(step_id)))
+
+    def empty(self, shape, dtype=_np.float32):
+        """An uninitialized array in the task's registered pool: sent without a copy."""
+        if isinstance(shape, int):
+            shape = (shape,)
+        return self._task.empty([int(d) for d in shape], _np.dtype(dtype))
+
+    def stats(self):
+        """Counters since the start: tensors and bytes received, errors, copies the transport
+        made, and arrays staged into the pool on send (`staged`, `staged_bytes`)."""
+        return self._task.stats()
+
+    def stop(self):
+        """Fails pending recvs with CancelledError and shuts the task down. Idempotent."""
+        if not self._stopped:
+            self._stopped = True
+            self._task.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def __repr__(self):
+        return f"<tensorverbs.Server {self.name} {self.protocol}>"
+
+
+class Step:
+    """One step's sends and recvs (made by Server.step). Ending it (end(), or leaving its
+    `with` block) cancels its pending recvs and drops the tensors no peer took."""
+
+    def __init__(self, server, core):
+        self._server = server
+        self._core = core
+
+    @property
+    def id(self):
+        return self._core.id
+
+    def send(self, task, name, value):
+        """Makes `value` available to `task` under `name` in this step; returns at once."""
+        self._core.send(task, name, _to_sendable(value))
+
+    def recv_async(self, task, name):
+        """A concurrent.futures.Future of the tensor `task` sends under `name`."""
+        future = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+
+        def done(code, message, value):
+            if code == 0:
+                future.set_result(value)
+            else:
+                future.set_exception(error_from_status(code, message))
+
+        self._core.recv_async(task, name, done)
+        return future
+
+    def recv(self, task, name, timeout=None):
+        """The tensor `task` sends under `name`: waits at most `timeout` seconds (None: the
+        server's recv timeout). DeadlineExceededError after `timeout`; the recv stays asked
+        for in this step, so receiving the same name again in this step fails."""
+        future = self.recv_async(task, name)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceededError(
+                f"recv of {name!r} from {task} in step {self.id} took over {timeout} s",
+                StatusCode.DEADLINE_EXCEEDED) from None
+
+    async def arecv(self, task, name, timeout=None):
+        """recv for asyncio: `await step.arecv(task, name)`."""
+        future = asyncio.wrap_future(self.recv_async(task, name))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(
+                f"recv of {name!r} from {task} in step {self.id} took over {timeout} s",
+                StatusCode.DEADLINE_EXCEEDED) from None
+
+    def wait_until_sends_taken(self, timeout=30.0):
+        """Waits until peers took every tensor this step sent, so ending it drops nothing."""
+        self._core.wait_until_sends_taken(float(timeout))
+
+    def end(self):
+        self._core.end()
+
+    @property
+    def ended(self):
+        return self._core.ended
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.end()
+        return False
+
+
+def tensor_buffer(array):
+    """(address, bytes) of the tensor buffer a received or pool array views, or None: the
+    array's data pointer equals that address when no copy was made."""
+    return _tensorverbs.tensor_buffer(array)
+
+

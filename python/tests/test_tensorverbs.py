@@ -1,0 +1,268 @@
+"""The tensorverbs Python package end to end: tasks in this process and in child processes,
+over every protocol."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tensorverbs as tv
+from conftest import cluster_of, two_tasks
+
+NUMERIC = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+           np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
+SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 4), (2, 1, 3, 1, 2), (4, 0, 3)]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def sample(dtype, shape, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.integers(0, 100, size=shape)
+    if np.dtype(dtype).kind == "c":
+        return (values + 1j * rng.integers(0, 100, size=shape)).astype(dtype)
+    return values.astype(dtype)
+
+
+def test_every_numeric_dtype_and_rank_round_trips_exactly(pair):
+    a, b = pair
+    with a.step(1) as receiving, b.step(1) as sending:
+        sent = {}
+        for i, dtype in enumerate(NUMERIC):
+            for j, shape in enumerate(SHAPES):
+                name = f"{np.dtype(dtype).name}/{j}"
+                sent[name] = sample(dtype, shape, i * 100 + j)
+                sending.send("worker:0", name, sent[name])
+        for name, value in sent.items():
+            got = receiving.recv("worker:1", name, timeout=20)
+            assert got.dtype == value.dtype, name
+            assert got.shape == value.shape, name
+            np.testing.assert_array_equal(got, value, err_msg=name)
+
+
+def test_a_received_array_is_the_received_buffer_itself(verbs_pair):
+    a, b = verbs_pair
+    before = a.stats()
+    with a.step(1) as receiving, b.step(1) as sending:
+        sending.send("worker:0", "w", np.arange(1 << 16, dtype=np.float32))
+        got = receiving.recv("worker:1", "w", timeout=20)
+    address, size = tv.tensor_buffer(got)
+    assert got.ctypes.data == address  # the array views the tensor's buffer
+    assert size == got.nbytes
+    after = a.stats()
+    assert after["copies"] == before["copies"]  # and the transport wrote it in place
+    assert after["tensors"] == before["tensors"] + 1
+    assert after["bytes"] == before["bytes"] + got.nbytes
+    # The buffer outlives its step and its task.
+    a.stop()
+    np.testing.assert_array_equal(got, np.arange(1 << 16, dtype=np.float32))
+
+
+def test_a_pool_array_is_sent_without_a_copy_and_others_are_staged_once(verbs_pair):
+    a, b = verbs_pair
+    pooled = b.empty((256, 256), np.float64)
+    assert tv.tensor_buffer(pooled) == (pooled.ctypes.data, pooled.nbytes)
+    pooled[:] = 2.5
+    ordinary = np.full((256, 256), 1.5)
+    staged = b.stats()["staged"]
+    with a.step(1) as receiving, b.step(1) as sending:
+        sending.send("worker:0", "pooled", pooled)
+        assert b.stats()["staged"] == staged
+        sending.send("worker:0", "ordinary", ordinary)
+        assert b.stats()["staged"] == staged + 1
+        assert b.stats()["staged_bytes"] >= ordinary.nbytes
+        np.testing.assert_array_equal(receiving.recv("worker:1", "pooled", timeout=20), pooled)
+        np.testing.assert_array_equal(receiving.recv("worker:1", "ordinary", timeout=20),
+                                      ordinary)
+    assert b.stats()["copies"] == 0
+
+
+def test_strings_travel_as_lists_of_bytes(pair):
+    a, b = pair
+    values = [b"", b"\x00binary\xff", "unicode \u00e9".encode(), b"x" * 100000]
+    with a.step(1) as receiving, b.step(1) as sending:
+        sending.send("worker:0", "bytes", values)
+        sending.send("worker:0", "str", ["a", "\u00e9t\u00e9"])
+        sending.send("worker:0", "none", [])
+        assert receiving.recv("worker:1", "bytes", timeout=20) == values
+        assert receiving.recv("worker:1", "str", timeout=20) == [b"a", "\u00e9t\u00e9".encode()]
+        assert receiving.recv("worker:1", "none", timeout=20) == []
+
+
+def test_async_recvs_as_futures_and_with_asyncio(verbs_pair):
+    a, b = verbs_pair
+    with a.step(1) as receiving, b.step(1) as sending:
+        future = receiving.recv_async("worker:1", "later")
+        assert not future.done()
+        sending.send("worker:0", "later", np.ones(10, np.int32))
+        np.testing.assert_array_equal(future.result(timeout=20), np.ones(10, np.int32))
+
+        async def gather():
+            waiting = [receiving.arecv("worker:1", f"k{i}", timeout=20) for i in range(8)]
+            for i in range(8):
+                sending.send("worker:0", f"k{i}", np.full(4, i, np.int64))
+            return await asyncio.gather(*waiting)
+
+        for i, got in enumerate(asyncio.run(gather())):
+            np.testing.assert_array_equal(got, np.full(4, i, np.int64))
+
+        async def too_late():
+            await receiving.arecv("worker:1", "never", timeout=0.2)
+
+        with pytest.raises(tv.DeadlineExceededError):
+            asyncio.run(too_late())
+
+
+def test_ending_a_step_cancels_its_pending_recvs(verbs_pair):
+    a, _ = verbs_pair
+    step = a.step(1)
+    future = step.recv_async("worker:1", "never")
+    step.end()
+    with pytest.raises(tv.Error) as caught:
+        future.result(timeout=20)
+    assert caught.value.code in (tv.StatusCode.CANCELLED, tv.StatusCode.ABORTED)
+    with pytest.raises(tv.FailedPreconditionError):
+        step.send("worker:1", "x", np.zeros(1))
+
+
+def test_pytorch_tensors_go_through_dlpack(verbs_pair):
+    a, b = verbs_pair
+    with a.step(1) as receiving, b.step(1) as sending:
+        sending.send("worker:0", "w", np.arange(6, dtype=np.float32).reshape(2, 3))
+        got = receiving.recv("worker:1", "w", timeout=20)
+        view = np.from_dlpack(got)  # what torch.from_dlpack does: the same memory
+        assert np.shares_memory(view, got)
+        torch = pytest.importorskip("torch")
+        t = torch.from_dlpack(got)
+        assert t.data_ptr() == got.ctypes.data
+        sending.send("worker:0", "t", torch.arange(5, dtype=torch.int64))
+        np.testing.assert_array_equal(receiving.recv("worker:1", "t", timeout=20), np.arange(5))
+
+
+def test_garbage_inputs_raise_clear_errors(verbs_pair):
+    a, b = verbs_pair
+    with b.step(1) as step:
+        with pytest.raises(TypeError, match="NumPy array"):
+            step.send("worker:0", "dict", {"not": "a tensor"})
+        with pytest.raises(TypeError, match="list of bytes or str"):
+            step.send("worker:0", "mixed", [b"ok", 3])
+        with pytest.raises(TypeError, match="list of bytes"):
+            step.send("worker:0", "objects", np.array(["a", "b"]))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            step.send("worker:0", "strided", np.arange(20.0)[::2])
+        with pytest.raises(ValueError, match="big-endian"):
+            step.send("worker:0", "be", np.arange(4, dtype=">i4"))
+        with pytest.raises(tv.InvalidArgumentError, match="dtype"):
+            step.send("worker:0", "datetime", np.array(["2026-01-01"], dtype="datetime64[D]"))
+        with pytest.raises(tv.InvalidArgumentError, match="not a task name"):
+            step.send("nobody", "x", np.zeros(1))
+        step.send("worker:0", "twice", np.zeros(1))
+        with pytest.raises(tv.AlreadyExistsError):
+            step.send("worker:0", "twice", np.zeros(1))
+    with pytest.raises(tv.InvalidArgumentError):
+        b.empty((1 << 40, 1 << 40), np.float32)
+    with pytest.raises((tv.InvalidArgumentError, tv.ResourceExhaustedError)):
+        b.empty((1 << 45,), np.float64)
+    with pytest.raises(tv.InvalidArgumentError):
+        b.empty((-1,), np.float32)
+    with pytest.raises(tv.InvalidArgumentError):
+        tv.ClusterSpec("worker=nohost")
+    with pytest.raises(TypeError):
+        tv.ClusterSpec(42)
+    with pytest.raises(tv.Error, match="protocol"):
+        tv.Server(cluster_of(1), "worker", 0, protocol="carrier-pigeon")
+    with a.step(2) as step:
+        with pytest.raises(tv.DeadlineExceededError) as caught:
+            step.recv("worker:1", "never", timeout=0.2)
+        assert isinstance(caught.value, TimeoutError)
+
+
+def start_peer(cluster, task, protocol="grpc+verbs"):
+    env = dict(os.environ)
+    peer = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "peer.py"), "--cluster", json.dumps(cluster),
+         "--task", str(task), "--protocol", protocol],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    assert peer.stdout.readline().strip() == "ready"
+    return peer
+
+
+@pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc"])
+def test_a_killed_peer_fails_the_recv_within_the_timeout(protocol, monkeypatch):
+    monkeypatch.setenv("TENSORVERBS_PEER_TIMEOUT_MS", "2000")
+    cluster = cluster_of(2)
+    peer = start_peer(cluster, 1, protocol)
+    try:
+        with tv.Server(cluster, "worker", 0, protocol, recv_timeout=60) as server:
+            server.wait_for_peers(30)
+            with server.step(1) as step:
+                np.testing.assert_array_equal(step.recv("worker:1", "x", timeout=30),
+                                              np.arange(1024, dtype=np.float32))
+                waiting = step.recv_async("worker:1", "never")
+                time.sleep(0.2)
+                killed = time.monotonic()
+                peer.kill()
+                with pytest.raises((tv.UnavailableError, tv.AbortedError)) as caught:
+                    waiting.result(timeout=30)
+                assert time.monotonic() - killed < 15
+                assert "task:1" in str(caught.value)
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+CTRL_C = r"""
+import signal, sys, time
+import tensorverbs as tv
+cluster = {"worker": ["127.0.0.1:%d", "127.0.0.1:%d"]}
+with tv.Server(cluster, "worker", 0, "grpc") as server:
+    with server.step(1) as step:
+        print("waiting", flush=True)
+        try:
+            step.recv("worker:1", "never", timeout=60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_waiting_recv():
+    ports = [int(a.split(":")[1]) for a in cluster_of(2)["worker"]]
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C % tuple(ports)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline().strip() == "interrupted"
+        assert time.monotonic() - sent < 10
+        assert child.wait(timeout=30) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_errors_carry_their_code_and_builtin_kind():
+    e = tv.error_from_status(14, "task /job:worker/replica:0/task:1 is gone")
+    assert isinstance(e, tv.UnavailableError) and isinstance(e, ConnectionError)
+    assert e.code == tv.StatusCode.UNAVAILABLE
+    assert str(e) == "task /job:worker/replica:0/task:1 is gone"
+    assert isinstance(tv.error_from_status(3, "bad"), ValueError)
+    assert isinstance(tv.error_from_status(99, "odd"), tv.UnknownError)
+
+
+def test_a_cluster_spec_takes_text_dicts_and_json():
+    text = "ps=127.0.0.1:1000;worker=127.0.0.1:1001,127.0.0.1:1002"
+    assert str(tv.ClusterSpec(text)) == str(tv.ClusterSpec(
+        {"ps": ["127.0.0.1:1000"], "worker": ["127.0.0.1:1001", "127.0.0.1:1002"]}))
+    assert str(tv.ClusterSpec('{"ps": ["127.0.0.1:1000"]}')) == "ps=127.0.0.1:1000"
+
+
+def test_the_version_is_the_tools():
+    assert tv.__version__.count(".") == 2
+    assert "grpc" in tv.available_protocols()
