@@ -14,8 +14,19 @@ struct ServerCommandOptions {
   int task = 0;
   std::string protocol = "grpc";
   bool wait_for_peers = false;
+  std::string metrics_file;  // Prometheus text, rewritten every metrics_interval_ms
+  int metrics_interval_ms = 10000;
 };
 int RunServerCommand(const ServerCommandOptions& options);
+
+struct StatsCommandOptions {
+  std::string address;  // host:port of a task
+  bool json = false;
+  bool prometheus = false;
+  std::string as_task;  // with security: the task whose credentials the call presents
+  int timeout_ms = 10000;
+};
+int RunStatsCommand(const StatsCommandOptions& options);
 
 struct DemoOptions {
   std::string protocol;  // empty: the best available

@@ -31,6 +31,25 @@ int main(int argc, char** argv) {
       ->default_val("grpc");
   server_cmd->add_flag("--wait-for-peers", server.wait_for_peers,
                        "Wait until every other task answers (TENSORVERBS_CONNECT_TIMEOUT_MS)");
+  server_cmd->add_option("--metrics-file", server.metrics_file,
+                         "Write the task's counters there in Prometheus' text format (the "
+                         "node exporter's textfile collector reads *.prom files)");
+  server_cmd
+      ->add_option("--metrics-interval-ms", server.metrics_interval_ms,
+                   "How often the metrics file is rewritten")
+      ->default_val(10000);
+
+  StatsCommandOptions stats;
+  CLI::App* stats_cmd =
+      app.add_subcommand("stats", "Show a running task's counters and channels (its GetStats RPC)");
+  stats_cmd->add_option("address", stats.address, "host:port of the task")->required();
+  stats_cmd->add_flag("--json", stats.json, "Print JSON instead of a table");
+  stats_cmd->add_flag("--prometheus", stats.prometheus, "Print Prometheus' text format");
+  stats_cmd->add_option("--as", stats.as_task,
+                        "With security configured: the task of the cluster whose credentials "
+                        "the call presents");
+  stats_cmd->add_option("--timeout-ms", stats.timeout_ms, "How long to wait for the answer")
+      ->default_val(10000);
 
   DemoOptions demo;
   CLI::App* demo_cmd =
@@ -189,7 +208,7 @@ int main(int argc, char** argv) {
       {"--tls-key", "TENSORVERBS_TLS_KEY", "The certificate's private key (PEM)", ""},
       {"--tls-ca", "TENSORVERBS_TLS_CA", "The cluster's CA certificate (PEM)", ""},
   };
-  for (CLI::App* cmd : {server_cmd, demo_cmd, bench_p2p, bench_rate, bench_ps}) {
+  for (CLI::App* cmd : {server_cmd, demo_cmd, bench_p2p, bench_rate, bench_ps, stats_cmd}) {
     for (SecurityFlag& f : security_flags) {
       cmd->add_option(f.flag, f.value, std::string(f.help) + " (" + f.variable + ")")
           ->group("Security");
@@ -206,6 +225,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (server_cmd->parsed()) return RunServerCommand(server);
+  if (stats_cmd->parsed()) return RunStatsCommand(stats);
   if (demo_cmd->parsed()) return RunDemoCommand(demo);
   if (task_cmd->parsed()) return RunDemoTask(task);
   if (info_cmd->parsed()) return RunInfoCommand();

@@ -3,8 +3,9 @@
 #include "absl/strings/str_format.h"
 #include "src/common/config.h"
 #include "src/server/server.h"
-#include "tools/commands.h"
 #include "src/support/process_util.h"
+#include "tools/commands.h"
+#include "tools/stats.h"
 
 namespace tensorverbs::tools {
 
@@ -30,6 +31,17 @@ int RunServerCommand(const ServerCommandOptions& options) {
               cluster->TaskAddress(options.job, options.task)->c_str(),
               static_cast<unsigned long long>((*server)->incarnation()));
   std::fflush(stdout);
+  std::unique_ptr<MetricsFileWriter> metrics;
+  if (!options.metrics_file.empty()) {
+    if (options.metrics_interval_ms <= 0) {
+      std::fprintf(stderr, "tensorverbs server: --metrics-interval-ms must be positive\n");
+      return 2;
+    }
+    Server* s = server->get();
+    metrics = std::make_unique<MetricsFileWriter>(options.metrics_file,
+                                                  absl::Milliseconds(options.metrics_interval_ms),
+                                                  [s] { return s->CollectStats(); });
+  }
   if (options.wait_for_peers) {
     absl::Status s = (*server)->WaitForPeers(Config::Get().connect_timeout);
     if (!s.ok()) {
@@ -42,7 +54,22 @@ int RunServerCommand(const ServerCommandOptions& options) {
   int sig = support::WaitForTerminationSignal();
   std::printf("tensorverbs server: signal %d, shutting down\n", sig);
   std::fflush(stdout);
+  metrics.reset();  // its last write, while the server still answers
   (*server)->Stop();
+  return 0;
+}
+
+int RunStatsCommand(const StatsCommandOptions& options) {
+  absl::StatusOr<proto::GetStatsResponse> stats =
+      FetchStats(options.address, options.as_task, absl::Milliseconds(options.timeout_ms));
+  if (!stats.ok()) {
+    std::fprintf(stderr, "tensorverbs stats: %s\n", stats.status().ToString().c_str());
+    return 1;
+  }
+  const std::string out = options.json         ? FormatStatsJson(*stats)
+                          : options.prometheus ? FormatPrometheus(*stats)
+                                               : FormatStatsTable(*stats);
+  std::fputs(out.c_str(), stdout);
   return 0;
 }
 

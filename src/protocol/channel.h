@@ -30,6 +30,7 @@
 #ifndef TENSORVERBS_PROTOCOL_CHANNEL_H_
 #define TENSORVERBS_PROTOCOL_CHANNEL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -55,6 +56,51 @@
 #include "tensorverbs/parsed_key.h"
 
 namespace tensorverbs::protocol {
+
+// What one channel carried since it opened, for `tensorverbs stats` and metrics. Written on the
+// progress thread, readable from any thread.
+struct ChannelCounters {
+  // Owner side.
+  std::atomic<int64_t> tensors_received{0};  // recvs completed OK over this channel
+  std::atomic<int64_t> bytes_received{0};
+  std::atomic<int64_t> recv_errors{0};  // recvs that failed, all codes
+  std::atomic<int64_t> requests{0};     // REQUEST messages sent
+  std::atomic<int64_t> re_requests{0};  // RE_REQUEST messages sent
+  // Destinations that were a registered proxy (strings, copy mode, memory the fabric cannot
+  // reach), so the content was copied once more on arrival.
+  std::atomic<int64_t> proxies{0};
+  // Acceptor side.
+  std::atomic<int64_t> tensors_sent{0};  // content transfers completed
+  std::atomic<int64_t> bytes_sent{0};
+  std::atomic<int64_t> meta_responses{0};  // META_DATA_RESPONSE messages sent
+  std::atomic<int64_t> errors_sent{0};     // ERROR_STATUS messages sent
+  // Failed recvs by absl::StatusCode.
+  static constexpr int kCodes = 17;
+  std::atomic<int64_t> recv_errors_by_code[kCodes] = {};
+
+  void CountRecv(const absl::Status& status, const Tensor& tensor) {
+    if (status.ok()) {
+      tensors_received.fetch_add(1, std::memory_order_relaxed);
+      bytes_received.fetch_add(static_cast<int64_t>(tensor.TotalBytes()),
+                               std::memory_order_relaxed);
+      return;
+    }
+    recv_errors.fetch_add(1, std::memory_order_relaxed);
+    const int code = static_cast<int>(status.code());
+    if (code >= 0 && code < kCodes) {
+      recv_errors_by_code[code].fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+};
+
+// A channel as `tensorverbs stats` shows it: taken on the progress thread.
+struct ChannelSnapshot {
+  std::string peer_task;
+  bool receives = false;  // the owner's end: this task receives over it
+  std::string state;      // "connecting", "ready", "closed"
+  std::string description;
+  std::vector<std::pair<std::string, int64_t>> counters;  // by name, in a fixed order
+};
 
 class Channel {
  public:
@@ -90,6 +136,9 @@ class Channel {
   MessageBuffer* message_buffer() const { return mb_.get(); }
   ChannelEnv* env() const { return env_; }
   std::string Describe() const;
+  ChannelCounters& counters() { return counters_; }
+  ChannelSnapshot Snapshot() const;
+  const ChannelCounters& counters() const { return counters_; }
 
   // Owner side: starts a recv (queued until the channel is ready).
   void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, absl::Time deadline,
@@ -244,6 +293,7 @@ class Channel {
   // By the index the owner defined: the key, or why it is not one this task serves.
   std::vector<absl::StatusOr<KeyRef>> indexed_keys_;
   CopyBuffers copy_buffers_;
+  ChannelCounters counters_;
 };
 
 }  // namespace tensorverbs::protocol

@@ -85,8 +85,13 @@ absl::Status MessageBuffer::Pump() {
   if (endpoint_ == nullptr) return absl::OkStatus();  // not connected yet: stay queued
   while (queued() > 0) {
     const uint64_t slot = tx_sent_ % static_cast<uint64_t>(remote_slots_);
-    if (tx_sent_ - tx_acked_ >= static_cast<uint64_t>(remote_slots_)) break;  // remote busy
-    if (tx_local_busy_[slot]) break;                                          // local busy
+    if (tx_sent_ - tx_acked_ >= static_cast<uint64_t>(remote_slots_) ||  // remote busy
+        tx_local_busy_[slot]) {                                          // local busy
+      if (!waiting_for_slot_) ++slot_waits_;  // once per wait, however often Pump runs
+      waiting_for_slot_ = true;
+      break;
+    }
+    waiting_for_slot_ = false;
     // As many queued messages as fit the slot, up to the batch limit; the first always fits.
     size_t length = 0;
     batch_sizes_.clear();

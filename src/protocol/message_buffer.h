@@ -104,6 +104,9 @@ class MessageBuffer {
   uint64_t sent() const { return tx_sent_; }
   uint64_t received() const { return rx_received_; }
   uint64_t messages_sent() const { return tx_messages_; }
+  // Times messages waited for a free slot (every slot of the peer busy, or this side's copy of
+  // the slot still being written): a sign that message_slots is too small for the load.
+  uint64_t slot_waits() const { return slot_waits_; }
   uint64_t messages_received() const { return rx_messages_; }
 
  private:
@@ -141,6 +144,8 @@ class MessageBuffer {
   std::vector<bool> tx_local_busy_;  // per tx slot: the write has not completed locally
   uint64_t tx_sent_ = 0;             // slots written; slot = tx_sent_ % remote_slots_
   uint64_t tx_acked_ = 0;            // slots acknowledged by the peer
+  uint64_t slot_waits_ = 0;
+  bool waiting_for_slot_ = false;
   uint64_t tx_messages_ = 0;         // messages written (the next one's sequence)
   uint64_t rx_received_ = 0;         // slots decoded; slot = rx_received_ % rx_slots_
   uint64_t rx_acked_ = 0;            // slots acknowledged to the peer

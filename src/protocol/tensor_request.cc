@@ -102,6 +102,7 @@ void RdmaTensorRequest::Start() {
   channel_->NameKey(key_, &m);
   TransitionTo(State::kRequested);
   env->stats->requests.fetch_add(1, std::memory_order_relaxed);
+  channel_->counters().requests.fetch_add(1, std::memory_order_relaxed);
   channel_->SendMessage(std::move(m));
 }
 
@@ -161,6 +162,7 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
     if (!staging.ok()) return RecvError(staging.status());
     staging_ = *std::move(staging);
     target = staging_.data();
+    channel_->counters().proxies.fetch_add(1, std::memory_order_relaxed);
   }
   ASSIGN_OR_RETURN(*key, channel_->OfferKey(*region));
   *addr = reinterpret_cast<uint64_t>(target);
@@ -248,6 +250,7 @@ void RdmaTensorRequest::SendReRequest() {
   }
   TransitionTo(State::kReRequested);
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
+  channel_->counters().re_requests.fetch_add(1, std::memory_order_relaxed);
   channel_->SendMessage(std::move(rr));  // a failure closes the channel, which deletes this
 }
 
@@ -401,6 +404,7 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
   RecvDoneCallback done = std::move(done_);
   done_ = nullptr;
   channel_->env()->CountRecv(status, tensor);
+  channel_->counters().CountRecv(status, tensor);
   channel_->env()->deliver({std::move(done), status, tensor, is_dead});
 }
 

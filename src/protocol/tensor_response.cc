@@ -177,6 +177,7 @@ void RdmaTensorResponse::SendMetaData() {
   TransitionTo(State::kWaitReRequest);
   meta_sent_at_ = absl::Now();
   env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
+  channel_->counters().meta_responses.fetch_add(1, std::memory_order_relaxed);
   channel_->SendMessage(std::move(m));
 }
 
@@ -238,6 +239,9 @@ bool RdmaTensorResponse::OnWriteDone() {
   env->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
   env->stats->content_bytes.fetch_add(static_cast<int64_t>(meta_.tensor_bytes),
                                       std::memory_order_relaxed);
+  channel_->counters().tensors_sent.fetch_add(1, std::memory_order_relaxed);
+  channel_->counters().bytes_sent.fetch_add(static_cast<int64_t>(meta_.tensor_bytes),
+                                            std::memory_order_relaxed);
   TransitionTo(State::kDone);
   return true;
 }
@@ -253,6 +257,7 @@ void RdmaTensorResponse::SendError(const absl::Status& status) {
   m.error = status.ok() ? absl::InternalError("unknown error") : status;
   TransitionTo(State::kDone);
   env->stats->errors_sent.fetch_add(1, std::memory_order_relaxed);
+  channel_->counters().errors_sent.fetch_add(1, std::memory_order_relaxed);
   // A failed send closes the channel, which deletes this response: nothing of `this` after it.
   Channel* channel = channel_;
   const uint32_t index = request_.request_index;

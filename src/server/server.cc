@@ -37,14 +37,16 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   WorkerServiceImpl(const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol,
                     std::string device, protocol::TensorLender* lender,
                     const rpc::RpcSecurity* security,
-                    std::shared_ptr<grpc_transport::RecvTensorBudget> budget)
+                    std::shared_ptr<grpc_transport::RecvTensorBudget> budget,
+                    std::function<proto::GetStatsResponse()> collect_stats)
       : env_(env),
         mgr_(mgr),
         protocol_(std::move(protocol)),
         device_(std::move(device)),
         lender_(lender),
         security_(security),
-        budget_(std::move(budget)) {}
+        budget_(std::move(budget)),
+        collect_stats_(std::move(collect_stats)) {}
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const proto::GetStatusRequest* request,
@@ -82,6 +84,19 @@ class WorkerServiceImpl final : public WorkerServiceBase {
                                             lender_, budget_);
   }
 
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const proto::GetStatsRequest* request,
+                                     proto::GetStatsResponse* response) override {
+    std::string caller;
+    if (grpc::Status allowed = security_->Authenticate(*context, &caller); !allowed.ok()) {
+      return Refuse(context, allowed);
+    }
+    *response = collect_stats_();
+    auto* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
   grpc::ServerUnaryReactor* CleanupStep(grpc::CallbackServerContext* context,
                                         const proto::CleanupStepRequest* request,
                                         proto::CleanupStepResponse* response) override {
@@ -110,6 +125,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   protocol::TensorLender* const lender_;  // grpc+gdr only
   const rpc::RpcSecurity* const security_;
   const std::shared_ptr<grpc_transport::RecvTensorBudget> budget_;  // shared with held calls
+  const std::function<proto::GetStatsResponse()> collect_stats_;
 };
 
 }  // namespace
@@ -258,7 +274,8 @@ absl::Status Server::Start() {
       &env_, rendezvous_mgr_.get(), options_.protocol, device_name(), gdr ? verbs_.get() : nullptr,
       security_.get(),
       std::make_shared<grpc_transport::RecvTensorBudget>(options_.verbs.max_responses,
-                                                         std::move(task_names)));
+                                                         std::move(task_names)),
+      [this] { return CollectStats(); });
   grpc::ServerBuilder builder;
   rpc::ConfigureServerBuilder(&builder, options_.verbs.peer_timeout);
   int bound_port = 0;
@@ -339,6 +356,60 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
   MutexLock lock(&mu_);
   peer_incarnations_[task_name] = status.incarnation();
   return status.incarnation();
+}
+
+proto::GetStatsResponse Server::CollectStats() {
+  proto::GetStatsResponse out;
+  out.set_task_name(env_.task_name);
+  out.set_protocol(options_.protocol);
+  out.set_incarnation(env_.incarnation);
+  out.set_uptime_ms(absl::ToInt64Milliseconds(absl::Now() - started_));
+  auto& c = *out.mutable_counters();
+  auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
+  c["tensors_received"] = get(stats_.tensors);
+  c["bytes_received"] = get(stats_.bytes);
+  c["recv_errors"] = get(stats_.errors);
+  c["copies"] = get(stats_.copies);
+  c["copied_bytes"] = get(stats_.copied_bytes);
+  const PoolAllocator::Stats pool = recv_allocator_->GetStats();
+  c["pool_regions"] = static_cast<int64_t>(pool.regions);
+  c["pool_bytes"] = static_cast<int64_t>(pool.region_bytes);
+  c["pool_bytes_in_use"] = static_cast<int64_t>(pool.bytes_in_use);
+  c["pool_allocations"] = static_cast<int64_t>(pool.allocations);
+  if (verbs_ == nullptr) return out;
+  out.set_fabric(verbs_->fabric_name());
+  const protocol::VerbsStats& v = verbs_->stats();
+  c["requests"] = get(v.requests);
+  c["meta_cache_hits"] = get(v.meta_cache_hits);
+  c["pushed_requests"] = get(v.pushed);
+  c["push_hits"] = get(v.push_hits);
+  c["meta_responses"] = get(v.meta_responses);
+  c["re_requests"] = get(v.re_requests);
+  c["errors_sent"] = get(v.errors_sent);
+  c["control_messages"] = get(v.control_messages);
+  c["control_slots"] = get(v.control_slots);
+  c["tensors_sent"] = get(v.content_writes);
+  c["bytes_sent"] = get(v.content_bytes);
+  c["transient_registrations"] = get(v.transient_registrations);
+  c["dropped_immediates"] = get(v.dropped_imms);
+  c["channels_failed"] = get(v.channel_errors);
+  c["checksum_failures"] = get(v.checksum_failures);
+  int64_t pending = 0;
+  for (const protocol::ChannelSnapshot& s : verbs_->ChannelSnapshots(absl::Seconds(2))) {
+    proto::ChannelStats* ch = out.add_channels();
+    ch->set_peer_task(s.peer_task);
+    ch->set_receives(s.receives);
+    ch->set_state(s.state);
+    ch->set_fabric(verbs_->fabric_name());
+    ch->set_description(s.description);
+    for (const auto& [name, value] : s.counters) {
+      (*ch->mutable_counters())[name] = value;
+      if (name == "pending_recvs") pending += value;
+    }
+  }
+  c["pending_recvs"] = pending;
+  c["channels"] = out.channels_size();
+  return out;
 }
 
 std::optional<uint64_t> Server::KnownPeerIncarnation(const std::string& task_name) {

@@ -20,6 +20,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "proto/worker.pb.h"
 #include "src/common/config.h"
 #include "src/common/executor.h"
 #include "src/common/mutex.h"
@@ -115,6 +116,10 @@ class Server {
   // The grpc+verbs engine; null for other protocols.
   verbs::VerbsTransport* verbs_transport() { return verbs_.get(); }
 
+  // This task's counters and, over the verbs protocols, every channel's (any thread; what the
+  // GetStats RPC answers and metrics files are made of).
+  proto::GetStatsResponse CollectStats();
+
   // Client of another task's WorkerService (GetStatus, CleanupStep).
   absl::StatusOr<grpc_transport::WorkerClient*> Worker(const std::string& task_name);
 
@@ -123,6 +128,7 @@ class Server {
   absl::Status Start();
 
   const ServerOptions options_;
+  const absl::Time started_ = absl::Now();
   TransferStats stats_;
   std::unique_ptr<PoolAllocator> recv_allocator_;
   // Before the executor, so they outlive it: a step whose last reference goes in a callback

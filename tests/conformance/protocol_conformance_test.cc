@@ -730,6 +730,73 @@ TEST_P(ProtocolTest, RequestsBeyondTheResponseBoundFailAtOnce) {
   EXPECT_EQ(delivered, 2);
 }
 
+// What `tensorverbs stats` and metrics files show: the receiver counts the tensors and bytes it
+// received and the recv that failed; over the verbs protocols each task shows its channel (the
+// receiver's from its peer, the sender's to it) with the same tensors and bytes; and the
+// GetStats RPC answers what CollectStats sees.
+TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
+  recv_timeout_ = absl::Seconds(30);
+  StartCluster(2);
+  ASSERT_TRUE(server(0).WaitForPeers(absl::Seconds(30)).ok());
+  constexpr int kTensors = 4;
+  for (int i = 0; i < kTensors; ++i) {
+    ASSERT_NO_FATAL_FAILURE(
+        SendAndRecv(1, absl::StrCat("s", i), PoolTensor(1, DataType::kFloat32, {256}, i)));
+  }
+  {
+    PendingRecv cancelled(*Step(0, 2), Key(1, "never"));
+    server(0).rendezvous_mgr()->Cleanup(2);
+    ASSERT_TRUE(cancelled.Wait());
+    ASSERT_FALSE(cancelled.status().ok());
+  }
+  const int64_t bytes = kTensors * 256 * 4;
+  proto::GetStatsResponse receiver = server(0).CollectStats();
+  EXPECT_EQ(receiver.task_name(), "/job:worker/replica:0/task:0");
+  EXPECT_EQ(receiver.protocol(), design().protocol);
+  EXPECT_EQ(receiver.counters().at("tensors_received"), kTensors);
+  EXPECT_EQ(receiver.counters().at("bytes_received"), bytes);
+  EXPECT_EQ(receiver.counters().at("recv_errors"), 1);
+  EXPECT_GT(receiver.counters().at("pool_bytes"), 0);
+  if (design().on_verbs_transport) {
+    EXPECT_FALSE(receiver.fabric().empty());
+    const proto::ChannelStats* from_peer = nullptr;
+    for (const proto::ChannelStats& c : receiver.channels()) {
+      if (c.receives() && c.peer_task() == "/job:worker/replica:0/task:1") from_peer = &c;
+    }
+    ASSERT_NE(from_peer, nullptr) << receiver.DebugString();
+    EXPECT_EQ(from_peer->state(), "ready");
+    if (design().protocol != "grpc+gdr") {  // gdr's tensors arrive by reads, outside channels
+      EXPECT_EQ(from_peer->counters().at("tensors_received"), kTensors);
+      EXPECT_EQ(from_peer->counters().at("bytes_received"), bytes);
+      EXPECT_GE(from_peer->counters().at("requests"), kTensors);
+      proto::GetStatsResponse sender = server(1).CollectStats();
+      const proto::ChannelStats* to_peer = nullptr;
+      for (const proto::ChannelStats& c : sender.channels()) {
+        if (!c.receives() && c.peer_task() == "/job:worker/replica:0/task:0") to_peer = &c;
+      }
+      ASSERT_NE(to_peer, nullptr) << sender.DebugString();
+      EXPECT_EQ(to_peer->counters().at("tensors_sent"), kTensors);
+      // Copy mode writes each payload with its header.
+      EXPECT_GE(to_peer->counters().at("bytes_sent"), bytes);
+      if (design().protocol == "grpc+verbs") {
+        EXPECT_EQ(to_peer->counters().at("bytes_sent"), bytes);
+      }
+      EXPECT_EQ(sender.counters().at("tensors_sent"), kTensors);
+    }
+  } else {
+    EXPECT_EQ(receiver.channels_size(), 0);
+  }
+  // The RPC answers the same.
+  auto stub = proto::WorkerService::NewStub(grpc::CreateChannel(
+      *server(0).cluster().TaskAddress("worker", 0), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  proto::GetStatsResponse answered;
+  ASSERT_TRUE(stub->GetStats(&context, proto::GetStatsRequest(), &answered).ok());
+  EXPECT_EQ(answered.counters().at("tensors_received"), kTensors);
+  EXPECT_EQ(answered.channels_size(), receiver.channels_size());
+}
+
 INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProtocol()), ParamName);
 
 // Designs whose requests are grpc+verbs control messages, which carry the checksum.

@@ -66,6 +66,12 @@ class Caller {
     {
       grpc::ClientContext c;
       Prepare(&c);
+      proto::GetStatsResponse r;
+      out.emplace_back("GetStats", worker_->GetStats(&c, proto::GetStatsRequest(), &r));
+    }
+    {
+      grpc::ClientContext c;
+      Prepare(&c);
       proto::CleanupStepRequest q;
       q.set_step_id(3);
       proto::CleanupStepResponse r;

@@ -1,8 +1,8 @@
 // The `tensorverbs` tool as a user runs it: the demo end to end, and the server subcommand's
 // start-up, bad input and clean shutdown on SIGTERM.
 #include <gmock/gmock.h>
-#include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +11,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -338,6 +339,57 @@ TEST(ToolTest, ServerAndDemoTakeTheSecurityOptions) {
   absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
   ASSERT_TRUE(rc.ok());
   EXPECT_EQ(*rc, 0);
+}
+
+// A running server answers `tensorverbs stats` as a table, JSON and Prometheus' format, and
+// keeps the metrics file it was given up to date; a task that is not there is a clear error.
+TEST(ToolTest, StatsShowsARunningTaskAndTheServerWritesItsMetricsFile) {
+  ScopedTempDir dir;
+  const std::string metrics = dir.File("tensorverbs.prom");
+  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+  ASSERT_TRUE(ports.ok());
+  const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
+  auto p = support::Subprocess::Start(
+      testing::ToolPath(),
+      {"server", "--cluster", absl::StrCat("ps=", address), "--job", "ps", "--task", "0",
+       "--protocol", "grpc+verbs", "--metrics-file", metrics, "--metrics-interval-ms", "100"});
+  ASSERT_TRUE(p.ok());
+  ASSERT_TRUE((*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30)).ok());
+
+  absl::StatusOr<ToolRun> table = RunTool({"stats", address}, absl::Seconds(30));
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->exit_code, 0) << table->out;
+  EXPECT_THAT(table->out, HasSubstr("task /job:ps/replica:0/task:0  protocol grpc+verbs over "));
+  EXPECT_THAT(table->out, HasSubstr("tensors_received"));
+  absl::StatusOr<ToolRun> json = RunTool({"stats", address, "--json"}, absl::Seconds(30));
+  ASSERT_TRUE(json.ok()) << json.status();
+  const nlohmann::json j = nlohmann::json::parse(json->out);
+  EXPECT_EQ(j["task"], "/job:ps/replica:0/task:0");
+  EXPECT_EQ(j["counters"]["tensors_received"], 0);
+  absl::StatusOr<ToolRun> prom = RunTool({"stats", address, "--prometheus"}, absl::Seconds(30));
+  ASSERT_TRUE(prom.ok()) << prom.status();
+  EXPECT_THAT(prom->out, HasSubstr("# TYPE tensorverbs_tensors_received_total counter\n"));
+
+  // The file appears within a few intervals and holds the same families.
+  std::string contents;
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (contents.find("tensorverbs_up_seconds") == std::string::npos && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    std::stringstream read;
+    read << std::ifstream(metrics).rdbuf();
+    contents = read.str();
+  }
+  EXPECT_THAT(contents, HasSubstr("tensorverbs_pool_bytes{task=\"/job:ps/replica:0/task:0\"}"));
+  (*p)->Signal(SIGTERM);
+  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
+  ASSERT_TRUE(rc.ok());
+  EXPECT_EQ(*rc, 0);
+
+  absl::StatusOr<ToolRun> nobody =
+      RunTool({"stats", absl::StrCat("127.0.0.1:", (*ports)[1]), "--timeout-ms", "1000"},
+              absl::Seconds(30));
+  ASSERT_TRUE(nobody.ok()) << nobody.status();
+  EXPECT_EQ(nobody->exit_code, 1);
 }
 
 TEST(ToolTest, ServerBadInputExitsWithAMessage) {

@@ -1,6 +1,7 @@
 #include "src/transport/verbs/channel_setup.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -293,6 +294,17 @@ bool ChannelSetup::ResponsesInProgress() const {
     if (c->responses_in_progress() > 0) return true;
   }
   return false;
+}
+
+std::vector<protocol::ChannelSnapshot> ChannelSetup::Snapshot() const {
+  AssertOnLoop();
+  std::vector<protocol::ChannelSnapshot> out;
+  out.reserve(channels_.size());
+  for (const auto& [id, channel] : channels_) out.push_back(channel->Snapshot());
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.peer_task, a.receives) < std::tie(b.peer_task, b.receives);
+  });
+  return out;
 }
 
 size_t ChannelSetup::NumReady() const {

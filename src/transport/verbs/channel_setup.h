@@ -76,6 +76,8 @@ class ChannelSetup {
   // Whether a ready channel has requests its peer still owes content or an answer.
   bool AwaitingPeers() const;
   size_t NumReady() const;
+  // Every channel, as `tensorverbs stats` shows it.
+  std::vector<protocol::ChannelSnapshot> Snapshot() const;
   void CloseAll(const absl::Status& status);
   // What the watchdog probes: owner channels with recvs or reads pending (one still being set up
   // too, `connecting`, for whether its peer answers at all), and accepted channels that hold

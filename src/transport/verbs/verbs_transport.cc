@@ -285,6 +285,14 @@ size_t VerbsTransport::NumReadyChannels() {
   return engine_->AskLoop<size_t>([this] { return channels_->NumReady(); }).value_or(0);
 }
 
+std::vector<protocol::ChannelSnapshot> VerbsTransport::ChannelSnapshots(absl::Duration timeout) {
+  if (engine_ == nullptr) return {};
+  return engine_
+      ->AskLoop<std::vector<protocol::ChannelSnapshot>>([this] { return channels_->Snapshot(); },
+                                                        timeout)
+      .value_or(std::vector<protocol::ChannelSnapshot>());
+}
+
 void VerbsTransport::StopTraffic() {
   if (engine_ == nullptr || traffic_stopped_.exchange(true)) return;
   watchdog_->Stop();

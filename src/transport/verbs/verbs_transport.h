@@ -37,6 +37,7 @@
 #include "src/common/config.h"
 #include "src/common/mutex.h"
 #include "src/fabric/fabric.h"
+#include "src/protocol/channel.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
@@ -129,6 +130,9 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   fabric::Domain* domain_for_testing() { return domain_.get(); }
   // Channels that are set up, of both roles, for tests and tools (any thread; asks the loop).
   size_t NumReadyChannels();
+  // Every channel with its counters (any thread; asks the loop, empty if it does not answer
+  // within `timeout`).
+  std::vector<protocol::ChannelSnapshot> ChannelSnapshots(absl::Duration timeout);
 
   // Lets the writes already under way finish (up to a grace period), then stops the progress
   // loop: from here on this task posts nothing to any peer. Channels stay open until Shutdown.
