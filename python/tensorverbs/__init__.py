@@ -246,9 +246,7 @@ class Step:
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise DeadlineExceededError(
-                f"recv of {name!r} from {task} in step {self.id} took over {timeout} s",
-                StatusCode.DEADLINE_EXCEEDED) from None
+            raise self._timed_out(task, name, timeout) from None
 
     async def arecv(self, task, name, timeout=None):
         """recv for asyncio: `await step.arecv(task, name)`."""
@@ -256,9 +254,12 @@ class Step:
         try:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
-            raise DeadlineExceededError(
-                f"recv of {name!r} from {task} in step {self.id} took over {timeout} s",
-                StatusCode.DEADLINE_EXCEEDED) from None
+            raise self._timed_out(task, name, timeout) from None
+
+    def _timed_out(self, task, name, timeout):
+        return DeadlineExceededError(
+            f"recv of {name!r} from {task} in step {self.id} took over {timeout} s",
+            StatusCode.DEADLINE_EXCEEDED)
 
     def wait_until_sends_taken(self, timeout=30.0):
         """Waits until peers took every tensor this step sent, so ending it drops nothing."""

@@ -183,6 +183,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_DATA_VALIDATION",
       "TENSORVERBS_REGISTRATION",
       "TENSORVERBS_PEER_TIMEOUT_MS",
+      "TENSORVERBS_SLOW_RECV_MS",
       "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",
       "TENSORVERBS_PUSH_MAX_MB",
@@ -263,6 +264,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t peer_ms,
                    ParseInt(env, "TENSORVERBS_PEER_TIMEOUT_MS", 100, 86400000, 10000));
   config.peer_timeout = absl::Milliseconds(peer_ms);
+  ASSIGN_OR_RETURN(int64_t slow_ms, ParseInt(env, "TENSORVERBS_SLOW_RECV_MS", 0, 86400000, 60000));
+  config.slow_recv_warning = absl::Milliseconds(slow_ms);
   ASSIGN_OR_RETURN(std::string push, ParseChoice(env, "TENSORVERBS_PUSH", {"on", "off"}, "on"));
   config.push = push == "on";
   ASSIGN_OR_RETURN(int64_t push_max, ParseInt(env, "TENSORVERBS_PUSH_MAX", 1, 65536, 1024));

@@ -123,6 +123,10 @@ struct Config {
   // is dead: everything pending on its channel fails with Unavailable. 100 .. 86400000,
   // default 10000.
   absl::Duration peer_timeout = absl::Seconds(10);
+  // TENSORVERBS_SLOW_RECV_MS: a remote recv still waiting after this long logs one warning
+  // naming its key, step and peer (a sender that never sends shows up long before the recv
+  // timeout). 0 turns the warning off. 0 .. 86400000, default 60000.
+  absl::Duration slow_recv_warning = absl::Seconds(60);
   // TENSORVERBS_PUSH: on (default) | off. On, a grpc+verbs receiver that just received a key at
   // step s asks for it at step s+1 at once, with a destination from the key's meta-data, so the
   // sender writes the moment it sends and the next recv of the key needs no REQUEST round

@@ -263,8 +263,19 @@ void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
 
 void Channel::ExpireRequests(absl::Time now) {
   AssertOwnerThread();
+  const absl::Duration slow = env_->slow_recv_warning;
   for (auto& [index, request] : requests_) {
-    if (request->finished() || request->deadline() > now) continue;
+    if (request->finished()) continue;
+    if (request->deadline() > now) {
+      // Started at its deadline less the recv timeout (both from the transport).
+      if (slow > absl::ZeroDuration() && !request->slow_warned() &&
+          now - (request->deadline() - env_->recv_timeout) >= slow) {
+        request->set_slow_warned();
+        LOG(WARNING) << SlowRecvWarning(request->key(), request->step_id(), peer_task_,
+                                        now - (request->deadline() - env_->recv_timeout), slow);
+      }
+      continue;
+    }
     if (state_ == State::kConnecting) {
       request->Fail(absl::UnavailableError(absl::StrCat(
           "recv of '", request->key(), "': the grpc+verbs channel to task ", peer_task_, " at ",

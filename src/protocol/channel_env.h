@@ -115,6 +115,10 @@ struct ChannelEnv {
   // Acceptor side: how long a response that sent META_DATA_RESPONSE waits for the receiver's
   // RE_REQUEST before it drops the tensor (the transport: recv timeout plus peer timeout).
   absl::Duration response_timeout = absl::InfiniteDuration();
+  // Owner side: a recv's deadline is its start plus recv_timeout; one still waiting after
+  // slow_recv_warning logs a warning, once (zero: never).
+  absl::Duration recv_timeout = absl::InfiniteDuration();
+  absl::Duration slow_recv_warning = absl::ZeroDuration();
   // Runs `task` on the progress thread later, never inline: called on the progress thread, at
   // the end of the completion or task being handled; from another thread, at the loop's next
   // turn.

@@ -103,6 +103,9 @@ class RdmaTensorRequest {
   State state() const { return state_; }
   bool finished() const { return !done_; }  // `done` has run
   absl::Time deadline() const { return deadline_; }
+  // Whether the slow-recv warning was logged for this recv (once per recv).
+  bool slow_warned() const { return slow_warned_; }
+  void set_slow_warned() { slow_warned_ = true; }
   const std::string& key() const { return key_->key.full_key; }
   // The memory the sender may still write into.
   std::vector<Tensor> TakeMemory();
@@ -141,6 +144,7 @@ class RdmaTensorRequest {
   bool pushed_ = false;
   bool adopted_ = false;
   bool declined_ = false;
+  bool slow_warned_ = false;
   bool landed_ = false;
   bool meta_parked_ = false;  // pushed: META_DATA_RESPONSE came before any recv took it
   bool delivered_in_place_ = false;

@@ -22,6 +22,15 @@ absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes) {
 RemoteRendezvous::RemoteRendezvous(const WorkerEnv* env, int64_t step_id)
     : env_(env), step_id_(step_id), local_(env->keys, env->step_sizes) {}
 
+std::string SlowRecvWarning(absl::string_view key, int64_t step_id, absl::string_view peer,
+                            absl::Duration waited, absl::Duration threshold) {
+  return absl::StrCat("recv of '", key, "' in step ", step_id, " from task ", peer, " has waited ",
+                      absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))),
+                      " (TENSORVERBS_SLOW_RECV_MS=", absl::ToInt64Milliseconds(threshold),
+                      "): the task has not sent it yet, or cannot; it fails at "
+                      "TENSORVERBS_RECV_TIMEOUT_MS");
+}
+
 absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
   if (!key.src.IsOnTask(env_->task_name)) {
     return absl::InvalidArgumentError(absl::StrCat("send of key '", key.full_key,

@@ -72,6 +72,11 @@ struct WorkerEnv {
 // with the peer's announced size before anything is allocated for it.
 absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes);
 
+// What every protocol logs, once, for a remote recv of `key` in step `step_id` from task `peer`
+// that has waited `waited`, past TENSORVERBS_SLOW_RECV_MS (`threshold`).
+std::string SlowRecvWarning(absl::string_view key, int64_t step_id, absl::string_view peer,
+                            absl::Duration waited, absl::Duration threshold);
+
 struct RecvArgs {
   Allocator* allocator = nullptr;  // destination allocator; null means env.recv_allocator
 };

@@ -212,9 +212,9 @@ absl::Status Server::Start() {
     }
     security_ = *std::move(security);
   }
-  workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(options_.cluster.TaskAddresses(),
-                                                               security_, options_.max_tensor_bytes,
-                                                               options_.verbs.peer_timeout);
+  workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(
+      options_.cluster.TaskAddresses(), security_, options_.max_tensor_bytes,
+      options_.verbs.peer_timeout, options_.verbs.slow_recv_warning);
 
   const absl::Duration recv_timeout = options_.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();

@@ -797,6 +797,32 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
   EXPECT_EQ(answered.channels_size(), receiver.channels_size());
 }
 
+// A recv waiting longer than TENSORVERBS_SLOW_RECV_MS logs one warning naming its key, step and
+// peer, however long it goes on waiting, and still completes when the tensor comes.
+TEST_P(ProtocolTest, ARecvWaitingPastTheSlowThresholdIsNamedInOneWarning) {
+  recv_timeout_ = absl::Seconds(30);
+  StartCluster(2, [](VerbsOptions& o) { o.slow_recv_warning = absl::Milliseconds(200); });
+  ASSERT_TRUE(server(0).WaitForPeers(absl::Seconds(30)).ok());
+  const ParsedKey key = Key(1, "late");
+  ::testing::internal::CaptureStderr();
+  PendingRecv late(*Step(0, 5), key);
+  absl::SleepFor(absl::Milliseconds(1500));  // several housekeeping and watch periods
+  ASSERT_TRUE(Step(1, 5)->Send(key, PoolTensor(1, DataType::kInt32, {16}, 5)).ok());
+  const bool arrived = late.Wait(absl::Seconds(30));
+  const std::string logged = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(arrived);
+  EXPECT_TRUE(late.status().ok()) << late.status();
+  const std::string warning =
+      absl::StrCat("recv of '", key.full_key, "' in step 5 from task /job:worker/replica:0/task:1");
+  size_t count = 0;
+  for (size_t at = logged.find(warning); at != std::string::npos;
+       at = logged.find(warning, at + 1)) {
+    ++count;
+  }
+  EXPECT_EQ(count, 1u) << logged;
+  EXPECT_THAT(logged, HasSubstr("TENSORVERBS_SLOW_RECV_MS=200"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProtocol()), ParamName);
 
 // Designs whose requests are grpc+verbs control messages, which carry the checksum.

@@ -601,7 +601,7 @@ TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
     Notification done;
     grpc::Status status;
-    (*peer)->RecvTensorAsync(ctx, &req, &resp, [&](grpc::Status s) {
+    (*peer)->RecvTensorAsync(ctx, &req, &resp, key, step, [&](grpc::Status s) {
       status = s;
       done.Notify();
     });

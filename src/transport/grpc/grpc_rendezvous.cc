@@ -95,7 +95,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
   // The client holds the context, and through it the call, until the callback has run.
   std::shared_ptr<grpc::ClientContext> context(call, &call->context);
   raw->worker->RecvTensorAsync(
-      std::move(context), &raw->request, &raw->response,
+      std::move(context), &raw->request, &raw->response, raw->key, step_id(),
       [self = shared_from_this(), call = std::move(call)](grpc::Status s) mutable {
         {
           MutexLock lock(&self->mu_);

@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "src/common/logging.h"
+#include "src/rendezvous/remote_rendezvous.h"
 #include "src/rpc/grpc_util.h"
 
 namespace tensorverbs::grpc_transport {
@@ -40,11 +41,12 @@ WorkerClient::WorkerClient(std::string task_name, std::string address,
 
 void WorkerClient::RecvTensorAsync(std::shared_ptr<grpc::ClientContext> context,
                                    const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
+                                   std::string key, int64_t step_id,
                                    std::function<void(grpc::Status)> done) {
   grpc::ClientContext* const raw = context.get();
   {
     MutexLock lock(&waiting_mu_);
-    waiting_.emplace(raw, Waiting{std::move(context), absl::Now()});
+    waiting_.emplace(raw, Waiting{std::move(context), absl::Now(), std::move(key), step_id});
   }
   generic_stub_->UnaryCall(
       raw, "/tensorverbs.proto.WorkerService/RecvTensor", grpc::StubOptions(), request, response,
@@ -104,6 +106,20 @@ int WorkerClient::CancelIfUnreachable(absl::Time now, absl::Duration peer_timeou
   return static_cast<int>(cancel.size());
 }
 
+void WorkerClient::WarnSlowRecvs(absl::Time now, absl::Duration threshold) {
+  std::vector<std::string> warnings;
+  {
+    MutexLock lock(&waiting_mu_);
+    for (auto& [raw, waiting] : waiting_) {
+      if (waiting.slow_warned || now - waiting.started < threshold) continue;
+      waiting.slow_warned = true;
+      warnings.push_back(SlowRecvWarning(waiting.key, waiting.step_id, task_name_,
+                                         now - waiting.started, threshold));
+    }
+  }
+  for (const std::string& w : warnings) LOG(WARNING) << w;
+}
+
 absl::Status WorkerClient::CallError(absl::string_view method, const grpc::Status& status,
                                      absl::Duration timeout) {
   const std::string who = absl::StrCat(method, " to task ", task_name_, " at ", address_);
@@ -159,11 +175,13 @@ absl::Status WorkerClient::CleanupStep(int64_t step_id, absl::Duration timeout) 
 
 GrpcWorkerCache::GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses,
                                  std::shared_ptr<const rpc::RpcSecurity> security,
-                                 uint64_t max_tensor_bytes, absl::Duration peer_timeout)
+                                 uint64_t max_tensor_bytes, absl::Duration peer_timeout,
+                                 absl::Duration slow_recv_warning)
     : addresses_(std::move(addresses)),
       security_(std::move(security)),
       max_tensor_bytes_(max_tensor_bytes),
-      peer_timeout_(peer_timeout) {
+      peer_timeout_(peer_timeout),
+      slow_recv_warning_(slow_recv_warning) {
   if (peer_timeout_ > absl::ZeroDuration()) watch_ = std::thread([this] { Watch(); });
 }
 
@@ -185,6 +203,9 @@ void GrpcWorkerCache::Watch() {
                                period)) {
     const absl::Time now = absl::Now();
     for (auto& [task, client] : clients_) {
+      if (slow_recv_warning_ > absl::ZeroDuration()) {
+        client->WarnSlowRecvs(now, slow_recv_warning_);
+      }
       if (int n = client->CancelIfUnreachable(now, peer_timeout_); n > 0) {
         LOG(WARNING) << "task " << task << " at " << client->address()
                      << " has not been reachable for " << absl::FormatDuration(peer_timeout_)

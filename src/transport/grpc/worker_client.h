@@ -43,10 +43,11 @@ class WorkerClient {
 
   // `response` receives the raw RecvTensorResponse. `context` carries the deadline; the client
   // holds it (and whatever owns it, when it is an aliasing pointer) until the callback has run,
-  // so that the watch can cancel it. Cancelling it fails the call with CANCELLED.
+  // so that the watch can cancel it. Cancelling it fails the call with CANCELLED. `key` and
+  // `step_id` name the recv in the slow-recv warning.
   void RecvTensorAsync(std::shared_ptr<grpc::ClientContext> context,
-                       const grpc::ByteBuffer* request, grpc::ByteBuffer* response,
-                       std::function<void(grpc::Status)> done);
+                       const grpc::ByteBuffer* request, grpc::ByteBuffer* response, std::string key,
+                       int64_t step_id, std::function<void(grpc::Status)> done);
 
   absl::StatusOr<proto::GetStatusResponse> GetStatus(absl::Duration timeout);
   absl::Status CleanupStep(int64_t step_id, absl::Duration timeout);
@@ -59,11 +60,17 @@ class WorkerClient {
   // The watch: fails the waiting RecvTensor calls if the connection has not been ready since
   // `now - peer_timeout` (nor since the oldest of them started). Returns how many it failed.
   int CancelIfUnreachable(absl::Time now, absl::Duration peer_timeout);
+  // The watch: logs a warning, once per call, for each RecvTensor call waiting longer than
+  // `threshold` (TENSORVERBS_SLOW_RECV_MS).
+  void WarnSlowRecvs(absl::Time now, absl::Duration threshold);
 
  private:
   struct Waiting {
     std::shared_ptr<grpc::ClientContext> context;
     absl::Time started;
+    std::string key;
+    int64_t step_id = 0;
+    bool slow_warned = false;
     bool unreachable = false;         // cancelled by the watch
     bool out_of_descriptors = false;  // ... while this process could not open a descriptor
   };
@@ -84,9 +91,11 @@ class GrpcWorkerCache {
   // Clients accept tensors of up to `max_tensor_bytes` (the task's limit) and give up on a
   // peer that stops answering for `peer_timeout`.
   // A zero `peer_timeout` leaves calls to their deadlines (no keepalive, no watch thread).
+  // The watch also warns of recvs waiting longer than `slow_recv_warning` (zero: never).
   GrpcWorkerCache(absl::flat_hash_map<std::string, std::string> addresses,
                   std::shared_ptr<const rpc::RpcSecurity> security, uint64_t max_tensor_bytes,
-                  absl::Duration peer_timeout);
+                  absl::Duration peer_timeout,
+                  absl::Duration slow_recv_warning = absl::ZeroDuration());
   ~GrpcWorkerCache();  // stops the watch thread
 
   // NotFound naming the task when it is not in the cluster.
@@ -109,6 +118,7 @@ class GrpcWorkerCache {
   const std::shared_ptr<const rpc::RpcSecurity> security_;
   const uint64_t max_tensor_bytes_;
   const absl::Duration peer_timeout_;
+  const absl::Duration slow_recv_warning_;
   Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<WorkerClient>> clients_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

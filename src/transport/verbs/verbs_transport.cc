@@ -36,6 +36,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.registration = config.registration;
   o.peer_timeout = config.peer_timeout;
   o.connect_timeout = config.connect_timeout;
+  o.slow_recv_warning = config.slow_recv_warning;
   o.push = config.push;
   o.push_max_destinations = config.push_max_destinations;
   o.max_responses = config.max_responses;
@@ -112,6 +113,8 @@ absl::Status VerbsTransport::Start() {
   channel_env_.large_in_flight = options_.large_in_flight;
   // A receiver has given up on its recv by then; a well-behaved one answers in a round trip.
   channel_env_.response_timeout = options_.recv_timeout + options_.peer_timeout;
+  channel_env_.recv_timeout = options_.recv_timeout;
+  channel_env_.slow_recv_warning = options_.slow_recv_warning;
   channel_env_.push_max_bytes = options_.push_max_bytes;
   channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
   channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };

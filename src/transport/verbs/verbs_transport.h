@@ -77,6 +77,8 @@ struct VerbsOptions {
   protocol::VerbsMode mode = protocol::VerbsMode::kZeroCopy;  // set from the protocol
   absl::Duration peer_timeout = absl::Seconds(10);            // TENSORVERBS_PEER_TIMEOUT_MS
   absl::Duration connect_timeout = absl::Seconds(60);         // TENSORVERBS_CONNECT_TIMEOUT_MS
+  // Every protocol: a recv waiting this long logs a warning, once (zero: never).
+  absl::Duration slow_recv_warning = absl::Seconds(60);       // TENSORVERBS_SLOW_RECV_MS
   bool push = true;                                           // TENSORVERBS_PUSH
   int push_max_destinations = 1024;                           // TENSORVERBS_PUSH_MAX
   int max_responses = 65536;                                  // TENSORVERBS_MAX_RESPONSES

@@ -20,6 +20,17 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// Task `task` of the two-task grpc cluster `cluster`.
+TaskOptions OptionsFor(const ClusterSpec& cluster, int task) {
+  TaskOptions o;
+  o.cluster = cluster;
+  o.job = "worker";
+  o.task = task;
+  o.protocol = "grpc";
+  o.recv_timeout = absl::Seconds(30);
+  return o;
+}
+
 class TaskTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -35,15 +46,7 @@ class TaskTest : public ::testing::Test {
     for (auto& t : tasks_) ASSERT_TRUE(t->WaitForPeers(absl::Seconds(30)).ok());
   }
 
-  TaskOptions Options(int task) {
-    TaskOptions o;
-    o.cluster = cluster_;
-    o.job = "worker";
-    o.task = task;
-    o.protocol = "grpc";
-    o.recv_timeout = absl::Seconds(30);
-    return o;
-  }
+  TaskOptions Options(int task) { return OptionsFor(cluster_, task); }
 
   ClusterSpec cluster_;
   std::unique_ptr<Task> tasks_[2];
@@ -57,15 +60,7 @@ TEST(TaskAloneTest, RecvAsyncFromAPeerNotStartedYetReturnsAtOnceAndCompletesWhen
   ASSERT_TRUE(ports.ok()) << ports.status();
   const ClusterSpec cluster = *ClusterSpec::Parse(
       absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*ports)[1]));
-  auto options = [&](int task) {
-    TaskOptions o;
-    o.cluster = cluster;
-    o.job = "worker";
-    o.task = task;
-    o.protocol = "grpc";
-    o.recv_timeout = absl::Seconds(30);
-    return o;
-  };
+  auto options = [&](int task) { return OptionsFor(cluster, task); };
   std::unique_ptr<Task> receiver = *Task::Start(options(0));
   std::unique_ptr<Step> step = *receiver->BeginStep(1);
   Notification done;

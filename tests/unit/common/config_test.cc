@@ -223,4 +223,19 @@ TEST(Config, PeerStateBounds) {
 }
 
 }  // namespace
+TEST(Config, SlowRecvWarning) {
+  absl::StatusOr<Config> d = Config::FromEnvironment({});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->slow_recv_warning, absl::Seconds(60));
+  absl::StatusOr<Config> off = Config::FromEnvironment({{"TENSORVERBS_SLOW_RECV_MS", "0"}});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->slow_recv_warning, absl::ZeroDuration());
+  EXPECT_TRUE(off->warnings.empty()) << "a known variable";
+  for (const char* value : {"-1", "86400001", "soon"}) {
+    absl::StatusOr<Config> bad = Config::FromEnvironment({{"TENSORVERBS_SLOW_RECV_MS", value}});
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << value;
+    EXPECT_THAT(bad.status().message(), HasSubstr("TENSORVERBS_SLOW_RECV_MS"));
+  }
+}
+
 }  // namespace tensorverbs
