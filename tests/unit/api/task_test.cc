@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -76,7 +77,9 @@ TEST(TaskAloneTest, RecvAsyncFromAPeerNotStartedYetReturnsAtOnceAndCompletesWhen
   std::unique_ptr<Task> sender = *Task::Start(options(1));
   std::unique_ptr<Step> sending = *sender->BeginStep(1);
   Tensor sent = *sender->Empty(DataType::kInt64, TensorShape::Of({3}));
-  for (int i = 0; i < 3; ++i) sent.flat<int64_t>()[i] = 40 + i;
+  const int64_t values[3] = {40, 41, 42};
+  ASSERT_EQ(sent.TotalBytes(), sizeof(values));
+  std::memcpy(sent.data(), values, sizeof(values));
   ASSERT_TRUE(sending->Send("worker:0", "late", sent).ok());
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(60)));
   ASSERT_TRUE(result.ok()) << result.status();
