@@ -1,9 +1,15 @@
 """Fixtures of the tensorverbs Python tests: free ports, and two tasks in this process."""
 
 import contextlib
+import os
 import socket
 
 import pytest
+
+# A task reads the TENSORVERBS_* variables once per process, at its first start: a peer that
+# stops answering is declared dead after 2 s here (10 s by default), for every test and for the
+# peer processes they start.
+os.environ["TENSORVERBS_PEER_TIMEOUT_MS"] = "2000"
 
 import tensorverbs as tv
 

@@ -193,8 +193,7 @@ def start_peer(cluster, task, protocol="grpc+verbs"):
 
 
 @pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc"])
-def test_a_killed_peer_fails_the_recv_within_the_timeout(protocol, monkeypatch):
-    monkeypatch.setenv("TENSORVERBS_PEER_TIMEOUT_MS", "2000")
+def test_a_killed_peer_fails_the_recv_within_the_timeout(protocol):
     cluster = cluster_of(2)
     peer = start_peer(cluster, 1, protocol)
     try:
@@ -209,7 +208,9 @@ def test_a_killed_peer_fails_the_recv_within_the_timeout(protocol, monkeypatch):
                 peer.kill()
                 with pytest.raises((tv.UnavailableError, tv.AbortedError)) as caught:
                     waiting.result(timeout=30)
-                assert time.monotonic() - killed < 15
+                detected = time.monotonic() - killed
+                print(f"{protocol}: the recv failed {detected:.2f} s after the kill")
+                assert detected < 15
                 assert "task:1" in str(caught.value)
     finally:
         peer.kill()
