@@ -34,11 +34,11 @@ using WorkerServiceBase =
 
 class WorkerServiceImpl final : public WorkerServiceBase {
  public:
-  WorkerServiceImpl(const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol,
-                    std::string device, protocol::TensorLender* lender,
-                    const rpc::RpcSecurity* security,
-                    std::shared_ptr<grpc_transport::RecvTensorBudget> budget,
-                    std::function<proto::GetStatsResponse()> collect_stats)
+  WorkerServiceImpl(
+      const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol, std::string device,
+      protocol::TensorLender* lender, const rpc::RpcSecurity* security,
+      std::shared_ptr<grpc_transport::RecvTensorBudget> budget,
+      std::function<void(absl::AnyInvocable<void(proto::GetStatsResponse) &&>)> collect_stats)
       : env_(env),
         mgr_(mgr),
         protocol_(std::move(protocol)),
@@ -91,9 +91,13 @@ class WorkerServiceImpl final : public WorkerServiceBase {
     if (grpc::Status allowed = security_->Authenticate(*context, &caller); !allowed.ok()) {
       return Refuse(context, allowed);
     }
-    *response = collect_stats_();
-    auto* reactor = context->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
+    // The channels are asked of the progress loop, which answers later: nothing waits on this
+    // gRPC thread.
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    collect_stats_([response, reactor](proto::GetStatsResponse stats) {
+      *response = std::move(stats);
+      reactor->Finish(grpc::Status::OK);
+    });
     return reactor;
   }
 
@@ -125,7 +129,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   protocol::TensorLender* const lender_;  // grpc+gdr only
   const rpc::RpcSecurity* const security_;
   const std::shared_ptr<grpc_transport::RecvTensorBudget> budget_;  // shared with held calls
-  const std::function<proto::GetStatsResponse()> collect_stats_;
+  const std::function<void(absl::AnyInvocable<void(proto::GetStatsResponse) &&>)> collect_stats_;
 };
 
 }  // namespace
@@ -275,7 +279,9 @@ absl::Status Server::Start() {
       security_.get(),
       std::make_shared<grpc_transport::RecvTensorBudget>(options_.verbs.max_responses,
                                                          std::move(task_names)),
-      [this] { return CollectStats(); });
+      [this](absl::AnyInvocable<void(proto::GetStatsResponse) &&> done) {
+        CollectStatsAsync(std::move(done));
+      });
   grpc::ServerBuilder builder;
   rpc::ConfigureServerBuilder(&builder, options_.verbs.peer_timeout);
   int bound_port = 0;
@@ -358,7 +364,7 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
   return status.incarnation();
 }
 
-proto::GetStatsResponse Server::CollectStats() {
+proto::GetStatsResponse Server::CountersWithoutChannels() {
   proto::GetStatsResponse out;
   out.set_task_name(env_.task_name);
   out.set_protocol(options_.protocol);
@@ -394,9 +400,15 @@ proto::GetStatsResponse Server::CollectStats() {
   c["dropped_immediates"] = get(v.dropped_imms);
   c["channels_failed"] = get(v.channel_errors);
   c["checksum_failures"] = get(v.checksum_failures);
+  return out;
+}
+
+void Server::AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
+                         proto::GetStatsResponse* out) const {
+  auto& c = *out->mutable_counters();
   int64_t pending = 0;
-  for (const protocol::ChannelSnapshot& s : verbs_->ChannelSnapshots(absl::Seconds(2))) {
-    proto::ChannelStats* ch = out.add_channels();
+  for (const protocol::ChannelSnapshot& s : channels) {
+    proto::ChannelStats* ch = out->add_channels();
     ch->set_peer_task(s.peer_task);
     ch->set_receives(s.receives);
     ch->set_state(s.state);
@@ -408,8 +420,26 @@ proto::GetStatsResponse Server::CollectStats() {
     }
   }
   c["pending_recvs"] = pending;
-  c["channels"] = out.channels_size();
+  c["channels"] = out->channels_size();
+}
+
+proto::GetStatsResponse Server::CollectStats() {
+  proto::GetStatsResponse out = CountersWithoutChannels();
+  if (verbs_ != nullptr) AddChannels(verbs_->ChannelSnapshots(absl::Seconds(2)), &out);
   return out;
+}
+
+void Server::CollectStatsAsync(absl::AnyInvocable<void(proto::GetStatsResponse) &&> done) {
+  proto::GetStatsResponse out = CountersWithoutChannels();
+  if (verbs_ == nullptr) {
+    std::move(done)(std::move(out));
+    return;
+  }
+  verbs_->ChannelSnapshotsAsync([this, out = std::move(out), done = std::move(done)](
+                                    std::vector<protocol::ChannelSnapshot> channels) mutable {
+    AddChannels(channels, &out);
+    std::move(done)(std::move(out));
+  });
 }
 
 std::optional<uint64_t> Server::KnownPeerIncarnation(const std::string& task_name) {

@@ -116,15 +116,22 @@ class Server {
   // The grpc+verbs engine; null for other protocols.
   verbs::VerbsTransport* verbs_transport() { return verbs_.get(); }
 
-  // This task's counters and, over the verbs protocols, every channel's (any thread; what the
-  // GetStats RPC answers and metrics files are made of).
+  // This task's counters and, over the verbs protocols, every channel's (any thread; what
+  // metrics files are made of). Waits up to 2 s for the progress loop's list of channels.
   proto::GetStatsResponse CollectStats();
+  // The same without waiting (what the GetStats RPC answers on gRPC's threads): `done` runs
+  // once, on the progress loop or at once.
+  void CollectStatsAsync(absl::AnyInvocable<void(proto::GetStatsResponse) &&> done);
 
   // Client of another task's WorkerService (GetStatus, CleanupStep).
   absl::StatusOr<grpc_transport::WorkerClient*> Worker(const std::string& task_name);
 
  private:
   explicit Server(ServerOptions options);
+  // CollectStats' two halves: the task's counters, and the channels' (which the loop lists).
+  proto::GetStatsResponse CountersWithoutChannels();
+  void AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
+                   proto::GetStatsResponse* out) const;
   absl::Status Start();
 
   const ServerOptions options_;

@@ -296,6 +296,15 @@ std::vector<protocol::ChannelSnapshot> VerbsTransport::ChannelSnapshots(absl::Du
       .value_or(std::vector<protocol::ChannelSnapshot>());
 }
 
+void VerbsTransport::ChannelSnapshotsAsync(
+    absl::AnyInvocable<void(std::vector<protocol::ChannelSnapshot>) &&> done) {
+  using Done = absl::AnyInvocable<void(std::vector<protocol::ChannelSnapshot>) &&>;
+  // Shared with the task, which a refusing Post leaves holding it.
+  auto held = std::make_shared<Done>(std::move(done));
+  protocol::ProgressEngine::Task task = [this, held] { std::move (*held)(channels_->Snapshot()); };
+  if (engine_ == nullptr || !engine_->Post(task)) std::move (*held)({});
+}
+
 void VerbsTransport::StopTraffic() {
   if (engine_ == nullptr || traffic_stopped_.exchange(true)) return;
   watchdog_->Stop();

@@ -135,6 +135,10 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // Every channel with its counters (any thread; asks the loop, empty if it does not answer
   // within `timeout`).
   std::vector<protocol::ChannelSnapshot> ChannelSnapshots(absl::Duration timeout);
+  // The same without waiting, for gRPC's threads: `done` runs once, on the loop thread, or at
+  // once (with no channels) when the loop has stopped.
+  void ChannelSnapshotsAsync(
+      absl::AnyInvocable<void(std::vector<protocol::ChannelSnapshot>) &&> done);
 
   // Lets the writes already under way finish (up to a grace period), then stops the progress
   // loop: from here on this task posts nothing to any peer. Channels stay open until Shutdown.
