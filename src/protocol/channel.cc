@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -104,48 +103,6 @@ std::string Channel::Describe() const {
       " over ", caps.backend, " (", caps.provider, "), endpoint ",
       absl::BytesToHexString(endpoint_ ? endpoint_->LocalAddress() : "").substr(0, 32), ", ",
       mb_ ? mb_->rx_slots() : 0, " message slots");
-}
-
-ChannelSnapshot Channel::Snapshot() const {
-  AssertOwnerThread();
-  ChannelSnapshot s;
-  s.peer_task = peer_task_;
-  s.receives = role_ == Role::kOwner;
-  s.state = state_ == State::kConnecting ? "connecting"
-            : state_ == State::kReady    ? "ready"
-                                         : "closed";
-  s.description = Describe();
-  auto add = [&s](const char* name, int64_t value) { s.counters.emplace_back(name, value); };
-  auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
-  const ChannelCounters& c = counters_;
-  if (s.receives) {
-    add("tensors_received", get(c.tensors_received));
-    add("bytes_received", get(c.bytes_received));
-    add("recv_errors", get(c.recv_errors));
-    for (int code = 1; code < ChannelCounters::kCodes; ++code) {
-      const int64_t n = get(c.recv_errors_by_code[code]);
-      if (n > 0) {
-        s.counters.emplace_back(
-            absl::StrCat("recv_errors_", absl::AsciiStrToLower(absl::StatusCodeToString(
-                                             static_cast<absl::StatusCode>(code)))),
-            n);
-      }
-    }
-    add("requests", get(c.requests));
-    add("re_requests", get(c.re_requests));
-    add("proxies", get(c.proxies));
-    add("pending_recvs", static_cast<int64_t>(requests_.size() + pulls_.size()));
-  } else {
-    add("tensors_sent", get(c.tensors_sent));
-    add("bytes_sent", get(c.bytes_sent));
-    add("meta_responses", get(c.meta_responses));
-    add("errors_sent", get(c.errors_sent));
-    add("responses_pending", static_cast<int64_t>(responses_.size()));
-  }
-  add("control_messages", mb_ ? static_cast<int64_t>(mb_->messages_sent()) : 0);
-  add("control_slots", mb_ ? static_cast<int64_t>(mb_->sent()) : 0);
-  add("slot_waits", mb_ ? static_cast<int64_t>(mb_->slot_waits()) : 0);
-  return s;
 }
 
 void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, absl::Time deadline,
@@ -263,17 +220,10 @@ void Channel::AbortStep(int64_t step_id, const absl::Status& status) {
 
 void Channel::ExpireRequests(absl::Time now) {
   AssertOwnerThread();
-  const absl::Duration slow = env_->slow_recv_warning;
   for (auto& [index, request] : requests_) {
     if (request->finished()) continue;
     if (request->deadline() > now) {
-      // Started at its deadline less the recv timeout (both from the transport).
-      if (slow > absl::ZeroDuration() && !request->slow_warned() &&
-          now - (request->deadline() - env_->recv_timeout) >= slow) {
-        request->set_slow_warned();
-        LOG(WARNING) << SlowRecvWarning(request->key(), request->step_id(), peer_task_,
-                                        now - (request->deadline() - env_->recv_timeout), slow);
-      }
+      WarnIfSlow(*request, now);
       continue;
     }
     if (state_ == State::kConnecting) {
@@ -294,6 +244,16 @@ void Channel::ExpireRequests(absl::Time now) {
                      " timed out; raise TENSORVERBS_RECV_TIMEOUT_MS if the network is slow")));
   }
   GrantWaiting();  // expired recvs waiting for a large destination release the sender's tensor
+}
+
+void Channel::WarnIfSlow(RdmaTensorRequest& request, absl::Time now) {
+  const absl::Duration slow = env_->slow_recv_warning;
+  if (slow <= absl::ZeroDuration() || request.slow_warned()) return;
+  // A recv started at its deadline less the recv timeout (both the transport's).
+  const absl::Duration waited = now - (request.deadline() - env_->recv_timeout);
+  if (waited < slow) return;
+  request.set_slow_warned();
+  LOG(WARNING) << SlowRecvWarning(request.key(), request.step_id(), peer_task_, waited, slow);
 }
 
 void Channel::ExpireResponses(absl::Time now) {

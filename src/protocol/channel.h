@@ -212,6 +212,9 @@ class Channel {
   // (an index never defined, a definition out of order) closes the channel.
   absl::StatusOr<KeyRef> RequestedKey(const Message& m);
   void OnContent(uint32_t index);
+  // Owner side: logs the slow-recv warning for `request` once it has waited past
+  // env->slow_recv_warning (ExpireRequests).
+  void WarnIfSlow(RdmaTensorRequest& request, absl::Time now);
   // Owner side, per key on this channel.
   struct KeyState {
     uint32_t name_index = kNoNameIndex;  // how the peer knows it

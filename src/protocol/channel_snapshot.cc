@@ -1,0 +1,55 @@
+// Channel::Snapshot: what `tensorverbs stats` shows of a channel, kept apart from the state
+// machines in channel.cc.
+#include <atomic>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "src/protocol/channel.h"
+
+namespace tensorverbs::protocol {
+
+ChannelSnapshot Channel::Snapshot() const {
+  AssertOwnerThread();
+  ChannelSnapshot s;
+  s.peer_task = peer_task_;
+  s.receives = role_ == Role::kOwner;
+  s.state = state_ == State::kConnecting ? "connecting"
+            : state_ == State::kReady    ? "ready"
+                                         : "closed";
+  s.description = Describe();
+  auto add = [&s](const char* name, int64_t value) { s.counters.emplace_back(name, value); };
+  auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
+  const ChannelCounters& c = counters_;
+  if (s.receives) {
+    add("tensors_received", get(c.tensors_received));
+    add("bytes_received", get(c.bytes_received));
+    add("recv_errors", get(c.recv_errors));
+    for (int code = 1; code < ChannelCounters::kCodes; ++code) {
+      const int64_t n = get(c.recv_errors_by_code[code]);
+      if (n > 0) {
+        s.counters.emplace_back(
+            absl::StrCat("recv_errors_", absl::AsciiStrToLower(absl::StatusCodeToString(
+                                             static_cast<absl::StatusCode>(code)))),
+            n);
+      }
+    }
+    add("requests", get(c.requests));
+    add("re_requests", get(c.re_requests));
+    add("proxies", get(c.proxies));
+    add("pending_recvs", static_cast<int64_t>(requests_.size() + pulls_.size()));
+  } else {
+    add("tensors_sent", get(c.tensors_sent));
+    add("bytes_sent", get(c.bytes_sent));
+    add("meta_responses", get(c.meta_responses));
+    add("errors_sent", get(c.errors_sent));
+    add("responses_pending", static_cast<int64_t>(responses_.size()));
+  }
+  add("control_messages", mb_ ? static_cast<int64_t>(mb_->messages_sent()) : 0);
+  add("control_slots", mb_ ? static_cast<int64_t>(mb_->sent()) : 0);
+  add("slot_waits", mb_ ? static_cast<int64_t>(mb_->slot_waits()) : 0);
+  return s;
+}
+
+}  // namespace tensorverbs::protocol
