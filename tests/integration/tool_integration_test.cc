@@ -56,6 +56,29 @@ void ExpectDemoTrains(const std::vector<std::string>& extra, const std::string& 
   EXPECT_THAT(out, HasSubstr("share of step time in transfer"));
 }
 
+// Starts `tensorverbs server ARGS...` and waits for its start-up line (into `*line`).
+void StartServer(const std::vector<std::string>& args, std::unique_ptr<support::Subprocess>* server,
+                 std::string* line) {
+  std::vector<std::string> all = {"server"};
+  all.insert(all.end(), args.begin(), args.end());
+  absl::StatusOr<std::unique_ptr<support::Subprocess>> p =
+      support::Subprocess::Start(testing::ToolPath(), all);
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<std::string> started =
+      (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
+  ASSERT_TRUE(started.ok()) << started.status();
+  *server = *std::move(p);
+  *line = *started;
+}
+
+// SIGTERM, then the server shuts down cleanly (exit code 0).
+void ExpectCleanShutdown(support::Subprocess& server) {
+  server.Signal(SIGTERM);
+  absl::StatusOr<int> rc = server.Wait(absl::Seconds(30));
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  EXPECT_EQ(*rc, 0);
+}
+
 TEST(ToolTest, DemoTrainsOverGrpcVerbsByDefaultAndTheLossFalls) {
   ExpectDemoTrains({}, "grpc+verbs");
 }
@@ -279,18 +302,13 @@ TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
 TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
   absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
   ASSERT_TRUE(ports.ok());
-  auto p = support::Subprocess::Start(
-      testing::ToolPath(), {"server", "--cluster", absl::StrCat("ps=127.0.0.1:", (*ports)[0]),
-                            "--job", "ps", "--task", "0", "--protocol", "grpc"});
-  ASSERT_TRUE(p.ok());
-  absl::StatusOr<std::string> line =
-      (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
-  ASSERT_TRUE(line.ok()) << line.status();
-  EXPECT_THAT(*line, HasSubstr("/job:ps/replica:0/task:0 serving protocol grpc"));
-  (*p)->Signal(SIGTERM);
-  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
-  ASSERT_TRUE(rc.ok());
-  EXPECT_EQ(*rc, 0);
+  std::unique_ptr<support::Subprocess> server;
+  std::string line;
+  ASSERT_NO_FATAL_FAILURE(StartServer({"--cluster", absl::StrCat("ps=127.0.0.1:", (*ports)[0]),
+                                       "--job", "ps", "--task", "0", "--protocol", "grpc"},
+                                      &server, &line));
+  EXPECT_THAT(line, HasSubstr("/job:ps/replica:0/task:0 serving protocol grpc"));
+  ExpectCleanShutdown(*server);
 }
 
 // The security options reach every task the tools start: a demo whose tasks share a secret
@@ -321,13 +339,12 @@ TEST(ToolTest, ServerAndDemoTakeTheSecurityOptions) {
   absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
   ASSERT_TRUE(ports.ok());
   const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
-  auto p = support::Subprocess::Start(
-      testing::ToolPath(), {"server", "--cluster", absl::StrCat("ps=", address), "--job", "ps",
-                            "--task", "0", "--protocol", "grpc", "--secret-file", secret});
-  ASSERT_TRUE(p.ok());
-  absl::StatusOr<std::string> line =
-      (*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30));
-  ASSERT_TRUE(line.ok()) << line.status();
+  std::unique_ptr<support::Subprocess> server;
+  std::string line;
+  ASSERT_NO_FATAL_FAILURE(
+      StartServer({"--cluster", absl::StrCat("ps=", address), "--job", "ps", "--task", "0",
+                   "--protocol", "grpc", "--secret-file", secret},
+                  &server, &line));
   auto stub = proto::WorkerService::NewStub(
       grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
@@ -335,10 +352,7 @@ TEST(ToolTest, ServerAndDemoTakeTheSecurityOptions) {
   proto::GetStatusResponse response;
   const grpc::Status outsider = stub->GetStatus(&context, proto::GetStatusRequest(), &response);
   EXPECT_EQ(outsider.error_code(), grpc::StatusCode::UNAUTHENTICATED) << outsider.error_message();
-  (*p)->Signal(SIGTERM);
-  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
-  ASSERT_TRUE(rc.ok());
-  EXPECT_EQ(*rc, 0);
+  ExpectCleanShutdown(*server);
 }
 
 // A running server answers `tensorverbs stats` as a table, JSON and Prometheus' format, and
@@ -349,12 +363,12 @@ TEST(ToolTest, StatsShowsARunningTaskAndTheServerWritesItsMetricsFile) {
   absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
   ASSERT_TRUE(ports.ok());
   const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
-  auto p = support::Subprocess::Start(
-      testing::ToolPath(),
-      {"server", "--cluster", absl::StrCat("ps=", address), "--job", "ps", "--task", "0",
-       "--protocol", "grpc+verbs", "--metrics-file", metrics, "--metrics-interval-ms", "100"});
-  ASSERT_TRUE(p.ok());
-  ASSERT_TRUE((*p)->WaitForLine("tensorverbs server: task", absl::Seconds(30)).ok());
+  std::unique_ptr<support::Subprocess> server;
+  std::string line;
+  ASSERT_NO_FATAL_FAILURE(StartServer(
+      {"--cluster", absl::StrCat("ps=", address), "--job", "ps", "--task", "0", "--protocol",
+       "grpc+verbs", "--metrics-file", metrics, "--metrics-interval-ms", "100"},
+      &server, &line));
 
   absl::StatusOr<ToolRun> table = RunTool({"stats", address}, absl::Seconds(30));
   ASSERT_TRUE(table.ok()) << table.status();
@@ -380,10 +394,7 @@ TEST(ToolTest, StatsShowsARunningTaskAndTheServerWritesItsMetricsFile) {
     contents = read.str();
   }
   EXPECT_THAT(contents, HasSubstr("tensorverbs_pool_bytes{task=\"/job:ps/replica:0/task:0\"}"));
-  (*p)->Signal(SIGTERM);
-  absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
-  ASSERT_TRUE(rc.ok());
-  EXPECT_EQ(*rc, 0);
+  ExpectCleanShutdown(*server);
 
   absl::StatusOr<ToolRun> nobody =
       RunTool({"stats", absl::StrCat("127.0.0.1:", (*ports)[1]), "--timeout-ms", "1000"},
