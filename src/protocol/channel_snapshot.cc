@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "src/protocol/channel.h"
+#include "src/protocol/memory_mgr.h"
 
 namespace tensorverbs::protocol {
 
@@ -49,6 +50,13 @@ ChannelSnapshot Channel::Snapshot() const {
   add("control_messages", mb_ ? static_cast<int64_t>(mb_->messages_sent()) : 0);
   add("control_slots", mb_ ? static_cast<int64_t>(mb_->sent()) : 0);
   add("slot_waits", mb_ ? static_cast<int64_t>(mb_->slot_waits()) : 0);
+  // With channel keys each channel's peer writes through registrations of its own; otherwise
+  // through the task's shared ones (counted once, per task).
+  if (env_->memory != nullptr && env_->memory->channel_keys() && endpoint_ != nullptr) {
+    const auto [registrations, bytes] = env_->memory->EndpointRegistrations(endpoint_.get());
+    add("registrations", registrations);
+    add("registered_bytes", bytes);
+  }
   return s;
 }
 

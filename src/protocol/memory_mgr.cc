@@ -68,6 +68,42 @@ void RdmaMemoryMgr::DropReleased() {
     released.swap(released_);
   }
   for (uintptr_t base : released) registered_.erase(base);
+  Recount();
+}
+
+void RdmaMemoryMgr::Recount() {
+  int64_t regions = 0, bytes = 0, endpoint_regions = 0, endpoint_bytes = 0;
+  for (const auto& [base, entry] : registered_) {
+    ++regions;
+    bytes += static_cast<int64_t>(entry.size);
+    endpoint_regions += static_cast<int64_t>(entry.for_endpoint.size());
+    endpoint_bytes += static_cast<int64_t>(entry.size * entry.for_endpoint.size());
+  }
+  regions_.store(regions, std::memory_order_relaxed);
+  region_bytes_.store(bytes, std::memory_order_relaxed);
+  endpoint_regions_.store(endpoint_regions, std::memory_order_relaxed);
+  endpoint_bytes_.store(endpoint_bytes, std::memory_order_relaxed);
+}
+
+RdmaMemoryMgr::RegistrationGauges RdmaMemoryMgr::gauges() const {
+  RegistrationGauges g;
+  g.regions = regions_.load(std::memory_order_relaxed);
+  g.bytes = region_bytes_.load(std::memory_order_relaxed);
+  g.endpoint_registrations = endpoint_regions_.load(std::memory_order_relaxed);
+  g.endpoint_bytes = endpoint_bytes_.load(std::memory_order_relaxed);
+  return g;
+}
+
+std::pair<int64_t, int64_t> RdmaMemoryMgr::EndpointRegistrations(
+    const fabric::Endpoint* endpoint) const {
+  int64_t n = 0, bytes = 0;
+  for (const auto& [base, entry] : registered_) {
+    if (entry.for_endpoint.contains(endpoint)) {
+      ++n;
+      bytes += static_cast<int64_t>(entry.size);
+    }
+  }
+  return {n, bytes};
 }
 
 absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const void* p,
@@ -84,6 +120,7 @@ absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const 
   entry.for_endpoint.clear();  // registrations of the memory the region held before
   entry.size = region.size;
   entry.region = std::move(mr);
+  Recount();
   return entry.region.get();
 }
 
@@ -100,12 +137,14 @@ absl::StatusOr<fabric::RemoteKey> RdmaMemoryMgr::RemoteKeyFor(fabric::Endpoint& 
         std::unique_ptr<fabric::MemoryRegion> mr,
         domain_->RegisterMemoryFor(endpoint, region.base(), entry.size, remote_access_));
     own = entry.for_endpoint.emplace(&endpoint, std::move(mr)).first;
+    Recount();
   }
   return own->second->PackRemoteKey();
 }
 
 void RdmaMemoryMgr::DropEndpoint(const fabric::Endpoint* endpoint) {
   for (auto& [base, entry] : registered_) entry.for_endpoint.erase(endpoint);
+  Recount();
 }
 
 size_t RdmaMemoryMgr::endpoint_registrations() const {

@@ -22,10 +22,12 @@
 #ifndef TENSORVERBS_PROTOCOL_MEMORY_MGR_H_
 #define TENSORVERBS_PROTOCOL_MEMORY_MGR_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -90,6 +92,18 @@ class RdmaMemoryMgr {
   size_t cached() const { return cache_.size(); }
   size_t registered_regions() const { return registered_.size(); }
 
+  // Gauges for `tensorverbs stats`, readable from any thread: pool regions registered (shared
+  // registrations) and their bytes, and registrations made for endpoints and their bytes.
+  struct RegistrationGauges {
+    int64_t regions = 0;
+    int64_t bytes = 0;
+    int64_t endpoint_registrations = 0;
+    int64_t endpoint_bytes = 0;
+  };
+  RegistrationGauges gauges() const;
+  // Registrations made for `endpoint` alone (channel keys) and their bytes; progress thread.
+  std::pair<int64_t, int64_t> EndpointRegistrations(const fabric::Endpoint* endpoint) const;
+
  private:
   struct Registered {
     size_t size = 0;
@@ -99,6 +113,8 @@ class RdmaMemoryMgr {
         for_endpoint;
   };
   void DropReleased();
+  // Stores the gauges of registered_ (progress thread, after each change of it).
+  void Recount();
 
   fabric::Domain* const domain_;
   PoolAllocator* const pool_;
@@ -112,6 +128,10 @@ class RdmaMemoryMgr {
 
   std::map<uintptr_t, Registered> registered_;  // pool region base -> registration
   absl::flat_hash_map<std::string, TensorMetaData> cache_;
+  std::atomic<int64_t> regions_{0};
+  std::atomic<int64_t> region_bytes_{0};
+  std::atomic<int64_t> endpoint_regions_{0};
+  std::atomic<int64_t> endpoint_bytes_{0};
 };
 
 }  // namespace tensorverbs::protocol

@@ -397,6 +397,11 @@ proto::GetStatsResponse Server::CountersWithoutChannels() {
   c["tensors_sent"] = get(v.content_writes);
   c["bytes_sent"] = get(v.content_bytes);
   c["transient_registrations"] = get(v.transient_registrations);
+  const protocol::RdmaMemoryMgr::RegistrationGauges reg = verbs_->registration_gauges();
+  c["registered_regions"] = reg.regions;
+  c["registered_bytes"] = reg.bytes;
+  c["channel_registrations"] = reg.endpoint_registrations;
+  c["channel_registered_bytes"] = reg.endpoint_bytes;
   c["dropped_immediates"] = get(v.dropped_imms);
   c["channels_failed"] = get(v.channel_errors);
   c["checksum_failures"] = get(v.checksum_failures);

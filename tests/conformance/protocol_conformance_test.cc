@@ -775,6 +775,18 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
     }
     ASSERT_NE(from_peer, nullptr) << receiver.DebugString();
     EXPECT_EQ(from_peer->state(), "ready");
+    // The pool memory the tensors were written into is registered (grpc+gdr sends tensors this
+    // small inline in its response).
+    if (design().protocol != "grpc+gdr") {
+      EXPECT_GE(receiver.counters().at("registered_regions"), 1);
+      EXPECT_GE(receiver.counters().at("registered_bytes"), bytes);
+    }
+    if (from_peer->counters().contains("registrations") && design().protocol == "grpc+verbs") {
+      // Per-channel keys: the peer wrote through registrations made for it alone.
+      EXPECT_GE(from_peer->counters().at("registrations"), 1);
+      EXPECT_GE(receiver.counters().at("channel_registrations"),
+                from_peer->counters().at("registrations"));
+    }
     if (design().protocol != "grpc+gdr") {  // gdr's tensors arrive by reads, outside channels
       EXPECT_EQ(from_peer->counters().at("tensors_received"), kTensors);
       EXPECT_EQ(from_peer->counters().at("bytes_received"), bytes);

@@ -128,6 +128,10 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // "ofi (shm)", "ibverbs (mlx5_0:1)", "loopback (loopback)".
   std::string fabric_name() const;
   const protocol::VerbsStats& stats() const { return stats_; }
+  // The memory manager's registration gauges (any thread).
+  protocol::RdmaMemoryMgr::RegistrationGauges registration_gauges() const {
+    return memory_ != nullptr ? memory_->gauges() : protocol::RdmaMemoryMgr::RegistrationGauges{};
+  }
   // For fault injection in tests (loopback::SetFaults is thread-safe); nothing else may use it.
   fabric::Domain* domain_for_testing() { return domain_.get(); }
   // Channels that are set up, of both roles, for tests and tools (any thread; asks the loop).

@@ -249,9 +249,14 @@ TEST_F(MemoryMgrTest, RegionsThePoolReleasesAreDeregisteredBeforeTheNextLookup) 
   // The pool's visitor only recorded the release (it may run on any thread, under the pool's
   // lock); the registration goes at the next lookup, on the progress thread.
   EXPECT_EQ(memory_->registered_regions(), 1u);
+  // `tensorverbs stats` sees the same from any thread.
+  EXPECT_EQ(memory_->gauges().regions, 1);
+  EXPECT_EQ(memory_->gauges().bytes, int64_t{2} << 20);
   absl::StatusOr<const fabric::MemoryRegion*> none = memory_->FindRegistered(nullptr, 0);
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(memory_->registered_regions(), 0u);
+  EXPECT_EQ(memory_->gauges().regions, 0);
+  EXPECT_EQ(memory_->gauges().bytes, 0);
   // A peer still holding the old key is refused before any byte moves (the memory is unmapped).
   absl::Status s = RemoteWrite(old_key, old_base, 16);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -296,6 +301,10 @@ TEST_F(MemoryMgrTest, WithChannelKeysEachPeerIsOfferedAKeyOfItsOwnThatDiesWithIt
   const fabric::MemoryRegion* same = *memory_->FindRegistered(u.data(), 4096);
   EXPECT_EQ(*memory_->RemoteKeyFor(*target_, *same), *key);
   EXPECT_EQ(memory_->endpoint_registrations(), 2u);
+  EXPECT_EQ(memory_->gauges().endpoint_registrations, 2);
+  EXPECT_EQ(memory_->gauges().endpoint_bytes, int64_t{4} << 20);
+  EXPECT_EQ(memory_->EndpointRegistrations(target_.get()),
+            (std::pair<int64_t, int64_t>{1, int64_t{2} << 20}));
 
   ASSERT_TRUE(RemoteWrite(*key, t.data(), 64).ok());
   EXPECT_TRUE(Holds(t.data(), 64));
@@ -311,6 +320,8 @@ TEST_F(MemoryMgrTest, WithChannelKeysEachPeerIsOfferedAKeyOfItsOwnThatDiesWithIt
   // The channel closes: its keys stop working, the other channel's still do.
   memory_->DropEndpoint(target_.get());
   EXPECT_EQ(memory_->endpoint_registrations(), 1u);
+  EXPECT_EQ(memory_->gauges().endpoint_registrations, 1);
+  EXPECT_EQ(memory_->EndpointRegistrations(target_.get()), (std::pair<int64_t, int64_t>{0, 0}));
   EXPECT_FALSE(RemoteWrite(*key, t.data(), 64).ok());
   ASSERT_TRUE(other_writer
                   ->PostWrite({junk_region.get(), junk.data(), 64},
