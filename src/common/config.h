@@ -127,6 +127,9 @@ struct Config {
   // naming its key, step and peer (a sender that never sends shows up long before the recv
   // timeout). 0 turns the warning off. 0 .. 86400000, default 60000.
   absl::Duration slow_recv_warning = absl::Seconds(60);
+  // TENSORVERBS_TRACE: a file to write a Chrome trace-event JSON of every remote recv's phases
+  // into (src/common/trace.h); "%p" in it becomes the process id. Empty: no trace.
+  std::string trace_file;
   // TENSORVERBS_PUSH: on (default) | off. On, a grpc+verbs receiver that just received a key at
   // step s asks for it at step s+1 at once, with a destination from the key's meta-data, so the
   // sender writes the moment it sends and the next recv of the key needs no REQUEST round

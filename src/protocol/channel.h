@@ -129,6 +129,9 @@ class Channel {
   // Why the channel closed (OK while open).
   const absl::Status& close_status() const { return close_status_; }
   fabric::Endpoint* endpoint() const { return endpoint_.get(); }
+  // This channel's track in the recv trace (TENSORVERBS_TRACE), named on first use; 0 when
+  // tracing is off.
+  uint64_t trace_track();
   // The key this channel's peer is offered for memory in `region` (RdmaMemoryMgr::
   // RemoteKeyFor): with channel keys, one that only this channel's peer holds and that dies
   // with the channel. FailedPrecondition once the channel closed.
@@ -260,6 +263,7 @@ class Channel {
   uint64_t peer_incarnation_ = 0;
   uint64_t peer_channel_id_ = 0;
   std::string peer_address_;
+  uint64_t trace_track_ = 0;
   absl::Status close_status_;
   State state_ = State::kConnecting;
   std::unique_ptr<fabric::Endpoint> endpoint_;

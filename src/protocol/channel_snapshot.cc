@@ -1,11 +1,12 @@
-// Channel::Snapshot: what `tensorverbs stats` shows of a channel, kept apart from the state
-// machines in channel.cc.
+// Channel::Snapshot and Channel::trace_track: what `tensorverbs stats` and the recv trace show
+// of a channel, kept apart from the state machines in channel.cc.
 #include <atomic>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "src/common/trace.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/memory_mgr.h"
 
@@ -58,6 +59,15 @@ ChannelSnapshot Channel::Snapshot() const {
     add("registered_bytes", bytes);
   }
   return s;
+}
+
+uint64_t Channel::trace_track() {
+  if (trace_track_ == 0 && TraceEnabled()) {
+    trace_track_ = TraceTrack(absl::StrCat(env_->worker != nullptr ? env_->worker->task_name : "",
+                                           " <- ", peer_task_, " (", VerbsModeProtocol(env_->mode),
+                                           " channel ", id_, ")"));
+  }
+  return trace_track_;
 }
 
 }  // namespace tensorverbs::protocol

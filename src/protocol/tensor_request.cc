@@ -57,7 +57,14 @@ RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t s
       allocator_(allocator),
       deadline_(done == nullptr ? absl::InfiniteFuture() : deadline),
       done_(std::move(done)),
-      pushed_(done_ == nullptr) {}
+      pushed_(done_ == nullptr) {
+  if (!pushed_ && TraceEnabled()) BeginTrace("queued");
+}
+
+void RdmaTensorRequest::BeginTrace(const char* phase) {
+  trace_ = RecvTrace::Begin(channel_->trace_track(), key_->key.full_key, step_id_,
+                            channel_->peer_task(), VerbsModeProtocol(channel_->env()->mode), phase);
+}
 
 void RdmaTensorRequest::TransitionTo(State next) {
   DCHECK(AllowedTransition(state_, next))
@@ -68,6 +75,7 @@ void RdmaTensorRequest::TransitionTo(State next) {
 
 void RdmaTensorRequest::Start() {
   ChannelEnv* env = channel_->env();
+  const char* next_phase = "awaiting meta-data";
   Message m;
   m.type = MessageType::kTensorRequest;
   m.step_id = step_id_;
@@ -94,6 +102,7 @@ void RdmaTensorRequest::Start() {
       }
       meta_ = *cached;
       m.meta = *cached;
+      next_phase = "awaiting content";  // the sender writes into what REQUEST names
       env->stats->meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
     }
   }
@@ -103,6 +112,7 @@ void RdmaTensorRequest::Start() {
   TransitionTo(State::kRequested);
   env->stats->requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().requests.fetch_add(1, std::memory_order_relaxed);
+  trace_.Phase(next_phase);
   channel_->SendMessage(std::move(m));
 }
 
@@ -221,6 +231,7 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     return;
   }
   if (!copy && !finished() && !meta_.is_dead && !channel_->GrantLargeDestination(*this)) {
+    trace_.Phase("awaiting a large-destination grant");
     awaiting_grant_ = true;  // the channel calls Grant when an earlier large recv has landed
     return;
   }
@@ -251,6 +262,7 @@ void RdmaTensorRequest::SendReRequest() {
   TransitionTo(State::kReRequested);
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().re_requests.fetch_add(1, std::memory_order_relaxed);
+  trace_.Phase("awaiting content");
   channel_->SendMessage(std::move(rr));  // a failure closes the channel, which deletes this
 }
 
@@ -319,6 +331,7 @@ absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
 void RdmaTensorRequest::RecvTensorContent() {
   ChannelEnv* env = channel_->env();
   TransitionTo(State::kDone);
+  trace_.Phase("landed");
   if (finished() && !adoptable()) return;
   if (env->mode == VerbsMode::kCopy) {
     RecvCopyContent();
@@ -371,6 +384,10 @@ bool RdmaTensorRequest::Adopt(RecvDoneCallback done, absl::Time deadline) {
   adopted_ = true;
   done_ = std::move(done);
   deadline_ = deadline;
+  if (TraceEnabled()) {
+    // Asked for ahead of this recv: the trace starts where the recv found the request.
+    BeginTrace(landed_ ? "landed" : meta_parked_ ? "awaiting meta-data" : "awaiting content");
+  }
   if (meta_parked_) {
     // The sender described another tensor than the cached meta-data: now that a recv owns
     // this request, it names a destination for it (last: the send may close the channel).
@@ -403,6 +420,16 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
   }
   RecvDoneCallback done = std::move(done_);
   done_ = nullptr;
+  if (trace_.active()) {
+    // The last phase waits for the callback executor and runs the callback; the trace ends
+    // when it returns.
+    trace_.Phase(status.ok() ? "callback" : "failing");
+    done = [trace = std::move(trace_), done = std::move(done)](const absl::Status& s,
+                                                               const Tensor& t, bool dead) mutable {
+      std::move(done)(s, t, dead);
+      trace.End(s, t.IsInitialized() ? t.TotalBytes() : 0);
+    };
+  }
   channel_->env()->CountRecv(status, tensor);
   channel_->counters().CountRecv(status, tensor);
   channel_->env()->deliver({std::move(done), status, tensor, is_dead});

@@ -40,6 +40,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "src/common/trace.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
 #include "src/rendezvous/key_table.h"
@@ -91,6 +92,13 @@ class RdmaTensorRequest {
   bool adoptable() const { return pushed_ && !adopted_ && !declined_; }
   // Pushed, not adopted, and its content is here.
   bool landed() const { return landed_; }
+  // A pushed request no recv took yet whose content landed: hands the result over (the sender
+  // is done writing it) and forgets it, so that a closing channel keeps it for its recv.
+  Tensor TakeLanded() {
+    landed_ = false;
+    declined_ = true;
+    return std::move(result_);
+  }
   // The recv ended with a tensor written in place from the cached meta-data (what pushing the
   // key's next step needs).
   bool delivered_in_place() const { return delivered_in_place_; }
@@ -113,6 +121,8 @@ class RdmaTensorRequest {
  private:
   // The one place the state changes; DCHECKs that the transition is one of the diagram's.
   void TransitionTo(State next);
+  // Starts trace_ with `phase` open (TENSORVERBS_TRACE).
+  void BeginTrace(const char* phase);
   // RE_REQUEST for meta_: a destination if the recv is still wanted, else none.
   void SendReRequest();
   // Allocates the destination for `meta` and returns where the sender writes.
@@ -141,6 +151,7 @@ class RdmaTensorRequest {
   Allocator* allocator_;
   absl::Time deadline_;
   RecvDoneCallback done_;
+  RecvTrace trace_;  // TENSORVERBS_TRACE: this recv's phases (empty when off or pushed)
   bool pushed_ = false;
   bool adopted_ = false;
   bool declined_ = false;

@@ -12,12 +12,13 @@
 #include "src/common/logging.h"
 #include "src/common/malloc_tuning.h"
 #include "src/common/status_macros.h"
+#include "src/common/trace.h"
 #include "src/fabric/fabric.h"
-#include "tensorverbs/device_name.h"
 #include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/grpc_rendezvous.h"
 #include "src/transport/grpc/recv_tensor_handler.h"
 #include "src/transport/verbs/verbs_rendezvous.h"
+#include "tensorverbs/device_name.h"
 
 namespace tensorverbs {
 namespace {
@@ -295,6 +296,7 @@ absl::Status Server::Start() {
         absl::StrCat("task ", env_.task_name, " cannot listen on ", options_.listen_address,
                      ": the port is in use or the address is not local to this host"));
   }
+  NameTraceProcess(env_.task_name);
   LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
             << options_.listen_address << " (incarnation " << std::hex << env_.incarnation
             << std::dec << ", authentication: " << security_->Describe() << ")";
@@ -341,6 +343,7 @@ void Server::Stop() {
   if (workers_ && !workers_->WaitForNoCalls(absl::Seconds(10))) {
     LOG(WARNING) << "task " << env_.task_name << ": remote recvs still in flight at shutdown";
   }
+  FlushTrace();  // a task's recvs are in its trace file once it stopped
 }
 
 std::string Server::device_name() const { return CpuDeviceName(options_.job, options_.task); }

@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "proto/worker.pb.h"
 #include "src/common/logging.h"
+#include "src/common/trace.h"
 #include "src/protocol/remote_tensor.h"
 #include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/tensor_coding.h"
@@ -26,6 +27,16 @@ void RunCallback(Executor* executor, absl::AnyInvocable<void() &&> callback) {
   }
 }
 
+// `done`, ending `trace` when it returns (TENSORVERBS_TRACE).
+RecvDoneCallback Traced(RecvTrace trace, RecvDoneCallback done) {
+  if (!trace.active()) return done;
+  return [trace = std::move(trace), done = std::move(done)](const absl::Status& s, const Tensor& t,
+                                                            bool dead) mutable {
+    std::move(done)(s, t, dead);
+    trace.End(s, t.IsInitialized() ? t.TotalBytes() : 0);
+  };
+}
+
 }  // namespace
 
 struct GrpcRemoteRendezvous::Call {
@@ -36,6 +47,7 @@ struct GrpcRemoteRendezvous::Call {
   Allocator* allocator = nullptr;
   WorkerClient* worker = nullptr;
   std::string key;
+  RecvTrace trace;  // TENSORVERBS_TRACE
 };
 
 GrpcRemoteRendezvous::GrpcRemoteRendezvous(const WorkerEnv* env, int64_t step_id,
@@ -91,6 +103,13 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
     return;
   }
   workers_->CallStarted();
+  if (TraceEnabled()) {
+    const char* protocol = puller_ != nullptr ? "grpc+gdr" : "grpc";
+    call->trace = RecvTrace::Begin(
+        TraceTrack(
+            absl::StrCat(env_->task_name, " <- ", call->worker->task_name(), " (", protocol, ")")),
+        call->key, step_id(), call->worker->task_name(), protocol, "awaiting response");
+  }
   Call* raw = call.get();
   // The client holds the context, and through it the call, until the callback has run.
   std::shared_ptr<grpc::ClientContext> context(call, &call->context);
@@ -145,29 +164,35 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
         if (status.ok() && parsed.has_remote) {
           // grpc+gdr: the bytes wait at the sender; read them into the destination.
           const std::string task = call->worker->task_name();
+          call->trace.Phase("reading");
           RecvDoneCallback done = std::move(call->done);
           Tensor dest = parsed.tensor;
           std::string key = call->key;
           self->puller_->Pull(
               task, parsed.remote, dest,
-              [self, done = std::move(done), dest, key](const absl::Status& s) mutable {
+              [self, done = std::move(done), dest, key,
+               trace = std::move(call->trace)](const absl::Status& s) mutable {
                 // A step aborted while the read was in flight still ends with the abort.
                 absl::Status result = self->status().ok() ? s : self->status();
                 if (!result.ok() && result.message().find(key) == absl::string_view::npos) {
                   result = absl::Status(result.code(), absl::StrCat(result.message(),
                                                                     " (key '", key, "')"));
                 }
-                RunCallback(self->env().callback_executor,
-                            [done = std::move(done), result, dest]() mutable {
-                              std::move(done)(result, result.ok() ? dest : Tensor(), false);
-                            });
+                trace.Phase("callback");
+                RunCallback(
+                    self->env().callback_executor,
+                    [done = Traced(std::move(trace), std::move(done)), result, dest]() mutable {
+                      std::move(done)(result, result.ok() ? dest : Tensor(), false);
+                    });
               });
           call.reset();
           self->workers_->CallDone();
           return;
         }
+        call->trace.Phase("callback");
         RunCallback(self->env().callback_executor,
-                    [done = std::move(call->done), status, parsed = std::move(parsed)]() mutable {
+                    [done = Traced(std::move(call->trace), std::move(call->done)), status,
+                     parsed = std::move(parsed)]() mutable {
                       std::move(done)(status, parsed.tensor, parsed.is_dead);
                     });
         // Release the call (and its ClientContext) here, as gRPC expects, rather than whenever
