@@ -762,6 +762,13 @@ void Channel::Close(const absl::Status& status) {
   }
   std::vector<Tensor> memory;
   for (auto& [index, request] : requests_) {
+    if (request->adoptable() && request->landed() && env_->keep_landed) {
+      // Whole, and the sender is done with it: a peer that stopped after its sends were taken
+      // (by these requests) still delivers them.
+      env_->keep_landed(peer_task_, request->key(), request->step_id(), request->TakeLanded(),
+                        absl::Now() + env_->recv_timeout);
+      continue;
+    }
     request->Fail(status);
     for (Tensor& t : request->TakeMemory()) memory.push_back(std::move(t));
   }

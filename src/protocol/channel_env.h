@@ -130,6 +130,12 @@ struct ChannelEnv {
   std::function<Channel*(uint64_t)> find_channel;
   // Carries a sender's local tensors to the responses waiting for them (progress thread).
   LocalTensorInbox* local_tensors = nullptr;
+  // Owner side, at a channel's close: a tensor that fully landed in a request made ahead
+  // (TENSORVERBS_PUSH) before any recv took it. The transport keeps it for the recv of (`key`,
+  // `step`) from `peer_task` until `until` (progress thread; null: dropped).
+  std::function<void(const std::string& peer_task, const std::string& key, int64_t step,
+                     Tensor tensor, absl::Time until)>
+      keep_landed;
   // Keeps memory alive until `until` (progress thread).
   std::function<void(std::vector<Tensor>, absl::Time until)> quarantine_memory;
   // grpc+gdr, sender side: `task` released the tensor it read under `tensor_key`.

@@ -126,6 +126,10 @@ absl::Status VerbsTransport::Start() {
   channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
     quarantine_.emplace_back(until, std::move(memory));
   };
+  channel_env_.keep_landed = [this](const std::string& peer_task, const std::string& key,
+                                    int64_t step, Tensor tensor, absl::Time until) {
+    landed_ahead_.insert_or_assign({peer_task, key, step}, std::pair{std::move(tensor), until});
+  };
   channel_env_.release_lent = [this](const std::string& task, uint32_t key) {
     lent_->Release(task, key);
   };
@@ -183,6 +187,7 @@ void VerbsTransport::Housekeeping(absl::Time now) {
                                    [now](const auto& q) { return q.first <= now; }),
                     quarantine_.end());
   lent_->Expire(now);
+  std::erase_if(landed_ahead_, [now](const auto& e) { return e.second.second <= now; });
 }
 
 void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
@@ -229,6 +234,16 @@ void VerbsTransport::StartRecv(RecvStart r) {
   if (absl::Status s = r.rendezvous->status(); !s.ok()) {
     fail(s);
     return;
+  }
+  if (!landed_ahead_.empty()) {
+    auto it = landed_ahead_.find({r.key->src_task, r.key->key.full_key, r.rendezvous->step_id()});
+    if (it != landed_ahead_.end()) {
+      Tensor tensor = std::move(it->second.first);
+      landed_ahead_.erase(it);
+      channel_env_.CountRecv(absl::OkStatus(), tensor);
+      channel_env_.deliver({std::move(r.done), absl::OkStatus(), std::move(tensor), false});
+      return;
+    }
   }
   absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(r.key->src_task);
   if (!channel.ok()) {
@@ -277,7 +292,11 @@ void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorR
 }
 
 void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
-  engine_->Post([this, step_id, status]() mutable { channels_->AbortStep(step_id, status); });
+  engine_->Post([this, step_id, status]() mutable {
+    std::erase_if(landed_ahead_,
+                  [step_id](const auto& e) { return std::get<2>(e.first) == step_id; });
+    channels_->AbortStep(step_id, status);
+  });
 }
 
 absl::Status VerbsTransport::ConnectPeers(absl::Duration timeout) {

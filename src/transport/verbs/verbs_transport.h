@@ -26,8 +26,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -186,6 +188,11 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
 
   // Progress-thread state.
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
+  // Tensors that landed in requests made ahead on a channel that then closed (its peer stopped
+  // after its sends were taken), by (peer task, key, step), each kept until its recv takes it,
+  // its step ends, or its time is up.
+  std::map<std::tuple<std::string, std::string, int64_t>, std::pair<Tensor, absl::Time>>
+      landed_ahead_;
   std::unique_ptr<LentTensors> lent_;
   // Recvs posted by callers, waiting for the progress thread: one small task per batch rather
   // than a task owning each recv (a heap allocation per recv). StartQueuedRecvs' batch keeps
