@@ -22,8 +22,11 @@ registered pool and is sent without a copy (do not change it until its step's se
 taken); any other value is copied once into the pool.
 
 What a recv returns: a NumPy array viewing the received buffer itself (no copy; the buffer
-lives as long as the array, also after the step and the server are gone; `torch.from_dlpack`
-takes it without a copy too), a list of bytes for a string tensor, or None for a dead tensor.
+lives as long as the array, also after the step and the server are gone), a list of bytes for a string tensor, or None for a dead tensor.
+
+PyTorch: `torch.from_numpy(step.recv(...))` (or `torch.from_dlpack`, for dtypes but bool) is the
+received buffer as a tensor, and `torch.from_numpy(server.empty(...))` a tensor in the pool; sending either (or any tensor viewing
+all of a pool array) sends the pool memory without a copy. Other CPU tensors are staged once.
 
 Waiting releases the GIL, and Ctrl-C interrupts a blocking recv. Failures raise a subclass of
 tensorverbs.Error whose message names the key, the peer and any setting involved.
@@ -134,13 +137,36 @@ def _stop_live_servers():
         server.stop()
 
 
+# Pool arrays (Server.empty, and received arrays) by (address, bytes, dtype, shape), weakly: a
+# PyTorch tensor made from one (torch.from_numpy / torch.from_dlpack) keeps it alive and views
+# the same memory, so sending the tensor sends the pool array itself, without a copy.
+_pool_arrays = weakref.WeakValueDictionary()
+
+
+def _remember_pool_array(array):
+    if isinstance(array, _np.ndarray) and array.nbytes > 0:
+        _pool_arrays[(array.ctypes.data, array.nbytes, array.dtype.str, array.shape)] = array
+    return array
+
+
 def _to_sendable(value):
     if isinstance(value, (_np.ndarray, list, tuple)):
         return value
     if isinstance(value, (_np.generic, bool, int, float, complex)):
         return _np.asarray(value)  # a scalar: a rank-0 tensor
     if hasattr(value, "__dlpack__"):
-        return _np.from_dlpack(value)
+        try:
+            # A PyTorch tensor's numpy() shares its memory as DLPack does and also takes bool,
+            # which DLPack (as PyTorch 1.13 and NumPy 1.24 speak it) cannot carry.
+            array = value.numpy() if hasattr(value, "numpy") else _np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError) as e:
+            raise TypeError(
+                f"cannot send this {type(value).__name__} ({e}): send a CPU tensor of a dtype "
+                "NumPy has (not bfloat16), detached from autograd, e.g. "
+                "tensor.detach().cpu().float()") from e
+        pooled = _pool_arrays.get(
+            (array.ctypes.data, array.nbytes, array.dtype.str, array.shape))
+        return pooled if pooled is not None else array
     return value  # the core says what it takes
 
 
@@ -184,7 +210,8 @@ class Server:
         """An uninitialized array in the task's registered pool: sent without a copy."""
         if isinstance(shape, int):
             shape = (shape,)
-        return self._task.empty([int(d) for d in shape], _np.dtype(dtype))
+        return _remember_pool_array(
+            self._task.empty([int(d) for d in shape], _np.dtype(dtype)))
 
     def stats(self):
         """Counters since the start: tensors and bytes received, errors, copies the transport
@@ -231,7 +258,7 @@ class Step:
 
         def done(code, message, value):
             if code == 0:
-                future.set_result(value)
+                future.set_result(_remember_pool_array(value))
             else:
                 future.set_exception(error_from_status(code, message))
 
