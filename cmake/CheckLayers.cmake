@@ -2,10 +2,11 @@
 # Each layer of src/ may include only its own headers and those of the layers it builds on,
 # the same ones its CMake target links; tools/, tests/ and bench/ sit on top and may include
 # anything. Usage: cmake -DROOT=<source dir> -DSTAMP=<file> -P CheckLayers.cmake
-set(layers common tensor fabric rendezvous rpc protocol transport/grpc transport/verbs support
+set(layers common tensor device fabric rendezvous rpc protocol transport/grpc transport/verbs support
   server api)
 set(allowed_common common)
 set(allowed_tensor common tensor)
+set(allowed_device common device)
 set(allowed_fabric common fabric)
 set(allowed_rendezvous common tensor rendezvous)
 set(allowed_rpc common rpc)

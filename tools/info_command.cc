@@ -6,13 +6,42 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
-#include "tensorverbs/version.h"
+#include "src/device/cuda_runtime.h"
 #include "src/fabric/fabric.h"
 #include "src/server/server.h"
+#include "tensorverbs/version.h"
 #include "tools/commands.h"
 
 namespace tensorverbs::tools {
 namespace {
+
+std::string CudaVersion(int v) { return absl::StrCat(v / 1000, ".", v % 1000 / 10); }
+
+// GPUs: what the CUDA runtime found at run time, and what it means for device tensors.
+void PrintGpus() {
+  const std::string toolkit = device::BuildToolkit();
+  std::printf("\nGPUs (CUDA runtime loaded at run time; build toolkit %s):\n",
+              toolkit.empty() ? "none" : toolkit.c_str());
+  absl::StatusOr<device::CudaRuntime*> cuda = device::CudaRuntime::Get();
+  if (!cuda.ok()) {
+    std::printf("  none usable: %s\n", std::string(cuda.status().message()).c_str());
+    return;
+  }
+  const device::CudaRuntime& rt = **cuda;
+  std::printf("  runtime %s (%s), driver supports CUDA %s\n",
+              CudaVersion(rt.runtime_version()).c_str(), rt.library().c_str(),
+              CudaVersion(rt.driver_version()).c_str());
+  for (int d = 0; d < rt.device_count(); ++d) {
+    absl::StatusOr<device::CudaDeviceInfo> info = rt.DeviceInfo(d);
+    if (!info.ok()) {
+      std::printf("  cuda:%d  %s\n", d, std::string(info.status().message()).c_str());
+      continue;
+    }
+    std::printf("  cuda:%d  %s, compute %d.%d, %.1f GiB, PCI %s\n", d, info->name.c_str(),
+                info->compute_major, info->compute_minor,
+                static_cast<double>(info->total_memory) / (1 << 30), info->pci_bus_id.c_str());
+  }
+}
 
 std::string Bytes(rlim_t v) {
   if (v == RLIM_INFINITY) return "unlimited";
@@ -73,6 +102,8 @@ int RunInfoCommand() {
               inventory.ofi_local_choice.c_str(), inventory.ofi_remote_choice.c_str(),
               config.ofi_provider.empty() ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
                                           : " (TENSORVERBS_OFI_PROVIDER)");
+
+  PrintGpus();
 
   rlimit memlock{};
   getrlimit(RLIMIT_MEMLOCK, &memlock);

@@ -185,6 +185,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_PEER_TIMEOUT_MS",
       "TENSORVERBS_SLOW_RECV_MS",
       "TENSORVERBS_TRACE",
+      "TENSORVERBS_CUDA_RUNTIME",
       "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",
       "TENSORVERBS_PUSH_MAX_MB",
@@ -226,7 +227,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
                              std::pair{"TENSORVERBS_TLS_KEY", &config.tls_key_file},
                              std::pair{"TENSORVERBS_TLS_CA", &config.tls_ca_file},
                              std::pair{"TENSORVERBS_SECRET_FILE", &config.secret_file},
-                             std::pair{"TENSORVERBS_TRACE", &config.trace_file}}) {
+                             std::pair{"TENSORVERBS_TRACE", &config.trace_file},
+                             std::pair{"TENSORVERBS_CUDA_RUNTIME", &config.cuda_runtime}}) {
     if (auto it = env.find(name); it != env.end()) {
       *field = std::string(absl::StripAsciiWhitespace(it->second));
     }

@@ -130,6 +130,10 @@ struct Config {
   // TENSORVERBS_TRACE: a file to write a Chrome trace-event JSON of every remote recv's phases
   // into (src/common/trace.h); "%p" in it becomes the process id. Empty: no trace.
   std::string trace_file;
+  // TENSORVERBS_CUDA_RUNTIME: the CUDA runtime library to load (a name or path, such as
+  // /usr/local/cuda/lib64/libcudart.so.13); empty: libcudart.so.13, .12 or .so from the loader's
+  // path, then the build's toolkit.
+  std::string cuda_runtime;
   // TENSORVERBS_PUSH: on (default) | off. On, a grpc+verbs receiver that just received a key at
   // step s asks for it at step s+1 at once, with a destination from the key's meta-data, so the
   // sender writes the moment it sends and the next recv of the key needs no REQUEST round

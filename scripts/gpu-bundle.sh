@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Packs what the GPU checks need for a machine that has a GPU, CUDA and a driver but none of this
+# project's Debian libraries: the `tensorverbs` tool and the gpu test binaries, stripped, with
+# every shared library they load (ldd) except glibc's and the GPU driver's, plus the CUDA
+# runtime, into build-gpu-bundle/ (git-ignored; under 64 MiB). There, run
+#   build-gpu-bundle/run-gpu-checks.sh
+# which runs them with LD_LIBRARY_PATH pointing into the bundle.
+#
+# Usage: scripts/gpu-bundle.sh [BUILD_DIR]   (default build/, built first with `make build`)
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${1:-$root/build}"
+out="$root/build-gpu-bundle"
+make -C "$root" build BUILD_DIR="$(realpath --relative-to="$root" "$build")" >/dev/null
+
+binaries=("$build/tools/tensorverbs" "$build/tests/unit/cuda_gpu_test" "$build/tests/unit/device_test")
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+for b in "${binaries[@]}"; do
+  [ -x "$b" ] || { echo "gpu-bundle: $b is missing: build it first" >&2; exit 1; }
+  cp "$b" "$out/bin/"
+  strip --strip-unneeded "$out/bin/$(basename "$b")"
+done
+
+# Shared libraries, from the binaries' ldd, less glibc (the target has its own, as every Linux
+# does) and the driver's libcuda (it must match the target's kernel module).
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libpthread|libdl\.so|librt\.so|libcuda\.so)'
+for b in "${binaries[@]}"; do
+  ldd "$b" | awk '/=> \// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  if [[ "$name" =~ $skip ]]; then continue; fi
+  cp -L "$path" "$out/lib/$name"
+  strip --strip-unneeded "$out/lib/$name" 2>/dev/null || true
+done
+
+# The CUDA runtime is loaded at run time (dlopen), so ldd does not list it.
+cudart="$(ldconfig -p | awk '/libcudart\.so\.[0-9]+ / {print $NF; exit}')"
+if [ -z "$cudart" ] && [ -e /usr/local/cuda/lib64/libcudart.so ]; then
+  cudart="$(readlink -f /usr/local/cuda/lib64/libcudart.so)"
+fi
+if [ -n "$cudart" ]; then cp -L "$cudart" "$out/lib/"; fi
+
+cat > "$out/run-gpu-checks.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the GPU checks from this bundle (see scripts/gpu-bundle.sh). Results go to stdout.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+rc=0
+"$here/bin/tensorverbs" --version || rc=1
+"$here/bin/tensorverbs" info || rc=1
+"$here/bin/device_test" || rc=1
+"$here/bin/cuda_gpu_test" || rc=1
+exit $rc
+RUN
+chmod +x "$out/run-gpu-checks.sh"
+
+size=$(du -sb "$out" | cut -f1)
+echo "gpu-bundle: $out, $((size / 1048576)) MiB"
+if [ "$size" -ge $((64 << 20)) ]; then
+  echo "gpu-bundle: over 64 MiB" >&2
+  exit 1
+fi
