@@ -758,7 +758,16 @@ void Channel::Close(const absl::Status& status) {
   close_status_ = status.ok() ? absl::CancelledError("closed") : status;
   if (status.code() != absl::StatusCode::kCancelled) {
     env_->stats->channel_errors.fetch_add(1, std::memory_order_relaxed);
-    LOG(WARNING) << Describe() << " closed: " << status.message();
+    // Nothing a caller waits for goes with a channel that only had requests made ahead (a
+    // peer that stopped after its last step, as every task does at the end of training):
+    // that is news, not a warning.
+    bool idle = pulls_.empty() && responses_.empty();
+    for (const auto& [index, request] : requests_) idle = idle && request->adoptable();
+    if (idle) {
+      LOG(INFO) << Describe() << " closed with nothing pending: " << status.message();
+    } else {
+      LOG(WARNING) << Describe() << " closed: " << status.message();
+    }
   }
   std::vector<Tensor> memory;
   for (auto& [index, request] : requests_) {
