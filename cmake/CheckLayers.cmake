@@ -6,7 +6,7 @@ set(layers common tensor device fabric rendezvous rpc protocol transport/grpc tr
   server api)
 set(allowed_common common)
 set(allowed_tensor common tensor)
-set(allowed_device common device)
+set(allowed_device common tensor device)
 set(allowed_fabric common fabric)
 set(allowed_rendezvous common tensor rendezvous)
 set(allowed_rpc common rpc)

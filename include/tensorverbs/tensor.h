@@ -82,12 +82,18 @@ class Tensor {
   std::string* strings() const { return static_cast<std::string*>(data()); }
 
   Allocator* allocator() const { return buffer_ ? buffer_->allocator() : nullptr; }
+  // Where the elements live; host for a tensor without a buffer.
+  MemoryPlacement placement() const {
+    return buffer_ && buffer_->allocator() ? buffer_->allocator()->Placement()
+                                           : MemoryPlacement::Host();
+  }
   const std::shared_ptr<TensorBuffer>& buffer() const { return buffer_; }
   bool SharesBufferWith(const Tensor& other) const {
     return buffer_ != nullptr && buffer_ == other.buffer_;
   }
 
-  // A deep copy in memory from `allocator`.
+  // A deep copy in memory from `allocator`; FailedPrecondition when either memory is a GPU's
+  // (the CPU copies).
   absl::StatusOr<Tensor> Clone(Allocator* allocator) const;
 
   // Same dtype, shape and element values.

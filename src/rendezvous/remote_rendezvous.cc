@@ -37,6 +37,14 @@ absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, b
                                                    "' on task ", env_->task_name,
                                                    ": its source device is on another task"));
   }
+  if (!key.dst.IsOnTask(env_->task_name) && !value.placement().host_accessible()) {
+    // Every protocol reads a sent tensor's bytes from host memory; a device pointer there
+    // would crash the task that serves the request, later, far from this call.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "send of key '", key.full_key, "': the tensor is in ", value.placement().ToString(),
+        " memory, and tensors go to other tasks from host memory in this version; copy it to "
+        "the host first"));
+  }
   return local_.Send(key, value, is_dead);
 }
 
@@ -56,6 +64,16 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
   absl::Status s = local_.status();
   if (!s.ok()) {
     std::move(done)(s, Tensor(), false);
+    return;
+  }
+  if (args.allocator != nullptr && !args.allocator->Placement().host_accessible()) {
+    std::move(done)(
+        absl::FailedPreconditionError(absl::StrCat(
+            "recv of key '", key.full_key, "': its allocator ", args.allocator->Name(),
+            " hands out ", args.allocator->Placement().ToString(),
+            " memory, and tensors from other tasks arrive in host memory in this version; "
+            "receive into host memory and copy")),
+        Tensor(), false);
     return;
   }
   if (env_->stats == nullptr || CountsOwnRecvs()) {

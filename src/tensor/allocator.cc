@@ -7,6 +7,7 @@
 #include <new>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/common/logging.h"
 
@@ -30,6 +31,18 @@ class HeapAllocator final : public Allocator {
 };
 
 }  // namespace
+
+std::string MemoryPlacement::ToString() const {
+  switch (kind) {
+    case Kind::kHost:
+      return "host";
+    case Kind::kPinnedHost:
+      return "pinned host";
+    case Kind::kCudaDevice:
+      return absl::StrCat("cuda:", device);
+  }
+  return "unknown";
+}
 
 Allocator* CpuAllocator() {
   static HeapAllocator* allocator = new HeapAllocator;

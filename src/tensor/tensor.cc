@@ -122,6 +122,12 @@ Tensor Tensor::Make(DataType dtype, const TensorShape& shape) {
 }
 
 absl::StatusOr<Tensor> Tensor::Clone(Allocator* allocator) const {
+  if (!placement().host_accessible() || !allocator->Placement().host_accessible()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Clone copies with the CPU; ", DebugString(), " is in ", placement().ToString(),
+        " memory and the copy would be in ", allocator->Placement().ToString(),
+        " memory: copy device memory with the CUDA runtime"));
+  }
   absl::StatusOr<Tensor> copy = Allocate(allocator, dtype_, shape_);
   if (!copy.ok()) return copy.status();
   if (CanMemCopy()) {

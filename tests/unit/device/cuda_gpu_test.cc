@@ -7,7 +7,9 @@
 #include <numeric>
 #include <vector>
 
+#include "src/device/cuda_allocator.h"
 #include "src/device/cuda_runtime.h"
+#include "tensorverbs/tensor.h"
 
 namespace tensorverbs::device {
 namespace {
@@ -76,6 +78,33 @@ TEST_F(CudaGpuTest, AnAllocationHasAnIpcHandleOfItsSize) {
   EXPECT_EQ(handle->size(), 64u);
   EXPECT_EQ(rt_->IpcOpen(0, "short").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(rt_->Free(0, *dev).ok());
+}
+
+TEST_F(CudaGpuTest, TensorsFromTheDeviceAllocatorAreOnTheirDevice) {
+  absl::StatusOr<std::unique_ptr<CudaAllocator>> alloc = CudaAllocator::Create(rt_, 0);
+  ASSERT_TRUE(alloc.ok()) << alloc.status();
+  EXPECT_EQ(CudaAllocator::Create(rt_, rt_->device_count()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  {
+    absl::StatusOr<Tensor> t =
+        Tensor::Allocate(alloc->get(), DataType::kFloat32, TensorShape::Of({1 << 20}));
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->placement(), MemoryPlacement::CudaDevice(0));
+    EXPECT_EQ((*alloc)->bytes_in_use(), size_t{4} << 20);
+    std::vector<float> host(1 << 20, 1.5f), back(1 << 20, 0.0f);
+    ASSERT_TRUE(
+        rt_->Memcpy(0, t->data(), host.data(), t->TotalBytes(), CopyKind::kHostToDevice).ok());
+    ASSERT_TRUE(
+        rt_->Memcpy(0, back.data(), t->data(), t->TotalBytes(), CopyKind::kDeviceToHost).ok());
+    EXPECT_EQ(host, back);
+    // The CPU does not copy device memory.
+    EXPECT_EQ(t->Clone(CpuAllocator()).status().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  EXPECT_EQ((*alloc)->bytes_in_use(), 0u);
+  absl::StatusOr<Tensor> huge =
+      Tensor::Allocate(alloc->get(), DataType::kUInt8, TensorShape::Of({int64_t{1} << 50}));
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT((*alloc)->last_error().message(), HasSubstr("cudaMalloc"));
 }
 
 }  // namespace

@@ -155,6 +155,52 @@ TEST_F(RendezvousMgrTest, SendAndRecvCheckTheTask) {
   EXPECT_THAT(status.message(), HasSubstr("destination device is on another task"));
 }
 
+// Host memory standing in for a GPU's: what the rendezvous decides only by placement.
+class StandInDeviceAllocator : public Allocator {
+ public:
+  std::string Name() const override { return "stand-in cuda:1"; }
+  void* AllocateRaw(size_t bytes) override { return CpuAllocator()->AllocateRaw(bytes); }
+  void DeallocateRaw(void* p, size_t bytes) override { CpuAllocator()->DeallocateRaw(p, bytes); }
+  MemoryPlacement Placement() const override { return MemoryPlacement::CudaDevice(1); }
+};
+
+TEST_F(RendezvousMgrTest, DeviceTensorsStayWithinTheTaskAndSayWhyOtherwise) {
+  RendezvousMgr mgr(Factory());
+  auto r = *mgr.Find(4);
+  StandInDeviceAllocator device;
+  Tensor t = *Tensor::Allocate(&device, DataType::kFloat32, TensorShape::Of({8}));
+  EXPECT_EQ(t.placement(), MemoryPlacement::CudaDevice(1));
+  EXPECT_EQ(t.placement().ToString(), "cuda:1");
+  EXPECT_EQ(Tensor().placement(), MemoryPlacement::Host());
+  EXPECT_EQ(t.Clone(CpuAllocator()).status().code(), absl::StatusCode::kFailedPrecondition)
+      << "the CPU does not copy device memory";
+  // Within the task a device tensor is handed over as it is.
+  ASSERT_TRUE(r->Send(Key("worker", 0, "local"), t).ok());
+  bool shared = false;
+  r->RecvAsync(Key("worker", 0, "local"), RecvArgs(),
+               [&](const absl::Status& s, const Tensor& v, bool) {
+                 shared = s.ok() && v.SharesBufferWith(t);
+               });
+  EXPECT_TRUE(shared);
+  // To another task it is refused at the send, naming key and placement.
+  ParsedKey to_ps =
+      *ParsedKey::Parse(ParsedKey::Create("/job:worker/replica:0/task:0/device:CPU:0", 5,
+                                          "/job:ps/replica:0/task:0/device:CPU:0", "g"));
+  absl::Status sent = r->Send(to_ps, t);
+  EXPECT_EQ(sent.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(sent.message(), HasSubstr("'" + to_ps.full_key + "'"));
+  EXPECT_THAT(sent.message(), HasSubstr("cuda:1 memory"));
+  // And a recv from another task into device memory fails before reaching the protocol.
+  RecvArgs args;
+  args.allocator = &device;
+  absl::Status received;
+  r->RecvAsync(Key("ps", 0, "w"), args,
+               [&](const absl::Status& s, const Tensor&, bool) { received = s; });
+  EXPECT_EQ(received.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(received.message(), HasSubstr("stand-in cuda:1"));
+  EXPECT_TRUE(created_[0]->remote.empty());
+}
+
 TEST_F(RendezvousMgrTest, CleanupAbortsPendingLocalAndRemoteRecvsAndRemembersTheStep) {
   RendezvousMgr mgr(Factory());
   auto r = *mgr.Find(3);
