@@ -14,8 +14,8 @@ set(allowed_protocol common tensor fabric rendezvous protocol)
 set(allowed_transport/grpc common tensor rendezvous rpc protocol transport/grpc)
 set(allowed_transport/verbs common tensor fabric rendezvous rpc protocol transport/verbs)
 set(allowed_support common support)
-set(allowed_server common tensor fabric rendezvous rpc protocol transport/grpc transport/verbs
-  server)
+set(allowed_server common tensor device fabric rendezvous rpc protocol transport/grpc
+  transport/verbs server)
 set(allowed_api ${allowed_server} api)
 
 set(violations "")

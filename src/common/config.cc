@@ -186,6 +186,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_SLOW_RECV_MS",
       "TENSORVERBS_TRACE",
       "TENSORVERBS_CUDA_RUNTIME",
+      "TENSORVERBS_PIN_POOL",
       "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",
       "TENSORVERBS_PUSH_MAX_MB",
@@ -270,6 +271,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.peer_timeout = absl::Milliseconds(peer_ms);
   ASSIGN_OR_RETURN(int64_t slow_ms, ParseInt(env, "TENSORVERBS_SLOW_RECV_MS", 0, 86400000, 60000));
   config.slow_recv_warning = absl::Milliseconds(slow_ms);
+  ASSIGN_OR_RETURN(config.pin_pool,
+                   ParseChoice(env, "TENSORVERBS_PIN_POOL", {"auto", "on", "off"}, "auto"));
   ASSIGN_OR_RETURN(std::string push, ParseChoice(env, "TENSORVERBS_PUSH", {"on", "off"}, "on"));
   config.push = push == "on";
   ASSIGN_OR_RETURN(int64_t push_max, ParseInt(env, "TENSORVERBS_PUSH_MAX", 1, 65536, 1024));

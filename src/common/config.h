@@ -134,6 +134,10 @@ struct Config {
   // /usr/local/cuda/lib64/libcudart.so.13); empty: libcudart.so.13, .12 or .so from the loader's
   // path, then the build's toolkit.
   std::string cuda_runtime;
+  // TENSORVERBS_PIN_POOL: auto (default) | on | off. A task's receive pool is page-locked with
+  // the CUDA runtime so GPU copies reach it by DMA: auto and on do it when a GPU is found (on
+  // also says when none is), off never loads the CUDA runtime.
+  std::string pin_pool = "auto";
   // TENSORVERBS_PUSH: on (default) | off. On, a grpc+verbs receiver that just received a key at
   // step s asks for it at step s+1 at once, with a destination from the key's meta-data, so the
   // sender writes the moment it sends and the next recv of the key needs no REQUEST round

@@ -1,5 +1,7 @@
 #include "src/server/server.h"
 
+#include <unistd.h>
+
 #include <mutex>
 #include <random>
 
@@ -13,6 +15,8 @@
 #include "src/common/malloc_tuning.h"
 #include "src/common/status_macros.h"
 #include "src/common/trace.h"
+#include "src/device/cuda_runtime.h"
+#include "src/device/pinned_pool.h"
 #include "src/fabric/fabric.h"
 #include "src/rpc/grpc_util.h"
 #include "src/transport/grpc/grpc_rendezvous.h"
@@ -149,6 +153,7 @@ ServerOptions ServerOptions::FromConfig(const Config& config) {
   o.max_tensor_bytes = config.max_tensor_bytes;
   o.max_peer_steps = config.max_peer_steps;
   o.pool_keep_free_bytes = config.pool_keep_free_bytes;
+  o.pin_pool = config.pin_pool;
   o.security.tls_cert_file = config.tls_cert_file;
   o.security.tls_key_file = config.tls_key_file;
   o.security.tls_ca_file = config.tls_ca_file;
@@ -197,6 +202,7 @@ absl::Status Server::Start() {
                                                  options_.verbs.fabric, options_.verbs.ofi_provider,
                                                  all_peers_local, options_.verbs.rdma});
   recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
+  PinPoolIfAsked();
   executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
   env_.job = options_.job;
   env_.task = options_.task;
@@ -365,6 +371,25 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
   MutexLock lock(&mu_);
   peer_incarnations_[task_name] = status.incarnation();
   return status.incarnation();
+}
+
+void Server::PinPoolIfAsked() {
+  if (options_.pin_pool == "off") return;
+  // Without the NVIDIA driver there is no GPU to copy to: the runtime is not even loaded.
+  const bool driver =
+      access("/proc/driver/nvidia/version", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0;
+  absl::StatusOr<device::CudaRuntime*> cuda =
+      driver ? device::CudaRuntime::Get()
+             : absl::StatusOr<device::CudaRuntime*>(
+                   absl::FailedPreconditionError("no NVIDIA driver is loaded on this host"));
+  if (!cuda.ok()) {
+    if (options_.pin_pool == "on") {
+      LOG(WARNING) << "TENSORVERBS_PIN_POOL=on: the receive pool stays pageable: "
+                   << cuda.status().message();
+    }
+    return;
+  }
+  device::PinPoolRegions(recv_allocator_.get(), *cuda);
 }
 
 proto::GetStatsResponse Server::CountersWithoutChannels() {

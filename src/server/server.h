@@ -53,6 +53,9 @@ struct ServerOptions {
   // Wholly free pool memory kept however long it idles (TENSORVERBS_POOL_KEEP_FREE_MB); free
   // regions beyond it are returned to the OS after kPoolReleaseAfter unused.
   uint64_t pool_keep_free_bytes = uint64_t{1024} << 20;
+  // TENSORVERBS_PIN_POOL: "auto" (page-lock the receive pool when an NVIDIA driver and a GPU
+  // are there), "on" (the same, warning when there is none) or "off".
+  std::string pin_pool = "auto";
   static constexpr absl::Duration kPoolReleaseAfter = absl::Seconds(30);
   // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB); a larger announced
   // tensor fails its recv with ResourceExhausted before anything is allocated.
@@ -130,6 +133,8 @@ class Server {
   explicit Server(ServerOptions options);
   // CollectStats' two halves: the task's counters, and the channels' (which the loop lists).
   proto::GetStatsResponse CountersWithoutChannels();
+  // Page-locks the receive pool for GPU copies, as options_.pin_pool says (Start).
+  void PinPoolIfAsked();
   void AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
                    proto::GetStatsResponse* out) const;
   absl::Status Start();

@@ -31,6 +31,7 @@
 #ifndef TENSORVERBS_TENSOR_ALLOCATOR_H_
 #define TENSORVERBS_TENSOR_ALLOCATOR_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -44,10 +45,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
-#include "tensorverbs/allocator.h"
 #include "src/common/bounded_queue.h"
 #include "src/common/mutex.h"
 #include "src/common/shared_memory.h"
+#include "tensorverbs/allocator.h"
 
 namespace tensorverbs {
 
@@ -94,6 +95,12 @@ class PoolAllocator final : public Allocator {
   std::string Name() const override { return name_; }
   void* AllocateRaw(size_t bytes) override;
   void DeallocateRaw(void* ptr, size_t bytes) override;
+  // Host, or pinned host once something page-locks every region (device::PinPoolRegions).
+  MemoryPlacement Placement() const override {
+    return pinned_.load(std::memory_order_acquire) ? MemoryPlacement::PinnedHost()
+                                                   : MemoryPlacement::Host();
+  }
+  void SetPinned(bool pinned) { pinned_.store(pinned, std::memory_order_release); }
 
   // Adds a visitor pair and calls `on_create` for every existing region before returning.
   // Returns an id for RemoveRegionVisitor.
@@ -150,6 +157,7 @@ class PoolAllocator final : public Allocator {
   Stats stats_ ABSL_GUARDED_BY(mu_);
   // Pushed by DeallocateRaw from any thread; popped only under mu_ (one consumer at a time).
   BoundedQueue<uintptr_t> deferred_frees_{4096};
+  std::atomic<bool> pinned_{false};
 };
 
 }  // namespace tensorverbs

@@ -238,4 +238,24 @@ TEST(Config, SlowRecvWarning) {
   }
 }
 
+TEST(Config, TraceCudaRuntimeAndPoolPinning) {
+  absl::StatusOr<Config> d = Config::FromEnvironment({});
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->trace_file, "");
+  EXPECT_EQ(d->cuda_runtime, "");
+  EXPECT_EQ(d->pin_pool, "auto");
+  absl::StatusOr<Config> set =
+      Config::FromEnvironment({{"TENSORVERBS_TRACE", " t-%p.json "},
+                               {"TENSORVERBS_CUDA_RUNTIME", "/opt/cuda/lib64/libcudart.so.13"},
+                               {"TENSORVERBS_PIN_POOL", "off"}});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->trace_file, "t-%p.json");
+  EXPECT_EQ(set->cuda_runtime, "/opt/cuda/lib64/libcudart.so.13");
+  EXPECT_EQ(set->pin_pool, "off");
+  EXPECT_TRUE(set->warnings.empty()) << "known variables";
+  absl::StatusOr<Config> bad = Config::FromEnvironment({{"TENSORVERBS_PIN_POOL", "sometimes"}});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("TENSORVERBS_PIN_POOL"));
+}
+
 }  // namespace tensorverbs

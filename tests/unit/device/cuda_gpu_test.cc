@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
 #include "src/device/cuda_allocator.h"
 #include "src/device/cuda_runtime.h"
+#include "src/device/pinned_pool.h"
+#include "src/tensor/allocator.h"
 #include "tensorverbs/tensor.h"
 
 namespace tensorverbs::device {
@@ -105,6 +108,25 @@ TEST_F(CudaGpuTest, TensorsFromTheDeviceAllocatorAreOnTheirDevice) {
       Tensor::Allocate(alloc->get(), DataType::kUInt8, TensorShape::Of({int64_t{1} << 50}));
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT((*alloc)->last_error().message(), HasSubstr("cudaMalloc"));
+}
+
+TEST_F(CudaGpuTest, APinnedPoolPinsEveryRegionAndCopiesFromIt) {
+  PoolAllocator pool("pinned test", PoolAllocator::Options{.region_bytes = size_t{8} << 20});
+  EXPECT_EQ(pool.Placement(), MemoryPlacement::Host());
+  PinPoolRegions(&pool, rt_);
+  EXPECT_EQ(pool.Placement(), MemoryPlacement::PinnedHost());
+  absl::StatusOr<void*> dev = rt_->Malloc(0, size_t{1} << 20);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  {
+    Tensor t = *Tensor::Allocate(&pool, DataType::kUInt8, TensorShape::Of({1 << 20}));
+    EXPECT_EQ(t.placement(), MemoryPlacement::PinnedHost());
+    std::memset(t.data(), 9, t.TotalBytes());
+    ASSERT_TRUE(rt_->Memcpy(0, *dev, t.data(), t.TotalBytes(), CopyKind::kHostToDevice).ok());
+    // Registering a region twice is refused: it was registered once, when the pool made it.
+    EXPECT_FALSE(rt_->HostRegister(t.data(), t.TotalBytes()).ok());
+  }
+  EXPECT_EQ(pool.ReleaseFreeRegions(), 1u);
+  EXPECT_TRUE(rt_->Free(0, *dev).ok());
 }
 
 }  // namespace
