@@ -424,11 +424,7 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
     // The last phase waits for the callback executor and runs the callback; the trace ends
     // when it returns.
     trace_.Phase(status.ok() ? "callback" : "failing");
-    done = [trace = std::move(trace_), done = std::move(done)](const absl::Status& s,
-                                                               const Tensor& t, bool dead) mutable {
-      std::move(done)(s, t, dead);
-      trace.End(s, t.IsInitialized() ? t.TotalBytes() : 0);
-    };
+    done = EndTraceAfter(std::move(trace_), std::move(done));
   }
   channel_->env()->CountRecv(status, tensor);
   channel_->counters().CountRecv(status, tensor);

@@ -8,6 +8,15 @@
 
 namespace tensorverbs {
 
+RecvDoneCallback EndTraceAfter(RecvTrace trace, RecvDoneCallback done) {
+  if (!trace.active()) return done;
+  return [trace = std::move(trace), done = std::move(done)](const absl::Status& s, const Tensor& t,
+                                                            bool dead) mutable {
+    std::move(done)(s, t, dead);
+    trace.End(s, t.IsInitialized() ? t.TotalBytes() : 0);
+  };
+}
+
 LocalRendezvous::LocalRendezvous(KeyTable* keys, StepSizeHint* sizes) : keys_(keys), sizes_(sizes) {
   if (sizes_ == nullptr) return;
   MutexLock lock(&mu_);

@@ -30,6 +30,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "src/common/mutex.h"
+#include "src/common/trace.h"
 #include "src/rendezvous/key_table.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor.h"
@@ -39,6 +40,10 @@ namespace tensorverbs {
 // Called once with the outcome of a recv: on error the tensor is uninitialized.
 using RecvDoneCallback =
     absl::AnyInvocable<void(const absl::Status& status, const Tensor& tensor, bool is_dead) &&>;
+
+// `done`, ending `trace` (TENSORVERBS_TRACE) with the recv's outcome once it returns; `done`
+// itself when the trace is empty. Every protocol's recv path wraps its callback with it.
+RecvDoneCallback EndTraceAfter(RecvTrace trace, RecvDoneCallback done);
 
 // How many entries the tables of a task's recent steps held at most: the largest step's size,
 // forgotten by a sixteenth per smaller step, so that steps which differ a little (how many

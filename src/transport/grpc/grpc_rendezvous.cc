@@ -27,16 +27,6 @@ void RunCallback(Executor* executor, absl::AnyInvocable<void() &&> callback) {
   }
 }
 
-// `done`, ending `trace` when it returns (TENSORVERBS_TRACE).
-RecvDoneCallback Traced(RecvTrace trace, RecvDoneCallback done) {
-  if (!trace.active()) return done;
-  return [trace = std::move(trace), done = std::move(done)](const absl::Status& s, const Tensor& t,
-                                                            bool dead) mutable {
-    std::move(done)(s, t, dead);
-    trace.End(s, t.IsInitialized() ? t.TotalBytes() : 0);
-  };
-}
-
 }  // namespace
 
 struct GrpcRemoteRendezvous::Call {
@@ -179,11 +169,11 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
                                                                     " (key '", key, "')"));
                 }
                 trace.Phase("callback");
-                RunCallback(
-                    self->env().callback_executor,
-                    [done = Traced(std::move(trace), std::move(done)), result, dest]() mutable {
-                      std::move(done)(result, result.ok() ? dest : Tensor(), false);
-                    });
+                RunCallback(self->env().callback_executor,
+                            [done = EndTraceAfter(std::move(trace), std::move(done)), result,
+                             dest]() mutable {
+                              std::move(done)(result, result.ok() ? dest : Tensor(), false);
+                            });
               });
           call.reset();
           self->workers_->CallDone();
@@ -191,7 +181,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
         }
         call->trace.Phase("callback");
         RunCallback(self->env().callback_executor,
-                    [done = Traced(std::move(call->trace), std::move(call->done)), status,
+                    [done = EndTraceAfter(std::move(call->trace), std::move(call->done)), status,
                      parsed = std::move(parsed)]() mutable {
                       std::move(done)(status, parsed.tensor, parsed.is_dead);
                     });
