@@ -1,8 +1,10 @@
 #include "src/device/cuda_runtime.h"
 
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -62,10 +64,9 @@ int KindValue(CopyKind kind) {
 }
 
 std::vector<std::string> DefaultCandidates() {
-  std::vector<std::string> out;
   const std::string& configured = Config::Get().cuda_runtime;
   if (!configured.empty()) return {configured};
-  out = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
+  std::vector<std::string> out = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
 #ifdef TENSORVERBS_CUDA_LIBDIR
   out.push_back(absl::StrCat(TENSORVERBS_CUDA_LIBDIR, "/libcudart.so"));
 #endif
@@ -73,6 +74,10 @@ std::vector<std::string> DefaultCandidates() {
 }
 
 }  // namespace
+
+bool NvidiaDriverLoaded() {
+  return access("/proc/driver/nvidia/version", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0;
+}
 
 std::string BuildToolkit() {
 #ifdef TENSORVERBS_HAVE_CUDA

@@ -24,6 +24,10 @@
 
 namespace tensorverbs::device {
 
+// Whether the NVIDIA kernel driver is loaded (its /proc or /dev entries exist): without it there
+// is no GPU, and callers that only want a GPU if there is one need not load the runtime.
+bool NvidiaDriverLoaded();
+
 // The CUDA toolkit version the build found (its headers checked this file), or empty.
 std::string BuildToolkit();
 

@@ -1,7 +1,5 @@
 #include "src/server/server.h"
 
-#include <unistd.h>
-
 #include <mutex>
 #include <random>
 
@@ -376,12 +374,11 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
 void Server::PinPoolIfAsked() {
   if (options_.pin_pool == "off") return;
   // Without the NVIDIA driver there is no GPU to copy to: the runtime is not even loaded.
-  const bool driver =
-      access("/proc/driver/nvidia/version", F_OK) == 0 || access("/dev/nvidiactl", F_OK) == 0;
   absl::StatusOr<device::CudaRuntime*> cuda =
-      driver ? device::CudaRuntime::Get()
-             : absl::StatusOr<device::CudaRuntime*>(
-                   absl::FailedPreconditionError("no NVIDIA driver is loaded on this host"));
+      device::NvidiaDriverLoaded()
+          ? device::CudaRuntime::Get()
+          : absl::StatusOr<device::CudaRuntime*>(
+                absl::FailedPreconditionError("no NVIDIA driver is loaded on this host"));
   if (!cuda.ok()) {
     if (options_.pin_pool == "on") {
       LOG(WARNING) << "TENSORVERBS_PIN_POOL=on: the receive pool stays pageable: "
