@@ -791,7 +791,14 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
       EXPECT_EQ(from_peer->counters().at("tensors_received"), kTensors);
       EXPECT_EQ(from_peer->counters().at("bytes_received"), bytes);
       EXPECT_GE(from_peer->counters().at("requests"), kTensors);
+      // The sender counts a write when its own completion arrives, which over tcp;ofi_rxm can
+      // come after the receiver already has the bytes.
       proto::GetStatsResponse sender = server(1).CollectStats();
+      for (const absl::Time deadline = absl::Now() + absl::Seconds(10);
+           sender.counters().at("tensors_sent") < kTensors && absl::Now() < deadline;
+           sender = server(1).CollectStats()) {
+        absl::SleepFor(absl::Milliseconds(5));
+      }
       const proto::ChannelStats* to_peer = nullptr;
       for (const proto::ChannelStats& c : sender.channels()) {
         if (!c.receives() && c.peer_task() == "/job:worker/replica:0/task:0") to_peer = &c;
