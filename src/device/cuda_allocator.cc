@@ -41,4 +41,28 @@ absl::Status CudaAllocator::last_error() const {
   return last_error_;
 }
 
+absl::StatusOr<std::unique_ptr<PoolAllocator>> NewCudaPool(const CudaRuntime* runtime, int device,
+                                                           PoolAllocator::Options options) {
+  if (device < 0 || device >= runtime->device_count()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("there is no cuda:", device, " (", runtime->device_count(), " GPUs here)"));
+  }
+  auto source = std::make_shared<RegionSource>();
+  source->placement = MemoryPlacement::CudaDevice(device);
+  source->allocate = [runtime, device](size_t bytes) -> void* {
+    absl::StatusOr<void*> p = runtime->Malloc(device, bytes, "a pool region");
+    if (!p.ok()) {
+      LOG(WARNING) << p.status();
+      return nullptr;
+    }
+    return *p;
+  };
+  source->release = [runtime, device](void* base, size_t) {
+    if (absl::Status s = runtime->Free(device, base); !s.ok()) LOG(WARNING) << s;
+  };
+  options.source = std::move(source);
+  options.shareable = false;
+  return std::make_unique<PoolAllocator>(absl::StrCat("cuda:", device, " pool"), options);
+}
+
 }  // namespace tensorverbs::device

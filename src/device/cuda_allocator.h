@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "src/common/mutex.h"
 #include "src/device/cuda_runtime.h"
+#include "src/tensor/allocator.h"
 #include "tensorverbs/allocator.h"
 
 namespace tensorverbs::device {
@@ -45,6 +46,15 @@ class CudaAllocator final : public Allocator {
   mutable Mutex mu_;
   absl::Status last_error_ ABSL_GUARDED_BY(mu_);
 };
+
+// A pool of `device`'s memory: regions of options.region_bytes (or one tensor's size, if
+// larger) from cudaMalloc, carved into tensors and reused as the host pool does, so a transfer
+// pays no cudaMalloc (slow) or cudaFree (which waits for the whole device) per tensor, and
+// region visitors see each region once (where fabrics register GPU memory). Placement cuda:N.
+// InvalidArgument for an ordinal the runtime does not have. `runtime` outlives the pool; the
+// pool outlives its tensors.
+absl::StatusOr<std::unique_ptr<PoolAllocator>> NewCudaPool(const CudaRuntime* runtime, int device,
+                                                           PoolAllocator::Options options);
 
 }  // namespace tensorverbs::device
 

@@ -25,6 +25,9 @@ constexpr int kErrorMemoryAllocation = 2;
 constexpr int kErrorInsufficientDriver = 35;
 constexpr int kErrorNoDevice = 100;
 constexpr int kErrorInvalidDevice = 101;
+constexpr int kErrorNotReady = 600;
+constexpr unsigned kStreamNonBlocking = 1;
+constexpr unsigned kEventDisableTiming = 2;
 constexpr int kMemcpyHostToDevice = 1;
 constexpr int kMemcpyDeviceToHost = 2;
 constexpr int kMemcpyDeviceToDevice = 3;
@@ -41,6 +44,9 @@ static_assert(kErrorMemoryAllocation == cudaErrorMemoryAllocation);
 static_assert(kErrorInsufficientDriver == cudaErrorInsufficientDriver);
 static_assert(kErrorNoDevice == cudaErrorNoDevice);
 static_assert(kErrorInvalidDevice == cudaErrorInvalidDevice);
+static_assert(kErrorNotReady == cudaErrorNotReady);
+static_assert(kStreamNonBlocking == cudaStreamNonBlocking);
+static_assert(kEventDisableTiming == cudaEventDisableTiming);
 static_assert(kMemcpyHostToDevice == cudaMemcpyHostToDevice);
 static_assert(kMemcpyDeviceToHost == cudaMemcpyDeviceToHost);
 static_assert(kMemcpyDeviceToDevice == cudaMemcpyDeviceToDevice);
@@ -128,6 +134,14 @@ struct CudaRuntime::Api {
   int (*Malloc)(void**, size_t) = nullptr;
   int (*Free)(void*) = nullptr;
   int (*Memcpy)(void*, const void*, size_t, int) = nullptr;
+  int (*MemcpyAsync)(void*, const void*, size_t, int, void*) = nullptr;
+  int (*StreamCreateWithFlags)(void**, unsigned) = nullptr;
+  int (*StreamDestroy)(void*) = nullptr;
+  int (*EventCreateWithFlags)(void**, unsigned) = nullptr;
+  int (*EventDestroy)(void*) = nullptr;
+  int (*EventRecord)(void*, void*) = nullptr;
+  int (*EventQuery)(void*) = nullptr;
+  int (*LaunchHostFunc)(void*, void (*)(void*), void*) = nullptr;
   int (*HostRegister)(void*, size_t, unsigned) = nullptr;
   int (*HostUnregister)(void*) = nullptr;
   int (*IpcGetMemHandle)(void*, void*) = nullptr;  // (cudaIpcMemHandle_t*, void*)
@@ -186,6 +200,14 @@ absl::StatusOr<std::unique_ptr<CudaRuntime>> CudaRuntime::Load(
   resolve(api->Malloc, "cudaMalloc");
   resolve(api->Free, "cudaFree");
   resolve(api->Memcpy, "cudaMemcpy");
+  resolve(api->MemcpyAsync, "cudaMemcpyAsync");
+  resolve(api->StreamCreateWithFlags, "cudaStreamCreateWithFlags");
+  resolve(api->StreamDestroy, "cudaStreamDestroy");
+  resolve(api->EventCreateWithFlags, "cudaEventCreateWithFlags");
+  resolve(api->EventDestroy, "cudaEventDestroy");
+  resolve(api->EventRecord, "cudaEventRecord");
+  resolve(api->EventQuery, "cudaEventQuery");
+  resolve(api->LaunchHostFunc, "cudaLaunchHostFunc");
   resolve(api->HostRegister, "cudaHostRegister");
   resolve(api->HostUnregister, "cudaHostUnregister");
   resolve(api->IpcGetMemHandle, "cudaIpcGetMemHandle");
@@ -289,6 +311,61 @@ absl::Status CudaRuntime::Memcpy(int device, void* dst, const void* src, size_t 
   if (absl::Status s = SetDevice(device, "cudaMemcpy", key); !s.ok()) return s;
   return Check(api_->Memcpy(dst, src, bytes, KindValue(kind)),
                absl::StrCat("cudaMemcpy(", bytes, " bytes)"), device, key);
+}
+
+absl::StatusOr<void*> CudaRuntime::StreamCreate(int device) const {
+  if (absl::Status s = SetDevice(device, "cudaStreamCreateWithFlags", {}); !s.ok()) return s;
+  void* stream = nullptr;
+  if (absl::Status s = Check(api_->StreamCreateWithFlags(&stream, kStreamNonBlocking),
+                             "cudaStreamCreateWithFlags", device, {});
+      !s.ok()) {
+    return s;
+  }
+  return stream;
+}
+
+void CudaRuntime::StreamDestroy(int device, void* stream) const {
+  if (SetDevice(device, "cudaStreamDestroy", {}).ok()) api_->StreamDestroy(stream);
+}
+
+absl::Status CudaRuntime::MemcpyAsync(int device, void* dst, const void* src, size_t bytes,
+                                      CopyKind kind, void* stream, absl::string_view key) const {
+  if (absl::Status s = SetDevice(device, "cudaMemcpyAsync", key); !s.ok()) return s;
+  return Check(api_->MemcpyAsync(dst, src, bytes, KindValue(kind), stream),
+               absl::StrCat("cudaMemcpyAsync(", bytes, " bytes, ", CopyDirectionName(kind), ")"),
+               device, key);
+}
+
+absl::StatusOr<void*> CudaRuntime::EventCreate(int device) const {
+  if (absl::Status s = SetDevice(device, "cudaEventCreateWithFlags", {}); !s.ok()) return s;
+  void* event = nullptr;
+  if (absl::Status s = Check(api_->EventCreateWithFlags(&event, kEventDisableTiming),
+                             "cudaEventCreateWithFlags", device, {});
+      !s.ok()) {
+    return s;
+  }
+  return event;
+}
+
+void CudaRuntime::EventDestroy(int device, void* event) const {
+  if (SetDevice(device, "cudaEventDestroy", {}).ok()) api_->EventDestroy(event);
+}
+
+absl::Status CudaRuntime::EventRecord(int device, void* event, void* stream) const {
+  if (absl::Status s = SetDevice(device, "cudaEventRecord", {}); !s.ok()) return s;
+  return Check(api_->EventRecord(event, stream), "cudaEventRecord", device, {});
+}
+
+absl::Status CudaRuntime::EventQuery(int device, void* event, absl::string_view key) const {
+  const int code = api_->EventQuery(event);
+  if (code == kErrorNotReady) return absl::UnavailableError("not ready");
+  return Check(code, "copy (cudaEventQuery)", device, key);
+}
+
+absl::Status CudaRuntime::LaunchHostFunc(int device, void* stream, void (*fn)(void*),
+                                         void* arg) const {
+  if (absl::Status s = SetDevice(device, "cudaLaunchHostFunc", {}); !s.ok()) return s;
+  return Check(api_->LaunchHostFunc(stream, fn, arg), "cudaLaunchHostFunc", device, {});
 }
 
 absl::Status CudaRuntime::HostRegister(void* ptr, size_t bytes) const {

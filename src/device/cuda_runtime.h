@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "src/tensor/device_copier.h"
 
 namespace tensorverbs::device {
 
@@ -36,7 +37,7 @@ std::string BuildToolkit();
 absl::Status CudaErrorStatus(int code, absl::string_view error_name, absl::string_view error_text,
                              absl::string_view call, int device, absl::string_view key);
 
-enum class CopyKind { kHostToDevice, kDeviceToHost, kDeviceToDevice };
+using CopyKind = CopyDirection;
 
 struct CudaDeviceInfo {
   int ordinal = 0;
@@ -75,6 +76,22 @@ class CudaRuntime {
   // A copy that returns when it is complete (tools and tests; the data path uses streams).
   absl::Status Memcpy(int device, void* dst, const void* src, size_t bytes, CopyKind kind,
                       absl::string_view key = {}) const;
+  // Streams and events, as opaque handles (cudaStream_t, cudaEvent_t), for the copier's
+  // asynchronous copies. A stream is non-blocking (it never waits for the legacy default
+  // stream); an event records no timing.
+  absl::StatusOr<void*> StreamCreate(int device) const;
+  void StreamDestroy(int device, void* stream) const;
+  absl::Status MemcpyAsync(int device, void* dst, const void* src, size_t bytes, CopyKind kind,
+                           void* stream, absl::string_view key) const;
+  absl::StatusOr<void*> EventCreate(int device) const;
+  void EventDestroy(int device, void* event) const;
+  absl::Status EventRecord(int device, void* event, void* stream) const;
+  // OK once the work before the event has completed, Unavailable while it has not, or the
+  // error the work (or the device) failed with.
+  absl::Status EventQuery(int device, void* event, absl::string_view key) const;
+  // Runs fn(arg) on a runtime thread once the stream's earlier work is done; fn must not call
+  // the runtime.
+  absl::Status LaunchHostFunc(int device, void* stream, void (*fn)(void*), void* arg) const;
   // Page-locks host memory so device copies reach it by DMA (pinned staging and proxies).
   absl::Status HostRegister(void* ptr, size_t bytes) const;
   absl::Status HostUnregister(void* ptr) const;

@@ -2,12 +2,155 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "src/common/mutex.h"
 #include "absl/time/clock.h"
+#include "src/common/mutex.h"
 
 namespace tensorverbs {
+namespace {
+
+void CountDeviceCopy(TransferStats* stats, CopyDirection direction, const absl::Status& s,
+                     size_t bytes) {
+  if (stats == nullptr) return;
+  if (!s.ok()) {
+    stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  (direction == CopyDirection::kDeviceToHost ? stats->device_to_host : stats->host_to_device)
+      .fetch_add(1, std::memory_order_relaxed);
+  stats->device_copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  stats->copies.fetch_add(1, std::memory_order_relaxed);
+  stats->copied_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+}
+
+// Counts one device copy in flight (TransferStats::device_copies_in_flight) from its start to
+// the end of its completion, so that a stopping task can wait until no copier callback can
+// reach it any more. Declared first in a completion, it is destroyed last.
+class CopyInFlight {
+ public:
+  explicit CopyInFlight(TransferStats* stats) : stats_(stats) {
+    if (stats_) stats_->device_copies_in_flight.fetch_add(1, std::memory_order_relaxed);
+  }
+  CopyInFlight(CopyInFlight&& other) noexcept : stats_(std::exchange(other.stats_, nullptr)) {}
+  CopyInFlight& operator=(CopyInFlight&&) = delete;
+  ~CopyInFlight() {
+    if (stats_) stats_->device_copies_in_flight.fetch_sub(1, std::memory_order_release);
+  }
+
+ private:
+  TransferStats* stats_;
+};
+
+// A device tensor taken from this task's table for a peer, copied into a pool tensor (which
+// the fabric writes from without a further copy); `done` gets that copy. Runs `done` on the
+// copier's thread, or here when the staging tensor cannot be allocated.
+void StageToHost(const WorkerEnv* env, const std::string& key, const Tensor& value,
+                 RecvDoneCallback done) {
+  absl::StatusOr<Tensor> staged =
+      Tensor::Allocate(env->recv_allocator, value.dtype(), value.shape());
+  if (!staged.ok()) {
+    std::move(done)(
+        absl::Status(staged.status().code(),
+                     absl::StrCat("staging '", key, "' from ", value.placement().ToString(),
+                                  " for a peer: ", staged.status().message())),
+        Tensor(), false);
+    return;
+  }
+  const size_t bytes = value.TotalBytes();
+  void* dst = staged->data();
+  env->device_copier->CopyAsync(
+      value.placement().device, dst, value.data(), bytes, CopyDirection::kDeviceToHost, key,
+      [in_flight = CopyInFlight(env->stats), stats = env->stats, source = value,
+       staged = *std::move(staged), bytes, done = std::move(done)](absl::Status s) mutable {
+        // Everything the completion holds goes before `in_flight` ends.
+        const CopyInFlight last = std::move(in_flight);
+        source = Tensor();  // the device memory may go once the copy is done
+        Tensor out = std::move(staged);
+        RecvDoneCallback callback = std::move(done);
+        CountDeviceCopy(stats, CopyDirection::kDeviceToHost, s, bytes);
+        if (!s.ok()) out = Tensor();
+        std::move(callback)(s, out, false);
+      });
+}
+
+// RecvLocalAsync's `done`, with device tensors staged to host memory first.
+RecvDoneCallback StagingDevice(const WorkerEnv* env, std::string key, RecvDoneCallback done) {
+  return [env, key = std::move(key), done = std::move(done)](const absl::Status& s, const Tensor& t,
+                                                             bool is_dead) mutable {
+    if (!s.ok() || is_dead || t.placement().host_accessible()) {
+      std::move(done)(s, t, is_dead);
+      return;
+    }
+    StageToHost(env, key, t, std::move(done));
+  };
+}
+
+// A remote recv's `done` for a destination in device memory: the tensor arrived in a pool
+// tensor (the proxy) and is copied host-to-device into memory of `device_allocator`; `done`
+// then runs on the callback executor.
+RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocator* device_allocator,
+                                 RecvDoneCallback done) {
+  return [env, key = std::move(key), device_allocator, done = std::move(done)](
+             const absl::Status& s, const Tensor& proxy, bool is_dead) mutable {
+    if (!s.ok() || is_dead) {
+      std::move(done)(s, proxy, is_dead);
+      return;
+    }
+    const MemoryPlacement where = device_allocator->Placement();
+    if (proxy.dtype() != DataType::kString && proxy.TotalBytes() == 0) {
+      // No memory, so nothing to copy: an empty tensor has no placement.
+      std::move(done)(s, proxy, false);
+      return;
+    }
+    if (proxy.dtype() == DataType::kString) {
+      if (env->stats) env->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+      std::move(done)(absl::InvalidArgumentError(absl::StrCat(
+                          "recv of '", key, "' into ", where.ToString(),
+                          " memory: it is a string tensor, and strings live in host memory "
+                          "only; receive it with a host allocator")),
+                      Tensor(), false);
+      return;
+    }
+    absl::StatusOr<Tensor> dst = Tensor::Allocate(device_allocator, proxy.dtype(), proxy.shape());
+    if (!dst.ok()) {
+      if (env->stats) env->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+      std::move(done)(absl::Status(dst.status().code(),
+                                   absl::StrCat("recv of '", key, "': allocating ",
+                                                proxy.TotalBytes(), " bytes in ", where.ToString(),
+                                                " memory (", device_allocator->Name(),
+                                                ") failed: ", dst.status().message())),
+                      Tensor(), false);
+      return;
+    }
+    const size_t bytes = proxy.TotalBytes();
+    void* dst_data = dst->data();
+    env->device_copier->CopyAsync(
+        where.device, dst_data, proxy.data(), bytes, CopyDirection::kHostToDevice, key,
+        [in_flight = CopyInFlight(env->stats), env, proxy = Tensor(proxy), dst = *std::move(dst),
+         bytes, done = std::move(done)](absl::Status cs) mutable {
+          // Everything the completion holds goes before `in_flight` ends.
+          const CopyInFlight last = std::move(in_flight);
+          CountDeviceCopy(env->stats, CopyDirection::kHostToDevice, cs, bytes);
+          proxy = Tensor();  // back to the pool before the user's callback runs
+          auto finish = [cs = std::move(cs), dst = std::move(dst),
+                         done = std::move(done)]() mutable {
+            // Nothing here keeps the tensor once `done` returns.
+            const Tensor out = cs.ok() ? std::move(dst) : Tensor();
+            dst = Tensor();
+            std::move(done)(cs, out, false);
+          };
+          if (env->callback_executor != nullptr) {
+            env->callback_executor->Schedule(std::move(finish));
+          } else {
+            finish();
+          }
+        });
+  };
+}
+
+}  // namespace
 
 absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes) {
   if (bytes <= max_bytes) return absl::OkStatus();
@@ -37,13 +180,15 @@ absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, b
                                                    "' on task ", env_->task_name,
                                                    ": its source device is on another task"));
   }
-  if (!key.dst.IsOnTask(env_->task_name) && !value.placement().host_accessible()) {
-    // Every protocol reads a sent tensor's bytes from host memory; a device pointer there
-    // would crash the task that serves the request, later, far from this call.
+  if (!key.dst.IsOnTask(env_->task_name) && !value.placement().host_accessible() &&
+      (env_->device_copier == nullptr || !env_->device_copier->Handles(value.placement()))) {
+    // Every protocol reads a sent tensor's bytes from host memory, which the copier stages it
+    // into; without one a device pointer would crash the task that serves the request, later,
+    // far from this call.
     return absl::FailedPreconditionError(absl::StrCat(
         "send of key '", key.full_key, "': the tensor is in ", value.placement().ToString(),
-        " memory, and tensors go to other tasks from host memory in this version; copy it to "
-        "the host first"));
+        " memory, and this task has no CUDA runtime driving that device to stage it for "
+        "another task (`tensorverbs info` says why); copy it to the host first"));
   }
   return local_.Send(key, value, is_dead);
 }
@@ -67,15 +212,29 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
     return;
   }
   if (args.allocator != nullptr && !args.allocator->Placement().host_accessible()) {
-    std::move(done)(
-        absl::FailedPreconditionError(absl::StrCat(
-            "recv of key '", key.full_key, "': its allocator ", args.allocator->Name(),
-            " hands out ", args.allocator->Placement().ToString(),
-            " memory, and tensors from other tasks arrive in host memory in this version; "
-            "receive into host memory and copy")),
-        Tensor(), false);
+    if (env_->device_copier == nullptr ||
+        !env_->device_copier->Handles(args.allocator->Placement())) {
+      std::move(done)(
+          absl::FailedPreconditionError(absl::StrCat(
+              "recv of key '", key.full_key, "': its allocator ", args.allocator->Name(),
+              " hands out ", args.allocator->Placement().ToString(),
+              " memory, and this task has no CUDA runtime driving that device (`tensorverbs "
+              "info` says why); receive into host memory")),
+          Tensor(), false);
+      return;
+    }
+    // The proxy path: the protocol lands the tensor in the pool, then it goes to the device.
+    RecvArgs proxy_args = args;
+    proxy_args.allocator = nullptr;
+    RecvFromRemoteAsyncCounted(
+        key, proxy_args, CopyingToDevice(env_, key.full_key, args.allocator, std::move(done)));
     return;
   }
+  RecvFromRemoteAsyncCounted(key, args, std::move(done));
+}
+
+void RemoteRendezvous::RecvFromRemoteAsyncCounted(const ParsedKey& key, const RecvArgs& args,
+                                                  RecvDoneCallback done) {
   if (env_->stats == nullptr || CountsOwnRecvs()) {
     RecvFromRemoteAsync(key, args, std::move(done));
     return;
@@ -90,10 +249,14 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
 }
 
 uint64_t RemoteRendezvous::RecvLocalAsync(const ParsedKey& key, RecvDoneCallback done) {
+  if (env_->device_copier != nullptr) done = StagingDevice(env_, key.full_key, std::move(done));
   return local_.RecvAsync(key, std::move(done));
 }
 
 uint64_t RemoteRendezvous::RecvLocalAsync(KeyRef key, RecvDoneCallback done) {
+  if (env_->device_copier != nullptr) {
+    done = StagingDevice(env_, key->key.full_key, std::move(done));
+  }
   return local_.RecvAsync(std::move(key), std::move(done));
 }
 

@@ -3,8 +3,16 @@
 // Send is always local (passive). RecvAsync serves a key whose source device is on this task
 // from the local table and otherwise calls RecvFromRemoteAsync, which each protocol (`grpc`,
 // `grpc+verbs`, ...) implements once. RecvLocalAsync is how a protocol's server side takes a
-// tensor out of this task's table for a peer. StartAbort fails local waiters and asks the
-// protocol (AbortRemote) to fail its in-flight remote recvs with the same status.
+// tensor out of this task's table for a peer.
+//
+// GPU tensors (a placement that is not host-accessible) take the proxy path here, the same for
+// every protocol, through env's DeviceCopier: a device tensor a peer asks for is copied
+// device-to-host into a tensor of the registered pool before RecvLocalAsync's `done` sees it
+// (so the protocol only ever reads host memory), and a recv whose allocator is a GPU's lands in
+// the pool and is copied host-to-device before its `done` runs, on the callback executor.
+// Strings never live on a GPU. Without a copier device tensors stay within the task. StartAbort
+// fails local waiters and asks the protocol (AbortRemote) to fail its in-flight remote recvs with
+// the same status.
 //
 // Thread-safe. Owned by RendezvousMgr through shared_ptr; protocol callbacks that outlive a call
 // hold a shared_ptr. Every `done` runs exactly once; the protocol must guarantee it for remote
@@ -22,8 +30,9 @@
 #include "absl/status/statusor.h"
 #include "src/common/executor.h"
 #include "src/rendezvous/local_rendezvous.h"
-#include "tensorverbs/parsed_key.h"
 #include "src/tensor/allocator.h"
+#include "src/tensor/device_copier.h"
+#include "tensorverbs/parsed_key.h"
 
 namespace tensorverbs {
 
@@ -37,6 +46,16 @@ struct TransferStats {
   // response parsed into its tensor, a proxy or staging buffer); zero-copy transfers add none.
   std::atomic<int64_t> copies{0};
   std::atomic<int64_t> copied_bytes{0};
+  // Of those, the copies between host and GPU memory that device tensors took: a device
+  // tensor a peer asked for, staged device-to-host, and a recv into device memory, landed in a
+  // host proxy and copied host-to-device. Failed ones count as device_copy_errors only.
+  std::atomic<int64_t> device_to_host{0};
+  std::atomic<int64_t> host_to_device{0};
+  std::atomic<int64_t> device_copied_bytes{0};
+  std::atomic<int64_t> device_copy_errors{0};
+  // Device copies started and not yet through their completion (a gauge): a stopping task
+  // waits for zero before its executor and pools go.
+  std::atomic<int64_t> device_copies_in_flight{0};
 
   // One remote recv's outcome, just before its `done` runs.
   void CountRecv(const absl::Status& status, const Tensor& tensor) {
@@ -65,6 +84,9 @@ struct WorkerEnv {
   StepSizeHint* step_sizes = nullptr;  // optional: presizes each step's tables
   // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB).
   uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;
+  // Copies device tensors to and from host memory (null: no GPU in this process, and device
+  // tensors cannot leave the task). Staging and proxy tensors come from recv_allocator.
+  DeviceCopier* device_copier = nullptr;
 };
 
 // OK if a peer's tensor of `bytes` (what receiving it allocates) fits under `max_bytes`;
@@ -78,7 +100,10 @@ std::string SlowRecvWarning(absl::string_view key, int64_t step_id, absl::string
                             absl::Duration waited, absl::Duration threshold);
 
 struct RecvArgs {
-  Allocator* allocator = nullptr;  // destination allocator; null means env.recv_allocator
+  // Destination allocator; null means env.recv_allocator. A GPU's takes the proxy path. It must
+  // outlive the tensors received into it, and a transport may drop its own reference just
+  // after `done` returns: keep it as long as the task.
+  Allocator* allocator = nullptr;
 };
 
 class RemoteRendezvous {
@@ -122,6 +147,10 @@ class RemoteRendezvous {
   const WorkerEnv* const env_;
 
  private:
+  // RecvFromRemoteAsync, counted in env's TransferStats unless the protocol counts itself.
+  void RecvFromRemoteAsyncCounted(const ParsedKey& key, const RecvArgs& args,
+                                  RecvDoneCallback done);
+
   const int64_t step_id_;
   LocalRendezvous local_;
 };

@@ -13,6 +13,8 @@
 #include "src/common/malloc_tuning.h"
 #include "src/common/status_macros.h"
 #include "src/common/trace.h"
+#include "src/device/cuda_allocator.h"
+#include "src/device/cuda_copier.h"
 #include "src/device/cuda_runtime.h"
 #include "src/device/pinned_pool.h"
 #include "src/fabric/fabric.h"
@@ -212,6 +214,7 @@ absl::Status Server::Start() {
   env_.keys = &keys_;
   env_.max_tensor_bytes = options_.max_tensor_bytes;
   env_.step_sizes = &step_sizes_;
+  SetUpDeviceCopier();
   {
     absl::StatusOr<std::shared_ptr<const rpc::RpcSecurity>> security = rpc::RpcSecurity::Create(
         options_.security, env_.task_name, options_.cluster.TaskAddresses());
@@ -347,6 +350,17 @@ void Server::Stop() {
   if (workers_ && !workers_->WaitForNoCalls(absl::Seconds(10))) {
     LOG(WARNING) << "task " << env_.task_name << ": remote recvs still in flight at shutdown";
   }
+  // Device copies still completing call back into this task (its executor, stats and pools).
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (stats_.device_copies_in_flight.load(std::memory_order_acquire) > 0) {
+    if (absl::Now() > deadline) {
+      LOG(WARNING) << "task " << env_.task_name << ": " << stats_.device_copies_in_flight.load()
+                   << " device copies still in flight "
+                   << "after 30 s at shutdown; the GPU may have failed";
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
   FlushTrace();  // a task's recvs are in its trace file once it stopped
 }
 
@@ -371,14 +385,51 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
   return status.incarnation();
 }
 
+namespace {
+
+// The CUDA runtime if this host has a GPU. Without the NVIDIA driver there is no GPU to copy
+// to: the runtime is not even loaded.
+absl::StatusOr<device::CudaRuntime*> CudaIfPresent() {
+  if (!device::NvidiaDriverLoaded()) {
+    return absl::FailedPreconditionError("no NVIDIA driver is loaded on this host");
+  }
+  return device::CudaRuntime::Get();
+}
+
+}  // namespace
+
+void Server::SetUpDeviceCopier() {
+  if (options_.device_copier != nullptr) {
+    env_.device_copier = options_.device_copier;
+    return;
+  }
+  absl::StatusOr<device::CudaRuntime*> cuda = CudaIfPresent();
+  if (!cuda.ok()) return;  // device tensors stay within the task; info says why
+  cuda_copier_ = std::make_unique<device::CudaCopier>(*cuda);
+  env_.device_copier = cuda_copier_.get();
+}
+
+absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
+  MutexLock lock(&device_pools_mu_);
+  auto it = device_pools_.find(device);
+  if (it != device_pools_.end()) return it->second.get();
+  absl::StatusOr<device::CudaRuntime*> cuda = CudaIfPresent();
+  if (!cuda.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "task ", env_.task_name, " has no GPU memory to offer: ", cuda.status().message()));
+  }
+  PoolAllocator::Options pool_options;
+  pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
+  pool_options.keep_free_bytes = static_cast<size_t>(options_.pool_keep_free_bytes);
+  pool_options.release_after = ServerOptions::kPoolReleaseAfter;
+  ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool,
+                   device::NewCudaPool(*cuda, device, pool_options));
+  return device_pools_.emplace(device, std::move(pool)).first->second.get();
+}
+
 void Server::PinPoolIfAsked() {
   if (options_.pin_pool == "off") return;
-  // Without the NVIDIA driver there is no GPU to copy to: the runtime is not even loaded.
-  absl::StatusOr<device::CudaRuntime*> cuda =
-      device::NvidiaDriverLoaded()
-          ? device::CudaRuntime::Get()
-          : absl::StatusOr<device::CudaRuntime*>(
-                absl::FailedPreconditionError("no NVIDIA driver is loaded on this host"));
+  absl::StatusOr<device::CudaRuntime*> cuda = CudaIfPresent();
   if (!cuda.ok()) {
     if (options_.pin_pool == "on") {
       LOG(WARNING) << "TENSORVERBS_PIN_POOL=on: the receive pool stays pageable: "
@@ -402,6 +453,10 @@ proto::GetStatsResponse Server::CountersWithoutChannels() {
   c["recv_errors"] = get(stats_.errors);
   c["copies"] = get(stats_.copies);
   c["copied_bytes"] = get(stats_.copied_bytes);
+  c["device_to_host_copies"] = get(stats_.device_to_host);
+  c["host_to_device_copies"] = get(stats_.host_to_device);
+  c["device_copied_bytes"] = get(stats_.device_copied_bytes);
+  c["device_copy_errors"] = get(stats_.device_copy_errors);
   const PoolAllocator::Stats pool = recv_allocator_->GetStats();
   c["pool_regions"] = static_cast<int64_t>(pool.regions);
   c["pool_bytes"] = static_cast<int64_t>(pool.region_bytes);

@@ -11,6 +11,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -73,6 +74,10 @@ struct ServerOptions {
   // grpc+verbs settings (fabric, slots, poll mode, ...). The server fills in the env, pool,
   // task addresses, mode and recv timeout.
   verbs::VerbsOptions verbs;
+  // Copies device tensors to and from host memory. Null (the default): a CUDA copier when a
+  // GPU and the CUDA runtime are present, none otherwise. Set, it must outlive the server
+  // (tests give a stand-in).
+  DeviceCopier* device_copier = nullptr;
 
   // The defaults with every setting that has a variable taken from `config`.
   static ServerOptions FromConfig(const Config& config);
@@ -104,6 +109,11 @@ class Server {
   const WorkerEnv& env() const { return env_; }
   RendezvousMgr* rendezvous_mgr() { return rendezvous_mgr_.get(); }
   PoolAllocator* recv_allocator() { return recv_allocator_.get(); }
+  // The pool of GPU `device`'s memory for this task's device tensors, made on first use: where
+  // tensors to send on that GPU and recvs into it should come from (RecvArgs::allocator), so
+  // neither pays a cudaMalloc or cudaFree. FailedPrecondition without a GPU (saying why),
+  // InvalidArgument for an ordinal this host lacks.
+  absl::StatusOr<PoolAllocator*> DeviceAllocator(int device);
   const TransferStats& stats() const { return stats_; }
 
   // Waits until every other task of the cluster answers (or `timeout` passes: Unavailable
@@ -135,6 +145,8 @@ class Server {
   proto::GetStatsResponse CountersWithoutChannels();
   // Page-locks the receive pool for GPU copies, as options_.pin_pool says (Start).
   void PinPoolIfAsked();
+  // The device copier env_ gets: options_.device_copier, else a CUDA one where a GPU is.
+  void SetUpDeviceCopier();
   void AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
                    proto::GetStatsResponse* out) const;
   absl::Status Start();
@@ -143,6 +155,8 @@ class Server {
   const absl::Time started_ = absl::Now();
   TransferStats stats_;
   std::unique_ptr<PoolAllocator> recv_allocator_;
+  Mutex device_pools_mu_;
+  std::map<int, std::unique_ptr<PoolAllocator>> device_pools_ ABSL_GUARDED_BY(device_pools_mu_);
   // Before the executor, so they outlive it: a step whose last reference goes in a callback
   // the executor drains at shutdown still reaches them.
   KeyTable keys_;            // env_.keys: the keys of this task's sends and local recvs
@@ -153,6 +167,9 @@ class Server {
   std::unique_ptr<grpc_transport::GrpcWorkerCache> workers_;
   // Outlives the rendezvous manager: aborting a step reaches it.
   std::unique_ptr<verbs::VerbsTransport> verbs_;
+  // Between the transport and the rendezvous manager: its destructor finishes the copies in
+  // flight, whose callbacks reach the transport, the executor and env_.
+  std::unique_ptr<DeviceCopier> cuda_copier_;
   std::unique_ptr<RendezvousMgr> rendezvous_mgr_;
   std::unique_ptr<grpc::Service> service_;
   std::unique_ptr<grpc::Server> grpc_server_;

@@ -66,7 +66,15 @@ PoolAllocator::~PoolAllocator() {
 bool PoolAllocator::CreateRegion(size_t min_bytes) {
   size_t size = RoundUp(std::max(min_bytes, options_.region_bytes), kHugePage);
   std::unique_ptr<SharedMemory> shared;
-  if (options_.shareable) {
+  void* base = MAP_FAILED;
+  if (options_.source != nullptr) {
+    base = options_.source->allocate(size);
+    if (base == nullptr) {
+      LOG(WARNING) << "pool " << name_ << ": no region of " << size << " bytes in "
+                   << options_.source->placement.ToString() << " memory";
+      return false;
+    }
+  } else if (options_.shareable) {
     absl::StatusOr<std::unique_ptr<SharedMemory>> s = SharedMemory::Create(size, "tensorverbs-pool");
     if (s.ok()) {
       shared = *std::move(s);
@@ -74,16 +82,18 @@ bool PoolAllocator::CreateRegion(size_t min_bytes) {
       LOG(WARNING) << "pool " << name_ << ": " << s.status() << "; using private memory";
     }
   }
-  void* base = shared != nullptr ? shared->data()
-                                 : mmap(nullptr, size, PROT_READ | PROT_WRITE,
-                                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) {
-    LOG(WARNING) << "pool " << name_ << ": mmap of " << size << " bytes failed: "
-                 << std::strerror(errno);
-    return false;
+  if (options_.source == nullptr) {
+    base = shared != nullptr
+               ? shared->data()
+               : mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+      LOG(WARNING) << "pool " << name_ << ": mmap of " << size
+                   << " bytes failed: " << std::strerror(errno);
+      return false;
+    }
+    madvise(base, size, MADV_HUGEPAGE);
+    if (options_.pretouch) std::memset(base, 0, size);
   }
-  madvise(base, size, MADV_HUGEPAGE);
-  if (options_.pretouch) std::memset(base, 0, size);
   auto b = reinterpret_cast<uintptr_t>(base);
   regions_.emplace(b, size);
   if (shared != nullptr) shared_.emplace(b, std::move(shared));
@@ -111,7 +121,9 @@ void PoolAllocator::ReleaseRegion(uintptr_t base) {
     if (c->second.free) free_.erase({c->second.size, c->first});
     c = chunks_.erase(c);
   }
-  if (auto s = shared_.find(base); s != shared_.end()) {
+  if (options_.source != nullptr) {
+    options_.source->release(reinterpret_cast<void*>(base), size);
+  } else if (auto s = shared_.find(base); s != shared_.end()) {
     shared_.erase(s);  // unmaps
   } else {
     munmap(reinterpret_cast<void*>(base), size);

@@ -22,6 +22,10 @@
 // add up to more than Options::keep_free_bytes. This is checked when the pool is next used
 // (an allocation or ReleaseFreeRegions), so no thread wakes for it.
 //
+// A RegionSource replaces the OS as where regions come from, for memory the CPU must not touch
+// (a GPU's): the pool then only keeps books, outside the memory, and Placement() is the
+// source's. device::NewCudaPool builds the GPU pool this way.
+//
 // Thread-safe. A free does not take the pool's lock: it queues the pointer in a lock-free queue
 // that the next holder of the lock (an allocation, GetStats, a release) applies, so the threads
 // that drop received tensors never contend with the progress thread that allocates
@@ -58,6 +62,14 @@ struct MemoryRegion {
   size_t size = 0;
 };
 
+// Where a pool's regions come from when they are not host memory. Called under the pool's
+// lock; `allocate` returns nullptr when the memory is exhausted.
+struct RegionSource {
+  std::function<void*(size_t bytes)> allocate;
+  std::function<void(void* base, size_t bytes)> release;
+  MemoryPlacement placement;
+};
+
 class PoolAllocator final : public Allocator {
  public:
   struct Options {
@@ -71,6 +83,8 @@ class PoolAllocator final : public Allocator {
     // before it is returned (see above). The defaults keep everything.
     size_t keep_free_bytes = SIZE_MAX;
     absl::Duration release_after = absl::Seconds(30);
+    // Regions from here instead of the OS (shareable and pretouch are then ignored).
+    std::shared_ptr<const RegionSource> source = nullptr;
   };
   // Larger chunks always go back to the free tree: their transfer dwarfs the bookkeeping.
   static constexpr size_t kMaxRecycledChunk = size_t{4} << 20;
@@ -97,6 +111,7 @@ class PoolAllocator final : public Allocator {
   void DeallocateRaw(void* ptr, size_t bytes) override;
   // Host, or pinned host once something page-locks every region (device::PinPoolRegions).
   MemoryPlacement Placement() const override {
+    if (options_.source != nullptr) return options_.source->placement;
     return pinned_.load(std::memory_order_acquire) ? MemoryPlacement::PinnedHost()
                                                    : MemoryPlacement::Host();
   }

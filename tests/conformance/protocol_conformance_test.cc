@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <ostream>
@@ -32,6 +33,7 @@
 #include "tests/support/fixtures.h"
 #include "tests/support/inprocess_cluster.h"
 #include "tests/support/pending_recv.h"
+#include "tests/support/stand_in_device.h"
 
 namespace tensorverbs {
 namespace {
@@ -273,6 +275,7 @@ class ProtocolTest : public testing::ClusterTest<Param> {
     o.recv_timeout = recv_timeout_;
     o.max_tensor_bytes = max_tensor_bytes_;
     o.max_peer_steps = max_peer_steps_;
+    o.device_copier = device_copier_;
     o.tune = std::move(tune);
     o.protocols = std::move(protocols);
     StartWith(n, o);
@@ -284,6 +287,21 @@ class ProtocolTest : public testing::ClusterTest<Param> {
     static const VerbsStats kNone;
     return design().on_verbs_transport ? transport(task).stats() : kNone;
   }
+
+  // A stand-in for `devices` GPUs that every task started afterwards uses. It and the GPUs'
+  // allocators (StandInGpu) outlive the tasks, whose callbacks may drop the last reference to
+  // a tensor after the test saw it.
+  testing::StandInDeviceCopier& UseStandInGpus(int devices) {
+    stand_in_copier_ = std::make_unique<testing::StandInDeviceCopier>(devices);
+    for (int d = 0; d < devices; ++d) {
+      stand_in_gpus_.push_back(std::make_unique<testing::StandInDeviceAllocator>(d));
+    }
+    device_copier_ = stand_in_copier_.get();
+    return *stand_in_copier_;
+  }
+  testing::StandInDeviceAllocator& StandInGpu(int d) { return *stand_in_gpus_[d]; }
+  std::vector<std::unique_ptr<testing::StandInDeviceAllocator>> stand_in_gpus_;
+  std::unique_ptr<testing::StandInDeviceCopier> stand_in_copier_;
 
   // Task 1 sends, task 0 receives.
   CopyCounts CountCopies() {
@@ -850,6 +868,169 @@ TEST_P(ProtocolTest, ARecvWaitingPastTheSlowThresholdIsNamedInOneWarning) {
   }
   EXPECT_EQ(count, 1u) << logged;
   EXPECT_THAT(logged, HasSubstr("TENSORVERBS_SLOW_RECV_MS=200"));
+}
+
+// A tensor of `dtype` and `dims` in (stand-in) device memory of `device`, with the pattern of
+// `seed`; `host` gets the same bytes in host memory to compare against.
+Tensor DeviceTensor(testing::StandInDeviceAllocator& device, DataType dtype,
+                    std::vector<int64_t> dims, uint32_t seed, Tensor* host) {
+  *host = *Tensor::Allocate(CpuAllocator(), dtype, *TensorShape::Create(dims));
+  testing::FillPattern(*host, seed);
+  Tensor t = *Tensor::Allocate(&device, dtype, host->shape());
+  // The stand-in's memory is host memory: the test may write it, the transports may not.
+  if (host->TotalBytes() > 0) std::memcpy(t.data(), host->data(), host->TotalBytes());
+  return t;
+}
+
+// Bytes of a (stand-in) device tensor equal `host`'s.
+bool SameBytes(const Tensor& device, const Tensor& host) {
+  return device.dtype() == host.dtype() && device.shape() == host.shape() &&
+         (host.TotalBytes() == 0 ||
+          std::memcmp(device.data(), host.data(), host.TotalBytes()) == 0);
+}
+
+TEST_P(ProtocolTest, DeviceTensorsTakeTheProxyPathWithOneCopyEachWay) {
+  testing::StandInDeviceCopier& copier = UseStandInGpus(2);
+  testing::StandInDeviceAllocator& gpu0 = StandInGpu(0);
+  testing::StandInDeviceAllocator& gpu1 = StandInGpu(1);
+  StartCluster(2);
+  RecvArgs to_gpu0;
+  to_gpu0.allocator = &gpu0;
+  int64_t step = 1, transfers = 0;
+  uint32_t seed = 1;
+  // Every dtype but strings, empty to 4 MiB, device to device: one device-to-host copy on the
+  // sender, one host-to-device copy on the receiver, and the bytes arrive exactly.
+  for (DataType dtype : AllDataTypes()) {
+    if (dtype == DataType::kString) continue;
+    for (std::vector<int64_t> dims : {std::vector<int64_t>{0}, {1}, {3, 5}, {1 << 20}}) {
+      if (dims[0] == (1 << 20)) {
+        // One large tensor per element size; under TSan only where the design moves large
+        // tensors there in time (as EveryFixtureArrivesIntact's big fixture).
+        if (DataTypeSize(dtype) != 4) continue;
+        if (kUnderThreadSanitizer && !design().big_fixture_under_tsan) continue;
+      }
+      Tensor host;
+      Tensor sent = DeviceTensor(gpu1, dtype, dims, seed++, &host);
+      const std::string name = absl::StrCat(DataTypeName(dtype), "_", dims.size(), "_", dims[0]);
+      ASSERT_TRUE(Step(1, step)->Send(Key(1, name), sent).ok()) << name;
+      PendingRecv recv(*Step(0, step), Key(1, name), to_gpu0);
+      ASSERT_TRUE(recv.Wait()) << name;
+      ASSERT_TRUE(recv.status().ok()) << name << ": " << recv.status();
+      EXPECT_TRUE(SameBytes(recv.tensor(), host)) << name;
+      EXPECT_EQ(recv.calls(), 1);
+      // An empty tensor has no memory, so no placement and nothing to copy.
+      if (host.TotalBytes() > 0) {
+        EXPECT_EQ(recv.tensor().placement(), MemoryPlacement::CudaDevice(0)) << name;
+        ++transfers;
+      }
+      ++step;
+    }
+  }
+  EXPECT_EQ(copier.device_to_host(), transfers);
+  EXPECT_EQ(copier.host_to_device(), transfers);
+  EXPECT_EQ(server(1).stats().device_to_host.load(), transfers) << "staged on the sender";
+  EXPECT_EQ(server(0).stats().host_to_device.load(), transfers) << "proxied on the receiver";
+  EXPECT_EQ(server(1).stats().host_to_device.load(), 0);
+  EXPECT_EQ(server(0).stats().device_to_host.load(), 0);
+  EXPECT_GT(server(0).stats().tensors.load(), transfers);
+
+  // Host to device: only the receiver copies. Device to host: only the sender.
+  const int64_t d2h = copier.device_to_host(), h2d = copier.host_to_device();
+  Tensor from_pool = PoolTensor(1, DataType::kFloat32, {1000}, 77);
+  ASSERT_TRUE(Step(1, step)->Send(Key(1, "host_to_gpu"), from_pool).ok());
+  PendingRecv into_gpu(*Step(0, step), Key(1, "host_to_gpu"), to_gpu0);
+  ASSERT_TRUE(into_gpu.Wait());
+  ASSERT_TRUE(into_gpu.status().ok()) << into_gpu.status();
+  EXPECT_TRUE(SameBytes(into_gpu.tensor(), from_pool));
+  EXPECT_EQ(copier.device_to_host(), d2h);
+  EXPECT_EQ(copier.host_to_device(), h2d + 1);
+  Tensor host;
+  Tensor on_gpu1 = DeviceTensor(gpu1, DataType::kInt64, {333}, 78, &host);
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(step + 1, "gpu_to_host", host));  // the channel's warm
+  ASSERT_TRUE(Step(1, step + 2)->Send(Key(1, "gpu_to_host"), on_gpu1).ok());
+  PendingRecv into_host(*Step(0, step + 2), Key(1, "gpu_to_host"));
+  ASSERT_TRUE(into_host.Wait());
+  ASSERT_TRUE(into_host.status().ok()) << into_host.status();
+  EXPECT_TRUE(into_host.tensor().placement().host_accessible());
+  EXPECT_TRUE(into_host.tensor().ContentEquals(host));
+  EXPECT_EQ(copier.device_to_host(), d2h + 1);
+  EXPECT_EQ(copier.host_to_device(), h2d + 1);
+  // Within the task a device tensor is handed over as it is, with no copy at all.
+  ASSERT_TRUE(Step(1, step + 3)->Send(Key(1, "local", 1), on_gpu1).ok());
+  PendingRecv local(*Step(1, step + 3), Key(1, "local", 1));
+  ASSERT_TRUE(local.Wait());
+  EXPECT_TRUE(local.tensor().SharesBufferWith(on_gpu1));
+  EXPECT_EQ(copier.device_to_host(), d2h + 1);
+}
+
+TEST_P(ProtocolTest, DeviceCopyFailuresAndMisuseFailTheirRecvOnceWithTheReason) {
+  testing::StandInDeviceCopier& copier = UseStandInGpus(1);
+  testing::StandInDeviceAllocator& gpu0 = StandInGpu(0);
+  StartCluster(2);
+  RecvArgs to_gpu0;
+  to_gpu0.allocator = &gpu0;
+  Tensor host;
+  // The sender's device-to-host copy fails: the receiver gets its error, naming the key.
+  copier.FailNext(CopyDirection::kDeviceToHost,
+                  absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
+  Tensor sent = DeviceTensor(gpu0, DataType::kFloat32, {256}, 5, &host);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "d2h_fails"), sent).ok());
+  PendingRecv d2h_fails(*Step(0, 1), Key(1, "d2h_fails"), to_gpu0);
+  ASSERT_TRUE(d2h_fails.Wait());
+  EXPECT_EQ(d2h_fails.status().code(), absl::StatusCode::kInternal) << d2h_fails.status();
+  EXPECT_THAT(std::string(d2h_fails.status().message()),
+              AllOf(HasSubstr("stand-in failure on cuda:0"), HasSubstr("d2h_fails")));
+  // The receiver's host-to-device copy fails.
+  copier.FailNext(CopyDirection::kHostToDevice,
+                  absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
+  ASSERT_TRUE(Step(1, 2)->Send(Key(1, "h2d_fails"), sent).ok());
+  PendingRecv h2d_fails(*Step(0, 2), Key(1, "h2d_fails"), to_gpu0);
+  ASSERT_TRUE(h2d_fails.Wait());
+  EXPECT_EQ(h2d_fails.status().code(), absl::StatusCode::kInternal) << h2d_fails.status();
+  EXPECT_THAT(std::string(h2d_fails.status().message()), HasSubstr("h2d_fails"));
+  // The device is out of memory for the destination.
+  gpu0.set_exhausted(true);
+  ASSERT_TRUE(
+      Step(1, 3)->Send(Key(1, "no_memory"), PoolTensor(1, DataType::kFloat32, {64}, 6)).ok());
+  PendingRecv no_memory(*Step(0, 3), Key(1, "no_memory"), to_gpu0);
+  ASSERT_TRUE(no_memory.Wait());
+  EXPECT_EQ(no_memory.status().code(), absl::StatusCode::kResourceExhausted) << no_memory.status();
+  EXPECT_THAT(std::string(no_memory.status().message()),
+              AllOf(HasSubstr("no_memory"), HasSubstr("cuda:0"), HasSubstr("256 bytes")));
+  gpu0.set_exhausted(false);
+  // Strings never live on a device.
+  ASSERT_TRUE(Step(1, 4)->Send(Key(1, "strings"), PoolTensor(1, DataType::kString, {3}, 7)).ok());
+  PendingRecv strings(*Step(0, 4), Key(1, "strings"), to_gpu0);
+  ASSERT_TRUE(strings.Wait());
+  EXPECT_EQ(strings.status().code(), absl::StatusCode::kInvalidArgument) << strings.status();
+  EXPECT_THAT(std::string(strings.status().message()), HasSubstr("strings live in host memory"));
+  for (PendingRecv* r : {&d2h_fails, &h2d_fails, &no_memory, &strings}) EXPECT_EQ(r->calls(), 1);
+  EXPECT_EQ(server(1).stats().device_copy_errors.load(), 1);
+  EXPECT_EQ(server(0).stats().device_copy_errors.load(), 3);
+  // None of it hurt the channel: the next device tensor arrives.
+  Tensor later = DeviceTensor(gpu0, DataType::kUInt8, {4096}, 8, &host);
+  ASSERT_TRUE(Step(1, 5)->Send(Key(1, "later"), later).ok());
+  PendingRecv ok(*Step(0, 5), Key(1, "later"), to_gpu0);
+  ASSERT_TRUE(ok.Wait());
+  ASSERT_TRUE(ok.status().ok()) << ok.status();
+  EXPECT_TRUE(SameBytes(ok.tensor(), host));
+  EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+}
+
+TEST_P(ProtocolTest, WithoutACopierDeviceTensorsAreRefusedNamingKeyAndDevice) {
+  StartCluster(2);
+  testing::StandInDeviceAllocator gpu0(0);
+  Tensor host;
+  Tensor sent = DeviceTensor(gpu0, DataType::kFloat32, {4}, 9, &host);
+  absl::Status s = Step(1, 1)->Send(Key(1, "refused"), sent);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_THAT(std::string(s.message()), AllOf(HasSubstr("refused"), HasSubstr("cuda:0 memory")));
+  RecvArgs to_gpu0;
+  to_gpu0.allocator = &gpu0;
+  PendingRecv recv(*Step(0, 1), Key(1, "x"), to_gpu0);
+  ASSERT_TRUE(recv.Wait());
+  EXPECT_EQ(recv.status().code(), absl::StatusCode::kFailedPrecondition) << recv.status();
+  EXPECT_THAT(std::string(recv.status().message()), HasSubstr("stand-in cuda:0"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProtocol()), ParamName);

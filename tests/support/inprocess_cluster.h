@@ -47,6 +47,8 @@ struct ClusterOptions {
   // Authentication; `security_for(t)` overrides it per task where set.
   rpc::SecurityOptions security;
   std::function<rpc::SecurityOptions(int)> security_for;
+  // Every task's device copier (a stand-in on machines without a GPU); it outlives the cluster.
+  DeviceCopier* device_copier = nullptr;
 };
 
 class InProcessCluster {
@@ -70,6 +72,7 @@ class InProcessCluster {
       options.max_tensor_bytes = o.max_tensor_bytes;
       options.max_peer_steps = o.max_peer_steps;
       options.security = o.security_for ? o.security_for(t) : o.security;
+      options.device_copier = o.device_copier;
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
       // A probe answered by a server TSan slows tenfold, on two loaded cores, can take seconds
@@ -147,6 +150,7 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
   absl::Duration recv_timeout_ = absl::Seconds(60);
   uint64_t max_tensor_bytes_ = kDefaultMaxTensorBytes;
   int64_t max_peer_steps_ = 1024;
+  DeviceCopier* device_copier_ = nullptr;
 };
 
 }  // namespace tensorverbs::testing

@@ -1,6 +1,7 @@
 #include "src/tensor/allocator.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -224,6 +225,56 @@ TEST(PoolAllocator, ShareableRegionsLiveInSharedMemoryUntilReleased) {
   void* q = private_pool.AllocateRaw(1000);
   EXPECT_FALSE(SharedMemory::Find(q, 1000, &where)) << "not shareable unless asked";
   private_pool.DeallocateRaw(q, 1000);
+}
+
+TEST(PoolAllocator, ARegionSourcesMemoryIsNeverTouchedAndGivesThePlacement) {
+  // Memory no access is allowed to, standing in for a GPU's: the pool must keep its books
+  // outside it (a touch would fault the test).
+  struct Source {
+    int allocated = 0, released = 0;
+    bool exhausted = false;
+  };
+  auto counts = std::make_shared<Source>();
+  auto source = std::make_shared<RegionSource>();
+  source->placement = MemoryPlacement::CudaDevice(3);
+  source->allocate = [counts](size_t bytes) -> void* {
+    if (counts->exhausted) return nullptr;
+    void* p = mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    ++counts->allocated;
+    return p;
+  };
+  source->release = [counts](void* base, size_t bytes) {
+    munmap(base, bytes);
+    ++counts->released;
+  };
+  PoolAllocator::Options o = SmallRegions();
+  o.source = source;
+  o.pretouch = true;  // ignored for a source's regions
+  {
+    PoolAllocator pool("device", o);
+    EXPECT_EQ(pool.Placement(), MemoryPlacement::CudaDevice(3));
+    int visited = 0;
+    pool.AddRegionVisitor([&](const MemoryRegion&) { ++visited; }, nullptr);
+    std::vector<void*> live;
+    for (int i = 0; i < 64; ++i) live.push_back(pool.AllocateRaw(size_t{100} << 10));
+    for (void* p : live) ASSERT_NE(p, nullptr);
+    void* big = pool.AllocateRaw(size_t{9} << 20);  // a region of its own
+    ASSERT_NE(big, nullptr);
+    EXPECT_EQ(visited, counts->allocated);
+    const int regions = counts->allocated;
+    for (void* p : live) pool.DeallocateRaw(p, size_t{100} << 10);
+    for (int i = 0; i < 64; ++i) {
+      void* p = pool.AllocateRaw(size_t{100} << 10);
+      ASSERT_NE(p, nullptr);
+      pool.DeallocateRaw(p, size_t{100} << 10);
+    }
+    EXPECT_EQ(counts->allocated, regions) << "freed space is reused, no new region";
+    counts->exhausted = true;
+    EXPECT_EQ(pool.AllocateRaw(size_t{64} << 20), nullptr) << "the source is out of memory";
+    pool.DeallocateRaw(big, size_t{9} << 20);
+  }
+  EXPECT_EQ(counts->released, counts->allocated) << "every region goes back to its source";
 }
 
 TEST(PoolAllocator, RandomizedAllocationsNeverOverlap) {
