@@ -14,7 +14,8 @@ build="${1:-$root/build}"
 out="$root/build-gpu-bundle"
 make -C "$root" build BUILD_DIR="$(realpath --relative-to="$root" "$build")" >/dev/null
 
-binaries=("$build/tools/tensorverbs" "$build/tests/unit/cuda_gpu_test" "$build/tests/unit/device_test")
+binaries=("$build/tools/tensorverbs" "$build/tests/unit/cuda_gpu_test"
+          "$build/tests/unit/cuda_transfer_gpu_test" "$build/tests/unit/device_test")
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 for b in "${binaries[@]}"; do
@@ -40,18 +41,40 @@ if [ -z "$cudart" ] && [ -e /usr/local/cuda/lib64/libcudart.so ]; then
   cudart="$(readlink -f /usr/local/cuda/lib64/libcudart.so)"
 fi
 if [ -n "$cudart" ]; then cp -L "$cudart" "$out/lib/"; fi
+# device_test's stand-in runtime, loaded by path (TV_FAKE_CUDART).
+cp "$build/tests/unit/libtv_fake_cudart.so" "$out/lib/"
 
 cat > "$out/run-gpu-checks.sh" <<'RUN'
 #!/usr/bin/env bash
-# Runs the GPU checks from this bundle (see scripts/gpu-bundle.sh). Results go to stdout.
+# Runs the GPU checks from this bundle (see scripts/gpu-bundle.sh): the gpu tests, then
+# `bench p2p` with device tensors (the proxy path) beside host tensors, in one run. Results go
+# to stdout, and the benchmarks' JSON rows into $1 (default: the current folder).
+#   run-gpu-checks.sh [OUT_DIR] [tests|bench|all]
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:-.}"
+what="${2:-all}"
+mkdir -p "$out"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+tv="$here/bin/tensorverbs"
 rc=0
-"$here/bin/tensorverbs" --version || rc=1
-"$here/bin/tensorverbs" info || rc=1
-"$here/bin/device_test" || rc=1
-"$here/bin/cuda_gpu_test" || rc=1
+if [ "$what" != bench ]; then
+  "$tv" --version || rc=1
+  "$tv" info || rc=1
+  TV_FAKE_CUDART="$here/lib/libtv_fake_cudart.so" "$here/bin/device_test" || rc=1
+  "$here/bin/cuda_gpu_test" || rc=1
+  "$here/bin/cuda_transfer_gpu_test" || rc=1
+fi
+if [ "$what" != tests ]; then
+  sizes=4KiB,1MiB,16MiB,64MiB,256MiB
+  echo "== bench p2p --device cuda (proxy path), then cpu->cuda, then host tensors"
+  "$tv" bench p2p --device cuda --protocols grpc+verbs,grpc --sizes "$sizes" \
+    --json "$out/p2p-cuda.json" || rc=1
+  "$tv" bench p2p --device cpu,cuda --protocols grpc+verbs --sizes "$sizes" --no-baselines \
+    --json "$out/p2p-cpu-to-cuda.json" || rc=1
+  "$tv" bench p2p --device cpu --protocols grpc+verbs --sizes "$sizes" \
+    --json "$out/p2p-cpu.json" || rc=1
+fi
 exit $rc
 RUN
 chmod +x "$out/run-gpu-checks.sh"

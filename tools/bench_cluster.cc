@@ -11,13 +11,14 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "src/common/config.h"
 #include "src/common/checksum.h"
+#include "src/common/config.h"
 #include "src/common/mutex.h"
 #include "src/common/status_macros.h"
-#include "tensorverbs/device_name.h"
-#include "tools/bench_util.h"
 #include "src/support/process_util.h"
+#include "tensorverbs/device_name.h"
+#include "tools/bench_device.h"
+#include "tools/bench_util.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -34,7 +35,7 @@ std::vector<std::string> Names(const std::string& prefix, int keys) {
 int64_t TotalCopies(const Server& server) { return server.stats().copies.load(); }
 
 // The peer's command loop.
-absl::Status ServeCommands(Server& server) {
+absl::Status ServeCommands(Server& server, const MemoryPlacement& send_device) {
   const std::string receiver = CpuDeviceName(kJob, 0);
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -52,13 +53,13 @@ absl::Status ServeCommands(Server& server) {
           !absl::SimpleAtoi(f[6], &seed) || keys < 1) {
         status = absl::InvalidArgumentError(absl::StrCat("malformed command '", line, "'"));
       } else {
-        // One tensor in the registered pool, shared by every send (tensors are immutable).
-        absl::StatusOr<Tensor> t = Tensor::Allocate(server.recv_allocator(), DataType::kUInt8,
-                                                    TensorShape::Of({static_cast<int64_t>(bytes)}));
+        // One tensor in the registered pool (or on the GPU), shared by every send (tensors
+        // are immutable).
+        absl::StatusOr<Tensor> t =
+            PatternTensor(send_device, server, bytes, static_cast<uint32_t>(seed));
         if (!t.ok()) {
           status = t.status();
         } else {
-          FillBenchPattern(t->data(), bytes, static_cast<uint32_t>(seed));
           std::vector<ParsedKey> k =
               MakeKeys(server.device_name(), server.incarnation(), receiver, Names(f[1], keys));
           for (int64_t s = first; s < first + steps && status.ok(); ++s) {
@@ -131,6 +132,7 @@ std::vector<std::string> BenchServerOptions::ToArgs() const {
   if (callback_threads >= 0) {
     args.insert(args.end(), {"--callback-threads", absl::StrCat(callback_threads)});
   }
+  if (send_device != "cpu") args.insert(args.end(), {"--send-device", send_device});
   return args;
 }
 
@@ -152,6 +154,8 @@ int RunBenchPeer(const BenchPeerOptions& o) {
   };
   absl::StatusOr<ClusterSpec> cluster = ClusterSpec::Parse(o.cluster);
   if (!cluster.ok()) return fail(cluster.status());
+  absl::StatusOr<MemoryPlacement> send_device = ParseDevice(o.server.send_device, "--send-device");
+  if (!send_device.ok()) return fail(send_device.status());
   ServerOptions options = ServerOptions::FromConfig(Config::Get());
   options.cluster = *cluster;
   options.job = o.job;
@@ -163,7 +167,7 @@ int RunBenchPeer(const BenchPeerOptions& o) {
   std::printf("ready %s %016llx\n", (*server)->device_name().c_str(),
               static_cast<unsigned long long>((*server)->incarnation()));
   std::fflush(stdout);
-  absl::Status s = ServeCommands(**server);
+  absl::Status s = ServeCommands(**server, *send_device);
   (*server)->Stop();
   return s.ok() ? 0 : fail(s);
 }
@@ -252,7 +256,8 @@ PairBench::Usage PairBench::LocalUsage() const {
 
 absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedKey>& keys,
                                        int64_t first_step, int64_t count, int window, size_t bytes,
-                                       uint32_t seed, absl::Duration timeout) {
+                                       uint32_t seed, absl::Duration timeout,
+                                       Allocator* allocator) {
   if (keys.empty() || count < 1 || window < 1) {
     return absl::InvalidArgumentError("RunRecvs: no keys, recvs or window");
   }
@@ -260,6 +265,7 @@ absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedK
   // mutex whose waiters are woken on every unlock would put a futex wake-up on each recv.
   struct State {
     Server* server;
+    RecvArgs args;
     std::vector<ParsedKey> keys;
     int64_t first_step, count;
     size_t bytes;
@@ -278,6 +284,7 @@ absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedK
   };
   auto state = std::make_shared<State>();
   state->server = &server;
+  state->args.allocator = allocator;
   state->keys = keys;
   state->first_step = first_step;
   state->count = count;
@@ -300,7 +307,7 @@ absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedK
         return;
       }
       st->start_ns[i] = absl::GetCurrentTimeNanos();
-      (*r)->RecvAsync(key, RecvArgs(), [st, i](const absl::Status& s, const Tensor& t, bool) {
+      (*r)->RecvAsync(key, st->args, [st, i](const absl::Status& s, const Tensor& t, bool) {
         st->latency_us[i] = (absl::GetCurrentTimeNanos() - st->start_ns[i]) / 1e3;
         absl::Status result = s;
         if (result.ok() && t.TotalBytes() != st->bytes) {
@@ -346,7 +353,9 @@ absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedK
   }
   for (int c = 0; c < 2; ++c) {
     const Tensor& t = state->checked[c];
-    if (t.TotalBytes() == bytes && Crc32c(t.data(), bytes) != state->crc) {
+    if (t.TotalBytes() != bytes) continue;
+    ASSIGN_OR_RETURN(const uint32_t crc, TensorCrc(t));
+    if (crc != state->crc) {
       return absl::DataLossError(absl::StrCat("recv ", c == 0 ? int64_t{0} : count - 1,
                                               ": the bytes differ from what the peer sent"));
     }

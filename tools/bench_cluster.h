@@ -4,7 +4,8 @@
 // sender, as a child process (`tensorverbs bench-peer`, optionally inside a network namespace)
 // and drives it with one command line at a time on its stdin:
 //   send <prefix> <keys> <bytes> <first_step> <steps> <seed>   -> "ok"
-//       pre-sends a uint8 tensor of <bytes> from its registered pool under keys
+//       pre-sends a uint8 tensor of <bytes> from its registered pool (or from a GPU, with
+//       --send-device) under keys
 //       <prefix>0..<prefix><keys-1> in each step of [first_step, first_step + steps)
 //   cleanup <first_step> <steps>                                -> "ok"
 //   usage                              -> "usage <cpu seconds> <copies> <copied bytes>"
@@ -42,6 +43,7 @@ struct BenchServerOptions {
   int message_batch = 0;      // 0: TENSORVERBS_MESSAGE_BATCH
   std::string poll_mode;      // empty: TENSORVERBS_POLL_MODE
   int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
+  std::string send_device = "cpu";  // where the sender's tensors live: cpu, cuda, cuda:N
 
   // As command-line flags of `bench-peer` / `bench-ps-task`.
   std::vector<std::string> ToArgs() const;
@@ -120,10 +122,11 @@ struct RecvRunResult {
 // the previous one's callback). Recv i is keys[i % keys.size()] in step first_step + i /
 // keys.size(). Every tensor must have `bytes` bytes; the first and the last are checked,
 // once the run is over and outside its time, against the pattern of `seed`. The first error (or
-// `timeout`) ends the run.
+// `timeout`) ends the run. Tensors land in memory of `allocator` (null: the task's pool).
 absl::StatusOr<RecvRunResult> RunRecvs(Server& server, const std::vector<ParsedKey>& keys,
                                        int64_t first_step, int64_t count, int window, size_t bytes,
-                                       uint32_t seed, absl::Duration timeout);
+                                       uint32_t seed, absl::Duration timeout,
+                                       Allocator* allocator = nullptr);
 
 }  // namespace tensorverbs::tools
 

@@ -28,6 +28,7 @@
 #include "src/common/status_macros.h"
 #include "src/fabric/fabric.h"
 #include "tools/bench_cluster.h"
+#include "tools/bench_device.h"
 #include "tools/bench_fabric.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
@@ -118,7 +119,8 @@ struct PhaseResult {
 // `count` recvs of `keys` (one step per keys.size() recvs), at most `window` outstanding.
 absl::StatusOr<PhaseResult> RunPhase(PairBench& bench, const std::string& prefix,
                                      const std::vector<ParsedKey>& keys, size_t size, uint32_t seed,
-                                     int64_t count, int window, bool usage, int64_t* next_step) {
+                                     int64_t count, int window, bool usage, int64_t* next_step,
+                                     Allocator* allocator = nullptr) {
   PhaseResult result;
   const int64_t per_step = static_cast<int64_t>(keys.size());
   const int64_t batch_steps = std::max<int64_t>(1, kStepsPerBatch / per_step);
@@ -134,7 +136,7 @@ absl::StatusOr<PhaseResult> RunPhase(PairBench& bench, const std::string& prefix
       ASSIGN_OR_RETURN(peer0, bench.PeerUsage());
     }
     ASSIGN_OR_RETURN(RecvRunResult run, RunRecvs(bench.server(), keys, first, recvs, window, size,
-                                                 seed, absl::Minutes(5)));
+                                                 seed, absl::Minutes(5), allocator));
     if (usage) {
       const PairBench::Usage local1 = bench.LocalUsage();
       ASSIGN_OR_RETURN(const PairBench::Usage peer1, bench.PeerUsage());
@@ -152,16 +154,24 @@ absl::StatusOr<PhaseResult> RunPhase(PairBench& bench, const std::string& prefix
 }
 
 absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
-                         const std::vector<size_t>& sizes, const NetnsHost* netns,
-                         int64_t* next_step, std::vector<P2PRow>* rows) {
+                         const DevicePair& devices, const std::vector<size_t>& sizes,
+                         const NetnsHost* netns, int64_t* next_step, std::vector<P2PRow>* rows) {
   BenchServerOptions server;
   server.protocol = protocol;
   server.poll_mode = o.poll_mode;
   server.callback_threads = o.callback_threads;
+  server.send_device = devices.src.host_accessible() ? "cpu" : devices.src.ToString();
   ASSIGN_OR_RETURN(std::unique_ptr<PairBench> bench, PairBench::Start(server, netns));
+  // Device recvs land in the receiver's GPU pool; host ones in its registered pool (null).
+  Allocator* dst = nullptr;
+  if (!devices.dst.host_accessible()) {
+    ASSIGN_OR_RETURN(dst, AllocatorFor(devices.dst, bench->server()));
+  }
   const std::string fabric = bench->fabric();
-  std::printf("\n%s over %s, 2 processes%s\n", protocol.c_str(), fabric.c_str(),
-              netns ? " in two network namespaces (veth)" : "");
+  std::printf("\n%s over %s, 2 processes%s, %s -> %s\n", protocol.c_str(), fabric.c_str(),
+              netns ? " in two network namespaces (veth)" : "",
+              devices.src.host_accessible() ? "cpu" : devices.src.ToString().c_str(),
+              devices.dst.host_accessible() ? "cpu" : devices.dst.ToString().c_str());
   std::printf("%10s %9s %22s %10s %9s %7s %24s %12s %10s\n", "#bytes", "lat iters", "p50[us]",
               "p99[us]", "bw iters", "window", "BW[GB/s]", "copies/xfer", "CPU s/GB");
   const std::vector<ParsedKey> keys = bench->Keys("p2p", 1);
@@ -179,16 +189,16 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     // caches, channel state, pool growth with its first-touch page faults and registration all
     // happen before anything is timed.
     RETURN_IF_ERROR(
-        RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters, row.window, false, next_step)
+        RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters, row.window, false, next_step, dst)
             .status());
     std::vector<double> p50s, p99s, bws, copies, cpu;
     for (int rep = 0; rep < o.repeat; ++rep) {
       ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters, 1,
-                                                 false, next_step));
+                                                 false, next_step, dst));
       p50s.push_back(Percentile(lat.latency_us, 0.5));
       p99s.push_back(Percentile(lat.latency_us, 0.99));
       ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters,
-                                                row.window, true, next_step));
+                                                row.window, true, next_step, dst));
       const double bytes = static_cast<double>(size) * row.bw_iters;
       bws.push_back(bytes / absl::ToDoubleSeconds(bw.elapsed) / 1e9);
       copies.push_back(static_cast<double>(bw.local.copies + bw.peer.copies) / row.bw_iters);
@@ -230,12 +240,21 @@ const FabricRow* FindFabricRow(const std::vector<FabricRow>& rows, size_t size) 
 int RunBenchP2P(const BenchP2POptions& o) {
   absl::StatusOr<std::vector<size_t>> sizes = ParseSizeList(o.sizes);
   absl::StatusOr<std::vector<std::string>> protocols = ParseProtocolList(o.protocols);
-  for (const absl::Status& s : {sizes.status(), protocols.status()}) {
+  absl::StatusOr<DevicePair> devices = ParseDevicePair(o.device);
+  for (const absl::Status& s : {sizes.status(), protocols.status(), devices.status()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "tensorverbs bench p2p: %s\n", std::string(s.message()).c_str());
       return 2;
     }
   }
+  for (const MemoryPlacement& p : {devices->src, devices->dst}) {
+    if (absl::Status a = CheckDevice(p); !a.ok()) {
+      std::fprintf(stderr, "tensorverbs bench p2p: --device %s: %s\n", o.device.c_str(),
+                   std::string(a.message()).c_str());
+      return 1;
+    }
+  }
+  const bool on_gpu = !devices->src.host_accessible() || !devices->dst.host_accessible();
   std::unique_ptr<NetnsHost> netns;
   if (o.netns && !MakeNetnsHost("p2p", &netns)) return 1;
 
@@ -252,6 +271,30 @@ int RunBenchP2P(const BenchP2POptions& o) {
     memcpy_gbps[size] = MeasureMemcpyGbps(size);
     std::printf("%10s %10.3f\n", SizeName(size).c_str(), memcpy_gbps[size]);
   }
+  // The proxy path's copy stages: cudaMemcpy between pinned host memory and the GPUs.
+  std::map<size_t, CopyBandwidth> d2h, h2d;
+  if (on_gpu) {
+    std::printf("\ncudaMemcpy between pinned host memory and the GPU (best of 5)\n%10s %14s %14s\n",
+                "#bytes", "D2H GB/s", "H2D GB/s");
+    for (size_t size : *sizes) {
+      const int src = devices->src.host_accessible() ? -1 : devices->src.device;
+      const int dst = devices->dst.host_accessible() ? -1 : devices->dst.device;
+      for (int dev : {src, dst}) {
+        if (dev < 0) continue;
+        absl::StatusOr<CopyBandwidth> bw = MeasureDeviceCopies(dev, size);
+        if (!bw.ok()) {
+          std::fprintf(stderr, "tensorverbs bench p2p: %s\n", bw.status().ToString().c_str());
+          return 1;
+        }
+        if (dev == src) d2h[size] = *bw;
+        if (dev == dst) h2d[size] = *bw;
+      }
+      std::printf(
+          "%10s %14s %14s\n", SizeName(size).c_str(),
+          d2h.count(size) ? absl::StrFormat("%.2f", d2h[size].device_to_host_gbps).c_str() : "-",
+          h2d.count(size) ? absl::StrFormat("%.2f", h2d[size].host_to_device_gbps).c_str() : "-");
+    }
+  }
   std::vector<FabricRow> fabric_rows;
   std::string fabric_name;
   if (o.baselines) MeasureCeiling(*sizes, /*window=*/16, netns.get(), &fabric_rows, &fabric_name);
@@ -259,7 +302,7 @@ int RunBenchP2P(const BenchP2POptions& o) {
   std::vector<P2PRow> rows;
   int64_t next_step = 1;
   for (const std::string& protocol : *protocols) {
-    absl::Status s = RunProtocol(protocol, o, *sizes, netns.get(), &next_step, &rows);
+    absl::Status s = RunProtocol(protocol, o, *devices, *sizes, netns.get(), &next_step, &rows);
     if (!s.ok()) {
       std::fprintf(stderr, "tensorverbs bench p2p: %s: %s\n", protocol.c_str(),
                    s.ToString().c_str());
@@ -288,6 +331,30 @@ int RunBenchP2P(const BenchP2POptions& o) {
       std::printf(" %22s", cell.c_str());
     }
     std::printf("\n");
+  }
+
+  // On GPUs: each protocol against its slowest stage (device-to-host, the fabric write for the
+  // verbs protocols, host-to-device), all measured in this run.
+  if (on_gpu) {
+    std::printf("\nproxy path relative to its slowest stage (D2H, fabric write, H2D)\n");
+    for (const P2PRow& r : rows) {
+      double slowest = 1e30;
+      std::string which;
+      auto consider = [&](double gbps, const char* name) {
+        if (gbps > 0 && gbps < slowest) {
+          slowest = gbps;
+          which = name;
+        }
+      };
+      if (d2h.count(r.size)) consider(d2h[r.size].device_to_host_gbps, "D2H");
+      if (h2d.count(r.size)) consider(h2d[r.size].host_to_device_gbps, "H2D");
+      const FabricRow* f = FindFabricRow(fabric_rows, r.size);
+      if (f != nullptr && IsVerbsProtocol(r.protocol)) consider(f->bw_gbps, "fabric write");
+      if (which.empty()) continue;
+      std::printf("  %s %s: %.2f GB/s = %.2f x %s (%.2f GB/s); %.2f copies per transfer\n",
+                  r.protocol.c_str(), SizeName(r.size).c_str(), r.bw_gbps, r.bw_gbps / slowest,
+                  which.c_str(), slowest, r.copies_per_transfer);
+    }
   }
 
   // The goals of the comparison, as ratios of this run.
@@ -334,7 +401,11 @@ int RunBenchP2P(const BenchP2POptions& o) {
                           {"bandwidth_gbps_min", r.bw.min},
                           {"bandwidth_gbps_max", r.bw.max},
                           {"memcpy_gbps", memcpy_gbps[r.size]},
+                          {"src_device", devices->src.ToString()},
+                          {"dst_device", devices->dst.ToString()},
                           {"ratio_to_memcpy", r.bw_gbps / std::max(memcpy_gbps[r.size], 1e-9)}};
+      if (d2h.count(r.size)) j["cuda_d2h_gbps"] = d2h[r.size].device_to_host_gbps;
+      if (h2d.count(r.size)) j["cuda_h2d_gbps"] = h2d[r.size].host_to_device_gbps;
       if (const FabricRow* f = FindFabricRow(fabric_rows, r.size)) {
         j["fabric_write_gbps"] = f->bw_gbps;
         j["ratio_to_fabric_write"] = r.bw_gbps / f->bw_gbps;

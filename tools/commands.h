@@ -75,6 +75,8 @@ struct BenchP2POptions {
   int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
   bool baselines = true;  // measure the raw fabric write too
   int repeat = 3;         // measured repetitions per size (after a warm-up); medians reported
+  // Where the sender's and the receiver's tensors live: "SRC[,DST]", each cpu, cuda, cuda:N.
+  std::string device = "cpu";
 };
 int RunBenchP2P(const BenchP2POptions& options);
 

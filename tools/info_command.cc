@@ -18,7 +18,7 @@ namespace {
 std::string CudaVersion(int v) { return absl::StrCat(v / 1000, ".", v % 1000 / 10); }
 
 // GPUs: what the CUDA runtime found at run time, and what it means for device tensors.
-void PrintGpus() {
+void PrintGpus(const fabric::FabricInventory& inventory) {
   const std::string toolkit = device::BuildToolkit();
   std::printf("\nGPUs (CUDA runtime loaded at run time; build toolkit %s):\n",
               toolkit.empty() ? "none" : toolkit.c_str());
@@ -41,6 +41,21 @@ void PrintGpus() {
                 info->compute_major, info->compute_minor,
                 static_cast<double>(info->total_memory) / (1 << 30), info->pci_bus_id.c_str());
   }
+  std::printf(
+      "  device tensors take the proxy path on every protocol and fabric: device-to-host into "
+      "the pinned pool on the sender, host-to-device from a pinned proxy on the receiver, on "
+      "CUDA streams (TENSORVERBS_PIN_POOL pins the pool)\n");
+  std::printf("  direct writes into GPU memory, per fabric:\n");
+  std::printf("    shmem    no: this version maps host memory only (no CUDA IPC path yet)\n");
+  std::printf(
+      "    ofi      no: this version registers host memory only; providers here that "
+      "report FI_HMEM: %s\n",
+      inventory.ofi_device_memory_providers.empty()
+          ? "none"
+          : absl::StrJoin(inventory.ofi_device_memory_providers, ", ").c_str());
+  std::printf(
+      "    ibverbs  no: this version registers host memory only (no dma-buf "
+      "registration of GPU memory yet)\n");
 }
 
 std::string Bytes(rlim_t v) {
@@ -103,7 +118,7 @@ int RunInfoCommand() {
               config.ofi_provider.empty() ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
                                           : " (TENSORVERBS_OFI_PROVIDER)");
 
-  PrintGpus();
+  PrintGpus(inventory);
 
   rlimit memlock{};
   getrlimit(RLIMIT_MEMLOCK, &memlock);

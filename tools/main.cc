@@ -100,6 +100,10 @@ int main(int argc, char** argv) {
                         "Recv callback threads; 0 runs them inline (default: environment)");
   bench_p2p->add_flag("!--no-baselines", p2p.baselines, "Do not measure the raw fabric");
   bench_p2p
+      ->add_option("--device", p2p.device,
+                   "Where tensors live: SRC[,DST], each cpu, cuda or cuda:N (one value: both)")
+      ->default_val(p2p.device);
+  bench_p2p
       ->add_option("--repeat", p2p.repeat,
                    "Measured repetitions per size after a warm-up; medians and ranges")
       ->default_val(p2p.repeat)
@@ -175,6 +179,7 @@ int main(int argc, char** argv) {
   bench_peer_cmd->add_option("--message-batch", bench_peer.server.message_batch);
   bench_peer_cmd->add_option("--poll-mode", bench_peer.server.poll_mode);
   bench_peer_cmd->add_option("--callback-threads", bench_peer.server.callback_threads);
+  bench_peer_cmd->add_option("--send-device", bench_peer.server.send_device);
 
   BenchFabricOptions peer;
   CLI::App* peer_cmd = app.add_subcommand("bench-fabric-peer", "Target side of bench fabric");

@@ -145,6 +145,7 @@ FabricInventory ReadFabricInventory(const FabricChoice& choice) {
     }
   }
   inventory.ofi_providers = ListOfiProviders();
+  inventory.ofi_device_memory_providers = ofi::ListProviders(/*device_memory=*/true);
   inventory.ofi_local_choice =
       ChooseOfiProvider(choice.ofi_provider, true, inventory.ofi_providers);
   inventory.ofi_remote_choice =

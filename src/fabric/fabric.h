@@ -284,6 +284,8 @@ struct FabricInventory {
   absl::StatusOr<std::string> rdma_selection = std::string();
   // libfabric: usable providers and the policy's picks for local and remote peers.
   std::vector<std::string> ofi_providers;
+  // Of those, the ones that report FI_HMEM (they could write device memory directly).
+  std::vector<std::string> ofi_device_memory_providers;
   std::string ofi_local_choice;
   std::string ofi_remote_choice;
 };

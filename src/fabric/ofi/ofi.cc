@@ -518,9 +518,13 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& optio
   return std::unique_ptr<Domain>(new OfiDomain(std::move(shared)));
 }
 
-std::vector<std::string> ListUsableProviders() {
+std::vector<std::string> ListUsableProviders() { return ListProviders(false); }
+
+std::vector<std::string> ListProviders(bool device_memory) {
   std::vector<std::pair<std::string, std::vector<std::string>>> found;  // provider -> fabrics
   fi_info* hints = MakeHints("");
+  // FI_HMEM: the provider registers and moves device (GPU) memory itself.
+  if (device_memory) hints->caps |= FI_HMEM;
   fi_info* info = nullptr;
   if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info) == 0) {
     for (fi_info* i = info; i != nullptr; i = i->next) {

@@ -31,6 +31,8 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenOfiDomain(const DomainOptions& optio
 // Providers that offer RDM endpoints with RMA and remote CQ data on this host, one line each:
 // "name (fabric, fabric, ...)", for `tensorverbs info`.
 std::vector<std::string> ListUsableProviders();
+// The same, limited to providers that also report FI_HMEM (device memory) with `device_memory`.
+std::vector<std::string> ListProviders(bool device_memory);
 
 }  // namespace tensorverbs::fabric::ofi
 
