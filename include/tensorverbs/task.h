@@ -66,6 +66,16 @@ struct TaskStats {
   int64_t copied_bytes = 0;
 };
 
+// Where a recv's tensor lands, and how long a blocking Recv waits.
+struct RecvOptions {
+  // The result's allocator; null: the task's registered pool. A GPU's (Task::DeviceAllocator)
+  // takes the proxy path: the tensor lands in the pool and is copied to the GPU before the
+  // callback runs. It must outlive the task.
+  Allocator* allocator = nullptr;
+  // How long a blocking Recv waits (and at most the task's recv timeout).
+  absl::Duration timeout = absl::InfiniteDuration();
+};
+
 // The protocols this build provides, best first (the same function the server uses).
 std::vector<std::string> AvailableProtocols();
 
@@ -97,6 +107,13 @@ class Task {
 
   // A tensor in the task's registered pool: sent from, it needs no staging copy.
   absl::StatusOr<Tensor> Empty(DataType dtype, const TensorShape& shape);
+
+  // The task's pool of GPU `device`'s memory, made on first use: allocate tensors to send from
+  // that GPU with it, and name it in RecvOptions to receive into the GPU. Either way the bytes
+  // cross in host memory (one device-to-host copy on the sender, one host-to-device copy on
+  // the receiver). FailedPrecondition without a GPU, saying why; InvalidArgument for an
+  // ordinal this host lacks.
+  absl::StatusOr<Allocator*> DeviceAllocator(int device);
 
   TaskStats stats() const;
 
@@ -131,14 +148,20 @@ class Step {
   // later Recv of it in the same step fails.
   absl::StatusOr<Tensor> Recv(absl::string_view src_task, absl::string_view name,
                               absl::Duration timeout = absl::InfiniteDuration());
+  // The same, into options.allocator's memory (a GPU's, say), waiting at most options.timeout.
+  absl::StatusOr<Tensor> Recv(absl::string_view src_task, absl::string_view name,
+                              const RecvOptions& options);
   // Never waits: a peer this task has not heard from yet (WaitForPeers asks them all) is asked
   // on a thread of its own.
   void RecvAsync(absl::string_view src_task, absl::string_view name, RecvCallback done);
+  void RecvAsync(absl::string_view src_task, absl::string_view name, const RecvOptions& options,
+                 RecvCallback done);
 
   // The same with a full rendezvous key (TensorFlow's form, see parsed_key.h): its source or
   // destination device must be on this task.
   absl::Status SendKey(const ParsedKey& key, const Tensor& value);
   void RecvKeyAsync(const ParsedKey& key, RecvCallback done);
+  void RecvKeyAsync(const ParsedKey& key, const RecvOptions& options, RecvCallback done);
 
   // Waits until peers have taken every tensor this step sent, so ending it drops nothing; or
   // DeadlineExceeded naming how many are left.

@@ -140,6 +140,11 @@ absl::StatusOr<Tensor> Task::Empty(DataType dtype, const TensorShape& shape) {
   return Tensor::Allocate(impl_->server->recv_allocator(), dtype, shape);
 }
 
+absl::StatusOr<Allocator*> Task::DeviceAllocator(int device) {
+  ASSIGN_OR_RETURN(PoolAllocator * pool, impl_->server->DeviceAllocator(device));
+  return pool;
+}
+
 TaskStats Task::stats() const {
   const TransferStats& s = impl_->server->stats();
   TaskStats out;
@@ -181,9 +186,12 @@ namespace {
 
 // Starts the recv of `key` in `rendezvous`; `done` gets the tensor, or an uninitialized one for a
 // dead tensor.
-void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, Step::RecvCallback done) {
+void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, const RecvOptions& options,
+               Step::RecvCallback done) {
+  RecvArgs args;
+  args.allocator = options.allocator;
   rendezvous.RecvAsync(
-      key, RecvArgs(),
+      key, args,
       [done = std::move(done)](const absl::Status& status, const Tensor& tensor, bool is_dead) {
         if (!status.ok()) {
           done(status);
@@ -205,6 +213,11 @@ absl::StatusOr<ParsedKey> KeyFrom(const Server& server, const DeviceName& src, u
 }  // namespace
 
 void Step::RecvAsync(absl::string_view src_task, absl::string_view name, RecvCallback done) {
+  RecvAsync(src_task, name, RecvOptions(), std::move(done));
+}
+
+void Step::RecvAsync(absl::string_view src_task, absl::string_view name, const RecvOptions& options,
+                     RecvCallback done) {
   absl::StatusOr<DeviceName> src = TaskDevice(src_task);
   if (!src.ok()) {
     done(src.status());
@@ -218,14 +231,14 @@ void Step::RecvAsync(absl::string_view src_task, absl::string_view name, RecvCal
       done(key.status());
       return;
     }
-    RecvKeyAsync(*key, std::move(done));
+    RecvKeyAsync(*key, options, std::move(done));
     return;
   }
   // A peer not asked yet (WaitForPeers records them all): asking waits for it to answer, up to
   // 30 s, which an asynchronous call must not do on its caller's thread. A thread of its own
   // asks, holding the task and the step's rendezvous; a step ended meanwhile fails the recv.
   std::thread([task = impl_->task, rendezvous = impl_->rendezvous, src = *src,
-               name = std::string(name), done = std::move(done)]() mutable {
+               name = std::string(name), options, done = std::move(done)]() mutable {
     absl::StatusOr<uint64_t> incarnation =
         task->server->PeerIncarnation(src.TaskName(), absl::Seconds(30));
     if (!incarnation.ok()) {
@@ -237,16 +250,28 @@ void Step::RecvAsync(absl::string_view src_task, absl::string_view name, RecvCal
       done(key.status());
       return;
     }
-    StartRecv(*rendezvous, *key, std::move(done));
+    StartRecv(*rendezvous, *key, options, std::move(done));
   }).detach();
 }
 
 void Step::RecvKeyAsync(const ParsedKey& key, RecvCallback done) {
-  StartRecv(*impl_->rendezvous, key, std::move(done));
+  RecvKeyAsync(key, RecvOptions(), std::move(done));
+}
+
+void Step::RecvKeyAsync(const ParsedKey& key, const RecvOptions& options, RecvCallback done) {
+  StartRecv(*impl_->rendezvous, key, options, std::move(done));
 }
 
 absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view name,
                                   absl::Duration timeout) {
+  RecvOptions options;
+  options.timeout = timeout;
+  return Recv(src_task, name, options);
+}
+
+absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view name,
+                                  const RecvOptions& options) {
+  const absl::Duration timeout = options.timeout;
   // Shared with the callback, which may run after a timed-out Recv returned.
   struct State {
     Mutex mu;
@@ -254,7 +279,7 @@ absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view 
     absl::StatusOr<Tensor> result ABSL_GUARDED_BY(mu);
   };
   auto state = std::make_shared<State>();
-  RecvAsync(src_task, name, [state](absl::StatusOr<Tensor> result) {
+  RecvAsync(src_task, name, options, [state](absl::StatusOr<Tensor> result) {
     MutexLock lock(&state->mu);
     state->result = std::move(result);
     state->done = true;

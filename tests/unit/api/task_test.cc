@@ -110,6 +110,34 @@ TEST_F(TaskTest, TwoTasksExchangeTensorsByTaskNameAndTheTensorOutlivesItsStepAnd
   EXPECT_TRUE(kept.ContentEquals(sent)) << "the received tensor died with its task";
 }
 
+TEST_F(TaskTest, ARecvLandsInTheAllocatorItsOptionsNameAndGpuPoolsSayWhyNot) {
+  std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(5);
+  std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(5);
+  Tensor sent = *tasks_[1]->Empty(DataType::kFloat64, TensorShape::Of({64}));
+  for (int i = 0; i < 64; ++i) sent.flat<double>()[i] = i * 0.25;
+  ASSERT_TRUE(s1->Send("worker:0", "heap", sent).ok());
+  RecvOptions options;
+  options.allocator = CpuAllocator();
+  options.timeout = absl::Seconds(30);
+  absl::StatusOr<Tensor> got = s0->Recv("worker:1", "heap", options);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->ContentEquals(sent));
+  EXPECT_EQ(got->allocator(), CpuAllocator()) << "the options' allocator, not the pool";
+  // Without a GPU (this machine), the GPU pool says why; with one it is that GPU's memory.
+  absl::StatusOr<Allocator*> gpu = tasks_[0]->DeviceAllocator(0);
+  if (gpu.ok()) {
+    EXPECT_EQ((*gpu)->Placement(), MemoryPlacement::CudaDevice(0));
+  } else {
+    EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition) << gpu.status();
+    EXPECT_THAT(gpu.status().message(), HasSubstr("GPU"));
+  }
+  // The options' timeout bounds a blocking recv.
+  RecvOptions brief;
+  brief.timeout = absl::Milliseconds(50);
+  EXPECT_EQ(s0->Recv("worker:1", "never", brief).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST_F(TaskTest, BadInputIsAClearErrorAndNothingElse) {
   TaskOptions bad = Options(7);
   absl::StatusOr<std::unique_ptr<Task>> t = Task::Start(bad);
