@@ -15,7 +15,8 @@ out="$root/build-gpu-bundle"
 make -C "$root" build BUILD_DIR="$(realpath --relative-to="$root" "$build")" >/dev/null
 
 binaries=("$build/tools/tensorverbs" "$build/tests/unit/cuda_gpu_test"
-          "$build/tests/unit/cuda_transfer_gpu_test" "$build/tests/unit/device_test")
+          "$build/tests/unit/cuda_transfer_gpu_test" "$build/tests/unit/device_test"
+          "$build/tests/unit/api_test")
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 for b in "${binaries[@]}"; do
@@ -64,6 +65,7 @@ if [ "$what" != bench ]; then
   TV_FAKE_CUDART="$here/lib/libtv_fake_cudart.so" "$here/bin/device_test" || rc=1
   "$here/bin/cuda_gpu_test" || rc=1
   "$here/bin/cuda_transfer_gpu_test" || rc=1
+  "$here/bin/api_test" || rc=1  # the public API, with GPU recvs where a GPU is
 fi
 if [ "$what" != tests ]; then
   sizes=4KiB,1MiB,16MiB,64MiB,256MiB
