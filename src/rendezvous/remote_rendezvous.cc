@@ -99,29 +99,30 @@ RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocato
       return;
     }
     const MemoryPlacement where = device_allocator->Placement();
-    if (proxy.dtype() != DataType::kString && proxy.TotalBytes() == 0) {
+    // The recv fails before any copy: counted as a device copy error.
+    auto fail = [&](absl::Status error) {
+      if (env->stats) env->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+      std::move(done)(error, Tensor(), false);
+    };
+    if (proxy.dtype() == DataType::kString) {
+      fail(absl::InvalidArgumentError(
+          absl::StrCat("recv of '", key, "' into ", where.ToString(),
+                       " memory: it is a string tensor, and strings live in host memory "
+                       "only; receive it with a host allocator")));
+      return;
+    }
+    if (proxy.TotalBytes() == 0) {
       // No memory, so nothing to copy: an empty tensor has no placement.
       std::move(done)(s, proxy, false);
       return;
     }
-    if (proxy.dtype() == DataType::kString) {
-      if (env->stats) env->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
-      std::move(done)(absl::InvalidArgumentError(absl::StrCat(
-                          "recv of '", key, "' into ", where.ToString(),
-                          " memory: it is a string tensor, and strings live in host memory "
-                          "only; receive it with a host allocator")),
-                      Tensor(), false);
-      return;
-    }
     absl::StatusOr<Tensor> dst = Tensor::Allocate(device_allocator, proxy.dtype(), proxy.shape());
     if (!dst.ok()) {
-      if (env->stats) env->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
-      std::move(done)(absl::Status(dst.status().code(),
-                                   absl::StrCat("recv of '", key, "': allocating ",
-                                                proxy.TotalBytes(), " bytes in ", where.ToString(),
-                                                " memory (", device_allocator->Name(),
-                                                ") failed: ", dst.status().message())),
-                      Tensor(), false);
+      fail(absl::Status(
+          dst.status().code(),
+          absl::StrCat("recv of '", key, "': allocating ", proxy.TotalBytes(), " bytes in ",
+                       where.ToString(), " memory (", device_allocator->Name(),
+                       ") failed: ", dst.status().message())));
       return;
     }
     const size_t bytes = proxy.TotalBytes();
