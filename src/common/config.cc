@@ -187,6 +187,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_TRACE",
       "TENSORVERBS_CUDA_RUNTIME",
       "TENSORVERBS_PIN_POOL",
+      "TENSORVERBS_GPU_DIRECT",
       "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",
       "TENSORVERBS_PUSH_MAX_MB",
@@ -273,6 +274,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.slow_recv_warning = absl::Milliseconds(slow_ms);
   ASSIGN_OR_RETURN(config.pin_pool,
                    ParseChoice(env, "TENSORVERBS_PIN_POOL", {"auto", "on", "off"}, "auto"));
+  ASSIGN_OR_RETURN(std::string gpu_direct,
+                   ParseChoice(env, "TENSORVERBS_GPU_DIRECT", {"on", "off"}, "on"));
+  config.gpu_direct = gpu_direct == "on";
   ASSIGN_OR_RETURN(std::string push, ParseChoice(env, "TENSORVERBS_PUSH", {"on", "off"}, "on"));
   config.push = push == "on";
   ASSIGN_OR_RETURN(int64_t push_max, ParseInt(env, "TENSORVERBS_PUSH_MAX", 1, 65536, 1024));

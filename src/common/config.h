@@ -138,6 +138,10 @@ struct Config {
   // the CUDA runtime so GPU copies reach it by DMA: auto and on do it when a GPU is found (on
   // also says when none is), off never loads the CUDA runtime.
   std::string pin_pool = "auto";
+  // TENSORVERBS_GPU_DIRECT: on (default) | off. On, grpc+verbs over the same-host fabric writes
+  // GPU tensors from and into GPU memory directly (CUDA IPC) where a GPU is found; off, they
+  // take the proxy path through host memory (two copies), as on every other fabric.
+  bool gpu_direct = true;
   // TENSORVERBS_PUSH: on (default) | off. On, a grpc+verbs receiver that just received a key at
   // step s asks for it at step s+1 at once, with a destination from the key's meta-data, so the
   // sender writes the moment it sends and the next recv of the key needs no REQUEST round

@@ -68,6 +68,7 @@ std::vector<std::string> ListOfiProviders() { return ofi::ListUsableProviders();
 absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
   DomainOptions options;
   options.rdma = choice.rdma;
+  options.device_memory = choice.device_memory;
   const std::string& fabric = choice.fabric;
   if (fabric == "loopback" || fabric == "ibverbs" || fabric == "shmem") {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(fabric, options);

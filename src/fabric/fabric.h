@@ -39,6 +39,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "src/common/config.h"
+#include "src/fabric/device_memory.h"
 
 namespace tensorverbs::fabric {
 
@@ -70,6 +71,9 @@ struct Capabilities {
   // (libfabric's shm and tcp choose keys themselves and do not bind them to endpoints) a peer
   // that learns another channel's key can still use it while it lives.
   bool endpoint_bound_keys = false;
+  // RegisterDeviceMemory works, and writes and reads move bytes from and to GPU memory
+  // directly (DomainOptions::device_memory; the shmem fabric by CUDA IPC).
+  bool device_memory = false;
 };
 
 struct DomainOptions {
@@ -82,6 +86,9 @@ struct DomainOptions {
   absl::Duration op_timeout = absl::Seconds(30);
   // ibverbs: device, port, GID and queue-pair settings (the seed's RDMA_* variables).
   RdmaConfig rdma;
+  // The GPU runtime through which a backend that can reaches device memory directly (null:
+  // host memory only).
+  std::shared_ptr<DeviceMemory> device_memory;
 };
 
 // A packed remote key, held inline: the opaque bytes MemoryRegion::PackRemoteKey produced. Every
@@ -215,6 +222,17 @@ class Domain {
     return absl::UnimplementedError(
         absl::StrCat(capabilities().backend, ": no per-endpoint registrations"));
   }
+  // Registers [addr, addr+length), one whole allocation of GPU `device`'s memory, where
+  // Capabilities::device_memory says the backend can; Unimplemented otherwise. Operations on it
+  // are device copies, completed asynchronously like any other.
+  virtual absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterDeviceMemory(void* addr,
+                                                                             size_t length,
+                                                                             int device,
+                                                                             uint32_t access) {
+    (void)addr, (void)length, (void)device, (void)access;
+    return absl::UnimplementedError(
+        absl::StrCat(capabilities().backend, ": no direct device memory here"));
+  }
   virtual absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() = 0;
   // Drives progress and returns up to out.size() completions. Never blocks.
   virtual absl::StatusOr<size_t> Poll(absl::Span<Completion> out) = 0;
@@ -242,9 +260,10 @@ struct FabricChoice {
   std::string ofi_provider;      // empty: ChooseOfiProvider's pick
   bool all_peers_local = false;  // every task runs on this host, so shm serves
   RdmaConfig rdma;
+  std::shared_ptr<DeviceMemory> device_memory;  // DomainOptions::device_memory
 
   static FabricChoice FromConfig(const Config& config, bool all_peers_local) {
-    return FabricChoice{config.fabric, config.ofi_provider, all_peers_local, config.rdma};
+    return FabricChoice{config.fabric, config.ofi_provider, all_peers_local, config.rdma, nullptr};
   }
 };
 

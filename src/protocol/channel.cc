@@ -559,6 +559,9 @@ void Channel::Push(const KeyRef& key, int64_t step, Allocator* allocator) {
   if (state_ != State::kReady) return;
   KeyState* state = StateOf(key);
   if (state == nullptr || state->active > 0 || state->pushed != kNoPush) return;
+  // Destinations pushed ahead are host memory only: a recv that adopts one gets a host tensor,
+  // which the rendezvous moves to the device if the recv wanted it there.
+  if (allocator != nullptr && !allocator->Placement().host_accessible()) return;
   const TensorMetaData* meta = env_->memory->CachedMeta(key->key.full_key);
   if (meta == nullptr || meta->is_dead || meta->dtype == DataType::kString ||
       meta->tensor_bytes > kMaxPushedTensorBytes) {

@@ -88,6 +88,10 @@ struct ChannelEnv {
   Registration registration = Registration::kPool;
   VerbsMode mode = VerbsMode::kZeroCopy;
   bool data_validation = false;
+  // The fabric moves GPU memory directly (Capabilities::device_memory, with pool registration,
+  // zero copy and no checksums, which would read the bytes on the CPU): a sender writes device
+  // tensors from where they are, and device pools' regions are registered as device memory.
+  bool device_direct = false;
   int message_slots = 8;
   int message_batch = 32;                         // the most control messages written into one slot
   absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept

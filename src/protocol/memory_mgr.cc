@@ -57,7 +57,57 @@ RdmaMemoryMgr::RdmaMemoryMgr(fabric::Domain* domain, PoolAllocator* pool, uint32
 
 RdmaMemoryMgr::~RdmaMemoryMgr() {
   pool_->RemoveRegionVisitor(visitor_id_);
+  // The release visitors take mu_ under each pool's lock: never the other way round.
+  std::vector<std::pair<PoolAllocator*, int>> device_pools;
+  {
+    MutexLock lock(&mu_);
+    device_pools.swap(device_pools_);
+  }
+  for (auto& [pool, id] : device_pools) pool->RemoveRegionVisitor(id);
   registered_.clear();
+}
+
+void RdmaMemoryMgr::AddDevicePool(PoolAllocator* pool) {
+  if (HasDevicePool(pool)) return;
+  // Added outside mu_: the release visitor takes mu_ under the pool's lock.
+  const int id = pool->AddRegionVisitor([](const MemoryRegion&) {},
+                                        [this](const MemoryRegion& r) {
+                                          MutexLock lock(&mu_);
+                                          released_.push_back(reinterpret_cast<uintptr_t>(r.base));
+                                        });
+  bool duplicate = false;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [known, known_id] : device_pools_) duplicate |= known == pool;
+    if (!duplicate) {
+      device_pools_.emplace_back(pool, id);
+      device_pool_count_.store(device_pools_.size(), std::memory_order_release);
+    }
+  }
+  if (duplicate) pool->RemoveRegionVisitor(id);  // another thread added it meanwhile
+}
+
+bool RdmaMemoryMgr::HasDevicePool(const Allocator* pool) const {
+  MutexLock lock(&mu_);
+  for (const auto& [known, id] : device_pools_) {
+    if (known == pool) return true;
+  }
+  return false;
+}
+
+bool RdmaMemoryMgr::FindDeviceRegion(const void* p, size_t len, MemoryRegion* region, int* device) {
+  if (device_pools_seen_.size() != device_pool_count_.load(std::memory_order_acquire)) {
+    MutexLock lock(&mu_);
+    device_pools_seen_.clear();
+    for (const auto& [pool, id] : device_pools_) device_pools_seen_.push_back(pool);
+  }
+  for (PoolAllocator* pool : device_pools_seen_) {
+    if (pool->FindRegion(p, len, region)) {
+      *device = pool->Placement().device;
+      return true;
+    }
+  }
+  return false;
 }
 
 void RdmaMemoryMgr::DropReleased() {
@@ -110,15 +160,23 @@ absl::StatusOr<const fabric::MemoryRegion*> RdmaMemoryMgr::FindRegistered(const 
                                                                           size_t len) {
   DropReleased();
   MemoryRegion region;
-  if (p == nullptr || !pool_->FindRegion(p, std::max<size_t>(len, 1), &region)) return nullptr;
+  int device = -1;
+  if (p == nullptr) return nullptr;
+  if (!pool_->FindRegion(p, std::max<size_t>(len, 1), &region) &&
+      !FindDeviceRegion(p, std::max<size_t>(len, 1), &region, &device)) {
+    return nullptr;
+  }
   const auto base = reinterpret_cast<uintptr_t>(region.base);
   auto it = registered_.find(base);
   if (it != registered_.end() && it->second.size == region.size) return it->second.region.get();
-  ASSIGN_OR_RETURN(std::unique_ptr<fabric::MemoryRegion> mr,
-                   domain_->RegisterMemory(region.base, region.size, shared_access_));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<fabric::MemoryRegion> mr,
+      device >= 0 ? domain_->RegisterDeviceMemory(region.base, region.size, device, shared_access_)
+                  : domain_->RegisterMemory(region.base, region.size, shared_access_));
   Registered& entry = registered_[base];
   entry.for_endpoint.clear();  // registrations of the memory the region held before
   entry.size = region.size;
+  entry.device = device;
   entry.region = std::move(mr);
   Recount();
   return entry.region.get();
@@ -128,8 +186,11 @@ absl::StatusOr<fabric::RemoteKey> RdmaMemoryMgr::RemoteKeyFor(fabric::Endpoint& 
                                                               const fabric::MemoryRegion& region) {
   if (!channel_keys_) return region.PackRemoteKey();
   auto it = registered_.find(reinterpret_cast<uintptr_t>(region.base()));
-  // A transient registration is made for one transfer to one peer already.
-  if (it == registered_.end() || it->second.region.get() != &region) return region.PackRemoteKey();
+  // A transient registration is made for one transfer to one peer already; device memory has
+  // no per-endpoint registrations (no fabric offers both).
+  if (it == registered_.end() || it->second.region.get() != &region || it->second.device >= 0) {
+    return region.PackRemoteKey();
+  }
   Registered& entry = it->second;
   auto own = entry.for_endpoint.find(&endpoint);
   if (own == entry.for_endpoint.end()) {

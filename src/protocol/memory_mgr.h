@@ -59,8 +59,16 @@ class RdmaMemoryMgr {
 
   PoolAllocator* pool() const { return pool_; }
 
-  // The registered region holding [p, p+len), registering its pool region on first use; null
-  // if the range is not pool memory. An error if the fabric refused the registration.
+  // Adds a pool of GPU memory (its Placement() a CUDA device) whose regions FindRegistered
+  // registers as device memory, where the fabric offers Capabilities::device_memory. Any
+  // thread; `pool` outlives this manager. Idempotent.
+  void AddDevicePool(PoolAllocator* pool);
+  // Whether `pool` was added (any thread).
+  bool HasDevicePool(const Allocator* pool) const;
+
+  // The registered region holding [p, p+len), registering its pool region on first use (a
+  // device pool's as device memory); null if the range is not pool memory. An error if the
+  // fabric refused the registration.
   absl::StatusOr<const fabric::MemoryRegion*> FindRegistered(const void* p, size_t len);
 
   // A uint8 tensor of `bytes` from the pool, and its registered region: the staging buffer of a
@@ -107,12 +115,15 @@ class RdmaMemoryMgr {
  private:
   struct Registered {
     size_t size = 0;
+    int device = -1;  // a device pool's region: its GPU
     std::unique_ptr<fabric::MemoryRegion> region;
     // Channel keys: the same memory registered for one endpoint's peer each.
     absl::flat_hash_map<const fabric::Endpoint*, std::unique_ptr<fabric::MemoryRegion>>
         for_endpoint;
   };
   void DropReleased();
+  // The device pool region holding [p, p+len), if any (progress thread).
+  bool FindDeviceRegion(const void* p, size_t len, MemoryRegion* region, int* device);
   // Stores the gauges of registered_ (progress thread, after each change of it).
   void Recount();
 
@@ -123,8 +134,12 @@ class RdmaMemoryMgr {
   const uint32_t shared_access_;  // of the pool regions' shared registrations
   int visitor_id_ = 0;
 
-  Mutex mu_;
+  mutable Mutex mu_;
   std::vector<uintptr_t> released_ ABSL_GUARDED_BY(mu_);  // pool region bases, to deregister
+  // Device pools with their visitor ids; the progress thread copies the list when it grew.
+  std::vector<std::pair<PoolAllocator*, int>> device_pools_ ABSL_GUARDED_BY(mu_);
+  std::atomic<size_t> device_pool_count_{0};
+  std::vector<PoolAllocator*> device_pools_seen_;  // progress thread
 
   std::map<uintptr_t, Registered> registered_;  // pool region base -> registration
   absl::flat_hash_map<std::string, TensorMetaData> cache_;

@@ -158,6 +158,19 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
   transient_.reset();
   const fabric::MemoryRegion* region = nullptr;
   void* target = nullptr;
+  const MemoryPlacement where = allocator_->Placement();
+  if (!where.host_accessible()) {
+    // Only a recv the transport said lands on the device comes here with a GPU allocator.
+    if (meta.dtype == DataType::kString) {
+      return RecvError(absl::InvalidArgumentError(absl::StrCat(
+          "a string tensor cannot land in ", where.ToString(),
+          " memory: strings live in host memory only; receive it with a host allocator")));
+    }
+    if (env->registration == Registration::kCopy) {
+      return RecvError(absl::FailedPreconditionError(
+          absl::StrCat("copy registration cannot land tensors in ", where.ToString(), " memory")));
+    }
+  }
   if (meta.dtype != DataType::kString && env->registration != Registration::kCopy) {
     // Out of memory names the recv: the allocator knows only sizes.
     absl::StatusOr<Tensor> result = Tensor::Allocate(allocator_, meta.dtype, meta.shape);
@@ -165,6 +178,12 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
     result_ = *std::move(result);
     ASSIGN_OR_RETURN(region, env->TransferRegion(result_.data(), meta.tensor_bytes, &transient_));
     if (region != nullptr) target = result_.data();
+    if (region == nullptr && !where.host_accessible() && meta.tensor_bytes > 0) {
+      // No proxy here: its bytes could not be copied into GPU memory on this thread.
+      return RecvError(absl::FailedPreconditionError(
+          absl::StrCat("the fabric cannot write into this ", where.ToString(), " memory (",
+                       allocator_->Name(), " is not a pool the transport registers)")));
+    }
   }
   if (target == nullptr) {
     // Strings, copy mode, or a destination the fabric cannot reach: a registered proxy.

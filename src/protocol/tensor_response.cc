@@ -66,7 +66,8 @@ void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, Key
   key_ = std::move(key);
   ChannelEnv* env = channel_->env();
   token_ = rendezvous_->RecvLocalAsync(
-      key_, env->local_tensors->Open(channel_->id(), request_.request_index, serial_));
+      key_, env->local_tensors->Open(channel_->id(), request_.request_index, serial_),
+      /*keep_device=*/env->device_direct);
 }
 
 void RdmaTensorResponse::Cancel() {
@@ -94,9 +95,18 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   if (meta_.tensor_bytes == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(source_region_,
                    env->TransferRegion(tensor.data(), meta_.tensor_bytes, &transient_));
+  const bool on_device = !tensor.placement().host_accessible();
   if (source_region_ != nullptr) {
     source_ = tensor.data();
+    if (on_device && env->worker != nullptr && env->worker->stats != nullptr) {
+      env->worker->stats->device_direct_sends.fetch_add(1, std::memory_order_relaxed);
+    }
     return absl::OkStatus();
+  }
+  if (on_device) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the tensor is in ", tensor.placement().ToString(),
+                     " memory that the fabric cannot reach and that was not staged"));
   }
   // Copy registration, or a tensor outside the registered pool: stage it.
   ASSIGN_OR_RETURN(staging_,
@@ -136,6 +146,21 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
   if (!status.ok()) {
     SendError(status);
     return;
+  }
+  if (!is_dead && !tensor.placement().host_accessible() && tensor.TotalBytes() > 0 && !restaged_) {
+    // A device tensor kept as it is (ChannelEnv::device_direct): written from GPU memory when it
+    // lies in a device pool the fabric registers, else staged to host after all, once.
+    absl::StatusOr<const fabric::MemoryRegion*> region =
+        env->device_direct && env->mode == VerbsMode::kZeroCopy
+            ? env->memory->FindRegistered(tensor.data(), tensor.TotalBytes())
+            : nullptr;
+    if (region.ok() && *region == nullptr) {
+      restaged_ = true;
+      rendezvous_->StageToHostAsync(
+          name(), tensor,
+          env->local_tensors->Open(channel_->id(), request_.request_index, serial_));
+      return;
+    }
   }
   tensor_ = tensor;
   absl::Status prepared;

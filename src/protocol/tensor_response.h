@@ -95,6 +95,7 @@ class RdmaTensorResponse {
   std::unique_ptr<fabric::MemoryRegion> transient_;
   int writes_left_ = 0;
   absl::Time meta_sent_at_ = absl::InfiniteFuture();
+  bool restaged_ = false;  // a device tensor the fabric cannot reach went to host staging
 };
 
 const char* ResponseStateName(RdmaTensorResponse::State state);

@@ -89,7 +89,8 @@ RecvDoneCallback StagingDevice(const WorkerEnv* env, std::string key, RecvDoneCa
 
 // A remote recv's `done` for a destination in device memory: the tensor arrived in a pool
 // tensor (the proxy) and is copied host-to-device into memory of `device_allocator`; `done`
-// then runs on the callback executor.
+// then runs on the callback executor. A tensor that arrived on that device already (the direct
+// path) passes through as it is.
 RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocator* device_allocator,
                                  RecvDoneCallback done) {
   return [env, key = std::move(key), device_allocator, done = std::move(done)](
@@ -99,6 +100,10 @@ RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocato
       return;
     }
     const MemoryPlacement where = device_allocator->Placement();
+    if (proxy.placement() == where) {
+      std::move(done)(s, proxy, false);
+      return;
+    }
     // The recv fails before any copy: counted as a device copy error.
     auto fail = [&](absl::Status error) {
       if (env->stats) env->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
@@ -127,6 +132,14 @@ RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocato
     }
     const size_t bytes = proxy.TotalBytes();
     void* dst_data = dst->data();
+    if (env->device_copier == nullptr) {
+      fail(absl::FailedPreconditionError(
+          absl::StrCat("recv of '", key,
+                       "': it arrived in host memory, and this task has no "
+                       "CUDA runtime to copy it to ",
+                       where.ToString())));
+      return;
+    }
     env->device_copier->CopyAsync(
         where.device, dst_data, proxy.data(), bytes, CopyDirection::kHostToDevice, key,
         [in_flight = CopyInFlight(env->stats), env, proxy = Tensor(proxy), dst = *std::move(dst),
@@ -213,6 +226,14 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
     return;
   }
   if (args.allocator != nullptr && !args.allocator->Placement().host_accessible()) {
+    if (LandsOnDevice(key, args.allocator)) {
+      if (env_->stats) env_->stats->device_direct_recvs.fetch_add(1, std::memory_order_relaxed);
+      // Lands in the device pool; one that landed in host memory after all (a destination
+      // pushed ahead before the direct path was known) is copied over.
+      RecvFromRemoteAsyncCounted(
+          key, args, CopyingToDevice(env_, key.full_key, args.allocator, std::move(done)));
+      return;
+    }
     if (env_->device_copier == nullptr ||
         !env_->device_copier->Handles(args.allocator->Placement())) {
       std::move(done)(
@@ -254,8 +275,21 @@ uint64_t RemoteRendezvous::RecvLocalAsync(const ParsedKey& key, RecvDoneCallback
   return local_.RecvAsync(key, std::move(done));
 }
 
-uint64_t RemoteRendezvous::RecvLocalAsync(KeyRef key, RecvDoneCallback done) {
-  if (env_->device_copier != nullptr) {
+void RemoteRendezvous::StageToHostAsync(const std::string& key, const Tensor& value,
+                                        RecvDoneCallback done) {
+  if (env_->device_copier == nullptr || !env_->device_copier->Handles(value.placement())) {
+    std::move(done)(absl::FailedPreconditionError(absl::StrCat(
+                        "send of '", key, "': the tensor is in ", value.placement().ToString(),
+                        " memory the fabric cannot reach, and this task has no CUDA runtime "
+                        "driving that device to stage it")),
+                    Tensor(), false);
+    return;
+  }
+  StageToHost(env_, key, value, std::move(done));
+}
+
+uint64_t RemoteRendezvous::RecvLocalAsync(KeyRef key, RecvDoneCallback done, bool keep_device) {
+  if (env_->device_copier != nullptr && !keep_device) {
     done = StagingDevice(env_, key->key.full_key, std::move(done));
   }
   return local_.RecvAsync(std::move(key), std::move(done));

@@ -10,7 +10,11 @@
 // device-to-host into a tensor of the registered pool before RecvLocalAsync's `done` sees it
 // (so the protocol only ever reads host memory), and a recv whose allocator is a GPU's lands in
 // the pool and is copied host-to-device before its `done` runs, on the callback executor.
-// Strings never live on a GPU. Without a copier device tensors stay within the task. StartAbort
+// Strings never live on a GPU. Without a copier device tensors stay within the task. A protocol
+// whose fabric reaches GPU memory directly takes the direct path instead where it can: a recv
+// it says lands on the device (LandsOnDevice) goes to it with the GPU allocator, and its server
+// side asks RecvLocalAsync to keep device tensors as they are (StageToHostAsync stages one it
+// cannot write from after all). StartAbort
 // fails local waiters and asks the protocol (AbortRemote) to fail its in-flight remote recvs with
 // the same status.
 //
@@ -56,6 +60,10 @@ struct TransferStats {
   // Device copies started and not yet through their completion (a gauge): a stopping task
   // waits for zero before its executor and pools go.
   std::atomic<int64_t> device_copies_in_flight{0};
+  // Device tensors that moved with no copy through host memory: the fabric wrote them from or
+  // into GPU memory directly (grpc+verbs over the shmem fabric, by CUDA IPC).
+  std::atomic<int64_t> device_direct_sends{0};
+  std::atomic<int64_t> device_direct_recvs{0};
 
   // One remote recv's outcome, just before its `done` runs.
   void CountRecv(const absl::Status& status, const Tensor& tensor) {
@@ -124,8 +132,13 @@ class RemoteRendezvous {
 
   // For the protocols' server side: takes `key` from this task's table once it is sent.
   // Returns a token for CancelLocalRecv.
+  // With `keep_device` a device tensor reaches `done` as it is (the protocol writes from GPU
+  // memory directly); otherwise it is staged to host memory first.
   uint64_t RecvLocalAsync(const ParsedKey& key, RecvDoneCallback done);
-  uint64_t RecvLocalAsync(KeyRef key, RecvDoneCallback done);
+  uint64_t RecvLocalAsync(KeyRef key, RecvDoneCallback done, bool keep_device = false);
+  // Copies the device tensor `value` into a pool tensor for a peer and runs `done` with it (on
+  // the copier's thread), or with the reason it cannot. `key` names it in errors.
+  void StageToHostAsync(const std::string& key, const Tensor& value, RecvDoneCallback done);
   bool CancelLocalRecv(uint64_t token, const absl::Status& status);
 
   void StartAbort(const absl::Status& status);
@@ -143,6 +156,10 @@ class RemoteRendezvous {
                                    RecvDoneCallback done) = 0;
   // Fails every in-flight remote recv; later ones fail because status() is no longer OK.
   virtual void AbortRemote(const absl::Status& status) {}
+  // Whether a recv of `key` into `allocator`'s GPU memory lands there directly, with no host
+  // proxy: the protocol's fabric writes into that memory from the key's source task. Any
+  // thread; false sends it through the proxy path.
+  virtual bool LandsOnDevice(const ParsedKey& key, Allocator* allocator) const { return false; }
 
   const WorkerEnv* const env_;
 

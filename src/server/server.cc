@@ -19,6 +19,7 @@
 #include "src/device/pinned_pool.h"
 #include "src/fabric/fabric.h"
 #include "src/rpc/grpc_util.h"
+#include "src/server/cuda_fabric_memory.h"
 #include "src/transport/grpc/grpc_rendezvous.h"
 #include "src/transport/grpc/recv_tensor_handler.h"
 #include "src/transport/verbs/verbs_rendezvous.h"
@@ -200,7 +201,7 @@ absl::Status Server::Start() {
   // what peers map, so a write into it is one memcpy.
   pool_options.shareable = verbs_protocol && fabric::UsesSharedMemory(fabric::FabricChoice{
                                                  options_.verbs.fabric, options_.verbs.ofi_provider,
-                                                 all_peers_local, options_.verbs.rdma});
+                                                 all_peers_local, options_.verbs.rdma, nullptr});
   recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
   PinPoolIfAsked();
   executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
@@ -238,6 +239,7 @@ absl::Status Server::Start() {
                          : options_.protocol == "grpc+verbs-copy" ? protocol::VerbsMode::kCopy
                                                                   : protocol::VerbsMode::kGdr;
     verbs_options.env = &env_;
+    verbs_options.device_memory = FabricDeviceMemory();
     verbs_options.pool = recv_allocator_.get();
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
     verbs_options.security = security_;
@@ -409,10 +411,22 @@ void Server::SetUpDeviceCopier() {
   env_.device_copier = cuda_copier_.get();
 }
 
+std::shared_ptr<fabric::DeviceMemory> Server::FabricDeviceMemory() {
+  if (options_.device_memory != nullptr) return options_.device_memory;
+  absl::StatusOr<device::CudaRuntime*> cuda = CudaIfPresent();
+  if (!cuda.ok()) return nullptr;
+  return std::make_shared<CudaFabricMemory>(*cuda);
+}
+
 absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
   MutexLock lock(&device_pools_mu_);
   auto it = device_pools_.find(device);
   if (it != device_pools_.end()) return it->second.get();
+  if (options_.device_pool_factory) {
+    ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool, options_.device_pool_factory(device));
+    if (verbs_ != nullptr) verbs_->AddDevicePool(pool.get());
+    return device_pools_.emplace(device, std::move(pool)).first->second.get();
+  }
   absl::StatusOr<device::CudaRuntime*> cuda = CudaIfPresent();
   if (!cuda.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -424,6 +438,7 @@ absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
   pool_options.release_after = ServerOptions::kPoolReleaseAfter;
   ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool,
                    device::NewCudaPool(*cuda, device, pool_options));
+  if (verbs_ != nullptr) verbs_->AddDevicePool(pool.get());
   return device_pools_.emplace(device, std::move(pool)).first->second.get();
 }
 
@@ -457,6 +472,8 @@ proto::GetStatsResponse Server::CountersWithoutChannels() {
   c["host_to_device_copies"] = get(stats_.host_to_device);
   c["device_copied_bytes"] = get(stats_.device_copied_bytes);
   c["device_copy_errors"] = get(stats_.device_copy_errors);
+  c["device_direct_sends"] = get(stats_.device_direct_sends);
+  c["device_direct_recvs"] = get(stats_.device_direct_recvs);
   const PoolAllocator::Stats pool = recv_allocator_->GetStats();
   c["pool_regions"] = static_cast<int64_t>(pool.regions);
   c["pool_bytes"] = static_cast<int64_t>(pool.region_bytes);

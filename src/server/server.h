@@ -11,6 +11,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -78,6 +79,11 @@ struct ServerOptions {
   // GPU and the CUDA runtime are present, none otherwise. Set, it must outlive the server
   // (tests give a stand-in).
   DeviceCopier* device_copier = nullptr;
+  // How the fabric reaches GPU memory directly, and where device pools' regions come from.
+  // Null (the default): CUDA's (CudaFabricMemory, device::NewCudaPool) when a GPU is present.
+  // Set, tests stand in for a GPU with host memory (the memory must outlive the server).
+  std::shared_ptr<fabric::DeviceMemory> device_memory;
+  std::function<absl::StatusOr<std::unique_ptr<PoolAllocator>>(int device)> device_pool_factory;
 
   // The defaults with every setting that has a variable taken from `config`.
   static ServerOptions FromConfig(const Config& config);
@@ -147,6 +153,9 @@ class Server {
   void PinPoolIfAsked();
   // The device copier env_ gets: options_.device_copier, else a CUDA one where a GPU is.
   void SetUpDeviceCopier();
+  // How the transport's fabric may reach GPU memory: options_.device_memory, else CUDA's where
+  // a GPU is, else null.
+  std::shared_ptr<fabric::DeviceMemory> FabricDeviceMemory();
   void AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
                    proto::GetStatsResponse* out) const;
   absl::Status Start();

@@ -34,6 +34,7 @@
 #include "tests/support/inprocess_cluster.h"
 #include "tests/support/pending_recv.h"
 #include "tests/support/stand_in_device.h"
+#include "tests/support/stand_in_device_memory.h"
 
 namespace tensorverbs {
 namespace {
@@ -276,6 +277,8 @@ class ProtocolTest : public testing::ClusterTest<Param> {
     o.max_tensor_bytes = max_tensor_bytes_;
     o.max_peer_steps = max_peer_steps_;
     o.device_copier = device_copier_;
+    o.device_memory = device_memory_;
+    o.device_pool_factory = device_pool_factory_;
     o.tune = std::move(tune);
     o.protocols = std::move(protocols);
     StartWith(n, o);
@@ -300,6 +303,10 @@ class ProtocolTest : public testing::ClusterTest<Param> {
     return *stand_in_copier_;
   }
   testing::StandInDeviceAllocator& StandInGpu(int d) { return *stand_in_gpus_[d]; }
+  // Sends `sent` as `name` in `step` from task 1 and receives it on task 0 with `args`: it
+  // arrives once, with `host`'s bytes, on cuda:0 unless empty (then counted in *transfers).
+  void DeviceRecv(int64_t step, const std::string& name, const Tensor& sent, const Tensor& host,
+                  const RecvArgs& args, int64_t* transfers);
   std::vector<std::unique_ptr<testing::StandInDeviceAllocator>> stand_in_gpus_;
   std::unique_ptr<testing::StandInDeviceCopier> stand_in_copier_;
 
@@ -889,6 +896,21 @@ bool SameBytes(const Tensor& device, const Tensor& host) {
           std::memcmp(device.data(), host.data(), host.TotalBytes()) == 0);
 }
 
+void ProtocolTest::DeviceRecv(int64_t step, const std::string& name, const Tensor& sent,
+                              const Tensor& host, const RecvArgs& args, int64_t* transfers) {
+  ASSERT_TRUE(Step(1, step)->Send(Key(1, name), sent).ok()) << name;
+  PendingRecv recv(*Step(0, step), Key(1, name), args);
+  ASSERT_TRUE(recv.Wait()) << name;
+  ASSERT_TRUE(recv.status().ok()) << name << ": " << recv.status();
+  EXPECT_TRUE(SameBytes(recv.tensor(), host)) << name;
+  EXPECT_EQ(recv.calls(), 1);
+  // An empty tensor has no memory, so no placement and nothing to copy.
+  if (host.TotalBytes() > 0) {
+    EXPECT_EQ(recv.tensor().placement(), MemoryPlacement::CudaDevice(0)) << name;
+    ++*transfers;
+  }
+}
+
 TEST_P(ProtocolTest, DeviceTensorsTakeTheProxyPathWithOneCopyEachWay) {
   testing::StandInDeviceCopier& copier = UseStandInGpus(2);
   testing::StandInDeviceAllocator& gpu0 = StandInGpu(0);
@@ -912,18 +934,7 @@ TEST_P(ProtocolTest, DeviceTensorsTakeTheProxyPathWithOneCopyEachWay) {
       Tensor host;
       Tensor sent = DeviceTensor(gpu1, dtype, dims, seed++, &host);
       const std::string name = absl::StrCat(DataTypeName(dtype), "_", dims.size(), "_", dims[0]);
-      ASSERT_TRUE(Step(1, step)->Send(Key(1, name), sent).ok()) << name;
-      PendingRecv recv(*Step(0, step), Key(1, name), to_gpu0);
-      ASSERT_TRUE(recv.Wait()) << name;
-      ASSERT_TRUE(recv.status().ok()) << name << ": " << recv.status();
-      EXPECT_TRUE(SameBytes(recv.tensor(), host)) << name;
-      EXPECT_EQ(recv.calls(), 1);
-      // An empty tensor has no memory, so no placement and nothing to copy.
-      if (host.TotalBytes() > 0) {
-        EXPECT_EQ(recv.tensor().placement(), MemoryPlacement::CudaDevice(0)) << name;
-        ++transfers;
-      }
-      ++step;
+      ASSERT_NO_FATAL_FAILURE(DeviceRecv(step++, name, sent, host, to_gpu0, &transfers));
     }
   }
   EXPECT_EQ(copier.device_to_host(), transfers);
@@ -1034,6 +1045,140 @@ TEST_P(ProtocolTest, WithoutACopierDeviceTensorsAreRefusedNamingKeyAndDevice) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, ProtocolTest, ::testing::ValuesIn(EveryProtocol()), ParamName);
+
+// grpc+verbs over the same-host fabric with a GPU runtime (stand-ins here, CUDA IPC on a GPU
+// host): device tensors in the tasks' device pools move with no copy through host memory.
+class DeviceDirectTest : public ProtocolTest {
+ protected:
+  // Stand-in GPUs (0 .. devices-1) with the direct path, for tasks started afterwards.
+  testing::StandInDeviceMemory& UseDirectGpus(int devices) {
+    UseStandInGpus(devices);
+    device_memory_ = std::make_shared<testing::StandInDeviceMemory>();
+    device_pool_factory_ = [](int device) -> absl::StatusOr<std::unique_ptr<PoolAllocator>> {
+      return testing::NewStandInDevicePool(device);
+    };
+    return static_cast<testing::StandInDeviceMemory&>(*device_memory_);
+  }
+  // A tensor in task's device pool of cuda:0 with the pattern of `seed`; `host` gets its bytes.
+  Tensor PoolDeviceTensor(int task, DataType dtype, std::vector<int64_t> dims, uint32_t seed,
+                          Tensor* host) {
+    *host = *Tensor::Allocate(CpuAllocator(), dtype, *TensorShape::Create(dims));
+    testing::FillPattern(*host, seed);
+    Tensor t = *Tensor::Allocate(*server(task).DeviceAllocator(0), dtype, host->shape());
+    if (host->TotalBytes() > 0) std::memcpy(t.data(), host->data(), host->TotalBytes());
+    return t;
+  }
+  // A host tensor first, so the channel is set up and each side knows the other's end.
+  void WarmUp() {
+    ASSERT_NO_FATAL_FAILURE(SendAndRecv(1000, "warm", PoolTensor(1, DataType::kInt32, {8}, 1)));
+  }
+};
+
+TEST_P(DeviceDirectTest, DevicePoolTensorsMoveWithNoCopyThroughHostMemory) {
+  testing::StandInDeviceMemory& dm = UseDirectGpus(1);
+  testing::StandInDeviceCopier& copier = *stand_in_copier_;
+  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  ASSERT_TRUE(transport(0).device_direct());
+  RecvArgs to_gpu;
+  to_gpu.allocator = *server(0).DeviceAllocator(0);
+  EXPECT_TRUE(transport(0).LandsOnDevice("/job:worker/replica:0/task:1", to_gpu.allocator));
+  EXPECT_FALSE(transport(0).LandsOnDevice("/job:worker/replica:0/task:1", &StandInGpu(0)));
+  int64_t step = 1, transfers = 0;
+  uint32_t seed = 10;
+  for (DataType dtype : AllDataTypes()) {
+    if (dtype == DataType::kString) continue;
+    for (std::vector<int64_t> dims : {std::vector<int64_t>{0}, {1}, {3, 5}, {1 << 18}}) {
+      if (dims[0] == (1 << 18) && DataTypeSize(dtype) != 4) continue;
+      Tensor host;
+      Tensor sent = PoolDeviceTensor(1, dtype, dims, seed++, &host);
+      const std::string name = absl::StrCat(DataTypeName(dtype), "_", dims.size(), "_", dims[0]);
+      // Each key twice: the second recv of a key is the steady state (cached meta-data).
+      for (int round = 0; round < 2; ++round) {
+        ASSERT_NO_FATAL_FAILURE(DeviceRecv(step++, name, sent, host, to_gpu, &transfers));
+      }
+    }
+  }
+  EXPECT_EQ(dm.device_to_device(), transfers) << "one device copy per tensor, by the fabric";
+  EXPECT_EQ(copier.device_to_host(), 0) << "no staging";
+  EXPECT_EQ(copier.host_to_device(), 0) << "no proxy";
+  EXPECT_EQ(server(1).stats().device_direct_sends.load(), transfers);
+  EXPECT_GE(server(0).stats().device_direct_recvs.load(), transfers);
+  EXPECT_EQ(server(0).stats().copies.load() + server(1).stats().copies.load(), 0);
+
+  // Host to device and device to host move directly too: one device copy each, by the fabric.
+  Tensor from_pool = PoolTensor(1, DataType::kFloat32, {1000}, 77);
+  Tensor got;
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(step++, "host_to_gpu", from_pool, &got, to_gpu));
+  EXPECT_EQ(got.placement(), MemoryPlacement::CudaDevice(0));
+  EXPECT_TRUE(SameBytes(got, from_pool));
+  EXPECT_EQ(dm.host_to_device(), 1);
+  Tensor host;
+  Tensor on_gpu = PoolDeviceTensor(1, DataType::kInt64, {333}, 78, &host);
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(step++, "gpu_to_host", on_gpu, &got));
+  EXPECT_TRUE(got.placement().host_accessible());
+  EXPECT_TRUE(got.ContentEquals(host));
+  EXPECT_EQ(dm.device_to_host(), 1);
+  EXPECT_EQ(copier.device_to_host() + copier.host_to_device(), 0);
+}
+
+TEST_P(DeviceDirectTest, MemoryTheFabricCannotReachTakesTheProxyPathInstead) {
+  testing::StandInDeviceMemory& dm = UseDirectGpus(1);
+  testing::StandInDeviceCopier& copier = *stand_in_copier_;
+  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  RecvArgs to_pool;
+  to_pool.allocator = *server(0).DeviceAllocator(0);
+  // A device tensor outside the sender's pool is staged to host, then written directly.
+  Tensor host;
+  Tensor outside = DeviceTensor(StandInGpu(0), DataType::kFloat32, {4096}, 5, &host);
+  Tensor got;
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "outside", outside, &got, to_pool));
+  EXPECT_TRUE(SameBytes(got, host));
+  EXPECT_EQ(copier.device_to_host(), 1);
+  EXPECT_EQ(dm.host_to_device(), 1);
+  // A recv into a device allocator the transport does not register lands in a proxy.
+  RecvArgs to_other;
+  to_other.allocator = &StandInGpu(0);
+  Tensor sent = PoolDeviceTensor(1, DataType::kUInt8, {5000}, 6, &host);
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(2, "other", sent, &got, to_other));
+  EXPECT_TRUE(SameBytes(got, host));
+  EXPECT_EQ(got.placement(), MemoryPlacement::CudaDevice(0));
+  EXPECT_EQ(copier.host_to_device(), 1);
+  EXPECT_EQ(dm.device_to_host(), 1) << "written from the device into the proxy";
+  // Strings never land on a device.
+  ASSERT_TRUE(Step(1, 3)->Send(Key(1, "strings"), PoolTensor(1, DataType::kString, {3}, 7)).ok());
+  PendingRecv strings(*Step(0, 3), Key(1, "strings"), to_pool);
+  ASSERT_TRUE(strings.Wait());
+  EXPECT_EQ(strings.status().code(), absl::StatusCode::kInvalidArgument) << strings.status();
+  EXPECT_THAT(std::string(strings.status().message()), HasSubstr("strings live in host memory"));
+  // The channel is fine afterwards.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(4, "after", sent, &got, to_pool));
+  EXPECT_TRUE(SameBytes(got, host));
+  EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+}
+
+TEST_P(DeviceDirectTest, GpuDirectOffTakesTheProxyPath) {
+  testing::StandInDeviceMemory& dm = UseDirectGpus(1);
+  testing::StandInDeviceCopier& copier = *stand_in_copier_;
+  StartCluster(2, [](VerbsOptions& o) { o.gpu_direct = false; });
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  EXPECT_FALSE(transport(0).device_direct());
+  RecvArgs to_gpu;
+  to_gpu.allocator = *server(0).DeviceAllocator(0);
+  Tensor host;
+  Tensor sent = PoolDeviceTensor(1, DataType::kFloat32, {1024}, 9, &host);
+  Tensor got;
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "proxied", sent, &got, to_gpu));
+  EXPECT_TRUE(SameBytes(got, host));
+  EXPECT_EQ(copier.device_to_host(), 1);
+  EXPECT_EQ(copier.host_to_device(), 1);
+  EXPECT_EQ(dm.device_to_device() + dm.host_to_device() + dm.device_to_host(), 0);
+  EXPECT_EQ(server(0).stats().device_direct_recvs.load(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, DeviceDirectTest,
+                         ::testing::ValuesIn(Combine({&kGrpcVerbs}, {&kShmem})), ParamName);
 
 // Designs whose requests are grpc+verbs control messages, which carry the checksum.
 class ChannelRequestTest : public ProtocolTest {};

@@ -49,6 +49,9 @@ struct ClusterOptions {
   std::function<rpc::SecurityOptions(int)> security_for;
   // Every task's device copier (a stand-in on machines without a GPU); it outlives the cluster.
   DeviceCopier* device_copier = nullptr;
+  // Every task's direct device path and device pools (stand-ins; see ServerOptions).
+  std::shared_ptr<fabric::DeviceMemory> device_memory;
+  std::function<absl::StatusOr<std::unique_ptr<PoolAllocator>>(int device)> device_pool_factory;
 };
 
 class InProcessCluster {
@@ -73,6 +76,8 @@ class InProcessCluster {
       options.max_peer_steps = o.max_peer_steps;
       options.security = o.security_for ? o.security_for(t) : o.security;
       options.device_copier = o.device_copier;
+      options.device_memory = o.device_memory;
+      options.device_pool_factory = o.device_pool_factory;
       options.verbs.fabric = o.fabric;
       options.verbs.ofi_provider = o.provider;
       // A probe answered by a server TSan slows tenfold, on two loaded cores, can take seconds
@@ -151,6 +156,8 @@ class ClusterTest : public ::testing::TestWithParam<Param> {
   uint64_t max_tensor_bytes_ = kDefaultMaxTensorBytes;
   int64_t max_peer_steps_ = 1024;
   DeviceCopier* device_copier_ = nullptr;
+  std::shared_ptr<fabric::DeviceMemory> device_memory_;
+  std::function<absl::StatusOr<std::unique_ptr<PoolAllocator>>(int device)> device_pool_factory_;
 };
 
 }  // namespace tensorverbs::testing

@@ -26,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 #include "src/common/mutex.h"
@@ -65,6 +66,8 @@ struct RegionEntry {
   uint32_t access = 0;
   int fd = -1;  // memfd (ours, closed with the entry); -1 for private memory
   uint64_t file_size = 0;
+  int device = -1;  // GPU memory: its ordinal, and the handle a peer imports it by
+  std::string handle;
 };
 
 struct DomainState {
@@ -74,6 +77,7 @@ struct DomainState {
   int bell_fd = -1;  // eventfd: the doorbell peers ring and Interrupt signals
   int stop_fd = -1;  // eventfd: ends the server thread
   std::thread server;
+  std::shared_ptr<DeviceMemory> device;  // null: host memory only
   std::atomic<uint64_t> next_id{1};
 
   Mutex mu;
@@ -190,6 +194,7 @@ bool DomainState::Answer(int client, const Request& request,
   reply.status = kOk;
   reply.type = request.type;
   reply.id = request.id;
+  DeviceRegionReply device_reply{};
   // Descriptors to send, each our own duplicate (closed below): a deregistration on another
   // thread may close the region's descriptor, and its number be reused, while we send.
   int fds[2] = {-1, -1};
@@ -212,18 +217,26 @@ bool DomainState::Answer(int client, const Request& request,
       fds[nfds++] = fcntl(ep->ring->fd(), F_DUPFD_CLOEXEC, 0);
       fds[nfds++] = fcntl(bell_fd, F_DUPFD_CLOEXEC, 0);
     }
-  } else if (request.type == kRegion) {
-    // Regions are handed out only on a connection that named one of our endpoints first.
+  } else if (request.type == kRegion || request.type == kDeviceRegion) {
+    // Regions are handed out only on a connection that named one of our endpoints first: a
+    // memfd for host memory, the exported handle for device memory.
+    const bool device = request.type == kDeviceRegion;
     MutexLock lock(&mu);
     auto it = regions.find(request.id);
     if (*hello == nullptr) {
       reply.status = kNotConnected;
     } else if (it == regions.end()) {
       reply.status = kNoSuchRegion;
-    } else if (it->second.fd < 0) {
-      reply.status = kNotShared;
+    } else if (device ? it->second.device < 0 : it->second.fd < 0) {
+      reply.status = device ? kNotDevice : kNotShared;
     } else if ((it->second.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
       reply.status = kNoAccess;
+    } else if (device) {
+      reply.size = it->second.length;
+      reply.access = it->second.access;
+      device_reply.device = static_cast<uint32_t>(it->second.device);
+      device_reply.handle_size = static_cast<uint32_t>(it->second.handle.size());
+      std::memcpy(device_reply.handle, it->second.handle.data(), it->second.handle.size());
     } else {
       reply.size = it->second.file_size;
       reply.access = it->second.access;
@@ -240,8 +253,17 @@ bool DomainState::Answer(int client, const Request& request,
     if (fds[i] < 0) reply.status = kNoAccess;  // out of descriptors, or no /proc
   }
   const int sent = reply.status == kOk ? nfds : 0;
+  // A device region's handle follows the reply (its requester expects that length, answered
+  // or refused).
+  const void* message = &reply;
+  size_t length = sizeof(reply);
+  if (request.type == kDeviceRegion) {
+    device_reply.reply = reply;
+    message = &device_reply;
+    length = sizeof(device_reply);
+  }
   // Never blocks: a peer that does not read its replies loses its own connection.
-  const bool ok = SendWithFds(client, &reply, sizeof(reply), fds, sent, MSG_DONTWAIT);
+  const bool ok = SendWithFds(client, message, length, fds, sent, MSG_DONTWAIT);
   if (!ok) VLOG(1) << "shmem: a reply to a peer failed: " << std::strerror(errno);
   for (int i = 0; i < nfds; ++i) {
     if (fds[i] >= 0) close(fds[i]);
@@ -254,13 +276,14 @@ bool DomainState::Answer(int client, const Request& request,
 class ShmemRegion final : public MemoryRegion {
  public:
   ShmemRegion(std::shared_ptr<DomainState> d, uint64_t id, void* base, size_t length,
-              uint32_t access, bool shared, uint64_t offset)
+              uint32_t access, bool shared, uint64_t offset, int device = -1)
       : MemoryRegion(base, length),
         d_(std::move(d)),
         id_(id),
         access_(access),
         shared_(shared),
-        offset_(offset) {}
+        offset_(offset),
+        device_(device) {}
   ~ShmemRegion() override {
     MutexLock lock(&d_->mu);
     auto it = d_->regions.find(id_);
@@ -269,16 +292,18 @@ class ShmemRegion final : public MemoryRegion {
       d_->regions.erase(it);
     }
   }
+  // The GPU the region is on, or -1 for host memory.
+  int device() const { return device_; }
   RemoteKey PackRemoteKey() const override {
     PackedKey k{kKeyMagic,
-                shared_ ? kKeyShared : 0u,
+                (shared_ ? kKeyShared : 0u) | (device_ >= 0 ? kKeyDevice : 0u),
                 d_->uid,
                 id_,
                 reinterpret_cast<uint64_t>(base()),
                 length(),
                 offset_,
                 access_,
-                0};
+                device_ >= 0 ? static_cast<uint32_t>(device_) : 0u};
     return RemoteKey(absl::string_view(reinterpret_cast<const char*>(&k), sizeof(k)));
   }
 
@@ -288,6 +313,7 @@ class ShmemRegion final : public MemoryRegion {
   const uint32_t access_;
   const bool shared_;
   const uint64_t offset_;
+  const int device_;
 };
 
 // ---- Endpoints ------------------------------------------------------------------------------
@@ -304,6 +330,8 @@ class ShmemEndpoint final : public EndpointBase {
   }
 
   ~ShmemEndpoint() override {
+    // Copies the GPU still runs read or write memory this endpoint maps: they finish first.
+    DrainDeviceCopies();
     {
       MutexLock lock(&d_->mu);
       d_->endpoints.erase(shared_->id);
@@ -345,11 +373,30 @@ class ShmemEndpoint final : public EndpointBase {
   size_t Outstanding() const override { return outstanding_; }
 
   // Progress thread: runs queued operations, so what waits for room in the peer's ring goes
-  // as soon as there is some, or fails when the peer is gone or the operation too old.
+  // as soon as there is some, or fails when the peer is gone or the operation too old. Device
+  // copies start as soon as they are queued and complete in posting order with the rest: an
+  // immediate is published once the copies posted before it are done.
   void RunPending() {
+    StartDeviceCopies();
     while (!pending_.empty()) {
       Op& op = pending_.front();
-      absl::Status status = Usable();
+      if (op.phase == Phase::kCopying) {
+        absl::StatusOr<bool> done = d_->device->CopyDone(op.ticket);
+        if (done.ok() && !*done) return;  // the GPU is still copying
+        --device_copies_;
+        if (done.ok()) {
+          op.phase = Phase::kCopied;
+        } else {
+          op.phase = Phase::kFailed;
+          op.error = DeviceError(op, done.status());
+        }
+      }
+      absl::Status status = op.phase == Phase::kFailed ? op.error : Usable();
+      if (status.ok() && op.phase == Phase::kQueued && op.device) {
+        StartDeviceCopy(op);  // only when more were in flight than StartDeviceCopies starts
+        if (op.phase == Phase::kCopying) return;
+        if (op.phase == Phase::kFailed) status = op.error;
+      }
       if (status.ok() && op.with_imm && RingFull()) {
         const uint64_t head = Atomic(out_->head).load(std::memory_order_acquire);
         if (out_tail_ - head > out_capacity_) {
@@ -362,7 +409,7 @@ class ShmemEndpoint final : public EndpointBase {
                                                             absl::FormatDuration(op_timeout_)));
         }
       } else if (status.ok()) {
-        status = Copy(op);
+        if (op.phase == Phase::kQueued) status = Copy(op);
         if (status.ok() && op.with_imm) Publish(op.imm, op.length);
       }
       Complete(op, std::move(status));
@@ -410,6 +457,8 @@ class ShmemEndpoint final : public EndpointBase {
     return !ring_broken_ && Atomic(in_->tail).load(std::memory_order_seq_cst) != in_head_;
   }
   bool HasPending() const { return !pending_.empty(); }
+  // Device copies this endpoint has running.
+  int device_copies() const { return device_copies_; }
   void SetSleeping(uint32_t v) { Atomic(in_->sleeping).store(v, std::memory_order_seq_cst); }
   void Delivered() { --outstanding_; }
 
@@ -439,6 +488,10 @@ class ShmemEndpoint final : public EndpointBase {
     op.imm = imm;
     op.local = static_cast<char*>(local.addr);
     op.length = local.length;
+    // Regions passed to this endpoint are this domain's (CheckRanges held them to their range).
+    op.local_device =
+        local.region != nullptr ? static_cast<const ShmemRegion*>(local.region)->device() : -1;
+    op.device = local.length > 0 && (op.local_device >= 0 || (key.flags & kKeyDevice) != 0);
     op.key = key;
     op.remote_addr = remote.addr;
     op.context = context;
@@ -450,6 +503,8 @@ class ShmemEndpoint final : public EndpointBase {
   }
 
  private:
+  // An operation's device copy: not started, running on the GPU, done, or refused.
+  enum class Phase { kQueued, kCopying, kCopied, kFailed };
   struct Op {
     CompletionKind kind;
     bool with_imm;
@@ -460,6 +515,11 @@ class ShmemEndpoint final : public EndpointBase {
     uint64_t remote_addr;
     uint64_t context;
     absl::Time posted;
+    int local_device = -1;  // the local buffer is GPU memory of this ordinal
+    bool device = false;    // either side is GPU memory: a device copy moves the bytes
+    Phase phase = Phase::kQueued;
+    uint64_t ticket = 0;
+    absl::Status error;  // kFailed
   };
   struct Mapping {
     void* addr;
@@ -468,7 +528,16 @@ class ShmemEndpoint final : public EndpointBase {
     PackedKey key;   // the key it was mapped for: base, length and offset must match
     bool writable;
     uint64_t order;  // for eviction: the oldest mapping goes first
+    bool pinned;     // page-locked for device copies
   };
+  // A peer's GPU allocation, imported into this process.
+  struct DeviceMapping {
+    void* base;
+    PackedKey key;  // the key it was imported for: base and length must match
+    int device;     // the ordinal it was imported on
+  };
+  // At most this many device copies in flight per endpoint.
+  static constexpr int kMaxDeviceCopies = 64;
 
   absl::Status PeerGone() const {
     return absl::UnavailableError(
@@ -559,8 +628,10 @@ class ShmemEndpoint final : public EndpointBase {
 
   // Releases everything Connect acquired; the endpoint is unconnected afterwards.
   void Disconnect() {
-    for (auto& [id, m] : mappings_) munmap(m.addr, m.map_length);
+    for (auto& [id, m] : mappings_) Unmap(m);
     mappings_.clear();
+    for (auto& [id, m] : device_mappings_) d_->device->Close(m.device, m.base);
+    device_mappings_.clear();
     if (out_ != nullptr) munmap(out_, out_bytes_);
     out_ = nullptr;
     for (int* fd : {&conn_fd_, &peer_bell_fd_, &peer_pidfd_}) {
@@ -572,15 +643,17 @@ class ShmemEndpoint final : public EndpointBase {
   // One request to the peer's descriptor server, answered at once or within the socket
   // timeout. A failure to get the answer breaks the endpoint: a late answer would otherwise
   // be read as the answer to the next request.
-  absl::Status Ask(RequestType type, uint64_t id, Reply* reply, int* fds, int max_fds, int* nfds) {
+  // `reply` starts a message of `reply_bytes` (a Reply, or a DeviceRegionReply).
+  absl::Status Ask(RequestType type, uint64_t id, Reply* reply, int* fds, int max_fds, int* nfds,
+                   size_t reply_bytes = sizeof(Reply)) {
     *nfds = 0;
     Request request{kRequestMagic, type, id};
     if (!SendWithFds(conn_fd_, &request, sizeof(request), nullptr, 0)) {
       return Break(absl::UnavailableError(absl::StrCat(
           "shmem: the peer (pid ", peer_pid_, ") does not answer: ", std::strerror(errno))));
     }
-    const ssize_t n = RecvWithFds(conn_fd_, reply, sizeof(*reply), fds, max_fds, nfds);
-    const bool matches = n == static_cast<ssize_t>(sizeof(*reply)) && reply->magic == kReplyMagic &&
+    const ssize_t n = RecvWithFds(conn_fd_, reply, reply_bytes, fds, max_fds, nfds);
+    const bool matches = n == static_cast<ssize_t>(reply_bytes) && reply->magic == kReplyMagic &&
                          reply->type == type && reply->id == id;
     if (!matches || reply->status != kOk) {
       for (int i = 0; i < *nfds; ++i) close(fds[i]);
@@ -601,9 +674,9 @@ class ShmemEndpoint final : public EndpointBase {
   }
 
   // Where region `key` is mapped here, mapping it on first use.
-  absl::StatusOr<const Mapping*> MapRegion(const PackedKey& key) {
+  absl::StatusOr<Mapping*> MapRegion(const PackedKey& key) {
     if (auto it = mappings_.find(key.region); it != mappings_.end()) {
-      const Mapping& m = it->second;
+      Mapping& m = it->second;
       if (m.key.base != key.base || m.key.length != key.length || m.key.offset != key.offset) {
         return absl::DataLossError(
             "shmem: a remote key describes its region differently than when it was mapped");
@@ -638,25 +711,177 @@ class ShmemEndpoint final : public EndpointBase {
       return absl::UnavailableError(absl::StrCat("shmem: mapping a peer's region of ", map_length,
                                                  " bytes: ", std::strerror(error)));
     }
-    if (mappings_.size() >= kMaxMappingsPerEndpoint) {
+    // Device copies may still be moving bytes through a mapping: none goes while they run.
+    if (mappings_.size() >= kMaxMappingsPerEndpoint && device_copies_ == 0) {
       auto oldest = std::min_element(
           mappings_.begin(), mappings_.end(),
           [](const auto& a, const auto& b) { return a.second.order < b.second.order; });
-      munmap(oldest->second.addr, oldest->second.map_length);
+      Unmap(oldest->second);
       mappings_.erase(oldest);
     }
     Counters().regions_mapped.fetch_add(1, std::memory_order_relaxed);
     const uint64_t local_base = reinterpret_cast<uint64_t>(addr) + (key.offset - start);
     Mapping& m = mappings_[key.region];
-    m = Mapping{addr, map_length, local_base - key.base, key, writable, ++mapping_order_};
+    m = Mapping{addr, map_length, local_base - key.base, key, writable, ++mapping_order_, false};
     return &m;
+  }
+
+  void Unmap(const Mapping& m) {
+    if (m.pinned) d_->device->UnregisterHost(m.addr);
+    munmap(m.addr, m.map_length);
+  }
+
+  // Where the peer's GPU region `key` is in this process, importing it on first use.
+  absl::StatusOr<const DeviceMapping*> MapDevice(const PackedKey& key, int device) {
+    if (auto it = device_mappings_.find(key.region); it != device_mappings_.end()) {
+      const DeviceMapping& m = it->second;
+      if (m.key.base != key.base || m.key.length != key.length) {
+        return absl::DataLossError(
+            "shmem: a remote key describes its device region differently than when it was "
+            "imported");
+      }
+      return &m;
+    }
+    DeviceRegionReply reply{};
+    int fd = -1;
+    int nfds = 0;
+    RETURN_IF_ERROR(Ask(kDeviceRegion, key.region, &reply.reply, &fd, 1, &nfds, sizeof(reply)));
+    for (int i = 0; i < nfds; ++i) close(fd);
+    if (reply.handle_size == 0 || reply.handle_size > kMaxDeviceHandle) {
+      return absl::DataLossError("shmem: the peer sent a malformed device handle");
+    }
+    if (key.length > reply.reply.size) {
+      return absl::DataLossError("shmem: a remote key does not fit its device region");
+    }
+    absl::StatusOr<void*> base =
+        d_->device->Import(device, absl::string_view(reply.handle, reply.handle_size));
+    if (!base.ok()) {
+      return absl::Status(
+          base.status().code(),
+          absl::StrCat("shmem: importing the GPU memory of pid ", peer_pid_,
+                       " (its cuda:", reply.device, ") failed: ", base.status().message()));
+    }
+    if (device_mappings_.size() >= kMaxMappingsPerEndpoint && device_copies_ == 0) {
+      auto first = device_mappings_.begin();
+      d_->device->Close(first->second.device, first->second.base);
+      device_mappings_.erase(first);
+    }
+    Counters().device_regions_imported.fetch_add(1, std::memory_order_relaxed);
+    DeviceMapping& m = device_mappings_[key.region];
+    m = DeviceMapping{*base, key, device};
+    return &m;
+  }
+
+  // The peer's side of a device copy.
+  absl::StatusOr<DeviceMemory::Side> RemoteSide(const Op& op, int device) {
+    const bool read = op.kind == CompletionKind::kRead;
+    if (op.key.flags & kKeyDevice) {
+      if (d_->device == nullptr) {
+        return absl::FailedPreconditionError(
+            "shmem: the peer's region is GPU memory, and this process has no GPU runtime to "
+            "reach it (the peer should not have offered it: see `tensorverbs info`)");
+      }
+      ASSIGN_OR_RETURN(const DeviceMapping* m, MapDevice(op.key, device));
+      return DeviceMemory::Side{static_cast<char*>(m->base) + (op.remote_addr - op.key.base), true};
+    }
+    if ((op.key.flags & kKeyShared) == 0) {
+      return absl::InvalidArgumentError(
+          "shmem: GPU memory moves to and from a peer's shared memory (its pool) or its GPU "
+          "memory; the peer's region is private (its TENSORVERBS_REGISTRATION is not pool)");
+    }
+    ASSIGN_OR_RETURN(Mapping * m, MapRegion(op.key));
+    if (!read && !m->writable) {
+      return absl::PermissionDeniedError("shmem: the peer mapped this region read-only");
+    }
+    if (!m->pinned) {
+      // Page-locked once, so copies reach it by DMA and never block this thread; if the
+      // runtime refuses, they still work, synchronously.
+      absl::Status pinned = d_->device->RegisterHost(m->addr, m->map_length);
+      if (pinned.ok()) {
+        m->pinned = true;
+      } else {
+        VLOG(1) << "shmem: a peer's region stays pageable for device copies: " << pinned;
+      }
+    }
+    return DeviceMemory::Side{reinterpret_cast<char*>(op.remote_addr + m->delta), false};
+  }
+
+  // Starts `op`'s device copy: kCopying, or kFailed with the reason.
+  void StartDeviceCopy(Op& op) {
+    auto fail = [&](const absl::Status& s) {
+      op.phase = Phase::kFailed;
+      op.error = DeviceError(op, s);
+    };
+    if (d_->device == nullptr) {
+      fail(absl::FailedPreconditionError("this process has no GPU runtime"));
+      return;
+    }
+    const int device = op.local_device >= 0 ? op.local_device : static_cast<int>(op.key.device);
+    absl::StatusOr<DeviceMemory::Side> remote = RemoteSide(op, device);
+    if (!remote.ok()) {
+      fail(remote.status());
+      return;
+    }
+    const DeviceMemory::Side local{op.local, op.local_device >= 0};
+    const bool read = op.kind == CompletionKind::kRead;
+    absl::StatusOr<uint64_t> ticket =
+        d_->device->StartCopy(device, read ? local : *remote, read ? *remote : local, op.length);
+    if (!ticket.ok()) {
+      fail(ticket.status());
+      return;
+    }
+    op.ticket = *ticket;
+    op.phase = Phase::kCopying;
+    ++device_copies_;
+    Counters().device_ops.fetch_add(1, std::memory_order_relaxed);
+    Counters().device_bytes.fetch_add(op.length, std::memory_order_relaxed);
+  }
+
+  // Starts every queued device copy, up to kMaxDeviceCopies running, also past host operations
+  // queued ahead of them (control messages between tensors): the GPU then runs one copy after
+  // another with no gap for the completions in between. Completions and immediates still go in
+  // posting order (RunPending); only the bytes of a device write may land before those of a host
+  // write posted earlier, which the protocol never aims at the same memory.
+  void StartDeviceCopies() {
+    if (device_copies_ >= kMaxDeviceCopies || !Usable().ok()) return;
+    for (Op& op : pending_) {
+      if (device_copies_ >= kMaxDeviceCopies) break;
+      if (op.device && op.phase == Phase::kQueued) StartDeviceCopy(op);
+    }
+  }
+
+  // Waits (up to 10 s) for the device copies still running, at teardown.
+  void DrainDeviceCopies() {
+    const absl::Time give_up = absl::Now() + absl::Seconds(10);
+    for (Op& op : pending_) {
+      while (op.phase == Phase::kCopying) {
+        absl::StatusOr<bool> done = d_->device->CopyDone(op.ticket);
+        if (!done.ok() || *done) {
+          op.phase = Phase::kCopied;
+          --device_copies_;
+        } else if (absl::Now() > give_up) {
+          LOG(ERROR) << "shmem: a device copy of endpoint " << LocalAddress()
+                     << " has not finished after 10 s; releasing its memory anyway";
+          return;
+        } else {
+          absl::SleepFor(absl::Microseconds(20));
+        }
+      }
+    }
+  }
+
+  absl::Status DeviceError(const Op& op, const absl::Status& s) const {
+    return absl::Status(
+        s.code(),
+        absl::StrCat("shmem: device ", op.kind == CompletionKind::kRead ? "read" : "write", " of ",
+                     op.length, " bytes with the peer of ", LocalAddress(), ": ", s.message()));
   }
 
   absl::Status Copy(const Op& op) {
     if (op.length == 0) return absl::OkStatus();
     const bool read = op.kind == CompletionKind::kRead;
     if (op.key.flags & kKeyShared) {
-      ASSIGN_OR_RETURN(const Mapping* m, MapRegion(op.key));
+      ASSIGN_OR_RETURN(Mapping * m, MapRegion(op.key));
       if (!read && !m->writable) {
         return absl::PermissionDeniedError("shmem: the peer mapped this region read-only");
       }
@@ -751,6 +976,8 @@ class ShmemEndpoint final : public EndpointBase {
   size_t outstanding_ = 0;
   std::map<uint64_t, Mapping> mappings_;
   uint64_t mapping_order_ = 0;
+  std::map<uint64_t, DeviceMapping> device_mappings_;
+  int device_copies_ = 0;
 };
 
 // ---- The domain -----------------------------------------------------------------------------
@@ -766,6 +993,7 @@ class ShmemDomain final : public Domain {
     caps_.virtual_addressing = true;
     caps_.queue_depth = kRingCapacity;
     caps_.shared_memory = true;
+    caps_.device_memory = d_->device != nullptr;
   }
 
   const Capabilities& capabilities() const override { return caps_; }
@@ -780,11 +1008,46 @@ class ShmemDomain final : public Domain {
     const uint64_t id = d_->next_id.fetch_add(1);
     {
       MutexLock lock(&d_->mu);
-      d_->regions[id] = RegionEntry{reinterpret_cast<uint64_t>(addr), length, access,
-                                    shared ? where.fd : -1, where.file_size};
+      d_->regions[id] = RegionEntry{reinterpret_cast<uint64_t>(addr),
+                                    length,
+                                    access,
+                                    shared ? where.fd : -1,
+                                    where.file_size,
+                                    -1,
+                                    {}};
     }
     return std::unique_ptr<MemoryRegion>(
         new ShmemRegion(d_, id, addr, length, access, shared, shared ? where.offset : 0));
+  }
+
+  absl::StatusOr<std::unique_ptr<MemoryRegion>> RegisterDeviceMemory(void* addr, size_t length,
+                                                                     int device,
+                                                                     uint32_t access) override {
+    if (d_->device == nullptr) {
+      return absl::UnimplementedError("shmem: this domain has no GPU runtime for device memory");
+    }
+    if (addr == nullptr || length == 0 || device < 0) {
+      return absl::InvalidArgumentError("shmem: cannot register an empty device region");
+    }
+    absl::StatusOr<std::string> handle = d_->device->Export(device, addr);
+    if (!handle.ok()) {
+      return absl::Status(handle.status().code(),
+                          absl::StrCat("shmem: exporting ", length, " bytes of cuda:", device,
+                                       " for peers: ", handle.status().message()));
+    }
+    if (handle->empty() || handle->size() > kMaxDeviceHandle) {
+      return absl::InternalError(absl::StrCat("shmem: ", d_->device->Name(), " exported a ",
+                                              handle->size(), "-byte handle; at most ",
+                                              kMaxDeviceHandle, " fit"));
+    }
+    const uint64_t id = d_->next_id.fetch_add(1);
+    {
+      MutexLock lock(&d_->mu);
+      d_->regions[id] = RegionEntry{
+          reinterpret_cast<uint64_t>(addr), length, access, -1, 0, device, *std::move(handle)};
+    }
+    return std::unique_ptr<MemoryRegion>(
+        new ShmemRegion(d_, id, addr, length, access, false, 0, device));
   }
 
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
@@ -828,6 +1091,12 @@ class ShmemDomain final : public Domain {
   absl::Status Wait(absl::Duration timeout) override {
     if (!d_->local.empty() || timeout <= absl::ZeroDuration()) return absl::OkStatus();
     std::vector<ShmemEndpoint*>& live = d_->live;
+    // While device copies run the progress thread does not sleep: a finished copy rings no bell,
+    // and a timed sleep would add the timer's slack (tens of microseconds) to every tensor's
+    // completion (measured: docs/PERFORMANCE.md). The copies bound how long it polls.
+    for (ShmemEndpoint* ep : live) {
+      if (ep->device_copies() > 0) return absl::OkStatus();
+    }
     bool pending = false;
     for (ShmemEndpoint* ep : live) {
       ep->SetSleeping(1);
@@ -886,6 +1155,7 @@ CopyCounters& Counters() {
 absl::StatusOr<std::unique_ptr<Domain>> OpenShmemDomain(const DomainOptions& options) {
   auto d = std::make_shared<DomainState>();
   d->pid = getpid();
+  d->device = options.device_memory;
   if (getrandom(&d->uid, sizeof(d->uid), 0) != sizeof(d->uid)) {
     return absl::UnavailableError(absl::StrCat("shmem: getrandom: ", std::strerror(errno)));
   }

@@ -7,6 +7,16 @@
 // registered memory is reached with the kernel's cross-memory copy (process_vm_writev/readv),
 // so every destination works; the two paths are counted separately (CopyCounters).
 //
+// With DomainOptions::device_memory (CUDA IPC), GPU memory registers too
+// (RegisterDeviceMemory): its key carries no memfd but names a device region, whose exported
+// handle a peer asks for once and imports; every operation with GPU memory on either side is an
+// asynchronous device copy, polled by the progress thread, and a write's immediate is published
+// only once its copy (and every operation posted before it) completed. Device copies start at
+// once, past host operations queued ahead of them, so their bytes may land before those of an
+// earlier host write (never the same memory in the protocol); completions keep posting order.
+// Peers' host regions that device copies reach are page-locked once, so those copies run by DMA
+// too.
+//
 // Each endpoint owns an inbound ring of immediates in a memfd that its one peer maps: a write
 // with immediate is copy, then publish {imm, length} with release ordering, so completions
 // arrive in posting order with the data visible. Waiting is an eventfd doorbell per domain that
@@ -41,6 +51,9 @@ struct CopyCounters {
   std::atomic<uint64_t> cross_memory_ops{0};
   std::atomic<uint64_t> cross_memory_bytes{0};
   std::atomic<uint64_t> regions_mapped{0};
+  std::atomic<uint64_t> device_ops{0};  // moved by device copies (DomainOptions::device_memory)
+  std::atomic<uint64_t> device_bytes{0};
+  std::atomic<uint64_t> device_regions_imported{0};
 };
 CopyCounters& Counters();
 

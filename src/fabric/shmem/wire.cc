@@ -25,6 +25,8 @@ std::string ReplyText(uint32_t status) {
       return "the region allows no remote access";
     case kNotConnected:
       return "ask for the endpoint first";
+    case kNotDevice:
+      return "the region is not device memory";
     default:
       return absl::StrCat("status ", status);
   }

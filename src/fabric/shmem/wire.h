@@ -25,6 +25,8 @@ constexpr uint32_t kRingMagic = 0x31525654;     // "TVR1"
 constexpr uint32_t kRequestMagic = 0x31515654;  // "TVQ1"
 constexpr uint32_t kReplyMagic = 0x31505654;    // "TVP1"
 constexpr uint32_t kKeyShared = 1u << 0;        // the region lives in a memfd a peer can map
+constexpr uint32_t kKeyDevice = 1u << 1;        // the region is GPU memory, exported by IPC
+constexpr size_t kMaxDeviceHandle = 128;        // bytes of an exported device allocation
 constexpr uint32_t kRingCapacity = 4096;        // immediates in flight per endpoint
 constexpr absl::Duration kSocketTimeout = absl::Seconds(10);
 
@@ -38,11 +40,12 @@ struct PackedKey {
   uint64_t length;
   uint64_t offset;
   uint32_t access;
-  uint32_t reserved;
+  uint32_t device;  // kKeyDevice: the owner's ordinal of the GPU the region is on
 };
 static_assert(sizeof(PackedKey) == 56);
 
-enum RequestType : uint32_t { kHello = 1, kRegion = 2 };
+// kDeviceRegion: the exported handle of a device region, in a DeviceRegionReply.
+enum RequestType : uint32_t { kHello = 1, kRegion = 2, kDeviceRegion = 3 };
 struct Request {
   uint32_t magic;
   uint32_t type;
@@ -56,6 +59,7 @@ enum ReplyStatus : uint32_t {
   kNotShared = 4,
   kNoAccess = 5,
   kNotConnected = 6,
+  kNotDevice = 7,
 };
 struct Reply {
   uint32_t magic;
@@ -66,6 +70,13 @@ struct Reply {
   uint64_t size;    // kHello: ring segment bytes; kRegion: memfd bytes
   uint32_t access;  // kRegion
   uint32_t reserved;
+};
+
+struct DeviceRegionReply {
+  Reply reply;  // size: the region's bytes
+  uint32_t device;
+  uint32_t handle_size;
+  char handle[kMaxDeviceHandle];
 };
 
 // The inbound ring of one endpoint, in shared memory. The producer (the peer's endpoint) owns

@@ -26,6 +26,7 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
   end->set_rx_key(channel.message_buffer()->rx_key());
   end->set_rx_slots(static_cast<uint32_t>(channel.message_buffer()->rx_slots()));
   end->set_wire_version(protocol::kWireVersion);
+  end->set_device_writes(channel.env()->device_direct);
 }
 
 }  // namespace
@@ -126,6 +127,10 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
       }
     }
   }
+  {
+    MutexLock lock(&connect_mu_);
+    peer_device_writes_[task] = result.ok() && connecting->response.end().device_writes();
+  }
   if (result.ok()) {
     LOG(INFO) << channel->Describe() << " ready; peer endpoint "
               << absl::BytesToHexString(connecting->response.end().endpoint_address()).substr(0, 32)
@@ -134,6 +139,12 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
     channel->Close(result);
   }
   RecordConnectResult(task, result);
+}
+
+bool ChannelSetup::PeerWritesDevice(const std::string& task) const {
+  MutexLock lock(&connect_mu_);
+  auto it = peer_device_writes_.find(task);
+  return it != peer_device_writes_.end() && it->second;
 }
 
 void ChannelSetup::RecordConnectResult(const std::string& task, const absl::Status& status) {

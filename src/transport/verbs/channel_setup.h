@@ -100,6 +100,9 @@ class ChannelSetup {
   }
   // Fails every owner channel's recvs of `step_id`.
   void AbortStep(int64_t step_id, const absl::Status& status);
+  // Whether the last channel set up to receive from `task` found that it writes GPU memory
+  // directly (its ChannelEnd's device_writes). Any thread.
+  bool PeerWritesDevice(const std::string& task) const;
 
   // Any thread but the progress thread: sets up channels to every peer task, waiting up to
   // `timeout`. The error names the tasks whose channel could not be set up and why.
@@ -137,8 +140,9 @@ class ChannelSetup {
 
   std::atomic<int> connects_in_flight_{0};
   // Set-up results for ConnectPeers, written by the progress thread.
-  Mutex connect_mu_;
+  mutable Mutex connect_mu_;
   absl::flat_hash_map<std::string, absl::Status> connect_results_ ABSL_GUARDED_BY(connect_mu_);
+  absl::flat_hash_map<std::string, bool> peer_device_writes_ ABSL_GUARDED_BY(connect_mu_);
 };
 
 }  // namespace tensorverbs::verbs

@@ -28,6 +28,9 @@ class VerbsRemoteRendezvous final : public RemoteRendezvous,
   void AbortRemote(const absl::Status& status) override {
     transport_->AbortStep(step_id(), status);
   }
+  bool LandsOnDevice(const ParsedKey& key, Allocator* allocator) const override {
+    return transport_->device_direct() && transport_->LandsOnDevice(key.src.TaskName(), allocator);
+  }
 
  private:
   VerbsTransport* const transport_;

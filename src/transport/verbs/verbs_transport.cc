@@ -44,6 +44,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.large_in_flight = config.large_in_flight;
   o.remote_keys = config.remote_keys;
   o.push_max_bytes = config.push_max_bytes;
+  o.gpu_direct = config.gpu_direct;
   return o;
 }
 
@@ -67,6 +68,7 @@ absl::Status VerbsTransport::Start() {
   choice.ofi_provider = options_.ofi_provider;
   choice.all_peers_local = options_.all_peers_local;
   choice.rdma = options_.rdma;
+  if (options_.gpu_direct) choice.device_memory = options_.device_memory;
   absl::StatusOr<std::unique_ptr<fabric::Domain>> domain = fabric::OpenFabric(choice);
   if (!domain.ok()) {
     return absl::Status(
@@ -100,6 +102,9 @@ absl::Status VerbsTransport::Start() {
   channel_env_.registration = registration;
   channel_env_.mode = options_.mode;
   channel_env_.data_validation = options_.data_validation;
+  channel_env_.device_direct =
+      domain_->capabilities().device_memory && registration == protocol::Registration::kPool &&
+      options_.mode == protocol::VerbsMode::kZeroCopy && !options_.data_validation;
   channel_env_.message_slots = options_.message_slots;
   channel_env_.message_batch = options_.message_batch;
   channel_env_.quarantine = options_.peer_timeout;
@@ -289,6 +294,15 @@ void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorR
     std::move (*holder)(
         absl::CancelledError(absl::StrCat("task ", options_.env->task_name, " is shutting down")));
   }
+}
+
+void VerbsTransport::AddDevicePool(PoolAllocator* pool) {
+  if (device_direct() && memory_ != nullptr) memory_->AddDevicePool(pool);
+}
+
+bool VerbsTransport::LandsOnDevice(const std::string& src_task, const Allocator* allocator) const {
+  return device_direct() && memory_ != nullptr && memory_->HasDevicePool(allocator) &&
+         channels_ != nullptr && channels_->PeerWritesDevice(src_task);
 }
 
 void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {

@@ -88,6 +88,10 @@ struct VerbsOptions {
   int large_in_flight = 2;                                    // TENSORVERBS_LARGE_IN_FLIGHT
   std::string remote_keys = "per-channel";                    // TENSORVERBS_REMOTE_KEYS
   uint64_t push_max_bytes = uint64_t{256} << 20;              // TENSORVERBS_PUSH_MAX_MB
+  bool gpu_direct = true;                                     // TENSORVERBS_GPU_DIRECT
+  // The GPU runtime through which the fabric may reach device memory directly (the shmem
+  // fabric's CUDA IPC), when gpu_direct; null: device tensors go through host memory.
+  std::shared_ptr<fabric::DeviceMemory> device_memory;
 
   // The settings above that have a variable, from `config`.
   static VerbsOptions FromConfig(const Config& config);
@@ -111,6 +115,18 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
             Allocator* allocator, RecvDoneCallback done);
   // Fails the step's pending recvs with `status`.
   void AbortStep(int64_t step_id, const absl::Status& status);
+
+  // GPU tensors written directly. Whether this transport's fabric moves GPU memory with no
+  // copy through host memory (see protocol::ChannelEnv::device_direct).
+  bool device_direct() const { return channel_env_.device_direct; }
+  // Registers `pool`'s regions (GPU memory) with the fabric as they come, so tensors in it are
+  // written from and into directly. Any thread; `pool` outlives this transport. A no-op without
+  // device_direct().
+  void AddDevicePool(PoolAllocator* pool);
+  // Whether a recv from `src_task` into `allocator` lands on the device directly: device_direct,
+  // `allocator` is a pool added here, and the task's end of the channel writes GPU memory
+  // (known once a channel to it is set up). Any thread.
+  bool LandsOnDevice(const std::string& src_task, const Allocator* allocator) const;
 
   // grpc+gdr (VerbsMode::kGdr). Lend: the sender keeps `tensor` (or a registered copy of it)
   // for `requester` until a release immediate from that task names it, or the lease of

@@ -1,6 +1,7 @@
 // GPU tensors between two tasks on a real GPU (label `gpu`): the CUDA copier on its own, then
 // the proxy path end to end over each protocol (device-to-host staging on the sender, a host
-// proxy and host-to-device on the receiver), checked byte for byte and by the copy counters.
+// proxy and host-to-device on the receiver), and the direct path of grpc+verbs over the
+// same-host fabric, checked byte for byte and by the copy counters.
 // Skipped, with the reason, where the CUDA runtime finds no GPU; the same bookkeeping runs
 // everywhere against a stand-in GPU (protocol_conformance_test's Device* tests).
 #include <gmock/gmock.h>
@@ -158,7 +159,8 @@ struct Route {
   const char* protocol;
   const char* fabric;
   const char* provider;
-  bool big;  // also 256 MiB and 1 GiB
+  bool big;     // also 256 MiB and 1 GiB
+  bool direct;  // TENSORVERBS_GPU_DIRECT on: the fabric writes GPU memory where it can
 };
 
 std::string RouteName(const ::testing::TestParamInfo<Route>& info) { return info.param.name; }
@@ -173,6 +175,7 @@ class ProxyPathGpuTest : public ::testing::TestWithParam<Route> {
     o.protocol = GetParam().protocol;
     o.fabric = GetParam().fabric;
     o.provider = GetParam().provider;
+    if (!GetParam().direct) o.tune = [](verbs::VerbsOptions& v) { v.gpu_direct = false; };
     absl::Status s = cluster_.Start(2, o);
     ASSERT_TRUE(s.ok()) << s;
     // Each task's tensors on the GPU come from its own GPU pool, as a program's would.
@@ -205,48 +208,74 @@ class ProxyPathGpuTest : public ::testing::TestWithParam<Route> {
   }
   ParsedKey Key(const std::string& name) { return cluster_.Key(1, name); }
 
+  // Host tensor `sent` (with `host`'s bytes) from task 1 into task 0's GPU pool (step 1), then
+  // a GPU copy of `host` from task 1 into task 0's host memory (step 2), both checked.
+  void IntoTheGpuAndOut(const Tensor& sent, const Tensor& host) {
+    RecvArgs to_gpu;
+    to_gpu.allocator = gpu_[0];
+    ASSERT_TRUE(cluster_.Step(1, 1)->Send(Key("h2d"), sent).ok());
+    PendingRecv into_gpu(*cluster_.Step(0, 1), Key("h2d"), to_gpu);
+    ASSERT_TRUE(into_gpu.Wait());
+    ASSERT_TRUE(into_gpu.status().ok()) << into_gpu.status();
+    EXPECT_TRUE(SameOnGpu(into_gpu.tensor(), host));
+    ASSERT_TRUE(cluster_.Step(1, 2)->Send(Key("d2h"), OnGpu(host)).ok());
+    PendingRecv into_host(*cluster_.Step(0, 2), Key("d2h"));
+    ASSERT_TRUE(into_host.Wait());
+    ASSERT_TRUE(into_host.status().ok()) << into_host.status();
+    EXPECT_TRUE(into_host.tensor().placement().host_accessible());
+    EXPECT_TRUE(into_host.tensor().ContentEquals(host));
+  }
+
+  // Every dtype but strings, empty to 4 MiB (and 256 MiB and 1 GiB on big routes), from task
+  // 1's GPU pool into task 0's, each checked byte for byte. Returns the non-empty transfers.
+  int64_t RoundTripEveryCase() {
+    RecvArgs to_gpu;
+    to_gpu.allocator = gpu_[0];
+    int64_t step = 1, transfers = 0;
+    uint32_t seed = 11;
+    std::vector<std::pair<DataType, std::vector<int64_t>>> cases;
+    for (DataType dtype : AllDataTypes()) {
+      if (dtype == DataType::kString) continue;
+      for (std::vector<int64_t> dims : {std::vector<int64_t>{0}, {1}, {3, 5}, {1 << 20}}) {
+        cases.emplace_back(dtype, dims);
+      }
+    }
+    if (GetParam().big) {
+      cases.push_back({DataType::kUInt8, {int64_t{256} << 20}});
+      cases.push_back({DataType::kUInt8, {int64_t{1} << 30}});
+    }
+    for (const auto& [dtype, dims] : cases) {
+      Tensor host = *Tensor::Allocate(CpuAllocator(), dtype, *TensorShape::Create(dims));
+      testing::FillPattern(host, seed++);
+      const std::string name = absl::StrCat(DataTypeName(dtype), "_", host.NumElements());
+      {
+        Tensor sent = OnGpu(host);
+        EXPECT_TRUE(cluster_.Step(1, step)->Send(Key(name), sent).ok()) << name;
+      }  // the rendezvous holds the only reference now
+      PendingRecv recv(*cluster_.Step(0, step), Key(name), to_gpu);
+      EXPECT_TRUE(recv.Wait(absl::Seconds(120))) << name;
+      EXPECT_TRUE(recv.status().ok()) << name << ": " << recv.status();
+      if (!recv.status().ok()) return transfers;
+      EXPECT_TRUE(SameOnGpu(recv.tensor(), host)) << name;
+      if (host.TotalBytes() > 0) {
+        EXPECT_EQ(recv.tensor().placement(), MemoryPlacement::CudaDevice(0)) << name;
+        ++transfers;
+      }
+      EXPECT_EQ(recv.calls(), 1);
+      cluster_.server(0).rendezvous_mgr()->Cleanup(step);
+      cluster_.server(1).rendezvous_mgr()->Cleanup(step);
+      ++step;
+    }
+    return transfers;
+  }
+
   CudaRuntime* rt_ = nullptr;
   Allocator* gpu_[2] = {nullptr, nullptr};  // the tasks' GPU pools
   testing::InProcessCluster cluster_;
 };
 
 TEST_P(ProxyPathGpuTest, EveryDtypeAndSizeRoundTripsExactlyWithOneCopyEachWay) {
-  RecvArgs to_gpu;
-  to_gpu.allocator = gpu_[0];
-  int64_t step = 1, transfers = 0;
-  uint32_t seed = 11;
-  std::vector<std::pair<DataType, std::vector<int64_t>>> cases;
-  for (DataType dtype : AllDataTypes()) {
-    if (dtype == DataType::kString) continue;
-    for (std::vector<int64_t> dims : {std::vector<int64_t>{0}, {1}, {3, 5}, {1 << 20}}) {
-      cases.emplace_back(dtype, dims);
-    }
-  }
-  if (GetParam().big) {
-    cases.push_back({DataType::kUInt8, {int64_t{256} << 20}});
-    cases.push_back({DataType::kUInt8, {int64_t{1} << 30}});
-  }
-  for (const auto& [dtype, dims] : cases) {
-    Tensor host = *Tensor::Allocate(CpuAllocator(), dtype, *TensorShape::Create(dims));
-    testing::FillPattern(host, seed++);
-    const std::string name = absl::StrCat(DataTypeName(dtype), "_", host.NumElements());
-    {
-      Tensor sent = OnGpu(host);
-      ASSERT_TRUE(cluster_.Step(1, step)->Send(Key(name), sent).ok()) << name;
-    }  // the rendezvous holds the only reference now
-    PendingRecv recv(*cluster_.Step(0, step), Key(name), to_gpu);
-    ASSERT_TRUE(recv.Wait(absl::Seconds(120))) << name;
-    ASSERT_TRUE(recv.status().ok()) << name << ": " << recv.status();
-    EXPECT_TRUE(SameOnGpu(recv.tensor(), host)) << name;
-    if (host.TotalBytes() > 0) {
-      EXPECT_EQ(recv.tensor().placement(), MemoryPlacement::CudaDevice(0)) << name;
-      ++transfers;
-    }
-    EXPECT_EQ(recv.calls(), 1);
-    cluster_.server(0).rendezvous_mgr()->Cleanup(step);
-    cluster_.server(1).rendezvous_mgr()->Cleanup(step);
-    ++step;
-  }
+  const int64_t transfers = RoundTripEveryCase();
   EXPECT_EQ(cluster_.server(1).stats().device_to_host.load(), transfers);
   EXPECT_EQ(cluster_.server(0).stats().host_to_device.load(), transfers);
   EXPECT_EQ(cluster_.server(0).stats().device_copy_errors.load(), 0);
@@ -256,32 +285,70 @@ TEST_P(ProxyPathGpuTest, EveryDtypeAndSizeRoundTripsExactlyWithOneCopyEachWay) {
 }
 
 TEST_P(ProxyPathGpuTest, HostToDeviceAndDeviceToHostTakeOneCopyEach) {
-  RecvArgs to_gpu;
-  to_gpu.allocator = gpu_[0];
   Tensor host = *Tensor::Allocate(CpuAllocator(), DataType::kFloat32, TensorShape::Of({4096}));
   testing::FillPattern(host, 3);
-  ASSERT_TRUE(cluster_.Step(1, 1)->Send(Key("h2d"), host).ok());
-  PendingRecv into_gpu(*cluster_.Step(0, 1), Key("h2d"), to_gpu);
-  ASSERT_TRUE(into_gpu.Wait());
-  ASSERT_TRUE(into_gpu.status().ok()) << into_gpu.status();
-  EXPECT_TRUE(SameOnGpu(into_gpu.tensor(), host));
-  ASSERT_TRUE(cluster_.Step(1, 2)->Send(Key("d2h"), OnGpu(host)).ok());
-  PendingRecv into_host(*cluster_.Step(0, 2), Key("d2h"));
-  ASSERT_TRUE(into_host.Wait());
-  ASSERT_TRUE(into_host.status().ok()) << into_host.status();
-  EXPECT_TRUE(into_host.tensor().placement().host_accessible());
-  EXPECT_TRUE(into_host.tensor().ContentEquals(host));
+  ASSERT_NO_FATAL_FAILURE(IntoTheGpuAndOut(host, host));
   EXPECT_EQ(cluster_.server(1).stats().device_to_host.load(), 1);
   EXPECT_EQ(cluster_.server(0).stats().host_to_device.load(), 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Routes, ProxyPathGpuTest,
-    ::testing::Values(Route{"GrpcVerbs_Shmem", "grpc+verbs", "shmem", "", true},
-                      Route{"GrpcVerbs_OfiTcp", "grpc+verbs", "ofi", "tcp", false},
-                      Route{"GrpcGdr_Shmem", "grpc+gdr", "shmem", "", false},
-                      Route{"Grpc", "grpc", "", "", false}),
+    ::testing::Values(Route{"GrpcVerbs_Shmem", "grpc+verbs", "shmem", "", true, false},
+                      Route{"GrpcVerbs_OfiTcp", "grpc+verbs", "ofi", "tcp", false, true},
+                      Route{"GrpcGdr_Shmem", "grpc+gdr", "shmem", "", false, true},
+                      Route{"Grpc", "grpc", "", "", false, true}),
     RouteName);
+
+// grpc+verbs over the same-host fabric with GPU direct on: tensors in the tasks' GPU pools are
+// written from and into GPU memory by device copies (CUDA IPC between processes; here both
+// tasks share one, and the copy is the same), with no copy through host memory.
+class DirectPathGpuTest : public ProxyPathGpuTest {
+ protected:
+  // A host tensor first: the channel is set up, and the receiver knows the sender's end writes
+  // GPU memory.
+  void WarmUp() {
+    // From the sender's pool, so that it needs no staging copy.
+    Tensor host = *Tensor::Allocate(cluster_.server(1).recv_allocator(), DataType::kInt32,
+                                    TensorShape::Of({8}));
+    ASSERT_TRUE(cluster_.Step(1, 9999)->Send(Key("warm"), host).ok());
+    PendingRecv warm(*cluster_.Step(0, 9999), Key("warm"));
+    ASSERT_TRUE(warm.Wait());
+    ASSERT_TRUE(warm.status().ok()) << warm.status();
+  }
+};
+
+TEST_P(DirectPathGpuTest, EveryDtypeAndSizeRoundTripsExactlyWithNoCopyThroughTheHost) {
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  ASSERT_TRUE(cluster_.transport(0).device_direct());
+  const int64_t transfers = RoundTripEveryCase();
+  const TransferStats& sender = cluster_.server(1).stats();
+  const TransferStats& receiver = cluster_.server(0).stats();
+  EXPECT_EQ(sender.device_direct_sends.load(), transfers);
+  EXPECT_GE(receiver.device_direct_recvs.load(), transfers);
+  EXPECT_EQ(sender.device_to_host.load() + receiver.host_to_device.load(), 0);
+  EXPECT_EQ(sender.copies.load() + receiver.copies.load(), 0);
+  EXPECT_EQ(receiver.device_copy_errors.load(), 0);
+}
+
+TEST_P(DirectPathGpuTest, HostToDeviceAndDeviceToHostAreOneDeviceCopyByTheFabric) {
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  Tensor host = *Tensor::Allocate(CpuAllocator(), DataType::kFloat32, TensorShape::Of({1 << 20}));
+  testing::FillPattern(host, 3);
+  Tensor in_pool = *Tensor::Allocate(cluster_.server(1).recv_allocator(), DataType::kFloat32,
+                                     TensorShape::Of({1 << 20}));
+  std::memcpy(in_pool.data(), host.data(), host.TotalBytes());
+  ASSERT_NO_FATAL_FAILURE(IntoTheGpuAndOut(in_pool, host));
+  EXPECT_EQ(cluster_.server(1).stats().device_to_host.load(), 0);
+  EXPECT_EQ(cluster_.server(0).stats().host_to_device.load(), 0);
+  EXPECT_EQ(cluster_.server(1).stats().device_direct_sends.load(), 1);
+  EXPECT_EQ(cluster_.server(0).stats().device_direct_recvs.load(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Routes, DirectPathGpuTest,
+                         ::testing::Values(Route{"GrpcVerbs_Shmem", "grpc+verbs", "shmem", "", true,
+                                                 true}),
+                         RouteName);
 
 }  // namespace
 }  // namespace tensorverbs::device
