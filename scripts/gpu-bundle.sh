@@ -48,7 +48,8 @@ cp "$build/tests/unit/libtv_fake_cudart.so" "$out/lib/"
 cat > "$out/run-gpu-checks.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the GPU checks from this bundle (see scripts/gpu-bundle.sh): the gpu tests, then
-# `bench p2p` with device tensors (the proxy path) beside host tensors, in one run. Results go
+# `bench p2p` with device tensors (direct over CUDA IPC, and the proxy path) beside host
+# tensors, in one run. Results go
 # to stdout, and the benchmarks' JSON rows into $1 (default: the current folder).
 #   run-gpu-checks.sh [OUT_DIR] [tests|bench|all]
 set -uo pipefail
@@ -69,9 +70,13 @@ if [ "$what" != bench ]; then
 fi
 if [ "$what" != tests ]; then
   sizes=4KiB,1MiB,16MiB,64MiB,256MiB
-  echo "== bench p2p --device cuda (proxy path), then cpu->cuda, then host tensors"
+  echo "== bench p2p --device cuda: grpc+verbs direct (CUDA IPC), grpc through host memory"
   "$tv" bench p2p --device cuda --protocols grpc+verbs,grpc --sizes "$sizes" \
     --json "$out/p2p-cuda.json" || rc=1
+  echo "== the same with TENSORVERBS_GPU_DIRECT=off: grpc+verbs over the proxy path"
+  TENSORVERBS_GPU_DIRECT=off "$tv" bench p2p --device cuda --protocols grpc+verbs \
+    --sizes "$sizes" --no-baselines --json "$out/p2p-cuda-proxy.json" || rc=1
+  echo "== host tensors into the GPU, then host tensors"
   "$tv" bench p2p --device cpu,cuda --protocols grpc+verbs --sizes "$sizes" --no-baselines \
     --json "$out/p2p-cpu-to-cuda.json" || rc=1
   "$tv" bench p2p --device cpu --protocols grpc+verbs --sizes "$sizes" \

@@ -33,6 +33,12 @@ std::vector<std::string> Names(const std::string& prefix, int keys) {
 }
 
 int64_t TotalCopies(const Server& server) { return server.stats().copies.load(); }
+int64_t DeviceCopies(const Server& server) {
+  return server.stats().device_to_host.load() + server.stats().host_to_device.load();
+}
+int64_t DeviceDirect(const Server& server) {
+  return server.stats().device_direct_sends.load() + server.stats().device_direct_recvs.load();
+}
 
 // The peer's command loop.
 absl::Status ServeCommands(Server& server, const MemoryPlacement& send_device) {
@@ -83,8 +89,9 @@ absl::Status ServeCommands(Server& server, const MemoryPlacement& send_device) {
         for (int64_t s = first; s < first + steps; ++s) server.rendezvous_mgr()->Cleanup(s);
       }
     } else if (f[0] == "usage") {
-      reply = absl::StrFormat("usage %.6f %d %d", CpuSeconds(), TotalCopies(server),
-                              server.stats().copied_bytes.load());
+      reply = absl::StrFormat("usage %.6f %d %d %d %d", CpuSeconds(), TotalCopies(server),
+                              server.stats().copied_bytes.load(), DeviceCopies(server),
+                              DeviceDirect(server));
     } else {
       status = absl::InvalidArgumentError(absl::StrCat("unknown command '", line, "'"));
     }
@@ -239,8 +246,9 @@ absl::StatusOr<PairBench::Usage> PairBench::PeerUsage() {
   ASSIGN_OR_RETURN(std::string rest, Expect(*peer_, "usage "));
   std::vector<std::string> f = absl::StrSplit(rest, ' ');
   Usage u;
-  if (f.size() != 3 || !absl::SimpleAtod(f[0], &u.cpu_seconds) ||
-      !absl::SimpleAtoi(f[1], &u.copies) || !absl::SimpleAtoi(f[2], &u.copied_bytes)) {
+  if (f.size() != 5 || !absl::SimpleAtod(f[0], &u.cpu_seconds) ||
+      !absl::SimpleAtoi(f[1], &u.copies) || !absl::SimpleAtoi(f[2], &u.copied_bytes) ||
+      !absl::SimpleAtoi(f[3], &u.device_copies) || !absl::SimpleAtoi(f[4], &u.device_direct)) {
     return absl::InternalError(absl::StrCat("bench peer reported usage '", rest, "'"));
   }
   return u;
@@ -251,6 +259,8 @@ PairBench::Usage PairBench::LocalUsage() const {
   u.cpu_seconds = CpuSeconds();
   u.copies = TotalCopies(*server_);
   u.copied_bytes = server_->stats().copied_bytes.load();
+  u.device_copies = DeviceCopies(*server_);
+  u.device_direct = DeviceDirect(*server_);
   return u;
 }
 

@@ -100,6 +100,10 @@ class PairBench {
     double cpu_seconds = 0;
     int64_t copies = 0;
     int64_t copied_bytes = 0;
+    // Device tensors: copies between host and GPU memory (the proxy path's), and tensors the
+    // fabric wrote from or into GPU memory directly (sends and recvs).
+    int64_t device_copies = 0;
+    int64_t device_direct = 0;
   };
   absl::StatusOr<Usage> PeerUsage();
   Usage LocalUsage() const;

@@ -47,6 +47,7 @@ absl::StatusOr<uint32_t> TensorCrc(const Tensor& t);
 struct CopyBandwidth {
   double host_to_device_gbps = 0;
   double device_to_host_gbps = 0;
+  double device_to_device_gbps = 0;  // between two buffers of the device, timed by an event
 };
 absl::StatusOr<CopyBandwidth> MeasureDeviceCopies(int device, size_t bytes);
 

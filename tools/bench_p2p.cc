@@ -92,6 +92,10 @@ struct P2PRow {
   double p50_us = 0, p99_us = 0, bw_gbps = 0;
   Spread p50, bw;
   double copies_per_transfer = 0, cpu_s_per_gb = 0;
+  // Device tensors: copies between host and GPU per transfer, and the path that implies
+  // ("proxy", "direct", or "host" when no device tensor moved).
+  double device_copies_per_transfer = 0;
+  std::string path;
 };
 
 int LatencyIters(size_t size) {
@@ -144,6 +148,10 @@ absl::StatusOr<PhaseResult> RunPhase(PairBench& bench, const std::string& prefix
       result.local.copies += local1.copies - local0.copies;
       result.peer.cpu_seconds += peer1.cpu_seconds - peer0.cpu_seconds;
       result.peer.copies += peer1.copies - peer0.copies;
+      result.local.device_copies += local1.device_copies - local0.device_copies;
+      result.peer.device_copies += peer1.device_copies - peer0.device_copies;
+      result.local.device_direct += local1.device_direct - local0.device_direct;
+      result.peer.device_direct += peer1.device_direct - peer0.device_direct;
     }
     result.elapsed += run.elapsed;
     result.latency_us.insert(result.latency_us.end(), run.latency_us.begin(), run.latency_us.end());
@@ -161,6 +169,7 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
   server.poll_mode = o.poll_mode;
   server.callback_threads = o.callback_threads;
   server.send_device = devices.src.host_accessible() ? "cpu" : devices.src.ToString();
+  const bool on_gpu = !devices.src.host_accessible() || !devices.dst.host_accessible();
   ASSIGN_OR_RETURN(std::unique_ptr<PairBench> bench, PairBench::Start(server, netns));
   // Device recvs land in the receiver's GPU pool; host ones in its registered pool (null).
   Allocator* dst = nullptr;
@@ -172,8 +181,9 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
               netns ? " in two network namespaces (veth)" : "",
               devices.src.host_accessible() ? "cpu" : devices.src.ToString().c_str(),
               devices.dst.host_accessible() ? "cpu" : devices.dst.ToString().c_str());
-  std::printf("%10s %9s %22s %10s %9s %7s %24s %12s %10s\n", "#bytes", "lat iters", "p50[us]",
-              "p99[us]", "bw iters", "window", "BW[GB/s]", "copies/xfer", "CPU s/GB");
+  std::printf("%10s %9s %22s %10s %9s %7s %24s %12s %10s%s\n", "#bytes", "lat iters", "p50[us]",
+              "p99[us]", "bw iters", "window", "BW[GB/s]", "copies/xfer", "CPU s/GB",
+              on_gpu ? "  path (device copies/xfer)" : "");
   const std::vector<ParsedKey> keys = bench->Keys("p2p", 1);
   for (size_t size : sizes) {
     P2PRow row;
@@ -191,7 +201,7 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     RETURN_IF_ERROR(
         RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters, row.window, false, next_step, dst)
             .status());
-    std::vector<double> p50s, p99s, bws, copies, cpu;
+    std::vector<double> p50s, p99s, bws, copies, cpu, device_copies, direct;
     for (int rep = 0; rep < o.repeat; ++rep) {
       ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters, 1,
                                                  false, next_step, dst));
@@ -203,6 +213,10 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
       bws.push_back(bytes / absl::ToDoubleSeconds(bw.elapsed) / 1e9);
       copies.push_back(static_cast<double>(bw.local.copies + bw.peer.copies) / row.bw_iters);
       cpu.push_back((bw.local.cpu_seconds + bw.peer.cpu_seconds) / (bytes / 1e9));
+      device_copies.push_back(static_cast<double>(bw.local.device_copies + bw.peer.device_copies) /
+                              row.bw_iters);
+      direct.push_back(static_cast<double>(bw.local.device_direct + bw.peer.device_direct) /
+                       row.bw_iters);
     }
     row.p50 = SpreadOf(p50s);
     row.bw = SpreadOf(bws);
@@ -211,10 +225,20 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     row.bw_gbps = row.bw.median;
     row.copies_per_transfer = SpreadOf(copies).median;
     row.cpu_s_per_gb = SpreadOf(cpu).median;
-    std::printf("%10s %9d %22s %10.2f %9d %7d %24s %12.2f %10.3f\n", SizeName(size).c_str(),
-                row.lat_iters, FormatSpread(row.p50, 2, o.repeat).c_str(), row.p99_us, row.bw_iters,
-                row.window, FormatSpread(row.bw, 3, o.repeat).c_str(), row.copies_per_transfer,
-                row.cpu_s_per_gb);
+    row.device_copies_per_transfer = SpreadOf(device_copies).median;
+    // Which way device tensors went: copies through host memory, or written where they are.
+    if (on_gpu) {
+      row.path = row.device_copies_per_transfer > 0 ? "proxy"
+                 : SpreadOf(direct).median > 0      ? "direct"
+                                                    : "host";
+    }
+    std::printf(
+        "%10s %9d %22s %10.2f %9d %7d %24s %12.2f %10.3f%s\n", SizeName(size).c_str(),
+        row.lat_iters, FormatSpread(row.p50, 2, o.repeat).c_str(), row.p99_us, row.bw_iters,
+        row.window, FormatSpread(row.bw, 3, o.repeat).c_str(), row.copies_per_transfer,
+        row.cpu_s_per_gb,
+        on_gpu ? absl::StrFormat("  %s (%.2f)", row.path, row.device_copies_per_transfer).c_str()
+               : "");
     std::fflush(stdout);
     rows->push_back(row);
   }
@@ -274,8 +298,10 @@ int RunBenchP2P(const BenchP2POptions& o) {
   // The proxy path's copy stages: cudaMemcpy between pinned host memory and the GPUs.
   std::map<size_t, CopyBandwidth> d2h, h2d;
   if (on_gpu) {
-    std::printf("\ncudaMemcpy between pinned host memory and the GPU (best of 5)\n%10s %14s %14s\n",
-                "#bytes", "D2H GB/s", "H2D GB/s");
+    std::printf(
+        "\ncudaMemcpy between pinned host memory and the GPU, and within the GPU (best of 5)\n"
+        "%10s %14s %14s %14s\n",
+        "#bytes", "D2H GB/s", "H2D GB/s", "D2D GB/s");
     for (size_t size : *sizes) {
       const int src = devices->src.host_accessible() ? -1 : devices->src.device;
       const int dst = devices->dst.host_accessible() ? -1 : devices->dst.device;
@@ -290,9 +316,10 @@ int RunBenchP2P(const BenchP2POptions& o) {
         if (dev == dst) h2d[size] = *bw;
       }
       std::printf(
-          "%10s %14s %14s\n", SizeName(size).c_str(),
+          "%10s %14s %14s %14s\n", SizeName(size).c_str(),
           d2h.count(size) ? absl::StrFormat("%.2f", d2h[size].device_to_host_gbps).c_str() : "-",
-          h2d.count(size) ? absl::StrFormat("%.2f", h2d[size].host_to_device_gbps).c_str() : "-");
+          h2d.count(size) ? absl::StrFormat("%.2f", h2d[size].host_to_device_gbps).c_str() : "-",
+          h2d.count(size) ? absl::StrFormat("%.2f", h2d[size].device_to_device_gbps).c_str() : "-");
     }
   }
   std::vector<FabricRow> fabric_rows;
@@ -336,8 +363,28 @@ int RunBenchP2P(const BenchP2POptions& o) {
   // On GPUs: each protocol against its slowest stage (device-to-host, the fabric write for the
   // verbs protocols, host-to-device), all measured in this run.
   if (on_gpu) {
-    std::printf("\nproxy path relative to its slowest stage (D2H, fabric write, H2D)\n");
+    std::printf(
+        "\nproxy path relative to its slowest stage (D2H, fabric write, H2D); direct path "
+        "relative to the cudaMemcpy of its one copy\n");
     for (const P2PRow& r : rows) {
+      if (r.path == "direct") {
+        // The one copy the direct path makes, done by cudaMemcpy: device to device, or host to
+        // device, or device to host where one end is host memory.
+        const bool src_gpu = !devices->src.host_accessible(),
+                   dst_gpu = !devices->dst.host_accessible();
+        const char* kind = src_gpu && dst_gpu ? "D2D" : src_gpu ? "D2H" : "H2D";
+        const double ceiling =
+            src_gpu && dst_gpu ? (h2d.count(r.size) ? h2d[r.size].device_to_device_gbps : 0)
+            : src_gpu          ? (d2h.count(r.size) ? d2h[r.size].device_to_host_gbps : 0)
+                               : (h2d.count(r.size) ? h2d[r.size].host_to_device_gbps : 0);
+        if (ceiling <= 0) continue;
+        std::printf(
+            "  %s %s: direct %.2f GB/s = %.2f x %s cudaMemcpy (%.2f GB/s); %.2f device "
+            "copies per transfer\n",
+            r.protocol.c_str(), SizeName(r.size).c_str(), r.bw_gbps, r.bw_gbps / ceiling, kind,
+            ceiling, r.device_copies_per_transfer);
+        continue;
+      }
       double slowest = 1e30;
       std::string which;
       auto consider = [&](double gbps, const char* name) {
@@ -405,6 +452,13 @@ int RunBenchP2P(const BenchP2POptions& o) {
                           {"dst_device", devices->dst.ToString()},
                           {"ratio_to_memcpy", r.bw_gbps / std::max(memcpy_gbps[r.size], 1e-9)}};
       if (d2h.count(r.size)) j["cuda_d2h_gbps"] = d2h[r.size].device_to_host_gbps;
+      if (h2d.count(r.size) && h2d[r.size].device_to_device_gbps > 0) {
+        j["cuda_d2d_gbps"] = h2d[r.size].device_to_device_gbps;
+      }
+      if (!r.path.empty()) {
+        j["path"] = r.path;
+        j["device_copies_per_transfer"] = r.device_copies_per_transfer;
+      }
       if (h2d.count(r.size)) j["cuda_h2d_gbps"] = h2d[r.size].host_to_device_gbps;
       if (const FabricRow* f = FindFabricRow(fabric_rows, r.size)) {
         j["fabric_write_gbps"] = f->bw_gbps;

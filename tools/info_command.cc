@@ -42,11 +42,18 @@ void PrintGpus(const fabric::FabricInventory& inventory) {
                 static_cast<double>(info->total_memory) / (1 << 30), info->pci_bus_id.c_str());
   }
   std::printf(
-      "  device tensors take the proxy path on every protocol and fabric: device-to-host into "
-      "the pinned pool on the sender, host-to-device from a pinned proxy on the receiver, on "
-      "CUDA streams (TENSORVERBS_PIN_POOL pins the pool)\n");
+      "  device tensors take the proxy path where no direct path is: device-to-host into the "
+      "pinned pool on the sender, host-to-device from a pinned proxy on the receiver, on CUDA "
+      "streams (TENSORVERBS_PIN_POOL pins the pool)\n");
   std::printf("  direct writes into GPU memory, per fabric:\n");
-  std::printf("    shmem    no: this version maps host memory only (no CUDA IPC path yet)\n");
+  if (Config::Get().gpu_direct) {
+    std::printf(
+        "    shmem    yes: grpc+verbs writes tensors of the tasks' GPU pools from and into GPU "
+        "memory by CUDA IPC and device copies, with no copy through host memory "
+        "(TENSORVERBS_GPU_DIRECT=off turns it off)\n");
+  } else {
+    std::printf("    shmem    no: TENSORVERBS_GPU_DIRECT=off\n");
+  }
   std::printf(
       "    ofi      no: this version registers host memory only; providers here that "
       "report FI_HMEM: %s\n",
