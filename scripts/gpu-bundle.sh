@@ -67,6 +67,9 @@ if [ "$what" != bench ]; then
   "$here/bin/cuda_gpu_test" || rc=1
   "$here/bin/cuda_transfer_gpu_test" || rc=1
   "$here/bin/api_test" || rc=1  # the public API, with GPU recvs where a GPU is
+  # The demo with weights and gradients on the GPU: direct, then through host memory.
+  "$tv" demo --device cuda --steps 20 || rc=1
+  TENSORVERBS_GPU_DIRECT=off "$tv" demo --device cuda --steps 20 || rc=1
 fi
 if [ "$what" != tests ]; then
   sizes=4KiB,1MiB,16MiB,64MiB,256MiB

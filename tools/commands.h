@@ -33,6 +33,9 @@ struct DemoOptions {
   int steps = 20;
   int workers = 2;
   float learning_rate = 0.2f;
+  // Where the model's tensors live and travel: cpu, or cuda[:N] (weights and gradients in
+  // every task's pool of that GPU's memory; the math itself runs on the CPU).
+  std::string device = "cpu";
 };
 int RunDemoCommand(const DemoOptions& options);
 
@@ -45,6 +48,7 @@ struct DemoTaskOptions {
   int steps = 20;
   int64_t step_base = 1;
   float learning_rate = 0.2f;
+  std::string device = "cpu";
 };
 int RunDemoTask(const DemoTaskOptions& options);
 

@@ -17,12 +17,14 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/common/config.h"
-#include "tensorverbs/device_name.h"
+#include "src/device/cuda_runtime.h"
 #include "src/fabric/fabric.h"
 #include "src/server/server.h"
+#include "src/support/process_util.h"
+#include "tensorverbs/device_name.h"
+#include "tools/bench_device.h"
 #include "tools/commands.h"
 #include "tools/demo_model.h"
-#include "src/support/process_util.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -36,13 +38,16 @@ struct Peer {
 };
 
 void Fail(const std::string& task, const absl::Status& s) {
-  std::fprintf(stderr, "tensorverbs demo: task %s failed: %s\n", task.c_str(), s.ToString().c_str());
+  std::fprintf(stderr, "tensorverbs demo: task %s failed: %s\n", task.c_str(),
+               s.ToString().c_str());
 }
 
-std::vector<ParsedKey> Keys(const Peer& src, const Peer& dst, const std::vector<std::string>& names) {
+std::vector<ParsedKey> Keys(const Peer& src, const Peer& dst,
+                            const std::vector<std::string>& names) {
   std::vector<ParsedKey> keys;
   for (const std::string& n : names) {
-    keys.push_back(*ParsedKey::Parse(ParsedKey::Create(src.device, src.incarnation, dst.device, n)));
+    keys.push_back(
+        *ParsedKey::Parse(ParsedKey::Create(src.device, src.incarnation, dst.device, n)));
   }
   return keys;
 }
@@ -52,6 +57,87 @@ std::vector<std::string> Prefixed(absl::string_view prefix, const std::vector<st
   for (const std::string& n : names) out.push_back(absl::StrCat(prefix, n));
   return out;
 }
+
+// With --device cuda the model's tensors live on the GPU: each task keeps them in its pool of
+// that GPU's memory, so weights and gradients travel GPU to GPU (directly, by CUDA IPC, over
+// grpc+verbs on one host), and the math runs on host copies of them (the project has no GPU
+// kernels). Without a GPU placement every call is the identity.
+class ModelMemory {
+ public:
+  static absl::StatusOr<ModelMemory> For(Server& server, const std::string& device) {
+    ModelMemory m;
+    absl::StatusOr<DevicePair> where = ParseDevicePair(device);
+    if (!where.ok()) return where.status();
+    m.where_ = where->src;
+    if (m.where_.host_accessible()) return m;
+    absl::StatusOr<device::CudaRuntime*> rt = device::CudaRuntime::Get();
+    if (!rt.ok()) return rt.status();
+    m.runtime_ = *rt;
+    absl::StatusOr<PoolAllocator*> pool = server.DeviceAllocator(m.where_.device);
+    if (!pool.ok()) return pool.status();
+    m.allocator_ = *pool;
+    return m;
+  }
+
+  bool on_gpu() const { return allocator_ != nullptr; }
+  RecvArgs args() const {
+    RecvArgs a;
+    a.allocator = allocator_;
+    return a;
+  }
+  // `host`'s bytes in a new tensor of the model's memory.
+  absl::StatusOr<Tensor> Place(const Tensor& host) const {
+    if (!on_gpu()) return host;
+    absl::StatusOr<Tensor> t = Tensor::Allocate(allocator_, host.dtype(), host.shape());
+    if (!t.ok()) return t.status();
+    absl::Status s = Copy(host, &*t, device::CopyKind::kHostToDevice);
+    if (!s.ok()) return s;
+    return t;
+  }
+  // Copies `host` over the model-memory tensor `*t` (same shape).
+  absl::Status Update(const Tensor& host, Tensor* t) const {
+    return on_gpu() ? Copy(host, t, device::CopyKind::kHostToDevice) : absl::OkStatus();
+  }
+  // A host tensor with `t`'s bytes.
+  absl::StatusOr<Tensor> ToHost(const Tensor& t) const {
+    if (!on_gpu() || t.placement().host_accessible()) return t;
+    Tensor host = Tensor::Make(t.dtype(), t.shape());
+    absl::Status s = Copy(t, &host, device::CopyKind::kDeviceToHost);
+    if (!s.ok()) return s;
+    return host;
+  }
+
+ private:
+  absl::Status Copy(const Tensor& from, Tensor* to, device::CopyKind kind) const {
+    if (from.TotalBytes() == 0) return absl::OkStatus();
+    return runtime_->Memcpy(where_.device, to->data(), from.data(), from.TotalBytes(), kind,
+                            "demo model");
+  }
+
+  MemoryPlacement where_;
+  device::CudaRuntime* runtime_ = nullptr;
+  Allocator* allocator_ = nullptr;
+};
+
+// Host copies of `tensors`, or the first error.
+absl::StatusOr<std::vector<Tensor>> AllToHost(const ModelMemory& memory,
+                                              const std::vector<Tensor>& tensors) {
+  std::vector<Tensor> out;
+  for (const Tensor& t : tensors) {
+    absl::StatusOr<Tensor> h = memory.ToHost(t);
+    if (!h.ok()) return h.status();
+    out.push_back(*std::move(h));
+  }
+  return out;
+}
+
+// This task's recvs into GPU memory that the fabric wrote directly, and those that landed in
+// host memory and were copied over (the proxy path). Counted where the recv completes: a
+// sender counts its side only when the peer asks, which may be after its stats are taken.
+int64_t DirectDeviceRecvs(const Server& server) {
+  return server.stats().device_direct_recvs.load();
+}
+int64_t ProxiedDeviceRecvs(const Server& server) { return server.stats().host_to_device.load(); }
 
 // Waits until every value sent at `step_id` has been taken by its receiver, so that shutting
 // down does not strand a peer.
@@ -65,7 +151,7 @@ void WaitUntilDrained(Server& server, int64_t step_id, absl::Duration timeout) {
 }
 
 int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer& self,
-          const std::vector<Peer>& workers) {
+          const std::vector<Peer>& workers, const ModelMemory& memory) {
   demo::ModelShape shape;
   std::vector<Tensor> params = demo::InitParameters(shape, /*seed=*/42);
   // In the server's registered pool, so that grpc+verbs sends them without a copy.
@@ -73,9 +159,15 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
     absl::StatusOr<Tensor> pooled = p.Clone(server.recv_allocator());
     if (pooled.ok()) p = *std::move(pooled);
   }
+  // What the workers get: the weights themselves, or their copy in the GPU's pool.
+  std::vector<Tensor> sent;
+  for (const Tensor& p : params) {
+    absl::StatusOr<Tensor> placed = memory.Place(p);
+    if (!placed.ok()) return Fail(server.task_name(), placed.status()), 1;
+    sent.push_back(*std::move(placed));
+  }
   const std::vector<std::string>& names = demo::ParameterNames();
-  std::vector<std::string> grad_names = Prefixed("grad/", names);
-  grad_names.push_back("loss");
+  const std::vector<std::string> grad_names = Prefixed("grad/", names);
   float first_loss = 0, last_loss = 0;
   absl::Time start = absl::Now();
   absl::Duration recv_busy;
@@ -88,7 +180,7 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
     for (const Peer& w : workers) {
       std::vector<ParsedKey> keys = Keys(self, w, Prefixed("param/", names));
       for (size_t p = 0; p < keys.size(); ++p) {
-        absl::Status s = (*r)->Send(keys[p], params[p]);
+        absl::Status s = (*r)->Send(keys[p], sent[p]);
         if (!s.ok()) return Fail(server.task_name(), s), 1;
       }
     }
@@ -96,14 +188,22 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
     double loss_sum = 0;
     absl::Time recv_start = absl::Now();
     for (const Peer& w : workers) {
-      absl::StatusOr<std::vector<Tensor>> got = RecvAll(**r, Keys(w, self, grad_names));
-      if (!got.ok()) return Fail(server.task_name(), got.status()), 1;
-      loss_sum += got->back().flat<float>()[0];
-      got->pop_back();
+      absl::StatusOr<std::vector<Tensor>> got =
+          RecvAll(**r, Keys(w, self, grad_names), memory.args());
+      if (got.ok()) got = AllToHost(memory, *got);
+      absl::StatusOr<std::vector<Tensor>> loss = RecvAll(**r, Keys(w, self, {"loss"}));
+      for (const absl::Status& s : {got.status(), loss.status()}) {
+        if (!s.ok()) return Fail(server.task_name(), s), 1;
+      }
+      loss_sum += (*loss)[0].flat<float>()[0];
       grads.push_back(*std::move(got));
     }
     recv_busy += absl::Now() - recv_start;
     demo::ApplyMeanGradients(grads, o.learning_rate, &params);
+    for (size_t p = 0; p < params.size() && memory.on_gpu(); ++p) {
+      absl::Status s = memory.Update(params[p], &sent[p]);
+      if (!s.ok()) return Fail(server.task_name(), s), 1;
+    }
     const float loss = static_cast<float>(loss_sum / num_workers);
     if (step == 0) first_loss = loss;
     last_loss = loss;
@@ -119,6 +219,7 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
   if (!r.ok()) return Fail(server.task_name(), r.status()), 1;
   int64_t tensors = server.stats().tensors.load();
   int64_t bytes = server.stats().bytes.load();
+  int64_t direct = DirectDeviceRecvs(server), proxied = ProxiedDeviceRecvs(server);
   double worker_share_sum = 0;
   for (const Peer& w : workers) {
     absl::StatusOr<std::vector<Tensor>> got = RecvAll(**r, Keys(w, self, {"stats"}));
@@ -127,6 +228,8 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
     tensors += v[0];
     bytes += v[1];
     worker_share_sum += v[3] > 0 ? static_cast<double>(v[2]) / static_cast<double>(v[3]) : 0.0;
+    direct += v[4];
+    proxied += v[5];
   }
   for (const Peer& w : workers) {
     Tensor done = Tensor::Make(DataType::kInt32, TensorShape());
@@ -145,8 +248,14 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
       "  loss: %.4f -> %.4f\n",
       server.protocol().c_str(), num_workers, o.steps, secs, 1000 * secs / o.steps,
       static_cast<long long>(tensors), bytes / 1048576.0, tensors / secs, bytes / secs / 1e6,
-      100.0 * worker_share_sum / num_workers,
-      100.0 * absl::ToDoubleSeconds(recv_busy) / secs, first_loss, last_loss);
+      100.0 * worker_share_sum / num_workers, 100.0 * absl::ToDoubleSeconds(recv_busy) / secs,
+      first_loss, last_loss);
+  if (memory.on_gpu()) {
+    std::printf(
+        "  weights and gradients on %s: %lld received into GPU memory directly, %lld through "
+        "host memory\n",
+        o.device.c_str(), static_cast<long long>(direct), static_cast<long long>(proxied));
+  }
   std::fflush(stdout);
   if (!(last_loss < first_loss)) {
     std::fprintf(stderr, "tensorverbs demo: the loss did not fall (%.4f -> %.4f)\n", first_loss,
@@ -156,7 +265,8 @@ int RunPs(Server& server, const DemoTaskOptions& o, int num_workers, const Peer&
   return 0;
 }
 
-int RunWorker(Server& server, const DemoTaskOptions& o, const Peer& self, const Peer& ps) {
+int RunWorker(Server& server, const DemoTaskOptions& o, const Peer& self, const Peer& ps,
+              const ModelMemory& memory) {
   demo::ModelShape shape;
   const std::vector<std::string>& names = demo::ParameterNames();
   std::vector<std::string> grad_names = Prefixed("grad/", names);
@@ -166,12 +276,21 @@ int RunWorker(Server& server, const DemoTaskOptions& o, const Peer& self, const 
     absl::Time step_start = absl::Now();
     absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = server.rendezvous_mgr()->Find(step_id);
     if (!r.ok()) return Fail(server.task_name(), r.status()), 1;
-    absl::StatusOr<std::vector<Tensor>> params = RecvAll(**r, Keys(ps, self, Prefixed("param/", names)));
+    absl::StatusOr<std::vector<Tensor>> params =
+        RecvAll(**r, Keys(ps, self, Prefixed("param/", names)), memory.args());
     if (!params.ok()) return Fail(server.task_name(), params.status()), 1;
     recv_busy += absl::Now() - step_start;
+    absl::StatusOr<std::vector<Tensor>> host_params = AllToHost(memory, *params);
+    if (!host_params.ok()) return Fail(server.task_name(), host_params.status()), 1;
     demo::Batch batch = demo::MakeBatch(shape, server.env().task, step);
+    std::vector<Tensor> host_grads;
+    float loss = demo::LossAndGradients(shape, *host_params, batch, &host_grads);
     std::vector<Tensor> grads;
-    float loss = demo::LossAndGradients(shape, *params, batch, &grads);
+    for (const Tensor& g : host_grads) {
+      absl::StatusOr<Tensor> placed = memory.Place(g);
+      if (!placed.ok()) return Fail(server.task_name(), placed.status()), 1;
+      grads.push_back(*std::move(placed));
+    }
     Tensor loss_t = Tensor::Make(DataType::kFloat32, TensorShape());
     loss_t.flat<float>()[0] = loss;
     grads.push_back(loss_t);
@@ -189,11 +308,13 @@ int RunWorker(Server& server, const DemoTaskOptions& o, const Peer& self, const 
   const int64_t final_step = o.step_base + o.steps;
   absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = server.rendezvous_mgr()->Find(final_step);
   if (!r.ok()) return Fail(server.task_name(), r.status()), 1;
-  Tensor stats = Tensor::Make(DataType::kInt64, TensorShape::Of({4}));
+  Tensor stats = Tensor::Make(DataType::kInt64, TensorShape::Of({6}));
   stats.flat<int64_t>()[0] = server.stats().tensors.load();
   stats.flat<int64_t>()[1] = server.stats().bytes.load();
   stats.flat<int64_t>()[2] = absl::ToInt64Microseconds(recv_busy);
   stats.flat<int64_t>()[3] = absl::ToInt64Microseconds(step_busy);
+  stats.flat<int64_t>()[4] = DirectDeviceRecvs(server);
+  stats.flat<int64_t>()[5] = ProxiedDeviceRecvs(server);
   absl::Status s = (*r)->Send(Keys(self, ps, {"stats"})[0], stats);
   if (!s.ok()) return Fail(server.task_name(), s), 1;
   // The ps sends this once it has everything from every worker.
@@ -225,13 +346,15 @@ int RunDemoTask(const DemoTaskOptions& o) {
     return p;
   };
   Peer self{srv.device_name(), srv.incarnation()};
+  absl::StatusOr<ModelMemory> memory = ModelMemory::For(srv, o.device);
+  if (!memory.ok()) return Fail(srv.task_name(), memory.status()), 1;
   int rc;
   if (o.job == kPsJob) {
     std::vector<Peer> workers;
     for (int w = 0; w < num_workers; ++w) workers.push_back(peer(kWorkerJob, w));
-    rc = RunPs(srv, o, num_workers, self, workers);
+    rc = RunPs(srv, o, num_workers, self, workers, *memory);
   } else {
-    rc = RunWorker(srv, o, self, peer(kPsJob, 0));
+    rc = RunWorker(srv, o, self, peer(kPsJob, 0), *memory);
   }
   srv.Stop();
   return rc;
@@ -263,22 +386,38 @@ int RunDemoCommand(const DemoOptions& options) {
     std::fprintf(stderr, "tensorverbs demo: --workers must be 1..64 and --steps at least 1\n");
     return 2;
   }
+  absl::StatusOr<DevicePair> device = ParseDevicePair(options.device);
+  if (!device.ok() || !(device->src == device->dst)) {
+    std::fprintf(stderr, "tensorverbs demo: --device '%s': expected cpu, cuda or cuda:N\n",
+                 options.device.c_str());
+    return 2;
+  }
+  if (absl::Status s = CheckDevice(device->src); !s.ok()) {
+    std::fprintf(stderr, "tensorverbs demo: --device %s: %s\n", options.device.c_str(),
+                 std::string(s.message()).c_str());
+    return 1;
+  }
   absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(options.workers + 1);
   if (!ports.ok()) {
     std::fprintf(stderr, "tensorverbs demo: %s\n", ports.status().ToString().c_str());
     return 1;
   }
   std::vector<std::string> worker_addrs;
-  for (int w = 0; w < options.workers; ++w) worker_addrs.push_back(absl::StrCat("127.0.0.1:", (*ports)[w + 1]));
-  const std::string cluster = absl::StrCat("ps=127.0.0.1:", (*ports)[0], ";worker=",
-                                           absl::StrJoin(worker_addrs, ","));
+  for (int w = 0; w < options.workers; ++w)
+    worker_addrs.push_back(absl::StrCat("127.0.0.1:", (*ports)[w + 1]));
+  const std::string cluster =
+      absl::StrCat("ps=127.0.0.1:", (*ports)[0], ";worker=", absl::StrJoin(worker_addrs, ","));
   std::random_device rd;
   const int64_t step_base = (static_cast<int64_t>(rd() & 0x7fffff) << 24) + 1;
 
-  std::printf("tensorverbs demo: training a %d-%d-%d perceptron with 1 ps + %d workers over %s "
-              "(cluster %s)\n",
-              demo::ModelShape().inputs, demo::ModelShape().hidden, demo::ModelShape().classes,
-              options.workers, protocol.c_str(), cluster.c_str());
+  std::printf(
+      "tensorverbs demo: training a %d-%d-%d perceptron with 1 ps + %d workers over %s "
+      "(cluster %s)%s\n",
+      demo::ModelShape().inputs, demo::ModelShape().hidden, demo::ModelShape().classes,
+      options.workers, protocol.c_str(), cluster.c_str(),
+      device->src.host_accessible()
+          ? ""
+          : absl::StrCat(", weights and gradients on ", device->src.ToString()).c_str());
   std::fflush(stdout);
 
   support::BlockTerminationSignals();
@@ -288,7 +427,8 @@ int RunDemoCommand(const DemoOptions& options) {
     absl::StatusOr<pid_t> pid = support::SpawnSelf(
         {"demo-task", "--cluster", cluster, "--job", job, "--task", absl::StrCat(task),
          "--protocol", protocol, "--steps", absl::StrCat(options.steps), "--step-base",
-         absl::StrCat(step_base), "--learning-rate", absl::StrCat(options.learning_rate)});
+         absl::StrCat(step_base), "--learning-rate", absl::StrCat(options.learning_rate),
+         "--device", options.device});
     if (!pid.ok()) {
       std::fprintf(stderr, "tensorverbs demo: %s\n", pid.status().ToString().c_str());
       return false;
@@ -308,7 +448,8 @@ int RunDemoCommand(const DemoOptions& options) {
       rc = 130;
       break;
     }
-    absl::StatusOr<support::ChildExit> exit = support::WaitAnyChild(children, absl::Milliseconds(200));
+    absl::StatusOr<support::ChildExit> exit =
+        support::WaitAnyChild(children, absl::Milliseconds(200));
     if (!exit.ok()) {
       if (absl::Now() > deadline) {
         std::fprintf(stderr, "tensorverbs demo: the cluster did not finish in time\n");

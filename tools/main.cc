@@ -60,6 +60,11 @@ int main(int argc, char** argv) {
   demo_cmd->add_option("--workers", demo.workers, "Worker tasks")->default_val(2);
   demo_cmd->add_option("--learning-rate", demo.learning_rate, "SGD learning rate")
       ->default_val(0.2);
+  demo_cmd
+      ->add_option("--device", demo.device,
+                   "Where weights and gradients live and travel: cpu or cuda[:N] (the math "
+                   "runs on the CPU either way)")
+      ->default_val(demo.device);
 
   CLI::App* info_cmd = app.add_subcommand(
       "info", "Show the fabric backends and providers usable here and the configuration");
@@ -198,6 +203,7 @@ int main(int argc, char** argv) {
   task_cmd->add_option("--steps", task.steps)->required();
   task_cmd->add_option("--step-base", task.step_base)->required();
   task_cmd->add_option("--learning-rate", task.learning_rate)->required();
+  task_cmd->add_option("--device", task.device)->required();
 
   // Authentication for the commands that run tasks. The flags set the variables, before the
   // environment is read, so the tasks these commands start inherit them.

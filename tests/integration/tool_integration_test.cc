@@ -33,7 +33,9 @@ using testing::Subprocess;
 using testing::ToolRun;
 
 // The demo with the default protocol (grpc+verbs here: libfabric shm is usable) and with grpc.
-void ExpectDemoTrains(const std::vector<std::string>& extra, const std::string& protocol) {
+// `*output` (if given) gets its stdout.
+void ExpectDemoTrains(const std::vector<std::string>& extra, const std::string& protocol,
+                      std::string* output = nullptr) {
   std::vector<std::string> args = {"demo", "--steps", "12", "--workers", "2"};
   args.insert(args.end(), extra.begin(), extra.end());
   absl::StatusOr<ToolRun> run = RunTool(args, absl::Seconds(240));
@@ -55,6 +57,7 @@ void ExpectDemoTrains(const std::vector<std::string>& extra, const std::string& 
   EXPECT_THAT(out, HasSubstr("summary: protocol " + protocol + ", 1 ps + 2 workers, 12 steps"));
   EXPECT_THAT(out, HasSubstr("tensors/s"));
   EXPECT_THAT(out, HasSubstr("share of step time in transfer"));
+  if (output != nullptr) *output = out;
 }
 
 // Starts `tensorverbs server ARGS...` and waits for its start-up line (into `*line`).
@@ -86,6 +89,25 @@ TEST(ToolTest, DemoTrainsOverGrpcVerbsByDefaultAndTheLossFalls) {
 
 TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
   ExpectDemoTrains({"--protocol", "grpc"}, "grpc");
+}
+
+// With a GPU the weights and gradients live in the tasks' GPU pools and travel GPU to GPU;
+// without one the demo refuses at once (exit 1), before it starts any task.
+TEST(ToolTest, DemoTrainsWithItsTensorsOnTheGpuOrSaysWhyNot) {
+  absl::StatusOr<ToolRun> info = RunTool({"info"}, absl::Seconds(60));
+  ASSERT_TRUE(info.ok()) << info.status();
+  if (info->out.find("GPUs") != std::string::npos &&
+      info->out.find("none usable") != std::string::npos) {
+    absl::StatusOr<ToolRun> run = RunTool({"demo", "--device", "cuda"}, absl::Seconds(60));
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_EQ(run->exit_code, 1) << run->out;
+    EXPECT_THAT(run->out, ::testing::Not(HasSubstr("step 1 loss")));
+    GTEST_SKIP() << "no GPU here: the demo refused --device cuda, as it should";
+  }
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(ExpectDemoTrains({"--device", "cuda"}, "grpc+verbs", &out));
+  EXPECT_THAT(out, HasSubstr("weights and gradients on cuda:0"));
+  EXPECT_THAT(out, HasSubstr("received into GPU memory directly, 0 through host memory"));
 }
 
 TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
