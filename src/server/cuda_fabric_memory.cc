@@ -40,14 +40,16 @@ absl::StatusOr<void*> CudaFabricMemory::Import(int device, absl::string_view han
   if (e.pid == static_cast<uint32_t>(getpid())) return reinterpret_cast<void*>(e.base);
   ASSIGN_OR_RETURN(void* base, runtime_->IpcOpen(device, handle.substr(sizeof(e))));
   MutexLock lock(&mu_);
-  opened_.insert(base);
+  ++opened_[base];
   return base;
 }
 
 void CudaFabricMemory::Close(int device, void* imported) {
   {
     MutexLock lock(&mu_);
-    if (opened_.erase(imported) == 0) return;  // this process's own memory
+    auto it = opened_.find(imported);
+    if (it == opened_.end()) return;  // this process's own memory
+    if (--it->second == 0) opened_.erase(it);
   }
   if (absl::Status s = runtime_->IpcClose(device, imported); !s.ok()) {
     LOG(WARNING) << "closing a peer's imported GPU memory: " << s;

@@ -13,7 +13,6 @@
 
 #include <cstdint>
 #include <map>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -60,7 +59,9 @@ class CudaFabricMemory final : public fabric::DeviceMemory {
   std::map<int, std::vector<void*>> free_events_ ABSL_GUARDED_BY(mu_);  // device -> events
   std::map<uint64_t, Running> running_ ABSL_GUARDED_BY(mu_);            // ticket -> copy
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
-  std::set<void*> opened_ ABSL_GUARDED_BY(mu_);  // imports CUDA IPC mapped, to close
+  // Imports CUDA IPC mapped, with how often each was opened: the runtime hands out the same
+  // address for the same allocation again, and each open needs its close.
+  std::map<void*, int> opened_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace tensorverbs

@@ -1,5 +1,6 @@
 #include "src/server/server.h"
 
+#include <limits>
 #include <mutex>
 #include <random>
 
@@ -436,6 +437,11 @@ absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
   pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
   pool_options.keep_free_bytes = static_cast<size_t>(options_.pool_keep_free_bytes);
   pool_options.release_after = ServerOptions::kPoolReleaseAfter;
+  if (verbs_ != nullptr && verbs_->device_direct()) {
+    // Peers import these regions (CUDA IPC) and keep them imported while their channel lives;
+    // freeing one under them is undefined behaviour, so the pool keeps what it grew to.
+    pool_options.keep_free_bytes = std::numeric_limits<size_t>::max();
+  }
   ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool,
                    device::NewCudaPool(*cuda, device, pool_options));
   if (verbs_ != nullptr) verbs_->AddDevicePool(pool.get());

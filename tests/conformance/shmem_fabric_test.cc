@@ -295,7 +295,7 @@ TEST_F(ShmemDeviceTest, DeviceMemoryMovesByDeviceCopiesInEveryDirection) {
 }
 
 TEST_F(ShmemDeviceTest, AnImmediateWaitsForTheDeviceCopiesPostedBeforeIt) {
-  dm_->set_copy_delay(absl::Milliseconds(30));
+  dm_->set_held(true);
   std::memset(gpu_a_.data(), 0x33, 4096);
   auto host_b = *b_->RegisterMemory(dst_->data(), dst_->size(), kAccessRemoteWrite);
   // A slow device write without an immediate, then a host write with one: the immediate may
@@ -305,6 +305,7 @@ TEST_F(ShmemDeviceTest, AnImmediateWaitsForTheDeviceCopiesPostedBeforeIt) {
   // The writer polls while its device copy runs: the host write waits behind it.
   EXPECT_TRUE(PollFor(*a_, 1, absl::Milliseconds(5)).empty());
   EXPECT_TRUE(PollFor(*b_, 1, absl::Milliseconds(5)).empty()) << "an immediate before its data";
+  dm_->set_held(false);
   EXPECT_EQ(PollFor(*a_, 2).size(), 2u);
   EXPECT_EQ(gpu_b_[4095], 0x33);
   std::vector<Completion> arrived = PollFor(*b_, 1);

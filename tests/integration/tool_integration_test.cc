@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -96,8 +97,12 @@ TEST(ToolTest, DemoTrainsOverGrpcAndTheLossFalls) {
 TEST(ToolTest, DemoTrainsWithItsTensorsOnTheGpuOrSaysWhyNot) {
   absl::StatusOr<ToolRun> info = RunTool({"info"}, absl::Seconds(60));
   ASSERT_TRUE(info.ok()) << info.status();
-  if (info->out.find("GPUs") != std::string::npos &&
-      info->out.find("none usable") != std::string::npos) {
+  // The line under "GPUs (...):" says whether there is one.
+  const size_t gpus = info->out.find("\nGPUs (");
+  ASSERT_NE(gpus, std::string::npos) << info->out;
+  const size_t first = info->out.find('\n', gpus + 1);
+  const std::string gpu_line = info->out.substr(first + 1, info->out.find('\n', first + 1) - first);
+  if (absl::StartsWith(gpu_line, "  none usable")) {
     absl::StatusOr<ToolRun> run = RunTool({"demo", "--device", "cuda"}, absl::Seconds(60));
     ASSERT_TRUE(run.ok()) << run.status();
     EXPECT_EQ(run->exit_code, 1) << run->out;

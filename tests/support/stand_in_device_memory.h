@@ -74,9 +74,8 @@ class StandInDeviceMemory final : public fabric::DeviceMemory {
       copies_[ticket] = copy;
     }
     (src.on_device ? (dst.on_device ? d2d_ : d2h_) : h2d_).fetch_add(1);
-    const absl::Duration delay = delay_;
-    thread_.Schedule([copy, dst, src, bytes, delay] {
-      if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
+    thread_.Schedule([this, copy, dst, src, bytes] {
+      while (held_.load(std::memory_order_acquire)) absl::SleepFor(absl::Microseconds(100));
       if (copy->error.ok() && bytes > 0) DmaCopy(dst.addr, src.addr, bytes);
       copy->done.store(true, std::memory_order_release);
     });
@@ -99,8 +98,8 @@ class StandInDeviceMemory final : public fabric::DeviceMemory {
     failures_.push_back(std::move(status));
   }
   void set_fail_exports(bool fail) { fail_exports_.store(fail); }
-  // Each copy takes at least this long (set before copies start).
-  void set_copy_delay(absl::Duration delay) { delay_ = delay; }
+  // While held, copies do not finish (as a slow GPU's): set before the copies to hold start.
+  void set_held(bool held) { held_.store(held, std::memory_order_release); }
 
   int64_t host_to_device() const { return h2d_.load(); }
   int64_t device_to_host() const { return d2h_.load(); }
@@ -145,7 +144,7 @@ class StandInDeviceMemory final : public fabric::DeviceMemory {
   std::map<uint64_t, std::shared_ptr<Copy>> copies_ ABSL_GUARDED_BY(mu_);
   std::deque<absl::Status> failures_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::Duration delay_;
+  std::atomic<bool> held_{false};
   std::atomic<bool> fail_exports_{false};
   std::atomic<int64_t> h2d_{0}, d2h_{0}, d2d_{0}, exports_{0}, imports_{0}, closes_{0},
       host_registrations_{0}, host_unregistrations_{0};

@@ -378,19 +378,10 @@ class ShmemEndpoint final : public EndpointBase {
   // immediate is published once the copies posted before it are done.
   void RunPending() {
     StartDeviceCopies();
+    PollDeviceCopies();
     while (!pending_.empty()) {
       Op& op = pending_.front();
-      if (op.phase == Phase::kCopying) {
-        absl::StatusOr<bool> done = d_->device->CopyDone(op.ticket);
-        if (done.ok() && !*done) return;  // the GPU is still copying
-        --device_copies_;
-        if (done.ok()) {
-          op.phase = Phase::kCopied;
-        } else {
-          op.phase = Phase::kFailed;
-          op.error = DeviceError(op, done.status());
-        }
-      }
+      if (op.phase == Phase::kCopying) return;  // the GPU is still copying
       absl::Status status = op.phase == Phase::kFailed ? op.error : Usable();
       if (status.ok() && op.phase == Phase::kQueued && op.device) {
         StartDeviceCopy(op);  // only when more were in flight than StartDeviceCopies starts
@@ -628,6 +619,10 @@ class ShmemEndpoint final : public EndpointBase {
 
   // Releases everything Connect acquired; the endpoint is unconnected afterwards.
   void Disconnect() {
+    if (leak_device_memory_) {
+      mappings_.clear();
+      device_mappings_.clear();
+    }
     for (auto& [id, m] : mappings_) Unmap(m);
     mappings_.clear();
     for (auto& [id, m] : device_mappings_) d_->device->Close(m.device, m.base);
@@ -733,7 +728,7 @@ class ShmemEndpoint final : public EndpointBase {
 
   // Where the peer's GPU region `key` is in this process, importing it on first use.
   absl::StatusOr<const DeviceMapping*> MapDevice(const PackedKey& key, int device) {
-    if (auto it = device_mappings_.find(key.region); it != device_mappings_.end()) {
+    if (auto it = device_mappings_.find({key.region, device}); it != device_mappings_.end()) {
       const DeviceMapping& m = it->second;
       if (m.key.base != key.base || m.key.length != key.length) {
         return absl::DataLossError(
@@ -767,7 +762,7 @@ class ShmemEndpoint final : public EndpointBase {
       device_mappings_.erase(first);
     }
     Counters().device_regions_imported.fetch_add(1, std::memory_order_relaxed);
-    DeviceMapping& m = device_mappings_[key.region];
+    DeviceMapping& m = device_mappings_[{key.region, device}];
     m = DeviceMapping{*base, key, device};
     return &m;
   }
@@ -816,7 +811,9 @@ class ShmemEndpoint final : public EndpointBase {
       fail(absl::FailedPreconditionError("this process has no GPU runtime"));
       return;
     }
-    const int device = op.local_device >= 0 ? op.local_device : static_cast<int>(op.key.device);
+    // The local GPU that runs the copy: the local buffer's, else device 0 (the peer's ordinal
+    // names a GPU in its process, which may be another one here, or none).
+    const int device = op.local_device >= 0 ? op.local_device : 0;
     absl::StatusOr<DeviceMemory::Side> remote = RemoteSide(op, device);
     if (!remote.ok()) {
       fail(remote.status());
@@ -850,23 +847,39 @@ class ShmemEndpoint final : public EndpointBase {
     }
   }
 
-  // Waits (up to 10 s) for the device copies still running, at teardown.
+  // Moves every finished device copy on (kCopied, or kFailed with its error), wherever it is in
+  // the queue: device_copies_ counts the copies the GPU still runs, so a copy that finished
+  // behind a host write waiting for ring room no longer keeps the progress thread polling.
+  void PollDeviceCopies() {
+    if (device_copies_ == 0) return;
+    for (Op& op : pending_) {
+      if (op.phase != Phase::kCopying) continue;
+      absl::StatusOr<bool> done = d_->device->CopyDone(op.ticket);
+      if (done.ok() && !*done) break;  // copies on a stream finish in order
+      --device_copies_;
+      if (done.ok()) {
+        op.phase = Phase::kCopied;
+      } else {
+        op.phase = Phase::kFailed;
+        op.error = DeviceError(op, done.status());
+      }
+    }
+  }
+
+  // Waits (up to 10 s) for the device copies still running, at teardown. Memory a copy that
+  // never finished may still touch is then left mapped and imported: a leak, not a fault.
   void DrainDeviceCopies() {
     const absl::Time give_up = absl::Now() + absl::Seconds(10);
-    for (Op& op : pending_) {
-      while (op.phase == Phase::kCopying) {
-        absl::StatusOr<bool> done = d_->device->CopyDone(op.ticket);
-        if (!done.ok() || *done) {
-          op.phase = Phase::kCopied;
-          --device_copies_;
-        } else if (absl::Now() > give_up) {
-          LOG(ERROR) << "shmem: a device copy of endpoint " << LocalAddress()
-                     << " has not finished after 10 s; releasing its memory anyway";
-          return;
-        } else {
-          absl::SleepFor(absl::Microseconds(20));
-        }
+    while (device_copies_ > 0) {
+      PollDeviceCopies();
+      if (device_copies_ == 0) break;
+      if (absl::Now() > give_up) {
+        LOG(ERROR) << "shmem: " << device_copies_ << " device copies of endpoint " << LocalAddress()
+                   << " have not finished after 10 s; leaving the memory they use mapped";
+        leak_device_memory_ = true;
+        return;
       }
+      absl::SleepFor(absl::Microseconds(20));
     }
   }
 
@@ -976,7 +989,9 @@ class ShmemEndpoint final : public EndpointBase {
   size_t outstanding_ = 0;
   std::map<uint64_t, Mapping> mappings_;
   uint64_t mapping_order_ = 0;
-  std::map<uint64_t, DeviceMapping> device_mappings_;
+  // By (region, the local device it was imported on).
+  std::map<std::pair<uint64_t, int>, DeviceMapping> device_mappings_;
+  bool leak_device_memory_ = false;  // a copy never finished: keep what it may touch
   int device_copies_ = 0;
 };
 

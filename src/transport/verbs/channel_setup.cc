@@ -77,6 +77,11 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
   }
   Channel* raw = Add(std::move(channel));
   owner_by_task_[task] = id;
+  {
+    // Until this channel's peer says otherwise: a restarted task may not write GPU memory.
+    MutexLock lock(&connect_mu_);
+    peer_device_writes_[task] = false;
+  }
 
   std::shared_ptr<proto::VerbsService::Stub> stub = stubs_->Get(task, address->second);
   auto connecting = std::make_unique<Connecting>();

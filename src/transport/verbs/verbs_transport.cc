@@ -297,12 +297,22 @@ void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorR
 }
 
 void VerbsTransport::AddDevicePool(PoolAllocator* pool) {
+  MutexLock lock(&memory_mu_);
   if (device_direct() && memory_ != nullptr) memory_->AddDevicePool(pool);
 }
 
 bool VerbsTransport::LandsOnDevice(const std::string& src_task, const Allocator* allocator) const {
-  return device_direct() && memory_ != nullptr && memory_->HasDevicePool(allocator) &&
-         channels_ != nullptr && channels_->PeerWritesDevice(src_task);
+  if (!device_direct()) return false;
+  {
+    MutexLock lock(&memory_mu_);
+    if (memory_ == nullptr || !memory_->HasDevicePool(allocator)) return false;
+  }
+  return channels_ != nullptr && channels_->PeerWritesDevice(src_task);
+}
+
+protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges() const {
+  MutexLock lock(&memory_mu_);
+  return memory_ != nullptr ? memory_->gauges() : protocol::RdmaMemoryMgr::RegistrationGauges{};
 }
 
 void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
@@ -363,6 +373,7 @@ void VerbsTransport::Shutdown() {
   channels_->Shutdown(absl::Seconds(10));
   quarantine_.clear();
   lent_->Clear();
+  MutexLock lock(&memory_mu_);
   memory_.reset();
 }
 

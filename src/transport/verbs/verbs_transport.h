@@ -147,9 +147,7 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   std::string fabric_name() const;
   const protocol::VerbsStats& stats() const { return stats_; }
   // The memory manager's registration gauges (any thread).
-  protocol::RdmaMemoryMgr::RegistrationGauges registration_gauges() const {
-    return memory_ != nullptr ? memory_->gauges() : protocol::RdmaMemoryMgr::RegistrationGauges{};
-  }
+  protocol::RdmaMemoryMgr::RegistrationGauges registration_gauges() const;
   // For fault injection in tests (loopback::SetFaults is thread-safe); nothing else may use it.
   fabric::Domain* domain_for_testing() { return domain_.get(); }
   // Channels that are set up, of both roles, for tests and tools (any thread; asks the loop).
@@ -213,6 +211,9 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // Recvs posted by callers, waiting for the progress thread: one small task per batch rather
   // than a task owning each recv (a heap allocation per recv). StartQueuedRecvs' batch keeps
   // its capacity in recv_batch_ (progress thread).
+  // Held by the any-thread users of memory_ (gauges, device pools) and by Shutdown, which
+  // drops it while they may run.
+  mutable Mutex memory_mu_;
   Mutex recv_inbox_mu_;
   std::vector<RecvStart> recv_inbox_ ABSL_GUARDED_BY(recv_inbox_mu_);
   std::vector<RecvStart> recv_batch_;
