@@ -419,15 +419,8 @@ std::shared_ptr<fabric::DeviceMemory> Server::FabricDeviceMemory() {
   return std::make_shared<CudaFabricMemory>(*cuda);
 }
 
-absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
-  MutexLock lock(&device_pools_mu_);
-  auto it = device_pools_.find(device);
-  if (it != device_pools_.end()) return it->second.get();
-  if (options_.device_pool_factory) {
-    ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool, options_.device_pool_factory(device));
-    if (verbs_ != nullptr) verbs_->AddDevicePool(pool.get());
-    return device_pools_.emplace(device, std::move(pool)).first->second.get();
-  }
+absl::StatusOr<std::unique_ptr<PoolAllocator>> Server::NewDevicePool(int device) {
+  if (options_.device_pool_factory) return options_.device_pool_factory(device);
   absl::StatusOr<device::CudaRuntime*> cuda = CudaIfPresent();
   if (!cuda.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -442,8 +435,14 @@ absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
     // freeing one under them is undefined behaviour, so the pool keeps what it grew to.
     pool_options.keep_free_bytes = std::numeric_limits<size_t>::max();
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool,
-                   device::NewCudaPool(*cuda, device, pool_options));
+  return device::NewCudaPool(*cuda, device, pool_options);
+}
+
+absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
+  MutexLock lock(&device_pools_mu_);
+  auto it = device_pools_.find(device);
+  if (it != device_pools_.end()) return it->second.get();
+  ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool, NewDevicePool(device));
   if (verbs_ != nullptr) verbs_->AddDevicePool(pool.get());
   return device_pools_.emplace(device, std::move(pool)).first->second.get();
 }

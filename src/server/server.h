@@ -156,6 +156,8 @@ class Server {
   // How the transport's fabric may reach GPU memory: options_.device_memory, else CUDA's where
   // a GPU is, else null.
   std::shared_ptr<fabric::DeviceMemory> FabricDeviceMemory();
+  // A new pool of GPU `device`'s memory: options_.device_pool_factory's, else CUDA's.
+  absl::StatusOr<std::unique_ptr<PoolAllocator>> NewDevicePool(int device);
   void AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
                    proto::GetStatsResponse* out) const;
   absl::Status Start();

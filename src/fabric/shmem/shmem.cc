@@ -34,6 +34,7 @@
 #include "src/common/status_macros.h"
 #include "src/fabric/endpoint_base.h"
 #include "src/fabric/shmem/copy.h"
+#include "src/fabric/shmem/domain_state.h"
 #include "src/fabric/shmem/wire.h"
 
 namespace tensorverbs::fabric::shmem {
@@ -47,229 +48,6 @@ constexpr size_t kMaxMappingsPerEndpoint = 256;
 // memcpy won at 1 MiB (`bench fabric`: 0.72x memcpy streaming, 1.06x plain). From twice a
 // core's L2 up a destination cannot be in that cache anyway.
 constexpr size_t kStreamingCopyBytes = size_t{4} << 20;
-constexpr size_t kMaxClients = 4096;  // connections one descriptor server takes at once
-
-// ---- The domain's shared state -------------------------------------------------------------
-
-// One endpoint as the descriptor server sees it.
-struct EndpointShared {
-  uint64_t id = 0;
-  std::unique_ptr<SharedMemory> ring;  // the inbound ring this endpoint consumes
-  std::atomic<bool> claimed{false};    // a peer connected to it
-  std::atomic<bool> peer_gone{false};  // that peer's connection closed
-  int client_fd = -1;  // that connection, under DomainState::mu (shut down when we close)
-};
-
-struct RegionEntry {
-  uint64_t base = 0;
-  uint64_t length = 0;
-  uint32_t access = 0;
-  int fd = -1;  // memfd (ours, closed with the entry); -1 for private memory
-  uint64_t file_size = 0;
-  int device = -1;  // GPU memory: its ordinal, and the handle a peer imports it by
-  std::string handle;
-};
-
-struct DomainState {
-  uint64_t uid = 0;
-  pid_t pid = 0;
-  int listen_fd = -1;
-  int bell_fd = -1;  // eventfd: the doorbell peers ring and Interrupt signals
-  int stop_fd = -1;  // eventfd: ends the server thread
-  std::thread server;
-  std::shared_ptr<DeviceMemory> device;  // null: host memory only
-  std::atomic<uint64_t> next_id{1};
-
-  Mutex mu;
-  std::map<uint64_t, std::shared_ptr<EndpointShared>> endpoints ABSL_GUARDED_BY(mu);
-  std::map<uint64_t, RegionEntry> regions ABSL_GUARDED_BY(mu);
-
-  // Progress thread only.
-  std::deque<Completion> local;  // completions of operations already done
-  std::vector<class ShmemEndpoint*> live;
-
-  ~DomainState() {
-    if (server.joinable()) {
-      uint64_t one = 1;
-      [[maybe_unused]] ssize_t n = write(stop_fd, &one, sizeof(one));
-      server.join();
-    }
-    for (int fd : {listen_fd, bell_fd, stop_fd}) {
-      if (fd >= 0) close(fd);
-    }
-    MutexLock lock(&mu);
-    for (auto& [id, r] : regions) {
-      if (r.fd >= 0) close(r.fd);
-    }
-  }
-
-  void Ring() {
-    uint64_t one = 1;
-    [[maybe_unused]] ssize_t n = write(bell_fd, &one, sizeof(one));
-  }
-
-  void Serve();
-  // False when the reply could not be sent: the connection is then closed.
-  bool Answer(int client, const Request& request, std::shared_ptr<EndpointShared>* hello);
-};
-
-// The descriptor server: answers each connected peer's requests until it hangs up, then marks
-// the endpoint it connected to as having lost its peer and wakes the progress thread.
-void DomainState::Serve() {
-  struct Client {
-    int fd;
-    std::shared_ptr<EndpointShared> endpoint;  // after kHello
-  };
-  std::vector<Client> clients;
-  std::vector<pollfd> fds;
-  while (true) {
-    fds.clear();
-    fds.push_back({stop_fd, POLLIN, 0});
-    fds.push_back({listen_fd, static_cast<short>(clients.size() < kMaxClients ? POLLIN : 0), 0});
-    for (const Client& c : clients) fds.push_back({c.fd, POLLIN, 0});
-    if (poll(fds.data(), fds.size(), -1) < 0) {
-      if (errno == EINTR) continue;
-      LOG(ERROR) << "shmem: the descriptor server stops: poll: " << std::strerror(errno);
-      break;
-    }
-    if (fds[0].revents) break;
-    std::vector<size_t> gone;
-    for (size_t i = 2; i < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      Client& c = clients[i - 2];
-      Request request{};
-      int extra[4];
-      int nextra = 0;
-      const ssize_t n = RecvWithFds(c.fd, &request, sizeof(request), extra, 4, &nextra);
-      for (int k = 0; k < nextra; ++k) close(extra[k]);
-      if (n == static_cast<ssize_t>(sizeof(request)) && request.magic == kRequestMagic) {
-        if (Answer(c.fd, request, &c.endpoint)) continue;
-      } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-        continue;
-      } else if (n > 0) {
-        LOG(WARNING) << "shmem: a peer sent a malformed request; closing its connection";
-      }
-      gone.push_back(i - 2);
-    }
-    for (auto it = gone.rbegin(); it != gone.rend(); ++it) {
-      Client& c = clients[*it];
-      {
-        MutexLock lock(&mu);
-        if (c.endpoint != nullptr && c.endpoint->client_fd == c.fd) c.endpoint->client_fd = -1;
-        close(c.fd);
-      }
-      if (c.endpoint != nullptr) {
-        c.endpoint->peer_gone.store(true, std::memory_order_release);
-        Ring();
-      }
-      clients.erase(clients.begin() + static_cast<ptrdiff_t>(*it));
-    }
-    if (fds[1].revents & POLLIN) {
-      const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
-        // Abstract sockets have no file permissions: only processes of our own user (who could
-        // ptrace us anyway) may connect.
-        ucred cred{};
-        if (!PeerCredentials(fd, &cred) || cred.uid != geteuid()) {
-          LOG(WARNING) << "shmem: refused a connection from pid " << cred.pid << " of user "
-                       << cred.uid << " (only user " << geteuid() << " may connect)";
-          close(fd);
-        } else {
-          clients.push_back({fd, nullptr});
-        }
-      }
-    }
-  }
-  MutexLock lock(&mu);
-  for (Client& c : clients) {
-    if (c.endpoint != nullptr && c.endpoint->client_fd == c.fd) c.endpoint->client_fd = -1;
-    close(c.fd);
-  }
-}
-
-bool DomainState::Answer(int client, const Request& request,
-                         std::shared_ptr<EndpointShared>* hello) {
-  Reply reply{};
-  reply.magic = kReplyMagic;
-  reply.status = kOk;
-  reply.type = request.type;
-  reply.id = request.id;
-  DeviceRegionReply device_reply{};
-  // Descriptors to send, each our own duplicate (closed below): a deregistration on another
-  // thread may close the region's descriptor, and its number be reused, while we send.
-  int fds[2] = {-1, -1};
-  int nfds = 0;
-  if (request.type == kHello) {
-    MutexLock lock(&mu);
-    auto it = endpoints.find(request.id);
-    if (*hello != nullptr) {
-      reply.status = kEndpointTaken;
-    } else if (it == endpoints.end()) {
-      reply.status = kNoSuchEndpoint;
-    } else if (it->second->claimed.exchange(true)) {
-      reply.status = kEndpointTaken;
-    } else {
-      const std::shared_ptr<EndpointShared>& ep = it->second;
-      *hello = ep;
-      ep->client_fd = client;
-      reply.size = ep->ring->size();
-      reply.capacity = kRingCapacity;
-      fds[nfds++] = fcntl(ep->ring->fd(), F_DUPFD_CLOEXEC, 0);
-      fds[nfds++] = fcntl(bell_fd, F_DUPFD_CLOEXEC, 0);
-    }
-  } else if (request.type == kRegion || request.type == kDeviceRegion) {
-    // Regions are handed out only on a connection that named one of our endpoints first: a
-    // memfd for host memory, the exported handle for device memory.
-    const bool device = request.type == kDeviceRegion;
-    MutexLock lock(&mu);
-    auto it = regions.find(request.id);
-    if (*hello == nullptr) {
-      reply.status = kNotConnected;
-    } else if (it == regions.end()) {
-      reply.status = kNoSuchRegion;
-    } else if (device ? it->second.device < 0 : it->second.fd < 0) {
-      reply.status = device ? kNotDevice : kNotShared;
-    } else if ((it->second.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
-      reply.status = kNoAccess;
-    } else if (device) {
-      reply.size = it->second.length;
-      reply.access = it->second.access;
-      device_reply.device = static_cast<uint32_t>(it->second.device);
-      device_reply.handle_size = static_cast<uint32_t>(it->second.handle.size());
-      std::memcpy(device_reply.handle, it->second.handle.data(), it->second.handle.size());
-    } else {
-      reply.size = it->second.file_size;
-      reply.access = it->second.access;
-      // Read-only access: a read-only descriptor, so the peer cannot map it writable.
-      fds[nfds++] =
-          (it->second.access & kAccessRemoteWrite)
-              ? fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0)
-              : open(absl::StrCat("/proc/self/fd/", it->second.fd).c_str(), O_RDONLY | O_CLOEXEC);
-    }
-  } else {
-    reply.status = kNoSuchRegion;
-  }
-  for (int i = 0; i < nfds; ++i) {
-    if (fds[i] < 0) reply.status = kNoAccess;  // out of descriptors, or no /proc
-  }
-  const int sent = reply.status == kOk ? nfds : 0;
-  // A device region's handle follows the reply (its requester expects that length, answered
-  // or refused).
-  const void* message = &reply;
-  size_t length = sizeof(reply);
-  if (request.type == kDeviceRegion) {
-    device_reply.reply = reply;
-    message = &device_reply;
-    length = sizeof(device_reply);
-  }
-  // Never blocks: a peer that does not read its replies loses its own connection.
-  const bool ok = SendWithFds(client, message, length, fds, sent, MSG_DONTWAIT);
-  if (!ok) VLOG(1) << "shmem: a reply to a peer failed: " << std::strerror(errno);
-  for (int i = 0; i < nfds; ++i) {
-    if (fds[i] >= 0) close(fds[i]);
-  }
-  return ok;
-}
 
 // ---- Regions --------------------------------------------------------------------------------
 
@@ -316,8 +94,11 @@ class ShmemRegion final : public MemoryRegion {
   const int device_;
 };
 
+}  // namespace
+
 // ---- Endpoints ------------------------------------------------------------------------------
 
+// Outside the anonymous namespace: DomainState (domain_state.h) lists the live ones.
 class ShmemEndpoint final : public EndpointBase {
  public:
   ShmemEndpoint(std::shared_ptr<DomainState> d, std::shared_ptr<EndpointShared> shared,
@@ -996,6 +777,8 @@ class ShmemEndpoint final : public EndpointBase {
 };
 
 // ---- The domain -----------------------------------------------------------------------------
+
+namespace {
 
 class ShmemDomain final : public Domain {
  public:
