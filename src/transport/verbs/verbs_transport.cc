@@ -274,6 +274,16 @@ void VerbsTransport::Lend(
   }
 }
 
+void VerbsTransport::set_rendezvous_mgr(RendezvousMgr* mgr) {
+  // Written on the loop thread, so that the loop's later reads happen after the write without
+  // relying on how a peer's first request reaches it.
+  // A loop that has stopped serves no request, so a refusal needs no other way in.
+  (void)engine_->AskLoop<bool>([this, mgr] {
+    channel_env_.rendezvous_mgr = mgr;
+    return true;
+  });
+}
+
 size_t VerbsTransport::NumLentTensors() {
   return engine_->AskLoop<size_t>([this] { return lent_->size(); }).value_or(0);
 }

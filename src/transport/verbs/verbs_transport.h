@@ -106,8 +106,9 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
 
   // The service to register on the server's gRPC port, before it starts.
   grpc::Service* service();
-  // Where requests from peers find the local sends. Set before the server starts serving.
-  void set_rendezvous_mgr(RendezvousMgr* mgr) { channel_env_.rendezvous_mgr = mgr; }
+  // Where requests from peers find the local sends. Set before the server starts serving; it
+  // is handed to the progress thread, which already runs and is the one that reads it.
+  void set_rendezvous_mgr(RendezvousMgr* mgr);
 
   // Receives `key` (its source task is a peer) for `rendezvous`'s step into memory from
   // `allocator`. The recv fails at once if the rendezvous was aborted before it started.
