@@ -16,7 +16,8 @@ make -C "$root" build BUILD_DIR="$(realpath --relative-to="$root" "$build")" >/d
 
 binaries=("$build/tools/tensorverbs" "$build/tests/unit/cuda_gpu_test"
           "$build/tests/unit/cuda_transfer_gpu_test" "$build/tests/unit/device_test"
-          "$build/tests/unit/api_test")
+          "$build/tests/unit/api_test" "$build/tests/integration/device_two_process_test"
+          "$build/tests/integration/tv_device_echo_peer")
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 for b in "${binaries[@]}"; do
@@ -67,6 +68,9 @@ if [ "$what" != bench ]; then
   "$here/bin/cuda_gpu_test" || rc=1
   "$here/bin/cuda_transfer_gpu_test" || rc=1
   "$here/bin/api_test" || rc=1  # the public API, with GPU recvs where a GPU is
+  # Two processes on the GPU: CUDA IPC between them, direct and proxy, every dtype to 1 GiB.
+  TV_DEVICE_ECHO_PEER="$here/bin/tv_device_echo_peer" "$here/bin/device_two_process_test" \
+    --gtest_filter='Routes/Gpu*' || rc=1
   # The demo with weights and gradients on the GPU: direct, then through host memory.
   "$tv" demo --device cuda --steps 20 || rc=1
   TENSORVERBS_GPU_DIRECT=off "$tv" demo --device cuda --steps 20 || rc=1

@@ -391,9 +391,10 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
 namespace {
 
 // The CUDA runtime if this host has a GPU. Without the NVIDIA driver there is no GPU to copy
-// to: the runtime is not even loaded.
+// to: the runtime is not even loaded, unless TENSORVERBS_CUDA_RUNTIME names one (a runtime
+// the user chose is asked, and says itself whether it finds a device).
 absl::StatusOr<device::CudaRuntime*> CudaIfPresent() {
-  if (!device::NvidiaDriverLoaded()) {
+  if (Config::Get().cuda_runtime.empty() && !device::NvidiaDriverLoaded()) {
     return absl::FailedPreconditionError("no NVIDIA driver is loaded on this host");
   }
   return device::CudaRuntime::Get();

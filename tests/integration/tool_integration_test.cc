@@ -115,6 +115,22 @@ TEST(ToolTest, DemoTrainsWithItsTensorsOnTheGpuOrSaysWhyNot) {
   EXPECT_THAT(out, HasSubstr("received into GPU memory directly, 0 through host memory"));
 }
 
+// The demo's GPU branch everywhere: against the libcudart stand-in (tests/support/
+// fake_cudart.cc, whose device memory is shared memory that CUDA IPC maps between the demo's
+// processes), direct and then over the proxy path.
+TEST(ToolTest, DemoKeepsItsTensorsOnAStandInGpuDirectOrThroughHostMemory) {
+  setenv("TENSORVERBS_CUDA_RUNTIME", TV_FAKE_CUDART_PATH, 1);  // for the demo's processes
+  std::string out;
+  ASSERT_NO_FATAL_FAILURE(ExpectDemoTrains({"--device", "cuda"}, "grpc+verbs", &out));
+  EXPECT_THAT(out, HasSubstr("weights and gradients on cuda:0"));
+  EXPECT_THAT(out, HasSubstr("received into GPU memory directly, 0 through host memory"));
+  setenv("TENSORVERBS_GPU_DIRECT", "off", 1);
+  ASSERT_NO_FATAL_FAILURE(ExpectDemoTrains({"--device", "cuda"}, "grpc+verbs", &out));
+  EXPECT_THAT(out, HasSubstr(": 0 received into GPU memory directly"));
+  unsetenv("TENSORVERBS_GPU_DIRECT");
+  unsetenv("TENSORVERBS_CUDA_RUNTIME");
+}
+
 TEST(ToolTest, DemoRejectsAnUnknownProtocol) {
   auto p = support::Subprocess::Start(testing::ToolPath(), {"demo", "--protocol", "smoke-signals"});
   ASSERT_TRUE(p.ok());

@@ -5,6 +5,16 @@
 // 4096 on either side of a copy is refused at once with cudaErrorInvalidValue, as the runtime
 // refuses memory it does not know. Only what CudaRuntime resolves is here, with the same
 // signatures it calls through (error codes as int, handles as void*).
+//
+// Device memory is shared memory (a memfd per cudaMalloc), so CUDA IPC works between processes
+// as on a GPU: a handle names the owner's pid and descriptor, and another process opens it
+// through /proc/<pid>/fd and maps it (the same handle opened twice maps once, and needs two
+// closes, as the runtime does). tv_fake_cudart_counts() tells a test how many allocations are
+// live and how many IPC opens are not closed yet, so leaks show.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -12,7 +22,9 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 
 namespace {
@@ -66,6 +78,41 @@ struct Event {
   std::atomic<bool> done{true};
 };
 
+// What a handle carries (cudaIpcMemHandle_t is 64 opaque bytes).
+struct IpcHandle {
+  char bytes[64];
+};
+struct IpcName {
+  uint32_t magic;
+  int32_t pid;
+  int32_t fd;
+  uint64_t size;
+};
+constexpr uint32_t kIpcMagic = 0x54564643;  // "TVFC"
+static_assert(sizeof(IpcName) <= sizeof(IpcHandle));
+
+struct Allocation {
+  int fd;
+  size_t size;
+};
+struct Opened {
+  void* base;
+  size_t size;
+  int refs;
+};
+
+// Every allocation by base, and every opened peer allocation by (pid, fd).
+struct Books {
+  std::mutex mu;
+  std::map<uintptr_t, Allocation> allocations;
+  std::map<std::pair<int, int>, Opened> opened;
+  long opens_not_closed = 0;
+};
+Books& books() {
+  static Books* b = new Books;  // outlives the runtime's users at exit
+  return *b;
+}
+
 }  // namespace
 
 extern "C" {
@@ -106,11 +153,32 @@ int cudaMemGetInfo(size_t* free_bytes, size_t* total) {
   return kSuccess;
 }
 int cudaMalloc(void** p, size_t bytes) {
-  *p = std::malloc(bytes);
-  return *p != nullptr ? kSuccess : 2;
+  const size_t size = bytes == 0 ? 1 : bytes;
+  const int fd = memfd_create("tv-fake-cuda", MFD_CLOEXEC);
+  if (fd < 0) return 2;
+  void* base = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(size)) == 0) {
+    base = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  if (base == MAP_FAILED) {
+    close(fd);
+    return 2;  // cudaErrorMemoryAllocation
+  }
+  Books& b = books();
+  std::lock_guard<std::mutex> lock(b.mu);
+  b.allocations[reinterpret_cast<uintptr_t>(base)] = Allocation{fd, size};
+  *p = base;
+  return kSuccess;
 }
 int cudaFree(void* p) {
-  std::free(p);
+  if (p == nullptr) return kSuccess;
+  Books& b = books();
+  std::lock_guard<std::mutex> lock(b.mu);
+  auto it = b.allocations.find(reinterpret_cast<uintptr_t>(p));
+  if (it == b.allocations.end()) return kInvalidValue;
+  munmap(p, it->second.size);
+  close(it->second.fd);
+  b.allocations.erase(it);
   return kSuccess;
 }
 int cudaMemcpy(void* dst, const void* src, size_t bytes, int) {
@@ -154,18 +222,60 @@ int cudaLaunchHostFunc(void* stream, void (*fn)(void*), void* arg) {
 }
 int cudaHostRegister(void*, size_t, unsigned) { return kSuccess; }
 int cudaHostUnregister(void*) { return kSuccess; }
-int cudaIpcGetMemHandle(void* handle, void* p) {
-  std::memset(handle, 0, 64);
-  std::memcpy(handle, &p, sizeof(p));
+int cudaIpcGetMemHandle(IpcHandle* handle, void* p) {
+  Books& b = books();
+  std::lock_guard<std::mutex> lock(b.mu);
+  auto it = b.allocations.upper_bound(reinterpret_cast<uintptr_t>(p));
+  if (it == b.allocations.begin()) return kInvalidValue;
+  --it;
+  if (reinterpret_cast<uintptr_t>(p) >= it->first + it->second.size) return kInvalidValue;
+  const IpcName name{kIpcMagic, static_cast<int32_t>(getpid()), it->second.fd, it->second.size};
+  std::memset(handle->bytes, 0, sizeof(handle->bytes));
+  std::memcpy(handle->bytes, &name, sizeof(name));
   return kSuccess;
 }
-struct IpcHandle {
-  char bytes[64];
-};
 int cudaIpcOpenMemHandle(void** p, IpcHandle h, unsigned) {
-  std::memcpy(p, h.bytes, sizeof(*p));
+  IpcName name;
+  std::memcpy(&name, h.bytes, sizeof(name));
+  if (name.magic != kIpcMagic || name.size == 0) return kInvalidValue;
+  Books& b = books();
+  std::lock_guard<std::mutex> lock(b.mu);
+  auto it = b.opened.find({name.pid, name.fd});
+  if (it == b.opened.end()) {
+    const std::string path = "/proc/" + std::to_string(name.pid) + "/fd/" + std::to_string(name.fd);
+    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return kInvalidValue;
+    void* base = mmap(nullptr, name.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (base == MAP_FAILED) return kInvalidValue;
+    it = b.opened.emplace(std::pair{name.pid, name.fd}, Opened{base, name.size, 0}).first;
+  }
+  ++it->second.refs;
+  ++b.opens_not_closed;
+  *p = it->second.base;
   return kSuccess;
 }
-int cudaIpcCloseMemHandle(void*) { return kSuccess; }
+int cudaIpcCloseMemHandle(void* p) {
+  Books& b = books();
+  std::lock_guard<std::mutex> lock(b.mu);
+  for (auto it = b.opened.begin(); it != b.opened.end(); ++it) {
+    if (it->second.base != p) continue;
+    if (--it->second.refs == 0) {
+      munmap(it->second.base, it->second.size);
+      b.opened.erase(it);
+    }
+    --b.opens_not_closed;
+    return kSuccess;
+  }
+  return kInvalidValue;
+}
+
+// Not part of CUDA: live allocations and IPC opens not closed yet, for tests.
+void tv_fake_cudart_counts(long* allocations, long* opens_not_closed) {
+  Books& b = books();
+  std::lock_guard<std::mutex> lock(b.mu);
+  *allocations = static_cast<long>(b.allocations.size());
+  *opens_not_closed = b.opens_not_closed;
+}
 
 }  // extern "C"
