@@ -83,6 +83,8 @@ void BM_StreamingCopy(benchmark::State& state) {
 void CopyArgs(benchmark::internal::Benchmark* b) {
   for (int64_t size = 64 << 10; size <= (64 << 20); size *= 4) b->Args({size, 0});
   for (int64_t count : {1, 2, 3, 4, 8}) b->Args({64 << 20, count});
+  // A stream of 1 MiB tensors: one destination (the raw fabric bench) against a window's.
+  for (int64_t count : {1, 2, 4, 16}) b->Args({1 << 20, count});
 }
 
 BENCHMARK(BM_Memcpy)->Apply(CopyArgs)->UseRealTime();
