@@ -29,6 +29,7 @@
 #include "proto/worker.grpc.pb.h"
 #include "src/common/mutex.h"
 #include "src/fabric/loopback/loopback.h"
+#include "src/fabric/shmem/shmem.h"
 #include "src/server/server.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/inprocess_cluster.h"
@@ -1156,6 +1157,34 @@ TEST_P(DeviceDirectTest, MemoryTheFabricCannotReachTakesTheProxyPathInstead) {
   ASSERT_NO_FATAL_FAILURE(SendAndRecv(4, "after", sent, &got, to_pool));
   EXPECT_TRUE(SameBytes(got, host));
   EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+}
+
+// A receiver that registers per transfer offers its own private memory, which the kernel's
+// cross-memory copy reaches and a GPU copy cannot: the sender's direct device write goes
+// through the fabric's bounce buffer, and the channel keeps working.
+TEST_P(DeviceDirectTest, ADeviceWriteIntoAPeersPrivateMemoryGoesThroughABounceBuffer) {
+  UseDirectGpus(1);
+  auto first = std::make_shared<bool>(true);
+  StartCluster(2, [first](VerbsOptions& o) {
+    if (*first) o.registration = "per-transfer";  // task 0, the receiver
+    *first = false;
+  });
+  ASSERT_NO_FATAL_FAILURE(WarmUp());
+  ASSERT_FALSE(transport(0).device_direct());
+  ASSERT_TRUE(transport(1).device_direct());
+  const uint64_t bounced = fabric::shmem::Counters().device_bounced_ops.load();
+  for (int64_t step = 1; step <= 3; ++step) {
+    Tensor host;
+    Tensor sent = PoolDeviceTensor(1, DataType::kFloat32, {1 << 16}, 20 + step, &host);
+    RecvArgs args;
+    args.allocator = CpuAllocator();  // heap memory, registered for this one recv
+    Tensor got;
+    ASSERT_NO_FATAL_FAILURE(SendAndRecv(step, "private", sent, &got, args));
+    EXPECT_TRUE(got.ContentEquals(host));
+  }
+  EXPECT_EQ(fabric::shmem::Counters().device_bounced_ops.load() - bounced, 3u);
+  EXPECT_EQ(server(1).stats().device_direct_sends.load(), 3);
+  EXPECT_EQ(verbs_stats(0).channel_errors.load() + verbs_stats(1).channel_errors.load(), 0);
 }
 
 TEST_P(DeviceDirectTest, GpuDirectOffTakesTheProxyPath) {

@@ -359,15 +359,52 @@ TEST_F(ShmemDeviceTest, AFailedDeviceCopyFailsItsWriteAloneAndPublishesNothing) 
   EXPECT_EQ(arrived[0].imm, 2u);
 }
 
-TEST_F(ShmemDeviceTest, DeviceMemoryReachesNeitherPrivateMemoryNorAPeerWithoutARuntime) {
-  // The peer's private memory is reached by the kernel's copy, which cannot read a GPU.
-  std::vector<char> priv(4096);
-  auto private_mr = *b_->RegisterMemory(priv.data(), priv.size(), kAccessRemoteWrite);
+TEST_F(ShmemDeviceTest, DeviceMemoryReachesAPeersPrivateMemoryThroughABounceBuffer) {
+  // The peer's private memory is reached by the kernel's copy, which cannot reach a GPU: the
+  // bytes go through the endpoint's bounce buffer, one operation at a time, in order.
+  std::vector<char> priv(3 << 20, 0);
+  auto private_mr =
+      *b_->RegisterMemory(priv.data(), priv.size(), kAccessRemoteWrite | kAccessRemoteRead);
+  for (size_t i = 0; i < (1 << 20); ++i) gpu_a_[i] = static_cast<char>(i * 7 + 1);
+  shmem::CopyCounters& c = shmem::Counters();
+  const uint64_t bounced = c.device_bounced_ops.load(), cross = c.cross_memory_bytes.load();
+  RemoteBuffer second = Remote(*private_mr);
+  second.addr += 2 << 20;
+  // A small write, then one larger than the buffer so far (it grows), posted together.
   ASSERT_TRUE(ea_->PostWriteWithImm(OnGpuA(0, 64), Remote(*private_mr), 1, 1).ok());
-  std::vector<Completion> done = PollFor(*a_, 1);
+  ASSERT_TRUE(ea_->PostWriteWithImm(OnGpuA(0, 1 << 20), second, 2, 2).ok());
+  std::vector<Completion> done = PollFor(*a_, 2);
+  ASSERT_EQ(done.size(), 2u);
+  for (const Completion& d : done) EXPECT_TRUE(d.status.ok()) << d.status;
+  std::vector<Completion> arrived = PollFor(*b_, 2);
+  ASSERT_EQ(arrived.size(), 2u);
+  EXPECT_EQ(arrived[0].imm, 1u);
+  EXPECT_EQ(arrived[1].imm, 2u);
+  EXPECT_EQ(std::memcmp(priv.data(), gpu_a_.data(), 64), 0);
+  EXPECT_EQ(std::memcmp(priv.data() + (2 << 20), gpu_a_.data(), 1 << 20), 0);
+  // And a read of the peer's private memory into GPU memory.
+  std::memset(priv.data() + 4096, 0x5D, 4096);
+  ASSERT_TRUE(ea_->PostRead(OnGpuA(8192, 4096),
+                            RemoteBuffer{private_mr->PackRemoteKey(),
+                                         reinterpret_cast<uint64_t>(priv.data() + 4096), 4096},
+                            3)
+                  .ok());
+  done = PollFor(*a_, 1);
   ASSERT_EQ(done.size(), 1u);
-  EXPECT_EQ(done[0].status.code(), absl::StatusCode::kInvalidArgument) << done[0].status;
-  EXPECT_THAT(std::string(done[0].status.message()), HasSubstr("private"));
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  EXPECT_EQ(gpu_a_[8192], 0x5D);
+  EXPECT_EQ(gpu_a_[8192 + 4095], 0x5D);
+  EXPECT_EQ(c.device_bounced_ops.load() - bounced, 3u);
+  EXPECT_EQ(c.cross_memory_bytes.load() - cross, 64u + (1 << 20) + 4096);
+  EXPECT_EQ(dm_->device_to_host(), 2);
+  EXPECT_EQ(dm_->host_to_device(), 1);
+  ea_.reset();
+  EXPECT_EQ(dm_->host_unregistrations(), dm_->host_registrations())
+      << "the bounce buffer is unpinned with its endpoint";
+}
+
+TEST_F(ShmemDeviceTest, DeviceMemoryReachesNoPeerWithoutARuntime) {
+  std::vector<Completion> done;
   // A domain without a runtime registers no device memory and cannot write a peer's.
   auto plain = *OpenDomain("shmem", DomainOptions());
   EXPECT_FALSE(plain->capabilities().device_memory);

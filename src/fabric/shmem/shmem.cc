@@ -166,7 +166,7 @@ class ShmemEndpoint final : public EndpointBase {
       absl::Status status = op.phase == Phase::kFailed ? op.error : Usable();
       if (status.ok() && op.phase == Phase::kQueued && op.device) {
         StartDeviceCopy(op);  // only when more were in flight than StartDeviceCopies starts
-        if (op.phase == Phase::kCopying) return;
+        if (op.phase == Phase::kCopying || op.phase == Phase::kQueued) return;
         if (op.phase == Phase::kFailed) status = op.error;
       }
       if (status.ok() && op.with_imm && RingFull()) {
@@ -292,6 +292,8 @@ class ShmemEndpoint final : public EndpointBase {
     Phase phase = Phase::kQueued;
     uint64_t ticket = 0;
     absl::Status error;  // kFailed
+    // GPU memory and the peer's private memory: the bytes go through the bounce buffer.
+    bool bounce = false;
   };
   struct Mapping {
     void* addr;
@@ -403,7 +405,9 @@ class ShmemEndpoint final : public EndpointBase {
     if (leak_device_memory_) {
       mappings_.clear();
       device_mappings_.clear();
+      bounce_ = nullptr;
     }
+    ReleaseBounce();
     for (auto& [id, m] : mappings_) Unmap(m);
     mappings_.clear();
     for (auto& [id, m] : device_mappings_) d_->device->Close(m.device, m.base);
@@ -560,11 +564,6 @@ class ShmemEndpoint final : public EndpointBase {
       ASSIGN_OR_RETURN(const DeviceMapping* m, MapDevice(op.key, device));
       return DeviceMemory::Side{static_cast<char*>(m->base) + (op.remote_addr - op.key.base), true};
     }
-    if ((op.key.flags & kKeyShared) == 0) {
-      return absl::InvalidArgumentError(
-          "shmem: GPU memory moves to and from a peer's shared memory (its pool) or its GPU "
-          "memory; the peer's region is private (its TENSORVERBS_REGISTRATION is not pool)");
-    }
     ASSIGN_OR_RETURN(Mapping * m, MapRegion(op.key));
     if (!read && !m->writable) {
       return absl::PermissionDeniedError("shmem: the peer mapped this region read-only");
@@ -595,6 +594,10 @@ class ShmemEndpoint final : public EndpointBase {
     // The local GPU that runs the copy: the local buffer's, else device 0 (the peer's ordinal
     // names a GPU in its process, which may be another one here, or none).
     const int device = op.local_device >= 0 ? op.local_device : 0;
+    if ((op.key.flags & (kKeyDevice | kKeyShared)) == 0) {
+      StartBouncedCopy(op, device);
+      return;
+    }
     absl::StatusOr<DeviceMemory::Side> remote = RemoteSide(op, device);
     if (!remote.ok()) {
       fail(remote.status());
@@ -613,6 +616,81 @@ class ShmemEndpoint final : public EndpointBase {
     ++device_copies_;
     Counters().device_ops.fetch_add(1, std::memory_order_relaxed);
     Counters().device_bytes.fetch_add(op.length, std::memory_order_relaxed);
+  }
+
+  // Local GPU memory and the peer's private memory (a region that is not from its pool): the
+  // kernel's cross-memory copy cannot reach GPU memory, so the bytes go through this endpoint's
+  // page-locked bounce buffer, one operation at a time. A write copies device-to-host into it,
+  // then (PollDeviceCopies) to the peer; a read copies from the peer into it, then
+  // host-to-device. Leaves `op` queued while an earlier operation holds the buffer.
+  void StartBouncedCopy(Op& op, int device) {
+    if (bounce_busy_) return;
+    auto fail = [&](const absl::Status& s) {
+      op.phase = Phase::kFailed;
+      op.error = DeviceError(op, s);
+    };
+    if (absl::Status s = EnsureBounce(op.length); !s.ok()) {
+      fail(s);
+      return;
+    }
+    const bool read = op.kind == CompletionKind::kRead;
+    if (read) {
+      if (absl::Status s = CrossMemory(op, bounce_); !s.ok()) {
+        fail(s);
+        return;
+      }
+    }
+    const DeviceMemory::Side local{op.local, true};
+    const DeviceMemory::Side bounce{bounce_, false};
+    absl::StatusOr<uint64_t> ticket =
+        d_->device->StartCopy(device, read ? local : bounce, read ? bounce : local, op.length);
+    if (!ticket.ok()) {
+      fail(ticket.status());
+      return;
+    }
+    op.ticket = *ticket;
+    op.phase = Phase::kCopying;
+    op.bounce = true;
+    bounce_busy_ = true;
+    ++device_copies_;
+    Counters().device_ops.fetch_add(1, std::memory_order_relaxed);
+    Counters().device_bytes.fetch_add(op.length, std::memory_order_relaxed);
+    Counters().device_bounced_ops.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // A bounce buffer of at least `bytes`, page-locked where the runtime allows (else its copies
+  // are synchronous, and still correct). It grows to the largest operation and stays.
+  absl::Status EnsureBounce(size_t bytes) {
+    if (bounce_bytes_ >= bytes) return absl::OkStatus();
+    ReleaseBounce();
+    const size_t size = std::max<size_t>(bytes, size_t{64} << 10);
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shmem: a ", size, "-byte bounce buffer for GPU memory: ", std::strerror(errno)));
+    }
+    bounce_ = static_cast<char*>(p);
+    bounce_bytes_ = size;
+    bounce_pinned_ = d_->device->RegisterHost(bounce_, bounce_bytes_).ok();
+    return absl::OkStatus();
+  }
+
+  void ReleaseBounce() {
+    if (bounce_ == nullptr) return;
+    if (bounce_pinned_) d_->device->UnregisterHost(bounce_);
+    munmap(bounce_, bounce_bytes_);
+    bounce_ = nullptr;
+    bounce_bytes_ = 0;
+    bounce_pinned_ = false;
+  }
+
+  // A bounced operation's device copy is done: a write's bytes go on to the peer; either way
+  // the bounce buffer is free again.
+  absl::Status FinishBouncedCopy(const Op& op) {
+    bounce_busy_ = false;
+    if (op.kind == CompletionKind::kRead) return absl::OkStatus();
+    return CrossMemory(op, bounce_);
   }
 
   // Starts every queued device copy, up to kMaxDeviceCopies running, also past host operations
@@ -638,11 +716,16 @@ class ShmemEndpoint final : public EndpointBase {
       absl::StatusOr<bool> done = d_->device->CopyDone(op.ticket);
       if (done.ok() && !*done) break;  // copies on a stream finish in order
       --device_copies_;
-      if (done.ok()) {
+      absl::Status status = done.status();
+      if (op.bounce) {
+        absl::Status finished = FinishBouncedCopy(op);
+        if (status.ok()) status = finished;
+      }
+      if (status.ok()) {
         op.phase = Phase::kCopied;
       } else {
         op.phase = Phase::kFailed;
-        op.error = DeviceError(op, done.status());
+        op.error = DeviceError(op, status);
       }
     }
   }
@@ -691,15 +774,20 @@ class ShmemEndpoint final : public EndpointBase {
       Counters().mapped_bytes.fetch_add(op.length, std::memory_order_relaxed);
       return absl::OkStatus();
     }
-    // Private memory of the peer: the kernel's cross-memory copy. The pidfd check first, so a
-    // recycled pid can never receive the bytes.
+    return CrossMemory(op, op.local);
+  }
+
+  // `op` between `local` (host memory here) and the peer's private memory: the kernel's
+  // cross-memory copy. The pidfd check first, so a recycled pid can never receive the bytes.
+  absl::Status CrossMemory(const Op& op, char* local) {
+    const bool read = op.kind == CompletionKind::kRead;
     if (peer_pidfd_ >= 0) {
       pollfd p{peer_pidfd_, POLLIN, 0};
       if (poll(&p, 1, 0) > 0) return Break(PeerGone());
     }
     size_t done = 0;
     while (done < op.length) {
-      iovec mine{op.local + done, op.length - done};
+      iovec mine{local + done, op.length - done};
       iovec theirs{reinterpret_cast<void*>(op.remote_addr + done), op.length - done};
       const ssize_t n = read ? process_vm_readv(peer_pid_, &mine, 1, &theirs, 1, 0)
                              : process_vm_writev(peer_pid_, &mine, 1, &theirs, 1, 0);
@@ -774,6 +862,11 @@ class ShmemEndpoint final : public EndpointBase {
   std::map<std::pair<uint64_t, int>, DeviceMapping> device_mappings_;
   bool leak_device_memory_ = false;  // a copy never finished: keep what it may touch
   int device_copies_ = 0;
+  // The bounce buffer between GPU memory and peers' private memory (StartBouncedCopy).
+  char* bounce_ = nullptr;
+  size_t bounce_bytes_ = 0;
+  bool bounce_pinned_ = false;
+  bool bounce_busy_ = false;
 };
 
 // ---- The domain -----------------------------------------------------------------------------

@@ -15,7 +15,8 @@
 // once, past host operations queued ahead of them, so their bytes may land before those of an
 // earlier host write (never the same memory in the protocol); completions keep posting order.
 // Peers' host regions that device copies reach are page-locked once, so those copies run by DMA
-// too.
+// too. Between GPU memory and a peer's private memory the bytes go through a page-locked bounce
+// buffer of the endpoint and the cross-memory copy, one such operation at a time.
 //
 // Each endpoint owns an inbound ring of immediates in a memfd that its one peer maps: a write
 // with immediate is copy, then publish {imm, length} with release ordering, so completions
@@ -54,6 +55,9 @@ struct CopyCounters {
   std::atomic<uint64_t> device_ops{0};  // moved by device copies (DomainOptions::device_memory)
   std::atomic<uint64_t> device_bytes{0};
   std::atomic<uint64_t> device_regions_imported{0};
+  // Of device_ops, those between GPU memory and a peer's private memory, through a bounce
+  // buffer (the kernel's cross-memory copy cannot reach GPU memory).
+  std::atomic<uint64_t> device_bounced_ops{0};
 };
 CopyCounters& Counters();
 
