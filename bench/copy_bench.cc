@@ -78,6 +78,20 @@ void BM_StreamingCopy(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
 }
 
+// Streaming stores shared with one helper thread (CopyHelpers, as a shmem domain with
+// TENSORVERBS_SHMEM_COPY_THREADS=1 copies a write of 4 MiB and more).
+void BM_SharedStreamingCopy(benchmark::State& state) {
+  const auto size = static_cast<size_t>(state.range(0));
+  Buffers b(size, static_cast<size_t>(state.range(1)));
+  fabric::shmem::CopyHelpers helpers(1);
+  for (auto _ : state) {
+    char* dst = b.Next();
+    helpers.Copy(dst, b.src(), size, /*streaming=*/true);
+    benchmark::DoNotOptimize(dst);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
+}
+
 // Second argument: how many destinations the copies rotate over (0: past the cache). A stream
 // of large tensors rotates over as many pool chunks as it has recvs outstanding.
 void CopyArgs(benchmark::internal::Benchmark* b) {
@@ -89,6 +103,7 @@ void CopyArgs(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Memcpy)->Apply(CopyArgs)->UseRealTime();
 BENCHMARK(BM_StreamingCopy)->Apply(CopyArgs)->UseRealTime();
+BENCHMARK(BM_SharedStreamingCopy)->Apply(CopyArgs)->UseRealTime();
 
 }  // namespace
 }  // namespace tensorverbs

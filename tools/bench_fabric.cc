@@ -8,6 +8,8 @@
 //   lat <size> <iters>    ping-pong: echo each write-with-immediate back      -> "done"
 //   bw <size> <iters>     count writes, then a zero-byte write as the ack     -> "done"
 // Both sides busy-poll (this is a benchmark). Results: a table on stdout and JSON rows.
+#include "tools/bench_fabric.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -23,14 +25,14 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "src/common/config.h"
 #include "src/common/shared_memory.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/fabric.h"
-#include "tools/bench_fabric.h"
-#include "tools/bench_util.h"
-#include "tools/commands.h"
 #include "src/support/process_util.h"
 #include "src/support/subprocess.h"
+#include "tools/bench_util.h"
+#include "tools/commands.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -44,6 +46,7 @@ class Side {
     fabric::DomainOptions options;
     options.provider = provider;
     options.queue_depth = 256;
+    options.copy_threads = Config::Get().shmem_copy_threads;  // as a task's would have
     ASSIGN_OR_RETURN(side->domain_, fabric::OpenDomain(backend, options));
     ASSIGN_OR_RETURN(side->ep_, side->domain_->CreateEndpoint());
     side->size_ = std::max<size_t>(bytes, 4096);

@@ -197,6 +197,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_POOL_KEEP_FREE_MB",
       "TENSORVERBS_MAX_PENDING_RECVS",
       "TENSORVERBS_LARGE_IN_FLIGHT",
+      "TENSORVERBS_SHMEM_COPY_THREADS",
       "TENSORVERBS_REMOTE_KEYS",
       "TENSORVERBS_TLS_CERT",
       "TENSORVERBS_TLS_KEY",
@@ -292,6 +293,8 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t large_in_flight,
                    ParseInt(env, "TENSORVERBS_LARGE_IN_FLIGHT", 0, 1048576, 2));
   config.large_in_flight = static_cast<int>(large_in_flight);
+  ASSIGN_OR_RETURN(int64_t copy_threads, ParseInt(env, "TENSORVERBS_SHMEM_COPY_THREADS", 0, 64, 1));
+  config.shmem_copy_threads = static_cast<int>(copy_threads);
   ASSIGN_OR_RETURN(config.remote_keys, ParseChoice(env, "TENSORVERBS_REMOTE_KEYS",
                                                    {"per-channel", "shared"}, "per-channel"));
 

@@ -69,6 +69,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
   DomainOptions options;
   options.rdma = choice.rdma;
   options.device_memory = choice.device_memory;
+  options.copy_threads = choice.copy_threads;
   const std::string& fabric = choice.fabric;
   if (fabric == "loopback" || fabric == "ibverbs" || fabric == "shmem") {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(fabric, options);

@@ -89,6 +89,8 @@ struct DomainOptions {
   // The GPU runtime through which a backend that can reaches device memory directly (null:
   // host memory only).
   std::shared_ptr<DeviceMemory> device_memory;
+  // shmem: threads that share each large write's copy with the progress thread (0: none).
+  int copy_threads = 0;
 };
 
 // A packed remote key, held inline: the opaque bytes MemoryRegion::PackRemoteKey produced. Every
@@ -261,9 +263,11 @@ struct FabricChoice {
   bool all_peers_local = false;  // every task runs on this host, so shm serves
   RdmaConfig rdma;
   std::shared_ptr<DeviceMemory> device_memory;  // DomainOptions::device_memory
+  int copy_threads = 0;                         // DomainOptions::copy_threads
 
   static FabricChoice FromConfig(const Config& config, bool all_peers_local) {
-    return FabricChoice{config.fabric, config.ofi_provider, all_peers_local, config.rdma, nullptr};
+    return FabricChoice{config.fabric, config.ofi_provider,      all_peers_local, config.rdma,
+                        nullptr,       config.shmem_copy_threads};
   }
 };
 

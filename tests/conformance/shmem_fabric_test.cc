@@ -93,6 +93,39 @@ TEST_F(ShmemFabricTest, SharedMemoryIsWrittenThroughAMappingAndPrivateMemoryByTh
   munmap(priv, 1 << 20);
 }
 
+TEST_F(ShmemFabricTest, LargeWritesAndReadsSharedWithCopyThreadsLandExactly) {
+  DomainOptions options;
+  options.copy_threads = 2;
+  ASSERT_NO_FATAL_FAILURE(Open(options));
+  const size_t n = (size_t{16} << 20) + 4097;  // above the sharing threshold, pages and a bit
+  auto src = *SharedMemory::Create(n, "test-big-src");
+  auto dst = *SharedMemory::Create(n, "test-big-dst");
+  auto src_mr = *a_->RegisterMemory(src->data(), n, kAccessLocal);
+  auto dst_mr = *b_->RegisterMemory(dst->data(), n, kAccessRemoteWrite | kAccessRemoteRead);
+  auto* s = static_cast<unsigned char*>(src->data());
+  for (size_t i = 0; i < n; ++i) s[i] = static_cast<unsigned char>(i * 131 + (i >> 12));
+  ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src->data(), n}, Remote(*dst_mr), 5, 1).ok());
+  std::vector<Completion> done = PollFor(*a_, 1);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  std::vector<Completion> arrived = PollFor(*b_, 1);
+  ASSERT_EQ(arrived.size(), 1u);
+  EXPECT_EQ(arrived[0].byte_len, n);
+  EXPECT_EQ(std::memcmp(dst->data(), src->data(), n), 0);
+  // And back: a read of the whole region into the source, cleared first.
+  std::memset(src->data(), 0, n);
+  ASSERT_TRUE(ea_->PostRead({src_mr.get(), src->data(), n}, Remote(*dst_mr), 2).ok());
+  done = PollFor(*a_, 1);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  EXPECT_EQ(std::memcmp(dst->data(), src->data(), n), 0);
+  // A count out of range is refused when the domain opens.
+  options.copy_threads = 65;
+  absl::StatusOr<std::unique_ptr<Domain>> refused = OpenDomain("shmem", options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("copy threads"));
+}
+
 TEST_F(ShmemFabricTest, AccessRightsAreEnforcedOnTheWritersSide) {
   auto read_only = *b_->RegisterMemory(dst_->data(), dst_->size(), kAccessRemoteRead);
   absl::Status s = ea_->PostWrite(Local(64), Remote(*read_only), 1);

@@ -1,5 +1,7 @@
 #include "src/fabric/shmem/copy.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -37,6 +39,86 @@ void StreamingCopy(void* dst, const void* src, size_t n) {
 #else
   std::memcpy(dst, src, n);
 #endif
+}
+
+CopyHelpers::CopyHelpers(int threads) {
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+}
+
+CopyHelpers::~CopyHelpers() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void CopyHelpers::CopyParts(Job& job) {
+  for (size_t i = job.next.fetch_add(1, std::memory_order_relaxed); i < job.parts;
+       i = job.next.fetch_add(1, std::memory_order_relaxed)) {
+    const size_t offset = i * job.part;
+    const size_t len = std::min(job.part, job.n - offset);
+    if (job.streaming) {
+      StreamingCopy(job.dst + offset, job.src + offset, len);  // ends with a store fence
+    } else {
+      std::memcpy(job.dst + offset, job.src + offset, len);
+    }
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void CopyHelpers::Copy(void* dst, const void* src, size_t n, bool streaming) {
+  if (threads_.empty() || n < kMinSharedBytes) {
+    if (streaming) {
+      StreamingCopy(dst, src, n);
+    } else {
+      std::memcpy(dst, src, n);
+    }
+    return;
+  }
+  Job job;
+  job.dst = static_cast<char*>(dst);
+  job.src = static_cast<const char*>(src);
+  job.n = n;
+  job.streaming = streaming;
+  // One part per thread, whole pages, so no two writers share a cache line.
+  const size_t ways = threads_.size() + 1;
+  job.part = ((n + ways - 1) / ways + 4095) / 4096 * 4096;
+  job.parts = (n + job.part - 1) / job.part;
+  {
+    MutexLock lock(&mu_);
+    job_ = &job;
+    ++generation_;
+  }  // the unlock wakes the helpers
+  CopyParts(job);
+  {
+    MutexLock lock(&mu_);
+    job_ = nullptr;  // no helper joins from now on
+  }
+  // Parts a helper claimed and still writes, and helpers that joined and have yet to leave.
+  while (job.done.load(std::memory_order_acquire) < job.parts ||
+         users_.load(std::memory_order_acquire) != 0) {
+    sched_yield();
+  }
+}
+
+void CopyHelpers::Run() {
+  uint64_t seen = 0;
+  for (;;) {
+    Job* job = nullptr;
+    {
+      MutexLock lock(&mu_);
+      mu_.Await([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || (job_ != nullptr && generation_ != seen);
+      });
+      if (stopping_) return;
+      seen = generation_;
+      job = job_;
+      users_.fetch_add(1, std::memory_order_relaxed);
+    }
+    CopyParts(*job);
+    users_.fetch_sub(1, std::memory_order_release);
+  }
 }
 
 }  // namespace tensorverbs::fabric::shmem

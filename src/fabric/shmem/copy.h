@@ -1,6 +1,6 @@
-// The two ways the shmem fabric can move a write's bytes into a peer's mapping: memcpy, and
-// StreamingCopy here, which shmem.cc uses from kStreamingCopyBytes up (measured against each
-// other per size by bench/copy_bench.cc).
+// How the shmem fabric moves a write's bytes into a peer's mapping: memcpy, or StreamingCopy
+// here, which shmem.cc uses from kStreamingCopyBytes up (measured against each other per size by
+// bench/copy_bench.cc); and for large writes CopyHelpers, which shares one copy among threads.
 //
 // StreamingCopy writes the destination with non-temporal stores: the bytes go to memory without
 // first pulling each destination line into this core's cache, which is the reader's memory
@@ -9,11 +9,65 @@
 #ifndef TENSORVERBS_FABRIC_SHMEM_COPY_H_
 #define TENSORVERBS_FABRIC_SHMEM_COPY_H_
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "src/common/mutex.h"
 
 namespace tensorverbs::fabric::shmem {
 
 void StreamingCopy(void* dst, const void* src, size_t n);
+
+// CopyHelpers: threads that take parts of a large copy, so that one write draws on several
+// cores' memory bandwidth (one core's copy is bound by its own load and store throughput, well
+// below what memory gives: bench/copy_bench.cc's BM_ParallelCopy). Owned by a shmem domain;
+// Copy is called by its progress thread, one copy at a time.
+//
+// The caller copies parts too and takes every part no helper has claimed, so a copy never waits
+// for a helper to wake: with the helpers busy elsewhere or slow to be scheduled, it is the
+// caller's plain copy plus one wake-up call. Copy returns once every part is written and no
+// helper holds the job; parts written with streaming stores are fenced by their writer before
+// it reports them, so a release store after Copy orders every byte before it.
+class CopyHelpers {
+ public:
+  // Copies of at least this many bytes are shared.
+  static constexpr size_t kMinSharedBytes = size_t{4} << 20;
+
+  explicit CopyHelpers(int threads);
+  ~CopyHelpers();
+  CopyHelpers(const CopyHelpers&) = delete;
+  CopyHelpers& operator=(const CopyHelpers&) = delete;
+
+  int threads() const { return static_cast<int>(threads_.size()); }
+  // `n` bytes from `src` to `dst`, with streaming stores or memcpy.
+  void Copy(void* dst, const void* src, size_t n, bool streaming);
+
+ private:
+  struct Job {
+    char* dst;
+    const char* src;
+    size_t n;
+    size_t part;  // bytes per part (the last may be shorter)
+    size_t parts;
+    bool streaming;
+    std::atomic<size_t> next{0};  // the next part to claim
+    std::atomic<size_t> done{0};  // parts written
+  };
+  // Claims and writes parts of `job` until none is left.
+  static void CopyParts(Job& job);
+  void Run();
+
+  Mutex mu_;
+  Job* job_ ABSL_GUARDED_BY(mu_) = nullptr;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Helpers that took the current job (joined under mu_, left without it).
+  std::atomic<int> users_{0};
+  std::vector<std::thread> threads_;
+};
 
 }  // namespace tensorverbs::fabric::shmem
 

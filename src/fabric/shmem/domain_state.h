@@ -29,6 +29,7 @@
 #include "src/common/mutex.h"
 #include "src/common/shared_memory.h"
 #include "src/fabric/fabric.h"
+#include "src/fabric/shmem/copy.h"
 #include "src/fabric/shmem/wire.h"
 
 namespace tensorverbs::fabric::shmem {
@@ -62,6 +63,7 @@ struct DomainState {
   int stop_fd = -1;  // eventfd: ends the server thread
   std::thread server;
   std::shared_ptr<DeviceMemory> device;  // null: host memory only
+  std::unique_ptr<CopyHelpers> copy_helpers;  // share large writes' copies (progress thread)
   std::atomic<uint64_t> next_id{1};
 
   Mutex mu;

@@ -201,6 +201,21 @@ TEST(Config, GrpcVerbsVariables) {
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_PEER_TIMEOUT_MS", "10"}}).ok());
 }
 
+TEST(Config, ShmemCopyThreads) {
+  EXPECT_EQ(Config::FromEnvironment({})->shmem_copy_threads, 1);
+  absl::StatusOr<Config> off = Config::FromEnvironment({{"TENSORVERBS_SHMEM_COPY_THREADS", "0"}});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_EQ(off->shmem_copy_threads, 0);
+  EXPECT_TRUE(off->warnings.empty()) << "a known variable";
+  for (const char* value : {"-1", "65", "two"}) {
+    absl::StatusOr<Config> bad =
+        Config::FromEnvironment({{"TENSORVERBS_SHMEM_COPY_THREADS", value}});
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << value;
+    EXPECT_THAT(bad.status().message(), HasSubstr("TENSORVERBS_SHMEM_COPY_THREADS"));
+    EXPECT_THAT(bad.status().message(), HasSubstr("[0, 64]"));
+  }
+}
+
 TEST(Config, PeerStateBounds) {
   absl::StatusOr<Config> d = Config::FromEnvironment({});
   ASSERT_TRUE(d.ok());
