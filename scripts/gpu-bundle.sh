@@ -83,6 +83,12 @@ if [ "$what" != tests ]; then
   echo "== the same with TENSORVERBS_GPU_DIRECT=off: grpc+verbs over the proxy path"
   TENSORVERBS_GPU_DIRECT=off "$tv" bench p2p --device cuda --protocols grpc+verbs \
     --sizes "$sizes" --no-baselines --json "$out/p2p-cuda-proxy.json" || rc=1
+  # Where a proxy recv's time goes: each recv's phases (Perfetto / chrome://tracing JSON, one
+  # file per process), at a size where the stream falls short of its slowest stage.
+  echo "== the proxy path traced at 1 and 16 MiB"
+  TENSORVERBS_GPU_DIRECT=off TENSORVERBS_TRACE="$out/trace-proxy-%p.json" "$tv" bench p2p \
+    --device cuda --protocols grpc+verbs --sizes 1MiB,16MiB --no-baselines --repeat 1 \
+    --json "$out/p2p-cuda-proxy-traced.json" || rc=1
   echo "== host tensors into the GPU, then host tensors"
   "$tv" bench p2p --device cpu,cuda --protocols grpc+verbs --sizes "$sizes" --no-baselines \
     --json "$out/p2p-cpu-to-cuda.json" || rc=1

@@ -162,7 +162,7 @@ struct Config {
   // hands its sender at once, 0 .. 1048576 (0: no limit), default 2; further large recvs name
   // their destination when an earlier one has landed (ChannelEnv::large_in_flight says why).
   int large_in_flight = 2;
-  // TENSORVERBS_SHMEM_COPY_THREADS: threads of the same-host fabric that share each write of 4
+  // TENSORVERBS_SHMEM_COPY_THREADS: threads of the same-host fabric that share each write of 8
   // MiB and more with the progress thread, 0 .. 64 (0: the progress thread copies alone),
   // default 1 (fabric::shmem::CopyHelpers).
   int shmem_copy_threads = 1;

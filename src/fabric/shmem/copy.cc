@@ -41,7 +41,8 @@ void StreamingCopy(void* dst, const void* src, size_t n) {
 #endif
 }
 
-CopyHelpers::CopyHelpers(int threads) {
+CopyHelpers::CopyHelpers(int threads, size_t min_shared_bytes)
+    : min_shared_bytes_(min_shared_bytes) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
 }
 
@@ -68,7 +69,7 @@ void CopyHelpers::CopyParts(Job& job) {
 }
 
 void CopyHelpers::Copy(void* dst, const void* src, size_t n, bool streaming) {
-  if (threads_.empty() || n < kMinSharedBytes) {
+  if (threads_.empty() || n < min_shared_bytes_) {
     if (streaming) {
       StreamingCopy(dst, src, n);
     } else {

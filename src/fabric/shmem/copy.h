@@ -33,10 +33,12 @@ void StreamingCopy(void* dst, const void* src, size_t n);
 // it reports them, so a release store after Copy orders every byte before it.
 class CopyHelpers {
  public:
-  // Copies of at least this many bytes are shared.
-  static constexpr size_t kMinSharedBytes = size_t{4} << 20;
+  // Copies of at least `min_shared_bytes` are shared. The default is where sharing paid in the
+  // protocol on two cores (PERFORMANCE.md: at 1 and 4 MiB the helper's wake-up and the cores
+  // it competes for cost more than half a copy saves; from 8 MiB it wins).
+  static constexpr size_t kMinSharedBytes = size_t{8} << 20;
 
-  explicit CopyHelpers(int threads);
+  explicit CopyHelpers(int threads, size_t min_shared_bytes = kMinSharedBytes);
   ~CopyHelpers();
   CopyHelpers(const CopyHelpers&) = delete;
   CopyHelpers& operator=(const CopyHelpers&) = delete;
@@ -60,6 +62,7 @@ class CopyHelpers {
   static void CopyParts(Job& job);
   void Run();
 
+  const size_t min_shared_bytes_;
   Mutex mu_;
   Job* job_ ABSL_GUARDED_BY(mu_) = nullptr;
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;

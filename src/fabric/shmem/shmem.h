@@ -4,8 +4,8 @@
 // Memory that comes from SharedMemory (the pool allocator's regions when this fabric is chosen,
 // every message buffer) is registered as shareable: a peer maps its memfd once, on first use,
 // and a write is one copy through that mapping straight into the receiver's tensor (from 4 MiB
-// with streaming stores, shared with the domain's copy threads: DomainOptions::copy_threads,
-// CopyHelpers in copy.h). Any other
+// with streaming stores, from 8 MiB shared with the domain's copy threads:
+// DomainOptions::copy_threads, CopyHelpers in copy.h). Any other
 // registered memory is reached with the kernel's cross-memory copy (process_vm_writev/readv),
 // so every destination works; the two paths are counted separately (CopyCounters).
 //
