@@ -436,6 +436,26 @@ TEST_F(ShmemDeviceTest, DeviceMemoryReachesAPeersPrivateMemoryThroughABounceBuff
       << "the bounce buffer is unpinned with its endpoint";
 }
 
+TEST_F(ShmemDeviceTest, AFailedBouncedCopyWritesNothingToThePeerAndFreesTheBuffer) {
+  std::vector<char> priv(8192, 0x11);
+  auto private_mr = *b_->RegisterMemory(priv.data(), priv.size(), kAccessRemoteWrite);
+  std::memset(gpu_a_.data(), 0x66, 4096);
+  dm_->FailNextCopy(absl::InternalError("stand-in DMA failure"));
+  ASSERT_TRUE(ea_->PostWriteWithImm(OnGpuA(0, 4096), Remote(*private_mr), 1, 1).ok());
+  std::vector<Completion> done = PollFor(*a_, 1);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].status.code(), absl::StatusCode::kInternal) << done[0].status;
+  EXPECT_EQ(priv[0], 0x11) << "the bounce buffer's stale bytes reached the peer";
+  EXPECT_TRUE(PollFor(*b_, 1, absl::Milliseconds(50)).empty()) << "no immediate either";
+  // The buffer is free again: the next bounced write goes through.
+  ASSERT_TRUE(ea_->PostWriteWithImm(OnGpuA(0, 4096), Remote(*private_mr), 2, 2).ok());
+  done = PollFor(*a_, 1);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  EXPECT_EQ(priv[4095], 0x66);
+  ASSERT_EQ(PollFor(*b_, 1).size(), 1u);
+}
+
 TEST_F(ShmemDeviceTest, DeviceMemoryReachesNoPeerWithoutARuntime) {
   std::vector<Completion> done;
   // A domain without a runtime registers no device memory and cannot write a peer's.

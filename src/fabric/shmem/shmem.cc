@@ -687,11 +687,12 @@ class ShmemEndpoint final : public EndpointBase {
     bounce_pinned_ = false;
   }
 
-  // A bounced operation's device copy is done: a write's bytes go on to the peer; either way
-  // the bounce buffer is free again.
-  absl::Status FinishBouncedCopy(const Op& op) {
+  // A bounced operation's device copy ended with `copied`: a write's bytes go on to the peer
+  // if it succeeded (a failed copy left nothing worth sending); either way the bounce buffer is
+  // free again. Returns the operation's outcome.
+  absl::Status FinishBouncedCopy(const Op& op, absl::Status copied) {
     bounce_busy_ = false;
-    if (op.kind == CompletionKind::kRead) return absl::OkStatus();
+    if (!copied.ok() || op.kind == CompletionKind::kRead) return copied;
     return CrossMemory(op, bounce_);
   }
 
@@ -719,10 +720,7 @@ class ShmemEndpoint final : public EndpointBase {
       if (done.ok() && !*done) break;  // copies on a stream finish in order
       --device_copies_;
       absl::Status status = done.status();
-      if (op.bounce) {
-        absl::Status finished = FinishBouncedCopy(op);
-        if (status.ok()) status = finished;
-      }
+      if (op.bounce) status = FinishBouncedCopy(op, std::move(status));
       if (status.ok()) {
         op.phase = Phase::kCopied;
       } else {
