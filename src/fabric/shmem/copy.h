@@ -1,5 +1,5 @@
 // How the shmem fabric moves a write's bytes into a peer's mapping: memcpy, or StreamingCopy
-// here, which shmem.cc uses from kStreamingCopyBytes up (measured against each other per size by
+// here, which endpoint.cc uses from kStreamingCopyBytes up (measured against each other per size by
 // bench/copy_bench.cc); and for large writes CopyHelpers, which shares one copy among threads.
 //
 // StreamingCopy writes the destination with non-temporal stores: the bytes go to memory without

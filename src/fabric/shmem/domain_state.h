@@ -6,7 +6,7 @@
 // own lists. Serve() is the descriptor server's loop, on a thread of its own: peers of this
 // user connect to the domain's abstract Unix socket, name the endpoint they connect to (kHello:
 // they get its inbound ring and our doorbell) and then ask for regions by id (kRegion: a memfd;
-// kDeviceRegion: a GPU allocation's exported handle). Used by shmem.cc only.
+// kDeviceRegion: a GPU allocation's exported handle). Used by the shmem fabric's files only.
 //
 // Threading: `endpoints` and `regions` (and EndpointShared::client_fd) under `mu`, shared by the
 // server thread and whoever registers and creates endpoints; `local` and `live` belong to the

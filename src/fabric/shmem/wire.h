@@ -1,7 +1,7 @@
 // The shmem fabric's wire: what two processes share and say to each other. The packed remote
 // key, the descriptor server's requests and replies, the layout of an endpoint's inbound ring
 // in shared memory, and the socket helpers that carry descriptors (SCM_RIGHTS) and tell who is
-// on the other end. Used by shmem.cc only; stateless, any thread.
+// on the other end. Used by the shmem fabric's files only; stateless, any thread.
 #ifndef TENSORVERBS_FABRIC_SHMEM_WIRE_H_
 #define TENSORVERBS_FABRIC_SHMEM_WIRE_H_
 
