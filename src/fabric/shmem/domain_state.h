@@ -62,7 +62,7 @@ struct DomainState {
   int bell_fd = -1;  // eventfd: the doorbell peers ring and Interrupt signals
   int stop_fd = -1;  // eventfd: ends the server thread
   std::thread server;
-  std::shared_ptr<DeviceMemory> device;  // null: host memory only
+  std::shared_ptr<DeviceMemory> device;       // null: host memory only
   std::unique_ptr<CopyHelpers> copy_helpers;  // share large writes' copies (progress thread)
   std::atomic<uint64_t> next_id{1};
 
