@@ -122,7 +122,8 @@ void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, absl:
     return;
   }
   KeyState* state = StateOf(key);
-  if (state != nullptr && state->pushed != kNoPush && AdoptPushed(state, step_id, done, deadline)) {
+  if (state != nullptr && state->pushed != kNoPush &&
+      AdoptPushed(state, step_id, done, deadline, allocator)) {
     return;  // no REQUEST: it went out when the key's previous step completed
   }
   if (absl::Status s = CheckPendingBound("recv"); !s.ok()) {
@@ -535,7 +536,7 @@ void Channel::Unpush(RdmaTensorRequest& r) {
 }
 
 bool Channel::AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done,
-                          absl::Time deadline) {
+                          absl::Time deadline, Allocator* allocator) {
   auto it = requests_.find(state->pushed);
   if (it == requests_.end()) {
     state->pushed = kNoPush;
@@ -547,7 +548,7 @@ bool Channel::AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done,
     ++state->active;
     env_->stats->push_hits.fetch_add(1, std::memory_order_relaxed);
     // If it had landed, this recv is complete.
-    if (r.Adopt(std::move(done), deadline)) FinishDelivered(r.index());
+    if (r.Adopt(std::move(done), deadline, allocator)) FinishDelivered(r.index());
     return true;
   }
   // Another step's (the recvs of this key are out of order, or skip steps): it stays for its

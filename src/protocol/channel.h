@@ -232,7 +232,8 @@ class Channel {
   void Push(const KeyRef& key, int64_t step, Allocator* allocator);
   // The recv of (`key`, `step`) takes the pushed request if it is the one; true if it did (and
   // `done` is then the request's). A pushed request for another step stays for its own recv.
-  bool AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done, absl::Time deadline);
+  bool AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done, absl::Time deadline,
+                   Allocator* allocator);
   // Finishes request `index`, whose recv completed, and pushes its key's next step if the recv
   // was written in place.
   void FinishDelivered(uint32_t index);

@@ -398,9 +398,10 @@ void RdmaTensorRequest::RecvTensorContent() {
   Deliver(absl::OkStatus(), result, false);
 }
 
-bool RdmaTensorRequest::Adopt(RecvDoneCallback done, absl::Time deadline) {
+bool RdmaTensorRequest::Adopt(RecvDoneCallback done, absl::Time deadline, Allocator* allocator) {
   DCHECK(adoptable()) << "request " << index_ << " for '" << key() << "' cannot be adopted";
   adopted_ = true;
+  if (allocator != nullptr) allocator_ = allocator;
   done_ = std::move(done);
   deadline_ = deadline;
   if (TraceEnabled()) {

@@ -70,8 +70,11 @@ class RdmaTensorRequest {
   // the record stays until the sender is done.
   void Fail(const absl::Status& status);
   // Pushed requests: a recv takes this one over. True when its content had already landed:
-  // `done` has then been called and the record is finished.
-  bool Adopt(RecvDoneCallback done, absl::Time deadline);
+  // `done` has then been called and the record is finished. A non-null `allocator` (the
+  // recv's) replaces the one the request was pushed with: a destination named from now on comes
+  // from it, and so does the key's next push, which a GPU allocator stops (pushes land in host
+  // memory only), so a key received into the GPU does not stay on host destinations.
+  bool Adopt(RecvDoneCallback done, absl::Time deadline, Allocator* allocator);
   // Pushed requests: no recv will take this one.
   void Decline() { declined_ = true; }
   // Declined while it held the sender's META_DATA_RESPONSE: the sender still holds the tensor

@@ -1159,6 +1159,29 @@ TEST_P(DeviceDirectTest, MemoryTheFabricCannotReachTakesTheProxyPathInstead) {
   EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
 }
 
+// The first recv of a key into the GPU, before the channel knows the sender's end writes GPU
+// memory, lands in host memory and is copied over; the key's next step was asked for ahead
+// then (TENSORVERBS_PUSH), into host memory too. A recv into the GPU that takes such a pushed
+// request over stops the key's pushes, so the key goes direct from then on rather than
+// through host memory at every step.
+TEST_P(DeviceDirectTest, AKeyFirstReceivedThroughHostMemoryGoesDirectSoonAfter) {
+  UseDirectGpus(1);
+  testing::StandInDeviceCopier& copier = *stand_in_copier_;
+  StartCluster(2);
+  RecvArgs to_gpu;
+  to_gpu.allocator = *server(0).DeviceAllocator(0);
+  Tensor host;
+  Tensor sent = PoolDeviceTensor(1, DataType::kFloat32, {256}, 31, &host);
+  for (int64_t step = 1; step <= 8; ++step) {
+    Tensor got;
+    ASSERT_NO_FATAL_FAILURE(SendAndRecv(step, "again", sent, &got, to_gpu));
+    EXPECT_TRUE(SameBytes(got, host)) << "step " << step;
+    EXPECT_EQ(got.placement(), MemoryPlacement::CudaDevice(0)) << "step " << step;
+  }
+  EXPECT_LE(copier.host_to_device(), 2) << "the first recv and at most the one pushed after it";
+  EXPECT_GE(server(0).stats().device_direct_recvs.load(), 6);
+}
+
 // A receiver that registers per transfer offers its own private memory, which the kernel's
 // cross-memory copy reaches and a GPU copy cannot: the sender's direct device write goes
 // through the fabric's bounce buffer, and the channel keeps working.

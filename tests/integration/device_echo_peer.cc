@@ -5,9 +5,11 @@
 // at the same step, printing "echoed <step> <bytes>" or "failed <step> <status>". A step is
 // cleaned up once the next one's tensor has arrived (the test has taken its "back" by then).
 //
-// On SIGTERM it stops and destroys its server and, where the CUDA runtime is the tests'
-// stand-in, prints "runtime <live allocations> <IPC opens not closed>", which a test expects
-// to be "runtime 0 0": every GPU region freed and every peer mapping closed.
+// On SIGTERM it stops its server, prints "copies <device_direct_recvs> <device_direct_sends>
+// <host_to_device> <device_to_host>" (its TransferStats), destroys the server and, where the
+// CUDA runtime is the tests' stand-in, prints "runtime <live allocations> <IPC opens not
+// closed>", which a test expects to be "runtime 0 0": every GPU region freed and every peer
+// mapping closed.
 #include <dlfcn.h>
 
 #include <atomic>
@@ -84,7 +86,14 @@ int main(int argc, char** argv) {
     RecvArgs into_gpu;
     into_gpu.allocator = *gpu;
     for (int64_t step = first_step; !stopping.load(); ++step) {
-      auto r = *s.rendezvous_mgr()->Find(step);
+      absl::StatusOr<std::shared_ptr<RemoteRendezvous>> found = s.rendezvous_mgr()->Find(step);
+      if (!found.ok()) {
+        std::printf("failed %lld %s\n", static_cast<long long>(step),
+                    found.status().ToString().c_str());
+        std::fflush(stdout);
+        return;
+      }
+      std::shared_ptr<RemoteRendezvous> r = *std::move(found);
       absl::StatusOr<std::vector<Tensor>> got = RecvAll(
           *r, {*ParsedKey::Parse(ParsedKey::Create(src, *incarnation, s.device_name(), "in"))},
           into_gpu);
@@ -96,7 +105,12 @@ int main(int argc, char** argv) {
       }
       if (step > first_step) s.rendezvous_mgr()->Cleanup(step - 1);
       if (status.ok()) {
-        std::printf("echoed %lld %zu\n", static_cast<long long>(step), (*got)[0].TotalBytes());
+        const TransferStats& st = s.stats();
+        std::printf("echoed %lld %zu copies %lld %lld %lld %lld\n", static_cast<long long>(step),
+                    (*got)[0].TotalBytes(), static_cast<long long>(st.device_direct_recvs.load()),
+                    static_cast<long long>(st.device_direct_sends.load()),
+                    static_cast<long long>(st.host_to_device.load()),
+                    static_cast<long long>(st.device_to_host.load()));
       } else {
         std::printf("failed %lld %s\n", static_cast<long long>(step), status.ToString().c_str());
       }
@@ -108,6 +122,12 @@ int main(int argc, char** argv) {
   stopping.store(true);
   (*server)->Stop();  // fails the recv still waiting
   echo.join();
+  const TransferStats& stats = (*server)->stats();
+  std::printf("copies %lld %lld %lld %lld\n",
+              static_cast<long long>(stats.device_direct_recvs.load()),
+              static_cast<long long>(stats.device_direct_sends.load()),
+              static_cast<long long>(stats.host_to_device.load()),
+              static_cast<long long>(stats.device_to_host.load()));
   server->reset();
 
   // The stand-in runtime counts what is still allocated and mapped; a real one does not.

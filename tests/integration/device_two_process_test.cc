@@ -16,6 +16,8 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <cinttypes>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -112,17 +114,29 @@ class TwoProcessDeviceTest : public ::testing::TestWithParam<Route> {
     }
   }
 
-  // Stops the peer and this task; returns the peer's last lines.
+  // Stops this task (it holds imports of the peer's GPU memory), then the peer; returns the
+  // peer's last lines.
   std::string StopBoth() {
+    server_->Stop();
+    gpu_ = nullptr;
+    server_.reset();
     peer_->Signal(SIGTERM);
     std::string out = peer_->ReadAll(absl::Seconds(30));
     absl::StatusOr<int> code = peer_->Wait(absl::Seconds(30));
     EXPECT_TRUE(code.ok() && *code == 0) << "the echo peer did not exit cleanly: " << out;
     peer_.reset();
-    server_->Stop();
-    gpu_ = nullptr;
-    server_.reset();
     return out;
+  }
+
+  // The peer's copy counters (direct recvs, direct sends, host-to-device, device-to-host copies)
+  // as its line starting with `prefix` gives them after "copies".
+  static bool PeerCopies(const std::string& out, const std::string& prefix, int64_t counts[4]) {
+    const size_t line = out.find(prefix);
+    if (line == std::string::npos) return false;
+    const size_t at = out.find("copies ", line);
+    return at != std::string::npos &&
+           std::sscanf(out.c_str() + at, "copies %" SCNd64 " %" SCNd64 " %" SCNd64 " %" SCNd64,
+                       &counts[0], &counts[1], &counts[2], &counts[3]) == 4;
   }
 
   ParsedKey Out() const {
@@ -299,6 +313,22 @@ void TwoProcessDeviceTest::EveryDtypeAndSizeRoundTrips() {
   int64_t all = 0;
   const int64_t n = RoundTripEveryCase(&all);
   ExpectCopies(GetParam(), before, CopyCounters(server_->stats()), n, all);
+  // The peer's side, from its echo of the warm-up to its exit: it received every tensor into
+  // its GPU and sent it back from there, by the same path.
+  const std::string peer_out = StopBoth();
+  int64_t warm[4] = {0, 0, 0, 0}, last[4] = {0, 0, 0, 0}, peer[4];
+  ASSERT_TRUE(PeerCopies(peer_out, absl::StrCat("echoed ", kFirstStep, " "), warm)) << peer_out;
+  ASSERT_TRUE(PeerCopies(peer_out, "\ncopies ", last)) << peer_out;
+  for (int i = 0; i < 4; ++i) peer[i] = last[i] - warm[i];
+  if (GetParam().direct) {
+    EXPECT_GE(peer[0], all) << "direct recvs";
+    EXPECT_GE(peer[1], n) << "direct sends";
+    EXPECT_EQ(peer[2] + peer[3], 0) << "no copy through host memory";
+  } else {
+    EXPECT_EQ(peer[0] + peer[1], 0) << "nothing direct";
+    EXPECT_GE(peer[2], n) << "host-to-device copies of what it received";
+    EXPECT_GE(peer[3], n) << "device-to-host copies of what it sent";
+  }
 }
 
 void TwoProcessDeviceTest::NothingOutlivesTheTasks() {
