@@ -436,6 +436,33 @@ TEST_F(ShmemDeviceTest, DeviceMemoryReachesAPeersPrivateMemoryThroughABounceBuff
       << "the bounce buffer is unpinned with its endpoint";
 }
 
+TEST_F(ShmemDeviceTest, ABouncedOperationLargerThanTheBufferMovesInChunks) {
+  const size_t n = (size_t{20} << 20) + 333;  // two full chunks and a part
+  std::vector<char> gpu(n), priv(n, 0);
+  for (size_t i = 0; i < n; ++i) gpu[i] = static_cast<char>(i * 13 + (i >> 20));
+  auto gpu_mr = *a_->RegisterDeviceMemory(gpu.data(), n, 0, kAccessLocal);
+  auto private_mr = *b_->RegisterMemory(priv.data(), n, kAccessRemoteWrite | kAccessRemoteRead);
+  const int64_t d2h = dm_->device_to_host(), h2d = dm_->host_to_device();
+  ASSERT_TRUE(ea_->PostWriteWithImm({gpu_mr.get(), gpu.data(), n}, Remote(*private_mr), 4, 1).ok());
+  std::vector<Completion> done = PollFor(*a_, 1);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  std::vector<Completion> arrived = PollFor(*b_, 1);
+  ASSERT_EQ(arrived.size(), 1u);
+  EXPECT_EQ(arrived[0].byte_len, n);
+  EXPECT_EQ(std::memcmp(priv.data(), gpu.data(), n), 0);
+  EXPECT_EQ(dm_->device_to_host() - d2h, 3) << "three chunks of at most 8 MiB";
+  // And back into the GPU buffer, cleared first.
+  std::memset(gpu.data(), 0, n);
+  ASSERT_TRUE(ea_->PostRead({gpu_mr.get(), gpu.data(), n}, Remote(*private_mr), 2).ok());
+  done = PollFor(*a_, 1);
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  EXPECT_EQ(std::memcmp(priv.data(), gpu.data(), n), 0);
+  EXPECT_EQ(dm_->host_to_device() - h2d, 3);
+  ea_.reset();  // finishes with the buffers above still alive
+}
+
 TEST_F(ShmemDeviceTest, AFailedBouncedCopyWritesNothingToThePeerAndFreesTheBuffer) {
   std::vector<char> priv(8192, 0x11);
   auto private_mr = *b_->RegisterMemory(priv.data(), priv.size(), kAccessRemoteWrite);

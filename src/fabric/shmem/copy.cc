@@ -82,7 +82,8 @@ void CopyHelpers::Copy(void* dst, const void* src, size_t n, bool streaming) {
   job.src = static_cast<const char*>(src);
   job.n = n;
   job.streaming = streaming;
-  // One part per thread, whole pages, so no two writers share a cache line.
+  // One part per thread, in whole pages: with a page-aligned destination (pool chunks are) no
+  // two writers share a cache line.
   const size_t ways = threads_.size() + 1;
   job.part = ((n + ways - 1) / ways + 4095) / 4096 * 4096;
   job.parts = (n + job.part - 1) / job.part;

@@ -28,9 +28,11 @@ void StreamingCopy(void* dst, const void* src, size_t n);
 //
 // The caller copies parts too and takes every part no helper has claimed, so a copy never waits
 // for a helper to wake: with the helpers busy elsewhere or slow to be scheduled, it is the
-// caller's plain copy plus one wake-up call. Copy returns once every part is written and no
-// helper holds the job; parts written with streaming stores are fenced by their writer before
-// it reports them, so a release store after Copy orders every byte before it.
+// caller's plain copy plus one wake-up call. It does wait for a part a helper claimed and is
+// still writing (a helper preempted mid-part costs the caller that part's time, or more). Copy
+// returns once every part is written and no helper holds the job; parts written with streaming
+// stores are fenced by their writer before it reports them, so a release store after Copy orders
+// every byte before it.
 class CopyHelpers {
  public:
   // Copies of at least `min_shared_bytes` are shared. The default is where sharing paid in the

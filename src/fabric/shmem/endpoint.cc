@@ -285,7 +285,9 @@ void ShmemEndpoint::Disconnect() {
   if (leak_device_memory_) {
     mappings_.clear();
     device_mappings_.clear();
-    bounce_ = nullptr;
+    bounce_ = nullptr;  // a copy may still use it: left mapped
+    bounce_bytes_ = 0;
+    bounce_pinned_ = false;
   }
   ReleaseBounce();
   for (auto& [id, m] : mappings_) Unmap(m);
@@ -404,19 +406,19 @@ absl::Status ShmemEndpoint::Copy(const Op& op) {
     Counters().mapped_bytes.fetch_add(op.length, std::memory_order_relaxed);
     return absl::OkStatus();
   }
-  return CrossMemory(op, op.local);
+  return CrossMemory(op, op.local, 0, op.length);
 }
 
-absl::Status ShmemEndpoint::CrossMemory(const Op& op, char* local) {
+absl::Status ShmemEndpoint::CrossMemory(const Op& op, char* local, size_t offset, size_t length) {
   const bool read = op.kind == CompletionKind::kRead;
   if (peer_pidfd_ >= 0) {
     pollfd p{peer_pidfd_, POLLIN, 0};
     if (poll(&p, 1, 0) > 0) return Break(PeerGone());
   }
   size_t done = 0;
-  while (done < op.length) {
-    iovec mine{local + done, op.length - done};
-    iovec theirs{reinterpret_cast<void*>(op.remote_addr + done), op.length - done};
+  while (done < length) {
+    iovec mine{local + done, length - done};
+    iovec theirs{reinterpret_cast<void*>(op.remote_addr + offset + done), length - done};
     const ssize_t n = read ? process_vm_readv(peer_pid_, &mine, 1, &theirs, 1, 0)
                            : process_vm_writev(peer_pid_, &mine, 1, &theirs, 1, 0);
     if (n <= 0) {
@@ -431,7 +433,7 @@ absl::Status ShmemEndpoint::CrossMemory(const Op& op, char* local) {
     done += static_cast<size_t>(n);
   }
   Counters().cross_memory_ops.fetch_add(1, std::memory_order_relaxed);
-  Counters().cross_memory_bytes.fetch_add(op.length, std::memory_order_relaxed);
+  Counters().cross_memory_bytes.fetch_add(length, std::memory_order_relaxed);
   return absl::OkStatus();
 }
 

@@ -36,6 +36,9 @@ namespace tensorverbs::fabric::shmem {
 
 // Mappings of a peer's regions kept per endpoint; the oldest goes first beyond.
 inline constexpr size_t kMaxMappingsPerEndpoint = 256;
+// A bounced operation (GPU memory and a peer's private memory) moves in chunks of at most this
+// many bytes, so its buffer stays small and page-locked once.
+inline constexpr size_t kMaxBounceBytes = size_t{8} << 20;
 // Writes of at least this many bytes into a peer's mapping use non-temporal stores. Measured
 // (docs/PERFORMANCE.md): into destinations the writer has not touched lately
 // (bench/copy_bench.cc) streaming stores beat memcpy at every size from 64 KiB, 1.3x at
@@ -100,8 +103,12 @@ class ShmemEndpoint final : public EndpointBase {
     Phase phase = Phase::kQueued;
     uint64_t ticket = 0;
     absl::Status error;  // kFailed
-    // GPU memory and the peer's private memory: the bytes go through the bounce buffer.
+    // GPU memory and the peer's private memory: the bytes go through the bounce buffer, a
+    // chunk at a time; the chunk in flight is [bounce_done, bounce_done + bounce_chunk).
     bool bounce = false;
+    size_t bounce_done = 0;
+    size_t bounce_chunk = 0;
+    int copy_device = 0;  // the GPU that runs the copies
   };
   struct Mapping {
     void* addr;
@@ -158,21 +165,25 @@ class ShmemEndpoint final : public EndpointBase {
 
   // Local GPU memory and the peer's private memory (a region that is not from its pool): the
   // kernel's cross-memory copy cannot reach GPU memory, so the bytes go through this endpoint's
-  // page-locked bounce buffer, one operation at a time. A write copies device-to-host into it,
-  // then (PollDeviceCopies) to the peer; a read copies from the peer into it, then
-  // host-to-device. Leaves `op` queued while an earlier operation holds the buffer.
+  // page-locked bounce buffer, one operation at a time, in chunks of at most kMaxBounceBytes. A
+  // write copies a chunk device-to-host into it, then (PollDeviceCopies) to the peer; a read
+  // copies a chunk from the peer into it, then host-to-device. Leaves `op` queued while an
+  // earlier operation holds the buffer.
   void StartBouncedCopy(Op& op, int device);
 
-  // A bounce buffer of at least `bytes`, page-locked where the runtime allows (else its copies
-  // are synchronous, and still correct). It grows to the largest operation and stays.
+  // A bounce buffer of at least `bytes` (at most kMaxBounceBytes are asked for), page-locked
+  // where the runtime allows (else its copies are synchronous, and still correct). It grows to
+  // the largest chunk and stays until the endpoint closes.
   absl::Status EnsureBounce(size_t bytes);
 
   void ReleaseBounce();
 
-  // A bounced operation's device copy ended with `copied`: a write's bytes go on to the peer
-  // if it succeeded (a failed copy left nothing worth sending); either way the bounce buffer is
-  // free again. Returns the operation's outcome.
-  absl::Status FinishBouncedCopy(const Op& op, absl::Status copied);
+  // A bounced operation's chunk copy ended with `copied`: a write's chunk goes on to the peer
+  // if it succeeded and the peer may still be written (a failed copy left nothing worth
+  // sending), and the next chunk starts. Returns the operation's outcome so far.
+  absl::Status FinishBounceChunk(Op& op, absl::Status copied);
+  // Starts the device copy of bounced `op`'s next chunk (a read brings it from the peer first).
+  absl::Status StartBounceChunk(Op& op);
 
   // Starts every queued device copy, up to kMaxDeviceCopies running, also past host operations
   // queued ahead of them (control messages between tensors): the GPU then runs one copy after
@@ -196,7 +207,7 @@ class ShmemEndpoint final : public EndpointBase {
 
   // `op` between `local` (host memory here) and the peer's private memory: the kernel's
   // cross-memory copy. The pidfd check first, so a recycled pid can never receive the bytes.
-  absl::Status CrossMemory(const Op& op, char* local);
+  absl::Status CrossMemory(const Op& op, char* local, size_t offset, size_t length);
 
   bool RingFull() const;
 

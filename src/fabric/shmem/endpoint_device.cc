@@ -145,37 +145,37 @@ void ShmemEndpoint::StartDeviceCopy(Op& op) {
 
 void ShmemEndpoint::StartBouncedCopy(Op& op, int device) {
   if (bounce_busy_) return;
-  auto fail = [&](const absl::Status& s) {
+  if (absl::Status s = EnsureBounce(std::min(op.length, kMaxBounceBytes)); !s.ok()) {
     op.phase = Phase::kFailed;
     op.error = DeviceError(op, s);
-  };
-  if (absl::Status s = EnsureBounce(op.length); !s.ok()) {
-    fail(s);
     return;
   }
-  const bool read = op.kind == CompletionKind::kRead;
-  if (read) {
-    if (absl::Status s = CrossMemory(op, bounce_); !s.ok()) {
-      fail(s);
-      return;
-    }
-  }
-  const DeviceMemory::Side local{op.local, true};
-  const DeviceMemory::Side bounce{bounce_, false};
-  absl::StatusOr<uint64_t> ticket =
-      d_->device->StartCopy(device, read ? local : bounce, read ? bounce : local, op.length);
-  if (!ticket.ok()) {
-    fail(ticket.status());
-    return;
-  }
-  op.ticket = *ticket;
-  op.phase = Phase::kCopying;
   op.bounce = true;
+  op.bounce_done = 0;
+  op.copy_device = device;
+  if (absl::Status s = StartBounceChunk(op); !s.ok()) {
+    op.phase = Phase::kFailed;
+    op.error = DeviceError(op, s);
+    return;
+  }
+  op.phase = Phase::kCopying;
   bounce_busy_ = true;
   ++device_copies_;
   Counters().device_ops.fetch_add(1, std::memory_order_relaxed);
   Counters().device_bytes.fetch_add(op.length, std::memory_order_relaxed);
   Counters().device_bounced_ops.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::Status ShmemEndpoint::StartBounceChunk(Op& op) {
+  const bool read = op.kind == CompletionKind::kRead;
+  const size_t offset = op.bounce_done;
+  op.bounce_chunk = std::min(op.length - offset, bounce_bytes_);
+  if (read) RETURN_IF_ERROR(CrossMemory(op, bounce_, offset, op.bounce_chunk));
+  const DeviceMemory::Side local{op.local + offset, true};
+  const DeviceMemory::Side bounce{bounce_, false};
+  ASSIGN_OR_RETURN(op.ticket, d_->device->StartCopy(op.copy_device, read ? local : bounce,
+                                                    read ? bounce : local, op.bounce_chunk));
+  return absl::OkStatus();
 }
 
 absl::Status ShmemEndpoint::EnsureBounce(size_t bytes) {
@@ -203,10 +203,15 @@ void ShmemEndpoint::ReleaseBounce() {
   bounce_pinned_ = false;
 }
 
-absl::Status ShmemEndpoint::FinishBouncedCopy(const Op& op, absl::Status copied) {
-  bounce_busy_ = false;
-  if (!copied.ok() || op.kind == CompletionKind::kRead) return copied;
-  return CrossMemory(op, bounce_);
+absl::Status ShmemEndpoint::FinishBounceChunk(Op& op, absl::Status copied) {
+  RETURN_IF_ERROR(copied);
+  RETURN_IF_ERROR(Usable());
+  if (op.kind != CompletionKind::kRead) {
+    RETURN_IF_ERROR(CrossMemory(op, bounce_, op.bounce_done, op.bounce_chunk));
+  }
+  op.bounce_done += op.bounce_chunk;
+  if (op.bounce_done < op.length) return StartBounceChunk(op);
+  return absl::OkStatus();
 }
 
 void ShmemEndpoint::StartDeviceCopies() {
@@ -225,7 +230,14 @@ void ShmemEndpoint::PollDeviceCopies() {
     if (done.ok() && !*done) break;  // copies on a stream finish in order
     --device_copies_;
     absl::Status status = done.status();
-    if (op.bounce) status = FinishBouncedCopy(op, std::move(status));
+    if (op.bounce) {
+      status = FinishBounceChunk(op, std::move(status));
+      if (status.ok() && op.bounce_done < op.length) {
+        ++device_copies_;  // its next chunk runs
+        continue;
+      }
+      bounce_busy_ = false;
+    }
     if (status.ok()) {
       op.phase = Phase::kCopied;
     } else {

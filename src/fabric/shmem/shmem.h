@@ -14,8 +14,9 @@
 // handle a peer asks for once and imports; every operation with GPU memory on either side is an
 // asynchronous device copy, polled by the progress thread, and a write's immediate is published
 // only once its copy (and every operation posted before it) completed. Device copies start at
-// once, past host operations queued ahead of them, so their bytes may land before those of an
-// earlier host write (never the same memory in the protocol); completions keep posting order.
+// once, past host operations queued ahead of them, so a device write's bytes may land, and a
+// device read may read, before an earlier host write's (never the same memory in the protocol,
+// which reads only what the peer lent it); completions keep posting order.
 // Peers' host regions that device copies reach are page-locked once, so those copies run by DMA
 // too. Between GPU memory and a peer's private memory the bytes go through a page-locked bounce
 // buffer of the endpoint and the cross-memory copy, one such operation at a time.
