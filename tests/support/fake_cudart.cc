@@ -13,6 +13,7 @@
 // live and how many IPC opens are not closed yet, so leaks show.
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -24,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -53,6 +55,11 @@ class Stream {
     }
     cv_.notify_all();
   }
+  // Waits until the work pushed so far has run.
+  void Drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return work_.empty() && !busy_; });
+  }
 
  private:
   void Run() {
@@ -62,17 +69,37 @@ class Stream {
       if (work_.empty()) return;
       std::function<void()> w = std::move(work_.front());
       work_.pop_front();
+      busy_ = true;
       lock.unlock();
       w();
       lock.lock();
+      busy_ = false;
+      cv_.notify_all();  // a drainer may wait for this
     }
   }
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> work_;
+  bool busy_ = false;
   bool stopping_ = false;
   std::thread thread_;
 };
+
+// Every live stream, so that freeing memory can wait for the copies queued on them first, as
+// cudaFree synchronizes the device.
+struct Streams {
+  std::mutex mu;
+  std::set<Stream*> all;
+};
+Streams& streams() {
+  static Streams* s = new Streams;
+  return *s;
+}
+void DrainStreams() {
+  Streams& s = streams();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (Stream* stream : s.all) stream->Drain();
+}
 
 struct Event {
   std::atomic<bool> done{true};
@@ -82,11 +109,15 @@ struct Event {
 struct IpcHandle {
   char bytes[64];
 };
+// The owner's pid and descriptor say where to open the memory; the inode says which memory it
+// must be (a descriptor number is reused once the allocation is freed).
 struct IpcName {
   uint32_t magic;
   int32_t pid;
   int32_t fd;
   uint64_t size;
+  uint64_t dev;
+  uint64_t ino;
 };
 constexpr uint32_t kIpcMagic = 0x54564643;  // "TVFC"
 static_assert(sizeof(IpcName) <= sizeof(IpcHandle));
@@ -100,12 +131,13 @@ struct Opened {
   size_t size;
   int refs;
 };
+using OpenedKey = std::pair<uint64_t, uint64_t>;  // (dev, ino) of the owner's memfd
 
-// Every allocation by base, and every opened peer allocation by (pid, fd).
+// Every allocation by base, and every opened peer allocation by its memfd's identity.
 struct Books {
   std::mutex mu;
   std::map<uintptr_t, Allocation> allocations;
-  std::map<std::pair<int, int>, Opened> opened;
+  std::map<OpenedKey, Opened> opened;
   long opens_not_closed = 0;
 };
 Books& books() {
@@ -172,6 +204,7 @@ int cudaMalloc(void** p, size_t bytes) {
 }
 int cudaFree(void* p) {
   if (p == nullptr) return kSuccess;
+  DrainStreams();
   Books& b = books();
   std::lock_guard<std::mutex> lock(b.mu);
   auto it = b.allocations.find(reinterpret_cast<uintptr_t>(p));
@@ -192,11 +225,21 @@ int cudaMemcpyAsync(void* dst, const void* src, size_t bytes, int, void* stream)
   return kSuccess;
 }
 int cudaStreamCreateWithFlags(void** stream, unsigned) {
-  *stream = new Stream;
+  auto* s = new Stream;
+  {
+    std::lock_guard<std::mutex> lock(streams().mu);
+    streams().all.insert(s);
+  }
+  *stream = s;
   return kSuccess;
 }
 int cudaStreamDestroy(void* stream) {
-  delete static_cast<Stream*>(stream);
+  auto* s = static_cast<Stream*>(stream);
+  {
+    std::lock_guard<std::mutex> lock(streams().mu);
+    streams().all.erase(s);
+  }
+  delete s;
   return kSuccess;
 }
 int cudaEventCreateWithFlags(void** event, unsigned) {
@@ -229,7 +272,11 @@ int cudaIpcGetMemHandle(IpcHandle* handle, void* p) {
   if (it == b.allocations.begin()) return kInvalidValue;
   --it;
   if (reinterpret_cast<uintptr_t>(p) >= it->first + it->second.size) return kInvalidValue;
-  const IpcName name{kIpcMagic, static_cast<int32_t>(getpid()), it->second.fd, it->second.size};
+  struct stat st {};
+  if (fstat(it->second.fd, &st) != 0) return kInvalidValue;
+  const IpcName name{
+      kIpcMagic,       static_cast<int32_t>(getpid()),   it->second.fd,
+      it->second.size, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
   std::memset(handle->bytes, 0, sizeof(handle->bytes));
   std::memcpy(handle->bytes, &name, sizeof(name));
   return kSuccess;
@@ -240,15 +287,24 @@ int cudaIpcOpenMemHandle(void** p, IpcHandle h, unsigned) {
   if (name.magic != kIpcMagic || name.size == 0) return kInvalidValue;
   Books& b = books();
   std::lock_guard<std::mutex> lock(b.mu);
-  auto it = b.opened.find({name.pid, name.fd});
+  const OpenedKey key{name.dev, name.ino};
+  auto it = b.opened.find(key);
   if (it == b.opened.end()) {
     const std::string path = "/proc/" + std::to_string(name.pid) + "/fd/" + std::to_string(name.fd);
     const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) return kInvalidValue;
+    struct stat st {};
+    // The descriptor must still be the allocation the handle was made for.
+    if (fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_dev) != name.dev ||
+        static_cast<uint64_t>(st.st_ino) != name.ino ||
+        static_cast<uint64_t>(st.st_size) < name.size) {
+      close(fd);
+      return kInvalidValue;
+    }
     void* base = mmap(nullptr, name.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (base == MAP_FAILED) return kInvalidValue;
-    it = b.opened.emplace(std::pair{name.pid, name.fd}, Opened{base, name.size, 0}).first;
+    it = b.opened.emplace(key, Opened{base, name.size, 0}).first;
   }
   ++it->second.refs;
   ++b.opens_not_closed;
@@ -256,6 +312,7 @@ int cudaIpcOpenMemHandle(void** p, IpcHandle h, unsigned) {
   return kSuccess;
 }
 int cudaIpcCloseMemHandle(void* p) {
+  DrainStreams();  // copies still queued into the mapping run first
   Books& b = books();
   std::lock_guard<std::mutex> lock(b.mu);
   for (auto it = b.opened.begin(); it != b.opened.end(); ++it) {

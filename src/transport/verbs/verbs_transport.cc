@@ -279,11 +279,17 @@ void VerbsTransport::Lend(
 void VerbsTransport::set_rendezvous_mgr(RendezvousMgr* mgr) {
   // Written on the loop thread, so that the loop's later reads happen after the write without
   // relying on how a peer's first request reaches it.
-  // A loop that has stopped serves no request, so a refusal needs no other way in.
-  (void)engine_->AskLoop<bool>([this, mgr] {
+  if (engine_->OnOwnerThread()) {  // the loop itself, or no loop any more
+    channel_env_.rendezvous_mgr = mgr;
+    return;
+  }
+  absl::StatusOr<bool> set = engine_->AskLoop<bool>([this, mgr] {
     channel_env_.rendezvous_mgr = mgr;
     return true;
   });
+  // Refused only once the loop stops, and a stopped loop serves no request.
+  if (!set.ok())
+    VLOG(1) << "the rendezvous manager was set on a stopped transport: " << set.status();
 }
 
 size_t VerbsTransport::NumLentTensors() {
