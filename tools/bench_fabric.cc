@@ -47,6 +47,7 @@ class Side {
     options.provider = provider;
     options.queue_depth = 256;
     options.copy_threads = Config::Get().shmem_copy_threads;  // as a task's would have
+    options.peer_copy = Config::Get().shmem_peer_copy;
     ASSIGN_OR_RETURN(side->domain_, fabric::OpenDomain(backend, options));
     ASSIGN_OR_RETURN(side->ep_, side->domain_->CreateEndpoint());
     side->size_ = std::max<size_t>(bytes, 4096);

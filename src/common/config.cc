@@ -198,6 +198,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_MAX_PENDING_RECVS",
       "TENSORVERBS_LARGE_IN_FLIGHT",
       "TENSORVERBS_SHMEM_COPY_THREADS",
+      "TENSORVERBS_SHMEM_PEER_COPY",
       "TENSORVERBS_REMOTE_KEYS",
       "TENSORVERBS_TLS_CERT",
       "TENSORVERBS_TLS_KEY",
@@ -295,6 +296,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   config.large_in_flight = static_cast<int>(large_in_flight);
   ASSIGN_OR_RETURN(int64_t copy_threads, ParseInt(env, "TENSORVERBS_SHMEM_COPY_THREADS", 0, 64, 1));
   config.shmem_copy_threads = static_cast<int>(copy_threads);
+  ASSIGN_OR_RETURN(std::string peer_copy,
+                   ParseChoice(env, "TENSORVERBS_SHMEM_PEER_COPY", {"on", "off"}, "on"));
+  config.shmem_peer_copy = peer_copy == "on";
   ASSIGN_OR_RETURN(config.remote_keys, ParseChoice(env, "TENSORVERBS_REMOTE_KEYS",
                                                    {"per-channel", "shared"}, "per-channel"));
 

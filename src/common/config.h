@@ -166,6 +166,10 @@ struct Config {
   // MiB and more with the progress thread, 0 .. 64 (0: the progress thread copies alone),
   // default 1 (fabric::shmem::CopyHelpers).
   int shmem_copy_threads = 1;
+  // TENSORVERBS_SHMEM_PEER_COPY: on (default) | off. On: the same-host fabric's progress thread
+  // takes part in copying a peer's writes of 512 KiB up to the copy threads' size into this
+  // task's memory, and offers its own to the peer alike (fabric::shmem::SharedWrite).
+  bool shmem_peer_copy = true;
   // TENSORVERBS_REMOTE_KEYS: per-channel (default) | shared. Per-channel: where the fabric
   // offers keys of its own to each endpoint (Capabilities::channel_keys), each peer is offered
   // its own registration of this task's memory, dropped when its channel closes; elsewhere,

@@ -1,5 +1,6 @@
 // Annotations for ThreadSanitizer builds; they compile to nothing in every other build. And
 // kUnderAddressSanitizer, for code that trades a check for speed only outside ASan builds.
+// TsanRelease/TsanAcquire tell TSan of an order it cannot see.
 //
 // ScopedTsanIgnoreAccesses makes TSan skip the memory accesses of the calling thread while it
 // lives. The loopback fabric uses it for one thing: its stand-in for a NIC's DMA write after a
@@ -30,6 +31,8 @@
 // From the TSan runtime (its dynamic-annotation interface).
 extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
 extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
 #endif
 
 namespace tensorverbs {
@@ -39,6 +42,22 @@ inline constexpr bool kUnderAddressSanitizer = true;
 #else
 inline constexpr bool kUnderAddressSanitizer = false;
 #endif
+
+// An order TSan cannot see, told to it: what a thread did before TsanRelease(key) happens
+// before what a thread does after a later TsanAcquire(key). For synchronization through memory
+// that two objects of one process map at different addresses (the shmem fabric's rings): TSan
+// tracks atomics by address, so it sees no order between a store through one mapping and a load
+// through the other. `key` is any address both sides derive alike.
+inline void TsanRelease([[maybe_unused]] const void* key) {
+#ifdef TENSORVERBS_TSAN
+  __tsan_release(const_cast<void*>(key));
+#endif
+}
+inline void TsanAcquire([[maybe_unused]] const void* key) {
+#ifdef TENSORVERBS_TSAN
+  __tsan_acquire(const_cast<void*>(key));
+#endif
+}
 
 class ScopedTsanIgnoreAccesses {
  public:

@@ -70,6 +70,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
   options.rdma = choice.rdma;
   options.device_memory = choice.device_memory;
   options.copy_threads = choice.copy_threads;
+  options.peer_copy = choice.peer_copy;
   const std::string& fabric = choice.fabric;
   if (fabric == "loopback" || fabric == "ibverbs" || fabric == "shmem") {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(fabric, options);

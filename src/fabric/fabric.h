@@ -91,6 +91,9 @@ struct DomainOptions {
   std::shared_ptr<DeviceMemory> device_memory;
   // shmem: threads that share each large write's copy with the progress thread (0: none).
   int copy_threads = 0;
+  // shmem: offer peers' progress threads a part of each write from 512 KiB (below what the copy
+  // threads share), and take part in theirs (shmem.h).
+  bool peer_copy = true;
 };
 
 // A packed remote key, held inline: the opaque bytes MemoryRegion::PackRemoteKey produced. Every
@@ -264,10 +267,12 @@ struct FabricChoice {
   RdmaConfig rdma;
   std::shared_ptr<DeviceMemory> device_memory;  // DomainOptions::device_memory
   int copy_threads = 0;                         // DomainOptions::copy_threads
+  bool peer_copy = true;                        // DomainOptions::peer_copy
 
   static FabricChoice FromConfig(const Config& config, bool all_peers_local) {
-    return FabricChoice{config.fabric, config.ofi_provider,      all_peers_local, config.rdma,
-                        nullptr,       config.shmem_copy_threads};
+    return FabricChoice{
+        config.fabric, config.ofi_provider,       all_peers_local,       config.rdma,
+        nullptr,       config.shmem_copy_threads, config.shmem_peer_copy};
   }
 };
 

@@ -1,6 +1,7 @@
 // What the same-host fabric promises beyond the fabric contract (fabric_conformance_test runs
 // that on it): which path a write takes, access rights enforced where the writer stands,
 // one peer per endpoint, no regions for strangers, and queued work failing when a peer leaves.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -8,7 +9,9 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -18,6 +21,7 @@
 #include "src/common/shared_memory.h"
 #include "src/fabric/fabric.h"
 #include "src/fabric/shmem/shmem.h"
+#include "src/fabric/shmem/wire.h"
 #include "tests/support/stand_in_device_memory.h"
 
 namespace tensorverbs::fabric {
@@ -60,6 +64,43 @@ class ShmemFabricTest : public ::testing::Test {
       got.insert(got.end(), batch, batch + *k);
     }
     return got;
+  }
+
+  // A process of our user that speaks to `endpoint`'s domain's descriptor server directly,
+  // without the fabric: connected, or -1.
+  static int ConnectRaw(const Endpoint& endpoint) {
+    std::vector<std::string> parts = absl::StrSplit(endpoint.LocalAddress(), ':');
+    uint64_t uid = 0;
+    if (parts.size() != 3 || !absl::SimpleHexAtoi(parts[1], &uid)) return -1;
+    const int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    socklen_t len;
+    sockaddr_un addr = shmem::SocketAddress(uid, &len);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      close(fd);
+      return -1;
+    }
+    return fd;
+  }
+  static uint64_t EndpointId(const Endpoint& endpoint) {
+    std::vector<std::string> parts = absl::StrSplit(endpoint.LocalAddress(), ':');
+    uint64_t id = 0;
+    return parts.size() == 3 && absl::SimpleAtoi(parts[2], &id) ? id : 0;
+  }
+  static shmem::PackedKey KeyOf(const MemoryRegion& mr) {
+    shmem::PackedKey key;
+    std::memcpy(&key, mr.PackRemoteKey().data(), sizeof(key));
+    return key;
+  }
+  // One request on a raw connection: the reply, and the descriptors that came with it in `fds`.
+  static shmem::Reply AskRaw(int fd, shmem::RequestType type, uint64_t id, int* fds, int* nfds) {
+    shmem::Request request{shmem::kRequestMagic, type, id};
+    shmem::Reply reply{};
+    *nfds = 0;
+    if (!shmem::SendWithFds(fd, &request, sizeof(request), nullptr, 0) ||
+        shmem::RecvWithFds(fd, &reply, sizeof(reply), fds, 2, nfds) != sizeof(reply)) {
+      reply.status = ~0u;
+    }
+    return reply;
   }
 
   std::unique_ptr<Domain> a_, b_;
@@ -124,6 +165,156 @@ TEST_F(ShmemFabricTest, LargeWritesAndReadsSharedWithCopyThreadsLandExactly) {
   absl::StatusOr<std::unique_ptr<Domain>> refused = OpenDomain("shmem", options);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("copy threads"));
+}
+
+// A write from 512 KiB is offered to the peer to share: its progress thread, polling on
+// another thread here, copies parts of it into its own memory.
+TEST_F(ShmemFabricTest, WritesSharedWithAPollingPeerLandExactly) {
+  const size_t n = (size_t{1} << 20) - 12345;  // parts, the last one shorter
+  const size_t at = 777;                       // into the middle of the peer's region
+  auto dst = *SharedMemory::Create(2 << 20, "test-share-dst");
+  auto dst_mr = *b_->RegisterMemory(dst->data(), dst->size(), kAccessRemoteWrite);
+  std::atomic<uint32_t> arrived{0};
+  std::atomic<bool> stop{false};
+  std::thread peer([&] {
+    Completion batch[16];
+    while (!stop.load()) {
+      absl::StatusOr<size_t> k = b_->Poll(absl::MakeSpan(batch));
+      if (!k.ok()) return;
+      for (size_t i = 0; i < *k; ++i) arrived.store(batch[i].imm);
+    }
+  });
+  shmem::CopyCounters& c = shmem::Counters();
+  const uint64_t offered = c.shared_write_ops.load(), helped = c.shared_write_helped_ops.load();
+  const uint64_t copied = c.shared_write_bytes_copied.load();
+  auto* s = static_cast<unsigned char*>(src_->data());
+  auto* d = static_cast<unsigned char*>(dst->data());
+  // Until the peer has taken part in a few (it usually does in each); every one exact.
+  uint32_t writes = 0;
+  for (; writes < 2000 && c.shared_write_helped_ops.load() - helped < 5; ++writes) {
+    for (size_t i = 0; i < n; ++i) s[i] = static_cast<unsigned char>(i * 7 + writes);
+    RemoteBuffer remote = Remote(*dst_mr);
+    remote.addr += at;
+    ASSERT_TRUE(ea_->PostWriteWithImm(Local(n), remote, writes + 1, writes).ok());
+    std::vector<Completion> done = PollFor(*a_, 1);
+    ASSERT_EQ(done.size(), 1u);
+    ASSERT_TRUE(done[0].status.ok()) << done[0].status;
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (arrived.load() != writes + 1 && absl::Now() < deadline) std::this_thread::yield();
+    ASSERT_EQ(arrived.load(), writes + 1);
+    ASSERT_EQ(std::memcmp(d + at, s, n), 0) << "write " << writes;
+    ASSERT_EQ(d[at - 1], 0);
+    ASSERT_EQ(d[at + n], 0) << "nothing past the write";
+  }
+  stop.store(true);
+  peer.join();
+  EXPECT_EQ(c.shared_write_ops.load() - offered, writes) << "every write was offered";
+  EXPECT_GE(c.shared_write_helped_ops.load() - helped, 5u);
+  EXPECT_GT(c.shared_write_bytes_copied.load(), copied);
+}
+
+TEST_F(ShmemFabricTest, WithoutPeerCopyNoWriteIsShared) {
+  DomainOptions options;
+  options.peer_copy = false;
+  ASSERT_NO_FATAL_FAILURE(Open(options));
+  auto dst_mr = *b_->RegisterMemory(dst_->data(), dst_->size(), kAccessRemoteWrite);
+  shmem::CopyCounters& c = shmem::Counters();
+  const uint64_t offered = c.shared_write_ops.load();
+  std::memset(src_->data(), 0x42, src_->size());
+  ASSERT_TRUE(ea_->PostWriteWithImm(Local(src_->size()), Remote(*dst_mr), 1, 1).ok());
+  ASSERT_EQ(PollFor(*a_, 1).size(), 1u);
+  ASSERT_EQ(PollFor(*b_, 1).size(), 1u);
+  EXPECT_EQ(static_cast<unsigned char*>(dst_->data())[src_->size() - 1], 0x42);
+  EXPECT_EQ(c.shared_write_ops.load(), offered);
+}
+
+// The source of a shared write is lent to the writer's peer alone, and read-only; and the
+// reader takes part only in a write that lands in its own remotely writable memory and comes
+// from inside the key the writer gave.
+TEST_F(ShmemFabricTest, ASharedWriteLendsItsSourceReadOnlyToThatPeerAndIsCheckedByIt) {
+  // `writer` writes to b; its peer, as a's descriptor server sees it, is the raw connection.
+  auto writer = *a_->CreateEndpoint();
+  auto target = *b_->CreateEndpoint();
+  ASSERT_TRUE(writer->Connect(target->LocalAddress()).ok());
+  const int raw = ConnectRaw(*writer);
+  ASSERT_GE(raw, 0);
+  int fds[2];
+  int nfds = 0;
+  shmem::Reply hello = AskRaw(raw, shmem::kHello, EndpointId(*writer), fds, &nfds);
+  ASSERT_EQ(hello.status, shmem::kOk);
+  ASSERT_EQ(nfds, 2);
+  void* ring_memory = mmap(nullptr, hello.size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+  close(fds[0]);
+  close(fds[1]);
+  ASSERT_NE(ring_memory, MAP_FAILED);
+  auto* ring = static_cast<shmem::RingHeader*>(ring_memory);
+  const uint64_t src_region = KeyOf(*src_mr_).region;
+  EXPECT_EQ(AskRaw(raw, shmem::kRegion, src_region, fds, &nfds).status, shmem::kNoAccess)
+      << "a region without remote access, before any shared write";
+
+  auto dst_mr = *b_->RegisterMemory(dst_->data(), dst_->size(), kAccessRemoteWrite);
+  std::memset(src_->data(), 0x17, src_->size());
+  ASSERT_TRUE(writer->PostWrite(Local(src_->size()), Remote(*dst_mr), 1).ok());
+  ASSERT_EQ(PollFor(*a_, 1).size(), 1u);
+  EXPECT_EQ(static_cast<unsigned char*>(dst_->data())[12345], 0x17);
+
+  shmem::Reply lent = AskRaw(raw, shmem::kRegion, src_region, fds, &nfds);
+  ASSERT_EQ(lent.status, shmem::kOk) << "lent to the writer's peer";
+  ASSERT_EQ(nfds, 1);
+  EXPECT_EQ(lent.access, static_cast<uint32_t>(kAccessRemoteRead));
+  EXPECT_EQ(fcntl(fds[0], F_GETFL) & O_ACCMODE, O_RDONLY);
+  EXPECT_EQ(mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0), MAP_FAILED);
+  close(fds[0]);
+  // Another endpoint's peer is refused it.
+  auto other = *a_->CreateEndpoint();
+  const int stranger = ConnectRaw(*other);
+  ASSERT_GE(stranger, 0);
+  ASSERT_EQ(AskRaw(stranger, shmem::kHello, EndpointId(*other), fds, &nfds).status, shmem::kOk);
+  for (int i = 0; i < nfds; ++i) close(fds[i]);
+  EXPECT_EQ(AskRaw(stranger, shmem::kRegion, src_region, fds, &nfds).status, shmem::kNoAccess);
+  close(stranger);
+
+  // Now the raw peer offers `writer`'s domain shared writes through its ring: from b's region
+  // (mappable by a, which is connected to b) into a's memory.
+  auto from = *SharedMemory::Create(1 << 20, "test-share-from");
+  std::memset(from->data(), 0x5E, from->size());
+  auto from_mr = *b_->RegisterMemory(from->data(), from->size(), kAccessRemoteWrite);
+  auto into = *SharedMemory::Create(2 << 20, "test-share-into");
+  auto into_mr = *a_->RegisterMemory(into->data(), into->size(), kAccessRemoteWrite);
+  auto local_only = *a_->RegisterMemory(src_->data(), src_->size(), kAccessLocal);
+  shmem::SharedWrite& w = ring->share;
+  uint64_t seq = 100;
+  auto offer = [&](const MemoryRegion& dst, uint64_t dst_addr, uint64_t length) {
+    const shmem::PackedKey key = KeyOf(*from_mr);
+    std::memcpy(w.src_key, &key, sizeof(key));
+    w.src_addr = key.base;
+    w.dst_region = KeyOf(dst).region;
+    w.dst_addr = dst_addr;
+    w.length = length;
+    w.part = static_cast<uint32_t>(length / 8);
+    w.parts = static_cast<uint32_t>((length + w.part - 1) / w.part);
+    w.streaming = 0;
+    w.done = 0;
+    shmem::Atomic(w.state).store(++seq << 32, std::memory_order_release);
+    Completion batch[4];
+    for (int i = 0; i < 20; ++i) (void)a_->Poll(absl::MakeSpan(batch));
+    return shmem::Atomic(w.state).load() & 0xffffffffu;  // parts claimed
+  };
+  const uint64_t into_base = reinterpret_cast<uint64_t>(into->data());
+  EXPECT_EQ(offer(*local_only, reinterpret_cast<uint64_t>(src_->data()), 1 << 20), 0u)
+      << "not remotely writable: refused";
+  EXPECT_EQ(static_cast<unsigned char*>(src_->data())[0], 0x17);
+  EXPECT_EQ(offer(*into_mr, into_base + (1 << 20) + 4096, 1 << 20), 0u) << "past its end";
+  EXPECT_EQ(offer(*into_mr, into_base - 4096, 1 << 20), 0u) << "before its start";
+  EXPECT_EQ(offer(*into_mr, into_base, size_t{2} << 20), 0u) << "more than the source key";
+  EXPECT_EQ(static_cast<unsigned char*>(into->data())[0], 0);
+  EXPECT_EQ(offer(*into_mr, into_base + 4096, 1 << 20), 8u) << "a sound one: every part taken";
+  EXPECT_EQ(shmem::Atomic(w.done).load(), 8u);
+  EXPECT_EQ(static_cast<unsigned char*>(into->data())[4096], 0x5E);
+  EXPECT_EQ(static_cast<unsigned char*>(into->data())[4096 + (1 << 20) - 1], 0x5E);
+  EXPECT_EQ(static_cast<unsigned char*>(into->data())[4095], 0);
+  munmap(ring_memory, hello.size);
+  close(raw);
 }
 
 TEST_F(ShmemFabricTest, AccessRightsAreEnforcedOnTheWritersSide) {

@@ -69,7 +69,7 @@ void CopyHelpers::CopyParts(Job& job) {
 }
 
 void CopyHelpers::Copy(void* dst, const void* src, size_t n, bool streaming) {
-  if (threads_.empty() || n < min_shared_bytes_) {
+  if (!Shares(n)) {
     if (streaming) {
       StreamingCopy(dst, src, n);
     } else {

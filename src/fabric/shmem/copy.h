@@ -46,6 +46,8 @@ class CopyHelpers {
   CopyHelpers& operator=(const CopyHelpers&) = delete;
 
   int threads() const { return static_cast<int>(threads_.size()); }
+  // Whether a copy of `n` bytes is shared with the helpers.
+  bool Shares(size_t n) const { return !threads_.empty() && n >= min_shared_bytes_; }
   // `n` bytes from `src` to `dst`, with streaming stores or memcpy.
   void Copy(void* dst, const void* src, size_t n, bool streaming);
 

@@ -154,7 +154,8 @@ bool DomainState::Answer(int client, const Request& request,
       reply.status = kNoSuchRegion;
     } else if (device ? it->second.device < 0 : it->second.fd < 0) {
       reply.status = device ? kNotDevice : kNotShared;
-    } else if ((it->second.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0) {
+    } else if ((it->second.access & (kAccessRemoteWrite | kAccessRemoteRead)) == 0 &&
+               (device || (*hello)->lent_for_reading.count(request.id) == 0)) {
       reply.status = kNoAccess;
     } else if (device) {
       reply.size = it->second.length;
@@ -164,10 +165,13 @@ bool DomainState::Answer(int client, const Request& request,
       std::memcpy(device_reply.handle, it->second.handle.data(), it->second.handle.size());
     } else {
       reply.size = it->second.file_size;
-      reply.access = it->second.access;
+      // A region lent for a shared write only is read-only to the peer it was lent to.
+      reply.access = (it->second.access & (kAccessRemoteWrite | kAccessRemoteRead)) != 0
+                         ? it->second.access
+                         : static_cast<uint32_t>(kAccessRemoteRead);
       // Read-only access: a read-only descriptor, so the peer cannot map it writable.
       fds[nfds++] =
-          (it->second.access & kAccessRemoteWrite)
+          (reply.access & kAccessRemoteWrite)
               ? fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0)
               : open(absl::StrCat("/proc/self/fd/", it->second.fd).c_str(), O_RDONLY | O_CLOEXEC);
     }

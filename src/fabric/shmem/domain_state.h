@@ -21,6 +21,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,6 +44,10 @@ struct EndpointShared {
   std::atomic<bool> claimed{false};    // a peer connected to it
   std::atomic<bool> peer_gone{false};  // that peer's connection closed
   int client_fd = -1;  // that connection, under DomainState::mu (shut down when we close)
+  // Regions this endpoint offered its peer to read from (shared writes: the peer copies part
+  // of a write out of them), which the descriptor server then hands that peer read-only even
+  // without remote access. Under DomainState::mu.
+  std::set<uint64_t> lent_for_reading;
 };
 
 struct RegionEntry {
@@ -64,6 +69,7 @@ struct DomainState {
   std::thread server;
   std::shared_ptr<DeviceMemory> device;       // null: host memory only
   std::unique_ptr<CopyHelpers> copy_helpers;  // share large writes' copies (progress thread)
+  bool peer_copy = true;                      // DomainOptions::peer_copy
   std::atomic<uint64_t> next_id{1};
 
   Mutex mu;

@@ -47,6 +47,8 @@ ShmemEndpoint::ShmemEndpoint(std::shared_ptr<DomainState> d, std::shared_ptr<End
       shared_(std::move(shared)),
       in_(static_cast<RingHeader*>(shared_->ring->data())) {
   d_->live.push_back(this);
+  struct stat st {};
+  if (fstat(shared_->ring->fd(), &st) == 0) in_ring_inode_ = st.st_ino;
 }
 
 ShmemEndpoint::~ShmemEndpoint() {
@@ -184,8 +186,8 @@ absl::Status ShmemEndpoint::Post(CompletionKind kind, bool with_imm, uint32_t im
   op.local = static_cast<char*>(local.addr);
   op.length = local.length;
   // Regions passed to this endpoint are this domain's (CheckRanges held them to their range).
-  op.local_device =
-      local.region != nullptr ? static_cast<const ShmemRegion*>(local.region)->device() : -1;
+  op.local_region = static_cast<const ShmemRegion*>(local.region);
+  op.local_device = op.local_region != nullptr ? op.local_region->device() : -1;
   op.device = local.length > 0 && (op.local_device >= 0 || (key.flags & kKeyDevice) != 0);
   op.key = key;
   op.remote_addr = remote.addr;
@@ -259,6 +261,8 @@ absl::Status ShmemEndpoint::ConnectTo(uint64_t uid, uint64_t id, absl::string_vi
     return absl::DataLossError("shmem: the peer described a malformed ring");
   }
   RETURN_IF_ERROR(CheckPeerMemory(fds[0], ring_bytes, "ring").status());
+  struct stat st {};
+  if (fstat(fds[0], &st) == 0) out_ring_inode_ = st.st_ino;
   const int flags = fcntl(fds[1], F_GETFL);
   if (flags < 0 || fcntl(fds[1], F_SETFL, flags | O_NONBLOCK) != 0) {
     return absl::DataLossError("shmem: the peer's doorbell is not a descriptor we can use");
@@ -399,6 +403,8 @@ absl::Status ShmemEndpoint::Copy(const Op& op) {
     char* there = reinterpret_cast<char*>(op.remote_addr + m->delta);
     if (read) {
       d_->copy_helpers->Copy(op.local, there, op.length, /*streaming=*/false);
+    } else if (ShouldShare(op)) {
+      RETURN_IF_ERROR(SharedCopy(op, there));
     } else {
       d_->copy_helpers->Copy(there, op.local, op.length, op.length >= kStreamingCopyBytes);
     }

@@ -6,7 +6,8 @@
 // releases them when destroyed, after the device copies it started have finished.
 // Completions go to DomainState::local in posting order, one per operation.
 //
-// endpoint.cc is the connection and the host data path; endpoint_device.cc the device copies
+// endpoint.cc is the connection and the host data path; shared_write.cc the writes whose copy
+// the peer's progress thread shares (both sides of it); endpoint_device.cc the device copies
 // (DomainOptions::device_memory).
 #ifndef TENSORVERBS_FABRIC_SHMEM_ENDPOINT_H_
 #define TENSORVERBS_FABRIC_SHMEM_ENDPOINT_H_
@@ -18,6 +19,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -29,6 +31,7 @@
 #include "src/fabric/device_memory.h"
 #include "src/fabric/endpoint_base.h"
 #include "src/fabric/shmem/domain_state.h"
+#include "src/fabric/shmem/region.h"
 #include "src/fabric/shmem/shmem.h"
 #include "src/fabric/shmem/wire.h"
 
@@ -46,6 +49,14 @@ inline constexpr size_t kMaxBounceBytes = size_t{8} << 20;
 // memcpy won at 1 MiB (`bench fabric`: 0.72x memcpy streaming, 1.06x plain). From twice a
 // core's L2 up a destination cannot be in that cache anyway.
 inline constexpr size_t kStreamingCopyBytes = size_t{4} << 20;
+// Host writes of at least this many bytes (and below what CopyHelpers shares) are offered to
+// the peer to copy part of (SharedWrite): its progress thread, polling anyway on another core,
+// copies parts into its own memory while this one copies the rest. At 256 KiB sharing cost
+// more than it saved (docs/PERFORMANCE.md: the single recv's latency 7 -> 12 us).
+inline constexpr size_t kMinSharedWriteBytes = size_t{512} << 10;
+// A shared write's parts: at least this many bytes, and at most kMaxSharedWriteParts of them.
+inline constexpr size_t kMinSharedWritePart = size_t{64} << 10;
+inline constexpr uint32_t kMaxSharedWriteParts = 8;
 
 class ShmemEndpoint final : public EndpointBase {
  public:
@@ -79,6 +90,11 @@ class ShmemEndpoint final : public EndpointBase {
   // Device copies this endpoint has running.
   int device_copies() const { return device_copies_; }
   void SetSleeping(uint32_t v) { Atomic(in_->sleeping).store(v, std::memory_order_seq_cst); }
+  // Progress thread, each Poll: copies the parts of the peer's shared write into our memory that
+  // the peer has not claimed yet, if it offered one (SharedWrite). A write it describes wrongly
+  // (a destination that is not our shareable, remotely writable memory; a source outside its
+  // key) is left to the peer to copy alone.
+  void HelpWithSharedWrite();
   void Delivered() { --outstanding_; }
 
  protected:
@@ -98,6 +114,7 @@ class ShmemEndpoint final : public EndpointBase {
     uint64_t remote_addr;
     uint64_t context;
     absl::Time posted;
+    const ShmemRegion* local_region = nullptr;  // where the local buffer is registered
     int local_device = -1;  // the local buffer is GPU memory of this ordinal
     bool device = false;    // either side is GPU memory: a device copy moves the bytes
     Phase phase = Phase::kQueued;
@@ -205,6 +222,18 @@ class ShmemEndpoint final : public EndpointBase {
 
   absl::Status Copy(const Op& op);
 
+  // Whether host write `op` is offered to the peer to share (kMinSharedWriteBytes says why):
+  // its source is our shareable memory, and the peer is polling (not asleep on its doorbell).
+  bool ShouldShare(const Op& op) const;
+  // Writes `op`'s bytes to `there` (our mapping of the peer's memory) with the peer: publishes
+  // the job in the peer's ring, copies every part the peer has not claimed, and waits for the
+  // parts it did. The peer then reads the source through a read-only mapping of its region,
+  // lent to this endpoint's peer alone (EndpointShared::lent_for_reading).
+  absl::Status SharedCopy(const Op& op, char* there);
+  // Waits for `parts` parts of a shared write the peer claimed; fails if the peer goes or
+  // takes longer than the operation timeout.
+  absl::Status AwaitPeerParts(uint64_t parts);
+
   // `op` between `local` (host memory here) and the peer's private memory: the kernel's
   // cross-memory copy. The pidfd check first, so a recycled pid can never receive the bytes.
   absl::Status CrossMemory(const Op& op, char* local, size_t offset, size_t length);
@@ -246,6 +275,15 @@ class ShmemEndpoint final : public EndpointBase {
   size_t bounce_bytes_ = 0;
   bool bounce_pinned_ = false;
   bool bounce_busy_ = false;
+  // Shared writes: the sequence number of our last one, the regions we lent the peer for them,
+  // and the last one of the peer's we refused to help with.
+  uint64_t share_seq_ = 0;
+  std::set<uint64_t> lent_;
+  uint64_t refused_seq_ = 0;
+  // The inodes of our inbound ring and of the peer's: the same ring has the same one on both
+  // sides, which SharedCopy and HelpWithSharedWrite tell TSan their order by.
+  uint64_t in_ring_inode_ = 0;
+  uint64_t out_ring_inode_ = 0;
 };
 
 }  // namespace tensorverbs::fabric::shmem

@@ -41,17 +41,22 @@ class ShmemRegion final : public MemoryRegion {
   }
   // The GPU the region is on, or -1 for host memory.
   int device() const { return device_; }
+  bool shared() const { return shared_; }
+  uint64_t id() const { return id_; }
   RemoteKey PackRemoteKey() const override {
-    PackedKey k{kKeyMagic,
-                (shared_ ? kKeyShared : 0u) | (device_ >= 0 ? kKeyDevice : 0u),
-                d_->uid,
-                id_,
-                reinterpret_cast<uint64_t>(base()),
-                length(),
-                offset_,
-                access_,
-                device_ >= 0 ? static_cast<uint32_t>(device_) : 0u};
+    const PackedKey k = Key();
     return RemoteKey(absl::string_view(reinterpret_cast<const char*>(&k), sizeof(k)));
+  }
+  PackedKey Key() const {
+    return PackedKey{kKeyMagic,
+                     (shared_ ? kKeyShared : 0u) | (device_ >= 0 ? kKeyDevice : 0u),
+                     d_->uid,
+                     id_,
+                     reinterpret_cast<uint64_t>(base()),
+                     length(),
+                     offset_,
+                     access_,
+                     device_ >= 0 ? static_cast<uint32_t>(device_) : 0u};
   }
 
  private:

@@ -134,6 +134,9 @@ class ShmemDomain final : public Domain {
       for (ShmemEndpoint* ep : live) ep->CheckConnection();
       next_connection_check_ = now + kConnectionCheckInterval;
     }
+    // First the peers' shared writes, while their writers are still copying: every part we take
+    // is one they need not.
+    for (ShmemEndpoint* ep : live) ep->HelpWithSharedWrite();
     for (ShmemEndpoint* ep : live) ep->RunPending();
     size_t n = 0;
     while (n < out.size() && !d_->local.empty()) {
@@ -224,6 +227,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenShmemDomain(const DomainOptions& opt
         absl::StrCat("shmem: ", options.copy_threads, " copy threads; 0 to ", kMaxCopyThreads));
   }
   d->copy_helpers = std::make_unique<CopyHelpers>(options.copy_threads);
+  d->peer_copy = options.peer_copy;
   if (getrandom(&d->uid, sizeof(d->uid), 0) != sizeof(d->uid)) {
     return absl::UnavailableError(absl::StrCat("shmem: getrandom: ", std::strerror(errno)));
   }

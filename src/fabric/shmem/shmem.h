@@ -5,7 +5,9 @@
 // every message buffer) is registered as shareable: a peer maps its memfd once, on first use,
 // and a write is one copy through that mapping straight into the receiver's tensor (from 4 MiB
 // with streaming stores, from 8 MiB shared with the domain's copy threads:
-// DomainOptions::copy_threads, CopyHelpers in copy.h). Any other
+// DomainOptions::copy_threads, CopyHelpers in copy.h; from 512 KiB below that, shared with the
+// receiving process's progress thread, which copies parts into its own memory: DomainOptions::
+// peer_copy, SharedWrite in wire.h, shared_write.cc). Any other
 // registered memory is reached with the kernel's cross-memory copy (process_vm_writev/readv),
 // so every destination works; the two paths are counted separately (CopyCounters).
 //
@@ -61,6 +63,11 @@ struct CopyCounters {
   // Of device_ops, those between GPU memory and a peer's private memory, through a bounce
   // buffer (the kernel's cross-memory copy cannot reach GPU memory).
   std::atomic<uint64_t> device_bounced_ops{0};
+  // Of mapped_ops, the writes offered to the peer to share (SharedWrite), and those of them the
+  // peer took parts of; and the bytes this process copied into its own memory for its peers'.
+  std::atomic<uint64_t> shared_write_ops{0};
+  std::atomic<uint64_t> shared_write_helped_ops{0};
+  std::atomic<uint64_t> shared_write_bytes_copied{0};
 };
 CopyCounters& Counters();
 

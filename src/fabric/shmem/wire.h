@@ -21,7 +21,7 @@
 namespace tensorverbs::fabric::shmem {
 
 constexpr uint32_t kKeyMagic = 0x314b5654;      // "TVK1"
-constexpr uint32_t kRingMagic = 0x31525654;     // "TVR1"
+constexpr uint32_t kRingMagic = 0x32525654;     // "TVR2"
 constexpr uint32_t kRequestMagic = 0x31515654;  // "TVQ1"
 constexpr uint32_t kReplyMagic = 0x31505654;    // "TVP1"
 constexpr uint32_t kKeyShared = 1u << 0;        // the region lives in a memfd a peer can map
@@ -79,6 +79,27 @@ struct DeviceRegionReply {
   char handle[kMaxDeviceHandle];
 };
 
+// A write the producer offers to share with the consumer (ShmemEndpoint::SharedCopy): its
+// bytes in `parts` parts that either side claims, one at a time, by advancing `state`, so the
+// consumer's progress thread, polling anyway, copies some of them into its own memory while the
+// producer copies the rest. `state` is (seq << 32) | the next unclaimed part; the producer
+// writes the other fields, then `state` with a new seq, and rewrites them only once every part
+// of that seq is claimed and `done`: a claim that succeeded therefore read this job's fields.
+// `done` counts the parts the consumer finished (the producer resets it before each job).
+struct SharedWrite {
+  alignas(64) uint64_t state;
+  uint64_t src_key[sizeof(PackedKey) / 8];  // the producer's key of the region the bytes leave
+  uint64_t src_addr;                        // producer's address
+  uint64_t dst_region;                      // the consumer's region the bytes go to
+  uint64_t dst_addr;                        // consumer's address
+  uint64_t length;
+  uint32_t part;  // bytes per part (the last may be shorter)
+  uint32_t parts;
+  uint32_t streaming;  // 1: non-temporal stores (the size the producer would use them at)
+  uint32_t reserved;
+  alignas(64) uint64_t done;
+};
+
 // The inbound ring of one endpoint, in shared memory. The producer (the peer's endpoint) owns
 // `tail`, the consumer (this endpoint) `head` and `sleeping`; each is on its own cache line.
 struct RingHeader {
@@ -87,6 +108,7 @@ struct RingHeader {
   alignas(64) uint64_t tail;
   alignas(64) uint64_t head;
   alignas(64) uint32_t sleeping;  // 1: the consumer may block on its doorbell; ring it
+  SharedWrite share;
 };
 struct RingEntry {
   uint32_t imm;

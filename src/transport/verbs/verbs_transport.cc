@@ -43,6 +43,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.max_pending_recvs = config.max_pending_recvs;
   o.large_in_flight = config.large_in_flight;
   o.shmem_copy_threads = config.shmem_copy_threads;
+  o.shmem_peer_copy = config.shmem_peer_copy;
   o.remote_keys = config.remote_keys;
   o.push_max_bytes = config.push_max_bytes;
   o.gpu_direct = config.gpu_direct;
@@ -70,6 +71,7 @@ absl::Status VerbsTransport::Start() {
   choice.all_peers_local = options_.all_peers_local;
   choice.rdma = options_.rdma;
   choice.copy_threads = options_.shmem_copy_threads;
+  choice.peer_copy = options_.shmem_peer_copy;
   if (options_.gpu_direct) choice.device_memory = options_.device_memory;
   absl::StatusOr<std::unique_ptr<fabric::Domain>> domain = fabric::OpenFabric(choice);
   if (!domain.ok()) {

@@ -87,6 +87,7 @@ struct VerbsOptions {
   int max_pending_recvs = 65536;                              // TENSORVERBS_MAX_PENDING_RECVS
   int large_in_flight = 2;                                    // TENSORVERBS_LARGE_IN_FLIGHT
   int shmem_copy_threads = 1;                                 // TENSORVERBS_SHMEM_COPY_THREADS
+  bool shmem_peer_copy = true;                                // TENSORVERBS_SHMEM_PEER_COPY
   std::string remote_keys = "per-channel";                    // TENSORVERBS_REMOTE_KEYS
   uint64_t push_max_bytes = uint64_t{256} << 20;              // TENSORVERBS_PUSH_MAX_MB
   bool gpu_direct = true;                                     // TENSORVERBS_GPU_DIRECT

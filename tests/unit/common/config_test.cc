@@ -216,6 +216,17 @@ TEST(Config, ShmemCopyThreads) {
   }
 }
 
+TEST(Config, ShmemPeerCopy) {
+  EXPECT_TRUE(Config::FromEnvironment({})->shmem_peer_copy);
+  absl::StatusOr<Config> off = Config::FromEnvironment({{"TENSORVERBS_SHMEM_PEER_COPY", "off"}});
+  ASSERT_TRUE(off.ok()) << off.status();
+  EXPECT_FALSE(off->shmem_peer_copy);
+  EXPECT_TRUE(off->warnings.empty()) << "a known variable";
+  absl::StatusOr<Config> bad = Config::FromEnvironment({{"TENSORVERBS_SHMEM_PEER_COPY", "0"}});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("TENSORVERBS_SHMEM_PEER_COPY"));
+}
+
 TEST(Config, PeerStateBounds) {
   absl::StatusOr<Config> d = Config::FromEnvironment({});
   ASSERT_TRUE(d.ok());
