@@ -58,53 +58,44 @@ class Buffers {
   size_t next_ = 0;
 };
 
-void BM_Memcpy(benchmark::State& state) {
+// Times `copy(dst, src, size)` into the destinations the benchmark's arguments name, in turn.
+template <typename CopyFn>
+void TimeCopies(benchmark::State& state, CopyFn copy) {
   const auto size = static_cast<size_t>(state.range(0));
   Buffers b(size, static_cast<size_t>(state.range(1)));
   for (auto _ : state) {
     char* dst = b.Next();
-    std::memcpy(dst, b.src(), size);
+    copy(dst, b.src(), size);
     benchmark::DoNotOptimize(dst);
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
 }
 
+void BM_Memcpy(benchmark::State& state) {
+  TimeCopies(state, [](char* dst, const char* src, size_t n) { std::memcpy(dst, src, n); });
+}
+
 void BM_StreamingCopy(benchmark::State& state) {
-  const auto size = static_cast<size_t>(state.range(0));
-  Buffers b(size, static_cast<size_t>(state.range(1)));
-  for (auto _ : state) {
-    char* dst = b.Next();
-    fabric::shmem::StreamingCopy(dst, b.src(), size);
-    benchmark::DoNotOptimize(dst);
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
+  TimeCopies(state, [](char* dst, const char* src, size_t n) {
+    fabric::shmem::StreamingCopy(dst, src, n);
+  });
 }
 
 // Streaming stores shared with one helper thread (CopyHelpers, as a shmem domain with
 // TENSORVERBS_SHMEM_COPY_THREADS=1 copies a write of 8 MiB and more), here from 4 MiB.
 void BM_SharedStreamingCopy(benchmark::State& state) {
-  const auto size = static_cast<size_t>(state.range(0));
-  Buffers b(size, static_cast<size_t>(state.range(1)));
   fabric::shmem::CopyHelpers helpers(1, size_t{4} << 20);
-  for (auto _ : state) {
-    char* dst = b.Next();
-    helpers.Copy(dst, b.src(), size, /*streaming=*/true);
-    benchmark::DoNotOptimize(dst);
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
+  TimeCopies(state, [&](char* dst, const char* src, size_t n) {
+    helpers.Copy(dst, src, n, /*streaming=*/true);
+  });
 }
 
 // memcpy shared with one helper from 256 KiB (for sizes below the fabric's threshold).
 void BM_SharedMemcpy(benchmark::State& state) {
-  const auto size = static_cast<size_t>(state.range(0));
-  Buffers b(size, static_cast<size_t>(state.range(1)));
   fabric::shmem::CopyHelpers helpers(1, size_t{256} << 10);
-  for (auto _ : state) {
-    char* dst = b.Next();
-    helpers.Copy(dst, b.src(), size, /*streaming=*/false);
-    benchmark::DoNotOptimize(dst);
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * static_cast<int64_t>(size));
+  TimeCopies(state, [&](char* dst, const char* src, size_t n) {
+    helpers.Copy(dst, src, n, /*streaming=*/false);
+  });
 }
 
 // memcpy shared with a thread that is already awake and polling, as the receiver's progress

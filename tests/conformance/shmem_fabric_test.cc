@@ -66,6 +66,20 @@ class ShmemFabricTest : public ::testing::Test {
     return got;
   }
 
+  // Waits for one completion on `d` and checks that it succeeded.
+  void ExpectOneOk(Domain& d) {
+    std::vector<Completion> done = PollFor(d, 1);
+    ASSERT_EQ(done.size(), 1u);
+    EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  }
+  // Waits for a write with immediate of `n` bytes from a to complete there and arrive at b.
+  void ExpectWriteLanded(size_t n) {
+    ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
+    std::vector<Completion> arrived = PollFor(*b_, 1);
+    ASSERT_EQ(arrived.size(), 1u);
+    EXPECT_EQ(arrived[0].byte_len, n);
+  }
+
   // A process of our user that speaks to `endpoint`'s domain's descriptor server directly,
   // without the fabric: connected, or -1.
   static int ConnectRaw(const Endpoint& endpoint) {
@@ -146,19 +160,12 @@ TEST_F(ShmemFabricTest, LargeWritesAndReadsSharedWithCopyThreadsLandExactly) {
   auto* s = static_cast<unsigned char*>(src->data());
   for (size_t i = 0; i < n; ++i) s[i] = static_cast<unsigned char>(i * 131 + (i >> 12));
   ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src->data(), n}, Remote(*dst_mr), 5, 1).ok());
-  std::vector<Completion> done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
-  std::vector<Completion> arrived = PollFor(*b_, 1);
-  ASSERT_EQ(arrived.size(), 1u);
-  EXPECT_EQ(arrived[0].byte_len, n);
+  ASSERT_NO_FATAL_FAILURE(ExpectWriteLanded(n));
   EXPECT_EQ(std::memcmp(dst->data(), src->data(), n), 0);
   // And back: a read of the whole region into the source, cleared first.
   std::memset(src->data(), 0, n);
   ASSERT_TRUE(ea_->PostRead({src_mr.get(), src->data(), n}, Remote(*dst_mr), 2).ok());
-  done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
   EXPECT_EQ(std::memcmp(dst->data(), src->data(), n), 0);
   // A count out of range is refused when the domain opens.
   options.copy_threads = 65;
@@ -324,9 +331,7 @@ TEST_F(ShmemFabricTest, AccessRightsAreEnforcedOnTheWritersSide) {
   std::strcpy(static_cast<char*>(dst_->data()), "readable");
   auto sink_mr = *a_->RegisterMemory(src_->data(), src_->size(), kAccessLocal);
   ASSERT_TRUE(ea_->PostRead({sink_mr.get(), src_->data(), 9}, Remote(*read_only), 2).ok());
-  std::vector<Completion> done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
   EXPECT_STREQ(static_cast<char*>(src_->data()), "readable");
   auto local_only = *b_->RegisterMemory(dst_->data(), 4096, kAccessLocal);
   EXPECT_EQ(ea_->PostRead(Local(8), Remote(*local_only), 3).code(),
@@ -509,9 +514,7 @@ TEST_F(ShmemDeviceTest, DeviceMemoryMovesByDeviceCopiesInEveryDirection) {
   EXPECT_EQ(c.mapped_bytes.load(), mapped) << "no CPU copy";
   // A read of device memory too.
   ASSERT_TRUE(ea_->PostRead(Local(16), Remote(*gpu_b_mr_), 5).ok());
-  done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
   EXPECT_EQ(static_cast<char*>(src_->data())[0], 0x22);
   ea_.reset();
   EXPECT_EQ(dm_->closes(), 1) << "the import is closed with the endpoint";
@@ -575,9 +578,7 @@ TEST_F(ShmemDeviceTest, AFailedDeviceCopyFailsItsWriteAloneAndPublishesNothing) 
               AllOf(HasSubstr("device write of 64 bytes"), HasSubstr("stand-in DMA failure")));
   EXPECT_TRUE(PollFor(*b_, 1, absl::Milliseconds(100)).empty());
   ASSERT_TRUE(ea_->PostWriteWithImm(OnGpuA(0, 64), Remote(*gpu_b_mr_), 2, 2).ok());
-  done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
   std::vector<Completion> arrived = PollFor(*b_, 1);
   ASSERT_EQ(arrived.size(), 1u);
   EXPECT_EQ(arrived[0].imm, 2u);
@@ -613,9 +614,7 @@ TEST_F(ShmemDeviceTest, DeviceMemoryReachesAPeersPrivateMemoryThroughABounceBuff
                                          reinterpret_cast<uint64_t>(priv.data() + 4096), 4096},
                             3)
                   .ok());
-  done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
   EXPECT_EQ(gpu_a_[8192], 0x5D);
   EXPECT_EQ(gpu_a_[8192 + 4095], 0x5D);
   EXPECT_EQ(c.device_bounced_ops.load() - bounced, 3u);
@@ -635,20 +634,13 @@ TEST_F(ShmemDeviceTest, ABouncedOperationLargerThanTheBufferMovesInChunks) {
   auto private_mr = *b_->RegisterMemory(priv.data(), n, kAccessRemoteWrite | kAccessRemoteRead);
   const int64_t d2h = dm_->device_to_host(), h2d = dm_->host_to_device();
   ASSERT_TRUE(ea_->PostWriteWithImm({gpu_mr.get(), gpu.data(), n}, Remote(*private_mr), 4, 1).ok());
-  std::vector<Completion> done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
-  std::vector<Completion> arrived = PollFor(*b_, 1);
-  ASSERT_EQ(arrived.size(), 1u);
-  EXPECT_EQ(arrived[0].byte_len, n);
+  ASSERT_NO_FATAL_FAILURE(ExpectWriteLanded(n));
   EXPECT_EQ(std::memcmp(priv.data(), gpu.data(), n), 0);
   EXPECT_EQ(dm_->device_to_host() - d2h, 3) << "three chunks of at most 8 MiB";
   // And back into the GPU buffer, cleared first.
   std::memset(gpu.data(), 0, n);
   ASSERT_TRUE(ea_->PostRead({gpu_mr.get(), gpu.data(), n}, Remote(*private_mr), 2).ok());
-  done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
   EXPECT_EQ(std::memcmp(priv.data(), gpu.data(), n), 0);
   EXPECT_EQ(dm_->host_to_device() - h2d, 3);
   ea_.reset();  // finishes with the buffers above still alive
@@ -667,9 +659,7 @@ TEST_F(ShmemDeviceTest, AFailedBouncedCopyWritesNothingToThePeerAndFreesTheBuffe
   EXPECT_TRUE(PollFor(*b_, 1, absl::Milliseconds(50)).empty()) << "no immediate either";
   // The buffer is free again: the next bounced write goes through.
   ASSERT_TRUE(ea_->PostWriteWithImm(OnGpuA(0, 4096), Remote(*private_mr), 2, 2).ok());
-  done = PollFor(*a_, 1);
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_TRUE(done[0].status.ok()) << done[0].status;
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
   EXPECT_EQ(priv[4095], 0x66);
   ASSERT_EQ(PollFor(*b_, 1).size(), 1u);
 }
