@@ -16,8 +16,7 @@ absl::Status EndpointBase::CheckRanges(absl::string_view backend, const LocalBuf
     return absl::InvalidArgumentError(absl::StrCat(
         backend, ": ", local.length, " bytes do not fit the remote buffer of ", remote.length));
   }
-  if (remote.addr < region_base || local.length > region_length ||
-      remote.addr - region_base > region_length - local.length) {
+  if (!RangeInside(remote.addr, local.length, region_base, region_length)) {
     return absl::OutOfRangeError(absl::StrCat(backend, ": remote range [", remote.addr, ", +",
                                               local.length, ") is outside the registered region [",
                                               region_base, ", +", region_length, ")"));

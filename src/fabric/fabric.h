@@ -140,6 +140,12 @@ class RemoteKey {
   char bytes_[kCapacity] = {};  // zeroed, so that copying a short key copies no indeterminate bytes
 };
 
+// Whether [addr, addr + len) lies inside [base, base + length), without overflow for any values
+// (a peer's, say).
+inline bool RangeInside(uint64_t addr, uint64_t len, uint64_t base, uint64_t length) {
+  return addr >= base && len <= length && addr - base <= length - len;
+}
+
 class MemoryRegion {
  public:
   virtual ~MemoryRegion() = default;  // deregisters
@@ -148,8 +154,8 @@ class MemoryRegion {
   // Opaque bytes a peer needs (with an address inside the region) to access it.
   virtual RemoteKey PackRemoteKey() const = 0;
   bool Contains(const void* p, size_t len) const {
-    auto b = reinterpret_cast<uintptr_t>(base_), a = reinterpret_cast<uintptr_t>(p);
-    return a >= b && len <= length_ && a - b <= length_ - len;
+    return RangeInside(reinterpret_cast<uintptr_t>(p), len, reinterpret_cast<uintptr_t>(base_),
+                       length_);
   }
 
  protected:

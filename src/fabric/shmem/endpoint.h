@@ -19,7 +19,6 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <utility>
 
@@ -275,10 +274,9 @@ class ShmemEndpoint final : public EndpointBase {
   size_t bounce_bytes_ = 0;
   bool bounce_pinned_ = false;
   bool bounce_busy_ = false;
-  // Shared writes: the sequence number of our last one, the regions we lent the peer for them,
-  // and the last one of the peer's we refused to help with.
+  // Shared writes: the sequence number of our last one, and the last one of the peer's we
+  // refused to help with.
   uint64_t share_seq_ = 0;
-  std::set<uint64_t> lent_;
   uint64_t refused_seq_ = 0;
   // The inodes of our inbound ring and of the peer's: the same ring has the same one on both
   // sides, which SharedCopy and HelpWithSharedWrite tell TSan their order by.

@@ -63,10 +63,9 @@ bool ShmemEndpoint::ShouldShare(const Op& op) const {
 }
 
 absl::Status ShmemEndpoint::SharedCopy(const Op& op, char* there) {
-  const uint64_t region = op.local_region->id();
-  if (lent_.insert(region).second) {
-    MutexLock lock(&d_->mu);
-    shared_->lent_for_reading.insert(region);
+  {
+    MutexLock lock(&d_->mu);  // once per write of 512 KiB or more
+    shared_->lent_for_reading.insert(op.local_region->id());
   }
   const uint64_t length = op.length;
   const uint64_t part =
@@ -157,27 +156,24 @@ void ShmemEndpoint::HelpWithSharedWrite() {
   const bool streaming = Atomic(w.streaming).load(std::memory_order_relaxed) != 0;
   // Refuse what we could not copy safely: the bytes must come from inside the peer's key and
   // land inside one of our regions that a peer may write.
-  const bool sane = length > 0 && part > 0 && parts == (length + part - 1) / part &&
-                    parts <= kMaxSharedWriteParts && key.magic == kKeyMagic &&
-                    key.domain == peer_uid_ && (key.flags & kKeyShared) != 0 &&
-                    (key.flags & kKeyDevice) == 0 && src_addr >= key.base && length <= key.length &&
-                    src_addr - key.base <= key.length - length;
-  bool writable = false;
-  if (sane) {
+  bool sound = length > 0 && part > 0 && parts == (length + part - 1) / part &&
+               parts <= kMaxSharedWriteParts && key.magic == kKeyMagic && key.domain == peer_uid_ &&
+               (key.flags & kKeyShared) != 0 && (key.flags & kKeyDevice) == 0 &&
+               RangeInside(src_addr, length, key.base, key.length);
+  if (sound) {
     MutexLock lock(&d_->mu);
     auto it = d_->regions.find(dst_region);
-    writable = it != d_->regions.end() && it->second.fd >= 0 &&
-               (it->second.access & kAccessRemoteWrite) != 0 && dst_addr >= it->second.base &&
-               length <= it->second.length &&
-               dst_addr - it->second.base <= it->second.length - length;
+    sound = it != d_->regions.end() && it->second.fd >= 0 &&
+            (it->second.access & kAccessRemoteWrite) != 0 &&
+            RangeInside(dst_addr, length, it->second.base, it->second.length);
   }
-  absl::StatusOr<Mapping*> m =
-      writable ? MapRegion(key) : absl::InvalidArgumentError("no such destination");
-  if (!m.ok()) {
-    // Also what a torn read of a job being replaced looks like: refused only if still on offer.
+  // Also what a torn read of a job being replaced looks like: refused only if still on offer.
+  auto refuse = [&] {
     if ((Atomic(w.state).load(std::memory_order_acquire) >> 32) == seq) refused_seq_ = seq;
-    return;
-  }
+  };
+  if (!sound) return refuse();
+  absl::StatusOr<Mapping*> m = MapRegion(key);
+  if (!m.ok()) return refuse();
   const char* src = reinterpret_cast<const char*>(src_addr + (*m)->delta);
   char* dst = reinterpret_cast<char*>(dst_addr);
   uint64_t copied = 0;
