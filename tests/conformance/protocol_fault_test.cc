@@ -1,0 +1,148 @@
+// The protocol conformance suite (protocol_fixture.h), faults the loopback fabric injects under
+// each protocol built on the grpc+verbs transport.
+#include "tests/conformance/protocol_fixture.h"
+
+namespace tensorverbs::protocol_conformance {
+namespace {
+
+// Faults the loopback fabric injects into the sender's or the receiver's operations. Whatever
+// breaks, every recv ends exactly once, within its deadline, with either the right tensor or
+// an error: never with wrong bytes, never with a crash or a hang.
+class FaultTest : public ProtocolTest {
+ protected:
+  struct Outcome {
+    int ok = 0;
+    int failed = 0;
+    std::vector<absl::Status> errors;
+  };
+
+  // Runs three recvs (the first takes the meta-data round trip where the design has one, the
+  // others hit the cache) with `faults` on task `faulty`'s domain.
+  Outcome Run(int faulty, const fabric::loopback::Faults& faults, bool validation = false) {
+    Outcome out;
+    StartCluster(2, [validation](VerbsOptions& o) {
+      o.data_validation = validation;
+      o.message_slots = 2;
+    });
+    if (HasFatalFailure()) return out;
+    fabric::loopback::SetFaults(transport(faulty).domain_for_testing(), faults);
+    std::vector<std::unique_ptr<PendingRecv>> recvs;
+    for (int step = 1; step <= 3; ++step) {
+      Tensor t = PoolTensor(1, DataType::kFloat32, {4096}, step);
+      EXPECT_TRUE(Step(1, step)->Send(Key(1, "f"), t).ok());
+      recvs.push_back(std::make_unique<PendingRecv>(*Step(0, step), Key(1, "f")));
+      PendingRecv& recv = *recvs.back();
+      EXPECT_TRUE(recv.Wait(recv_timeout_ + absl::Seconds(20))) << "the recv hung";
+      if (recv.status().ok()) {
+        EXPECT_TRUE(recv.tensor().ContentEquals(t)) << "a recv succeeded with wrong bytes";
+        ++out.ok;
+      } else {
+        ++out.failed;
+        out.errors.push_back(recv.status());
+      }
+    }
+    // A second callback would come soon after the first: every recv is watched for at least
+    // this long after it ended (the earlier ones for longer), before the servers stop.
+    absl::SleepFor(absl::Milliseconds(20));
+    for (auto& recv : recvs) EXPECT_EQ(recv->calls(), 1);
+    recvs.clear();  // the tensors go back to the pools before the servers do
+    TearDown();
+    return out;
+  }
+};
+
+TEST_P(FaultTest, FailedPostsAndErrorCompletionsCloseTheChannelAndItReconnects) {
+  recv_timeout_ = absl::Seconds(5);
+  int failed = 0;
+  for (int n = 1; n <= 6; ++n) {
+    for (int faulty : {0, 1}) {
+      SCOPED_TRACE(absl::StrCat("operation ", n, " of task ", faulty));
+      fabric::loopback::Faults post;
+      post.fail_post_nth = n;
+      Outcome a = Run(faulty, post);
+      EXPECT_EQ(a.ok + a.failed, 3);
+      EXPECT_GE(a.ok, 1) << "a new channel serves the recvs after the broken one";
+      fabric::loopback::Faults completion;
+      completion.error_completion_nth = n;
+      Outcome b = Run(faulty, completion);
+      EXPECT_EQ(b.ok + b.failed, 3);
+      EXPECT_GE(b.ok, 1);
+      for (const absl::Status& e : b.errors) {
+        EXPECT_THAT(std::string(e.message()), HasSubstr("task:")) << "errors name the peer";
+      }
+      failed += a.failed + b.failed;
+    }
+  }
+  EXPECT_GT(failed, 0) << "some injected faults failed recvs";
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, FaultTest,
+                         ::testing::ValuesIn(Combine(kVerbsFamily, {&kLoopback})), ParamName);
+
+// Designs whose content arrives by a write with immediate, which the fabric can corrupt,
+// duplicate or lose.
+class WrittenContentFaultTest : public FaultTest {};
+
+TEST_P(WrittenContentFaultTest, CorruptedWritesAreCaughtByTheCodecOrTheChecksum) {
+  recv_timeout_ = absl::Seconds(2);
+  int checksum_failures = 0;
+  for (int n = 1; n <= 8; ++n) {
+    for (int faulty : {0, 1}) {
+      SCOPED_TRACE(absl::StrCat("corrupt write ", n, " of task ", faulty));
+      fabric::loopback::Faults f;
+      f.corrupt_write_nth = n;
+      Outcome o = Run(faulty, f, /*validation=*/true);
+      EXPECT_EQ(o.ok + o.failed, 3);
+      for (const absl::Status& e : o.errors) {
+        checksum_failures += absl::StrContains(e.message(), "checksum mismatch");
+      }
+    }
+  }
+  EXPECT_GT(checksum_failures, 0) << "a corrupted content write fails its recv with DataLoss";
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, WrittenContentFaultTest,
+                         ::testing::ValuesIn(Combine(With(&ProtocolDesign::content_by_write),
+                                                     {&kLoopback})),
+                         ParamName);
+
+// grpc+verbs alone: duplicated and lost immediates.
+class ZeroCopyFaultTest : public FaultTest {};
+
+TEST_P(ZeroCopyFaultTest, DuplicatedImmediatesAreDroppedOrCloseTheChannel) {
+  recv_timeout_ = absl::Seconds(2);
+  int dropped = 0;
+  for (int n = 1; n <= 8; ++n) {
+    for (int faulty : {0, 1}) {
+      SCOPED_TRACE(absl::StrCat("duplicate immediate ", n, " of task ", faulty));
+      fabric::loopback::Faults f;
+      f.duplicate_imm_nth = n;
+      Outcome o = Run(faulty, f);
+      EXPECT_EQ(o.ok + o.failed, 3);
+      for (const absl::Status& e : o.errors) {
+        EXPECT_THAT(e.code(), AnyOf(absl::StatusCode::kUnavailable, absl::StatusCode::kDataLoss,
+                                    absl::StatusCode::kDeadlineExceeded))
+            << e;
+      }
+      dropped += o.errors.empty();
+    }
+  }
+  EXPECT_GT(dropped, 0) << "some duplicates (of content immediates) are harmless";
+}
+
+TEST_P(ZeroCopyFaultTest, LostImmediatesFailPendingRecvsAtTheirDeadline) {
+  recv_timeout_ = absl::Seconds(1);
+  for (int n = 1; n <= 6; ++n) {
+    SCOPED_TRACE(absl::StrCat("drop immediate ", n));
+    fabric::loopback::Faults f;
+    f.drop_imm_nth = n;
+    Outcome o = Run(1, f);
+    EXPECT_EQ(o.ok + o.failed, 3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, ZeroCopyFaultTest,
+                         ::testing::ValuesIn(Combine({&kGrpcVerbs}, {&kLoopback})), ParamName);
+
+}  // namespace
+}  // namespace tensorverbs::protocol_conformance
