@@ -293,6 +293,16 @@ size_t Channel::responses_in_progress() const {
   return n;
 }
 
+size_t Channel::CountRequests(RdmaTensorRequest::State state,
+                              std::optional<RdmaTensorRequest::Owner> owner) const {
+  AssertOwnerThread();
+  size_t n = 0;
+  for (const auto& [index, request] : requests_) {
+    n += request->state() == state && (!owner.has_value() || request->owner() == *owner);
+  }
+  return n;
+}
+
 size_t Channel::pending_requests() const {
   AssertOwnerThread();
   size_t n = 0;
@@ -382,7 +392,7 @@ void Channel::FinishRequest(uint32_t index) {
   if (it != requests_.end()) {
     RdmaTensorRequest& r = *it->second;
     ReleaseLargeSlot(r);
-    if (r.pushed() && !r.adopted()) {
+    if (r.pushed_unadopted()) {
       Unpush(r);
       env_->stats->push_unused.fetch_add(1, std::memory_order_relaxed);
     } else if (auto k = keys_.find(r.key_ref()); k != keys_.end()) {
@@ -625,10 +635,12 @@ void Channel::OnContent(uint32_t index) {
     return;
   }
   auto it = role_ == Role::kOwner ? requests_.find(index) : requests_.end();
-  // kDone: its content is already in (a pushed request's waits for its recv), so this is a
-  // duplicated immediate.
-  if (it == requests_.end() || it->second->state() == RdmaTensorRequest::State::kQueued ||
-      it->second->state() == RdmaTensorRequest::State::kDone) {
+  // Content comes only after REQUEST or RE_REQUEST. In any other state it is a duplicated
+  // immediate (kDone, kLandedAhead: the content is already in) or one the sender had no
+  // destination for yet (kQueued, kAwaitingGrant, kMetaParked).
+  using RequestState = RdmaTensorRequest::State;
+  if (it == requests_.end() || (it->second->state() != RequestState::kRequested &&
+                                it->second->state() != RequestState::kReRequested)) {
     env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
     VLOG(1) << "dropped immediate " << index << " from task " << peer_task_
             << ": no request with that index is waiting for content";

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -155,6 +156,10 @@ class Channel {
   // Owner side: fails recvs and pulls past their deadline.
   void ExpireRequests(absl::Time now);
   size_t pending_requests() const;
+  // Owner side: requests in `state` (and served by `owner`, when given), for tests and
+  // diagnostics of the request state machine.
+  size_t CountRequests(RdmaTensorRequest::State state,
+                       std::optional<RdmaTensorRequest::Owner> owner = std::nullopt) const;
   // Owner side: requests (recvs, pushed requests, reads) the peer still owes an answer.
   bool awaiting_peer() const { return !requests_.empty() || !pulls_.empty(); }
   // Acceptor side: responses that hold their tensor and are still sending it.

@@ -14,16 +14,20 @@
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
-namespace {
 
-bool AllowedTransition(RdmaTensorRequest::State from, RdmaTensorRequest::State to) {
+bool RequestTransitionAllowed(RdmaTensorRequest::State from, RdmaTensorRequest::State to) {
   using State = RdmaTensorRequest::State;
   switch (from) {
     case State::kQueued:
       return to == State::kRequested || to == State::kDone;
     case State::kRequested:
-      return to == State::kReRequested || to == State::kDone;
+      return to == State::kAwaitingGrant || to == State::kMetaParked || to == State::kReRequested ||
+             to == State::kLandedAhead || to == State::kDone;
+    case State::kAwaitingGrant:
+    case State::kMetaParked:
+      return to == State::kReRequested;
     case State::kReRequested:
+    case State::kLandedAhead:
       return to == State::kDone;
     case State::kDone:
       return false;
@@ -31,16 +35,20 @@ bool AllowedTransition(RdmaTensorRequest::State from, RdmaTensorRequest::State t
   return false;
 }
 
-}  // namespace
-
 const char* RequestStateName(RdmaTensorRequest::State state) {
   switch (state) {
     case RdmaTensorRequest::State::kQueued:
       return "queued";
     case RdmaTensorRequest::State::kRequested:
       return "requested";
+    case RdmaTensorRequest::State::kAwaitingGrant:
+      return "awaiting a grant";
+    case RdmaTensorRequest::State::kMetaParked:
+      return "meta-data parked";
     case RdmaTensorRequest::State::kReRequested:
       return "re-requested";
+    case RdmaTensorRequest::State::kLandedAhead:
+      return "landed ahead";
     case RdmaTensorRequest::State::kDone:
       return "done";
   }
@@ -57,8 +65,8 @@ RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t s
       allocator_(allocator),
       deadline_(done == nullptr ? absl::InfiniteFuture() : deadline),
       done_(std::move(done)),
-      pushed_(done_ == nullptr) {
-  if (!pushed_ && TraceEnabled()) BeginTrace("queued");
+      owner_(done_ == nullptr ? Owner::kPushed : Owner::kRecv) {
+  if (owner_ == Owner::kRecv && TraceEnabled()) BeginTrace("queued");
 }
 
 void RdmaTensorRequest::BeginTrace(const char* phase) {
@@ -67,7 +75,7 @@ void RdmaTensorRequest::BeginTrace(const char* phase) {
 }
 
 void RdmaTensorRequest::TransitionTo(State next) {
-  DCHECK(AllowedTransition(state_, next))
+  DCHECK(RequestTransitionAllowed(state_, next))
       << "request " << index_ << " for '" << key_->key.full_key << "': " << RequestStateName(state_)
       << " -> " << RequestStateName(next);
   state_ = next;
@@ -215,7 +223,7 @@ absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr
 
 void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   ChannelEnv* env = channel_->env();
-  if (state_ != State::kRequested || meta_parked_ || awaiting_grant_) {
+  if (state_ != State::kRequested) {
     channel_->Close(absl::DataLossError(
         absl::StrCat("META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
     return;  // the close deleted this
@@ -246,20 +254,20 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   if (adoptable()) {
     // Pushed, and no recv has taken it yet: the sender holds the tensor for it, so it waits
     // here for the recv (Adopt) or for its step to end (Release), whichever comes first.
-    meta_parked_ = true;
+    TransitionTo(State::kMetaParked);
     return;
   }
   if (!copy && !finished() && !meta_.is_dead && !channel_->GrantLargeDestination(*this)) {
     trace_.Phase("awaiting a large-destination grant");
-    awaiting_grant_ = true;  // the channel calls Grant when an earlier large recv has landed
+    // The channel calls Grant when an earlier large recv has landed.
+    TransitionTo(State::kAwaitingGrant);
     return;
   }
   SendReRequest();
 }
 
 void RdmaTensorRequest::Grant() {
-  DCHECK(awaiting_grant_);
-  awaiting_grant_ = false;
+  DCHECK(state_ == State::kAwaitingGrant);
   SendReRequest();
 }
 
@@ -287,7 +295,6 @@ void RdmaTensorRequest::SendReRequest() {
 
 void RdmaTensorRequest::Release() {
   DCHECK(needs_release());
-  meta_parked_ = false;
   SendReRequest();
 }
 
@@ -349,9 +356,12 @@ absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
 
 void RdmaTensorRequest::RecvTensorContent() {
   ChannelEnv* env = channel_->env();
-  TransitionTo(State::kDone);
+  // A pushed request no recv took keeps what landed for its recv; one whose content cannot be
+  // kept (dead, a string, a failed check) is declined on delivery and ends (Deliver).
+  const bool ahead = adoptable();
+  TransitionTo(ahead ? State::kLandedAhead : State::kDone);
   trace_.Phase("landed");
-  if (finished() && !adoptable()) return;
+  if (finished() && !ahead) return;
   if (env->mode == VerbsMode::kCopy) {
     RecvCopyContent();
     return;
@@ -389,10 +399,7 @@ void RdmaTensorRequest::RecvTensorContent() {
   }
   staging_.Clear();
   transient_.reset();
-  if (adoptable()) {
-    landed_ = true;  // result_ waits for the recv that takes this request
-    return;
-  }
+  if (ahead) return;  // result_ waits for the recv that takes this request
   delivered_in_place_ = true;
   Tensor result = std::move(result_);
   Deliver(absl::OkStatus(), result, false);
@@ -400,32 +407,40 @@ void RdmaTensorRequest::RecvTensorContent() {
 
 bool RdmaTensorRequest::Adopt(RecvDoneCallback done, absl::Time deadline, Allocator* allocator) {
   DCHECK(adoptable()) << "request " << index_ << " for '" << key() << "' cannot be adopted";
-  adopted_ = true;
+  owner_ = Owner::kAdopted;
   if (allocator != nullptr) allocator_ = allocator;
   done_ = std::move(done);
   deadline_ = deadline;
   if (TraceEnabled()) {
     // Asked for ahead of this recv: the trace starts where the recv found the request.
-    BeginTrace(landed_ ? "landed" : meta_parked_ ? "awaiting meta-data" : "awaiting content");
+    BeginTrace(state_ == State::kLandedAhead  ? "landed"
+               : state_ == State::kMetaParked ? "awaiting meta-data"
+                                              : "awaiting content");
   }
-  if (meta_parked_) {
+  if (state_ == State::kMetaParked) {
     // The sender described another tensor than the cached meta-data: now that a recv owns
     // this request, it names a destination for it (last: the send may close the channel).
-    meta_parked_ = false;
     SendReRequest();
     return false;
   }
-  if (!landed_) return false;
-  landed_ = false;
+  if (state_ != State::kLandedAhead) return false;
+  TransitionTo(State::kDone);
   delivered_in_place_ = true;
   Tensor result = std::move(result_);
   Deliver(absl::OkStatus(), result, false);
   return true;
 }
 
+Tensor RdmaTensorRequest::TakeLanded() {
+  DCHECK(state_ == State::kLandedAhead);
+  TransitionTo(State::kDone);
+  owner_ = Owner::kDeclined;
+  return std::move(result_);
+}
+
 void RdmaTensorRequest::Fail(const absl::Status& status) {
   if (finished()) {
-    if (adoptable()) declined_ = true;
+    Decline();
     return;
   }
   Deliver(status, Tensor(), false);
@@ -434,8 +449,9 @@ void RdmaTensorRequest::Fail(const absl::Status& status) {
 void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead) {
   if (done_ == nullptr) {
     // A pushed request no recv took ends here (a dead or string tensor, a bad destination):
-    // nobody to tell.
-    declined_ = true;
+    // nobody to tell, and nothing kept for a recv.
+    Decline();
+    if (state_ == State::kLandedAhead) TransitionTo(State::kDone);
     return;
   }
   RecvDoneCallback done = std::move(done_);

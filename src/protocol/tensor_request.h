@@ -1,10 +1,24 @@
 // RdmaTensorRequest: the receiving side of one recv over a grpc+verbs channel (the owner's
-// state machine of seed 000).
+// state machine of seed 000), one explicit machine per request:
 //
 //   kQueued --Start: REQUEST--> kRequested
-//   kRequested --META_DATA_RESPONSE: RE_REQUEST--> kReRequested
-//   kRequested / kReRequested --content immediate--> kDone (RecvTensorContent)
-//   kQueued --failed before sending--> kDone
+//   kQueued --failed or aborted before sending--> kDone
+//   kRequested --META_DATA_RESPONSE, destination at hand: RE_REQUEST--> kReRequested
+//   kRequested --META_DATA_RESPONSE, large destination not granted yet--> kAwaitingGrant
+//   kRequested --META_DATA_RESPONSE for a pushed request no recv took--> kMetaParked
+//   kRequested / kReRequested --content immediate--> kDone
+//   kRequested --content immediate for a pushed request no recv took--> kLandedAhead
+//   kAwaitingGrant --Grant: RE_REQUEST--> kReRequested
+//   kMetaParked --Adopt, or Release once declined: RE_REQUEST--> kReRequested
+//   kLandedAhead --Adopt delivers, TakeLanded hands it over, or it is declined--> kDone
+//
+// Who the request serves is a field beside the state, not a state: a recv's (kRecv), or made
+// ahead of any recv (kPushed) and then taken over by one (kAdopted) or given up (kDeclined).
+// `Fail` (abort, deadline, ERROR_STATUS, channel closed) ends the recv at once whatever the
+// state, but not the record: it keeps its index and destination until the sender answers, so
+// late content never lands in memory anyone else uses. TransitionTo is the one place the
+// state changes, and checks each move against the diagram (RequestTransitionAllowed, which the
+// unit tests hold to the diagram above).
 //
 // With a cached meta-data (keyed by rendezvous key, without step id) REQUEST already names the
 // destination and the sender writes at once; otherwise (and always for strings and in
@@ -15,18 +29,19 @@
 // Large destinations (ChannelEnv::large_in_flight): a recv of a large tensor names its
 // destination in REQUEST only while the channel has no other such REQUEST out; otherwise it
 // asks without one, and at META_DATA_RESPONSE takes one of the channel's grants (or waits in
-// the channel's queue for one, still kRequested) before RE_REQUEST names the destination. The
+// the channel's queue for one, kAwaitingGrant) before RE_REQUEST names the destination. The
 // record holds its grant until it is finished.
 //
 // A pushed request (TENSORVERBS_PUSH) is one the channel made ahead of any recv: after a recv of
 // a key at step s completes, it asks for the key at step s+1 with a destination from the cached
 // meta-data, and no `done`. The recv of (key, s+1) then takes it over (Adopt) instead of sending
-// REQUEST: if the content already landed, the recv completes at once. A pushed request that no
-// recv can take (its step was aborted) is declined: it still ends as any ended recv does, when
-// the sender answers. A META_DATA_RESPONSE (the tensor changed shape, died, is a string) does
-// not decline it: the sender holds that step's tensor for this request, so the request keeps
-// the answer until a recv takes it over (and then asks with a fitting destination) or its
-// step ends (then it releases the tensor with an empty RE_REQUEST).
+// REQUEST: if the content already landed (kLandedAhead), the recv completes at once. A pushed
+// request that no recv can take (its step was aborted) is declined: it still ends as any ended
+// recv does, when the sender answers. A META_DATA_RESPONSE (the tensor changed shape, died, is
+// a string) does not decline it: the sender holds that step's tensor for this request, so the
+// request keeps the answer (kMetaParked) until a recv takes it over (and then asks with a
+// fitting destination) or its step ends (then it releases the tensor with an empty
+// RE_REQUEST).
 //
 // Owned by its Channel; every method runs on the transport's progress thread. `done` runs
 // exactly once, through ChannelEnv::deliver (the worker's callback executor).
@@ -54,7 +69,18 @@ class Channel;
 
 class RdmaTensorRequest {
  public:
-  enum class State { kQueued, kRequested, kReRequested, kDone };
+  enum class State {
+    kQueued,         // made; REQUEST not sent yet (the channel is connecting, or full)
+    kRequested,      // REQUEST sent: content or META_DATA_RESPONSE comes next
+    kAwaitingGrant,  // META_DATA_RESPONSE in; waits for a large destination
+    kMetaParked,     // pushed, no recv yet: the sender's META_DATA_RESPONSE waits for one
+    kReRequested,    // RE_REQUEST sent: content (or the bare immediate) comes next
+    kLandedAhead,    // pushed, no recv yet: the content landed and waits for one
+    kDone,           // content in (delivered or dropped), or ended before sending
+  };
+  static constexpr int kStates = 7;
+  // Whom the request serves.
+  enum class Owner : uint8_t { kRecv, kPushed, kAdopted, kDeclined };
   // Which of the channel's large-destination allowances this request holds.
   enum class LargeSlot : uint8_t { kNone, kInRequest, kGranted };
 
@@ -76,32 +102,31 @@ class RdmaTensorRequest {
   // memory only), so a key received into the GPU does not stay on host destinations.
   bool Adopt(RecvDoneCallback done, absl::Time deadline, Allocator* allocator);
   // Pushed requests: no recv will take this one.
-  void Decline() { declined_ = true; }
+  void Decline() {
+    if (owner_ == Owner::kPushed) owner_ = Owner::kDeclined;
+  }
   // Declined while it held the sender's META_DATA_RESPONSE: the sender still holds the tensor
   // and waits for RE_REQUEST. Release sends it, without a destination (the channel calls it
   // where a send that fails and closes the channel cannot pull the record from under a loop).
-  bool needs_release() const { return meta_parked_ && declined_; }
+  bool needs_release() const { return state_ == State::kMetaParked && owner_ == Owner::kDeclined; }
   void Release();
   // Large destinations: whether this request waits in the channel's queue for a grant, and
   // the answer to it: RE_REQUEST, with a destination if the recv is still wanted (the channel
   // set large_slot() to kGranted then) or to release the sender's tensor if not.
-  bool awaiting_grant() const { return awaiting_grant_; }
+  bool awaiting_grant() const { return state_ == State::kAwaitingGrant; }
   void Grant();
   LargeSlot large_slot() const { return large_slot_; }
   void set_large_slot(LargeSlot slot) { large_slot_ = slot; }
-  bool pushed() const { return pushed_; }
-  bool adopted() const { return adopted_; }
+  Owner owner() const { return owner_; }
+  // Made ahead of any recv and not taken over by one (it may have been declined).
+  bool pushed_unadopted() const { return owner_ == Owner::kPushed || owner_ == Owner::kDeclined; }
   // Pushed, not adopted, and a recv could still take it.
-  bool adoptable() const { return pushed_ && !adopted_ && !declined_; }
+  bool adoptable() const { return owner_ == Owner::kPushed; }
   // Pushed, not adopted, and its content is here.
-  bool landed() const { return landed_; }
+  bool landed() const { return state_ == State::kLandedAhead; }
   // A pushed request no recv took yet whose content landed: hands the result over (the sender
   // is done writing it) and forgets it, so that a closing channel keeps it for its recv.
-  Tensor TakeLanded() {
-    landed_ = false;
-    declined_ = true;
-    return std::move(result_);
-  }
+  Tensor TakeLanded();
   // The recv ended with a tensor written in place from the cached meta-data (what pushing the
   // key's next step needs).
   bool delivered_in_place() const { return delivered_in_place_; }
@@ -122,7 +147,8 @@ class RdmaTensorRequest {
   std::vector<Tensor> TakeMemory();
 
  private:
-  // The one place the state changes; DCHECKs that the transition is one of the diagram's.
+  // The one place the state changes; CHECKs in debug builds that the move is one of the
+  // diagram's.
   void TransitionTo(State next);
   // Starts trace_ with `phase` open (TENSORVERBS_TRACE).
   void BeginTrace(const char* phase);
@@ -155,16 +181,11 @@ class RdmaTensorRequest {
   absl::Time deadline_;
   RecvDoneCallback done_;
   RecvTrace trace_;  // TENSORVERBS_TRACE: this recv's phases (empty when off or pushed)
-  bool pushed_ = false;
-  bool adopted_ = false;
-  bool declined_ = false;
-  bool slow_warned_ = false;
-  bool landed_ = false;
-  bool meta_parked_ = false;  // pushed: META_DATA_RESPONSE came before any recv took it
-  bool delivered_in_place_ = false;
-  bool awaiting_grant_ = false;
-  LargeSlot large_slot_ = LargeSlot::kNone;
   State state_ = State::kQueued;
+  Owner owner_;
+  LargeSlot large_slot_ = LargeSlot::kNone;
+  bool slow_warned_ = false;
+  bool delivered_in_place_ = false;
   TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;
   Tensor result_;   // the destination, when the content lands in place
@@ -173,6 +194,8 @@ class RdmaTensorRequest {
 };
 
 const char* RequestStateName(RdmaTensorRequest::State state);
+// Whether the diagram above has an edge from `from` to `to`.
+bool RequestTransitionAllowed(RdmaTensorRequest::State from, RdmaTensorRequest::State to);
 
 }  // namespace tensorverbs::protocol
 

@@ -1,0 +1,328 @@
+// RdmaTensorRequest's state machine, driven through a real channel pair (channel_harness.h):
+// the transition table against the diagram in tensor_request.h, every edge of the diagram
+// walked by the protocol itself, and a close of the channel in every state a request rests in,
+// which ends each recv exactly once and keeps the memory the sender may still write.
+//
+// kDone is where a record ends: the channel finishes it in the same loop turn, so it never
+// rests there and there is no close to test in it.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <iterator>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tests/unit/protocol/channel_harness.h"
+
+namespace tensorverbs::protocol::channel_testing {
+namespace {
+
+using ::testing::HasSubstr;
+using State = RdmaTensorRequest::State;
+using Owner = RdmaTensorRequest::Owner;
+
+constexpr State kEveryState[] = {State::kQueued,     State::kRequested,   State::kAwaitingGrant,
+                                 State::kMetaParked, State::kReRequested, State::kLandedAhead,
+                                 State::kDone};
+static_assert(std::size(kEveryState) == RdmaTensorRequest::kStates);
+
+TEST(RequestTransitionTest, TheTableIsTheDiagramInTheHeader) {
+  // tensor_request.h's diagram, edge by edge.
+  const std::set<std::pair<State, State>> diagram = {
+      {State::kQueued, State::kRequested},       {State::kQueued, State::kDone},
+      {State::kRequested, State::kReRequested},  {State::kRequested, State::kAwaitingGrant},
+      {State::kRequested, State::kMetaParked},   {State::kRequested, State::kDone},
+      {State::kRequested, State::kLandedAhead},  {State::kAwaitingGrant, State::kReRequested},
+      {State::kMetaParked, State::kReRequested}, {State::kReRequested, State::kDone},
+      {State::kLandedAhead, State::kDone},
+  };
+  std::set<std::string> names;
+  for (State from : kEveryState) {
+    names.insert(RequestStateName(from));
+    for (State to : kEveryState) {
+      EXPECT_EQ(RequestTransitionAllowed(from, to), diagram.count({from, to}) == 1)
+          << RequestStateName(from) << " -> " << RequestStateName(to);
+    }
+  }
+  EXPECT_EQ(names.size(), std::size(kEveryState)) << "every state has a name of its own";
+  EXPECT_EQ(names.count("?"), 0u);
+}
+
+// Requests of the owner's channel in each state, by owner; only non-zero entries.
+std::map<std::pair<State, Owner>, size_t> Census(const Channel& channel) {
+  std::map<std::pair<State, Owner>, size_t> out;
+  for (State s : kEveryState) {
+    for (Owner o : {Owner::kRecv, Owner::kPushed, Owner::kAdopted, Owner::kDeclined}) {
+      if (size_t n = channel.CountRequests(s, o); n > 0) out[{s, o}] = n;
+    }
+  }
+  return out;
+}
+
+using CensusMap = std::map<std::pair<State, Owner>, size_t>;
+
+class RequestMachineTest : public ChannelTest {
+ protected:
+  static constexpr int64_t kLarge = 32768;  // floats: 128 KiB, a large destination below
+  void Configure(ChannelEnv* env) override {
+    env->large_bytes = uint64_t{64} << 10;
+    env->large_in_flight = 1;
+  }
+  size_t InState(State s, std::optional<Owner> o = std::nullopt) {
+    return owner_.channel->CountRequests(s, o);
+  }
+  // Pumps until one request of the owner's rests in `s`, served by `o`.
+  ::testing::AssertionResult ReachState(State s, Owner o) {
+    return Pump([&] { return InState(s, o) == 1; });
+  }
+  // The owner's channel closes with Unavailable; what a test then expects of `recv`.
+  void CloseOwner() {
+    owner_.channel->Close(absl::UnavailableError("the test closed the channel"));
+    Settle();
+    EXPECT_TRUE(Census(*owner_.channel).empty()) << "a closed channel keeps no request";
+  }
+  static void ExpectEndedByClose(const RecvOutcome& recv) {
+    EXPECT_EQ(recv.calls, 1);
+    EXPECT_EQ(recv.status.code(), absl::StatusCode::kUnavailable) << recv.status;
+    EXPECT_THAT(std::string(recv.status.message()), HasSubstr("the test closed the channel"));
+  }
+  size_t QuarantinedTensors() const {
+    size_t n = 0;
+    for (const Side::Quarantined& q : owner_.quarantined) n += q.memory.size();
+    return n;
+  }
+};
+
+class UnconnectedRequestMachineTest : public RequestMachineTest {
+ protected:
+  bool ConnectOnSetUp() const override { return false; }
+};
+
+// kQueued -> kRequested -> kReRequested -> kDone: a key with no cached meta-data takes the
+// round trip, and each state is seen on the way.
+TEST_F(UnconnectedRequestMachineTest, QueuedRequestedReRequestedDone) {
+  const ParsedKey k = Key("k");
+  std::shared_ptr<RecvOutcome> recv = StartRecv(1, k);
+  EXPECT_EQ((Census(*owner_.channel)), (CensusMap{{{State::kQueued, Owner::kRecv}, 1}}));
+  ASSERT_NO_FATAL_FAILURE(ConnectChannels());
+  ASSERT_TRUE(ReachState(State::kRequested, Owner::kRecv));
+  Settle();  // the sender has no tensor yet: the request waits for it
+  EXPECT_EQ((Census(*owner_.channel)), (CensusMap{{{State::kRequested, Owner::kRecv}, 1}}));
+  const Tensor sent = Floats(&acceptor_.pool, 100, 2.0f);
+  Send(1, k, sent);
+  ASSERT_TRUE(ReachState(State::kReRequested, Owner::kRecv));
+  EXPECT_EQ(recv->calls, 0);
+  ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+  Settle();
+  EXPECT_EQ(recv->calls, 1);
+  ASSERT_TRUE(recv->status.ok()) << recv->status;
+  EXPECT_TRUE(recv->tensor.ContentEquals(sent));
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+}
+
+TEST_F(UnconnectedRequestMachineTest, CloseInQueuedEndsTheRecvOnce) {
+  std::shared_ptr<RecvOutcome> recv = StartRecv(1, Key("k"));
+  ASSERT_EQ(InState(State::kQueued, Owner::kRecv), 1u);
+  CloseOwner();
+  ExpectEndedByClose(*recv);
+  EXPECT_EQ(QuarantinedTensors(), 0u) << "a request never sent named no memory";
+}
+
+// kRequested -> kDone: with the meta-data cached, REQUEST names the destination and the
+// content lands without a round trip.
+TEST_F(RequestMachineTest, RequestedStraightToDoneWithCachedMetaData) {
+  const ParsedKey k = Key("k");
+  ASSERT_TRUE(Transfer(1, k, Floats(&acceptor_.pool, 100, 1.0f))->status.ok());
+  const int64_t re_requests = Get(owner_.stats.re_requests);
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k);
+  ASSERT_TRUE(ReachState(State::kRequested, Owner::kRecv));
+  Settle();
+  const Tensor sent = Floats(&acceptor_.pool, 100, 3.0f);
+  Send(2, k, sent);
+  ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+  Settle();
+  ASSERT_TRUE(recv->status.ok()) << recv->status;
+  EXPECT_TRUE(recv->tensor.ContentEquals(sent));
+  EXPECT_EQ(Get(owner_.stats.re_requests), re_requests) << "no kReRequested on the way";
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+}
+
+TEST_F(RequestMachineTest, CloseInRequestedEndsTheRecvOnceAndKeepsItsDestination) {
+  const ParsedKey k = Key("k");
+  ASSERT_TRUE(Transfer(1, k, Floats(&acceptor_.pool, 100, 1.0f))->status.ok());
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k);  // names its destination
+  ASSERT_TRUE(ReachState(State::kRequested, Owner::kRecv));
+  Settle();
+  CloseOwner();
+  ExpectEndedByClose(*recv);
+  EXPECT_EQ(QuarantinedTensors(), 1u) << "the sender may still write the destination";
+}
+
+// A large recv waits for the one ahead of it (kAwaitingGrant), then asks (kReRequested).
+class GrantedRequestTest : public RequestMachineTest {
+ protected:
+  // Two large recvs with no cached meta-data ask without destinations; both tensors exist, so
+  // the sender answers both with META_DATA_RESPONSE in one turn: the first answered takes the
+  // channel's one large destination (kReRequested), the second waits (kAwaitingGrant).
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(RequestMachineTest::SetUp());
+    got_a_ = StartRecv(1, a_);
+    got_b_ = StartRecv(1, b_);
+    Settle();
+    Send(1, a_, sent_a_);
+    Send(1, b_, sent_b_);
+    ASSERT_TRUE(ReachState(State::kAwaitingGrant, Owner::kRecv));
+    ASSERT_EQ(InState(State::kReRequested, Owner::kRecv), 1u);
+  }
+  const ParsedKey a_ = Key("a"), b_ = Key("b");
+  const Tensor sent_a_ = Floats(&acceptor_.pool, kLarge, 3.0f);
+  const Tensor sent_b_ = Floats(&acceptor_.pool, kLarge, 2.0f);
+  std::shared_ptr<RecvOutcome> got_a_, got_b_;
+};
+
+TEST_F(GrantedRequestTest, AwaitingGrantThenReRequestedWhenTheOneAheadLands) {
+  ASSERT_TRUE(Pump([&] { return got_a_->calls > 0 && got_b_->calls > 0; }));
+  Settle();
+  ASSERT_TRUE(got_a_->status.ok()) << got_a_->status;
+  ASSERT_TRUE(got_b_->status.ok()) << got_b_->status;
+  EXPECT_TRUE(got_a_->tensor.ContentEquals(sent_a_));
+  EXPECT_TRUE(got_b_->tensor.ContentEquals(sent_b_));
+  EXPECT_EQ(Get(owner_.stats.re_requests), 2);
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+}
+
+TEST_F(GrantedRequestTest, CloseInAwaitingGrantAndReRequestedEndsBothRecvsOnce) {
+  CloseOwner();
+  ExpectEndedByClose(*got_a_);
+  ExpectEndedByClose(*got_b_);
+  EXPECT_EQ(QuarantinedTensors(), 1u) << "the granted destination; the other was never named";
+}
+
+TEST_F(GrantedRequestTest, CloseAfterTheGrantEndsTheSecondRecvOnceAndKeepsItsDestination) {
+  // The first lands and the second is granted and asks: stop right after its RE_REQUEST.
+  ASSERT_TRUE(Pump([&] { return InState(State::kAwaitingGrant) == 0; }));
+  ASSERT_EQ(InState(State::kReRequested, Owner::kRecv), 1u);
+  std::shared_ptr<RecvOutcome> first = got_a_->calls > 0 ? got_a_ : got_b_;
+  std::shared_ptr<RecvOutcome> second = got_a_->calls > 0 ? got_b_ : got_a_;
+  EXPECT_EQ(first->calls, 1);
+  EXPECT_TRUE(first->status.ok()) << first->status;
+  EXPECT_EQ(second->calls, 0);
+  CloseOwner();
+  ExpectEndedByClose(*second);
+  EXPECT_EQ(QuarantinedTensors(), 1u) << "the destination named in its RE_REQUEST";
+}
+
+// Requests pushed ahead (TENSORVERBS_PUSH): made by the channel after a recv of the key, then
+// adopted by the step's recv, or declined when the step ends first.
+class PushedRequestTest : public RequestMachineTest {
+ protected:
+  void Configure(ChannelEnv* env) override {
+    RequestMachineTest::Configure(env);
+    env->push = true;
+  }
+  // Step 1 of `k_` moves, which pushes the request for step 2.
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(RequestMachineTest::SetUp());
+    ASSERT_TRUE(Transfer(1, k_, Floats(&acceptor_.pool, 100, 1.0f))->status.ok());
+    ASSERT_EQ((Census(*owner_.channel)), (CensusMap{{{State::kRequested, Owner::kPushed}, 1}}));
+  }
+  const ParsedKey k_ = Key("k");
+};
+
+TEST_F(PushedRequestTest, LandedAheadThenAdoptedDeliversAtOnce) {
+  const Tensor sent = Floats(&acceptor_.pool, 100, 2.0f);
+  Send(2, k_, sent);
+  ASSERT_TRUE(ReachState(State::kLandedAhead, Owner::kPushed));
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k_);
+  Turn();  // the callback runs in the owner's next turn
+  EXPECT_EQ(recv->calls, 1);
+  ASSERT_TRUE(recv->status.ok()) << recv->status;
+  EXPECT_TRUE(recv->tensor.ContentEquals(sent));
+  Settle();
+  // Delivered in place, so step 3 is pushed in turn.
+  EXPECT_EQ((Census(*owner_.channel)), (CensusMap{{{State::kRequested, Owner::kPushed}, 1}}));
+}
+
+TEST_F(PushedRequestTest, AdoptedWhileRequestedThenDone) {
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k_);
+  EXPECT_EQ((Census(*owner_.channel)), (CensusMap{{{State::kRequested, Owner::kAdopted}, 1}}));
+  const Tensor sent = Floats(&acceptor_.pool, 100, 4.0f);
+  Send(2, k_, sent);
+  ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+  ASSERT_TRUE(recv->status.ok()) << recv->status;
+  EXPECT_TRUE(recv->tensor.ContentEquals(sent));
+}
+
+TEST_F(PushedRequestTest, MetaParkedThenAdoptedAsksWithAFittingDestination) {
+  const Tensor sent = Floats(&acceptor_.pool, 300, 5.0f);  // another shape than step 1's
+  Send(2, k_, sent);
+  ASSERT_TRUE(ReachState(State::kMetaParked, Owner::kPushed));
+  Settle();
+  EXPECT_EQ(InState(State::kMetaParked, Owner::kPushed), 1u) << "it waits for its recv";
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k_);
+  EXPECT_EQ(InState(State::kReRequested, Owner::kAdopted), 1u);
+  ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+  Settle();
+  EXPECT_EQ(recv->calls, 1);
+  ASSERT_TRUE(recv->status.ok()) << recv->status;
+  EXPECT_TRUE(recv->tensor.ContentEquals(sent));
+}
+
+TEST_F(PushedRequestTest, MetaParkedThenDeclinedReleasesTheSendersTensor) {
+  Send(2, k_, Floats(&acceptor_.pool, 300, 5.0f));
+  ASSERT_TRUE(ReachState(State::kMetaParked, Owner::kPushed));
+  Settle();
+  ASSERT_EQ(acceptor_.channel->responses_in_progress(), 1u) << "the sender holds the tensor";
+  owner_.channel->AbortStep(2, absl::CancelledError("step 2 aborted"));
+  Settle();
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u) << "released by an empty RE_REQUEST";
+  EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
+}
+
+TEST_F(PushedRequestTest, LandedAheadThenDeclinedEndsTheRecord) {
+  Send(2, k_, Floats(&acceptor_.pool, 100, 2.0f));
+  ASSERT_TRUE(ReachState(State::kLandedAhead, Owner::kPushed));
+  const int64_t unused = Get(owner_.stats.push_unused);
+  owner_.channel->AbortStep(2, absl::CancelledError("step 2 aborted"));
+  Settle();
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_EQ(Get(owner_.stats.push_unused), unused + 1);
+}
+
+TEST_F(PushedRequestTest, CloseInRequestedCallsNobodyAndKeepsTheDestination) {
+  CloseOwner();
+  EXPECT_EQ(QuarantinedTensors(), 1u);
+}
+
+TEST_F(PushedRequestTest, CloseInMetaParkedCallsNobody) {
+  Send(2, k_, Floats(&acceptor_.pool, 300, 5.0f));
+  ASSERT_TRUE(ReachState(State::kMetaParked, Owner::kPushed));
+  CloseOwner();
+  // The step's recv, started after the close, is refused at once rather than left waiting.
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k_);
+  EXPECT_EQ(recv->calls, 1);
+  EXPECT_EQ(recv->status.code(), absl::StatusCode::kUnavailable) << recv->status;
+}
+
+TEST_F(PushedRequestTest, CloseInLandedAheadHandsTheTensorToTheTransport) {
+  std::vector<std::pair<std::string, int64_t>> kept;
+  owner_.env.keep_landed = [&kept](const std::string& peer, const std::string& key, int64_t step,
+                                   Tensor tensor, absl::Time) {
+    EXPECT_TRUE(tensor.IsInitialized());
+    kept.emplace_back(key, step);
+  };
+  Send(2, k_, Floats(&acceptor_.pool, 100, 2.0f));
+  ASSERT_TRUE(ReachState(State::kLandedAhead, Owner::kPushed));
+  CloseOwner();
+  ASSERT_EQ(kept.size(), 1u) << "whole, and the sender is done with it";
+  EXPECT_EQ(kept[0], (std::pair<std::string, int64_t>{k_.full_key, 2}));
+  EXPECT_EQ(QuarantinedTensors(), 0u);
+}
+
+}  // namespace
+}  // namespace tensorverbs::protocol::channel_testing
