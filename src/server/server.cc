@@ -349,7 +349,10 @@ void Server::Stop() {
     grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
     grpc_server_->Wait();
   }
-  // Cancelled client calls complete promptly; their callbacks use the executor below.
+  // grpc+gdr calls left draining by aborted steps (CleanupAll above aborts every step) wait for
+  // answers that need not come now. Cancelled client calls complete promptly; their callbacks
+  // use the executor below.
+  if (workers_) workers_->CancelDraining();
   if (workers_ && !workers_->WaitForNoCalls(absl::Seconds(10))) {
     LOG(WARNING) << "task " << env_.task_name << ": remote recvs still in flight at shutdown";
   }

@@ -263,6 +263,34 @@ TEST_P(LendingTest, LentTensorsAreReleasedWhenTheirLeaseEnds) {
   ExpectNothingLent(1);
 }
 
+// A step aborted while its requests wait at the sender, which sends right after: the sends race
+// the abort's way to the sender, so the sender may lend tensors for requests whose recvs have
+// already ended. Only the answers name those leases, so the receiver takes them and releases
+// each unread; none is left to its lease's end.
+TEST_P(LendingTest, TensorsSentJustAfterTheReceiverAbortedAreReleased) {
+  StartCluster(2);
+  constexpr int kKeys = 200;
+  std::vector<std::unique_ptr<PendingRecv>> recvs;
+  for (int i = 0; i < kKeys; ++i) {
+    recvs.push_back(std::make_unique<PendingRecv>(*Step(0, 3), Key(1, absl::StrCat("t", i))));
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // the requests reach the sender
+  Step(0, 3)->StartAbort(absl::CancelledError("step 3 cancelled by the user"));
+  for (int i = 0; i < kKeys; ++i) {
+    ASSERT_TRUE(
+        Step(1, 3)
+            ->Send(Key(1, absl::StrCat("t", i)), PoolTensor(1, DataType::kFloat32, {4096}, i))
+            .ok());
+  }
+  for (auto& r : recvs) {
+    ASSERT_TRUE(r->Wait());
+    EXPECT_EQ(r->status().code(), absl::StatusCode::kCancelled) << r->status();
+  }
+  ExpectNothingLent(1);
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(4, "next", PoolTensor(1, DataType::kFloat32, {4096}, 99)));
+  for (auto& r : recvs) EXPECT_EQ(r->calls(), 1);
+}
+
 INSTANTIATE_TEST_SUITE_P(Protocols, LendingTest,
                          ::testing::ValuesIn(Combine(With(&ProtocolDesign::lends_tensors),
                                                      kEveryFabric)),

@@ -106,9 +106,18 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
   raw->worker->RecvTensorAsync(
       std::move(context), &raw->request, &raw->response, raw->key, step_id(),
       [self = shared_from_this(), call = std::move(call)](grpc::Status s) mutable {
+        RecvDoneCallback done;
         {
           MutexLock lock(&self->mu_);
           self->active_.erase(call.get());
+          done = std::move(call->done);
+          call->done = nullptr;
+        }
+        if (done == nullptr) {
+          self->ReleaseDrained(*call, s);
+          call.reset();
+          self->workers_->CallDone();
+          return;
         }
         absl::Status status;
         ParsedResponse parsed;
@@ -155,7 +164,6 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
           // grpc+gdr: the bytes wait at the sender; read them into the destination.
           const std::string task = call->worker->task_name();
           call->trace.Phase("reading");
-          RecvDoneCallback done = std::move(call->done);
           Tensor dest = parsed.tensor;
           std::string key = call->key;
           self->puller_->Pull(
@@ -181,7 +189,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
         }
         call->trace.Phase("callback");
         RunCallback(self->env().callback_executor,
-                    [done = EndTraceAfter(std::move(call->trace), std::move(call->done)), status,
+                    [done = EndTraceAfter(std::move(call->trace), std::move(done)), status,
                      parsed = std::move(parsed)]() mutable {
                       std::move(done)(status, parsed.tensor, parsed.is_dead);
                     });
@@ -193,15 +201,48 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
 }
 
 void GrpcRemoteRendezvous::AbortRemote(const absl::Status& status) {
-  std::vector<std::shared_ptr<Call>> calls;
+  std::vector<std::shared_ptr<Call>> cancel;
+  std::vector<RecvDoneCallback> ended;
   {
     MutexLock lock(&mu_);
+    const bool again = aborted_;
     aborted_ = true;
-    for (auto& [raw, call] : active_) calls.push_back(call);
+    for (auto& [raw, call] : active_) {
+      if (puller_ == nullptr || again) {
+        cancel.push_back(call);
+        continue;
+      }
+      // grpc+gdr: the sender may already have lent the tensor for this call, and only its
+      // answer says under which key. Cancelling would lose that answer and pin the tensor at
+      // the sender until its lease expires, so the recv ends now and the call drains: its
+      // answer is released unread (ReleaseDrained). A second abort (the step's cleanup, or
+      // shutdown through CancelDraining) cancels what still drains.
+      if (call->done != nullptr) {
+        ended.push_back(std::move(call->done));
+        call->done = nullptr;
+      }
+      workers_->AddDraining(std::shared_ptr<grpc::ClientContext>(call, &call->context));
+    }
+  }
+  for (RecvDoneCallback& done : ended) {
+    RunCallback(env().callback_executor, [done = std::move(done), status]() mutable {
+      std::move(done)(status, Tensor(), false);
+    });
   }
   // Outside the lock: gRPC may run a call's completion (which takes mu_) inside TryCancel. The
   // shared_ptr keeps each call alive until its TryCancel has returned.
-  for (const std::shared_ptr<Call>& call : calls) call->context.TryCancel();
+  for (const std::shared_ptr<Call>& call : cancel) call->context.TryCancel();
+}
+
+void GrpcRemoteRendezvous::ReleaseDrained(Call& call, const grpc::Status& s) {
+  if (!s.ok() || puller_ == nullptr) return;  // no answer: nothing was lent for it
+  ParsedResponse parsed;
+  (void)ParseRecvTensorResponse(&call.response, call.allocator, env().max_tensor_bytes, &parsed);
+  call.response.Clear();
+  if (parsed.has_remote && !parsed.remote.key.empty() &&
+      parsed.remote.tensor_key <= protocol::kMaxTensorKey) {
+    puller_->Pull(call.worker->task_name(), parsed.remote, Tensor(), [](const absl::Status&) {});
+  }
 }
 
 }  // namespace tensorverbs::grpc_transport

@@ -3,7 +3,9 @@
 // straight into a tensor from the destination allocator, and the user's callback runs on the
 // worker's callback executor. With a protocol::TensorPuller it is `grpc+gdr`'s: a response may name
 // where the tensor waits instead of carrying it, and the puller reads it into the destination.
-// StartAbort cancels in-flight calls, whose callbacks then report the abort status.
+// StartAbort ends in-flight recvs with the abort status. grpc's calls are cancelled; grpc+gdr's
+// drain instead (the sender may have lent the tensor, and only the answer names the lease,
+// which is then released unread) until their answer, the step's cleanup or shutdown.
 // Thread-safe; created by the RendezvousMgr factory through std::make_shared.
 #ifndef TENSORVERBS_TRANSPORT_GRPC_GRPC_RENDEZVOUS_H_
 #define TENSORVERBS_TRANSPORT_GRPC_GRPC_RENDEZVOUS_H_
@@ -35,6 +37,8 @@ class GrpcRemoteRendezvous final : public RemoteRendezvous,
 
  private:
   struct Call;
+  // grpc+gdr: the answer to a call whose recv ended at an abort; releases the tensor it lent.
+  void ReleaseDrained(Call& call, const grpc::Status& s);
 
   GrpcWorkerCache* const workers_;
   const absl::Duration recv_timeout_;

@@ -241,6 +241,30 @@ void GrpcWorkerCache::CallDone() {
   --calls_;
 }
 
+void GrpcWorkerCache::AddDraining(std::weak_ptr<grpc::ClientContext> context) {
+  MutexLock lock(&calls_mu_);
+  // Those that finished since go first, so the list stays as long as the calls in flight.
+  draining_.erase(std::remove_if(draining_.begin(), draining_.end(),
+                                 [](const std::weak_ptr<grpc::ClientContext>& c) {
+                                   return c.expired();
+                                 }),
+                  draining_.end());
+  draining_.push_back(std::move(context));
+}
+
+void GrpcWorkerCache::CancelDraining() {
+  std::vector<std::shared_ptr<grpc::ClientContext>> live;
+  {
+    MutexLock lock(&calls_mu_);
+    for (const std::weak_ptr<grpc::ClientContext>& c : draining_) {
+      if (std::shared_ptr<grpc::ClientContext> context = c.lock()) live.push_back(context);
+    }
+    draining_.clear();
+  }
+  // Outside the lock: gRPC may run the call's completion (which ends in CallDone) inside.
+  for (const std::shared_ptr<grpc::ClientContext>& context : live) context->TryCancel();
+}
+
 bool GrpcWorkerCache::WaitForNoCalls(absl::Duration timeout) {
   MutexLock lock(&calls_mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_ == 0; };

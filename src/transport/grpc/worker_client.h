@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -107,12 +108,18 @@ class GrpcWorkerCache {
   void CallDone();
   // True if every call finished within `timeout`.
   bool WaitForNoCalls(absl::Duration timeout);
+  // Calls whose recv already ended (grpc+gdr, step aborted) but whose answer is still awaited,
+  // so that a tensor the sender lent for it is released. CancelDraining cancels those still in
+  // flight (a shutting-down server, before WaitForNoCalls).
+  void AddDraining(std::weak_ptr<grpc::ClientContext> context);
+  void CancelDraining();
 
  private:
   void Watch();
 
   Mutex calls_mu_;
   int64_t calls_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  std::vector<std::weak_ptr<grpc::ClientContext>> draining_ ABSL_GUARDED_BY(calls_mu_);
 
   const absl::flat_hash_map<std::string, std::string> addresses_;
   const std::shared_ptr<const rpc::RpcSecurity> security_;
