@@ -26,8 +26,13 @@ void GdrPull::End(const absl::Status& status) {
 }
 
 void GdrPull::FailBeforePosting(const absl::Status& status) {
+  // Nothing was read, and nothing will be: the sender is told at once to drop the tensor rather
+  // than holding it until its lease ends.
+  absl::Status release = PostRelease();
   End(status);
-  channel_->FinishPull(index_);  // nothing was posted: nothing can land; deletes this
+  Channel* channel = channel_;
+  channel->FinishPull(index_);  // nothing was posted: nothing can land; deletes this
+  if (!release.ok()) channel->Close(ReleaseFailed(channel, release));
 }
 
 void GdrPull::Issue() {

@@ -3,7 +3,9 @@
 // with RDMA reads (in pieces of at most kMaxTransferPiece) into the destination, or into a
 // registered proxy when the destination is not registered, then releases the sender's tensor
 // with a zero-byte write whose immediate is the tensor key. A pull with no destination (the
-// receiver refused the tensor) only releases it.
+// receiver refused the tensor) only releases it, and so does one that ends before reading
+// (its deadline passed while queued, the destination cannot be read into): no tensor waits at
+// the sender for its lease to end.
 //
 // Owned by its Channel (by request index, from the same index space as recvs); every method
 // runs on the transport's progress thread. `done` runs exactly once, on the progress thread.
@@ -47,7 +49,8 @@ class GdrPull {
   std::vector<Tensor> TakeMemory();
 
  private:
-  // Ends the pull with `status` and has the channel forget it; nothing was posted.
+  // Ends the pull with `status`, releases the tensor at the sender and has the channel forget
+  // it; nothing was posted.
   void FailBeforePosting(const absl::Status& status);
   // Posts the zero-byte write that lets the sender drop the tensor.
   absl::Status PostRelease();
