@@ -52,10 +52,10 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
                                                RecvDoneCallback done) {
   absl::StatusOr<WorkerClient*> worker = workers_->Get(key.src.TaskName());
   if (!worker.ok()) {
-    std::move(done)(absl::Status(worker.status().code(),
-                                 absl::StrCat("recv of '", key.full_key, "': ",
-                                              worker.status().message())),
-                    Tensor(), false);
+    std::move(done)(
+        absl::Status(worker.status().code(),
+                     absl::StrCat("recv of '", key.full_key, "': ", worker.status().message())),
+        Tensor(), false);
     return;
   }
   auto call = std::make_shared<Call>();
@@ -148,14 +148,9 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
             status = absl::Status(status.code(),
                                   absl::StrCat("recv of '", call->key, "' from task ",
                                                call->worker->task_name(), ": ", status.message()));
-            if (parsed.has_remote && self->puller_ != nullptr && !parsed.remote.key.empty() &&
-                parsed.remote.tensor_key <= protocol::kMaxTensorKey) {
-              // Refused (too large, no memory, inconsistent): the sender lent the tensor for
-              // this recv and is told at once to drop it, if the reference is one it could
-              // have made.
-              self->puller_->Pull(call->worker->task_name(), parsed.remote, Tensor(),
-                                  [](const absl::Status&) {});
-            }
+            // Refused (too large, no memory, inconsistent): the sender lent the tensor for this
+            // recv and is told at once to drop it.
+            self->ReleaseUnread(*call, parsed);
           }
         }
         // Free gRPC's copy of the bytes before handing the tensor on.
@@ -173,8 +168,8 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
                 // A step aborted while the read was in flight still ends with the abort.
                 absl::Status result = self->status().ok() ? s : self->status();
                 if (!result.ok() && result.message().find(key) == absl::string_view::npos) {
-                  result = absl::Status(result.code(), absl::StrCat(result.message(),
-                                                                    " (key '", key, "')"));
+                  result = absl::Status(result.code(),
+                                        absl::StrCat(result.message(), " (key '", key, "')"));
                 }
                 trace.Phase("callback");
                 RunCallback(self->env().callback_executor,
@@ -201,7 +196,7 @@ void GrpcRemoteRendezvous::RecvFromRemoteAsync(const ParsedKey& key, const RecvA
 }
 
 void GrpcRemoteRendezvous::AbortRemote(const absl::Status& status) {
-  std::vector<std::shared_ptr<Call>> cancel;
+  std::vector<std::shared_ptr<Call>> cancel, draining;
   std::vector<RecvDoneCallback> ended;
   {
     MutexLock lock(&mu_);
@@ -221,8 +216,11 @@ void GrpcRemoteRendezvous::AbortRemote(const absl::Status& status) {
         ended.push_back(std::move(call->done));
         call->done = nullptr;
       }
-      workers_->AddDraining(std::shared_ptr<grpc::ClientContext>(call, &call->context));
+      draining.push_back(call);
     }
+  }
+  for (const std::shared_ptr<Call>& call : draining) {
+    workers_->AddDraining(std::shared_ptr<grpc::ClientContext>(call, &call->context));
   }
   for (RecvDoneCallback& done : ended) {
     RunCallback(env().callback_executor, [done = std::move(done), status]() mutable {
@@ -235,14 +233,20 @@ void GrpcRemoteRendezvous::AbortRemote(const absl::Status& status) {
 }
 
 void GrpcRemoteRendezvous::ReleaseDrained(Call& call, const grpc::Status& s) {
-  if (!s.ok() || puller_ == nullptr) return;  // no answer: nothing was lent for it
+  if (!s.ok()) return;  // no answer: nothing was lent for it
   ParsedResponse parsed;
   (void)ParseRecvTensorResponse(&call.response, call.allocator, env().max_tensor_bytes, &parsed);
   call.response.Clear();
-  if (parsed.has_remote && !parsed.remote.key.empty() &&
-      parsed.remote.tensor_key <= protocol::kMaxTensorKey) {
-    puller_->Pull(call.worker->task_name(), parsed.remote, Tensor(), [](const absl::Status&) {});
+  ReleaseUnread(call, parsed);
+}
+
+void GrpcRemoteRendezvous::ReleaseUnread(const Call& call, const ParsedResponse& parsed) {
+  // Only a reference the sender could have made: anything else names no lease of this task's.
+  if (puller_ == nullptr || !parsed.has_remote || parsed.remote.key.empty() ||
+      parsed.remote.tensor_key > protocol::kMaxTensorKey) {
+    return;
   }
+  puller_->Pull(call.worker->task_name(), parsed.remote, Tensor(), [](const absl::Status&) {});
 }
 
 }  // namespace tensorverbs::grpc_transport

@@ -15,10 +15,11 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "src/common/mutex.h"
 #include "absl/time/time.h"
-#include "src/rendezvous/remote_rendezvous.h"
+#include "src/common/mutex.h"
 #include "src/protocol/remote_tensor.h"
+#include "src/rendezvous/remote_rendezvous.h"
+#include "src/transport/grpc/tensor_coding.h"
 #include "src/transport/grpc/worker_client.h"
 
 namespace tensorverbs::grpc_transport {
@@ -39,6 +40,8 @@ class GrpcRemoteRendezvous final : public RemoteRendezvous,
   struct Call;
   // grpc+gdr: the answer to a call whose recv ended at an abort; releases the tensor it lent.
   void ReleaseDrained(Call& call, const grpc::Status& s);
+  // grpc+gdr: tells the sender to drop the tensor `parsed` names, unread.
+  void ReleaseUnread(const Call& call, const ParsedResponse& parsed);
 
   GrpcWorkerCache* const workers_;
   const absl::Duration recv_timeout_;
