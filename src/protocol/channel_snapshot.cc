@@ -16,7 +16,7 @@ ChannelSnapshot Channel::Snapshot() const {
   AssertOwnerThread();
   ChannelSnapshot s;
   s.peer_task = peer_task_;
-  s.receives = role_ == Role::kOwner;
+  s.receives = receiving_ != nullptr;
   s.state = state_ == State::kConnecting ? "connecting"
             : state_ == State::kReady    ? "ready"
                                          : "closed";
@@ -40,13 +40,13 @@ ChannelSnapshot Channel::Snapshot() const {
     add("requests", get(c.requests));
     add("re_requests", get(c.re_requests));
     add("proxies", get(c.proxies));
-    add("pending_recvs", static_cast<int64_t>(requests_.size() + pulls_.size()));
+    add("pending_recvs", static_cast<int64_t>(receiving_->held_indexes()));
   } else {
     add("tensors_sent", get(c.tensors_sent));
     add("bytes_sent", get(c.bytes_sent));
     add("meta_responses", get(c.meta_responses));
     add("errors_sent", get(c.errors_sent));
-    add("responses_pending", static_cast<int64_t>(responses_.size()));
+    add("responses_pending", static_cast<int64_t>(sending_->responses()));
   }
   add("control_messages", mb_ ? static_cast<int64_t>(mb_->messages_sent()) : 0);
   add("control_slots", mb_ ? static_cast<int64_t>(mb_->sent()) : 0);

@@ -6,12 +6,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "src/protocol/channel.h"
+#include "src/protocol/receiving_side.h"
 
 namespace tensorverbs::protocol {
 
-GdrPull::GdrPull(Channel* channel, uint32_t index, RemoteTensorRef ref, Tensor dest,
+GdrPull::GdrPull(ReceivingSide* side, uint32_t index, RemoteTensorRef ref, Tensor dest,
                  absl::Time deadline, Done done)
-    : channel_(channel),
+    : side_(side),
+      channel_(side->channel()),
       index_(index),
       ref_(std::move(ref)),
       dest_(std::move(dest)),
@@ -30,9 +32,8 @@ void GdrPull::FailBeforePosting(const absl::Status& status) {
   // than holding it until its lease ends.
   absl::Status release = PostRelease();
   End(status);
-  Channel* channel = channel_;
-  channel->FinishPull(index_);  // nothing was posted: nothing can land; deletes this
-  if (!release.ok()) channel->Close(ReleaseFailed(channel, release));
+  side_->FinishPull(index_);  // nothing was posted: nothing can land
+  if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
 }
 
 void GdrPull::Issue() {
@@ -47,9 +48,8 @@ void GdrPull::Issue() {
     // is told at once rather than holding it until its lease ends.
     absl::Status release = PostRelease();
     End(release);
-    Channel* channel = channel_;
-    channel->FinishPull(index_);  // deletes this
-    if (!release.ok()) channel->Close(ReleaseFailed(channel, release));
+    side_->FinishPull(index_);
+    if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
     return;
   }
   if (bytes != dest_.TotalBytes()) {
@@ -105,9 +105,8 @@ void GdrPull::OnReadDone() {
   }
   env->stats->content_bytes.fetch_add(static_cast<int64_t>(ref_.bytes), std::memory_order_relaxed);
   End(absl::OkStatus());
-  Channel* channel = channel_;
-  channel->FinishPull(index_);  // deletes this
-  if (!release.ok()) channel->Close(ReleaseFailed(channel, release));
+  side_->FinishPull(index_);
+  if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
 }
 
 absl::Status GdrPull::PostRelease() {

@@ -7,10 +7,10 @@
 // (its deadline passed while queued, the destination cannot be read into): no tensor waits at
 // the sender for its lease to end.
 //
-// Owned by its Channel (by request index, from the same index space as recvs); every method
-// runs on the transport's progress thread. `done` runs exactly once, on the progress thread.
-// A pull that ends early (deadline, channel closed) keeps its memory until its reads complete
-// or the channel closes.
+// Owned by its channel's ReceivingSide (by request index, from the same index space as recvs);
+// every method runs on the transport's progress thread. `done` runs exactly once, on the progress
+// thread. A pull that ends early (deadline, channel closed) keeps its memory until its reads
+// complete or the channel closes.
 #ifndef TENSORVERBS_PROTOCOL_GDR_PULL_H_
 #define TENSORVERBS_PROTOCOL_GDR_PULL_H_
 
@@ -26,16 +26,17 @@
 namespace tensorverbs::protocol {
 
 class Channel;
+class ReceivingSide;
 
 class GdrPull {
  public:
   using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
 
-  GdrPull(Channel* channel, uint32_t index, RemoteTensorRef ref, Tensor dest, absl::Time deadline,
-          Done done);
+  GdrPull(ReceivingSide* side, uint32_t index, RemoteTensorRef ref, Tensor dest,
+          absl::Time deadline, Done done);
 
-  // Posts the reads. When nothing could be posted it ends the pull and the channel forgets it
-  // (deletes this); when a read fails midway it closes the channel.
+  // Posts the reads. When nothing could be posted it ends the pull and the receiving side
+  // forgets it; when a read fails midway it closes the channel.
   void Issue();
   // One read completed; after the last, releases the tensor at the sender, ends the pull and
   // the channel forgets it.
@@ -56,7 +57,8 @@ class GdrPull {
   absl::Status PostRelease();
   static absl::Status ReleaseFailed(const Channel* channel, const absl::Status& status);
 
-  Channel* const channel_;
+  ReceivingSide* const side_;
+  Channel* const channel_;  // side_'s
   const uint32_t index_;
   const RemoteTensorRef ref_;
   Tensor dest_;

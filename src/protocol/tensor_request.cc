@@ -55,10 +55,11 @@ const char* RequestStateName(RdmaTensorRequest::State state) {
   return "?";
 }
 
-RdmaTensorRequest::RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, KeyRef key,
-                                     Allocator* allocator, absl::Time deadline,
+RdmaTensorRequest::RdmaTensorRequest(ReceivingSide* side, uint32_t index, int64_t step_id,
+                                     KeyRef key, Allocator* allocator, absl::Time deadline,
                                      RecvDoneCallback done)
-    : channel_(channel),
+    : side_(side),
+      channel_(side->channel()),
       index_(index),
       step_id_(step_id),
       key_(std::move(key)),
@@ -98,13 +99,13 @@ void RdmaTensorRequest::Start() {
     // A large destination goes in REQUEST only while no other one does on this channel: the
     // rest wait for the sender's word that their tensor exists (RecvTensorMetaData).
     if (cached != nullptr && !env->data_validation && cached->dtype != DataType::kString &&
-        !cached->is_dead && channel_->MayNameLargeDestination(*this, cached->tensor_bytes)) {
+        !cached->is_dead && side_->MayNameLargeDestination(*this, cached->tensor_bytes)) {
       if (cached->tensor_bytes > 0) {
         absl::Status s = PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
         if (!s.ok()) {
           Fail(s);
           TransitionTo(State::kDone);
-          channel_->FinishRequest(index_);  // deletes this
+          side_->FinishRequest(index_);  // freed at the end of the turn
           return;
         }
       }
@@ -116,7 +117,7 @@ void RdmaTensorRequest::Start() {
   }
   // Named last, once nothing can stop the REQUEST from going out: a key's first REQUEST on the
   // channel defines its index, and the peer must see every index it is later asked by.
-  channel_->NameKey(key_, &m);
+  side_->NameKey(key_, &m);
   TransitionTo(State::kRequested);
   env->stats->requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().requests.fetch_add(1, std::memory_order_relaxed);
@@ -129,7 +130,7 @@ void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
   // Seed 002: offer the name's buffer from earlier steps; the sender asks for a new one
   // (META_DATA_RESPONSE as BUFFER_REQUEST) when the tensor does not fit. Validation mode
   // always asks, because the checksum rides the answer.
-  staging_ = channel_->copy_buffers().Take(key_->key.full_key);
+  staging_ = side_->copy_buffers().Take(key_->key.full_key);
   if (!staging_.IsInitialized() || env->data_validation) return;
   absl::StatusOr<const fabric::MemoryRegion*> region =
       env->memory->FindRegistered(staging_.data(), staging_.TotalBytes());
@@ -226,7 +227,7 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   if (state_ != State::kRequested) {
     channel_->Close(absl::DataLossError(
         absl::StrCat("META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
-    return;  // the close deleted this
+    return;  // the close ended this request
   }
   const bool copy = env->mode == VerbsMode::kCopy;
   if (copy && !IsBufferMeta(m.meta)) {
@@ -244,7 +245,7 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     result_.Clear();
     staging_.Clear();
     transient_.reset();
-    channel_->ReleaseLargeSlot(*this);
+    side_->ReleaseLargeSlot(*this);
     // Meta-data this task would refuse is not remembered: the next recv of the name asks
     // afresh rather than failing on the cached word of a peer that may since have changed.
     if (!m.meta.is_dead && CheckAnnouncedSize(m.meta).ok()) {
@@ -257,7 +258,7 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     TransitionTo(State::kMetaParked);
     return;
   }
-  if (!copy && !finished() && !meta_.is_dead && !channel_->GrantLargeDestination(*this)) {
+  if (!copy && !finished() && !meta_.is_dead && !side_->GrantLargeDestination(*this)) {
     trace_.Phase("awaiting a large-destination grant");
     // The channel calls Grant when an earlier large recv has landed.
     TransitionTo(State::kAwaitingGrant);
@@ -290,7 +291,7 @@ void RdmaTensorRequest::SendReRequest() {
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().re_requests.fetch_add(1, std::memory_order_relaxed);
   trace_.Phase("awaiting content");
-  channel_->SendMessage(std::move(rr));  // a failure closes the channel, which deletes this
+  channel_->SendMessage(std::move(rr));  // a failure closes the channel, which ends this
 }
 
 void RdmaTensorRequest::Release() {
@@ -328,7 +329,7 @@ void RdmaTensorRequest::RecvCopyContent() {
   }
   if (!payload->is_dead) env->CountCopy(payload->tensor.TotalBytes());
   // The buffer serves the name's next transfer.
-  channel_->copy_buffers().Return(key_->key.full_key, std::move(staging_));
+  side_->copy_buffers().Return(key_->key.full_key, std::move(staging_));
   staging_.Clear();
   Deliver(absl::OkStatus(), payload->tensor, payload->is_dead);
 }

@@ -43,8 +43,8 @@
 // fitting destination) or its step ends (then it releases the tensor with an empty
 // RE_REQUEST).
 //
-// Owned by its Channel; every method runs on the transport's progress thread. `done` runs
-// exactly once, through ChannelEnv::deliver (the worker's callback executor).
+// Owned by its channel's ReceivingSide; every method runs on the transport's progress thread.
+// `done` runs exactly once, through ChannelEnv::deliver (the worker's callback executor).
 #ifndef TENSORVERBS_PROTOCOL_TENSOR_REQUEST_H_
 #define TENSORVERBS_PROTOCOL_TENSOR_REQUEST_H_
 
@@ -66,6 +66,7 @@
 namespace tensorverbs::protocol {
 
 class Channel;
+class ReceivingSide;
 
 class RdmaTensorRequest {
  public:
@@ -85,7 +86,7 @@ class RdmaTensorRequest {
   enum class LargeSlot : uint8_t { kNone, kInRequest, kGranted };
 
   // A null `done` makes a pushed request (deadline ignored until a recv adopts it).
-  RdmaTensorRequest(Channel* channel, uint32_t index, int64_t step_id, KeyRef key,
+  RdmaTensorRequest(ReceivingSide* side, uint32_t index, int64_t step_id, KeyRef key,
                     Allocator* allocator, absl::Time deadline, RecvDoneCallback done);
 
   // Sends REQUEST; on a failure before sending, ends the recv and finishes the record.
@@ -172,8 +173,9 @@ class RdmaTensorRequest {
   absl::Status RecvError(const absl::Status& status) const;
   void Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead);
 
-  // Not const: a finished record is recycled by assignment (Channel's spare records).
-  Channel* channel_;
+  // Not const: a finished record is recycled by assignment (spare_records.h).
+  ReceivingSide* side_;
+  Channel* channel_;  // side_'s
   uint32_t index_;
   int64_t step_id_;
   KeyRef key_;  // shared with every other recv of the key

@@ -10,6 +10,7 @@
 #include "src/protocol/channel.h"
 #include "src/protocol/copy_mode.h"
 #include "src/protocol/local_tensor_inbox.h"
+#include "src/protocol/sending_side.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
@@ -46,8 +47,8 @@ const char* ResponseStateName(RdmaTensorResponse::State state) {
   return "?";
 }
 
-RdmaTensorResponse::RdmaTensorResponse(Channel* channel, uint64_t serial, Message request)
-    : channel_(channel), serial_(serial), request_(std::move(request)) {}
+RdmaTensorResponse::RdmaTensorResponse(SendingSide* side, uint64_t serial, Message request)
+    : side_(side), channel_(side->channel()), serial_(serial), request_(std::move(request)) {}
 
 const std::string& RdmaTensorResponse::name() const {
   static const std::string kUnresolved = "?";
@@ -118,7 +119,7 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
 
 absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is_dead) {
   ChannelEnv* env = channel_->env();
-  staging_ = channel_->copy_buffers().Take(name());
+  staging_ = side_->copy_buffers().Take(name());
   uint64_t bytes = 0;
   ASSIGN_OR_RETURN(source_region_,
                    LayOutCopyPayload(env->memory, tensor, is_dead, &staging_, &bytes));
@@ -210,7 +211,7 @@ void RdmaTensorResponse::RecvReRequest(const Message& m) {
   if (state_ != State::kWaitReRequest) {
     channel_->Close(absl::DataLossError(
         absl::StrCat("RE_REQUEST for request ", m.request_index, " that is not waiting for one")));
-    return;  // the close deleted this
+    return;  // the close ended this response
   }
   if (m.remote_addr == 0 && meta_.tensor_bytes > 0 && !meta_.is_dead) {
     // The receiver gave up on this recv (or could not allocate): nothing to write but the
@@ -258,7 +259,7 @@ bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
   ChannelEnv* env = channel_->env();
   if (env->mode == VerbsMode::kCopy && staging_.IsInitialized()) {
-    channel_->copy_buffers().Return(name(), std::move(staging_));
+    side_->copy_buffers().Return(name(), std::move(staging_));
     staging_.Clear();
   }
   env->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
@@ -283,11 +284,9 @@ void RdmaTensorResponse::SendError(const absl::Status& status) {
   TransitionTo(State::kDone);
   env->stats->errors_sent.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().errors_sent.fetch_add(1, std::memory_order_relaxed);
-  // A failed send closes the channel, which deletes this response: nothing of `this` after it.
-  Channel* channel = channel_;
-  const uint32_t index = request_.request_index;
-  channel->SendMessage(std::move(m));
-  channel->FinishResponse(index);
+  // A failed send closes the channel, which moves this response out of its table first.
+  channel_->SendMessage(std::move(m));
+  side_->FinishResponse(request_.request_index);
 }
 
 }  // namespace tensorverbs::protocol

@@ -13,7 +13,7 @@
 // message. The response keeps the tensor (or its registered staging copy) alive until the
 // content writes complete.
 //
-// Owned by its Channel; every method runs on the transport's progress thread.
+// Owned by its channel's SendingSide; every method runs on the transport's progress thread.
 #ifndef TENSORVERBS_PROTOCOL_TENSOR_RESPONSE_H_
 #define TENSORVERBS_PROTOCOL_TENSOR_RESPONSE_H_
 
@@ -32,12 +32,13 @@
 namespace tensorverbs::protocol {
 
 class Channel;
+class SendingSide;
 
 class RdmaTensorResponse {
  public:
   enum class State { kWaitTensor, kWaitReRequest, kWriting, kDone };
 
-  RdmaTensorResponse(Channel* channel, uint64_t serial, Message request);
+  RdmaTensorResponse(SendingSide* side, uint64_t serial, Message request);
 
   // Asks the local rendezvous for the tensor `key` names; Resume runs (on the progress thread)
   // when sent.
@@ -76,11 +77,12 @@ class RdmaTensorResponse {
   Message Answer(MessageType type) const;
   // META_DATA_RESPONSE (in copy mode: the seed's BUFFER_REQUEST), then wait for RE_REQUEST.
   void SendMetaData();
-  // ERROR_STATUS; the channel then forgets this response (deletes it).
+  // ERROR_STATUS; the sending side then forgets this response.
   void SendError(const absl::Status& status);
 
-  // Not const: a finished record is recycled by assignment (Channel's spare records).
-  Channel* channel_;
+  // Not const: a finished record is recycled by assignment (spare_records.h).
+  SendingSide* side_;
+  Channel* channel_;  // side_'s
   uint64_t serial_;
   Message request_;  // REQUEST as received (step, index, target, meta)
   KeyRef key_;       // what it asked for, once resolved (Start)
