@@ -6,12 +6,12 @@
 #include "absl/strings/str_cat.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
+#include "src/protocol/channel_table.h"
 
 namespace tensorverbs::protocol {
 
 void Channel::AssertOwnerThread() const {
-  DCHECK(env_->on_owner_thread == nullptr || env_->on_owner_thread())
-      << Describe() << " used off the progress thread";
+  DCHECK(env_->OnOwnerThread()) << Describe() << " used off the progress thread";
 }
 
 Channel::Channel(ChannelEnv* env, Role role, uint64_t id, std::string peer_task)
@@ -149,8 +149,8 @@ void Channel::ScheduleReap() {
   // destroyed before the task runs frees its records itself.
   ChannelEnv* const env = env_;
   const uint64_t id = id_;
-  env_->post([env, id]() {
-    if (Channel* c = env->find_channel(id)) c->Reap();
+  env_->host->Post([env, id]() {
+    if (Channel* c = env->channels->Find(id)) c->Reap();
   });
 }
 
@@ -185,8 +185,8 @@ void Channel::OnCompletion(const fabric::Completion& c) {
         if (state_ == State::kClosed || mb_->unacknowledged() != 1) return;
         ChannelEnv* const env = env_;
         const uint64_t id = id_;
-        env_->post([env, id]() {
-          if (Channel* c = env->find_channel(id)) c->AcknowledgeMessages();
+        env_->host->Post([env, id]() {
+          if (Channel* c = env->channels->Find(id)) c->AcknowledgeMessages();
         });
         return;
       }
@@ -296,9 +296,9 @@ void Channel::Close(const absl::Status& status) {
   mb_.reset();
   if (receiving_ != nullptr) receiving_->copy_buffers().Clear();
   if (sending_ != nullptr) sending_->copy_buffers().Clear();
-  if (!memory.empty() && env_->quarantine_memory) {
+  if (!memory.empty()) {
     // The peer may still be alive and writing into these destinations.
-    env_->quarantine_memory(std::move(memory), absl::Now() + env_->quarantine);
+    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine);
   }
 }
 

@@ -1,6 +1,6 @@
 // What every grpc+verbs channel of one transport shares: the worker, the fabric domain, the
-// memory manager, the counters, the mode and settings, and the hooks into the progress engine
-// that runs them (post work later, deliver a user callback, find a channel by id).
+// memory manager, the counters, the mode and settings, the channel table, and the transport
+// that runs them (ChannelHost: post work later, deliver a user callback, quarantine memory).
 //
 // The transport owns one ChannelEnv and outlives every channel; channels and the state machines
 // (tensor_request.h, tensor_response.h, gdr_pull.h) read it on the progress thread only, except
@@ -77,7 +77,30 @@ const char* VerbsModeProtocol(VerbsMode mode);
 uint32_t RemoteAccessFor(VerbsMode mode);
 
 class Channel;
+class ChannelTable;
+class LandedStore;
 class LocalTensorInbox;
+
+// What the channels need of the transport that runs them (VerbsTransport, or a test's
+// harness), on the progress thread unless said otherwise. It outlives every channel.
+class ChannelHost {
+ public:
+  virtual ~ChannelHost() = default;
+  // Runs `task` on the progress thread later, never inline: called on the progress thread, at
+  // the end of the completion or task being handled; from another thread, at the loop's next
+  // turn. Any thread.
+  virtual void Post(absl::AnyInvocable<void() &&> task) = 0;
+  // Runs a recv's `done` with its outcome on the worker's callback executor; on the progress
+  // thread, the recvs of one turn go to the executor together at the end of the turn.
+  virtual void Deliver(ProgressEngine::RecvDelivery delivery) = 0;
+  // Keeps memory a closed channel's peer may still write into alive until `until`.
+  virtual void Quarantine(std::vector<Tensor> memory, absl::Time until) = 0;
+  // grpc+gdr, sender side: `task` released the tensor it read under `tensor_key`.
+  virtual void ReleaseLent(const std::string& task, uint32_t tensor_key) = 0;
+  // True on the thread that owns the channels (the progress thread, or the thread that tears
+  // the transport down after the loop ended). Any thread.
+  virtual bool OnOwnerThread() const = 0;
+};
 
 struct ChannelEnv {
   const WorkerEnv* worker = nullptr;
@@ -123,31 +146,18 @@ struct ChannelEnv {
   // slow_recv_warning logs a warning, once (zero: never).
   absl::Duration recv_timeout = absl::InfiniteDuration();
   absl::Duration slow_recv_warning = absl::ZeroDuration();
-  // Runs `task` on the progress thread later, never inline: called on the progress thread, at
-  // the end of the completion or task being handled; from another thread, at the loop's next
-  // turn.
-  std::function<void(absl::AnyInvocable<void() &&>)> post;
-  // Runs a recv's `done` with its outcome on the worker's callback executor; on the progress
-  // thread, the recvs of one turn go to the executor together at the end of the turn.
-  std::function<void(ProgressEngine::RecvDelivery)> deliver;
-  // Finds a live channel by id (progress thread); null if it is gone.
-  std::function<Channel*(uint64_t)> find_channel;
+  // The transport that runs the channels, their table (found by id) and, for pushed requests
+  // whose channel closed, the landed store. All outlive every channel.
+  ChannelHost* host = nullptr;
+  ChannelTable* channels = nullptr;
   // Carries a sender's local tensors to the responses waiting for them (progress thread).
   LocalTensorInbox* local_tensors = nullptr;
-  // Owner side, at a channel's close: a tensor that fully landed in a request made ahead
-  // (TENSORVERBS_PUSH) before any recv took it. The transport keeps it for the recv of (`key`,
-  // `step`) from `peer_task` until `until` (progress thread; null: dropped).
-  std::function<void(const std::string& peer_task, const std::string& key, int64_t step,
-                     Tensor tensor, absl::Time until)>
-      keep_landed;
-  // Keeps memory alive until `until` (progress thread).
-  std::function<void(std::vector<Tensor>, absl::Time until)> quarantine_memory;
-  // grpc+gdr, sender side: `task` released the tensor it read under `tensor_key`.
-  std::function<void(const std::string& task, uint32_t tensor_key)> release_lent;
-  // True on the thread that owns the channels (the progress thread, or the thread that tears
-  // the transport down after the loop ended). Channel methods DCHECK it; null: not checked.
-  std::function<bool()> on_owner_thread;
+  // Owner side, at a channel's close: tensors that fully landed in requests made ahead
+  // (TENSORVERBS_PUSH) before any recv took them, kept for their recvs (null: dropped).
+  LandedStore* landed = nullptr;
 
+  // True on the thread that owns the channels (DCHECKed by their methods).
+  bool OnOwnerThread() const { return host == nullptr || host->OnOwnerThread(); }
   void CountCopy(uint64_t bytes) const { stats->CountCopy(bytes, worker->stats); }
   // The largest tensor this task accepts from a peer.
   uint64_t max_tensor_bytes() const {

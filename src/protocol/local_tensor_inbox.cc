@@ -4,6 +4,7 @@
 
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_env.h"
+#include "src/protocol/channel_table.h"
 
 namespace tensorverbs::protocol {
 
@@ -25,7 +26,7 @@ void LocalTensorInbox::Arrive(uint64_t ticket, const absl::Status& status, const
   }
   // Never inline, even on the progress thread: the callback may run inside the response's own
   // Start (the tensor was already sent), or inside a cancel.
-  if (first) env_->post([this] { Drain(); });
+  if (first) env_->host->Post([this] { Drain(); });
 }
 
 void LocalTensorInbox::Drain() {
@@ -38,7 +39,7 @@ void LocalTensorInbox::Drain() {
     if (it == waiting_.end()) continue;
     const Waiting w = it->second;
     waiting_.erase(it);
-    if (Channel* c = env_->find_channel(w.channel_id)) {
+    if (Channel* c = env_->channels->Find(w.channel_id)) {
       c->OnLocalTensor(w.serial, w.index, a.status, a.tensor, a.is_dead);
     }
   }

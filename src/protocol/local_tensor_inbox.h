@@ -32,7 +32,7 @@ struct ChannelEnv;
 
 class LocalTensorInbox {
  public:
-  // `env`'s post and find_channel carry the outcomes to the channels.
+  // `env`'s host (Post) and channel table (Find) carry the outcomes to the channels.
   explicit LocalTensorInbox(ChannelEnv* env) : env_(env) {}
   LocalTensorInbox(const LocalTensorInbox&) = delete;
   LocalTensorInbox& operator=(const LocalTensorInbox&) = delete;

@@ -10,7 +10,10 @@
 
 namespace tensorverbs::protocol {
 
-ReceivingSide::ReceivingSide(Channel* channel) : channel_(channel), env_(channel->env()) {}
+ReceivingSide::ReceivingSide(Channel* channel)
+    : channel_(channel),
+      env_(channel->env()),
+      push_({env_->push_max_destinations, env_->push_max_bytes}) {}
 
 ReceivingSide::~ReceivingSide() = default;
 
@@ -33,8 +36,8 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
                      kMaxNameLength, " bytes; use shorter tensor names")));
     return;
   }
-  KeyState* state = StateOf(key);
-  if (state != nullptr && state->pushed != kNoPush &&
+  PushAhead::KeyState* state = push_.StateOf(key);
+  if (state != nullptr && state->pushed != PushAhead::kNoPush &&
       AdoptPushed(state, step_id, done, deadline, allocator)) {
     return;  // no REQUEST: it went out when the key's previous step completed
   }
@@ -295,8 +298,8 @@ void ReceivingSide::FinishRequest(uint32_t index) {
     if (r.pushed_unadopted()) {
       Unpush(r);
       env_->stats->push_unused.fetch_add(1, std::memory_order_relaxed);
-    } else if (auto k = keys_.find(r.key_ref()); k != keys_.end()) {
-      --k->second.active;
+    } else if (PushAhead::KeyState* k = push_.Find(r.key_ref())) {
+      --k->active;
     }
     finished_requests_.push_back(std::move(it->second));
     requests_.erase(it);
@@ -327,14 +330,8 @@ void ReceivingSide::Reap() {
   finished_pulls_.clear();
 }
 
-ReceivingSide::KeyState* ReceivingSide::StateOf(const KeyRef& key) {
-  if (auto it = keys_.find(key); it != keys_.end()) return &it->second;
-  if (keys_.size() >= kMaxNameIndexes) return nullptr;
-  return &keys_[key];
-}
-
 void ReceivingSide::NameKey(const KeyRef& key, Message* m) {
-  KeyState* state = StateOf(key);
+  PushAhead::KeyState* state = push_.StateOf(key);
   if (state != nullptr && state->name_index != kNoNameIndex) {
     m->name_index = state->name_index;
     env_->stats->indexed_requests.fetch_add(1, std::memory_order_relaxed);
@@ -345,18 +342,14 @@ void ReceivingSide::NameKey(const KeyRef& key, Message* m) {
 }
 
 void ReceivingSide::Unpush(RdmaTensorRequest& r) {
-  if (auto it = keys_.find(r.key_ref()); it != keys_.end() && it->second.pushed == r.index()) {
-    it->second.pushed = kNoPush;
-  }
-  --pushed_requests_;
-  pushed_bytes_ -= r.tensor_bytes();
+  push_.Unmade(r.key_ref(), r.index(), r.tensor_bytes());
 }
 
-bool ReceivingSide::AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done,
+bool ReceivingSide::AdoptPushed(PushAhead::KeyState* state, int64_t step, RecvDoneCallback& done,
                                 absl::Time deadline, Allocator* allocator) {
   auto it = requests_.find(state->pushed);
   if (it == requests_.end()) {
-    state->pushed = kNoPush;
+    state->pushed = PushAhead::kNoPush;
     return false;
   }
   RdmaTensorRequest& r = *it->second;
@@ -375,29 +368,17 @@ bool ReceivingSide::AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback&
 
 void ReceivingSide::Push(const KeyRef& key, int64_t step, Allocator* allocator) {
   if (channel_->state() != Channel::State::kReady) return;
-  KeyState* state = StateOf(key);
-  if (state == nullptr || state->active > 0 || state->pushed != kNoPush) return;
-  // Destinations pushed ahead are host memory only: a recv that adopts one gets a host tensor,
-  // which the rendezvous moves to the device if the recv wanted it there.
-  if (allocator != nullptr && !allocator->Placement().host_accessible()) return;
-  const TensorMetaData* meta = env_->memory->CachedMeta(key->key.full_key);
-  if (meta == nullptr || meta->is_dead || meta->dtype == DataType::kString ||
-      meta->tensor_bytes > kMaxPushedTensorBytes) {
-    return;
-  }
-  if (pushed_requests_ >= env_->push_max_destinations ||
-      pushed_bytes_ + meta->tensor_bytes > env_->push_max_bytes) {
-    return;
-  }
+  PushAhead::KeyState* state = push_.StateOf(key);
+  if (state == nullptr) return;
+  const std::optional<uint64_t> bytes = push_.Plan(*state, key, allocator, *env_->memory);
+  if (!bytes.has_value()) return;
   absl::StatusOr<uint32_t> index = indexes_.Allocate();
   if (!index.ok()) return;
   auto request = RenewRecord(spare_requests_, this, *index, step, key, allocator,
                              absl::InfiniteFuture(), RecvDoneCallback());
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
-  state->pushed = *index;
-  ++pushed_requests_;
-  pushed_bytes_ += meta->tensor_bytes;
+  push_.Made(state, *index, *bytes);
   env_->stats->pushed.fetch_add(1, std::memory_order_relaxed);
   raw->Start();  // may finish the record on a local failure
 }
@@ -450,11 +431,11 @@ void ReceivingSide::OnAnswer(const Message& m) {
 
 void ReceivingSide::Close(const absl::Status& status, std::vector<Tensor>* memory) {
   for (auto& [index, request] : requests_) {
-    if (request->adoptable() && request->landed() && env_->keep_landed) {
+    if (request->adoptable() && request->landed() && env_->landed != nullptr) {
       // Whole, and the sender is done with it: a peer that stopped after its sends were taken
       // (by these requests) still delivers them.
-      env_->keep_landed(peer_task(), request->key(), request->step_id(), request->TakeLanded(),
-                        absl::Now() + env_->recv_timeout);
+      env_->landed->Keep(peer_task(), request->key(), request->step_id(), request->TakeLanded(),
+                         absl::Now() + env_->recv_timeout);
     } else {
       request->Fail(status);
       for (Tensor& t : request->TakeMemory()) memory->push_back(std::move(t));

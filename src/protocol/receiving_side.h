@@ -23,7 +23,6 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -32,6 +31,7 @@
 #include "src/protocol/gdr_pull.h"
 #include "src/protocol/imm.h"
 #include "src/protocol/message.h"
+#include "src/protocol/push_ahead.h"
 #include "src/protocol/remote_tensor.h"
 #include "src/protocol/tensor_request.h"
 #include "src/rendezvous/key_table.h"
@@ -76,7 +76,8 @@ class ReceivingSide {
   bool idle() const;
 
   // The channel closes with `status`: every recv and pull ends, landed pushed content goes to
-  // ChannelEnv::keep_landed, and the memory the peer may still write is added to `*memory`.
+  // the landed store (ChannelEnv::landed), and the memory the peer may still write is added to
+  // `*memory`.
   void Close(const absl::Status& status, std::vector<Tensor>* memory);
   // Frees the records finished since the last call (end of the loop turn).
   void Reap();
@@ -102,30 +103,15 @@ class ReceivingSide {
   CopyBuffers& copy_buffers() { return copy_buffers_; }
 
  private:
-  // Per key on this channel.
-  struct KeyState {
-    uint32_t name_index = kNoNameIndex;  // how the peer knows it
-    int active = 0;                      // requests of it that a recv owns
-    uint32_t pushed = kNoPush;           // the request made ahead for its next step
-  };
-  static constexpr uint32_t kNoPush = 0xFFFFFFFF;
-  // Keys a channel names by index; later keys travel by name.
-  static constexpr uint32_t kMaxNameIndexes = 65536;
-  // Larger tensors are not pushed: their transfer, not the REQUEST round trip, sets their
-  // latency, and measured over shm a pushed 1 MiB recv was slower (58-83 us p50 against 49-51).
-  static constexpr uint64_t kMaxPushedTensorBytes = uint64_t{256} << 10;
-
   bool closed() const;
   const std::string& peer_task() const;
-  // Null past kMaxNameIndexes keys (they are then neither indexed nor pushed).
-  KeyState* StateOf(const KeyRef& key);
   // After a recv of `key` at `step` completed in place: asks for step + 1 ahead, within the
   // channel's push budget, when no recv of the key is in flight.
   void Push(const KeyRef& key, int64_t step, Allocator* allocator);
   // The recv of (`key`, `step`) takes the pushed request if it is the one; true if it did (and
   // `done` is then the request's). A pushed request for another step stays for its own recv.
-  bool AdoptPushed(KeyState* state, int64_t step, RecvDoneCallback& done, absl::Time deadline,
-                   Allocator* allocator);
+  bool AdoptPushed(PushAhead::KeyState* state, int64_t step, RecvDoneCallback& done,
+                   absl::Time deadline, Allocator* allocator);
   // Finishes request `index`, whose recv completed, and pushes its key's next step if the recv
   // was written in place.
   void FinishDelivered(uint32_t index);
@@ -149,12 +135,10 @@ class ReceivingSide {
   std::vector<uint32_t> queued_;  // started before the channel was ready
   absl::flat_hash_map<uint32_t, std::unique_ptr<GdrPull>> pulls_;  // grpc+gdr reads, by index
   std::vector<uint32_t> queued_pulls_;
-  // Per key: its index (in the order first sent), recvs in flight, the pushed request. The
-  // table holds the keys, so an entry's pointer is never another key's.
-  absl::node_hash_map<KeyRef, KeyState> keys_;
+  // Per key: its index (in the order first sent), recvs in flight, the pushed request; and the
+  // budget of pushed requests.
+  PushAhead push_;
   uint32_t next_name_index_ = 0;
-  int pushed_requests_ = 0;    // pushed, not adopted, not finished
-  uint64_t pushed_bytes_ = 0;  // their destinations
   // Large destinations: named in a REQUEST (at most one), granted at META_DATA_RESPONSE (at
   // most large_in_flight), and the requests waiting for a grant, in order.
   int large_in_request_ = 0;

@@ -79,7 +79,7 @@ void SendingSide::OnWriteDone(uint32_t index) {
 }
 
 void SendingSide::OnLentReleased(uint32_t tensor_key) {
-  if (env_->release_lent) env_->release_lent(peer_task(), tensor_key);
+  env_->host->ReleaseLent(peer_task(), tensor_key);
 }
 
 void SendingSide::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,

@@ -32,51 +32,29 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
 }  // namespace
 
 ChannelSetup::ChannelSetup(Options options, protocol::ChannelEnv* env,
-                           protocol::ProgressEngine* engine, VerbsStubs* stubs)
-    : options_(std::move(options)), env_(env), engine_(engine), stubs_(stubs) {}
+                           protocol::ChannelTable* table, protocol::ProgressEngine* engine,
+                           VerbsStubs* stubs)
+    : options_(std::move(options)), env_(env), table_(table), engine_(engine), stubs_(stubs) {}
 
 void ChannelSetup::AssertOnLoop() const {
   DCHECK(engine_->OnOwnerThread()) << "grpc+verbs channel state used off the progress thread";
 }
 
-Channel* ChannelSetup::Find(uint64_t id) {
-  AssertOnLoop();
-  auto it = channels_.find(id);
-  return it == channels_.end() ? nullptr : it->second.get();
-}
-
-Channel* ChannelSetup::Add(std::unique_ptr<Channel> channel) {
-  Channel* raw = channel.get();
-  by_endpoint_[raw->endpoint()] = raw;
-  channels_.emplace(raw->id(), std::move(channel));
-  return raw;
-}
-
-void ChannelSetup::Dispatch(const fabric::Completion& c) {
-  AssertOnLoop();
-  auto it = by_endpoint_.find(c.endpoint);
-  if (it != by_endpoint_.end()) it->second->OnCompletion(c);
-}
-
 absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
   AssertOnLoop();
-  if (auto it = owner_by_task_.find(task); it != owner_by_task_.end()) {
-    Channel* c = Find(it->second);
-    if (c != nullptr && c->state() != Channel::State::kClosed) return c;
-  }
+  if (Channel* c = table_->OwnerFor(task)) return c;
   auto address = options_.task_addresses.find(task);
   if (address == options_.task_addresses.end()) {
     return absl::NotFoundError(absl::StrCat("task ", task, " is not in the cluster spec"));
   }
-  const uint64_t id = next_channel_id_++;
+  const uint64_t id = table_->NextId();
   auto channel = std::make_unique<Channel>(env_, Channel::Role::kOwner, id, task);
   channel->set_peer_address(address->second);
   if (absl::Status s = channel->Init(); !s.ok()) {
     return absl::UnavailableError(
         absl::StrCat("cannot create the grpc+verbs channel to task ", task, ": ", s.message()));
   }
-  Channel* raw = Add(std::move(channel));
-  owner_by_task_[task] = id;
+  Channel* raw = table_->Add(std::move(channel));
   {
     // Until this channel's peer says otherwise: a restarted task may not write GPU memory.
     MutexLock lock(&connect_mu_);
@@ -108,7 +86,7 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
   auto node = connecting_.extract(id);
   if (node.empty()) return;
   std::unique_ptr<Connecting> connecting = std::move(node.mapped());
-  Channel* channel = Find(id);
+  Channel* channel = table_->Find(id);
   if (channel == nullptr) return;
   const std::string task = channel->peer_task();
   absl::Status result;
@@ -198,7 +176,7 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
         "task %s expected incarnation %016x of task %s, which now runs %016x (restarted)", task,
         request.expected_incarnation(), self, env_->worker->incarnation));
   }
-  const uint64_t id = next_channel_id_++;
+  const uint64_t id = table_->NextId();
   auto channel = std::make_unique<Channel>(env_, Channel::Role::kAcceptor, id, task);
   channel->set_peer_channel_id(request.channel_id());
   RETURN_IF_ERROR(channel->Init());
@@ -212,20 +190,13 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   // The caller sets up a new channel only when it has none: any older one from it is obsolete
   // (it restarted, or dropped that channel after an error). Closed only now that the new one
   // stands.
-  for (auto& [other_id, other] : channels_) {
-    if (other->role() != Channel::Role::kAcceptor || other->peer_task() != task) continue;
-    if (other->peer_incarnation() != request.incarnation()) {
-      other->Close(absl::AbortedError(absl::StrCat("task ", task, " restarted")));
-    } else {
-      other->Close(absl::CancelledError(absl::StrCat("task ", task, " replaced the channel")));
-    }
-  }
+  table_->CloseAcceptedFrom(task, request.incarnation(), /*keep=*/nullptr);
   response->set_task_name(self);
   response->set_incarnation(env_->worker->incarnation);
   FillEnd(*channel, response->mutable_end());
   LOG(INFO) << channel->Describe() << " ready; peer endpoint "
             << absl::BytesToHexString(end.endpoint_address()).substr(0, 32);
-  Add(std::move(channel));
+  table_->Add(std::move(channel));
   return absl::OkStatus();
 }
 
@@ -235,99 +206,26 @@ void ChannelSetup::CheckChannel(const proto::CheckChannelRequest& request,
   response->set_incarnation(env_->worker->incarnation);
   if (request.owned_channel_id() != 0) {
     // The acceptor of a channel this task owns asks whether this end still stands.
-    auto it = channels_.find(request.owned_channel_id());
-    if (it != channels_.end() && it->second->role() == Channel::Role::kOwner &&
-        it->second->peer_task() == request.task_name()) {
-      response->set_open(it->second->state() != Channel::State::kClosed);
-      if (!response->open()) {
-        response->set_reason(std::string(it->second->close_status().message()));
-      }
+    Channel* owned = table_->Find(request.owned_channel_id());
+    if (owned != nullptr && owned->role() == Channel::Role::kOwner &&
+        owned->peer_task() == request.task_name()) {
+      response->set_open(owned->state() != Channel::State::kClosed);
+      if (!response->open()) response->set_reason(std::string(owned->close_status().message()));
       return;
     }
     response->set_open(false);
     response->set_reason("no such channel (it was closed and replaced, or this task restarted)");
     return;
   }
-  for (auto& [id, channel] : channels_) {
-    if (channel->role() == Channel::Role::kAcceptor &&
-        channel->peer_task() == request.task_name() &&
-        channel->peer_channel_id() == request.channel_id()) {
-      response->set_open(channel->state() != Channel::State::kClosed);
-      if (!response->open()) response->set_reason(std::string(channel->close_status().message()));
-      return;
-    }
+  if (Channel* channel = table_->AcceptedFrom(request.task_name(), request.channel_id())) {
+    response->set_open(channel->state() != Channel::State::kClosed);
+    if (!response->open()) response->set_reason(std::string(channel->close_status().message()));
+    return;
   }
   response->set_open(false);
-  auto it = closed_accepted_.find({request.task_name(), request.channel_id()});
-  response->set_reason(it != closed_accepted_.end() ? std::string(it->second.message())
-                                                    : "no such channel (this task restarted?)");
-}
-
-void ChannelSetup::Housekeeping(absl::Time now) {
-  AssertOnLoop();
-  std::vector<uint64_t> closed;
-  for (auto& [id, channel] : channels_) {
-    if (channel->state() == Channel::State::kClosed) {
-      closed.push_back(id);
-    } else if (channel->role() == Channel::Role::kOwner) {
-      channel->ExpireRequests(now);
-    } else {
-      channel->ExpireResponses(now);
-    }
-  }
-  for (uint64_t id : closed) {
-    Channel* c = channels_[id].get();
-    if (c->role() == Channel::Role::kAcceptor) {
-      if (closed_accepted_.size() >= 1024) closed_accepted_.clear();
-      closed_accepted_[{c->peer_task(), c->peer_channel_id()}] = c->close_status();
-    }
-    absl::erase_if(by_endpoint_, [c](const auto& entry) { return entry.second == c; });
-    auto owner = owner_by_task_.find(c->peer_task());
-    if (owner != owner_by_task_.end() && owner->second == id) owner_by_task_.erase(owner);
-    if (connecting_.contains(id)) continue;  // its RPC callback still refers to it by id
-    channels_.erase(id);
-  }
-}
-
-bool ChannelSetup::OperationsInFlight() const {
-  // By channel: a closed channel's endpoint is gone while by_endpoint_ still names it.
-  for (const auto& [id, channel] : channels_) {
-    fabric::Endpoint* endpoint = channel->endpoint();
-    if (endpoint != nullptr && endpoint->Outstanding() > 0) return true;
-  }
-  return false;
-}
-
-bool ChannelSetup::AwaitingPeers() const {
-  for (const auto& [id, c] : channels_) {
-    if (c->state() == protocol::Channel::State::kReady && c->awaiting_peer()) return true;
-  }
-  return false;
-}
-
-bool ChannelSetup::ResponsesInProgress() const {
-  for (const auto& [id, c] : channels_) {
-    if (c->responses_in_progress() > 0) return true;
-  }
-  return false;
-}
-
-std::vector<protocol::ChannelSnapshot> ChannelSetup::Snapshot() const {
-  AssertOnLoop();
-  std::vector<protocol::ChannelSnapshot> out;
-  out.reserve(channels_.size());
-  for (const auto& [id, channel] : channels_) out.push_back(channel->Snapshot());
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return std::tie(a.peer_task, a.receives) < std::tie(b.peer_task, b.receives);
-  });
-  return out;
-}
-
-size_t ChannelSetup::NumReady() const {
-  AssertOnLoop();
-  size_t n = 0;
-  for (const auto& [id, c] : channels_) n += c->state() == Channel::State::kReady;
-  return n;
+  const absl::Status* why = table_->WhyAcceptedClosed(request.task_name(), request.channel_id());
+  response->set_reason(why != nullptr ? std::string(why->message())
+                                      : "no such channel (this task restarted?)");
 }
 
 std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
@@ -335,34 +233,26 @@ std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
   std::vector<Probe> out;
   const absl::flat_hash_set<std::string> lent_to =
       options_.lent_to ? options_.lent_to() : absl::flat_hash_set<std::string>();
-  for (const auto& [id, c] : channels_) {
-    if (c->role() == Channel::Role::kOwner && c->state() != Channel::State::kClosed &&
-        c->pending_requests() > 0) {
-      out.push_back({c->peer_task(), options_.task_addresses.at(c->peer_task()),
-                     c->peer_incarnation(), id, c->state() == Channel::State::kConnecting});
-    } else if (c->role() == Channel::Role::kAcceptor && c->state() == Channel::State::kReady &&
-               (c->holds_state_for_peer() || lent_to.contains(c->peer_task()))) {
-      auto address = options_.task_addresses.find(c->peer_task());
-      if (address == options_.task_addresses.end()) continue;
-      Probe probe{c->peer_task(), address->second, c->peer_incarnation(), id};
+  table_->ForEach([&](const Channel& c) {
+    if (c.role() == Channel::Role::kOwner && c.state() != Channel::State::kClosed &&
+        c.pending_requests() > 0) {
+      out.push_back({c.peer_task(), options_.task_addresses.at(c.peer_task()), c.peer_incarnation(),
+                     c.id(), c.state() == Channel::State::kConnecting});
+    } else if (c.role() == Channel::Role::kAcceptor && c.state() == Channel::State::kReady &&
+               (c.holds_state_for_peer() || lent_to.contains(c.peer_task()))) {
+      auto address = options_.task_addresses.find(c.peer_task());
+      if (address == options_.task_addresses.end()) return;
+      Probe probe{c.peer_task(), address->second, c.peer_incarnation(), c.id()};
       probe.accepting = true;
-      probe.peer_channel_id = c->peer_channel_id();
+      probe.peer_channel_id = c.peer_channel_id();
       out.push_back(std::move(probe));
     }
-  }
+  });
   return out;
 }
 
-void ChannelSetup::AbortStep(int64_t step_id, const absl::Status& status) {
+void ChannelSetup::CancelConnects() {
   AssertOnLoop();
-  for (auto& [id, channel] : channels_) {
-    if (channel->role() == Channel::Role::kOwner) channel->AbortStep(step_id, status);
-  }
-}
-
-void ChannelSetup::CloseAll(const absl::Status& status) {
-  AssertOnLoop();
-  for (auto& [id, c] : channels_) c->Close(status);
   for (auto& [id, c] : connecting_) c->context.TryCancel();
 }
 
@@ -415,8 +305,6 @@ void ChannelSetup::Shutdown(absl::Duration timeout) {
   while (connects_in_flight_.load() > 0 && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(1));
   }
-  channels_.clear();
-  by_endpoint_.clear();
   connecting_.clear();
 }
 

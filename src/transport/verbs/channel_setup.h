@@ -1,12 +1,13 @@
-// ChannelSetup: the grpc+verbs transport's channels, by id, endpoint and owner task, and how
-// they are set up.
+// ChannelSetup: how the grpc+verbs transport's channels are set up, over gRPC. The channels
+// themselves are in the protocol layer's ChannelTable (protocol/channel_table.h), which the
+// transport owns; this adds the channels it sets up there.
 //
 // The receiving task owns a channel per peer it receives from. OwnerChannel creates it on first
 // use and calls the peer's VerbsService.Connect with its endpoint address and message-buffer
 // key; the answer connects it (OnConnectDone). The peer's Accept checks fabric, protocol, wire
 // version and incarnation, replaces any older channel from that task, and answers with its own
-// end. CheckChannel answers the owner's liveness probes. Closed channels are collected by
-// Housekeeping; why an accepted channel closed is kept (bounded) so the owner's probe learns it.
+// end. CheckChannel answers the owner's liveness probes, from the table (which keeps why an
+// accepted channel closed, so the owner's probe learns it).
 //
 // Threading: everything but ConnectPeers and WaitForCallbacks runs on the transport's progress
 // thread (the engine's owner thread), which owns the channels. ConnectPeers waits on another
@@ -33,6 +34,7 @@
 #include "proto/verbs.grpc.pb.h"
 #include "src/common/mutex.h"
 #include "src/protocol/channel.h"
+#include "src/protocol/channel_table.h"
 #include "src/protocol/progress_engine.h"
 #include "src/transport/verbs/verbs_stubs.h"
 
@@ -51,8 +53,8 @@ class ChannelSetup {
     std::function<void(const std::string& task)> peer_gone;
   };
 
-  ChannelSetup(Options options, protocol::ChannelEnv* env, protocol::ProgressEngine* engine,
-               VerbsStubs* stubs);
+  ChannelSetup(Options options, protocol::ChannelEnv* env, protocol::ChannelTable* table,
+               protocol::ProgressEngine* engine, VerbsStubs* stubs);
   ChannelSetup(const ChannelSetup&) = delete;
   ChannelSetup& operator=(const ChannelSetup&) = delete;
 
@@ -64,21 +66,11 @@ class ChannelSetup {
   // The acceptor's side of a liveness probe.
   void CheckChannel(const proto::CheckChannelRequest& request,
                     proto::CheckChannelResponse* response);
-  protocol::Channel* Find(uint64_t id);
-  // Hands a completion to the channel of its endpoint.
-  void Dispatch(const fabric::Completion& c);
-  // Expires recvs past their deadline and forgets closed channels.
-  void Housekeeping(absl::Time now);
-  // Whether any endpoint has operations posted and not completed.
-  bool OperationsInFlight() const;
-  // Whether a response still holds a tensor a peer took.
-  bool ResponsesInProgress() const;
-  // Whether a ready channel has requests its peer still owes content or an answer.
-  bool AwaitingPeers() const;
-  size_t NumReady() const;
-  // Every channel, as `tensorverbs stats` shows it.
-  std::vector<protocol::ChannelSnapshot> Snapshot() const;
-  void CloseAll(const absl::Status& status);
+  // Whether a set-up call for channel `id` is still in flight (its callback names it by id,
+  // so the table keeps it even closed).
+  bool SettingUp(uint64_t id) const { return connecting_.contains(id); }
+  // Cancels the set-up calls in flight (the transport is shutting down).
+  void CancelConnects();
   // What the watchdog probes: owner channels with recvs or reads pending (one still being set up
   // too, `connecting`, for whether its peer answers at all), and accepted channels that hold
   // something for their peer (`accepting`), so a receiver that died does not pin it.
@@ -98,8 +90,6 @@ class ChannelSetup {
   void PeerGone(const std::string& task) {
     if (options_.peer_gone) options_.peer_gone(task);
   }
-  // Fails every owner channel's recvs of `step_id`.
-  void AbortStep(int64_t step_id, const absl::Status& status);
   // Whether the last channel set up to receive from `task` found that it writes GPU memory
   // directly (its ChannelEnd's device_writes). Any thread.
   bool PeerWritesDevice(const std::string& task) const;
@@ -108,7 +98,7 @@ class ChannelSetup {
   // `timeout`. The error names the tasks whose channel could not be set up and why.
   absl::Status ConnectPeers(const std::string& self, absl::Duration timeout);
   // After the engine stopped: waits (up to `timeout`) for set-up calls still in flight, whose
-  // callbacks refer to this object, then drops every channel.
+  // callbacks refer to this object.
   void Shutdown(absl::Duration timeout);
 
  private:
@@ -117,26 +107,20 @@ class ChannelSetup {
   // FailedPrecondition naming both tasks when `task`'s control messages use another layout.
   absl::Status CheckWireVersion(const std::string& task, uint32_t version) const;
   void RecordConnectResult(const std::string& task, const absl::Status& status);
-  protocol::Channel* Add(std::unique_ptr<protocol::Channel> channel);
 
   const Options options_;
   protocol::ChannelEnv* const env_;
+  protocol::ChannelTable* const table_;
   protocol::ProgressEngine* const engine_;
   VerbsStubs* const stubs_;
 
   // Progress-thread state.
-  absl::flat_hash_map<uint64_t, std::unique_ptr<protocol::Channel>> channels_;
-  absl::flat_hash_map<fabric::Endpoint*, protocol::Channel*> by_endpoint_;
-  absl::flat_hash_map<std::string, uint64_t> owner_by_task_;
   struct Connecting {
     grpc::ClientContext context;
     proto::ConnectRequest request;
     proto::ConnectResponse response;
   };
   absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
-  // Why recently closed acceptor channels closed, by (owner task, owner's channel id); bounded.
-  absl::flat_hash_map<std::pair<std::string, uint64_t>, absl::Status> closed_accepted_;
-  uint64_t next_channel_id_ = 1;
 
   std::atomic<int> connects_in_flight_{0};
   // Set-up results for ConnectPeers, written by the progress thread.

@@ -57,8 +57,8 @@ void LentTensors::EndLeasesOf(const std::string& task) {
     memory.push_back(std::move(entry.second.tensor));
     return true;
   });
-  if (!memory.empty() && env_->quarantine_memory) {
-    env_->quarantine_memory(std::move(memory), absl::Now() + env_->quarantine);
+  if (!memory.empty() && env_->host != nullptr) {
+    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine);
   }
 }
 

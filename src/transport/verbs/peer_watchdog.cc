@@ -21,11 +21,12 @@ struct PeerWatchdog::Probe {
 
 PeerWatchdog::PeerWatchdog(std::string self, absl::Duration peer_timeout,
                            protocol::ProgressEngine* engine, ChannelSetup* channels,
-                           VerbsStubs* stubs)
+                           protocol::ChannelTable* table, VerbsStubs* stubs)
     : self_(std::move(self)),
       peer_timeout_(peer_timeout),
       engine_(engine),
       channels_(channels),
+      table_(table),
       stubs_(stubs) {}
 
 PeerWatchdog::~PeerWatchdog() { Stop(); }
@@ -145,7 +146,7 @@ void PeerWatchdog::Judge(const Probe& probe) {
   const bool accepting = peer.accepting;
   const std::string task = peer.task;
   engine_->Post([this, id, verdict, accepting, gone, task]() mutable {
-    if (protocol::Channel* c = channels_->Find(id)) c->Close(verdict);
+    if (protocol::Channel* c = table_->Find(id)) c->Close(verdict);
     if (accepting && gone) channels_->PeerGone(task);
   });
 }

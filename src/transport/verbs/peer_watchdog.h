@@ -39,7 +39,7 @@ class PeerWatchdog {
  public:
   // `self` is this task's name (the probes carry it); the others outlive the watchdog.
   PeerWatchdog(std::string self, absl::Duration peer_timeout, protocol::ProgressEngine* engine,
-               ChannelSetup* channels, VerbsStubs* stubs);
+               ChannelSetup* channels, protocol::ChannelTable* table, VerbsStubs* stubs);
   PeerWatchdog(const PeerWatchdog&) = delete;
   PeerWatchdog& operator=(const PeerWatchdog&) = delete;
   ~PeerWatchdog();  // Stop()
@@ -60,6 +60,7 @@ class PeerWatchdog {
   const absl::Duration peer_timeout_;
   protocol::ProgressEngine* const engine_;
   ChannelSetup* const channels_;
+  protocol::ChannelTable* const table_;
   VerbsStubs* const stubs_;
 
   Mutex mu_;

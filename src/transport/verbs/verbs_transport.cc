@@ -92,12 +92,13 @@ absl::Status VerbsTransport::Start() {
   engine_options.poll_mode = poll_mode;
   engine_options.poll_spin = options_.poll_spin;
   protocol::ProgressEngine::Hooks hooks;
-  hooks.on_completion = [this](const fabric::Completion& c) { channels_->Dispatch(c); };
+  hooks.on_completion = [this](const fabric::Completion& c) { table_->Dispatch(c); };
   hooks.housekeeping = [this](absl::Time now) { Housekeeping(now); };
   hooks.operations_in_flight = [this] { return OperationsInFlight(); };
-  hooks.awaiting_peer = [this] { return channels_->AwaitingPeers(); };
+  hooks.awaiting_peer = [this] { return table_->AwaitingPeers(); };
   engine_ = std::make_unique<protocol::ProgressEngine>(
       domain_.get(), options_.env->callback_executor, engine_options, std::move(hooks));
+  table_ = std::make_unique<protocol::ChannelTable>([this] { return engine_->OnOwnerThread(); });
 
   channel_env_.worker = options_.env;
   channel_env_.memory = memory_.get();
@@ -125,24 +126,11 @@ absl::Status VerbsTransport::Start() {
   channel_env_.recv_timeout = options_.recv_timeout;
   channel_env_.slow_recv_warning = options_.slow_recv_warning;
   channel_env_.push_max_bytes = options_.push_max_bytes;
-  channel_env_.post = [this](absl::AnyInvocable<void() &&> task) { engine_->Post(task); };
-  channel_env_.find_channel = [this](uint64_t id) { return channels_->Find(id); };
+  channel_env_.host = &host_;
+  channel_env_.channels = table_.get();
+  channel_env_.landed = &landed_;
   local_tensors_ = std::make_unique<protocol::LocalTensorInbox>(&channel_env_);
   channel_env_.local_tensors = local_tensors_.get();
-  channel_env_.deliver = [this](protocol::ProgressEngine::RecvDelivery d) {
-    engine_->DeliverRecv(std::move(d));
-  };
-  channel_env_.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
-    quarantine_.emplace_back(until, std::move(memory));
-  };
-  channel_env_.keep_landed = [this](const std::string& peer_task, const std::string& key,
-                                    int64_t step, Tensor tensor, absl::Time until) {
-    landed_ahead_.insert_or_assign({peer_task, key, step}, std::pair{std::move(tensor), until});
-  };
-  channel_env_.release_lent = [this](const std::string& task, uint32_t key) {
-    lent_->Release(task, key);
-  };
-  channel_env_.on_owner_thread = [this] { return engine_->OnOwnerThread(); };
 
   std::shared_ptr<const rpc::RpcSecurity> security =
       options_.security != nullptr ? options_.security : rpc::RpcSecurity::Insecure();
@@ -153,12 +141,13 @@ absl::Status VerbsTransport::Start() {
   // Progress thread, like every use of lent_ (created below, before the engine starts).
   setup.lent_to = [this] { return lent_->Borrowers(); };
   setup.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
-  channels_ =
-      std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, engine_.get(), stubs_.get());
+  channels_ = std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, table_.get(),
+                                             engine_.get(), stubs_.get());
   lent_ = std::make_unique<LentTensors>(&channel_env_);
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
-  watchdog_ = std::make_unique<PeerWatchdog>(options_.env->task_name, options_.peer_timeout,
-                                             engine_.get(), channels_.get(), stubs_.get());
+  watchdog_ =
+      std::make_unique<PeerWatchdog>(options_.env->task_name, options_.peer_timeout, engine_.get(),
+                                     channels_.get(), table_.get(), stubs_.get());
 
   engine_->Start();
   watchdog_->Start();
@@ -178,6 +167,24 @@ absl::Status VerbsTransport::Start() {
 
 VerbsTransport::~VerbsTransport() { Shutdown(); }
 
+void VerbsTransport::Host::Post(absl::AnyInvocable<void() &&> task) {
+  transport_->engine_->Post(task);
+}
+
+void VerbsTransport::Host::Deliver(protocol::ProgressEngine::RecvDelivery delivery) {
+  transport_->engine_->DeliverRecv(std::move(delivery));
+}
+
+void VerbsTransport::Host::Quarantine(std::vector<Tensor> memory, absl::Time until) {
+  transport_->quarantine_.emplace_back(until, std::move(memory));
+}
+
+void VerbsTransport::Host::ReleaseLent(const std::string& task, uint32_t tensor_key) {
+  transport_->lent_->Release(task, tensor_key);
+}
+
+bool VerbsTransport::Host::OnOwnerThread() const { return transport_->engine_->OnOwnerThread(); }
+
 grpc::Service* VerbsTransport::service() { return service_.get(); }
 
 std::string VerbsTransport::fabric_name() const {
@@ -187,16 +194,16 @@ std::string VerbsTransport::fabric_name() const {
 
 bool VerbsTransport::OperationsInFlight() const {
   // A lent tensor is about to be read, and on shm the reads progress through this side too.
-  return !lent_->empty() || channels_->OperationsInFlight();
+  return !lent_->empty() || table_->OperationsInFlight();
 }
 
 void VerbsTransport::Housekeeping(absl::Time now) {
-  channels_->Housekeeping(now);
+  table_->Housekeeping(now, [this](uint64_t id) { return channels_->SettingUp(id); });
   quarantine_.erase(std::remove_if(quarantine_.begin(), quarantine_.end(),
                                    [now](const auto& q) { return q.first <= now; }),
                     quarantine_.end());
   lent_->Expire(now);
-  std::erase_if(landed_ahead_, [now](const auto& e) { return e.second.second <= now; });
+  landed_.Expire(now);
 }
 
 void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
@@ -244,15 +251,11 @@ void VerbsTransport::StartRecv(RecvStart r) {
     fail(s);
     return;
   }
-  if (!landed_ahead_.empty()) {
-    auto it = landed_ahead_.find({r.key->src_task, r.key->key.full_key, r.rendezvous->step_id()});
-    if (it != landed_ahead_.end()) {
-      Tensor tensor = std::move(it->second.first);
-      landed_ahead_.erase(it);
-      channel_env_.CountRecv(absl::OkStatus(), tensor);
-      channel_env_.deliver({std::move(r.done), absl::OkStatus(), std::move(tensor), false});
-      return;
-    }
+  if (std::optional<Tensor> landed =
+          landed_.Take(r.key->src_task, r.key->key.full_key, r.rendezvous->step_id())) {
+    channel_env_.CountRecv(absl::OkStatus(), *landed);
+    host_.Deliver({std::move(r.done), absl::OkStatus(), *std::move(landed), false});
+    return;
   }
   absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(r.key->src_task);
   if (!channel.ok()) {
@@ -337,9 +340,8 @@ protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges(
 
 void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
   engine_->Post([this, step_id, status]() mutable {
-    std::erase_if(landed_ahead_,
-                  [step_id](const auto& e) { return std::get<2>(e.first) == step_id; });
-    channels_->AbortStep(step_id, status);
+    landed_.DropStep(step_id);
+    table_->AbortStep(step_id, status);
   });
 }
 
@@ -348,13 +350,13 @@ absl::Status VerbsTransport::ConnectPeers(absl::Duration timeout) {
 }
 
 size_t VerbsTransport::NumReadyChannels() {
-  return engine_->AskLoop<size_t>([this] { return channels_->NumReady(); }).value_or(0);
+  return engine_->AskLoop<size_t>([this] { return table_->NumReady(); }).value_or(0);
 }
 
 std::vector<protocol::ChannelSnapshot> VerbsTransport::ChannelSnapshots(absl::Duration timeout) {
   if (engine_ == nullptr) return {};
   return engine_
-      ->AskLoop<std::vector<protocol::ChannelSnapshot>>([this] { return channels_->Snapshot(); },
+      ->AskLoop<std::vector<protocol::ChannelSnapshot>>([this] { return table_->Snapshot(); },
                                                         timeout)
       .value_or(std::vector<protocol::ChannelSnapshot>());
 }
@@ -364,7 +366,7 @@ void VerbsTransport::ChannelSnapshotsAsync(
   using Done = absl::AnyInvocable<void(std::vector<protocol::ChannelSnapshot>) &&>;
   // Shared with the task, which a refusing Post leaves holding it.
   auto held = std::make_shared<Done>(std::move(done));
-  protocol::ProgressEngine::Task task = [this, held] { std::move (*held)(channels_->Snapshot()); };
+  protocol::ProgressEngine::Task task = [this, held] { std::move (*held)(table_->Snapshot()); };
   if (engine_ == nullptr || !engine_->Post(task)) std::move (*held)({});
 }
 
@@ -377,7 +379,7 @@ void VerbsTransport::StopTraffic() {
   const absl::Time grace_end = absl::Now() + kShutdownGrace;
   while (absl::Now() < grace_end) {
     absl::StatusOr<bool> busy = engine_->AskLoop<bool>(
-        [this] { return !lent_->empty() || channels_->ResponsesInProgress(); }, absl::Seconds(1));
+        [this] { return !lent_->empty() || table_->ResponsesInProgress(); }, absl::Seconds(1));
     if (!busy.ok() || !*busy) break;
     absl::SleepFor(absl::Milliseconds(1));
   }
@@ -388,9 +390,11 @@ void VerbsTransport::Shutdown() {
   if (engine_ == nullptr || shut_down_.exchange(true)) return;
   StopTraffic();
   // The loop has stopped, so this thread owns the channels now.
-  channels_->CloseAll(
+  table_->CloseAll(
       absl::CancelledError(absl::StrCat("task ", options_.env->task_name, " is shutting down")));
+  channels_->CancelConnects();
   channels_->Shutdown(absl::Seconds(10));
+  table_->Clear();
   quarantine_.clear();
   lent_->Clear();
   MutexLock lock(&memory_mu_);

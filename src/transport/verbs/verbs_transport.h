@@ -5,8 +5,9 @@
 // the memory manager, and the parts that run the protocol on it:
 // - ProgressEngine (protocol/progress_engine.h): the one thread that touches the domain and
 //   every channel; other threads reach them by posting tasks to it.
-// - ChannelSetup (channel_setup.h): the channels and their set-up over VerbsService.Connect,
-//   served by VerbsServiceImpl (verbs_service.h) on the server's gRPC port.
+// - ChannelTable (protocol/channel_table.h): the channels, which ChannelSetup (channel_setup.h)
+//   sets up over VerbsService.Connect, served by VerbsServiceImpl (verbs_service.h) on the
+//   server's gRPC port. The transport is the channels' ChannelHost.
 // - PeerWatchdog (peer_watchdog.h): liveness probes of peers with pending recvs.
 // - LentTensors (lent_tensors.h): grpc+gdr's tensors lent to readers.
 // Recv() starts a recv of a remote tensor: on first use of a peer the channel is set up by one
@@ -41,9 +42,11 @@
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_env.h"
+#include "src/protocol/channel_table.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/progress_engine.h"
+#include "src/protocol/push_ahead.h"
 #include "src/protocol/remote_tensor.h"
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
@@ -80,17 +83,17 @@ struct VerbsOptions {
   absl::Duration peer_timeout = absl::Seconds(10);            // TENSORVERBS_PEER_TIMEOUT_MS
   absl::Duration connect_timeout = absl::Seconds(60);         // TENSORVERBS_CONNECT_TIMEOUT_MS
   // Every protocol: a recv waiting this long logs a warning, once (zero: never).
-  absl::Duration slow_recv_warning = absl::Seconds(60);       // TENSORVERBS_SLOW_RECV_MS
-  bool push = true;                                           // TENSORVERBS_PUSH
-  int push_max_destinations = 1024;                           // TENSORVERBS_PUSH_MAX
-  int max_responses = 65536;                                  // TENSORVERBS_MAX_RESPONSES
-  int max_pending_recvs = 65536;                              // TENSORVERBS_MAX_PENDING_RECVS
-  int large_in_flight = 2;                                    // TENSORVERBS_LARGE_IN_FLIGHT
-  int shmem_copy_threads = 1;                                 // TENSORVERBS_SHMEM_COPY_THREADS
-  bool shmem_peer_copy = true;                                // TENSORVERBS_SHMEM_PEER_COPY
-  std::string remote_keys = "per-channel";                    // TENSORVERBS_REMOTE_KEYS
-  uint64_t push_max_bytes = uint64_t{256} << 20;              // TENSORVERBS_PUSH_MAX_MB
-  bool gpu_direct = true;                                     // TENSORVERBS_GPU_DIRECT
+  absl::Duration slow_recv_warning = absl::Seconds(60);  // TENSORVERBS_SLOW_RECV_MS
+  bool push = true;                                      // TENSORVERBS_PUSH
+  int push_max_destinations = 1024;                      // TENSORVERBS_PUSH_MAX
+  int max_responses = 65536;                             // TENSORVERBS_MAX_RESPONSES
+  int max_pending_recvs = 65536;                         // TENSORVERBS_MAX_PENDING_RECVS
+  int large_in_flight = 2;                               // TENSORVERBS_LARGE_IN_FLIGHT
+  int shmem_copy_threads = 1;                            // TENSORVERBS_SHMEM_COPY_THREADS
+  bool shmem_peer_copy = true;                           // TENSORVERBS_SHMEM_PEER_COPY
+  std::string remote_keys = "per-channel";               // TENSORVERBS_REMOTE_KEYS
+  uint64_t push_max_bytes = uint64_t{256} << 20;         // TENSORVERBS_PUSH_MAX_MB
+  bool gpu_direct = true;                                // TENSORVERBS_GPU_DIRECT
   // The GPU runtime through which the fabric may reach device memory directly (the shmem
   // fabric's CUDA IPC), when gpu_direct; null: device tensors go through host memory.
   std::shared_ptr<fabric::DeviceMemory> device_memory;
@@ -177,6 +180,20 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   void Housekeeping(absl::Time now);
   bool OperationsInFlight() const;
 
+  // What the channels need of this transport (protocol::ChannelHost).
+  class Host final : public protocol::ChannelHost {
+   public:
+    explicit Host(VerbsTransport* transport) : transport_(transport) {}
+    void Post(absl::AnyInvocable<void() &&> task) override;
+    void Deliver(protocol::ProgressEngine::RecvDelivery delivery) override;
+    void Quarantine(std::vector<Tensor> memory, absl::Time until) override;
+    void ReleaseLent(const std::string& task, uint32_t tensor_key) override;
+    bool OnOwnerThread() const override;
+
+   private:
+    VerbsTransport* const transport_;
+  };
+
   // A recv on its way from the caller's thread to the progress thread.
   struct RecvStart {
     std::shared_ptr<RemoteRendezvous> rendezvous;
@@ -195,8 +212,10 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   KeyTable keys_;  // the keys recvs ask for, parsed once (any thread)
   std::unique_ptr<fabric::Domain> domain_;
   std::unique_ptr<protocol::RdmaMemoryMgr> memory_;
+  Host host_{this};
   protocol::ChannelEnv channel_env_;
   std::unique_ptr<protocol::ProgressEngine> engine_;
+  std::unique_ptr<protocol::ChannelTable> table_;
   std::unique_ptr<protocol::LocalTensorInbox> local_tensors_;
   std::unique_ptr<VerbsStubs> stubs_;
   std::unique_ptr<ChannelSetup> channels_;
@@ -205,11 +224,7 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
 
   // Progress-thread state.
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
-  // Tensors that landed in requests made ahead on a channel that then closed (its peer stopped
-  // after its sends were taken), by (peer task, key, step), each kept until its recv takes it,
-  // its step ends, or its time is up.
-  std::map<std::tuple<std::string, std::string, int64_t>, std::pair<Tensor, absl::Time>>
-      landed_ahead_;
+  protocol::LandedStore landed_;
   std::unique_ptr<LentTensors> lent_;
   // Recvs posted by callers, waiting for the progress thread: one small task per batch rather
   // than a task owning each recv (a heap allocation per recv). StartQueuedRecvs' batch keeps

@@ -27,9 +27,11 @@
 #include "src/fabric/loopback/loopback.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_env.h"
+#include "src/protocol/channel_table.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/message.h"
+#include "src/protocol/push_ahead.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/tensor/allocator.h"
@@ -71,11 +73,11 @@ struct RecvOutcome {
   bool is_dead = false;
 };
 
-// One task's end of the channel: its fabric domain, pool, memory manager, worker and the
-// ChannelEnv hooks a VerbsTransport would supply, with the progress loop's queues kept here so
-// the test decides when they run. Members are in dependency order: the channel goes first,
-// the domain last.
-struct Side {
+// One task's end of the channel: its fabric domain, pool, memory manager, worker, and what a
+// VerbsTransport would supply (the ChannelHost, the channel table, the landed store), with the
+// progress loop's queues kept here so the test decides when they run. Members are in
+// dependency order: the channel table (and with it the channel) goes first, the domain last.
+struct Side : public ChannelHost {
   Side(int task_index, uint64_t incarnation)
       : domain(*fabric::OpenDomain("loopback", {})),
         // Small and not pre-touched: a test needs a few MiB, not the server's 64.
@@ -96,22 +98,27 @@ struct Side {
     env.memory = &memory;
     env.domain = domain.get();
     env.stats = &stats;
-    env.post = [this](absl::AnyInvocable<void() &&> task) { posted.push_back(std::move(task)); };
-    env.deliver = [this](ProgressEngine::RecvDelivery d) {
-      callbacks.push_back(
-          [d = std::move(d)]() mutable { std::move(d.done)(d.status, d.tensor, d.is_dead); });
-    };
-    env.find_channel = [this](uint64_t id) -> Channel* {
-      return channel != nullptr && channel->id() == id ? channel.get() : nullptr;
-    };
+    env.host = this;
+    env.channels = &table;
+    env.landed = &landed;
     env.local_tensors = &local_tensors;
-    env.quarantine_memory = [this](std::vector<Tensor> memory, absl::Time until) {
-      quarantined.push_back({std::move(memory), until});
-    };
-    // The test thread plays both progress threads; anything else touching a channel is a bug
-    // the DCHECKs of a sanitizer build report.
-    env.on_owner_thread = [this] { return std::this_thread::get_id() == owner_thread; };
   }
+
+  // ChannelHost.
+  void Post(absl::AnyInvocable<void() &&> task) override { posted.push_back(std::move(task)); }
+  void Deliver(ProgressEngine::RecvDelivery d) override {
+    callbacks.push_back(
+        [d = std::move(d)]() mutable { std::move(d.done)(d.status, d.tensor, d.is_dead); });
+  }
+  void Quarantine(std::vector<Tensor> memory, absl::Time until) override {
+    quarantined.push_back({std::move(memory), until});
+  }
+  void ReleaseLent(const std::string& task, uint32_t tensor_key) override {
+    if (on_release_lent) on_release_lent(task, tensor_key);
+  }
+  // The test thread plays both progress threads; anything else touching a channel is a bug
+  // the DCHECKs of a sanitizer build report.
+  bool OnOwnerThread() const override { return std::this_thread::get_id() == owner_thread; }
 
   // Tasks the channel posted (ACKs, local tensors that became ready), and what they post in
   // turn. True if any ran.
@@ -173,9 +180,13 @@ struct Side {
   int unrouted = 0;
   fabric::Endpoint* endpoint = nullptr;           // the channel's, once connected
   std::unique_ptr<RendezvousMgr> rendezvous_mgr;  // acceptor only
+  // grpc+gdr tests: what ReleaseLent reports to.
+  std::function<void(const std::string& task, uint32_t tensor_key)> on_release_lent;
+  LandedStore landed;
   ChannelEnv env;
   LocalTensorInbox local_tensors{&env};
-  std::unique_ptr<Channel> channel;
+  ChannelTable table{[this] { return OnOwnerThread(); }};
+  Channel* channel = nullptr;  // in `table`
 };
 
 class ChannelTest : public ::testing::Test {
@@ -192,13 +203,15 @@ class ChannelTest : public ::testing::Test {
     acceptor_.env.rendezvous_mgr = acceptor_.rendezvous_mgr.get();
     Configure(&owner_.env);
     Configure(&acceptor_.env);
-    owner_.channel = std::make_unique<Channel>(&owner_.env, Channel::Role::kOwner, kOwnerChannelId,
-                                               acceptor_.worker.task_name);
-    acceptor_.channel = std::make_unique<Channel>(&acceptor_.env, Channel::Role::kAcceptor,
-                                                  kAcceptorChannelId, owner_.worker.task_name);
-    acceptor_.channel->set_peer_channel_id(kOwnerChannelId);
-    ASSERT_TRUE(owner_.channel->Init().ok());
-    ASSERT_TRUE(acceptor_.channel->Init().ok());
+    auto owner = std::make_unique<Channel>(&owner_.env, Channel::Role::kOwner, kOwnerChannelId,
+                                           acceptor_.worker.task_name);
+    auto acceptor = std::make_unique<Channel>(&acceptor_.env, Channel::Role::kAcceptor,
+                                              kAcceptorChannelId, owner_.worker.task_name);
+    acceptor->set_peer_channel_id(kOwnerChannelId);
+    ASSERT_TRUE(owner->Init().ok());
+    ASSERT_TRUE(acceptor->Init().ok());
+    owner_.channel = owner_.table.Add(std::move(owner));
+    acceptor_.channel = acceptor_.table.Add(std::move(acceptor));
     if (ConnectOnSetUp()) {
       ASSERT_NO_FATAL_FAILURE(ConnectChannels());
     }

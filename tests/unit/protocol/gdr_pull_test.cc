@@ -18,7 +18,7 @@ class GdrPullTest : public ChannelTest {
   void Configure(ChannelEnv* env) override { env->mode = VerbsMode::kGdr; }
   void SetUp() override {
     ASSERT_NO_FATAL_FAILURE(ChannelTest::SetUp());
-    acceptor_.env.release_lent = [this](const std::string& task, uint32_t tensor_key) {
+    acceptor_.on_release_lent = [this](const std::string& task, uint32_t tensor_key) {
       EXPECT_EQ(task, owner_.worker.task_name);
       released_.push_back(tensor_key);
     };

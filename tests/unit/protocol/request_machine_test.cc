@@ -310,17 +310,13 @@ TEST_F(PushedRequestTest, CloseInMetaParkedCallsNobody) {
 }
 
 TEST_F(PushedRequestTest, CloseInLandedAheadHandsTheTensorToTheTransport) {
-  std::vector<std::pair<std::string, int64_t>> kept;
-  owner_.env.keep_landed = [&kept](const std::string& peer, const std::string& key, int64_t step,
-                                   Tensor tensor, absl::Time) {
-    EXPECT_TRUE(tensor.IsInitialized());
-    kept.emplace_back(key, step);
-  };
   Send(2, k_, Floats(&acceptor_.pool, 100, 2.0f));
   ASSERT_TRUE(ReachState(State::kLandedAhead, Owner::kPushed));
   CloseOwner();
-  ASSERT_EQ(kept.size(), 1u) << "whole, and the sender is done with it";
-  EXPECT_EQ(kept[0], (std::pair<std::string, int64_t>{k_.full_key, 2}));
+  std::optional<Tensor> kept = owner_.landed.Take(acceptor_.worker.task_name, k_.full_key, 2);
+  ASSERT_TRUE(kept.has_value()) << "whole, and the sender is done with it";
+  EXPECT_TRUE(kept->IsInitialized());
+  EXPECT_TRUE(owner_.landed.empty()) << "kept once, for its own key and step";
   EXPECT_EQ(QuarantinedTensors(), 0u);
 }
 

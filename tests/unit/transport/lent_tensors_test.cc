@@ -3,7 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -19,6 +21,22 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// The one thing of its ChannelHost that LentTensors uses: quarantine, reported to `quarantine`.
+class QuarantineHost final : public protocol::ChannelHost {
+ public:
+  void Post(absl::AnyInvocable<void() &&> task) override { ADD_FAILURE() << "unexpected Post"; }
+  void Deliver(protocol::ProgressEngine::RecvDelivery delivery) override {
+    ADD_FAILURE() << "unexpected Deliver";
+  }
+  void Quarantine(std::vector<Tensor> memory, absl::Time until) override {
+    if (quarantine) quarantine(std::move(memory), until);
+  }
+  void ReleaseLent(const std::string& task, uint32_t tensor_key) override {}
+  bool OnOwnerThread() const override { return true; }
+
+  std::function<void(std::vector<Tensor>, absl::Time)> quarantine;
+};
+
 // A grpc+gdr sender's memory (loopback fabric) and the ChannelEnv parts LentTensors reads.
 class LentTensorsTest : public ::testing::Test {
  protected:
@@ -31,6 +49,7 @@ class LentTensorsTest : public ::testing::Test {
     env_.domain = domain_.get();
     env_.stats = &stats_;
     env_.max_responses = 64;
+    env_.host = &host_;
   }
 
   Tensor PoolTensor() {
@@ -42,6 +61,7 @@ class LentTensorsTest : public ::testing::Test {
   PoolAllocator pool_;
   protocol::RdmaMemoryMgr memory_;
   protocol::VerbsStats stats_;
+  QuarantineHost host_;
   protocol::ChannelEnv env_;
 };
 
@@ -103,7 +123,7 @@ TEST_F(LentTensorsTest, ThePeerGoneEndsItsLeasesIntoQuarantineAndNoOneElses) {
   std::vector<Tensor> quarantined;
   absl::Time until;
   env_.quarantine = absl::Seconds(2);
-  env_.quarantine_memory = [&](std::vector<Tensor> memory, absl::Time t) {
+  host_.quarantine = [&](std::vector<Tensor> memory, absl::Time t) {
     for (Tensor& m : memory) quarantined.push_back(std::move(m));
     until = t;
   };

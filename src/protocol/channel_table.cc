@@ -1,0 +1,166 @@
+#include "src/protocol/channel_table.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "src/common/logging.h"
+
+namespace tensorverbs::protocol {
+
+ChannelTable::ChannelTable(std::function<bool()> on_owner_thread)
+    : on_owner_thread_(std::move(on_owner_thread)) {}
+
+void ChannelTable::AssertOnLoop() const {
+  DCHECK(on_owner_thread_ == nullptr || on_owner_thread_())
+      << "grpc+verbs channel table used off the progress thread";
+}
+
+Channel* ChannelTable::Add(std::unique_ptr<Channel> channel) {
+  AssertOnLoop();
+  Channel* raw = channel.get();
+  by_endpoint_[raw->endpoint()] = raw;
+  if (raw->role() == Channel::Role::kOwner) owner_by_task_[raw->peer_task()] = raw->id();
+  channels_.emplace(raw->id(), std::move(channel));
+  return raw;
+}
+
+Channel* ChannelTable::Find(uint64_t id) const {
+  AssertOnLoop();
+  auto it = channels_.find(id);
+  return it == channels_.end() ? nullptr : it->second.get();
+}
+
+Channel* ChannelTable::OwnerFor(const std::string& task) const {
+  auto it = owner_by_task_.find(task);
+  if (it == owner_by_task_.end()) return nullptr;
+  Channel* c = Find(it->second);
+  return c != nullptr && c->state() != Channel::State::kClosed ? c : nullptr;
+}
+
+Channel* ChannelTable::AcceptedFrom(const std::string& task, uint64_t peer_channel_id) const {
+  AssertOnLoop();
+  for (const auto& [id, c] : channels_) {
+    if (c->role() == Channel::Role::kAcceptor && c->peer_task() == task &&
+        c->peer_channel_id() == peer_channel_id) {
+      return c.get();
+    }
+  }
+  return nullptr;
+}
+
+const absl::Status* ChannelTable::WhyAcceptedClosed(const std::string& task,
+                                                    uint64_t peer_channel_id) const {
+  auto it = closed_accepted_.find({task, peer_channel_id});
+  return it == closed_accepted_.end() ? nullptr : &it->second;
+}
+
+void ChannelTable::CloseAcceptedFrom(const std::string& task, uint64_t incarnation,
+                                     const Channel* keep) {
+  AssertOnLoop();
+  for (auto& [id, other] : channels_) {
+    if (other.get() == keep || other->role() != Channel::Role::kAcceptor ||
+        other->peer_task() != task) {
+      continue;
+    }
+    if (other->peer_incarnation() != incarnation) {
+      other->Close(absl::AbortedError(absl::StrCat("task ", task, " restarted")));
+    } else {
+      other->Close(absl::CancelledError(absl::StrCat("task ", task, " replaced the channel")));
+    }
+  }
+}
+
+void ChannelTable::Dispatch(const fabric::Completion& c) {
+  AssertOnLoop();
+  auto it = by_endpoint_.find(c.endpoint);
+  if (it != by_endpoint_.end()) it->second->OnCompletion(c);
+}
+
+void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_t)>& pinned) {
+  AssertOnLoop();
+  std::vector<uint64_t> closed;
+  for (auto& [id, channel] : channels_) {
+    if (channel->state() == Channel::State::kClosed) {
+      closed.push_back(id);
+    } else if (channel->role() == Channel::Role::kOwner) {
+      channel->ExpireRequests(now);
+    } else {
+      channel->ExpireResponses(now);
+    }
+  }
+  for (uint64_t id : closed) {
+    Channel* c = channels_[id].get();
+    if (c->role() == Channel::Role::kAcceptor) {
+      if (closed_accepted_.size() >= kMaxClosedAccepted) closed_accepted_.clear();
+      closed_accepted_[{c->peer_task(), c->peer_channel_id()}] = c->close_status();
+    }
+    absl::erase_if(by_endpoint_, [c](const auto& entry) { return entry.second == c; });
+    auto owner = owner_by_task_.find(c->peer_task());
+    if (owner != owner_by_task_.end() && owner->second == id) owner_by_task_.erase(owner);
+    if (pinned != nullptr && pinned(id)) continue;
+    channels_.erase(id);
+  }
+}
+
+void ChannelTable::AbortStep(int64_t step_id, const absl::Status& status) {
+  AssertOnLoop();
+  for (auto& [id, channel] : channels_) {
+    if (channel->role() == Channel::Role::kOwner) channel->AbortStep(step_id, status);
+  }
+}
+
+void ChannelTable::CloseAll(const absl::Status& status) {
+  AssertOnLoop();
+  for (auto& [id, c] : channels_) c->Close(status);
+}
+
+void ChannelTable::Clear() {
+  channels_.clear();
+  by_endpoint_.clear();
+  owner_by_task_.clear();
+}
+
+bool ChannelTable::OperationsInFlight() const {
+  // By channel: a closed channel's endpoint is gone while by_endpoint_ still names it.
+  for (const auto& [id, channel] : channels_) {
+    fabric::Endpoint* endpoint = channel->endpoint();
+    if (endpoint != nullptr && endpoint->Outstanding() > 0) return true;
+  }
+  return false;
+}
+
+bool ChannelTable::AwaitingPeers() const {
+  for (const auto& [id, c] : channels_) {
+    if (c->state() == Channel::State::kReady && c->awaiting_peer()) return true;
+  }
+  return false;
+}
+
+bool ChannelTable::ResponsesInProgress() const {
+  for (const auto& [id, c] : channels_) {
+    if (c->responses_in_progress() > 0) return true;
+  }
+  return false;
+}
+
+size_t ChannelTable::NumReady() const {
+  AssertOnLoop();
+  size_t n = 0;
+  for (const auto& [id, c] : channels_) n += c->state() == Channel::State::kReady;
+  return n;
+}
+
+std::vector<ChannelSnapshot> ChannelTable::Snapshot() const {
+  AssertOnLoop();
+  std::vector<ChannelSnapshot> out;
+  out.reserve(channels_.size());
+  for (const auto& [id, channel] : channels_) out.push_back(channel->Snapshot());
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return std::tie(a.peer_task, a.receives) < std::tie(b.peer_task, b.receives);
+  });
+  return out;
+}
+
+}  // namespace tensorverbs::protocol

@@ -1,0 +1,96 @@
+// ChannelTable: one transport's channels, found by id (tasks posted for a channel), by endpoint
+// (completions), and by peer task (the channel that receives from it, the accepted ones it
+// set up). It dispatches completions, runs the channels' timers, and drops closed channels,
+// remembering (bounded) why accepted ones closed, so a peer's liveness probe can learn it.
+//
+// The transport owns it beside its ProgressEngine and hands it to the channels (ChannelEnv::
+// channels) and to the gRPC handshake (transport/verbs/channel_setup.h), which creates the
+// channels and adds them here. Every method runs on the progress thread (the engine's owner
+// thread), which owns the channels; the table outlives every task that names a channel by id.
+#ifndef TENSORVERBS_PROTOCOL_CHANNEL_TABLE_H_
+#define TENSORVERBS_PROTOCOL_CHANNEL_TABLE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "src/fabric/fabric.h"
+#include "src/protocol/channel.h"
+
+namespace tensorverbs::protocol {
+
+class ChannelTable {
+ public:
+  // `on_owner_thread` tells whether the caller is on the progress thread (DCHECKed; null: not
+  // checked).
+  explicit ChannelTable(std::function<bool()> on_owner_thread = nullptr);
+  ChannelTable(const ChannelTable&) = delete;
+  ChannelTable& operator=(const ChannelTable&) = delete;
+
+  // An id for the next channel.
+  uint64_t NextId() { return next_id_++; }
+  // Takes `channel` (initialized: its endpoint exists); an owner channel becomes the one that
+  // receives from its peer task.
+  Channel* Add(std::unique_ptr<Channel> channel);
+  // The channel with `id`, closed or not; null once it was dropped.
+  Channel* Find(uint64_t id) const;
+  // The owner channel that receives from `task`, unless it closed; null if none.
+  Channel* OwnerFor(const std::string& task) const;
+  // The accepted channel `task` set up as its channel `peer_channel_id`; null if none.
+  Channel* AcceptedFrom(const std::string& task, uint64_t peer_channel_id) const;
+  // Why the accepted channel `task` set up as `peer_channel_id` closed, if it was dropped
+  // recently; null if not known.
+  const absl::Status* WhyAcceptedClosed(const std::string& task, uint64_t peer_channel_id) const;
+  // Closes every accepted channel of `task` but `keep`: `task` set up a new one, so it restarted
+  // (when its incarnation differs from `incarnation`) or gave the old one up.
+  void CloseAcceptedFrom(const std::string& task, uint64_t incarnation, const Channel* keep);
+
+  // Hands a completion to the channel of its endpoint.
+  void Dispatch(const fabric::Completion& c);
+  // Expires recvs and responses past their time, and drops closed channels, except those
+  // `pinned` names (a set-up call still refers to them by id).
+  void Housekeeping(absl::Time now, const std::function<bool(uint64_t id)>& pinned);
+  // Fails every owner channel's recvs of `step_id`.
+  void AbortStep(int64_t step_id, const absl::Status& status);
+  void CloseAll(const absl::Status& status);
+  // Drops every channel (after the loop stopped).
+  void Clear();
+
+  // Whether any endpoint has operations posted and not completed.
+  bool OperationsInFlight() const;
+  // Whether a response still holds a tensor a peer took.
+  bool ResponsesInProgress() const;
+  // Whether a ready channel has requests its peer still owes content or an answer.
+  bool AwaitingPeers() const;
+  size_t NumReady() const;
+  // Every channel, as `tensorverbs stats` shows it, by peer task.
+  std::vector<ChannelSnapshot> Snapshot() const;
+  // Runs `fn` on every channel.
+  template <typename Fn>
+  void ForEach(Fn fn) const {
+    AssertOnLoop();
+    for (const auto& [id, channel] : channels_) fn(*channel);
+  }
+
+ private:
+  void AssertOnLoop() const;
+
+  const std::function<bool()> on_owner_thread_;
+  uint64_t next_id_ = 1;
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Channel>> channels_;
+  absl::flat_hash_map<fabric::Endpoint*, Channel*> by_endpoint_;
+  absl::flat_hash_map<std::string, uint64_t> owner_by_task_;
+  // Why recently dropped accepted channels closed, by (owner task, owner's channel id).
+  absl::flat_hash_map<std::pair<std::string, uint64_t>, absl::Status> closed_accepted_;
+  static constexpr size_t kMaxClosedAccepted = 1024;
+};
+
+}  // namespace tensorverbs::protocol
+
+#endif  // TENSORVERBS_PROTOCOL_CHANNEL_TABLE_H_
