@@ -118,6 +118,11 @@ size_t Channel::responses_in_progress() const {
   return sending_ != nullptr ? sending_->responses_in_progress() : 0;
 }
 
+size_t Channel::CountResponses(RdmaTensorResponse::State state) const {
+  AssertOwnerThread();
+  return sending_ != nullptr ? sending_->CountResponses(state) : 0;
+}
+
 bool Channel::holds_state_for_peer() const {
   return sending_ != nullptr && sending_->holds_state_for_peer();
 }

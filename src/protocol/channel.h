@@ -154,7 +154,10 @@ class Channel {
                        std::optional<RdmaTensorRequest::Owner> owner = std::nullopt) const;
   // Owner side: requests (recvs, pushed requests, reads) the peer still owes an answer.
   bool awaiting_peer() const;
-  // Acceptor side (SendingSide): responses that hold their tensor and are still sending it.
+  // Acceptor side (SendingSide): responses in `state`, for tests and diagnostics of the
+  // response state machine (0 on the owner's end).
+  size_t CountResponses(RdmaTensorResponse::State state) const;
+  // Acceptor side: responses that hold their tensor and are still sending it.
   size_t responses_in_progress() const;
   // Acceptor side: whether this end holds anything for its peer (responses, copy buffers),
   // which a dead peer would otherwise pin until the channel closes.

@@ -123,6 +123,12 @@ size_t SendingSide::responses_in_progress() const {
   return n;
 }
 
+size_t SendingSide::CountResponses(RdmaTensorResponse::State state) const {
+  size_t n = 0;
+  for (const auto& [index, response] : responses_) n += response->state() == state;
+  return n;
+}
+
 void SendingSide::FinishResponse(uint32_t index) {
   auto it = responses_.find(index);
   if (it == responses_.end()) return;

@@ -61,6 +61,7 @@ class SendingSide {
   // Responses that hold their tensor and are still sending it.
   size_t responses_in_progress() const;
   size_t responses() const { return responses_.size(); }
+  size_t CountResponses(RdmaTensorResponse::State state) const;
   // Whether this end holds anything for its peer (responses, copy buffers).
   bool holds_state_for_peer() const { return !responses_.empty() || !copy_buffers_.empty(); }
 

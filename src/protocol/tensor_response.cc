@@ -14,9 +14,7 @@
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
-namespace {
-
-bool AllowedTransition(RdmaTensorResponse::State from, RdmaTensorResponse::State to) {
+bool ResponseTransitionAllowed(RdmaTensorResponse::State from, RdmaTensorResponse::State to) {
   using State = RdmaTensorResponse::State;
   switch (from) {
     case State::kWaitTensor:
@@ -30,8 +28,6 @@ bool AllowedTransition(RdmaTensorResponse::State from, RdmaTensorResponse::State
   }
   return false;
 }
-
-}  // namespace
 
 const char* ResponseStateName(RdmaTensorResponse::State state) {
   switch (state) {
@@ -56,7 +52,7 @@ const std::string& RdmaTensorResponse::name() const {
 }
 
 void RdmaTensorResponse::TransitionTo(State next) {
-  DCHECK(AllowedTransition(state_, next))
+  DCHECK(ResponseTransitionAllowed(state_, next))
       << "response to request " << request_.request_index << " for '" << name()
       << "': " << ResponseStateName(state_) << " -> " << ResponseStateName(next);
   state_ = next;

@@ -37,6 +37,7 @@ class SendingSide;
 class RdmaTensorResponse {
  public:
   enum class State { kWaitTensor, kWaitReRequest, kWriting, kDone };
+  static constexpr int kStates = 4;
 
   RdmaTensorResponse(SendingSide* side, uint64_t serial, Message request);
 
@@ -63,7 +64,8 @@ class RdmaTensorResponse {
   bool in_progress() const { return state_ == State::kWriting || state_ == State::kWaitReRequest; }
 
  private:
-  // The one place the state changes; DCHECKs that the transition is one of the diagram's.
+  // The one place the state changes; DCHECKs that the transition is one of the diagram's
+  // (ResponseTransitionAllowed, which the unit tests hold to the diagram).
   void TransitionTo(State next);
   absl::Status PrepareSource(const Tensor& tensor);
   // Copy mode: lays the tensor out in the name's registered buffer (the copy in).
@@ -101,6 +103,8 @@ class RdmaTensorResponse {
 };
 
 const char* ResponseStateName(RdmaTensorResponse::State state);
+// Whether the diagram above has an edge from `from` to `to`.
+bool ResponseTransitionAllowed(RdmaTensorResponse::State from, RdmaTensorResponse::State to);
 
 }  // namespace tensorverbs::protocol
 
