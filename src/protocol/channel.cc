@@ -111,6 +111,11 @@ size_t Channel::CountRequests(RdmaTensorRequest::State state,
   return receiving_ != nullptr ? receiving_->CountRequests(state, owner) : 0;
 }
 
+size_t Channel::CountPulls(GdrPull::State state) const {
+  AssertOwnerThread();
+  return receiving_ != nullptr ? receiving_->CountPulls(state) : 0;
+}
+
 bool Channel::awaiting_peer() const { return receiving_ != nullptr && receiving_->awaiting_peer(); }
 
 size_t Channel::responses_in_progress() const {

@@ -152,6 +152,8 @@ class Channel {
   // diagnostics of the request state machine.
   size_t CountRequests(RdmaTensorRequest::State state,
                        std::optional<RdmaTensorRequest::Owner> owner = std::nullopt) const;
+  // Owner side, grpc+gdr: reads in `state` (0 on the acceptor's end).
+  size_t CountPulls(GdrPull::State state) const;
   // Owner side: requests (recvs, pushed requests, reads) the peer still owes an answer.
   bool awaiting_peer() const;
   // Acceptor side (SendingSide): responses in `state`, for tests and diagnostics of the

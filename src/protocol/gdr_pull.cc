@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "src/common/logging.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/receiving_side.h"
 
@@ -20,6 +21,38 @@ GdrPull::GdrPull(ReceivingSide* side, uint32_t index, RemoteTensorRef ref, Tenso
       deadline_(deadline),
       done_(std::move(done)) {}
 
+bool GdrPullTransitionAllowed(GdrPull::State from, GdrPull::State to) {
+  using State = GdrPull::State;
+  switch (from) {
+    case State::kQueued:
+      return to == State::kReading || to == State::kDone;
+    case State::kReading:
+      return to == State::kDone;
+    case State::kDone:
+      return false;
+  }
+  return false;
+}
+
+const char* PullStateName(GdrPull::State state) {
+  switch (state) {
+    case GdrPull::State::kQueued:
+      return "queued";
+    case GdrPull::State::kReading:
+      return "reading";
+    case GdrPull::State::kDone:
+      return "done";
+  }
+  return "?";
+}
+
+void GdrPull::TransitionTo(State next) {
+  DCHECK(GdrPullTransitionAllowed(state_, next))
+      << "read of a tensor from task " << channel_->peer_task() << ": " << PullStateName(state_)
+      << " -> " << PullStateName(next);
+  state_ = next;
+}
+
 void GdrPull::End(const absl::Status& status) {
   if (done_ == nullptr) return;
   Done done = std::move(done_);
@@ -32,6 +65,7 @@ void GdrPull::FailBeforePosting(const absl::Status& status) {
   // than holding it until its lease ends.
   absl::Status release = PostRelease();
   End(status);
+  TransitionTo(State::kDone);
   side_->FinishPull(index_);  // nothing was posted: nothing can land
   if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
 }
@@ -48,6 +82,7 @@ void GdrPull::Issue() {
     // is told at once rather than holding it until its lease ends.
     absl::Status release = PostRelease();
     End(release);
+    TransitionTo(State::kDone);
     side_->FinishPull(index_);
     if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
     return;
@@ -84,6 +119,7 @@ void GdrPull::Issue() {
         fabric::LocalBuffer{*region, static_cast<uint8_t*>(target) + offset, len},
         fabric::RemoteBuffer{ref_.key, ref_.addr + offset, len}, context);
   });
+  if (reads_left_ > 0) TransitionTo(State::kReading);
   if (s.ok()) return;
   if (reads_left_ == 0) {
     FailBeforePosting(absl::InvalidArgumentError(absl::StrCat(
@@ -105,6 +141,7 @@ void GdrPull::OnReadDone() {
   }
   env->stats->content_bytes.fetch_add(static_cast<int64_t>(ref_.bytes), std::memory_order_relaxed);
   End(absl::OkStatus());
+  TransitionTo(State::kDone);
   side_->FinishPull(index_);
   if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
 }

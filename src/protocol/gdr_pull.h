@@ -7,6 +7,13 @@
 // (its deadline passed while queued, the destination cannot be read into): no tensor waits at
 // the sender for its lease to end.
 //
+//   kQueued --Issue: reads posted--> kReading --last read completed: release--> kDone
+//   kQueued --nothing to read (refused, ended, unfit destination): release--> kDone
+//
+// Whether `done` has run (the recv ended: deadline, close) is beside the state, not a state:
+// a pull that ended while reading keeps its memory until its reads complete or the channel
+// closes. TransitionTo is the one place the state changes (GdrPullTransitionAllowed).
+//
 // Owned by its channel's ReceivingSide (by request index, from the same index space as recvs);
 // every method runs on the transport's progress thread. `done` runs exactly once, on the progress
 // thread. A pull that ends early (deadline, channel closed) keeps its memory until its reads
@@ -31,6 +38,8 @@ class ReceivingSide;
 class GdrPull {
  public:
   using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
+  enum class State { kQueued, kReading, kDone };
+  static constexpr int kStates = 3;
 
   GdrPull(ReceivingSide* side, uint32_t index, RemoteTensorRef ref, Tensor dest,
           absl::Time deadline, Done done);
@@ -45,6 +54,7 @@ class GdrPull {
   void End(const absl::Status& status);
 
   bool finished() const { return !done_; }
+  State state() const { return state_; }
   absl::Time deadline() const { return deadline_; }
   // The memory the reads may still write into.
   std::vector<Tensor> TakeMemory();
@@ -56,6 +66,8 @@ class GdrPull {
   // Posts the zero-byte write that lets the sender drop the tensor.
   absl::Status PostRelease();
   static absl::Status ReleaseFailed(const Channel* channel, const absl::Status& status);
+  // The one place the state changes; DCHECKs that the move is one of the diagram's.
+  void TransitionTo(State next);
 
   ReceivingSide* const side_;
   Channel* const channel_;  // side_'s
@@ -66,7 +78,12 @@ class GdrPull {
   const absl::Time deadline_;
   Done done_;
   int reads_left_ = 0;
+  State state_ = State::kQueued;
 };
+
+const char* PullStateName(GdrPull::State state);
+// Whether the diagram above has an edge from `from` to `to`.
+bool GdrPullTransitionAllowed(GdrPull::State from, GdrPull::State to);
 
 }  // namespace tensorverbs::protocol
 

@@ -208,6 +208,12 @@ size_t ReceivingSide::CountRequests(RdmaTensorRequest::State state,
   return n;
 }
 
+size_t ReceivingSide::CountPulls(GdrPull::State state) const {
+  size_t n = 0;
+  for (const auto& [index, pull] : pulls_) n += pull->state() == state;
+  return n;
+}
+
 size_t ReceivingSide::pending_requests() const {
   size_t n = 0;
   for (const auto& [index, request] : requests_) n += !request->finished();

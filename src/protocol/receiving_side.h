@@ -71,6 +71,7 @@ class ReceivingSide {
   size_t held_indexes() const { return requests_.size() + pulls_.size(); }
   size_t CountRequests(RdmaTensorRequest::State state,
                        std::optional<RdmaTensorRequest::Owner> owner) const;
+  size_t CountPulls(GdrPull::State state) const;
   bool awaiting_peer() const { return !requests_.empty() || !pulls_.empty(); }
   // Nothing a caller waits for: at most requests made ahead that no recv took.
   bool idle() const;

@@ -4,6 +4,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <iterator>
+#include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -102,6 +105,100 @@ TEST_F(FullGdrPullTest, AReadBeyondTheBoundIsRefusedAndItsTensorReleased) {
   EXPECT_EQ(release_calls, 1);
   EXPECT_TRUE(release_status.ok()) << release_status;
   EXPECT_EQ(released_, (std::vector<uint32_t>{3, 5}));
+}
+
+using PullState = GdrPull::State;
+
+TEST(GdrPullTransitionTest, TheTableIsTheDiagramInTheHeader) {
+  constexpr PullState kEvery[] = {PullState::kQueued, PullState::kReading, PullState::kDone};
+  static_assert(std::size(kEvery) == GdrPull::kStates);
+  const std::set<std::pair<PullState, PullState>> diagram = {
+      {PullState::kQueued, PullState::kReading},
+      {PullState::kQueued, PullState::kDone},
+      {PullState::kReading, PullState::kDone},
+  };
+  std::set<std::string> names;
+  for (PullState from : kEvery) {
+    names.insert(PullStateName(from));
+    for (PullState to : kEvery) {
+      EXPECT_EQ(GdrPullTransitionAllowed(from, to), diagram.count({from, to}) == 1)
+          << PullStateName(from) << " -> " << PullStateName(to);
+    }
+  }
+  EXPECT_EQ(names.size(), std::size(kEvery));
+  EXPECT_EQ(names.count("?"), 0u);
+}
+
+// A tensor the acceptor's task really lends: registered for remote reads on its domain.
+class ReadingGdrPullTest : public GdrPullTest {
+ protected:
+  RemoteTensorRef LendReal(uint32_t tensor_key) {
+    region_ = *acceptor_.domain->RegisterMemory(lent_.data(), lent_.TotalBytes(),
+                                                fabric::kAccessRemoteRead);
+    RemoteTensorRef ref;
+    ref.addr = reinterpret_cast<uint64_t>(lent_.data());
+    ref.key = region_->PackRemoteKey().ToString();
+    ref.tensor_key = tensor_key;
+    ref.bytes = lent_.TotalBytes();
+    return ref;
+  }
+  size_t InState(PullState s) const { return owner_.channel->CountPulls(s); }
+
+  const Tensor lent_ = Floats(&acceptor_.pool, 256, 1.5f);
+  std::unique_ptr<fabric::MemoryRegion> region_;
+};
+
+class UnconnectedReadingGdrPullTest : public ReadingGdrPullTest {
+ protected:
+  bool ConnectOnSetUp() const override { return false; }
+};
+
+// kQueued -> kReading -> kDone: queued until the channel is ready, read, then released.
+TEST_F(UnconnectedReadingGdrPullTest, QueuedThenReadingThenDoneReleasesTheTensor) {
+  absl::Status status;
+  int calls = 0;
+  const Tensor dest = Floats(&owner_.pool, 256, 0.0f);
+  StartPull(LendReal(9), dest, absl::InfiniteFuture(), &status, &calls);
+  EXPECT_EQ(InState(PullState::kQueued), 1u);
+  ASSERT_NO_FATAL_FAILURE(ConnectChannels());
+  EXPECT_EQ(InState(PullState::kReading), 1u) << "issued when the channel became ready";
+  ASSERT_TRUE(Pump([&] { return calls > 0 && !released_.empty(); }));
+  Settle();
+  EXPECT_EQ(calls, 1);
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_TRUE(dest.ContentEquals(lent_));
+  EXPECT_EQ(released_, std::vector<uint32_t>{9});
+  EXPECT_EQ(InState(PullState::kQueued) + InState(PullState::kReading), 0u);
+}
+
+TEST_F(UnconnectedReadingGdrPullTest, CloseInQueuedEndsThePullOnce) {
+  absl::Status status;
+  int calls = 0;
+  StartPull(LendReal(9), Floats(&owner_.pool, 256, 0.0f), absl::InfiniteFuture(), &status, &calls);
+  ASSERT_EQ(InState(PullState::kQueued), 1u);
+  owner_.channel->Close(absl::UnavailableError("the test closed the channel"));
+  Settle();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_EQ(InState(PullState::kQueued), 0u);
+}
+
+TEST_F(ReadingGdrPullTest, CloseInReadingEndsThePullOnceAndQuarantinesItsDestination) {
+  absl::Status status;
+  int calls = 0;
+  const Tensor dest = Floats(&owner_.pool, 256, 0.0f);
+  StartPull(LendReal(9), dest, absl::InfiniteFuture(), &status, &calls);
+  ASSERT_EQ(InState(PullState::kReading), 1u) << "posted, not yet polled";
+  owner_.channel->Close(absl::UnavailableError("the test closed the channel"));
+  Settle();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_EQ(InState(PullState::kReading), 0u);
+  size_t quarantined = 0;
+  for (const Side::Quarantined& q : owner_.quarantined) {
+    for (const Tensor& t : q.memory) quarantined += t.data() == dest.data();
+  }
+  EXPECT_EQ(quarantined, 1u) << "a read still in flight may write the destination";
 }
 
 }  // namespace
