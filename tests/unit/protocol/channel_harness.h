@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <ostream>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -64,6 +65,25 @@ class LocalOnlyRendezvous final : public RemoteRendezvous {
     std::move(done)(absl::UnimplementedError("local-only rendezvous"), Tensor(), false);
   }
 };
+
+// Holds a state machine's transition table (`allowed`) to the diagram in its header, given
+// edge by edge, over every pair of `every` state, and checks that each state has a name
+// (`name`) of its own.
+template <typename State, size_t N, typename Allowed, typename Name>
+void ExpectTableIsTheDiagram(const State (&every)[N],
+                             const std::set<std::pair<State, State>>& diagram, Allowed allowed,
+                             Name name) {
+  std::set<std::string> names;
+  for (State from : every) {
+    names.insert(name(from));
+    for (State to : every) {
+      EXPECT_EQ(allowed(from, to), diagram.count({from, to}) == 1)
+          << name(from) << " -> " << name(to);
+    }
+  }
+  EXPECT_EQ(names.size(), N) << "every state has a name of its own";
+  EXPECT_EQ(names.count("?"), 0u);
+}
 
 // What one recv's callback saw. `calls` is how the tests prove "exactly once".
 struct RecvOutcome {

@@ -117,16 +117,7 @@ TEST(GdrPullTransitionTest, TheTableIsTheDiagramInTheHeader) {
       {PullState::kQueued, PullState::kDone},
       {PullState::kReading, PullState::kDone},
   };
-  std::set<std::string> names;
-  for (PullState from : kEvery) {
-    names.insert(PullStateName(from));
-    for (PullState to : kEvery) {
-      EXPECT_EQ(GdrPullTransitionAllowed(from, to), diagram.count({from, to}) == 1)
-          << PullStateName(from) << " -> " << PullStateName(to);
-    }
-  }
-  EXPECT_EQ(names.size(), std::size(kEvery));
-  EXPECT_EQ(names.count("?"), 0u);
+  ExpectTableIsTheDiagram(kEvery, diagram, GdrPullTransitionAllowed, PullStateName);
 }
 
 // A tensor the acceptor's task really lends: registered for remote reads on its domain.

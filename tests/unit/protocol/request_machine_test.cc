@@ -40,16 +40,7 @@ TEST(RequestTransitionTest, TheTableIsTheDiagramInTheHeader) {
       {State::kMetaParked, State::kReRequested}, {State::kReRequested, State::kDone},
       {State::kLandedAhead, State::kDone},
   };
-  std::set<std::string> names;
-  for (State from : kEveryState) {
-    names.insert(RequestStateName(from));
-    for (State to : kEveryState) {
-      EXPECT_EQ(RequestTransitionAllowed(from, to), diagram.count({from, to}) == 1)
-          << RequestStateName(from) << " -> " << RequestStateName(to);
-    }
-  }
-  EXPECT_EQ(names.size(), std::size(kEveryState)) << "every state has a name of its own";
-  EXPECT_EQ(names.count("?"), 0u);
+  ExpectTableIsTheDiagram(kEveryState, diagram, RequestTransitionAllowed, RequestStateName);
 }
 
 // Requests of the owner's channel in each state, by owner; only non-zero entries.

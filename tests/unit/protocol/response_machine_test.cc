@@ -33,16 +33,7 @@ TEST(ResponseTransitionTest, TheTableIsTheDiagramInTheHeader) {
       {State::kWaitTensor, State::kDone},    {State::kWaitReRequest, State::kWriting},
       {State::kWaitReRequest, State::kDone}, {State::kWriting, State::kDone},
   };
-  std::set<std::string> names;
-  for (State from : kEveryState) {
-    names.insert(ResponseStateName(from));
-    for (State to : kEveryState) {
-      EXPECT_EQ(ResponseTransitionAllowed(from, to), diagram.count({from, to}) == 1)
-          << ResponseStateName(from) << " -> " << ResponseStateName(to);
-    }
-  }
-  EXPECT_EQ(names.size(), std::size(kEveryState)) << "every state has a name of its own";
-  EXPECT_EQ(names.count("?"), 0u);
+  ExpectTableIsTheDiagram(kEveryState, diagram, ResponseTransitionAllowed, ResponseStateName);
 }
 
 using CensusMap = std::map<State, size_t>;
