@@ -92,6 +92,16 @@ void GdrPull::Issue() {
         absl::InvalidArgumentError("the destination does not match the lent tensor's size"));
     return;
   }
+  if (bytes == 0) {
+    // Nothing to read (a sender lends only larger tensors, but the answer is the peer's word):
+    // no read would ever complete, so the pull ends here and releases the tensor.
+    absl::Status release = PostRelease();
+    End(release);
+    TransitionTo(State::kDone);
+    side_->FinishPull(index_);
+    if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
+    return;
+  }
   absl::StatusOr<const fabric::MemoryRegion*> region =
       env->memory->FindRegistered(dest_.data(), bytes);
   if (!region.ok()) {

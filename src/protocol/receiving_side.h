@@ -147,6 +147,7 @@ class ReceivingSide {
   std::deque<uint32_t> large_waiting_;
   // Finished this turn, freed by Reap; and finished records kept for reuse.
   std::vector<std::unique_ptr<RdmaTensorRequest>> finished_requests_;
+  std::vector<std::unique_ptr<RdmaTensorRequest>> reaping_;  // Reap's batch
   std::vector<std::unique_ptr<GdrPull>> finished_pulls_;
   std::vector<std::unique_ptr<RdmaTensorRequest>> spare_requests_;
   CopyBuffers copy_buffers_;

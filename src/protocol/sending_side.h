@@ -97,6 +97,7 @@ class SendingSide {
   absl::flat_hash_set<uint32_t> expired_responses_;
   // Finished this turn, freed by Reap; and finished records kept for reuse.
   std::vector<std::unique_ptr<RdmaTensorResponse>> finished_;
+  std::vector<std::unique_ptr<RdmaTensorResponse>> reaping_;  // Reap's batch
   std::vector<std::unique_ptr<RdmaTensorResponse>> spares_;
   uint64_t next_serial_ = 1;
   absl::flat_hash_map<std::string, KeyRef> valid_keys_;

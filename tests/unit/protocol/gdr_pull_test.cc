@@ -82,6 +82,21 @@ TEST_F(GdrPullTest, ADestinationOfAnotherSizeFailsThePullAndReleasesTheTensor) {
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
 }
 
+// An answer naming a tensor of no bytes: nothing is read (no read would ever complete), the
+// pull ends at once, and the tensor is released.
+TEST_F(GdrPullTest, ALentTensorOfNoBytesEndsAtOnceAndIsReleased) {
+  absl::Status status;
+  int calls = 0;
+  StartPull(Lent(11, 0), Floats(&owner_.pool, 0, 0.0f), absl::InfiniteFuture(), &status, &calls);
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(status.ok()) << status;
+  ASSERT_TRUE(Pump([&] { return !released_.empty(); }));
+  Settle();
+  EXPECT_EQ(released_, std::vector<uint32_t>{11});
+  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_FALSE(owner_.channel->awaiting_peer()) << "no record left waiting for a read";
+}
+
 class FullGdrPullTest : public GdrPullTest {
  protected:
   void Configure(ChannelEnv* env) override {
