@@ -1,6 +1,7 @@
 #include "src/protocol/gdr_pull.h"
 
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -60,11 +61,11 @@ void GdrPull::End(const absl::Status& status) {
   std::move(done)(status);
 }
 
-void GdrPull::FailBeforePosting(const absl::Status& status) {
+void GdrPull::FinishUnread(std::optional<absl::Status> status) {
   // Nothing was read, and nothing will be: the sender is told at once to drop the tensor rather
   // than holding it until its lease ends.
   absl::Status release = PostRelease();
-  End(status);
+  End(status.has_value() ? *status : release);
   TransitionTo(State::kDone);
   side_->FinishPull(index_);  // nothing was posted: nothing can land
   if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
@@ -72,40 +73,30 @@ void GdrPull::FailBeforePosting(const absl::Status& status) {
 
 void GdrPull::Issue() {
   if (finished()) {
-    FailBeforePosting(absl::OkStatus());  // ended (deadline) before it was issued
+    FinishUnread(absl::OkStatus());  // ended (deadline) before it was issued
     return;
   }
   ChannelEnv* env = channel_->env();
   const uint64_t bytes = ref_.bytes;
   if (!dest_.IsInitialized()) {
-    // The receiver refused the tensor (too large, no memory): nothing is read, but the sender
-    // is told at once rather than holding it until its lease ends.
-    absl::Status release = PostRelease();
-    End(release);
-    TransitionTo(State::kDone);
-    side_->FinishPull(index_);
-    if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
+    FinishUnread(std::nullopt);  // the receiver refused the tensor (too large, no memory)
     return;
   }
   if (bytes != dest_.TotalBytes()) {
-    FailBeforePosting(
+    FinishUnread(
         absl::InvalidArgumentError("the destination does not match the lent tensor's size"));
     return;
   }
   if (bytes == 0) {
     // Nothing to read (a sender lends only larger tensors, but the answer is the peer's word):
-    // no read would ever complete, so the pull ends here and releases the tensor.
-    absl::Status release = PostRelease();
-    End(release);
-    TransitionTo(State::kDone);
-    side_->FinishPull(index_);
-    if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
+    // no read would ever complete.
+    FinishUnread(std::nullopt);
     return;
   }
   absl::StatusOr<const fabric::MemoryRegion*> region =
       env->memory->FindRegistered(dest_.data(), bytes);
   if (!region.ok()) {
-    FailBeforePosting(region.status());
+    FinishUnread(region.status());
     return;
   }
   void* target = dest_.data();
@@ -114,7 +105,7 @@ void GdrPull::Issue() {
     const fabric::MemoryRegion* staging_region = nullptr;
     absl::StatusOr<Tensor> staging = env->memory->AllocateStaging(bytes, &staging_region);
     if (!staging.ok()) {
-      FailBeforePosting(absl::InternalError("no registered memory to read the tensor into"));
+      FinishUnread(absl::InternalError("no registered memory to read the tensor into"));
       return;
     }
     staging_ = *std::move(staging);
@@ -132,7 +123,7 @@ void GdrPull::Issue() {
   if (reads_left_ > 0) TransitionTo(State::kReading);
   if (s.ok()) return;
   if (reads_left_ == 0) {
-    FailBeforePosting(absl::InvalidArgumentError(absl::StrCat(
+    FinishUnread(absl::InvalidArgumentError(absl::StrCat(
         "task ", channel_->peer_task(), " lent a tensor that cannot be read: ", s.message())));
     return;
   }

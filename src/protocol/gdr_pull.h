@@ -22,6 +22,7 @@
 #define TENSORVERBS_PROTOCOL_GDR_PULL_H_
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
@@ -60,9 +61,10 @@ class GdrPull {
   std::vector<Tensor> TakeMemory();
 
  private:
-  // Ends the pull with `status`, releases the tensor at the sender and has the channel forget
-  // it; nothing was posted.
-  void FailBeforePosting(const absl::Status& status);
+  // Ends the pull with `status` (nullopt: the release's own outcome, for a pull with nothing
+  // to read), releases the tensor at the sender and has the channel forget it; nothing was
+  // posted.
+  void FinishUnread(std::optional<absl::Status> status);
   // Posts the zero-byte write that lets the sender drop the tensor.
   absl::Status PostRelease();
   static absl::Status ReleaseFailed(const Channel* channel, const absl::Status& status);
