@@ -145,12 +145,12 @@ std::vector<std::string> BenchServerOptions::ToArgs() const {
 
 void BenchServerOptions::Apply(ServerOptions* options) const {
   options->protocol = protocol;
-  if (message_slots > 0) options->verbs.message_slots = message_slots;
-  if (message_batch > 0) options->verbs.message_batch = message_batch;
+  if (message_slots > 0) options->verbs.channel.message_slots = message_slots;
+  if (message_batch > 0) options->verbs.channel.message_batch = message_batch;
   if (!poll_mode.empty()) options->verbs.poll_mode = poll_mode;
   if (callback_threads >= 0) options->callback_threads = callback_threads;
   // A benchmark that stalls should fail in minutes, not after the default ten.
-  options->recv_timeout = absl::Minutes(2);
+  options->transfer.recv_timeout = absl::Minutes(2);
 }
 
 int RunBenchPeer(const BenchPeerOptions& o) {

@@ -18,18 +18,18 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "src/common/config.h"
 #include "src/common/checksum.h"
+#include "src/common/config.h"
 #include "src/common/status_macros.h"
-#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
+#include "src/support/process_util.h"
+#include "src/support/subprocess.h"
+#include "tensorverbs/device_name.h"
 #include "tools/bench_cluster.h"
 #include "tools/bench_models.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 #include "tools/netns.h"
-#include "src/support/process_util.h"
-#include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -81,7 +81,7 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
   options.job = o.job;
   options.task = o.task;
   o.server.Apply(&options);
-  options.recv_timeout = absl::Minutes(5);
+  options.transfer.recv_timeout = absl::Minutes(5);
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(options));
   RETURN_IF_ERROR(server->WaitForPeers(absl::Minutes(2)));
   const int num_ps = static_cast<int>(cluster.TaskAddresses().size()) - o.workers;
@@ -253,7 +253,8 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
     for (const std::string& a : server.ToArgs()) args.push_back(a);
     const std::string path = args.front();
     args.erase(args.begin());
-    ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child, support::Subprocess::Start(path, args));
+    ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
+                     support::Subprocess::Start(path, args));
     children.push_back(std::move(child));
   }
   std::vector<nlohmann::json> results(tasks);

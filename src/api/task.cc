@@ -95,7 +95,7 @@ absl::StatusOr<std::unique_ptr<Task>> Task::Start(TaskOptions options) {
     if (*options.recv_timeout <= absl::ZeroDuration()) {
       return absl::InvalidArgumentError("TaskOptions::recv_timeout must be positive");
     }
-    server_options.recv_timeout = *options.recv_timeout;
+    server_options.transfer.recv_timeout = *options.recv_timeout;
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(std::move(server_options)));
   auto impl = std::make_shared<Impl>();

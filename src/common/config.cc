@@ -20,6 +20,12 @@ namespace {
 
 constexpr char kPrefix[] = "TENSORVERBS_";
 
+// What an unset variable parses to, in the unit the variable is written in: the field's own
+// default, so each default is declared once, in config.h.
+int64_t Ms(absl::Duration d) { return absl::ToInt64Milliseconds(d); }
+int64_t Mb(uint64_t bytes) { return static_cast<int64_t>(bytes >> 20); }
+std::string OnOff(bool on) { return on ? "on" : "off"; }
+
 absl::StatusOr<int64_t> ParseInt(const std::map<std::string, std::string>& env,
                                  const std::string& name, int64_t min, int64_t max,
                                  int64_t default_value) {
@@ -95,23 +101,24 @@ absl::Status ParseRdma(const std::map<std::string, std::string>& env, RdmaConfig
   if (auto it = env.find("RDMA_DEVICE"); it != env.end()) {
     rdma.device = std::string(absl::StripAsciiWhitespace(it->second));
   }
-  ASSIGN_OR_RETURN(int64_t port, ParseInt(env, "RDMA_DEVICE_PORT", 1, 255, 0));
-  ASSIGN_OR_RETURN(int64_t gid, ParseInt(env, "RDMA_GID_INDEX", 0, 255, -1));
-  ASSIGN_OR_RETURN(int64_t pkey, ParseAliased(env, "RDMA_QP_PKEY_INDEX", "RDMA_PKEY", 0, 65535, 0));
-  ASSIGN_OR_RETURN(int64_t depth,
-                   ParseAliased(env, "RDMA_QP_QUEUE_DEPTH", "RDMA_QUEUE_DEPTH", 1, 65536, 1024));
+  ASSIGN_OR_RETURN(int64_t port, ParseInt(env, "RDMA_DEVICE_PORT", 1, 255, rdma.port));
+  ASSIGN_OR_RETURN(int64_t gid, ParseInt(env, "RDMA_GID_INDEX", 0, 255, rdma.gid_index));
+  ASSIGN_OR_RETURN(int64_t pkey,
+                   ParseAliased(env, "RDMA_QP_PKEY_INDEX", "RDMA_PKEY", 0, 65535, rdma.pkey_index));
+  ASSIGN_OR_RETURN(int64_t depth, ParseAliased(env, "RDMA_QP_QUEUE_DEPTH", "RDMA_QUEUE_DEPTH", 1,
+                                               65536, rdma.queue_depth));
   ASSIGN_OR_RETURN(int64_t timeout,
-                   ParseAliased(env, "RDMA_QP_TIMEOUT", "RDMA_TIMEOUT", 0, 31, 14));
-  ASSIGN_OR_RETURN(int64_t retry,
-                   ParseAliased(env, "RDMA_QP_RETRY_COUNT", "RDMA_RETRY_CNT", 0, 7, 7));
-  ASSIGN_OR_RETURN(int64_t sl, ParseAliased(env, "RDMA_QP_SL", "RDMA_SL", 0, 7, 0));
-  ASSIGN_OR_RETURN(int64_t mtu, ParseAliased(env, "RDMA_QP_MTU", "RDMA_MTU", 256, 4096, 0));
+                   ParseAliased(env, "RDMA_QP_TIMEOUT", "RDMA_TIMEOUT", 0, 31, rdma.timeout));
+  ASSIGN_OR_RETURN(int64_t retry, ParseAliased(env, "RDMA_QP_RETRY_COUNT", "RDMA_RETRY_CNT", 0, 7,
+                                               rdma.retry_count));
+  ASSIGN_OR_RETURN(int64_t sl, ParseAliased(env, "RDMA_QP_SL", "RDMA_SL", 0, 7, rdma.sl));
+  ASSIGN_OR_RETURN(int64_t mtu, ParseAliased(env, "RDMA_QP_MTU", "RDMA_MTU", 256, 4096, rdma.mtu));
   if (mtu != 0 && mtu != 256 && mtu != 512 && mtu != 1024 && mtu != 2048 && mtu != 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat("environment variable RDMA_QP_MTU=", mtu,
                      " is invalid: expected 256, 512, 1024, 2048 or 4096"));
   }
-  ASSIGN_OR_RETURN(int64_t tc, ParseInt(env, "RDMA_TRAFFIC_CLASS", 0, 255, 0));
+  ASSIGN_OR_RETURN(int64_t tc, ParseInt(env, "RDMA_TRAFFIC_CLASS", 0, 255, rdma.traffic_class));
   rdma.port = static_cast<int>(port);
   rdma.gid_index = static_cast<int>(gid);
   rdma.pkey_index = static_cast<int>(pkey);
@@ -211,22 +218,23 @@ const std::vector<std::string>& Config::KnownVariables() {
 absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::string>& env) {
   Config config;
   RETURN_IF_ERROR(ParseLogLevel(env, config));
-  ASSIGN_OR_RETURN(int64_t recv_ms,
-                   ParseInt(env, "TENSORVERBS_RECV_TIMEOUT_MS", 1, 86400000, 600000));
+  ASSIGN_OR_RETURN(int64_t recv_ms, ParseInt(env, "TENSORVERBS_RECV_TIMEOUT_MS", 1, 86400000,
+                                             Ms(config.recv_timeout)));
   config.recv_timeout = absl::Milliseconds(recv_ms);
-  ASSIGN_OR_RETURN(int64_t connect_ms,
-                   ParseInt(env, "TENSORVERBS_CONNECT_TIMEOUT_MS", 1, 86400000, 60000));
+  ASSIGN_OR_RETURN(int64_t connect_ms, ParseInt(env, "TENSORVERBS_CONNECT_TIMEOUT_MS", 1, 86400000,
+                                                Ms(config.connect_timeout)));
   config.connect_timeout = absl::Milliseconds(connect_ms);
-  ASSIGN_OR_RETURN(int64_t region_mb, ParseInt(env, "TENSORVERBS_POOL_REGION_MB", 1, 65536, 64));
+  ASSIGN_OR_RETURN(int64_t region_mb, ParseInt(env, "TENSORVERBS_POOL_REGION_MB", 1, 65536,
+                                               Mb(config.pool_region_bytes)));
   config.pool_region_bytes = region_mb << 20;
-  ASSIGN_OR_RETURN(int64_t max_tensor_mb,
-                   ParseInt(env, "TENSORVERBS_MAX_TENSOR_MB", 1, 1048576, 4096));
+  ASSIGN_OR_RETURN(int64_t max_tensor_mb, ParseInt(env, "TENSORVERBS_MAX_TENSOR_MB", 1, 1048576,
+                                                   Mb(config.max_tensor_bytes)));
   config.max_tensor_bytes = static_cast<uint64_t>(max_tensor_mb) << 20;
-  ASSIGN_OR_RETURN(int64_t keep_free_mb,
-                   ParseInt(env, "TENSORVERBS_POOL_KEEP_FREE_MB", 0, 1048576, 1024));
+  ASSIGN_OR_RETURN(int64_t keep_free_mb, ParseInt(env, "TENSORVERBS_POOL_KEEP_FREE_MB", 0, 1048576,
+                                                  Mb(config.pool_keep_free_bytes)));
   config.pool_keep_free_bytes = static_cast<uint64_t>(keep_free_mb) << 20;
   ASSIGN_OR_RETURN(config.max_peer_steps,
-                   ParseInt(env, "TENSORVERBS_MAX_PEER_STEPS", 1, 1048576, 1024));
+                   ParseInt(env, "TENSORVERBS_MAX_PEER_STEPS", 1, 1048576, config.max_peer_steps));
   for (auto [name, field] : {std::pair{"TENSORVERBS_TLS_CERT", &config.tls_cert_file},
                              std::pair{"TENSORVERBS_TLS_KEY", &config.tls_key_file},
                              std::pair{"TENSORVERBS_TLS_CA", &config.tls_ca_file},
@@ -244,11 +252,14 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
         "TENSORVERBS_TLS_CERT, TENSORVERBS_TLS_KEY and TENSORVERBS_TLS_CA: mutual TLS needs all "
         "three (this task's certificate, its private key and the cluster's CA), or none");
   }
-  ASSIGN_OR_RETURN(int64_t threads, ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 0, 256, 2));
+  ASSIGN_OR_RETURN(int64_t threads,
+                   ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 0, 256, config.callback_threads));
   config.callback_threads = static_cast<int>(threads);
-  ASSIGN_OR_RETURN(int64_t tuning, ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, 1));
+  ASSIGN_OR_RETURN(int64_t tuning,
+                   ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, config.malloc_tuning));
   config.malloc_tuning = tuning == 1;
-  ASSIGN_OR_RETURN(int64_t trim_mb, ParseInt(env, "TENSORVERBS_MALLOC_TRIM_MB", 1, 2047, 1024));
+  ASSIGN_OR_RETURN(int64_t trim_mb, ParseInt(env, "TENSORVERBS_MALLOC_TRIM_MB", 1, 2047,
+                                             Mb(config.malloc_trim_bytes)));
   config.malloc_trim_bytes = trim_mb << 20;
   RETURN_IF_ERROR(ParseRdma(env, config.rdma));
   if (auto it = env.find("TENSORVERBS_OFI_PROVIDER"); it != env.end()) {
@@ -256,51 +267,63 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   }
   ASSIGN_OR_RETURN(config.fabric,
                    ParseChoice(env, "TENSORVERBS_FABRIC",
-                               {"auto", "shmem", "ofi", "ibverbs", "loopback"}, "auto"));
-  ASSIGN_OR_RETURN(int64_t slots, ParseInt(env, "TENSORVERBS_MESSAGE_SLOTS", 1, 1024, 8));
+                               {"auto", "shmem", "ofi", "ibverbs", "loopback"}, config.fabric));
+  ASSIGN_OR_RETURN(int64_t slots,
+                   ParseInt(env, "TENSORVERBS_MESSAGE_SLOTS", 1, 1024, config.message_slots));
   config.message_slots = static_cast<int>(slots);
-  ASSIGN_OR_RETURN(int64_t batch, ParseInt(env, "TENSORVERBS_MESSAGE_BATCH", 1, 128, 32));
+  ASSIGN_OR_RETURN(int64_t batch,
+                   ParseInt(env, "TENSORVERBS_MESSAGE_BATCH", 1, 128, config.message_batch));
   config.message_batch = static_cast<int>(batch);
-  ASSIGN_OR_RETURN(config.poll_mode, ParseChoice(env, "TENSORVERBS_POLL_MODE",
-                                                 {"busy", "blocking", "adaptive"}, "adaptive"));
-  ASSIGN_OR_RETURN(int64_t spin_us, ParseInt(env, "TENSORVERBS_POLL_SPIN_US", 0, 1000000, 50));
+  ASSIGN_OR_RETURN(config.poll_mode,
+                   ParseChoice(env, "TENSORVERBS_POLL_MODE", {"busy", "blocking", "adaptive"},
+                               config.poll_mode));
+  ASSIGN_OR_RETURN(int64_t spin_us, ParseInt(env, "TENSORVERBS_POLL_SPIN_US", 0, 1000000,
+                                             absl::ToInt64Microseconds(config.poll_spin)));
   config.poll_spin = absl::Microseconds(spin_us);
-  ASSIGN_OR_RETURN(int64_t validation, ParseInt(env, "TENSORVERBS_DATA_VALIDATION", 0, 1, 0));
+  ASSIGN_OR_RETURN(int64_t validation,
+                   ParseInt(env, "TENSORVERBS_DATA_VALIDATION", 0, 1, config.data_validation));
   config.data_validation = validation == 1;
-  ASSIGN_OR_RETURN(config.registration, ParseChoice(env, "TENSORVERBS_REGISTRATION",
-                                                    {"pool", "per-transfer", "copy"}, "pool"));
-  ASSIGN_OR_RETURN(int64_t peer_ms,
-                   ParseInt(env, "TENSORVERBS_PEER_TIMEOUT_MS", 100, 86400000, 10000));
+  ASSIGN_OR_RETURN(config.registration,
+                   ParseChoice(env, "TENSORVERBS_REGISTRATION", {"pool", "per-transfer", "copy"},
+                               config.registration));
+  ASSIGN_OR_RETURN(int64_t peer_ms, ParseInt(env, "TENSORVERBS_PEER_TIMEOUT_MS", 100, 86400000,
+                                             Ms(config.peer_timeout)));
   config.peer_timeout = absl::Milliseconds(peer_ms);
-  ASSIGN_OR_RETURN(int64_t slow_ms, ParseInt(env, "TENSORVERBS_SLOW_RECV_MS", 0, 86400000, 60000));
+  ASSIGN_OR_RETURN(int64_t slow_ms, ParseInt(env, "TENSORVERBS_SLOW_RECV_MS", 0, 86400000,
+                                             Ms(config.slow_recv_warning)));
   config.slow_recv_warning = absl::Milliseconds(slow_ms);
-  ASSIGN_OR_RETURN(config.pin_pool,
-                   ParseChoice(env, "TENSORVERBS_PIN_POOL", {"auto", "on", "off"}, "auto"));
-  ASSIGN_OR_RETURN(std::string gpu_direct,
-                   ParseChoice(env, "TENSORVERBS_GPU_DIRECT", {"on", "off"}, "on"));
+  ASSIGN_OR_RETURN(config.pin_pool, ParseChoice(env, "TENSORVERBS_PIN_POOL", {"auto", "on", "off"},
+                                                config.pin_pool));
+  ASSIGN_OR_RETURN(std::string gpu_direct, ParseChoice(env, "TENSORVERBS_GPU_DIRECT", {"on", "off"},
+                                                       OnOff(config.gpu_direct)));
   config.gpu_direct = gpu_direct == "on";
-  ASSIGN_OR_RETURN(std::string push, ParseChoice(env, "TENSORVERBS_PUSH", {"on", "off"}, "on"));
+  ASSIGN_OR_RETURN(std::string push,
+                   ParseChoice(env, "TENSORVERBS_PUSH", {"on", "off"}, OnOff(config.push)));
   config.push = push == "on";
-  ASSIGN_OR_RETURN(int64_t push_max, ParseInt(env, "TENSORVERBS_PUSH_MAX", 1, 65536, 1024));
+  ASSIGN_OR_RETURN(int64_t push_max,
+                   ParseInt(env, "TENSORVERBS_PUSH_MAX", 1, 65536, config.push_max_destinations));
   config.push_max_destinations = static_cast<int>(push_max);
-  ASSIGN_OR_RETURN(int64_t push_mb, ParseInt(env, "TENSORVERBS_PUSH_MAX_MB", 1, 1048576, 256));
+  ASSIGN_OR_RETURN(int64_t push_mb,
+                   ParseInt(env, "TENSORVERBS_PUSH_MAX_MB", 1, 1048576, Mb(config.push_max_bytes)));
   config.push_max_bytes = static_cast<uint64_t>(push_mb) << 20;
   ASSIGN_OR_RETURN(int64_t max_responses,
-                   ParseInt(env, "TENSORVERBS_MAX_RESPONSES", 1, 1048576, 65536));
+                   ParseInt(env, "TENSORVERBS_MAX_RESPONSES", 1, 1048576, config.max_responses));
   config.max_responses = static_cast<int>(max_responses);
-  ASSIGN_OR_RETURN(int64_t max_pending_recvs,
-                   ParseInt(env, "TENSORVERBS_MAX_PENDING_RECVS", 1, 1048576, 65536));
+  ASSIGN_OR_RETURN(int64_t max_pending_recvs, ParseInt(env, "TENSORVERBS_MAX_PENDING_RECVS", 1,
+                                                       1048576, config.max_pending_recvs));
   config.max_pending_recvs = static_cast<int>(max_pending_recvs);
-  ASSIGN_OR_RETURN(int64_t large_in_flight,
-                   ParseInt(env, "TENSORVERBS_LARGE_IN_FLIGHT", 0, 1048576, 2));
+  ASSIGN_OR_RETURN(int64_t large_in_flight, ParseInt(env, "TENSORVERBS_LARGE_IN_FLIGHT", 0, 1048576,
+                                                     config.large_in_flight));
   config.large_in_flight = static_cast<int>(large_in_flight);
-  ASSIGN_OR_RETURN(int64_t copy_threads, ParseInt(env, "TENSORVERBS_SHMEM_COPY_THREADS", 0, 64, 1));
+  ASSIGN_OR_RETURN(int64_t copy_threads, ParseInt(env, "TENSORVERBS_SHMEM_COPY_THREADS", 0, 64,
+                                                  config.shmem_copy_threads));
   config.shmem_copy_threads = static_cast<int>(copy_threads);
   ASSIGN_OR_RETURN(std::string peer_copy,
-                   ParseChoice(env, "TENSORVERBS_SHMEM_PEER_COPY", {"on", "off"}, "on"));
+                   ParseChoice(env, "TENSORVERBS_SHMEM_PEER_COPY", {"on", "off"},
+                               OnOff(config.shmem_peer_copy)));
   config.shmem_peer_copy = peer_copy == "on";
   ASSIGN_OR_RETURN(config.remote_keys, ParseChoice(env, "TENSORVERBS_REMOTE_KEYS",
-                                                   {"per-channel", "shared"}, "per-channel"));
+                                                   {"per-channel", "shared"}, config.remote_keys));
 
   const std::vector<std::string>& known = KnownVariables();
   for (const auto& [name, value] : env) {
@@ -314,6 +337,11 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
     }
   }
   return config;
+}
+
+const Config& Config::Defaults() {
+  static const Config* defaults = new Config(*FromEnvironment({}));
+  return *defaults;
 }
 
 const Config& Config::Get() { return GetProcessConfig().config; }

@@ -1,4 +1,6 @@
-// Config: every environment variable tensorverbs reads, parsed once into typed fields.
+// Config: every environment variable tensorverbs reads, parsed once into typed fields, and
+// each one's default, declared here once (the field's initializer) and read by the options of
+// the layer that owns the setting through Config::Defaults().
 //
 // This is the only place in the project that calls getenv. Config::Get() parses the process
 // environment on first use (thread-safe) and returns the same object forever after; tools call
@@ -182,6 +184,11 @@ struct Config {
   // Parses `env` (name -> value). Returns InvalidArgument naming the variable, the value and
   // the valid range for the first bad value.
   static absl::StatusOr<Config> FromEnvironment(const std::map<std::string, std::string>& env);
+
+  // Every variable unset: the one declaration of each setting's default. The options of the
+  // layers that own the settings (ServerOptions, TransferSettings, VerbsOptions,
+  // protocol::ChannelOptions) start from these, so a default changes here and nowhere else.
+  static const Config& Defaults();
 
   // The process configuration. If the environment holds a bad value, the defaults are used and
   // EnvironmentStatus() reports the error.

@@ -35,7 +35,7 @@ absl::Status Channel::Init() {
   ASSIGN_OR_RETURN(
       mb_,
       MessageBuffer::Create(
-          env_->domain, env_->message_slots, env_->message_batch,
+          env_->domain, env_->options.message_slots, env_->options.message_batch,
           {&env_->stats->control_slots, &env_->stats->control_messages},
           env_->memory != nullptr && env_->memory->channel_keys() ? endpoint_.get() : nullptr));
   return absl::OkStatus();
@@ -207,7 +207,7 @@ void Channel::OnCompletion(const fabric::Completion& c) {
         // On the receiver, content for a request; on a grpc+gdr sender, a released tensor.
         if (receiving_ != nullptr) {
           receiving_->OnContent(c.imm);
-        } else if (env_->mode == VerbsMode::kGdr) {
+        } else if (env_->options.mode == VerbsMode::kGdr) {
           sending_->OnLentReleased(c.imm);
         } else {
           env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
@@ -308,7 +308,7 @@ void Channel::Close(const absl::Status& status) {
   if (sending_ != nullptr) sending_->copy_buffers().Clear();
   if (!memory.empty()) {
     // The peer may still be alive and writing into these destinations.
-    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine);
+    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine());
   }
 }
 

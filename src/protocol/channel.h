@@ -165,7 +165,7 @@ class Channel {
   // which a dead peer would otherwise pin until the channel closes.
   bool holds_state_for_peer() const;
   // Acceptor side: ends the responses whose receiver has not asked for the content within
-  // env->response_timeout of their META_DATA_RESPONSE: ERROR_STATUS, and a late RE_REQUEST
+  // env->response_timeout() of their META_DATA_RESPONSE: ERROR_STATUS, and a late RE_REQUEST
   // is ignored.
   void ExpireResponses(absl::Time now);
   // Acceptor side: a local tensor for response `serial` is ready.

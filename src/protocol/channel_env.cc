@@ -27,7 +27,7 @@ uint64_t ContentChecksum(const void* data, uint64_t bytes) {
 
 absl::StatusOr<const fabric::MemoryRegion*> ChannelEnv::TransferRegion(
     const void* data, uint64_t bytes, std::unique_ptr<fabric::MemoryRegion>* transient) const {
-  switch (registration) {
+  switch (options.registration) {
     case Registration::kPool:
       return memory->FindRegistered(data, bytes);
     case Registration::kPerTransfer: {

@@ -22,11 +22,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "src/common/config.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/progress_engine.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
+#include "src/rendezvous/transfer_settings.h"
 
 namespace tensorverbs::protocol {
 
@@ -102,33 +104,28 @@ class ChannelHost {
   virtual bool OnOwnerThread() const = 0;
 };
 
-struct ChannelEnv {
-  const WorkerEnv* worker = nullptr;
-  RendezvousMgr* rendezvous_mgr = nullptr;  // serves requests (acceptor side)
-  RdmaMemoryMgr* memory = nullptr;
-  fabric::Domain* domain = nullptr;
-  VerbsStats* stats = nullptr;
-  Registration registration = Registration::kPool;
-  VerbsMode mode = VerbsMode::kZeroCopy;
-  bool data_validation = false;
-  // The fabric moves GPU memory directly (Capabilities::device_memory, with pool registration,
-  // zero copy and no checksums, which would read the bytes on the CPU): a sender writes device
-  // tensors from where they are, and device pools' regions are registered as device memory.
-  bool device_direct = false;
-  int message_slots = 8;
-  int message_batch = 32;                         // the most control messages written into one slot
-  absl::Duration quarantine = absl::Seconds(10);  // how long a failed channel's memory is kept
+// The settings of one transport's grpc+verbs channels. Each field that has a variable starts
+// from its default (Config::Defaults(), declared once in common/config.h); the transport's
+// VerbsOptions carries one, and tests set fields directly.
+struct ChannelOptions {
+  VerbsMode mode = VerbsMode::kZeroCopy;  // from the protocol's name
+  // TENSORVERBS_REGISTRATION: how the memory a transfer touches is registered.
+  Registration registration =
+      ParseRegistration(Config::Defaults().registration).value_or(Registration::kPool);
+  // TENSORVERBS_DATA_VALIDATION: a CRC-32C of every tensor rides its meta-data.
+  bool data_validation = Config::Defaults().data_validation;
+  int message_slots = Config::Defaults().message_slots;  // TENSORVERBS_MESSAGE_SLOTS
+  int message_batch = Config::Defaults().message_batch;  // TENSORVERBS_MESSAGE_BATCH
   // Owner side: ask for a key's next step as soon as a recv of it completes (TENSORVERBS_PUSH),
-  // with at most this many such requests, and bytes of destinations, per channel.
-  bool push = false;
-  int push_max_destinations = 1024;
-  uint64_t push_max_bytes = uint64_t{256} << 20;
-  // Acceptor side: the most requests of the peer pending here at once (TENSORVERBS_MAX_RESPONSES);
-  // beyond, a request is answered with ResourceExhausted.
-  int max_responses = 65536;
+  // with at most this many such requests, and bytes of destinations, per channel
+  // (TENSORVERBS_PUSH_MAX, TENSORVERBS_PUSH_MAX_MB). Only zero copy without data validation
+  // pushes (pushes_ahead()).
+  bool push = Config::Defaults().push;
+  int push_max_destinations = Config::Defaults().push_max_destinations;
+  uint64_t push_max_bytes = Config::Defaults().push_max_bytes;
   // Owner side: the most recvs and reads pending on one channel, ended ones the peer may still
   // write included (TENSORVERBS_MAX_PENDING_RECVS); beyond, a recv fails with ResourceExhausted.
-  int max_pending_recvs = 65536;
+  int max_pending_recvs = Config::Defaults().max_pending_recvs;
   // Owner side: destinations of `large_bytes` and more that one channel hands its sender at
   // once for tensors the sender has ready (TENSORVERBS_LARGE_IN_FLIGHT; 0: no limit). Beyond,
   // such a recv asks without a destination and names one, once an earlier large one has
@@ -137,15 +134,35 @@ struct ChannelEnv {
   // few (bench/copy_bench.cc). Only destinations for tensors the sender said it holds are
   // counted (plus one named in a REQUEST), so a recv whose tensor is produced later never
   // holds up one whose tensor exists: no order of sends can deadlock on the limit.
-  int large_in_flight = 2;
+  int large_in_flight = Config::Defaults().large_in_flight;
   uint64_t large_bytes = uint64_t{4} << 20;
+
+  // Pushing destinations ahead needs the meta-data cache of zero copy, and the checksum of
+  // data validation rides the meta-data round trip that pushing skips.
+  bool pushes_ahead() const { return push && mode == VerbsMode::kZeroCopy && !data_validation; }
+};
+
+struct ChannelEnv {
+  const WorkerEnv* worker = nullptr;
+  RendezvousMgr* rendezvous_mgr = nullptr;  // serves requests (acceptor side)
+  RdmaMemoryMgr* memory = nullptr;
+  fabric::Domain* domain = nullptr;
+  VerbsStats* stats = nullptr;
+  // The settings every protocol shares (recv and peer timeouts, the slow-recv warning, the
+  // bound on a peer's requests) and the channels' own.
+  TransferSettings transfer;
+  ChannelOptions options;
+  // The fabric moves GPU memory directly (Capabilities::device_memory, with pool registration,
+  // zero copy and no checksums, which would read the bytes on the CPU): a sender writes device
+  // tensors from where they are, and device pools' regions are registered as device memory.
+  bool device_direct = false;
+  // How long a failed channel's memory is kept from reuse: its peer may write it until it
+  // learns of the failure, which takes at most a peer timeout.
+  absl::Duration quarantine() const { return transfer.peer_timeout; }
   // Acceptor side: how long a response that sent META_DATA_RESPONSE waits for the receiver's
-  // RE_REQUEST before it drops the tensor (the transport: recv timeout plus peer timeout).
-  absl::Duration response_timeout = absl::InfiniteDuration();
-  // Owner side: a recv's deadline is its start plus recv_timeout; one still waiting after
-  // slow_recv_warning logs a warning, once (zero: never).
-  absl::Duration recv_timeout = absl::InfiniteDuration();
-  absl::Duration slow_recv_warning = absl::ZeroDuration();
+  // RE_REQUEST before it drops the tensor. A receiver has given up on its recv by then; a
+  // well-behaved one answers in a round trip.
+  absl::Duration response_timeout() const { return transfer.recv_timeout + transfer.peer_timeout; }
   // The transport that runs the channels, their table (found by id) and, for pushed requests
   // whose channel closed, the landed store. All outlive every channel.
   ChannelHost* host = nullptr;

@@ -63,9 +63,9 @@ ChannelSnapshot Channel::Snapshot() const {
 
 uint64_t Channel::trace_track() {
   if (trace_track_ == 0 && TraceEnabled()) {
-    trace_track_ = TraceTrack(absl::StrCat(env_->worker != nullptr ? env_->worker->task_name : "",
-                                           " <- ", peer_task_, " (", VerbsModeProtocol(env_->mode),
-                                           " channel ", id_, ")"));
+    trace_track_ = TraceTrack(
+        absl::StrCat(env_->worker != nullptr ? env_->worker->task_name : "", " <- ", peer_task_,
+                     " (", VerbsModeProtocol(env_->options.mode), " channel ", id_, ")"));
   }
   return trace_track_;
 }

@@ -13,7 +13,7 @@ namespace tensorverbs::protocol {
 ReceivingSide::ReceivingSide(Channel* channel)
     : channel_(channel),
       env_(channel->env()),
-      push_({env_->push_max_destinations, env_->push_max_bytes}) {}
+      push_({env_->options.push_max_destinations, env_->options.push_max_bytes}) {}
 
 ReceivingSide::~ReceivingSide() = default;
 
@@ -115,10 +115,10 @@ void ReceivingSide::OnReady() {
 
 absl::Status ReceivingSide::CheckPendingBound(absl::string_view what) const {
   const size_t pending = requests_.size() + pulls_.size();
-  if (pending < static_cast<size_t>(env_->max_pending_recvs)) return absl::OkStatus();
+  if (pending < static_cast<size_t>(env_->options.max_pending_recvs)) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
       "no ", what, " from task ", peer_task(), ": its channel already has ", pending,
-      " recvs and reads pending (TENSORVERBS_MAX_PENDING_RECVS=", env_->max_pending_recvs,
+      " recvs and reads pending (TENSORVERBS_MAX_PENDING_RECVS=", env_->options.max_pending_recvs,
       "); wait for earlier recvs, or raise the limit"));
 }
 
@@ -190,10 +190,10 @@ void ReceivingSide::ExpireRequests(absl::Time now, bool connecting) {
 }
 
 void ReceivingSide::WarnIfSlow(RdmaTensorRequest& request, absl::Time now) {
-  const absl::Duration slow = env_->slow_recv_warning;
+  const absl::Duration slow = env_->transfer.slow_recv_warning;
   if (slow <= absl::ZeroDuration() || request.slow_warned()) return;
   // A recv started at its deadline less the recv timeout (both the transport's).
-  const absl::Duration waited = now - (request.deadline() - env_->recv_timeout);
+  const absl::Duration waited = now - (request.deadline() - env_->transfer.recv_timeout);
   if (waited < slow) return;
   request.set_slow_warned();
   LOG(WARNING) << SlowRecvWarning(request.key(), request.step_id(), peer_task(), waited, slow);
@@ -230,7 +230,7 @@ bool ReceivingSide::idle() const {
 }
 
 bool ReceivingSide::MayNameLargeDestination(RdmaTensorRequest& r, uint64_t bytes) {
-  if (env_->large_in_flight == 0 || bytes < env_->large_bytes) return true;
+  if (env_->options.large_in_flight == 0 || bytes < env_->options.large_bytes) return true;
   if (large_in_request_ > 0) return false;
   ++large_in_request_;
   r.set_large_slot(RdmaTensorRequest::LargeSlot::kInRequest);
@@ -238,8 +238,9 @@ bool ReceivingSide::MayNameLargeDestination(RdmaTensorRequest& r, uint64_t bytes
 }
 
 bool ReceivingSide::GrantLargeDestination(RdmaTensorRequest& r) {
-  if (env_->large_in_flight == 0 || r.tensor_bytes() < env_->large_bytes) return true;
-  if (large_waiting_.empty() && large_granted_ < env_->large_in_flight) {
+  if (env_->options.large_in_flight == 0 || r.tensor_bytes() < env_->options.large_bytes)
+    return true;
+  if (large_waiting_.empty() && large_granted_ < env_->options.large_in_flight) {
     ++large_granted_;
     r.set_large_slot(RdmaTensorRequest::LargeSlot::kGranted);
     return true;
@@ -287,7 +288,7 @@ void ReceivingSide::GrantWaiting() {
     }
     RdmaTensorRequest& r = *it->second;
     if (!r.finished()) {
-      if (large_granted_ >= env_->large_in_flight) return;
+      if (large_granted_ >= env_->options.large_in_flight) return;
       ++large_granted_;
       r.set_large_slot(RdmaTensorRequest::LargeSlot::kGranted);
     }
@@ -412,7 +413,7 @@ void ReceivingSide::OnContent(uint32_t index) {
 
 void ReceivingSide::FinishDelivered(uint32_t index) {
   RdmaTensorRequest& r = *requests_.at(index);
-  const bool push = env_->push && r.delivered_in_place();
+  const bool push = env_->options.pushes_ahead() && r.delivered_in_place();
   const KeyRef key = r.key_ref();
   const int64_t step = r.step_id();
   Allocator* allocator = r.allocator();
@@ -443,7 +444,7 @@ void ReceivingSide::Close(const absl::Status& status, std::vector<Tensor>* memor
       // Whole, and the sender is done with it: a peer that stopped after its sends were taken
       // (by these requests) still delivers them.
       env_->landed->Keep(peer_task(), request->key(), request->step_id(), request->TakeLanded(),
-                         absl::Now() + env_->recv_timeout);
+                         absl::Now() + env_->transfer.recv_timeout);
     } else {
       request->Fail(status);
       for (Tensor& t : request->TakeMemory()) memory->push_back(std::move(t));

@@ -125,7 +125,8 @@ class ReceivingSide {
   void GrantWaiting();
   // ResourceExhausted when the channel holds max_pending_recvs recvs and reads.
   absl::Status CheckPendingBound(absl::string_view what) const;
-  // Logs the slow-recv warning for `request` once it has waited past env->slow_recv_warning.
+  // Logs the slow-recv warning for `request` once it has waited past
+  // env->transfer.slow_recv_warning.
   void WarnIfSlow(RdmaTensorRequest& request, absl::Time now);
   void Retire(std::unique_ptr<RdmaTensorRequest> r);
 

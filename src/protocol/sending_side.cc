@@ -32,11 +32,11 @@ void SendingSide::OnRequest(Message& m) {
   absl::StatusOr<KeyRef> key = RequestedKey(m);
   if (closed()) return;  // the REQUEST broke the indexing rules
   absl::Status error = key.status();
-  if (error.ok() && responses_.size() >= static_cast<size_t>(env_->max_responses)) {
-    error = absl::ResourceExhaustedError(
-        absl::StrCat("this task already holds ", responses_.size(),
-                     " of this channel's requests (TENSORVERBS_MAX_RESPONSES=", env_->max_responses,
-                     "); the receiver asks for more tensors at once than the sender allows"));
+  if (error.ok() && responses_.size() >= static_cast<size_t>(env_->transfer.max_responses)) {
+    error = absl::ResourceExhaustedError(absl::StrCat(
+        "this task already holds ", responses_.size(),
+        " of this channel's requests (TENSORVERBS_MAX_RESPONSES=", env_->transfer.max_responses,
+        "); the receiver asks for more tensors at once than the sender allows"));
   }
   std::shared_ptr<RemoteRendezvous> rendezvous;
   if (error.ok()) {
@@ -90,11 +90,11 @@ void SendingSide::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Sta
 }
 
 void SendingSide::ExpireResponses(absl::Time now) {
-  if (env_->response_timeout == absl::InfiniteDuration()) return;
+  if (env_->response_timeout() == absl::InfiniteDuration()) return;
   std::vector<uint32_t> expired;
   for (const auto& [index, response] : responses_) {
     if (response->state() == RdmaTensorResponse::State::kWaitReRequest &&
-        response->meta_sent_at() + env_->response_timeout <= now) {
+        response->meta_sent_at() + env_->response_timeout() <= now) {
       expired.push_back(index);
     }
   }
@@ -105,13 +105,13 @@ void SendingSide::ExpireResponses(absl::Time now) {
     // An entry goes when its RE_REQUEST or the index's next REQUEST comes; a faulty peer that
     // sends neither cannot grow the set past max_responses (then a late RE_REQUEST of an
     // entry forgotten here closes the channel, as any unknown one does).
-    if (expired_responses_.size() >= static_cast<size_t>(env_->max_responses)) {
+    if (expired_responses_.size() >= static_cast<size_t>(env_->transfer.max_responses)) {
       expired_responses_.clear();
     }
     expired_responses_.insert(index);
     it->second->Expire(absl::DeadlineExceededError(absl::StrCat(
         "task ", peer_task(), " did not ask for the content within ",
-        absl::FormatDuration(env_->response_timeout),
+        absl::FormatDuration(env_->response_timeout()),
         " of its meta-data (TENSORVERBS_RECV_TIMEOUT_MS plus TENSORVERBS_PEER_TIMEOUT_MS); "
         "the sender dropped the tensor")));
   }

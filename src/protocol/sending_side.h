@@ -54,7 +54,7 @@ class SendingSide {
   void OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
                      const Tensor& tensor, bool is_dead);
   // Ends the responses whose receiver has not asked for the content within
-  // env->response_timeout of their META_DATA_RESPONSE (a faulty receiver would otherwise pin
+  // env->response_timeout() of their META_DATA_RESPONSE (a faulty receiver would otherwise pin
   // their tensors for the channel's life): ERROR_STATUS, and a late RE_REQUEST is ignored.
   void ExpireResponses(absl::Time now);
 

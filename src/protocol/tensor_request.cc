@@ -71,8 +71,9 @@ RdmaTensorRequest::RdmaTensorRequest(ReceivingSide* side, uint32_t index, int64_
 }
 
 void RdmaTensorRequest::BeginTrace(const char* phase) {
-  trace_ = RecvTrace::Begin(channel_->trace_track(), key_->key.full_key, step_id_,
-                            channel_->peer_task(), VerbsModeProtocol(channel_->env()->mode), phase);
+  trace_ =
+      RecvTrace::Begin(channel_->trace_track(), key_->key.full_key, step_id_, channel_->peer_task(),
+                       VerbsModeProtocol(channel_->env()->options.mode), phase);
 }
 
 void RdmaTensorRequest::TransitionTo(State next) {
@@ -89,7 +90,7 @@ void RdmaTensorRequest::Start() {
   m.type = MessageType::kTensorRequest;
   m.step_id = step_id_;
   m.request_index = index_;
-  if (env->mode == VerbsMode::kCopy) {
+  if (env->options.mode == VerbsMode::kCopy) {
     OfferCopyBuffer(m);
   } else {
     // With a cached meta-data the destination is allocated now and the sender writes at once
@@ -98,7 +99,7 @@ void RdmaTensorRequest::Start() {
     const TensorMetaData* cached = env->memory->CachedMeta(key_->key.full_key);
     // A large destination goes in REQUEST only while no other one does on this channel: the
     // rest wait for the sender's word that their tensor exists (RecvTensorMetaData).
-    if (cached != nullptr && !env->data_validation && cached->dtype != DataType::kString &&
+    if (cached != nullptr && !env->options.data_validation && cached->dtype != DataType::kString &&
         !cached->is_dead && side_->MayNameLargeDestination(*this, cached->tensor_bytes)) {
       if (cached->tensor_bytes > 0) {
         absl::Status s = PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
@@ -131,7 +132,7 @@ void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
   // (META_DATA_RESPONSE as BUFFER_REQUEST) when the tensor does not fit. Validation mode
   // always asks, because the checksum rides the answer.
   staging_ = side_->copy_buffers().Take(key_->key.full_key);
-  if (!staging_.IsInitialized() || env->data_validation) return;
+  if (!staging_.IsInitialized() || env->options.data_validation) return;
   absl::StatusOr<const fabric::MemoryRegion*> region =
       env->memory->FindRegistered(staging_.data(), staging_.TotalBytes());
   if (!region.ok() || *region == nullptr) return;
@@ -175,12 +176,12 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
           "a string tensor cannot land in ", where.ToString(),
           " memory: strings live in host memory only; receive it with a host allocator")));
     }
-    if (env->registration == Registration::kCopy) {
+    if (env->options.registration == Registration::kCopy) {
       return RecvError(absl::FailedPreconditionError(
           absl::StrCat("copy registration cannot land tensors in ", where.ToString(), " memory")));
     }
   }
-  if (meta.dtype != DataType::kString && env->registration != Registration::kCopy) {
+  if (meta.dtype != DataType::kString && env->options.registration != Registration::kCopy) {
     // Out of memory names the recv: the allocator knows only sizes.
     absl::StatusOr<Tensor> result = Tensor::Allocate(allocator_, meta.dtype, meta.shape);
     if (!result.ok()) return RecvError(result.status());
@@ -229,7 +230,7 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
         absl::StrCat("META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
     return;  // the close ended this request
   }
-  const bool copy = env->mode == VerbsMode::kCopy;
+  const bool copy = env->options.mode == VerbsMode::kCopy;
   if (copy && !IsBufferMeta(m.meta)) {
     channel_->Close(absl::DataLossError(absl::StrCat(
         "task ", channel_->peer_task(), " asked for a copy-mode buffer it described as ",
@@ -274,7 +275,7 @@ void RdmaTensorRequest::Grant() {
 
 void RdmaTensorRequest::SendReRequest() {
   ChannelEnv* env = channel_->env();
-  const bool copy = env->mode == VerbsMode::kCopy;
+  const bool copy = env->options.mode == VerbsMode::kCopy;
   Message rr;
   rr.type = MessageType::kTensorReRequest;
   rr.step_id = step_id_;
@@ -311,7 +312,7 @@ void RdmaTensorRequest::RecvCopyContent() {
             Tensor(), false);
     return;
   }
-  if (env->data_validation) {
+  if (env->options.data_validation) {
     const uint64_t bytes = std::min<uint64_t>(meta_.tensor_bytes, staging_.TotalBytes());
     if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(),
                                              staging_.data(), bytes, checksum_);
@@ -363,7 +364,7 @@ void RdmaTensorRequest::RecvTensorContent() {
   TransitionTo(ahead ? State::kLandedAhead : State::kDone);
   trace_.Phase("landed");
   if (finished() && !ahead) return;
-  if (env->mode == VerbsMode::kCopy) {
+  if (env->options.mode == VerbsMode::kCopy) {
     RecvCopyContent();
     return;
   }
@@ -372,7 +373,7 @@ void RdmaTensorRequest::RecvTensorContent() {
     return;
   }
   const void* landed = staging_.IsInitialized() ? staging_.data() : result_.data();
-  if (env->data_validation) {
+  if (env->options.data_validation) {
     if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(), landed,
                                              meta_.tensor_bytes, checksum_);
         !s.ok()) {

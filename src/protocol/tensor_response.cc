@@ -126,8 +126,9 @@ absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is
 }
 
 bool RdmaTensorResponse::CanWriteNow() const {
-  if (channel_->env()->data_validation) return false;  // the checksum rides META_DATA_RESPONSE
-  if (channel_->env()->mode == VerbsMode::kCopy) {
+  if (channel_->env()->options.data_validation)
+    return false;  // the checksum rides META_DATA_RESPONSE
+  if (channel_->env()->options.mode == VerbsMode::kCopy) {
     // The receiver's buffer for this name is large enough (seed 002's TENSOR_WRITE); else it
     // is asked for a larger one (its BUFFER_REQUEST).
     return request_.remote_addr != 0 && IsBufferMeta(request_.meta) &&
@@ -148,7 +149,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
     // A device tensor kept as it is (ChannelEnv::device_direct): written from GPU memory when it
     // lies in a device pool the fabric registers, else staged to host after all, once.
     absl::StatusOr<const fabric::MemoryRegion*> region =
-        env->device_direct && env->mode == VerbsMode::kZeroCopy
+        env->device_direct && env->options.mode == VerbsMode::kZeroCopy
             ? env->memory->FindRegistered(tensor.data(), tensor.TotalBytes())
             : nullptr;
     if (region.ok() && *region == nullptr) {
@@ -161,7 +162,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
   }
   tensor_ = tensor;
   absl::Status prepared;
-  if (env->mode == VerbsMode::kCopy) {
+  if (env->options.mode == VerbsMode::kCopy) {
     prepared = PrepareCopySource(tensor, is_dead);
   } else {
     meta_.dtype = tensor.dtype();
@@ -195,7 +196,7 @@ void RdmaTensorResponse::SendMetaData() {
   ChannelEnv* env = channel_->env();
   Message m = Answer(MessageType::kMetaDataResponse);
   m.meta = meta_;
-  if (env->data_validation) m.checksum = ContentChecksum(source_, meta_.tensor_bytes);
+  if (env->options.data_validation) m.checksum = ContentChecksum(source_, meta_.tensor_bytes);
   TransitionTo(State::kWaitReRequest);
   meta_sent_at_ = absl::Now();
   env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
@@ -254,7 +255,7 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
 bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
   ChannelEnv* env = channel_->env();
-  if (env->mode == VerbsMode::kCopy && staging_.IsInitialized()) {
+  if (env->options.mode == VerbsMode::kCopy && staging_.IsInitialized()) {
     side_->copy_buffers().Return(name(), std::move(staging_));
     staging_.Clear();
   }

@@ -87,8 +87,8 @@ class WorkerServiceImpl final : public WorkerServiceBase {
                        ": its tensors are received over RDMA channels, not RecvTensor")));
       return reactor;
     }
-    return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_, caller,
-                                            lender_, budget_);
+    return grpc_transport::HandleRecvTensor(context, request, response, mgr_, env_, caller, lender_,
+                                            budget_);
   }
 
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
@@ -149,7 +149,7 @@ Server::Server(ServerOptions options) : options_(std::move(options)) {}
 
 ServerOptions ServerOptions::FromConfig(const Config& config) {
   ServerOptions o;
-  o.recv_timeout = config.recv_timeout;
+  o.transfer = TransferSettings::FromConfig(config);
   o.callback_threads = config.callback_threads;
   o.pool_region_bytes = config.pool_region_bytes;
   o.max_tensor_bytes = config.max_tensor_bytes;
@@ -228,24 +228,25 @@ absl::Status Server::Start() {
   }
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(
       options_.cluster.TaskAddresses(), security_, options_.max_tensor_bytes,
-      options_.verbs.peer_timeout, options_.verbs.slow_recv_warning);
+      options_.transfer.peer_timeout, options_.transfer.slow_recv_warning);
 
-  const absl::Duration recv_timeout = options_.recv_timeout;
+  const absl::Duration recv_timeout = options_.transfer.recv_timeout;
   grpc_transport::GrpcWorkerCache* workers = workers_.get();
   const WorkerEnv* env = &env_;
   const bool gdr = options_.protocol == "grpc+gdr";
   if (verbs_protocol) {
     verbs::VerbsOptions verbs_options = options_.verbs;
-    verbs_options.mode = options_.protocol == "grpc+verbs"        ? protocol::VerbsMode::kZeroCopy
-                         : options_.protocol == "grpc+verbs-copy" ? protocol::VerbsMode::kCopy
-                                                                  : protocol::VerbsMode::kGdr;
+    verbs_options.channel.mode = options_.protocol == "grpc+verbs" ? protocol::VerbsMode::kZeroCopy
+                                 : options_.protocol == "grpc+verbs-copy"
+                                     ? protocol::VerbsMode::kCopy
+                                     : protocol::VerbsMode::kGdr;
     verbs_options.env = &env_;
     verbs_options.device_memory = FabricDeviceMemory();
     verbs_options.pool = recv_allocator_.get();
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
     verbs_options.security = security_;
     verbs_options.all_peers_local = all_peers_local;
-    verbs_options.recv_timeout = recv_timeout;
+    verbs_options.transfer = options_.transfer;
     absl::StatusOr<std::unique_ptr<verbs::VerbsTransport>> verbs =
         verbs::VerbsTransport::Create(std::move(verbs_options));
     if (!verbs.ok()) {
@@ -282,19 +283,19 @@ absl::Status Server::Start() {
   }
 
   rendezvous_mgr_->SetPeerStepLimits(
-      {static_cast<size_t>(options_.max_peer_steps), options_.recv_timeout});
+      {static_cast<size_t>(options_.max_peer_steps), options_.transfer.recv_timeout});
   absl::flat_hash_set<std::string> task_names;
   for (const auto& [name, address] : options_.cluster.TaskAddresses()) task_names.insert(name);
   service_ = std::make_unique<WorkerServiceImpl>(
       &env_, rendezvous_mgr_.get(), options_.protocol, device_name(), gdr ? verbs_.get() : nullptr,
       security_.get(),
-      std::make_shared<grpc_transport::RecvTensorBudget>(options_.verbs.max_responses,
+      std::make_shared<grpc_transport::RecvTensorBudget>(options_.transfer.max_responses,
                                                          std::move(task_names)),
       [this](absl::AnyInvocable<void(proto::GetStatsResponse) &&> done) {
         CollectStatsAsync(std::move(done));
       });
   grpc::ServerBuilder builder;
-  rpc::ConfigureServerBuilder(&builder, options_.verbs.peer_timeout);
+  rpc::ConfigureServerBuilder(&builder, options_.transfer.peer_timeout);
   int bound_port = 0;
   builder.AddListeningPort(options_.listen_address, security_->ServerCredentials(), &bound_port);
   builder.RegisterService(service_.get());

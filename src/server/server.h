@@ -27,6 +27,7 @@
 #include "src/common/executor.h"
 #include "src/common/mutex.h"
 #include "src/rendezvous/rendezvous_mgr.h"
+#include "src/rendezvous/transfer_settings.h"
 #include "src/rpc/security.h"
 #include "src/tensor/allocator.h"
 #include "src/transport/grpc/worker_client.h"
@@ -45,35 +46,38 @@ struct ServerOptions {
   std::string protocol = "grpc";
   // Where to listen; empty means the task's own address from the cluster spec.
   std::string listen_address;
-  // How long a remote recv may take (TENSORVERBS_RECV_TIMEOUT_MS).
-  absl::Duration recv_timeout = absl::Minutes(10);
+  // The settings every protocol honours: how long a remote recv and a silent peer may take, the
+  // slow-recv warning, the start-up deadline, and how many of a peer's requests one task holds
+  // (TENSORVERBS_RECV_TIMEOUT_MS, _PEER_TIMEOUT_MS, _SLOW_RECV_MS, _CONNECT_TIMEOUT_MS,
+  // _MAX_RESPONSES). The server hands them to whichever protocol it runs.
+  TransferSettings transfer;
   // Threads that run recv callbacks; 0 runs them inline on the transport's thread
   // (TENSORVERBS_CALLBACK_THREADS).
-  int callback_threads = 2;
+  int callback_threads = Config::Defaults().callback_threads;
   // Size of each region of the receive pool (TENSORVERBS_POOL_REGION_MB).
-  int64_t pool_region_bytes = int64_t{64} << 20;
+  int64_t pool_region_bytes = Config::Defaults().pool_region_bytes;
   // Wholly free pool memory kept however long it idles (TENSORVERBS_POOL_KEEP_FREE_MB); free
   // regions beyond it are returned to the OS after kPoolReleaseAfter unused.
-  uint64_t pool_keep_free_bytes = uint64_t{1024} << 20;
+  uint64_t pool_keep_free_bytes = Config::Defaults().pool_keep_free_bytes;
   // TENSORVERBS_PIN_POOL: "auto" (page-lock the receive pool when an NVIDIA driver and a GPU
   // are there), "on" (the same, warning when there is none) or "off".
-  std::string pin_pool = "auto";
+  std::string pin_pool = Config::Defaults().pin_pool;
   static constexpr absl::Duration kPoolReleaseAfter = absl::Seconds(30);
   // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB); a larger announced
   // tensor fails its recv with ResourceExhausted before anything is allocated.
-  uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;
+  uint64_t max_tensor_bytes = Config::Defaults().max_tensor_bytes;
   // Steps peers' requests may start before this task does (TENSORVERBS_MAX_PEER_STEPS); one it
   // has not taken up within recv_timeout is aborted.
-  int64_t max_peer_steps = 1024;
+  int64_t max_peer_steps = Config::Defaults().max_peer_steps;
   // Process-wide malloc tuning, applied by the first server (TENSORVERBS_MALLOC_TUNING,
   // TENSORVERBS_MALLOC_TRIM_MB; see common/malloc_tuning.h).
-  bool malloc_tuning = true;
-  int64_t malloc_trim_bytes = int64_t{1024} << 20;
+  bool malloc_tuning = Config::Defaults().malloc_tuning;
+  int64_t malloc_trim_bytes = Config::Defaults().malloc_trim_bytes;
   // Who may call this task and how it proves itself to the others (TENSORVERBS_TLS_*,
   // TENSORVERBS_SECRET_FILE; see rpc/security.h). Every task of a cluster needs the same.
   rpc::SecurityOptions security;
   // grpc+verbs settings (fabric, slots, poll mode, ...). The server fills in the env, pool,
-  // task addresses, mode and recv timeout.
+  // task addresses, security, transfer settings, mode and device memory.
   verbs::VerbsOptions verbs;
   // Copies device tensors to and from host memory. Null (the default): a CUDA copier when a
   // GPU and the CUDA runtime are present, none otherwise. Set, it must outlive the server

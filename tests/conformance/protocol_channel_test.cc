@@ -10,7 +10,7 @@ namespace {
 class ChannelRequestTest : public ProtocolTest {};
 
 TEST_P(ChannelRequestTest, DataValidationVerifiesEveryTransfer) {
-  StartCluster(2, [](VerbsOptions& o) { o.data_validation = true; });
+  StartCluster(2, [](ServerOptions& o) { o.verbs.channel.data_validation = true; });
   for (int step = 1; step <= 3; ++step) {
     ASSERT_NO_FATAL_FAILURE(
         SendAndRecv(step, "v", PoolTensor(1, DataType::kFloat32, {1000}, step)));
@@ -138,8 +138,8 @@ TEST_P(ZeroCopyTest, WaitForPeersSetsUpEveryChannel) {
 TEST_P(ZeroCopyTest, PerTransferAndCopyRegistrationStrategies) {
   for (const char* strategy : {"per-transfer", "copy"}) {
     SCOPED_TRACE(strategy);
-    StartCluster(2, [strategy](VerbsOptions& o) {
-      o.registration = strategy;
+    StartCluster(2, [strategy](ServerOptions& o) {
+      o.verbs.channel.registration = *protocol::ParseRegistration(strategy);
       NoPush(o);
     });
     for (int step = 1; step <= 3; ++step) {
@@ -165,10 +165,10 @@ TEST_P(ZeroCopyTest, OneMessageSlotAndEveryPollModeWork) {
       {"busy", 32}, {"blocking", 32}, {"adaptive", 32}, {"adaptive", 1}};
   for (const auto& [mode, batch] : configs) {
     SCOPED_TRACE(absl::StrCat(mode, ", batch ", batch));
-    StartCluster(2, [mode = mode, batch = batch](VerbsOptions& o) {
-      o.message_slots = 1;
-      o.message_batch = batch;
-      o.poll_mode = mode;
+    StartCluster(2, [mode = mode, batch = batch](ServerOptions& o) {
+      o.verbs.channel.message_slots = 1;
+      o.verbs.channel.message_batch = batch;
+      o.verbs.poll_mode = mode;
       NoPush(o);
     });
     std::vector<std::unique_ptr<PendingRecv>> recvs;
@@ -249,7 +249,7 @@ class LendingTest : public ProtocolTest {};
 
 TEST_P(LendingTest, LentTensorsAreReleasedWhenTheirLeaseEnds) {
   recv_timeout_ = absl::Milliseconds(300);
-  StartCluster(2, [](VerbsOptions& o) { o.peer_timeout = absl::Milliseconds(200); });
+  StartCluster(2, [](ServerOptions& o) { o.transfer.peer_timeout = absl::Milliseconds(200); });
   Tensor t = PoolTensor(1, DataType::kUInt8, {1 << 16}, 3);
   Notification lent;
   transport(1).Lend("/job:worker/replica:0/task:7", t,

@@ -357,9 +357,9 @@ TEST_P(ProtocolTest, ManyConcurrentRecvsFromThreePeers) {
 // mode the bound is the channel's responses; over grpc and grpc+gdr the RecvTensor calls held
 // for that receiver.
 TEST_P(ProtocolTest, RequestsBeyondTheResponseBoundFailAtOnce) {
-  StartCluster(2, [](VerbsOptions& o) {
-    o.max_responses = 2;
-    o.push = false;
+  StartCluster(2, [](ServerOptions& o) {
+    o.transfer.max_responses = 2;
+    o.verbs.channel.push = false;
   });
   ASSERT_TRUE(server(0).WaitForPeers(absl::Seconds(30)).ok());
   std::vector<std::unique_ptr<PendingRecv>> recvs;
@@ -487,7 +487,7 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
 // peer, however long it goes on waiting, and still completes when the tensor comes.
 TEST_P(ProtocolTest, ARecvWaitingPastTheSlowThresholdIsNamedInOneWarning) {
   recv_timeout_ = absl::Seconds(30);
-  StartCluster(2, [](VerbsOptions& o) { o.slow_recv_warning = absl::Milliseconds(200); });
+  StartCluster(2, [](ServerOptions& o) { o.transfer.slow_recv_warning = absl::Milliseconds(200); });
   ASSERT_TRUE(server(0).WaitForPeers(absl::Seconds(30)).ok());
   const ParsedKey key = Key(1, "late");
   ::testing::internal::CaptureStderr();

@@ -319,8 +319,9 @@ TEST_P(DeviceDirectTest, AKeyFirstReceivedThroughHostMemoryGoesDirectSoonAfter) 
 TEST_P(DeviceDirectTest, ADeviceWriteIntoAPeersPrivateMemoryGoesThroughABounceBuffer) {
   UseDirectGpus(1);
   auto first = std::make_shared<bool>(true);
-  StartCluster(2, [first](VerbsOptions& o) {
-    if (*first) o.registration = "per-transfer";  // task 0, the receiver
+  StartCluster(2, [first](ServerOptions& o) {
+    // task 0, the receiver
+    if (*first) o.verbs.channel.registration = protocol::Registration::kPerTransfer;
     *first = false;
   });
   ASSERT_NO_FATAL_FAILURE(WarmUp());
@@ -344,7 +345,7 @@ TEST_P(DeviceDirectTest, ADeviceWriteIntoAPeersPrivateMemoryGoesThroughABounceBu
 TEST_P(DeviceDirectTest, GpuDirectOffTakesTheProxyPath) {
   testing::StandInDeviceMemory& dm = UseDirectGpus(1);
   testing::StandInDeviceCopier& copier = *stand_in_copier_;
-  StartCluster(2, [](VerbsOptions& o) { o.gpu_direct = false; });
+  StartCluster(2, [](ServerOptions& o) { o.verbs.gpu_direct = false; });
   ASSERT_NO_FATAL_FAILURE(WarmUp());
   EXPECT_FALSE(transport(0).device_direct());
   RecvArgs to_gpu;

@@ -20,9 +20,9 @@ class FaultTest : public ProtocolTest {
   // others hit the cache) with `faults` on task `faulty`'s domain.
   Outcome Run(int faulty, const fabric::loopback::Faults& faults, bool validation = false) {
     Outcome out;
-    StartCluster(2, [validation](VerbsOptions& o) {
-      o.data_validation = validation;
-      o.message_slots = 2;
+    StartCluster(2, [validation](ServerOptions& o) {
+      o.verbs.channel.data_validation = validation;
+      o.verbs.channel.message_slots = 2;
     });
     if (HasFatalFailure()) return out;
     fabric::loopback::SetFaults(transport(faulty).domain_for_testing(), faults);

@@ -270,15 +270,15 @@ struct CopyCounts {
 
 // For tests that count the REQUEST protocol's own messages: grpc+verbs pushes one request
 // ahead per key after each recv (PushTest covers that), which these counts leave out.
-inline void NoPush(VerbsOptions& o) { o.push = false; }
+inline void NoPush(ServerOptions& o) { o.verbs.channel.push = false; }
 
 class ProtocolTest : public testing::ClusterTest<Param> {
  protected:
   const ProtocolDesign& design() const { return *GetParam().design; }
 
-  // `n` tasks in this process; `tune` adjusts every server's grpc+verbs options, `protocols`
+  // `n` tasks in this process; `tune` adjusts every server's options, `protocols`
   // overrides the protocol per task.
-  void StartCluster(int n, std::function<void(VerbsOptions&)> tune = nullptr,
+  void StartCluster(int n, std::function<void(ServerOptions&)> tune = nullptr,
                     std::vector<std::string> protocols = {}) {
     testing::ClusterOptions o;
     o.protocol = design().protocol;

@@ -199,7 +199,7 @@ TEST_P(PushTest, AChangedShapeWaitsForItsRecvWhateverTheOrder) {
 }
 
 TEST_P(PushTest, TheBudgetBoundsRequestsMadeAhead) {
-  StartCluster(2, [](VerbsOptions& o) { o.push_max_destinations = 4; });
+  StartCluster(2, [](ServerOptions& o) { o.verbs.channel.push_max_destinations = 4; });
   constexpr int kKeys = 10;
   for (int step = 1; step <= 3; ++step) {
     std::vector<std::unique_ptr<PendingRecv>> recvs;

@@ -71,9 +71,9 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
     options.cluster = *ClusterSpec::Parse(cluster_);
     options.job = "worker";
     options.task = 0;
-    options.recv_timeout = recv_timeout;
+    options.transfer.recv_timeout = recv_timeout;
     options.protocol = GetParam();
-    options.verbs.peer_timeout = absl::Seconds(2);
+    options.transfer.peer_timeout = absl::Seconds(2);
     absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);

@@ -13,9 +13,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
+#include "tensorverbs/device_name.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
 #include "tests/support/subprocess.h"
@@ -79,8 +79,8 @@ class PartitionTest : public ::testing::TestWithParam<std::string> {
     options.job = "worker";
     options.task = 0;
     options.protocol = GetParam();
-    options.recv_timeout = absl::Seconds(60);
-    options.verbs.peer_timeout = absl::Seconds(2);
+    options.transfer.recv_timeout = absl::Seconds(60);
+    options.transfer.peer_timeout = absl::Seconds(2);
     absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);

@@ -27,9 +27,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
-#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
+#include "tensorverbs/device_name.h"
 #include "tests/support/subprocess.h"
 
 namespace tensorverbs {
@@ -101,8 +101,8 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
   options.job = "worker";
   options.task = 0;
   options.protocol = protocol;
-  options.recv_timeout = absl::Seconds(30);
-  options.verbs.peer_timeout = absl::Seconds(2);
+  options.transfer.recv_timeout = absl::Seconds(30);
+  options.transfer.peer_timeout = absl::Seconds(2);
   absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
   ASSERT_TRUE(server.ok()) << server.status();
   RendezvousMgr* mgr = (*server)->rendezvous_mgr();

@@ -41,7 +41,7 @@ struct ClusterOptions {
   uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;  // what each task accepts from a peer
   int64_t max_peer_steps = 1024;  // steps peers' requests may start on each task
   // Adjusts every server's grpc+verbs options after the defaults above.
-  std::function<void(VerbsOptions&)> tune;
+  std::function<void(ServerOptions&)> tune;
   // Per-task protocol overrides (task i gets protocols[i] where given).
   std::vector<std::string> protocols;
   // Authentication; `security_for(t)` overrides it per task where set.
@@ -71,7 +71,7 @@ class InProcessCluster {
       options.job = "worker";
       options.task = t;
       options.protocol = t < static_cast<int>(o.protocols.size()) ? o.protocols[t] : o.protocol;
-      options.recv_timeout = o.recv_timeout;
+      options.transfer.recv_timeout = o.recv_timeout;
       options.max_tensor_bytes = o.max_tensor_bytes;
       options.max_peer_steps = o.max_peer_steps;
       options.security = o.security_for ? o.security_for(t) : o.security;
@@ -84,11 +84,11 @@ class InProcessCluster {
       // (it runs on the progress thread). A grpc+gdr test over libfabric shm under TSan once
       // went 20 s without an answer: the watchdog closed the channel mid-test, and libfabric
       // shm, whose peer is in the same process, crashed in its next poll.
-      options.verbs.peer_timeout = absl::Seconds(kUnderThreadSanitizer ? 60 : 5);
+      options.transfer.peer_timeout = absl::Seconds(kUnderThreadSanitizer ? 60 : 5);
       // Generous: under TSan on two cores hundreds of RecvTensor calls can queue ahead of a
       // grpc+gdr channel set-up.
-      options.verbs.connect_timeout = absl::Seconds(60);
-      if (o.tune) o.tune(options.verbs);
+      options.transfer.connect_timeout = absl::Seconds(60);
+      if (o.tune) o.tune(options);
       absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
       if (!server.ok()) return server.status();
       servers_.push_back(*std::move(server));

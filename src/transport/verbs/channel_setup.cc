@@ -67,7 +67,7 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
   request.set_task_name(env_->worker->task_name);
   request.set_incarnation(env_->worker->incarnation);
   request.set_fabric(env_->domain->capabilities().family);
-  request.set_protocol(protocol::VerbsModeProtocol(env_->mode));
+  request.set_protocol(protocol::VerbsModeProtocol(env_->options.mode));
   request.set_channel_id(id);
   FillEnd(*raw, request.mutable_end());
   connecting->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
@@ -150,7 +150,7 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   const std::string& task = request.task_name();
   const std::string& self = env_->worker->task_name;
   const std::string& family = env_->domain->capabilities().family;
-  const char* protocol = protocol::VerbsModeProtocol(env_->mode);
+  const char* protocol = protocol::VerbsModeProtocol(env_->options.mode);
   // Everything is checked before anything existing is touched: only a task of the cluster
   // spec may have a channel here, and a request that fails any check leaves the caller's
   // current channel (if any) as it was.

@@ -11,10 +11,10 @@ namespace tensorverbs::verbs {
 absl::StatusOr<protocol::RemoteTensorRef> LentTensors::Lend(const std::string& requester,
                                                             const Tensor& tensor,
                                                             absl::Time expires) {
-  if (lent_.size() >= static_cast<size_t>(env_->max_responses)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        lent_.size(), " tensors are lent already (TENSORVERBS_MAX_RESPONSES=", env_->max_responses,
-        "); this one goes inline"));
+  if (lent_.size() >= static_cast<size_t>(env_->transfer.max_responses)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(lent_.size(), " tensors are lent already (TENSORVERBS_MAX_RESPONSES=",
+                     env_->transfer.max_responses, "); this one goes inline"));
   }
   const size_t bytes = tensor.TotalBytes();
   Tensor source = tensor;
@@ -58,7 +58,7 @@ void LentTensors::EndLeasesOf(const std::string& task) {
     return true;
   });
   if (!memory.empty() && env_->host != nullptr) {
-    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine);
+    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine());
   }
 }
 

@@ -7,7 +7,7 @@
 // Tensor keys are drawn at random from the whole space, not counted up: a release names a
 // lease, and a faulty peer that guesses keys must not be able to end another lease early (the
 // sender would then reuse memory a reader is still reading). A release from any task but the
-// requester is ignored, and at most env->max_responses tensors are lent at once
+// requester is ignored, and at most env->transfer.max_responses tensors are lent at once
 // (TENSORVERBS_MAX_RESPONSES): beyond, Lend refuses and the tensor goes inline in the response
 // instead.
 //

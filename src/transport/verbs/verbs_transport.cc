@@ -24,28 +24,26 @@ constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
 
 VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   VerbsOptions o;
-  o.recv_timeout = config.recv_timeout;
+  o.transfer = TransferSettings::FromConfig(config);
+  // Config::FromEnvironment accepted only the names ParseRegistration knows.
+  o.channel.registration =
+      protocol::ParseRegistration(config.registration).value_or(o.channel.registration);
+  o.channel.data_validation = config.data_validation;
+  o.channel.message_slots = config.message_slots;
+  o.channel.message_batch = config.message_batch;
+  o.channel.push = config.push;
+  o.channel.push_max_destinations = config.push_max_destinations;
+  o.channel.push_max_bytes = config.push_max_bytes;
+  o.channel.max_pending_recvs = config.max_pending_recvs;
+  o.channel.large_in_flight = config.large_in_flight;
   o.fabric = config.fabric;
   o.ofi_provider = config.ofi_provider;
   o.rdma = config.rdma;
-  o.message_slots = config.message_slots;
-  o.message_batch = config.message_batch;
   o.poll_mode = config.poll_mode;
   o.poll_spin = config.poll_spin;
-  o.data_validation = config.data_validation;
-  o.registration = config.registration;
-  o.peer_timeout = config.peer_timeout;
-  o.connect_timeout = config.connect_timeout;
-  o.slow_recv_warning = config.slow_recv_warning;
-  o.push = config.push;
-  o.push_max_destinations = config.push_max_destinations;
-  o.max_responses = config.max_responses;
-  o.max_pending_recvs = config.max_pending_recvs;
-  o.large_in_flight = config.large_in_flight;
   o.shmem_copy_threads = config.shmem_copy_threads;
   o.shmem_peer_copy = config.shmem_peer_copy;
   o.remote_keys = config.remote_keys;
-  o.push_max_bytes = config.push_max_bytes;
   o.gpu_direct = config.gpu_direct;
   return o;
 }
@@ -63,8 +61,6 @@ absl::StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(VerbsOpti
 
 absl::Status VerbsTransport::Start() {
   ASSIGN_OR_RETURN(protocol::PollMode poll_mode, protocol::ParsePollMode(options_.poll_mode));
-  ASSIGN_OR_RETURN(protocol::Registration registration,
-                   protocol::ParseRegistration(options_.registration));
   fabric::FabricChoice choice;
   choice.fabric = options_.fabric;
   choice.ofi_provider = options_.ofi_provider;
@@ -85,7 +81,7 @@ absl::Status VerbsTransport::Start() {
                                                    "'; expected per-channel or shared"));
   }
   memory_ = std::make_unique<protocol::RdmaMemoryMgr>(
-      domain_.get(), options_.pool, protocol::RemoteAccessFor(options_.mode),
+      domain_.get(), options_.pool, protocol::RemoteAccessFor(options_.channel.mode),
       options_.remote_keys == "per-channel" && domain_->capabilities().channel_keys);
 
   protocol::ProgressEngine::Options engine_options;
@@ -104,28 +100,12 @@ absl::Status VerbsTransport::Start() {
   channel_env_.memory = memory_.get();
   channel_env_.domain = domain_.get();
   channel_env_.stats = &stats_;
-  channel_env_.registration = registration;
-  channel_env_.mode = options_.mode;
-  channel_env_.data_validation = options_.data_validation;
-  channel_env_.device_direct =
-      domain_->capabilities().device_memory && registration == protocol::Registration::kPool &&
-      options_.mode == protocol::VerbsMode::kZeroCopy && !options_.data_validation;
-  channel_env_.message_slots = options_.message_slots;
-  channel_env_.message_batch = options_.message_batch;
-  channel_env_.quarantine = options_.peer_timeout;
-  // Pushing destinations ahead needs the meta-data cache of zero copy, and the checksum of
-  // data validation rides the meta-data round trip that pushing skips.
-  channel_env_.push =
-      options_.push && options_.mode == protocol::VerbsMode::kZeroCopy && !options_.data_validation;
-  channel_env_.push_max_destinations = options_.push_max_destinations;
-  channel_env_.max_responses = options_.max_responses;
-  channel_env_.max_pending_recvs = options_.max_pending_recvs;
-  channel_env_.large_in_flight = options_.large_in_flight;
-  // A receiver has given up on its recv by then; a well-behaved one answers in a round trip.
-  channel_env_.response_timeout = options_.recv_timeout + options_.peer_timeout;
-  channel_env_.recv_timeout = options_.recv_timeout;
-  channel_env_.slow_recv_warning = options_.slow_recv_warning;
-  channel_env_.push_max_bytes = options_.push_max_bytes;
+  channel_env_.transfer = options_.transfer;
+  channel_env_.options = options_.channel;
+  channel_env_.device_direct = domain_->capabilities().device_memory &&
+                               options_.channel.registration == protocol::Registration::kPool &&
+                               options_.channel.mode == protocol::VerbsMode::kZeroCopy &&
+                               !options_.channel.data_validation;
   channel_env_.host = &host_;
   channel_env_.channels = table_.get();
   channel_env_.landed = &landed_;
@@ -137,7 +117,7 @@ absl::Status VerbsTransport::Start() {
   stubs_ = std::make_unique<VerbsStubs>(security);
   ChannelSetup::Options setup;
   setup.task_addresses = options_.task_addresses;
-  setup.connect_timeout = options_.connect_timeout;
+  setup.connect_timeout = options_.transfer.connect_timeout;
   // Progress thread, like every use of lent_ (created below, before the engine starts).
   setup.lent_to = [this] { return lent_->Borrowers(); };
   setup.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
@@ -146,22 +126,22 @@ absl::Status VerbsTransport::Start() {
   lent_ = std::make_unique<LentTensors>(&channel_env_);
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
   watchdog_ =
-      std::make_unique<PeerWatchdog>(options_.env->task_name, options_.peer_timeout, engine_.get(),
-                                     channels_.get(), table_.get(), stubs_.get());
+      std::make_unique<PeerWatchdog>(options_.env->task_name, options_.transfer.peer_timeout,
+                                     engine_.get(), channels_.get(), table_.get(), stubs_.get());
 
   engine_->Start();
   watchdog_->Start();
   LOG(INFO) << "task " << options_.env->task_name << ": "
-            << protocol::VerbsModeProtocol(options_.mode) << " over " << fabric_name() << ", "
-            << options_.message_slots << " message slots (batches of up to "
-            << options_.message_batch << "), " << protocol::RegistrationName(registration)
-            << " registration, "
+            << protocol::VerbsModeProtocol(options_.channel.mode) << " over " << fabric_name()
+            << ", " << options_.channel.message_slots << " message slots (batches of up to "
+            << options_.channel.message_batch << "), "
+            << protocol::RegistrationName(options_.channel.registration) << " registration, "
             << (memory_->channel_keys()
                     ? (domain_->capabilities().endpoint_bound_keys ? "endpoint-bound channel keys"
                                                                    : "per-channel keys")
                     : "shared keys")
             << ", " << options_.poll_mode << " polling"
-            << (options_.data_validation ? ", data validation on" : "");
+            << (options_.channel.data_validation ? ", data validation on" : "");
   return absl::OkStatus();
 }
 
@@ -210,7 +190,7 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
                           Allocator* allocator, RecvDoneCallback done) {
   // The coarse clock: a recv timeout is seconds long, and this runs for every tensor.
   RecvStart r{std::move(rendezvous), keys_.Intern(key), allocator,
-              CoarseNow() + options_.recv_timeout, std::move(done)};
+              CoarseNow() + options_.transfer.recv_timeout, std::move(done)};
   bool first;
   {
     MutexLock lock(&recv_inbox_mu_);
@@ -272,8 +252,9 @@ void VerbsTransport::Lend(
     absl::AnyInvocable<void(absl::StatusOr<protocol::RemoteTensorRef>) &&> done) {
   auto holder = std::make_shared<decltype(done)>(std::move(done));
   protocol::ProgressEngine::Task task = [this, requester, tensor, holder]() mutable {
-    std::move (*holder)(lent_->Lend(requester, tensor,
-                                    absl::Now() + options_.recv_timeout + options_.peer_timeout));
+    std::move (*holder)(
+        lent_->Lend(requester, tensor,
+                    absl::Now() + options_.transfer.recv_timeout + options_.transfer.peer_timeout));
   };
   if (!engine_->Post(task)) {
     std::move (*holder)(absl::UnavailableError(
@@ -303,7 +284,7 @@ size_t VerbsTransport::NumLentTensors() {
 
 void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorRef& ref,
                           Tensor dest, absl::AnyInvocable<void(const absl::Status&) &&> done) {
-  const absl::Time deadline = absl::Now() + options_.recv_timeout;
+  const absl::Time deadline = absl::Now() + options_.transfer.recv_timeout;
   auto holder = std::make_shared<decltype(done)>(std::move(done));
   protocol::ProgressEngine::Task t = [this, task, ref, dest, deadline, holder]() mutable {
     absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(task);

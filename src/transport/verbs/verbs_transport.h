@@ -51,6 +51,7 @@
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/rendezvous/rendezvous_mgr.h"
+#include "src/rendezvous/transfer_settings.h"
 #include "src/rpc/security.h"
 
 namespace tensorverbs::verbs {
@@ -61,39 +62,30 @@ class PeerWatchdog;
 class VerbsServiceImpl;
 class VerbsStubs;
 
-// The defaults are the documented defaults of the TENSORVERBS_* variables named beside each.
+// Each setting that has a variable starts from its default (Config::Defaults(), declared once
+// in common/config.h). The server fills in env, pool, task addresses, security, transfer,
+// channel.mode and device_memory; tests and tools set the rest as they need.
 struct VerbsOptions {
   const WorkerEnv* env = nullptr;
   PoolAllocator* pool = nullptr;  // registered once per region; staging comes from it too
   absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
   // How calls to other tasks prove this one (null: no security).
   std::shared_ptr<const rpc::RpcSecurity> security;
+  // The settings every protocol shares (ServerOptions::transfer): recv and peer timeouts, the
+  // slow-recv warning, the connect deadline, the bound on a peer's requests.
+  TransferSettings transfer;
+  // The channels' own settings (message slots, push-ahead, bounds, registration, mode).
+  protocol::ChannelOptions channel;
   bool all_peers_local = false;  // every task runs on this host (shm is then a candidate)
-  absl::Duration recv_timeout = absl::Minutes(10);    // TENSORVERBS_RECV_TIMEOUT_MS
-  std::string fabric = "auto";                        // TENSORVERBS_FABRIC
-  std::string ofi_provider;                           // TENSORVERBS_OFI_PROVIDER (empty: choose)
-  RdmaConfig rdma;                                    // the RDMA_* variables (ibverbs)
-  int message_slots = 8;                              // TENSORVERBS_MESSAGE_SLOTS
-  int message_batch = 32;                             // TENSORVERBS_MESSAGE_BATCH
-  std::string poll_mode = "adaptive";                 // TENSORVERBS_POLL_MODE
-  absl::Duration poll_spin = absl::Microseconds(50);  // TENSORVERBS_POLL_SPIN_US
-  bool data_validation = false;                       // TENSORVERBS_DATA_VALIDATION
-  std::string registration = "pool";                  // TENSORVERBS_REGISTRATION
-  protocol::VerbsMode mode = protocol::VerbsMode::kZeroCopy;  // set from the protocol
-  absl::Duration peer_timeout = absl::Seconds(10);            // TENSORVERBS_PEER_TIMEOUT_MS
-  absl::Duration connect_timeout = absl::Seconds(60);         // TENSORVERBS_CONNECT_TIMEOUT_MS
-  // Every protocol: a recv waiting this long logs a warning, once (zero: never).
-  absl::Duration slow_recv_warning = absl::Seconds(60);  // TENSORVERBS_SLOW_RECV_MS
-  bool push = true;                                      // TENSORVERBS_PUSH
-  int push_max_destinations = 1024;                      // TENSORVERBS_PUSH_MAX
-  int max_responses = 65536;                             // TENSORVERBS_MAX_RESPONSES
-  int max_pending_recvs = 65536;                         // TENSORVERBS_MAX_PENDING_RECVS
-  int large_in_flight = 2;                               // TENSORVERBS_LARGE_IN_FLIGHT
-  int shmem_copy_threads = 1;                            // TENSORVERBS_SHMEM_COPY_THREADS
-  bool shmem_peer_copy = true;                           // TENSORVERBS_SHMEM_PEER_COPY
-  std::string remote_keys = "per-channel";               // TENSORVERBS_REMOTE_KEYS
-  uint64_t push_max_bytes = uint64_t{256} << 20;         // TENSORVERBS_PUSH_MAX_MB
-  bool gpu_direct = true;                                // TENSORVERBS_GPU_DIRECT
+  std::string fabric = Config::Defaults().fabric;                  // TENSORVERBS_FABRIC
+  std::string ofi_provider = Config::Defaults().ofi_provider;      // TENSORVERBS_OFI_PROVIDER
+  RdmaConfig rdma = Config::Defaults().rdma;                       // the RDMA_* variables (ibverbs)
+  std::string poll_mode = Config::Defaults().poll_mode;            // TENSORVERBS_POLL_MODE
+  absl::Duration poll_spin = Config::Defaults().poll_spin;         // TENSORVERBS_POLL_SPIN_US
+  int shmem_copy_threads = Config::Defaults().shmem_copy_threads;  // TENSORVERBS_SHMEM_COPY_THREADS
+  bool shmem_peer_copy = Config::Defaults().shmem_peer_copy;       // TENSORVERBS_SHMEM_PEER_COPY
+  std::string remote_keys = Config::Defaults().remote_keys;        // TENSORVERBS_REMOTE_KEYS
+  bool gpu_direct = Config::Defaults().gpu_direct;                 // TENSORVERBS_GPU_DIRECT
   // The GPU runtime through which the fabric may reach device memory directly (the shmem
   // fabric's CUDA IPC), when gpu_direct; null: device tensors go through host memory.
   std::shared_ptr<fabric::DeviceMemory> device_memory;

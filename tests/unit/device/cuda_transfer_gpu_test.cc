@@ -175,7 +175,7 @@ class ProxyPathGpuTest : public ::testing::TestWithParam<Route> {
     o.protocol = GetParam().protocol;
     o.fabric = GetParam().fabric;
     o.provider = GetParam().provider;
-    if (!GetParam().direct) o.tune = [](verbs::VerbsOptions& v) { v.gpu_direct = false; };
+    if (!GetParam().direct) o.tune = [](ServerOptions& v) { v.verbs.gpu_direct = false; };
     absl::Status s = cluster_.Start(2, o);
     ASSERT_TRUE(s.ok()) << s;
     // Each task's tensors on the GPU come from its own GPU pool, as a program's would.

@@ -122,6 +122,11 @@ struct Side : public ChannelHost {
     env.channels = &table;
     env.landed = &landed;
     env.local_tensors = &local_tensors;
+    // The plain walk: no request made ahead (the push tests turn it on), no recv deadline and
+    // no slow-recv warning unless a test sets them.
+    env.options.push = false;
+    env.transfer.recv_timeout = absl::InfiniteDuration();
+    env.transfer.slow_recv_warning = absl::ZeroDuration();
   }
 
   // ChannelHost.

@@ -83,8 +83,8 @@ void PrintTo(const Strategy& s, std::ostream* os) { *os << s.name; }
 class StrategyTest : public ChannelTest, public ::testing::WithParamInterface<Strategy> {
  protected:
   void Configure(ChannelEnv* env) override {
-    env->mode = GetParam().mode;
-    env->registration = GetParam().registration;
+    env->options.mode = GetParam().mode;
+    env->options.registration = GetParam().registration;
   }
 };
 
@@ -145,8 +145,8 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Strategy>& info) { return info.param.name; });
 
 TEST_F(ChannelTest, PerTransferRegistrationMovesMemoryOutsideThePoolWithoutCopies) {
-  owner_.env.registration = Registration::kPerTransfer;
-  acceptor_.env.registration = Registration::kPerTransfer;
+  owner_.env.options.registration = Registration::kPerTransfer;
+  acceptor_.env.options.registration = Registration::kPerTransfer;
   const Tensor sent = Floats(CpuAllocator(), 5000, 0.75f);
   Send(1, Key("heap"), sent);
   std::shared_ptr<RecvOutcome> out =
@@ -166,8 +166,8 @@ class LargeDestinationTest : public ChannelTest {
  protected:
   static constexpr int64_t kElements = 32768;  // 128 KiB of floats
   void Configure(ChannelEnv* env) override {
-    env->large_bytes = uint64_t{64} << 10;
-    env->large_in_flight = 1;
+    env->options.large_bytes = uint64_t{64} << 10;
+    env->options.large_in_flight = 1;
   }
 
   // Sends `count` large tensors in `step` and receives them all at once. Each callback checks
@@ -214,7 +214,7 @@ TEST_F(LargeDestinationTest, ManyLargeRecvsHoldAFewDestinationsAtATimeAndAllLand
   EXPECT_EQ(Get(owner_.stats.meta_cache_hits), 1);
   EXPECT_EQ(Get(owner_.stats.re_requests), 2 * kRecvs - 1);
   // Without the limit, every cached REQUEST names its destination at once.
-  owner_.env.large_in_flight = 0;
+  owner_.env.options.large_in_flight = 0;
   EXPECT_GE(ReceiveAtOnce(3, kRecvs), static_cast<size_t>(kRecvs));
   EXPECT_EQ(Get(owner_.stats.meta_cache_hits), 1 + kRecvs);
   EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);

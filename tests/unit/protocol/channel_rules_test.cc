@@ -154,7 +154,7 @@ TEST_F(ChannelTest, ADuplicatedContentImmediateIsDroppedNotDeliveredTwice) {
 }
 
 TEST_F(ChannelTest, ADuplicatedImmediateForContentThatAlreadyLandedIsDropped) {
-  owner_.env.push = true;
+  owner_.env.options.push = true;
   const ParsedKey key = Key("ahead");
   ASSERT_TRUE(Transfer(1, key, Floats(&acceptor_.pool, 64, 1.0f))->status.ok());
   // The recv of step 1 asked for step 2 ahead; once the sender has it, the content lands in
@@ -177,8 +177,8 @@ TEST_F(ChannelTest, ADuplicatedImmediateForContentThatAlreadyLandedIsDropped) {
 }
 
 TEST_F(ChannelTest, DataValidationFailsACorruptedTransferWithDataLoss) {
-  owner_.env.data_validation = true;
-  acceptor_.env.data_validation = true;
+  owner_.env.options.data_validation = true;
+  acceptor_.env.options.data_validation = true;
   const ParsedKey key = Key("checked");
   const Tensor sent = Floats(&acceptor_.pool, 1000, 3.0f);
   std::shared_ptr<RecvOutcome> good = Transfer(1, key, sent);

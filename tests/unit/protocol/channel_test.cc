@@ -343,7 +343,7 @@ TEST_F(ChannelTest, ExpireRequestsFailsARecvPastItsDeadline) {
 // fails at once, and a finished recv gives its place back.
 class PendingBoundTest : public ChannelTest {
  protected:
-  void Configure(ChannelEnv* env) override { env->max_pending_recvs = 2; }
+  void Configure(ChannelEnv* env) override { env->options.max_pending_recvs = 2; }
 };
 
 TEST_F(PendingBoundTest, RecvsBeyondThePendingBoundFailAtOnceAndAFinishedOneGivesItsPlaceBack) {
@@ -381,7 +381,12 @@ TEST_F(PendingBoundTest, RecvsBeyondThePendingBoundFailAtOnceAndAFinishedOneGive
 // for the channel's life; the sender drops it after the response timeout.
 class ResponseExpiryTest : public ChannelTest {
  protected:
-  void Configure(ChannelEnv* env) override { env->response_timeout = absl::Seconds(5); }
+  // The sender's response timeout is its recv timeout plus its peer timeout: 5 s.
+  void Configure(ChannelEnv* env) override {
+    if (env != &acceptor_.env) return;
+    env->transfer.recv_timeout = absl::Seconds(4);
+    env->transfer.peer_timeout = absl::Seconds(1);
+  }
 };
 
 TEST_F(ResponseExpiryTest, AResponseTheReceiverNeverAnswersIsDroppedAndALateAnswerIgnored) {
@@ -459,8 +464,8 @@ TEST_F(ChannelTest, CloseFailsEveryPendingRecvOnceAndQuarantinesTheirMemory) {
   }
   EXPECT_THAT(sizes, ::testing::UnorderedElementsAre(kElementsA * sizeof(float),
                                                      kElementsB * sizeof(float)));
-  EXPECT_GE(q.until, before + owner_.env.quarantine);
-  EXPECT_LE(q.until, after + owner_.env.quarantine);
+  EXPECT_GE(q.until, before + owner_.env.quarantine());
+  EXPECT_LE(q.until, after + owner_.env.quarantine());
 
   // A closed channel refuses new recvs at once.
   std::shared_ptr<RecvOutcome> late = StartRecv(3, Key("a"));

@@ -18,7 +18,7 @@ namespace {
 
 class GdrPullTest : public ChannelTest {
  protected:
-  void Configure(ChannelEnv* env) override { env->mode = VerbsMode::kGdr; }
+  void Configure(ChannelEnv* env) override { env->options.mode = VerbsMode::kGdr; }
   void SetUp() override {
     ASSERT_NO_FATAL_FAILURE(ChannelTest::SetUp());
     acceptor_.on_release_lent = [this](const std::string& task, uint32_t tensor_key) {
@@ -101,7 +101,7 @@ class FullGdrPullTest : public GdrPullTest {
  protected:
   void Configure(ChannelEnv* env) override {
     GdrPullTest::Configure(env);
-    env->max_pending_recvs = 0;  // every read is beyond the bound
+    env->options.max_pending_recvs = 0;  // every read is beyond the bound
   }
 };
 

@@ -60,8 +60,8 @@ class RequestMachineTest : public ChannelTest {
  protected:
   static constexpr int64_t kLarge = 32768;  // floats: 128 KiB, a large destination below
   void Configure(ChannelEnv* env) override {
-    env->large_bytes = uint64_t{64} << 10;
-    env->large_in_flight = 1;
+    env->options.large_bytes = uint64_t{64} << 10;
+    env->options.large_in_flight = 1;
   }
   size_t InState(State s, std::optional<Owner> o = std::nullopt) {
     return owner_.channel->CountRequests(s, o);
@@ -213,7 +213,7 @@ class PushedRequestTest : public RequestMachineTest {
  protected:
   void Configure(ChannelEnv* env) override {
     RequestMachineTest::Configure(env);
-    env->push = true;
+    env->options.push = true;
   }
   // Step 1 of `k_` moves, which pushes the request for step 2.
   void SetUp() override {

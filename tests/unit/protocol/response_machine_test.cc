@@ -144,7 +144,12 @@ TEST_F(ResponseMachineTest, AnEmptyReRequestIsAnsweredWithTheImmediateAlone) {
 
 class ExpiringResponseMachineTest : public ResponseMachineTest {
  protected:
-  void Configure(ChannelEnv* env) override { env->response_timeout = absl::Seconds(5); }
+  // The sender's response timeout is its recv timeout plus its peer timeout: 5 s.
+  void Configure(ChannelEnv* env) override {
+    if (env != &acceptor_.env) return;
+    env->transfer.recv_timeout = absl::Seconds(4);
+    env->transfer.peer_timeout = absl::Seconds(1);
+  }
 };
 
 // kWaitReRequest -> kDone: the receiver never asks for the content within the response

@@ -48,7 +48,7 @@ class LentTensorsTest : public ::testing::Test {
     env_.memory = &memory_;
     env_.domain = domain_.get();
     env_.stats = &stats_;
-    env_.max_responses = 64;
+    env_.transfer.max_responses = 64;
     env_.host = &host_;
   }
 
@@ -107,7 +107,7 @@ TEST_F(LentTensorsTest, OnlyTheRequesterEndsItsLease) {
 TEST_F(LentTensorsTest, AtMostMaxResponsesAreLentAndExpiredLeasesFreeTheirPlace) {
   LentTensors lent(&env_);
   const absl::Time soon = absl::Now() + absl::Seconds(1);
-  for (int i = 0; i < env_.max_responses; ++i) {
+  for (int i = 0; i < env_.transfer.max_responses; ++i) {
     ASSERT_TRUE(lent.Lend("/job:w/task:1", PoolTensor(), i == 0 ? soon : lease_).ok());
   }
   absl::StatusOr<protocol::RemoteTensorRef> refused =
@@ -115,14 +115,14 @@ TEST_F(LentTensorsTest, AtMostMaxResponsesAreLentAndExpiredLeasesFreeTheirPlace)
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(refused.status().message(), HasSubstr("TENSORVERBS_MAX_RESPONSES=64"));
   lent.Expire(soon);
-  EXPECT_EQ(lent.size(), static_cast<size_t>(env_.max_responses - 1));
+  EXPECT_EQ(lent.size(), static_cast<size_t>(env_.transfer.max_responses - 1));
   EXPECT_TRUE(lent.Lend("/job:w/task:1", PoolTensor(), lease_).ok());
 }
 
 TEST_F(LentTensorsTest, ThePeerGoneEndsItsLeasesIntoQuarantineAndNoOneElses) {
   std::vector<Tensor> quarantined;
   absl::Time until;
-  env_.quarantine = absl::Seconds(2);
+  env_.transfer.peer_timeout = absl::Seconds(2);  // the quarantine
   host_.quarantine = [&](std::vector<Tensor> memory, absl::Time t) {
     for (Tensor& m : memory) quarantined.push_back(std::move(m));
     until = t;
