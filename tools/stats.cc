@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "proto/worker.grpc.pb.h"
 #include "src/common/config.h"
+#include "src/common/counters.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/rpc/grpc_util.h"
@@ -27,58 +28,13 @@
 namespace tensorverbs::tools {
 namespace {
 
-// What each counter means, and whether it is a gauge (a value now) rather than a running total.
-struct Meaning {
-  const char* help;
-  bool gauge;
-};
-
-const std::map<std::string, Meaning>& Meanings() {
-  static const auto* m = new std::map<std::string, Meaning>{
-      {"tensors_received", {"Remote recvs completed OK", false}},
-      {"bytes_received", {"Element bytes of the tensors received", false}},
-      {"recv_errors", {"Remote recvs that failed", false}},
-      {"copies", {"Copies of tensor bytes this task made (zero-copy paths make none)", false}},
-      {"copied_bytes", {"Bytes those copies moved", false}},
-      {"pool_regions", {"Regions of the registered receive pool", true}},
-      {"pool_bytes", {"Bytes of the registered receive pool", true}},
-      {"pool_bytes_in_use", {"Bytes of the pool held by live tensors", true}},
-      {"pool_allocations", {"Live tensors in the pool", true}},
-      {"requests", {"REQUEST messages sent", false}},
-      {"meta_cache_hits", {"REQUESTs that carried cached meta-data", false}},
-      {"pushed_requests", {"REQUESTs made ahead for a key's next step", false}},
-      {"push_hits", {"Recvs that found their request already made", false}},
-      {"meta_responses", {"META_DATA_RESPONSE messages sent", false}},
-      {"re_requests", {"RE_REQUEST messages sent", false}},
-      {"errors_sent", {"ERROR_STATUS messages sent", false}},
-      {"control_messages", {"Control messages written", false}},
-      {"control_slots", {"Message-slot writes carrying them", false}},
-      {"slot_waits", {"Times control messages waited for a free slot of the peer", false}},
-      {"tensors_sent", {"Tensor contents written to peers", false}},
-      {"bytes_sent", {"Bytes of tensor contents written to peers", false}},
-      {"transient_registrations", {"Memory registered for one transfer", false}},
-      {"registered_regions", {"Pool regions registered with the fabric", true}},
-      {"registered_bytes", {"Bytes of the pool regions registered with the fabric", true}},
-      {"channel_registrations",
-       {"Registrations made for one channel's peer alone (per-channel keys)", true}},
-      {"channel_registered_bytes", {"Bytes of the registrations made for one channel", true}},
-      {"registrations", {"Registrations made for this channel's peer alone", true}},
-      {"dropped_immediates", {"Completions naming no live request (stale or duplicated)", false}},
-      {"channels_failed", {"Channels closed by an error", false}},
-      {"checksum_failures", {"Transfers whose checksum did not match", false}},
-      {"pending_recvs", {"Requests waiting on peers: recvs, reads and requests made ahead", true}},
-      {"responses_pending", {"Requests of the peer this task is answering", true}},
-      {"channels", {"RDMA channels of this task", true}},
-      {"proxies", {"Recvs received through a registered proxy buffer", false}},
-      {"recv_errors_by_code", {"Remote recvs that failed, by status code", false}},
-  };
-  return *m;
-}
-
-Meaning MeaningOf(const std::string& name) {
-  auto it = Meanings().find(name);
-  if (it != Meanings().end()) return it->second;
-  return {"tensorverbs counter", false};
+// What a counter means, and whether it is a gauge (a value now) rather than a running total:
+// the catalog's entry, or a plain total for a name this version does not know (a newer
+// peer's).
+CounterInfo MeaningOf(absl::string_view name) {
+  const CounterInfo* info = FindCounter(name);
+  if (info != nullptr) return *info;
+  return {"", "tensorverbs counter", false};
 }
 
 // Prometheus label values escape backslash, double quote and newline.
@@ -141,7 +97,7 @@ std::string FormatStatsJson(const proto::GetStatsResponse& stats) {
 std::string FormatPrometheus(const proto::GetStatsResponse& stats) {
   // Families, each with its samples, so every family's HELP and TYPE come once before them.
   struct Family {
-    Meaning meaning;
+    CounterInfo meaning;
     std::vector<std::string> samples;
   };
   std::map<std::string, Family> families;
@@ -153,7 +109,7 @@ std::string FormatPrometheus(const proto::GetStatsResponse& stats) {
       absl::StrAppend(&labels, ",code=\"", LabelValue(name.substr(kByCode.size())), "\"");
       name = "recv_errors_by_code";
     }
-    const Meaning meaning = MeaningOf(name);
+    const CounterInfo meaning = MeaningOf(name);
     const std::string family = absl::StrCat(prefix, name, meaning.gauge ? "" : "_total");
     Family& f = families[family];
     f.meaning = meaning;

@@ -31,6 +31,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -116,6 +117,9 @@ class Task {
   absl::StatusOr<Allocator*> DeviceAllocator(int device);
 
   TaskStats stats() const;
+  // Every counter of this task as `tensorverbs stats` reports it (the channels' aside), by
+  // name: tensors_received, bytes_sent, pushed_requests, pool_bytes_in_use, ...
+  std::vector<std::pair<std::string, int64_t>> counters() const;
 
   // Fails every pending recv with Cancelled and shuts the task's server down. Idempotent.
   void Stop();

@@ -256,6 +256,8 @@ class PyTask {
     d["copied_bytes"] = s.copied_bytes;
     d["staged"] = staged_.load(std::memory_order_relaxed);
     d["staged_bytes"] = staged_bytes_.load(std::memory_order_relaxed);
+    // And every counter `tensorverbs stats` shows for the task, under the same names.
+    for (const auto& [name, value] : task_->counters()) d[py::str(name)] = value;
     return d;
   }
 

@@ -48,6 +48,7 @@ def test_every_numeric_dtype_and_rank_round_trips_exactly(pair):
 def test_a_received_array_is_the_received_buffer_itself(verbs_pair):
     a, b = verbs_pair
     before = a.stats()
+    before_sent = b.stats()["tensors_sent"]
     with a.step(1) as receiving, b.step(1) as sending:
         sending.send("worker:0", "w", np.arange(1 << 16, dtype=np.float32))
         got = receiving.recv("worker:1", "w", timeout=20)
@@ -58,6 +59,9 @@ def test_a_received_array_is_the_received_buffer_itself(verbs_pair):
     assert after["copies"] == before["copies"]  # and the transport wrote it in place
     assert after["tensors"] == before["tensors"] + 1
     assert after["bytes"] == before["bytes"] + got.nbytes
+    # Every counter of `tensorverbs stats` is there too, under its own name.
+    assert after["tensors_received"] == after["tensors"]
+    assert b.stats()["tensors_sent"] == before_sent + 1
     # The buffer outlives its step and its task.
     a.stop()
     np.testing.assert_array_equal(got, np.arange(1 << 16, dtype=np.float32))

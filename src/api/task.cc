@@ -156,6 +156,10 @@ TaskStats Task::stats() const {
   return out;
 }
 
+std::vector<std::pair<std::string, int64_t>> Task::counters() const {
+  return impl_->server->Counters();
+}
+
 Step::Step(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Step::~Step() {

@@ -87,7 +87,7 @@ struct ChannelSnapshot {
   bool receives = false;  // the owner's end: this task receives over it
   std::string state;      // "connecting", "ready", "closed"
   std::string description;
-  std::vector<std::pair<std::string, int64_t>> counters;  // by name, in a fixed order
+  CounterList counters;  // catalog names (common/counters.h), in a fixed order
 };
 
 class Channel {

@@ -21,6 +21,27 @@ uint32_t RemoteAccessFor(VerbsMode mode) {
   return mode == VerbsMode::kGdr ? fabric::kAccessRemoteRead : fabric::kAccessRemoteWrite;
 }
 
+void VerbsStats::AppendCounters(CounterList* out) const {
+  auto add = [out](const char* name, const std::atomic<int64_t>& value) {
+    out->emplace_back(name, value.load(std::memory_order_relaxed));
+  };
+  add("requests", requests);
+  add("meta_cache_hits", meta_cache_hits);
+  add("pushed_requests", pushed);
+  add("push_hits", push_hits);
+  add("meta_responses", meta_responses);
+  add("re_requests", re_requests);
+  add("errors_sent", errors_sent);
+  add("control_messages", control_messages);
+  add("control_slots", control_slots);
+  add("tensors_sent", content_writes);
+  add("bytes_sent", content_bytes);
+  add("transient_registrations", transient_registrations);
+  add("dropped_immediates", dropped_imms);
+  add("channels_failed", channel_errors);
+  add("checksum_failures", checksum_failures);
+}
+
 uint64_t ContentChecksum(const void* data, uint64_t bytes) {
   return bytes == 0 ? 0 : Crc32c(data, bytes);
 }

@@ -54,6 +54,9 @@ struct VerbsStats {
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};
 
+  // The counters a task reports, under their catalog names (common/counters.h).
+  void AppendCounters(CounterList* out) const;
+
   // One copy of `bytes` tensor bytes, counted here and in the worker's TransferStats (if any).
   void CountCopy(uint64_t bytes, TransferStats* worker) {
     copies.fetch_add(1, std::memory_order_relaxed);

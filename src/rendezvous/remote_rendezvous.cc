@@ -9,6 +9,23 @@
 #include "src/common/mutex.h"
 
 namespace tensorverbs {
+
+void TransferStats::AppendCounters(CounterList* out) const {
+  auto add = [out](const char* name, const std::atomic<int64_t>& value) {
+    out->emplace_back(name, value.load(std::memory_order_relaxed));
+  };
+  add("tensors_received", tensors);
+  add("bytes_received", bytes);
+  add("recv_errors", errors);
+  add("copies", copies);
+  add("copied_bytes", copied_bytes);
+  add("device_to_host_copies", device_to_host);
+  add("host_to_device_copies", host_to_device);
+  add("device_copied_bytes", device_copied_bytes);
+  add("device_copy_errors", device_copy_errors);
+  add("device_direct_sends", device_direct_sends);
+  add("device_direct_recvs", device_direct_recvs);
+}
 namespace {
 
 void CountDeviceCopy(TransferStats* stats, CopyDirection direction, const absl::Status& s,
@@ -190,8 +207,8 @@ std::string SlowRecvWarning(absl::string_view key, int64_t step_id, absl::string
 
 absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, bool is_dead) {
   if (!key.src.IsOnTask(env_->task_name)) {
-    return absl::InvalidArgumentError(absl::StrCat("send of key '", key.full_key,
-                                                   "' on task ", env_->task_name,
+    return absl::InvalidArgumentError(absl::StrCat("send of key '", key.full_key, "' on task ",
+                                                   env_->task_name,
                                                    ": its source device is on another task"));
   }
   if (!key.dst.IsOnTask(env_->task_name) && !value.placement().host_accessible() &&
@@ -210,9 +227,9 @@ absl::Status RemoteRendezvous::Send(const ParsedKey& key, const Tensor& value, b
 void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
                                  RecvDoneCallback done) {
   if (!key.dst.IsOnTask(env_->task_name)) {
-    std::move(done)(absl::InvalidArgumentError(absl::StrCat(
-                        "recv of key '", key.full_key, "' on task ", env_->task_name,
-                        ": its destination device is on another task")),
+    std::move(done)(absl::InvalidArgumentError(
+                        absl::StrCat("recv of key '", key.full_key, "' on task ", env_->task_name,
+                                     ": its destination device is on another task")),
                     Tensor(), false);
     return;
   }
@@ -329,9 +346,8 @@ absl::StatusOr<std::vector<Tensor>> RecvAll(RemoteRendezvous& rendezvous,
                          });
   }
   MutexLock lock(&state->mu);
-  auto all_done = [&state]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) {
-    return state->pending == 0;
-  };
+  auto all_done = [&state]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) { return state->pending == 0; };
   state->mu.Await(all_done);
   if (!state->status.ok()) return state->status;
   return std::move(state->tensors);

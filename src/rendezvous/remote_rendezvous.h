@@ -32,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "src/common/counters.h"
 #include "src/common/executor.h"
 #include "src/rendezvous/local_rendezvous.h"
 #include "src/tensor/allocator.h"
@@ -65,6 +66,9 @@ struct TransferStats {
   std::atomic<int64_t> device_direct_sends{0};
   std::atomic<int64_t> device_direct_recvs{0};
 
+  // The totals above (not the in-flight gauge) under their catalog names (common/counters.h).
+  void AppendCounters(CounterList* out) const;
+
   // One remote recv's outcome, just before its `done` runs.
   void CountRecv(const absl::Status& status, const Tensor& tensor) {
     if (status.ok()) {
@@ -83,13 +87,13 @@ inline constexpr uint64_t kDefaultMaxTensorBytes = uint64_t{4096} << 20;
 struct WorkerEnv {
   std::string job;
   int task = 0;
-  std::string task_name;   // /job:J/replica:0/task:T
+  std::string task_name;  // /job:J/replica:0/task:T
   uint64_t incarnation = 0;
-  Allocator* recv_allocator = nullptr;  // where received tensors are allocated
+  Allocator* recv_allocator = nullptr;    // where received tensors are allocated
   Executor* callback_executor = nullptr;  // runs user callbacks of remote recvs
   TransferStats* stats = nullptr;         // optional
-  KeyTable* keys = nullptr;  // optional: interns the keys of sends and local recvs
-  StepSizeHint* step_sizes = nullptr;  // optional: presizes each step's tables
+  KeyTable* keys = nullptr;               // optional: interns the keys of sends and local recvs
+  StepSizeHint* step_sizes = nullptr;     // optional: presizes each step's tables
   // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB).
   uint64_t max_tensor_bytes = kDefaultMaxTensorBytes;
   // Copies device tensors to and from host memory (null: no GPU in this process, and device

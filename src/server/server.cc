@@ -21,9 +21,8 @@
 #include "src/fabric/fabric.h"
 #include "src/rpc/grpc_util.h"
 #include "src/server/cuda_fabric_memory.h"
-#include "src/transport/grpc/grpc_rendezvous.h"
+#include "src/server/protocols.h"
 #include "src/transport/grpc/recv_tensor_handler.h"
-#include "src/transport/verbs/verbs_rendezvous.h"
 #include "tensorverbs/device_name.h"
 
 namespace tensorverbs {
@@ -42,13 +41,13 @@ using WorkerServiceBase =
 class WorkerServiceImpl final : public WorkerServiceBase {
  public:
   WorkerServiceImpl(
-      const WorkerEnv* env, RendezvousMgr* mgr, std::string protocol, std::string device,
+      const WorkerEnv* env, RendezvousMgr* mgr, const ProtocolSpec* protocol, std::string device,
       protocol::TensorLender* lender, const rpc::RpcSecurity* security,
       std::shared_ptr<grpc_transport::RecvTensorBudget> budget,
       std::function<void(absl::AnyInvocable<void(proto::GetStatsResponse) &&>)> collect_stats)
       : env_(env),
         mgr_(mgr),
-        protocol_(std::move(protocol)),
+        protocol_(protocol),
         device_(std::move(device)),
         lender_(lender),
         security_(security),
@@ -65,7 +64,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
     response->set_task_name(env_->task_name);
     response->set_incarnation(env_->incarnation);
     response->add_devices(device_);
-    response->set_protocol(protocol_);
+    response->set_protocol(std::string(protocol_->name));
     auto* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
@@ -78,12 +77,12 @@ class WorkerServiceImpl final : public WorkerServiceBase {
     if (grpc::Status allowed = security_->Authenticate(*context, &caller); !allowed.ok()) {
       return Refuse(context, allowed);
     }
-    if (protocol_ == "grpc+verbs" || protocol_ == "grpc+verbs-copy") {
+    if (!protocol_->serves_recv_tensor) {
       // Only the protocol in use is served: these tensors go over RDMA channels.
       auto* reactor = context->DefaultReactor();
       reactor->Finish(grpc::Status(
           grpc::StatusCode::UNIMPLEMENTED,
-          absl::StrCat("task ", env_->task_name, " serves protocol ", protocol_,
+          absl::StrCat("task ", env_->task_name, " serves protocol ", protocol_->name,
                        ": its tensors are received over RDMA channels, not RecvTensor")));
       return reactor;
     }
@@ -131,7 +130,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
 
   const WorkerEnv* const env_;
   RendezvousMgr* const mgr_;
-  const std::string protocol_;
+  const ProtocolSpec* const protocol_;
   const std::string device_;
   protocol::TensorLender* const lender_;  // grpc+gdr only
   const rpc::RpcSecurity* const security_;
@@ -142,10 +141,13 @@ class WorkerServiceImpl final : public WorkerServiceBase {
 }  // namespace
 
 std::vector<std::string> AvailableProtocols() {
-  return {"grpc+verbs", "grpc+gdr", "grpc+verbs-copy", "grpc"};
+  std::vector<std::string> names;
+  for (const ProtocolSpec& spec : Protocols()) names.emplace_back(spec.name);
+  return names;
 }
 
-Server::Server(ServerOptions options) : options_(std::move(options)) {}
+Server::Server(ServerOptions options, const ProtocolSpec* protocol)
+    : options_(std::move(options)), protocol_(protocol) {}
 
 ServerOptions ServerOptions::FromConfig(const Config& config) {
   ServerOptions o;
@@ -173,13 +175,9 @@ absl::StatusOr<ServerOptions> ServerOptions::FromEnvironment() {
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
   ASSIGN_OR_RETURN(std::string address, options.cluster.TaskAddress(options.job, options.task));
-  std::vector<std::string> protocols = AvailableProtocols();
-  if (std::find(protocols.begin(), protocols.end(), options.protocol) == protocols.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "unknown protocol '", options.protocol, "'; available: ", absl::StrJoin(protocols, ", ")));
-  }
+  ASSIGN_OR_RETURN(const ProtocolSpec* protocol, FindProtocol(options.protocol));
   if (options.listen_address.empty()) options.listen_address = address;
-  auto server = std::unique_ptr<Server>(new Server(std::move(options)));
+  auto server = std::unique_ptr<Server>(new Server(std::move(options), protocol));
   RETURN_IF_ERROR(server->Start());
   return server;
 }
@@ -187,35 +185,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
 absl::Status Server::Start() {
   rpc::PinGrpcCallbackQueue();
   if (options_.malloc_tuning) ApplyMallocTuning(options_.malloc_trim_bytes);
-  const bool verbs_protocol = options_.protocol == "grpc+verbs" ||
-                              options_.protocol == "grpc+verbs-copy" ||
-                              options_.protocol == "grpc+gdr";
   bool all_peers_local = true;
   for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
     all_peers_local &= AddressIsLocal(address);
   }
-  PoolAllocator::Options pool_options;
-  pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
-  pool_options.keep_free_bytes = static_cast<size_t>(options_.pool_keep_free_bytes);
-  pool_options.release_after = ServerOptions::kPoolReleaseAfter;
-  // Tensors land in the pool: when the same-host fabric will carry them, the pool's memory is
-  // what peers map, so a write into it is one memcpy.
-  pool_options.shareable = verbs_protocol && fabric::UsesSharedMemory(fabric::FabricChoice{
-                                                 options_.verbs.fabric, options_.verbs.ofi_provider,
-                                                 all_peers_local, options_.verbs.rdma, nullptr});
-  recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
-  PinPoolIfAsked();
+  StartPool(all_peers_local);
   executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
-  env_.job = options_.job;
-  env_.task = options_.task;
-  env_.task_name = TaskName(options_.job, options_.task);
-  env_.incarnation = NewIncarnation();
-  env_.recv_allocator = recv_allocator_.get();
-  env_.callback_executor = executor_.get();
-  env_.stats = &stats_;
-  env_.keys = &keys_;
-  env_.max_tensor_bytes = options_.max_tensor_bytes;
-  env_.step_sizes = &step_sizes_;
+  FillEnv();
   SetUpDeviceCopier();
   {
     absl::StatusOr<std::shared_ptr<const rpc::RpcSecurity>> security = rpc::RpcSecurity::Create(
@@ -229,17 +205,48 @@ absl::Status Server::Start() {
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(
       options_.cluster.TaskAddresses(), security_, options_.max_tensor_bytes,
       options_.transfer.peer_timeout, options_.transfer.slow_recv_warning);
+  RETURN_IF_ERROR(StartProtocol(all_peers_local));
+  RETURN_IF_ERROR(Listen());
+  NameTraceProcess(env_.task_name);
+  LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
+            << options_.listen_address << " (incarnation " << std::hex << env_.incarnation
+            << std::dec << ", authentication: " << security_->Describe() << ")";
+  WarnIfOpenToAnyone();
+  return absl::OkStatus();
+}
 
-  const absl::Duration recv_timeout = options_.transfer.recv_timeout;
-  grpc_transport::GrpcWorkerCache* workers = workers_.get();
-  const WorkerEnv* env = &env_;
-  const bool gdr = options_.protocol == "grpc+gdr";
-  if (verbs_protocol) {
+void Server::StartPool(bool all_peers_local) {
+  PoolAllocator::Options pool_options;
+  pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
+  pool_options.keep_free_bytes = static_cast<size_t>(options_.pool_keep_free_bytes);
+  pool_options.release_after = ServerOptions::kPoolReleaseAfter;
+  // Tensors land in the pool: when the same-host fabric will carry them, the pool's memory is
+  // what peers map, so a write into it is one memcpy.
+  pool_options.shareable =
+      protocol_->verbs_mode.has_value() && fabric::UsesSharedMemory(fabric::FabricChoice{
+                                               options_.verbs.fabric, options_.verbs.ofi_provider,
+                                               all_peers_local, options_.verbs.rdma, nullptr});
+  recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
+  PinPoolIfAsked();
+}
+
+void Server::FillEnv() {
+  env_.job = options_.job;
+  env_.task = options_.task;
+  env_.task_name = TaskName(options_.job, options_.task);
+  env_.incarnation = NewIncarnation();
+  env_.recv_allocator = recv_allocator_.get();
+  env_.callback_executor = executor_.get();
+  env_.stats = &stats_;
+  env_.keys = &keys_;
+  env_.max_tensor_bytes = options_.max_tensor_bytes;
+  env_.step_sizes = &step_sizes_;
+}
+
+absl::Status Server::StartProtocol(bool all_peers_local) {
+  if (protocol_->verbs_mode.has_value()) {
     verbs::VerbsOptions verbs_options = options_.verbs;
-    verbs_options.channel.mode = options_.protocol == "grpc+verbs" ? protocol::VerbsMode::kZeroCopy
-                                 : options_.protocol == "grpc+verbs-copy"
-                                     ? protocol::VerbsMode::kCopy
-                                     : protocol::VerbsMode::kGdr;
+    verbs_options.channel.mode = *protocol_->verbs_mode;
     verbs_options.env = &env_;
     verbs_options.device_memory = FabricDeviceMemory();
     verbs_options.pool = recv_allocator_.get();
@@ -254,41 +261,21 @@ absl::Status Server::Start() {
                           absl::StrCat("task ", env_.task_name, ": ", verbs.status().message()));
     }
     verbs_ = *std::move(verbs);
-    verbs::VerbsTransport* transport = verbs_.get();
-    if (gdr) {
-      // grpc+gdr: the grpc protocol's calls, with the transport reading the large tensors.
-      rendezvous_mgr_ =
-          std::make_unique<RendezvousMgr>([env, workers, recv_timeout, transport](int64_t step) {
-            return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(env, step, workers,
-                                                                          recv_timeout, transport);
-          });
-    } else {
-      rendezvous_mgr_ = std::make_unique<RendezvousMgr>(
-          [env, transport](int64_t step) {
-            return std::make_shared<verbs::VerbsRemoteRendezvous>(env, step, transport);
-          },
-          /*remembered_cleanups=*/100000,
-          [transport](int64_t step) {
-            // Requests made ahead for a step this task skipped end with it.
-            transport->AbortStep(
-                step, absl::CancelledError(absl::StrCat("step ", step, " was cleaned up")));
-          });
-    }
-    verbs_->set_rendezvous_mgr(rendezvous_mgr_.get());
-  } else {
-    rendezvous_mgr_ = std::make_unique<RendezvousMgr>([env, workers, recv_timeout](int64_t step) {
-      return std::make_shared<grpc_transport::GrpcRemoteRendezvous>(env, step, workers,
-                                                                    recv_timeout);
-    });
   }
-
+  rendezvous_mgr_ = NewRendezvousMgr(
+      *protocol_, {&env_, workers_.get(), options_.transfer.recv_timeout, verbs_.get()});
+  if (verbs_) verbs_->set_rendezvous_mgr(rendezvous_mgr_.get());
   rendezvous_mgr_->SetPeerStepLimits(
       {static_cast<size_t>(options_.max_peer_steps), options_.transfer.recv_timeout});
+  return absl::OkStatus();
+}
+
+absl::Status Server::Listen() {
   absl::flat_hash_set<std::string> task_names;
   for (const auto& [name, address] : options_.cluster.TaskAddresses()) task_names.insert(name);
   service_ = std::make_unique<WorkerServiceImpl>(
-      &env_, rendezvous_mgr_.get(), options_.protocol, device_name(), gdr ? verbs_.get() : nullptr,
-      security_.get(),
+      &env_, rendezvous_mgr_.get(), protocol_, device_name(),
+      protocol_->lends_tensors ? verbs_.get() : nullptr, security_.get(),
       std::make_shared<grpc_transport::RecvTensorBudget>(options_.transfer.max_responses,
                                                          std::move(task_names)),
       [this](absl::AnyInvocable<void(proto::GetStatsResponse) &&> done) {
@@ -307,24 +294,22 @@ absl::Status Server::Start() {
         absl::StrCat("task ", env_.task_name, " cannot listen on ", options_.listen_address,
                      ": the port is in use or the address is not local to this host"));
   }
-  NameTraceProcess(env_.task_name);
-  LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
-            << options_.listen_address << " (incarnation " << std::hex << env_.incarnation
-            << std::dec << ", authentication: " << security_->Describe() << ")";
+  return absl::OkStatus();
+}
+
+void Server::WarnIfOpenToAnyone() const {
   const absl::string_view host =
       absl::string_view(options_.listen_address).substr(0, options_.listen_address.rfind(':'));
   const bool loopback_only =
       host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.");
-  if (!security_->enabled() && !loopback_only) {
-    static std::once_flag warned;
-    std::call_once(warned, [this] {
-      LOG(WARNING) << "task " << env_.task_name << " listens on " << options_.listen_address
-                   << " without authentication: anyone who reaches the port can receive its "
-                      "tensors; set TENSORVERBS_SECRET_FILE or TENSORVERBS_TLS_* (README, "
-                      "\"Security\")";
-    });
-  }
-  return absl::OkStatus();
+  if (security_->enabled() || loopback_only) return;
+  static std::once_flag warned;
+  std::call_once(warned, [this] {
+    LOG(WARNING) << "task " << env_.task_name << " listens on " << options_.listen_address
+                 << " without authentication: anyone who reaches the port can receive its "
+                    "tensors; set TENSORVERBS_SECRET_FILE or TENSORVERBS_TLS_* (README, "
+                    "\"Security\")";
+  });
 }
 
 Server::~Server() { Stop(); }
@@ -465,53 +450,26 @@ void Server::PinPoolIfAsked() {
   device::PinPoolRegions(recv_allocator_.get(), *cuda);
 }
 
+CounterList Server::Counters() const {
+  CounterList out;
+  stats_.AppendCounters(&out);
+  const PoolAllocator::Stats pool = recv_allocator_->GetStats();
+  out.emplace_back("pool_regions", static_cast<int64_t>(pool.regions));
+  out.emplace_back("pool_bytes", static_cast<int64_t>(pool.region_bytes));
+  out.emplace_back("pool_bytes_in_use", static_cast<int64_t>(pool.bytes_in_use));
+  out.emplace_back("pool_allocations", static_cast<int64_t>(pool.allocations));
+  if (verbs_ != nullptr) verbs_->AppendCounters(&out);
+  return out;
+}
+
 proto::GetStatsResponse Server::CountersWithoutChannels() {
   proto::GetStatsResponse out;
   out.set_task_name(env_.task_name);
   out.set_protocol(options_.protocol);
   out.set_incarnation(env_.incarnation);
   out.set_uptime_ms(absl::ToInt64Milliseconds(absl::Now() - started_));
-  auto& c = *out.mutable_counters();
-  auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
-  c["tensors_received"] = get(stats_.tensors);
-  c["bytes_received"] = get(stats_.bytes);
-  c["recv_errors"] = get(stats_.errors);
-  c["copies"] = get(stats_.copies);
-  c["copied_bytes"] = get(stats_.copied_bytes);
-  c["device_to_host_copies"] = get(stats_.device_to_host);
-  c["host_to_device_copies"] = get(stats_.host_to_device);
-  c["device_copied_bytes"] = get(stats_.device_copied_bytes);
-  c["device_copy_errors"] = get(stats_.device_copy_errors);
-  c["device_direct_sends"] = get(stats_.device_direct_sends);
-  c["device_direct_recvs"] = get(stats_.device_direct_recvs);
-  const PoolAllocator::Stats pool = recv_allocator_->GetStats();
-  c["pool_regions"] = static_cast<int64_t>(pool.regions);
-  c["pool_bytes"] = static_cast<int64_t>(pool.region_bytes);
-  c["pool_bytes_in_use"] = static_cast<int64_t>(pool.bytes_in_use);
-  c["pool_allocations"] = static_cast<int64_t>(pool.allocations);
-  if (verbs_ == nullptr) return out;
-  out.set_fabric(verbs_->fabric_name());
-  const protocol::VerbsStats& v = verbs_->stats();
-  c["requests"] = get(v.requests);
-  c["meta_cache_hits"] = get(v.meta_cache_hits);
-  c["pushed_requests"] = get(v.pushed);
-  c["push_hits"] = get(v.push_hits);
-  c["meta_responses"] = get(v.meta_responses);
-  c["re_requests"] = get(v.re_requests);
-  c["errors_sent"] = get(v.errors_sent);
-  c["control_messages"] = get(v.control_messages);
-  c["control_slots"] = get(v.control_slots);
-  c["tensors_sent"] = get(v.content_writes);
-  c["bytes_sent"] = get(v.content_bytes);
-  c["transient_registrations"] = get(v.transient_registrations);
-  const protocol::RdmaMemoryMgr::RegistrationGauges reg = verbs_->registration_gauges();
-  c["registered_regions"] = reg.regions;
-  c["registered_bytes"] = reg.bytes;
-  c["channel_registrations"] = reg.endpoint_registrations;
-  c["channel_registered_bytes"] = reg.endpoint_bytes;
-  c["dropped_immediates"] = get(v.dropped_imms);
-  c["channels_failed"] = get(v.channel_errors);
-  c["checksum_failures"] = get(v.checksum_failures);
+  for (auto& [name, value] : Counters()) (*out.mutable_counters())[name] = value;
+  if (verbs_ != nullptr) out.set_fabric(verbs_->fabric_name());
   return out;
 }
 

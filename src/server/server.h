@@ -36,6 +36,8 @@
 
 namespace tensorverbs {
 
+struct ProtocolSpec;
+
 // Everything a server is configured by. The defaults are the documented defaults of the
 // variables named beside each; FromEnvironment reads them (the tools' edge), so a library user
 // or a test can run differently configured servers in one process.
@@ -139,6 +141,9 @@ class Server {
   // The grpc+verbs engine; null for other protocols.
   verbs::VerbsTransport* verbs_transport() { return verbs_.get(); }
 
+  // This task's counters, under their catalog names (common/counters.h), without the
+  // channels' (any thread).
+  CounterList Counters() const;
   // This task's counters and, over the verbs protocols, every channel's (any thread; what
   // metrics files are made of). Waits up to 2 s for the progress loop's list of channels.
   proto::GetStatsResponse CollectStats();
@@ -150,7 +155,7 @@ class Server {
   absl::StatusOr<grpc_transport::WorkerClient*> Worker(const std::string& task_name);
 
  private:
-  explicit Server(ServerOptions options);
+  Server(ServerOptions options, const ProtocolSpec* protocol);
   // CollectStats' two halves: the task's counters, and the channels' (which the loop lists).
   proto::GetStatsResponse CountersWithoutChannels();
   // Page-locks the receive pool for GPU copies, as options_.pin_pool says (Start).
@@ -164,9 +169,17 @@ class Server {
   absl::StatusOr<std::unique_ptr<PoolAllocator>> NewDevicePool(int device);
   void AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
                    proto::GetStatsResponse* out) const;
+  // Start's steps, in order: the receive pool, the worker environment, the protocol's
+  // transport and rendezvous manager, then the gRPC port with the protocol's services.
   absl::Status Start();
+  void StartPool(bool all_peers_local);
+  void FillEnv();
+  absl::Status StartProtocol(bool all_peers_local);
+  absl::Status Listen();
+  void WarnIfOpenToAnyone() const;
 
   const ServerOptions options_;
+  const ProtocolSpec* const protocol_;  // options_.protocol's entry (protocols.h)
   const absl::Time started_ = absl::Now();
   TransferStats stats_;
   std::unique_ptr<PoolAllocator> recv_allocator_;

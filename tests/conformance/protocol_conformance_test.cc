@@ -481,6 +481,22 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
   ASSERT_TRUE(stub->GetStats(&context, proto::GetStatsRequest(), &answered).ok());
   EXPECT_EQ(answered.counters().at("tensors_received"), kTensors);
   EXPECT_EQ(answered.channels_size(), receiver.channels_size());
+
+  // Every counter reported, the task's and its channels', is one the catalog names (and so
+  // one `tensorverbs stats` explains), and the task's are the list the server makes.
+  for (const auto& [name, value] : receiver.counters()) {
+    EXPECT_NE(FindCounter(name), nullptr) << name;
+  }
+  for (const proto::ChannelStats& c : receiver.channels()) {
+    for (const auto& [name, value] : c.counters()) {
+      EXPECT_NE(FindCounter(absl::StartsWith(name, "recv_errors_") ? "recv_errors_by_code" : name),
+                nullptr)
+          << name;
+    }
+  }
+  for (const auto& [name, value] : server(0).Counters()) {
+    EXPECT_TRUE(receiver.counters().contains(name)) << name;
+  }
 }
 
 // A recv waiting longer than TENSORVERBS_SLOW_RECV_MS logs one warning naming its key, step and

@@ -314,6 +314,15 @@ bool VerbsTransport::LandsOnDevice(const std::string& src_task, const Allocator*
   return channels_ != nullptr && channels_->PeerWritesDevice(src_task);
 }
 
+void VerbsTransport::AppendCounters(CounterList* out) const {
+  stats_.AppendCounters(out);
+  const protocol::RdmaMemoryMgr::RegistrationGauges reg = registration_gauges();
+  out->emplace_back("registered_regions", reg.regions);
+  out->emplace_back("registered_bytes", reg.bytes);
+  out->emplace_back("channel_registrations", reg.endpoint_registrations);
+  out->emplace_back("channel_registered_bytes", reg.endpoint_bytes);
+}
+
 protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges() const {
   MutexLock lock(&memory_mu_);
   return memory_ != nullptr ? memory_->gauges() : protocol::RdmaMemoryMgr::RegistrationGauges{};

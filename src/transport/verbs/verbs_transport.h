@@ -146,6 +146,8 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   const protocol::VerbsStats& stats() const { return stats_; }
   // The memory manager's registration gauges (any thread).
   protocol::RdmaMemoryMgr::RegistrationGauges registration_gauges() const;
+  // The transport's counters and registration gauges, under their catalog names (any thread).
+  void AppendCounters(CounterList* out) const;
   // For fault injection in tests (loopback::SetFaults is thread-safe); nothing else may use it.
   fabric::Domain* domain_for_testing() { return domain_.get(); }
   // Channels that are set up, of both roles, for tests and tools (any thread; asks the loop).
