@@ -18,32 +18,22 @@ RecvDoneCallback LocalTensorInbox::Open(uint64_t channel_id, uint32_t index, uin
 
 void LocalTensorInbox::Arrive(uint64_t ticket, const absl::Status& status, const Tensor& tensor,
                               bool is_dead) {
-  bool first;
-  {
-    MutexLock lock(&mu_);
-    first = arrivals_.empty();
-    arrivals_.push_back(Arrival{ticket, status, tensor, is_dead});
-  }
+  const bool first = arrivals_.Push(Arrival{ticket, status, tensor, is_dead});
   // Never inline, even on the progress thread: the callback may run inside the response's own
   // Start (the tensor was already sent), or inside a cancel.
   if (first) env_->host->Post([this] { Drain(); });
 }
 
 void LocalTensorInbox::Drain() {
-  {
-    MutexLock lock(&mu_);
-    draining_.swap(arrivals_);
-  }
-  for (Arrival& a : draining_) {
+  arrivals_.Drain([this](Arrival& a) {
     auto it = waiting_.find(a.ticket);
-    if (it == waiting_.end()) continue;
+    if (it == waiting_.end()) return;
     const Waiting w = it->second;
     waiting_.erase(it);
     if (Channel* c = env_->channels->Find(w.channel_id)) {
       c->OnLocalTensor(w.serial, w.index, a.status, a.tensor, a.is_dead);
     }
-  }
-  draining_.clear();
+  });
 }
 
 }  // namespace tensorverbs::protocol

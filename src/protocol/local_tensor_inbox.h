@@ -19,10 +19,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
-#include "src/common/mutex.h"
+#include "src/protocol/inbox.h"
 #include "src/rendezvous/local_rendezvous.h"
 #include "tensorverbs/tensor.h"
 
@@ -66,10 +65,7 @@ class LocalTensorInbox {
   // Progress thread.
   uint64_t next_ticket_ = 1;
   absl::flat_hash_map<uint64_t, Waiting> waiting_;
-  std::vector<Arrival> draining_;  // Drain's batch, kept for its capacity
-
-  Mutex mu_;
-  std::vector<Arrival> arrivals_ ABSL_GUARDED_BY(mu_);
+  Inbox<Arrival> arrivals_;
 };
 
 }  // namespace tensorverbs::protocol

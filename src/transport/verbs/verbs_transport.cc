@@ -191,13 +191,8 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
   // The coarse clock: a recv timeout is seconds long, and this runs for every tensor.
   RecvStart r{std::move(rendezvous), keys_.Intern(key), allocator,
               CoarseNow() + options_.transfer.recv_timeout, std::move(done)};
-  bool first;
-  {
-    MutexLock lock(&recv_inbox_mu_);
-    first = recv_inbox_.empty();
-    recv_inbox_.push_back(std::move(r));
-  }
-  if (!first) return;  // the task posted for the earlier ones has not taken them yet
+  if (!recv_inbox_.Push(std::move(r)))
+    return;  // the task posted for the earlier ones has not taken them yet
   // If the engine refuses the task (shutting down), it runs right here, off the loop thread,
   // and only fails the recvs; so does a task that a stopping engine that never started runs
   // on the stopping thread.
@@ -206,16 +201,8 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
 }
 
 void VerbsTransport::StartQueuedRecvs() {
-  const bool on_loop = engine_->OnLoopThread();
   // Off the loop thread (shutting down), possibly on several threads at once: a batch of its own.
-  std::vector<RecvStart> own;
-  std::vector<RecvStart>& batch = on_loop ? recv_batch_ : own;
-  {
-    MutexLock lock(&recv_inbox_mu_);
-    batch.swap(recv_inbox_);
-  }
-  for (RecvStart& r : batch) StartRecv(std::move(r));
-  batch.clear();
+  recv_inbox_.Drain([this](RecvStart& r) { StartRecv(std::move(r)); }, engine_->OnLoopThread());
 }
 
 void VerbsTransport::StartRecv(RecvStart r) {

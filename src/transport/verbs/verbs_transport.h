@@ -43,6 +43,7 @@
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/channel_table.h"
+#include "src/protocol/inbox.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
 #include "src/protocol/progress_engine.h"
@@ -220,15 +221,12 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
   protocol::LandedStore landed_;
   std::unique_ptr<LentTensors> lent_;
-  // Recvs posted by callers, waiting for the progress thread: one small task per batch rather
-  // than a task owning each recv (a heap allocation per recv). StartQueuedRecvs' batch keeps
-  // its capacity in recv_batch_ (progress thread).
   // Held by the any-thread users of memory_ (gauges, device pools) and by Shutdown, which
   // drops it while they may run.
   mutable Mutex memory_mu_;
-  Mutex recv_inbox_mu_;
-  std::vector<RecvStart> recv_inbox_ ABSL_GUARDED_BY(recv_inbox_mu_);
-  std::vector<RecvStart> recv_batch_;
+  // Recvs started by callers, waiting for the progress thread: one posted task per batch, not
+  // one owning each recv (protocol/inbox.h).
+  protocol::Inbox<RecvStart> recv_inbox_;
   std::atomic<bool> traffic_stopped_{false};
   std::atomic<bool> shut_down_{false};
 };
