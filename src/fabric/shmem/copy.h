@@ -1,6 +1,7 @@
 // How the shmem fabric moves a write's bytes into a peer's mapping: memcpy, or StreamingCopy
-// here, which endpoint.cc uses from kStreamingCopyBytes up (measured against each other per size by
-// bench/copy_bench.cc); and for large writes CopyHelpers, which shares one copy among threads.
+// here, which ShmemEndpoint::Copy and SharedWrites use from kStreamingCopyBytes up (measured
+// against each other per size by bench/copy_bench.cc); and for large writes CopyHelpers, which
+// shares one copy among threads.
 //
 // StreamingCopy writes the destination with non-temporal stores: the bytes go to memory without
 // first pulling each destination line into this core's cache, which is the reader's memory
@@ -18,6 +19,14 @@
 #include "src/common/mutex.h"
 
 namespace tensorverbs::fabric::shmem {
+
+// Writes of at least this many bytes into a peer's mapping use non-temporal stores. Measured
+// (docs/PERFORMANCE.md): into destinations the writer has not touched lately
+// (bench/copy_bench.cc) streaming stores beat memcpy at every size from 64 KiB, 1.3x at
+// 4-64 MiB; but into a destination still in cache, as a pool chunk reused at once often is,
+// memcpy won at 1 MiB (`bench fabric`: 0.72x memcpy streaming, 1.06x plain). From twice a
+// core's L2 up a destination cannot be in that cache anyway.
+inline constexpr size_t kStreamingCopyBytes = size_t{4} << 20;
 
 void StreamingCopy(void* dst, const void* src, size_t n);
 

@@ -7,7 +7,7 @@
 // with streaming stores, from 8 MiB shared with the domain's copy threads:
 // DomainOptions::copy_threads, CopyHelpers in copy.h; from 512 KiB below that, shared with the
 // receiving process's progress thread, which copies parts into its own memory: DomainOptions::
-// peer_copy, SharedWrite in wire.h, shared_write.cc). Any other
+// peer_copy, SharedWrite in wire.h, shared_writes.h). Any other
 // registered memory is reached with the kernel's cross-memory copy (process_vm_writev/readv),
 // so every destination works; the two paths are counted separately (CopyCounters).
 //

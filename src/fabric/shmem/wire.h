@@ -79,7 +79,7 @@ struct DeviceRegionReply {
   char handle[kMaxDeviceHandle];
 };
 
-// A write the producer offers to share with the consumer (ShmemEndpoint::SharedCopy): its
+// A write the producer offers to share with the consumer (SharedWrites::Copy): its
 // bytes in `parts` parts that either side claims, one at a time, by advancing `state`, so the
 // consumer's progress thread, polling anyway, copies some of them into its own memory while the
 // producer copies the rest. `state` is (seq << 32) | the next unclaimed part; the producer

@@ -1,12 +1,13 @@
-// Shared writes (wire.h's SharedWrite): a host write whose copy the peer's progress thread helps
-// with. The writer's side is SharedCopy, the reader's HelpWithSharedWrite; both run on their
-// domains' progress threads, in two processes (or two domains of one).
+// Shared writes (shared_writes.h): the writer's side is SharedWrites::Copy, the reader's
+// SharedWrites::Help.
 //
 // Why: one core copying 1 MiB tensors into a window of destinations that overflow its cache
 // runs at about two thirds of a warm memcpy, while the receiver's progress thread polls on the
 // other core with nothing to do. Two cores sharing the copy run well past one core's speed, and
 // the receiver's thread is already awake and watching our ring, so no thread needs waking (the
 // domain's copy threads' wake-up costs more than half of a 1 MiB copy saves).
+#include "src/fabric/shmem/shared_writes.h"
+
 #include <sched.h>
 
 #include <algorithm>
@@ -19,7 +20,8 @@
 #include "src/common/sanitizers.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/shmem/copy.h"
-#include "src/fabric/shmem/endpoint.h"
+#include "src/fabric/shmem/region.h"
+#include "src/fabric/shmem/shmem.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -56,23 +58,23 @@ const void* TsanKey(uint64_t ring_inode) {
 
 }  // namespace
 
-bool ShmemEndpoint::ShouldShare(const Op& op) const {
-  return d_->peer_copy && op.length >= kMinSharedWriteBytes &&
-         !d_->copy_helpers->Shares(op.length) && op.local_region != nullptr &&
-         op.local_region->shared() && Atomic(out_->sleeping).load(std::memory_order_relaxed) == 0;
+bool SharedWrites::ShouldShare(const PendingOp& op) const {
+  return d_.peer_copy && op.length >= kMinSharedWriteBytes && !d_.copy_helpers->Shares(op.length) &&
+         op.local_region != nullptr && op.local_region->shared() &&
+         Atomic(conn_.out()->sleeping).load(std::memory_order_relaxed) == 0;
 }
 
-absl::Status ShmemEndpoint::SharedCopy(const Op& op, char* there) {
+absl::Status SharedWrites::Copy(const PendingOp& op, char* there) {
   {
-    MutexLock lock(&d_->mu);  // once per write of 512 KiB or more
-    shared_->lent_for_reading.insert(op.local_region->id());
+    MutexLock lock(&d_.mu);  // once per write of 512 KiB or more
+    shared_.lent_for_reading.insert(op.local_region->id());
   }
   const uint64_t length = op.length;
   const uint64_t part =
       std::max<uint64_t>(kMinSharedWritePart, (length / kMaxSharedWriteParts + 4095) / 4096 * 4096);
   const uint64_t parts = (length + part - 1) / part;
   const bool streaming = length >= kStreamingCopyBytes;
-  SharedWrite& w = out_->share;
+  SharedWrite& w = conn_.out()->share;
   // Never seq 0, which a ring that saw no shared write holds.
   if ((++share_seq_ & kPartMask) == 0) ++share_seq_;
   const uint64_t seq = share_seq_ & kPartMask;
@@ -90,7 +92,7 @@ absl::Status ShmemEndpoint::SharedCopy(const Op& op, char* there) {
   Atomic(w.parts).store(static_cast<uint32_t>(parts), std::memory_order_relaxed);
   Atomic(w.streaming).store(streaming ? 1u : 0u, std::memory_order_relaxed);
   Atomic(w.done).store(0, std::memory_order_relaxed);
-  TsanRelease(TsanKey(out_ring_inode_));
+  TsanRelease(TsanKey(conn_.out_ring_inode()));
   Atomic(w.state).store(seq << 32, std::memory_order_release);  // the job is on offer
   // Claim parts until none is left. The peer's ring is the peer's memory: whatever it does to
   // `state`, we copy each of our parts at most once and only within this write.
@@ -108,8 +110,8 @@ absl::Status ShmemEndpoint::SharedCopy(const Op& op, char* there) {
   return AwaitPeerParts(parts - mine);
 }
 
-absl::Status ShmemEndpoint::AwaitPeerParts(uint64_t parts) {
-  SharedWrite& w = out_->share;
+absl::Status SharedWrites::AwaitPeerParts(uint64_t parts) {
+  SharedWrite& w = conn_.out()->share;
   const absl::Time start = CoarseNow();
   // A part takes microseconds; the peer's thread may be preempted mid-part, so after a while
   // this yields its core, and now and then looks whether the peer is still there.
@@ -120,21 +122,22 @@ absl::Status ShmemEndpoint::AwaitPeerParts(uint64_t parts) {
     }
     sched_yield();
     if (spins % 1024 != 0) continue;
-    CheckConnection();
-    RETURN_IF_ERROR(Usable());
+    conn_.CheckConnection();
+    RETURN_IF_ERROR(conn_.Usable());
     if (spins % (1024 * 64) == 0 && CoarseNow() - start > op_timeout_) {
-      return Break(absl::DeadlineExceededError(
-          absl::StrCat("shmem: the peer of ", LocalAddress(), " (pid ", peer_pid_,
+      return conn_.Break(absl::DeadlineExceededError(
+          absl::StrCat("shmem: the peer of ", conn_.LocalAddress(), " (pid ", conn_.peer_pid(),
                        ") claimed part of a shared write and did not finish it within ",
                        absl::FormatDuration(op_timeout_))));
     }
   }
-  TsanAcquire(TsanKey(out_ring_inode_));
+  TsanAcquire(TsanKey(conn_.out_ring_inode()));
   return absl::OkStatus();
 }
 
-void ShmemEndpoint::HelpWithSharedWrite() {
-  if (!d_->peer_copy || conn_fd_ < 0 || !broken_.ok() || ring_broken_) return;
+void SharedWrites::Help(bool may_evict) {
+  // ShmemEndpoint::HelpWithSharedWrite checked that our inbound ring is still trusted.
+  if (!d_.peer_copy || !conn_.connected() || conn_.broken()) return;
   SharedWrite& w = in_->share;
   uint64_t s = Atomic(w.state).load(std::memory_order_acquire);
   const uint64_t seq = s >> 32;
@@ -157,13 +160,13 @@ void ShmemEndpoint::HelpWithSharedWrite() {
   // Refuse what we could not copy safely: the bytes must come from inside the peer's key and
   // land inside one of our regions that a peer may write.
   bool sound = length > 0 && part > 0 && parts == (length + part - 1) / part &&
-               parts <= kMaxSharedWriteParts && key.magic == kKeyMagic && key.domain == peer_uid_ &&
-               (key.flags & kKeyShared) != 0 && (key.flags & kKeyDevice) == 0 &&
-               RangeInside(src_addr, length, key.base, key.length);
+               parts <= kMaxSharedWriteParts && key.magic == kKeyMagic &&
+               key.domain == conn_.peer_uid() && (key.flags & kKeyShared) != 0 &&
+               (key.flags & kKeyDevice) == 0 && RangeInside(src_addr, length, key.base, key.length);
   if (sound) {
-    MutexLock lock(&d_->mu);
-    auto it = d_->regions.find(dst_region);
-    sound = it != d_->regions.end() && it->second.fd >= 0 &&
+    MutexLock lock(&d_.mu);
+    auto it = d_.regions.find(dst_region);
+    sound = it != d_.regions.end() && it->second.fd >= 0 &&
             (it->second.access & kAccessRemoteWrite) != 0 &&
             RangeInside(dst_addr, length, it->second.base, it->second.length);
   }
@@ -172,7 +175,8 @@ void ShmemEndpoint::HelpWithSharedWrite() {
     if ((Atomic(w.state).load(std::memory_order_acquire) >> 32) == seq) refused_seq_ = seq;
   };
   if (!sound) return refuse();
-  absl::StatusOr<Mapping*> m = MapRegion(key);
+  // d_.mu is released: Map may ask the peer.
+  absl::StatusOr<PeerMappings::Mapping*> m = mappings_.Map(key, may_evict);
   if (!m.ok()) return refuse();
   const char* src = reinterpret_cast<const char*>(src_addr + (*m)->delta);
   char* dst = reinterpret_cast<char*>(dst_addr);

@@ -1,0 +1,139 @@
+#include "src/fabric/shmem/peer_mappings.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/fabric/shmem/shmem.h"
+
+namespace tensorverbs::fabric::shmem {
+
+auto PeerMappings::Map(const PackedKey& key, bool may_evict) -> absl::StatusOr<Mapping*> {
+  if (auto it = mappings_.find(key.region); it != mappings_.end()) {
+    Mapping& m = it->second;
+    if (m.key.base != key.base || m.key.length != key.length || m.key.offset != key.offset) {
+      return absl::DataLossError(
+          "shmem: a remote key describes its region differently than when it was mapped");
+    }
+    return &m;
+  }
+  Reply reply{};
+  int fd = -1;
+  int nfds = 0;
+  RETURN_IF_ERROR(conn_.Ask(kRegion, key.region, &reply, &fd, 1, &nfds));
+  absl::Cleanup close_fd = [fd] { close(fd); };
+  if (nfds != 1) return absl::DataLossError("shmem: the peer sent no descriptor for a region");
+  if (key.offset > reply.size || key.length > reply.size - key.offset) {
+    return absl::DataLossError("shmem: a remote key does not fit its region's memory");
+  }
+  RETURN_IF_ERROR(CheckPeerMemory(fd, key.offset + key.length, "region").status());
+  const auto page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t start = key.offset / page * page;
+  const size_t map_length = key.offset + key.length - start;
+  const bool writable = (reply.access & kAccessRemoteWrite) != 0;
+  // Populated at once, as an RDMA registration pins the whole region: no page faults later,
+  // in the middle of a transfer.
+  void* addr = mmap(nullptr, map_length, PROT_READ | (writable ? PROT_WRITE : 0),
+                    MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(start));
+  if (addr == MAP_FAILED) {
+    const int error = errno;
+    if (error == ENOMEM || error == EAGAIN) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "shmem: mapping a peer's region of ", map_length, " bytes: ", std::strerror(error),
+          " (this process is out of memory or address space; check ulimit -v)"));
+    }
+    return absl::UnavailableError(absl::StrCat("shmem: mapping a peer's region of ", map_length,
+                                               " bytes: ", std::strerror(error)));
+  }
+  // Device copies may still be moving bytes through a mapping: none goes while they run.
+  if (mappings_.size() >= kMaxMappingsPerEndpoint && may_evict) {
+    auto oldest = std::min_element(
+        mappings_.begin(), mappings_.end(),
+        [](const auto& a, const auto& b) { return a.second.order < b.second.order; });
+    Unmap(oldest->second);
+    mappings_.erase(oldest);
+  }
+  Counters().regions_mapped.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t local_base = reinterpret_cast<uint64_t>(addr) + (key.offset - start);
+  Mapping& m = mappings_[key.region];
+  m = Mapping{addr, map_length, local_base - key.base, key, writable, ++mapping_order_, false};
+  return &m;
+}
+
+void PeerMappings::PinForDevice(Mapping& m) {
+  if (m.pinned) return;
+  absl::Status pinned = device_->RegisterHost(m.addr, m.map_length);
+  if (pinned.ok()) {
+    m.pinned = true;
+  } else {
+    VLOG(1) << "shmem: a peer's region stays pageable for device copies: " << pinned;
+  }
+}
+
+auto PeerMappings::MapDevice(const PackedKey& key, int device, bool may_evict)
+    -> absl::StatusOr<const DeviceMapping*> {
+  if (auto it = device_mappings_.find({key.region, device}); it != device_mappings_.end()) {
+    const DeviceMapping& m = it->second;
+    if (m.key.base != key.base || m.key.length != key.length) {
+      return absl::DataLossError(
+          "shmem: a remote key describes its device region differently than when it was "
+          "imported");
+    }
+    return &m;
+  }
+  DeviceRegionReply reply{};
+  int fd = -1;
+  int nfds = 0;
+  RETURN_IF_ERROR(conn_.Ask(kDeviceRegion, key.region, &reply.reply, &fd, 1, &nfds, sizeof(reply)));
+  for (int i = 0; i < nfds; ++i) close(fd);
+  if (reply.handle_size == 0 || reply.handle_size > kMaxDeviceHandle) {
+    return absl::DataLossError("shmem: the peer sent a malformed device handle");
+  }
+  if (key.length > reply.reply.size) {
+    return absl::DataLossError("shmem: a remote key does not fit its device region");
+  }
+  absl::StatusOr<void*> base =
+      device_->Import(device, absl::string_view(reply.handle, reply.handle_size));
+  if (!base.ok()) {
+    return absl::Status(
+        base.status().code(),
+        absl::StrCat("shmem: importing the GPU memory of pid ", conn_.peer_pid(),
+                     " (its cuda:", reply.device, ") failed: ", base.status().message()));
+  }
+  if (device_mappings_.size() >= kMaxMappingsPerEndpoint && may_evict) {
+    auto first = device_mappings_.begin();
+    device_->Close(first->second.device, first->second.base);
+    device_mappings_.erase(first);
+  }
+  Counters().device_regions_imported.fetch_add(1, std::memory_order_relaxed);
+  DeviceMapping& m = device_mappings_[{key.region, device}];
+  m = DeviceMapping{*base, key, device};
+  return &m;
+}
+
+void PeerMappings::ReleaseAll() {
+  for (auto& [id, m] : mappings_) Unmap(m);
+  mappings_.clear();
+  for (auto& [id, m] : device_mappings_) device_->Close(m.device, m.base);
+  device_mappings_.clear();
+}
+
+void PeerMappings::Abandon() {
+  mappings_.clear();
+  device_mappings_.clear();
+}
+
+void PeerMappings::Unmap(const Mapping& m) {
+  if (m.pinned) device_->UnregisterHost(m.addr);
+  munmap(m.addr, m.map_length);
+}
+
+}  // namespace tensorverbs::fabric::shmem

@@ -1,0 +1,85 @@
+// PeerMappings: a ShmemEndpoint's cache of its peer's memory in this process: the peer's
+// shareable regions mapped (Map), page-locked once device copies reach them (PinForDevice), and
+// the peer's GPU allocations imported (MapDevice). Each is asked of the peer's descriptor server
+// through the endpoint's PeerConnection on first use and kept until ReleaseAll.
+//
+// Owned by ShmemEndpoint; called by it, DeviceCopyQueue and SharedWrites on the progress thread.
+// No lock, no callbacks. A device copy may still move bytes through any entry, so the caller
+// says whether one may be evicted (`may_evict`: no device copy runs); the destructor releases
+// nothing, so an endpoint whose copies never finished can leave them mapped (Abandon).
+#ifndef TENSORVERBS_FABRIC_SHMEM_PEER_MAPPINGS_H_
+#define TENSORVERBS_FABRIC_SHMEM_PEER_MAPPINGS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "src/fabric/device_memory.h"
+#include "src/fabric/shmem/peer_connection.h"
+#include "src/fabric/shmem/wire.h"
+
+namespace tensorverbs::fabric::shmem {
+
+// Mappings of a peer's regions kept per endpoint; the oldest goes first beyond.
+inline constexpr size_t kMaxMappingsPerEndpoint = 256;
+
+class PeerMappings {
+ public:
+  struct Mapping {
+    void* addr;
+    size_t map_length;
+    uint64_t delta;  // remote address + delta = local address
+    PackedKey key;   // the key it was mapped for: base, length and offset must match
+    bool writable;
+    uint64_t order;  // for eviction: the oldest mapping goes first
+    bool pinned;     // page-locked for device copies
+  };
+  // A peer's GPU allocation, imported into this process.
+  struct DeviceMapping {
+    void* base;
+    PackedKey key;  // the key it was imported for: base and length must match
+    int device;     // the ordinal it was imported on
+  };
+
+  // `conn` is the endpoint's; `device` the domain's GPU runtime (null: host memory only). Both
+  // outlive this.
+  PeerMappings(PeerConnection& conn, DeviceMemory* device) : conn_(conn), device_(device) {}
+  PeerMappings(const PeerMappings&) = delete;
+  PeerMappings& operator=(const PeerMappings&) = delete;
+
+  // Where region `key` is mapped here, mapping it on first use; beyond kMaxMappingsPerEndpoint
+  // the oldest goes first if `may_evict`.
+  absl::StatusOr<Mapping*> Map(const PackedKey& key, bool may_evict);
+
+  // Page-locks `m` once, so device copies reach it by DMA and never block this thread; if the
+  // runtime refuses, they still work, synchronously.
+  void PinForDevice(Mapping& m);
+
+  // Where the peer's GPU region `key` is in this process, importing it on `device` on first
+  // use; beyond kMaxMappingsPerEndpoint one goes first if `may_evict`.
+  absl::StatusOr<const DeviceMapping*> MapDevice(const PackedKey& key, int device, bool may_evict);
+
+  // Unmaps every region, then closes every import.
+  void ReleaseAll();
+
+  // Forgets every region and import without releasing them: a device copy that never finished
+  // may still touch them.
+  void Abandon();
+
+ private:
+  void Unmap(const Mapping& m);
+
+  PeerConnection& conn_;
+  DeviceMemory* const device_;
+  std::map<uint64_t, Mapping> mappings_;
+  uint64_t mapping_order_ = 0;
+  // By (region, the local device it was imported on).
+  std::map<std::pair<uint64_t, int>, DeviceMapping> device_mappings_;
+};
+
+}  // namespace tensorverbs::fabric::shmem
+
+#endif  // TENSORVERBS_FABRIC_SHMEM_PEER_MAPPINGS_H_
