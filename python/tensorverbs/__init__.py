@@ -215,7 +215,9 @@ class Server:
 
     def stats(self):
         """Counters since the start: tensors and bytes received, errors, copies the transport
-        made, and arrays staged into the pool on send (`staged`, `staged_bytes`)."""
+        made, and arrays staged into the pool on send (`staged`, `staged_bytes`); then every
+        counter `tensorverbs stats` shows for the task, under the same names
+        (`tensors_received`, `tensors_sent`, `pushed_requests`, `pool_bytes_in_use`, ...)."""
         return self._task.stats()
 
     def stop(self):
