@@ -4,6 +4,8 @@ BUILD_DIR ?= build
 SANITIZE ?=
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# A build target (empty: everything); the sanitizer suites build only what they run.
+TARGET ?=
 # Seconds each fuzz target runs: in `make fuzz`, and in `make test` (a smoke run).
 FUZZ_SECONDS ?= 60
 TEST_FUZZ_SECONDS ?= 3
@@ -22,7 +24,7 @@ configure: deps
 	  -DTENSORVERBS_WERROR=ON -DSANITIZE=$(SANITIZE) $(CMAKE_FLAGS)
 
 build: configure
-	cmake --build $(BUILD_DIR) -j $(JOBS)
+	cmake --build $(BUILD_DIR) -j $(JOBS) $(if $(TARGET),--target $(TARGET))
 
 demo: build
 	$(BUILD_DIR)/tools/tensorverbs demo
@@ -43,13 +45,13 @@ test-unit: build
 
 # Sanitizer builds of the unit and conformance tests, in their own build directories.
 test-asan:
-	$(MAKE) build BUILD_DIR=build-asan SANITIZE=address
+	$(MAKE) build BUILD_DIR=build-asan SANITIZE=address TARGET=sanitizer_suite
 	cd build-asan && ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=1 \
 	  LSAN_OPTIONS=suppressions=$(CURDIR)/cmake/lsan.supp \
 	  ctest --output-on-failure -j $(JOBS) -L 'unit|conformance'
 
 test-tsan:
-	$(MAKE) build BUILD_DIR=build-tsan SANITIZE=thread
+	$(MAKE) build BUILD_DIR=build-tsan SANITIZE=thread TARGET=sanitizer_suite
 	cd build-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:allocator_may_return_null=1:suppressions=$(CURDIR)/cmake/tsan.supp \
 	  ctest --output-on-failure -j $(JOBS) -L 'unit|conformance'
 

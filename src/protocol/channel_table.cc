@@ -152,6 +152,14 @@ size_t ChannelTable::NumReady() const {
   return n;
 }
 
+bool ChannelTable::HasOpenChannelWith(const std::string& task) const {
+  AssertOnLoop();
+  for (const auto& [id, c] : channels_) {
+    if (c->peer_task() == task && c->state() != Channel::State::kClosed) return true;
+  }
+  return false;
+}
+
 std::vector<ChannelSnapshot> ChannelTable::Snapshot() const {
   AssertOnLoop();
   std::vector<ChannelSnapshot> out;

@@ -69,6 +69,8 @@ class ChannelTable {
   // Whether a ready channel has requests its peer still owes content or an answer.
   bool AwaitingPeers() const;
   size_t NumReady() const;
+  // Whether a channel with `task`, of either role, is connecting or ready.
+  bool HasOpenChannelWith(const std::string& task) const;
   // Every channel, as `tensorverbs stats` shows it, by peer task.
   std::vector<ChannelSnapshot> Snapshot() const;
   // Runs `fn` on every channel.

@@ -33,13 +33,22 @@ absl::StatusOr<std::unique_ptr<Subprocess>> Subprocess::Start(
     const std::string& path, const std::vector<std::string>& args) {
   int fds[2], in[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return absl::InternalError(std::strerror(errno));
-  if (pipe2(in, O_CLOEXEC) != 0) return absl::InternalError(std::strerror(errno));
+  if (pipe2(in, O_CLOEXEC) != 0) {
+    const int err = errno;
+    close(fds[0]);
+    close(fds[1]);
+    return absl::InternalError(std::strerror(err));
+  }
   std::vector<char*> argv;
   argv.push_back(const_cast<char*>(path.c_str()));
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   pid_t pid = fork();
-  if (pid < 0) return absl::InternalError(std::strerror(errno));
+  if (pid < 0) {
+    const int err = errno;
+    for (int fd : {fds[0], fds[1], in[0], in[1]}) close(fd);
+    return absl::InternalError(std::strerror(err));
+  }
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     dup2(fds[1], STDOUT_FILENO);
@@ -114,13 +123,19 @@ void Subprocess::Signal(int sig) {
 }
 
 absl::StatusOr<int> Subprocess::Wait(absl::Duration timeout) {
+  // A second wait would find no child (ECHILD) and, before this, spun out its whole timeout.
+  if (reaped_) return exit_code_;
   absl::Time deadline = absl::Now() + timeout;
   while (true) {
     int status = 0;
     pid_t r = waitpid(pid_, &status, WNOHANG);
     if (r == pid_) {
       reaped_ = true;
-      return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+      exit_code_ = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+      return exit_code_;
+    }
+    if (r < 0 && errno != EINTR) {
+      return absl::InternalError(absl::StrCat("waiting for child ", pid_, ": ", strerror(errno)));
     }
     if (absl::Now() > deadline) return absl::DeadlineExceededError("child still running");
     absl::SleepFor(absl::Milliseconds(5));

@@ -30,7 +30,8 @@ class Subprocess {
   std::string ReadAll(absl::Duration timeout);
 
   void Signal(int sig);
-  // Exit code (128+signal if killed), or DeadlineExceeded.
+  // Exit code (128+signal if killed), or DeadlineExceeded. Once reaped, the same code again at
+  // once.
   absl::StatusOr<int> Wait(absl::Duration timeout);
   pid_t pid() const { return pid_; }
   // The write end of the child's stdin.
@@ -43,6 +44,7 @@ class Subprocess {
   int stdout_fd_;
   int stdin_fd_;
   bool reaped_ = false;
+  int exit_code_ = 0;  // once reaped_
   std::string buffer_;
 };
 

@@ -106,6 +106,37 @@ INSTANTIATE_TEST_SUITE_P(Loopback, WrittenContentFaultTest,
                                                      {&kLoopback})),
                          ParamName);
 
+// grpc+gdr: the lender keeps a lent tensor until its borrower's release arrives over the
+// borrower's channel. A borrower whose read failed (its channel broke) sends no release and
+// tells nobody; a lender stopping its traffic asks it once rather than waiting out its whole
+// shutdown grace (2 s) for a release that cannot come.
+class LendingFaultTest : public FaultTest {};
+
+TEST_P(LendingFaultTest, StoppingTheLenderAsksABorrowerWhoseChannelBrokeInsteadOfWaiting) {
+  StartCluster(2);
+  // The borrower's first operation is its read of the lent tensor: it completes in error.
+  fabric::loopback::Faults read_fails;
+  read_fails.error_completion_nth = 1;
+  fabric::loopback::SetFaults(transport(0).domain_for_testing(), read_fails);
+  Tensor t = PoolTensor(1, DataType::kFloat32, {4096}, 1);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "f"), t).ok());
+  PendingRecv recv(*Step(0, 1), Key(1, "f"));
+  ASSERT_TRUE(recv.Wait(absl::Seconds(30))) << "the recv hung";
+  EXPECT_FALSE(recv.status().ok()) << "the read was to fail";
+  ASSERT_EQ(transport(1).NumLentTensors(), 1u) << "the lease outlives the failed read";
+  // The borrower is alive and its end of the channel closed: the lender's last probe learns it.
+  const absl::Time start = absl::Now();
+  server(1).StopTraffic();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_LT(took, absl::Milliseconds(1500)) << "the lender waited for a release that cannot come";
+  std::printf("the lender stopped its traffic in %s\n", absl::FormatDuration(took).c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, LendingFaultTest,
+                         ::testing::ValuesIn(Combine(With(&ProtocolDesign::lends_tensors),
+                                                     {&kLoopback})),
+                         ParamName);
+
 // grpc+verbs alone: duplicated and lost immediates.
 class ZeroCopyFaultTest : public FaultTest {};
 

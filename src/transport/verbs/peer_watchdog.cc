@@ -60,19 +60,28 @@ void PeerWatchdog::Loop() {
             [this] { return channels_->PendingPeers(); }, absl::Seconds(5));
     if (absl::IsCancelled(peers.status())) return;
     if (!peers.ok() || peers->empty()) continue;
-    ProbeRound(*peers);
+    ProbeRound(*peers, peer_timeout_, /*last=*/false);
   }
 }
 
-void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers) {
+void PeerWatchdog::LastRound(absl::Duration timeout) {
+  absl::StatusOr<std::vector<ChannelSetup::Probe>> peers =
+      engine_->AskLoop<std::vector<ChannelSetup::Probe>>(
+          [this] { return channels_->PendingPeers(); }, timeout);
+  if (!peers.ok() || peers->empty()) return;
+  ProbeRound(*peers, std::min(timeout, peer_timeout_), /*last=*/true);
+}
+
+void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers, absl::Duration timeout,
+                              bool last) {
   std::vector<std::shared_ptr<Probe>> round;
   {
     MutexLock lock(&mu_);
-    if (stop_) return;
+    if (stop_ && !last) return;
     for (const ChannelSetup::Probe& peer : peers) {
       auto probe = std::make_shared<Probe>();
       probe->peer = peer;
-      probe->context.set_deadline(absl::ToChronoTime(absl::Now() + peer_timeout_));
+      probe->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
       probe->context.set_wait_for_ready(true);
       probe->request.set_task_name(self_);
       if (peer.accepting) {
@@ -99,7 +108,7 @@ void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers) {
     MutexLock lock(&mu_);
     mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return outstanding_ == 0; });
     round_.clear();
-    if (stop_) return;
+    if (stop_ && !last) return;
   }
   // Outside the lock: a verdict logs and posts to the progress thread.
   for (const std::shared_ptr<Probe>& probe : round) Judge(*probe);

@@ -46,13 +46,18 @@ class PeerWatchdog {
 
   void Start();
   void Stop();
+  // After Stop, one more round on the caller's thread, each probe answered within `timeout`.
+  // A task stopping its traffic asks this way whether the borrowers of its lent tensors still
+  // hold their channels: one that dropped its end, or stopped, tells nobody otherwise, and the
+  // shutdown would wait its whole grace for a release that cannot come.
+  void LastRound(absl::Duration timeout);
 
  private:
   struct Probe;
   void Loop();
-  // Probes every peer of `peers` at once and returns when every probe has an answer (or was
-  // cancelled by Stop).
-  void ProbeRound(const std::vector<ChannelSetup::Probe>& peers);
+  // Probes every peer of `peers` at once, each within `timeout`, and returns when every probe
+  // has an answer (or was cancelled by Stop, which the last round ignores).
+  void ProbeRound(const std::vector<ChannelSetup::Probe>& peers, absl::Duration timeout, bool last);
   // The verdict on one answer, applied on the progress thread.
   void Judge(const Probe& probe);
 

@@ -354,13 +354,27 @@ void VerbsTransport::StopTraffic() {
   // or about to be, a lent tensor being read): let them finish, as gRPC's shutdown lets
   // responses in progress finish, for up to kShutdownGrace.
   const absl::Time grace_end = absl::Now() + kShutdownGrace;
+  absl::StatusOr<bool> lending = engine_->AskLoop<bool>([this] { return !lent_->empty(); });
+  if (lending.ok() && *lending) watchdog_->LastRound(kShutdownGrace / 2);
   while (absl::Now() < grace_end) {
-    absl::StatusOr<bool> busy = engine_->AskLoop<bool>(
-        [this] { return !lent_->empty() || table_->ResponsesInProgress(); }, absl::Seconds(1));
+    absl::StatusOr<bool> busy =
+        engine_->AskLoop<bool>([this] { return ResponsesStillOnTheirWay(); }, absl::Seconds(1));
     if (!busy.ok() || !*busy) break;
     absl::SleepFor(absl::Milliseconds(1));
   }
   engine_->Stop();
+}
+
+bool VerbsTransport::ResponsesStillOnTheirWay() const {
+  if (table_->ResponsesInProgress()) return true;
+  // A lent tensor is read, and released, over a channel with its borrower. A borrower with no
+  // channel open (it broke, or the peer closed it) can neither read nor release it: waiting for
+  // that release would spend the whole grace on nothing. A borrower that sets up a new channel
+  // meanwhile counts again at the next look.
+  for (const std::string& task : lent_->Borrowers()) {
+    if (table_->HasOpenChannelWith(task)) return true;
+  }
+  return false;
 }
 
 void VerbsTransport::Shutdown() {

@@ -174,6 +174,9 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // Progress thread.
   void Housekeeping(absl::Time now);
   bool OperationsInFlight() const;
+  // Whether a peer still has a tensor of this task's on its way to it (a response in progress,
+  // or a lent tensor whose borrower has a channel open): what StopTraffic's grace waits for.
+  bool ResponsesStillOnTheirWay() const;
 
   // What the channels need of this transport (protocol::ChannelHost).
   class Host final : public protocol::ChannelHost {
