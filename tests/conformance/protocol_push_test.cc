@@ -29,6 +29,16 @@ class PushTest : public ProtocolTest {
   }
   const VerbsStats& rx() { return transport(0).stats(); }
   const VerbsStats& tx() { return transport(1).stats(); }
+  // Whether the sender answered a request with meta-data (a changed shape) since it had sent
+  // `before` such answers, within 20 s.
+  bool AnsweredWithMetaData(int64_t before) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (tx().meta_responses.load() <= before) {
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return true;
+  }
 };
 
 TEST_P(PushTest, SteadyStateRecvsFindTheirRequestAlreadyMade) {
@@ -178,16 +188,20 @@ TEST_P(PushTest, AChangedShapeWaitsForItsRecvWhateverTheOrder) {
   // Step 2's tensor has another shape, and is sent well before its recv: the sender answers
   // the request made ahead with its meta-data, and holds the tensor for it.
   const Tensor bigger = PoolTensor(1, DataType::kFloat32, {64}, 2);
+  int64_t meta_responses = tx().meta_responses.load();
   ASSERT_TRUE(Step(1, 2)->Send(Key(1, "c"), bigger).ok());
-  absl::SleepFor(absl::Milliseconds(50));
+  // Not a sleep: under TSan on a loaded machine the request made ahead can take longer than
+  // any fixed pause to reach the sender.
+  ASSERT_TRUE(AnsweredWithMetaData(meta_responses)) << "step 2's request made ahead";
   PendingRecv recv(*Step(0, 2), Key(1, "c"));
   ASSERT_TRUE(recv.Wait());
   ASSERT_TRUE(recv.status().ok()) << recv.status();
   EXPECT_TRUE(recv.tensor().ContentEquals(bigger)) << recv.tensor().DebugString();
   CleanupStep(2);
   // Step 3 changes shape again but is aborted before any recv: the sender is let go.
+  meta_responses = tx().meta_responses.load();
   ASSERT_TRUE(Step(1, 3)->Send(Key(1, "c"), PoolTensor(1, DataType::kFloat32, {4}, 3)).ok());
-  absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(AnsweredWithMetaData(meta_responses)) << "step 3's request made ahead";
   CleanupStep(3);
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   while (transport(1).stats().content_writes.load() < 3 && absl::Now() < deadline) {
