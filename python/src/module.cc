@@ -1,32 +1,44 @@
 // _tensorverbs: the C++ half of the `tensorverbs` Python package (python/tensorverbs/), over the
 // public API of include/tensorverbs/ only.
 //
-// It exposes Task and Step as thin objects and the conversions between tensors and NumPy
-// arrays; the Python half adds context managers, futures, asyncio and the exception classes.
-// Received tensors become arrays without a copy: the array's base is a capsule that owns a
-// Tensor, so the pooled buffer lives as long as any array viewing it. Arrays made by
-// Task.empty() are pool tensors too and are sent as they are; any other array is staged once
-// into the pool.
+// It exposes Task and Step as thin objects, the conversions between tensors and NumPy arrays,
+// and the recv paths whole: a blocking recv, a batch of recvs and a RecvFuture are waited for
+// and converted here, so a received tensor costs no Python frame, no Python future and no
+// GIL hand-over between threads. The Python half adds context managers, asyncio and the
+// exception classes. Received tensors become arrays without a copy: the array's base is a
+// capsule that owns a Tensor, so the pooled buffer lives as long as any array viewing it, and
+// while it does the buffer is found by address (PoolViews), so a PyTorch tensor viewing it is
+// sent as the pool tensor it is. Arrays made by Task.empty() are pool tensors too and are sent
+// as they are; any other array is staged once into the pool.
 //
-// Threads: every call that may wait (start, wait_for_peers, stop, ending a step, recv_async,
-// send) releases the GIL, because the task's callback threads take the GIL to run Python
-// callbacks and a caller holding it while the task waits for them would deadlock. Callbacks
-// run on those threads with the GIL held, exactly once each; Python objects they hold are
-// released with the GIL held, or leaked if the interpreter is already finalizing.
+// Threads: every call that may wait (start, wait_for_peers, stop, ending a step, the recvs,
+// send) releases the GIL while it is in the task, because a RecvFuture's Python done-callbacks
+// run on the task's callback threads with the GIL, and a caller holding it while the task
+// waits for them would deadlock. Without done-callbacks a completion takes no GIL at all: it
+// stores the tensor and wakes the waiter, which converts it. Waits wake every 50 ms to let
+// Ctrl-C (KeyboardInterrupt) through. Python objects held by C++ are released with the GIL
+// held, or leaked if the interpreter is already finalizing.
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "tensorverbs/tensorverbs.h"
 
@@ -37,11 +49,14 @@ namespace {
 
 constexpr char kCapsuleName[] = "tensorverbs.Tensor";
 
-// Raises the Python exception tensorverbs._errors maps `status` to (its code and message).
+// The Python exception tensorverbs._errors maps `status` to (its code and message).
+py::object ErrorOf(const absl::Status& status) {
+  return py::module_::import("tensorverbs._errors")
+      .attr("error_from_status")(static_cast<int>(status.code()), std::string(status.message()));
+}
+
 [[noreturn]] void Raise(const absl::Status& status) {
-  py::object error = py::module_::import("tensorverbs._errors")
-                         .attr("error_from_status")(static_cast<int>(status.code()),
-                                                    std::string(status.message()));
+  py::object error = ErrorOf(status);
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
   throw py::error_already_set();
 }
@@ -60,6 +75,32 @@ absl::Duration Seconds(double seconds) {
   if (seconds < 0) throw py::value_error("a timeout must not be negative");
   if (seconds > 1e9) return absl::InfiniteDuration();
   return absl::Seconds(seconds);
+}
+
+// When a wait of `timeout` seconds (None: no limit) started now ends.
+absl::Time DeadlineAfter(const std::optional<double>& timeout) {
+  return timeout.has_value() ? absl::Now() + Seconds(*timeout) : absl::InfiniteFuture();
+}
+
+// Waits, without the GIL, until `done()` holds under `mu` (signalled through `cv`) or
+// `deadline` passes; returns whether it holds. Every 50 ms it takes the GIL to let signals
+// through: Ctrl-C raises KeyboardInterrupt here (the recvs it waits for stay asked for).
+// std::mutex rather than absl::Mutex: one is made per recv, and Debian's abseil tracks every
+// absl::Mutex for deadlock detection, which costs more than the rest of a small recv here.
+template <typename Done>
+bool WaitWithoutGil(std::mutex& mu, std::condition_variable& cv, Done done, absl::Time deadline) {
+  while (true) {
+    bool held;
+    {
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lock(mu);
+      const absl::Time slice_end = std::min(deadline, absl::Now() + absl::Milliseconds(50));
+      held = cv.wait_until(lock, absl::ToChronoTime(slice_end), done);
+    }
+    if (held) return true;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+    if (absl::Now() >= deadline) return false;
+  }
 }
 
 // A Python object held by C++ code that may drop it on a thread without the GIL.
@@ -118,7 +159,7 @@ DataType DataTypeOf(const py::dtype& dtype) {
                    "complex64/128 arrays, or a list of bytes/str for strings")));
 }
 
-py::dtype NumpyDtypeOf(DataType dtype) {
+py::dtype NumpyDtypeByName(DataType dtype) {
   switch (dtype) {
     case DataType::kBool:
       return py::dtype("bool");
@@ -156,7 +197,59 @@ py::dtype NumpyDtypeOf(DataType dtype) {
   }
 }
 
+// NumPy's dtype for `dtype`, made once per type: parsing a dtype's name costs about a
+// microsecond, a noticeable share of a small tensor's recv. With the GIL.
+py::dtype NumpyDtypeOf(DataType dtype) {
+  static auto* const cache = new std::unordered_map<int, py::dtype>();  // never destroyed
+  auto it = cache->find(static_cast<int>(dtype));
+  if (it != cache->end()) return it->second;
+  py::dtype made = NumpyDtypeByName(dtype);
+  cache->emplace(static_cast<int>(dtype), made);
+  return made;
+}
+
 // --- tensors <-> arrays -------------------------------------------------------------------------
+
+// The pool tensors arrays made by this module view, by buffer address, while the array's
+// capsule lives. A PyTorch tensor made from such an array (torch.from_numpy, from_dlpack)
+// views the same memory but not the capsule; sending it finds the pool tensor here and sends
+// it without a copy. Any thread (capsules die with the GIL, sends look up without it).
+class PoolViews {
+ public:
+  static PoolViews& Get() {
+    static auto* const views = new PoolViews();  // capsules may die at interpreter exit
+    return *views;
+  }
+  void Add(const Tensor* tensor) {
+    std::lock_guard<std::mutex> lock(mu_);
+    by_address_.emplace(tensor->data(), tensor);
+  }
+  void Remove(const Tensor* tensor) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [begin, end] = by_address_.equal_range(tensor->data());
+    for (auto it = begin; it != end; ++it) {
+      if (it->second == tensor) {
+        by_address_.erase(it);
+        return;
+      }
+    }
+  }
+  // The pool tensor of exactly `bytes` at `data` with `dtype` and `dims`, if one is viewed.
+  std::optional<Tensor> Find(const void* data, size_t bytes, DataType dtype,
+                             absl::Span<const int64_t> dims) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [begin, end] = by_address_.equal_range(data);
+    for (auto it = begin; it != end; ++it) {
+      const Tensor& t = *it->second;
+      if (t.TotalBytes() == bytes && t.dtype() == dtype && t.shape().dims() == dims) return t;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_multimap<const void*, const Tensor*> by_address_;  // under mu_
+};
 
 // The Tensor an array made by this module views, if it views all of one.
 const Tensor* TensorBehind(const py::array& array) {
@@ -177,10 +270,14 @@ py::array ArrayOf(const Tensor& tensor) {
   py::dtype dtype = NumpyDtypeOf(tensor.dtype());
   std::vector<py::ssize_t> shape(tensor.shape().dims().begin(), tensor.shape().dims().end());
   auto* owned = new Tensor(tensor);
+  const bool viewed = tensor.TotalBytes() > 0;
+  if (viewed) PoolViews::Get().Add(owned);
   py::capsule base(owned, kCapsuleName, [](PyObject* capsule) {
-    delete static_cast<Tensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+    auto* t = static_cast<Tensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+    if (t->TotalBytes() > 0) PoolViews::Get().Remove(t);
+    delete t;
   });
-  if (tensor.TotalBytes() == 0) return py::array(dtype, shape, {}, nullptr, base);
+  if (!viewed) return py::array(dtype, shape, {}, nullptr, base);
   return py::array(dtype, shape, {}, owned->data(), base);
 }
 
@@ -300,11 +397,16 @@ class PyTask {
       throw py::value_error(
           "the array is not C-contiguous: send numpy.ascontiguousarray(array) (a copy)");
     }
+    std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
     if (const Tensor* pooled = TensorBehind(array); pooled != nullptr && pooled->dtype() == type) {
-      std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
       if (absl::Span<const int64_t>(dims) == pooled->shape().dims()) return *pooled;
     }
-    std::vector<int64_t> dims(array.shape(), array.shape() + array.ndim());
+    if (array.nbytes() > 0) {
+      // Another view of a pool array (a PyTorch tensor made from one): the pool tensor itself.
+      std::optional<Tensor> pooled =
+          PoolViews::Get().Find(array.data(), static_cast<size_t>(array.nbytes()), type, dims);
+      if (pooled.has_value()) return *std::move(pooled);
+    }
     TensorShape shape = ValueOrRaise(TensorShape::Create(dims));
     Tensor t = ValueOrRaise(task_->Empty(type, shape));
     if (t.TotalBytes() > 0) {
@@ -319,6 +421,117 @@ class PyTask {
   std::shared_ptr<Task> task_;
   std::atomic<int64_t> staged_{0};
   std::atomic<int64_t> staged_bytes_{0};
+};
+
+// --- RecvFuture ---------------------------------------------------------------------------------
+
+// One recv's end as the task's callback reports it. Shared by the callback (a task thread,
+// without the GIL) and whoever waits; it holds Python objects only in HeldObjects, which take
+// the GIL to let them go, because its last reference may drop on the task thread.
+struct RecvState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;  // under mu
+  // Written once before `done` is set and read only after: needs no lock then.
+  absl::StatusOr<Tensor> result;
+  // Under mu: done-callbacks added before the end, and the future they are given.
+  std::vector<std::unique_ptr<HeldObject>> callbacks;
+  std::unique_ptr<HeldObject> future;
+
+  // The callback: without the GIL, which it takes only to run done-callbacks.
+  static void Complete(const std::shared_ptr<RecvState>& state, absl::StatusOr<Tensor> result) {
+    std::vector<std::unique_ptr<HeldObject>> callbacks;
+    std::unique_ptr<HeldObject> future;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->result = std::move(result);
+      state->done = true;
+      callbacks.swap(state->callbacks);
+      future.swap(state->future);
+    }
+    state->cv.notify_all();
+    if (callbacks.empty() || !Py_IsInitialized() || _Py_IsFinalizing()) return;
+    py::gil_scoped_acquire gil;
+    for (const auto& callback : callbacks) {
+      try {
+        callback->get()(future->get());
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("tensorverbs recv done-callback");
+      }
+      callback->Reset();
+    }
+    future->Reset();
+  }
+
+  bool Done() {
+    std::lock_guard<std::mutex> lock(mu);
+    return done;
+  }
+
+  // Waits (GIL released, Ctrl-C let through) for the end, or raises DeadlineExceededError
+  // naming `what` after `timeout` seconds (None: no limit). With the GIL.
+  void Wait(const std::optional<double>& timeout, const std::string& what) {
+    if (Done()) return;
+    if (!WaitWithoutGil(
+            mu, cv, [this] { return done; }, DeadlineAfter(timeout))) {
+      Raise(absl::DeadlineExceededError(
+          absl::StrFormat("%s took over %g s", what, timeout.value_or(0))));
+    }
+  }
+};
+
+// What recv_async returns: one recv's result, with concurrent.futures.Future's methods
+// (result, exception, done, running, cancelled, cancel, add_done_callback). The task completes
+// it on a callback thread without the GIL (it stores the tensor and wakes a waiter); result()
+// converts the tensor on the caller's thread. Only done-callbacks added before the recv ended
+// run on the callback thread, with the GIL. Made and dropped with the GIL (it is Python's).
+class RecvFuture : public std::enable_shared_from_this<RecvFuture> {
+ public:
+  // `what` names the recv in a timeout's message ("recv of 'x' from worker:1 in step 3").
+  RecvFuture(std::shared_ptr<RecvState> state, std::string what)
+      : state_(std::move(state)), what_(std::move(what)) {}
+
+  // The tensor, or raises the recv's error; DeadlineExceededError (a TimeoutError) after
+  // `timeout` seconds, the recv still asked for.
+  py::object Result(std::optional<double> timeout) {
+    state_->Wait(timeout, what_);
+    if (!state_->result.ok()) Raise(state_->result.status());
+    if (!value_) value_ = ValueOf(*state_->result);  // result() may be called again
+    return value_;
+  }
+
+  // The recv's error as an exception object, or None if it succeeded.
+  py::object Exception(std::optional<double> timeout) {
+    state_->Wait(timeout, what_);
+    return state_->result.ok() ? py::none() : ErrorOf(state_->result.status());
+  }
+
+  bool Done() { return state_->Done(); }
+
+  // `fn(future)` once the recv ended: at once if it has.
+  void AddDoneCallback(py::object fn) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      if (!state_->done) {
+        state_->callbacks.push_back(std::make_unique<HeldObject>(std::move(fn)));
+        // The future lives until its callbacks ran, even if the caller dropped it.
+        if (state_->future == nullptr) {
+          state_->future = std::make_unique<HeldObject>(py::cast(shared_from_this()));
+        }
+        return;
+      }
+    }
+    try {
+      fn(py::cast(shared_from_this()));
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("tensorverbs recv done-callback");
+    }
+  }
+
+ private:
+  const std::shared_ptr<RecvState> state_;
+  const std::string what_;
+  py::object value_;
 };
 
 // --- Step ---------------------------------------------------------------------------------------
@@ -349,32 +562,88 @@ class PyStep {
     OkOrRaise(s);
   }
 
-  // `done(code, message, value)` runs once on a task callback thread, with the GIL.
-  void RecvAsync(const std::string& src_task, const std::string& name, py::object done) {
+  // Starts the recv of `name` from `src_task`; the future ends once with its result.
+  std::shared_ptr<RecvFuture> RecvAsync(const std::string& src_task, const std::string& name) {
+    return std::make_shared<RecvFuture>(Start(src_task, name), Describe(src_task, name));
+  }
+
+  // The tensor, waiting at most `timeout` seconds (None: the task's recv timeout).
+  py::object Recv(const std::string& src_task, const std::string& name,
+                  std::optional<double> timeout) {
+    std::shared_ptr<RecvState> state = Start(src_task, name);
+    state->Wait(timeout, Describe(src_task, name));
+    if (!state->result.ok()) Raise(state->result.status());
+    return ValueOf(*state->result);
+  }
+
+  // Every recv of `keys` ((task, name) pairs) started at once and waited for together: their
+  // values in order, or the first failure's error (by order), after all ended, or
+  // DeadlineExceededError naming the first still waiting after `timeout` seconds.
+  py::list RecvMany(const std::vector<std::pair<std::string, std::string>>& keys,
+                    std::optional<double> timeout) {
     Step& step = Live();
-    auto held = std::make_shared<HeldObject>(std::move(done));
-    py::gil_scoped_release nogil;
-    step.RecvAsync(src_task, name, [held](absl::StatusOr<Tensor> result) {
-      if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
-      py::gil_scoped_acquire gil;
-      int code = static_cast<int>(result.status().code());
-      std::string message(result.status().message());
-      py::object value = py::none();
-      if (result.ok()) {
-        try {
-          value = ValueOf(*result);
-        } catch (const std::exception& e) {  // a tensor with no Python form: still one answer
-          code = static_cast<int>(absl::StatusCode::kInvalidArgument);
-          message = e.what();
-        }
+    struct Batch {
+      std::mutex mu;
+      std::condition_variable cv;
+      size_t left = 0;                              // under mu
+      std::vector<bool> ended;                      // under mu
+      std::vector<absl::StatusOr<Tensor>> results;  // each written once, before `left` drops
+    };
+    auto batch = std::make_shared<Batch>();
+    batch->results.resize(keys.size());
+    batch->left = keys.size();
+    batch->ended.assign(keys.size(), false);
+    const absl::Time deadline = DeadlineAfter(timeout);
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        step.RecvAsync(keys[i].first, keys[i].second, [batch, i](absl::StatusOr<Tensor> result) {
+          batch->results[i] = std::move(result);
+          bool last;
+          {
+            std::lock_guard<std::mutex> lock(batch->mu);
+            batch->ended[i] = true;
+            last = --batch->left == 0;
+          }
+          if (last) batch->cv.notify_all();
+        });
       }
-      try {
-        held->get()(code, message, value);
-      } catch (py::error_already_set& e) {
-        e.discard_as_unraisable("tensorverbs recv callback");
+    }
+    Batch* b = batch.get();
+    if (!WaitWithoutGil(
+            b->mu, b->cv, [b] { return b->left == 0; }, deadline)) {
+      std::lock_guard<std::mutex> lock(b->mu);
+      const size_t first = std::find(b->ended.begin(), b->ended.end(), false) - b->ended.begin();
+      Raise(absl::DeadlineExceededError(absl::StrFormat(
+          "recv_many: %d of %d recvs in step %d still waiting after %g s, the first %s", b->left,
+          keys.size(), id_, timeout.value_or(0),
+          first < keys.size() ? Describe(keys[first].first, keys[first].second) : "")));
+    }
+    for (const absl::StatusOr<Tensor>& result : batch->results) {
+      if (!result.ok()) Raise(result.status());
+    }
+    py::list values(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      values[i] = ValueOf(*batch->results[i]);
+    }
+    return values;
+  }
+
+  // Sends every (task, name, value) of `items`: all converted first (a bad value sends none),
+  // then sent in one pass without the GIL.
+  void SendMany(const std::vector<std::tuple<std::string, std::string, py::object>>& items) {
+    Step& step = Live();
+    std::vector<Tensor> tensors;
+    tensors.reserve(items.size());
+    for (const auto& [task, name, value] : items) tensors.push_back(task_->TensorFor(value));
+    absl::Status s;
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < items.size() && s.ok(); ++i) {
+        s = step.Send(std::get<0>(items[i]), std::get<1>(items[i]), tensors[i]);
       }
-      held->Reset();
-    });
+    }
+    OkOrRaise(s);
   }
 
   void WaitUntilSendsTaken(double timeout) {
@@ -407,6 +676,21 @@ class PyStep {
       Raise(absl::FailedPreconditionError(absl::StrCat("step ", id_, " has ended")));
     }
     return *step_;
+  }
+
+  // Starts the recv; the task ends the state once.
+  std::shared_ptr<RecvState> Start(const std::string& src_task, const std::string& name) {
+    Step& step = Live();
+    auto state = std::make_shared<RecvState>();
+    py::gil_scoped_release nogil;
+    step.RecvAsync(src_task, name, [state](absl::StatusOr<Tensor> result) {
+      RecvState::Complete(state, std::move(result));
+    });
+    return state;
+  }
+
+  std::string Describe(const std::string& src_task, const std::string& name) const {
+    return absl::StrCat("recv of '", name, "' from ", src_task, " in step ", id_);
   }
 
   std::shared_ptr<PyTask> task_;
@@ -457,12 +741,25 @@ PYBIND11_MODULE(_tensorverbs, m) {
       .def("empty", &tvp::PyTask::Empty, py::arg("shape"), py::arg("dtype"))
       .def("stats", &tvp::PyTask::Stats);
 
+  py::class_<tvp::RecvFuture, std::shared_ptr<tvp::RecvFuture>>(m, "RecvFuture")
+      .def("result", &tvp::RecvFuture::Result, py::arg("timeout") = py::none())
+      .def("exception", &tvp::RecvFuture::Exception, py::arg("timeout") = py::none())
+      .def("done", &tvp::RecvFuture::Done)
+      .def("running", [](tvp::RecvFuture& f) { return !f.Done(); })
+      .def("cancelled", [](const tvp::RecvFuture&) { return false; })
+      .def("cancel", [](const tvp::RecvFuture&) { return false; })
+      .def("add_done_callback", &tvp::RecvFuture::AddDoneCallback, py::arg("fn"));
+
   py::class_<tvp::PyStep>(m, "Step")
       .def(py::init<std::shared_ptr<tvp::PyTask>, int64_t>(), py::arg("task"), py::arg("id"))
       .def_property_readonly("id", &tvp::PyStep::id)
       .def_property_readonly("ended", &tvp::PyStep::ended)
       .def("send", &tvp::PyStep::Send, py::arg("task"), py::arg("name"), py::arg("value"))
-      .def("recv_async", &tvp::PyStep::RecvAsync, py::arg("task"), py::arg("name"), py::arg("done"))
+      .def("send_many", &tvp::PyStep::SendMany, py::arg("items"))
+      .def("recv", &tvp::PyStep::Recv, py::arg("task"), py::arg("name"),
+           py::arg("timeout") = py::none())
+      .def("recv_async", &tvp::PyStep::RecvAsync, py::arg("task"), py::arg("name"))
+      .def("recv_many", &tvp::PyStep::RecvMany, py::arg("keys"), py::arg("timeout") = py::none())
       .def("wait_until_sends_taken", &tvp::PyStep::WaitUntilSendsTaken, py::arg("timeout"))
       .def("end", &tvp::PyStep::End);
 }

@@ -34,7 +34,6 @@ tensorverbs.Error whose message names the key, the peer and any setting involved
 
 import asyncio
 import atexit
-import concurrent.futures
 import signal
 import threading
 import weakref
@@ -65,6 +64,7 @@ from ._errors import (  # noqa: F401 (the package's exceptions)
 )
 
 __version__ = _tensorverbs.__version__
+RecvFuture = _tensorverbs.RecvFuture
 
 
 def _restore_signal_handlers():
@@ -85,6 +85,7 @@ __all__ = [
     "ClusterSpec",
     "Server",
     "Step",
+    "RecvFuture",
     "available_protocols",
     "Error",
     "StatusCode",
@@ -137,18 +138,6 @@ def _stop_live_servers():
         server.stop()
 
 
-# Pool arrays (Server.empty, and received arrays) by (address, bytes, dtype, shape), weakly: a
-# PyTorch tensor made from one (torch.from_numpy / torch.from_dlpack) keeps it alive and views
-# the same memory, so sending the tensor sends the pool array itself, without a copy.
-_pool_arrays = weakref.WeakValueDictionary()
-
-
-def _remember_pool_array(array):
-    if isinstance(array, _np.ndarray) and array.nbytes > 0:
-        _pool_arrays[(array.ctypes.data, array.nbytes, array.dtype.str, array.shape)] = array
-    return array
-
-
 def _to_sendable(value):
     if isinstance(value, (_np.ndarray, list, tuple)):
         return value
@@ -164,9 +153,9 @@ def _to_sendable(value):
                 f"cannot send this {type(value).__name__} ({e}): send a CPU tensor of a dtype "
                 "NumPy has (not bfloat16), detached from autograd, e.g. "
                 "tensor.detach().cpu().float()") from e
-        pooled = _pool_arrays.get(
-            (array.ctypes.data, array.nbytes, array.dtype.str, array.shape))
-        return pooled if pooled is not None else array
+        # A tensor viewing a pool array (torch.from_numpy of a received or Server.empty array)
+        # is found by the core, which sends the pool memory itself.
+        return array
     return value  # the core says what it takes
 
 
@@ -210,8 +199,7 @@ class Server:
         """An uninitialized array in the task's registered pool: sent without a copy."""
         if isinstance(shape, int):
             shape = (shape,)
-        return _remember_pool_array(
-            self._task.empty([int(d) for d in shape], _np.dtype(dtype)))
+        return self._task.empty([int(d) for d in shape], _np.dtype(dtype))
 
     def stats(self):
         """Counters since the start: tensors and bytes received, errors, copies the transport
@@ -253,35 +241,45 @@ class Step:
         """Makes `value` available to `task` under `name` in this step; returns at once."""
         self._core.send(task, name, _to_sendable(value))
 
+    def send_many(self, items):
+        """send for each (task, name, value) of `items`, in one call: every value is checked
+        before any is sent."""
+        self._core.send_many([(t, n, _to_sendable(v)) for t, n, v in items])
+
     def recv_async(self, task, name):
-        """A concurrent.futures.Future of the tensor `task` sends under `name`."""
-        future = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-
-        def done(code, message, value):
-            if code == 0:
-                future.set_result(_remember_pool_array(value))
-            else:
-                future.set_exception(error_from_status(code, message))
-
-        self._core.recv_async(task, name, done)
-        return future
+        """A future of the tensor `task` sends under `name`: a tensorverbs.RecvFuture, with
+        concurrent.futures.Future's methods (result(timeout), exception(), done(),
+        add_done_callback(fn), ...). result() after `timeout` raises DeadlineExceededError (a
+        TimeoutError) and the recv stays asked for."""
+        return self._core.recv_async(task, name)
 
     def recv(self, task, name, timeout=None):
         """The tensor `task` sends under `name`: waits at most `timeout` seconds (None: the
         server's recv timeout). DeadlineExceededError after `timeout`; the recv stays asked
         for in this step, so receiving the same name again in this step fails."""
-        future = self.recv_async(task, name)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise self._timed_out(task, name, timeout) from None
+        return self._core.recv(task, name, None if timeout is None else float(timeout))
+
+    def recv_many(self, keys, timeout=None):
+        """The tensors of `keys`, a list of (task, name) pairs, in order: all asked for at once
+        and waited for together (the fast way to receive many small tensors). Raises the first
+        failed recv's error once all ended, or DeadlineExceededError naming the first still
+        waiting after `timeout` seconds."""
+        return self._core.recv_many(list(keys), None if timeout is None else float(timeout))
 
     async def arecv(self, task, name, timeout=None):
         """recv for asyncio: `await step.arecv(task, name)`."""
-        future = asyncio.wrap_future(self.recv_async(task, name))
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def ended(future):
+            try:
+                loop.call_soon_threadsafe(_settle, waiter, future)
+            except RuntimeError:  # the loop closed: nobody awaits this recv any more
+                pass
+
+        self._core.recv_async(task, name).add_done_callback(ended)
         try:
-            return await asyncio.wait_for(future, timeout)
+            return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
             raise self._timed_out(task, name, timeout) from None
 
@@ -307,6 +305,16 @@ class Step:
     def __exit__(self, *exc):
         self.end()
         return False
+
+
+def _settle(waiter, future):
+    if waiter.done():  # the awaiting coroutine timed out or was cancelled
+        return
+    error = future.exception()
+    if error is not None:
+        waiter.set_exception(error)
+    else:
+        waiter.set_result(future.result())
 
 
 def tensor_buffer(array):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tensorverbs as tv
-from conftest import cluster_of, two_tasks
+from conftest import PROTOCOLS, cluster_of, two_tasks
 
 NUMERIC = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
            np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
@@ -120,6 +120,91 @@ def test_async_recvs_as_futures_and_with_asyncio(verbs_pair):
 
         with pytest.raises(tv.DeadlineExceededError):
             asyncio.run(too_late())
+
+
+def test_a_recv_future_has_the_future_methods(verbs_pair):
+    a, b = verbs_pair
+    with a.step(1) as receiving, b.step(1) as sending:
+        future = receiving.recv_async("worker:1", "x")
+        assert isinstance(future, tv.RecvFuture)
+        assert not future.done() and future.running() and not future.cancelled()
+        assert not future.cancel()  # a recv cannot be taken back, as a running Future
+        seen = []
+        future.add_done_callback(seen.append)  # runs on a task thread when the recv ends
+        with pytest.raises(tv.DeadlineExceededError) as caught:
+            future.result(timeout=0.05)
+        assert isinstance(caught.value, TimeoutError)
+        assert "recv of 'x' from worker:1 in step 1" in str(caught.value)
+        sending.send("worker:0", "x", np.arange(6, dtype=np.int16))
+        got = future.result(timeout=20)
+        np.testing.assert_array_equal(got, np.arange(6, dtype=np.int16))
+        assert future.result() is got  # converted once
+        assert future.exception() is None and future.done()
+        deadline = time.monotonic() + 20
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert seen == [future]
+        late = []
+        future.add_done_callback(late.append)  # already ended: at once, on this thread
+        assert late == [future]
+        failing = receiving.recv_async("nosuchjob:7", "x")
+        assert isinstance(failing.exception(timeout=20), tv.Error)
+        with pytest.raises(tv.Error):
+            failing.result()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_many_tensors_in_one_call_each_way(protocol):
+    with two_tasks(protocol) as (a, b):
+        with a.step(1) as receiving, b.step(1) as sending:
+            items = [("worker:0", f"t{i}", np.full(i + 1, i, np.int32)) for i in range(64)]
+            sending.send_many(items)
+            got = receiving.recv_many([("worker:1", f"t{i}") for i in range(64)], timeout=20)
+            assert len(got) == 64
+            for i, value in enumerate(got):
+                np.testing.assert_array_equal(value, np.full(i + 1, i, np.int32))
+            # Each value is checked before any is sent.
+            with pytest.raises(TypeError):
+                sending.send_many([("worker:0", "fine", np.zeros(1)), ("worker:0", "bad", object())])
+            with pytest.raises(tv.DeadlineExceededError) as caught:
+                receiving.recv_many([("worker:1", "bad"), ("worker:1", "fine")], timeout=0.2)
+            assert "2 of 2 recvs" in str(caught.value)
+            assert "recv of 'bad' from worker:1" in str(caught.value)
+            assert receiving.recv_many([]) == []
+        with a.step(2) as receiving, b.step(2) as sending:
+            sending.send("worker:0", "here", np.ones(2))
+            # A failed recv among them raises its error once every recv ended.
+            with pytest.raises(tv.InvalidArgumentError):
+                receiving.recv_many([("worker:1", "here"), ("nohost", "x")], timeout=20)
+
+
+def test_small_tensors_stream_above_a_generous_floor(verbs_pair):
+    # Each step: 256 tensors of 4 B sent in one call and received in one call (or one future
+    # each), both tasks in this process, steps begun, waited for and ended in the loop. The
+    # floor is generous: only losing the fast path, or worse, fails it, not a loaded machine.
+    a, b = verbs_pair
+    names = [f"t{i}" for i in range(256)]
+    values = [b.empty(1, np.float32) for _ in names]
+    keys = [("worker:1", n) for n in names]
+    rates = {}
+    for first, method in ((1, "recv_many"), (101, "recv_async")):
+        received, start = 0, time.perf_counter()
+        for step_id in range(first, first + 25):
+            if step_id == first + 5:  # the first steps set up channels and fill the pool
+                received, start = 0, time.perf_counter()
+            with a.step(step_id) as receiving, b.step(step_id) as sending:
+                sending.send_many([("worker:0", n, v) for n, v in zip(names, values)])
+                if method == "recv_many":
+                    receiving.recv_many(keys, timeout=20)
+                else:
+                    for f in [receiving.recv_async("worker:1", n) for n in names]:
+                        f.result(timeout=20)
+                sending.wait_until_sends_taken(20)
+            received += len(names)
+        rates[method] = received / (time.perf_counter() - start)
+    print(f"4 B tensors per second: {rates}")
+    for method, rate in rates.items():
+        assert rate > 15000, f"{method}: {rate:.0f} tensors/s"
 
 
 def test_ending_a_step_cancels_its_pending_recvs(verbs_pair):

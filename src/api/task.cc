@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -19,10 +20,44 @@
 
 namespace tensorverbs {
 
+// Parsed keys by the peer and name a caller gave. A training loop names the same tensors every
+// step, and building and parsing a key (task name, device name, the key text, its parse) cost
+// more than the rest of a small tensor's recv. A recv's entry remembers the peer incarnation
+// it was made with and is made again when the peer restarted. Any thread.
+class KeyCache {
+ public:
+  struct Entry {
+    std::string peer_name;     // /job:J/replica:0/task:T
+    uint64_t incarnation = 0;  // the recv's source; 0 for a send's key
+    ParsedKey key;
+  };
+  std::shared_ptr<const Entry> Find(bool recv, absl::string_view peer, absl::string_view name) {
+    MutexLock lock(&mu_);
+    auto it = entries_.find(Index(recv, peer, name));
+    return it == entries_.end() ? nullptr : it->second;
+  }
+  void Put(bool recv, absl::string_view peer, absl::string_view name,
+           std::shared_ptr<const Entry> entry) {
+    MutexLock lock(&mu_);
+    // Names that change every step (a step number inside them) would grow it without end.
+    if (entries_.size() >= kMaxEntries) entries_.clear();
+    entries_[Index(recv, peer, name)] = std::move(entry);
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 1 << 16;
+  static std::string Index(bool recv, absl::string_view peer, absl::string_view name) {
+    return absl::StrCat(recv ? "r" : "s", peer, "\n", name);
+  }
+  Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<const Entry>> entries_ ABSL_GUARDED_BY(mu_);
+};
+
 struct Task::Impl {
   std::unique_ptr<Server> server;
   std::string name;
   std::string protocol;
+  KeyCache keys;
 };
 
 struct Step::Impl {
@@ -170,12 +205,20 @@ Step::~Step() {
 int64_t Step::id() const { return impl_->id; }
 
 absl::Status Step::Send(absl::string_view dst_task, absl::string_view name, const Tensor& value) {
+  KeyCache& keys = impl_->task->keys;
+  if (std::shared_ptr<const KeyCache::Entry> cached = keys.Find(false, dst_task, name)) {
+    return SendKey(cached->key, value);
+  }
   ASSIGN_OR_RETURN(DeviceName dst, TaskDevice(dst_task));
   Server& server = *impl_->task->server;
   ASSIGN_OR_RETURN(ParsedKey key,
                    ParsedKey::Parse(ParsedKey::Create(server.device_name(), server.incarnation(),
                                                       dst.FullName(), name)));
-  return SendKey(key, value);
+  auto entry = std::make_shared<KeyCache::Entry>();
+  entry->peer_name = dst.TaskName();
+  entry->key = std::move(key);
+  keys.Put(false, dst_task, name, entry);
+  return SendKey(entry->key, value);
 }
 
 absl::Status Step::SendKey(const ParsedKey& key, const Tensor& value) {
@@ -222,12 +265,19 @@ void Step::RecvAsync(absl::string_view src_task, absl::string_view name, RecvCal
 
 void Step::RecvAsync(absl::string_view src_task, absl::string_view name, const RecvOptions& options,
                      RecvCallback done) {
+  Server& server = *impl_->task->server;
+  KeyCache& keys = impl_->task->keys;
+  if (std::shared_ptr<const KeyCache::Entry> cached = keys.Find(true, src_task, name)) {
+    if (server.KnownPeerIncarnation(cached->peer_name) == cached->incarnation) {
+      RecvKeyAsync(cached->key, options, std::move(done));
+      return;
+    }
+  }
   absl::StatusOr<DeviceName> src = TaskDevice(src_task);
   if (!src.ok()) {
     done(src.status());
     return;
   }
-  Server& server = *impl_->task->server;
   const std::string src_name = src->TaskName();
   if (std::optional<uint64_t> known = server.KnownPeerIncarnation(src_name)) {
     absl::StatusOr<ParsedKey> key = KeyFrom(server, *src, *known, name);
@@ -235,7 +285,12 @@ void Step::RecvAsync(absl::string_view src_task, absl::string_view name, const R
       done(key.status());
       return;
     }
-    RecvKeyAsync(*key, options, std::move(done));
+    auto entry = std::make_shared<KeyCache::Entry>();
+    entry->peer_name = src_name;
+    entry->incarnation = *known;
+    entry->key = *std::move(key);
+    keys.Put(true, src_task, name, entry);
+    RecvKeyAsync(entry->key, options, std::move(done));
     return;
   }
   // A peer not asked yet (WaitForPeers records them all): asking waits for it to answer, up to
