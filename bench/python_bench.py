@@ -246,11 +246,16 @@ def percentiles(samples):
 # --- the driver ------------------------------------------------------------------------------
 
 
+def count_for(size, args):
+    """Tensors per stream step: --count, fewer for large sizes (at most 128 MiB a step)."""
+    return min(args.count, max(2, (128 << 20) // max(size, 1)))
+
+
 def run_pair(backend, figure, size, args, method=""):
     ports = free_ports(2)
     with tempfile.TemporaryDirectory() as tmp:
         common = [sys.executable, os.path.abspath(__file__), "--role", backend,
-                  "--figure", figure, "--size", str(size), "--count", str(args.count),
+                  "--figure", figure, "--size", str(size), "--count", str(count_for(size, args)),
                   "--seconds", str(args.seconds), "--protocol", args.protocol,
                   "--method", method, "--ports", ",".join(map(str, ports)),
                   "--latency-steps", str(args.latency_steps),
@@ -276,8 +281,9 @@ def summarize(runs, key):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="4B,4KiB,64KiB,1MiB")
-    parser.add_argument("--count", type=int, default=256, help="tensors per step (stream)")
+    parser.add_argument("--sizes", default="4B,64KiB,1MiB,64MiB")
+    parser.add_argument("--count", type=int, default=256,
+                        help="tensors per stream step (fewer above 512 KiB: 128 MiB a step)")
     parser.add_argument("--seconds", type=float, default=2.0, help="per figure and run")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--protocol", default="grpc+verbs")
@@ -313,7 +319,8 @@ def main():
                 rows.append(("gloo", "round_trip", "send/recv"))
         for backend, figure, method in rows:
             runs = [run_pair(backend, figure, size, args, method) for _ in range(args.repeat)]
-            row = {"backend": backend, "figure": figure, "method": method, "bytes": size}
+            row = {"backend": backend, "figure": figure, "method": method, "bytes": size,
+                   "count": count_for(size, args)}
             if figure == "stream":
                 row["tensors_per_s"] = summarize(runs, "tensors_per_s")
                 row["bytes_per_s"] = summarize(runs, "bytes_per_s")
