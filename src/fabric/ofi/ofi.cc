@@ -12,6 +12,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -21,6 +24,7 @@
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/endpoint_base.h"
+#include "src/fabric/ofi/local_peers.h"
 #include "src/fabric/op_tracker.h"
 #include "src/fabric/wake_fd.h"
 
@@ -174,12 +178,16 @@ class OfiEndpoint final : public EndpointBase {
       for (int i = 0; i < kPostedReceives; ++i) RETURN_IF_ERROR(PostReceive());
     }
     shared_->endpoints.push_back(this);
+    gate_ = LocalPeers::Get().Open(address_);
     return absl::OkStatus();
   }
 
   ~OfiEndpoint() override {
     auto& eps = shared_->endpoints;
     eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
+    // Before the provider closes it: a peer of this process posting to it waits, then is
+    // refused.
+    LocalPeers::Get().Close(address_, gate_);
     if (ep_) fi_close(&ep_->fid);
     if (cq_) fi_close(&cq_->fid);
   }
@@ -218,6 +226,7 @@ class OfiEndpoint final : public EndpointBase {
                                                      " bytes) was rejected by ",
                                                      shared_->info->fabric_attr->prov_name));
     }
+    peer_gate_ = LocalPeers::Get().Find(addr);  // null unless the peer is in this process
     connected_ = true;
     return absl::OkStatus();
   }
@@ -293,8 +302,21 @@ class OfiEndpoint final : public EndpointBase {
     return ops_.Submit(op, [this](Op* o) { return Issue(o); });
   }
 
-  // Hands `op` to libfabric: true if posted, false if the provider is full, or the error.
+  // Hands `op` to libfabric: true if posted, false if the provider is full, or the error. A
+  // peer of this process is posted to only while it is open, under its gate's shared lock.
   absl::StatusOr<bool> Issue(Op* op) {
+    if (peer_gate_ == nullptr) return IssueToProvider(op);
+    std::shared_lock<std::shared_mutex> open(peer_gate_->mu);
+    if (!peer_gate_->open) {
+      return absl::UnavailableError(absl::StrCat(
+          "ofi (", shared_->info->fabric_attr->prov_name,
+          "): the peer endpoint, in this process, has closed; the write is refused before it "
+          "reaches the provider (a peer that closed its end, or a task stopping)"));
+    }
+    return IssueToProvider(op);
+  }
+
+  absl::StatusOr<bool> IssueToProvider(Op* op) {
     void* ctx = op->provider;
     ssize_t ret;
     if (op->kind == CompletionKind::kRead) {
@@ -354,6 +376,8 @@ class OfiEndpoint final : public EndpointBase {
   fid_cq* cq_ = nullptr;
   fi_addr_t peer_ = FI_ADDR_UNSPEC;
   bool connected_ = false;
+  std::shared_ptr<LocalPeers::Gate> gate_;       // this endpoint's, for peers in this process
+  std::shared_ptr<LocalPeers::Gate> peer_gate_;  // the peer's, if it is in this process
   std::string address_;
   fi_context2 receive_ctx_{};
   fi_context2 data_ctx_{};
