@@ -13,20 +13,11 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+from bench_common import free_ports
 
 
 def cpu_seconds():

@@ -21,12 +21,13 @@ figure's median and spread over N runs.
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from bench_common import free_ports
 
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
@@ -36,16 +37,6 @@ def parse_size(text):
         if text.endswith(unit):
             return int(text[: -len(unit)]) * UNITS[unit]
     return int(text)
-
-
-def free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 # --- the two roles, each in its own process -------------------------------------------------
