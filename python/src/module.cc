@@ -18,7 +18,6 @@
 // stores the tensor and wakes the waiter, which converts it. Waits wake every 50 ms to let
 // Ctrl-C (KeyboardInterrupt) through. Python objects held by C++ are released with the GIL
 // held, or leaked if the interpreter is already finalizing.
-#include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -478,6 +477,13 @@ struct RecvState {
           absl::StrFormat("%s took over %g s", what, timeout.value_or(0))));
     }
   }
+
+  // The received tensor once the recv ended, or raises its error (or the timeout's).
+  const Tensor& Received(const std::optional<double>& timeout, const std::string& what) {
+    Wait(timeout, what);
+    if (!result.ok()) Raise(result.status());
+    return *result;
+  }
 };
 
 // What recv_async returns: one recv's result, with concurrent.futures.Future's methods
@@ -494,9 +500,8 @@ class RecvFuture : public std::enable_shared_from_this<RecvFuture> {
   // The tensor, or raises the recv's error; DeadlineExceededError (a TimeoutError) after
   // `timeout` seconds, the recv still asked for.
   py::object Result(std::optional<double> timeout) {
-    state_->Wait(timeout, what_);
-    if (!state_->result.ok()) Raise(state_->result.status());
-    if (!value_) value_ = ValueOf(*state_->result);  // result() may be called again
+    const Tensor& tensor = state_->Received(timeout, what_);
+    if (!value_) value_ = ValueOf(tensor);  // result() may be called again
     return value_;
   }
 
@@ -570,10 +575,7 @@ class PyStep {
   // The tensor, waiting at most `timeout` seconds (None: the task's recv timeout).
   py::object Recv(const std::string& src_task, const std::string& name,
                   std::optional<double> timeout) {
-    std::shared_ptr<RecvState> state = Start(src_task, name);
-    state->Wait(timeout, Describe(src_task, name));
-    if (!state->result.ok()) Raise(state->result.status());
-    return ValueOf(*state->result);
+    return ValueOf(Start(src_task, name)->Received(timeout, Describe(src_task, name)));
   }
 
   // Every recv of `keys` ((task, name) pairs) started at once and waited for together: their

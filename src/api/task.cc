@@ -31,11 +31,24 @@ class KeyCache {
     uint64_t incarnation = 0;  // the recv's source; 0 for a send's key
     ParsedKey key;
   };
+  // Keeps `key` for (`recv`, `peer`, `name`) and returns the entry that holds it.
+  std::shared_ptr<const Entry> Remember(bool recv, absl::string_view peer, absl::string_view name,
+                                        std::string peer_name, uint64_t incarnation,
+                                        ParsedKey key) {
+    auto entry = std::make_shared<Entry>();
+    entry->peer_name = std::move(peer_name);
+    entry->incarnation = incarnation;
+    entry->key = std::move(key);
+    Put(recv, peer, name, entry);
+    return entry;
+  }
   std::shared_ptr<const Entry> Find(bool recv, absl::string_view peer, absl::string_view name) {
     MutexLock lock(&mu_);
     auto it = entries_.find(Index(recv, peer, name));
     return it == entries_.end() ? nullptr : it->second;
   }
+
+ private:
   void Put(bool recv, absl::string_view peer, absl::string_view name,
            std::shared_ptr<const Entry> entry) {
     MutexLock lock(&mu_);
@@ -43,8 +56,6 @@ class KeyCache {
     if (entries_.size() >= kMaxEntries) entries_.clear();
     entries_[Index(recv, peer, name)] = std::move(entry);
   }
-
- private:
   static constexpr size_t kMaxEntries = 1 << 16;
   static std::string Index(bool recv, absl::string_view peer, absl::string_view name) {
     return absl::StrCat(recv ? "r" : "s", peer, "\n", name);
@@ -214,11 +225,8 @@ absl::Status Step::Send(absl::string_view dst_task, absl::string_view name, cons
   ASSIGN_OR_RETURN(ParsedKey key,
                    ParsedKey::Parse(ParsedKey::Create(server.device_name(), server.incarnation(),
                                                       dst.FullName(), name)));
-  auto entry = std::make_shared<KeyCache::Entry>();
-  entry->peer_name = dst.TaskName();
-  entry->key = std::move(key);
-  keys.Put(false, dst_task, name, entry);
-  return SendKey(entry->key, value);
+  return SendKey(keys.Remember(false, dst_task, name, dst.TaskName(), 0, std::move(key))->key,
+                 value);
 }
 
 absl::Status Step::SendKey(const ParsedKey& key, const Tensor& value) {
@@ -285,12 +293,8 @@ void Step::RecvAsync(absl::string_view src_task, absl::string_view name, const R
       done(key.status());
       return;
     }
-    auto entry = std::make_shared<KeyCache::Entry>();
-    entry->peer_name = src_name;
-    entry->incarnation = *known;
-    entry->key = *std::move(key);
-    keys.Put(true, src_task, name, entry);
-    RecvKeyAsync(entry->key, options, std::move(done));
+    RecvKeyAsync(keys.Remember(true, src_task, name, src_name, *known, *std::move(key))->key,
+                 options, std::move(done));
     return;
   }
   // A peer not asked yet (WaitForPeers records them all): asking waits for it to answer, up to
