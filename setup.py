@@ -37,14 +37,22 @@ class CMakeBuild(build_ext):
                             f"-DPython3_EXECUTABLE={sys.executable}"], check=True)
         subprocess.run(["cmake", "--build", build_dir, "--target", "_tensorverbs",
                         "--parallel", str(os.cpu_count() or 1)], check=True)
+        # The torch.distributed backend's module, where the build has it (libtorch-dev).
+        subprocess.run(["cmake", "--build", build_dir, "--target", "_tensorverbs_torch",
+                        "--parallel", str(os.cpu_count() or 1)], check=False)
         package_dir = os.path.join(build_dir, "python", "tensorverbs")
         built = [f for f in os.listdir(package_dir)
-                 if f.startswith("_tensorverbs") and f.endswith(".so")]
+                 if f.startswith("_tensorverbs.") and f.endswith(".so")]
         if len(built) != 1:
             raise RuntimeError(f"expected one _tensorverbs module in {package_dir}, found {built}")
         target = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(os.path.join(package_dir, built[0]), target)
+        # Beside it, under the name its soname gives, which the backend's module links to.
+        for f in os.listdir(package_dir):
+            if f.startswith("_tensorverbs_torch.") and f.endswith(".so"):
+                shutil.copyfile(os.path.join(package_dir, f),
+                                os.path.join(os.path.dirname(target), f))
 
 
 setup(

@@ -25,6 +25,11 @@ USE_IT = textwrap.dedent("""
             got = rx.recv("worker:1", "x", timeout=20)
     assert (got == np.arange(10)).all()
     print("installed", tv.__version__, tv.__file__)
+    import os
+    if any(f.startswith("_tensorverbs_torch.") for f in os.listdir(os.path.dirname(tv.__file__))):
+        import torch.distributed as dist, tensorverbs.torch
+        assert "TENSORVERBS" in dist.Backend._plugins
+        print("torch backend registered")
 """)
 
 
@@ -60,6 +65,9 @@ def test_pip_installs_the_package_into_a_venv_offline(tmp_path):
     assert used.returncode == 0, used.stdout
     assert "installed " in used.stdout
     assert str(venv_dir) in used.stdout, "imported from the venv, not the build tree"
+    built = os.listdir(os.path.join(BUILD, "python", "tensorverbs"))
+    if any(f.startswith("_tensorverbs_torch.") for f in built):
+        assert "torch backend registered" in used.stdout, used.stdout
 
     removed = run([python, "-m", "pip", "uninstall", "-y", "tensorverbs"], env, tmp_path)
     assert removed.returncode == 0, removed.stdout

@@ -1,0 +1,331 @@
+#include "python/src/torch/collective.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "python/src/torch/process_group.h"
+#include "python/src/torch/work.h"
+
+namespace tensorverbs::torch_backend {
+namespace {
+
+// Collectives of at least this many bytes (and elements for every rank) take a ring, whose
+// bytes per rank stay near 2x the tensor whatever the group's size; smaller ones take binomial
+// trees, whose log2(size) rounds cost less latency.
+constexpr size_t kRingBytes = 64 * 1024;
+// The most bytes of one ring message (see RingAllreduce).
+constexpr size_t kSegmentBytes = 512 * 1024;
+
+int LowestBit(int v) { return v & -v; }
+
+}  // namespace
+
+Collective::Collective(ProcessGroupTensorVerbs& group, TvWork& work, int64_t seq,
+                       absl::Time deadline)
+    : group_(group), work_(work), seq_(seq), deadline_(deadline) {}
+
+int Collective::rank() const { return group_.getRank(); }
+int Collective::size() const { return group_.getSize(); }
+
+std::string Collective::NameOf(int src, int dst, int part) const {
+  return absl::StrCat("c", seq_, "/", part, "/", src, ">", dst);
+}
+
+absl::StatusOr<Tensor> Collective::Stage(const void* data, size_t bytes) {
+  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(bytes)});
+  if (!shape.ok()) return shape.status();
+  absl::StatusOr<Tensor> staged = group_.task_->Empty(DataType::kUInt8, *shape);
+  if (!staged.ok()) return staged.status();
+  if (bytes > 0) std::memcpy(staged->data(), data, bytes);
+  group_.counters_->staged_copies.fetch_add(1, std::memory_order_relaxed);
+  group_.counters_->staged_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  return staged;
+}
+
+absl::Status Collective::Send(int dst, int part, const void* data, size_t bytes) {
+  absl::StatusOr<Tensor> staged = Stage(data, bytes);
+  if (!staged.ok()) return staged.status();
+  return Forward(dst, part, *staged);
+}
+
+absl::Status Collective::Forward(int dst, int part, const Tensor& message) {
+  absl::Status s = group_.step_->Send(group_.peer_tasks_[dst], NameOf(rank(), dst, part), message);
+  if (!s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("sending part ", part, " to ", group_.PeerName(dst),
+                                               ": ", s.message()));
+  }
+  return s;
+}
+
+struct Collective::Pending {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  absl::StatusOr<Tensor> result;
+  int src = 0;
+  int part = 0;
+  size_t bytes = 0;
+};
+
+Collective::PendingRef Collective::Post(int src, int part, size_t bytes) {
+  auto pending = std::make_shared<Pending>();
+  pending->src = src;
+  pending->part = part;
+  pending->bytes = bytes;
+  group_.step_->RecvAsync(group_.peer_tasks_[src], NameOf(src, rank(), part),
+                          [pending](absl::StatusOr<Tensor> result) {
+                            std::lock_guard<std::mutex> lock(pending->mu);
+                            pending->result = std::move(result);
+                            pending->done = true;
+                            pending->cv.notify_all();
+                          });
+  return pending;
+}
+
+absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
+  auto from = [&] {
+    return absl::StrCat("part ", pending->part, " from ", group_.PeerName(pending->src));
+  };
+  std::unique_lock<std::mutex> lock(pending->mu);
+  while (!pending->done) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline_) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          from(), " did not come within the group's timeout (the timeout of init_process_group)"));
+    }
+    // Wakes once a second to see whether the work was abandoned or another rank failed.
+    const absl::Time wake = std::min(deadline_, now + absl::Seconds(1));
+    if (pending->cv.wait_until(lock, absl::ToChronoTime(wake), [&] { return pending->done; })) {
+      break;
+    }
+    lock.unlock();
+    if (work_.done()) return absl::CancelledError("the operation was abandoned");
+    absl::Status peers = group_.AbortFromPeers();
+    if (!peers.ok()) return peers;
+    lock.lock();
+  }
+  if (!pending->result.ok()) {
+    const absl::Status& s = pending->result.status();
+    return absl::Status(s.code(), absl::StrCat(from(), ": ", s.message()));
+  }
+  if (pending->result->TotalBytes() != pending->bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        from(), " has ", pending->result->TotalBytes(), " bytes where this rank expects ",
+        pending->bytes, ": do all ranks pass tensors of the same shape and dtype?"));
+  }
+  return *std::move(pending->result);
+}
+
+absl::Status Collective::WriteOut(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return absl::OkStatus();
+  if (!work_.Write([&] { std::memcpy(dst, src, bytes); })) {
+    return absl::CancelledError("the operation was abandoned");
+  }
+  group_.counters_->landed_copies.fetch_add(1, std::memory_order_relaxed);
+  group_.counters_->landed_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+absl::Status Collective::ReduceOut(c10::ScalarType dtype, RedOp op, void* acc, const void* in,
+                                   int64_t count) {
+  if (!work_.Write([&] { ReduceInto(dtype, op, acc, in, count); })) {
+    return absl::CancelledError("the operation was abandoned");
+  }
+  return absl::OkStatus();
+}
+
+#define TV_RETURN_IF_ERROR(expr)       \
+  do {                                 \
+    absl::Status _status = (expr);     \
+    if (!_status.ok()) return _status; \
+  } while (false)
+#define TV_ASSIGN_OR_RETURN(lhs, expr)          \
+  auto lhs##_or = (expr);                       \
+  if (!lhs##_or.ok()) return lhs##_or.status(); \
+  auto lhs = *std::move(lhs##_or)
+
+namespace {
+
+// The binomial tree rooted at rank 0 of the relative ranks v = (rank - root) mod size: v's parent
+// is v less its lowest set bit; its children are v + m for the powers of two m below that bit.
+absl::Status TreeAllreduce(Collective& c, void* data, int64_t count, c10::ScalarType dtype,
+                           RedOp op, int part_base) {
+  const int n = c.size(), v = c.rank();
+  const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
+  TV_ASSIGN_OR_RETURN(acc, c.Stage(data, bytes));
+  const int low = v == 0 ? 1 << 30 : LowestBit(v);
+  for (int m = 1; m < low && v + m < n; m <<= 1) {
+    TV_ASSIGN_OR_RETURN(child, c.Recv(v + m, part_base, bytes));
+    ReduceInto(dtype, op, acc.data(), child.data(), count);
+  }
+  if (v != 0) {
+    TV_RETURN_IF_ERROR(c.Forward(v - low, part_base, acc));
+    TV_ASSIGN_OR_RETURN(result, c.Recv(v - low, part_base + 1, bytes));
+    acc = std::move(result);
+  } else if (op == RedOp::AVG) {
+    DivideBy(dtype, acc.data(), count, n);
+  }
+  int top = 1;
+  while (top < low && top < n) top <<= 1;
+  for (int m = top >> 1; m >= 1; m >>= 1) {
+    if (m < low && v + m < n) TV_RETURN_IF_ERROR(c.Forward(v + m, part_base + 1, acc));
+  }
+  return c.WriteOut(data, acc.data(), bytes);
+}
+
+// Reduce-scatter then allgather around the ring; chunk i (count/n elements, the first count%n
+// one more) ends reduced on rank i-1. Each chunk travels as segments of at most kSegmentBytes,
+// every segment of a step asked for at once, so that a rank reduces and passes on one segment
+// while the next is still being written: the ring is a pipeline, and a segment is still in the
+// cache when it is reduced. Messages are reduced in the pool and passed on as they are.
+absl::Status RingAllreduce(Collective& c, char* data, int64_t count, c10::ScalarType dtype,
+                           RedOp op, int part_base) {
+  const int n = c.size(), r = c.rank();
+  const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
+  auto elems = [&](int i) { return count / n + (i < count % n ? 1 : 0); };
+  auto offset = [&](int i) { return (count / n) * i + std::min<int64_t>(i, count % n); };
+  auto mod = [&](int i) { return ((i % n) + n) % n; };
+  const int64_t seg_elems = std::max<int64_t>(1, static_cast<int64_t>(kSegmentBytes) / es);
+  const int segs = static_cast<int>((elems(0) + seg_elems - 1) / seg_elems);
+  // Segment j of chunk i: its first element and its length.
+  auto seg_begin = [&](int i, int j) { return offset(i) + std::min(elems(i), j * seg_elems); };
+  auto seg_len = [&](int i, int j) {
+    return std::min(elems(i), (j + 1) * seg_elems) - std::min(elems(i), j * seg_elems);
+  };
+  auto ptr = [&](int64_t element) { return data + element * es; };
+  auto part = [&](int step, int j) { return part_base + step * segs + j; };
+  const int next = mod(r + 1), prev = mod(r - 1);
+  for (int j = 0; j < segs; ++j) {
+    TV_RETURN_IF_ERROR(c.Send(next, part(0, j), ptr(seg_begin(r, j)), seg_len(r, j) * es));
+  }
+  std::vector<Collective::PendingRef> pending(segs);
+  for (int s = 0; s < 2 * (n - 1); ++s) {
+    // Steps 0..n-2 reduce chunk r-s-1; steps n-1.. gather chunk r-(s-n+1).
+    const bool reducing = s < n - 1;
+    const int i = reducing ? mod(r - s - 1) : mod(r - (s - n + 1));
+    for (int j = 0; j < segs; ++j) pending[j] = c.Post(prev, part(s, j), seg_len(i, j) * es);
+    for (int j = 0; j < segs; ++j) {
+      TV_ASSIGN_OR_RETURN(m, c.Wait(pending[j]));
+      pending[j].reset();
+      const int64_t len = seg_len(i, j);
+      if (reducing) {
+        ReduceInto(dtype, op, m.data(), ptr(seg_begin(i, j)), len);
+        if (s == n - 2) {  // chunk i = r+1 is complete here
+          if (op == RedOp::AVG) DivideBy(dtype, m.data(), len, n);
+          TV_RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
+        }
+      } else {
+        TV_RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
+      }
+      if (s < 2 * n - 3) TV_RETURN_IF_ERROR(c.Forward(next, part(s + 1, j), m));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status AllreduceInPlace(Collective& c, void* data, int64_t count, c10::ScalarType dtype,
+                              RedOp op, int part_base) {
+  if (c.size() == 1) {
+    return absl::OkStatus();  // AVG over one rank is the value itself
+  }
+  const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
+  if (bytes >= kRingBytes && count >= c.size()) {
+    return RingAllreduce(c, static_cast<char*>(data), count, dtype, op, part_base);
+  }
+  return TreeAllreduce(c, data, count, dtype, op, part_base);
+}
+
+absl::Status BroadcastInPlace(Collective& c, void* data, size_t bytes, int root, int part_base) {
+  const int n = c.size();
+  const int v = ((c.rank() - root) % n + n) % n;
+  auto real = [&](int u) { return (u + root) % n; };
+  Tensor message;
+  const int low = v == 0 ? 1 << 30 : LowestBit(v);
+  if (v == 0) {
+    TV_ASSIGN_OR_RETURN(staged, c.Stage(data, bytes));
+    message = std::move(staged);
+  } else {
+    TV_ASSIGN_OR_RETURN(got, c.Recv(real(v - low), part_base, bytes));
+    message = std::move(got);
+  }
+  int top = 1;
+  while (top < low && top < n) top <<= 1;
+  for (int m = top >> 1; m >= 1; m >>= 1) {
+    if (m < low && v + m < n) TV_RETURN_IF_ERROR(c.Forward(real(v + m), part_base, message));
+  }
+  if (v != 0) TV_RETURN_IF_ERROR(c.WriteOut(data, message.data(), bytes));
+  return absl::OkStatus();
+}
+
+absl::Status ReduceToRoot(Collective& c, const void* in, void* out, int64_t count,
+                          c10::ScalarType dtype, RedOp op, int root) {
+  const int n = c.size();
+  const int v = ((c.rank() - root) % n + n) % n;
+  auto real = [&](int u) { return (u + root) % n; };
+  const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
+  TV_ASSIGN_OR_RETURN(acc, c.Stage(in, bytes));
+  const int low = v == 0 ? 1 << 30 : LowestBit(v);
+  for (int m = 1; m < low && v + m < n; m <<= 1) {
+    TV_ASSIGN_OR_RETURN(child, c.Recv(real(v + m), 0, bytes));
+    ReduceInto(dtype, op, acc.data(), child.data(), count);
+  }
+  if (v != 0) return c.Forward(real(v - low), 0, acc);
+  if (op == RedOp::AVG) DivideBy(dtype, acc.data(), count, n);
+  return c.WriteOut(out, acc.data(), bytes);
+}
+
+absl::Status Allgather(Collective& c, const void* in, void* const* outs, size_t bytes) {
+  const int n = c.size(), r = c.rank();
+  auto mod = [&](int i) { return ((i % n) + n) % n; };
+  TV_RETURN_IF_ERROR(c.WriteOut(outs[r], in, bytes));
+  if (n == 1) return absl::OkStatus();
+  TV_RETURN_IF_ERROR(c.Send(mod(r + 1), 0, in, bytes));
+  for (int s = 0; s < n - 1; ++s) {
+    const int i = mod(r - 1 - s);
+    TV_ASSIGN_OR_RETURN(m, c.Recv(mod(r - 1), s, bytes));
+    TV_RETURN_IF_ERROR(c.WriteOut(outs[i], m.data(), bytes));
+    if (s < n - 2) TV_RETURN_IF_ERROR(c.Forward(mod(r + 1), s + 1, m));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReduceScatter(Collective& c, const void* const* ins, void* out, int64_t count,
+                           c10::ScalarType dtype, RedOp op) {
+  const int n = c.size(), r = c.rank();
+  const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
+  auto mod = [&](int i) { return ((i % n) + n) % n; };
+  if (n == 1) return c.WriteOut(out, ins[0], bytes);
+  // Step s passes on the partial sum of block r-s-1; the last one received is block r's.
+  TV_RETURN_IF_ERROR(c.Send(mod(r + 1), 0, ins[mod(r - 1)], bytes));
+  for (int s = 0; s < n - 1; ++s) {
+    const int i = mod(r - s - 2);
+    TV_ASSIGN_OR_RETURN(m, c.Recv(mod(r - 1), s, bytes));
+    ReduceInto(dtype, op, m.data(), ins[i], count);
+    if (s < n - 2) {
+      TV_RETURN_IF_ERROR(c.Forward(mod(r + 1), s + 1, m));
+    } else {
+      if (op == RedOp::AVG) DivideBy(dtype, m.data(), count, n);
+      TV_RETURN_IF_ERROR(c.WriteOut(out, m.data(), bytes));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Barrier(Collective& c) {
+  const int n = c.size(), r = c.rank();
+  const char token = 1;
+  for (int k = 1, part = 0; k < n; k <<= 1, ++part) {
+    TV_RETURN_IF_ERROR(c.Send((r + k) % n, part, &token, 1));
+    TV_RETURN_IF_ERROR(c.Recv((r - k % n + n) % n, part, 1).status());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tensorverbs::torch_backend

@@ -1,0 +1,84 @@
+// Collective: one collective operation of ProcessGroupTensorVerbs as its algorithm sees it, with
+// the messages it exchanges (named after the operation's number, a part number and the pair of
+// ranks, so concurrent operations never mix) and the algorithms themselves, over raw memory.
+//
+// Made and used on the group's worker thread only, for the lifetime of one operation. Recv
+// waits for a message until the operation's deadline, until its work completed elsewhere (a
+// wait() that expired), or until another rank published a failure; each error names the
+// operation and the peer rank and task.
+#ifndef TENSORVERBS_PYTHON_TORCH_COLLECTIVE_H_
+#define TENSORVERBS_PYTHON_TORCH_COLLECTIVE_H_
+
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "python/src/torch/reduce.h"
+#include "tensorverbs/tensor.h"
+
+namespace tensorverbs::torch_backend {
+
+class ProcessGroupTensorVerbs;
+class TvWork;
+
+class Collective {
+ public:
+  Collective(ProcessGroupTensorVerbs& group, TvWork& work, int64_t seq, absl::Time deadline);
+
+  int rank() const;
+  int size() const;
+
+  // Sends `bytes` at `data` to `dst` as part `part`: one staged copy into the pool.
+  absl::Status Send(int dst, int part, const void* data, size_t bytes);
+  // Sends a landed message (pool memory) on without a copy; it must not change afterwards.
+  absl::Status Forward(int dst, int part, const Tensor& message);
+  // A message asked for and not waited for yet (Post, then Wait, lets several be under way).
+  struct Pending;
+  using PendingRef = std::shared_ptr<Pending>;
+  // Asks for part `part` from `src`, which must be `bytes` long.
+  PendingRef Post(int src, int part, size_t bytes);
+  absl::StatusOr<Tensor> Wait(const PendingRef& pending);
+  absl::StatusOr<Tensor> Recv(int src, int part, size_t bytes) {
+    return Wait(Post(src, part, bytes));
+  }
+  // A copy of `bytes` at `data` in the pool, for an accumulator that is sent on later.
+  absl::StatusOr<Tensor> Stage(const void* data, size_t bytes);
+  // Copies into the caller's tensor unless the work completed (then Cancelled).
+  absl::Status WriteOut(void* dst, const void* src, size_t bytes);
+  // Reduces `in` into the caller's memory at `acc`, unless the work completed.
+  absl::Status ReduceOut(c10::ScalarType dtype, RedOp op, void* acc, const void* in, int64_t count);
+
+ private:
+  std::string NameOf(int src, int dst, int part) const;
+
+  ProcessGroupTensorVerbs& group_;
+  TvWork& work_;
+  const int64_t seq_;
+  const absl::Time deadline_;
+};
+
+// The algorithms. `data` is the caller's memory of `count` elements of `dtype`; `part_base`
+// separates several of them inside one operation.
+absl::Status AllreduceInPlace(Collective& c, void* data, int64_t count, c10::ScalarType dtype,
+                              RedOp op, int part_base);
+absl::Status BroadcastInPlace(Collective& c, void* data, size_t bytes, int root, int part_base);
+// Rank `root`'s result in `out` (ignored elsewhere); `in` is left as it is.
+absl::Status ReduceToRoot(Collective& c, const void* in, void* out, int64_t count,
+                          c10::ScalarType dtype, RedOp op, int root);
+// outs[i] receives rank i's `bytes` (outs[rank] gets `in`).
+absl::Status Allgather(Collective& c, const void* in, void* const* outs, size_t bytes);
+// ins[i] is this rank's block for rank i; `out` receives the reduction of every rank's block
+// for this rank, `count` elements.
+absl::Status ReduceScatter(Collective& c, const void* const* ins, void* out, int64_t count,
+                           c10::ScalarType dtype, RedOp op);
+absl::Status Barrier(Collective& c);
+
+}  // namespace tensorverbs::torch_backend
+
+#endif  // TENSORVERBS_PYTHON_TORCH_COLLECTIVE_H_

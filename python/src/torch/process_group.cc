@@ -1,0 +1,367 @@
+#include "python/src/torch/process_group.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <stdexcept>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "python/src/torch/collective.h"
+#include "python/src/torch/work.h"
+#include "tensorverbs/version.h"
+
+namespace tensorverbs::torch_backend {
+namespace {
+
+// The group's one step: its messages are told apart by name, never by step.
+constexpr int64_t kStepId = 1;
+
+// How long a group that goes (or a process that exits) waits for its peers to take what it sent:
+// a peer may still be on its way to the last messages of a collective this rank has finished.
+constexpr std::chrono::milliseconds kDrainLimit = std::chrono::seconds(10);
+
+// The groups alive in this process, for DrainAllGroups at exit.
+struct LiveGroups {
+  std::mutex mu;
+  std::set<ProcessGroupTensorVerbs*> groups;
+};
+LiveGroups& Live() {
+  static LiveGroups* live = new LiveGroups();  // never destroyed: used during exit
+  return *live;
+}
+void Register(ProcessGroupTensorVerbs* g) {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  Live().groups.insert(g);
+}
+void Unregister(ProcessGroupTensorVerbs* g) {
+  std::lock_guard<std::mutex> lock(Live().mu);
+  Live().groups.erase(g);
+}
+
+[[noreturn]] void Throw(const std::string& message) {
+  throw std::runtime_error(absl::StrCat("tensorverbs: ", message));
+}
+
+std::string Env(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::string(value) : fallback;
+}
+
+// The address peers reach this rank at: TENSORVERBS_HOST, else this host's name resolved
+// (gloo's default), else loopback.
+std::string HostAddress() {
+  std::string host = Env("TENSORVERBS_HOST", "");
+  if (!host.empty()) return host;
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) == 0) {
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (getaddrinfo(name, nullptr, &hints, &found) == 0 && found != nullptr) {
+      char text[INET_ADDRSTRLEN] = {};
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(found->ai_addr)->sin_addr, text,
+                sizeof(text));
+      freeaddrinfo(found);
+      return text;
+    }
+  }
+  return "127.0.0.1";
+}
+
+// A port free on `host` now; the task binds it a moment later.
+int FreePort(const std::string& host) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) Throw(absl::StrCat("socket(): ", std::strerror(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+    close(fd);
+    Throw(absl::StrCat("TENSORVERBS_HOST '", host, "' is not an IPv4 address of this host"));
+  }
+  socklen_t len = sizeof(addr);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int err = errno;
+    close(fd);
+    Throw(absl::StrCat("cannot bind a port on ", host, ": ", std::strerror(err),
+                       " (set TENSORVERBS_HOST to an address of this host)"));
+  }
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// torch's errors carry a C++ backtrace after their first line.
+std::string FirstLine(const char* text) {
+  const char* end = std::strchr(text, '\n');
+  return end == nullptr ? std::string(text) : std::string(text, end);
+}
+
+std::vector<uint8_t> Bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string Text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+}  // namespace
+
+c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    Throw(absl::StrCat("rank ", rank, " is not in a world of size ", size));
+  }
+  if (timeout.count() <= 0) timeout = std::chrono::minutes(30);
+  const std::string protocol = Env("TENSORVERBS_PROTOCOL", "grpc+verbs");
+  const std::string host = HostAddress();
+  const std::string address = absl::StrCat(host, ":", FreePort(host));
+  // A group made again over the same store (init after destroy) must not read the last one's
+  // addresses: every rank counts its own inits, which agree when the ranks do.
+  const int64_t generation = store->add(absl::StrCat("tensorverbs/inits/", rank), 1);
+  const std::string prefix = absl::StrCat("tensorverbs/", generation, "/");
+  const std::string mine = absl::StrCat(Version(), "|", size, "|", protocol, "|", address);
+  store->set(absl::StrCat(prefix, "rank/", rank), Bytes(mine));
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(absl::StrCat(prefix, "rank/", r));
+  try {
+    store->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::vector<std::string> missing;
+    for (int r = 0; r < size; ++r) {
+      try {
+        if (!store->check({keys[r]})) missing.push_back(absl::StrCat(r));
+      } catch (const std::exception&) {
+      }
+    }
+    Throw(absl::StrCat("rank(s) ", absl::StrJoin(missing, ", "), " did not join within ",
+                       timeout.count(),
+                       " ms: does every rank call init_process_group with "
+                       "backend='tensorverbs' and the same world_size? (the store said: ",
+                       FirstLine(e.what()), ")"));
+  }
+  std::vector<std::string> addresses(size);
+  for (int r = 0; r < size; ++r) {
+    const std::string theirs = Text(store->get(keys[r]));
+    std::vector<std::string> f = absl::StrSplit(theirs, absl::MaxSplits('|', 3));
+    int their_size = 0;
+    if (f.size() != 4 || !absl::SimpleAtoi(f[1], &their_size)) {
+      Throw(absl::StrCat("rank ", r, " published '", theirs, "', not a tensorverbs address"));
+    }
+    if (f[0] != Version()) {
+      Throw(absl::StrCat("rank ", r, " runs tensorverbs ", f[0], " and this rank ", rank, " ",
+                         Version(), ": use one version on every rank"));
+    }
+    if (their_size != size) {
+      Throw(absl::StrCat("rank ", r, " was started with world_size ", their_size, " and this rank ",
+                         rank, " with ", size));
+    }
+    if (f[2] != protocol) {
+      Throw(absl::StrCat("rank ", r, " uses protocol ", f[2], " and this rank ", rank, " ",
+                         protocol, ": set TENSORVERBS_PROTOCOL alike on every rank"));
+    }
+    addresses[r] = f[3];
+  }
+  absl::StatusOr<ClusterSpec> cluster =
+      ClusterSpec::Parse(absl::StrCat("rank=", absl::StrJoin(addresses, ",")));
+  if (!cluster.ok()) Throw(cluster.status().ToString());
+  TaskOptions options;
+  options.cluster = *std::move(cluster);
+  options.job = "rank";
+  options.task = rank;
+  options.protocol = protocol;
+  options.recv_timeout = absl::FromChrono(timeout);
+  absl::StatusOr<std::unique_ptr<Task>> task = Task::Start(std::move(options));
+  if (!task.ok()) Throw(absl::StrCat("rank ", rank, ": ", task.status().ToString()));
+  absl::Status peers = (*task)->WaitForPeers(absl::FromChrono(timeout));
+  if (!peers.ok()) Throw(absl::StrCat("rank ", rank, ": ", peers.ToString()));
+  return c10::make_intrusive<ProcessGroupTensorVerbs>(rank, size, timeout, store, prefix,
+                                                      std::move(addresses), *std::move(task));
+}
+
+ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
+    int rank, int size, std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Store> store,
+    std::string key_prefix, std::vector<std::string> addresses, std::unique_ptr<Task> task)
+    : c10d::ProcessGroup(rank, size),
+      timeout_(timeout),
+      store_(std::move(store)),
+      key_prefix_(std::move(key_prefix)),
+      addresses_(std::move(addresses)),
+      task_(std::move(task)) {
+  absl::StatusOr<std::unique_ptr<Step>> step = task_->BeginStep(kStepId);
+  if (!step.ok()) Throw(step.status().ToString());
+  step_ = *std::move(step);
+  for (int r = 0; r < size; ++r) peer_tasks_.push_back(absl::StrCat("rank:", r));
+  Step* step_ptr = step_.get();
+  const std::vector<std::string>* tasks = &peer_tasks_;
+  matcher_ = std::make_shared<P2pMatcher>(
+      size, rank,
+      [step_ptr, tasks, rank](int src, int64_t tag, int64_t n, P2pMatcher::NetworkDone done) {
+        step_ptr->RecvAsync(
+            (*tasks)[src], P2pName(src, rank, tag, n),
+            [done = std::move(done)](absl::StatusOr<Tensor> message) { done(std::move(message)); });
+      });
+  worker_ = std::thread([this] { WorkerLoop(); });
+  Register(this);
+  init();
+}
+
+ProcessGroupTensorVerbs::~ProcessGroupTensorVerbs() {
+  Unregister(this);
+  Drain(kDrainLimit);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  // Stopping the task fails its pending recvs, so a collective the worker runs ends now.
+  task_->Stop();
+  if (worker_.joinable()) {
+    if (worker_.get_id() == std::this_thread::get_id()) {
+      worker_.detach();  // the last reference went inside a work's callback
+    } else {
+      worker_.join();
+    }
+  }
+  matcher_->Fail(absl::CancelledError("the process group was destroyed"));
+  step_.reset();
+  task_.reset();
+}
+
+void ProcessGroupTensorVerbs::Drain(std::chrono::milliseconds limit) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // The collectives queued run first: their messages are the peers' too.
+    cv_.wait(lock, [this] { return queue_.empty() && !running_; });
+    if (!group_error_.ok()) return;  // the peers do not wait for anything more
+  }
+  absl::Status s = step_->WaitUntilSendsTaken(absl::FromChrono(std::min(limit, timeout_)));
+  if (!s.ok()) {
+    std::fprintf(stderr, "tensorverbs: rank %d leaves messages no peer took: %s\n", getRank(),
+                 s.ToString().c_str());
+  }
+}
+
+void DrainAllGroups(std::chrono::milliseconds limit) {
+  // Under the lock throughout: a group's destructor unregisters first, so none goes meanwhile.
+  std::lock_guard<std::mutex> lock(Live().mu);
+  for (ProcessGroupTensorVerbs* g : Live().groups) g->Drain(limit);
+}
+
+std::string ProcessGroupTensorVerbs::P2pName(int src, int dst, int64_t tag, int64_t n) {
+  return absl::StrCat("p", src, ">", dst, "/", tag, "/", n);
+}
+
+std::string ProcessGroupTensorVerbs::PeerName(int rank) const {
+  if (rank < 0 || rank >= static_cast<int>(addresses_.size())) return absl::StrCat("rank ", rank);
+  return absl::StrCat("rank ", rank, " (task rank:", rank, " at ", addresses_[rank], ")");
+}
+
+std::string ProcessGroupTensorVerbs::What(const char* op, int64_t seq) const {
+  return absl::StrCat(op, " #", seq, " on rank ", getRank(), " of ", getSize());
+}
+
+std::chrono::milliseconds ProcessGroupTensorVerbs::TimeoutOf(
+    std::chrono::milliseconds requested) const {
+  return requested.count() > 0 ? requested : timeout_;  // torch's "unset" is -1 ms
+}
+
+GroupStats ProcessGroupTensorVerbs::stats() const {
+  GroupStats s;
+  s.staged_copies = counters_->staged_copies.load();
+  s.staged_bytes = counters_->staged_bytes.load();
+  s.landed_copies = counters_->landed_copies.load();
+  s.landed_bytes = counters_->landed_bytes.load();
+  s.collectives = counters_->collectives.load();
+  s.failed = counters_->failed.load();
+  return s;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::Enqueue(c10d::OpType type, const char* op,
+                                                                std::vector<at::Tensor> outputs,
+                                                                std::chrono::milliseconds timeout,
+                                                                Body body) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t seq = next_seq_++;
+  auto work =
+      c10::make_intrusive<TvWork>(getRank(), type, nullptr, std::move(outputs), What(op, seq));
+  queue_.push_back(Queued{work, std::move(body), seq, TimeoutOf(timeout)});
+  cv_.notify_all();
+  return work;
+}
+
+void ProcessGroupTensorVerbs::WorkerLoop() {
+  while (true) {
+    Queued item;
+    absl::Status status;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      item = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = true;
+      if (stopping_) {
+        status = absl::CancelledError("the process group was destroyed");
+      } else if (!group_error_.ok()) {
+        status = absl::Status(group_error_.code(),
+                              absl::StrCat("an earlier collective of this group failed, so the "
+                                           "ranks no longer agree: ",
+                                           group_error_.message()));
+      }
+    }
+    if (status.ok()) {
+      Collective collective(*this, *item.work, item.seq,
+                            absl::Now() + absl::FromChrono(item.timeout));
+      status = item.body(collective);
+      if (!status.ok() || item.work->done()) {
+        FailGroup(status.ok()
+                      ? absl::CancelledError(absl::StrCat(item.work->what(), " was abandoned"))
+                      : absl::Status(status.code(),
+                                     absl::StrCat(item.work->what(), ": ", status.message())));
+      }
+    }
+    counters_->collectives.fetch_add(1, std::memory_order_relaxed);
+    if (!status.ok()) counters_->failed.fetch_add(1, std::memory_order_relaxed);
+    item.work->Complete(status);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      running_ = false;
+    }
+    cv_.notify_all();
+  }
+}
+
+void ProcessGroupTensorVerbs::FailGroup(const absl::Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!group_error_.ok()) return;
+    group_error_ = status;
+  }
+  try {
+    store_->set(absl::StrCat(key_prefix_, "abort"),
+                Bytes(absl::StrCat("rank ", getRank(), ": ", status.ToString())));
+  } catch (const std::exception&) {
+    // The store may be gone with the rank that hosted it; the peers time out instead.
+  }
+}
+
+absl::Status ProcessGroupTensorVerbs::AbortFromPeers() {
+  const std::string key = absl::StrCat(key_prefix_, "abort");
+  try {
+    if (!store_->check({key})) return absl::OkStatus();
+    return absl::AbortedError(absl::StrCat("another rank failed first: ", Text(store_->get(key))));
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("the group's store does not answer (the rank that hosts it may have exited): ",
+                     FirstLine(e.what())));
+  }
+}
+
+}  // namespace tensorverbs::torch_backend

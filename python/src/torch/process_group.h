@@ -1,0 +1,179 @@
+// ProcessGroupTensorVerbs: the `tensorverbs` backend of torch.distributed (PyTorch 1.13's
+// c10d::ProcessGroup), over one tensorverbs Task per group.
+//
+// Create() runs inside init_process_group/new_group (tensorverbs.torch registers it): each rank
+// starts a Task named "rank:R" on a free port, publishes its address, protocol and world size in
+// the group's store, reads the others', checks that they agree, and waits for its peers.
+//
+// Point to point (send, recv, recvAnysource) runs on the caller's thread and the task's callback
+// threads: a send copies the tensor into the task's registered pool (one staged copy, counted)
+// and completes at once; a recv completes when its message has landed and been copied into the
+// caller's tensor. Collectives are numbered on the caller's thread, in call order, and run in
+// that order on the group's worker thread, built on the same sends and recvs (binomial trees for
+// small tensors, rings for large ones). Every method may be called from any thread without the
+// GIL and never calls Python.
+//
+// Each Work completes exactly once: with its outputs written, or with an error that names the
+// operation and the peer rank and task; a `wait(timeout)` that expires fails it, and nothing
+// writes into its tensors afterwards. A failed collective fails the group's later collectives
+// (the ranks no longer agree on where they are) and tells the other ranks through the store.
+#ifndef TENSORVERBS_PYTHON_TORCH_PROCESS_GROUP_H_
+#define TENSORVERBS_PYTHON_TORCH_PROCESS_GROUP_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "python/src/torch/p2p_matcher.h"
+#include "tensorverbs/task.h"
+
+namespace tensorverbs::torch_backend {
+
+// Counters of one group, for tests and benchmarks.
+struct GroupStats {
+  int64_t staged_copies = 0;  // copies of tensor bytes into the pool (sends)
+  int64_t staged_bytes = 0;
+  int64_t landed_copies = 0;  // copies out of landed messages into the caller's tensors
+  int64_t landed_bytes = 0;
+  int64_t collectives = 0;
+  int64_t failed = 0;
+};
+
+class TvWork;
+class Collective;
+
+class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
+ public:
+  static c10::intrusive_ptr<ProcessGroupTensorVerbs> Create(
+      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+      std::chrono::milliseconds timeout);
+  // Create's last step (public for c10::make_intrusive): the group over a started `task`.
+  ProcessGroupTensorVerbs(int rank, int size, std::chrono::milliseconds timeout,
+                          c10::intrusive_ptr<c10d::Store> store, std::string key_prefix,
+                          std::vector<std::string> addresses, std::unique_ptr<Task> task);
+  ~ProcessGroupTensorVerbs() override;
+
+  const std::string getBackendName() const override { return "tensorverbs"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Waits, up to `limit` (and the group's timeout), until the collectives queued have run and
+  // the peers took every message this rank sent; says on stderr what was left. A group that
+  // failed does not wait.
+  void Drain(std::chrono::milliseconds limit);
+
+  GroupStats stats() const;
+  const std::string& protocol() const { return task_->protocol(); }
+  // "rank:R (/job:rank/replica:0/task:R at host:port)", for error messages.
+  std::string PeerName(int rank) const;
+
+ private:
+  friend class Collective;
+  using Body = std::function<absl::Status(Collective&)>;
+  struct Counters {
+    std::atomic<int64_t> staged_copies{0}, staged_bytes{0}, landed_copies{0}, landed_bytes{0};
+    std::atomic<int64_t> collectives{0}, failed{0};
+  };
+  struct Queued {
+    c10::intrusive_ptr<TvWork> work;
+    Body body;
+    int64_t seq;
+    std::chrono::milliseconds timeout;
+  };
+
+  // Numbers the collective `op` and queues `body` for the worker; the Work completes with
+  // `outputs` when `body` returns OK.
+  c10::intrusive_ptr<c10d::Work> Enqueue(c10d::OpType type, const char* op,
+                                         std::vector<at::Tensor> outputs,
+                                         std::chrono::milliseconds timeout, Body body);
+  void WorkerLoop();
+  std::chrono::milliseconds TimeoutOf(std::chrono::milliseconds requested) const;
+  // The first failure of a collective, told to the other ranks through the store (best effort).
+  void FailGroup(const absl::Status& status);
+  // A failure another rank published in the store, if any.
+  absl::Status AbortFromPeers();
+  // The staged copy of a send's tensor in the pool.
+  absl::StatusOr<Tensor> Stage(const at::Tensor& tensor);
+  std::string What(const char* op, int64_t seq) const;
+  // The message of (`src`, `tag`, n) in the p2p key space.
+  static std::string P2pName(int src, int dst, int64_t tag, int64_t n);
+
+  const std::chrono::milliseconds timeout_;
+  const c10::intrusive_ptr<c10d::Store> store_;
+  const std::string key_prefix_;  // "tensorverbs/<generation>/"
+  const std::vector<std::string> addresses_;
+  std::unique_ptr<Task> task_;
+  std::unique_ptr<Step> step_;
+  std::vector<std::string> peer_tasks_;  // "rank:R"
+  std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
+  std::shared_ptr<P2pMatcher> matcher_;
+
+  std::mutex send_mu_;
+  std::map<std::pair<int, int64_t>, int64_t> sent_;  // (dst, tag) -> messages; guarded by send_mu_
+  std::atomic<int64_t> p2p_seq_{0};
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t next_seq_ = 0;      // guarded by mu_
+  std::deque<Queued> queue_;  // guarded by mu_
+  bool stopping_ = false;     // guarded by mu_
+  bool running_ = false;      // the worker runs a collective; guarded by mu_
+  absl::Status group_error_;  // guarded by mu_
+  std::thread worker_;
+};
+
+// Drains every tensorverbs group of this process (at exit: Python's atexit, through
+// tensorverbs.torch), so that a rank that ends right after its last collective still gets that
+// collective's messages to the ranks that wait for them.
+void DrainAllGroups(std::chrono::milliseconds limit);
+
+}  // namespace tensorverbs::torch_backend
+
+#endif  // TENSORVERBS_PYTHON_TORCH_PROCESS_GROUP_H_

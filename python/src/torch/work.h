@@ -1,0 +1,66 @@
+// TvWork: the c10d::Work of every tensorverbs backend operation, with the c10::ivalue::Future
+// that DDP's comm hooks and `get_future()` wait on.
+//
+// Made by ProcessGroupTensorVerbs on the caller's thread; completed exactly once, by the worker
+// thread, a recv's callback thread, or a `wait(timeout)` that expired. Write() lets the completing
+// side write into the caller's tensors only while the work has not completed, so once wait()
+// has failed, nothing touches those tensors any more.
+#ifndef TENSORVERBS_PYTHON_TORCH_WORK_H_
+#define TENSORVERBS_PYTHON_TORCH_WORK_H_
+
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace tensorverbs::torch_backend {
+
+class TvWork final : public c10d::Work {
+ public:
+  // `what` names the operation in errors: "allreduce #12 (rank 1 of 4)".
+  TvWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
+         std::string what);
+
+  // Completes the work (OK: the outputs are final) and its future, unless it completed already;
+  // returns whether this call completed it. Runs the future's callbacks on this thread.
+  bool Complete(const absl::Status& status);
+  // Runs `write` (which writes into the outputs) unless the work completed; false if it did.
+  template <typename F>
+  bool Write(F&& write) {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (done_) return false;
+    write();
+    return true;
+  }
+  bool done() const {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    return done_;
+  }
+  void set_source_rank(int rank) { source_rank_.store(rank, std::memory_order_relaxed); }
+  const std::string& what() const { return what_; }
+
+  bool wait(std::chrono::milliseconds timeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+ private:
+  const std::vector<at::Tensor> outputs_;
+  const std::string what_;
+  const c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<int> source_rank_{-1};
+  mutable std::mutex write_mu_;
+  bool done_ = false;  // guarded by write_mu_
+};
+
+}  // namespace tensorverbs::torch_backend
+
+#endif  // TENSORVERBS_PYTHON_TORCH_WORK_H_

@@ -1,0 +1,85 @@
+"""The torch.distributed backend `tensorverbs` from real processes (torch_ranks.py): every
+point-to-point and collective operation on every protocol, bad input, a peer that dies, and
+ranks that disagree at init."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+try:
+    import tensorverbs.torch  # noqa: F401
+except ImportError as e:
+    pytest.skip(f"the torch backend is not built: {e}", allow_module_level=True)
+
+RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_ranks.py")
+
+
+def run_ranks(tmp_path, scenario, world, protocol="grpc+verbs", timeout_s=60, env=None):
+    """Runs `world` ranks of `scenario`; returns [(returncode, output)] by rank."""
+    run_env = dict(os.environ, TENSORVERBS_PROTOCOL=protocol, TV_TEST_TIMEOUT_S=str(timeout_s),
+                   PYTHONDONTWRITEBYTECODE="1")
+    run_env.update(env or {})
+    store = str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, RANKS, scenario, str(r), str(world), store],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=run_env)
+             for r in range(world)]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out += "\n(killed: the rank hung)"
+        results.append((p.returncode, out))
+    return results
+
+
+def assert_all_ok(results):
+    for rank, (code, out) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{out}"
+
+
+@pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc", "grpc+verbs-copy", "grpc+gdr"])
+def test_every_operation_on_three_ranks(tmp_path, protocol):
+    results = run_ranks(tmp_path, "conformance", 3, protocol)
+    assert_all_ok(results)
+    for rank, (_, out) in enumerate(results):
+        assert f"rank {rank}: point to point ok" in out
+        assert f"rank {rank}: collectives ok" in out
+
+
+def test_every_operation_on_four_ranks(tmp_path):
+    assert_all_ok(run_ranks(tmp_path, "conformance", 4))
+
+
+def test_bad_input_raises_naming_the_problem_and_sends_nothing(tmp_path):
+    results = run_ranks(tmp_path, "bad_input", 2)
+    assert_all_ok(results)
+    assert "rank 0: wait with timeout refused" in results[0][1]
+
+
+def test_a_peer_that_dies_fails_every_rank_within_the_peer_timeout(tmp_path):
+    results = run_ranks(tmp_path, "peer_dies", 3, timeout_s=120,
+                        env={"TENSORVERBS_PEER_TIMEOUT_MS": "2000"})
+    assert_all_ok(results)
+    for rank in range(2):
+        out = results[rank][1]
+        assert "all_reduce failed after" in out, out
+        assert "the next one failed at once" in out, out
+        seconds = float(out.split("all_reduce failed after ")[1].split(" s")[0])
+        assert seconds < 60, out  # far below the group's 120 s timeout
+    # Some rank's error names the dead one; the other learns it through the store.
+    assert any("rank 2" in results[r][1].split("failed after")[1] for r in range(2)), results
+
+
+def test_ranks_that_disagree_on_the_world_size_fail_at_init(tmp_path):
+    results = run_ranks(tmp_path, "mismatch", 2, timeout_s=5)
+    assert_all_ok(results)
+    assert "world_size 3" in results[0][1], results[0][1]
+    assert "init refused" in results[1][1], results[1][1]
