@@ -11,6 +11,9 @@ For each size it measures, on the receiving process:
               p50 and p90 in microseconds (tensorverbs only);
   round trip  one tensor there and one back, repeated: the p50 and p90 in microseconds.
 
+With --torch-backend, the stream and round trip also run through torch.distributed over the
+tensorverbs backend (rows "tvtorch"), the same calls as gloo's.
+
     PYTHONPATH=build/python python3 bench/python_bench.py --json out.json
     python3 bench/python_bench.py --sizes 4B,64KiB --seconds 1 --no-gloo
 
@@ -166,12 +169,18 @@ def tensorverbs_recv_latency(server, args, peer, value):
     print(json.dumps(percentiles(samples[steps // 10:])), flush=True)
 
 
-def gloo_role(args):
+def torch_role(args):
+    """torch.distributed's isend/irecv and send/recv, over gloo or the tensorverbs backend."""
     import torch
     import torch.distributed as dist
 
+    backend = "gloo"
+    if args.role == "tvtorch":
+        import tensorverbs.torch  # noqa: F401 (registers the backend)
+        backend = "tensorverbs"
+        os.environ["TENSORVERBS_PROTOCOL"] = args.protocol
     store = dist.FileStore(args.store, 2)
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=2)
+    dist.init_process_group(backend, store=store, rank=args.rank, world_size=2)
     peer = 1 - args.rank
     elements = max(args.size // 4, 1)
     tensors = [torch.zeros(elements, dtype=torch.float32) for _ in range(args.count)]
@@ -280,6 +289,8 @@ def main():
     parser.add_argument("--protocol", default="grpc+verbs")
     parser.add_argument("--methods", default="recv_async,recv_many,recv")
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--torch-backend", action="store_true",
+                        help="also torch.distributed over the tensorverbs backend (tvtorch)")
     parser.add_argument("--no-round-trip", action="store_true")
     parser.add_argument("--latency-steps", type=int, default=3000,
                         help="recvs in the recv_latency figure")
@@ -295,17 +306,21 @@ def main():
     args = parser.parse_args()
     if args.role == "tensorverbs":
         return tensorverbs_role(args)
-    if args.role == "gloo":
-        return gloo_role(args)
+    if args.role in ("gloo", "tvtorch"):
+        return torch_role(args)
 
     results = []
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         rows = [("tensorverbs", "stream", m) for m in args.methods.split(",")]
+        if args.torch_backend:
+            rows.append(("tvtorch", "stream", "isend/irecv"))
         if not args.no_gloo:
             rows.append(("gloo", "stream", "isend/irecv"))
         if not args.no_round_trip:
             rows.append(("tensorverbs", "recv_latency", "recv"))
             rows.append(("tensorverbs", "round_trip", "recv"))
+            if args.torch_backend:
+                rows.append(("tvtorch", "round_trip", "send/recv"))
             if not args.no_gloo:
                 rows.append(("gloo", "round_trip", "send/recv"))
         for backend, figure, method in rows:

@@ -75,6 +75,12 @@ struct RecvOptions {
   Allocator* allocator = nullptr;
   // How long a blocking Recv waits (and at most the task's recv timeout).
   absl::Duration timeout = absl::InfiniteDuration();
+  // The dtype and shape the caller expects, when it knows them (kInvalid: it does not). Over
+  // grpc+verbs the first request then names a destination of that size, so a tensor under a name
+  // never received before comes with no meta-data round trip; a tensor that differs still
+  // arrives, one round trip later. Other protocols ignore it.
+  DataType expected_dtype = DataType::kInvalid;
+  TensorShape expected_shape;
 };
 
 // The protocols this build provides, best first (the same function the server uses).

@@ -245,6 +245,8 @@ void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, const RecvOpt
                Step::RecvCallback done) {
   RecvArgs args;
   args.allocator = options.allocator;
+  args.expected_dtype = options.expected_dtype;
+  args.expected_shape = options.expected_shape;
   rendezvous.RecvAsync(
       key, args,
       [done = std::move(done)](const absl::Status& status, const Tensor& tensor, bool is_dead) {

@@ -116,6 +116,11 @@ struct RecvArgs {
   // outlive the tensors received into it, and a transport may drop its own reference just
   // after `done` returns: keep it as long as the task.
   Allocator* allocator = nullptr;
+  // The dtype and shape the caller expects (kInvalid: none): a transport that negotiates
+  // meta-data (grpc+verbs) names a destination of this size in its first request, as for a
+  // cached key, so the bytes come with no meta-data round trip. Wrong, it costs that round trip.
+  DataType expected_dtype = DataType::kInvalid;
+  TensorShape expected_shape;
 };
 
 class RemoteRendezvous {

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "python/src/torch/reduce.h"
+#include "tensorverbs/task.h"
 #include "tensorverbs/tensor.h"
 
 namespace tensorverbs::torch_backend {
@@ -62,6 +63,9 @@ class Collective {
   const int64_t seq_;
   const absl::Time deadline_;
 };
+
+// Recv options that say a message is a uint8 vector of `bytes` (see RecvOptions).
+RecvOptions ExpectBytes(size_t bytes);
 
 // The algorithms. `data` is the caller's memory of `count` elements of `dtype`; `part_base`
 // separates several of them inside one operation.

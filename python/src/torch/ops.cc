@@ -461,7 +461,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recv(std::vector<at::Ten
   auto work = c10::make_intrusive<TvWork>(getRank(), c10d::OpType::RECV, nullptr,
                                           std::vector<at::Tensor>{t},
                                           absl::StrCat(What("recv", seq), " with tag ", tag));
-  matcher_->Recv(src, tag,
+  matcher_->Recv(src, tag, t.nbytes(),
                  [work, t, from = PeerName(src), counters = counters_](
                      absl::StatusOr<Tensor> message, int from_rank) {
                    Land(*work, t, std::move(message), from_rank, absl::StrCat("from ", from),
@@ -478,12 +478,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recvAnysource(
   auto work = c10::make_intrusive<TvWork>(
       getRank(), c10d::OpType::RECVANYSOURCE, nullptr, std::vector<at::Tensor>{t},
       absl::StrCat(What("recv from any source", seq), " with tag ", tag));
-  matcher_->RecvAny(tag, [this_rank = getRank(), work, t, counters = counters_](
-                             absl::StatusOr<Tensor> message, int from_rank) {
-    Land(*work, t, std::move(message), from_rank,
-         from_rank < 0 ? std::string("from any rank") : absl::StrCat("from rank ", from_rank),
-         counters->landed_copies, counters->landed_bytes);
-  });
+  matcher_->RecvAny(
+      tag, t.nbytes(),
+      [this_rank = getRank(), work, t, counters = counters_](absl::StatusOr<Tensor> message,
+                                                             int from_rank) {
+        Land(*work, t, std::move(message), from_rank,
+             from_rank < 0 ? std::string("from any rank") : absl::StrCat("from rank ", from_rank),
+             counters->landed_copies, counters->landed_bytes);
+      });
   return work;
 }
 

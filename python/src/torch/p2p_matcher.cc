@@ -9,26 +9,25 @@ P2pMatcher::P2pMatcher(int size, int self, PostRecv post)
 
 P2pMatcher::Stream& P2pMatcher::StreamOf(int src, int64_t tag) { return streams_[{src, tag}]; }
 
-void P2pMatcher::PostNeeded(int src, int64_t tag,
-                            std::deque<std::pair<int64_t, NetworkDone>>* to_post) {
+void P2pMatcher::PostNeeded(int src, int64_t tag, size_t bytes, std::deque<Post>* to_post) {
   int64_t accepting = 0;
   for (const Waiter& w : waiters_[tag]) accepting += (w.src == src || w.src == -1) ? 1 : 0;
   Stream& stream = StreamOf(src, tag);
   while (stream.posted - stream.delivered < accepting) {
     const int64_t n = stream.posted++;
-    to_post->emplace_back(n,
-                          [self = shared_from_this(), src, tag, n](absl::StatusOr<Tensor> message) {
-                            self->Arrived(src, tag, n, std::move(message));
-                          });
+    to_post->push_back(
+        Post{n, bytes, [self = shared_from_this(), src, tag, n](absl::StatusOr<Tensor> m) {
+               self->Arrived(src, tag, n, std::move(m));
+             }});
   }
 }
 
-void P2pMatcher::Start(int src, int64_t tag, std::deque<std::pair<int64_t, NetworkDone>>& to_post) {
-  for (auto& [n, done] : to_post) post_(src, tag, n, std::move(done));
+void P2pMatcher::Start(int src, int64_t tag, std::deque<Post>& to_post) {
+  for (Post& p : to_post) post_(src, tag, p.n, p.bytes, std::move(p.done));
 }
 
-void P2pMatcher::Recv(int src, int64_t tag, Delivery done) {
-  std::deque<std::pair<int64_t, NetworkDone>> to_post;
+void P2pMatcher::Recv(int src, int64_t tag, size_t bytes, Delivery done) {
+  std::deque<Post> to_post;
   absl::StatusOr<Tensor> now = absl::UnknownError("unset");
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -40,7 +39,7 @@ void P2pMatcher::Recv(int src, int64_t tag, Delivery done) {
       --kept_;
     } else {
       waiters_[tag].push_back(Waiter{src, std::move(done)});
-      PostNeeded(src, tag, &to_post);
+      PostNeeded(src, tag, bytes, &to_post);
       done = nullptr;
     }
   }
@@ -51,8 +50,8 @@ void P2pMatcher::Recv(int src, int64_t tag, Delivery done) {
   Start(src, tag, to_post);
 }
 
-void P2pMatcher::RecvAny(int64_t tag, Delivery done) {
-  std::vector<std::pair<int, std::deque<std::pair<int64_t, NetworkDone>>>> to_post;
+void P2pMatcher::RecvAny(int64_t tag, size_t bytes, Delivery done) {
+  std::vector<std::pair<int, std::deque<Post>>> to_post;
   absl::StatusOr<Tensor> now = absl::UnknownError("unset");
   int from = -1;
   {
@@ -75,8 +74,8 @@ void P2pMatcher::RecvAny(int64_t tag, Delivery done) {
         done = nullptr;
         for (int src = 0; src < size_; ++src) {
           if (src == self_) continue;
-          to_post.emplace_back(src, std::deque<std::pair<int64_t, NetworkDone>>());
-          PostNeeded(src, tag, &to_post.back().second);
+          to_post.emplace_back(src, std::deque<Post>());
+          PostNeeded(src, tag, bytes, &to_post.back().second);
         }
       }
     }

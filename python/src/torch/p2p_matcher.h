@@ -36,17 +36,19 @@ class P2pMatcher : public std::enable_shared_from_this<P2pMatcher> {
   // A recv's outcome: the message (or the error of its network recv) and the rank it came from.
   using Delivery = std::function<void(absl::StatusOr<Tensor> message, int src)>;
   using NetworkDone = std::function<void(absl::StatusOr<Tensor> message)>;
-  // Starts the network recv of message `n` of (`src`, `tag`).
-  using PostRecv = std::function<void(int src, int64_t tag, int64_t n, NetworkDone done)>;
+  // Starts the network recv of message `n` of (`src`, `tag`), which the recv that asked for it
+  // expects to be `bytes` long (a hint: the message may differ).
+  using PostRecv =
+      std::function<void(int src, int64_t tag, int64_t n, size_t bytes, NetworkDone done)>;
 
   P2pMatcher(int size, int self, PostRecv post);
   P2pMatcher(const P2pMatcher&) = delete;
   P2pMatcher& operator=(const P2pMatcher&) = delete;
 
-  // The next message from `src` (not this rank) with `tag`.
-  void Recv(int src, int64_t tag, Delivery done);
+  // The next message from `src` (not this rank) with `tag`, expected `bytes` long.
+  void Recv(int src, int64_t tag, size_t bytes, Delivery done);
   // The next message with `tag` from any other rank.
-  void RecvAny(int64_t tag, Delivery done);
+  void RecvAny(int64_t tag, size_t bytes, Delivery done);
   // Fails every waiting recv and every later one with `status` (the group is going).
   void Fail(const absl::Status& status);
 
@@ -65,13 +67,17 @@ class P2pMatcher : public std::enable_shared_from_this<P2pMatcher> {
     int src;  // -1: any
     Delivery done;
   };
-  using Ready = std::pair<Delivery, std::pair<absl::StatusOr<Tensor>, int>>;
+  struct Post {
+    int64_t n;
+    size_t bytes;
+    NetworkDone done;
+  };
 
   Stream& StreamOf(int src, int64_t tag);
   // Starts network recvs of (src, tag) until as many are under way as waiters accept `src`.
-  void PostNeeded(int src, int64_t tag, std::deque<std::pair<int64_t, NetworkDone>>* to_post);
+  void PostNeeded(int src, int64_t tag, size_t bytes, std::deque<Post>* to_post);
   void Arrived(int src, int64_t tag, int64_t n, absl::StatusOr<Tensor> message);
-  void Start(int src, int64_t tag, std::deque<std::pair<int64_t, NetworkDone>>& to_post);
+  void Start(int src, int64_t tag, std::deque<Post>& to_post);
 
   const int size_;
   const int self_;

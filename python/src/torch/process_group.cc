@@ -202,9 +202,10 @@ ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
   const std::vector<std::string>* tasks = &peer_tasks_;
   matcher_ = std::make_shared<P2pMatcher>(
       size, rank,
-      [step_ptr, tasks, rank](int src, int64_t tag, int64_t n, P2pMatcher::NetworkDone done) {
+      [step_ptr, tasks, rank](int src, int64_t tag, int64_t n, size_t bytes,
+                              P2pMatcher::NetworkDone done) {
         step_ptr->RecvAsync(
-            (*tasks)[src], P2pName(src, rank, tag, n),
+            (*tasks)[src], P2pName(src, rank, tag, n), ExpectBytes(bytes),
             [done = std::move(done)](absl::StatusOr<Tensor> message) { done(std::move(message)); });
       });
   worker_ = std::thread([this] { WorkerLoop(); });

@@ -187,10 +187,16 @@ void VerbsTransport::Housekeeping(absl::Time now) {
 }
 
 void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
-                          Allocator* allocator, RecvDoneCallback done) {
+                          Allocator* allocator, DataType expected_dtype,
+                          const TensorShape& expected_shape, RecvDoneCallback done) {
   // The coarse clock: a recv timeout is seconds long, and this runs for every tensor.
-  RecvStart r{std::move(rendezvous), keys_.Intern(key), allocator,
-              CoarseNow() + options_.transfer.recv_timeout, std::move(done)};
+  RecvStart r{std::move(rendezvous),
+              keys_.Intern(key),
+              allocator,
+              CoarseNow() + options_.transfer.recv_timeout,
+              std::move(done),
+              expected_dtype,
+              expected_shape};
   if (!recv_inbox_.Push(std::move(r)))
     return;  // the task posted for the earlier ones has not taken them yet
   // If the engine refuses the task (shutting down), it runs right here, off the loop thread,
@@ -229,6 +235,21 @@ void VerbsTransport::StartRecv(RecvStart r) {
     fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", r.key->key.full_key,
                                                             "': ", channel.status().message())));
     return;
+  }
+  if (r.expected_dtype != DataType::kInvalid && DataTypeCanMemCopy(r.expected_dtype)) {
+    // The caller knows what comes: as good as the meta-data of an earlier step of this key.
+    if (absl::StatusOr<uint64_t> bytes =
+            Tensor::AllocationBytes(r.expected_dtype, r.expected_shape);
+        bytes.ok()) {
+      protocol::TensorMetaData meta;
+      meta.dtype = r.expected_dtype;
+      meta.shape = r.expected_shape;
+      meta.tensor_bytes = *bytes;
+      const protocol::TensorMetaData* cached = channel_env_.memory->CachedMeta(r.key->key.full_key);
+      if (cached == nullptr || *cached != meta) {
+        channel_env_.memory->CacheMeta(r.key->key.full_key, meta);
+      }
+    }
   }
   (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator, r.deadline,
                         std::move(r.done));

@@ -18,7 +18,7 @@ namespace {
 class FakeNetwork {
  public:
   P2pMatcher::PostRecv Poster() {
-    return [this](int src, int64_t tag, int64_t n, P2pMatcher::NetworkDone done) {
+    return [this](int src, int64_t tag, int64_t n, size_t, P2pMatcher::NetworkDone done) {
       posted_[{src, tag, n}] = std::move(done);
     };
   }
@@ -57,7 +57,7 @@ TEST(P2pMatcherTest, MessagesOfOneStreamArriveInTheOrderSentWhateverTheNetworkOr
   FakeNetwork net;
   auto matcher = std::make_shared<P2pMatcher>(2, 0, net.Poster());
   Got got;
-  for (int i = 0; i < 3; ++i) matcher->Recv(1, 5, got.For(i));
+  for (int i = 0; i < 3; ++i) matcher->Recv(1, 5, 8, got.For(i));
   ASSERT_EQ(net.size(), 3u);
   net.Arrive(1, 5, 2, 102);
   net.Arrive(1, 5, 1, 101);
@@ -71,8 +71,8 @@ TEST(P2pMatcherTest, TagsAreSeparateStreams) {
   FakeNetwork net;
   auto matcher = std::make_shared<P2pMatcher>(2, 1, net.Poster());
   Got got;
-  matcher->Recv(0, 1, got.For(0));
-  matcher->Recv(0, 2, got.For(1));
+  matcher->Recv(0, 1, 8, got.For(0));
+  matcher->Recv(0, 2, 8, got.For(1));
   ASSERT_TRUE(net.Posted(0, 1, 0));
   ASSERT_TRUE(net.Posted(0, 2, 0));
   net.Arrive(0, 2, 0, 20);
@@ -84,7 +84,7 @@ TEST(P2pMatcherTest, AnySourceTakesTheFirstArrivalAndKeepsTheOthersForLaterRecvs
   FakeNetwork net;
   auto matcher = std::make_shared<P2pMatcher>(4, 0, net.Poster());
   Got got;
-  matcher->RecvAny(0, got.For(0));
+  matcher->RecvAny(0, 8, got.For(0));
   ASSERT_TRUE(net.Posted(1, 0, 0));
   ASSERT_TRUE(net.Posted(2, 0, 0));
   ASSERT_TRUE(net.Posted(3, 0, 0));
@@ -94,12 +94,12 @@ TEST(P2pMatcherTest, AnySourceTakesTheFirstArrivalAndKeepsTheOthersForLaterRecvs
   // Rank 3's message comes with no recv waiting: kept, then taken by the next recv from 3.
   net.Arrive(3, 0, 0, 300);
   EXPECT_EQ(matcher->kept(), 1);
-  matcher->Recv(3, 0, got.For(1));
+  matcher->Recv(3, 0, 8, got.For(1));
   EXPECT_EQ(got.order.back(), std::make_tuple(1, 300, 3));
   EXPECT_EQ(matcher->kept(), 0);
   // Rank 1's first message is still asked for; a directed recv from 1 waits on it, not on a
   // second one.
-  matcher->Recv(1, 0, got.For(2));
+  matcher->Recv(1, 0, 8, got.For(2));
   EXPECT_FALSE(net.Posted(1, 0, 1));
   net.Arrive(1, 0, 0, 100);
   EXPECT_EQ(got.order.back(), std::make_tuple(2, 100, 1));
@@ -109,9 +109,9 @@ TEST(P2pMatcherTest, TheOldestWaitingRecvThatAcceptsTheSourceGetsTheMessage) {
   FakeNetwork net;
   auto matcher = std::make_shared<P2pMatcher>(3, 0, net.Poster());
   Got got;
-  matcher->RecvAny(4, got.For(0));  // older: any source
-  matcher->Recv(1, 4, got.For(1));  // younger: from rank 1
-  net.Arrive(1, 4, 0, 10);          // goes to the older
+  matcher->RecvAny(4, 8, got.For(0));  // older: any source
+  matcher->Recv(1, 4, 8, got.For(1));  // younger: from rank 1
+  net.Arrive(1, 4, 0, 10);             // goes to the older
   ASSERT_EQ(got.order.size(), 1u);
   EXPECT_EQ(got.order[0], std::make_tuple(0, 10, 1));
   ASSERT_TRUE(net.Posted(1, 4, 1));
@@ -123,8 +123,8 @@ TEST(P2pMatcherTest, AFailedNetworkRecvReachesItsWaiterAndFailFailsTheRestOnce) 
   FakeNetwork net;
   auto matcher = std::make_shared<P2pMatcher>(2, 0, net.Poster());
   Got got;
-  matcher->Recv(1, 0, got.For(0));
-  matcher->Recv(1, 0, got.For(1));
+  matcher->Recv(1, 0, 8, got.For(0));
+  matcher->Recv(1, 0, 8, got.For(1));
   net.Complete(1, 0, 0, absl::UnavailableError("peer gone"));
   ASSERT_EQ(got.order.size(), 1u);
   EXPECT_EQ(got.order[0], std::make_tuple(0, -1, 1));
@@ -133,21 +133,21 @@ TEST(P2pMatcherTest, AFailedNetworkRecvReachesItsWaiterAndFailFailsTheRestOnce) 
   EXPECT_EQ(got.order[1], std::make_tuple(1, -1, 1));
   // A late arrival after Fail reaches no one; a later recv fails at once.
   net.Arrive(1, 0, 1, 7);
-  matcher->Recv(1, 0, got.For(2));
+  matcher->Recv(1, 0, 8, got.For(2));
   ASSERT_EQ(got.order.size(), 3u);
   EXPECT_EQ(got.order[2], std::make_tuple(2, -1, 1));
 }
 
 TEST(P2pMatcherTest, APostThatCompletesInsideTheCallDeliversWithoutDeadlock) {
   auto matcher = std::make_shared<P2pMatcher>(
-      2, 0, [](int src, int64_t tag, int64_t n, P2pMatcher::NetworkDone done) {
+      2, 0, [](int src, int64_t tag, int64_t n, size_t, P2pMatcher::NetworkDone done) {
         Tensor t = Tensor::Make(DataType::kInt64, TensorShape::Of({1}));
         *t.flat<int64_t>() = 1000 + n;
         done(t);  // inside Recv, as a transport may do
       });
   Got got;
-  matcher->Recv(1, 0, got.For(0));
-  matcher->RecvAny(0, got.For(1));
+  matcher->Recv(1, 0, 8, got.For(0));
+  matcher->RecvAny(0, 8, got.For(1));
   ASSERT_EQ(got.order.size(), 2u);
   EXPECT_EQ(got.order[0], std::make_tuple(0, 1000, 1));
   EXPECT_EQ(got.order[1], std::make_tuple(1, 1001, 1));

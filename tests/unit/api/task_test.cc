@@ -110,6 +110,56 @@ TEST_F(TaskTest, TwoTasksExchangeTensorsByTaskNameAndTheTensorOutlivesItsStepAnd
   EXPECT_TRUE(kept.ContentEquals(sent)) << "the received tensor died with its task";
 }
 
+int64_t Counter(const Task& task, const std::string& name) {
+  for (const auto& [n, v] : task.counters()) {
+    if (n == name) return v;
+  }
+  return -1;
+}
+
+// A recv that says what it expects skips the meta-data round trip of a name never received
+// before (grpc+verbs); a wrong guess still receives the tensor, one round trip later.
+TEST_F(TaskTest, ARecvThatExpectsTheRightShapeNeedsNoMetaDataRoundTrip) {
+  for (auto& t : tasks_) t.reset();
+  std::unique_ptr<Task> tasks[2];
+  for (int i = 0; i < 2; ++i) {
+    TaskOptions o = Options(i);
+    o.protocol = "grpc+verbs";
+    absl::StatusOr<std::unique_ptr<Task>> t = Task::Start(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    tasks[i] = *std::move(t);
+  }
+  for (auto& t : tasks) ASSERT_TRUE(t->WaitForPeers(absl::Seconds(30)).ok());
+  std::unique_ptr<Step> rx = *tasks[0]->BeginStep(1);
+  std::unique_ptr<Step> tx = *tasks[1]->BeginStep(1);
+  Tensor sent = *tasks[1]->Empty(DataType::kFloat32, TensorShape::Of({3, 5}));
+  for (int i = 0; i < 15; ++i) sent.flat<float>()[i] = 0.5f * i;
+  const int64_t responses = Counter(*tasks[1], "meta_responses");
+  const int64_t hits = Counter(*tasks[0], "meta_cache_hits");
+  for (int i = 0; i < 5; ++i) {
+    ASSERT_TRUE(tx->Send("worker:0", absl::StrCat("right", i), sent).ok());
+    RecvOptions o;
+    o.timeout = absl::Seconds(30);
+    o.expected_dtype = DataType::kFloat32;
+    o.expected_shape = TensorShape::Of({3, 5});
+    absl::StatusOr<Tensor> got = rx->Recv("worker:1", absl::StrCat("right", i), o);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(got->ContentEquals(sent));
+  }
+  EXPECT_EQ(Counter(*tasks[1], "meta_responses"), responses);
+  EXPECT_GE(Counter(*tasks[0], "meta_cache_hits"), hits + 5);
+  ASSERT_TRUE(tx->Send("worker:0", "wrong", sent).ok());
+  RecvOptions o;
+  o.timeout = absl::Seconds(30);
+  o.expected_dtype = DataType::kInt64;
+  o.expected_shape = TensorShape::Of({7});
+  absl::StatusOr<Tensor> got = rx->Recv("worker:1", "wrong", o);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(got->ContentEquals(sent));
+  EXPECT_EQ(Counter(*tasks[1], "meta_responses"), responses + 1);
+  ASSERT_TRUE(tx->WaitUntilSendsTaken(absl::Seconds(10)).ok());
+}
+
 TEST_F(TaskTest, ARecvLandsInTheAllocatorItsOptionsNameAndGpuPoolsSayWhyNot) {
   std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(5);
   std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(5);
