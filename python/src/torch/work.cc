@@ -7,15 +7,22 @@
 #include "absl/strings/str_cat.h"
 
 namespace tensorverbs::torch_backend {
+namespace {
+
+// What every work's future holds (what DDP's reducer requires): made once, not per work.
+const c10::TypePtr& TensorListType() {
+  static const c10::TypePtr* type = new c10::TypePtr(c10::ListType::create(c10::TensorType::get()));
+  return *type;
+}
+
+}  // namespace
 
 TvWork::TvWork(int rank, c10d::OpType type, const char* profiling_title,
                std::vector<at::Tensor> outputs, std::string what)
     : c10d::Work(rank, type, profiling_title),
       outputs_(std::move(outputs)),
       what_(std::move(what)),
-      future_(
-          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-}
+      future_(c10::make_intrusive<c10::ivalue::Future>(TensorListType())) {}
 
 bool TvWork::Complete(const absl::Status& status) {
   {
