@@ -143,6 +143,20 @@ def collectives():
         got = w.get_future().wait()[0]
         check(f"async all_reduce {i}", got, torch.full((3,), float(sum(range(WORLD)) + WORLD * i)))
     dist.barrier()
+    # A subgroup of the first and last rank: its own tasks, its own numbering.
+    pair = dist.new_group([0, WORLD - 1], backend="tensorverbs")
+    if RANK in (0, WORLD - 1):
+        t = torch.full((5,), float(RANK + 1))
+        dist.all_reduce(t, group=pair)
+        check("all_reduce in a subgroup", t, torch.full((5,), float(WORLD + 1)))
+        if RANK == 0:
+            dist.send(torch.tensor([7]), WORLD - 1, group=pair)
+        else:
+            got = torch.zeros(1, dtype=torch.int64)
+            dist.recv(got, 0, group=pair)
+            check("recv in a subgroup", got, torch.tensor([7]))
+        dist.destroy_process_group(pair)
+    dist.barrier()
     print(f"rank {RANK}: collectives ok", flush=True)
 
 

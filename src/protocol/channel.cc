@@ -144,12 +144,26 @@ void Channel::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status&
 }
 
 void Channel::SendMessage(Message m) {
-  if (state_ == State::kClosed) return;
+  if (state_ == State::kClosed || !closing_.ok()) return;
   absl::Status s = mb_->Send(std::move(m));
   if (!s.ok()) {
-    Close(absl::UnavailableError(
+    CloseAfterThisTurn(absl::UnavailableError(
         absl::StrCat("sending a control message to task ", peer_task_, " failed: ", s.message())));
   }
+}
+
+void Channel::CloseAfterThisTurn(absl::Status status) {
+  if (state_ == State::kClosed || !closing_.ok()) return;
+  if (env_->host == nullptr) {
+    Close(status);
+    return;
+  }
+  closing_ = std::move(status);
+  ChannelEnv* const env = env_;
+  const uint64_t id = id_;
+  env_->host->Post([env, id]() {
+    if (Channel* c = env->channels->Find(id)) c->Close(c->closing_);
+  });
 }
 
 void Channel::ScheduleReap() {
@@ -179,8 +193,8 @@ void Channel::OnCompletion(const fabric::Completion& c) {
     const absl::StatusCode code = absl::IsResourceExhausted(c.status)
                                       ? absl::StatusCode::kResourceExhausted
                                       : absl::StatusCode::kUnavailable;
-    Close(absl::Status(code, absl::StrCat("RDMA operation with task ", peer_task_,
-                                          " failed: ", c.status.message())));
+    CloseAfterThisTurn(absl::Status(code, absl::StrCat("RDMA operation with task ", peer_task_,
+                                                       " failed: ", c.status.message())));
     return;
   }
   if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {

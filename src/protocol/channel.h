@@ -183,6 +183,12 @@ class Channel {
   // stay allocated until the end of the loop turn, so a state machine whose send failed and
   // closed the channel is not destroyed under its own call.
   void Close(const absl::Status& status);
+  // The link is gone (the fabric refused a send, or an operation failed): closes at the end of
+  // this loop turn rather than now. The turn's other completions may still carry the content
+  // of tensors the peer wrote before it went (a task that stops right after its sends were
+  // taken); handled first, they land in their requests, which a closing channel keeps for
+  // their recvs. Sends are dropped meanwhile. Without a host, closes now.
+  void CloseAfterThisTurn(absl::Status status);
 
   // For the state machines: sends a control message; a failure closes the channel.
   void SendMessage(Message m);
@@ -207,6 +213,7 @@ class Channel {
   absl::Status close_status_;
   State state_ = State::kConnecting;
   bool reap_posted_ = false;
+  absl::Status closing_;  // CloseAfterThisTurn's reason, until the close runs
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::unique_ptr<MessageBuffer> mb_;
   std::vector<Message> batch_;  // OnControlMessage's decoded batch, kept for its capacity

@@ -1,4 +1,5 @@
 // The protocol conformance suite (protocol_fixture.h), requests pushed ahead (TENSORVERBS_PUSH).
+#include "src/fabric/loopback/loopback.h"
 #include "tests/conformance/protocol_fixture.h"
 
 namespace tensorverbs::protocol_conformance {
@@ -135,6 +136,46 @@ TEST_P(PushTest, TensorsThatLandedAheadSurviveTheSendersExit) {
   }
   ASSERT_EQ(tx().content_writes.load(), 2 * static_cast<int64_t>(names.size()));
   server(1).Stop();
+  for (size_t i = 0; i < names.size(); ++i) {
+    PendingRecv recv(*Step(0, 2), Key(1, names[i]));
+    ASSERT_TRUE(recv.Wait()) << names[i];
+    ASSERT_TRUE(recv.status().ok()) << names[i] << ": " << recv.status();
+    EXPECT_TRUE(recv.tensor().ContentEquals(sent[i])) << names[i];
+  }
+}
+
+// The sender stops right after writing tensors its peer asked for ahead; the receiver's loop
+// meets all of their contents in one turn, and the first thing it sends back fails (the sender
+// is gone). The channel closes after that turn, not in the middle of it, so every tensor that
+// came in the turn still reaches its recv. (Closing at once dropped the rest of the turn: a
+// worker's last recvs from a parameter server that had just exited then failed.)
+TEST_P(PushTest, ContentInTheSameTurnAsTheSendersExitStillReachesItsRecvs) {
+  if (GetParam().fabric != &kLoopback) GTEST_SKIP() << "stalls the loopback fabric's polls";
+  StartCluster(2);
+  const std::vector<std::string> names = {"a", "b", "c"};
+  for (const std::string& name : names) {
+    ASSERT_NO_FATAL_FAILURE(Step1(1, name, PoolTensor(1, DataType::kFloat32, {64}, 1)));
+  }
+  CleanupStep(1);
+  fabric::loopback::Faults stalled;
+  stalled.stalled = true;
+  fabric::loopback::SetFaults(transport(0).domain_for_testing(), stalled);
+  std::vector<Tensor> sent;
+  for (size_t i = 0; i < names.size(); ++i) {
+    sent.push_back(PoolTensor(1, DataType::kFloat32, {64}, 10 + static_cast<uint32_t>(i)));
+    ASSERT_TRUE(Step(1, 2)->Send(Key(1, names[i]), sent.back()).ok());
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (tx().content_writes.load() < 2 * static_cast<int64_t>(names.size()) &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(tx().content_writes.load(), 2 * static_cast<int64_t>(names.size()));
+  server(1).Stop();
+  // The receiver's loop turns again and meets the three contents at once; its first post fails.
+  fabric::loopback::Faults first_post_fails;
+  first_post_fails.fail_post_nth = 1;
+  fabric::loopback::SetFaults(transport(0).domain_for_testing(), first_post_fails);
   for (size_t i = 0; i < names.size(); ++i) {
     PendingRecv recv(*Step(0, 2), Key(1, names[i]));
     ASSERT_TRUE(recv.Wait()) << names[i];
