@@ -10,8 +10,9 @@ namespace tensorverbs::tools {
 
 struct ServerCommandOptions {
   std::string cluster;
+  std::string cluster_from;  // "slurm" or "tf_config": the cluster, job and task from there
   std::string job;
-  int task = 0;
+  int task = -1;
   std::string protocol = "grpc";
   bool wait_for_peers = false;
   std::string metrics_file;  // Prometheus text, rewritten every metrics_interval_ms
@@ -72,13 +73,13 @@ struct BenchP2POptions {
   std::string protocols;  // empty: every available protocol
   std::string json;
   std::string plot;
-  bool netns = false;     // the peer in its own network namespace, joined by veth
-  int iters = 0;          // 0: chosen per size
-  int window = 0;         // bandwidth recvs outstanding; 0: chosen per size
-  std::string poll_mode;  // empty: TENSORVERBS_POLL_MODE
+  bool netns = false;         // the peer in its own network namespace, joined by veth
+  int iters = 0;              // 0: chosen per size
+  int window = 0;             // bandwidth recvs outstanding; 0: chosen per size
+  std::string poll_mode;      // empty: TENSORVERBS_POLL_MODE
   int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
-  bool baselines = true;  // measure the raw fabric write too
-  int repeat = 3;         // measured repetitions per size (after a warm-up); medians reported
+  bool baselines = true;      // measure the raw fabric write too
+  int repeat = 3;             // measured repetitions per size (after a warm-up); medians reported
   // Where the sender's and the receiver's tensors live: "SRC[,DST]", each cpu, cuda, cuda:N.
   std::string device = "cpu";
 };
@@ -97,8 +98,8 @@ struct BenchRateOptions {
   std::string json;
   std::string poll_mode;
   int callback_threads = -1;
-  int repeat = 3;          // measured repetitions per configuration; medians reported
-  bool baselines = true;   // measure the raw fabric's small-write rate too
+  int repeat = 3;         // measured repetitions per configuration; medians reported
+  bool baselines = true;  // measure the raw fabric's small-write rate too
 };
 int RunBenchRate(const BenchRateOptions& options);
 
@@ -108,10 +109,10 @@ struct BenchPsOptions {
   std::string models = "vgg16";  // comma-separated, or "all"
   std::string workers = "2";     // comma-separated worker counts
   int ps = 1;
-  std::string protocols;         // empty: every available protocol
+  std::string protocols;  // empty: every available protocol
   int steps = 10;
   int warmup = 2;
-  bool netns = false;            // every task in its own network namespace on a bridge
+  bool netns = false;  // every task in its own network namespace on a bridge
   std::string json;
   std::string poll_mode;
 };

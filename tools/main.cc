@@ -6,8 +6,8 @@
 
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
-#include "tensorverbs/version.h"
 #include "src/server/server.h"
+#include "tensorverbs/version.h"
 #include "tools/bench_cluster.h"
 #include "tools/commands.h"
 
@@ -21,12 +21,15 @@ int main(int argc, char** argv) {
   ServerCommandOptions server;
   CLI::App* server_cmd =
       app.add_subcommand("server", "Run one task of a cluster until SIGTERM/SIGINT");
+  server_cmd->add_option("--cluster", server.cluster,
+                         "Cluster spec: ps=host:port;worker=host:port,host:port or JSON");
+  server_cmd->add_option("--job", server.job, "This task's job name");
+  server_cmd->add_option("--task", server.task, "This task's index in its job");
   server_cmd
-      ->add_option("--cluster", server.cluster,
-                   "Cluster spec: ps=host:port;worker=host:port,host:port or JSON")
-      ->required();
-  server_cmd->add_option("--job", server.job, "This task's job name")->required();
-  server_cmd->add_option("--task", server.task, "This task's index in its job")->required();
+      ->add_option("--cluster-from", server.cluster_from,
+                   "Take the cluster, job and task from the launcher: slurm (SLURM_* and "
+                   "TENSORVERBS_SLURM_JOBS/_PORT) or tf_config (TF_CONFIG)")
+      ->check(CLI::IsMember({"slurm", "tf_config"}));
   server_cmd->add_option("--protocol", server.protocol, "Protocol (" + protocols + ")")
       ->default_val("grpc");
   server_cmd->add_flag("--wait-for-peers", server.wait_for_peers,

@@ -8,6 +8,7 @@
 #include "tensorverbs/cluster_spec.h"  // IWYU pragma: export
 #include "tensorverbs/device_name.h"   // IWYU pragma: export
 #include "tensorverbs/parsed_key.h"    // IWYU pragma: export
+#include "tensorverbs/placement.h"     // IWYU pragma: export
 #include "tensorverbs/task.h"          // IWYU pragma: export
 #include "tensorverbs/tensor.h"        // IWYU pragma: export
 #include "tensorverbs/tensor_shape.h"  // IWYU pragma: export

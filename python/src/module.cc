@@ -723,6 +723,15 @@ PYBIND11_MODULE(_tensorverbs, m) {
   m.def("available_protocols", &tensorverbs::AvailableProtocols);
   m.def("tensor_buffer", &tvp::TensorBufferOf, py::arg("array"));
   m.def(
+      "placement_from_environment",
+      [](const std::string& source) {
+        absl::StatusOr<tensorverbs::TaskPlacement> p =
+            tensorverbs::PlacementFromEnvironment(source);
+        if (!p.ok()) tvp::Raise(p.status());
+        return py::make_tuple(p->cluster.ToString(), p->job, p->task);
+      },
+      py::arg("source"));
+  m.def(
       "parse_cluster",
       [](const std::string& spec) {
         return tvp::ValueOrRaise(tensorverbs::ClusterSpec::Parse(spec)).ToString();

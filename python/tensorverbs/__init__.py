@@ -174,6 +174,14 @@ class Server:
         self._stopped = False
         _live_servers.add(self)
 
+    @classmethod
+    def from_environment(cls, source="slurm", protocol="grpc+verbs", recv_timeout=None):
+        """The task the launcher started this process as: source "slurm" (SLURM_* variables,
+        with TENSORVERBS_SLURM_JOBS and TENSORVERBS_SLURM_PORT) or "tf_config" (TF_CONFIG).
+        Raises InvalidArgumentError naming the variable that is missing or wrong."""
+        cluster, job, task = _tensorverbs.placement_from_environment(source)
+        return cls(cluster, job, task, protocol, recv_timeout)
+
     @property
     def name(self):
         """This task's name, /job:J/replica:0/task:T."""

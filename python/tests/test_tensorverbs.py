@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tensorverbs as tv
-from conftest import PROTOCOLS, cluster_of, two_tasks
+from conftest import PROTOCOLS, cluster_of, free_ports, two_tasks
 
 NUMERIC = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
            np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
@@ -361,3 +361,25 @@ def test_a_cluster_spec_takes_text_dicts_and_json():
 def test_the_version_is_the_tools():
     assert tv.__version__.count(".") == 2
     assert "grpc" in tv.available_protocols()
+
+
+def test_a_server_takes_its_place_from_slurms_variables(monkeypatch):
+    port = free_ports(1)[0]
+    for name in list(os.environ):
+        if name.startswith("SLURM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "127.0.0.1")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1")
+    monkeypatch.setenv("TENSORVERBS_SLURM_PORT", str(port))
+    monkeypatch.setenv("TENSORVERBS_SLURM_JOBS", "ps:1")
+    with pytest.raises(tv.InvalidArgumentError, match="SLURM_PROCID"):
+        tv.Server.from_environment("slurm")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    with tv.Server.from_environment("slurm", protocol="grpc") as server:
+        assert server.name == "/job:ps/replica:0/task:0"
+    monkeypatch.setenv("TF_CONFIG", '{"cluster": {"w": ["127.0.0.1:%d"]}, '
+                       '"task": {"type": "w", "index": 0}}' % port)
+    with tv.Server.from_environment("tf_config", protocol="grpc") as server:
+        assert server.name == "/job:w/replica:0/task:0"
+    with pytest.raises(tv.InvalidArgumentError, match="slurm or tf_config"):
+        tv.Server.from_environment("k8s")

@@ -211,6 +211,12 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_TLS_KEY",
       "TENSORVERBS_TLS_CA",
       "TENSORVERBS_SECRET_FILE",
+      // Read outside the task's settings: by PlacementFromEnvironment (Slurm) and by the
+      // torch.distributed backend, which picks the protocol and address of the tasks it starts.
+      "TENSORVERBS_SLURM_JOBS",
+      "TENSORVERBS_SLURM_PORT",
+      "TENSORVERBS_PROTOCOL",
+      "TENSORVERBS_HOST",
   };
   return names;
 }

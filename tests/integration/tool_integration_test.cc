@@ -355,6 +355,40 @@ TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
   ExpectCleanShutdown(*server);
 }
 
+// Under Slurm the server takes its cluster, job and task from srun's variables; without them it
+// exits with a usage error (placement_test checks each message).
+TEST(ToolTest, ServerTakesItsPlaceFromSlurm) {
+  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
+  ASSERT_TRUE(ports.ok());
+  for (const char* v : {"SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS"}) {
+    unsetenv(v);
+  }
+  {
+    auto p = support::Subprocess::Start(testing::ToolPath(), {"server", "--cluster-from", "slurm"});
+    ASSERT_TRUE(p.ok());
+    absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(30));
+    ASSERT_TRUE(rc.ok()) << rc.status();
+    EXPECT_EQ(*rc, 2) << "no SLURM_JOB_NODELIST: a usage error";
+  }
+  setenv("SLURM_JOB_NODELIST", "127.0.0.1", 1);
+  setenv("SLURM_TASKS_PER_NODE", "2", 1);
+  setenv("SLURM_PROCID", "1", 1);
+  setenv("TENSORVERBS_SLURM_PORT", absl::StrCat((*ports)[0] - 1).c_str(), 1);
+  setenv("TENSORVERBS_SLURM_JOBS", "ps:1,worker:1", 1);
+  std::unique_ptr<support::Subprocess> server;
+  std::string line;
+  StartServer({"--cluster-from", "slurm", "--protocol", "grpc"}, &server, &line);
+  for (const char* v : {"SLURM_JOB_NODELIST", "SLURM_TASKS_PER_NODE", "SLURM_PROCID",
+                        "TENSORVERBS_SLURM_PORT", "TENSORVERBS_SLURM_JOBS"}) {
+    unsetenv(v);
+  }
+  ASSERT_NE(server, nullptr);
+  EXPECT_THAT(line, HasSubstr(absl::StrCat("/job:worker/replica:0/task:0 serving protocol grpc on "
+                                           "127.0.0.1:",
+                                           (*ports)[0])));
+  ExpectCleanShutdown(*server);
+}
+
 // The security options reach every task the tools start: a demo whose tasks share a secret
 // trains, and a server started with one refuses a caller without its proof.
 TEST(ToolTest, ServerAndDemoTakeTheSecurityOptions) {
@@ -458,7 +492,9 @@ TEST(ToolTest, ServerBadInputExitsWithAMessage) {
       {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "ps", "--task", "3"}, 1},
       {{"server", "--cluster", "ps=127.0.0.1:1", "--job", "ps", "--task", "0", "--protocol", "x"},
        1},
-      {{"server", "--job", "ps"}, 106},  // CLI11: a required option is missing
+      {{"server", "--job", "ps"}, 2},  // no cluster, and no --cluster-from
+      {{"server", "--cluster-from", "slurm", "--job", "ps"}, 2},
+      {{"server", "--cluster-from", "k8s"}, 105},  // CLI11: not one of the choices
   };
   for (const Case& c : cases) {
     auto p = support::Subprocess::Start(testing::ToolPath(), c.args);
