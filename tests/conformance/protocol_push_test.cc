@@ -28,6 +28,42 @@ class PushTest : public ProtocolTest {
     server(0).rendezvous_mgr()->Cleanup(step);
     server(1).rendezvous_mgr()->Cleanup(step);
   }
+  // Receives each of `names` once at step 1 (so the receiver asks for step 2 ahead), sends them
+  // at step 2 and waits until their contents were written; returns what step 2 sent.
+  std::vector<Tensor> SendAheadOfTheRecvs(const std::vector<std::string>& names) {
+    std::vector<Tensor> sent;
+    for (const std::string& name : names) {
+      Step1(1, name, PoolTensor(1, DataType::kFloat32, {64}, 1));
+      if (::testing::Test::HasFatalFailure()) return sent;
+    }
+    CleanupStep(1);
+    if (stall_receiver_after_step1_) {
+      fabric::loopback::Faults stalled;
+      stalled.stalled = true;
+      fabric::loopback::SetFaults(transport(0).domain_for_testing(), stalled);
+    }
+    for (size_t i = 0; i < names.size(); ++i) {
+      sent.push_back(PoolTensor(1, DataType::kFloat32, {64}, 10 + static_cast<uint32_t>(i)));
+      EXPECT_TRUE(Step(1, 2)->Send(Key(1, names[i]), sent.back()).ok());
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (tx().content_writes.load() < 2 * static_cast<int64_t>(names.size()) &&
+           absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    EXPECT_EQ(tx().content_writes.load(), 2 * static_cast<int64_t>(names.size()));
+    return sent;
+  }
+  bool stall_receiver_after_step1_ = false;  // loopback only: see SendAheadOfTheRecvs
+  // Each of `names` at step 2 is `sent`.
+  void ExpectRecvsAtStep2(const std::vector<std::string>& names, const std::vector<Tensor>& sent) {
+    for (size_t i = 0; i < names.size(); ++i) {
+      PendingRecv recv(*Step(0, 2), Key(1, names[i]));
+      ASSERT_TRUE(recv.Wait()) << names[i];
+      ASSERT_TRUE(recv.status().ok()) << names[i] << ": " << recv.status();
+      EXPECT_TRUE(recv.tensor().ContentEquals(sent[i])) << names[i];
+    }
+  }
   const VerbsStats& rx() { return transport(0).stats(); }
   const VerbsStats& tx() { return transport(1).stats(); }
   // Whether the sender answered a request with meta-data (a changed shape) since it had sent
@@ -120,28 +156,10 @@ TEST_P(PushTest, TensorsThatLandedAheadSurviveTheSendersExit) {
   }
   StartCluster(2);
   const std::vector<std::string> names = {"a", "b", "c"};
-  for (const std::string& name : names) {
-    ASSERT_NO_FATAL_FAILURE(Step1(1, name, PoolTensor(1, DataType::kFloat32, {64}, 1)));
-  }
-  CleanupStep(1);
-  std::vector<Tensor> sent;
-  for (size_t i = 0; i < names.size(); ++i) {
-    sent.push_back(PoolTensor(1, DataType::kFloat32, {64}, 10 + static_cast<uint32_t>(i)));
-    ASSERT_TRUE(Step(1, 2)->Send(Key(1, names[i]), sent.back()).ok());
-  }
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (tx().content_writes.load() < 2 * static_cast<int64_t>(names.size()) &&
-         absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(tx().content_writes.load(), 2 * static_cast<int64_t>(names.size()));
+  const std::vector<Tensor> sent = SendAheadOfTheRecvs(names);
+  ASSERT_FALSE(HasFailure());
   server(1).Stop();
-  for (size_t i = 0; i < names.size(); ++i) {
-    PendingRecv recv(*Step(0, 2), Key(1, names[i]));
-    ASSERT_TRUE(recv.Wait()) << names[i];
-    ASSERT_TRUE(recv.status().ok()) << names[i] << ": " << recv.status();
-    EXPECT_TRUE(recv.tensor().ContentEquals(sent[i])) << names[i];
-  }
+  ExpectRecvsAtStep2(names, sent);
 }
 
 // The sender stops right after writing tensors its peer asked for ahead; the receiver's loop
@@ -153,35 +171,16 @@ TEST_P(PushTest, ContentInTheSameTurnAsTheSendersExitStillReachesItsRecvs) {
   if (GetParam().fabric != &kLoopback) GTEST_SKIP() << "stalls the loopback fabric's polls";
   StartCluster(2);
   const std::vector<std::string> names = {"a", "b", "c"};
-  for (const std::string& name : names) {
-    ASSERT_NO_FATAL_FAILURE(Step1(1, name, PoolTensor(1, DataType::kFloat32, {64}, 1)));
-  }
-  CleanupStep(1);
-  fabric::loopback::Faults stalled;
-  stalled.stalled = true;
-  fabric::loopback::SetFaults(transport(0).domain_for_testing(), stalled);
-  std::vector<Tensor> sent;
-  for (size_t i = 0; i < names.size(); ++i) {
-    sent.push_back(PoolTensor(1, DataType::kFloat32, {64}, 10 + static_cast<uint32_t>(i)));
-    ASSERT_TRUE(Step(1, 2)->Send(Key(1, names[i]), sent.back()).ok());
-  }
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (tx().content_writes.load() < 2 * static_cast<int64_t>(names.size()) &&
-         absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(tx().content_writes.load(), 2 * static_cast<int64_t>(names.size()));
+  // The receiver's loop stops taking completions before step 2's contents come.
+  stall_receiver_after_step1_ = true;
+  const std::vector<Tensor> sent = SendAheadOfTheRecvs(names);
+  ASSERT_FALSE(HasFailure());
   server(1).Stop();
   // The receiver's loop turns again and meets the three contents at once; its first post fails.
   fabric::loopback::Faults first_post_fails;
   first_post_fails.fail_post_nth = 1;
   fabric::loopback::SetFaults(transport(0).domain_for_testing(), first_post_fails);
-  for (size_t i = 0; i < names.size(); ++i) {
-    PendingRecv recv(*Step(0, 2), Key(1, names[i]));
-    ASSERT_TRUE(recv.Wait()) << names[i];
-    ASSERT_TRUE(recv.status().ok()) << names[i] << ": " << recv.status();
-    EXPECT_TRUE(recv.tensor().ContentEquals(sent[i])) << names[i];
-  }
+  ExpectRecvsAtStep2(names, sent);
 }
 
 TEST_P(PushTest, AReceiverThatSkipsStepsStillGetsEveryTensorItAsksFor) {
