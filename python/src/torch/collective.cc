@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "python/src/torch/process_group.h"
 #include "python/src/torch/work.h"
+#include "src/common/status_macros.h"
 
 namespace tensorverbs::torch_backend {
 namespace {
@@ -48,14 +49,7 @@ std::string Collective::NameOf(int src, int dst, int part) const {
 }
 
 absl::StatusOr<Tensor> Collective::Stage(const void* data, size_t bytes) {
-  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(bytes)});
-  if (!shape.ok()) return shape.status();
-  absl::StatusOr<Tensor> staged = group_.task_->Empty(DataType::kUInt8, *shape);
-  if (!staged.ok()) return staged.status();
-  if (bytes > 0) std::memcpy(staged->data(), data, bytes);
-  group_.counters_->staged_copies.fetch_add(1, std::memory_order_relaxed);
-  group_.counters_->staged_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-  return staged;
+  return group_.Stage(data, bytes);
 }
 
 absl::Status Collective::Send(int dst, int part, const void* data, size_t bytes) {
@@ -150,16 +144,6 @@ absl::Status Collective::ReduceOut(c10::ScalarType dtype, RedOp op, void* acc, c
   return absl::OkStatus();
 }
 
-#define TV_RETURN_IF_ERROR(expr)       \
-  do {                                 \
-    absl::Status _status = (expr);     \
-    if (!_status.ok()) return _status; \
-  } while (false)
-#define TV_ASSIGN_OR_RETURN(lhs, expr)          \
-  auto lhs##_or = (expr);                       \
-  if (!lhs##_or.ok()) return lhs##_or.status(); \
-  auto lhs = *std::move(lhs##_or)
-
 namespace {
 
 // The binomial tree rooted at rank 0 of the relative ranks v = (rank - root) mod size: v's parent
@@ -168,15 +152,15 @@ absl::Status TreeAllreduce(Collective& c, void* data, int64_t count, c10::Scalar
                            RedOp op, int part_base) {
   const int n = c.size(), v = c.rank();
   const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
-  TV_ASSIGN_OR_RETURN(acc, c.Stage(data, bytes));
+  ASSIGN_OR_RETURN(Tensor acc, c.Stage(data, bytes));
   const int low = v == 0 ? 1 << 30 : LowestBit(v);
   for (int m = 1; m < low && v + m < n; m <<= 1) {
-    TV_ASSIGN_OR_RETURN(child, c.Recv(v + m, part_base, bytes));
+    ASSIGN_OR_RETURN(Tensor child, c.Recv(v + m, part_base, bytes));
     ReduceInto(dtype, op, acc.data(), child.data(), count);
   }
   if (v != 0) {
-    TV_RETURN_IF_ERROR(c.Forward(v - low, part_base, acc));
-    TV_ASSIGN_OR_RETURN(result, c.Recv(v - low, part_base + 1, bytes));
+    RETURN_IF_ERROR(c.Forward(v - low, part_base, acc));
+    ASSIGN_OR_RETURN(Tensor result, c.Recv(v - low, part_base + 1, bytes));
     acc = std::move(result);
   } else if (op == RedOp::AVG) {
     DivideBy(dtype, acc.data(), count, n);
@@ -184,7 +168,7 @@ absl::Status TreeAllreduce(Collective& c, void* data, int64_t count, c10::Scalar
   int top = 1;
   while (top < low && top < n) top <<= 1;
   for (int m = top >> 1; m >= 1; m >>= 1) {
-    if (m < low && v + m < n) TV_RETURN_IF_ERROR(c.Forward(v + m, part_base + 1, acc));
+    if (m < low && v + m < n) RETURN_IF_ERROR(c.Forward(v + m, part_base + 1, acc));
   }
   return c.WriteOut(data, acc.data(), bytes);
 }
@@ -212,7 +196,7 @@ absl::Status RingAllreduce(Collective& c, char* data, int64_t count, c10::Scalar
   auto part = [&](int step, int j) { return part_base + step * segs + j; };
   const int next = mod(r + 1), prev = mod(r - 1);
   for (int j = 0; j < segs; ++j) {
-    TV_RETURN_IF_ERROR(c.Send(next, part(0, j), ptr(seg_begin(r, j)), seg_len(r, j) * es));
+    RETURN_IF_ERROR(c.Send(next, part(0, j), ptr(seg_begin(r, j)), seg_len(r, j) * es));
   }
   std::vector<Collective::PendingRef> pending(segs);
   for (int s = 0; s < 2 * (n - 1); ++s) {
@@ -221,19 +205,19 @@ absl::Status RingAllreduce(Collective& c, char* data, int64_t count, c10::Scalar
     const int i = reducing ? mod(r - s - 1) : mod(r - (s - n + 1));
     for (int j = 0; j < segs; ++j) pending[j] = c.Post(prev, part(s, j), seg_len(i, j) * es);
     for (int j = 0; j < segs; ++j) {
-      TV_ASSIGN_OR_RETURN(m, c.Wait(pending[j]));
+      ASSIGN_OR_RETURN(Tensor m, c.Wait(pending[j]));
       pending[j].reset();
       const int64_t len = seg_len(i, j);
       if (reducing) {
         ReduceInto(dtype, op, m.data(), ptr(seg_begin(i, j)), len);
         if (s == n - 2) {  // chunk i = r+1 is complete here
           if (op == RedOp::AVG) DivideBy(dtype, m.data(), len, n);
-          TV_RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
+          RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
         }
       } else {
-        TV_RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
+        RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
       }
-      if (s < 2 * n - 3) TV_RETURN_IF_ERROR(c.Forward(next, part(s + 1, j), m));
+      if (s < 2 * n - 3) RETURN_IF_ERROR(c.Forward(next, part(s + 1, j), m));
     }
   }
   return absl::OkStatus();
@@ -260,18 +244,18 @@ absl::Status BroadcastInPlace(Collective& c, void* data, size_t bytes, int root,
   Tensor message;
   const int low = v == 0 ? 1 << 30 : LowestBit(v);
   if (v == 0) {
-    TV_ASSIGN_OR_RETURN(staged, c.Stage(data, bytes));
+    ASSIGN_OR_RETURN(Tensor staged, c.Stage(data, bytes));
     message = std::move(staged);
   } else {
-    TV_ASSIGN_OR_RETURN(got, c.Recv(real(v - low), part_base, bytes));
+    ASSIGN_OR_RETURN(Tensor got, c.Recv(real(v - low), part_base, bytes));
     message = std::move(got);
   }
   int top = 1;
   while (top < low && top < n) top <<= 1;
   for (int m = top >> 1; m >= 1; m >>= 1) {
-    if (m < low && v + m < n) TV_RETURN_IF_ERROR(c.Forward(real(v + m), part_base, message));
+    if (m < low && v + m < n) RETURN_IF_ERROR(c.Forward(real(v + m), part_base, message));
   }
-  if (v != 0) TV_RETURN_IF_ERROR(c.WriteOut(data, message.data(), bytes));
+  if (v != 0) RETURN_IF_ERROR(c.WriteOut(data, message.data(), bytes));
   return absl::OkStatus();
 }
 
@@ -281,10 +265,10 @@ absl::Status ReduceToRoot(Collective& c, const void* in, void* out, int64_t coun
   const int v = ((c.rank() - root) % n + n) % n;
   auto real = [&](int u) { return (u + root) % n; };
   const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
-  TV_ASSIGN_OR_RETURN(acc, c.Stage(in, bytes));
+  ASSIGN_OR_RETURN(Tensor acc, c.Stage(in, bytes));
   const int low = v == 0 ? 1 << 30 : LowestBit(v);
   for (int m = 1; m < low && v + m < n; m <<= 1) {
-    TV_ASSIGN_OR_RETURN(child, c.Recv(real(v + m), 0, bytes));
+    ASSIGN_OR_RETURN(Tensor child, c.Recv(real(v + m), 0, bytes));
     ReduceInto(dtype, op, acc.data(), child.data(), count);
   }
   if (v != 0) return c.Forward(real(v - low), 0, acc);
@@ -295,14 +279,14 @@ absl::Status ReduceToRoot(Collective& c, const void* in, void* out, int64_t coun
 absl::Status Allgather(Collective& c, const void* in, void* const* outs, size_t bytes) {
   const int n = c.size(), r = c.rank();
   auto mod = [&](int i) { return ((i % n) + n) % n; };
-  TV_RETURN_IF_ERROR(c.WriteOut(outs[r], in, bytes));
+  RETURN_IF_ERROR(c.WriteOut(outs[r], in, bytes));
   if (n == 1) return absl::OkStatus();
-  TV_RETURN_IF_ERROR(c.Send(mod(r + 1), 0, in, bytes));
+  RETURN_IF_ERROR(c.Send(mod(r + 1), 0, in, bytes));
   for (int s = 0; s < n - 1; ++s) {
     const int i = mod(r - 1 - s);
-    TV_ASSIGN_OR_RETURN(m, c.Recv(mod(r - 1), s, bytes));
-    TV_RETURN_IF_ERROR(c.WriteOut(outs[i], m.data(), bytes));
-    if (s < n - 2) TV_RETURN_IF_ERROR(c.Forward(mod(r + 1), s + 1, m));
+    ASSIGN_OR_RETURN(Tensor m, c.Recv(mod(r - 1), s, bytes));
+    RETURN_IF_ERROR(c.WriteOut(outs[i], m.data(), bytes));
+    if (s < n - 2) RETURN_IF_ERROR(c.Forward(mod(r + 1), s + 1, m));
   }
   return absl::OkStatus();
 }
@@ -314,16 +298,16 @@ absl::Status ReduceScatter(Collective& c, const void* const* ins, void* out, int
   auto mod = [&](int i) { return ((i % n) + n) % n; };
   if (n == 1) return c.WriteOut(out, ins[0], bytes);
   // Step s passes on the partial sum of block r-s-1; the last one received is block r's.
-  TV_RETURN_IF_ERROR(c.Send(mod(r + 1), 0, ins[mod(r - 1)], bytes));
+  RETURN_IF_ERROR(c.Send(mod(r + 1), 0, ins[mod(r - 1)], bytes));
   for (int s = 0; s < n - 1; ++s) {
     const int i = mod(r - s - 2);
-    TV_ASSIGN_OR_RETURN(m, c.Recv(mod(r - 1), s, bytes));
+    ASSIGN_OR_RETURN(Tensor m, c.Recv(mod(r - 1), s, bytes));
     ReduceInto(dtype, op, m.data(), ins[i], count);
     if (s < n - 2) {
-      TV_RETURN_IF_ERROR(c.Forward(mod(r + 1), s + 1, m));
+      RETURN_IF_ERROR(c.Forward(mod(r + 1), s + 1, m));
     } else {
       if (op == RedOp::AVG) DivideBy(dtype, m.data(), count, n);
-      TV_RETURN_IF_ERROR(c.WriteOut(out, m.data(), bytes));
+      RETURN_IF_ERROR(c.WriteOut(out, m.data(), bytes));
     }
   }
   return absl::OkStatus();
@@ -333,8 +317,8 @@ absl::Status Barrier(Collective& c) {
   const int n = c.size(), r = c.rank();
   const char token = 1;
   for (int k = 1, part = 0; k < n; k <<= 1, ++part) {
-    TV_RETURN_IF_ERROR(c.Send((r + k) % n, part, &token, 1));
-    TV_RETURN_IF_ERROR(c.Recv((r - k % n + n) % n, part, 1).status());
+    RETURN_IF_ERROR(c.Send((r + k) % n, part, &token, 1));
+    RETURN_IF_ERROR(c.Recv((r - k % n + n) % n, part, 1).status());
   }
   return absl::OkStatus();
 }

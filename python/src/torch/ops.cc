@@ -387,15 +387,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::barrier(const c10d::Barr
                  [](Collective& c) { return Barrier(c); });
 }
 
-absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Stage(const at::Tensor& tensor) {
-  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(tensor.nbytes())});
+absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Stage(const void* data, size_t bytes) {
+  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(bytes)});
   if (!shape.ok()) return shape.status();
   absl::StatusOr<Tensor> staged = task_->Empty(DataType::kUInt8, *shape);
   if (!staged.ok()) return staged.status();
-  if (tensor.nbytes() > 0) std::memcpy(staged->data(), tensor.data_ptr(), tensor.nbytes());
+  if (bytes > 0) std::memcpy(staged->data(), data, bytes);
   counters_->staged_copies.fetch_add(1, std::memory_order_relaxed);
-  counters_->staged_bytes.fetch_add(static_cast<int64_t>(tensor.nbytes()),
-                                    std::memory_order_relaxed);
+  counters_->staged_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
   return staged;
 }
 
@@ -411,7 +410,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::send(std::vector<at::Ten
       getRank(), c10d::OpType::SEND, nullptr, std::vector<at::Tensor>{t},
       absl::StrCat(What("send", seq), " to ", PeerName(dst), " with tag ", tag));
   absl::Status status;
-  absl::StatusOr<Tensor> staged = Stage(t);
+  absl::StatusOr<Tensor> staged = Stage(t.data_ptr(), t.nbytes());
   if (!staged.ok()) {
     status = staged.status();
   } else {

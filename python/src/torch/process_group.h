@@ -139,8 +139,8 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   void FailGroup(const absl::Status& status);
   // A failure another rank published in the store, if any.
   absl::Status AbortFromPeers();
-  // The staged copy of a send's tensor in the pool.
-  absl::StatusOr<Tensor> Stage(const at::Tensor& tensor);
+  // A copy of `bytes` at `data` in the pool, counted: what every send sends from.
+  absl::StatusOr<Tensor> Stage(const void* data, size_t bytes);
   std::string What(const char* op, int64_t seq) const;
   // The message of (`src`, `tag`, n) in the p2p key space.
   static std::string P2pName(int src, int dst, int64_t tag, int64_t n);
