@@ -6,9 +6,9 @@
 #include <benchmark/benchmark.h>
 
 #include "absl/strings/str_cat.h"
-#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
+#include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 
 namespace tensorverbs {
 namespace {
@@ -20,9 +20,9 @@ struct Pair {
 Pair& GetPair() {
   static Pair* pair = [] {
     auto* p = new Pair;
-    std::vector<int> ports = *support::PickFreePorts(2);
-    ClusterSpec cluster = *ClusterSpec::Parse(
-        absl::StrCat("worker=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]));
+    std::vector<int> ports = *PickFreePorts(2);
+    ClusterSpec cluster =
+        *ClusterSpec::Parse(absl::StrCat("worker=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]));
     ServerOptions o;
     o.cluster = cluster;
     o.job = "worker";
@@ -40,9 +40,8 @@ void BM_GrpcRecv(benchmark::State& state) {
   const int64_t bytes = state.range(0);
   Tensor t = Tensor::Make(DataType::kUInt8, TensorShape::Of({bytes}));
   std::memset(t.data(), 7, t.TotalBytes());
-  ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(pair.sender->device_name(),
-                                                      pair.sender->incarnation(),
-                                                      pair.receiver->device_name(), "t"));
+  ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(
+      pair.sender->device_name(), pair.sender->incarnation(), pair.receiver->device_name(), "t"));
   static int64_t step = 1;
   for (auto _ : state) {
     ++step;
@@ -57,8 +56,13 @@ void BM_GrpcRecv(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * bytes);
 }
 BENCHMARK(BM_GrpcRecv)
-    ->Arg(4)->Arg(4 << 10)->Arg(1 << 20)->Arg(16 << 20)->Arg(64 << 20)
-    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+    ->Arg(4)
+    ->Arg(4 << 10)
+    ->Arg(1 << 20)
+    ->Arg(16 << 20)
+    ->Arg(64 << 20)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace tensorverbs

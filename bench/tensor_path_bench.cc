@@ -33,8 +33,8 @@
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/local_rendezvous.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
 #include "src/tensor/allocator.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/allocation_counter.h"
 
 namespace tensorverbs {
@@ -60,7 +60,7 @@ struct Pair {
 
 Pair* StartPair(const std::string& fabric) {
   auto* p = new Pair;
-  std::vector<int> ports = *support::PickFreePorts(2);
+  std::vector<int> ports = *PickFreePorts(2);
   ClusterSpec cluster =
       *ClusterSpec::Parse(absl::StrCat("worker=127.0.0.1:", ports[0], ",127.0.0.1:", ports[1]));
   ServerOptions o;

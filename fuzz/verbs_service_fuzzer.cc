@@ -19,7 +19,7 @@
 #include "fuzz/fuzz_check.h"
 #include "proto/verbs.grpc.pb.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
+#include "tensorverbs/placement.h"
 
 namespace {
 
@@ -33,7 +33,7 @@ struct Cluster {
 
 Cluster* StartCluster() {
   auto* cluster = new Cluster;
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
   FUZZ_CHECK(ports.ok(), "free ports");
   std::vector<std::string> addresses;
   for (int port : *ports) addresses.push_back(absl::StrCat("127.0.0.1:", port));

@@ -17,6 +17,7 @@
 #include "src/common/status_macros.h"
 #include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 #include "tools/bench_device.h"
 #include "tools/bench_util.h"
 
@@ -182,7 +183,7 @@ int RunBenchPeer(const BenchPeerOptions& o) {
 absl::StatusOr<std::unique_ptr<PairBench>> PairBench::Start(const BenchServerOptions& options,
                                                             const NetnsHost* netns) {
   auto bench = std::unique_ptr<PairBench>(new PairBench);
-  ASSIGN_OR_RETURN(std::vector<int> ports, support::PickFreePorts(2));
+  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(2));
   const std::string self_host = netns ? netns->local_address() : "127.0.0.1";
   const std::string peer_host = netns ? netns->remote_address() : "127.0.0.1";
   const std::string cluster =

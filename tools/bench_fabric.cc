@@ -31,6 +31,7 @@
 #include "src/fabric/fabric.h"
 #include "src/support/process_util.h"
 #include "src/support/subprocess.h"
+#include "tensorverbs/placement.h"
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 
@@ -178,10 +179,10 @@ absl::Status RunBandwidth(Side& side, support::Subprocess& peer, size_t size, in
 // fi_pingpong (libfabric-bin) on the same provider and size: {usec/xfer, MB/sec}.
 absl::StatusOr<std::pair<double, double>> RunFiPingpong(const std::string& provider, size_t size,
                                                         int iters) {
-  ASSIGN_OR_RETURN(std::vector<int> ports, support::PickFreePorts(1));
+  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(1));
   const std::string port = absl::StrCat(ports[0]);
-  std::vector<std::string> common = {"-p", provider, "-e", "rdm", "-S", absl::StrCat(size), "-I",
-                                     absl::StrCat(iters)};
+  std::vector<std::string> common = {"-p", provider,           "-e", "rdm",
+                                     "-S", absl::StrCat(size), "-I", absl::StrCat(iters)};
   std::vector<std::string> server_args = common;
   server_args.insert(server_args.end(), {"-B", port});
   ASSIGN_OR_RETURN(auto server, support::Subprocess::Start("/usr/bin/fi_pingpong", server_args));
@@ -262,8 +263,8 @@ int RunBenchFabricPeer(const BenchFabricOptions& o) {
 absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec) {
   if (spec.sizes.empty()) return absl::InvalidArgumentError("bench fabric: no sizes");
   const size_t max_size = *std::max_element(spec.sizes.begin(), spec.sizes.end());
-  const bool have_fi_pingpong = spec.compare && spec.peer_prefix.empty() &&
-                                access("/usr/bin/fi_pingpong", X_OK) == 0;
+  const bool have_fi_pingpong =
+      spec.compare && spec.peer_prefix.empty() && access("/usr/bin/fi_pingpong", X_OK) == 0;
   const std::string& provider = spec.provider;
   ASSIGN_OR_RETURN(std::unique_ptr<Side> side, Side::Open(spec.backend, provider, max_size));
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
@@ -272,22 +273,24 @@ absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec
                            provider, "--max-size", absl::StrCat(max_size)});
   const std::string path = args.front();
   args.erase(args.begin());
-  ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> peer, support::Subprocess::Start(path, args));
+  ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> peer,
+                   support::Subprocess::Start(path, args));
   absl::StatusOr<std::string> hello = peer->WaitForLine("hello ", absl::Seconds(60));
   if (!hello.ok()) {
-    return absl::Status(hello.status().code(),
-                        absl::StrCat("the bench-fabric peer did not start: ", hello.status().message()));
+    return absl::Status(hello.status().code(), absl::StrCat("the bench-fabric peer did not start: ",
+                                                            hello.status().message()));
   }
   std::vector<std::string> f = absl::StrSplit(hello->substr(6), ' ');
   RETURN_IF_ERROR(side->Connect(f));
   RETURN_IF_ERROR(Tell(*peer, absl::StrCat("connect ", side->Hello())));
   RETURN_IF_ERROR(Expect(*peer, "ok").status());
   if (spec.print) {
-    std::printf("\nfabric write-with-immediate, backend %s, provider %s, 2 processes, busy polling\n",
-                spec.backend.c_str(), provider.empty() ? "(default)" : provider.c_str());
-    std::printf("%10s %8s %12s %10s %10s %14s %14s %12s %10s %9s\n", "#bytes", "#iters",
-                "BW[GB/s]", "lat p50", "lat p99", "pingpong MB/s", "fi_pingpong", "ratio",
-                "memcpy", "x memcpy");
+    std::printf(
+        "\nfabric write-with-immediate, backend %s, provider %s, 2 processes, busy polling\n",
+        spec.backend.c_str(), provider.empty() ? "(default)" : provider.c_str());
+    std::printf("%10s %8s %12s %10s %10s %14s %14s %12s %10s %9s\n", "#bytes", "#iters", "BW[GB/s]",
+                "lat p50", "lat p99", "pingpong MB/s", "fi_pingpong", "ratio", "memcpy",
+                "x memcpy");
   }
   std::vector<FabricRow> rows;
   for (size_t size : spec.sizes) {
@@ -359,18 +362,25 @@ int RunBenchFabric(const BenchFabricOptions& o) {
     }
     rows.insert(rows.end(), got->begin(), got->end());
   }
-  std::printf("\nBW: windowed writes (window %d) until the peer acknowledges the last; lat: half the\n"
-              "round trip of a ping-pong of writes with immediate; pingpong MB/s counts both\n"
-              "directions over the ping-pong time, as fi_pingpong does; ratio = ours / fi_pingpong;\n"
-              "memcpy: one core copying between pre-faulted buffers of the size, in the same run.\n",
-              o.window);
+  std::printf(
+      "\nBW: windowed writes (window %d) until the peer acknowledges the last; lat: half the\n"
+      "round trip of a ping-pong of writes with immediate; pingpong MB/s counts both\n"
+      "directions over the ping-pong time, as fi_pingpong does; ratio = ours / fi_pingpong;\n"
+      "memcpy: one core copying between pre-faulted buffers of the size, in the same run.\n",
+      o.window);
   if (!o.json.empty()) {
     nlohmann::json out = nlohmann::json::array();
     for (const Row& r : rows) {
-      nlohmann::json j = {{"backend", o.backend}, {"provider", r.provider}, {"size_bytes", r.size},
-                          {"bw_iters", r.bw_iters}, {"lat_iters", r.lat_iters},
-                          {"bandwidth_gbps", r.bw_gbps}, {"p50_us", r.p50_us}, {"p99_us", r.p99_us},
-                          {"pingpong_mbps", r.pingpong_mbps}, {"pingpong_us", r.pingpong_us}};
+      nlohmann::json j = {{"backend", o.backend},
+                          {"provider", r.provider},
+                          {"size_bytes", r.size},
+                          {"bw_iters", r.bw_iters},
+                          {"lat_iters", r.lat_iters},
+                          {"bandwidth_gbps", r.bw_gbps},
+                          {"p50_us", r.p50_us},
+                          {"p99_us", r.p99_us},
+                          {"pingpong_mbps", r.pingpong_mbps},
+                          {"pingpong_us", r.pingpong_us}};
       if (r.memcpy_gbps > 0) {
         j["memcpy_gbps"] = r.memcpy_gbps;
         j["ratio_to_memcpy"] = r.bw_gbps / r.memcpy_gbps;

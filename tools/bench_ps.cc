@@ -25,6 +25,7 @@
 #include "src/support/process_util.h"
 #include "src/support/subprocess.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 #include "tools/bench_cluster.h"
 #include "tools/bench_models.h"
 #include "tools/bench_util.h"
@@ -230,7 +231,7 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
     ASSIGN_OR_RETURN(netns, NetnsCluster::Create(tasks));
     for (int i = 0; i < tasks; ++i) hosts[i] = netns->address(i);
   }
-  ASSIGN_OR_RETURN(std::vector<int> ports, support::PickFreePorts(tasks));
+  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(tasks));
   std::vector<std::string> ps_addrs, worker_addrs;
   for (int i = 0; i < tasks; ++i) {
     (i < o.ps ? ps_addrs : worker_addrs).push_back(absl::StrCat(hosts[i], ":", ports[i]));

@@ -22,6 +22,7 @@
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 #include "tools/bench_device.h"
 #include "tools/commands.h"
 #include "tools/demo_model.h"
@@ -397,7 +398,7 @@ int RunDemoCommand(const DemoOptions& options) {
                  std::string(s.message()).c_str());
     return 1;
   }
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(options.workers + 1);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(options.workers + 1);
   if (!ports.ok()) {
     std::fprintf(stderr, "tensorverbs demo: %s\n", ports.status().ToString().c_str());
     return 1;

@@ -42,6 +42,16 @@ absl::StatusOr<std::vector<std::string>> ExpandHostList(absl::string_view list);
 // Slurm's tasks-per-node syntax: "2(x3),1" -> 2 2 2 1.
 absl::StatusOr<std::vector<int>> ExpandTasksPerNode(absl::string_view counts);
 
+// `count` distinct TCP ports of `host` (an IPv4 address of this host) for tasks this process is
+// about to start: free now, and kept from the next pickers of this host until this process
+// exits. Picked at random below (or above) the kernel's ephemeral range
+// (/proc/sys/net/ipv4/ip_local_port_range), so no outgoing connection takes one between the pick
+// and the task's bind, and each is reserved by an abstract Unix socket named
+// "tensorverbs/port/<port>", which every picker in this network namespace (C++, Python, the
+// torch backend) checks first. Thread-safe. InvalidArgument for a host that is not an IPv4
+// address; Unavailable when no port is left.
+absl::StatusOr<std::vector<int>> PickFreePorts(int count, absl::string_view host = "127.0.0.1");
+
 }  // namespace tensorverbs
 
 #endif  // TENSORVERBS_PUBLIC_PLACEMENT_H_

@@ -732,6 +732,12 @@ PYBIND11_MODULE(_tensorverbs, m) {
       },
       py::arg("source"));
   m.def(
+      "pick_free_ports",
+      [](int count, const std::string& host) {
+        return tvp::ValueOrRaise(tensorverbs::PickFreePorts(count, host));
+      },
+      py::arg("count"), py::arg("host"));
+  m.def(
       "parse_cluster",
       [](const std::string& spec) {
         return tvp::ValueOrRaise(tensorverbs::ClusterSpec::Parse(spec)).ToString();

@@ -87,6 +87,7 @@ __all__ = [
     "Step",
     "RecvFuture",
     "available_protocols",
+    "free_ports",
     "Error",
     "StatusCode",
 ]
@@ -95,6 +96,14 @@ __all__ = [
 def available_protocols():
     """The protocols this build provides, best first."""
     return list(_tensorverbs.available_protocols())
+
+
+def free_ports(count, host="127.0.0.1"):
+    """`count` distinct TCP ports of `host` for tasks about to start on it: free now, and kept
+    from other pickers on this host (tensorverbs' own, in any process) while this process lives.
+    They come from outside the kernel's ephemeral range, so no outgoing connection takes one
+    before its task listens."""
+    return list(_tensorverbs.pick_free_ports(int(count), str(host)))
 
 
 class ClusterSpec:

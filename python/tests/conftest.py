@@ -2,7 +2,6 @@
 
 import contextlib
 import os
-import socket
 
 import pytest
 
@@ -15,12 +14,8 @@ import tensorverbs as tv
 
 
 def free_ports(n):
-    """n ports nothing listens on now (bound once and released)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    """n ports of 127.0.0.1 for tasks of this test (reserved while the test process lives)."""
+    return tv.free_ports(n)
 
 
 def cluster_of(n):

@@ -13,10 +13,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.environ.get("TENSORVERBS_CMAKE_BUILD_DIR", os.path.join(ROOT, "build"))
 
 USE_IT = textwrap.dedent("""
-    import numpy as np, socket, tensorverbs as tv
-    ports = []
-    for _ in range(2):
-        s = socket.socket(); s.bind(("127.0.0.1", 0)); ports.append(s.getsockname()[1]); s.close()
+    import numpy as np, tensorverbs as tv
+    ports = tv.free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     with tv.Server(cluster, "worker", 0) as a, tv.Server(cluster, "worker", 1) as b:
         a.wait_for_peers(30); b.wait_for_peers(30)

@@ -4,8 +4,8 @@
 #include <dirent.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,34 +18,6 @@
 #include "absl/time/clock.h"
 
 namespace tensorverbs::support {
-
-absl::StatusOr<std::vector<int>> PickFreePorts(int count) {
-  std::vector<int> fds;
-  std::vector<int> ports;
-  absl::Status status;
-  for (int i = 0; i < count && status.ok(); ++i) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) {
-      status = absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
-      break;
-    }
-    fds.push_back(fd);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    socklen_t len = sizeof(addr);
-    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-      status = absl::InternalError(absl::StrCat("bind 127.0.0.1:0: ", std::strerror(errno)));
-      break;
-    }
-    ports.push_back(ntohs(addr.sin_port));
-  }
-  for (int fd : fds) close(fd);
-  if (!status.ok()) return status;
-  return ports;
-}
 
 absl::StatusOr<std::string> SelfExecutable() {
   char exe[4096];

@@ -1,5 +1,6 @@
-// Helpers for the tools that run clusters of local processes: free-port picking, spawning this
-// binary as a child, and waiting for termination signals.
+// Helpers for the tools that run clusters of local processes: spawning this binary as a child,
+// and waiting for termination signals (their ports come from PickFreePorts in
+// tensorverbs/placement.h).
 //
 // Called from a tool's main thread only.
 #ifndef TENSORVERBS_SUPPORT_PROCESS_UTIL_H_
@@ -14,9 +15,6 @@
 #include "absl/time/time.h"
 
 namespace tensorverbs::support {
-
-// `count` distinct TCP ports on 127.0.0.1 that were free a moment ago.
-absl::StatusOr<std::vector<int>> PickFreePorts(int count);
 
 // The path of this executable (what /proc/self/exe points to).
 absl::StatusOr<std::string> SelfExecutable();

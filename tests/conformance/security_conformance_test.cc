@@ -17,7 +17,7 @@
 #include "proto/worker.grpc.pb.h"
 #include "src/rpc/security.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/inprocess_cluster.h"
 #include "tests/support/temp_dir.h"
 
@@ -384,7 +384,7 @@ TEST(RpcSecurity, ProofsDependOnTheSecretAndTheTask) {
 TEST(SecurityWarningTest, AnUnsecuredTaskListeningBeyondLoopbackWarnsOncePerProcess) {
   testing::ScopedTempDir dir;
   WriteFile(dir.File("secret"), "a cluster secret of some length");
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(4);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(4);
   ASSERT_TRUE(ports.ok()) << ports.status();
   std::string spec = "worker=";
   for (int i = 0; i < 4; ++i) absl::StrAppend(&spec, i ? "," : "", "127.0.0.1:", (*ports)[i]);

@@ -32,8 +32,8 @@
 #include "src/common/config.h"
 #include "src/device/cuda_runtime.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
 #include "tests/support/subprocess.h"
@@ -79,7 +79,7 @@ class TwoProcessDeviceTest : public ::testing::TestWithParam<Route> {
   void SetUp() override {
     ChooseRuntime();
     if (IsSkipped()) return;
-    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+    absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
     ASSERT_TRUE(ports.ok()) << ports.status();
     cluster_ = absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*ports)[1]);
     absl::StatusOr<std::unique_ptr<support::Subprocess>> peer = support::Subprocess::Start(

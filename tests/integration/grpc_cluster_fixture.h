@@ -28,8 +28,8 @@
 #include "proto/worker.pb.h"
 #include "src/common/mutex.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
 #include "tests/support/shm_regions.h"
@@ -58,7 +58,7 @@ class GrpcClusterTest : public ::testing::TestWithParam<std::string> {
 
   // A cluster of `n` worker tasks; task 0 is in this process, the others are peers.
   void StartCluster(int n, absl::Duration recv_timeout = absl::Seconds(60), bool big = false) {
-    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(n);
+    absl::StatusOr<std::vector<int>> ports = PickFreePorts(n);
     ASSERT_TRUE(ports.ok());
     ports_ = *ports;
     std::vector<std::string> addrs;

@@ -25,7 +25,7 @@ using ::testing::HasSubstr;
 using testing::Subprocess;
 
 TEST_P(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(30));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(30)));
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   PendingRecv recv(*r, Key(1, "never"));
   absl::SleepFor(absl::Milliseconds(300));
@@ -41,7 +41,7 @@ TEST_P(GrpcClusterTest, KilledPeerGivesUnavailableWithinTheDeadline) {
 // A sender frozen for less than the peer timeout (2 s here) in the middle of a 64 MiB transfer
 // is slow, not dead: when it resumes, the recv completes with the right bytes.
 TEST_P(GrpcClusterTest, APeerFrozenShorterThanThePeerTimeoutMidTransferDeliversIntact) {
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(60), /*big=*/true);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(60), /*big=*/true));
   ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
   ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());
   auto r = *server_->rendezvous_mgr()->Find(kStep);
@@ -65,7 +65,7 @@ TEST_P(GrpcClusterTest, APeerFrozenShorterThanThePeerTimeoutMidTransferDeliversI
 // the same two tasks exchange tensors again (grpc reconnects, a verbs channel is set up anew),
 // without a restart.
 TEST_P(GrpcClusterTest, AFrozenPeerFailsTheRecvWithinThePeerTimeoutAndServesOnceResumed) {
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(60));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(60)));
   ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
   ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());
   auto r = *server_->rendezvous_mgr()->Find(kStep);
@@ -86,7 +86,7 @@ TEST_P(GrpcClusterTest, AFrozenPeerFailsTheRecvWithinThePeerTimeoutAndServesOnce
 // that waits three peer timeouts (2 s here) for its tensor gets it.
 TEST_P(GrpcClusterTest, ARecvOutlivesThePeerTimeoutWhileTheSenderIsAliveButSlow) {
   late_ms_ = 6000;
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(60));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(60)));
   ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   const absl::Time start = absl::Now();
@@ -109,7 +109,7 @@ TEST_P(GrpcClusterTest, PeerKilledWhileBytesAreInFlightEndsTheRecvOnceNeverWithW
   int completed = 0, failed = 0;
   for (int delay_us : {0, 1000, 3000, 6000, 12000}) {
     SCOPED_TRACE(absl::StrCat("kill after ", delay_us, " us"));
-    StartCluster(2, /*recv_timeout=*/absl::Seconds(30), /*big=*/true);
+    ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(30), /*big=*/true));
     // Connections and channels are up, as in a running job: the kill hits a transfer, not
     // the set-up (a peer that never answered is only known dead at the recv's deadline).
     ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(30)).ok());
@@ -197,7 +197,7 @@ TEST_P(GrpcClusterTest, AReceiverFrozenWhileTheSenderWritesIsLetGoWithinThePeerT
 // doorbells for the channel cannot be made): the recv ends with an error naming the peer,
 // within its deadline, and the task works again once descriptors are free.
 TEST_P(GrpcClusterTest, RunningOutOfFileDescriptorsFailsTheRecvAndTheTaskRecovers) {
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(20));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(20)));
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   rlimit old{};
   ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
@@ -235,7 +235,7 @@ TEST_P(GrpcClusterTest, RunningOutOfMemoryFailsTheRecvAndTheTaskRecovers) {
     // when memory runs out; the verbs protocols allocate from the pool and can refuse.
     GTEST_SKIP() << "gRPC's own allocator aborts on exhaustion";
   }
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(20), /*big=*/true);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(20), /*big=*/true));
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   // Channels, threads and the pool's first region exist before the cap.
   ExpectDeliveredSoon(*r, Key(1, "scalar"), "the start");
@@ -268,7 +268,7 @@ TEST_P(GrpcClusterTest, RunningOutOfMemoryFailsTheRecvAndTheTaskRecovers) {
 }
 
 TEST_P(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
-  StartCluster(2, /*recv_timeout=*/absl::Milliseconds(1500));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Milliseconds(1500)));
   peers_[1]->Signal(SIGKILL);
   ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
   absl::Time start = absl::Now();
@@ -283,7 +283,7 @@ TEST_P(GrpcClusterTest, UnreachablePeerIsUnavailableWhenTheDeadlinePasses) {
 // at the recv's deadline (60 s): the connection watch for grpc and grpc+gdr, the channel's for
 // the verbs protocols.
 TEST_P(GrpcClusterTest, ADeadPeerFailsARecvWithinThePeerTimeoutNotItsDeadline) {
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(60));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(60)));
   peers_[1]->Signal(SIGKILL);
   ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());
   peers_[1].reset();  // reaped: TearDown has nothing to wait for

@@ -26,7 +26,7 @@ using ::testing::HasSubstr;
 using testing::Subprocess;
 
 TEST_P(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64MiB) {
-  StartCluster(2, absl::Seconds(60), /*big=*/true);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, absl::Seconds(60), /*big=*/true));
   auto r = *server_->rendezvous_mgr()->Find(kStep);
   for (const testing::Fixture& f : testing::MakeFixtures(/*seed=*/1, /*with_big=*/true)) {
     PendingRecv recv(*r, Key(1, f.name));
@@ -46,7 +46,7 @@ TEST_P(GrpcClusterTest, TwoProcessesExchangeEveryDtypeEmptyRank8StringsDeadAnd64
 }
 
 TEST_P(GrpcClusterTest, ThreeProcessesConcurrentRecvsFromTwoPeers) {
-  StartCluster(3);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(3));
   std::vector<ParsedKey> keys;
   std::vector<Tensor> expected;
   for (int task = 1; task <= 2; ++task) {
@@ -67,7 +67,7 @@ TEST_P(GrpcClusterTest, ThreeProcessesConcurrentRecvsFromTwoPeers) {
 }
 
 TEST_P(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
-  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
   // The peer never sends "late"; task 0 sends to itself through the same rendezvous instead to
   // show local matching, while the remote recv waits and is then failed by the step cleanup.
   auto r = *server_->rendezvous_mgr()->Find(kStep + 1);
@@ -80,7 +80,7 @@ TEST_P(GrpcClusterTest, RecvBeforeSendWaitsForTheProducer) {
 }
 
 TEST_P(GrpcClusterTest, StepCleanupOnThePeer) {
-  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
   absl::StatusOr<grpc_transport::WorkerClient*> peer = server_->Worker(TaskName("worker", 1));
   ASSERT_TRUE(peer.ok());
   // A recv waiting on the peer for a step is failed when the peer cleans that step up.
@@ -101,7 +101,7 @@ TEST_P(GrpcClusterTest, StepCleanupOnThePeer) {
 }
 
 TEST_P(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
-  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
   const uint64_t old_incarnation = incarnations_[1];
   ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());
   peers_[1]->Signal(SIGKILL);
@@ -129,7 +129,7 @@ TEST_P(GrpcClusterTest, RestartedPeerIsDetectedAndItsNewIncarnationServes) {
 // the waiting recv ends once, with an error naming the peer, and the step goes on with the new
 // incarnation, whose tensors of the same step arrive intact.
 TEST_P(GrpcClusterTest, APeerRestartedMidStepFailsTheRecvWaitingOnItAndTheStepGoesOn) {
-  StartCluster(2, /*recv_timeout=*/absl::Seconds(30));
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2, /*recv_timeout=*/absl::Seconds(30)));
   ASSERT_TRUE(Recv(kStep, Key(1, "scalar")).ok());  // the step is under way
   std::shared_ptr<RemoteRendezvous> r = *server_->rendezvous_mgr()->Find(kStep);
   PendingRecv waiting(*r, Key(1, "never"));
@@ -156,7 +156,7 @@ TEST_P(GrpcClusterTest, APeerRestartedMidStepFailsTheRecvWaitingOnItAndTheStepGo
 }
 
 TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
-  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
   absl::StatusOr<grpc_transport::WorkerClient*> peer = server_->Worker(TaskName("worker", 1));
   ASSERT_TRUE(peer.ok());
   auto raw_recv = [&](const std::string& key, int64_t step) {
@@ -200,7 +200,7 @@ TEST_P(GrpcClusterTest, MalformedRequestsAreRejectedAndThePeerKeepsServing) {
 }
 
 TEST_P(GrpcClusterTest, KeysNamingTasksOutsideTheClusterFail) {
-  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
   ParsedKey key = *ParsedKey::Parse(
       ParsedKey::Create(CpuDeviceName("worker", 9), 1, server_->device_name(), "x"));
   absl::StatusOr<Tensor> got = Recv(kStep, key);
@@ -209,7 +209,7 @@ TEST_P(GrpcClusterTest, KeysNamingTasksOutsideTheClusterFail) {
 }
 
 TEST_P(GrpcClusterTest, PortInUseAndUnknownTaskAreClearErrors) {
-  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
   ServerOptions options;
   options.cluster = *ClusterSpec::Parse(cluster_);
   options.job = "worker";
@@ -230,7 +230,7 @@ TEST_P(GrpcClusterTest, PortInUseAndUnknownTaskAreClearErrors) {
 }
 
 TEST_P(GrpcClusterTest, WaitForPeersNamesMissingTasks) {
-  StartCluster(2);
+  ASSERT_NO_FATAL_FAILURE(StartCluster(2));
   EXPECT_TRUE(server_->WaitForPeers(absl::Seconds(10)).ok());
   peers_[1]->Signal(SIGKILL);
   ASSERT_TRUE(peers_[1]->Wait(absl::Seconds(10)).ok());

@@ -20,7 +20,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "proto/worker.grpc.pb.h"
-#include "src/support/process_util.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/temp_dir.h"
 
@@ -344,7 +344,7 @@ TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
 }
 
 TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(1);
   ASSERT_TRUE(ports.ok());
   std::unique_ptr<support::Subprocess> server;
   std::string line;
@@ -358,7 +358,7 @@ TEST(ToolTest, ServerRunsUntilSigtermAndShutsDownCleanly) {
 // Under Slurm the server takes its cluster, job and task from srun's variables; without them it
 // exits with a usage error (placement_test checks each message).
 TEST(ToolTest, ServerTakesItsPlaceFromSlurm) {
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(1);
   ASSERT_TRUE(ports.ok());
   for (const char* v : {"SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS"}) {
     unsetenv(v);
@@ -414,7 +414,7 @@ TEST(ToolTest, ServerAndDemoTakeTheSecurityOptions) {
   ASSERT_TRUE(demo_rc.ok()) << demo_rc.status();
   EXPECT_NE(*demo_rc, 0);
 
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(1);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(1);
   ASSERT_TRUE(ports.ok());
   const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
   std::unique_ptr<support::Subprocess> server;
@@ -438,7 +438,7 @@ TEST(ToolTest, ServerAndDemoTakeTheSecurityOptions) {
 TEST(ToolTest, StatsShowsARunningTaskAndTheServerWritesItsMetricsFile) {
   ScopedTempDir dir;
   const std::string metrics = dir.File("tensorverbs.prom");
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
   ASSERT_TRUE(ports.ok());
   const std::string address = absl::StrCat("127.0.0.1:", (*ports)[0]);
   std::unique_ptr<support::Subprocess> server;

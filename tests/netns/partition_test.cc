@@ -14,8 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
 #include "tests/support/subprocess.h"
@@ -51,7 +51,7 @@ class PartitionTest : public ::testing::TestWithParam<std::string> {
   // Task 1 in the namespace, sending the standard fixtures (with the 64 MiB one) at kStep;
   // task 0 here, with a 2 s peer timeout and a 60 s recv timeout.
   void StartJob() {
-    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+    absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
     ASSERT_TRUE(ports.ok()) << ports.status();
     const std::string cluster = absl::StrCat("worker=", host_->local_address(), ":", (*ports)[0],
                                              ",", host_->remote_address(), ":", (*ports)[1]);

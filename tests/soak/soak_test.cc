@@ -30,6 +30,7 @@
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/subprocess.h"
 
 namespace tensorverbs {
@@ -70,7 +71,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
   const absl::Duration length = absl::Seconds(EnvInt("TV_SOAK_SECONDS", 600));
   const char* protocol_env = std::getenv("TV_SOAK_PROTOCOL");
   const std::string protocol = protocol_env != nullptr ? protocol_env : "grpc+verbs";
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(3);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(3);
   ASSERT_TRUE(ports.ok()) << ports.status();
   std::vector<std::string> addresses;
   for (int p : *ports) addresses.push_back(absl::StrCat("127.0.0.1:", p));

@@ -18,7 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "src/protocol/message.h"
 #include "src/server/server.h"
-#include "src/support/process_util.h"
+#include "tensorverbs/placement.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
 
@@ -60,7 +60,7 @@ class InProcessCluster {
 
   absl::Status Start(int n, const ClusterOptions& o) {
     Stop();
-    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(n);
+    absl::StatusOr<std::vector<int>> ports = PickFreePorts(n);
     if (!ports.ok()) return ports.status();
     std::vector<std::string> addrs;
     for (int p : *ports) addrs.push_back(absl::StrCat("127.0.0.1:", p));

@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "python/src/torch/collective.h"
 #include "python/src/torch/work.h"
+#include "tensorverbs/placement.h"
 #include "tensorverbs/version.h"
 
 namespace tensorverbs::torch_backend {
@@ -79,28 +80,6 @@ std::string HostAddress() {
   return "127.0.0.1";
 }
 
-// A port free on `host` now; the task binds it a moment later.
-int FreePort(const std::string& host) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) Throw(absl::StrCat("socket(): ", std::strerror(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  if (inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    close(fd);
-    Throw(absl::StrCat("TENSORVERBS_HOST '", host, "' is not an IPv4 address of this host"));
-  }
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int err = errno;
-    close(fd);
-    Throw(absl::StrCat("cannot bind a port on ", host, ": ", std::strerror(err),
-                       " (set TENSORVERBS_HOST to an address of this host)"));
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // torch's errors carry a C++ backtrace after their first line.
 std::string FirstLine(const char* text) {
   const char* end = std::strchr(text, '\n');
@@ -121,7 +100,14 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
   if (timeout.count() <= 0) timeout = std::chrono::minutes(30);
   const std::string protocol = Env("TENSORVERBS_PROTOCOL", "grpc+verbs");
   const std::string host = HostAddress();
-  const std::string address = absl::StrCat(host, ":", FreePort(host));
+  // Picked outside the ephemeral range and reserved on this host (tensorverbs/placement.h):
+  // the task binds it only after every rank read the addresses.
+  absl::StatusOr<std::vector<int>> port = tensorverbs::PickFreePorts(1, host);
+  if (!port.ok()) {
+    Throw(absl::StrCat(port.status().message(),
+                       " (set TENSORVERBS_HOST to an address of this host)"));
+  }
+  const std::string address = absl::StrCat(host, ":", (*port)[0]);
   // A group made again over the same store (init after destroy) must not read the last one's
   // addresses: every rank counts its own inits, which agree when the ranks do.
   const int64_t generation = store->add(absl::StrCat("tensorverbs/inits/", rank), 1);

@@ -14,7 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "src/common/mutex.h"
-#include "src/support/process_util.h"
+#include "tensorverbs/placement.h"
 
 namespace tensorverbs {
 namespace {
@@ -35,7 +35,7 @@ TaskOptions OptionsFor(const ClusterSpec& cluster, int task) {
 class TaskTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+    absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
     ASSERT_TRUE(ports.ok()) << ports.status();
     cluster_ = *ClusterSpec::Parse(
         absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*ports)[1]));
@@ -57,7 +57,7 @@ class TaskTest : public ::testing::Test {
 // its incarnation may take up to 30 s, so a thread of its own asks), and the recv completes once
 // the peer is up and sends.
 TEST(TaskAloneTest, RecvAsyncFromAPeerNotStartedYetReturnsAtOnceAndCompletesWhenItSends) {
-  absl::StatusOr<std::vector<int>> ports = support::PickFreePorts(2);
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
   ASSERT_TRUE(ports.ok()) << ports.status();
   const ClusterSpec cluster = *ClusterSpec::Parse(
       absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*ports)[1]));

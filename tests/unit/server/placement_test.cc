@@ -1,9 +1,23 @@
 // TaskPlacement from a launcher's variables (include/tensorverbs/placement.h): Slurm's host
-// lists and task counts as srun sets them, TF_CONFIG, and every malformed variable named.
+// lists and task counts as srun sets them, TF_CONFIG, and every malformed variable named; and
+// the ports PickFreePorts hands to the tasks a process starts.
 #include "tensorverbs/placement.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <string>
 
 namespace tensorverbs {
 namespace {
@@ -112,6 +126,81 @@ TEST(PlacementTest, TfConfigGivesTheClusterAndTheTask) {
   }
   EXPECT_THAT(std::string(PlacementFromVariables("k8s", {}).status().message()),
               HasSubstr("slurm or tf_config"));
+}
+
+// True when `port` of 127.0.0.1 can be bound (and is released again).
+bool Bindable(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return ok;
+}
+
+TEST(PickFreePortsTest, PortsAreDistinctFreeAndOutsideTheEphemeralRange) {
+  int lo = 32768, hi = 60999;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    ASSERT_EQ(std::fscanf(f, "%d %d", &lo, &hi), 2);
+    std::fclose(f);
+  }
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(50);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  ASSERT_EQ(ports->size(), 50u);
+  EXPECT_EQ(std::set<int>(ports->begin(), ports->end()).size(), 50u);
+  for (int p : *ports) {
+    EXPECT_TRUE(p < lo || p > hi) << p << " is in the ephemeral range " << lo << "-" << hi;
+    EXPECT_GE(p, 10000);
+    EXPECT_TRUE(Bindable(p)) << p;
+  }
+}
+
+TEST(PickFreePortsTest, APickedPortIsKeptFromEveryOtherPickerWhileThisProcessLives) {
+  absl::StatusOr<std::vector<int>> mine = PickFreePorts(20);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  // The reservation other pickers (the Python package's, the torch backend's) look for.
+  const int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string name = "tensorverbs/port/" + std::to_string((*mine)[0]);
+  std::memcpy(addr.sun_path + 1, name.data(), name.size());
+  const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  EXPECT_NE(bind(fd, reinterpret_cast<sockaddr*>(&addr), len), 0);
+  EXPECT_EQ(errno, EADDRINUSE);
+  close(fd);
+  // Another process picking many never gets one of them.
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    absl::StatusOr<std::vector<int>> theirs = PickFreePorts(500);
+    int code = theirs.ok() ? 0 : 2;
+    if (theirs.ok()) {
+      for (int p : *theirs) {
+        if (write(out[1], &p, sizeof(p)) != sizeof(p)) code = 3;
+      }
+    }
+    _exit(code);
+  }
+  close(out[1]);
+  std::set<int> theirs;
+  int p = 0;
+  while (read(out[0], &p, sizeof(p)) == sizeof(p)) theirs.insert(p);
+  close(out[0]);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) << wstatus;
+  EXPECT_EQ(theirs.size(), 500u);
+  for (int q : *mine) EXPECT_EQ(theirs.count(q), 0u) << q << " was handed out twice";
+}
+
+TEST(PickFreePortsTest, AHostThatIsNotAnAddressIsRefused) {
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(1, "not-an-address");
+  EXPECT_EQ(ports.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ports.status().message(), HasSubstr("not-an-address"));
 }
 
 }  // namespace
