@@ -141,6 +141,7 @@ std::vector<std::string> BenchServerOptions::ToArgs() const {
     args.insert(args.end(), {"--callback-threads", absl::StrCat(callback_threads)});
   }
   if (send_device != "cpu") args.insert(args.end(), {"--send-device", send_device});
+  if (!fabric.empty()) args.insert(args.end(), {"--fabric", fabric});
   return args;
 }
 
@@ -149,6 +150,7 @@ void BenchServerOptions::Apply(ServerOptions* options) const {
   if (message_slots > 0) options->verbs.channel.message_slots = message_slots;
   if (message_batch > 0) options->verbs.channel.message_batch = message_batch;
   if (!poll_mode.empty()) options->verbs.poll_mode = poll_mode;
+  if (!fabric.empty()) options->verbs.fabric = fabric;
   if (callback_threads >= 0) options->callback_threads = callback_threads;
   // A benchmark that stalls should fail in minutes, not after the default ten.
   options->transfer.recv_timeout = absl::Minutes(2);

@@ -25,10 +25,10 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "tensorverbs/parsed_key.h"
 #include "src/server/server.h"
-#include "tools/netns.h"
 #include "src/support/subprocess.h"
+#include "tensorverbs/parsed_key.h"
+#include "tools/netns.h"
 
 namespace tensorverbs::tools {
 
@@ -39,11 +39,12 @@ absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& li
 // What every process of one benchmark configuration runs with.
 struct BenchServerOptions {
   std::string protocol = "grpc+verbs";
-  int message_slots = 0;      // 0: TENSORVERBS_MESSAGE_SLOTS
-  int message_batch = 0;      // 0: TENSORVERBS_MESSAGE_BATCH
-  std::string poll_mode;      // empty: TENSORVERBS_POLL_MODE
-  int callback_threads = -1;  // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
+  int message_slots = 0;            // 0: TENSORVERBS_MESSAGE_SLOTS
+  int message_batch = 0;            // 0: TENSORVERBS_MESSAGE_BATCH
+  std::string poll_mode;            // empty: TENSORVERBS_POLL_MODE
+  int callback_threads = -1;        // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
   std::string send_device = "cpu";  // where the sender's tensors live: cpu, cuda, cuda:N
+  std::string fabric;               // empty: TENSORVERBS_FABRIC
 
   // As command-line flags of `bench-peer` / `bench-ps-task`.
   std::vector<std::string> ToArgs() const;

@@ -201,6 +201,14 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
              {"copies", server->stats().copies.load() - copies0},
              {"fabric",
               server->verbs_transport() ? server->verbs_transport()->fabric_name() : "tcp (gRPC)"}};
+  // Each channel's own fabric (a task with peers on its host and elsewhere has two).
+  if (auto* verbs = server->verbs_transport()) {
+    std::map<std::string, int> channels;
+    for (const auto& c : verbs->ChannelSnapshots(absl::Seconds(10))) {
+      if (c.state == "ready") ++channels[c.fabric];
+    }
+    (*result)["channels"] = channels;
+  }
   // Report, then keep serving until the launcher says every task is done: the peers' last
   // transfers may still be reading this task's memory.
   std::printf("result %s\n", result->dump().c_str());
@@ -214,6 +222,8 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
 
 struct PsRow {
   std::string model, protocol, fabric;
+  std::string channels;        // ready channels of every task, by fabric: "shmem (shmem) x12, ..."
+  std::string fabric_setting;  // the TENSORVERBS_FABRIC it ran with (empty: the environment's)
   int workers = 0, ps = 0;
   double step_ms_p50 = 0, step_ms_p90 = 0;
   double gbps = 0;  // weights and gradients moved per second
@@ -222,14 +232,19 @@ struct PsRow {
 };
 
 absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string& protocol,
-                                int workers, const BenchPsOptions& o, int64_t step_base) {
+                                const std::string& fabric, int workers, const BenchPsOptions& o,
+                                int64_t step_base) {
   ASSIGN_OR_RETURN(ModelSpec model, GetModel(model_name));
   const int tasks = o.ps + workers;
   std::unique_ptr<NetnsCluster> netns;
   std::vector<std::string> hosts(tasks, "127.0.0.1");
+  // Task i runs on host host_of[i]: one per task, or --hosts of them in blocks (Slurm's
+  // block distribution), so that the ps shares its host with the first workers.
+  std::vector<int> host_of(tasks);
+  for (int i = 0; i < tasks; ++i) host_of[i] = o.hosts > 0 ? i * o.hosts / tasks : i;
   if (o.netns) {
-    ASSIGN_OR_RETURN(netns, NetnsCluster::Create(tasks));
-    for (int i = 0; i < tasks; ++i) hosts[i] = netns->address(i);
+    ASSIGN_OR_RETURN(netns, NetnsCluster::Create(o.hosts > 0 ? o.hosts : tasks));
+    for (int i = 0; i < tasks; ++i) hosts[i] = netns->address(host_of[i]);
   }
   ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(tasks));
   std::vector<std::string> ps_addrs, worker_addrs;
@@ -242,10 +257,12 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
   BenchServerOptions server;
   server.protocol = protocol;
   server.poll_mode = o.poll_mode;
+  server.fabric = fabric;
   std::vector<std::unique_ptr<support::Subprocess>> children;
   for (int i = 0; i < tasks; ++i) {
     const bool is_ps = i < o.ps;
-    std::vector<std::string> args = netns ? netns->ExecPrefix(i) : std::vector<std::string>{};
+    std::vector<std::string> args =
+        netns ? netns->ExecPrefix(host_of[i]) : std::vector<std::string>{};
     args.insert(args.end(),
                 {exe, "bench-ps-task", "--cluster", cluster, "--job", is_ps ? kPs : kWorker,
                  "--task", absl::StrCat(is_ps ? i : i - o.ps), "--model", model_name, "--workers",
@@ -274,6 +291,14 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
   row.workers = workers;
   row.ps = o.ps;
   row.fabric = results[o.ps].value("fabric", "");
+  std::map<std::string, int> channels;
+  for (const nlohmann::json& r : results) {
+    if (!r.contains("channels")) continue;
+    for (const auto& [name, count] : r["channels"].items()) channels[name] += count.get<int>();
+  }
+  for (const auto& [name, count] : channels) {
+    absl::StrAppend(&row.channels, row.channels.empty() ? "" : ", ", name, " x", count);
+  }
   // A step ends when the slowest worker has its weights: take, per step, the slowest worker.
   std::vector<double> steps(o.steps, 0);
   double copies = 0, cpu = 0;
@@ -329,6 +354,15 @@ int RunBenchPs(const BenchPsOptions& o) {
     return 2;
   }
   const std::vector<std::string> protocols = *parsed;
+  std::vector<std::string> fabrics;
+  for (absl::string_view f : absl::StrSplit(o.fabrics, ',', absl::SkipWhitespace())) {
+    fabrics.emplace_back(f);
+  }
+  if (fabrics.empty()) fabrics.push_back("");  // the environment's TENSORVERBS_FABRIC
+  if (o.hosts < 0 || (o.hosts > 0 && !o.netns)) {
+    std::fprintf(stderr, "tensorverbs bench ps: --hosts needs --netns (and a count >= 1)\n");
+    return 2;
+  }
   if (models.empty() || worker_counts.empty() || o.ps < 1 || o.steps < 1 || o.warmup < 0) {
     std::fprintf(stderr,
                  "tensorverbs bench ps: --model, --workers, --ps and --steps must be set\n");
@@ -351,23 +385,33 @@ int RunBenchPs(const BenchPsOptions& o) {
           "\nbench ps: %s (%zu variables, %.2f M parameters, %.1f MiB), %d ps + %d "
           "workers%s, %d steps after %d warm-up\n",
           m.c_str(), spec.variables.size(), spec.parameters() / 1e6, spec.bytes() / 1048576.0, o.ps,
-          workers, o.netns ? " (one netns each)" : "", o.steps, o.warmup);
+          workers,
+          !o.netns      ? ""
+          : o.hosts > 0 ? absl::StrCat(" on ", o.hosts, " hosts (netns), in blocks").c_str()
+                        : " (one netns each)",
+          o.steps, o.warmup);
       std::printf("%16s %12s %12s %10s %12s %12s  %s\n", "protocol", "step p50 ms", "step p90 ms",
                   "GB/s", "copies/step", "CPU s/step", "fabric");
       std::vector<PsRow> group;
       for (const std::string& protocol : protocols) {
-        absl::StatusOr<PsRow> row = RunConfig(m, protocol, workers, o, step_base);
-        step_base += 1000;
-        if (!row.ok()) {
-          std::fprintf(stderr, "tensorverbs bench ps: %s, %s, %d workers: %s\n", m.c_str(),
-                       protocol.c_str(), workers, row.status().ToString().c_str());
-          return 1;
+        for (const std::string& fabric : fabrics) {
+          absl::StatusOr<PsRow> row = RunConfig(m, protocol, fabric, workers, o, step_base);
+          step_base += 1000;
+          if (!row.ok()) {
+            std::fprintf(stderr, "tensorverbs bench ps: %s, %s, %d workers: %s\n", m.c_str(),
+                         protocol.c_str(), workers, row.status().ToString().c_str());
+            return 1;
+          }
+          row->fabric_setting = fabric;
+          std::printf(
+              "%16s %12.1f %12.1f %10.2f %12.0f %12.2f  %s%s\n", protocol.c_str(), row->step_ms_p50,
+              row->step_ms_p90, row->gbps, row->copies_per_step, row->cpu_s_per_step,
+              fabric.empty() ? "" : absl::StrCat("[TENSORVERBS_FABRIC=", fabric, "] ").c_str(),
+              row->fabric.c_str());
+          if (!row->channels.empty()) std::printf("%16s channels: %s\n", "", row->channels.c_str());
+          std::fflush(stdout);
+          group.push_back(*row);
         }
-        std::printf("%16s %12.1f %12.1f %10.2f %12.0f %12.2f  %s\n", protocol.c_str(),
-                    row->step_ms_p50, row->step_ms_p90, row->gbps, row->copies_per_step,
-                    row->cpu_s_per_step, row->fabric.c_str());
-        std::fflush(stdout);
-        group.push_back(*row);
       }
       // Zero copy against the best of the others, as the seeds compare.
       const PsRow* zero = nullptr;
@@ -401,7 +445,10 @@ int RunBenchPs(const BenchPsOptions& o) {
                      {"steps_per_s", 1e3 / r.step_ms_p50},
                      {"copies_per_step", r.copies_per_step},
                      {"cpu_s_per_step", r.cpu_s_per_step},
-                     {"netns", o.netns}});
+                     {"netns", o.netns},
+                     {"hosts", o.hosts},
+                     {"fabric_setting", r.fabric_setting},
+                     {"channels", r.channels}});
     }
     if (!WriteJsonRows(o.json, out, "tensorverbs bench ps")) return 1;
   }

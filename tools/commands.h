@@ -113,6 +113,12 @@ struct BenchPsOptions {
   int steps = 10;
   int warmup = 2;
   bool netns = false;  // every task in its own network namespace on a bridge
+  // With netns: this many hosts (namespaces on a bridge), the tasks spread over them in blocks
+  // (0: one host per task).
+  int hosts = 0;
+  // Comma-separated TENSORVERBS_FABRIC values, each run in turn on the same layout (empty: the
+  // environment's).
+  std::string fabrics;
   std::string json;
   std::string poll_mode;
 };

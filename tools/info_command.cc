@@ -98,8 +98,9 @@ int RunInfoCommand() {
 
   if (config.fabric == "auto") {
     std::printf(
-        "  grpc+verbs picks (TENSORVERBS_FABRIC=auto): shmem when every task is on this "
-        "host, else ibverbs where a port is usable, else libfabric (below)\n");
+        "  grpc+verbs picks (TENSORVERBS_FABRIC=auto) per peer: shmem for the tasks on this "
+        "host (same boot and network namespace, checked at channel set-up), and for the others "
+        "ibverbs where a port is usable, else libfabric (below)\n");
   } else {
     std::printf("  grpc+verbs uses %s (TENSORVERBS_FABRIC)\n", config.fabric.c_str());
   }

@@ -156,6 +156,10 @@ int main(int argc, char** argv) {
   bench_ps->add_option("--steps", ps.steps, "Measured steps")->default_val(ps.steps);
   bench_ps->add_option("--warmup", ps.warmup, "Warm-up steps")->default_val(ps.warmup);
   bench_ps->add_flag("--netns", ps.netns, "Every task in its own network namespace (root)");
+  bench_ps->add_option("--hosts", ps.hosts,
+                       "With --netns: this many hosts, the tasks spread over them in blocks");
+  bench_ps->add_option("--fabrics", ps.fabrics,
+                       "TENSORVERBS_FABRIC values to run in turn, comma-separated (auto,ofi)");
   bench_ps->add_option("--json", ps.json, "Write JSON rows to this file");
   bench_ps->add_option("--poll-mode", ps.poll_mode, "busy, blocking or adaptive");
 
@@ -174,6 +178,7 @@ int main(int argc, char** argv) {
   ps_task_cmd->add_option("--message-slots", ps_task.server.message_slots);
   ps_task_cmd->add_option("--message-batch", ps_task.server.message_batch);
   ps_task_cmd->add_option("--poll-mode", ps_task.server.poll_mode);
+  ps_task_cmd->add_option("--fabric", ps_task.server.fabric);
   ps_task_cmd->add_option("--callback-threads", ps_task.server.callback_threads);
 
   BenchPeerOptions bench_peer;

@@ -40,8 +40,9 @@ class ClusterSpec {
 // Checks "host:port" / "[v6]:port" with a port in 1..65535.
 absl::Status ValidateAddress(absl::string_view address);
 
-// True if a valid HOST:PORT names this host (localhost, a 127.x or ::1 address, or this
-// host's name): peers there can use shared memory.
+// True if a valid HOST:PORT names this host: localhost, a 127.x or ::1 address, this host's
+// name, or an address of one of this network namespace's interfaces (or a name that resolves
+// to one). Peers there can use shared memory. Resolves names: may block on DNS.
 bool AddressIsLocal(absl::string_view address);
 
 }  // namespace tensorverbs

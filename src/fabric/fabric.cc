@@ -1,7 +1,14 @@
 #include "src/fabric/fabric.h"
 
-#include <algorithm>
+#include <poll.h>
+#include <sys/stat.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -44,6 +51,58 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenDomain(absl::string_view backend,
       "fabric: unknown backend '", backend, "'; available: ", absl::StrJoin(BackendNames(), ", ")));
 }
 
+absl::Status SleepOn(absl::Span<Domain* const> domains, absl::Duration timeout) {
+  // The progress thread sleeps often in the blocking and adaptive modes: no allocation per sleep.
+  thread_local std::vector<pollfd> fds;
+  thread_local std::vector<size_t> ends;
+  fds.clear();
+  ends.clear();
+  bool may_sleep = timeout > absl::ZeroDuration();
+  absl::Status status;
+  for (Domain* d : domains) {
+    absl::StatusOr<bool> ok = d->PrepareToSleep(&fds, &timeout);
+    ends.push_back(fds.size());
+    if (!ok.ok()) {
+      status = ok.status();
+      may_sleep = false;
+      break;
+    }
+    may_sleep &= *ok;
+  }
+  if (may_sleep && timeout > absl::ZeroDuration()) {
+    const timespec ts = absl::ToTimespec(timeout);
+    if (ppoll(fds.data(), fds.size(), &ts, nullptr) < 0 && errno != EINTR) {
+      status = absl::UnavailableError(absl::StrCat("fabric: ppoll: ", std::strerror(errno)));
+    }
+  } else {
+    for (pollfd& f : fds) f.revents = 0;
+  }
+  // Every domain that prepared finishes, whatever happened after it.
+  size_t begin = 0;
+  for (size_t i = 0; i < ends.size(); ++i) {
+    domains[i]->FinishSleep(absl::MakeConstSpan(fds.data() + begin, ends[i] - begin));
+    begin = ends[i];
+  }
+  return status;
+}
+
+const std::string& ThisHostIdentity() {
+  static const std::string* identity = [] {
+    std::string boot = "unknown-boot";
+    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+      char line[64] = {};
+      if (std::fgets(line, sizeof(line), f) != nullptr) {
+        boot = std::string(absl::StripAsciiWhitespace(line));
+      }
+      std::fclose(f);
+    }
+    struct stat ns {};
+    const uint64_t netns = stat("/proc/self/ns/net", &ns) == 0 ? ns.st_ino : 0;
+    return new std::string(absl::StrCat(boot, "/net:", netns));
+  }();
+  return *identity;
+}
+
 bool UsesSharedMemory(const FabricChoice& choice) {
   return choice.fabric == "shmem" || (choice.fabric == "auto" && choice.all_peers_local);
 }
@@ -65,12 +124,31 @@ std::string ChooseOfiProvider(const std::string& configured, bool all_peers_loca
 
 std::vector<std::string> ListOfiProviders() { return ofi::ListUsableProviders(); }
 
-absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
+namespace {
+
+DomainOptions OptionsOf(const FabricChoice& choice) {
   DomainOptions options;
   options.rdma = choice.rdma;
   options.device_memory = choice.device_memory;
   options.copy_threads = choice.copy_threads;
   options.peer_copy = choice.peer_copy;
+  return options;
+}
+
+}  // namespace
+
+bool OpensSameHostFabric(const FabricChoice& choice) {
+  return choice.fabric == "auto" && !choice.all_peers_local && choice.some_peers_local;
+}
+
+absl::StatusOr<std::unique_ptr<Domain>> OpenSameHostFabric(const FabricChoice& choice) {
+  return OpenDomain("shmem", OptionsOf(choice));
+}
+
+bool SameHostOnly(absl::string_view family) { return family == "shmem" || family == "ofi/shm"; }
+
+absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
+  DomainOptions options = OptionsOf(choice);
   const std::string& fabric = choice.fabric;
   if (fabric == "loopback" || fabric == "ibverbs" || fabric == "shmem") {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain(fabric, options);
@@ -82,16 +160,16 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {
     return d;
   }
   if (fabric != "auto" && fabric != "ofi") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown fabric '", fabric, "'; expected auto, shmem, ofi, ibverbs or loopback"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown fabric '", fabric, "'; expected auto, shmem, ofi, ibverbs or loopback"));
   }
   std::string shmem_reason;
   if (UsesSharedMemory(choice)) {
     absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain("shmem", options);
     if (d.ok()) return d;
     shmem_reason = std::string(d.status().message());
-    LOG(WARNING) << "every peer is on this host but the shmem fabric cannot open ("
-                 << shmem_reason << "); trying the others";
+    LOG(WARNING) << "every peer is on this host but the shmem fabric cannot open (" << shmem_reason
+                 << "); trying the others";
   }
   std::string ibverbs_reason;
 #if defined(TENSORVERBS_HAVE_IBVERBS)

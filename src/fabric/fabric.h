@@ -26,6 +26,9 @@
 #ifndef TENSORVERBS_FABRIC_FABRIC_H_
 #define TENSORVERBS_FABRIC_FABRIC_H_
 
+#include <poll.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -255,7 +258,32 @@ class Domain {
   // Ends the current Wait, or makes the next one return at once. The only Domain method any
   // thread may call at any time: it is how work queued for the progress thread wakes it.
   virtual void Interrupt() = 0;
+
+  // Wait in two halves, so that one thread can sleep on several domains at once (DomainSet,
+  // and SleepOn below, on which the backends build their Wait). PrepareToSleep arms the
+  // domain's wake-ups and appends the fds whose readiness ends the sleep (Interrupt's among
+  // them) to `fds`, lowering `*timeout` where the domain must be polled again sooner. It
+  // returns false when a completion may be ready already: the caller polls instead of
+  // sleeping. FinishSleep follows every PrepareToSleep, with the fds the domain appended, their
+  // revents set by the caller's poll (0 where it did not sleep), and drains them. The default
+  // suits a domain with no fd to sleep on (loopback): no fds, and naps of at most 50 us.
+  virtual absl::StatusOr<bool> PrepareToSleep(std::vector<pollfd>* fds, absl::Duration* timeout) {
+    (void)fds;
+    *timeout = std::min(*timeout, absl::Microseconds(50));
+    return true;
+  }
+  virtual void FinishSleep(absl::Span<const pollfd> fds) { (void)fds; }
 };
+
+// Sleeps on every domain of `domains` (PrepareToSleep, one poll of all their fds, FinishSleep)
+// until one may have a completion or `timeout` passes. A domain's Wait, or a DomainSet's.
+absl::Status SleepOn(absl::Span<Domain* const> domains, absl::Duration timeout);
+
+// What tells two tasks they share a host, so that the same-host fabric can join them: this
+// boot of the kernel (/proc/sys/kernel/random/boot_id) and this process's network namespace
+// (the inode of /proc/self/ns/net). Two network namespaces of one machine are two hosts:
+// their tasks reach each other over the network only, as the netns tests require. Read once.
+const std::string& ThisHostIdentity();
 
 // The backends compiled in: "loopback", "ofi", and "ibverbs" when rdma-core was found.
 std::vector<std::string> BackendNames();
@@ -274,6 +302,9 @@ struct FabricChoice {
   std::shared_ptr<DeviceMemory> device_memory;  // DomainOptions::device_memory
   int copy_threads = 0;                         // DomainOptions::copy_threads
   bool peer_copy = true;                        // DomainOptions::peer_copy
+  // Some peers run on this host and others do not: "auto" then opens the same-host fabric for
+  // the first beside the network fabric for the others (OpensSameHostFabric).
+  bool some_peers_local = false;
 
   static FabricChoice FromConfig(const Config& config, bool all_peers_local) {
     return FabricChoice{
@@ -291,6 +322,17 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice);
 // (the pool allocator's regions) should then come from SharedMemory, so a write is one memcpy
 // instead of the kernel's cross-memory copy.
 bool UsesSharedMemory(const FabricChoice& choice);
+
+// Whether a task opens the same-host shmem fabric for its peers on this host beside the fabric
+// OpenFabric chose for the others: "auto", with some peers on this host but not all. Memory
+// peers write into should then come from SharedMemory too.
+bool OpensSameHostFabric(const FabricChoice& choice);
+// The same-host fabric of such a task, with the choice's options.
+absl::StatusOr<std::unique_ptr<Domain>> OpenSameHostFabric(const FabricChoice& choice);
+// Whether a fabric family (Capabilities::family) reaches only peers on its own host (the shmem
+// backend, libfabric's shm): its peers must prove that they share the host (ThisHostIdentity)
+// before a channel uses it.
+bool SameHostOnly(absl::string_view family);
 
 // The one libfabric provider policy: `configured` if set; else a hardware provider among
 // `available` (verbs;ofi_rxm, efa, cxi, psm3, in that order); else shm when every peer is on

@@ -86,6 +86,7 @@ struct ChannelSnapshot {
   std::string peer_task;
   bool receives = false;  // the owner's end: this task receives over it
   std::string state;      // "connecting", "ready", "closed"
+  std::string fabric;     // the fabric it runs over: "shmem (shmem)", "ofi (tcp;ofi_rxm)"
   std::string description;
   CounterList counters;  // catalog names (common/counters.h), in a fixed order
 };

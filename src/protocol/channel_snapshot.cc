@@ -20,6 +20,10 @@ ChannelSnapshot Channel::Snapshot() const {
   s.state = state_ == State::kConnecting ? "connecting"
             : state_ == State::kReady    ? "ready"
                                          : "closed";
+  if (env_->domain != nullptr) {
+    const fabric::Capabilities& caps = env_->domain->capabilities();
+    s.fabric = absl::StrCat(caps.backend, " (", caps.provider, ")");
+  }
   s.description = Describe();
   auto add = [&s](const char* name, int64_t value) { s.counters.emplace_back(name, value); };
   auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };

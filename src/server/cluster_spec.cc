@@ -1,8 +1,14 @@
 #include "tensorverbs/cluster_spec.h"
 
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -10,8 +16,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "tensorverbs/device_name.h"
 #include "src/common/status_macros.h"
+#include "tensorverbs/device_name.h"
 
 namespace tensorverbs {
 namespace {
@@ -30,17 +36,49 @@ absl::Status Bad(absl::string_view why) {
 bool AddressIsLocal(absl::string_view address) {
   const size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos) return false;
-  const absl::string_view host = address.substr(0, colon);
+  absl::string_view host = address.substr(0, colon);
   if (host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.")) return true;
   char name[256] = {};
-  return gethostname(name, sizeof(name) - 1) == 0 && host == name;
+  if (gethostname(name, sizeof(name) - 1) == 0 && host == name) return true;
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
+    host = host.substr(1, host.size() - 2);
+  }
+  // An address of one of this network namespace's interfaces, or a name that resolves to one:
+  // the same host as far as a network namespace lets tasks share memory.
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string host_text(host);
+  if (getaddrinfo(host_text.c_str(), nullptr, &hints, &found) != 0) return false;
+  ifaddrs* interfaces = nullptr;
+  if (getifaddrs(&interfaces) != 0) {
+    freeaddrinfo(found);
+    return false;
+  }
+  bool local = false;
+  for (const addrinfo* a = found; a != nullptr && !local; a = a->ai_next) {
+    for (const ifaddrs* i = interfaces; i != nullptr && !local; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != a->ai_family) continue;
+      if (a->ai_family == AF_INET) {
+        local = reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr ==
+                reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr;
+      } else if (a->ai_family == AF_INET6) {
+        local = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr,
+                            &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                            sizeof(in6_addr)) == 0;
+      }
+    }
+  }
+  freeifaddrs(interfaces);
+  freeaddrinfo(found);
+  return local;
 }
 
 absl::Status ValidateAddress(absl::string_view address) {
   size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos || colon == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("address '", address, "' is not HOST:PORT"));
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is not HOST:PORT"));
   }
   absl::string_view host = address.substr(0, colon);
   absl::string_view port_text = address.substr(colon + 1);
@@ -50,7 +88,8 @@ absl::Status ValidateAddress(absl::string_view address) {
   }
   for (char c : host) {
     if (absl::ascii_isspace(static_cast<unsigned char>(c)) || c == ',' || c == ';' || c == '=') {
-      return absl::InvalidArgumentError(absl::StrCat("address '", address, "' has a malformed host"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("address '", address, "' has a malformed host"));
     }
   }
   int port = 0;
@@ -118,7 +157,8 @@ absl::StatusOr<ClusterSpec> ClusterSpec::FromJson(absl::string_view json_text) {
     }
     std::vector<std::string> tasks;
     for (const auto& addr : it.value()) {
-      if (!addr.is_string()) return Bad(absl::StrCat("job '", it.key(), "' has a non-string address"));
+      if (!addr.is_string())
+        return Bad(absl::StrCat("job '", it.key(), "' has a non-string address"));
       tasks.push_back(addr.get<std::string>());
     }
     jobs.emplace(it.key(), std::move(tasks));
@@ -136,8 +176,8 @@ absl::StatusOr<std::string> ClusterSpec::TaskAddress(absl::string_view job, int 
   if (it == jobs_.end()) {
     std::vector<std::string> names;
     for (const auto& [name, tasks] : jobs_) names.push_back(name);
-    return absl::NotFoundError(absl::StrCat("job '", job, "' is not in the cluster spec (jobs: ",
-                                            absl::StrJoin(names, ", "), ")"));
+    return absl::NotFoundError(absl::StrCat(
+        "job '", job, "' is not in the cluster spec (jobs: ", absl::StrJoin(names, ", "), ")"));
   }
   if (task < 0 || task >= static_cast<int>(it->second.size())) {
     return absl::NotFoundError(absl::StrCat("task ", task, " of job '", job,
@@ -157,7 +197,8 @@ absl::flat_hash_map<std::string, std::string> ClusterSpec::TaskAddresses() const
 
 std::string ClusterSpec::ToString() const {
   std::vector<std::string> parts;
-  for (const auto& [job, tasks] : jobs_) parts.push_back(absl::StrCat(job, "=", absl::StrJoin(tasks, ",")));
+  for (const auto& [job, tasks] : jobs_)
+    parts.push_back(absl::StrCat(job, "=", absl::StrJoin(tasks, ",")));
   return absl::StrJoin(parts, ";");
 }
 

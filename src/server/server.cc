@@ -4,6 +4,7 @@
 #include <mutex>
 #include <random>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -185,11 +186,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Create(ServerOptions options) {
 absl::Status Server::Start() {
   rpc::PinGrpcCallbackQueue();
   if (options_.malloc_tuning) ApplyMallocTuning(options_.malloc_trim_bytes);
-  bool all_peers_local = true;
-  for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
-    all_peers_local &= AddressIsLocal(address);
+  // Where the peers are: by address, unless the options say (tests, tools).
+  const std::string self = TaskName(options_.job, options_.task);
+  absl::flat_hash_set<std::string> same_host;
+  if (options_.verbs.same_host_tasks.has_value()) {
+    same_host = *options_.verbs.same_host_tasks;
+  } else {
+    // Once per host, not per task: a name may take a DNS lookup.
+    absl::flat_hash_map<std::string, bool> local;
+    for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
+      const std::string host = address.substr(0, address.rfind(':'));
+      auto [it, inserted] = local.try_emplace(host, false);
+      if (inserted) it->second = AddressIsLocal(address);
+      if (task != self && it->second) same_host.insert(task);
+    }
   }
-  StartPool(all_peers_local);
+  const bool all_peers_local = same_host.size() + 1 >= options_.cluster.TaskAddresses().size();
+  StartPool(all_peers_local, !same_host.empty());
   executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
   FillEnv();
   SetUpDeviceCopier();
@@ -205,7 +218,7 @@ absl::Status Server::Start() {
   workers_ = std::make_unique<grpc_transport::GrpcWorkerCache>(
       options_.cluster.TaskAddresses(), security_, options_.max_tensor_bytes,
       options_.transfer.peer_timeout, options_.transfer.slow_recv_warning);
-  RETURN_IF_ERROR(StartProtocol(all_peers_local));
+  RETURN_IF_ERROR(StartProtocol(all_peers_local, std::move(same_host)));
   RETURN_IF_ERROR(Listen());
   NameTraceProcess(env_.task_name);
   LOG(INFO) << "task " << env_.task_name << " serving protocol " << options_.protocol << " on "
@@ -215,17 +228,20 @@ absl::Status Server::Start() {
   return absl::OkStatus();
 }
 
-void Server::StartPool(bool all_peers_local) {
+void Server::StartPool(bool all_peers_local, bool some_peers_local) {
   PoolAllocator::Options pool_options;
   pool_options.region_bytes = static_cast<size_t>(options_.pool_region_bytes);
   pool_options.keep_free_bytes = static_cast<size_t>(options_.pool_keep_free_bytes);
   pool_options.release_after = ServerOptions::kPoolReleaseAfter;
   // Tensors land in the pool: when the same-host fabric will carry them, the pool's memory is
   // what peers map, so a write into it is one memcpy.
+  fabric::FabricChoice choice =
+      fabric::FabricChoice::FromConfig(Config::Defaults(), all_peers_local);
+  choice.fabric = options_.verbs.fabric;
+  choice.some_peers_local = some_peers_local;
   pool_options.shareable =
-      protocol_->verbs_mode.has_value() && fabric::UsesSharedMemory(fabric::FabricChoice{
-                                               options_.verbs.fabric, options_.verbs.ofi_provider,
-                                               all_peers_local, options_.verbs.rdma, nullptr});
+      protocol_->verbs_mode.has_value() &&
+      (fabric::UsesSharedMemory(choice) || fabric::OpensSameHostFabric(choice));
   recv_allocator_ = std::make_unique<PoolAllocator>("recv", pool_options);
   PinPoolIfAsked();
 }
@@ -243,7 +259,8 @@ void Server::FillEnv() {
   env_.step_sizes = &step_sizes_;
 }
 
-absl::Status Server::StartProtocol(bool all_peers_local) {
+absl::Status Server::StartProtocol(bool all_peers_local,
+                                   absl::flat_hash_set<std::string> same_host_tasks) {
   if (protocol_->verbs_mode.has_value()) {
     verbs::VerbsOptions verbs_options = options_.verbs;
     verbs_options.channel.mode = *protocol_->verbs_mode;
@@ -253,6 +270,7 @@ absl::Status Server::StartProtocol(bool all_peers_local) {
     verbs_options.task_addresses = options_.cluster.TaskAddresses();
     verbs_options.security = security_;
     verbs_options.all_peers_local = all_peers_local;
+    verbs_options.same_host_tasks = std::move(same_host_tasks);
     verbs_options.transfer = options_.transfer;
     absl::StatusOr<std::unique_ptr<verbs::VerbsTransport>> verbs =
         verbs::VerbsTransport::Create(std::move(verbs_options));
@@ -482,7 +500,7 @@ void Server::AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
     ch->set_peer_task(s.peer_task);
     ch->set_receives(s.receives);
     ch->set_state(s.state);
-    ch->set_fabric(verbs_->fabric_name());
+    ch->set_fabric(s.fabric);
     ch->set_description(s.description);
     for (const auto& [name, value] : s.counters) {
       (*ch->mutable_counters())[name] = value;

@@ -20,6 +20,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "proto/worker.pb.h"
@@ -172,9 +173,10 @@ class Server {
   // Start's steps, in order: the receive pool, the worker environment, the protocol's
   // transport and rendezvous manager, then the gRPC port with the protocol's services.
   absl::Status Start();
-  void StartPool(bool all_peers_local);
+  void StartPool(bool all_peers_local, bool some_peers_local);
   void FillEnv();
-  absl::Status StartProtocol(bool all_peers_local);
+  absl::Status StartProtocol(bool all_peers_local,
+                             absl::flat_hash_set<std::string> same_host_tasks);
   absl::Status Listen();
   void WarnIfOpenToAnyone() const;
 

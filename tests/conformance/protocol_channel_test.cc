@@ -1,6 +1,7 @@
 // The protocol conformance suite (protocol_fixture.h), grpc+verbs-family channels: data
 // validation, wire versions and Connect's checks, key limits, registration strategies, message
 // slots and poll modes, huge tensors, mixed protocols, and lent tensors' leases.
+#include "src/fabric/fabric.h"
 #include "tests/conformance/protocol_fixture.h"
 
 namespace tensorverbs::protocol_conformance {
@@ -41,6 +42,7 @@ TEST_P(ZeroCopyTest, APeerOfAnotherWireVersionIsRefusedAndTold) {
     request.set_incarnation(7);
     request.set_fabric(transport(0).domain_for_testing()->capabilities().family);
     request.set_protocol(design().protocol);
+    request.set_host(fabric::ThisHostIdentity());  // a peer on this host, as the real ones
     request.set_channel_id(1);
     request.mutable_end()->set_endpoint_address("unused");
     request.mutable_end()->set_rx_addr(4096);
@@ -77,6 +79,7 @@ TEST_P(ZeroCopyTest, ConnectChecksTheCallerAndItsEndBeforeTouchingAnyChannel) {
     request.set_incarnation(server(0).incarnation());
     request.set_fabric(transport(1).domain_for_testing()->capabilities().family);
     request.set_protocol(design().protocol);
+    request.set_host(fabric::ThisHostIdentity());  // a peer on this host, as the real ones
     request.set_channel_id(77);
     request.mutable_end()->set_endpoint_address(endpoint);
     request.mutable_end()->set_rx_addr(4096);

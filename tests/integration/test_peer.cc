@@ -4,6 +4,7 @@
 // "late" (a copy of the first fixture), N ms after it is ready: a slow sender. With
 // --recv-from T --recv-steps N it also receives "stream" from task T of its job at steps
 // --step+1 .. --step+N, one at a time, printing "got <i> <bytes>" or "failed <i> <status>".
+// With --wait-for-peers 1 it sets up its channels to every peer before it says "ready".
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -11,9 +12,9 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
-#include "tensorverbs/device_name.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
+#include "tensorverbs/device_name.h"
 #include "tests/support/fixtures.h"
 
 int main(int argc, char** argv) {
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   bool big = false;
   int late_ms = 0;
   int recv_from = -1, recv_steps = 0;
+  bool wait_for_peers = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--cluster")
@@ -49,6 +51,8 @@ int main(int argc, char** argv) {
       recv_from = std::stoi(value);
     else if (flag == "--recv-steps")
       recv_steps = std::stoi(value);
+    else if (flag == "--wait-for-peers")
+      wait_for_peers = value == "1";
   }
   support::BlockTerminationSignals();
   absl::StatusOr<ClusterSpec> spec = ClusterSpec::Parse(cluster);
@@ -72,6 +76,13 @@ int main(int argc, char** argv) {
         ParsedKey::Create((*server)->device_name(), (*server)->incarnation(), dst_device, f.name);
     absl::Status s = (*r)->Send(*ParsedKey::Parse(key), f.tensor, f.is_dead);
     if (!s.ok()) {
+      std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  if (wait_for_peers) {
+    // Channels to every peer before "ready", so that the stats show each pair's fabric.
+    if (absl::Status s = (*server)->WaitForPeers(absl::Seconds(60)); !s.ok()) {
       std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
       return 1;
     }

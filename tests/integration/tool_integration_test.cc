@@ -150,7 +150,7 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
   EXPECT_THAT(out,
               HasSubstr("would use: shm for peers on this host, tcp;ofi_rxm for remote peers"));
   EXPECT_THAT(out, HasSubstr("shmem     usable"));
-  EXPECT_THAT(out, HasSubstr("shmem when every task is on this host"));
+  EXPECT_THAT(out, HasSubstr("shmem for the tasks on this host"));
   EXPECT_THAT(out, HasSubstr("memlock limit"));
   EXPECT_THAT(out, HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
   EXPECT_THAT(out, HasSubstr("RDMA devices (ibverbs"));

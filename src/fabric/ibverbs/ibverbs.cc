@@ -91,18 +91,25 @@ class IbvDomain final : public Domain {
   }
 
   absl::Status Wait(absl::Duration timeout) override {
+    Domain* self = this;
+    return SleepOn(absl::MakeConstSpan(&self, 1), timeout);
+  }
+
+  absl::StatusOr<bool> PrepareToSleep(std::vector<pollfd>* fds, absl::Duration* timeout) override {
+    (void)timeout;
     bool ready = false;
     for (IbvEndpoint* ep : shared_->endpoints) ready |= ep->ArmAndCheck();
-    if (ready) return absl::OkStatus();
-    pollfd fds[3] = {{shared_->channel->fd, POLLIN, 0},
-                     {shared_->ctx->async_fd, POLLIN, 0},
-                     {shared_->wake.fd(), POLLIN, 0}};
-    const int ms =
-        static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
-    if (poll(fds, 3, std::max(ms, 0)) < 0 && errno != EINTR) {
-      return absl::UnavailableError(Errno("poll", errno));
-    }
-    shared_->wake.Drain();
+    if (ready) return false;
+    fds->push_back({shared_->channel->fd, POLLIN, 0});
+    fds->push_back({shared_->ctx->async_fd, POLLIN, 0});
+    fds->push_back({shared_->wake.fd(), POLLIN, 0});
+    return true;
+  }
+
+  void FinishSleep(absl::Span<const pollfd> fds) override {
+    if (fds.size() < 3) return;
+    if (fds[2].revents != 0) shared_->wake.Drain();
+    if (fds[0].revents == 0) return;
     // Drain the channel (its fd is non-blocking); the events are acknowledged in batches.
     ibv_cq* cq = nullptr;
     void* cq_context = nullptr;
@@ -111,7 +118,6 @@ class IbvDomain final : public Domain {
         if (ep->cq() == cq) ep->AckEvent();
       }
     }
-    return absl::OkStatus();
   }
 
   void Interrupt() override { shared_->wake.Signal(); }

@@ -439,37 +439,34 @@ class OfiDomain final : public Domain {
   }
 
   absl::Status Wait(absl::Duration timeout) override {
-    std::vector<fid*> fids;
-    std::vector<pollfd> fds;
-    fds.push_back(pollfd{shared_->wake.fd(), POLLIN, 0});
+    Domain* self = this;
+    return SleepOn(absl::MakeConstSpan(&self, 1), timeout);
+  }
+
+  absl::StatusOr<bool> PrepareToSleep(std::vector<pollfd>* fds, absl::Duration* timeout) override {
+    fds->push_back(pollfd{shared_->wake.fd(), POLLIN, 0});
+    fids_.clear();
     for (OfiEndpoint* ep : shared_->endpoints) {
       if (ep->wait_fd() < 0) {
         // No wait object on this provider (shm): nap briefly on the interrupt fd alone, so a
         // local post (a new recv) ends the nap at once and peer traffic waits at most one nap.
-        const absl::Duration nap = std::min(timeout, absl::Microseconds(50));
-        const timespec ts = absl::ToTimespec(std::max(nap, absl::ZeroDuration()));
-        if (ppoll(&fds[0], 1, &ts, nullptr) < 0 && errno != EINTR) {
-          return absl::UnavailableError(absl::StrCat("ofi: ppoll: ", std::strerror(errno)));
-        }
-        if (fds[0].revents & POLLIN) shared_->wake.Drain();
-        return absl::OkStatus();
+        *timeout = std::min(*timeout, absl::Microseconds(50));
+        return true;
       }
-      fids.push_back(ep->cq_fid());
-      fds.push_back(pollfd{ep->wait_fd(), POLLIN, 0});
+      fids_.push_back(ep->cq_fid());
+      fds->push_back(pollfd{ep->wait_fd(), POLLIN, 0});
     }
-    if (!fids.empty()) {
+    if (!fids_.empty()) {
       // fi_trywait drives pending progress and says whether blocking is safe (nothing to read).
-      int ret = fi_trywait(shared_->fabric, fids.data(), static_cast<int>(fids.size()));
-      if (ret == -FI_EAGAIN) return absl::OkStatus();
+      int ret = fi_trywait(shared_->fabric, fids_.data(), static_cast<int>(fids_.size()));
+      if (ret == -FI_EAGAIN) return false;
       if (ret != 0) return absl::UnavailableError(FiError("ofi: fi_trywait", ret));
     }
-    const int ms =
-        static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(timeout), INT32_MAX));
-    if (poll(fds.data(), fds.size(), std::max(ms, 0)) < 0 && errno != EINTR) {
-      return absl::UnavailableError(absl::StrCat("ofi: poll: ", std::strerror(errno)));
-    }
-    shared_->wake.Drain();
-    return absl::OkStatus();
+    return true;
+  }
+
+  void FinishSleep(absl::Span<const pollfd> fds) override {
+    if (!fds.empty() && fds[0].revents != 0) shared_->wake.Drain();
   }
 
   void Interrupt() override { shared_->wake.Signal(); }
@@ -489,6 +486,7 @@ class OfiDomain final : public Domain {
   std::shared_ptr<Shared> shared_;
   Capabilities caps_;
   size_t next_ = 0;
+  std::vector<fid*> fids_;  // PrepareToSleep's, kept to reuse its storage
 };
 
 fi_info* MakeHints(const std::string& provider) {

@@ -155,14 +155,21 @@ class ShmemDomain final : public Domain {
   }
 
   absl::Status Wait(absl::Duration timeout) override {
-    if (!d_->local.empty() || timeout <= absl::ZeroDuration()) return absl::OkStatus();
+    Domain* self = this;
+    return SleepOn(absl::MakeConstSpan(&self, 1), timeout);
+  }
+
+  absl::StatusOr<bool> PrepareToSleep(std::vector<pollfd>* fds, absl::Duration* timeout) override {
+    asleep_ = false;
+    if (!d_->local.empty() || *timeout <= absl::ZeroDuration()) return false;
     std::vector<ShmemEndpoint*>& live = d_->live;
     // While device copies run the progress thread does not sleep: a finished copy rings no bell,
     // and a timed sleep would add the timer's slack (tens of microseconds) to every tensor's
     // completion (measured: docs/PERFORMANCE.md). The copies bound how long it polls.
     for (ShmemEndpoint* ep : live) {
-      if (ep->device_copies() > 0) return absl::OkStatus();
+      if (ep->device_copies() > 0) return false;
     }
+    asleep_ = true;
     bool pending = false;
     for (ShmemEndpoint* ep : live) {
       ep->SetSleeping(1);
@@ -170,31 +177,28 @@ class ShmemDomain final : public Domain {
     }
     // Operations waiting for room in a peer's ring are retried soon: the peer rings no bell
     // when it makes room.
-    if (pending) timeout = std::min(timeout, absl::Microseconds(100));
-    bool ready = false;
-    for (ShmemEndpoint* ep : live) ready |= ep->HasInbound();
-    if (!ready) {
-      // The doorbell, and our connections to the peers' servers: one that closes means its
-      // peer is gone, which the next Poll reports.
-      fds_.clear();
-      fds_.push_back({d_->bell_fd, POLLIN, 0});
-      for (ShmemEndpoint* ep : live) {
-        if (ep->conn_fd() >= 0) fds_.push_back({ep->conn_fd(), POLLRDHUP, 0});
-      }
-      const timespec ts = absl::ToTimespec(timeout);
-      if (ppoll(fds_.data(), fds_.size(), &ts, nullptr) < 0 && errno != EINTR) {
-        const int e = errno;
-        for (ShmemEndpoint* ep : live) ep->SetSleeping(0);
-        return absl::UnavailableError(absl::StrCat("shmem: ppoll: ", std::strerror(e)));
-      }
-      for (size_t i = 1; i < fds_.size(); ++i) {
-        if (fds_[i].revents != 0) next_connection_check_ = absl::InfinitePast();
-      }
+    if (pending) *timeout = std::min(*timeout, absl::Microseconds(100));
+    for (ShmemEndpoint* ep : live) {
+      if (ep->HasInbound()) return false;
     }
-    for (ShmemEndpoint* ep : live) ep->SetSleeping(0);
+    // The doorbell, and our connections to the peers' servers: one that closes means its peer
+    // is gone, which the next Poll reports.
+    fds->push_back({d_->bell_fd, POLLIN, 0});
+    for (ShmemEndpoint* ep : live) {
+      if (ep->conn_fd() >= 0) fds->push_back({ep->conn_fd(), POLLRDHUP, 0});
+    }
+    return true;
+  }
+
+  void FinishSleep(absl::Span<const pollfd> fds) override {
+    if (!asleep_) return;
+    asleep_ = false;
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) next_connection_check_ = absl::InfinitePast();
+    }
+    for (ShmemEndpoint* ep : d_->live) ep->SetSleeping(0);
     uint64_t value;
     [[maybe_unused]] ssize_t r = read(d_->bell_fd, &value, sizeof(value));
-    return absl::OkStatus();
   }
 
   void Interrupt() override { d_->Ring(); }
@@ -208,7 +212,7 @@ class ShmemDomain final : public Domain {
   Capabilities caps_;
   absl::Time next_connection_check_ = absl::InfinitePast();
   size_t next_ring_ = 0;
-  std::vector<pollfd> fds_;
+  bool asleep_ = false;  // PrepareToSleep told the peers to ring; FinishSleep takes it back
 };
 
 }  // namespace

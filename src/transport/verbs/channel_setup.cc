@@ -32,9 +32,30 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
 }  // namespace
 
 ChannelSetup::ChannelSetup(Options options, protocol::ChannelEnv* env,
-                           protocol::ChannelTable* table, protocol::ProgressEngine* engine,
-                           VerbsStubs* stubs)
-    : options_(std::move(options)), env_(env), table_(table), engine_(engine), stubs_(stubs) {}
+                           protocol::ChannelEnv* same_host_env, protocol::ChannelTable* table,
+                           protocol::ProgressEngine* engine, VerbsStubs* stubs)
+    : options_(std::move(options)),
+      env_(env),
+      same_host_env_(same_host_env),
+      table_(table),
+      engine_(engine),
+      stubs_(stubs) {}
+
+protocol::ChannelEnv* ChannelSetup::EnvFor(const std::string& task) const {
+  if (same_host_env_ != nullptr && options_.same_host_tasks.contains(task) &&
+      !elsewhere_.contains(task)) {
+    return same_host_env_;
+  }
+  return env_;
+}
+
+protocol::ChannelEnv* ChannelSetup::EnvOfFamily(const std::string& family) const {
+  if (env_->domain->capabilities().family == family) return env_;
+  if (same_host_env_ != nullptr && same_host_env_->domain->capabilities().family == family) {
+    return same_host_env_;
+  }
+  return nullptr;
+}
 
 void ChannelSetup::AssertOnLoop() const {
   DCHECK(engine_->OnOwnerThread()) << "grpc+verbs channel state used off the progress thread";
@@ -48,7 +69,8 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
     return absl::NotFoundError(absl::StrCat("task ", task, " is not in the cluster spec"));
   }
   const uint64_t id = table_->NextId();
-  auto channel = std::make_unique<Channel>(env_, Channel::Role::kOwner, id, task);
+  protocol::ChannelEnv* env = EnvFor(task);
+  auto channel = std::make_unique<Channel>(env, Channel::Role::kOwner, id, task);
   channel->set_peer_address(address->second);
   if (absl::Status s = channel->Init(); !s.ok()) {
     return absl::UnavailableError(
@@ -66,9 +88,10 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
   proto::ConnectRequest& request = connecting->request;
   request.set_task_name(env_->worker->task_name);
   request.set_incarnation(env_->worker->incarnation);
-  request.set_fabric(env_->domain->capabilities().family);
+  request.set_fabric(env->domain->capabilities().family);
   request.set_protocol(protocol::VerbsModeProtocol(env_->options.mode));
   request.set_channel_id(id);
+  request.set_host(fabric::ThisHostIdentity());
   FillEnd(*raw, request.mutable_end());
   connecting->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
   connecting->context.set_wait_for_ready(true);
@@ -98,8 +121,34 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
         s.code() == absl::StatusCode::kDeadlineExceeded ? absl::StatusCode::kUnavailable : s.code(),
         absl::StrCat("could not set up the grpc+verbs channel to task ", task, " at ",
                      options_.task_addresses.at(task), ": ", s.message()));
+  } else if (const proto::ConnectResponse& r = connecting->response;
+             fabric::SameHostOnly(channel->env()->domain->capabilities().family) &&
+             (!r.refused().empty() || r.host() != fabric::ThisHostIdentity())) {
+    const std::string why = !r.refused().empty()
+                                ? r.refused()
+                                : absl::StrCat("it runs on host ", r.host(), ", this task on ",
+                                               fabric::ThisHostIdentity());
+    if (channel->env() == same_host_env_) {
+      // Its address is local, yet it is elsewhere (another network namespace, a container
+      // behind a forwarded port): the network fabric reaches it. Once per peer.
+      elsewhere_.insert(task);
+      LOG(WARNING) << "task " << task << " at " << options_.task_addresses.at(task)
+                   << " is not on this host after all (" << why << "); its channels go over "
+                   << env_->domain->capabilities().backend << " ("
+                   << env_->domain->capabilities().provider << ") instead";
+      channel->Close(absl::UnavailableError(absl::StrCat(
+          "the same-host channel to task ", task, " was refused (", why,
+          "); the recvs that started it fail, later ones go over the network fabric")));
+      // Set up over the network fabric at once: wait-for-peers, which started this channel,
+      // waits for that one.
+      absl::StatusOr<Channel*> again = OwnerChannel(task);
+      if (!again.ok()) RecordConnectResult(task, again.status());
+      return;
+    }
+    result = absl::FailedPreconditionError(absl::StrCat(
+        "task ", task, " cannot share the same-host fabric with task ", env_->worker->task_name,
+        ": ", why, "; set TENSORVERBS_FABRIC to a network fabric (ofi, ibverbs)"));
   } else {
-    const proto::ConnectResponse& r = connecting->response;
     result = CheckWireVersion(task, r.end().wire_version());
     if (result.ok()) {
       result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
@@ -149,7 +198,6 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   AssertOnLoop();
   const std::string& task = request.task_name();
   const std::string& self = env_->worker->task_name;
-  const std::string& family = env_->domain->capabilities().family;
   const char* protocol = protocol::VerbsModeProtocol(env_->options.mode);
   // Everything is checked before anything existing is touched: only a task of the cluster
   // spec may have a channel here, and a request that fails any check leaves the caller's
@@ -159,9 +207,14 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
         absl::StrCat("task '", absl::CEscape(task.substr(0, 256)), "' is not a peer in task ", self,
                      "'s cluster spec; every task must be started with the same cluster"));
   }
-  if (request.fabric() != family) {
+  protocol::ChannelEnv* env = EnvOfFamily(request.fabric());
+  if (env == nullptr && !fabric::SameHostOnly(request.fabric())) {
+    std::string families = env_->domain->capabilities().family;
+    if (same_host_env_ != nullptr) {
+      absl::StrAppend(&families, " and ", same_host_env_->domain->capabilities().family);
+    }
     return absl::FailedPreconditionError(absl::StrCat(
-        "task ", task, " uses fabric ", request.fabric(), " but task ", self, " uses ", family,
+        "task ", task, " uses fabric ", request.fabric(), " but task ", self, " uses ", families,
         "; set TENSORVERBS_FABRIC and TENSORVERBS_OFI_PROVIDER the same on every task"));
   }
   if (request.protocol() != protocol) {
@@ -176,8 +229,24 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
         "task %s expected incarnation %016x of task %s, which now runs %016x (restarted)", task,
         request.expected_incarnation(), self, env_->worker->incarnation));
   }
+  response->set_host(fabric::ThisHostIdentity());
+  if (fabric::SameHostOnly(request.fabric()) &&
+      (env == nullptr || request.host() != fabric::ThisHostIdentity())) {
+    // Checked, not trusted from the address: the caller must really share this host for the
+    // same-host fabric to reach it, and this task must have that fabric open (it has not when
+    // it counts the caller as elsewhere). Answered, not failed, so that the caller falls back.
+    response->set_refused(
+        env == nullptr
+            ? absl::StrCat("task ", self, " has no same-host fabric open: it counts task ", task,
+                           " as on another host")
+            : absl::StrCat("task ", task, " runs on host ", request.host(), " and task ", self,
+                           " on ", fabric::ThisHostIdentity()));
+    LOG(INFO) << "task " << self << " refused the same-host fabric to task " << task << ": "
+              << response->refused();
+    return absl::OkStatus();
+  }
   const uint64_t id = table_->NextId();
-  auto channel = std::make_unique<Channel>(env_, Channel::Role::kAcceptor, id, task);
+  auto channel = std::make_unique<Channel>(env, Channel::Role::kAcceptor, id, task);
   channel->set_peer_channel_id(request.channel_id());
   RETURN_IF_ERROR(channel->Init());
   const proto::ChannelEnd& end = request.end();

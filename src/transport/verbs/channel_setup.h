@@ -6,8 +6,13 @@
 // use and calls the peer's VerbsService.Connect with its endpoint address and message-buffer
 // key; the answer connects it (OnConnectDone). The peer's Accept checks fabric, protocol, wire
 // version and incarnation, replaces any older channel from that task, and answers with its own
-// end. CheckChannel answers the owner's liveness probes, from the table (which keeps why an
-// accepted channel closed, so the owner's probe learns it).
+// end. Each channel's fabric is chosen here, per peer: with a same-host fabric beside the
+// network one, a peer of Options::same_host_tasks gets the first. Both ends check that they
+// share the host (fabric::ThisHostIdentity) before a same-host channel stands; where they do
+// not, the acceptor refuses the fabric (ConnectResponse::refused), and the owner logs it once
+// and sets the channel up again over the network fabric. CheckChannel answers the owner's liveness
+// probes, from the table (which keeps why an accepted channel closed, so the owner's probe learns
+// it).
 //
 // Threading: everything but ConnectPeers and WaitForCallbacks runs on the transport's progress
 // thread (the engine's owner thread), which owns the channels. ConnectPeers waits on another
@@ -45,6 +50,8 @@ class ChannelSetup {
   struct Options {
     absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
     absl::Duration connect_timeout = absl::Seconds(60);
+    // The peers whose channels this task sets up over the same-host fabric (when it has one).
+    absl::flat_hash_set<std::string> same_host_tasks;
     // The tasks this task holds something else for (grpc+gdr's lent tensors): their accepted
     // channels are then probed too. Null: none.
     std::function<absl::flat_hash_set<std::string>()> lent_to;
@@ -53,8 +60,10 @@ class ChannelSetup {
     std::function<void(const std::string& task)> peer_gone;
   };
 
-  ChannelSetup(Options options, protocol::ChannelEnv* env, protocol::ChannelTable* table,
-               protocol::ProgressEngine* engine, VerbsStubs* stubs);
+  // `env`: the channels' env, through the fabric for every peer (or, with `same_host_env`, for
+  // the peers on other hosts); `same_host_env`: through the same-host fabric (null: none).
+  ChannelSetup(Options options, protocol::ChannelEnv* env, protocol::ChannelEnv* same_host_env,
+               protocol::ChannelTable* table, protocol::ProgressEngine* engine, VerbsStubs* stubs);
   ChannelSetup(const ChannelSetup&) = delete;
   ChannelSetup& operator=(const ChannelSetup&) = delete;
 
@@ -108,8 +117,15 @@ class ChannelSetup {
   absl::Status CheckWireVersion(const std::string& task, uint32_t version) const;
   void RecordConnectResult(const std::string& task, const absl::Status& status);
 
+  // The env a new channel to `task` uses: the same-host one for a task of same_host_tasks
+  // that has not turned out to be elsewhere.
+  protocol::ChannelEnv* EnvFor(const std::string& task) const;
+  // Acceptor: the env whose fabric `family` names; null if none.
+  protocol::ChannelEnv* EnvOfFamily(const std::string& family) const;
+
   const Options options_;
   protocol::ChannelEnv* const env_;
+  protocol::ChannelEnv* const same_host_env_;
   protocol::ChannelTable* const table_;
   protocol::ProgressEngine* const engine_;
   VerbsStubs* const stubs_;
@@ -121,6 +137,9 @@ class ChannelSetup {
     proto::ConnectResponse response;
   };
   absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
+  // Tasks of same_host_tasks whose end refused the same-host fabric (another host after all):
+  // their channels go over the network fabric from then on.
+  absl::flat_hash_set<std::string> elsewhere_;
 
   std::atomic<int> connects_in_flight_{0};
   // Set-up results for ConnectPeers, written by the progress thread.

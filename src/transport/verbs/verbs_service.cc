@@ -22,7 +22,8 @@ grpc::ServerUnaryReactor* VerbsServiceImpl::Connect(grpc::CallbackServerContext*
   std::string caller;
   grpc::Status allowed = security_->Authenticate(*context, &caller);
   if (allowed.ok()) {
-    allowed = rpc::RpcSecurity::CheckCallerIs(caller, request->task_name(), "connect as another task");
+    allowed =
+        rpc::RpcSecurity::CheckCallerIs(caller, request->task_name(), "connect as another task");
   }
   if (!allowed.ok()) {
     reactor->Finish(allowed);

@@ -27,8 +27,8 @@ class VerbsStubs {
     MutexLock lock(&mu_);
     std::shared_ptr<proto::VerbsService::Stub>& stub = stubs_[task];
     if (stub == nullptr) {
-      stub = proto::VerbsService::NewStub(security_->NewChannel(
-          address, rpc::ClientChannelArguments(rpc::kMaxControlAnswerBytes)));
+      stub = proto::VerbsService::NewStub(
+          security_->NewChannel(address, rpc::ClientChannelArguments(rpc::kMaxControlAnswerBytes)));
     }
     return stub;
   }

@@ -69,6 +69,11 @@ absl::Status VerbsTransport::Start() {
   choice.copy_threads = options_.shmem_copy_threads;
   choice.peer_copy = options_.shmem_peer_copy;
   if (options_.gpu_direct) choice.device_memory = options_.device_memory;
+  // grpc+gdr lends tensors through the registrations of one fabric (LentTensors), so its peers
+  // share that one.
+  choice.some_peers_local = options_.same_host_tasks.has_value() &&
+                            !options_.same_host_tasks->empty() &&
+                            options_.channel.mode != protocol::VerbsMode::kGdr;
   absl::StatusOr<std::unique_ptr<fabric::Domain>> domain = fabric::OpenFabric(choice);
   if (!domain.ok()) {
     return absl::Status(
@@ -80,9 +85,27 @@ absl::Status VerbsTransport::Start() {
     return absl::InvalidArgumentError(absl::StrCat("unknown remote keys '", options_.remote_keys,
                                                    "'; expected per-channel or shared"));
   }
-  memory_ = std::make_unique<protocol::RdmaMemoryMgr>(
-      domain_.get(), options_.pool, protocol::RemoteAccessFor(options_.channel.mode),
-      options_.remote_keys == "per-channel" && domain_->capabilities().channel_keys);
+  auto memory_for = [this](fabric::Domain* domain) {
+    return std::make_unique<protocol::RdmaMemoryMgr>(
+        domain, options_.pool, protocol::RemoteAccessFor(options_.channel.mode),
+        options_.remote_keys == "per-channel" && domain->capabilities().channel_keys);
+  };
+  memory_ = memory_for(domain_.get());
+  fabric::Domain* polled = domain_.get();
+  if (fabric::OpensSameHostFabric(choice)) {
+    absl::StatusOr<std::unique_ptr<fabric::Domain>> local = fabric::OpenSameHostFabric(choice);
+    if (local.ok()) {
+      same_host_domain_ = *std::move(local);
+      same_host_memory_ = memory_for(same_host_domain_.get());
+      domains_ = std::make_unique<fabric::DomainSet>(
+          std::vector<fabric::Domain*>{domain_.get(), same_host_domain_.get()});
+      polled = domains_.get();
+    } else {
+      LOG(WARNING) << "task " << options_.env->task_name << ": the same-host fabric cannot open ("
+                   << local.status().message() << "); the peers on this host go over "
+                   << fabric_name() << " too";
+    }
+  }
 
   protocol::ProgressEngine::Options engine_options;
   engine_options.poll_mode = poll_mode;
@@ -92,8 +115,8 @@ absl::Status VerbsTransport::Start() {
   hooks.housekeeping = [this](absl::Time now) { Housekeeping(now); };
   hooks.operations_in_flight = [this] { return OperationsInFlight(); };
   hooks.awaiting_peer = [this] { return table_->AwaitingPeers(); };
-  engine_ = std::make_unique<protocol::ProgressEngine>(
-      domain_.get(), options_.env->callback_executor, engine_options, std::move(hooks));
+  engine_ = std::make_unique<protocol::ProgressEngine>(polled, options_.env->callback_executor,
+                                                       engine_options, std::move(hooks));
   table_ = std::make_unique<protocol::ChannelTable>([this] { return engine_->OnOwnerThread(); });
 
   channel_env_.worker = options_.env;
@@ -102,15 +125,25 @@ absl::Status VerbsTransport::Start() {
   channel_env_.stats = &stats_;
   channel_env_.transfer = options_.transfer;
   channel_env_.options = options_.channel;
-  channel_env_.device_direct = domain_->capabilities().device_memory &&
-                               options_.channel.registration == protocol::Registration::kPool &&
-                               options_.channel.mode == protocol::VerbsMode::kZeroCopy &&
-                               !options_.channel.data_validation;
+  auto device_direct = [this](const fabric::Domain& domain) {
+    return domain.capabilities().device_memory &&
+           options_.channel.registration == protocol::Registration::kPool &&
+           options_.channel.mode == protocol::VerbsMode::kZeroCopy &&
+           !options_.channel.data_validation;
+  };
+  channel_env_.device_direct = device_direct(*domain_);
   channel_env_.host = &host_;
   channel_env_.channels = table_.get();
   channel_env_.landed = &landed_;
   local_tensors_ = std::make_unique<protocol::LocalTensorInbox>(&channel_env_);
   channel_env_.local_tensors = local_tensors_.get();
+  if (same_host_domain_ != nullptr) {
+    // The same channels' world, through the other fabric and its registrations.
+    same_host_env_ = channel_env_;
+    same_host_env_.domain = same_host_domain_.get();
+    same_host_env_.memory = same_host_memory_.get();
+    same_host_env_.device_direct = device_direct(*same_host_domain_);
+  }
 
   std::shared_ptr<const rpc::RpcSecurity> security =
       options_.security != nullptr ? options_.security : rpc::RpcSecurity::Insecure();
@@ -118,11 +151,13 @@ absl::Status VerbsTransport::Start() {
   ChannelSetup::Options setup;
   setup.task_addresses = options_.task_addresses;
   setup.connect_timeout = options_.transfer.connect_timeout;
+  if (same_host_domain_ != nullptr) setup.same_host_tasks = *options_.same_host_tasks;
   // Progress thread, like every use of lent_ (created below, before the engine starts).
   setup.lent_to = [this] { return lent_->Borrowers(); };
   setup.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
-  channels_ = std::make_unique<ChannelSetup>(std::move(setup), &channel_env_, table_.get(),
-                                             engine_.get(), stubs_.get());
+  channels_ = std::make_unique<ChannelSetup>(
+      std::move(setup), &channel_env_, same_host_domain_ != nullptr ? &same_host_env_ : nullptr,
+      table_.get(), engine_.get(), stubs_.get());
   lent_ = std::make_unique<LentTensors>(&channel_env_);
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
   watchdog_ =
@@ -169,7 +204,12 @@ grpc::Service* VerbsTransport::service() { return service_.get(); }
 
 std::string VerbsTransport::fabric_name() const {
   const fabric::Capabilities& caps = domain_->capabilities();
-  return absl::StrCat(caps.backend, " (", caps.provider, ")");
+  std::string name = absl::StrCat(caps.backend, " (", caps.provider, ")");
+  if (same_host_domain_ != nullptr) {
+    const fabric::Capabilities& local = same_host_domain_->capabilities();
+    absl::StrAppend(&name, " + ", local.backend, " (", local.provider, ") on this host");
+  }
+  return name;
 }
 
 bool VerbsTransport::OperationsInFlight() const {
@@ -245,10 +285,10 @@ void VerbsTransport::StartRecv(RecvStart r) {
       meta.dtype = r.expected_dtype;
       meta.shape = r.expected_shape;
       meta.tensor_bytes = *bytes;
-      const protocol::TensorMetaData* cached = channel_env_.memory->CachedMeta(r.key->key.full_key);
-      if (cached == nullptr || *cached != meta) {
-        channel_env_.memory->CacheMeta(r.key->key.full_key, meta);
-      }
+      // The cache of the channel's own fabric, which its requests read.
+      protocol::RdmaMemoryMgr* memory = (*channel)->env()->memory;
+      const protocol::TensorMetaData* cached = memory->CachedMeta(r.key->key.full_key);
+      if (cached == nullptr || *cached != meta) memory->CacheMeta(r.key->key.full_key, meta);
     }
   }
   (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator, r.deadline,
@@ -274,11 +314,11 @@ void VerbsTransport::set_rendezvous_mgr(RendezvousMgr* mgr) {
   // Written on the loop thread, so that the loop's later reads happen after the write without
   // relying on how a peer's first request reaches it.
   if (engine_->OnOwnerThread()) {  // the loop itself, or no loop any more
-    channel_env_.rendezvous_mgr = mgr;
+    channel_env_.rendezvous_mgr = same_host_env_.rendezvous_mgr = mgr;
     return;
   }
   absl::StatusOr<bool> set = engine_->AskLoop<bool>([this, mgr] {
-    channel_env_.rendezvous_mgr = mgr;
+    channel_env_.rendezvous_mgr = same_host_env_.rendezvous_mgr = mgr;
     return true;
   });
   // Refused only once the loop stops, and a stopped loop serves no request.
@@ -310,14 +350,20 @@ void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorR
 
 void VerbsTransport::AddDevicePool(PoolAllocator* pool) {
   MutexLock lock(&memory_mu_);
-  if (device_direct() && memory_ != nullptr) memory_->AddDevicePool(pool);
+  if (channel_env_.device_direct && memory_ != nullptr) memory_->AddDevicePool(pool);
+  if (same_host_env_.device_direct && same_host_memory_ != nullptr) {
+    same_host_memory_->AddDevicePool(pool);
+  }
 }
 
 bool VerbsTransport::LandsOnDevice(const std::string& src_task, const Allocator* allocator) const {
   if (!device_direct()) return false;
   {
     MutexLock lock(&memory_mu_);
-    if (memory_ == nullptr || !memory_->HasDevicePool(allocator)) return false;
+    const bool added =
+        (memory_ != nullptr && memory_->HasDevicePool(allocator)) ||
+        (same_host_memory_ != nullptr && same_host_memory_->HasDevicePool(allocator));
+    if (!added) return false;
   }
   return channels_ != nullptr && channels_->PeerWritesDevice(src_task);
 }
@@ -333,7 +379,16 @@ void VerbsTransport::AppendCounters(CounterList* out) const {
 
 protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges() const {
   MutexLock lock(&memory_mu_);
-  return memory_ != nullptr ? memory_->gauges() : protocol::RdmaMemoryMgr::RegistrationGauges{};
+  protocol::RdmaMemoryMgr::RegistrationGauges sum;
+  for (const protocol::RdmaMemoryMgr* m : {memory_.get(), same_host_memory_.get()}) {
+    if (m == nullptr) continue;
+    const protocol::RdmaMemoryMgr::RegistrationGauges g = m->gauges();
+    sum.regions += g.regions;
+    sum.bytes += g.bytes;
+    sum.endpoint_registrations += g.endpoint_registrations;
+    sum.endpoint_bytes += g.endpoint_bytes;
+  }
+  return sum;
 }
 
 void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
@@ -411,6 +466,7 @@ void VerbsTransport::Shutdown() {
   lent_->Clear();
   MutexLock lock(&memory_mu_);
   memory_.reset();
+  same_host_memory_.reset();
 }
 
 }  // namespace tensorverbs::verbs

@@ -29,16 +29,19 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "src/common/config.h"
 #include "src/common/mutex.h"
+#include "src/fabric/domain_set.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_env.h"
@@ -78,6 +81,10 @@ struct VerbsOptions {
   // The channels' own settings (message slots, push-ahead, bounds, registration, mode).
   protocol::ChannelOptions channel;
   bool all_peers_local = false;  // every task runs on this host (shm is then a candidate)
+  // The peer tasks on this host: with TENSORVERBS_FABRIC=auto and some peers elsewhere, their
+  // channels go over the same-host fabric and the others' over the network fabric (null: the
+  // server fills in the tasks whose address is local to this host).
+  std::optional<absl::flat_hash_set<std::string>> same_host_tasks;
   std::string fabric = Config::Defaults().fabric;                  // TENSORVERBS_FABRIC
   std::string ofi_provider = Config::Defaults().ofi_provider;      // TENSORVERBS_OFI_PROVIDER
   RdmaConfig rdma = Config::Defaults().rdma;                       // the RDMA_* variables (ibverbs)
@@ -120,7 +127,8 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
 
   // GPU tensors written directly. Whether this transport's fabric moves GPU memory with no
   // copy through host memory (see protocol::ChannelEnv::device_direct).
-  bool device_direct() const { return channel_env_.device_direct; }
+  // With a same-host fabric beside the network one, whether either does.
+  bool device_direct() const { return channel_env_.device_direct || same_host_env_.device_direct; }
   // Registers `pool`'s regions (GPU memory) with the fabric as they come, so tensors in it are
   // written from and into directly. Any thread; `pool` outlives this transport. A no-op without
   // device_direct().
@@ -145,7 +153,8 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // names the tasks whose channel could not be set up and why.
   absl::Status ConnectPeers(absl::Duration timeout);
 
-  // "ofi (shm)", "ibverbs (mlx5_0:1)", "loopback (loopback)".
+  // "ofi (shm)", "ibverbs (mlx5_0:1)", "loopback (loopback)"; with a same-host fabric beside
+  // it, "ofi (tcp;ofi_rxm) + shmem (shmem) on this host".
   std::string fabric_name() const;
   const protocol::VerbsStats& stats() const { return stats_; }
   // The memory manager's registration gauges (any thread).
@@ -215,8 +224,15 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   KeyTable keys_;  // the keys recvs ask for, parsed once (any thread)
   std::unique_ptr<fabric::Domain> domain_;
   std::unique_ptr<protocol::RdmaMemoryMgr> memory_;
+  // The same-host fabric beside domain_, for the peers on this host (OpensSameHostFabric), with
+  // its own registrations of the pool and the channel env its channels share; null when the
+  // task uses one fabric for every peer. The progress engine then drives both as domains_.
+  std::unique_ptr<fabric::Domain> same_host_domain_;
+  std::unique_ptr<protocol::RdmaMemoryMgr> same_host_memory_;
+  std::unique_ptr<fabric::DomainSet> domains_;
   Host host_{this};
   protocol::ChannelEnv channel_env_;
+  protocol::ChannelEnv same_host_env_;
   std::unique_ptr<protocol::ProgressEngine> engine_;
   std::unique_ptr<protocol::ChannelTable> table_;
   std::unique_ptr<protocol::LocalTensorInbox> local_tensors_;

@@ -1,0 +1,211 @@
+// Per-peer fabrics across hosts: network namespaces stand in for hosts. Host A is this
+// namespace (task 0 in this process, task 1 a tv_test_peer process), host B a namespace of its
+// own (tasks 2 and 3). Same-host pairs must use the same-host shmem fabric and the others
+// libfabric tcp;ofi_rxm, which every task's per-channel stats (GetStats) must show; every peer's
+// tensors reach task 0 intact. And a task that claims to be on this host but runs elsewhere is
+// refused the same-host fabric and reached over the network, with the job going on. Needs root;
+// skips elsewhere.
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "proto/worker.grpc.pb.h"
+#include "src/fabric/fabric.h"
+#include "src/server/server.h"
+#include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
+#include "tests/support/fixtures.h"
+#include "tests/support/pending_recv.h"
+#include "tests/support/subprocess.h"
+#include "tools/netns.h"
+
+namespace tensorverbs {
+namespace {
+
+using ::testing::StartsWith;
+
+constexpr int64_t kStep = 9;
+constexpr char kShmem[] = "shmem (shmem)";
+constexpr char kTcp[] = "ofi (tcp;ofi_rxm";
+
+bool HaveOfiTcp() {
+  for (const std::string& p : fabric::ListOfiProviders()) {
+    if (p.rfind("tcp;ofi_rxm", 0) == 0) return true;
+  }
+  return false;
+}
+
+class MixedHostsTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (!HaveOfiTcp()) GTEST_SKIP() << "libfabric's tcp;ofi_rxm provider is not available here";
+    absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(60);
+    if (!host.ok()) GTEST_SKIP() << "no network namespaces here: " << host.status().message();
+    host_ = *std::move(host);
+  }
+
+  void TearDown() override {
+    for (auto& p : peers_) {
+      if (p != nullptr) p->Signal(SIGTERM);
+    }
+    for (auto& p : peers_) {
+      if (p != nullptr && !p->Wait(absl::Seconds(20)).ok()) p->Signal(SIGKILL);
+    }
+    server_.reset();
+    peers_.clear();
+    host_.reset();
+  }
+
+  // Tasks 1..n-1 as peers (task t in the namespace when in_namespace(t)), each sending the
+  // standard fixtures (seed t) to task 0 at kStep once its channels to every peer stand; then
+  // task 0 here with `same_host` (null: by address).
+  void StartJob(int n, const std::function<bool(int)>& in_namespace,
+                std::optional<absl::flat_hash_set<std::string>> same_host = std::nullopt) {
+    absl::StatusOr<std::vector<int>> ports = PickFreePorts(n);
+    ASSERT_TRUE(ports.ok()) << ports.status();
+    std::vector<std::string> addresses;
+    for (int t = 0; t < n; ++t) {
+      addresses.push_back(absl::StrCat(
+          in_namespace(t) ? host_->remote_address() : host_->local_address(), ":", (*ports)[t]));
+    }
+    cluster_ = absl::StrCat("worker=", absl::StrJoin(addresses, ","));
+    addresses_ = addresses;
+    for (int t = 1; t < n; ++t) {
+      std::vector<std::string> args;
+      if (in_namespace(t)) args = host_->ExecPrefix();
+      for (const std::string& a :
+           {testing::TestPeerPath(), std::string("--cluster"), cluster_, std::string("--job"),
+            std::string("worker"), std::string("--task"), absl::StrCat(t), std::string("--step"),
+            absl::StrCat(kStep), std::string("--seed"), absl::StrCat(t), std::string("--dst"),
+            CpuDeviceName("worker", 0), std::string("--protocol"), GetParam(),
+            std::string("--wait-for-peers"), std::string("1")}) {
+        args.push_back(a);
+      }
+      const std::string program = args.front();
+      args.erase(args.begin());
+      absl::StatusOr<std::unique_ptr<support::Subprocess>> peer =
+          support::Subprocess::Start(program, args);
+      ASSERT_TRUE(peer.ok()) << peer.status();
+      peers_.push_back(*std::move(peer));
+    }
+    ServerOptions options;
+    options.cluster = *ClusterSpec::Parse(cluster_);
+    options.job = "worker";
+    options.task = 0;
+    options.protocol = GetParam();
+    options.transfer.recv_timeout = absl::Seconds(60);
+    options.verbs.same_host_tasks = std::move(same_host);
+    absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(60)).ok());
+    incarnations_.assign(n, 0);
+    for (int t = 1; t < n; ++t) {
+      absl::StatusOr<std::string> ready = peers_[t - 1]->WaitForLine("ready ", absl::Seconds(60));
+      ASSERT_TRUE(ready.ok()) << "task " << t << ": " << ready.status();
+      ASSERT_TRUE(absl::SimpleHexAtoi(ready->substr(6), &incarnations_[t])) << *ready;
+    }
+  }
+
+  // Task 0 receives task t's fixtures and checks their bytes.
+  void ExpectFixturesFrom(int t) {
+    auto r = *server_->rendezvous_mgr()->Find(kStep);
+    for (const testing::Fixture& f : testing::MakeFixtures(static_cast<uint32_t>(t), false)) {
+      const ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(
+          CpuDeviceName("worker", t), incarnations_[t], server_->device_name(), f.name));
+      PendingRecv recv(*r, key);
+      ASSERT_TRUE(recv.Wait(absl::Seconds(60))) << f.name << " from task " << t;
+      ASSERT_TRUE(recv.status().ok()) << f.name << " from task " << t << ": " << recv.status();
+      EXPECT_EQ(recv.is_dead(), f.is_dead);
+      const Tensor got = recv.tensor();
+      if (f.is_dead || f.tensor.dtype() == DataType::kString) continue;
+      ASSERT_EQ(got.TotalBytes(), f.tensor.TotalBytes()) << f.name;
+      EXPECT_EQ(std::memcmp(got.data(), f.tensor.data(), got.TotalBytes()), 0) << f.name;
+    }
+  }
+
+  // Task t's ready channels, by peer task and role, as its GetStats reports them.
+  std::map<std::pair<std::string, bool>, std::string> FabricsOf(int t) {
+    auto stub = proto::WorkerService::NewStub(
+        grpc::CreateChannel(addresses_[t], grpc::InsecureChannelCredentials()));
+    proto::GetStatsRequest request;
+    proto::GetStatsResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(30)));
+    grpc::Status s = stub->GetStats(&context, request, &response);
+    EXPECT_TRUE(s.ok()) << "task " << t << ": " << s.error_message();
+    std::map<std::pair<std::string, bool>, std::string> out;
+    for (const proto::ChannelStats& c : response.channels()) {
+      if (c.state() == "ready") out[{c.peer_task(), c.receives()}] = c.fabric();
+    }
+    return out;
+  }
+
+  std::unique_ptr<tools::NetnsHost> host_;
+  std::vector<std::unique_ptr<support::Subprocess>> peers_;
+  std::unique_ptr<Server> server_;
+  std::string cluster_;
+  std::vector<std::string> addresses_;
+  std::vector<uint64_t> incarnations_;
+};
+
+TEST_P(MixedHostsTest, SameHostPairsUseShmemAndTheOthersTcp) {
+  ASSERT_NO_FATAL_FAILURE(StartJob(4, [](int t) { return t >= 2; }));
+  for (int t = 1; t < 4; ++t) ASSERT_NO_FATAL_FAILURE(ExpectFixturesFrom(t));
+  auto host_of = [](int t) { return t >= 2 ? 1 : 0; };
+  for (int t = 0; t < 4; ++t) {
+    const auto fabrics = FabricsOf(t);
+    for (int peer = 0; peer < 4; ++peer) {
+      if (peer == t) continue;
+      for (bool receives : {true, false}) {
+        auto it = fabrics.find({TaskName("worker", peer), receives});
+        ASSERT_NE(it, fabrics.end()) << "task " << t << " has no ready channel with task " << peer
+                                     << (receives ? " (receiving)" : " (sending)");
+        if (host_of(t) == host_of(peer)) {
+          EXPECT_EQ(it->second, kShmem) << "task " << t << " <-> task " << peer;
+        } else {
+          EXPECT_THAT(it->second, StartsWith(kTcp)) << "task " << t << " <-> task " << peer;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(MixedHostsTest, APeerThatIsElsewhereAfterAllIsReachedOverTheNetwork) {
+  // Tasks 1 and 2 share the namespace; task 0 is told task 2 is on its host.
+  ASSERT_NO_FATAL_FAILURE(StartJob(
+      3, [](int t) { return t >= 1; }, absl::flat_hash_set<std::string>{TaskName("worker", 2)}));
+  for (int t = 1; t < 3; ++t) ASSERT_NO_FATAL_FAILURE(ExpectFixturesFrom(t));
+  const auto fabrics = FabricsOf(0);
+  auto it = fabrics.find({TaskName("worker", 2), true});
+  ASSERT_NE(it, fabrics.end());
+  EXPECT_THAT(it->second, StartsWith(kTcp));
+  // The pair in the namespace still shares its host.
+  const auto of1 = FabricsOf(1);
+  auto pair = of1.find({TaskName("worker", 2), true});
+  ASSERT_NE(pair, of1.end());
+  EXPECT_EQ(pair->second, kShmem);
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, MixedHostsTest,
+                         ::testing::Values("grpc+verbs", "grpc+verbs-copy"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           std::string name = info.param;
+                           for (char& c : name) {
+                             if (c == '+' || c == '-') c = '_';
+                           }
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace tensorverbs
