@@ -11,10 +11,10 @@
 #include <map>
 #include <string>
 
-#include "src/fabric/fabric.h"
 #include "tensorverbs/device_name.h"
 #include "tests/support/inprocess_cluster.h"
 #include "tests/support/pending_recv.h"
+#include "tests/support/protocol_params.h"
 
 namespace tensorverbs::testing {
 namespace {
@@ -22,17 +22,11 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-bool HaveOfiTcp() {
-  for (const std::string& p : fabric::ListOfiProviders()) {
-    if (p.rfind("tcp;ofi_rxm", 0) == 0) return true;
-  }
-  return false;
-}
-
 class MixedFabricTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    if (!HaveOfiTcp()) GTEST_SKIP() << "libfabric's tcp;ofi_rxm provider is not available here";
+    if (!OfiProviderAvailable("tcp;ofi_rxm"))
+      GTEST_SKIP() << "libfabric's tcp;ofi_rxm provider is not available here";
     ClusterOptions o;
     o.protocol = GetParam();
     o.fabric = "auto";
@@ -124,14 +118,7 @@ TEST_P(MixedFabricTest, TheSameHostFabricRegistersThePoolOfItsOwn) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, MixedFabricTest,
-                         ::testing::Values("grpc+verbs", "grpc+verbs-copy"),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           std::string name = info.param;
-                           for (char& c : name) {
-                             if (c == '+' || c == '-') c = '_';
-                           }
-                           return name;
-                         });
+                         ::testing::Values("grpc+verbs", "grpc+verbs-copy"), ProtocolTestName);
 
 }  // namespace
 }  // namespace tensorverbs::testing

@@ -20,12 +20,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "proto/worker.grpc.pb.h"
-#include "src/fabric/fabric.h"
 #include "src/server/server.h"
 #include "tensorverbs/device_name.h"
 #include "tensorverbs/placement.h"
 #include "tests/support/fixtures.h"
 #include "tests/support/pending_recv.h"
+#include "tests/support/protocol_params.h"
 #include "tests/support/subprocess.h"
 #include "tools/netns.h"
 
@@ -38,17 +38,11 @@ constexpr int64_t kStep = 9;
 constexpr char kShmem[] = "shmem (shmem)";
 constexpr char kTcp[] = "ofi (tcp;ofi_rxm";
 
-bool HaveOfiTcp() {
-  for (const std::string& p : fabric::ListOfiProviders()) {
-    if (p.rfind("tcp;ofi_rxm", 0) == 0) return true;
-  }
-  return false;
-}
-
 class MixedHostsTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    if (!HaveOfiTcp()) GTEST_SKIP() << "libfabric's tcp;ofi_rxm provider is not available here";
+    if (!testing::OfiProviderAvailable("tcp;ofi_rxm"))
+      GTEST_SKIP() << "libfabric's tcp;ofi_rxm provider is not available here";
     absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(60);
     if (!host.ok()) GTEST_SKIP() << "no network namespaces here: " << host.status().message();
     host_ = *std::move(host);
@@ -199,13 +193,7 @@ TEST_P(MixedHostsTest, APeerThatIsElsewhereAfterAllIsReachedOverTheNetwork) {
 
 INSTANTIATE_TEST_SUITE_P(Protocols, MixedHostsTest,
                          ::testing::Values("grpc+verbs", "grpc+verbs-copy"),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           std::string name = info.param;
-                           for (char& c : name) {
-                             if (c == '+' || c == '-') c = '_';
-                           }
-                           return name;
-                         });
+                         testing::ProtocolTestName);
 
 }  // namespace
 }  // namespace tensorverbs
