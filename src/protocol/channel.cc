@@ -152,6 +152,11 @@ void Channel::SendMessage(Message m) {
   }
 }
 
+absl::Status Channel::MessagesFailed(const absl::Status& s) const {
+  return absl::Status(
+      s.code(), absl::StrCat("control messages with task ", peer_task_, " failed: ", s.message()));
+}
+
 void Channel::CloseAfterThisTurn(absl::Status status) {
   if (state_ == State::kClosed || !closing_.ok()) return;
   if (env_->host == nullptr) {
@@ -215,7 +220,9 @@ void Channel::OnCompletion(const fabric::Completion& c) {
         return;
       }
       case ImmKind::kAck:
-        if (absl::Status s = mb_->OnAck(AckCount(c.imm)); !s.ok()) Close(s);
+        // An ACK frees slots, and the messages queued for them go out now: a refusal of
+        // those posts (the peer went) or a bad count names the peer like any channel error.
+        if (absl::Status s = mb_->OnAck(AckCount(c.imm)); !s.ok()) Close(MessagesFailed(s));
         return;
       case ImmKind::kRequest:
         // On the receiver, content for a request; on a grpc+gdr sender, a released tensor.
@@ -235,7 +242,7 @@ void Channel::OnCompletion(const fabric::Completion& c) {
   const uint64_t value = ContextValue(c.context);
   switch (ContextTag(c.context)) {
     case OpTag::kMessage:
-      if (absl::Status s = mb_->OnMessageWritten(value); !s.ok()) Close(s);
+      if (absl::Status s = mb_->OnMessageWritten(value); !s.ok()) Close(MessagesFailed(s));
       return;
     case OpTag::kAck:
       return;

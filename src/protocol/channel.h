@@ -190,6 +190,9 @@ class Channel {
   // taken); handled first, they land in their requests, which a closing channel keeps for
   // their recvs. Sends are dropped meanwhile. Without a host, closes now.
   void CloseAfterThisTurn(absl::Status status);
+  // A message-buffer failure (a refused post of a queued message, a bad ACK) as a channel
+  // error that names the peer.
+  absl::Status MessagesFailed(const absl::Status& s) const;
 
   // For the state machines: sends a control message; a failure closes the channel.
   void SendMessage(Message m);
