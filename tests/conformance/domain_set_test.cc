@@ -1,12 +1,14 @@
 // DomainSet (src/fabric/domain_set.h): one progress thread driving the same-host shmem fabric
 // and libfabric tcp;ofi_rxm (or a second shmem domain, where tcp is missing) as one domain, as a
 // task whose peers sit on its host and on others does. The set's side ("a") is polled and slept
-// on through the set only; each member's peer ("b") is driven by the test thread.
+// on through the set only; each member's peer ("b") is driven by the test thread. Also: the
+// libfabric rxm defaults the ofi backend sets for the many endpoints a cluster opens.
 #include "src/fabric/domain_set.h"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -218,6 +220,27 @@ TEST_F(DomainSetTest, AMemberWithNoFdToSleepOnIsStillPolled) {
   ASSERT_EQ(got.size(), 1u);
   EXPECT_EQ(got[0].imm, 9u);
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+}  // namespace
+}  // namespace tensorverbs::fabric
+
+namespace tensorverbs::fabric {
+namespace {
+
+// libfabric's rxm layer would give every endpoint (one per channel) 64 MiB of receive bounce
+// buffers; the ofi backend asks for 256 of 8 KiB instead, unless the user set the variables.
+TEST(OfiRxmDefaultsTest, SmallReceiveBuffersUnlessTheUserSetThem) {
+  setenv("FI_OFI_RXM_EAGER_LIMIT", "16384", /*overwrite=*/1);
+  DomainOptions options;
+  options.provider = "tcp;ofi_rxm";
+  absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain("ofi", options);
+  if (absl::IsUnavailable(d.status())) GTEST_SKIP() << d.status();
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_NE(getenv("FI_OFI_RXM_BUFFER_SIZE"), nullptr);
+  EXPECT_STREQ(getenv("FI_OFI_RXM_BUFFER_SIZE"), "8192");
+  EXPECT_STREQ(getenv("FI_OFI_RXM_MSG_RX_SIZE"), "256");
+  EXPECT_STREQ(getenv("FI_OFI_RXM_EAGER_LIMIT"), "16384") << "the user's value was overwritten";
 }
 
 }  // namespace
