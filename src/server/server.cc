@@ -13,6 +13,7 @@
 #include "src/common/config.h"
 #include "src/common/logging.h"
 #include "src/common/malloc_tuning.h"
+#include "src/common/process_limits.h"
 #include "src/common/status_macros.h"
 #include "src/common/trace.h"
 #include "src/device/cuda_allocator.h"
@@ -202,6 +203,11 @@ absl::Status Server::Start() {
     }
   }
   const bool all_peers_local = same_host.size() + 1 >= options_.cluster.TaskAddresses().size();
+  if (absl::Status s =
+          RaiseDescriptorLimit(DescriptorsFor(options_.cluster.TaskAddresses().size()));
+      !s.ok()) {
+    LOG(WARNING) << "task " << self << ": " << s.message();
+  }
   StartPool(all_peers_local, !same_host.empty());
   executor_ = std::make_unique<Executor>("tv-callbacks", options_.callback_threads);
   FillEnv();
