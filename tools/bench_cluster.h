@@ -75,6 +75,17 @@ struct BenchPsTaskOptions {
 };
 int RunBenchPsTask(const BenchPsTaskOptions& options);
 
+// `tensorverbs bench-scale-task`: one task of `bench scale` (bench_scale.cc), of job "worker".
+// Prints "result <json>", then serves until its stdin says "exit".
+struct BenchScaleTaskOptions {
+  std::string cluster;
+  int task = 0;
+  int steps = 20;
+  std::string bytes = "1KiB";
+  BenchServerOptions server;
+};
+int RunBenchScaleTask(const BenchScaleTaskOptions& options);
+
 class PairBench {
  public:
   // Starts the peer (inside `netns` when given) and this process's server, and waits until

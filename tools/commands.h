@@ -124,6 +124,23 @@ struct BenchPsOptions {
 };
 int RunBenchPs(const BenchPsOptions& options);
 
+// `tensorverbs bench scale`: how a cluster's costs grow with its task count. For each N, N
+// tasks (child processes, on this host or spread over --hosts network namespaces) set up their
+// channels to every peer, then exchange a small tensor with every peer each step (all-to-all).
+// Reported per N: channel set-up time, the first step, the steady step time, and per task the
+// memory, registered bytes, descriptors, threads and channels (bench_scale.cc).
+struct BenchScaleOptions {
+  std::string tasks = "2,4,8,16";  // comma-separated task counts
+  std::string protocol = "grpc+verbs";
+  int steps = 20;
+  std::string bytes = "1KiB";  // each tensor of the all-to-all
+  bool netns = false;
+  int hosts = 0;  // with netns: this many hosts, tasks in blocks (0: one host per task)
+  std::string json;
+  std::string poll_mode;
+};
+int RunBenchScale(const BenchScaleOptions& options);
+
 // Prints the fabric backends and libfabric providers usable here, the memlock limit and the
 // configuration in effect.
 int RunInfoCommand();

@@ -181,6 +181,37 @@ int main(int argc, char** argv) {
   ps_task_cmd->add_option("--fabric", ps_task.server.fabric);
   ps_task_cmd->add_option("--callback-threads", ps_task.server.callback_threads);
 
+  BenchScaleOptions scale;
+  CLI::App* bench_scale = bench_cmd->add_subcommand(
+      "scale",
+      "Set-up, first and steady all-to-all step, memory, descriptors and threads per "
+      "task count");
+  bench_scale->add_option("--tasks", scale.tasks, "Task counts, comma-separated")
+      ->default_val(scale.tasks);
+  bench_scale->add_option("--protocol", scale.protocol)->default_val(scale.protocol);
+  bench_scale->add_option("--steps", scale.steps, "Measured steps")->default_val(scale.steps);
+  bench_scale->add_option("--bytes", scale.bytes, "Size of each all-to-all tensor")
+      ->default_val(scale.bytes);
+  bench_scale->add_flag("--netns", scale.netns, "Tasks in network namespaces (root)");
+  bench_scale->add_option("--hosts", scale.hosts,
+                          "With --netns: this many hosts, the tasks spread over them in blocks");
+  bench_scale->add_option("--json", scale.json, "Write JSON rows to this file");
+  bench_scale->add_option("--poll-mode", scale.poll_mode, "busy, blocking or adaptive");
+
+  BenchScaleTaskOptions scale_task;
+  CLI::App* scale_task_cmd = app.add_subcommand("bench-scale-task", "One task of bench scale");
+  scale_task_cmd->group("");
+  scale_task_cmd->add_option("--cluster", scale_task.cluster)->required();
+  scale_task_cmd->add_option("--task", scale_task.task)->required();
+  scale_task_cmd->add_option("--steps", scale_task.steps)->required();
+  scale_task_cmd->add_option("--bytes", scale_task.bytes)->required();
+  scale_task_cmd->add_option("--protocol", scale_task.server.protocol)->required();
+  scale_task_cmd->add_option("--message-slots", scale_task.server.message_slots);
+  scale_task_cmd->add_option("--message-batch", scale_task.server.message_batch);
+  scale_task_cmd->add_option("--poll-mode", scale_task.server.poll_mode);
+  scale_task_cmd->add_option("--fabric", scale_task.server.fabric);
+  scale_task_cmd->add_option("--callback-threads", scale_task.server.callback_threads);
+
   BenchPeerOptions bench_peer;
   CLI::App* bench_peer_cmd = app.add_subcommand("bench-peer", "Sender side of bench p2p/rate");
   bench_peer_cmd->group("");
@@ -255,5 +286,7 @@ int main(int argc, char** argv) {
   if (bench_peer_cmd->parsed()) return RunBenchPeer(bench_peer);
   if (bench_ps->parsed()) return RunBenchPs(ps);
   if (ps_task_cmd->parsed()) return RunBenchPsTask(ps_task);
+  if (bench_scale->parsed()) return RunBenchScale(scale);
+  if (scale_task_cmd->parsed()) return RunBenchScaleTask(scale_task);
   return 2;
 }

@@ -326,6 +326,31 @@ TEST(ToolTest, BenchPsRunsTrainingStepsOfARealModelOverEveryProtocol) {
   }
 }
 
+TEST(ToolTest, BenchScaleReportsEachTaskCountsCosts) {
+  const ScopedTempDir dir;
+  const std::string json = dir.File("bench_scale.json");
+  absl::StatusOr<ToolRun> run = RunTool(
+      {"bench", "scale", "--tasks", "2,3", "--steps", "3", "--json", json}, absl::Seconds(120));
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->exit_code, 0) << run->out;
+  nlohmann::json rows = ReadJson(json);
+  ASSERT_TRUE(rows.is_array());
+  ASSERT_EQ(rows.size(), 2u) << rows.dump();
+  for (const nlohmann::json& r : rows) {
+    const int n = r.value("tasks", 0);
+    // Every task sets up a channel each way with every peer.
+    EXPECT_EQ(r.value("channels_per_task", 0.0), 2.0 * (n - 1)) << r.dump();
+    EXPECT_GT(r.value("setup_ms", 0.0), 0) << r.dump();
+    EXPECT_GT(r.value("step_ms_p50", 0.0), 0) << r.dump();
+    EXPECT_GT(r.value("fds_per_task", 0.0), 0) << r.dump();
+    EXPECT_GT(r.value("threads_per_task", 0.0), 1) << r.dump();
+    EXPECT_GT(r.value("pss_mib_per_task", 0.0), 0) << r.dump();
+  }
+  run = RunTool({"bench", "scale", "--tasks", "1"}, absl::Seconds(30));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 2) << "a cluster of one task has nothing to measure";
+}
+
 TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
   // The variable lists are generated from the architectures: check them against the
   // published trainable-parameter counts.

@@ -1,0 +1,278 @@
+// `tensorverbs bench scale` (tools/commands.h): the cost of a cluster as its task count grows.
+// Each task is a child process (`bench-scale-task`) that times its own set-up and steps and
+// reads its own resources from /proc; the launcher starts N of them, collects one JSON line
+// from each and reports, per N, the slowest task's set-up and first step, the median task's
+// steady step, and the mean per task (and per channel) of memory, registrations, descriptors
+// and threads.
+#include <dirent.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "src/common/config.h"
+#include "src/common/status_macros.h"
+#include "src/server/server.h"
+#include "src/support/process_util.h"
+#include "src/support/subprocess.h"
+#include "tensorverbs/device_name.h"
+#include "tensorverbs/placement.h"
+#include "tools/bench_cluster.h"
+#include "tools/bench_util.h"
+#include "tools/commands.h"
+#include "tools/netns.h"
+
+namespace tensorverbs::tools {
+namespace {
+
+constexpr char kJob[] = "worker";
+
+// Entries of a /proc directory of this process (its threads, its descriptors).
+int CountEntries(const char* path) {
+  DIR* dir = opendir(path);
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  closedir(dir);
+  return n;
+}
+
+// Resident bytes of this process.
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+// Proportional set size: resident bytes with shared pages (peers' pool regions mapped by the
+// same-host fabric) divided among the processes that map them.
+int64_t ProportionalBytes() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  std::string key;
+  int64_t kib = 0;
+  while (rollup >> key) {
+    if (key == "Pss:") {
+      rollup >> kib;
+      return kib * 1024;
+    }
+    std::string rest;
+    std::getline(rollup, rest);
+  }
+  return -1;
+}
+
+absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
+  const absl::Time start = absl::Now();
+  ASSIGN_OR_RETURN(ClusterSpec cluster, ClusterSpec::Parse(o.cluster));
+  ASSIGN_OR_RETURN(size_t bytes, ParseSize(o.bytes));
+  ServerOptions options = ServerOptions::FromConfig(Config::Get());
+  options.cluster = cluster;
+  options.job = kJob;
+  options.task = o.task;
+  o.server.Apply(&options);
+  ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(options));
+  const absl::Time created = absl::Now();
+  RETURN_IF_ERROR(server->WaitForPeers(absl::Minutes(5)));
+  const absl::Time connected = absl::Now();
+  const int n = static_cast<int>(cluster.TaskAddresses().size());
+  // Every peer's keys for this step's tensor, both ways.
+  std::vector<ParsedKey> to, from;
+  for (int p = 0; p < n; ++p) {
+    if (p == o.task) continue;
+    ASSIGN_OR_RETURN(uint64_t inc, server->PeerIncarnation(TaskName(kJob, p), absl::Minutes(1)));
+    to.push_back(
+        MakeKeys(server->device_name(), server->incarnation(), CpuDeviceName(kJob, p), {"a2a"})[0]);
+    from.push_back(MakeKeys(CpuDeviceName(kJob, p), inc, server->device_name(), {"a2a"})[0]);
+  }
+  ASSIGN_OR_RETURN(TensorShape shape,
+                   TensorShape::Create({static_cast<int64_t>(std::max<size_t>(bytes / 4, 1))}));
+  ASSIGN_OR_RETURN(Tensor tensor,
+                   Tensor::Allocate(server->recv_allocator(), DataType::kFloat32, shape));
+  FillBenchPattern(tensor.data(), tensor.TotalBytes(), static_cast<uint32_t>(o.task));
+  std::vector<double> step_ms;
+  double first_ms = 0;
+  for (int s = 0; s <= o.steps; ++s) {
+    const int64_t step = 1 + s;
+    const absl::Time t0 = absl::Now();
+    ASSIGN_OR_RETURN(std::shared_ptr<RemoteRendezvous> r, server->rendezvous_mgr()->Find(step));
+    for (const ParsedKey& k : to) RETURN_IF_ERROR(r->Send(k, tensor));
+    ASSIGN_OR_RETURN(std::vector<Tensor> got, RecvAll(*r, from));
+    const double ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
+    if (s == 0) {
+      first_ms = ms;
+    } else {
+      step_ms.push_back(ms);
+    }
+    // A peer's step s tensors were taken once it has received ours of step s + 1: s - 1 is done.
+    if (s > 0) server->rendezvous_mgr()->Cleanup(step - 1);
+  }
+  int64_t registered = 0, channels = 0;
+  if (auto* verbs = server->verbs_transport()) {
+    const auto gauges = verbs->registration_gauges();
+    registered = gauges.bytes + gauges.endpoint_bytes;
+    channels = static_cast<int64_t>(verbs->NumReadyChannels());
+  }
+  *result = {{"task", o.task},
+             {"create_ms", absl::ToDoubleMilliseconds(created - start)},
+             {"setup_ms", absl::ToDoubleMilliseconds(connected - created)},
+             {"first_step_ms", first_ms},
+             {"step_ms", step_ms},
+             {"rss_bytes", ResidentBytes()},
+             {"pss_bytes", ProportionalBytes()},
+             {"registered_bytes", registered},
+             {"fds", CountEntries("/proc/self/fd")},
+             {"threads", CountEntries("/proc/self/task")},
+             {"channels", channels}};
+  std::printf("result %s\n", result->dump().c_str());
+  std::fflush(stdout);
+  std::string line;
+  while (std::getline(std::cin, line) && line != "exit") {
+  }
+  server->Stop();
+  return absl::OkStatus();
+}
+
+struct ScaleRow {
+  int tasks = 0;
+  double setup_ms = 0;       // the slowest task's WaitForPeers
+  double first_step_ms = 0;  // the slowest task's first all-to-all
+  double step_ms_p50 = 0;    // the median over tasks of each task's median step
+  // Means per task.
+  double rss_mib = 0, pss_mib = 0, registered_mib = 0, fds = 0, threads = 0, channels = 0;
+};
+
+absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
+  std::unique_ptr<NetnsCluster> netns;
+  std::vector<std::string> hosts(tasks, "127.0.0.1");
+  std::vector<int> host_of(tasks);
+  for (int i = 0; i < tasks; ++i) host_of[i] = o.hosts > 0 ? i * o.hosts / tasks : i;
+  if (o.netns) {
+    ASSIGN_OR_RETURN(netns, NetnsCluster::Create(o.hosts > 0 ? o.hosts : tasks));
+    for (int i = 0; i < tasks; ++i) hosts[i] = netns->address(host_of[i]);
+  }
+  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(tasks));
+  std::vector<std::string> addresses;
+  for (int i = 0; i < tasks; ++i) addresses.push_back(absl::StrCat(hosts[i], ":", ports[i]));
+  const std::string cluster = absl::StrCat(kJob, "=", absl::StrJoin(addresses, ","));
+  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
+  BenchServerOptions server;
+  server.protocol = o.protocol;
+  server.poll_mode = o.poll_mode;
+  std::vector<std::unique_ptr<support::Subprocess>> children;
+  for (int i = 0; i < tasks; ++i) {
+    std::vector<std::string> args =
+        netns ? netns->ExecPrefix(host_of[i]) : std::vector<std::string>{};
+    args.insert(args.end(),
+                {exe, "bench-scale-task", "--cluster", cluster, "--task", absl::StrCat(i),
+                 "--steps", absl::StrCat(o.steps), "--bytes", o.bytes});
+    for (const std::string& a : server.ToArgs()) args.push_back(a);
+    const std::string path = args.front();
+    args.erase(args.begin());
+    ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
+                     support::Subprocess::Start(path, args));
+    children.push_back(std::move(child));
+  }
+  std::vector<nlohmann::json> results(tasks);
+  for (int i = 0; i < tasks; ++i) {
+    ASSIGN_OR_RETURN(std::string line, Expect(*children[i], "result ", absl::Minutes(10)));
+    results[i] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (results[i].is_discarded()) {
+      return absl::InternalError(absl::StrCat("bench scale task ", i, " reported '", line, "'"));
+    }
+  }
+  for (auto& c : children) (void)Tell(*c, "exit");
+  for (auto& c : children) (void)c->Wait(absl::Seconds(30));
+  ScaleRow row;
+  row.tasks = tasks;
+  std::vector<double> medians;
+  for (const nlohmann::json& r : results) {
+    row.setup_ms = std::max(row.setup_ms, r.value("setup_ms", 0.0));
+    row.first_step_ms = std::max(row.first_step_ms, r.value("first_step_ms", 0.0));
+    std::vector<double> steps = r["step_ms"].get<std::vector<double>>();
+    if (!steps.empty()) medians.push_back(Percentile(steps, 0.5));
+    row.rss_mib += r.value("rss_bytes", 0.0) / 1048576.0 / tasks;
+    row.pss_mib += r.value("pss_bytes", 0.0) / 1048576.0 / tasks;
+    row.registered_mib += r.value("registered_bytes", 0.0) / 1048576.0 / tasks;
+    row.fds += r.value("fds", 0.0) / tasks;
+    row.threads += r.value("threads", 0.0) / tasks;
+    row.channels += r.value("channels", 0.0) / tasks;
+  }
+  if (!medians.empty()) row.step_ms_p50 = Percentile(medians, 0.5);
+  return row;
+}
+
+}  // namespace
+
+int RunBenchScaleTask(const BenchScaleTaskOptions& o) {
+  nlohmann::json result;
+  absl::Status s = RunTask(o, &result);
+  if (!s.ok()) {
+    std::printf("error %s\n", s.ToString().c_str());
+    std::fflush(stdout);
+    return 1;
+  }
+  return 0;
+}
+
+int RunBenchScale(const BenchScaleOptions& o) {
+  absl::StatusOr<std::vector<int>> counts = ParseCountList(o.tasks, "--tasks", 2, 256);
+  if (!counts.ok()) {
+    std::fprintf(stderr, "tensorverbs bench scale: %s\n",
+                 std::string(counts.status().message()).c_str());
+    return 2;
+  }
+  if (o.steps < 1 || !ParseSize(o.bytes).ok() || (o.hosts > 0 && !o.netns) || o.hosts < 0) {
+    std::fprintf(stderr,
+                 "tensorverbs bench scale: --steps must be >= 1, --bytes a size, and --hosts "
+                 "needs --netns\n");
+    return 2;
+  }
+  std::printf("bench scale: %s, all-to-all of %s tensors, %d steps%s\n", o.protocol.c_str(),
+              o.bytes.c_str(), o.steps,
+              !o.netns      ? ", every task on this host"
+              : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
+                            : ", one netns per task");
+  std::printf("%6s %10s %12s %10s %9s %9s %14s %8s %8s %9s\n", "tasks", "setup ms", "1st step ms",
+              "step ms", "RSS MiB", "PSS MiB", "registered MiB", "fds", "threads", "channels");
+  nlohmann::json rows = nlohmann::json::array();
+  for (int n : *counts) {
+    absl::StatusOr<ScaleRow> row = RunOne(n, o);
+    if (!row.ok()) {
+      std::fprintf(stderr, "tensorverbs bench scale: %d tasks: %s\n", n,
+                   row.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("%6d %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f\n", n, row->setup_ms,
+                row->first_step_ms, row->step_ms_p50, row->rss_mib, row->pss_mib,
+                row->registered_mib, row->fds, row->threads, row->channels);
+    std::fflush(stdout);
+    rows.push_back({{"tasks", n},
+                    {"protocol", o.protocol},
+                    {"bytes", o.bytes},
+                    {"netns", o.netns},
+                    {"hosts", o.hosts},
+                    {"setup_ms", row->setup_ms},
+                    {"first_step_ms", row->first_step_ms},
+                    {"step_ms_p50", row->step_ms_p50},
+                    {"rss_mib_per_task", row->rss_mib},
+                    {"pss_mib_per_task", row->pss_mib},
+                    {"registered_mib_per_task", row->registered_mib},
+                    {"fds_per_task", row->fds},
+                    {"threads_per_task", row->threads},
+                    {"channels_per_task", row->channels}});
+  }
+  if (!o.json.empty() && !WriteJsonRows(o.json, rows, "tensorverbs bench scale")) return 1;
+  return 0;
+}
+
+}  // namespace tensorverbs::tools
