@@ -245,12 +245,20 @@ int RunBenchScale(const BenchScaleOptions& o) {
   std::printf("%6s %10s %12s %10s %9s %9s %14s %8s %8s %9s\n", "tasks", "setup ms", "1st step ms",
               "step ms", "RSS MiB", "PSS MiB", "registered MiB", "fds", "threads", "channels");
   nlohmann::json rows = nlohmann::json::array();
+  bool failed = false;
   for (int n : *counts) {
     absl::StatusOr<ScaleRow> row = RunOne(n, o);
     if (!row.ok()) {
-      std::fprintf(stderr, "tensorverbs bench scale: %d tasks: %s\n", n,
-                   row.status().ToString().c_str());
-      return 1;
+      // Where a cluster stops working is a result too: reported, and the other counts still run.
+      std::printf("%6d failed: %s\n", n, row.status().ToString().c_str());
+      std::fflush(stdout);
+      rows.push_back({{"tasks", n},
+                      {"protocol", o.protocol},
+                      {"netns", o.netns},
+                      {"hosts", o.hosts},
+                      {"error", row.status().ToString()}});
+      failed = true;
+      continue;
     }
     std::printf("%6d %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f\n", n, row->setup_ms,
                 row->first_step_ms, row->step_ms_p50, row->rss_mib, row->pss_mib,
@@ -272,7 +280,7 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"channels_per_task", row->channels}});
   }
   if (!o.json.empty() && !WriteJsonRows(o.json, rows, "tensorverbs bench scale")) return 1;
-  return 0;
+  return failed ? 1 : 0;
 }
 
 }  // namespace tensorverbs::tools
