@@ -132,6 +132,52 @@ absl::StatusOr<std::vector<std::string>> ParseProtocolList(const std::string& li
   return out;
 }
 
+absl::StatusOr<std::unique_ptr<BenchLayout>> BenchLayout::Create(int tasks, bool netns, int hosts) {
+  auto layout = std::unique_ptr<BenchLayout>(new BenchLayout());
+  std::vector<std::string> host_names(tasks, "127.0.0.1");
+  layout->host_of_.resize(tasks);
+  for (int i = 0; i < tasks; ++i) layout->host_of_[i] = hosts > 0 ? i * hosts / tasks : i;
+  if (netns) {
+    ASSIGN_OR_RETURN(layout->netns_, NetnsCluster::Create(hosts > 0 ? hosts : tasks));
+    for (int i = 0; i < tasks; ++i) host_names[i] = layout->netns_->address(layout->host_of_[i]);
+  }
+  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(tasks));
+  for (int i = 0; i < tasks; ++i) {
+    layout->addresses_.push_back(absl::StrCat(host_names[i], ":", ports[i]));
+  }
+  return layout;
+}
+
+absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
+    const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
+    const std::string& what) {
+  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
+  const int tasks = static_cast<int>(addresses_.size());
+  std::vector<std::unique_ptr<support::Subprocess>> children;
+  for (int i = 0; i < tasks; ++i) {
+    std::vector<std::string> args =
+        netns_ ? netns_->ExecPrefix(host_of_[i]) : std::vector<std::string>{};
+    args.push_back(exe);
+    for (std::string& a : args_of(i)) args.push_back(std::move(a));
+    const std::string path = args.front();
+    args.erase(args.begin());
+    ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
+                     support::Subprocess::Start(path, args));
+    children.push_back(std::move(child));
+  }
+  std::vector<nlohmann::json> results(tasks);
+  for (int i = 0; i < tasks; ++i) {
+    ASSIGN_OR_RETURN(std::string line, Expect(*children[i], "result ", timeout));
+    results[i] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (results[i].is_discarded()) {
+      return absl::InternalError(absl::StrCat(what, " task ", i, " reported '", line, "'"));
+    }
+  }
+  for (auto& c : children) (void)Tell(*c, "exit");
+  for (auto& c : children) (void)c->Wait(absl::Seconds(30));
+  return results;
+}
+
 std::vector<std::string> BenchServerOptions::ToArgs() const {
   std::vector<std::string> args = {"--protocol", protocol};
   if (message_slots > 0) args.insert(args.end(), {"--message-slots", absl::StrCat(message_slots)});

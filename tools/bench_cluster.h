@@ -19,7 +19,9 @@
 #define TENSORVERBS_TOOLS_BENCH_CLUSTER_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -74,6 +76,28 @@ struct BenchPsTaskOptions {
   BenchServerOptions server;
 };
 int RunBenchPsTask(const BenchPsTaskOptions& options);
+
+// Where the tasks of a bench that runs one process per task (`bench ps`, `bench scale`) live:
+// this host, or network namespaces on a bridge (netns), one per task or `hosts` of them with the
+// tasks in blocks (Slurm's block distribution: task i on host i * hosts / tasks), each task on a
+// free port. Run starts the processes, collects one "result <json>" line from each, then tells
+// each "exit" and waits for it. Used from the launcher's thread.
+class BenchLayout {
+ public:
+  static absl::StatusOr<std::unique_ptr<BenchLayout>> Create(int tasks, bool netns, int hosts);
+  // "host:port" of each task.
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  // Task i runs `<this executable> <args_of(i)>`; `what` names the bench in errors.
+  absl::StatusOr<std::vector<nlohmann::json>> Run(
+      const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
+      const std::string& what);
+
+ private:
+  BenchLayout() = default;
+  std::unique_ptr<NetnsCluster> netns_;
+  std::vector<int> host_of_;
+  std::vector<std::string> addresses_;
+};
 
 // `tensorverbs bench-scale-task`: one task of `bench scale` (bench_scale.cc), of job "worker".
 // Prints "result <json>", then serves until its stdin says "exit".

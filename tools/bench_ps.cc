@@ -236,55 +236,44 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
                                 int64_t step_base) {
   ASSIGN_OR_RETURN(ModelSpec model, GetModel(model_name));
   const int tasks = o.ps + workers;
-  std::unique_ptr<NetnsCluster> netns;
-  std::vector<std::string> hosts(tasks, "127.0.0.1");
-  // Task i runs on host host_of[i]: one per task, or --hosts of them in blocks (Slurm's
-  // block distribution), so that the ps shares its host with the first workers.
-  std::vector<int> host_of(tasks);
-  for (int i = 0; i < tasks; ++i) host_of[i] = o.hosts > 0 ? i * o.hosts / tasks : i;
-  if (o.netns) {
-    ASSIGN_OR_RETURN(netns, NetnsCluster::Create(o.hosts > 0 ? o.hosts : tasks));
-    for (int i = 0; i < tasks; ++i) hosts[i] = netns->address(host_of[i]);
-  }
-  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(tasks));
+  // With --hosts, the ps shares its host with the first workers (tasks in blocks).
+  ASSIGN_OR_RETURN(std::unique_ptr<BenchLayout> layout,
+                   BenchLayout::Create(tasks, o.netns, o.hosts));
   std::vector<std::string> ps_addrs, worker_addrs;
   for (int i = 0; i < tasks; ++i) {
-    (i < o.ps ? ps_addrs : worker_addrs).push_back(absl::StrCat(hosts[i], ":", ports[i]));
+    (i < o.ps ? ps_addrs : worker_addrs).push_back(layout->addresses()[i]);
   }
   const std::string cluster = absl::StrCat(kPs, "=", absl::StrJoin(ps_addrs, ","), ";", kWorker,
                                            "=", absl::StrJoin(worker_addrs, ","));
-  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   BenchServerOptions server;
   server.protocol = protocol;
   server.poll_mode = o.poll_mode;
   server.fabric = fabric;
-  std::vector<std::unique_ptr<support::Subprocess>> children;
-  for (int i = 0; i < tasks; ++i) {
-    const bool is_ps = i < o.ps;
-    std::vector<std::string> args =
-        netns ? netns->ExecPrefix(host_of[i]) : std::vector<std::string>{};
-    args.insert(args.end(),
-                {exe, "bench-ps-task", "--cluster", cluster, "--job", is_ps ? kPs : kWorker,
-                 "--task", absl::StrCat(is_ps ? i : i - o.ps), "--model", model_name, "--workers",
-                 absl::StrCat(workers), "--steps", absl::StrCat(o.steps), "--warmup",
-                 absl::StrCat(o.warmup), "--step-base", absl::StrCat(step_base)});
-    for (const std::string& a : server.ToArgs()) args.push_back(a);
-    const std::string path = args.front();
-    args.erase(args.begin());
-    ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
-                     support::Subprocess::Start(path, args));
-    children.push_back(std::move(child));
-  }
-  std::vector<nlohmann::json> results(tasks);
-  for (int i = 0; i < tasks; ++i) {
-    ASSIGN_OR_RETURN(std::string line, Expect(*children[i], "result ", absl::Minutes(20)));
-    results[i] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (results[i].is_discarded()) {
-      return absl::InternalError(absl::StrCat("bench ps task ", i, " reported '", line, "'"));
-    }
-  }
-  for (auto& c : children) (void)Tell(*c, "exit");
-  for (auto& c : children) (void)c->Wait(absl::Seconds(30));
+  ASSIGN_OR_RETURN(std::vector<nlohmann::json> results,
+                   layout->Run(
+                       [&](int i) {
+                         const bool is_ps = i < o.ps;
+                         std::vector<std::string> args = {"bench-ps-task",
+                                                          "--cluster",
+                                                          cluster,
+                                                          "--job",
+                                                          is_ps ? kPs : kWorker,
+                                                          "--task",
+                                                          absl::StrCat(is_ps ? i : i - o.ps),
+                                                          "--model",
+                                                          model_name,
+                                                          "--workers",
+                                                          absl::StrCat(workers),
+                                                          "--steps",
+                                                          absl::StrCat(o.steps),
+                                                          "--warmup",
+                                                          absl::StrCat(o.warmup),
+                                                          "--step-base",
+                                                          absl::StrCat(step_base)};
+                         for (const std::string& a : server.ToArgs()) args.push_back(a);
+                         return args;
+                       },
+                       absl::Minutes(20), "bench ps"));
   PsRow row;
   row.model = model_name;
   row.protocol = protocol;

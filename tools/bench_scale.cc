@@ -4,12 +4,10 @@
 // from each and reports, per N, the slowest task's set-up and first step, the median task's
 // steady step, and the mean per task (and per channel) of memory, registrations, descriptors
 // and threads.
-#include <dirent.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -33,43 +31,6 @@ namespace tensorverbs::tools {
 namespace {
 
 constexpr char kJob[] = "worker";
-
-// Entries of a /proc directory of this process (its threads, its descriptors).
-int CountEntries(const char* path) {
-  DIR* dir = opendir(path);
-  if (dir == nullptr) return -1;
-  int n = 0;
-  while (dirent* e = readdir(dir)) {
-    if (e->d_name[0] != '.') ++n;
-  }
-  closedir(dir);
-  return n;
-}
-
-// Resident bytes of this process.
-int64_t ResidentBytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  statm >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
-}
-
-// Proportional set size: resident bytes with shared pages (peers' pool regions mapped by the
-// same-host fabric) divided among the processes that map them.
-int64_t ProportionalBytes() {
-  std::ifstream rollup("/proc/self/smaps_rollup");
-  std::string key;
-  int64_t kib = 0;
-  while (rollup >> key) {
-    if (key == "Pss:") {
-      rollup >> kib;
-      return kib * 1024;
-    }
-    std::string rest;
-    std::getline(rollup, rest);
-  }
-  return -1;
-}
 
 absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   const absl::Time start = absl::Now();
@@ -127,11 +88,11 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
              {"setup_ms", absl::ToDoubleMilliseconds(connected - created)},
              {"first_step_ms", first_ms},
              {"step_ms", step_ms},
-             {"rss_bytes", ResidentBytes()},
-             {"pss_bytes", ProportionalBytes()},
+             {"rss_bytes", support::ResidentBytes()},
+             {"pss_bytes", support::ProportionalBytes()},
              {"registered_bytes", registered},
-             {"fds", CountEntries("/proc/self/fd")},
-             {"threads", CountEntries("/proc/self/task")},
+             {"fds", support::OpenDescriptors()},
+             {"threads", support::ThreadCount()},
              {"channels", channels}};
   std::printf("result %s\n", result->dump().c_str());
   std::fflush(stdout);
@@ -152,46 +113,23 @@ struct ScaleRow {
 };
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
-  std::unique_ptr<NetnsCluster> netns;
-  std::vector<std::string> hosts(tasks, "127.0.0.1");
-  std::vector<int> host_of(tasks);
-  for (int i = 0; i < tasks; ++i) host_of[i] = o.hosts > 0 ? i * o.hosts / tasks : i;
-  if (o.netns) {
-    ASSIGN_OR_RETURN(netns, NetnsCluster::Create(o.hosts > 0 ? o.hosts : tasks));
-    for (int i = 0; i < tasks; ++i) hosts[i] = netns->address(host_of[i]);
-  }
-  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(tasks));
-  std::vector<std::string> addresses;
-  for (int i = 0; i < tasks; ++i) addresses.push_back(absl::StrCat(hosts[i], ":", ports[i]));
-  const std::string cluster = absl::StrCat(kJob, "=", absl::StrJoin(addresses, ","));
-  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
+  ASSIGN_OR_RETURN(std::unique_ptr<BenchLayout> layout,
+                   BenchLayout::Create(tasks, o.netns, o.hosts));
+  const std::string cluster = absl::StrCat(kJob, "=", absl::StrJoin(layout->addresses(), ","));
   BenchServerOptions server;
   server.protocol = o.protocol;
   server.poll_mode = o.poll_mode;
-  std::vector<std::unique_ptr<support::Subprocess>> children;
-  for (int i = 0; i < tasks; ++i) {
-    std::vector<std::string> args =
-        netns ? netns->ExecPrefix(host_of[i]) : std::vector<std::string>{};
-    args.insert(args.end(),
-                {exe, "bench-scale-task", "--cluster", cluster, "--task", absl::StrCat(i),
-                 "--steps", absl::StrCat(o.steps), "--bytes", o.bytes});
-    for (const std::string& a : server.ToArgs()) args.push_back(a);
-    const std::string path = args.front();
-    args.erase(args.begin());
-    ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
-                     support::Subprocess::Start(path, args));
-    children.push_back(std::move(child));
-  }
-  std::vector<nlohmann::json> results(tasks);
-  for (int i = 0; i < tasks; ++i) {
-    ASSIGN_OR_RETURN(std::string line, Expect(*children[i], "result ", absl::Minutes(10)));
-    results[i] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (results[i].is_discarded()) {
-      return absl::InternalError(absl::StrCat("bench scale task ", i, " reported '", line, "'"));
-    }
-  }
-  for (auto& c : children) (void)Tell(*c, "exit");
-  for (auto& c : children) (void)c->Wait(absl::Seconds(30));
+  ASSIGN_OR_RETURN(
+      std::vector<nlohmann::json> results,
+      layout->Run(
+          [&](int i) {
+            std::vector<std::string> args = {
+                "bench-scale-task", "--cluster",           cluster,   "--task", absl::StrCat(i),
+                "--steps",          absl::StrCat(o.steps), "--bytes", o.bytes};
+            for (const std::string& a : server.ToArgs()) args.push_back(a);
+            return args;
+          },
+          absl::Minutes(10), "bench scale"));
   ScaleRow row;
   row.tasks = tasks;
   std::vector<double> medians;

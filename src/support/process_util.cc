@@ -12,12 +12,56 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 
 namespace tensorverbs::support {
+
+namespace {
+
+// Entries of a /proc directory, without "." and "..".
+int CountEntries(const char* path) {
+  DIR* dir = opendir(path);
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = readdir(dir)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  closedir(dir);
+  return n;
+}
+
+}  // namespace
+
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+int64_t ProportionalBytes() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  std::string key;
+  while (rollup >> key) {
+    if (key == "Pss:") {
+      int64_t kib = 0;
+      rollup >> kib;
+      return kib * 1024;
+    }
+    std::string rest;
+    std::getline(rollup, rest);
+  }
+  return -1;
+}
+
+int OpenDescriptors() { return CountEntries("/proc/self/fd"); }
+
+int ThreadCount() { return CountEntries("/proc/self/task"); }
 
 absl::StatusOr<std::string> SelfExecutable() {
   char exe[4096];

@@ -38,6 +38,14 @@ absl::StatusOr<ChildExit> WaitAnyChild(const std::vector<pid_t>& pids, absl::Dur
 std::vector<std::string> ShmRegionsOf(pid_t pid);
 void UnlinkShmRegionsOf(pid_t pid);
 
+// This process's resident bytes, its proportional set size (shared pages divided among the
+// processes that map them; -1 where the kernel does not say), and its open descriptors and
+// threads: what the soak test and `bench scale` watch.
+int64_t ResidentBytes();
+int64_t ProportionalBytes();
+int OpenDescriptors();
+int ThreadCount();
+
 // Blocks SIGINT and SIGTERM in the calling thread (call before starting other threads, which
 // inherit the mask), so that WaitForTerminationSignal can take them synchronously.
 void BlockTerminationSignals();

@@ -14,8 +14,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <random>
@@ -40,22 +38,6 @@ int64_t EnvInt(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   int64_t out = 0;
   return v != nullptr && absl::SimpleAtoi(v, &out) && out > 0 ? out : fallback;
-}
-
-int64_t ResidentBytes() {
-  std::ifstream statm("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  statm >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
-}
-
-int OpenDescriptors() {
-  int n = 0;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
-    (void)entry;
-    ++n;
-  }
-  return n;
 }
 
 // One receiving peer: its process, and the steps this test sent (or aborted) for it.
@@ -151,8 +133,8 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
 
   while (absl::Now() - start < length) {
     if (quarter_rss < 0 && absl::Now() - start > length / 4) {
-      quarter_rss = ResidentBytes();
-      quarter_fds = OpenDescriptors();
+      quarter_rss = support::ResidentBytes();
+      quarter_fds = support::OpenDescriptors();
     }
     if (absl::Now() > next_kill) {
       next_kill += kill_every;
@@ -202,8 +184,8 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
     for (int64_t index = 1; index < peer.next; ++index) mgr->Cleanup(peer.base + index);
   }
   absl::SleepFor(absl::Seconds(3));  // quarantines end
-  const int64_t end_rss = ResidentBytes();
-  const int end_fds = OpenDescriptors();
+  const int64_t end_rss = support::ResidentBytes();
+  const int end_fds = support::OpenDescriptors();
   std::printf(
       "soak over %s for %s: %lld tensors (%.1f GiB) delivered, %lld aborted steps, %lld kills, "
       "%lld wrong, %lld unexpected; RSS %.0f MiB at a quarter, %.0f MiB at the end; descriptors "
