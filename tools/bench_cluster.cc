@@ -178,6 +178,14 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
   return results;
 }
 
+int RunBenchTaskProcess(const std::function<absl::Status()>& task) {
+  absl::Status s = task();
+  if (s.ok()) return 0;
+  std::printf("error %s\n", s.ToString().c_str());
+  std::fflush(stdout);
+  return 1;
+}
+
 std::vector<std::string> BenchServerOptions::ToArgs() const {
   std::vector<std::string> args = {"--protocol", protocol};
   if (message_slots > 0) args.insert(args.end(), {"--message-slots", absl::StrCat(message_slots)});

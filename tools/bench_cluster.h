@@ -99,6 +99,11 @@ class BenchLayout {
   std::vector<std::string> addresses_;
 };
 
+// The body of a bench task process (`bench-ps-task`, `bench-scale-task`): runs `task`, which
+// prints its own "result <json>" line; a failure is printed as "error <status>", which the
+// launcher's BenchLayout::Run reports. Returns the process's exit code.
+int RunBenchTaskProcess(const std::function<absl::Status()>& task);
+
 // `tensorverbs bench-scale-task`: one task of `bench scale` (bench_scale.cc), of job "worker".
 // Prints "result <json>", then serves until its stdin says "exit".
 struct BenchScaleTaskOptions {

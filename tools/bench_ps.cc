@@ -310,14 +310,10 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
 }  // namespace
 
 int RunBenchPsTask(const BenchPsTaskOptions& o) {
-  nlohmann::json result;
-  absl::Status s = RunTask(o, &result);
-  if (!s.ok()) {
-    std::printf("error %s\n", s.ToString().c_str());
-    std::fflush(stdout);
-    return 1;
-  }
-  return 0;
+  return RunBenchTaskProcess([&o] {
+    nlohmann::json result;
+    return RunTask(o, &result);
+  });
 }
 
 int RunBenchPs(const BenchPsOptions& o) {

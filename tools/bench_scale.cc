@@ -152,14 +152,10 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
 }  // namespace
 
 int RunBenchScaleTask(const BenchScaleTaskOptions& o) {
-  nlohmann::json result;
-  absl::Status s = RunTask(o, &result);
-  if (!s.ok()) {
-    std::printf("error %s\n", s.ToString().c_str());
-    std::fflush(stdout);
-    return 1;
-  }
-  return 0;
+  return RunBenchTaskProcess([&o] {
+    nlohmann::json result;
+    return RunTask(o, &result);
+  });
 }
 
 int RunBenchScale(const BenchScaleOptions& o) {
