@@ -16,8 +16,7 @@ absl::Status RaiseDescriptorLimit(uint64_t needed) {
   if (getrlimit(RLIMIT_NOFILE, &limit) != 0) {
     return absl::InternalError(absl::StrCat("getrlimit(RLIMIT_NOFILE): ", std::strerror(errno)));
   }
-  if (limit.rlim_cur != RLIM_INFINITY && limit.rlim_cur >= needed) return absl::OkStatus();
-  if (limit.rlim_cur == RLIM_INFINITY) return absl::OkStatus();
+  if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= needed) return absl::OkStatus();
   const bool enough = limit.rlim_max == RLIM_INFINITY || limit.rlim_max >= needed;
   const rlim_t old = limit.rlim_cur;
   limit.rlim_cur = enough ? static_cast<rlim_t>(needed) : limit.rlim_max;

@@ -54,10 +54,11 @@ Reservations& TheReservations() {
   return *reservations;
 }
 
-// True when this process now holds "tensorverbs/port/<port>" (and nobody else did).
-bool Reserve(int port) {
+// The descriptor that holds "tensorverbs/port/<port>" for this process, or -1 when another
+// picker (or an earlier pick of this process) holds it.
+int Reserve(int port) {
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
+  if (fd < 0) return -1;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   const std::string name = absl::StrCat("tensorverbs/port/", port);
@@ -65,12 +66,16 @@ bool Reserve(int port) {
   const socklen_t len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
   if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
     close(fd);
-    return false;
+    return -1;
   }
+  return fd;
+}
+
+// Keeps a reservation for the rest of the process's life.
+void Keep(int fd) {
   Reservations& r = TheReservations();
   MutexLock lock(&r.mu);
   r.fds.push_back(fd);
-  return true;
 }
 
 // True when nothing is bound to `port` of `ip` now (a listener on 0.0.0.0 counts too).
@@ -111,8 +116,14 @@ absl::StatusOr<std::vector<int>> PickFreePorts(int count, absl::string_view host
   for (int attempt = 0; attempt < kAttempts && static_cast<int>(ports.size()) < count; ++attempt) {
     const int i = pick(rng);
     const int port = i < below.size() ? below.first + i : above.first + (i - below.size());
-    if (!Reserve(port)) continue;  // another picker has it, or this process picked it before
-    if (Bindable(ip, port)) ports.push_back(port);
+    const int reservation = Reserve(port);
+    if (reservation < 0) continue;  // another picker has it, or this process picked it before
+    if (!Bindable(ip, port)) {
+      close(reservation);  // in use: nothing to keep it from
+      continue;
+    }
+    Keep(reservation);
+    ports.push_back(port);
   }
   if (static_cast<int>(ports.size()) < count) {
     return absl::UnavailableError(absl::StrCat("cannot pick ", count, " free ports on ", host,

@@ -241,9 +241,9 @@ void Server::StartPool(bool all_peers_local, bool some_peers_local) {
   pool_options.release_after = ServerOptions::kPoolReleaseAfter;
   // Tensors land in the pool: when the same-host fabric will carry them, the pool's memory is
   // what peers map, so a write into it is one memcpy.
-  fabric::FabricChoice choice =
-      fabric::FabricChoice::FromConfig(Config::Defaults(), all_peers_local);
+  fabric::FabricChoice choice;
   choice.fabric = options_.verbs.fabric;
+  choice.all_peers_local = all_peers_local;
   choice.some_peers_local = some_peers_local;
   pool_options.shareable =
       protocol_->verbs_mode.has_value() &&
