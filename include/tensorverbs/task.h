@@ -14,15 +14,15 @@
 //   absl::StatusOr<tensorverbs::Tensor> w = step->Recv("ps:0", "weights");
 //
 // Tasks are named "/job:J/replica:0/task:T" or "J:T". A received tensor's memory comes from the
-// task's registered pool and stays valid while any Tensor refers to it, after its Step and its
-// Task are gone too: a Task destroyed while its tensors live stops at once but keeps its pool
-// until they are dropped (it is freed when a later Task starts or goes). Every method is
-// thread-safe. RecvAsync never waits, and its callback runs exactly once: for a recv that
-// started, on one of the task's callback threads (TENSORVERBS_CALLBACK_THREADS); for one refused
-// before it started (a malformed task name or key, a peer that did not answer when asked for its
-// incarnation), inside the call or on the thread that asked. It must not block for long. Errors are
-// absl::Status values whose message names the key, the peer and, where a setting is involved, its
-// variable.
+// task's registered pool (or, received into a GPU, its pool of that GPU's memory) and stays
+// valid while any Tensor refers to it, after its Step and its Task are gone too: a Task destroyed
+// while its tensors live stops at once but keeps its pools until they are dropped (it is freed when
+// a later Task starts or goes). Every method is thread-safe. RecvAsync never waits, and its
+// callback runs exactly once: for a recv that started, on one of the task's callback threads
+// (TENSORVERBS_CALLBACK_THREADS); for one refused before it started (a malformed task name or key,
+// a peer that did not answer when asked for its incarnation), inside the call or on the thread that
+// asked. It must not block for long. Errors are absl::Status values whose message names the key,
+// the peer and, where a setting is involved, its variable.
 #ifndef TENSORVERBS_PUBLIC_TASK_H_
 #define TENSORVERBS_PUBLIC_TASK_H_
 
@@ -69,9 +69,10 @@ struct TaskStats {
 
 // Where a recv's tensor lands, and how long a blocking Recv waits.
 struct RecvOptions {
-  // The result's allocator; null: the task's registered pool. A GPU's (Task::DeviceAllocator)
-  // takes the proxy path: the tensor lands in the pool and is copied to the GPU before the
-  // callback runs. It must outlive the task.
+  // The result's allocator; null: the task's registered pool. A GPU's (Task::DeviceAllocator):
+  // the tensor lands in that GPU's memory, written there directly (CUDA IPC, between tasks of
+  // one host over grpc+verbs) or landed in the pool and copied over before the callback runs.
+  // Any other must outlive the task.
   Allocator* allocator = nullptr;
   // How long a blocking Recv waits (and at most the task's recv timeout).
   absl::Duration timeout = absl::InfiniteDuration();
@@ -116,11 +117,28 @@ class Task {
   absl::StatusOr<Tensor> Empty(DataType dtype, const TensorShape& shape);
 
   // The task's pool of GPU `device`'s memory, made on first use: allocate tensors to send from
-  // that GPU with it, and name it in RecvOptions to receive into the GPU. Either way the bytes
-  // cross in host memory (one device-to-host copy on the sender, one host-to-device copy on
-  // the receiver). FailedPrecondition without a GPU, saying why; InvalidArgument for an
-  // ordinal this host lacks.
+  // that GPU with it, and name it in RecvOptions to receive into the GPU. Between tasks of one
+  // host over grpc+verbs the bytes go from GPU to GPU directly (CUDA IPC); otherwise they cross
+  // in host memory (one device-to-host copy on the sender, one host-to-device copy on the
+  // receiver). FailedPrecondition without a GPU, saying why; InvalidArgument for an ordinal
+  // this host lacks.
   absl::StatusOr<Allocator*> DeviceAllocator(int device);
+
+  // GPU memory the caller owns (a PyTorch or CuPy tensor's, or its own cudaMalloc's) as a
+  // tensor to send, without copying it into the task's pools: a send stages it to host memory
+  // once, as it would a tensor outside every device pool. `release` runs exactly once: when the
+  // last Tensor referring to the memory goes (on whichever thread drops it, once the send's
+  // copy is done), or before this returns on an error. The memory needs no alignment.
+  // FailedPrecondition without a CUDA runtime for `device`; InvalidArgument for strings.
+  absl::StatusOr<Tensor> AdoptDeviceMemory(int device, void* data, DataType dtype,
+                                           const TensorShape& shape, std::function<void()> release);
+
+  // Returns once the work queued on GPU `device`'s legacy default stream, and through it on
+  // every blocking stream, has completed. The task's own copies run on streams of their own,
+  // so memory written by the caller's kernels must be finished before a send reads it: call
+  // this first (DLPack producers order their work before the legacy default stream when the
+  // consumer names none). Blocks the caller; FailedPrecondition without a CUDA runtime.
+  absl::Status WaitForDeviceWork(int device);
 
   TaskStats stats() const;
   // Every counter of this task as `tensorverbs stats` reports it (the channels' aside), by

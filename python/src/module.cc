@@ -39,6 +39,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "python/src/dlpack.h"
 #include "tensorverbs/tensorverbs.h"
 
 namespace py = pybind11;
@@ -280,8 +281,69 @@ py::array ArrayOf(const Tensor& tensor) {
   return py::array(dtype, shape, {}, owned->data(), base);
 }
 
+// A tensor in a GPU's memory, as Python sees it: what a recv into a GPU returns and
+// Server.empty(..., device=) makes. It speaks DLPack (torch.from_dlpack, cupy.from_dlpack) and
+// CUDA's array interface (CuPy, Numba, torch.as_tensor), both without a copy, and keeps the
+// memory alive while any view made through them lives. Its memory is in the view table while
+// it lives, so a PyTorch tensor made from it is sent as this tensor. With the GIL.
+class DeviceTensor {
+ public:
+  explicit DeviceTensor(Tensor tensor) : tensor_(std::move(tensor)) {
+    if (tensor_.TotalBytes() > 0) PoolViews::Get().Add(&tensor_);
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  ~DeviceTensor() {
+    if (tensor_.TotalBytes() > 0) PoolViews::Get().Remove(&tensor_);
+  }
+
+  const Tensor& tensor() const { return tensor_; }
+  int device() const { return std::max(tensor_.placement().device, 0); }
+  py::tuple Shape() const {
+    py::tuple out(tensor_.shape().dims().size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = tensor_.shape().dims()[i];
+    return out;
+  }
+  // NumPy's dtype, or the type's name where NumPy has none (bfloat16).
+  py::object Dtype() const {
+    if (tensor_.dtype() == DataType::kBFloat16) return py::str("bfloat16");
+    return NumpyDtypeOf(tensor_.dtype());
+  }
+  // The data is complete when a recv returns it, so a consumer's stream needs no wait: the
+  // `stream` argument (and any newer keyword) is accepted and has nothing to order.
+  py::object Dlpack() const {
+    absl::StatusOr<PyObject*> capsule = NewDlpackCapsule(tensor_, device());
+    if (!capsule.ok()) Raise(capsule.status());
+    return py::reinterpret_steal<py::object>(*capsule);
+  }
+  py::tuple DlpackDevice() const { return py::make_tuple(static_cast<int>(kDlCuda), device()); }
+  py::dict CudaArrayInterface() const {
+    if (tensor_.dtype() == DataType::kBFloat16) {
+      throw py::attribute_error("CUDA's array interface has no bfloat16: use __dlpack__");
+    }
+    py::dict d;
+    d["shape"] = Shape();
+    d["typestr"] = NumpyDtypeOf(tensor_.dtype()).attr("str");
+    d["data"] = py::make_tuple(reinterpret_cast<uintptr_t>(tensor_.data()), false);
+    d["strides"] = py::none();
+    d["stream"] = py::none();  // complete: nothing to wait for
+    d["version"] = 3;
+    return d;
+  }
+  std::string Repr() const {
+    return absl::StrCat("<tensorverbs.DeviceTensor ", tensor_.DebugString(), " on cuda:", device(),
+                        ">");
+  }
+
+ private:
+  Tensor tensor_;
+};
+
 py::object ValueOf(const Tensor& tensor) {
   if (!tensor.IsInitialized()) return py::none();  // a dead tensor (TensorFlow's untaken branch)
+  if (!tensor.placement().host_accessible()) {
+    return py::cast(std::make_shared<DeviceTensor>(tensor));
+  }
   if (tensor.dtype() != DataType::kString) return ArrayOf(tensor);
   py::list out;
   for (int64_t i = 0; i < tensor.NumElements(); ++i) out.append(py::bytes(tensor.strings()[i]));
@@ -336,10 +398,21 @@ class PyTask {
     task_->Stop();
   }
 
-  py::array Empty(const std::vector<int64_t>& dims, const py::dtype& dtype) {
+  // In the pool, or with `device` in that GPU's pool (a DeviceTensor).
+  py::object Empty(const std::vector<int64_t>& dims, const py::dtype& dtype,
+                   std::optional<int> device) {
     const DataType type = DataTypeOf(dtype);
     TensorShape shape = ValueOrRaise(TensorShape::Create(dims));
-    return ArrayOf(ValueOrRaise(task_->Empty(type, shape)));
+    if (!device.has_value()) return ArrayOf(ValueOrRaise(task_->Empty(type, shape)));
+    Allocator* gpu = ValueOrRaise(task_->DeviceAllocator(*device));
+    return py::cast(
+        std::make_shared<DeviceTensor>(ValueOrRaise(Tensor::Allocate(gpu, type, shape))));
+  }
+
+  // The allocator of a recv into GPU `device`, or null for host memory.
+  Allocator* RecvAllocator(std::optional<int> device) {
+    if (!device.has_value()) return nullptr;
+    return ValueOrRaise(task_->DeviceAllocator(*device));
   }
 
   py::dict Stats() const {
@@ -376,6 +449,14 @@ class PyTask {
         }
       }
       return t;
+    }
+    if (py::isinstance<DeviceTensor>(value)) {
+      const DeviceTensor& d = value.cast<const DeviceTensor&>();
+      WaitForDeviceWork(d.device());
+      return d.tensor();
+    }
+    if (!py::isinstance<py::array>(value) && py::hasattr(value, "__dlpack_device__")) {
+      return GpuTensorFor(value);
     }
     if (!py::isinstance<py::array>(value)) {
       throw py::type_error(absl::StrCat(
@@ -417,6 +498,63 @@ class PyTask {
   }
 
  private:
+  // Memory the caller's kernels may still be writing is complete before a send reads it.
+  void WaitForDeviceWork(int device) {
+    absl::Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = task_->WaitForDeviceWork(device);
+    }
+    OkOrRaise(s);
+  }
+
+  // A producer's CUDA tensor (a PyTorch CUDA tensor, a CuPy array) by DLPack: one viewing all of
+  // a GPU pool tensor of this module is that tensor; any other is adopted as it is, held until
+  // the send's device-to-host copy is done. Either way without a copy here.
+  Tensor GpuTensorFor(const py::object& value) {
+    py::tuple where = value.attr("__dlpack_device__")();
+    if (where.size() != 2 || where[0].cast<int>() != kDlCuda) {
+      throw py::type_error(
+          absl::StrCat("send takes GPU tensors in CUDA device memory (DLPack device type 2); this ",
+                       std::string(py::str(value.get_type().attr("__name__"))),
+                       " is on device type ", std::string(py::str(where[0]))));
+    }
+    // No stream named: the producer orders its work before the legacy default stream, which
+    // WaitForDeviceWork then waits for.
+    py::object capsule = value.attr("__dlpack__")();
+    absl::StatusOr<DlpackGpuTensor> taken = TakeDlpackGpuTensor(capsule.ptr());
+    if (!taken.ok()) throw py::value_error(std::string(taken.status().message()));
+    absl::Status waited;
+    {
+      py::gil_scoped_release nogil;
+      waited = task_->WaitForDeviceWork(taken->device);
+    }
+    if (!waited.ok()) {
+      taken->release();  // ours since taken: given back before the error
+      Raise(waited);
+    }
+    absl::StatusOr<TensorShape> shape_or = TensorShape::Create(taken->dims);
+    absl::StatusOr<uint64_t> bytes_or = shape_or.ok()
+                                            ? Tensor::AllocationBytes(taken->dtype, *shape_or)
+                                            : absl::StatusOr<uint64_t>(shape_or.status());
+    if (!bytes_or.ok()) {
+      taken->release();
+      Raise(bytes_or.status());
+    }
+    const TensorShape& shape = *shape_or;
+    const uint64_t bytes = *bytes_or;
+    if (bytes > 0) {
+      std::optional<Tensor> pooled =
+          PoolViews::Get().Find(taken->data, static_cast<size_t>(bytes), taken->dtype, taken->dims);
+      if (pooled.has_value() && pooled->placement() == MemoryPlacement::CudaDevice(taken->device)) {
+        taken->release();
+        return *std::move(pooled);
+      }
+    }
+    return ValueOrRaise(task_->AdoptDeviceMemory(taken->device, taken->data, taken->dtype, shape,
+                                                 std::move(taken->release)));
+  }
+
   std::shared_ptr<Task> task_;
   std::atomic<int64_t> staged_{0};
   std::atomic<int64_t> staged_bytes_{0};
@@ -568,22 +706,26 @@ class PyStep {
   }
 
   // Starts the recv of `name` from `src_task`; the future ends once with its result.
-  std::shared_ptr<RecvFuture> RecvAsync(const std::string& src_task, const std::string& name) {
-    return std::make_shared<RecvFuture>(Start(src_task, name), Describe(src_task, name));
+  std::shared_ptr<RecvFuture> RecvAsync(const std::string& src_task, const std::string& name,
+                                        std::optional<int> device) {
+    return std::make_shared<RecvFuture>(Start(src_task, name, device), Describe(src_task, name));
   }
 
   // The tensor, waiting at most `timeout` seconds (None: the task's recv timeout).
+  // `device`: into that GPU's memory (a DeviceTensor), else into host memory.
   py::object Recv(const std::string& src_task, const std::string& name,
-                  std::optional<double> timeout) {
-    return ValueOf(Start(src_task, name)->Received(timeout, Describe(src_task, name)));
+                  std::optional<double> timeout, std::optional<int> device) {
+    return ValueOf(Start(src_task, name, device)->Received(timeout, Describe(src_task, name)));
   }
 
   // Every recv of `keys` ((task, name) pairs) started at once and waited for together: their
   // values in order, or the first failure's error (by order), after all ended, or
   // DeadlineExceededError naming the first still waiting after `timeout` seconds.
   py::list RecvMany(const std::vector<std::pair<std::string, std::string>>& keys,
-                    std::optional<double> timeout) {
+                    std::optional<double> timeout, std::optional<int> device) {
     Step& step = Live();
+    RecvOptions options;
+    options.allocator = task_->RecvAllocator(device);
     struct Batch {
       std::mutex mu;
       std::condition_variable cv;
@@ -599,16 +741,17 @@ class PyStep {
     {
       py::gil_scoped_release nogil;
       for (size_t i = 0; i < keys.size(); ++i) {
-        step.RecvAsync(keys[i].first, keys[i].second, [batch, i](absl::StatusOr<Tensor> result) {
-          batch->results[i] = std::move(result);
-          bool last;
-          {
-            std::lock_guard<std::mutex> lock(batch->mu);
-            batch->ended[i] = true;
-            last = --batch->left == 0;
-          }
-          if (last) batch->cv.notify_all();
-        });
+        step.RecvAsync(keys[i].first, keys[i].second, options,
+                       [batch, i](absl::StatusOr<Tensor> result) {
+                         batch->results[i] = std::move(result);
+                         bool last;
+                         {
+                           std::lock_guard<std::mutex> lock(batch->mu);
+                           batch->ended[i] = true;
+                           last = --batch->left == 0;
+                         }
+                         if (last) batch->cv.notify_all();
+                       });
       }
     }
     Batch* b = batch.get();
@@ -681,11 +824,14 @@ class PyStep {
   }
 
   // Starts the recv; the task ends the state once.
-  std::shared_ptr<RecvState> Start(const std::string& src_task, const std::string& name) {
+  std::shared_ptr<RecvState> Start(const std::string& src_task, const std::string& name,
+                                   std::optional<int> device) {
     Step& step = Live();
+    RecvOptions options;
+    options.allocator = task_->RecvAllocator(device);
     auto state = std::make_shared<RecvState>();
     py::gil_scoped_release nogil;
-    step.RecvAsync(src_task, name, [state](absl::StatusOr<Tensor> result) {
+    step.RecvAsync(src_task, name, options, [state](absl::StatusOr<Tensor> result) {
       RecvState::Complete(state, std::move(result));
     });
     return state;
@@ -755,8 +901,29 @@ PYBIND11_MODULE(_tensorverbs, m) {
                              [](const tvp::PyTask& t) { return t.task()->incarnation(); })
       .def("wait_for_peers", &tvp::PyTask::WaitForPeers, py::arg("timeout"))
       .def("stop", &tvp::PyTask::Stop)
-      .def("empty", &tvp::PyTask::Empty, py::arg("shape"), py::arg("dtype"))
+      .def("empty", &tvp::PyTask::Empty, py::arg("shape"), py::arg("dtype"),
+           py::arg("device") = py::none())
       .def("stats", &tvp::PyTask::Stats);
+
+  py::class_<tvp::DeviceTensor, std::shared_ptr<tvp::DeviceTensor>>(m, "DeviceTensor")
+      .def(
+          "__dlpack__",
+          [](const tvp::DeviceTensor& t, const py::object&, const py::kwargs&) {
+            return t.Dlpack();
+          },
+          py::arg("stream") = py::none())
+      .def("__dlpack_device__", &tvp::DeviceTensor::DlpackDevice)
+      .def_property_readonly("__cuda_array_interface__", &tvp::DeviceTensor::CudaArrayInterface)
+      .def_property_readonly("shape", &tvp::DeviceTensor::Shape)
+      .def_property_readonly("dtype", &tvp::DeviceTensor::Dtype)
+      .def_property_readonly(
+          "device", [](const tvp::DeviceTensor& t) { return absl::StrCat("cuda:", t.device()); })
+      .def_property_readonly("nbytes",
+                             [](const tvp::DeviceTensor& t) { return t.tensor().TotalBytes(); })
+      .def_property_readonly(
+          "data_ptr",
+          [](const tvp::DeviceTensor& t) { return reinterpret_cast<uintptr_t>(t.tensor().data()); })
+      .def("__repr__", &tvp::DeviceTensor::Repr);
 
   py::class_<tvp::RecvFuture, std::shared_ptr<tvp::RecvFuture>>(m, "RecvFuture")
       .def("result", &tvp::RecvFuture::Result, py::arg("timeout") = py::none())
@@ -774,9 +941,11 @@ PYBIND11_MODULE(_tensorverbs, m) {
       .def("send", &tvp::PyStep::Send, py::arg("task"), py::arg("name"), py::arg("value"))
       .def("send_many", &tvp::PyStep::SendMany, py::arg("items"))
       .def("recv", &tvp::PyStep::Recv, py::arg("task"), py::arg("name"),
-           py::arg("timeout") = py::none())
-      .def("recv_async", &tvp::PyStep::RecvAsync, py::arg("task"), py::arg("name"))
-      .def("recv_many", &tvp::PyStep::RecvMany, py::arg("keys"), py::arg("timeout") = py::none())
+           py::arg("timeout") = py::none(), py::arg("device") = py::none())
+      .def("recv_async", &tvp::PyStep::RecvAsync, py::arg("task"), py::arg("name"),
+           py::arg("device") = py::none())
+      .def("recv_many", &tvp::PyStep::RecvMany, py::arg("keys"), py::arg("timeout") = py::none(),
+           py::arg("device") = py::none())
       .def("wait_until_sends_taken", &tvp::PyStep::WaitUntilSendsTaken, py::arg("timeout"))
       .def("end", &tvp::PyStep::End);
 }

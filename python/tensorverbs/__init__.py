@@ -24,6 +24,14 @@ taken); any other value is copied once into the pool.
 What a recv returns: a NumPy array viewing the received buffer itself (no copy; the buffer
 lives as long as the array, also after the step and the server are gone), a list of bytes for a string tensor, or None for a dead tensor.
 
+GPU tensors: `send` takes CUDA tensors by DLPack (PyTorch CUDA tensors, CuPy arrays), waiting
+for the work queued before it on the device's default stream, and holds them until their
+device-to-host copy is done; `recv(..., device="cuda:0")` lands the tensor in that GPU's memory
+and returns a DeviceTensor (`torch.from_dlpack(t)` or `cupy.from_dlpack(t)` view it without a
+copy; `__cuda_array_interface__` too). Between two tasks of one host over grpc+verbs, a tensor
+received into the GPU or made by `server.empty(shape, dtype, device="cuda:0")` is written from
+GPU to GPU directly; other GPU tensors cross in host memory, one copy each way.
+
 PyTorch: `torch.from_numpy(step.recv(...))` (or `torch.from_dlpack`, for dtypes but bool) is the
 received buffer as a tensor, and `torch.from_numpy(server.empty(...))` a tensor in the pool; sending either (or any tensor viewing
 all of a pool array) sends the pool memory without a copy. Other CPU tensors are staged once.
@@ -86,6 +94,7 @@ __all__ = [
     "Server",
     "Step",
     "RecvFuture",
+    "DeviceTensor",
     "available_protocols",
     "free_ports",
     "Error",
@@ -147,11 +156,49 @@ def _stop_live_servers():
         server.stop()
 
 
+DeviceTensor = _tensorverbs.DeviceTensor
+
+_DLPACK_CUDA = 2
+
+
+def _device_ordinal(device):
+    """The GPU ordinal `device` names ("cuda", "cuda:1", 1, torch.device("cuda:1")), or None
+    for host memory (None, "cpu")."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"device {device}: a GPU ordinal is 0 or more")
+        return device
+    kind, index = getattr(device, "type", None), getattr(device, "index", None)
+    if kind is None:  # text, not a torch.device
+        kind, _, number = str(device).partition(":")
+        try:
+            index = int(number) if number else None
+        except ValueError:
+            index = -1
+    if kind == "cpu" and index is None:
+        return None
+    if kind == "cuda" and (index is None or index >= 0):
+        return index or 0
+    raise ValueError(f"device {device!r}: name a GPU as 'cuda' or 'cuda:N' (or 'cpu', or None)")
+
+
+def _is_gpu_tensor(value):
+    try:
+        return value.__dlpack_device__()[0] == _DLPACK_CUDA
+    except (AttributeError, TypeError, IndexError):
+        return False
+
+
 def _to_sendable(value):
-    if isinstance(value, (_np.ndarray, list, tuple)):
+    if isinstance(value, (_np.ndarray, list, tuple, DeviceTensor)):
         return value
     if isinstance(value, (_np.generic, bool, int, float, complex)):
         return _np.asarray(value)  # a scalar: a rank-0 tensor
+    if _is_gpu_tensor(value):
+        # The core takes it by DLPack, without a copy (a PyTorch CUDA tensor, a CuPy array).
+        return value
     if hasattr(value, "__dlpack__"):
         try:
             # A PyTorch tensor's numpy() shares its memory as DLPack does and also takes bool,
@@ -212,11 +259,14 @@ class Server:
         """The sends and recvs of step `step_id`, a context manager that ends the step."""
         return Step(self, _tensorverbs.Step(self._task, int(step_id)))
 
-    def empty(self, shape, dtype=_np.float32):
-        """An uninitialized array in the task's registered pool: sent without a copy."""
+    def empty(self, shape, dtype=_np.float32, device=None):
+        """An uninitialized array in the task's registered pool: sent without a copy. With
+        `device` ("cuda:N"), a DeviceTensor in that GPU's pool of this task instead: sent to a
+        task on this host straight from GPU to GPU over grpc+verbs."""
         if isinstance(shape, int):
             shape = (shape,)
-        return self._task.empty([int(d) for d in shape], _np.dtype(dtype))
+        return self._task.empty([int(d) for d in shape], _np.dtype(dtype),
+                                _device_ordinal(device))
 
     def stats(self):
         """Counters since the start: tensors and bytes received, errors, copies the transport
@@ -263,27 +313,31 @@ class Step:
         before any is sent."""
         self._core.send_many([(t, n, _to_sendable(v)) for t, n, v in items])
 
-    def recv_async(self, task, name):
+    def recv_async(self, task, name, device=None):
         """A future of the tensor `task` sends under `name`: a tensorverbs.RecvFuture, with
         concurrent.futures.Future's methods (result(timeout), exception(), done(),
         add_done_callback(fn), ...). result() after `timeout` raises DeadlineExceededError (a
-        TimeoutError) and the recv stays asked for."""
-        return self._core.recv_async(task, name)
+        TimeoutError) and the recv stays asked for. `device` as for recv."""
+        return self._core.recv_async(task, name, _device_ordinal(device))
 
-    def recv(self, task, name, timeout=None):
+    def recv(self, task, name, timeout=None, device=None):
         """The tensor `task` sends under `name`: waits at most `timeout` seconds (None: the
         server's recv timeout). DeadlineExceededError after `timeout`; the recv stays asked
-        for in this step, so receiving the same name again in this step fails."""
-        return self._core.recv(task, name, None if timeout is None else float(timeout))
+        for in this step, so receiving the same name again in this step fails. With `device`
+        ("cuda", "cuda:N", an ordinal or a torch.device) the tensor lands in that GPU's memory
+        and comes as a DeviceTensor (torch.from_dlpack takes it without a copy)."""
+        return self._core.recv(task, name, None if timeout is None else float(timeout),
+                               _device_ordinal(device))
 
-    def recv_many(self, keys, timeout=None):
+    def recv_many(self, keys, timeout=None, device=None):
         """The tensors of `keys`, a list of (task, name) pairs, in order: all asked for at once
         and waited for together (the fast way to receive many small tensors). Raises the first
         failed recv's error once all ended, or DeadlineExceededError naming the first still
-        waiting after `timeout` seconds."""
-        return self._core.recv_many(list(keys), None if timeout is None else float(timeout))
+        waiting after `timeout` seconds. `device` as for recv, for every key."""
+        return self._core.recv_many(list(keys), None if timeout is None else float(timeout),
+                                    _device_ordinal(device))
 
-    async def arecv(self, task, name, timeout=None):
+    async def arecv(self, task, name, timeout=None, device=None):
         """recv for asyncio: `await step.arecv(task, name)`."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
@@ -294,7 +348,7 @@ class Step:
             except RuntimeError:  # the loop closed: nobody awaits this recv any more
                 pass
 
-        self._core.recv_async(task, name).add_done_callback(ended)
+        self._core.recv_async(task, name, _device_ordinal(device)).add_done_callback(ended)
         try:
             return await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:

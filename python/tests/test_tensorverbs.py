@@ -383,3 +383,20 @@ def test_a_server_takes_its_place_from_slurms_variables(monkeypatch):
         assert server.name == "/job:w/replica:0/task:0"
     with pytest.raises(tv.InvalidArgumentError, match="slurm or tf_config"):
         tv.Server.from_environment("k8s")
+
+
+def test_gpu_tensors_without_a_cuda_runtime_fail_clearly_and_are_given_back(verbs_pair):
+    # No GPU here and no runtime named: a CUDA tensor cannot be staged, and a recv cannot land
+    # in a GPU. The producer's tensor is still released, once.
+    from dlpack_producer import Producer
+    a, b = verbs_pair
+    memory = np.zeros(16, np.uint8)  # never read: the send is refused before any copy
+    tensor = Producer(memory.ctypes.data, (4,))
+    with a.step(1) as sa:
+        with pytest.raises(tv.FailedPreconditionError, match="CUDA runtime"):
+            sa.send("worker:1", "x", tensor)
+        assert (tensor.capsules, tensor.deleted) == (1, 1)
+        with pytest.raises(tv.FailedPreconditionError, match="GPU"):
+            sa.recv("worker:1", "y", timeout=1, device="cuda:0")
+        with pytest.raises(tv.FailedPreconditionError):
+            a.empty((4,), np.float32, device="cuda")

@@ -95,9 +95,9 @@ absl::StatusOr<DeviceName> TaskDevice(absl::string_view task) {
       absl::StrCat("'", task, "' is not a task name: give /job:J/replica:0/task:T or J:T"));
 }
 
-// Tasks destroyed while tensors from their pool were still referenced: stopped, but kept (with
-// their pool's memory) until those tensors are gone, so no Tensor ever points at unmapped
-// memory. Reaped whenever a task starts or goes.
+// Tasks destroyed while tensors from their pools (host or GPU) were still referenced: stopped, but
+// kept (with their pool's memory) until those tensors are gone, so no Tensor ever points at
+// unmapped memory. Reaped whenever a task starts or goes.
 struct Parked {
   Mutex mu;
   std::vector<std::shared_ptr<Task::Impl>> tasks ABSL_GUARDED_BY(mu);
@@ -107,9 +107,7 @@ Parked& parked() {
   return *p;
 }
 
-bool PoolInUse(const Task::Impl& impl) {
-  return impl.server->recv_allocator()->GetStats().allocations > 0;
-}
+bool PoolInUse(const Task::Impl& impl) { return impl.server->PoolsInUse(); }
 
 void ReapParked() {
   std::vector<std::shared_ptr<Task::Impl>> done;
@@ -189,6 +187,16 @@ absl::StatusOr<Tensor> Task::Empty(DataType dtype, const TensorShape& shape) {
 absl::StatusOr<Allocator*> Task::DeviceAllocator(int device) {
   ASSIGN_OR_RETURN(PoolAllocator * pool, impl_->server->DeviceAllocator(device));
   return pool;
+}
+
+absl::StatusOr<Tensor> Task::AdoptDeviceMemory(int device, void* data, DataType dtype,
+                                               const TensorShape& shape,
+                                               std::function<void()> release) {
+  return impl_->server->AdoptDeviceMemory(device, data, dtype, shape, std::move(release));
+}
+
+absl::Status Task::WaitForDeviceWork(int device) {
+  return impl_->server->WaitForDeviceWork(device);
 }
 
 TaskStats Task::stats() const {

@@ -142,6 +142,7 @@ struct CudaRuntime::Api {
   int (*EventRecord)(void*, void*) = nullptr;
   int (*EventQuery)(void*) = nullptr;
   int (*LaunchHostFunc)(void*, void (*)(void*), void*) = nullptr;
+  int (*StreamSynchronize)(void*) = nullptr;
   int (*HostRegister)(void*, size_t, unsigned) = nullptr;
   int (*HostUnregister)(void*) = nullptr;
   int (*IpcGetMemHandle)(void*, void*) = nullptr;  // (cudaIpcMemHandle_t*, void*)
@@ -208,6 +209,7 @@ absl::StatusOr<std::unique_ptr<CudaRuntime>> CudaRuntime::Load(
   resolve(api->EventRecord, "cudaEventRecord");
   resolve(api->EventQuery, "cudaEventQuery");
   resolve(api->LaunchHostFunc, "cudaLaunchHostFunc");
+  resolve(api->StreamSynchronize, "cudaStreamSynchronize");
   resolve(api->HostRegister, "cudaHostRegister");
   resolve(api->HostUnregister, "cudaHostUnregister");
   resolve(api->IpcGetMemHandle, "cudaIpcGetMemHandle");
@@ -326,6 +328,14 @@ absl::StatusOr<void*> CudaRuntime::StreamCreate(int device) const {
 
 void CudaRuntime::StreamDestroy(int device, void* stream) const {
   if (SetDevice(device, "cudaStreamDestroy", {}).ok()) api_->StreamDestroy(stream);
+}
+
+absl::Status CudaRuntime::SynchronizeDefaultStream(int device, absl::string_view key) const {
+  if (absl::Status s = SetDevice(device, "cudaStreamSynchronize", key); !s.ok()) return s;
+  // The null stream is the legacy default stream (the default unless a program is built with
+  // per-thread default streams, which names its own).
+  return Check(api_->StreamSynchronize(nullptr), "cudaStreamSynchronize(legacy default stream)",
+               device, key);
 }
 
 absl::Status CudaRuntime::MemcpyAsync(int device, void* dst, const void* src, size_t bytes,

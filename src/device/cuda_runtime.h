@@ -92,6 +92,10 @@ class CudaRuntime {
   // Runs fn(arg) on a runtime thread once the stream's earlier work is done; fn must not call
   // the runtime.
   absl::Status LaunchHostFunc(int device, void* stream, void (*fn)(void*), void* arg) const;
+  // Returns once the work queued on `device`'s legacy default stream has completed, and with it
+  // the work of every blocking stream queued before (what a DLPack producer orders its own
+  // stream's work before, when the consumer names no stream). Blocks the caller.
+  absl::Status SynchronizeDefaultStream(int device, absl::string_view key) const;
   // Page-locks host memory so device copies reach it by DMA (pinned staging and proxies).
   absl::Status HostRegister(void* ptr, size_t bytes) const;
   absl::Status HostUnregister(void* ptr) const;

@@ -16,6 +16,7 @@
 #include "src/common/process_limits.h"
 #include "src/common/status_macros.h"
 #include "src/common/trace.h"
+#include "src/device/adopted_memory.h"
 #include "src/device/cuda_allocator.h"
 #include "src/device/cuda_copier.h"
 #include "src/device/cuda_runtime.h"
@@ -459,6 +460,46 @@ absl::StatusOr<PoolAllocator*> Server::DeviceAllocator(int device) {
   ASSIGN_OR_RETURN(std::unique_ptr<PoolAllocator> pool, NewDevicePool(device));
   if (verbs_ != nullptr) verbs_->AddDevicePool(pool.get());
   return device_pools_.emplace(device, std::move(pool)).first->second.get();
+}
+
+bool Server::PoolsInUse() {
+  if (recv_allocator_->GetStats().allocations > 0) return true;
+  MutexLock lock(&device_pools_mu_);
+  for (const auto& [device, pool] : device_pools_) {
+    if (pool->GetStats().allocations > 0) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<Tensor> Server::AdoptDeviceMemory(int device, void* data, DataType dtype,
+                                                 const TensorShape& shape,
+                                                 std::function<void()> release) {
+  const MemoryPlacement where = MemoryPlacement::CudaDevice(device);
+  if (env_.device_copier == nullptr || !env_.device_copier->Handles(where)) {
+    if (release) release();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "task ", env_.task_name, " cannot send ", where.ToString(),
+        " memory: it has no CUDA runtime driving that device (`tensorverbs info` says why); "
+        "copy the tensor to the host first"));
+  }
+  return device::AdoptDeviceMemory(where, data, dtype, shape, std::move(release));
+}
+
+absl::Status Server::WaitForDeviceWork(int device) {
+  if (options_.device_copier != nullptr) return absl::OkStatus();
+  absl::StatusOr<device::CudaRuntime*> runtime = CudaIfPresent();
+  if (!runtime.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("task ", env_.task_name, " has no CUDA runtime driving cuda:", device, " (",
+                     runtime.status().message(), "); copy GPU tensors to the host first"));
+  }
+  device::CudaRuntime* cuda = *runtime;
+  if (device < 0 || device >= cuda->device_count()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("task ", env_.task_name, ": no GPU cuda:", device, " on this host (it has ",
+                     cuda->device_count(), ")"));
+  }
+  return cuda->SynchronizeDefaultStream(device, {});
 }
 
 void Server::PinPoolIfAsked() {

@@ -127,6 +127,19 @@ class Server {
   // neither pays a cudaMalloc or cudaFree. FailedPrecondition without a GPU (saying why),
   // InvalidArgument for an ordinal this host lacks.
   absl::StatusOr<PoolAllocator*> DeviceAllocator(int device);
+  // Whether a tensor of the receive pool or of a GPU pool is still referenced: a stopped
+  // server must then live on (Task parks it), or those tensors would point at freed memory.
+  bool PoolsInUse();
+  // GPU `device`'s memory the caller owns as a tensor this task can send (device/
+  // adopted_memory.h: `release` runs once, when the last reference goes or at once on an
+  // error): FailedPrecondition when this task has no CUDA runtime driving that device.
+  absl::StatusOr<Tensor> AdoptDeviceMemory(int device, void* data, DataType dtype,
+                                           const TensorShape& shape, std::function<void()> release);
+  // Returns once the work queued on `device`'s legacy default stream (and the blocking streams
+  // before it) has completed: what memory written by the caller's own kernels needs before a
+  // send reads it, since this task's copies run on streams of their own. OK at once with a
+  // stand-in copier (tests), which has no such stream.
+  absl::Status WaitForDeviceWork(int device);
   const TransferStats& stats() const { return stats_; }
 
   // Waits until every other task of the cluster answers (or `timeout` passes: Unavailable

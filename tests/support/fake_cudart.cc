@@ -156,7 +156,11 @@ struct Opened {
   size_t size;
   int refs;
 };
-using OpenedKey = std::pair<uint64_t, uint64_t>;  // (dev, ino) of the owner's memfd
+using OpenedKey = std::pair<uint64_t, uint64_t>;
+
+// Waits for the legacy default stream, counted so that tests see a sender wait for the work a
+// producer queued before handing its memory over.
+std::atomic<long> default_stream_syncs{0};  // (dev, ino) of the owner's memfd
 
 // Every allocation by base, and every opened peer allocation by its memfd's identity.
 struct Books {
@@ -288,6 +292,16 @@ int cudaLaunchHostFunc(void* stream, void (*fn)(void*), void* arg) {
   static_cast<Stream*>(stream)->Push([fn, arg] { fn(arg); });
   return kSuccess;
 }
+// The legacy default stream (null) runs nothing asynchronously here; a copier's stream is
+// drained.
+int cudaStreamSynchronize(void* stream) {
+  if (stream == nullptr) {
+    default_stream_syncs.fetch_add(1);
+    return kSuccess;
+  }
+  static_cast<Stream*>(stream)->Drain();
+  return kSuccess;
+}
 int cudaHostRegister(void*, size_t, unsigned) { return kSuccess; }
 int cudaHostUnregister(void*) { return kSuccess; }
 int cudaIpcGetMemHandle(IpcHandle* handle, void* p) {
@@ -359,5 +373,8 @@ void tv_fake_cudart_counts(long* allocations, long* opens_not_closed) {
   *allocations = static_cast<long>(b.allocations.size());
   *opens_not_closed = b.opens_not_closed;
 }
+
+// Not part of CUDA: how often the legacy default stream was waited for, for tests.
+long tv_fake_cudart_default_stream_syncs() { return default_stream_syncs.load(); }
 
 }  // extern "C"

@@ -191,9 +191,36 @@ TEST_F(TaskTest, ARecvLandsInTheAllocatorItsOptionsNameAndGpuPoolsSayWhyNot) {
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_TRUE(back->placement().host_accessible());
     EXPECT_TRUE(back->ContentEquals(sent));
+    // GPU memory the caller owns (here: the GPU tensor just received), adopted and sent.
+    ASSERT_TRUE(tasks_[0]->WaitForDeviceWork(0).ok());
+    std::atomic<int> released{0};
+    absl::StatusOr<Tensor> adopted = tasks_[0]->AdoptDeviceMemory(
+        0, on_gpu->data(), on_gpu->dtype(), on_gpu->shape(), [keep = *on_gpu, &released]() mutable {
+          keep = Tensor();
+          released.fetch_add(1);
+        });
+    ASSERT_TRUE(adopted.ok()) << adopted.status();
+    ASSERT_TRUE(s0->Send("worker:1", "adopted", *std::move(adopted)).ok());
+    adopted = Tensor();
+    absl::StatusOr<Tensor> taken = s1->Recv("worker:0", "adopted", absl::Seconds(30));
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    EXPECT_TRUE(taken->ContentEquals(sent));
+    for (int i = 0; i < 1000 && released.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(released.load(), 1);
   } else {
     EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition) << gpu.status();
     EXPECT_THAT(gpu.status().message(), HasSubstr("GPU"));
+    // Nor can the task send GPU memory the caller owns: refused, and released once.
+    int released = 0;
+    char byte = 0;
+    absl::StatusOr<Tensor> adopted = tasks_[0]->AdoptDeviceMemory(
+        0, &byte, DataType::kInt8, TensorShape::Of({1}), [&released] { ++released; });
+    EXPECT_EQ(adopted.status().code(), absl::StatusCode::kFailedPrecondition) << adopted.status();
+    EXPECT_THAT(adopted.status().message(), HasSubstr("CUDA runtime"));
+    EXPECT_EQ(released, 1);
+    absl::Status waited = tasks_[0]->WaitForDeviceWork(0);
+    EXPECT_EQ(waited.code(), absl::StatusCode::kFailedPrecondition) << waited;
+    EXPECT_THAT(waited.message(), HasSubstr("cuda:0"));
   }
   // The options' timeout bounds a blocking recv.
   RecvOptions brief;

@@ -4,6 +4,7 @@
 // copier in cuda_transfer_gpu_test.
 #include "src/device/cuda_copier.h"
 
+#include <dlfcn.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -128,6 +129,28 @@ TEST_F(CudaCopierFakeTest, TheDestructorRunsEveryQueuedAndInFlightCopysCallback)
   }
   EXPECT_EQ(calls.load(), 50);
   EXPECT_EQ(a, b);
+}
+
+}  // namespace
+}  // namespace tensorverbs::device
+
+namespace tensorverbs::device {
+namespace {
+
+TEST_F(CudaCopierFakeTest, WaitingForTheDefaultStreamAsksTheRuntimeOnThatDevice) {
+  const char* carried = std::getenv("TV_FAKE_CUDART");
+  void* lib = dlopen(carried != nullptr ? carried : TV_FAKE_CUDART_PATH, RTLD_NOW | RTLD_NOLOAD);
+  ASSERT_NE(lib, nullptr) << dlerror();
+  auto syncs = reinterpret_cast<long (*)()>(dlsym(lib, "tv_fake_cudart_default_stream_syncs"));
+  ASSERT_NE(syncs, nullptr);
+  const long before = syncs();
+  EXPECT_TRUE(rt_->SynchronizeDefaultStream(0, "k").ok());
+  EXPECT_EQ(syncs(), before + 1);
+  absl::Status bad = rt_->SynchronizeDefaultStream(3, "k");
+  EXPECT_FALSE(bad.ok());
+  EXPECT_THAT(bad.message(), HasSubstr("cudaStreamSynchronize")) << bad;
+  EXPECT_EQ(syncs(), before + 1);
+  dlclose(lib);
 }
 
 }  // namespace
