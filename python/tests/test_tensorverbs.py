@@ -400,3 +400,32 @@ def test_gpu_tensors_without_a_cuda_runtime_fail_clearly_and_are_given_back(verb
             sa.recv("worker:1", "y", timeout=1, device="cuda:0")
         with pytest.raises(tv.FailedPreconditionError):
             a.empty((4,), np.float32, device="cuda")
+
+
+STALL = r"""
+import os, time
+os.environ["TENSORVERBS_CALLBACK_THREADS"] = "0"   # callbacks run on the progress thread
+os.environ["TENSORVERBS_PEER_TIMEOUT_MS"] = "300"
+import numpy as np, tensorverbs as tv
+cluster = {"worker": ["127.0.0.1:%d", "127.0.0.1:%d"]}
+with tv.Server(cluster, "worker", 0) as a, tv.Server(cluster, "worker", 1) as b:
+    a.wait_for_peers(10); b.wait_for_peers(10)
+    with a.step(1) as sa, b.step(1) as sb:
+        f = sb.recv_async("worker:0", "x")
+        f.add_done_callback(lambda _: time.sleep(1.5))   # blocks worker:1's loop
+        sa.send("worker:1", "x", np.arange(4, dtype=np.float32))
+        print("got", f.result(10).tolist(), flush=True)
+        time.sleep(2)   # the tasks live on while the callback blocks
+"""
+
+
+def test_a_progress_thread_that_stops_turning_is_reported_once_with_where_it_is():
+    ports = free_ports(2)
+    child = subprocess.run([sys.executable, "-c", STALL % tuple(ports)], capture_output=True,
+                           text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert "got [0.0, 1.0, 2.0, 3.0]" in child.stdout
+    reports = [line for line in child.stderr.splitlines() if "made no turn" in line]
+    assert len(reports) == 1, child.stderr
+    assert "task /job:worker/replica:0/task:1" in reports[0]
+    assert "grpc+verbs over" in reports[0] and "handling a completion" in reports[0]

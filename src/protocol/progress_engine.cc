@@ -66,6 +66,7 @@ ProgressEngine::~ProgressEngine() { Stop(); }
 
 void ProgressEngine::Start() {
   thread_ = std::thread([this] { Loop(); });
+  started_.store(true);
 }
 
 bool ProgressEngine::Post(Task& task) {
@@ -89,9 +90,8 @@ void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
   if (OnLoopThread()) {
     deliveries_.push_back(std::move(delivery));
   } else {
-    executor_->Schedule([d = std::move(delivery)]() mutable {
-      std::move(d.done)(d.status, d.tensor, d.is_dead);
-    });
+    executor_->Schedule(
+        [d = std::move(delivery)]() mutable { std::move(d.done)(d.status, d.tensor, d.is_dead); });
   }
 }
 
@@ -136,8 +136,11 @@ void ProgressEngine::Loop() {
   // The kernel lets a sleeping thread's timer fire up to its slack late (50 us by default), which
   // doubles a 50 us nap of a provider without a wait object; this thread's naps are meant.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+  auto at = [this](const char* phase) { phase_.store(phase, std::memory_order_relaxed); };
   while (true) {
+    turns_.store(turns_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
     bool active = false;
+    at("taking posted tasks");
     if (has_tasks_.load(std::memory_order_acquire)) {
       MutexLock lock(&mu_);
       if (tasks_.empty() && stopping_) break;
@@ -145,23 +148,27 @@ void ProgressEngine::Loop() {
       // While stopping, keep looking until the queue is empty.
       has_tasks_.store(stopping_, std::memory_order_relaxed);
     }
+    at("a posted task");
     for (Task& task : batch) {
       std::move(task)();
       active = true;
     }
     batch.clear();
     active |= RunDeferred();
+    at("polling the fabric (Domain::Poll)");
     absl::StatusOr<size_t> n = domain_->Poll(absl::MakeSpan(completions));
     if (!n.ok()) {
       if (n.status() != last_poll_error) LOG(ERROR) << "grpc+verbs: polling failed: " << n.status();
       last_poll_error = n.status();
     } else if (*n > 0) {
       active = true;
+      at("handling a completion");
       for (size_t i = 0; i < *n; ++i) hooks_.on_completion(completions[i]);
       RunDeferred();
     }
     const absl::Time coarse = CoarseNow();
     if (coarse >= next_housekeeping) {
+      at("housekeeping (timeouts, reaping)");
       hooks_.housekeeping(absl::Now());
       RunDeferred();
       next_housekeeping = coarse + options_.housekeeping_interval;
@@ -204,6 +211,7 @@ void ProgressEngine::Loop() {
       work = !tasks_.empty() || stopping_;
     }
     if (!work) {
+      at("waiting for the fabric (Domain::Wait)");
       absl::Status s =
           domain_->Wait(std::max(next_housekeeping - CoarseNow(), absl::Microseconds(100)));
       if (!s.ok() && s != last_poll_error) {
@@ -216,8 +224,31 @@ void ProgressEngine::Loop() {
   // From here on the owner's objects are used by the thread that tears it down; callbacks go
   // to the executor directly.
   stopped_.store(true);
+  at("stopped");
   loop_thread_id_.store(std::thread::id());
   HandOffCallbacks();
+}
+
+std::optional<std::string> ProgressEngine::StallReport(absl::Duration limit) {
+  if (!started_.load() || stopped_.load()) return std::nullopt;
+  const uint64_t turns = turns_.load(std::memory_order_relaxed);
+  const char* phase = phase_.load(std::memory_order_relaxed);
+  const absl::Time now = absl::Now();
+  MutexLock lock(&stall_mu_);
+  if (turns != watched_turns_ || watched_since_ == absl::InfinitePast()) {
+    watched_turns_ = turns;
+    watched_since_ = now;
+    stall_reported_ = false;
+    return std::nullopt;
+  }
+  const absl::Duration stalled = now - watched_since_;
+  if (stall_reported_ || stalled < limit) return std::nullopt;
+  stall_reported_ = true;
+  return absl::StrCat(options_.name, ": the progress thread has made no turn for at least ",
+                      absl::FormatDuration(absl::Trunc(stalled, absl::Milliseconds(1))),
+                      "; it is in ", phase,
+                      ". Every channel of this task waits for it: a fabric provider call that "
+                      "does not return, or a callback that blocks the loop");
 }
 
 void ProgressEngine::Stop() {

@@ -24,6 +24,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,6 +57,8 @@ class ProgressEngine {
     // answer: on a fabric without a wait object a nap would delay it by up to the nap.
     absl::Duration awaiting_spin = absl::Milliseconds(1);
     absl::Duration housekeeping_interval = absl::Milliseconds(20);
+    // What a stall report calls this loop ("grpc+verbs over shmem (shmem)").
+    std::string name = "the progress loop";
   };
   struct Hooks {
     std::function<void(const fabric::Completion&)> on_completion;
@@ -97,6 +100,13 @@ class ProgressEngine {
   // The loop thread while it runs; any thread once it has stopped (the owner's teardown).
   bool OnOwnerThread() const { return OnLoopThread() || stopped_.load(); }
 
+  // A stuck loop, noticed: when the loop has made no turn for `limit` since the previous call
+  // that saw it move, the text of a report naming the loop and the call it is in ("polling the
+  // fabric", "a posted task", ...), once per stall; nullopt otherwise (also while it never
+  // started or after it stopped). A provider call that never returns stops every channel of
+  // the task, which nothing else would say. For one watching thread (the peer watchdog).
+  std::optional<std::string> StallReport(absl::Duration limit);
+
   // Runs `fn` on the loop thread and returns its result; for other threads, which wait.
   // Cancelled after Stop, DeadlineExceeded if the loop does not get to it within `timeout`.
   template <typename T>
@@ -126,6 +136,17 @@ class ProgressEngine {
   std::atomic<bool> sleeping_{false};
   std::atomic<std::thread::id> loop_thread_id_{};
   std::atomic<bool> stopped_{false};
+  std::atomic<bool> started_{false};  // the loop thread exists (StallReport reads it)
+  // Written by the loop thread alone (plain stores, no read-modify-write on its hot path): its
+  // turn count and where in the turn it is (a string literal), for StallReport.
+  std::atomic<uint64_t> turns_{0};
+  std::atomic<const char*> phase_{"starting"};
+  // StallReport's view: the turn count it last saw move, since when, and whether this stall
+  // was reported.
+  Mutex stall_mu_;
+  uint64_t watched_turns_ ABSL_GUARDED_BY(stall_mu_) = 0;
+  absl::Time watched_since_ ABSL_GUARDED_BY(stall_mu_) = absl::InfinitePast();
+  bool stall_reported_ ABSL_GUARDED_BY(stall_mu_) = false;
   // Loop thread: tasks posted on it, run later in the same turn; user callbacks completed in
   // this turn, handed to the executor at its end.
   std::vector<Task> deferred_;

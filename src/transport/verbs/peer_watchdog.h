@@ -15,6 +15,10 @@
 // until this process ends. Its verdict closes the accepted channel (its memory quarantined as
 // on any close); silence also ends what was lent to that task alone (ChannelSetup::PeerGone).
 //
+// Each round it also asks the progress engine whether its loop has stopped turning
+// (ProgressEngine::StallReport, with the peer timeout as the limit) and logs the report once
+// per stall: a provider call that never returns would otherwise look like silent peers.
+//
 // One thread (its own), started by Start and joined by Stop (idempotent, any thread but its
 // own). Stop cancels the probes in flight and waits for their callbacks, so nothing refers to
 // the watchdog after it returns.
@@ -55,6 +59,9 @@ class PeerWatchdog {
  private:
   struct Probe;
   void Loop();
+  // The peers to probe, asked of the progress thread; while it does not answer, asks the engine
+  // every `slice` whether its loop is stuck (and logs the report). DeadlineExceeded after 5 s.
+  absl::StatusOr<std::vector<ChannelSetup::Probe>> AskPendingPeers(absl::Duration slice);
   // Probes every peer of `peers` at once, each within `timeout`, and returns when every probe
   // has an answer (or was cancelled by Stop, which the last round ignores).
   void ProbeRound(const std::vector<ChannelSetup::Probe>& peers, absl::Duration timeout, bool last);

@@ -110,6 +110,7 @@ absl::Status VerbsTransport::Start() {
   protocol::ProgressEngine::Options engine_options;
   engine_options.poll_mode = poll_mode;
   engine_options.poll_spin = options_.poll_spin;
+  engine_options.name = absl::StrCat("grpc+verbs over ", fabric_name());
   protocol::ProgressEngine::Hooks hooks;
   hooks.on_completion = [this](const fabric::Completion& c) { table_->Dispatch(c); };
   hooks.housekeeping = [this](absl::Time now) { Housekeeping(now); };

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <thread>
@@ -23,8 +24,8 @@
 namespace tensorverbs::protocol {
 namespace {
 
-using ::testing::ElementsAre;
 using ::testing::Each;
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 constexpr absl::Duration kPatience = absl::Seconds(10);
@@ -42,8 +43,8 @@ class ProgressEngineTest : public ::testing::Test {
     };
     hooks.housekeeping = [](absl::Time) {};
     hooks.operations_in_flight = [] { return false; };
-    engine_ = std::make_unique<ProgressEngine>(domain_.get(), executor_.get(), options,
-                                               std::move(hooks));
+    engine_ =
+        std::make_unique<ProgressEngine>(domain_.get(), executor_.get(), options, std::move(hooks));
   }
 
   void Log(std::string entry) {
@@ -103,11 +104,11 @@ TEST_F(ProgressEngineTest, APostFromTheLoopThreadRunsLaterInTheSameTurn) {
   absl::Cleanup stop = [this] { engine_->Stop(); };
   ASSERT_TRUE(engine_->Post([&] {
     Log("A begins");
-    absl::Status s = endpoint->PostWrite(
-        fabric::LocalBuffer{region.get(), buffer.data(), 8},
-        fabric::RemoteBuffer{region->PackRemoteKey(),
-                             reinterpret_cast<uint64_t>(buffer.data() + 32), 8},
-        /*context=*/7);
+    absl::Status s =
+        endpoint->PostWrite(fabric::LocalBuffer{region.get(), buffer.data(), 8},
+                            fabric::RemoteBuffer{region->PackRemoteKey(),
+                                                 reinterpret_cast<uint64_t>(buffer.data() + 32), 8},
+                            /*context=*/7);
     EXPECT_TRUE(s.ok()) << s;
     EXPECT_TRUE(engine_->Post([&] { Log("B"); }));
     Log("A ends");
@@ -132,8 +133,7 @@ TEST_F(ProgressEngineTest, AskLoopReturnsTheLoopsAnswer) {
   EXPECT_NE(*loop_id, std::this_thread::get_id());
 
   engine_->Stop();
-  EXPECT_EQ(engine_->AskLoop<int>([] { return 1; }).status().code(),
-            absl::StatusCode::kCancelled);
+  EXPECT_EQ(engine_->AskLoop<int>([] { return 1; }).status().code(), absl::StatusCode::kCancelled);
 }
 
 // A recv delivery whose done runs `f`.
@@ -271,8 +271,7 @@ TEST_F(ProgressEngineTest, OnOwnerThreadIsTheLoopThreadAndAfterStopEveryone) {
   MakeEngine();
   engine_->Start();
   EXPECT_FALSE(engine_->OnOwnerThread());
-  absl::StatusOr<bool> loop_owns =
-      engine_->AskLoop<bool>([&] { return engine_->OnOwnerThread(); });
+  absl::StatusOr<bool> loop_owns = engine_->AskLoop<bool>([&] { return engine_->OnOwnerThread(); });
   ASSERT_TRUE(loop_owns.ok());
   EXPECT_TRUE(*loop_owns);
   bool other_owns = true;
@@ -332,6 +331,50 @@ INSTANTIATE_TEST_SUITE_P(Modes, PollModeTest,
                          [](const ::testing::TestParamInfo<ModeCase>& info) {
                            return std::string(info.param.name);
                          });
+
+}  // namespace
+}  // namespace tensorverbs::protocol
+
+namespace tensorverbs::protocol {
+namespace {
+
+TEST_F(ProgressEngineTest, AStuckLoopIsReportedOnceNamingWhereItIsAndAgainAfterItMoved) {
+  ProgressEngine::Options options;
+  options.name = "grpc+verbs over loopback";
+  MakeEngine(options);
+  EXPECT_EQ(engine_->StallReport(absl::Milliseconds(1)), std::nullopt) << "not started";
+  engine_->Start();
+  constexpr absl::Duration kLimit = absl::Milliseconds(100);
+  for (int episode = 0; episode < 2; ++episode) {
+    Notification release, running;
+    ASSERT_TRUE(engine_->Post([&] {
+      running.Notify();
+      release.WaitForNotification();
+    }));
+    ASSERT_TRUE(running.WaitForNotificationWithTimeout(kPatience));
+    std::optional<std::string> report;
+    const absl::Time give_up = absl::Now() + kPatience;
+    while (!report.has_value() && absl::Now() < give_up) {
+      report = engine_->StallReport(kLimit);
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    ASSERT_TRUE(report.has_value());
+    EXPECT_THAT(*report, HasSubstr("grpc+verbs over loopback"));
+    EXPECT_THAT(*report, HasSubstr("no turn for"));
+    EXPECT_THAT(*report, HasSubstr("a posted task"));
+    absl::SleepFor(kLimit);
+    EXPECT_EQ(engine_->StallReport(kLimit), std::nullopt) << "once per stall";
+    release.Notify();
+    // Turning again: a loop that moves (idle waits included) is never reported.
+    const absl::Time until = absl::Now() + 3 * kLimit;
+    while (absl::Now() < until) {
+      EXPECT_EQ(engine_->StallReport(kLimit), std::nullopt);
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+  engine_->Stop();
+  EXPECT_EQ(engine_->StallReport(absl::ZeroDuration()), std::nullopt) << "stopped";
+}
 
 }  // namespace
 }  // namespace tensorverbs::protocol
