@@ -41,8 +41,11 @@ def run_ranks(tmp_path, scenario, world, protocol="grpc+verbs", timeout_s=60, en
 
 
 def assert_all_ok(results):
+    # Every rank's output on a failure: the cause often shows in another rank's (a stall report,
+    # a slow start) than the one that failed.
+    everything = "\n".join(f"--- rank {r} (exit {c}):\n{o}" for r, (c, o) in enumerate(results))
     for rank, (code, out) in enumerate(results):
-        assert code == 0, f"rank {rank} exited {code}:\n{out}"
+        assert code == 0, f"rank {rank} exited {code}\n{everything}"
 
 
 @pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc", "grpc+verbs-copy", "grpc+gdr"])
