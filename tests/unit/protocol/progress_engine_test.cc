@@ -345,9 +345,13 @@ TEST_F(ProgressEngineTest, AStuckLoopIsReportedOnceNamingWhereItIsAndAgainAfterI
   EXPECT_EQ(engine_->StallReport(absl::Milliseconds(1)), std::nullopt) << "not started";
   engine_->Start();
   constexpr absl::Duration kLimit = absl::Milliseconds(100);
+  // Outlive the loop's tasks: each episode's task may still be returning from its wait when
+  // the test goes on.
+  Notification releases[2], runnings[2];
   for (int episode = 0; episode < 2; ++episode) {
-    Notification release, running;
-    ASSERT_TRUE(engine_->Post([&] {
+    Notification& release = releases[episode];
+    Notification& running = runnings[episode];
+    ASSERT_TRUE(engine_->Post([&release, &running] {
       running.Notify();
       release.WaitForNotification();
     }));
