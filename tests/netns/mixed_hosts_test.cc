@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -32,6 +33,7 @@
 namespace tensorverbs {
 namespace {
 
+using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
 constexpr int64_t kStep = 9;
@@ -49,6 +51,10 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
   }
 
   void TearDown() override {
+    if (host_ != nullptr) (void)host_->SetLinkUp(true);
+    for (auto& p : peers_) {
+      if (p != nullptr) p->Signal(SIGCONT);  // a frozen peer hears SIGTERM
+    }
     for (auto& p : peers_) {
       if (p != nullptr) p->Signal(SIGTERM);
     }
@@ -98,6 +104,7 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
     options.task = 0;
     options.protocol = GetParam();
     options.transfer.recv_timeout = absl::Seconds(60);
+    if (peer_timeout_ > absl::ZeroDuration()) options.transfer.peer_timeout = peer_timeout_;
     options.verbs.same_host_tasks = std::move(same_host);
     absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -128,6 +135,25 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
     }
   }
 
+  // A recv from task t of a name it never sends: it ends only when task t is found gone,
+  // which must be Unavailable naming the task within about the peer timeout.
+  void ExpectFoundGone(int t, const char* fault) {
+    auto r = *server_->rendezvous_mgr()->Find(kStep);
+    const ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(
+        CpuDeviceName("worker", t), incarnations_[t], server_->device_name(), "never"));
+    const absl::Time start = absl::Now();
+    PendingRecv recv(*r, key);
+    ASSERT_TRUE(recv.Wait(absl::Seconds(40))) << fault << ": the recv from task " << t << " hung";
+    const absl::Duration took = absl::Now() - start;
+    std::printf("%s: the recv from task %d ended after %s: %s\n", fault, t,
+                absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(1))).c_str(),
+                std::string(recv.status().message()).c_str());
+    EXPECT_LT(took, absl::Seconds(15)) << fault;
+    EXPECT_EQ(recv.status().code(), absl::StatusCode::kUnavailable)
+        << fault << ": " << recv.status();
+    EXPECT_THAT(std::string(recv.status().message()), HasSubstr(absl::StrCat("task:", t))) << fault;
+  }
+
   // Task t's ready channels, by peer task and role, as its GetStats reports them.
   std::map<std::pair<std::string, bool>, std::string> FabricsOf(int t) {
     auto stub = proto::WorkerService::NewStub(
@@ -146,6 +172,7 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
   }
 
   std::unique_ptr<tools::NetnsHost> host_;
+  absl::Duration peer_timeout_ = absl::ZeroDuration();  // zero: the default
   std::vector<std::unique_ptr<support::Subprocess>> peers_;
   std::unique_ptr<Server> server_;
   std::string cluster_;
@@ -189,6 +216,28 @@ TEST_P(MixedHostsTest, APeerThatIsElsewhereAfterAllIsReachedOverTheNetwork) {
   auto pair = of1.find({TaskName("worker", 2), true});
   ASSERT_NE(pair, of1.end());
   EXPECT_EQ(pair->second, kShmem);
+}
+
+// RELIABILITY.md's faults of a remote peer with mixed fabrics: task 0 and task 1 share host A
+// (shmem), tasks 2 and 3 are on host B (tcp). A partition between the hosts fails only the recvs
+// from host B (the shmem pair goes on through it), and once healed host B's tasks are reached
+// again; a killed same-host peer and a frozen peer across the network each fail the recvs from
+// them alone, within about the peer timeout, naming them.
+TEST_P(MixedHostsTest, FaultsOnEitherFabricEndOnlyTheRecvsFromTheirPeers) {
+  peer_timeout_ = absl::Seconds(2);
+  ASSERT_NO_FATAL_FAILURE(StartJob(4, [](int t) { return t >= 2; }));
+  ASSERT_NO_FATAL_FAILURE(ExpectFixturesFrom(2));  // the network fabric carries tensors
+
+  ASSERT_TRUE(host_->SetLinkUp(false).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectFixturesFrom(1));  // the same-host pair is not cut off
+  ASSERT_NO_FATAL_FAILURE(ExpectFoundGone(2, "partition"));
+  ASSERT_TRUE(host_->SetLinkUp(true).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectFixturesFrom(3));  // healed: the other task there answers
+
+  peers_[0]->Signal(SIGKILL);  // task 1, over shmem
+  ASSERT_NO_FATAL_FAILURE(ExpectFoundGone(1, "killed same-host peer"));
+  peers_[2]->Signal(SIGSTOP);  // task 3, over tcp
+  ASSERT_NO_FATAL_FAILURE(ExpectFoundGone(3, "frozen peer on the other host"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Protocols, MixedHostsTest,
