@@ -519,9 +519,17 @@ class PyTask {
                        std::string(py::str(value.get_type().attr("__name__"))),
                        " is on device type ", std::string(py::str(where[0]))));
     }
-    // No stream named: the producer orders its work before the legacy default stream, which
-    // WaitForDeviceWork then waits for.
-    py::object capsule = value.attr("__dlpack__")();
+    // Stream 1, the legacy default stream (the DLPack protocol's name for it): the producer
+    // orders its pending work before that stream (PyTorch records an event on its current
+    // stream and makes the legacy one wait for it), which WaitForDeviceWork then waits for. A
+    // producer that takes no stream argument is asked without one.
+    py::object capsule;
+    try {
+      capsule = value.attr("__dlpack__")(py::arg("stream") = 1);
+    } catch (py::error_already_set& e) {
+      if (!e.matches(PyExc_TypeError)) throw;
+      capsule = value.attr("__dlpack__")();
+    }
     absl::StatusOr<DlpackGpuTensor> taken = TakeDlpackGpuTensor(capsule.ptr());
     if (!taken.ok()) throw py::value_error(std::string(taken.status().message()));
     absl::Status waited;

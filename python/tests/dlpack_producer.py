@@ -44,6 +44,7 @@ class Producer:
                  strides=None, byte_offset=0):
         self.deleted = 0
         self.capsules = 0
+        self.streams = []  # the stream argument of each __dlpack__ call
         self._device = (device_type, device_id)
         self._shape = (ctypes.c_int64 * len(shape))(*shape)
         self._strides = None if strides is None else (ctypes.c_int64 * len(strides))(*strides)
@@ -58,6 +59,7 @@ class Producer:
         return self._device
 
     def __dlpack__(self, stream=None):
+        self.streams.append(stream)
         address, kind, bits, byte_offset = self._fields
         m = _Managed()
         t = m.dl_tensor
@@ -72,3 +74,10 @@ class Producer:
         self._managed.append(m)  # the consumer's pointer stays valid while this lives
         self.capsules += 1
         return _capsule_new(ctypes.addressof(m), _NAME, None)
+
+
+class StreamlessProducer(Producer):
+    """A producer whose __dlpack__ takes no stream argument (older DLPack producers)."""
+
+    def __dlpack__(self):  # noqa: the protocol's older form
+        return super().__dlpack__()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import two_tasks
-from dlpack_producer import Producer
+from dlpack_producer import Producer, StreamlessProducer
 import tensorverbs as tv
 
 RUNTIME = os.environ.get("TENSORVERBS_CUDA_RUNTIME", "")
@@ -115,6 +115,7 @@ def test_a_cuda_dlpack_tensor_is_sent_without_a_copy_and_released_once(cudart):
         while tensor.deleted == 0 and time.monotonic() < deadline:
             time.sleep(0.01)  # released once the device-to-host copy is done
         assert (tensor.capsules, tensor.deleted) == (1, 1)
+        assert tensor.streams == [1]  # the legacy default stream, which the sender waits for
         assert counter(a, "staged") == staged  # no host staging in Python
         assert counter(a, "device_to_host_copies") >= 1
         cudart.cudaFree(memory)
@@ -143,6 +144,20 @@ def test_a_view_of_a_received_gpu_tensor_is_sent_as_that_tensor():
         # The pool tensor itself went: GPU to GPU, never through host memory on the sender.
         assert counter(a, "device_direct_sends") >= 1
         assert counter(a, "device_to_host_copies") == 0
+
+
+def test_a_producer_that_takes_no_stream_is_asked_without_one(cudart):
+    with two_tasks("grpc+verbs") as (a, b):
+        memory = ctypes.c_void_p()
+        assert cudart.cudaMalloc(ctypes.byref(memory), 32) == 0
+        ctypes.memmove(memory.value, np.arange(8, dtype=np.int32).ctypes.data, 32)
+        tensor = StreamlessProducer(memory.value, (8,), kind="i", bits=32)
+        with a.step(1) as sa, b.step(1) as sb:
+            sa.send("worker:1", "old", tensor)
+            np.testing.assert_array_equal(sb.recv("worker:0", "old", timeout=20),
+                                          np.arange(8, dtype=np.int32))
+        assert tensor.streams == [None]
+        cudart.cudaFree(memory)
 
 
 def test_bfloat16_travels_by_dlpack_but_has_no_array_interface(cudart):
