@@ -136,8 +136,8 @@ class Task {
   // Returns once the work queued on GPU `device`'s legacy default stream, and through it on
   // every blocking stream, has completed. The task's own copies run on streams of their own,
   // so memory written by the caller's kernels must be finished before a send reads it: call
-  // this first (DLPack producers order their work before the legacy default stream when the
-  // consumer names none). Blocks the caller; FailedPrecondition without a CUDA runtime.
+  // this first (a DLPack producer asked for stream 1, the legacy default stream, orders its
+  // work before it). Blocks the caller; FailedPrecondition without a CUDA runtime.
   absl::Status WaitForDeviceWork(int device);
 
   TaskStats stats() const;

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -532,35 +533,22 @@ class PyTask {
     }
     absl::StatusOr<DlpackGpuTensor> taken = TakeDlpackGpuTensor(capsule.ptr());
     if (!taken.ok()) throw py::value_error(std::string(taken.status().message()));
-    absl::Status waited;
-    {
-      py::gil_scoped_release nogil;
-      waited = task_->WaitForDeviceWork(taken->device);
-    }
-    if (!waited.ok()) {
-      taken->release();  // ours since taken: given back before the error
-      Raise(waited);
-    }
-    absl::StatusOr<TensorShape> shape_or = TensorShape::Create(taken->dims);
-    absl::StatusOr<uint64_t> bytes_or = shape_or.ok()
-                                            ? Tensor::AllocationBytes(taken->dtype, *shape_or)
-                                            : absl::StatusOr<uint64_t>(shape_or.status());
-    if (!bytes_or.ok()) {
-      taken->release();
-      Raise(bytes_or.status());
-    }
-    const TensorShape& shape = *shape_or;
-    const uint64_t bytes = *bytes_or;
+    DlpackGpuTensor& t = *taken;
+    // Ours since taken: given back to the producer on every way out but adoption.
+    absl::Cleanup give_back = [&t] { t.release(); };
+    WaitForDeviceWork(t.device);
+    const TensorShape shape = ValueOrRaise(TensorShape::Create(t.dims));
+    const uint64_t bytes = ValueOrRaise(Tensor::AllocationBytes(t.dtype, shape));
     if (bytes > 0) {
       std::optional<Tensor> pooled =
-          PoolViews::Get().Find(taken->data, static_cast<size_t>(bytes), taken->dtype, taken->dims);
-      if (pooled.has_value() && pooled->placement() == MemoryPlacement::CudaDevice(taken->device)) {
-        taken->release();
+          PoolViews::Get().Find(t.data, static_cast<size_t>(bytes), t.dtype, t.dims);
+      if (pooled.has_value() && pooled->placement() == MemoryPlacement::CudaDevice(t.device)) {
         return *std::move(pooled);
       }
     }
-    return ValueOrRaise(task_->AdoptDeviceMemory(taken->device, taken->data, taken->dtype, shape,
-                                                 std::move(taken->release)));
+    std::move(give_back).Cancel();
+    return ValueOrRaise(
+        task_->AdoptDeviceMemory(t.device, t.data, t.dtype, shape, std::move(t.release)));
   }
 
   std::shared_ptr<Task> task_;

@@ -20,6 +20,7 @@
 #ifndef TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 #define TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <functional>
@@ -31,6 +32,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -111,7 +113,14 @@ class ProgressEngine {
   // Cancelled after Stop, DeadlineExceeded if the loop does not get to it within `timeout`.
   template <typename T>
   absl::StatusOr<T> AskLoop(absl::AnyInvocable<T()> fn,
-                            absl::Duration timeout = absl::InfiniteDuration());
+                            absl::Duration timeout = absl::InfiniteDuration()) {
+    return AskLoop<T>(std::move(fn), timeout, timeout, [] {});
+  }
+  // The same, calling `while_waiting` (on the asking thread) every `slice` the loop has not
+  // answered yet: how a watcher looks at the loop while the loop keeps it waiting.
+  template <typename T>
+  absl::StatusOr<T> AskLoop(absl::AnyInvocable<T()> fn, absl::Duration timeout,
+                            absl::Duration slice, absl::FunctionRef<void()> while_waiting);
 
  private:
   void Loop();
@@ -159,7 +168,9 @@ class ProgressEngine {
 };
 
 template <typename T>
-absl::StatusOr<T> ProgressEngine::AskLoop(absl::AnyInvocable<T()> fn, absl::Duration timeout) {
+absl::StatusOr<T> ProgressEngine::AskLoop(absl::AnyInvocable<T()> fn, absl::Duration timeout,
+                                          absl::Duration slice,
+                                          absl::FunctionRef<void()> while_waiting) {
   // Shared: after a timeout the task may still run and must have somewhere to write.
   struct Answer {
     Notification done;
@@ -171,8 +182,12 @@ absl::StatusOr<T> ProgressEngine::AskLoop(absl::AnyInvocable<T()> fn, absl::Dura
     answer->done.Notify();
   };
   if (!Post(task)) return absl::CancelledError("the transport is shutting down");
-  if (!answer->done.WaitForNotificationWithTimeout(timeout)) {
-    return absl::DeadlineExceededError("the progress thread did not answer in time");
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!answer->done.WaitForNotificationWithTimeout(std::min(slice, deadline - absl::Now()))) {
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError("the progress thread did not answer in time");
+    }
+    while_waiting();
   }
   return std::move(answer->value);
 }

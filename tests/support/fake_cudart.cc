@@ -156,11 +156,11 @@ struct Opened {
   size_t size;
   int refs;
 };
-using OpenedKey = std::pair<uint64_t, uint64_t>;
+using OpenedKey = std::pair<uint64_t, uint64_t>;  // (dev, ino) of the owner's memfd
 
 // Waits for the legacy default stream, counted so that tests see a sender wait for the work a
 // producer queued before handing its memory over.
-std::atomic<long> default_stream_syncs{0};  // (dev, ino) of the owner's memfd
+std::atomic<long> default_stream_syncs{0};
 
 // Every allocation by base, and every opened peer allocation by its memfd's identity.
 struct Books {

@@ -57,39 +57,21 @@ void PeerWatchdog::Loop() {
         return;
       }
     }
-    absl::StatusOr<std::vector<ChannelSetup::Probe>> peers = AskPendingPeers(interval);
+    // Waited for in slices of the round, so that a loop which stopped turning is reported
+    // while it keeps this waiting (up to 5 s: a loop busy with large copies may be slow to
+    // answer without being stuck).
+    absl::StatusOr<std::vector<ChannelSetup::Probe>> peers =
+        engine_->AskLoop<std::vector<ChannelSetup::Probe>>(
+            [this] { return channels_->PendingPeers(); }, absl::Seconds(5), interval,
+            [this] {
+              if (std::optional<std::string> stalled = engine_->StallReport(peer_timeout_)) {
+                LOG(ERROR) << "task " << self_ << ": " << *stalled;
+              }
+            });
     if (absl::IsCancelled(peers.status())) return;
     if (!peers.ok() || peers->empty()) continue;
     ProbeRound(*peers, peer_timeout_, /*last=*/false);
   }
-}
-
-absl::StatusOr<std::vector<ChannelSetup::Probe>> PeerWatchdog::AskPendingPeers(
-    absl::Duration slice) {
-  // AskLoop's hand-off, waited for in slices, so that a loop which stopped turning is noticed
-  // while this waits for it (up to 5 s, as before: a loop busy with large copies may be slow to
-  // answer without being stuck).
-  struct Answer {
-    Notification done;
-    std::vector<ChannelSetup::Probe> peers;
-  };
-  auto answer = std::make_shared<Answer>();
-  protocol::ProgressEngine::Task task = [this, answer] {
-    answer->peers = channels_->PendingPeers();
-    answer->done.Notify();
-  };
-  if (!engine_->Post(task)) return absl::CancelledError("the transport is shutting down");
-  const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (!answer->done.WaitForNotificationWithTimeout(slice)) {
-    if (std::optional<std::string> stalled = engine_->StallReport(peer_timeout_)) {
-      LOG(ERROR) << "task " << self_ << ": " << *stalled;
-    }
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError("the progress thread did not answer in time");
-    }
-  }
-  engine_->StallReport(peer_timeout_);  // it turned: the next stall is a new one
-  return std::move(answer->peers);
 }
 
 void PeerWatchdog::LastRound(absl::Duration timeout) {

@@ -59,9 +59,6 @@ class PeerWatchdog {
  private:
   struct Probe;
   void Loop();
-  // The peers to probe, asked of the progress thread; while it does not answer, asks the engine
-  // every `slice` whether its loop is stuck (and logs the report). DeadlineExceeded after 5 s.
-  absl::StatusOr<std::vector<ChannelSetup::Probe>> AskPendingPeers(absl::Duration slice);
   // Probes every peer of `peers` at once, each within `timeout`, and returns when every probe
   // has an answer (or was cancelled by Stop, which the last round ignores).
   void ProbeRound(const std::vector<ChannelSetup::Probe>& peers, absl::Duration timeout, bool last);
