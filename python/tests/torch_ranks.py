@@ -278,9 +278,15 @@ def peer_dies():
     init()
     t = torch.ones(100000)
     dist.all_reduce(t)
+    # The last rank dies only once every other rank has its first result: a rank's collective
+    # ends when its own result is whole, while the others may still be pulling its parts, so a
+    # rank killed at that moment can take a part of the first all_reduce with it.
+    reduced = dist.FileStore(STORE + ".reduced", WORLD)
     if RANK == WORLD - 1:
+        reduced.wait([f"rank {r}" for r in range(WORLD - 1)], datetime.timedelta(seconds=60))
         print(f"rank {RANK}: exiting without a word", flush=True)
         os._exit(0)
+    reduced.set(f"rank {RANK}", "1")
     started = time.monotonic()
     try:
         dist.all_reduce(torch.ones(100000))
