@@ -3,8 +3,11 @@ point-to-point and collective operation on every protocol, bad input, a peer tha
 ranks that disagree at init."""
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,16 +31,36 @@ def run_ranks(tmp_path, scenario, world, protocol="grpc+verbs", timeout_s=60, en
                               env=run_env)
              for r in range(world)]
     results = []
+    deadline = time.monotonic() + timeout_s + 60
+    stacks = {}
     for p in procs:
         try:
-            out, _ = p.communicate(timeout=timeout_s + 60)
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            stacks = {q.pid: dump_stacks(q) for q in procs if q.poll() is None}
             for q in procs:
                 q.kill()
             out, _ = p.communicate()
-            out += "\n(killed: the rank hung)"
+        if p.pid in stacks:
+            out += "\n(killed: the rank hung)\n" + stacks[p.pid]
         results.append((p.returncode, out))
     return results
+
+
+def dump_stacks(proc):
+    """What a hung rank was doing: its Python stacks (faulthandler, into its own output) and,
+    where gdb is installed, every thread's native stack."""
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(no gdb: native stacks not taken)"
+    try:
+        r = subprocess.run([gdb, "-p", str(proc.pid), "-batch", "-nx", "-ex",
+                            "thread apply all bt 30"], capture_output=True, text=True, timeout=60)
+        return "native stacks:\n" + r.stdout[-20000:]
+    except subprocess.TimeoutExpired:
+        return "(gdb took over 60 s)"
 
 
 def assert_all_ok(results):
@@ -79,6 +102,16 @@ def test_a_peer_that_dies_fails_every_rank_within_the_peer_timeout(tmp_path):
         assert seconds < 60, out  # far below the group's 120 s timeout
     # Some rank's error names the dead one; the other learns it through the store.
     assert any("rank 2" in results[r][1].split("failed after")[1] for r in range(2)), results
+
+
+@pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc"])
+def test_groups_dropped_from_python_right_after_use_go_without_a_deadlock(tmp_path, protocol):
+    # Before the destructor let go of the GIL, this hung within the first few groups.
+    results = run_ranks(tmp_path, "short_lived_groups", 3, protocol, timeout_s=30,
+                        env={"TV_TEST_GROUPS": "20"})
+    assert_all_ok(results)
+    for rank, (_, out) in enumerate(results):
+        assert f"rank {rank}: short-lived groups ok" in out
 
 
 def test_ranks_that_disagree_on_the_world_size_fail_at_init(tmp_path):

@@ -8,7 +8,9 @@ test reads. The expected values are computed here from the same seeds on every r
 """
 
 import datetime
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -18,6 +20,8 @@ import torch.distributed as dist
 import tensorverbs.torch as tvt
 
 SCENARIO, RANK, WORLD, STORE = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+# A rank the harness finds hung gets SIGUSR1 first: every Python thread's stack, then gdb's.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TV_TEST_TIMEOUT_S", "60")))
 
 
@@ -302,6 +306,20 @@ def peer_dies():
     raise AssertionError("all_reduce survived a dead peer")
 
 
+def short_lived_groups():
+    # Groups made, used once on a tensor only torch holds, and dropped at once: the group's
+    # last reference goes on this thread (with the GIL) while its worker may still hold that
+    # tensor, whose Python object died first and needs the GIL to go.
+    init()
+    for i in range(int(os.environ.get("TV_TEST_GROUPS", "40"))):
+        g = dist.new_group(list(range(WORLD)), backend="tensorverbs")
+        dist.all_reduce(torch.full((3,), float(RANK)), group=g)
+        dist.destroy_process_group(g)
+        del g
+    print(f"rank {RANK}: short-lived groups ok", flush=True)
+    dist.destroy_process_group()
+
+
 def mismatch():
     # Rank 0 thinks the world has two ranks; rank 1 thinks three.
     try:
@@ -313,7 +331,7 @@ def mismatch():
 
 
 SCENARIOS = {"conformance": conformance, "bad_input": bad_input, "peer_dies": peer_dies,
-             "mismatch": mismatch}
+             "mismatch": mismatch, "short_lived_groups": short_lived_groups}
 
 if __name__ == "__main__":
     SCENARIOS[SCENARIO]()

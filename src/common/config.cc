@@ -217,6 +217,8 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_SLURM_PORT",
       "TENSORVERBS_PROTOCOL",
       "TENSORVERBS_HOST",
+      // Read by setup.py (pip install): the CMake build tree whose Python module it packages.
+      "TENSORVERBS_CMAKE_BUILD_DIR",
   };
   return names;
 }

@@ -1,5 +1,6 @@
 #include "python/src/torch/process_group.h"
 
+#include <Python.h>
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -30,6 +31,24 @@ constexpr int64_t kStepId = 1;
 // How long a group that goes (or a process that exits) waits for its peers to take what it sent:
 // a peer may still be on its way to the last messages of a collective this rank has finished.
 constexpr std::chrono::milliseconds kDrainLimit = std::chrono::seconds(10);
+
+// Lets go of the GIL for its scope when the calling thread holds it. A group's last reference
+// often goes from Python (destroy_process_group, a local that goes out of scope), with the GIL
+// held; the threads the destructor waits for may need the GIL themselves, to drop a tensor
+// whose Python object died before the C++ side let go of it.
+class GilReleasedIfHeld {
+ public:
+  GilReleasedIfHeld()
+      : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilReleasedIfHeld() {
+    if (state_ != nullptr) PyEval_RestoreThread(state_);
+  }
+  GilReleasedIfHeld(const GilReleasedIfHeld&) = delete;
+  GilReleasedIfHeld& operator=(const GilReleasedIfHeld&) = delete;
+
+ private:
+  PyThreadState* const state_;
+};
 
 // The groups alive in this process, for DrainAllGroups at exit.
 struct LiveGroups {
@@ -200,6 +219,7 @@ ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
 }
 
 ProcessGroupTensorVerbs::~ProcessGroupTensorVerbs() {
+  GilReleasedIfHeld no_gil;
   Unregister(this);
   Drain(kDrainLimit);
   {

@@ -11,7 +11,9 @@
 // caller's tensor. Collectives are numbered on the caller's thread, in call order, and run in
 // that order on the group's worker thread, built on the same sends and recvs (binomial trees for
 // small tensors, rings for large ones). Every method may be called from any thread without the
-// GIL and never calls Python.
+// GIL and never calls Python. The destructor, which torch may call from Python with the GIL
+// held, lets go of the GIL while it waits for the group's threads: dropping a tensor whose
+// Python object died first takes the GIL, and any of them may be the one to drop it.
 //
 // Each Work completes exactly once: with its outputs written, or with an error that names the
 // operation and the peer rank and task; a `wait(timeout)` that expires fails it, and nothing
