@@ -146,6 +146,10 @@ class Task {
   std::vector<std::pair<std::string, int64_t>> counters() const;
 
   // Fails every pending recv with Cancelled and shuts the task's server down. Idempotent.
+  // Returns within TENSORVERBS_STOP_TIMEOUT_MS (20 s): a shutdown stuck past it (a callback that
+  // never returns, a fabric call that blocks the progress thread) is logged as an error that
+  // says where it is stuck, and goes on in the background; the task's threads and memory stay
+  // until it finishes, so nothing the stuck call returns to has been freed.
   void Stop();
 
   struct Impl;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "src/common/logging.h"
 #include "src/common/mutex.h"
 #include "src/common/status_macros.h"
 #include "src/rendezvous/remote_rendezvous.h"
@@ -64,11 +65,22 @@ class KeyCache {
   absl::flat_hash_map<std::string, std::shared_ptr<const Entry>> entries_ ABSL_GUARDED_BY(mu_);
 };
 
+// Task::Stop's shutdown, run on a thread of its own so that the caller waits for it only up to
+// the stop timeout.
+struct StopState {
+  Mutex mu;
+  bool started ABSL_GUARDED_BY(mu) = false;
+  bool abandoned ABSL_GUARDED_BY(mu) = false;  // a caller gave up on it and said so
+  Notification done;
+};
+
 struct Task::Impl {
   std::unique_ptr<Server> server;
   std::string name;
   std::string protocol;
+  absl::Duration stop_timeout;
   KeyCache keys;
+  const std::shared_ptr<StopState> stop = std::make_shared<StopState>();
 };
 
 struct Step::Impl {
@@ -145,6 +157,7 @@ absl::StatusOr<std::unique_ptr<Task>> Task::Start(TaskOptions options) {
   auto impl = std::make_shared<Impl>();
   impl->name = server->task_name();
   impl->protocol = server->protocol();
+  impl->stop_timeout = server_options.stop_timeout;
   impl->server = std::move(server);
   return std::unique_ptr<Task>(new Task(std::move(impl)));
 }
@@ -160,7 +173,36 @@ Task::~Task() {
   }
 }
 
-void Task::Stop() { impl_->server->Stop(); }
+void Task::Stop() {
+  std::shared_ptr<StopState> state = impl_->stop;
+  {
+    MutexLock lock(&state->mu);
+    if (state->abandoned) return;  // said once; a later Stop (the destructor's) does not wait
+    if (!state->started) {
+      state->started = true;
+      // The thread holds the task while it stops it: a Stop that outlives its caller's wait
+      // still finds everything it and the stuck call return to. It lets go before it says it is
+      // done, so a Stop that finished in time leaves the task to its owner alone.
+      std::thread([impl = impl_, state]() mutable {
+        impl->server->Stop();
+        impl.reset();
+        state->done.Notify();
+      }).detach();
+    }
+  }
+  if (state->done.WaitForNotificationWithTimeout(impl_->stop_timeout)) return;
+  {
+    MutexLock lock(&state->mu);
+    if (state->abandoned) return;
+    state->abandoned = true;
+  }
+  LOG(ERROR) << "task " << impl_->name << ": Stop gave up after "
+             << absl::FormatDuration(impl_->stop_timeout)
+             << " (TENSORVERBS_STOP_TIMEOUT_MS): " << impl_->server->StopReport()
+             << ". The shutdown goes on in the background; the task's threads and memory stay "
+                "until the stuck call returns (a callback that blocks, or a fabric call that "
+                "does not return)";
+}
 
 absl::Status Task::WaitForPeers(absl::Duration timeout) {
   return impl_->server->WaitForPeers(timeout);

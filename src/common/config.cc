@@ -191,6 +191,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_REGISTRATION",
       "TENSORVERBS_PEER_TIMEOUT_MS",
       "TENSORVERBS_SLOW_RECV_MS",
+      "TENSORVERBS_STOP_TIMEOUT_MS",
       "TENSORVERBS_TRACE",
       "TENSORVERBS_CUDA_RUNTIME",
       "TENSORVERBS_PIN_POOL",
@@ -300,6 +301,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t slow_ms, ParseInt(env, "TENSORVERBS_SLOW_RECV_MS", 0, 86400000,
                                              Ms(config.slow_recv_warning)));
   config.slow_recv_warning = absl::Milliseconds(slow_ms);
+  ASSIGN_OR_RETURN(int64_t stop_ms, ParseInt(env, "TENSORVERBS_STOP_TIMEOUT_MS", 100, 86400000,
+                                             Ms(config.stop_timeout)));
+  config.stop_timeout = absl::Milliseconds(stop_ms);
   ASSIGN_OR_RETURN(config.pin_pool, ParseChoice(env, "TENSORVERBS_PIN_POOL", {"auto", "on", "off"},
                                                 config.pin_pool));
   ASSIGN_OR_RETURN(std::string gpu_direct, ParseChoice(env, "TENSORVERBS_GPU_DIRECT", {"on", "off"},

@@ -136,6 +136,7 @@ void ProgressEngine::Loop() {
   // The kernel lets a sleeping thread's timer fire up to its slack late (50 us by default), which
   // doubles a 50 us nap of a provider without a wait object; this thread's naps are meant.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+  prctl(PR_SET_NAME, "tv-progress", 0UL, 0UL, 0UL);  // for top -H, gdb and tests
   auto at = [this](const char* phase) { phase_.store(phase, std::memory_order_relaxed); };
   while (true) {
     turns_.store(turns_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
@@ -227,6 +228,13 @@ void ProgressEngine::Loop() {
   at("stopped");
   loop_thread_id_.store(std::thread::id());
   HandOffCallbacks();
+}
+
+std::string ProgressEngine::Where() const {
+  if (!started_.load() || stopped_.load()) return std::string();
+  return absl::StrCat(options_.name, ": the progress thread is in ",
+                      phase_.load(std::memory_order_relaxed), " after ",
+                      turns_.load(std::memory_order_relaxed), " turns");
 }
 
 std::optional<std::string> ProgressEngine::StallReport(absl::Duration limit) {

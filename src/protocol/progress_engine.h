@@ -108,6 +108,10 @@ class ProgressEngine {
   // started or after it stopped). A provider call that never returns stops every channel of
   // the task, which nothing else would say. For one watching thread (the peer watchdog).
   std::optional<std::string> StallReport(absl::Duration limit);
+  // Where the loop is now and how many turns it made ("NAME: the progress thread is in a
+  // posted task after 1234 turns"), or empty while it never started or after it stopped. Any
+  // thread; it disturbs no StallReport.
+  std::string Where() const;
 
   // Runs `fn` on the loop thread and returns its result; for other threads, which wait.
   // Cancelled after Stop, DeadlineExceeded if the loop does not get to it within `timeout`.

@@ -149,6 +149,7 @@ ServerOptions ServerOptions::FromConfig(const Config& config) {
   ServerOptions o;
   o.transfer = TransferSettings::FromConfig(config);
   o.callback_threads = config.callback_threads;
+  o.stop_timeout = config.stop_timeout;
   o.pool_region_bytes = config.pool_region_bytes;
   o.max_tensor_bytes = config.max_tensor_bytes;
   o.max_peer_steps = config.max_peer_steps;
@@ -342,12 +343,16 @@ void Server::Stop() {
     if (stopped_) return;
     stopped_ = true;
   }
+  auto step = [this](const char* what) { stop_step_.store(what, std::memory_order_relaxed); };
   // The grpc+verbs channels close first (after the writes already under way finish): the
   // requests peers made ahead of their recvs wait in this task's rendezvous tables, and
   // cleaning those up must not answer over a channel whose peer may be gone.
+  step("closing the grpc+verbs channels");
   if (verbs_) verbs_->Shutdown();
   // Fail pending recvs so RecvTensor handlers finish and the shutdown does not wait.
+  step("failing the pending recvs");
   if (rendezvous_mgr_) rendezvous_mgr_->CleanupAll();
+  step("shutting down the gRPC server");
   if (grpc_server_) {
     // Responses already being sent may finish; the rest are cancelled at the deadline.
     grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
@@ -356,11 +361,13 @@ void Server::Stop() {
   // grpc+gdr calls left draining by aborted steps (CleanupAll above aborts every step) wait for
   // answers that need not come now. Cancelled client calls complete promptly; their callbacks
   // use the executor below.
+  step("waiting for the remote recvs in flight");
   if (workers_) workers_->CancelDraining();
   if (workers_ && !workers_->WaitForNoCalls(absl::Seconds(10))) {
     LOG(WARNING) << "task " << env_.task_name << ": remote recvs still in flight at shutdown";
   }
   // Device copies still completing call back into this task (its executor, stats and pools).
+  step("waiting for the device copies in flight");
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (stats_.device_copies_in_flight.load(std::memory_order_acquire) > 0) {
     if (absl::Now() > deadline) {
@@ -372,6 +379,16 @@ void Server::Stop() {
     absl::SleepFor(absl::Milliseconds(1));
   }
   FlushTrace();  // a task's recvs are in its trace file once it stopped
+  step("stopped");
+}
+
+std::string Server::StopReport() const {
+  std::string report = absl::StrCat("Stop is ", stop_step_.load(std::memory_order_relaxed));
+  if (verbs_) {
+    const std::string loop = verbs_->LoopReport();
+    if (!loop.empty()) absl::StrAppend(&report, "; ", loop);
+  }
+  return report;
 }
 
 std::string Server::device_name() const { return CpuDeviceName(options_.job, options_.task); }

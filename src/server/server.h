@@ -11,6 +11,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -57,6 +58,9 @@ struct ServerOptions {
   // Threads that run recv callbacks; 0 runs them inline on the transport's thread
   // (TENSORVERBS_CALLBACK_THREADS).
   int callback_threads = Config::Defaults().callback_threads;
+  // How long Task::Stop waits for Stop() before it gives up on it (TENSORVERBS_STOP_TIMEOUT_MS);
+  // the server itself waits as long as Stop takes.
+  absl::Duration stop_timeout = Config::Defaults().stop_timeout;
   // Size of each region of the receive pool (TENSORVERBS_POOL_REGION_MB).
   int64_t pool_region_bytes = Config::Defaults().pool_region_bytes;
   // Wholly free pool memory kept however long it idles (TENSORVERBS_POOL_KEEP_FREE_MB); free
@@ -109,6 +113,10 @@ class Server {
   ~Server();
 
   void Stop();
+  // What Stop() is waiting for while it runs: its step ("closing the grpc+verbs channels") and
+  // where the progress loop is, for the report of an owner that gives up on a Stop that does
+  // not return (Task::Stop). Any thread.
+  std::string StopReport() const;
   // Stops this task's grpc+verbs traffic (writes under way finish first) without closing
   // anything: for stopping several servers of one process, whose shared-memory peers must not
   // be written to once one of them has closed. Stop() does it too.
@@ -217,6 +225,8 @@ class Server {
   std::unique_ptr<grpc::Service> service_;
   std::unique_ptr<grpc::Server> grpc_server_;
 
+  // The step Stop() is in (a string literal), for StopReport.
+  std::atomic<const char*> stop_step_{"not stopping"};
   Mutex mu_;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;
   absl::flat_hash_map<std::string, uint64_t> peer_incarnations_ ABSL_GUARDED_BY(mu_);

@@ -454,6 +454,10 @@ bool VerbsTransport::ResponsesStillOnTheirWay() const {
   return false;
 }
 
+std::string VerbsTransport::LoopReport() const {
+  return engine_ == nullptr ? std::string() : engine_->Where();
+}
+
 void VerbsTransport::Shutdown() {
   if (engine_ == nullptr || shut_down_.exchange(true)) return;
   StopTraffic();

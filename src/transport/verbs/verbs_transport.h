@@ -179,6 +179,9 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   void StopTraffic();
   // StopTraffic, then closes every channel and releases the fabric. Idempotent.
   void Shutdown();
+  // Where the progress loop is ("grpc+verbs over shmem (shmem): the progress thread is in a
+  // posted task, N turns"), or empty when it does not run; for a report on a stuck shutdown.
+  std::string LoopReport() const;
 
  private:
   explicit VerbsTransport(VerbsOptions options);
