@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "src/common/shared_memory.h"
 #include "src/fabric/fabric.h"
+#include "src/fabric/shmem/shared_writes.h"
 #include "src/fabric/shmem/shmem.h"
 #include "src/fabric/shmem/wire.h"
 #include "tests/conformance/shmem_fixture.h"
@@ -123,6 +124,86 @@ TEST_F(ShmemFabricTest, WritesSharedWithAPollingPeerLandExactly) {
   EXPECT_EQ(c.shared_write_ops.load() - offered, writes) << "every write was offered";
   EXPECT_GE(c.shared_write_helped_ops.load() - helped, 5u);
   EXPECT_GT(c.shared_write_bytes_copied.load(), copied);
+}
+
+// A reader that claims a part of a shared write and then stalls (its thread preempted for long,
+// or stuck) costs the writer the operation timeout, no more: that write fails naming the
+// stall, its endpoint breaks, no immediate for it arrives, and the domain goes on.
+std::atomic<bool> stall_next_claim{false};
+std::atomic<bool> stalled{false};
+void StallOnce() {
+  if (stall_next_claim.exchange(false)) {
+    stalled.store(true);
+    absl::SleepFor(absl::Seconds(2));
+  }
+}
+
+TEST_F(ShmemFabricTest, AReaderThatClaimsAPartAndStallsFailsThatWriteAfterTheOpTimeout) {
+  DomainOptions options;
+  options.op_timeout = absl::Milliseconds(300);
+  ASSERT_NO_FATAL_FAILURE(Open(options));
+  const size_t n = size_t{1} << 20;
+  auto dst = *SharedMemory::Create(2 << 20, "test-stall-dst");
+  auto dst_mr = *b_->RegisterMemory(dst->data(), dst->size(), kAccessRemoteWrite);
+  std::atomic<uint32_t> arrived{0};
+  std::atomic<bool> stop{false};
+  std::thread peer([&] {
+    Completion batch[16];
+    while (!stop.load()) {
+      absl::StatusOr<size_t> k = b_->Poll(absl::MakeSpan(batch));
+      if (!k.ok()) return;
+      for (size_t i = 0; i < *k; ++i) {
+        if (batch[i].status.ok()) arrived.fetch_add(1);
+      }
+    }
+  });
+  shmem::SetClaimHookForTesting(&StallOnce);
+  stall_next_claim.store(true);
+  std::memset(src_->data(), 0x6B, n);
+  // Until the peer claims a part of one (it usually does of the first).
+  uint32_t ok_writes = 0;
+  absl::Status failed;
+  for (uint32_t i = 0; i < 2000 && failed.ok(); ++i) {
+    ASSERT_TRUE(ea_->PostWriteWithImm(Local(n), Remote(*dst_mr), i + 1, i).ok());
+    std::vector<Completion> done = PollFor(*a_, 1, absl::Seconds(20));
+    ASSERT_EQ(done.size(), 1u);
+    if (done[0].status.ok()) {
+      ++ok_writes;
+    } else {
+      failed = done[0].status;
+    }
+  }
+  ASSERT_TRUE(stalled.load()) << "the peer never claimed a part in 2000 writes";
+  EXPECT_EQ(failed.code(), absl::StatusCode::kDeadlineExceeded) << failed;
+  EXPECT_THAT(std::string(failed.message()),
+              HasSubstr("claimed part of a shared write and did not finish it within 300ms"));
+  // The endpoint is broken: what is posted on it now fails too, naming the same cause.
+  absl::Status after = ea_->PostWrite(Local(64), Remote(*dst_mr), 99);
+  if (after.ok()) {
+    std::vector<Completion> done = PollFor(*a_, 1, absl::Seconds(20));
+    ASSERT_EQ(done.size(), 1u);
+    after = done[0].status;
+  }
+  EXPECT_FALSE(after.ok());
+  // Once the reader wakes, it finishes its part; no immediate of the failed write arrives.
+  absl::SleepFor(absl::Seconds(2.5));
+  EXPECT_EQ(arrived.load(), ok_writes);
+  stop.store(true);
+  peer.join();
+  // Another endpoint pair of the same domains still writes.
+  auto a2 = *a_->CreateEndpoint();
+  auto b2 = *b_->CreateEndpoint();
+  ASSERT_TRUE(a2->Connect(b2->LocalAddress()).ok());
+  ASSERT_TRUE(b2->Connect(a2->LocalAddress()).ok());
+  std::memset(dst->data(), 0, 4096);
+  ASSERT_TRUE(a2->PostWriteWithImm(Local(4096), Remote(*dst_mr), 7, 7).ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectOneOk(*a_));
+  std::vector<Completion> landed = PollFor(*b_, 1);
+  ASSERT_EQ(landed.size(), 1u);
+  EXPECT_TRUE(landed[0].status.ok()) << landed[0].status;
+  EXPECT_EQ(landed[0].imm, 7u);
+  EXPECT_EQ(static_cast<unsigned char*>(dst->data())[4095], 0x6B);
+  shmem::SetClaimHookForTesting(nullptr);
 }
 
 TEST_F(ShmemFabricTest, WithoutPeerCopyNoWriteIsShared) {

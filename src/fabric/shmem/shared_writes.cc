@@ -11,6 +11,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -135,6 +136,12 @@ absl::Status SharedWrites::AwaitPeerParts(uint64_t parts) {
   return absl::OkStatus();
 }
 
+namespace {
+std::atomic<void (*)()> claim_hook_for_testing{nullptr};
+}  // namespace
+
+void SetClaimHookForTesting(void (*hook)()) { claim_hook_for_testing.store(hook); }
+
 void SharedWrites::Help(bool may_evict) {
   // ShmemEndpoint::HelpWithSharedWrite checked that our inbound ring is still trusted.
   if (!d_.peer_copy || !conn_.connected() || conn_.broken()) return;
@@ -188,6 +195,7 @@ void SharedWrites::Help(bool may_evict) {
       continue;  // `s` is the state now
     }
     ++claims;
+    if (auto* hook = claim_hook_for_testing.load(std::memory_order_relaxed)) hook();
     TsanAcquire(TsanKey(in_ring_inode_));
     CopyPart(dst, src, length, part, s & kPartMask, streaming);
     TsanRelease(TsanKey(in_ring_inode_));

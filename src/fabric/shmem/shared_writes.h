@@ -34,6 +34,11 @@ inline constexpr size_t kMinSharedWriteBytes = size_t{512} << 10;
 inline constexpr size_t kMinSharedWritePart = size_t{64} << 10;
 inline constexpr uint32_t kMaxSharedWriteParts = 8;
 
+// Tests only: a function the reader runs after each part of a peer's shared write it claims,
+// before it copies it: how a test makes a reader stall mid-part. Null (none) unless a test
+// sets one; process-wide.
+void SetClaimHookForTesting(void (*hook)());
+
 class SharedWrites {
  public:
   // All references are the endpoint's and outlive this. `in` is the endpoint's inbound ring,
