@@ -17,6 +17,7 @@ packages=(
   nlohmann-json3-dev
   iproute2 procps
   gnuplot-nox
+  slurmctld slurmd slurm-client munge
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch libtorch-dev python3-venv python3-setuptools python3-wheel
 )
 

@@ -37,6 +37,9 @@ struct DemoOptions {
   // Where the model's tensors live and travel: cpu, or cuda[:N] (weights and gradients in
   // every task's pool of that GPU's memory; the math itself runs on the CPU).
   std::string device = "cpu";
+  // How the tasks start: "local" (processes of this host) or "srun" (one Slurm job step of
+  // 1 + workers tasks, each placed by the SLURM_* variables, `demo-task --cluster-from slurm`).
+  std::string launcher = "local";
 };
 int RunDemoCommand(const DemoOptions& options);
 
@@ -44,7 +47,8 @@ int RunDemoCommand(const DemoOptions& options);
 struct DemoTaskOptions {
   std::string cluster;
   std::string job;
-  int task = 0;
+  int task = -1;
+  std::string cluster_from;  // "slurm" or "tf_config": instead of cluster, job and task
   std::string protocol;
   int steps = 20;
   int64_t step_base = 1;

@@ -326,9 +326,36 @@ int RunWorker(Server& server, const DemoTaskOptions& o, const Peer& self, const 
 
 }  // namespace
 
-int RunDemoTask(const DemoTaskOptions& o) {
-  absl::StatusOr<ClusterSpec> cluster = ClusterSpec::Parse(o.cluster);
+int RunDemoTask(const DemoTaskOptions& given) {
+  DemoTaskOptions o = given;
+  absl::StatusOr<ClusterSpec> cluster;
+  if (!o.cluster_from.empty()) {
+    absl::StatusOr<TaskPlacement> placement = PlacementFromEnvironment(o.cluster_from);
+    if (!placement.ok()) {
+      std::fprintf(stderr, "tensorverbs demo-task: --cluster-from %s: %s\n", o.cluster_from.c_str(),
+                   std::string(placement.status().message()).c_str());
+      return 2;
+    }
+    cluster = placement->cluster;
+    o.job = placement->job;
+    o.task = placement->task;
+  } else {
+    if (o.cluster.empty() || o.job.empty() || o.task < 0) {
+      std::fprintf(stderr,
+                   "tensorverbs demo-task: give --cluster, --job and --task, or "
+                   "--cluster-from\n");
+      return 2;
+    }
+    cluster = ClusterSpec::Parse(o.cluster);
+  }
   if (!cluster.ok()) return Fail(TaskName(o.job, o.task), cluster.status()), 2;
+  if (cluster->NumTasks(kPsJob) != 1 || cluster->NumTasks(kWorkerJob) < 1) {
+    std::fprintf(stderr,
+                 "tensorverbs demo-task: the demo needs one %s task and at least one %s task; "
+                 "the cluster is %s\n",
+                 kPsJob, kWorkerJob, cluster->ToString().c_str());
+    return 2;
+  }
   ServerOptions so = ServerOptions::FromConfig(Config::Get());
   so.cluster = *cluster;
   so.job = o.job;
@@ -398,48 +425,89 @@ int RunDemoCommand(const DemoOptions& options) {
                  std::string(s.message()).c_str());
     return 1;
   }
-  absl::StatusOr<std::vector<int>> ports = PickFreePorts(options.workers + 1);
-  if (!ports.ok()) {
-    std::fprintf(stderr, "tensorverbs demo: %s\n", ports.status().ToString().c_str());
-    return 1;
-  }
-  std::vector<std::string> worker_addrs;
-  for (int w = 0; w < options.workers; ++w)
-    worker_addrs.push_back(absl::StrCat("127.0.0.1:", (*ports)[w + 1]));
-  const std::string cluster =
-      absl::StrCat("ps=127.0.0.1:", (*ports)[0], ";worker=", absl::StrJoin(worker_addrs, ","));
   std::random_device rd;
   const int64_t step_base = (static_cast<int64_t>(rd() & 0x7fffff) << 24) + 1;
-
-  std::printf(
-      "tensorverbs demo: training a %d-%d-%d perceptron with 1 ps + %d workers over %s "
-      "(cluster %s)%s\n",
-      demo::ModelShape().inputs, demo::ModelShape().hidden, demo::ModelShape().classes,
-      options.workers, protocol.c_str(), cluster.c_str(),
+  // What every task runs, after how it is placed.
+  const std::vector<std::string> task_args = {
+      "--protocol",      protocol,
+      "--steps",         absl::StrCat(options.steps),
+      "--step-base",     absl::StrCat(step_base),
+      "--learning-rate", absl::StrCat(options.learning_rate),
+      "--device",        options.device};
+  const std::string on_device =
       device->src.host_accessible()
           ? ""
-          : absl::StrCat(", weights and gradients on ", device->src.ToString()).c_str());
-  std::fflush(stdout);
+          : absl::StrCat(", weights and gradients on ", device->src.ToString());
 
-  support::BlockTerminationSignals();
   std::vector<pid_t> children;
   std::vector<std::string> child_names;
-  auto spawn = [&](const std::string& job, int task) -> bool {
-    absl::StatusOr<pid_t> pid = support::SpawnSelf(
-        {"demo-task", "--cluster", cluster, "--job", job, "--task", absl::StrCat(task),
-         "--protocol", protocol, "--steps", absl::StrCat(options.steps), "--step-base",
-         absl::StrCat(step_base), "--learning-rate", absl::StrCat(options.learning_rate),
-         "--device", options.device});
+  bool ok = true;
+  if (options.launcher == "srun") {
+    // One job step: Slurm places the tasks, and each reads its place from SLURM_*; ranks 0 is
+    // the ps and the rest are workers.
+    absl::StatusOr<std::string> self = support::SelfExecutable();
+    if (!self.ok()) {
+      std::fprintf(stderr, "tensorverbs demo: %s\n", self.status().ToString().c_str());
+      return 1;
+    }
+    setenv("TENSORVERBS_SLURM_JOBS",
+           absl::StrCat(kPsJob, ":1,", kWorkerJob, ":", options.workers).c_str(), 1);
+    std::printf(
+        "tensorverbs demo: training a %d-%d-%d perceptron with 1 ps + %d workers over %s, "
+        "launched by srun%s\n",
+        demo::ModelShape().inputs, demo::ModelShape().hidden, demo::ModelShape().classes,
+        options.workers, protocol.c_str(), on_device.c_str());
+    std::fflush(stdout);
+    support::BlockTerminationSignals();
+    std::vector<std::string> args = {absl::StrCat("--ntasks=", options.workers + 1),
+                                     "--kill-on-bad-exit=1",
+                                     *self,
+                                     "demo-task",
+                                     "--cluster-from",
+                                     "slurm"};
+    args.insert(args.end(), task_args.begin(), task_args.end());
+    absl::StatusOr<pid_t> pid = support::SpawnProgram("srun", args);
     if (!pid.ok()) {
-      std::fprintf(stderr, "tensorverbs demo: %s\n", pid.status().ToString().c_str());
-      return false;
+      std::fprintf(stderr, "tensorverbs demo: --launcher srun: %s; is Slurm installed here?\n",
+                   std::string(pid.status().message()).c_str());
+      return 1;
     }
     children.push_back(*pid);
-    child_names.push_back(TaskName(job, task));
-    return true;
-  };
-  bool ok = spawn(kPsJob, 0);
-  for (int w = 0; ok && w < options.workers; ++w) ok = spawn(kWorkerJob, w);
+    child_names.push_back("srun (the job step)");
+  } else {
+    absl::StatusOr<std::vector<int>> ports = PickFreePorts(options.workers + 1);
+    if (!ports.ok()) {
+      std::fprintf(stderr, "tensorverbs demo: %s\n", ports.status().ToString().c_str());
+      return 1;
+    }
+    std::vector<std::string> worker_addrs;
+    for (int w = 0; w < options.workers; ++w)
+      worker_addrs.push_back(absl::StrCat("127.0.0.1:", (*ports)[w + 1]));
+    const std::string cluster =
+        absl::StrCat("ps=127.0.0.1:", (*ports)[0], ";worker=", absl::StrJoin(worker_addrs, ","));
+    std::printf(
+        "tensorverbs demo: training a %d-%d-%d perceptron with 1 ps + %d workers over %s "
+        "(cluster %s)%s\n",
+        demo::ModelShape().inputs, demo::ModelShape().hidden, demo::ModelShape().classes,
+        options.workers, protocol.c_str(), cluster.c_str(), on_device.c_str());
+    std::fflush(stdout);
+    support::BlockTerminationSignals();
+    auto spawn = [&](const std::string& job, int task) -> bool {
+      std::vector<std::string> args = {"demo-task", "--cluster", cluster,           "--job",
+                                       job,         "--task",    absl::StrCat(task)};
+      args.insert(args.end(), task_args.begin(), task_args.end());
+      absl::StatusOr<pid_t> pid = support::SpawnSelf(args);
+      if (!pid.ok()) {
+        std::fprintf(stderr, "tensorverbs demo: %s\n", pid.status().ToString().c_str());
+        return false;
+      }
+      children.push_back(*pid);
+      child_names.push_back(TaskName(job, task));
+      return true;
+    };
+    ok = spawn(kPsJob, 0);
+    for (int w = 0; ok && w < options.workers; ++w) ok = spawn(kWorkerJob, w);
+  }
 
   int rc = ok ? 0 : 1;
   const absl::Time deadline = absl::Now() + absl::Seconds(120) + absl::Seconds(2) * options.steps;

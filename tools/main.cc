@@ -68,6 +68,13 @@ int main(int argc, char** argv) {
                    "Where weights and gradients live and travel: cpu or cuda[:N] (the math "
                    "runs on the CPU either way)")
       ->default_val(demo.device);
+  demo_cmd
+      ->add_option("--launcher", demo.launcher,
+                   "local: the tasks are processes of this host; srun: one Slurm job step of "
+                   "1 + workers tasks, placed by Slurm (TENSORVERBS_SLURM_PORT is the first "
+                   "task port of each node)")
+      ->check(CLI::IsMember({"local", "srun"}))
+      ->default_val(demo.launcher);
 
   CLI::App* info_cmd = app.add_subcommand(
       "info", "Show the fabric backends and providers usable here and the configuration");
@@ -235,9 +242,11 @@ int main(int argc, char** argv) {
   DemoTaskOptions task;
   CLI::App* task_cmd = app.add_subcommand("demo-task", "One task of the demo (started by demo)");
   task_cmd->group("");  // internal
-  task_cmd->add_option("--cluster", task.cluster)->required();
-  task_cmd->add_option("--job", task.job)->required();
-  task_cmd->add_option("--task", task.task)->required();
+  task_cmd->add_option("--cluster", task.cluster);
+  task_cmd->add_option("--job", task.job);
+  task_cmd->add_option("--task", task.task);
+  task_cmd->add_option("--cluster-from", task.cluster_from)
+      ->check(CLI::IsMember({"slurm", "tf_config"}));
   task_cmd->add_option("--protocol", task.protocol)->required();
   task_cmd->add_option("--steps", task.steps)->required();
   task_cmd->add_option("--step-base", task.step_base)->required();

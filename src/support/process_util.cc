@@ -11,12 +11,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 
 namespace tensorverbs::support {
@@ -71,10 +73,11 @@ absl::StatusOr<std::string> SelfExecutable() {
   return std::string(exe, static_cast<size_t>(n));
 }
 
-absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args) {
-  absl::StatusOr<std::string> self = SelfExecutable();
-  if (!self.ok()) return self.status();
-  char* exe = self->data();
+namespace {
+
+// Forks and runs `exe` (a path) with `args`; the child gets SIGTERM if the parent dies.
+absl::StatusOr<pid_t> Spawn(std::string exe_path, const std::vector<std::string>& args) {
+  char* exe = exe_path.data();
   std::vector<char*> argv;
   argv.push_back(exe);
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -92,6 +95,25 @@ absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args) {
     _exit(127);
   }
   return pid;
+}
+
+}  // namespace
+
+absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args) {
+  absl::StatusOr<std::string> self = SelfExecutable();
+  if (!self.ok()) return self.status();
+  return Spawn(*std::move(self), args);
+}
+
+absl::StatusOr<pid_t> SpawnProgram(const std::string& program,
+                                   const std::vector<std::string>& args) {
+  const char* path = std::getenv("PATH");
+  const std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+  for (absl::string_view dir : absl::StrSplit(dirs, ':', absl::SkipEmpty())) {
+    std::string candidate = absl::StrCat(dir, "/", program);
+    if (access(candidate.c_str(), X_OK) == 0) return Spawn(std::move(candidate), args);
+  }
+  return absl::NotFoundError(absl::StrCat("'", program, "' is not on PATH (", dirs, ")"));
 }
 
 absl::StatusOr<ChildExit> WaitAnyChild(const std::vector<pid_t>& pids, absl::Duration timeout) {

@@ -21,6 +21,10 @@ absl::StatusOr<std::string> SelfExecutable();
 
 // Starts this executable with `args` (argv[1..]). The child gets SIGTERM if the parent dies.
 absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args);
+// The same for `program`, found on PATH as the shell would (srun): NotFound, naming it and
+// PATH, when it is not there.
+absl::StatusOr<pid_t> SpawnProgram(const std::string& program,
+                                   const std::vector<std::string>& args);
 
 struct ChildExit {
   pid_t pid = 0;

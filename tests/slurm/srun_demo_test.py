@@ -1,0 +1,250 @@
+"""A real Slurm on this one host: munged, slurmctld and slurmd from Debian's packages, started
+here with a configuration, a munge key and state that live in a temporary folder, then
+`tensorverbs demo --launcher srun` trains over grpc+verbs with 1 ps + 3 workers, each task
+placed by the SLURM_* variables srun gives it (`demo-task --cluster-from slurm`).
+
+    srun_demo_test.py TENSORVERBS_BINARY
+    srun_demo_test.py TENSORVERBS_BINARY --bad-input
+
+The second needs no Slurm: an srun that is not there and a Slurm environment that is missing
+or inconsistent are each a clear error naming what is wrong.
+
+Exit 0: it trained. Exit 77 (CTest's skip): the daemons are not installed or cannot start here,
+with the reason. Anything else: a failure, with the daemons' logs. It leaves nothing behind:
+the daemons are stopped and the folder removed.
+"""
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+SKIP = 77
+
+
+def free_ports(n):
+    """`n` distinct ports free now on this host."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def free_port_run(n):
+    """A base port with the `n` ports from it free (each node's k-th task listens on base + k)."""
+    for _ in range(200):
+        base = free_ports(1)[0]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("0.0.0.0", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports")
+
+
+class Slurm:
+    """munged, slurmctld and slurmd in the foreground, everything under `folder`."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.procs = []
+        self.env = dict(os.environ, SLURM_CONF=os.path.join(folder, "slurm.conf"))
+
+    def path(self, name):
+        return os.path.join(self.folder, name)
+
+    def start(self):
+        key = self.path("munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o400)
+        # --force: the folder's parents (/tmp) are writable by others, which munged refuses
+        # otherwise.
+        self.spawn("munged", ["munged", "--foreground", "--force", f"--key-file={key}",
+                              f"--socket={self.path('munge.sock')}",
+                              f"--pid-file={self.path('munged.pid')}",
+                              f"--log-file={self.path('munged.log')}",
+                              f"--seed-file={self.path('munge.seed')}"])
+        self.wait_for(lambda: os.path.exists(self.path("munge.sock")), 10, "munged's socket")
+        ctld_port, slurmd_port = free_ports(2)
+        node = socket.gethostname().split(".")[0]
+        os.makedirs(self.path("state"))
+        os.makedirs(self.path("spool"))
+        with open(self.path("slurm.conf"), "w") as f:
+            f.write(f"""ClusterName=tensorverbs
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+AuthInfo=socket={self.path('munge.sock')}
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={self.path('state')}
+SlurmdSpoolDir={self.path('spool')}
+SlurmctldPidFile={self.path('slurmctld.pid')}
+SlurmdPidFile={self.path('slurmd.pid')}
+SlurmctldLogFile={self.path('slurmctld.log')}
+SlurmdLogFile={self.path('slurmd.log')}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+NodeName={node} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+""")
+        conf = self.path("slurm.conf")
+        self.spawn("slurmctld", ["slurmctld", "-D", "-f", conf])
+        self.spawn("slurmd", ["slurmd", "-D", "-f", conf])
+        self.wait_for(self.node_idle, 30, "the node to be idle in sinfo")
+
+    def spawn(self, name, argv):
+        log = open(self.path(f"{name}.out"), "w")
+        self.procs.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                  env=self.env)))
+
+    def node_idle(self):
+        for name, p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode}")
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                           env=self.env, timeout=10)
+        return r.returncode == 0 and r.stdout.strip() == "idle"
+
+    @staticmethod
+    def wait_for(ready, timeout_s, what):
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}")
+            time.sleep(0.2)
+
+    def logs(self):
+        out = []
+        for name in ("munged.log", "slurmctld.log", "slurmd.log", "munged.out", "slurmctld.out",
+                     "slurmd.out"):
+            try:
+                with open(self.path(name)) as f:
+                    tail = f.read()[-3000:]
+            except OSError:
+                continue
+            out.append(f"--- {name}:\n{tail}")
+        return "\n".join(out)
+
+    def stop(self):
+        for _, p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for _, p in reversed(self.procs):
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def bad_input(tool):
+    failures = []
+
+    def expect(what, argv, env, code, *needles):
+        r = subprocess.run([tool] + argv, capture_output=True, text=True, env=env, timeout=60)
+        text = r.stdout + r.stderr
+        if r.returncode != code or not all(n in text for n in needles):
+            failures.append(f"{what}: exit {r.returncode} (want {code}), output:\n{text}")
+        else:
+            print(f"ok: {what}: {text.strip().splitlines()[-1]}")
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    expect("no srun on PATH", ["demo", "--launcher", "srun", "--protocol", "grpc"],
+           dict(base, PATH="/nonexistent"), 1, "'srun' is not on PATH", "is Slurm installed")
+    task = ["demo-task", "--cluster-from", "slurm", "--protocol", "grpc", "--steps", "1",
+            "--step-base", "1", "--learning-rate", "0.1", "--device", "cpu"]
+    expect("not under Slurm", task, base, 2, "SLURM_JOB_NODELIST", "srun or sbatch")
+    slurm = dict(base, SLURM_JOB_NODELIST="node[1-2]", SLURM_TASKS_PER_NODE="2(x2)",
+                 SLURM_NTASKS="4", TENSORVERBS_SLURM_JOBS="ps:1,worker:3")
+    expect("a rank past the tasks", task, dict(slurm, SLURM_PROCID="4"), 2, "SLURM_PROCID")
+    expect("jobs that do not add up", task,
+           dict(slurm, SLURM_PROCID="0", TENSORVERBS_SLURM_JOBS="ps:1,worker:2"), 2,
+           "TENSORVERBS_SLURM_JOBS")
+    expect("no ps job", task, dict(slurm, SLURM_PROCID="0", TENSORVERBS_SLURM_JOBS="worker:4"),
+           2, "one ps task")
+    for f in failures:
+        print(f"FAIL: {f}")
+    return 1 if failures else 0
+
+
+def main():
+    tool = sys.argv[1]
+    if sys.argv[2:] == ["--bad-input"]:
+        return bad_input(tool)
+    missing = [d for d in ("munged", "slurmctld", "slurmd", "srun", "sinfo")
+               if shutil.which(d) is None]
+    if missing:
+        print(f"SKIP: {', '.join(missing)} not installed (scripts/install-deps.sh installs them)")
+        return SKIP
+    if os.geteuid() != 0:
+        print("SKIP: the Slurm daemons run as root here (SlurmUser=root); run as root")
+        return SKIP
+    folder = tempfile.mkdtemp(prefix="tv-slurm-")
+    slurm = Slurm(folder)
+    try:
+        try:
+            slurm.start()
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"SKIP: Slurm could not start here: {e}\n{slurm.logs()}")
+            return SKIP
+        env = dict(slurm.env, TENSORVERBS_SLURM_PORT=str(free_port_run(4)))
+        started = time.monotonic()
+        r = subprocess.run([tool, "demo", "--launcher", "srun", "--workers", "3", "--steps", "10",
+                            "--protocol", "grpc+verbs"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        print(r.stdout)
+        print(r.stderr, file=sys.stderr)
+        if r.returncode != 0:
+            print(f"FAIL: the demo under srun exited with code {r.returncode}\n{slurm.logs()}")
+            return 1
+        checks = {
+            "launched by srun": "launched by srun" in r.stdout,
+            "every step": all(f"step {s} loss" in r.stdout for s in range(1, 11)),
+            "1 ps + 3 workers over grpc+verbs":
+                "protocol grpc+verbs, 1 ps + 3 workers, 10 steps" in r.stdout,
+        }
+        loss = re.search(r"loss: ([0-9.]+) -> ([0-9.]+)", r.stdout)
+        checks["the loss went down"] = bool(loss) and float(loss[2]) < float(loss[1])
+        failed = [name for name, ok in checks.items() if not ok]
+        if failed:
+            print(f"FAIL: {', '.join(failed)}")
+            return 1
+        print(f"PASS: trained under srun in {time.monotonic() - started:.1f} s")
+        return 0
+    finally:
+        slurm.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
