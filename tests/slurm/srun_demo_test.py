@@ -15,6 +15,7 @@ the daemons are stopped and the folder removed.
 """
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -27,27 +28,19 @@ import time
 SKIP = 77
 
 
-def free_ports(n):
-    """`n` distinct ports free now on this host."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
-
-
 def free_port_run(n):
-    """A base port with the `n` ports from it free (each node's k-th task listens on base + k)."""
+    """A base port with the `n` ports from it free now (each node's k-th task listens on
+    base + k). Picked at random below the kernel's ephemeral range, which it hands to outgoing
+    connections, and from 10000 up, as PickFreePorts does."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
     for _ in range(200):
-        base = free_ports(1)[0]
-        if base + n > 65535:
-            continue
+        base = random.randrange(10000, max(10001, ephemeral_low - n))
+        socks = []
         try:
-            socks = []
             for p in range(base, base + n):
                 s = socket.socket()
                 socks.append(s)
@@ -59,6 +52,12 @@ def free_port_run(n):
             for s in socks:
                 s.close()
     raise RuntimeError(f"no run of {n} free ports")
+
+
+def free_ports(n):
+    """`n` distinct free ports (not necessarily in a run)."""
+    base = free_port_run(n)
+    return list(range(base, base + n))
 
 
 class Slurm:
