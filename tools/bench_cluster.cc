@@ -2,14 +2,17 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <map>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "src/common/checksum.h"
 #include "src/common/config.h"
@@ -148,9 +151,75 @@ absl::StatusOr<std::unique_ptr<BenchLayout>> BenchLayout::Create(int tasks, bool
   return layout;
 }
 
+absl::StatusOr<std::unique_ptr<BenchLayout>> BenchLayout::CreateUnderSrun(
+    const std::vector<std::pair<std::string, int>>& jobs) {
+  auto layout = std::unique_ptr<BenchLayout>(new BenchLayout());
+  ASSIGN_OR_RETURN(layout->srun_, support::FindOnPath("srun"));
+  for (const auto& [job, count] : jobs) {
+    absl::StrAppend(&layout->srun_jobs_, layout->srun_jobs_.empty() ? "" : ",", job, ":", count);
+    for (int i = 0; i < count; ++i) {
+      layout->addresses_.push_back(absl::StrCat("slurm rank ", layout->addresses_.size()));
+    }
+  }
+  return layout;
+}
+
+std::vector<std::string> BenchLayout::PlacementArgs(const std::string& cluster,
+                                                    const std::string& job, int task) const {
+  if (!srun_.empty()) return {"--cluster-from", "slurm"};
+  return {"--cluster", cluster, "--job", job, "--task", absl::StrCat(task)};
+}
+
+absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::RunUnderSrun(
+    const std::vector<std::string>& args, absl::Duration timeout, const std::string& what) {
+  ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
+  const int tasks = static_cast<int>(addresses_.size());
+  // The step's tasks inherit the environment srun was started with.
+  setenv("TENSORVERBS_SLURM_JOBS", srun_jobs_.c_str(), 1);
+  std::vector<std::string> srun_args = {absl::StrCat("--ntasks=", tasks), "--kill-on-bad-exit=1",
+                                        "--label", "--input=all", exe};
+  srun_args.insert(srun_args.end(), args.begin(), args.end());
+  ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> step,
+                   support::Subprocess::Start(srun_, srun_args));
+  // "R: result {...}" from each rank, in whatever order they finish.
+  std::vector<nlohmann::json> results(tasks);
+  std::vector<bool> have(tasks, false);
+  const absl::Time deadline = absl::Now() + timeout;
+  for (int got = 0; got < tasks;) {
+    absl::StatusOr<std::string> line = step->ReadLine(deadline - absl::Now());
+    if (!line.ok()) {
+      return absl::Status(line.status().code(),
+                          absl::StrCat(what, " under srun: ", got, " of ", tasks,
+                                       " tasks reported: ", line.status().message()));
+    }
+    std::pair<absl::string_view, absl::string_view> labelled =
+        absl::StrSplit(*line, absl::MaxSplits(':', 1));
+    int rank = -1;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(labelled.first), &rank) || rank < 0 ||
+        rank >= tasks) {
+      continue;  // srun's own messages
+    }
+    absl::string_view text = absl::StripAsciiWhitespace(labelled.second);
+    if (absl::ConsumePrefix(&text, "error ")) {
+      return absl::InternalError(absl::StrCat(what, " rank ", rank, ": ", text));
+    }
+    if (!absl::ConsumePrefix(&text, "result ") || have[rank]) continue;
+    results[rank] = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (results[rank].is_discarded()) {
+      return absl::InternalError(absl::StrCat(what, " rank ", rank, " reported '", text, "'"));
+    }
+    have[rank] = true;
+    ++got;
+  }
+  (void)Tell(*step, "exit");  // --input=all: every task reads it
+  (void)step->Wait(absl::Seconds(30));
+  return results;
+}
+
 absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
     const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
     const std::string& what) {
+  if (!srun_.empty()) return RunUnderSrun(args_of(0), timeout, what);
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   const int tasks = static_cast<int>(addresses_.size());
   std::vector<std::unique_ptr<support::Subprocess>> children;

@@ -67,7 +67,8 @@ int RunBenchPeer(const BenchPeerOptions& options);
 struct BenchPsTaskOptions {
   std::string cluster;
   std::string job;
-  int task = 0;
+  int task = -1;
+  std::string cluster_from;  // "slurm": instead of cluster, job and task (BenchLayout under srun)
   std::string model;
   int workers = 1;
   int steps = 10;
@@ -81,22 +82,38 @@ int RunBenchPsTask(const BenchPsTaskOptions& options);
 // this host, or network namespaces on a bridge (netns), one per task or `hosts` of them with the
 // tasks in blocks (Slurm's block distribution: task i on host i * hosts / tasks), each task on a
 // free port. Run starts the processes, collects one "result <json>" line from each, then tells
-// each "exit" and waits for it. Used from the launcher's thread.
+// each "exit" and waits for it. Or, CreateUnderSrun, Slurm places them: Run starts one job step
+// (`srun --label --input=all`), whose tasks place themselves (`--cluster-from slurm`) and whose
+// labelled lines give each rank's result. Used from the launcher's thread.
 class BenchLayout {
  public:
   static absl::StatusOr<std::unique_ptr<BenchLayout>> Create(int tasks, bool netns, int hosts);
-  // "host:port" of each task.
+  // `jobs` in rank order ({{"ps", 1}, {"worker", 2}}): TENSORVERBS_SLURM_JOBS for the step.
+  // NotFound when srun is not on PATH.
+  static absl::StatusOr<std::unique_ptr<BenchLayout>> CreateUnderSrun(
+      const std::vector<std::pair<std::string, int>>& jobs);
+  // "host:port" of each task (under srun, Slurm decides: "slurm rank R").
   const std::vector<std::string>& addresses() const { return addresses_; }
-  // Task i runs `<this executable> <args_of(i)>`; `what` names the bench in errors.
+  // The arguments that place task `task` of `job` in `cluster` (under srun: the task's own
+  // SLURM_* variables).
+  std::vector<std::string> PlacementArgs(const std::string& cluster, const std::string& job,
+                                         int task) const;
+  // Task i runs `<this executable> <args_of(i)>`; `what` names the bench in errors. Under
+  // srun, every task runs args_of(0): they may differ only in their placement.
   absl::StatusOr<std::vector<nlohmann::json>> Run(
       const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
       const std::string& what);
 
  private:
   BenchLayout() = default;
+  absl::StatusOr<std::vector<nlohmann::json>> RunUnderSrun(const std::vector<std::string>& args,
+                                                           absl::Duration timeout,
+                                                           const std::string& what);
   std::unique_ptr<NetnsCluster> netns_;
   std::vector<int> host_of_;
   std::vector<std::string> addresses_;
+  std::string srun_;       // srun's path: this layout runs under Slurm
+  std::string srun_jobs_;  // TENSORVERBS_SLURM_JOBS for the step
 };
 
 // The body of a bench task process (`bench-ps-task`, `bench-scale-task`): runs `task`, which

@@ -76,11 +76,29 @@ absl::Status Verify(const Tensor& t, uint32_t seed, const std::string& what) {
 
 absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
   ASSIGN_OR_RETURN(ModelSpec model, GetModel(o.model));
-  ASSIGN_OR_RETURN(ClusterSpec cluster, ClusterSpec::Parse(o.cluster));
+  ClusterSpec cluster;
+  std::string job = o.job;
+  int task = o.task;
+  if (!o.cluster_from.empty()) {
+    absl::StatusOr<TaskPlacement> placement = PlacementFromEnvironment(o.cluster_from);
+    if (!placement.ok()) {
+      return absl::Status(
+          placement.status().code(),
+          absl::StrCat("--cluster-from ", o.cluster_from, ": ", placement.status().message()));
+    }
+    cluster = placement->cluster;
+    job = placement->job;
+    task = placement->task;
+  } else {
+    if (o.job.empty() || o.task < 0) {
+      return absl::InvalidArgumentError("give --cluster, --job and --task, or --cluster-from");
+    }
+    ASSIGN_OR_RETURN(cluster, ClusterSpec::Parse(o.cluster));
+  }
   ServerOptions options = ServerOptions::FromConfig(Config::Get());
   options.cluster = cluster;
-  options.job = o.job;
-  options.task = o.task;
+  options.job = job;
+  options.task = task;
   o.server.Apply(&options);
   options.transfer.recv_timeout = absl::Minutes(5);
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(options));
@@ -101,9 +119,9 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
   const double cpu0 = CpuSeconds();
   const int64_t copies0 = server->stats().copies.load();
   absl::Time measured_start;
-  if (o.job == kPs) {
-    const std::vector<const ModelVariable*>& mine = on_ps[o.task];
-    ASSIGN_OR_RETURN(std::vector<Tensor> weights, PoolTensors(*server, mine, 1000 * o.task));
+  if (job == kPs) {
+    const std::vector<const ModelVariable*>& mine = on_ps[task];
+    ASSIGN_OR_RETURN(std::vector<Tensor> weights, PoolTensors(*server, mine, 1000 * task));
     std::vector<std::vector<ParsedKey>> to_worker, from_worker;
     for (int w = 0; w < o.workers; ++w) {
       ASSIGN_OR_RETURN(uint64_t inc, incarnation(kWorker, w));
@@ -134,7 +152,7 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
         // Spot-check one gradient per worker and step (the whole model would cost a CRC pass).
         if (!grads.empty()) {
           const size_t v = static_cast<size_t>(s) % grads.size();
-          RETURN_IF_ERROR(Verify(grads[v], 5000 * (w + 1) + 100 * o.task + v,
+          RETURN_IF_ERROR(Verify(grads[v], 5000 * (w + 1) + 100 * task + v,
                                  absl::StrCat("gradient ", mine[v]->name, " of worker ", w)));
         }
       }
@@ -159,7 +177,7 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
         fetch.push_back(f[v]);
         push.push_back(g[v]);
         fetch_seeds.push_back(1000 * p + static_cast<uint32_t>(v));
-        push_seeds.push_back(5000 * (o.task + 1) + 100 * p + static_cast<uint32_t>(v));
+        push_seeds.push_back(5000 * (task + 1) + 100 * p + static_cast<uint32_t>(v));
       }
     }
     // Gradients are produced into the registered pool, as a worker's compute would.
@@ -192,8 +210,8 @@ absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
     }
   }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - measured_start);
-  *result = {{"job", o.job},
-             {"task", o.task},
+  *result = {{"job", job},
+             {"task", task},
              {"step_ms", step_ms},
              {"fetch_ms", fetch_ms},
              {"cpu_s", CpuSeconds() - cpu0},
@@ -237,8 +255,12 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
   ASSIGN_OR_RETURN(ModelSpec model, GetModel(model_name));
   const int tasks = o.ps + workers;
   // With --hosts, the ps shares its host with the first workers (tasks in blocks).
-  ASSIGN_OR_RETURN(std::unique_ptr<BenchLayout> layout,
-                   BenchLayout::Create(tasks, o.netns, o.hosts));
+  std::unique_ptr<BenchLayout> layout;
+  if (o.launcher == "srun") {
+    ASSIGN_OR_RETURN(layout, BenchLayout::CreateUnderSrun({{kPs, o.ps}, {kWorker, workers}}));
+  } else {
+    ASSIGN_OR_RETURN(layout, BenchLayout::Create(tasks, o.netns, o.hosts));
+  }
   std::vector<std::string> ps_addrs, worker_addrs;
   for (int i = 0; i < tasks; ++i) {
     (i < o.ps ? ps_addrs : worker_addrs).push_back(layout->addresses()[i]);
@@ -249,31 +271,24 @@ absl::StatusOr<PsRow> RunConfig(const std::string& model_name, const std::string
   server.protocol = protocol;
   server.poll_mode = o.poll_mode;
   server.fabric = fabric;
-  ASSIGN_OR_RETURN(std::vector<nlohmann::json> results,
-                   layout->Run(
-                       [&](int i) {
-                         const bool is_ps = i < o.ps;
-                         std::vector<std::string> args = {"bench-ps-task",
-                                                          "--cluster",
-                                                          cluster,
-                                                          "--job",
-                                                          is_ps ? kPs : kWorker,
-                                                          "--task",
-                                                          absl::StrCat(is_ps ? i : i - o.ps),
-                                                          "--model",
-                                                          model_name,
-                                                          "--workers",
-                                                          absl::StrCat(workers),
-                                                          "--steps",
-                                                          absl::StrCat(o.steps),
-                                                          "--warmup",
-                                                          absl::StrCat(o.warmup),
-                                                          "--step-base",
-                                                          absl::StrCat(step_base)};
-                         for (const std::string& a : server.ToArgs()) args.push_back(a);
-                         return args;
-                       },
-                       absl::Minutes(20), "bench ps"));
+  ASSIGN_OR_RETURN(
+      std::vector<nlohmann::json> results,
+      layout->Run(
+          [&](int i) {
+            const bool is_ps = i < o.ps;
+            std::vector<std::string> args = {"bench-ps-task"};
+            for (std::string& a :
+                 layout->PlacementArgs(cluster, is_ps ? kPs : kWorker, is_ps ? i : i - o.ps)) {
+              args.push_back(std::move(a));
+            }
+            args.insert(args.end(),
+                        {"--model", model_name, "--workers", absl::StrCat(workers), "--steps",
+                         absl::StrCat(o.steps), "--warmup", absl::StrCat(o.warmup), "--step-base",
+                         absl::StrCat(step_base)});
+            for (const std::string& a : server.ToArgs()) args.push_back(a);
+            return args;
+          },
+          absl::Minutes(20), "bench ps"));
   PsRow row;
   row.model = model_name;
   row.protocol = protocol;
@@ -344,6 +359,12 @@ int RunBenchPs(const BenchPsOptions& o) {
     fabrics.emplace_back(f);
   }
   if (fabrics.empty()) fabrics.push_back("");  // the environment's TENSORVERBS_FABRIC
+  if (o.launcher == "srun" && o.netns) {
+    std::fprintf(stderr,
+                 "tensorverbs bench ps: --launcher srun places the tasks where Slurm does; leave "
+                 "out --netns and --hosts\n");
+    return 2;
+  }
   if (o.hosts < 0 || (o.hosts > 0 && !o.netns)) {
     std::fprintf(stderr, "tensorverbs bench ps: --hosts needs --netns (and a count >= 1)\n");
     return 2;
@@ -371,9 +392,10 @@ int RunBenchPs(const BenchPsOptions& o) {
           "workers%s, %d steps after %d warm-up\n",
           m.c_str(), spec.variables.size(), spec.parameters() / 1e6, spec.bytes() / 1048576.0, o.ps,
           workers,
-          !o.netns      ? ""
-          : o.hosts > 0 ? absl::StrCat(" on ", o.hosts, " hosts (netns), in blocks").c_str()
-                        : " (one netns each)",
+          o.launcher == "srun" ? " launched by srun"
+          : !o.netns           ? ""
+          : o.hosts > 0        ? absl::StrCat(" on ", o.hosts, " hosts (netns), in blocks").c_str()
+                               : " (one netns each)",
           o.steps, o.warmup);
       std::printf("%16s %12s %12s %10s %12s %12s  %s\n", "protocol", "step p50 ms", "step p90 ms",
                   "GB/s", "copies/step", "CPU s/step", "fabric");

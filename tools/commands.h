@@ -125,6 +125,9 @@ struct BenchPsOptions {
   std::string fabrics;
   std::string json;
   std::string poll_mode;
+  // "local" (this host, or --netns) or "srun" (one Slurm job step per run; TENSORVERBS_SLURM_PORT
+  // is each node's first task port).
+  std::string launcher = "local";
 };
 int RunBenchPs(const BenchPsOptions& options);
 

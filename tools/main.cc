@@ -169,13 +169,21 @@ int main(int argc, char** argv) {
                        "TENSORVERBS_FABRIC values to run in turn, comma-separated (auto,ofi)");
   bench_ps->add_option("--json", ps.json, "Write JSON rows to this file");
   bench_ps->add_option("--poll-mode", ps.poll_mode, "busy, blocking or adaptive");
+  bench_ps
+      ->add_option("--launcher", ps.launcher,
+                   "local: processes of this host (or --netns); srun: each run one Slurm job "
+                   "step, the tasks placed by Slurm")
+      ->check(CLI::IsMember({"local", "srun"}))
+      ->default_val(ps.launcher);
 
   BenchPsTaskOptions ps_task;
   CLI::App* ps_task_cmd = app.add_subcommand("bench-ps-task", "One task of bench ps");
   ps_task_cmd->group("");
-  ps_task_cmd->add_option("--cluster", ps_task.cluster)->required();
-  ps_task_cmd->add_option("--job", ps_task.job)->required();
-  ps_task_cmd->add_option("--task", ps_task.task)->required();
+  ps_task_cmd->add_option("--cluster", ps_task.cluster);
+  ps_task_cmd->add_option("--job", ps_task.job);
+  ps_task_cmd->add_option("--task", ps_task.task);
+  ps_task_cmd->add_option("--cluster-from", ps_task.cluster_from)
+      ->check(CLI::IsMember({"slurm", "tf_config"}));
   ps_task_cmd->add_option("--model", ps_task.model)->required();
   ps_task_cmd->add_option("--workers", ps_task.workers)->required();
   ps_task_cmd->add_option("--steps", ps_task.steps)->required();

@@ -105,15 +105,21 @@ absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args) {
   return Spawn(*std::move(self), args);
 }
 
-absl::StatusOr<pid_t> SpawnProgram(const std::string& program,
-                                   const std::vector<std::string>& args) {
+absl::StatusOr<std::string> FindOnPath(const std::string& program) {
   const char* path = std::getenv("PATH");
   const std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
   for (absl::string_view dir : absl::StrSplit(dirs, ':', absl::SkipEmpty())) {
     std::string candidate = absl::StrCat(dir, "/", program);
-    if (access(candidate.c_str(), X_OK) == 0) return Spawn(std::move(candidate), args);
+    if (access(candidate.c_str(), X_OK) == 0) return candidate;
   }
   return absl::NotFoundError(absl::StrCat("'", program, "' is not on PATH (", dirs, ")"));
+}
+
+absl::StatusOr<pid_t> SpawnProgram(const std::string& program,
+                                   const std::vector<std::string>& args) {
+  absl::StatusOr<std::string> path = FindOnPath(program);
+  if (!path.ok()) return path.status();
+  return Spawn(*std::move(path), args);
 }
 
 absl::StatusOr<ChildExit> WaitAnyChild(const std::vector<pid_t>& pids, absl::Duration timeout) {

@@ -21,8 +21,10 @@ absl::StatusOr<std::string> SelfExecutable();
 
 // Starts this executable with `args` (argv[1..]). The child gets SIGTERM if the parent dies.
 absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args);
-// The same for `program`, found on PATH as the shell would (srun): NotFound, naming it and
-// PATH, when it is not there.
+// Where `program` is on PATH, as the shell would find it: NotFound, naming it and PATH, when it
+// is not there.
+absl::StatusOr<std::string> FindOnPath(const std::string& program);
+// The same as SpawnSelf for `program`, found on PATH (srun).
 absl::StatusOr<pid_t> SpawnProgram(const std::string& program,
                                    const std::vector<std::string>& args);
 

@@ -1,7 +1,8 @@
 """A real Slurm on this one host: munged, slurmctld and slurmd from Debian's packages, started
 here with a configuration, a munge key and state that live in a temporary folder, then
 `tensorverbs demo --launcher srun` trains over grpc+verbs with 1 ps + 3 workers, each task
-placed by the SLURM_* variables srun gives it (`demo-task --cluster-from slurm`).
+placed by the SLURM_* variables srun gives it (`demo-task --cluster-from slurm`), and
+`tensorverbs bench ps --launcher srun` runs ResNet-50's steps the same way.
 
     srun_demo_test.py TENSORVERBS_BINARY
     srun_demo_test.py TENSORVERBS_BINARY --bad-input
@@ -238,7 +239,19 @@ def main():
         if failed:
             print(f"FAIL: {', '.join(failed)}")
             return 1
-        print(f"PASS: trained under srun in {time.monotonic() - started:.1f} s")
+        print(f"ok: trained under srun in {time.monotonic() - started:.1f} s")
+        # bench ps the same way: each run one job step, each rank's result read from srun's
+        # labelled output.
+        r = subprocess.run([tool, "bench", "ps", "--launcher", "srun", "--model", "resnet50",
+                            "--workers", "2", "--steps", "3", "--warmup", "1", "--protocols",
+                            "grpc+verbs"], capture_output=True, text=True, env=env, timeout=120)
+        print(r.stdout)
+        print(r.stderr, file=sys.stderr)
+        row = re.search(r"^\s*grpc\+verbs\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)", r.stdout, re.M)
+        if r.returncode != 0 or "1 ps + 2 workers launched by srun" not in r.stdout or not row:
+            print(f"FAIL: bench ps under srun (exit {r.returncode})\n{slurm.logs()}")
+            return 1
+        print(f"PASS: the demo and bench ps ran under srun in {time.monotonic() - started:.1f} s")
         return 0
     finally:
         slurm.stop()
