@@ -31,6 +31,7 @@
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 #include "tools/netns.h"
+#include "tools/placement_flags.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -76,25 +77,11 @@ absl::Status Verify(const Tensor& t, uint32_t seed, const std::string& what) {
 
 absl::Status RunTask(const BenchPsTaskOptions& o, nlohmann::json* result) {
   ASSIGN_OR_RETURN(ModelSpec model, GetModel(o.model));
-  ClusterSpec cluster;
-  std::string job = o.job;
-  int task = o.task;
-  if (!o.cluster_from.empty()) {
-    absl::StatusOr<TaskPlacement> placement = PlacementFromEnvironment(o.cluster_from);
-    if (!placement.ok()) {
-      return absl::Status(
-          placement.status().code(),
-          absl::StrCat("--cluster-from ", o.cluster_from, ": ", placement.status().message()));
-    }
-    cluster = placement->cluster;
-    job = placement->job;
-    task = placement->task;
-  } else {
-    if (o.job.empty() || o.task < 0) {
-      return absl::InvalidArgumentError("give --cluster, --job and --task, or --cluster-from");
-    }
-    ASSIGN_OR_RETURN(cluster, ClusterSpec::Parse(o.cluster));
-  }
+  ASSIGN_OR_RETURN(TaskPlacement placement,
+                   PlacementFromFlags(o.cluster_from, o.cluster, o.job, o.task));
+  const ClusterSpec& cluster = placement.cluster;
+  const std::string& job = placement.job;
+  const int task = placement.task;
   ServerOptions options = ServerOptions::FromConfig(Config::Get());
   options.cluster = cluster;
   options.job = job;

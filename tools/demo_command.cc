@@ -26,6 +26,7 @@
 #include "tools/bench_device.h"
 #include "tools/commands.h"
 #include "tools/demo_model.h"
+#include "tools/placement_flags.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -328,27 +329,16 @@ int RunWorker(Server& server, const DemoTaskOptions& o, const Peer& self, const 
 
 int RunDemoTask(const DemoTaskOptions& given) {
   DemoTaskOptions o = given;
-  absl::StatusOr<ClusterSpec> cluster;
-  if (!o.cluster_from.empty()) {
-    absl::StatusOr<TaskPlacement> placement = PlacementFromEnvironment(o.cluster_from);
-    if (!placement.ok()) {
-      std::fprintf(stderr, "tensorverbs demo-task: --cluster-from %s: %s\n", o.cluster_from.c_str(),
-                   std::string(placement.status().message()).c_str());
-      return 2;
-    }
-    cluster = placement->cluster;
-    o.job = placement->job;
-    o.task = placement->task;
-  } else {
-    if (o.cluster.empty() || o.job.empty() || o.task < 0) {
-      std::fprintf(stderr,
-                   "tensorverbs demo-task: give --cluster, --job and --task, or "
-                   "--cluster-from\n");
-      return 2;
-    }
-    cluster = ClusterSpec::Parse(o.cluster);
+  absl::StatusOr<TaskPlacement> placement =
+      PlacementFromFlags(o.cluster_from, o.cluster, o.job, o.task);
+  if (!placement.ok()) {
+    std::fprintf(stderr, "tensorverbs demo-task: %s\n",
+                 std::string(placement.status().message()).c_str());
+    return 2;
   }
-  if (!cluster.ok()) return Fail(TaskName(o.job, o.task), cluster.status()), 2;
+  const ClusterSpec* cluster = &placement->cluster;
+  o.job = placement->job;
+  o.task = placement->task;
   if (cluster->NumTasks(kPsJob) != 1 || cluster->NumTasks(kWorkerJob) < 1) {
     std::fprintf(stderr,
                  "tensorverbs demo-task: the demo needs one %s task and at least one %s task; "

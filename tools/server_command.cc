@@ -6,42 +6,23 @@
 #include "src/support/process_util.h"
 #include "tensorverbs/placement.h"
 #include "tools/commands.h"
+#include "tools/placement_flags.h"
 #include "tools/stats.h"
 
 namespace tensorverbs::tools {
 
 int RunServerCommand(const ServerCommandOptions& given) {
   ServerCommandOptions options = given;
-  absl::StatusOr<ClusterSpec> cluster;
-  if (!options.cluster_from.empty()) {
-    if (!options.cluster.empty() || !options.job.empty() || options.task >= 0) {
-      std::fprintf(stderr,
-                   "tensorverbs server: --cluster-from gives the cluster, job and task; leave "
-                   "out --cluster, --job and --task\n");
-      return 2;
-    }
-    absl::StatusOr<TaskPlacement> placement = PlacementFromEnvironment(options.cluster_from);
-    if (!placement.ok()) {
-      std::fprintf(stderr, "tensorverbs server: --cluster-from %s: %s\n",
-                   options.cluster_from.c_str(), std::string(placement.status().message()).c_str());
-      return 2;
-    }
-    cluster = placement->cluster;
-    options.job = placement->job;
-    options.task = placement->task;
-  } else {
-    if (options.cluster.empty() || options.job.empty() || options.task < 0) {
-      std::fprintf(stderr,
-                   "tensorverbs server: give --cluster, --job and --task, or --cluster-from\n");
-      return 2;
-    }
-    cluster = ClusterSpec::Parse(options.cluster);
-  }
-  if (!cluster.ok()) {
+  absl::StatusOr<TaskPlacement> placement =
+      PlacementFromFlags(options.cluster_from, options.cluster, options.job, options.task);
+  if (!placement.ok()) {
     std::fprintf(stderr, "tensorverbs server: %s\n",
-                 std::string(cluster.status().message()).c_str());
+                 std::string(placement.status().message()).c_str());
     return 2;
   }
+  const ClusterSpec* cluster = &placement->cluster;
+  options.job = placement->job;
+  options.task = placement->task;
   support::BlockTerminationSignals();
   ServerOptions server_options = ServerOptions::FromConfig(Config::Get());
   server_options.cluster = *cluster;

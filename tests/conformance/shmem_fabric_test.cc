@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/common/shared_memory.h"
@@ -88,15 +89,7 @@ TEST_F(ShmemFabricTest, WritesSharedWithAPollingPeerLandExactly) {
   auto dst = *SharedMemory::Create(2 << 20, "test-share-dst");
   auto dst_mr = *b_->RegisterMemory(dst->data(), dst->size(), kAccessRemoteWrite);
   std::atomic<uint32_t> arrived{0};
-  std::atomic<bool> stop{false};
-  std::thread peer([&] {
-    Completion batch[16];
-    while (!stop.load()) {
-      absl::StatusOr<size_t> k = b_->Poll(absl::MakeSpan(batch));
-      if (!k.ok()) return;
-      for (size_t i = 0; i < *k; ++i) arrived.store(batch[i].imm);
-    }
-  });
+  shmem_testing::PollingThread peer(*b_, [&](const Completion& c) { arrived.store(c.imm); });
   shmem::CopyCounters& c = shmem::Counters();
   const uint64_t offered = c.shared_write_ops.load(), helped = c.shared_write_helped_ops.load();
   const uint64_t copied = c.shared_write_bytes_copied.load();
@@ -119,8 +112,7 @@ TEST_F(ShmemFabricTest, WritesSharedWithAPollingPeerLandExactly) {
     ASSERT_EQ(d[at - 1], 0);
     ASSERT_EQ(d[at + n], 0) << "nothing past the write";
   }
-  stop.store(true);
-  peer.join();
+  peer.Stop();
   EXPECT_EQ(c.shared_write_ops.load() - offered, writes) << "every write was offered";
   EXPECT_GE(c.shared_write_helped_ops.load() - helped, 5u);
   EXPECT_GT(c.shared_write_bytes_copied.load(), copied);
@@ -146,18 +138,11 @@ TEST_F(ShmemFabricTest, AReaderThatClaimsAPartAndStallsFailsThatWriteAfterTheOpT
   auto dst = *SharedMemory::Create(2 << 20, "test-stall-dst");
   auto dst_mr = *b_->RegisterMemory(dst->data(), dst->size(), kAccessRemoteWrite);
   std::atomic<uint32_t> arrived{0};
-  std::atomic<bool> stop{false};
-  std::thread peer([&] {
-    Completion batch[16];
-    while (!stop.load()) {
-      absl::StatusOr<size_t> k = b_->Poll(absl::MakeSpan(batch));
-      if (!k.ok()) return;
-      for (size_t i = 0; i < *k; ++i) {
-        if (batch[i].status.ok()) arrived.fetch_add(1);
-      }
-    }
+  shmem_testing::PollingThread peer(*b_, [&](const Completion& c) {
+    if (c.status.ok()) arrived.fetch_add(1);
   });
   shmem::SetClaimHookForTesting(&StallOnce);
+  absl::Cleanup unhook = [] { shmem::SetClaimHookForTesting(nullptr); };
   stall_next_claim.store(true);
   std::memset(src_->data(), 0x6B, n);
   // Until the peer claims a part of one (it usually does of the first).
@@ -188,8 +173,7 @@ TEST_F(ShmemFabricTest, AReaderThatClaimsAPartAndStallsFailsThatWriteAfterTheOpT
   // Once the reader wakes, it finishes its part; no immediate of the failed write arrives.
   absl::SleepFor(absl::Seconds(2.5));
   EXPECT_EQ(arrived.load(), ok_writes);
-  stop.store(true);
-  peer.join();
+  peer.Stop();
   // Another endpoint pair of the same domains still writes.
   auto a2 = *a_->CreateEndpoint();
   auto b2 = *b_->CreateEndpoint();
@@ -203,7 +187,6 @@ TEST_F(ShmemFabricTest, AReaderThatClaimsAPartAndStallsFailsThatWriteAfterTheOpT
   EXPECT_TRUE(landed[0].status.ok()) << landed[0].status;
   EXPECT_EQ(landed[0].imm, 7u);
   EXPECT_EQ(static_cast<unsigned char*>(dst->data())[4095], 0x6B);
-  shmem::SetClaimHookForTesting(nullptr);
 }
 
 TEST_F(ShmemFabricTest, WithoutPeerCopyNoWriteIsShared) {

@@ -10,7 +10,11 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
+#include <functional>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -23,6 +27,32 @@
 #include "src/fabric/shmem/wire.h"
 
 namespace tensorverbs::fabric::shmem_testing {
+
+// A thread that polls `d` until Stop (or its destructor, on every way out of a test), handing
+// each completion to `on_completion` on that thread: the peer's progress thread in a test.
+class PollingThread {
+ public:
+  PollingThread(Domain& d, std::function<void(const Completion&)> on_completion)
+      : thread_([this, &d, handle = std::move(on_completion)] {
+          Completion batch[16];
+          while (!stop_.load()) {
+            absl::StatusOr<size_t> k = d.Poll(absl::MakeSpan(batch));
+            if (!k.ok()) return;
+            for (size_t i = 0; i < *k; ++i) handle(batch[i]);
+          }
+        }) {}
+  PollingThread(const PollingThread&) = delete;
+  PollingThread& operator=(const PollingThread&) = delete;
+  ~PollingThread() { Stop(); }
+  void Stop() {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};  // before thread_, which reads it from its start
+  std::thread thread_;
+};
 
 class ShmemFabricTest : public ::testing::Test {
  protected:
