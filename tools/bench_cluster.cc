@@ -1,11 +1,14 @@
 #include "tools/bench_cluster.h"
 
+#include <signal.h>
+
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -181,8 +184,21 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::RunUnderSrun(
   srun_args.insert(srun_args.end(), args.begin(), args.end());
   ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> step,
                    support::Subprocess::Start(srun_, srun_args));
-  // "R: result {...}" from each rank, in whatever order they finish.
+  // A step whose srun is killed outright lives on under slurmstepd, holding its ports and CPUs
+  // from the next run: on every way out but a clean end, srun gets SIGTERM (which it passes on
+  // to the tasks, and which ends the step) and time to act on it.
+  bool ended = false;
+  absl::Cleanup end_step = [&] {
+    if (ended) return;
+    step->Signal(SIGTERM);
+    (void)step->Wait(absl::Seconds(15));
+  };
+  // "R: result {...}" from each rank, in whatever order they finish. srun passes a task's
+  // output on in pieces of its own size, each labelled and ended with a newline: a long result
+  // comes as several lines of one rank, joined here until they parse.
+  constexpr size_t kMaxResult = size_t{4} << 20;
   std::vector<nlohmann::json> results(tasks);
+  std::vector<std::string> partial(tasks);
   std::vector<bool> have(tasks, false);
   const absl::Time deadline = absl::Now() + timeout;
   for (int got = 0; got < tasks;) {
@@ -196,23 +212,32 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::RunUnderSrun(
         absl::StrSplit(*line, absl::MaxSplits(':', 1));
     int rank = -1;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(labelled.first), &rank) || rank < 0 ||
-        rank >= tasks) {
-      continue;  // srun's own messages
+        rank >= tasks || have[rank]) {
+      continue;  // srun's own messages, or a rank that already reported
     }
-    absl::string_view text = absl::StripAsciiWhitespace(labelled.second);
-    if (absl::ConsumePrefix(&text, "error ")) {
-      return absl::InternalError(absl::StrCat(what, " rank ", rank, ": ", text));
+    absl::string_view piece = labelled.second;
+    absl::ConsumePrefix(&piece, " ");  // the label is "R: "
+    std::string& text = partial[rank];
+    absl::StrAppend(&text, absl::StripTrailingAsciiWhitespace(piece));
+    absl::string_view body = text;
+    if (absl::ConsumePrefix(&body, "error ")) {
+      return absl::InternalError(absl::StrCat(what, " rank ", rank, ": ", body));
     }
-    if (!absl::ConsumePrefix(&text, "result ") || have[rank]) continue;
-    results[rank] = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!absl::ConsumePrefix(&body, "result ")) {
+      text.clear();  // not a result: nothing to join
+      continue;
+    }
+    results[rank] = nlohmann::json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (results[rank].is_discarded()) {
-      return absl::InternalError(absl::StrCat(what, " rank ", rank, " reported '", text, "'"));
+      if (text.size() < kMaxResult) continue;  // more of it to come
+      return absl::InternalError(
+          absl::StrCat(what, " rank ", rank, " reported '", body.substr(0, 200), "...'"));
     }
     have[rank] = true;
     ++got;
   }
   (void)Tell(*step, "exit");  // --input=all: every task reads it
-  (void)step->Wait(absl::Seconds(30));
+  ended = step->Wait(absl::Seconds(30)).ok();
   return results;
 }
 

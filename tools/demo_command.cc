@@ -433,7 +433,7 @@ int RunDemoCommand(const DemoOptions& options) {
   std::vector<std::string> child_names;
   bool ok = true;
   if (options.launcher == "srun") {
-    // One job step: Slurm places the tasks, and each reads its place from SLURM_*; ranks 0 is
+    // One job step: Slurm places the tasks, and each reads its place from SLURM_*; rank 0 is
     // the ps and the rest are workers.
     absl::StatusOr<std::string> self = support::SelfExecutable();
     if (!self.ok()) {
@@ -530,8 +530,11 @@ int RunDemoCommand(const DemoOptions& options) {
     }
   }
   for (pid_t pid : children) kill(pid, SIGTERM);
+  // srun passes SIGTERM on to the step's tasks and waits for them: a step killed outright would
+  // live on under slurmstepd.
+  const absl::Duration grace = options.launcher == "srun" ? absl::Seconds(15) : absl::Seconds(5);
   for (pid_t pid : children) {
-    absl::StatusOr<support::ChildExit> e = support::WaitAnyChild({pid}, absl::Seconds(5));
+    absl::StatusOr<support::ChildExit> e = support::WaitAnyChild({pid}, grace);
     if (!e.ok()) {
       kill(pid, SIGKILL);
       (void)support::WaitAnyChild({pid}, absl::Seconds(5));

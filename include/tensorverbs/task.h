@@ -96,7 +96,10 @@ class Task {
   static absl::StatusOr<std::unique_ptr<Task>> Start(TaskOptions options);
   Task(const Task&) = delete;
   Task& operator=(const Task&) = delete;
-  ~Task();  // Stop(); the pool stays while tensors from it live (see above)
+  // Stop(), then destroys the task: the pool stays while tensors from it live (see above). Waits
+  // at most TENSORVERBS_STOP_TIMEOUT_MS for the task's threads (a recv callback that never
+  // returns holds them), then logs it and leaves the task to go once they end.
+  ~Task();
 
   // Waits until every other task of the cluster answers, or Unavailable naming the ones that
   // did not within `timeout`. Over grpc+verbs it also sets up the RDMA channels.
@@ -146,10 +149,12 @@ class Task {
   std::vector<std::pair<std::string, int64_t>> counters() const;
 
   // Fails every pending recv with Cancelled and shuts the task's server down. Idempotent.
-  // Returns within TENSORVERBS_STOP_TIMEOUT_MS (20 s): a shutdown stuck past it (a callback that
+  // Returns within TENSORVERBS_STOP_TIMEOUT_MS (60 s): a shutdown stuck past it (a callback that
   // never returns, a fabric call that blocks the progress thread) is logged as an error that
   // says where it is stuck, and goes on in the background; the task's threads and memory stay
-  // until it finishes, so nothing the stuck call returns to has been freed.
+  // until it finishes, so nothing the stuck call returns to has been freed. Called from one of
+  // the task's own callbacks (which the shutdown may wait for), it starts the shutdown and
+  // returns at once; so does the destructor.
   void Stop();
 
   struct Impl;

@@ -121,6 +121,15 @@ Parked& parked() {
 
 bool PoolInUse(const Task::Impl& impl) { return impl.server->PoolsInUse(); }
 
+// Lets go of a stopped task: parked while tensors of its pools live, else dropped here (where
+// the last reference goes, the server is destroyed).
+void LetGo(std::shared_ptr<Task::Impl> impl) {
+  if (PoolInUse(*impl)) {
+    MutexLock lock(&parked().mu);
+    parked().tasks.push_back(std::move(impl));
+  }
+}
+
 void ReapParked() {
   std::vector<std::shared_ptr<Task::Impl>> done;
   {
@@ -154,7 +163,16 @@ absl::StatusOr<std::unique_ptr<Task>> Task::Start(TaskOptions options) {
     server_options.transfer.recv_timeout = *options.recv_timeout;
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(std::move(server_options)));
-  auto impl = std::make_shared<Impl>();
+  // The last reference may go on one of the task's own threads (a callback that ends its Step
+  // or Task): ~Server joins those threads, so the task is then destroyed on a thread of its
+  // own, once the callback has returned.
+  auto impl = std::shared_ptr<Impl>(new Impl(), [](Impl* p) {
+    if (p->server != nullptr && p->server->OnOwnThread()) {
+      std::thread([p] { delete p; }).detach();
+    } else {
+      delete p;
+    }
+  });
   impl->name = server->task_name();
   impl->protocol = server->protocol();
   impl->stop_timeout = server_options.stop_timeout;
@@ -167,9 +185,22 @@ Task::Task(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Task::~Task() {
   Stop();
   ReapParked();
-  if (PoolInUse(*impl_)) {
-    MutexLock lock(&parked().mu);
-    parked().tasks.push_back(std::move(impl_));
+  // The last reference may go here, and ~Server joins the task's threads: a recv callback that
+  // never returns is one of them. So it goes on a thread of its own, waited for up to the stop
+  // timeout as Stop is.
+  const absl::Duration timeout = impl_->stop_timeout;
+  const std::string name = impl_->name;
+  const bool own_thread = impl_->server->OnOwnThread();  // the task goes once this callback ends
+  auto gone = std::make_shared<Notification>();
+  std::thread([impl = std::move(impl_), gone]() mutable {
+    LetGo(std::move(impl));
+    gone->Notify();
+  }).detach();
+  if (!own_thread && !gone->WaitForNotificationWithTimeout(timeout)) {
+    LOG(ERROR) << "task " << name << ": destroying it gave up after "
+               << absl::FormatDuration(timeout)
+               << " (TENSORVERBS_STOP_TIMEOUT_MS): the task waits for its threads, and a recv "
+                  "callback has not returned. Its threads and memory stay until it does";
   }
 }
 
@@ -185,15 +216,18 @@ void Task::Stop() {
       // done, so a Stop that finished in time leaves the task to its owner alone.
       std::thread([impl = impl_, state]() mutable {
         impl->server->Stop();
-        impl.reset();
+        LetGo(std::move(impl));
         state->done.Notify();
       }).detach();
     }
   }
+  // From a callback the shutdown waits for, waiting could only end in the timeout.
+  if (impl_->server->OnOwnThread()) return;
   if (state->done.WaitForNotificationWithTimeout(impl_->stop_timeout)) return;
   {
     MutexLock lock(&state->mu);
-    if (state->abandoned) return;
+    // It may have finished since the wait ended: then there is nothing to report.
+    if (state->abandoned || state->done.HasBeenNotified()) return;
     state->abandoned = true;
   }
   LOG(ERROR) << "task " << impl_->name << ": Stop gave up after "

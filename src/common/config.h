@@ -129,11 +129,12 @@ struct Config {
   // naming its key, step and peer (a sender that never sends shows up long before the recv
   // timeout). 0 turns the warning off. 0 .. 86400000, default 60000.
   absl::Duration slow_recv_warning = absl::Seconds(60);
-  // TENSORVERBS_STOP_TIMEOUT_MS: how long Task::Stop (and a Task's destructor) waits for the
-  // task to shut down before it gives up, logs what is stuck and leaves the rest of the
-  // shutdown to finish, with the task's memory, whenever the stuck call returns.
-  // 100 .. 86400000, default 20000.
-  absl::Duration stop_timeout = absl::Seconds(20);
+  // TENSORVERBS_STOP_TIMEOUT_MS: how long Task::Stop, and then a Task's destructor, each wait
+  // for the task to shut down before they give up, log what is stuck and leave the rest to
+  // finish, with the task's memory, whenever the stuck call returns. Longer than the waits
+  // Server::Stop makes on its own (grace periods, peers' calls, device copies: 54 s at most).
+  // 100 .. 86400000, default 60000.
+  absl::Duration stop_timeout = absl::Seconds(60);
   // TENSORVERBS_TRACE: a file to write a Chrome trace-event JSON of every remote recv's phases
   // into (src/common/trace.h); "%p" in it becomes the process id. Empty: no trace.
   std::string trace_file;

@@ -25,6 +25,14 @@ Executor::~Executor() {
   for (std::thread& t : threads_) t.join();
 }
 
+bool Executor::OnOwnThread() const {
+  const std::thread::id me = std::this_thread::get_id();
+  for (const std::thread& t : threads_) {
+    if (t.get_id() == me) return true;
+  }
+  return false;
+}
+
 void Executor::Schedule(Task task) {
   if (threads_.empty()) {
     std::move(task)();

@@ -38,6 +38,8 @@ class Executor {
   void ScheduleAll(std::vector<Task>* tasks);
   // Without threads, Schedule runs each task on the caller's thread.
   bool runs_inline() const { return threads_.empty(); }
+  // Whether the calling thread is one of this executor's (a callback running now).
+  bool OnOwnThread() const;
 
  private:
   void WorkerLoop();

@@ -382,6 +382,10 @@ void Server::Stop() {
   step("stopped");
 }
 
+bool Server::OnOwnThread() const {
+  return (executor_ != nullptr && executor_->OnOwnThread()) || (verbs_ && verbs_->OnLoopThread());
+}
+
 std::string Server::StopReport() const {
   std::string report = absl::StrCat("Stop is ", stop_step_.load(std::memory_order_relaxed));
   if (verbs_) {

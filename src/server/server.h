@@ -117,6 +117,9 @@ class Server {
   // where the progress loop is, for the report of an owner that gives up on a Stop that does
   // not return (Task::Stop). Any thread.
   std::string StopReport() const;
+  // Whether the calling thread is one of this server's own: a callback thread, or the progress
+  // thread running a callback inline. Such a thread cannot wait for the server to stop.
+  bool OnOwnThread() const;
   // Stops this task's grpc+verbs traffic (writes under way finish first) without closing
   // anything: for stopping several servers of one process, whose shared-memory peers must not
   // be written to once one of them has closed. Stop() does it too.

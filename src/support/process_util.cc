@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -106,11 +107,19 @@ absl::StatusOr<pid_t> SpawnSelf(const std::vector<std::string>& args) {
 }
 
 absl::StatusOr<std::string> FindOnPath(const std::string& program) {
+  auto runnable = [](const std::string& file) {
+    struct stat st;
+    return stat(file.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(file.c_str(), X_OK) == 0;
+  };
+  if (program.find('/') != std::string::npos) {  // a path, as the shell takes it
+    if (runnable(program)) return program;
+    return absl::NotFoundError(absl::StrCat("'", program, "' is not an executable file"));
+  }
   const char* path = std::getenv("PATH");
   const std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
   for (absl::string_view dir : absl::StrSplit(dirs, ':', absl::SkipEmpty())) {
     std::string candidate = absl::StrCat(dir, "/", program);
-    if (access(candidate.c_str(), X_OK) == 0) return candidate;
+    if (runnable(candidate)) return candidate;
   }
   return absl::NotFoundError(absl::StrCat("'", program, "' is not on PATH (", dirs, ")"));
 }

@@ -141,6 +141,7 @@ TEST_F(ShmemFabricTest, AReaderThatClaimsAPartAndStallsFailsThatWriteAfterTheOpT
   shmem_testing::PollingThread peer(*b_, [&](const Completion& c) {
     if (c.status.ok()) arrived.fetch_add(1);
   });
+  stalled.store(false);
   shmem::SetClaimHookForTesting(&StallOnce);
   absl::Cleanup unhook = [] { shmem::SetClaimHookForTesting(nullptr); };
   stall_next_claim.store(true);

@@ -15,6 +15,7 @@ with the reason. Anything else: a failure, with the daemons' logs. It leaves not
 the daemons are stopped and the folder removed.
 """
 
+import ctypes
 import os
 import random
 import re
@@ -29,10 +30,14 @@ import time
 SKIP = 77
 
 
+HELD = []  # port reservations, held for the process's life
+
+
 def free_port_run(n):
     """A base port with the `n` ports from it free now (each node's k-th task listens on
-    base + k). Picked at random below the kernel's ephemeral range, which it hands to outgoing
-    connections, and from 10000 up, as PickFreePorts does."""
+    base + k), reserved as PickFreePorts reserves its ports (the abstract socket
+    "tensorverbs/port/N", which every picker checks) so that no other test picks them. From
+    10000 up and below the kernel's ephemeral range, which it hands to outgoing connections."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral_low = int(f.read().split()[0])
@@ -40,14 +45,20 @@ def free_port_run(n):
         ephemeral_low = 32768
     for _ in range(200):
         base = random.randrange(10000, max(10001, ephemeral_low - n))
-        socks = []
+        held, socks = [], []
         try:
             for p in range(base, base + n):
+                r = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                held.append(r)
+                r.bind(f"\0tensorverbs/port/{p}")
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("0.0.0.0", p))
+            HELD.extend(held)
             return base
         except OSError:
+            for r in held:
+                r.close()
             continue
         finally:
             for s in socks:
@@ -56,9 +67,14 @@ def free_port_run(n):
 
 
 def free_ports(n):
-    """`n` distinct free ports (not necessarily in a run)."""
+    """`n` distinct free ports, reserved (not necessarily in a run)."""
     base = free_port_run(n)
     return list(range(base, base + n))
+
+
+def die_with_parent():
+    # The daemons run as root: if this script is killed (CTest's timeout), they go too.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Slurm:
@@ -67,7 +83,9 @@ class Slurm:
     def __init__(self, folder):
         self.folder = folder
         self.procs = []
-        self.env = dict(os.environ, SLURM_CONF=os.path.join(folder, "slurm.conf"))
+        # Not the caller's job: run under sbatch or salloc, srun would join that one.
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        self.env["SLURM_CONF"] = os.path.join(folder, "slurm.conf")
 
     def path(self, name):
         return os.path.join(self.folder, name)
@@ -125,7 +143,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
     def spawn(self, name, argv):
         log = open(self.path(f"{name}.out"), "w")
         self.procs.append((name, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                  env=self.env)))
+                                                  env=self.env, preexec_fn=die_with_parent)))
 
     def node_idle(self):
         for name, p in self.procs:
@@ -156,6 +174,17 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return "\n".join(out)
 
     def stop(self):
+        # Job steps outlive srun (slurmstepd runs them): cancel what is left first.
+        if any(name == "slurmctld" and p.poll() is None for name, p in self.procs):
+            subprocess.run(["scancel", "--full", "--state=RUNNING", "--state=PENDING"],
+                           env=self.env, capture_output=True, timeout=10)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                q = subprocess.run(["squeue", "-h"], env=self.env, capture_output=True, text=True,
+                                   timeout=10)
+                if q.returncode != 0 or not q.stdout.strip():
+                    break
+                time.sleep(0.2)
         for _, p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -209,6 +238,12 @@ def main():
     if os.geteuid() != 0:
         print("SKIP: the Slurm daemons run as root here (SlurmUser=root); run as root")
         return SKIP
+    # With the start (40 s at most) and the stop, within CTest's 180 s.
+    deadline = time.monotonic() + 120
+
+    def left():
+        return max(1.0, deadline - time.monotonic())
+
     folder = tempfile.mkdtemp(prefix="tv-slurm-")
     slurm = Slurm(folder)
     try:
@@ -221,7 +256,7 @@ def main():
         started = time.monotonic()
         r = subprocess.run([tool, "demo", "--launcher", "srun", "--workers", "3", "--steps", "10",
                             "--protocol", "grpc+verbs"],
-                           capture_output=True, text=True, env=env, timeout=120)
+                           capture_output=True, text=True, env=env, timeout=left())
         print(r.stdout)
         print(r.stderr, file=sys.stderr)
         if r.returncode != 0:
@@ -244,7 +279,7 @@ def main():
         # labelled output.
         r = subprocess.run([tool, "bench", "ps", "--launcher", "srun", "--model", "resnet50",
                             "--workers", "2", "--steps", "3", "--warmup", "1", "--protocols",
-                            "grpc+verbs"], capture_output=True, text=True, env=env, timeout=120)
+                            "grpc+verbs"], capture_output=True, text=True, env=env, timeout=left())
         print(r.stdout)
         print(r.stderr, file=sys.stderr)
         row = re.search(r"^\s*grpc\+verbs\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)", r.stdout, re.M)

@@ -221,20 +221,29 @@ ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
 ProcessGroupTensorVerbs::~ProcessGroupTensorVerbs() {
   GilReleasedIfHeld no_gil;
   Unregister(this);
-  Drain(kDrainLimit);
+  // The last reference can go inside a work's future callback, on the worker itself, which
+  // cannot wait for itself: it neither drains nor joins, and fails what is still queued here.
+  const bool on_worker = worker_.get_id() == std::this_thread::get_id();
+  if (!on_worker) Drain(kDrainLimit);
+  std::deque<Queued> never_run;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    if (on_worker) never_run.swap(queue_);
   }
   cv_.notify_all();
   // Stopping the task fails its pending recvs, so a collective the worker runs ends now.
   task_->Stop();
   if (worker_.joinable()) {
-    if (worker_.get_id() == std::this_thread::get_id()) {
-      worker_.detach();  // the last reference went inside a work's callback
+    if (on_worker) {
+      destroyed_->store(true, std::memory_order_release);  // WorkerLoop returns at once
+      worker_.detach();
     } else {
       worker_.join();
     }
+  }
+  for (Queued& q : never_run) {
+    q.work->Complete(absl::CancelledError("the process group was destroyed"));
   }
   matcher_->Fail(absl::CancelledError("the process group was destroyed"));
   step_.reset();
@@ -304,6 +313,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::Enqueue(c10d::OpType typ
 }
 
 void ProcessGroupTensorVerbs::WorkerLoop() {
+  // Outlives the group, which may be destroyed inside a work's Complete on this thread.
+  const std::shared_ptr<std::atomic<bool>> destroyed = destroyed_;
   while (true) {
     Queued item;
     absl::Status status;
@@ -336,7 +347,8 @@ void ProcessGroupTensorVerbs::WorkerLoop() {
     }
     counters_->collectives.fetch_add(1, std::memory_order_relaxed);
     if (!status.ok()) counters_->failed.fetch_add(1, std::memory_order_relaxed);
-    item.work->Complete(status);
+    item.work->Complete(status);  // runs the future's callbacks, which may destroy the group
+    if (destroyed->load(std::memory_order_acquire)) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
       running_ = false;

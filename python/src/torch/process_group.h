@@ -168,6 +168,9 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   bool stopping_ = false;     // guarded by mu_
   bool running_ = false;      // the worker runs a collective; guarded by mu_
   absl::Status group_error_;  // guarded by mu_
+  // Set by a destructor that runs on the worker (inside a work's callback): the worker's loop
+  // then touches nothing of the group.
+  const std::shared_ptr<std::atomic<bool>> destroyed_ = std::make_shared<std::atomic<bool>>(false);
   std::thread worker_;
 };
 

@@ -180,8 +180,11 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // StopTraffic, then closes every channel and releases the fabric. Idempotent.
   void Shutdown();
   // Where the progress loop is ("grpc+verbs over shmem (shmem): the progress thread is in a
-  // posted task, N turns"), or empty when it does not run; for a report on a stuck shutdown.
+  // posted task after N turns"), or empty when it does not run; for a report on a stuck
+  // shutdown.
   std::string LoopReport() const;
+  // Whether the calling thread is the progress loop's (a callback run inline).
+  bool OnLoopThread() const { return engine_ != nullptr && engine_->OnLoopThread(); }
 
  private:
   explicit VerbsTransport(VerbsOptions options);

@@ -1,8 +1,9 @@
-// Task::Stop's bound (TENSORVERBS_STOP_TIMEOUT_MS): a recv callback run inline on the progress
-// thread (TENSORVERBS_CALLBACK_THREADS=0) that blocks holds the task's shutdown, as a fabric
-// call that never returns would. Stop and the destructor give up after the timeout and say
-// where the shutdown is stuck; once the callback returns, the shutdown finishes in the
-// background with nothing freed under it. Its own binary: the settings are the process's.
+// Task::Stop's and ~Task's bound (TENSORVERBS_STOP_TIMEOUT_MS). Built twice, as the settings are
+// the process's: with TV_INLINE_CALLBACKS (TENSORVERBS_CALLBACK_THREADS=0), a recv callback that
+// blocks holds the progress thread and so the shutdown, as a fabric call that never returns
+// would; without, it blocks one of the executor's threads, which the destructor joins. Either
+// way Stop or the destructor gives up after the timeout and says what is stuck; once the
+// callback returns, the rest finishes in the background with nothing freed under it.
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "tensorverbs/allocator.h"
 #include "tensorverbs/placement.h"
 #include "tensorverbs/task.h"
 
@@ -28,8 +30,15 @@ namespace {
 using ::testing::HasSubstr;
 
 // Before anything reads the settings (they are read once per process).
+#ifdef TV_INLINE_CALLBACKS
+constexpr bool kInline = true;
+#define TASK_STOP_TEST TaskStopInlineTest
+#else
+constexpr bool kInline = false;
+#define TASK_STOP_TEST TaskStopExecutorTest
+#endif
 const bool kSettings = [] {
-  setenv("TENSORVERBS_CALLBACK_THREADS", "0", 1);
+  if (kInline) setenv("TENSORVERBS_CALLBACK_THREADS", "0", 1);
   setenv("TENSORVERBS_STOP_TIMEOUT_MS", "500", 1);
   return true;
 }();
@@ -54,20 +63,22 @@ int Occurrences(const std::string& text, const std::string& what) {
   return n;
 }
 
-// The progress threads of this process's tasks (named tv-progress): one per grpc+verbs task
-// until its shutdown has finished.
-int ProgressThreads() {
+// This process's threads named `name`: a task's progress thread (tv-progress, one per
+// grpc+verbs task until its shutdown has finished) and callback threads (tv-callbacks, until
+// the task is destroyed).
+int ThreadsNamed(const std::string& name) {
   int n = 0;
   std::error_code ec;
   for (const auto& t : std::filesystem::directory_iterator("/proc/self/task", ec)) {
     std::ifstream comm(t.path() / "comm");
-    std::string name;
-    if (std::getline(comm, name) && name == "tv-progress") ++n;
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++n;
   }
   return n;
 }
+int ProgressThreads() { return ThreadsNamed("tv-progress"); }
 
-class TaskStopTest : public ::testing::Test {
+class TASK_STOP_TEST : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_TRUE(kSettings);
@@ -93,7 +104,7 @@ class TaskStopTest : public ::testing::Test {
   std::unique_ptr<Task> tasks_[2];
 };
 
-TEST_F(TaskStopTest, AStopWithNothingStuckHasFinishedWhenItReturns) {
+TEST_F(TASK_STOP_TEST, AStopWithNothingStuckHasFinishedWhenItReturns) {
   ASSERT_EQ(ProgressThreads(), 2);
   tasks_[1]->Stop();
   tasks_[1].reset();
@@ -103,7 +114,8 @@ TEST_F(TaskStopTest, AStopWithNothingStuckHasFinishedWhenItReturns) {
   EXPECT_EQ(ProgressThreads(), 0);
 }
 
-TEST_F(TaskStopTest, ACallbackThatBlocksTheLoopHoldsStopOnlyUntilTheTimeout) {
+TEST_F(TASK_STOP_TEST, ACallbackThatBlocksTheLoopHoldsStopOnlyUntilTheTimeout) {
+  if (!kInline) GTEST_SKIP() << "callbacks run on the executor in this build";
   std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(1);
   std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(1);
   absl::Notification entered, release, returned;
@@ -140,6 +152,87 @@ TEST_F(TaskStopTest, ACallbackThatBlocksTheLoopHoldsStopOnlyUntilTheTimeout) {
   s0.reset();
   tasks_[0].reset();
   EXPECT_EQ(ProgressThreads(), 0);
+}
+
+TEST_F(TASK_STOP_TEST, ACallbackThatNeverReturnsHoldsTheDestructorOnlyUntilTheTimeout) {
+  if (kInline) GTEST_SKIP() << "callbacks run inline in this build";
+  const int callback_threads = ThreadsNamed("tv-callbacks");  // both tasks'
+  ASSERT_GT(callback_threads, 0);
+  std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(1);
+  std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(1);
+  absl::Notification entered, release, returned;
+  // Into memory of no pool of the task's, so that nothing makes the task park instead.
+  RecvOptions heap;
+  heap.allocator = CpuAllocator();
+  s1->RecvAsync("worker:0", "x", heap, [&](absl::StatusOr<Tensor> t) {
+    EXPECT_TRUE(t.ok()) << t.status();
+    entered.Notify();
+    release.WaitForNotification();  // on one of task 1's callback threads
+    returned.Notify();
+  });
+  ASSERT_TRUE(
+      s0->Send("worker:1", "x", *tasks_[0]->Empty(DataType::kFloat32, TensorShape::Of({4}))).ok());
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
+
+  s1.reset();
+  testing::internal::CaptureStderr();
+  tasks_[1]->Stop();  // Stop does not wait for callbacks
+  const std::string stop_log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(Occurrences(stop_log, "gave up"), 0) << stop_log;
+  testing::internal::CaptureStderr();
+  tasks_[1].reset();  // the destructor joins the callback threads: without the bound, for good
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(returned.HasBeenNotified()) << "the destructor returned only once the callback did";
+  EXPECT_THAT(log, HasSubstr("task /job:worker/replica:0/task:1: destroying it gave up after "
+                             "500ms (TENSORVERBS_STOP_TIMEOUT_MS)"));
+  EXPECT_THAT(log, HasSubstr("a recv callback has not returned"));
+
+  release.Notify();
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while (ThreadsNamed("tv-callbacks") > callback_threads / 2 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(ThreadsNamed("tv-callbacks"), callback_threads / 2) << "the task never went";
+  EXPECT_TRUE(returned.HasBeenNotified());
+  s0.reset();
+  tasks_[0].reset();
+  EXPECT_EQ(ThreadsNamed("tv-callbacks"), 0);
+}
+
+// A callback that stops and destroys its own task (the last reference) cannot wait for the
+// shutdown, which waits for it: Stop and the destructor return at once, and the task goes once
+// the callback has ended. (The destructor used to join the callback's own thread.)
+TEST_F(TASK_STOP_TEST, ATaskStoppedAndDestroyedInItsOwnCallbackGoesOnceTheCallbackEnds) {
+  std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(1);
+  std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(1);
+  absl::Notification returned;
+  testing::internal::CaptureStderr();
+  // The step, and with it the last reference to the task, goes in the callback too.
+  Step* step = s1.release();
+  RecvOptions heap;  // into no pool of the task's: nothing makes it park instead of going
+  heap.allocator = CpuAllocator();
+  step->RecvAsync("worker:0", "x", heap, [&, step](absl::StatusOr<Tensor> t) {
+    EXPECT_TRUE(t.ok()) << t.status();
+    tasks_[1]->Stop();
+    tasks_[1].reset();
+    delete step;
+    returned.Notify();
+  });
+  ASSERT_TRUE(
+      s0->Send("worker:1", "x", *tasks_[0]->Empty(DataType::kFloat32, TensorShape::Of({4}))).ok());
+  ASSERT_TRUE(returned.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  // Task 1 goes on a thread of its own once the callback has returned, or, when memory of its
+  // pool was still in use then, is parked and freed when task 0 goes.
+  s0.reset();
+  tasks_[0].reset();
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  while ((ProgressThreads() > 0 || ThreadsNamed("tv-callbacks") > 0) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(ProgressThreads(), 0) << "a task never went";
+  EXPECT_EQ(ThreadsNamed("tv-callbacks"), 0) << "a task never went";
+  EXPECT_EQ(Occurrences(log, "gave up"), 0) << log;
 }
 
 }  // namespace
