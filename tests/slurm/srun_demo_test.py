@@ -276,9 +276,10 @@ def main():
             return 1
         print(f"ok: trained under srun in {time.monotonic() - started:.1f} s")
         # bench ps the same way: each run one job step, each rank's result read from srun's
-        # labelled output.
+        # labelled output. 80 steps make each worker's result line a few KiB, more than srun
+        # may pass on in one piece.
         r = subprocess.run([tool, "bench", "ps", "--launcher", "srun", "--model", "resnet50",
-                            "--workers", "2", "--steps", "3", "--warmup", "1", "--protocols",
+                            "--workers", "2", "--steps", "80", "--warmup", "1", "--protocols",
                             "grpc+verbs"], capture_output=True, text=True, env=env, timeout=left())
         print(r.stdout)
         print(r.stderr, file=sys.stderr)
