@@ -107,12 +107,12 @@ absl::StatusOr<DeviceName> TaskDevice(absl::string_view task) {
       absl::StrCat("'", task, "' is not a task name: give /job:J/replica:0/task:T or J:T"));
 }
 
-// Tasks destroyed while tensors from their pools (host or GPU) were still referenced: stopped, but
-// kept (with their pool's memory) until those tensors are gone, so no Tensor ever points at
-// unmapped memory. Reaped whenever a task starts or goes.
+// Tasks whose last reference went while tensors from their pools (host or GPU) were still
+// referenced: stopped, but kept (with their pool's memory) until those tensors are gone, so no
+// Tensor ever points at unmapped memory. Reaped whenever a task starts or goes.
 struct Parked {
   Mutex mu;
-  std::vector<std::shared_ptr<Task::Impl>> tasks ABSL_GUARDED_BY(mu);
+  std::vector<Task::Impl*> tasks ABSL_GUARDED_BY(mu);
 };
 Parked& parked() {
   static Parked* p = new Parked();  // never destroyed: tensors may go during exit
@@ -121,30 +121,42 @@ Parked& parked() {
 
 bool PoolInUse(const Task::Impl& impl) { return impl.server->PoolsInUse(); }
 
-// Lets go of a stopped task: parked while tensors of its pools live, else dropped here (where
-// the last reference goes, the server is destroyed).
-void LetGo(std::shared_ptr<Task::Impl> impl) {
-  if (PoolInUse(*impl)) {
-    MutexLock lock(&parked().mu);
-    parked().tasks.push_back(std::move(impl));
+// The deleter of a task: its last reference went, whoever held it (the Task, a Step, Stop's
+// thread). By then the server has stopped, as Stop's thread holds a reference until it has, so
+// whether a pool is in use is final but for tensors the caller still holds. Deciding here, not
+// where the Task goes, is what keeps a Step or a stop still running from dropping a task whose
+// pool a tensor uses. On one of the task's own threads (a callback that ends its Step or Task)
+// it goes on a thread of its own: ~Server joins those threads.
+void Dispose(Task::Impl* p) {
+  if (p->server != nullptr && p->server->OnOwnThread()) {
+    std::thread([p] { Dispose(p); }).detach();
+    return;
   }
+  if (p->server != nullptr && PoolInUse(*p)) {
+    MutexLock lock(&parked().mu);
+    parked().tasks.push_back(p);
+    return;
+  }
+  delete p;
 }
 
 void ReapParked() {
-  std::vector<std::shared_ptr<Task::Impl>> done;
+  std::vector<Task::Impl*> done;
   {
     MutexLock lock(&parked().mu);
-    std::vector<std::shared_ptr<Task::Impl>>& tasks = parked().tasks;
+    std::vector<Task::Impl*>& tasks = parked().tasks;
     for (auto it = tasks.begin(); it != tasks.end();) {
-      if (!PoolInUse(**it)) {
-        done.push_back(std::move(*it));
+      // Not from a thread of the parked task itself (a late callback of it starting a task),
+      // which its destruction would join.
+      if (!PoolInUse(**it) && !(*it)->server->OnOwnThread()) {
+        done.push_back(*it);
         it = tasks.erase(it);
       } else {
         ++it;
       }
     }
   }
-  // `done` destroys the servers here, outside the lock.
+  for (Task::Impl* p : done) delete p;  // outside the lock: ~Server joins threads
 }
 
 }  // namespace
@@ -163,16 +175,7 @@ absl::StatusOr<std::unique_ptr<Task>> Task::Start(TaskOptions options) {
     server_options.transfer.recv_timeout = *options.recv_timeout;
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(std::move(server_options)));
-  // The last reference may go on one of the task's own threads (a callback that ends its Step
-  // or Task): ~Server joins those threads, so the task is then destroyed on a thread of its
-  // own, once the callback has returned.
-  auto impl = std::shared_ptr<Impl>(new Impl(), [](Impl* p) {
-    if (p->server != nullptr && p->server->OnOwnThread()) {
-      std::thread([p] { delete p; }).detach();
-    } else {
-      delete p;
-    }
-  });
+  auto impl = std::shared_ptr<Impl>(new Impl(), Dispose);
   impl->name = server->task_name();
   impl->protocol = server->protocol();
   impl->stop_timeout = server_options.stop_timeout;
@@ -193,7 +196,7 @@ Task::~Task() {
   const bool own_thread = impl_->server->OnOwnThread();  // the task goes once this callback ends
   auto gone = std::make_shared<Notification>();
   std::thread([impl = std::move(impl_), gone]() mutable {
-    LetGo(std::move(impl));
+    impl.reset();  // where the last reference goes, Dispose destroys or parks the task
     gone->Notify();
   }).detach();
   if (!own_thread && !gone->WaitForNotificationWithTimeout(timeout)) {
@@ -216,7 +219,7 @@ void Task::Stop() {
       // done, so a Stop that finished in time leaves the task to its owner alone.
       std::thread([impl = impl_, state]() mutable {
         impl->server->Stop();
-        LetGo(std::move(impl));
+        impl.reset();
         state->done.Notify();
       }).detach();
     }

@@ -235,5 +235,24 @@ TEST_F(TASK_STOP_TEST, ATaskStoppedAndDestroyedInItsOwnCallbackGoesOnceTheCallba
   EXPECT_EQ(Occurrences(log, "gave up"), 0) << log;
 }
 
+// A Step can outlive its Task. Whichever holds the last reference, the task's pool stays while a
+// tensor of it lives, and goes once the tensor has and another task goes.
+TEST_F(TASK_STOP_TEST, AStepThatOutlivesItsTaskKeepsThePoolUnderATensorStillHeld) {
+  std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(1);
+  Tensor held = *tasks_[1]->Empty(DataType::kUInt8, TensorShape::Of({1 << 20}));
+  auto* bytes = held.flat<uint8_t>();
+  for (int i = 0; i < (1 << 20); ++i) bytes[i] = static_cast<uint8_t>(i * 7);
+  tasks_[1].reset();  // the step still holds the task
+  EXPECT_EQ(ProgressThreads(), 1) << "the task stopped when its Task went";
+  s1.reset();  // the last reference, with `held` in the task's pool
+  int wrong = 0;
+  for (int i = 0; i < (1 << 20); ++i) wrong += bytes[i] != static_cast<uint8_t>(i * 7);
+  EXPECT_EQ(wrong, 0);
+  held = Tensor();
+  // Task 0 going reaps the parked task 1.
+  tasks_[0].reset();
+  EXPECT_EQ(ThreadsNamed("tv-callbacks"), 0) << "a task never went";
+}
+
 }  // namespace
 }  // namespace tensorverbs
