@@ -332,19 +332,38 @@ int RunBenchPeer(const BenchPeerOptions& o) {
 
 absl::StatusOr<std::unique_ptr<PairBench>> PairBench::Start(const BenchServerOptions& options,
                                                             const NetnsHost* netns) {
+  if (netns == nullptr) return StartTasks(options, {"127.0.0.1", "127.0.0.1"}, {{}, {}});
+  return StartTasks(options, {netns->local_address(), netns->remote_address()},
+                    {{}, netns->ExecPrefix()});
+}
+
+absl::StatusOr<std::unique_ptr<PairBench>> PairBench::StartMixed(const BenchServerOptions& options,
+                                                                 const NetnsHost& netns) {
+  return StartTasks(options, {netns.local_address(), netns.local_address(), netns.remote_address()},
+                    {{}, {}, netns.ExecPrefix()});
+}
+
+absl::StatusOr<std::unique_ptr<PairBench>> PairBench::StartTasks(
+    const BenchServerOptions& options, const std::vector<std::string>& hosts,
+    const std::vector<std::vector<std::string>>& prefixes) {
   auto bench = std::unique_ptr<PairBench>(new PairBench);
-  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(2));
-  const std::string self_host = netns ? netns->local_address() : "127.0.0.1";
-  const std::string peer_host = netns ? netns->remote_address() : "127.0.0.1";
-  const std::string cluster =
-      absl::StrCat(kJob, "=", self_host, ":", ports[0], ",", peer_host, ":", ports[1]);
+  ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(static_cast<int>(hosts.size())));
+  std::vector<std::string> addresses;
+  for (size_t i = 0; i < hosts.size(); ++i)
+    addresses.push_back(absl::StrCat(hosts[i], ":", ports[i]));
+  const std::string cluster = absl::StrCat(kJob, "=", absl::StrJoin(addresses, ","));
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
-  std::vector<std::string> args = netns ? netns->ExecPrefix() : std::vector<std::string>{};
-  args.insert(args.end(), {exe, "bench-peer", "--cluster", cluster, "--job", kJob, "--task", "1"});
-  for (const std::string& a : options.ToArgs()) args.push_back(a);
-  const std::string path = args.front();
-  args.erase(args.begin());
-  ASSIGN_OR_RETURN(bench->peer_, support::Subprocess::Start(path, args));
+  for (size_t i = 1; i < hosts.size(); ++i) {
+    std::vector<std::string> args = prefixes[i];
+    args.insert(args.end(), {exe, "bench-peer", "--cluster", cluster, "--job", kJob, "--task",
+                             absl::StrCat(i)});
+    for (const std::string& a : options.ToArgs()) args.push_back(a);
+    const std::string path = args.front();
+    args.erase(args.begin());
+    Peer peer;
+    ASSIGN_OR_RETURN(peer.process, support::Subprocess::Start(path, args));
+    bench->peers_.push_back(std::move(peer));
+  }
 
   ServerOptions server_options = ServerOptions::FromConfig(Config::Get());
   ASSIGN_OR_RETURN(server_options.cluster, ClusterSpec::Parse(cluster));
@@ -353,48 +372,67 @@ absl::StatusOr<std::unique_ptr<PairBench>> PairBench::Start(const BenchServerOpt
   options.Apply(&server_options);
   ASSIGN_OR_RETURN(bench->server_, Server::Create(server_options));
   RETURN_IF_ERROR(bench->server_->WaitForPeers(absl::Seconds(60)));
-  ASSIGN_OR_RETURN(std::string ready, Expect(*bench->peer_, "ready ", absl::Seconds(90)));
-  std::vector<std::string> f = absl::StrSplit(ready, ' ');
-  if (f.size() != 2 || !absl::SimpleHexAtoi(f[1], &bench->peer_incarnation_)) {
-    return absl::InternalError(absl::StrCat("bench peer announced '", ready, "'"));
+  for (Peer& peer : bench->peers_) {
+    ASSIGN_OR_RETURN(std::string ready, Expect(*peer.process, "ready ", absl::Seconds(90)));
+    std::vector<std::string> f = absl::StrSplit(ready, ' ');
+    if (f.size() != 2 || !absl::SimpleHexAtoi(f[1], &peer.incarnation)) {
+      return absl::InternalError(absl::StrCat("bench peer announced '", ready, "'"));
+    }
+    peer.device = f[0];
   }
-  bench->peer_device_ = f[0];
   return bench;
 }
 
 PairBench::~PairBench() {
-  if (peer_) {
-    (void)Tell(*peer_, "quit");  // best effort: the Subprocess destructor kills it otherwise
-    (void)peer_->Wait(absl::Seconds(20));
+  for (Peer& peer : peers_) {
+    // Best effort: the Subprocess destructor kills it otherwise.
+    if (peer.process) (void)Tell(*peer.process, "quit");
+  }
+  for (Peer& peer : peers_) {
+    if (peer.process) (void)peer.process->Wait(absl::Seconds(20));
   }
   if (server_) server_->Stop();
 }
 
 std::string PairBench::fabric() const {
-  if (auto* t = server_->verbs_transport()) return t->fabric_name();
-  return "tcp (gRPC)";
+  auto* t = server_->verbs_transport();
+  if (t == nullptr) return "tcp (gRPC)";
+  // The receiving channel from the sender: with a fabric per peer, the task's name for its
+  // fabrics lists both.
+  const std::string& device = peers_[sender_].device;
+  const std::string task = device.substr(0, device.find("/device:"));
+  for (const protocol::ChannelSnapshot& c : t->ChannelSnapshots(absl::Seconds(10))) {
+    if (c.receives && c.peer_task == task && c.state == "ready") return c.fabric;
+  }
+  return t->fabric_name();
 }
 
 std::vector<ParsedKey> PairBench::Keys(const std::string& prefix, int keys) const {
-  return MakeKeys(peer_device_, peer_incarnation_, server_->device_name(), Names(prefix, keys));
+  const Peer& peer = peers_[sender_];
+  return MakeKeys(peer.device, peer.incarnation, server_->device_name(), Names(prefix, keys));
 }
 
 absl::Status PairBench::PeerSend(const std::string& prefix, int keys, size_t bytes,
                                  int64_t first_step, int64_t steps, uint32_t seed) {
-  RETURN_IF_ERROR(Tell(*peer_, absl::StrCat("send ", prefix, " ", keys, " ", bytes, " ", first_step,
-                                            " ", steps, " ", seed)));
-  return Expect(*peer_, "ok").status();
+  support::Subprocess& peer = *peers_[sender_].process;
+  RETURN_IF_ERROR(Tell(peer, absl::StrCat("send ", prefix, " ", keys, " ", bytes, " ", first_step,
+                                          " ", steps, " ", seed)));
+  return Expect(peer, "ok").status();
 }
 
 absl::Status PairBench::Cleanup(int64_t first_step, int64_t steps) {
-  RETURN_IF_ERROR(Tell(*peer_, absl::StrCat("cleanup ", first_step, " ", steps)));
+  for (Peer& peer : peers_) {
+    RETURN_IF_ERROR(Tell(*peer.process, absl::StrCat("cleanup ", first_step, " ", steps)));
+  }
   for (int64_t s = first_step; s < first_step + steps; ++s) server_->rendezvous_mgr()->Cleanup(s);
-  return Expect(*peer_, "ok").status();
+  for (Peer& peer : peers_) RETURN_IF_ERROR(Expect(*peer.process, "ok").status());
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PairBench::Usage> PairBench::PeerUsage() {
-  RETURN_IF_ERROR(Tell(*peer_, "usage"));
-  ASSIGN_OR_RETURN(std::string rest, Expect(*peer_, "usage "));
+  support::Subprocess& peer = *peers_[sender_].process;
+  RETURN_IF_ERROR(Tell(peer, "usage"));
+  ASSIGN_OR_RETURN(std::string rest, Expect(peer, "usage "));
   std::vector<std::string> f = absl::StrSplit(rest, ' ');
   Usage u;
   if (f.size() != 5 || !absl::SimpleAtod(f[0], &u.cpu_seconds) ||

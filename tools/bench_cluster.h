@@ -132,18 +132,28 @@ struct BenchScaleTaskOptions {
 };
 int RunBenchScaleTask(const BenchScaleTaskOptions& options);
 
+// This process's task (task 0, the receiver) and its peer processes, which send on command;
+// the one UseSender picks is "the peer" of the calls below.
 class PairBench {
  public:
   // Starts the peer (inside `netns` when given) and this process's server, and waits until
   // both see each other (channels set up, for grpc+verbs).
   static absl::StatusOr<std::unique_ptr<PairBench>> Start(const BenchServerOptions& options,
                                                           const NetnsHost* netns);
+  // A pair inside a cluster of two hosts: task 1 shares this host (and network namespace),
+  // task 2 runs inside `netns`, so each task opens the same-host fabric for one peer and the
+  // network fabric for the other. Peer 0 is task 1, peer 1 task 2; peer 0 sends first.
+  static absl::StatusOr<std::unique_ptr<PairBench>> StartMixed(const BenchServerOptions& options,
+                                                               const NetnsHost& netns);
   PairBench(const PairBench&) = delete;
   PairBench& operator=(const PairBench&) = delete;
-  ~PairBench();  // tells the peer to quit and stops the server
+  ~PairBench();  // tells the peers to quit and stops the server
 
   Server& server() { return *server_; }
-  // "ofi (shm)", "ibverbs (mlx5_0:1)"; "tcp (gRPC)" for the grpc protocol.
+  int peers() const { return static_cast<int>(peers_.size()); }
+  void UseSender(int peer) { sender_ = peer; }
+  // The fabric this task receives from the peer over, as its channel says: "shmem (shmem)",
+  // "ofi (tcp;ofi_rxm)", "ibverbs (mlx5_0:1)"; "tcp (gRPC)" for the grpc protocol.
   std::string fabric() const;
 
   // The keys the peer sends under `prefix`: <prefix>0 .. <prefix><keys-1>.
@@ -151,7 +161,7 @@ class PairBench {
 
   absl::Status PeerSend(const std::string& prefix, int keys, size_t bytes, int64_t first_step,
                         int64_t steps, uint32_t seed);
-  // Cleans the steps up on both tasks.
+  // Cleans the steps up on every task.
   absl::Status Cleanup(int64_t first_step, int64_t steps);
 
   struct Usage {
@@ -168,11 +178,20 @@ class PairBench {
 
  private:
   PairBench() = default;
+  // Task 0 here at `hosts[0]`, task i a child process at `hosts[i]` run behind `prefixes[i]`
+  // (the namespace's exec prefix, or nothing).
+  static absl::StatusOr<std::unique_ptr<PairBench>> StartTasks(
+      const BenchServerOptions& options, const std::vector<std::string>& hosts,
+      const std::vector<std::vector<std::string>>& prefixes);
 
-  std::unique_ptr<support::Subprocess> peer_;
+  struct Peer {
+    std::unique_ptr<support::Subprocess> process;
+    std::string device;
+    uint64_t incarnation = 0;
+  };
+  std::vector<Peer> peers_;
+  int sender_ = 0;
   std::unique_ptr<Server> server_;
-  std::string peer_device_;
-  uint64_t peer_incarnation_ = 0;
 };
 
 struct RecvRunResult {

@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -34,6 +35,9 @@ namespace {
 struct P2PRow {
   std::string protocol;
   std::string fabric;
+  // With --mixed, which pair: "same host, alone", "other host, alone", "same host, mixed" or
+  // "other host, mixed".
+  std::string pair;
   size_t size = 0;
   int lat_iters = 0, bw_iters = 0, window = 0, repeat = 1;
   // Medians over the repetitions; the ranges beside them.
@@ -66,6 +70,10 @@ struct Ceilings {
   std::map<size_t, CopyBandwidth> d2h, h2d;
   std::vector<FabricRow> fabric_rows;  // the raw fabric write (empty with --no-baselines)
   std::string fabric_name;
+  // With --mixed: fabric_rows is the same-host fabric's, and these the network fabric's
+  // between the two hosts.
+  std::vector<FabricRow> network_rows;
+  std::string network_name;
 };
 
 absl::Status MeasureCeilings(const BenchP2POptions& o, const DevicePair& devices,
@@ -105,39 +113,89 @@ absl::Status MeasureCeilings(const BenchP2POptions& o, const DevicePair& devices
                             : "-");
     }
   }
-  if (o.baselines) MeasureCeiling(sizes, /*window=*/16, netns, &c.fabric_rows, &c.fabric_name);
+  if (o.baselines) {
+    MeasureCeiling(sizes, /*window=*/16, o.mixed ? nullptr : netns, &c.fabric_rows, &c.fabric_name);
+    if (o.mixed) MeasureCeiling(sizes, /*window=*/16, netns, &c.network_rows, &c.network_name);
+  }
 
   return absl::OkStatus();
 }
 
-absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
-                         const DevicePair& devices, const std::vector<size_t>& sizes,
-                         const NetnsHost* netns, int64_t* next_step, std::vector<P2PRow>* rows) {
+BenchServerOptions ServerFor(const std::string& protocol, const BenchP2POptions& o,
+                             const DevicePair& devices) {
   BenchServerOptions server;
   server.protocol = protocol;
   server.poll_mode = o.poll_mode;
   server.callback_threads = o.callback_threads;
   server.send_device = devices.src.host_accessible() ? "cpu" : devices.src.ToString();
-  const bool on_gpu = !devices.src.host_accessible() || !devices.dst.host_accessible();
-  ASSIGN_OR_RETURN(std::unique_ptr<PairBench> bench, PairBench::Start(server, netns));
-  // Device recvs land in the receiver's GPU pool; host ones in its registered pool (null).
-  Allocator* dst = nullptr;
-  if (!devices.dst.host_accessible()) {
-    ASSIGN_OR_RETURN(dst, AllocatorFor(devices.dst, bench->server()));
-  }
-  const std::string fabric = bench->fabric();
-  std::printf("\n%s over %s, 2 processes%s, %s -> %s\n", protocol.c_str(), fabric.c_str(),
+  return server;
+}
+
+// Each size between `bench`'s receiver and its current sender, appended to `rows`.
+absl::Status MeasureSizes(PairBench& bench, const std::string& protocol, const std::string& pair,
+                          const BenchP2POptions& o, const DevicePair& devices,
+                          const std::vector<size_t>& sizes, int64_t* next_step,
+                          std::vector<P2PRow>* rows);
+
+absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
+                         const DevicePair& devices, const std::vector<size_t>& sizes,
+                         const NetnsHost* netns, int64_t* next_step, std::vector<P2PRow>* rows) {
+  ASSIGN_OR_RETURN(std::unique_ptr<PairBench> bench,
+                   PairBench::Start(ServerFor(protocol, o, devices), netns));
+  std::printf("\n%s over %s, 2 processes%s, %s -> %s\n", protocol.c_str(), bench->fabric().c_str(),
               netns ? " in two network namespaces (veth)" : "",
               devices.src.host_accessible() ? "cpu" : devices.src.ToString().c_str(),
               devices.dst.host_accessible() ? "cpu" : devices.dst.ToString().c_str());
+  return MeasureSizes(*bench, protocol, "", o, devices, sizes, next_step, rows);
+}
+
+// --mixed: the pair alone on this host and alone across two hosts, then inside a cluster of two
+// hosts whose every task opens both fabrics: its same-host pair and a pair across the hosts.
+absl::Status RunMixed(const std::string& protocol, const BenchP2POptions& o,
+                      const DevicePair& devices, const std::vector<size_t>& sizes,
+                      const NetnsHost& netns, int64_t* next_step, std::vector<P2PRow>* rows) {
+  const BenchServerOptions server = ServerFor(protocol, o, devices);
+  for (const NetnsHost* host : {static_cast<const NetnsHost*>(nullptr), &netns}) {
+    const char* pair = host == nullptr ? "same host, alone" : "other host, alone";
+    ASSIGN_OR_RETURN(std::unique_ptr<PairBench> alone, PairBench::Start(server, host));
+    std::printf("\n%s, %s: 2 processes%s, task 1 -> task 0 over %s\n", protocol.c_str(), pair,
+                host == nullptr ? "" : " in two network namespaces", alone->fabric().c_str());
+    RETURN_IF_ERROR(MeasureSizes(*alone, protocol, pair, o, devices, sizes, next_step, rows));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<PairBench> mixed, PairBench::StartMixed(server, netns));
+  const char* pairs[] = {"same host, mixed", "other host, mixed"};
+  for (int peer = 0; peer < 2; ++peer) {
+    mixed->UseSender(peer);
+    std::printf(
+        "\n%s, %s: 3 processes on 2 hosts (tasks 0 and 1 here, task 2 in a network "
+        "namespace), task %d -> task 0 over %s\n",
+        protocol.c_str(), pairs[peer], peer + 1, mixed->fabric().c_str());
+    RETURN_IF_ERROR(
+        MeasureSizes(*mixed, protocol, pairs[peer], o, devices, sizes, next_step, rows));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MeasureSizes(PairBench& bench, const std::string& protocol, const std::string& pair,
+                          const BenchP2POptions& o, const DevicePair& devices,
+                          const std::vector<size_t>& sizes, int64_t* next_step,
+                          std::vector<P2PRow>* rows) {
+  const bool on_gpu = !devices.src.host_accessible() || !devices.dst.host_accessible();
+  // Device recvs land in the receiver's GPU pool; host ones in its registered pool (null).
+  Allocator* dst = nullptr;
+  if (!devices.dst.host_accessible()) {
+    ASSIGN_OR_RETURN(dst, AllocatorFor(devices.dst, bench.server()));
+  }
+  const std::string fabric = bench.fabric();
   std::printf("%10s %9s %22s %10s %9s %7s %24s %12s %10s%s\n", "#bytes", "lat iters", "p50[us]",
               "p99[us]", "bw iters", "window", "BW[GB/s]", "copies/xfer", "CPU s/GB",
               on_gpu ? "  path (device copies/xfer)" : "");
-  const std::vector<ParsedKey> keys = bench->Keys("p2p", 1);
+  const std::vector<ParsedKey> keys = bench.Keys("p2p", 1);
   for (size_t size : sizes) {
     P2PRow row;
     row.protocol = protocol;
     row.fabric = fabric;
+    row.pair = pair;
     row.size = size;
     row.lat_iters = o.iters > 0 ? o.iters : LatencyIters(size);
     row.bw_iters = o.iters > 0 ? o.iters : BandwidthIters(size);
@@ -148,15 +206,15 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
     // caches, channel state, pool growth with its first-touch page faults and registration all
     // happen before anything is timed.
     RETURN_IF_ERROR(
-        RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters, row.window, false, next_step, dst)
+        RunPhase(bench, "p2p", keys, size, seed, row.bw_iters, row.window, false, next_step, dst)
             .status());
     std::vector<double> p50s, p99s, bws, copies, cpu, device_copies, direct;
     for (int rep = 0; rep < o.repeat; ++rep) {
-      ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(*bench, "p2p", keys, size, seed, row.lat_iters, 1,
+      ASSIGN_OR_RETURN(PhaseResult lat, RunPhase(bench, "p2p", keys, size, seed, row.lat_iters, 1,
                                                  false, next_step, dst));
       p50s.push_back(Percentile(lat.latency_us, 0.5));
       p99s.push_back(Percentile(lat.latency_us, 0.99));
-      ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(*bench, "p2p", keys, size, seed, row.bw_iters,
+      ASSIGN_OR_RETURN(PhaseResult bw, RunPhase(bench, "p2p", keys, size, seed, row.bw_iters,
                                                 row.window, true, next_step, dst));
       const double bytes = static_cast<double>(size) * row.bw_iters;
       bws.push_back(bytes / absl::ToDoubleSeconds(bw.elapsed) / 1e9);
@@ -194,11 +252,49 @@ absl::Status RunProtocol(const std::string& protocol, const BenchP2POptions& o,
   return absl::OkStatus();
 }
 
-const P2PRow* FindRow(const std::vector<P2PRow>& rows, const std::string& protocol, size_t size) {
+const P2PRow* FindRow(const std::vector<P2PRow>& rows, const std::string& protocol, size_t size,
+                      const std::string& pair = "") {
   for (const P2PRow& r : rows) {
-    if (r.protocol == protocol && r.size == size) return &r;
+    if (r.protocol == protocol && r.size == size && r.pair == pair) return &r;
   }
   return nullptr;
+}
+
+// --mixed: each pair of the mixed cluster against its own ceiling, in this run: the same-host
+// pair against the same pair alone on its host, the cross-host pair against the raw network
+// write.
+void PrintMixed(const std::vector<std::string>& protocols, const std::vector<size_t>& sizes,
+                const std::vector<P2PRow>& rows, const Ceilings& c) {
+  std::printf(
+      "\nmixed cluster: same-host pair / the pair alone (goal >= 0.8), cross-host pair / raw "
+      "%s write (goal >= 0.9), and the cross-host pair alone / the raw write\n%10s",
+      c.network_name.empty() ? "network" : c.network_name.c_str(), "#bytes");
+  for (const std::string& p : protocols) std::printf(" %44s", p.c_str());
+  std::printf("\n");
+  for (size_t size : sizes) {
+    std::printf("%10s", SizeName(size).c_str());
+    const FabricRow* net = FindFabricRow(c.network_rows, size);
+    for (const std::string& p : protocols) {
+      const P2PRow* alone = FindRow(rows, p, size, "same host, alone");
+      const P2PRow* local = FindRow(rows, p, size, "same host, mixed");
+      const P2PRow* remote = FindRow(rows, p, size, "other host, mixed");
+      const P2PRow* remote_alone = FindRow(rows, p, size, "other host, alone");
+      std::string same = "-", cross = "-", cross_alone = "-";
+      if (alone != nullptr && local != nullptr && alone->bw_gbps > 0) {
+        same = absl::StrFormat("%.2fx", local->bw_gbps / alone->bw_gbps);
+      }
+      if (net != nullptr && remote != nullptr && net->bw_gbps > 0) {
+        cross = absl::StrFormat("%.2fx", remote->bw_gbps / net->bw_gbps);
+      }
+      if (net != nullptr && remote_alone != nullptr && net->bw_gbps > 0) {
+        cross_alone = absl::StrFormat("%.2fx", remote_alone->bw_gbps / net->bw_gbps);
+      }
+      std::printf(
+          " %44s",
+          absl::StrCat("same ", same, ", cross ", cross, " (alone ", cross_alone, ")").c_str());
+    }
+    std::printf("\n");
+  }
 }
 
 // Bandwidth relative to the ceilings, per protocol and size.
@@ -304,6 +400,7 @@ nlohmann::json P2PJson(const DevicePair& devices, const std::vector<P2PRow>& row
   for (const P2PRow& r : rows) {
     nlohmann::json j = {{"protocol", r.protocol},
                         {"fabric", r.fabric},
+                        {"pair", r.pair},
                         {"size_bytes", r.size},
                         {"bandwidth_gbps", r.bw_gbps},
                         {"p50_us", r.p50_us},
@@ -331,21 +428,26 @@ nlohmann::json P2PJson(const DevicePair& devices, const std::vector<P2PRow>& row
       j["device_copies_per_transfer"] = r.device_copies_per_transfer;
     }
     if (c.h2d.count(r.size)) j["cuda_h2d_gbps"] = c.h2d.at(r.size).host_to_device_gbps;
-    if (const FabricRow* f = FindFabricRow(c.fabric_rows, r.size)) {
+    // A cross-host pair of --mixed is held against the network fabric; the rest against the
+    // fabric they run over.
+    const bool remote = absl::StartsWith(r.pair, "other host");
+    if (const FabricRow* f = FindFabricRow(remote ? c.network_rows : c.fabric_rows, r.size)) {
       j["fabric_write_gbps"] = f->bw_gbps;
       j["ratio_to_fabric_write"] = r.bw_gbps / f->bw_gbps;
       j["fabric_round_trip_us"] = 2 * f->p50_us;
     }
     out.push_back(j);
   }
-  for (const FabricRow& f : c.fabric_rows) {
-    out.push_back({{"protocol", "fabric-write"},
-                   {"fabric", c.fabric_name},
-                   {"size_bytes", f.size},
-                   {"bandwidth_gbps", f.bw_gbps},
-                   {"p50_us", f.p50_us},
-                   {"p99_us", f.p99_us},
-                   {"round_trip_us", 2 * f.p50_us}});
+  for (const auto* set : {&c.fabric_rows, &c.network_rows}) {
+    for (const FabricRow& f : *set) {
+      out.push_back({{"protocol", "fabric-write"},
+                     {"fabric", set == &c.fabric_rows ? c.fabric_name : c.network_name},
+                     {"size_bytes", f.size},
+                     {"bandwidth_gbps", f.bw_gbps},
+                     {"p50_us", f.p50_us},
+                     {"p99_us", f.p99_us},
+                     {"round_trip_us", 2 * f.p50_us}});
+    }
   }
   for (const auto& [size, gbps] : c.memcpy_gbps) {
     out.push_back({{"protocol", "memcpy"}, {"size_bytes", size}, {"bandwidth_gbps", gbps}});
@@ -371,10 +473,15 @@ bool WriteP2PPlot(const std::string& path, const std::vector<std::string>& proto
   };
   for (const std::string& p : protocols) {
     for (const P2PRow& r : rows) {
-      if (r.protocol == p) add(p, r.size, r.bw_gbps, r.p50_us);
+      if (r.protocol == p) {
+        add(r.pair.empty() ? p : absl::StrCat(p, " (", r.pair, ")"), r.size, r.bw_gbps, r.p50_us);
+      }
     }
   }
   for (const FabricRow& f : c.fabric_rows) add("raw fabric write", f.size, f.bw_gbps, f.p50_us);
+  for (const FabricRow& f : c.network_rows) {
+    add("raw network fabric write", f.size, f.bw_gbps, f.p50_us);
+  }
   for (size_t size : sizes) {
     bw.x_ticks.emplace_back(static_cast<double>(size), SizeName(size));
     lat.x_ticks.emplace_back(static_cast<double>(size), SizeName(size));
@@ -419,7 +526,7 @@ int RunBenchP2P(const BenchP2POptions& o) {
   }
   const bool on_gpu = !devices->src.host_accessible() || !devices->dst.host_accessible();
   std::unique_ptr<NetnsHost> netns;
-  if (o.netns && !MakeNetnsHost("p2p", &netns)) return 1;
+  if ((o.netns || o.mixed) && !MakeNetnsHost("p2p", &netns)) return 1;
   // Ceilings, measured in the same run: memcpy, and the raw fabric the verbs protocols use.
   std::printf(
       "tensorverbs bench p2p: sizes %s; protocols %s; per size a warm-up stream, then %d "
@@ -435,7 +542,9 @@ int RunBenchP2P(const BenchP2POptions& o) {
   std::vector<P2PRow> rows;
   int64_t next_step = 1;
   for (const std::string& protocol : *protocols) {
-    absl::Status s = RunProtocol(protocol, o, *devices, *sizes, netns.get(), &next_step, &rows);
+    absl::Status s =
+        o.mixed ? RunMixed(protocol, o, *devices, *sizes, *netns, &next_step, &rows)
+                : RunProtocol(protocol, o, *devices, *sizes, netns.get(), &next_step, &rows);
     if (!s.ok()) {
       std::fprintf(stderr, "tensorverbs bench p2p: %s: %s\n", protocol.c_str(),
                    s.ToString().c_str());
@@ -443,9 +552,13 @@ int RunBenchP2P(const BenchP2POptions& o) {
     }
   }
 
-  PrintRatios(*protocols, *sizes, rows, c);
-  if (on_gpu) PrintDeviceStages(*devices, rows, c);
-  PrintGoals(rows, c);
+  if (o.mixed) {
+    PrintMixed(*protocols, *sizes, rows, c);
+  } else {
+    PrintRatios(*protocols, *sizes, rows, c);
+    if (on_gpu) PrintDeviceStages(*devices, rows, c);
+    PrintGoals(rows, c);
+  }
   if (!o.json.empty() &&
       !WriteJsonRows(o.json, P2PJson(*devices, rows, c), "tensorverbs bench p2p")) {
     return 1;

@@ -77,7 +77,10 @@ struct BenchP2POptions {
   std::string protocols;  // empty: every available protocol
   std::string json;
   std::string plot;
-  bool netns = false;         // the peer in its own network namespace, joined by veth
+  bool netns = false;  // the peer in its own network namespace, joined by veth
+  // Also a pair inside a two-host cluster (a third task in a network namespace), beside the
+  // pair alone, so each pair runs over the fabric chosen for it.
+  bool mixed = false;
   int iters = 0;              // 0: chosen per size
   int window = 0;             // bandwidth recvs outstanding; 0: chosen per size
   std::string poll_mode;      // empty: TENSORVERBS_POLL_MODE

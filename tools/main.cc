@@ -107,6 +107,10 @@ int main(int argc, char** argv) {
   bench_p2p->add_option("--plot", p2p.plot, "Draw bandwidth and latency into this PNG");
   bench_p2p->add_flag("--netns", p2p.netns,
                       "Run the peer in its own network namespace joined by veth (root)");
+  bench_p2p->add_flag("--mixed", p2p.mixed,
+                      "Each protocol as a pair alone on this host, then inside a cluster of two "
+                      "hosts (a third task in a network namespace; root): the same-host pair and "
+                      "a cross-host pair, each over its own fabric");
   bench_p2p->add_option("--iters", p2p.iters, "Recvs per size and phase (default: by size)");
   bench_p2p->add_option("--window", p2p.window,
                         "Recvs outstanding for bandwidth (default: by size)");

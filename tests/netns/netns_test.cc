@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "tests/support/subprocess.h"
@@ -53,6 +54,33 @@ TEST_F(NetnsTest, P2PCrossesAVethPairOverTcp) {
     }
   }
   EXPECT_EQ(verbs_rows, 2);
+}
+
+// --mixed: the pair alone on this host, then a same-host and a cross-host pair of one cluster;
+// each row names the fabric its receiving channel reports.
+TEST_F(NetnsTest, P2PMixedRunsEachPairOverItsOwnFabric) {
+  const ScopedTempDir dir;
+  const std::string json = dir.File("mixed_p2p.json");
+  absl::StatusOr<ToolRun> run =
+      RunTool({"bench", "p2p", "--mixed", "--sizes", "4KiB,1MiB", "--iters", "20", "--window", "4",
+               "--repeat", "1", "--protocols", "grpc+verbs", "--json", json},
+              absl::Seconds(280));
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->exit_code, 0) << run->out;
+  EXPECT_THAT(run->out, HasSubstr("same-host pair / the pair alone"));
+  std::ifstream in(json);
+  nlohmann::json rows = nlohmann::json::parse(in, nullptr, false);
+  ASSERT_TRUE(rows.is_array());
+  std::map<std::string, int> fabric_rows;  // "pair: fabric" -> rows
+  for (const nlohmann::json& r : rows) {
+    if (r.value("protocol", "") != "grpc+verbs") continue;
+    EXPECT_GT(r.value("bandwidth_gbps", 0.0), 0) << r.dump();
+    ++fabric_rows[r.value("pair", "") + ": " + r.value("fabric", "")];
+  }
+  EXPECT_EQ(fabric_rows, (std::map<std::string, int>{{"same host, alone: shmem (shmem)", 2},
+                                                     {"other host, alone: ofi (tcp;ofi_rxm)", 2},
+                                                     {"same host, mixed: shmem (shmem)", 2},
+                                                     {"other host, mixed: ofi (tcp;ofi_rxm)", 2}}));
 }
 
 TEST_F(NetnsTest, ParameterServerStepsAcrossThreeHostsOnABridge) {
