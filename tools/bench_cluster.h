@@ -121,11 +121,14 @@ class BenchLayout {
 // launcher's BenchLayout::Run reports. Returns the process's exit code.
 int RunBenchTaskProcess(const std::function<absl::Status()>& task);
 
-// `tensorverbs bench-scale-task`: one task of `bench scale` (bench_scale.cc), of job "worker".
-// Prints "result <json>", then serves until its stdin says "exit".
+// `tensorverbs bench-scale-task`: one task of `bench scale` (bench_scale.cc), of job "worker",
+// placed by --cluster and --task or by --cluster-from (under srun). Prints "result <json>", then
+// serves until its stdin says "exit".
 struct BenchScaleTaskOptions {
   std::string cluster;
-  int task = 0;
+  std::string job;
+  int task = -1;             // unset
+  std::string cluster_from;  // "slurm" or "tf_config": the placement from the launcher
   int steps = 20;
   std::string bytes = "1KiB";
   BenchServerOptions server;

@@ -26,6 +26,7 @@
 #include "tools/bench_util.h"
 #include "tools/commands.h"
 #include "tools/netns.h"
+#include "tools/placement_flags.h"
 
 namespace tensorverbs::tools {
 namespace {
@@ -34,12 +35,19 @@ constexpr char kJob[] = "worker";
 
 absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   const absl::Time start = absl::Now();
-  ASSIGN_OR_RETURN(ClusterSpec cluster, ClusterSpec::Parse(o.cluster));
+  ASSIGN_OR_RETURN(TaskPlacement placement,
+                   PlacementFromFlags(o.cluster_from, o.cluster, o.job, o.task));
+  const ClusterSpec& cluster = placement.cluster;
+  const int task = placement.task;
+  if (placement.job != kJob) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bench scale's tasks are of job '", kJob, "', not '", placement.job, "'"));
+  }
   ASSIGN_OR_RETURN(size_t bytes, ParseSize(o.bytes));
   ServerOptions options = ServerOptions::FromConfig(Config::Get());
   options.cluster = cluster;
   options.job = kJob;
-  options.task = o.task;
+  options.task = task;
   o.server.Apply(&options);
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(options));
   const absl::Time created = absl::Now();
@@ -49,7 +57,7 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   // Every peer's keys for this step's tensor, both ways.
   std::vector<ParsedKey> to, from;
   for (int p = 0; p < n; ++p) {
-    if (p == o.task) continue;
+    if (p == task) continue;
     ASSIGN_OR_RETURN(uint64_t inc, server->PeerIncarnation(TaskName(kJob, p), absl::Minutes(1)));
     to.push_back(
         MakeKeys(server->device_name(), server->incarnation(), CpuDeviceName(kJob, p), {"a2a"})[0]);
@@ -59,7 +67,7 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
                    TensorShape::Create({static_cast<int64_t>(std::max<size_t>(bytes / 4, 1))}));
   ASSIGN_OR_RETURN(Tensor tensor,
                    Tensor::Allocate(server->recv_allocator(), DataType::kFloat32, shape));
-  FillBenchPattern(tensor.data(), tensor.TotalBytes(), static_cast<uint32_t>(o.task));
+  FillBenchPattern(tensor.data(), tensor.TotalBytes(), static_cast<uint32_t>(task));
   std::vector<double> step_ms;
   double first_ms = 0;
   for (int s = 0; s <= o.steps; ++s) {
@@ -83,7 +91,7 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
     registered = gauges.bytes + gauges.endpoint_bytes;
     channels = static_cast<int64_t>(verbs->NumReadyChannels());
   }
-  *result = {{"task", o.task},
+  *result = {{"task", task},
              {"create_ms", absl::ToDoubleMilliseconds(created - start)},
              {"setup_ms", absl::ToDoubleMilliseconds(connected - created)},
              {"first_step_ms", first_ms},
@@ -113,8 +121,12 @@ struct ScaleRow {
 };
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
-  ASSIGN_OR_RETURN(std::unique_ptr<BenchLayout> layout,
-                   BenchLayout::Create(tasks, o.netns, o.hosts));
+  std::unique_ptr<BenchLayout> layout;
+  if (o.launcher == "srun") {
+    ASSIGN_OR_RETURN(layout, BenchLayout::CreateUnderSrun({{kJob, tasks}}));
+  } else {
+    ASSIGN_OR_RETURN(layout, BenchLayout::Create(tasks, o.netns, o.hosts));
+  }
   const std::string cluster = absl::StrCat(kJob, "=", absl::StrJoin(layout->addresses(), ","));
   BenchServerOptions server;
   server.protocol = o.protocol;
@@ -123,9 +135,11 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
       std::vector<nlohmann::json> results,
       layout->Run(
           [&](int i) {
-            std::vector<std::string> args = {
-                "bench-scale-task", "--cluster",           cluster,   "--task", absl::StrCat(i),
-                "--steps",          absl::StrCat(o.steps), "--bytes", o.bytes};
+            std::vector<std::string> args = {"bench-scale-task"};
+            for (std::string& a : layout->PlacementArgs(cluster, kJob, i)) {
+              args.push_back(std::move(a));
+            }
+            args.insert(args.end(), {"--steps", absl::StrCat(o.steps), "--bytes", o.bytes});
             for (const std::string& a : server.ToArgs()) args.push_back(a);
             return args;
           },
@@ -165,6 +179,12 @@ int RunBenchScale(const BenchScaleOptions& o) {
                  std::string(counts.status().message()).c_str());
     return 2;
   }
+  if (o.launcher == "srun" && o.netns) {
+    std::fprintf(stderr,
+                 "tensorverbs bench scale: --launcher srun places the tasks where Slurm does; "
+                 "leave out --netns and --hosts\n");
+    return 2;
+  }
   if (o.steps < 1 || !ParseSize(o.bytes).ok() || (o.hosts > 0 && !o.netns) || o.hosts < 0) {
     std::fprintf(stderr,
                  "tensorverbs bench scale: --steps must be >= 1, --bytes a size, and --hosts "
@@ -173,7 +193,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
   }
   std::printf("bench scale: %s, all-to-all of %s tensors, %d steps%s\n", o.protocol.c_str(),
               o.bytes.c_str(), o.steps,
-              !o.netns      ? ", every task on this host"
+              o.launcher == "srun" ? ", each count one Slurm job step"
+              : !o.netns           ? ", every task on this host"
               : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
                             : ", one netns per task");
   std::printf("%6s %10s %12s %10s %9s %9s %14s %8s %8s %9s\n", "tasks", "setup ms", "1st step ms",
@@ -203,6 +224,7 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"bytes", o.bytes},
                     {"netns", o.netns},
                     {"hosts", o.hosts},
+                    {"launcher", o.launcher},
                     {"setup_ms", row->setup_ms},
                     {"first_step_ms", row->first_step_ms},
                     {"step_ms_p50", row->step_ms_p50},

@@ -148,6 +148,7 @@ struct BenchScaleOptions {
   int hosts = 0;  // with netns: this many hosts, tasks in blocks (0: one host per task)
   std::string json;
   std::string poll_mode;
+  std::string launcher = "local";  // "local" (processes here, or --netns) or "srun"
 };
 int RunBenchScale(const BenchScaleOptions& options);
 

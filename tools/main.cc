@@ -216,12 +216,21 @@ int main(int argc, char** argv) {
                           "With --netns: this many hosts, the tasks spread over them in blocks");
   bench_scale->add_option("--json", scale.json, "Write JSON rows to this file");
   bench_scale->add_option("--poll-mode", scale.poll_mode, "busy, blocking or adaptive");
+  bench_scale
+      ->add_option("--launcher", scale.launcher,
+                   "local: processes of this host (or --netns); srun: each task count one Slurm "
+                   "job step, the tasks placed by Slurm")
+      ->check(CLI::IsMember({"local", "srun"}))
+      ->default_val(scale.launcher);
 
   BenchScaleTaskOptions scale_task;
   CLI::App* scale_task_cmd = app.add_subcommand("bench-scale-task", "One task of bench scale");
   scale_task_cmd->group("");
-  scale_task_cmd->add_option("--cluster", scale_task.cluster)->required();
-  scale_task_cmd->add_option("--task", scale_task.task)->required();
+  scale_task_cmd->add_option("--cluster", scale_task.cluster);
+  scale_task_cmd->add_option("--job", scale_task.job);
+  scale_task_cmd->add_option("--task", scale_task.task);
+  scale_task_cmd->add_option("--cluster-from", scale_task.cluster_from)
+      ->check(CLI::IsMember({"slurm", "tf_config"}));
   scale_task_cmd->add_option("--steps", scale_task.steps)->required();
   scale_task_cmd->add_option("--bytes", scale_task.bytes)->required();
   scale_task_cmd->add_option("--protocol", scale_task.server.protocol)->required();

@@ -2,7 +2,8 @@
 here with a configuration, a munge key and state that live in a temporary folder, then
 `tensorverbs demo --launcher srun` trains over grpc+verbs with 1 ps + 3 workers, each task
 placed by the SLURM_* variables srun gives it (`demo-task --cluster-from slurm`), and
-`tensorverbs bench ps --launcher srun` runs ResNet-50's steps the same way.
+`tensorverbs bench ps --launcher srun` runs ResNet-50's steps the same way, and `tensorverbs bench
+scale --launcher srun` its all-to-all steps for 2 and 4 tasks.
 
     srun_demo_test.py TENSORVERBS_BINARY
     srun_demo_test.py TENSORVERBS_BINARY --bad-input
@@ -16,6 +17,7 @@ the daemons are stopped and the folder removed.
 """
 
 import ctypes
+import json
 import os
 import random
 import re
@@ -221,6 +223,12 @@ def bad_input(tool):
            "TENSORVERBS_SLURM_JOBS")
     expect("no ps job", task, dict(slurm, SLURM_PROCID="0", TENSORVERBS_SLURM_JOBS="worker:4"),
            2, "one ps task")
+    expect("bench scale placed twice", ["bench", "scale", "--launcher", "srun", "--netns"], base,
+           2, "--launcher srun places the tasks", "leave out --netns")
+    scale_task = ["bench-scale-task", "--cluster-from", "slurm", "--steps", "1", "--bytes", "4B",
+                  "--protocol", "grpc"]
+    expect("bench scale's task of another job", scale_task, dict(slurm, SLURM_PROCID="0"), 1,
+           "bench scale's tasks are of job 'worker', not 'ps'")
     for f in failures:
         print(f"FAIL: {f}")
     return 1 if failures else 0
@@ -287,7 +295,25 @@ def main():
         if r.returncode != 0 or "1 ps + 2 workers launched by srun" not in r.stdout or not row:
             print(f"FAIL: bench ps under srun (exit {r.returncode})\n{slurm.logs()}")
             return 1
-        print(f"PASS: the demo and bench ps ran under srun in {time.monotonic() - started:.1f} s")
+        # bench scale the same way: each task count one job step of all-to-all steps.
+        json_path = os.path.join(folder, "scale.json")
+        r = subprocess.run([tool, "bench", "scale", "--launcher", "srun", "--tasks", "2,4",
+                            "--steps", "5", "--json", json_path],
+                           capture_output=True, text=True, env=env, timeout=left())
+        print(r.stdout)
+        print(r.stderr, file=sys.stderr)
+        rows = []
+        if r.returncode == 0 and os.path.exists(json_path):
+            with open(json_path) as f:
+                rows = json.load(f)
+        counts = [row.get("tasks") for row in rows
+                  if row.get("launcher") == "srun" and "error" not in row
+                  and row.get("channels_per_task", 0) == 2 * (row.get("tasks", 0) - 1)]
+        if r.returncode != 0 or "each count one Slurm job step" not in r.stdout or counts != [2, 4]:
+            print(f"FAIL: bench scale under srun (exit {r.returncode}, rows {rows})\n{slurm.logs()}")
+            return 1
+        print(f"PASS: the demo, bench ps and bench scale ran under srun in "
+              f"{time.monotonic() - started:.1f} s")
         return 0
     finally:
         slurm.stop()
