@@ -420,5 +420,29 @@ TEST_F(ShmemFabricTest, APeerThatNeverConnectedBackIsStillSeenLeaving) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("is gone"));
 }
 
+// A peer that left is seen once: from then on its hung-up connection no longer ends every Wait
+// at once, so a loop whose channel to it has not closed yet still sleeps instead of spinning.
+TEST_F(ShmemFabricTest, AWaitSleepsAgainOnceAPeerThatLeftHasBeenSeen) {
+  auto mr = *b_->RegisterMemory(dst_->data(), dst_->size(), kAccessRemoteWrite);
+  eb_.reset();
+  absl::Status s;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    (void)a_->Wait(absl::Milliseconds(20));
+    PollFor(*a_, 1, absl::Milliseconds(1));
+    s = ea_->PostWrite(Local(64), Remote(*mr), 1);
+    if (!s.ok()) break;
+  }
+  ASSERT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  int quick = 0;
+  for (int i = 0; i < 5; ++i) {
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(a_->Wait(absl::Milliseconds(20)).ok());
+    if (absl::Now() - start < absl::Milliseconds(10)) ++quick;
+    PollFor(*a_, 1, absl::Milliseconds(1));
+  }
+  EXPECT_EQ(quick, 0) << "Waits that ended at once, for a hang-up already seen";
+}
+
 }  // namespace
 }  // namespace tensorverbs::fabric

@@ -64,6 +64,9 @@ class ShmemEndpoint final : public EndpointBase {
   void CheckConnection() { conn_.CheckConnection(); }
 
   int conn_fd() const { return conn_.conn_fd(); }
+  // Whether the peer is known to be gone (or the connection broke): its hung-up connection
+  // then has nothing more to say, and a sleep that still watched it would end at once.
+  bool PeerKnownGone() const { return !conn_.Usable().ok(); }
   bool HasInbound() const;
   bool HasPending() const { return !pending_.empty(); }
   // Device copies this endpoint has running.

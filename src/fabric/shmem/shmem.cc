@@ -182,10 +182,14 @@ class ShmemDomain final : public Domain {
       if (ep->HasInbound()) return false;
     }
     // The doorbell, and our connections to the peers' servers: one that closes means its peer
-    // is gone, which the next Poll reports.
+    // is gone, which the next Poll reports. Once it has, that connection is left out: it stays
+    // hung up until the channel closes the endpoint, and every sleep would end at once, the
+    // thread spinning through them (a peer timeout's worth, with no operation to fail).
     fds->push_back({d_->bell_fd, POLLIN, 0});
     for (ShmemEndpoint* ep : live) {
-      if (ep->conn_fd() >= 0) fds->push_back({ep->conn_fd(), POLLRDHUP, 0});
+      if (ep->conn_fd() >= 0 && !ep->PeerKnownGone()) {
+        fds->push_back({ep->conn_fd(), POLLRDHUP, 0});
+      }
     }
     return true;
   }
