@@ -434,6 +434,8 @@ TEST_F(ShmemFabricTest, AWaitSleepsAgainOnceAPeerThatLeftHasBeenSeen) {
     if (!s.ok()) break;
   }
   ASSERT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  // The leaving may also ring a's doorbell once (its descriptor server's notice, which can come
+  // after the failed post under load): one Wait may end early for that, not every one.
   int quick = 0;
   for (int i = 0; i < 5; ++i) {
     const absl::Time start = absl::Now();
@@ -441,7 +443,7 @@ TEST_F(ShmemFabricTest, AWaitSleepsAgainOnceAPeerThatLeftHasBeenSeen) {
     if (absl::Now() - start < absl::Milliseconds(10)) ++quick;
     PollFor(*a_, 1, absl::Milliseconds(1));
   }
-  EXPECT_EQ(quick, 0) << "Waits that ended at once, for a hang-up already seen";
+  EXPECT_LE(quick, 1) << "Waits that ended at once, for a hang-up already seen";
 }
 
 }  // namespace
