@@ -115,17 +115,20 @@ absl::Status SharedWrites::AwaitPeerParts(uint64_t parts) {
   SharedWrite& w = conn_.out()->share;
   const absl::Time start = CoarseNow();
   // A part takes microseconds; the peer's thread may be preempted mid-part, so after a while
-  // this yields its core, and now and then looks whether the peer is still there.
+  // this yields its core, and every 16 yields looks whether the peer is still there and the
+  // time is up. On a loaded machine one yield can give the core away for a whole time slice:
+  // looking every 65,536 yields, as it did, let a stalled reader hold a write seconds past the
+  // timeout.
   for (uint64_t spins = 0; Atomic(w.done).load(std::memory_order_acquire) < parts; ++spins) {
     if (spins < 4096) {
       CpuRelax();
       continue;
     }
     sched_yield();
-    if (spins % 1024 != 0) continue;
+    if (spins % 16 != 0) continue;
     conn_.CheckConnection();
     RETURN_IF_ERROR(conn_.Usable());
-    if (spins % (1024 * 64) == 0 && CoarseNow() - start > op_timeout_) {
+    if (CoarseNow() - start > op_timeout_) {
       return conn_.Break(absl::DeadlineExceededError(
           absl::StrCat("shmem: the peer of ", conn_.LocalAddress(), " (pid ", conn_.peer_pid(),
                        ") claimed part of a shared write and did not finish it within ",
