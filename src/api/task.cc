@@ -188,18 +188,23 @@ Task::Task(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Task::~Task() {
   Stop();
   ReapParked();
+  // On one of the task's own threads, Dispose already hands the last reference to a thread of
+  // its own, and nothing here may wait: the task goes once this callback ends.
+  if (impl_->server->OnOwnThread()) {
+    impl_.reset();
+    return;
+  }
   // The last reference may go here, and ~Server joins the task's threads: a recv callback that
   // never returns is one of them. So it goes on a thread of its own, waited for up to the stop
   // timeout as Stop is.
   const absl::Duration timeout = impl_->stop_timeout;
   const std::string name = impl_->name;
-  const bool own_thread = impl_->server->OnOwnThread();  // the task goes once this callback ends
   auto gone = std::make_shared<Notification>();
   std::thread([impl = std::move(impl_), gone]() mutable {
     impl.reset();  // where the last reference goes, Dispose destroys or parks the task
     gone->Notify();
   }).detach();
-  if (!own_thread && !gone->WaitForNotificationWithTimeout(timeout)) {
+  if (!gone->WaitForNotificationWithTimeout(timeout)) {
     LOG(ERROR) << "task " << name << ": destroying it gave up after "
                << absl::FormatDuration(timeout)
                << " (TENSORVERBS_STOP_TIMEOUT_MS): the task waits for its threads, and a recv "
