@@ -16,7 +16,6 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -32,12 +31,16 @@
 namespace tensorverbs::tools {
 namespace {
 
+// The pairs of --mixed.
+constexpr char kSameHostAlone[] = "same host, alone";
+constexpr char kOtherHostAlone[] = "other host, alone";
+constexpr char kSameHostMixed[] = "same host, mixed";
+constexpr char kOtherHostMixed[] = "other host, mixed";
+
 struct P2PRow {
   std::string protocol;
   std::string fabric;
-  // With --mixed, which pair: "same host, alone", "other host, alone", "same host, mixed" or
-  // "other host, mixed".
-  std::string pair;
+  std::string pair;  // with --mixed, one of the four above
   size_t size = 0;
   int lat_iters = 0, bw_iters = 0, window = 0, repeat = 1;
   // Medians over the repetitions; the ranges beside them.
@@ -49,6 +52,10 @@ struct P2PRow {
   double device_copies_per_transfer = 0;
   std::string path;
 };
+
+bool CrossesHosts(const P2PRow& r) {
+  return r.pair == kOtherHostAlone || r.pair == kOtherHostMixed;
+}
 
 int LatencyIters(size_t size) {
   return static_cast<int>(std::clamp<size_t>((size_t{512} << 20) / size, 8, 2000));
@@ -156,14 +163,14 @@ absl::Status RunMixed(const std::string& protocol, const BenchP2POptions& o,
                       const NetnsHost& netns, int64_t* next_step, std::vector<P2PRow>* rows) {
   const BenchServerOptions server = ServerFor(protocol, o, devices);
   for (const NetnsHost* host : {static_cast<const NetnsHost*>(nullptr), &netns}) {
-    const char* pair = host == nullptr ? "same host, alone" : "other host, alone";
+    const char* pair = host == nullptr ? kSameHostAlone : kOtherHostAlone;
     ASSIGN_OR_RETURN(std::unique_ptr<PairBench> alone, PairBench::Start(server, host));
     std::printf("\n%s, %s: 2 processes%s, task 1 -> task 0 over %s\n", protocol.c_str(), pair,
                 host == nullptr ? "" : " in two network namespaces", alone->fabric().c_str());
     RETURN_IF_ERROR(MeasureSizes(*alone, protocol, pair, o, devices, sizes, next_step, rows));
   }
   ASSIGN_OR_RETURN(std::unique_ptr<PairBench> mixed, PairBench::StartMixed(server, netns));
-  const char* pairs[] = {"same host, mixed", "other host, mixed"};
+  const char* pairs[] = {kSameHostMixed, kOtherHostMixed};
   for (int peer = 0; peer < 2; ++peer) {
     mixed->UseSender(peer);
     std::printf(
@@ -275,23 +282,18 @@ void PrintMixed(const std::vector<std::string>& protocols, const std::vector<siz
     std::printf("%10s", SizeName(size).c_str());
     const FabricRow* net = FindFabricRow(c.network_rows, size);
     for (const std::string& p : protocols) {
-      const P2PRow* alone = FindRow(rows, p, size, "same host, alone");
-      const P2PRow* local = FindRow(rows, p, size, "same host, mixed");
-      const P2PRow* remote = FindRow(rows, p, size, "other host, mixed");
-      const P2PRow* remote_alone = FindRow(rows, p, size, "other host, alone");
-      std::string same = "-", cross = "-", cross_alone = "-";
-      if (alone != nullptr && local != nullptr && alone->bw_gbps > 0) {
-        same = absl::StrFormat("%.2fx", local->bw_gbps / alone->bw_gbps);
-      }
-      if (net != nullptr && remote != nullptr && net->bw_gbps > 0) {
-        cross = absl::StrFormat("%.2fx", remote->bw_gbps / net->bw_gbps);
-      }
-      if (net != nullptr && remote_alone != nullptr && net->bw_gbps > 0) {
-        cross_alone = absl::StrFormat("%.2fx", remote_alone->bw_gbps / net->bw_gbps);
-      }
-      std::printf(
-          " %44s",
-          absl::StrCat("same ", same, ", cross ", cross, " (alone ", cross_alone, ")").c_str());
+      // A pair's bandwidth over a ceiling's, or "-" where either was not measured.
+      auto ratio = [&](const char* pair, double ceiling) -> std::string {
+        const P2PRow* r = FindRow(rows, p, size, pair);
+        if (r == nullptr || ceiling <= 0) return "-";
+        return absl::StrFormat("%.2fx", r->bw_gbps / ceiling);
+      };
+      const P2PRow* alone = FindRow(rows, p, size, kSameHostAlone);
+      const double net_gbps = net != nullptr ? net->bw_gbps : 0;
+      std::printf(" %44s", absl::StrCat("same ", ratio(kSameHostMixed, alone ? alone->bw_gbps : 0),
+                                        ", cross ", ratio(kOtherHostMixed, net_gbps), " (alone ",
+                                        ratio(kOtherHostAlone, net_gbps), ")")
+                               .c_str());
     }
     std::printf("\n");
   }
@@ -430,8 +432,8 @@ nlohmann::json P2PJson(const DevicePair& devices, const std::vector<P2PRow>& row
     if (c.h2d.count(r.size)) j["cuda_h2d_gbps"] = c.h2d.at(r.size).host_to_device_gbps;
     // A cross-host pair of --mixed is held against the network fabric; the rest against the
     // fabric they run over.
-    const bool remote = absl::StartsWith(r.pair, "other host");
-    if (const FabricRow* f = FindFabricRow(remote ? c.network_rows : c.fabric_rows, r.size)) {
+    if (const FabricRow* f =
+            FindFabricRow(CrossesHosts(r) ? c.network_rows : c.fabric_rows, r.size)) {
       j["fabric_write_gbps"] = f->bw_gbps;
       j["ratio_to_fabric_write"] = r.bw_gbps / f->bw_gbps;
       j["fabric_round_trip_us"] = 2 * f->p50_us;
