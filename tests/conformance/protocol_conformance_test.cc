@@ -417,6 +417,8 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
     ASSERT_FALSE(cancelled.status().ok());
   }
   const int64_t bytes = kTensors * 256 * 4;
+  // Compared as strings: a const char* compared with a literal compares addresses.
+  const absl::string_view protocol = design().protocol;
   proto::GetStatsResponse receiver = server(0).CollectStats();
   EXPECT_EQ(receiver.task_name(), "/job:worker/replica:0/task:0");
   EXPECT_EQ(receiver.protocol(), design().protocol);
@@ -434,17 +436,17 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
     EXPECT_EQ(from_peer->state(), "ready");
     // The pool memory the tensors were written into is registered (grpc+gdr sends tensors this
     // small inline in its response).
-    if (design().protocol != "grpc+gdr") {
+    if (protocol != "grpc+gdr") {
       EXPECT_GE(receiver.counters().at("registered_regions"), 1);
       EXPECT_GE(receiver.counters().at("registered_bytes"), bytes);
     }
-    if (from_peer->counters().contains("registrations") && design().protocol == "grpc+verbs") {
+    if (from_peer->counters().contains("registrations") && protocol == "grpc+verbs") {
       // Per-channel keys: the peer wrote through registrations made for it alone.
       EXPECT_GE(from_peer->counters().at("registrations"), 1);
       EXPECT_GE(receiver.counters().at("channel_registrations"),
                 from_peer->counters().at("registrations"));
     }
-    if (design().protocol != "grpc+gdr") {  // gdr's tensors arrive by reads, outside channels
+    if (protocol != "grpc+gdr") {  // gdr's tensors arrive by reads, outside channels
       EXPECT_EQ(from_peer->counters().at("tensors_received"), kTensors);
       EXPECT_EQ(from_peer->counters().at("bytes_received"), bytes);
       EXPECT_GE(from_peer->counters().at("requests"), kTensors);
@@ -464,7 +466,7 @@ TEST_P(ProtocolTest, StatsCountEachTasksAndEachChannelsTensorsAndBytes) {
       EXPECT_EQ(to_peer->counters().at("tensors_sent"), kTensors);
       // Copy mode writes each payload with its header.
       EXPECT_GE(to_peer->counters().at("bytes_sent"), bytes);
-      if (design().protocol == "grpc+verbs") {
+      if (protocol == "grpc+verbs") {
         EXPECT_EQ(to_peer->counters().at("bytes_sent"), bytes);
       }
       EXPECT_EQ(sender.counters().at("tensors_sent"), kTensors);
