@@ -1,6 +1,8 @@
 // The public Task and Step (include/tensorverbs/task.h) over the server and its rendezvous.
 #include "tensorverbs/task.h"
 
+#include <pthread.h>
+
 #include <optional>
 #include <thread>
 #include <utility>
@@ -109,10 +111,24 @@ absl::StatusOr<DeviceName> TaskDevice(absl::string_view task) {
 
 // Tasks whose last reference went while tensors from their pools (host or GPU) were still
 // referenced: stopped, but kept (with their pool's memory) until those tensors are gone, so no
-// Tensor ever points at unmapped memory. Reaped whenever a task starts or goes.
+// Tensor ever points at unmapped memory. A reaper thread, running only while some task is
+// parked, looks at their pools every kReapEvery (and when woken: a task parked, started or
+// gone) and destroys a task once its pools have been idle at every look for kIdleFor. It runs
+// apart from the callers, so a parked task whose destruction blocks (a callback of it that
+// never returns) holds only the reaper, never a Task::Start or a ~Task. Waiting for a second
+// idle look keeps the destruction clear of a thread that has just freed the last tensor and
+// has not yet left the pool's code.
+constexpr absl::Duration kReapEvery = absl::Milliseconds(50);
+constexpr absl::Duration kIdleFor = absl::Milliseconds(10);
 struct Parked {
+  struct Entry {
+    Task::Impl* task = nullptr;
+    std::optional<absl::Time> idle_since;  // the first of the looks in a row that saw it idle
+  };
   Mutex mu;
-  std::vector<Task::Impl*> tasks ABSL_GUARDED_BY(mu);
+  std::vector<Entry> tasks ABSL_GUARDED_BY(mu);
+  bool reaper_running ABSL_GUARDED_BY(mu) = false;
+  bool wake ABSL_GUARDED_BY(mu) = false;
 };
 Parked& parked() {
   static Parked* p = new Parked();  // never destroyed: tensors may go during exit
@@ -120,6 +136,52 @@ Parked& parked() {
 }
 
 bool PoolInUse(const Task::Impl& impl) { return impl.server->PoolsInUse(); }
+
+void Reaper() {
+  pthread_setname_np(pthread_self(), "tv-reaper");
+  Parked& all = parked();
+  all.mu.Lock();
+  while (!all.tasks.empty()) {
+    all.mu.AwaitWithTimeout([&all]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(all.mu) { return all.wake; },
+                            kReapEvery);
+    all.wake = false;
+    std::vector<Task::Impl*> done;
+    const absl::Time now = absl::Now();
+    for (auto it = all.tasks.begin(); it != all.tasks.end();) {
+      if (PoolInUse(*it->task)) {
+        it->idle_since.reset();
+      } else if (!it->idle_since.has_value()) {
+        it->idle_since = now;
+      }
+      if (it->idle_since.has_value() && now - *it->idle_since >= kIdleFor) {
+        done.push_back(it->task);
+        it = all.tasks.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (done.empty()) continue;
+    all.mu.Unlock();
+    for (Task::Impl* p : done) delete p;  // outside the lock: ~Server joins threads
+    all.mu.Lock();
+  }
+  all.reaper_running = false;
+  all.mu.Unlock();
+}
+
+// Has the reaper look now, starting it if a task is parked and it is not running.
+void WakeReaperLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(parked().mu) {
+  Parked& all = parked();
+  all.wake = true;
+  if (all.reaper_running || all.tasks.empty()) return;
+  all.reaper_running = true;
+  std::thread(Reaper).detach();
+}
+
+void WakeReaper() {
+  MutexLock lock(&parked().mu);
+  WakeReaperLocked();
+}
 
 // The deleter of a task: its last reference went, whoever held it (the Task, a Step, Stop's
 // thread). By then the server has stopped, as Stop's thread holds a reference until it has, so
@@ -134,35 +196,17 @@ void Dispose(Task::Impl* p) {
   }
   if (p->server != nullptr && PoolInUse(*p)) {
     MutexLock lock(&parked().mu);
-    parked().tasks.push_back(p);
+    parked().tasks.push_back({p, std::nullopt});
+    WakeReaperLocked();
     return;
   }
   delete p;
 }
 
-void ReapParked() {
-  std::vector<Task::Impl*> done;
-  {
-    MutexLock lock(&parked().mu);
-    std::vector<Task::Impl*>& tasks = parked().tasks;
-    for (auto it = tasks.begin(); it != tasks.end();) {
-      // Not from a thread of the parked task itself (a late callback of it starting a task),
-      // which its destruction would join.
-      if (!PoolInUse(**it) && !(*it)->server->OnOwnThread()) {
-        done.push_back(*it);
-        it = tasks.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  for (Task::Impl* p : done) delete p;  // outside the lock: ~Server joins threads
-}
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Task>> Task::Start(TaskOptions options) {
-  ReapParked();
+  WakeReaper();
   ASSIGN_OR_RETURN(ServerOptions server_options, ServerOptions::FromEnvironment());
   server_options.cluster = std::move(options.cluster);
   server_options.job = std::move(options.job);
@@ -187,7 +231,7 @@ Task::Task(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Task::~Task() {
   Stop();
-  ReapParked();
+  WakeReaper();
   // On one of the task's own threads, Dispose already hands the last reference to a thread of
   // its own, and nothing here may wait: the task goes once this callback ends.
   if (impl_->server->OnOwnThread()) {
