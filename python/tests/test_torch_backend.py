@@ -114,6 +114,15 @@ def test_groups_dropped_from_python_right_after_use_go_without_a_deadlock(tmp_pa
         assert f"rank {rank}: short-lived groups ok" in out
 
 
+def test_a_group_whose_last_reference_goes_in_its_own_callback_goes_and_the_rank_goes_on(
+        tmp_path):
+    # Before, the destructor on the group's worker waited for that worker to drain and join.
+    results = run_ranks(tmp_path, "group_dropped_in_its_callback", 2, timeout_s=30)
+    assert_all_ok(results)
+    for rank, (_, out) in enumerate(results):
+        assert f"rank {rank}: groups dropped in their callbacks ok" in out, out
+
+
 def test_ranks_that_disagree_on_the_world_size_fail_at_init(tmp_path):
     results = run_ranks(tmp_path, "mismatch", 2, timeout_s=5)
     assert_all_ok(results)

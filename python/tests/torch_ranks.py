@@ -12,6 +12,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -320,6 +321,33 @@ def short_lived_groups():
     dist.destroy_process_group()
 
 
+def group_dropped_in_its_callback():
+    # The last reference to a group goes inside its own work's future callback, which runs on
+    # the group's worker thread: the destructor cannot wait for that thread, so it must neither
+    # drain nor join it, and the rank goes on.
+    init()
+    for i in range(int(os.environ.get("TV_TEST_GROUPS", "5"))):
+        g = dist.new_group(list(range(WORLD)), backend="tensorverbs")
+        holder = [g]
+        ran = threading.Event()
+
+        def drop(fut, holder=holder, ran=ran):
+            holder.clear()  # the last reference, on the worker
+            ran.set()
+            return fut.value()
+
+        t = torch.full((3,), float(RANK))
+        fut = dist.all_reduce(t, group=g, async_op=True).get_future().then(drop)
+        dist.destroy_process_group(g)
+        del g
+        fut.wait()
+        assert ran.wait(TIMEOUT.total_seconds()), "the callback never ran"
+        check("all_reduce before the drop", t, torch.full((3,), float(sum(range(WORLD)))))
+    dist.all_reduce(torch.ones(3))  # the default group still works
+    print(f"rank {RANK}: groups dropped in their callbacks ok", flush=True)
+    dist.destroy_process_group()
+
+
 def mismatch():
     # Rank 0 thinks the world has two ranks; rank 1 thinks three.
     try:
@@ -331,7 +359,8 @@ def mismatch():
 
 
 SCENARIOS = {"conformance": conformance, "bad_input": bad_input, "peer_dies": peer_dies,
-             "mismatch": mismatch, "short_lived_groups": short_lived_groups}
+             "mismatch": mismatch, "short_lived_groups": short_lived_groups,
+             "group_dropped_in_its_callback": group_dropped_in_its_callback}
 
 if __name__ == "__main__":
     SCENARIOS[SCENARIO]()
