@@ -3,7 +3,9 @@
 
 #include <pthread.h>
 
+#include <cstdlib>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -113,11 +115,12 @@ absl::StatusOr<DeviceName> TaskDevice(absl::string_view task) {
 // referenced: stopped, but kept (with their pool's memory) until those tensors are gone, so no
 // Tensor ever points at unmapped memory. A reaper thread, running only while some task is
 // parked, looks at their pools every kReapEvery (and when woken: a task parked, started or
-// gone) and destroys a task once its pools have been idle at every look for kIdleFor. It runs
-// apart from the callers, so a parked task whose destruction blocks (a callback of it that
-// never returns) holds only the reaper, never a Task::Start or a ~Task. Waiting for a second
-// idle look keeps the destruction clear of a thread that has just freed the last tensor and
-// has not yet left the pool's code.
+// gone) and destroys a task once its pools have been idle at two looks kIdleFor apart, so a
+// tensor freed and another taken at once (a pool reused by a late callback) does not count. It
+// runs apart from the callers, so a parked task whose destruction blocks (a callback of it that
+// never returns) holds the reaper, never a Task::Start or a ~Task. Once the process has begun
+// to exit, parked tasks are left as they are: destroying a server then would race the static
+// destructors.
 constexpr absl::Duration kReapEvery = absl::Milliseconds(50);
 constexpr absl::Duration kIdleFor = absl::Milliseconds(10);
 struct Parked {
@@ -129,9 +132,19 @@ struct Parked {
   std::vector<Entry> tasks ABSL_GUARDED_BY(mu);
   bool reaper_running ABSL_GUARDED_BY(mu) = false;
   bool wake ABSL_GUARDED_BY(mu) = false;
+  bool exiting ABSL_GUARDED_BY(mu) = false;
+
+  // Has the reaper look now, starting it if a task is parked and it is not running.
+  void WakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 Parked& parked() {
-  static Parked* p = new Parked();  // never destroyed: tensors may go during exit
+  static Parked* p = [] {
+    std::atexit([] {
+      MutexLock lock(&parked().mu);
+      parked().exiting = true;
+    });
+    return new Parked();  // never destroyed: tensors may go during exit
+  }();
   return *p;
 }
 
@@ -141,10 +154,11 @@ void Reaper() {
   pthread_setname_np(pthread_self(), "tv-reaper");
   Parked& all = parked();
   all.mu.Lock();
-  while (!all.tasks.empty()) {
+  while (!all.tasks.empty() && !all.exiting) {
     all.mu.AwaitWithTimeout([&all]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(all.mu) { return all.wake; },
                             kReapEvery);
     all.wake = false;
+    if (all.exiting) break;
     std::vector<Task::Impl*> done;
     const absl::Time now = absl::Now();
     for (auto it = all.tasks.begin(); it != all.tasks.end();) {
@@ -169,18 +183,21 @@ void Reaper() {
   all.mu.Unlock();
 }
 
-// Has the reaper look now, starting it if a task is parked and it is not running.
-void WakeReaperLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(parked().mu) {
-  Parked& all = parked();
-  all.wake = true;
-  if (all.reaper_running || all.tasks.empty()) return;
-  all.reaper_running = true;
-  std::thread(Reaper).detach();
+void Parked::WakeLocked() {
+  wake = true;
+  if (reaper_running || tasks.empty() || exiting) return;
+  try {
+    std::thread(Reaper).detach();  // it waits for `mu`, held here
+    reaper_running = true;
+  } catch (const std::system_error& e) {
+    // Parked tasks then wait for the next task to start or go, which tries again.
+    LOG(ERROR) << "could not start the thread that frees parked tasks: " << e.what();
+  }
 }
 
 void WakeReaper() {
   MutexLock lock(&parked().mu);
-  WakeReaperLocked();
+  parked().WakeLocked();
 }
 
 // The deleter of a task: its last reference went, whoever held it (the Task, a Step, Stop's
@@ -197,7 +214,7 @@ void Dispose(Task::Impl* p) {
   if (p->server != nullptr && PoolInUse(*p)) {
     MutexLock lock(&parked().mu);
     parked().tasks.push_back({p, std::nullopt});
-    WakeReaperLocked();
+    parked().WakeLocked();
     return;
   }
   delete p;
