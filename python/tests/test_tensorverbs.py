@@ -183,13 +183,16 @@ def test_many_tensors_in_one_call_each_way(protocol):
                 receiving.recv_many([("worker:1", "here"), ("nohost", "x")], timeout=20)
 
 
-def test_small_tensors_stream_above_a_generous_floor(verbs_pair):
+def test_streams_of_small_tensors_arrive_whole_by_either_method(verbs_pair):
     # Each step: 256 tensors of 4 B sent in one call and received in one call (or one future
-    # each), both tasks in this process, steps begun, waited for and ended in the loop. The
-    # floor is generous: only losing the fast path, or worse, fails it, not a loaded machine.
+    # each), both tasks in this process, steps begun, waited for and ended in the loop. Every
+    # value is checked. The rate is printed, not asserted: a test does not time the machine (it
+    # failed a floor of 15k/s beside CPU hogs); bench/python_bench.py measures it.
     a, b = verbs_pair
     names = [f"t{i}" for i in range(256)]
     values = [b.empty(1, np.float32) for _ in names]
+    for i, v in enumerate(values):
+        v[0] = i
     keys = [("worker:1", n) for n in names]
     rates = {}
     for first, method in ((1, "recv_many"), (101, "recv_async")):
@@ -200,16 +203,16 @@ def test_small_tensors_stream_above_a_generous_floor(verbs_pair):
             with a.step(step_id) as receiving, b.step(step_id) as sending:
                 sending.send_many([("worker:0", n, v) for n, v in zip(names, values)])
                 if method == "recv_many":
-                    receiving.recv_many(keys, timeout=20)
+                    got = receiving.recv_many(keys, timeout=20)
                 else:
-                    for f in [receiving.recv_async("worker:1", n) for n in names]:
-                        f.result(timeout=20)
+                    got = [f.result(timeout=20)
+                           for f in [receiving.recv_async("worker:1", n) for n in names]]
+                assert [float(np.asarray(g)[0]) for g in got] == [float(i) for i in range(256)]
+                del got
                 sending.wait_until_sends_taken(20)
             received += len(names)
         rates[method] = received / (time.perf_counter() - start)
     print(f"4 B tensors per second: {rates}")
-    for method, rate in rates.items():
-        assert rate > 15000, f"{method}: {rate:.0f} tensors/s"
 
 
 def test_ending_a_step_cancels_its_pending_recvs(verbs_pair):
