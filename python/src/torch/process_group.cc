@@ -222,9 +222,15 @@ ProcessGroupTensorVerbs::~ProcessGroupTensorVerbs() {
   GilReleasedIfHeld no_gil;
   Unregister(this);
   // The last reference can go inside a work's future callback, on the worker itself, which
-  // cannot wait for itself: it neither drains nor joins, and fails what is still queued here.
+  // cannot wait for itself: it does not wait for the queue or join, and fails what is still
+  // queued here. It still waits for the peers to take what was sent: a peer finishing the
+  // collective that just ended here needs those messages.
   const bool on_worker = worker_.get_id() == std::this_thread::get_id();
-  if (!on_worker) Drain(kDrainLimit);
+  if (on_worker) {
+    DrainSends(kDrainLimit);
+  } else {
+    Drain(kDrainLimit);
+  }
   std::deque<Queued> never_run;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -255,6 +261,13 @@ void ProcessGroupTensorVerbs::Drain(std::chrono::milliseconds limit) {
     std::unique_lock<std::mutex> lock(mu_);
     // The collectives queued run first: their messages are the peers' too.
     cv_.wait(lock, [this] { return queue_.empty() && !running_; });
+  }
+  DrainSends(limit);
+}
+
+void ProcessGroupTensorVerbs::DrainSends(std::chrono::milliseconds limit) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     if (!group_error_.ok()) return;  // the peers do not wait for anything more
   }
   absl::Status s = step_->WaitUntilSendsTaken(absl::FromChrono(std::min(limit, timeout_)));

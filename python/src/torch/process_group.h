@@ -110,6 +110,8 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   // the peers took every message this rank sent; says on stderr what was left. A group that
   // failed does not wait.
   void Drain(std::chrono::milliseconds limit);
+  // Drain's second half: waits up to `limit` for the peers to take what this group sent.
+  void DrainSends(std::chrono::milliseconds limit);
 
   GroupStats stats() const;
   const std::string& protocol() const { return task_->protocol(); }
