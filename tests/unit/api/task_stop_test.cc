@@ -80,6 +80,17 @@ int ThreadsNamed(const std::string& name) {
 }
 int ProgressThreads() { return ThreadsNamed("tv-progress"); }
 
+// Waits up to `limit` for this process's threads named `name` to number `n`. Returns whether
+// they do. The reaper of parked tasks (tv-reaper) runs only while a task is parked, so one of it
+// means a task is parked and none that the parked tasks went.
+bool ThreadsComeTo(const std::string& name, int n, absl::Duration limit = absl::Seconds(10)) {
+  for (const absl::Time deadline = absl::Now() + limit;
+       ThreadsNamed(name) != n && absl::Now() < deadline;) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return ThreadsNamed(name) == n;
+}
+
 class TASK_STOP_TEST : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -190,10 +201,7 @@ TEST_F(TASK_STOP_TEST, ACallbackThatNeverReturnsHoldsTheDestructorOnlyUntilTheTi
   EXPECT_THAT(log, HasSubstr("a recv callback has not returned"));
 
   release.Notify();
-  const absl::Time deadline = absl::Now() + absl::Seconds(30);
-  while (ThreadsNamed("tv-callbacks") > callback_threads / 2 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  ThreadsComeTo("tv-callbacks", callback_threads / 2, absl::Seconds(30));
   EXPECT_EQ(ThreadsNamed("tv-callbacks"), callback_threads / 2) << "the task never went";
   EXPECT_TRUE(returned.HasBeenNotified());
   s0.reset();
@@ -237,35 +245,6 @@ TEST_F(TASK_STOP_TEST, ATaskStoppedAndDestroyedInItsOwnCallbackGoesOnceTheCallba
   EXPECT_EQ(Occurrences(log, "gave up"), 0) << log;
 }
 
-// Waits up to 10 s for this process's tv-callbacks threads to be `n`. Returns whether they are.
-bool CallbackThreadsComeDownTo(int n) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (ThreadsNamed("tv-callbacks") > n && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return ThreadsNamed("tv-callbacks") == n;
-}
-
-// Waits up to 10 s for a task to be parked, seen by the reaper that runs while one is (the
-// decision is made where the last reference goes, which can be a thread of its own). Returns
-// whether one is.
-bool ATaskIsParked() {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (ThreadsNamed("tv-reaper") == 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return ThreadsNamed("tv-reaper") == 1;
-}
-
-// Waits up to 10 s for the parked tasks' reaper to have finished. Returns whether it has.
-bool ParkedTasksGone() {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (ThreadsNamed("tv-reaper") > 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  return ThreadsNamed("tv-reaper") == 0;
-}
-
 // A Step can outlive its Task. Whichever holds the last reference, the task's pool stays while a
 // tensor of it lives, and goes once the tensor has, with no other task starting or going.
 TEST_F(TASK_STOP_TEST, AStepThatOutlivesItsTaskKeepsThePoolUnderATensorStillHeld) {
@@ -280,12 +259,12 @@ TEST_F(TASK_STOP_TEST, AStepThatOutlivesItsTaskKeepsThePoolUnderATensorStillHeld
   for (int i = 0; i < (1 << 20); ++i) wrong += bytes[i] != static_cast<uint8_t>(i * 7);
   EXPECT_EQ(wrong, 0);
   const int callback_threads = ThreadsNamed("tv-callbacks");  // both tasks'
-  EXPECT_TRUE(ATaskIsParked());
+  EXPECT_TRUE(ThreadsComeTo("tv-reaper", 1)) << "task 1 was not parked";
   held = Tensor();
-  EXPECT_TRUE(ParkedTasksGone()) << "the parked task never went";
+  EXPECT_TRUE(ThreadsComeTo("tv-reaper", 0)) << "the parked task never went";
   // Threads that handed the task on (its stop's, its deleter's) were started from its callback
   // threads and carry their name until they end.
-  EXPECT_TRUE(CallbackThreadsComeDownTo(callback_threads / 2)) << "task 1 never went";
+  EXPECT_TRUE(ThreadsComeTo("tv-callbacks", callback_threads / 2)) << "task 1 never went";
   tasks_[0].reset();
   EXPECT_EQ(ThreadsNamed("tv-callbacks"), 0) << "a task never went";
 }
@@ -315,12 +294,12 @@ TEST_F(TASK_STOP_TEST, ATaskEndedInItsCallbackWhileItsPoolsTensorIsHeldGoesOnceT
       s0->Send("worker:1", "x", *tasks_[0]->Empty(DataType::kFloat32, TensorShape::Of({4}))).ok());
   ASSERT_EQ(has_returned.wait_for(std::chrono::seconds(20)), std::future_status::ready);
   ASSERT_EQ(kept.TotalBytes(), 16u);
-  EXPECT_TRUE(ATaskIsParked());
+  EXPECT_TRUE(ThreadsComeTo("tv-reaper", 1)) << "task 1 was not parked";
   kept = Tensor();
-  EXPECT_TRUE(ParkedTasksGone()) << "the parked task never went";
+  EXPECT_TRUE(ThreadsComeTo("tv-reaper", 0)) << "the parked task never went";
   // Threads that handed the task on (its stop's, its deleter's) were started from its callback
   // threads and carry their name until they end.
-  EXPECT_TRUE(CallbackThreadsComeDownTo(callback_threads / 2)) << "task 1 never went";
+  EXPECT_TRUE(ThreadsComeTo("tv-callbacks", callback_threads / 2)) << "task 1 never went";
   s0.reset();
   tasks_[0].reset();
   EXPECT_EQ(ThreadsNamed("tv-callbacks"), 0);
