@@ -47,6 +47,9 @@ struct Peer {
   std::unique_ptr<support::Subprocess> process;
   int64_t next = 1;                     // the next step index to send or abort
   std::map<int64_t, int64_t> expected;  // step index -> bytes sent (-1: aborted)
+  std::map<int64_t, absl::Time> sent_at;  // step index -> when it was sent or aborted
+  int64_t last_reported = 0;              // the step index of its last report
+  absl::Time last_report_at = absl::InfinitePast();
 };
 
 TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat) {
@@ -65,6 +68,9 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
     next_base += 1000000;
     peer.next = 1;
     peer.expected.clear();
+    peer.sent_at.clear();
+    peer.last_reported = 0;
+    peer.last_report_at = absl::Now();
     absl::StatusOr<std::unique_ptr<support::Subprocess>> p = support::Subprocess::Start(
         testing::TestPeerPath(),
         {"--cluster", cluster, "--job", "worker", "--task", absl::StrCat(peer.task), "--step",
@@ -128,7 +134,38 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
         ADD_FAILURE() << "task " << peer.task << " step " << index << ": " << parts[2];
       }
       peer.expected.erase(it);
+      peer.sent_at.erase(index);
+      peer.last_reported = index;
+      peer.last_report_at = absl::Now();
     }
+  };
+  // What this side knows of `peer`'s unreported steps, for a failure: when each was sent or
+  // aborted, and whether the peer's request took its tensor (a sent tensor no request took
+  // is still pending here).
+  auto describe = [&](Peer& peer) {
+    std::string out = absl::StrCat("last report: step index ", peer.last_reported, ", ",
+                                   absl::FormatDuration(absl::Now() - peer.last_report_at),
+                                   " ago; unreported:");
+    for (const auto& [index, bytes] : peer.expected) {
+      const int64_t step = peer.base + index;
+      absl::StrAppend(&out, "\n  step ", step, " (index ", index, "): ");
+      if (bytes < 0) {
+        absl::StrAppend(&out, "aborted");
+      } else {
+        absl::StrAppend(&out, bytes, " bytes sent");
+        absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = mgr->Find(step);
+        if (r.ok()) {
+          absl::StrAppend(&out, (*r)->NumPendingSends() > 0 ? ", not taken by any request"
+                                                            : ", taken by a request");
+        } else {
+          absl::StrAppend(&out, ", ", r.status().ToString());
+        }
+      }
+      if (auto t = peer.sent_at.find(index); t != peer.sent_at.end()) {
+        absl::StrAppend(&out, ", ", absl::FormatDuration(absl::Now() - t->second), " ago");
+      }
+    }
+    return out;
   };
 
   while (absl::Now() - start < length) {
@@ -154,6 +191,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
         if (random() % 20 == 0) {
           mgr->Cleanup(step);  // aborted before its tensor exists
           peer.expected[index] = -1;
+          peer.sent_at[index] = absl::Now();
           continue;
         }
         const int64_t n = index % 50 == 0 ? (16 << 20) : elements[random() % elements.size()];
@@ -165,6 +203,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
                                                 CpuDeviceName("worker", peer.task), "stream"));
         ASSERT_TRUE((*mgr->Find(step))->Send(key, *t).ok());
         peer.expected[index] = n * 4;
+        peer.sent_at[index] = absl::Now();
       }
       collect(peer, absl::Milliseconds(5));
       // A step the peer has taken (or failed) is over on this side too.
@@ -173,14 +212,15 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
       }
     }
   }
-  // Drain: every outstanding step ends, one way or the other.
-  const absl::Time drain = absl::Now();
+  // Drain: every outstanding step ends, one way or the other. Each peer has a minute of its
+  // own, so that one slow peer cannot leave the next none.
   for (Peer& peer : peers) {
+    const absl::Time drain = absl::Now();
     while (!peer.expected.empty() && absl::Now() - drain < absl::Seconds(60)) {
       collect(peer, absl::Milliseconds(200));
     }
-    EXPECT_TRUE(peer.expected.empty())
-        << "task " << peer.task << " never reported " << peer.expected.size() << " step(s)";
+    EXPECT_TRUE(peer.expected.empty()) << "task " << peer.task << " never reported "
+                                       << peer.expected.size() << " step(s); " << describe(peer);
     for (int64_t index = 1; index < peer.next; ++index) mgr->Cleanup(peer.base + index);
   }
   absl::SleepFor(absl::Seconds(3));  // quarantines end
