@@ -176,7 +176,10 @@ void ProgressEngine::Loop() {
     }
     if (!deliveries_.empty()) {
       // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
-      // protocol's own work on a small tensor.
+      // protocol's own work on a small tensor. Named, because with inline callbacks the user's
+      // code runs here, and a stall report must not blame the step before it.
+      at(executor_->runs_inline() ? "a recv callback run inline"
+                                  : "handing recv callbacks to the executor");
       HandOffCallbacks();
       active = true;
     }

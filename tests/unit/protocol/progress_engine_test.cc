@@ -380,5 +380,33 @@ TEST_F(ProgressEngineTest, AStuckLoopIsReportedOnceNamingWhereItIsAndAgainAfterI
   EXPECT_EQ(engine_->StallReport(absl::ZeroDuration()), std::nullopt) << "stopped";
 }
 
+// A user callback run inline that blocks is where a stalled loop is, whatever the turn ran
+// before it: with housekeeping due every turn, the report used to name housekeeping.
+TEST_F(ProgressEngineTest, AStallInACallbackRunInlineIsReportedAsTheCallback) {
+  ProgressEngine::Options options;
+  options.name = "grpc+verbs over loopback";
+  options.housekeeping_interval = absl::ZeroDuration();  // due in every turn
+  MakeEngine(options, /*callback_threads=*/0);
+  engine_->Start();
+  Notification release, running;
+  ASSERT_TRUE(engine_->Post([&] {
+    engine_->DeliverRecv(Delivery([&] {
+      running.Notify();
+      release.WaitForNotification();
+    }));
+  }));
+  ASSERT_TRUE(running.WaitForNotificationWithTimeout(kPatience));
+  std::optional<std::string> report;
+  const absl::Time give_up = absl::Now() + kPatience;
+  while (!report.has_value() && absl::Now() < give_up) {
+    report = engine_->StallReport(absl::Milliseconds(100));
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  release.Notify();
+  ASSERT_TRUE(report.has_value());
+  EXPECT_THAT(*report, HasSubstr("a recv callback run inline"));
+  engine_->Stop();
+}
+
 }  // namespace
 }  // namespace tensorverbs::protocol
