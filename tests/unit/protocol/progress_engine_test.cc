@@ -47,6 +47,17 @@ class ProgressEngineTest : public ::testing::Test {
         std::make_unique<ProgressEngine>(domain_.get(), executor_.get(), options, std::move(hooks));
   }
 
+  // The engine's stall report once the loop has made no turn for `limit`, within kPatience.
+  std::optional<std::string> WaitForStallReport(absl::Duration limit) {
+    std::optional<std::string> report;
+    for (const absl::Time give_up = absl::Now() + kPatience;
+         !report.has_value() && absl::Now() < give_up;) {
+      report = engine_->StallReport(limit);
+      if (!report.has_value()) absl::SleepFor(absl::Milliseconds(10));
+    }
+    return report;
+  }
+
   void Log(std::string entry) {
     MutexLock lock(&mu_);
     log_.push_back(std::move(entry));
@@ -356,12 +367,7 @@ TEST_F(ProgressEngineTest, AStuckLoopIsReportedOnceNamingWhereItIsAndAgainAfterI
       release.WaitForNotification();
     }));
     ASSERT_TRUE(running.WaitForNotificationWithTimeout(kPatience));
-    std::optional<std::string> report;
-    const absl::Time give_up = absl::Now() + kPatience;
-    while (!report.has_value() && absl::Now() < give_up) {
-      report = engine_->StallReport(kLimit);
-      absl::SleepFor(absl::Milliseconds(10));
-    }
+    std::optional<std::string> report = WaitForStallReport(kLimit);
     ASSERT_TRUE(report.has_value());
     EXPECT_THAT(*report, HasSubstr("grpc+verbs over loopback"));
     EXPECT_THAT(*report, HasSubstr("no turn for"));
@@ -396,12 +402,7 @@ TEST_F(ProgressEngineTest, AStallInACallbackRunInlineIsReportedAsTheCallback) {
     }));
   }));
   ASSERT_TRUE(running.WaitForNotificationWithTimeout(kPatience));
-  std::optional<std::string> report;
-  const absl::Time give_up = absl::Now() + kPatience;
-  while (!report.has_value() && absl::Now() < give_up) {
-    report = engine_->StallReport(absl::Milliseconds(100));
-    absl::SleepFor(absl::Milliseconds(10));
-  }
+  std::optional<std::string> report = WaitForStallReport(absl::Milliseconds(100));
   release.Notify();
   ASSERT_TRUE(report.has_value());
   EXPECT_THAT(*report, HasSubstr("a recv callback run inline"));
