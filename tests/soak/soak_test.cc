@@ -46,8 +46,11 @@ struct Peer {
   int64_t base = 0;  // its steps are base+1, base+2, ...
   std::unique_ptr<support::Subprocess> process;
   int64_t next = 1;                     // the next step index to send or abort
-  std::map<int64_t, int64_t> expected;  // step index -> bytes sent (-1: aborted)
-  std::map<int64_t, absl::Time> sent_at;  // step index -> when it was sent or aborted
+  struct Sent {
+    int64_t bytes = 0;  // -1: aborted
+    absl::Time at;      // when it was sent or aborted
+  };
+  std::map<int64_t, Sent> expected;  // step index -> what was sent
   int64_t last_reported = 0;              // the step index of its last report
   absl::Time last_report_at = absl::InfinitePast();
 };
@@ -68,7 +71,6 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
     next_base += 1000000;
     peer.next = 1;
     peer.expected.clear();
-    peer.sent_at.clear();
     peer.last_reported = 0;
     peer.last_report_at = absl::Now();
     absl::StatusOr<std::unique_ptr<support::Subprocess>> p = support::Subprocess::Start(
@@ -120,21 +122,20 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
                       << ", which was never sent: " << *line;
         continue;
       }
-      if (parts[0] == "got" && absl::SimpleAtoi(parts[2], &bytes) && bytes == it->second) {
+      if (parts[0] == "got" && absl::SimpleAtoi(parts[2], &bytes) && bytes == it->second.bytes) {
         ++delivered;
         delivered_bytes += bytes;
-      } else if (parts[0] == "failed" && it->second < 0) {
+      } else if (parts[0] == "failed" && it->second.bytes < 0) {
         ++aborted;
       } else if (parts[0] == "got") {
         ++wrong;
         ADD_FAILURE() << "task " << peer.task << " step " << index << " got " << parts[2]
-                      << " bytes; sent " << it->second;
+                      << " bytes; sent " << it->second.bytes;
       } else {
         ++unexpected;
         ADD_FAILURE() << "task " << peer.task << " step " << index << ": " << parts[2];
       }
       peer.expected.erase(it);
-      peer.sent_at.erase(index);
       peer.last_reported = index;
       peer.last_report_at = absl::Now();
     }
@@ -146,13 +147,13 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
     std::string out = absl::StrCat("last report: step index ", peer.last_reported, ", ",
                                    absl::FormatDuration(absl::Now() - peer.last_report_at),
                                    " ago; unreported:");
-    for (const auto& [index, bytes] : peer.expected) {
+    for (const auto& [index, sent] : peer.expected) {
       const int64_t step = peer.base + index;
       absl::StrAppend(&out, "\n  step ", step, " (index ", index, "): ");
-      if (bytes < 0) {
+      if (sent.bytes < 0) {
         absl::StrAppend(&out, "aborted");
       } else {
-        absl::StrAppend(&out, bytes, " bytes sent");
+        absl::StrAppend(&out, sent.bytes, " bytes sent");
         absl::StatusOr<std::shared_ptr<RemoteRendezvous>> r = mgr->Find(step);
         if (r.ok()) {
           absl::StrAppend(&out, (*r)->NumPendingSends() > 0 ? ", not taken by any request"
@@ -161,9 +162,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
           absl::StrAppend(&out, ", ", r.status().ToString());
         }
       }
-      if (auto t = peer.sent_at.find(index); t != peer.sent_at.end()) {
-        absl::StrAppend(&out, ", ", absl::FormatDuration(absl::Now() - t->second), " ago");
-      }
+      absl::StrAppend(&out, ", ", absl::FormatDuration(absl::Now() - sent.at), " ago");
     }
     return out;
   };
@@ -179,7 +178,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
       victim.process->Signal(SIGKILL);
       ASSERT_TRUE(victim.process->Wait(absl::Seconds(10)).ok());
       support::UnlinkShmRegionsOf(victim.process->pid());
-      for (const auto& [index, bytes] : victim.expected) mgr->Cleanup(victim.base + index);
+      for (const auto& [index, sent] : victim.expected) mgr->Cleanup(victim.base + index);
       ++kills;
       ASSERT_NO_FATAL_FAILURE(start_peer(victim));
     }
@@ -190,8 +189,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
         const int64_t step = peer.base + index;
         if (random() % 20 == 0) {
           mgr->Cleanup(step);  // aborted before its tensor exists
-          peer.expected[index] = -1;
-          peer.sent_at[index] = absl::Now();
+          peer.expected[index] = {-1, absl::Now()};
           continue;
         }
         const int64_t n = index % 50 == 0 ? (16 << 20) : elements[random() % elements.size()];
@@ -202,8 +200,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
             *ParsedKey::Parse(ParsedKey::Create((*server)->device_name(), (*server)->incarnation(),
                                                 CpuDeviceName("worker", peer.task), "stream"));
         ASSERT_TRUE((*mgr->Find(step))->Send(key, *t).ok());
-        peer.expected[index] = n * 4;
-        peer.sent_at[index] = absl::Now();
+        peer.expected[index] = {n * 4, absl::Now()};
       }
       collect(peer, absl::Milliseconds(5));
       // A step the peer has taken (or failed) is over on this side too.
