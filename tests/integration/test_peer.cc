@@ -4,7 +4,10 @@
 // "late" (a copy of the first fixture), N ms after it is ready: a slow sender. With
 // --recv-from T --recv-steps N it also receives "stream" from task T of its job at steps
 // --step+1 .. --step+N, one at a time, printing "got <i> <bytes>" or "failed <i> <status>".
-// With --wait-for-peers 1 it sets up its channels to every peer before it says "ready".
+// With --wait-for-peers 1 it sets up its channels to every peer before it says "ready". With
+// --spares N it also sends "spare<i>" for i in 0..N-1 (testing::MakeSpare) at --step: one
+// fresh key for each try of a receiver that retries after a fault (a failed recv may have
+// consumed its tensor at the sender, so a retry must not ask for the same key).
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -12,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
@@ -26,6 +30,7 @@ int main(int argc, char** argv) {
   bool big = false;
   int late_ms = 0;
   int recv_from = -1, recv_steps = 0;
+  int spares = 0;
   bool wait_for_peers = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
@@ -51,6 +56,8 @@ int main(int argc, char** argv) {
       recv_from = std::stoi(value);
     else if (flag == "--recv-steps")
       recv_steps = std::stoi(value);
+    else if (flag == "--spares")
+      spares = std::stoi(value);
     else if (flag == "--wait-for-peers")
       wait_for_peers = value == "1";
   }
@@ -75,6 +82,16 @@ int main(int argc, char** argv) {
     std::string key =
         ParsedKey::Create((*server)->device_name(), (*server)->incarnation(), dst_device, f.name);
     absl::Status s = (*r)->Send(*ParsedKey::Parse(key), f.tensor, f.is_dead);
+    if (!s.ok()) {
+      std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
+      return 1;
+    }
+  }
+  const Tensor spare = testing::MakeSpare(seed);
+  for (int i = 0; i < spares; ++i) {
+    std::string key = ParsedKey::Create((*server)->device_name(), (*server)->incarnation(),
+                                        dst_device, absl::StrCat("spare", i));
+    absl::Status s = (*r)->Send(*ParsedKey::Parse(key), spare, /*is_dead=*/false);
     if (!s.ok()) {
       std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
       return 1;

@@ -59,4 +59,10 @@ std::vector<Fixture> MakeFixtures(uint32_t seed, bool with_big) {
   return out;
 }
 
+Tensor MakeSpare(uint32_t seed) {
+  Tensor spare = Tensor::Make(DataType::kFloat32, TensorShape::Of({4096}));
+  FillPattern(spare, seed + 700);
+  return spare;
+}
+
 }  // namespace tensorverbs::testing

@@ -24,6 +24,9 @@ void FillPattern(Tensor& t, uint32_t seed);
 // The standard set. `with_big` adds "big", a 64 MiB uint8 tensor.
 std::vector<Fixture> MakeFixtures(uint32_t seed, bool with_big);
 
+// What a test peer sends as each "spare<i>" (--spares): 16 KiB, so that grpc+gdr lends it.
+Tensor MakeSpare(uint32_t seed);
+
 }  // namespace tensorverbs::testing
 
 #endif  // TENSORVERBS_TESTS_SUPPORT_FIXTURES_H_
