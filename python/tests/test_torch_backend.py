@@ -5,6 +5,7 @@ ranks that disagree at init."""
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,8 +21,10 @@ except ImportError as e:
 RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_ranks.py")
 
 
-def run_ranks(tmp_path, scenario, world, protocol="grpc+verbs", timeout_s=60, env=None):
-    """Runs `world` ranks of `scenario`; returns [(returncode, output)] by rank."""
+def run_ranks(tmp_path, scenario, world, protocol="grpc+verbs", timeout_s=60, env=None,
+              ranks=None):
+    """Runs `world` ranks of `scenario` (or the processes of `ranks`, which may repeat or leave
+    out a rank); returns [(returncode, output)] by process."""
     run_env = dict(os.environ, TENSORVERBS_PROTOCOL=protocol, TV_TEST_TIMEOUT_S=str(timeout_s),
                    PYTHONDONTWRITEBYTECODE="1")
     run_env.update(env or {})
@@ -29,7 +32,7 @@ def run_ranks(tmp_path, scenario, world, protocol="grpc+verbs", timeout_s=60, en
     procs = [subprocess.Popen([sys.executable, RANKS, scenario, str(r), str(world), store],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=run_env)
-             for r in range(world)]
+             for r in (range(world) if ranks is None else ranks)]
     results = []
     deadline = time.monotonic() + timeout_s + 60
     stacks = {}
@@ -100,8 +103,10 @@ def test_a_peer_that_dies_fails_every_rank_within_the_peer_timeout(tmp_path):
         assert "the next one failed at once" in out, out
         seconds = float(out.split("all_reduce failed after ")[1].split(" s")[0])
         assert seconds < 60, out  # far below the group's 120 s timeout
-    # Some rank's error names the dead one; the other learns it through the store.
-    assert any("rank 2" in results[r][1].split("failed after")[1] for r in range(2)), results
+    # Every rank's error names the dead one: a rank that found it itself, and a rank that
+    # learned of it through the store, whose error carries the first rank's.
+    for rank in range(2):
+        assert "from rank 2 (task rank:2" in results[rank][1].split("failed after")[1], results
 
 
 @pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc"])
@@ -128,3 +133,50 @@ def test_ranks_that_disagree_on_the_world_size_fail_at_init(tmp_path):
     assert_all_ok(results)
     assert "world_size 3" in results[0][1], results[0][1]
     assert "init refused" in results[1][1], results[1][1]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("method", ["tcp", "env"])
+def test_torchs_own_stores_carry_the_addresses(tmp_path, method):
+    port = free_port()
+    env = {"TV_TEST_INIT": f"tcp://127.0.0.1:{port}" if method == "tcp" else "env://",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    results = run_ranks(tmp_path, "stores", 3, env=env, timeout_s=30)
+    assert_all_ok(results)
+    for rank, (_, out) in enumerate(results):
+        assert f"rank {rank}: {method} store ok" in out, out
+
+
+def test_an_unsupported_operation_raises_naming_it_and_the_group_goes_on(tmp_path):
+    results = run_ranks(tmp_path, "unsupported", 2)
+    assert_all_ok(results)
+    for rank, (_, out) in enumerate(results):
+        assert f"rank {rank}: PREMUL_SUM refused" in out, out
+        assert f"rank {rank}: all_gather_coalesced refused" in out, out
+        assert f"rank {rank}: unsupported ok" in out, out
+
+
+def test_a_rank_started_twice_fails_init_naming_the_rank_that_never_joined(tmp_path):
+    started = time.monotonic()
+    results = run_ranks(tmp_path, "duplicate_rank", 3, timeout_s=5, ranks=[0, 1, 1])
+    assert_all_ok(results)
+    assert time.monotonic() - started < 60
+    for _, out in results:
+        assert "duplicate rank: init refused" in out, out
+    # The ranks that met name the missing one; the second process of rank 1 names itself.
+    assert "rank(s) 2 did not join" in results[0][1], results[0][1]
+    assert any("more than one process" in out and "rank 1" in out for _, out in results[1:]), \
+        results
+
+
+def test_ranks_on_different_backends_fail_at_init_naming_the_backend(tmp_path):
+    results = run_ranks(tmp_path, "other_backend", 2, timeout_s=5)
+    assert_all_ok(results)
+    assert "rank(s) 1 did not join" in results[0][1], results[0][1]
+    assert "backend='tensorverbs'" in results[0][1], results[0][1]
+    assert "other backend: init refused" in results[1][1], results[1][1]

@@ -26,9 +26,9 @@ faulthandler.register(signal.SIGUSR1, all_threads=True)
 TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TV_TEST_TIMEOUT_S", "60")))
 
 
-def init(world=WORLD, backend="tensorverbs"):
-    dist.init_process_group(backend, init_method="file://" + STORE, rank=RANK, world_size=world,
-                            timeout=TIMEOUT)
+def init(world=WORLD, backend="tensorverbs", init_method=None):
+    dist.init_process_group(backend, init_method=init_method or "file://" + STORE, rank=RANK,
+                            world_size=world, timeout=TIMEOUT)
 
 
 def value(rank, n, dtype, seed=0):
@@ -358,9 +358,67 @@ def mismatch():
     raise AssertionError("init accepted mismatched world sizes")
 
 
+def stores():
+    # torch's own stores carry the addresses: TV_TEST_INIT is "tcp://HOST:PORT" (rank 0 hosts
+    # the TCPStore) or "env://" (MASTER_ADDR and MASTER_PORT in the environment).
+    method = os.environ["TV_TEST_INIT"]
+    init(init_method=method)
+    t = torch.full((5,), float(RANK + 1))
+    dist.all_reduce(t)
+    check("all_reduce", t, torch.full((5,), float(sum(range(1, WORLD + 1)))))
+    # A ring of sends: each rank's tensor reaches the next one intact.
+    got = torch.zeros(7, dtype=torch.int64)
+    ops = [dist.P2POp(dist.isend, torch.arange(7) + 100 * RANK, (RANK + 1) % WORLD),
+           dist.P2POp(dist.irecv, got, (RANK - 1) % WORLD)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    check("ring", got, torch.arange(7) + 100 * ((RANK - 1) % WORLD))
+    print(f"rank {RANK}: {method.split(':')[0]} store ok", flush=True)
+    dist.destroy_process_group()
+
+
+def unsupported():
+    init()
+    expect_error("PREMUL_SUM", lambda: dist.all_reduce(
+        torch.ones(3), op=dist._make_nccl_premul_sum(2.0)), "PREMUL_SUM")
+    outs = [[torch.zeros(3) for _ in range(WORLD)]]
+    expect_error("all_gather_coalesced", lambda: dist.all_gather_coalesced(
+        outs, [torch.ones(3)]), "tensorverbs", "allgather_coalesced")
+    # Nothing was sent: the group still agrees and works.
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    check("all_reduce after refusals", t, torch.full((3,), float(WORLD)))
+    print(f"rank {RANK}: unsupported ok", flush=True)
+    dist.destroy_process_group()
+
+
+def init_fails(what, **kwargs):
+    """init must raise, not hang: prints the first line of its error."""
+    try:
+        init(**kwargs)
+    except RuntimeError as e:
+        print(f"rank {RANK}: {what}: init refused: {e}", flush=True)
+        return
+    raise AssertionError(f"{what}: init accepted")
+
+
+def duplicate_rank():
+    # Started with ranks 0, 1, 1 of a world of 3 (the harness's TV_TEST_RANKS): rank 2 never
+    # joins, and the rank started twice is named.
+    init_fails("duplicate rank")
+
+
+def other_backend():
+    # Rank 0 asks for tensorverbs, the others for gloo: each side waits for keys the other never
+    # writes, and both fail at init within the timeout.
+    init_fails("other backend", backend="tensorverbs" if RANK == 0 else "gloo")
+
+
 SCENARIOS = {"conformance": conformance, "bad_input": bad_input, "peer_dies": peer_dies,
              "mismatch": mismatch, "short_lived_groups": short_lived_groups,
-             "group_dropped_in_its_callback": group_dropped_in_its_callback}
+             "group_dropped_in_its_callback": group_dropped_in_its_callback, "stores": stores,
+             "unsupported": unsupported, "duplicate_rank": duplicate_rank,
+             "other_backend": other_backend}
 
 if __name__ == "__main__":
     SCENARIOS[SCENARIO]()

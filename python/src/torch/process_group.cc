@@ -145,11 +145,23 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
       } catch (const std::exception&) {
       }
     }
+    // Each init of this rank counts itself, and one process inits a group once at a time: a
+    // count past ours while we wait means another process joined as this rank.
+    std::string twice;
+    try {
+      const int64_t inits = store->add(absl::StrCat("tensorverbs/inits/", rank), 0);
+      if (inits > generation) {
+        twice = absl::StrCat("; rank ", rank,
+                             " was started by more than one process: each process needs a rank "
+                             "of its own");
+      }
+    } catch (const std::exception&) {
+    }
     Throw(absl::StrCat("rank(s) ", absl::StrJoin(missing, ", "), " did not join within ",
                        timeout.count(),
                        " ms: does every rank call init_process_group with "
                        "backend='tensorverbs' and the same world_size? (the store said: ",
-                       FirstLine(e.what()), ")"));
+                       FirstLine(e.what()), ")", twice));
   }
   std::vector<std::string> addresses(size);
   for (int r = 0; r < size; ++r) {
