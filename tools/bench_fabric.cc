@@ -96,10 +96,27 @@ class Side {
     return ep_->PostWriteWithImm({mr_.get(), buf_, size}, r, imm, imm);
   }
 
-  // Polls once; counts completions. An error completion fails the benchmark.
+  // Polls once; counts completions. An error completion fails the benchmark, and so does a
+  // wait with nothing at all for kStallLimit: a write lost on the way (or a peer gone) would
+  // otherwise spin both processes forever.
   absl::Status Poll() {
     fabric::Completion c[64];
     ASSIGN_OR_RETURN(size_t n, domain_->Poll(absl::MakeSpan(c)));
+    if (n == 0) {
+      // The clock is read once every 4096 empty polls, to leave the measured loop alone.
+      if ((++empty_polls_ & 4095) != 0) return absl::OkStatus();
+      const absl::Time now = absl::Now();
+      if (quiet_since_ == absl::InfiniteFuture()) quiet_since_ = now;
+      if (now - quiet_since_ > kStallLimit) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "bench: no completion and no immediate for ", absl::FormatDuration(kStallLimit),
+            " (", local_done_, " writes completed, ", imms_,
+            " immediates received so far): the fabric lost a write or the peer stopped"));
+      }
+      return absl::OkStatus();
+    }
+    empty_polls_ = 0;
+    quiet_since_ = absl::InfiniteFuture();
     for (size_t i = 0; i < n; ++i) {
       RETURN_IF_ERROR(c[i].status);
       if (c[i].kind == fabric::CompletionKind::kRemoteWriteImm) {
@@ -114,6 +131,7 @@ class Side {
   uint64_t imms_ = 0;
   uint64_t local_done_ = 0;
   uint64_t posted_ = 0;
+  static constexpr absl::Duration kStallLimit = absl::Seconds(40);  // past the 30 s op timeout
 
  private:
   Side() = default;
@@ -124,6 +142,8 @@ class Side {
   char* buf_ = nullptr;
   size_t size_ = 0;
   fabric::RemoteBuffer remote_;
+  uint64_t empty_polls_ = 0;
+  absl::Time quiet_since_ = absl::InfiniteFuture();
 };
 
 using Row = FabricRow;

@@ -13,6 +13,9 @@
 
 int main(int argc, char** argv) {
   using namespace tensorverbs::tools;
+  // Each line as it is printed, also into a pipe or a file (`| tee`, a test reading the output
+  // of a run that hangs): a benchmark's rows are minutes apart, and a line is cheap.
+  setvbuf(stdout, nullptr, _IOLBF, 0);
   CLI::App app{"tensorverbs: RDMA tensor transport (grpc, grpc+verbs) with server, demo and tools"};
   app.set_version_flag("--version", std::string("tensorverbs ") + tensorverbs::Version());
   app.require_subcommand(1);

@@ -1,10 +1,14 @@
 #include "tools/netns.h"
 
+#include <dirent.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -136,6 +140,43 @@ NetnsCluster::~NetnsCluster() {
 
 std::vector<std::string> NetnsCluster::ExecPrefix(int host) const {
   return {kIp, "netns", "exec", namespaces_[host]};
+}
+
+namespace {
+
+// The entries of `dir` whose names start with one of `prefixes`.
+std::vector<std::string> EntriesStartingWith(const char* dir,
+                                             const std::vector<std::string>& prefixes) {
+  std::vector<std::string> found;
+  DIR* d = opendir(dir);
+  if (d == nullptr) return found;
+  while (const dirent* e = readdir(d)) {
+    for (const std::string& prefix : prefixes) {
+      if (absl::StartsWith(e->d_name, prefix)) {
+        found.emplace_back(e->d_name);
+        break;
+      }
+    }
+  }
+  closedir(d);
+  return found;
+}
+
+}  // namespace
+
+void RemoveNetnsOf(int pid) {
+  if (geteuid() != 0 || access(kIp, X_OK) != 0) return;
+  // The "x" after the pid keeps pid 12 from matching pid 123's names.
+  const std::string short_pid = absl::StrCat(pid % 100000, "x");
+  // The host's ends first: deleting one end deletes the pair at once, while a deleted
+  // namespace's devices go only when the kernel frees it.
+  for (const std::string& link : EntriesStartingWith(
+           "/sys/class/net", {absl::StrCat("tvh", short_pid), absl::StrCat("tvb", short_pid)})) {
+    (void)Ip({"link", "del", link});
+  }
+  for (const std::string& ns : EntriesStartingWith("/run/netns", {absl::StrCat("tv", pid, "x")})) {
+    (void)Ip({"netns", "del", ns});
+  }
 }
 
 }  // namespace tensorverbs::tools

@@ -65,6 +65,12 @@ class NetnsCluster {
   std::vector<std::string> addresses_;
 };
 
+// Deletes the namespaces, veth pairs and bridges that process `pid` made (NetnsHost and
+// NetnsCluster name them after their maker's pid) and left behind: a process killed outright runs
+// no destructor. For whoever killed it (a test past its deadline); best effort, silent where
+// there is nothing to remove or no right to.
+void RemoveNetnsOf(int pid);
+
 }  // namespace tensorverbs::tools
 
 #endif  // TENSORVERBS_TOOLS_NETNS_H_

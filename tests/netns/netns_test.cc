@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
+#include "absl/strings/str_cat.h"
 #include "tests/support/subprocess.h"
 #include "tests/support/temp_dir.h"
 
@@ -30,6 +32,28 @@ class NetnsTest : public ::testing::Test {
     if (!probe.ok()) GTEST_SKIP() << "no network namespaces here: " << probe.status().message();
   }
 };
+
+// A tool killed at a test's deadline runs no destructor: RunTool removes the namespace and the
+// veth pair it made, so that a hung run leaves nothing on the machine.
+TEST_F(NetnsTest, AToolKilledAtItsDeadlineLeavesNoNamespaceBehind) {
+  absl::StatusOr<ToolRun> run =
+      RunTool({"bench", "p2p", "--netns", "--sizes", "64MiB", "--iters", "100000", "--protocols",
+               "grpc+verbs", "--no-baselines"},
+              absl::Seconds(8));
+  ASSERT_FALSE(run.ok()) << "the bench ended within 8 s: " << run->out;
+  ASSERT_EQ(run.status().code(), absl::StatusCode::kDeadlineExceeded) << run.status();
+  // Its namespace existed: the protocol phase runs its peer inside it.
+  EXPECT_THAT(run.status().message(), HasSubstr("two network namespaces")) << run.status();
+  const std::string text(run.status().message());
+  const size_t at = text.find("(pid ");
+  ASSERT_NE(at, std::string::npos) << text;
+  const int pid = std::atoi(text.c_str() + at + 5);
+  ASSERT_GT(pid, 0) << text;
+  EXPECT_NE(access(absl::StrCat("/run/netns/tv", pid, "x0n0").c_str(), F_OK), 0)
+      << "namespace of pid " << pid << " left behind";
+  EXPECT_NE(access(absl::StrCat("/sys/class/net/tvh", pid % 100000, "x0n0").c_str(), F_OK), 0)
+      << "veth of pid " << pid << " left behind";
+}
 
 TEST_F(NetnsTest, P2PCrossesAVethPairOverTcp) {
   const ScopedTempDir dir;

@@ -1,5 +1,11 @@
 #include "tests/support/subprocess.h"
 
+#include <signal.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "tools/netns.h"
+
 namespace tensorverbs::testing {
 
 std::string TestPeerPath() { return TV_TEST_PEER_PATH; }
@@ -11,7 +17,18 @@ absl::StatusOr<ToolRun> RunTool(const std::vector<std::string>& args, absl::Dura
   ToolRun run;
   run.out = (*p)->ReadAll(timeout);
   absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
-  if (!rc.ok()) return rc.status();
+  if (!rc.ok()) {
+    // Killed here, it cleans up nothing itself: its network namespaces are removed for it (its
+    // shared memory by the Subprocess), and what it printed says where it stopped.
+    const int pid = (*p)->pid();
+    (*p)->Signal(SIGKILL);
+    (void)(*p)->Wait(absl::Seconds(10));
+    tools::RemoveNetnsOf(pid);
+    return absl::DeadlineExceededError(
+        absl::StrCat("`tensorverbs ", absl::StrJoin(args, " "), "` (pid ", pid, ") still ran after ",
+                     absl::FormatDuration(timeout), " (", rc.status().message(),
+                     "); its output so far:\n", run.out));
+  }
   run.exit_code = *rc;
   return run;
 }

@@ -22,7 +22,9 @@ struct ToolRun {
   int exit_code = -1;
   std::string out;  // stdout
 };
-// Runs `tensorverbs args...` to completion (or `timeout`) and collects its stdout.
+// Runs `tensorverbs args...` to completion and collects its stdout. Past `timeout` it kills the
+// tool, removes the network namespaces it made, and fails DeadlineExceeded with its pid and
+// everything it printed.
 absl::StatusOr<ToolRun> RunTool(const std::vector<std::string>& args, absl::Duration timeout);
 
 }  // namespace tensorverbs::testing
