@@ -1,6 +1,5 @@
 #include "tools/netns.h"
 
-#include <dirent.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -8,11 +7,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "src/common/status_macros.h"
+#include "src/support/process_util.h"
 #include "src/support/subprocess.h"
 
 namespace tensorverbs::tools {
@@ -41,9 +40,17 @@ int NextGeneration() {
   return generation.fetch_add(1) % 100;
 }
 
-// An interface name (at most 15 bytes): prefix, pid, generation, kind and index.
+// Every name starts with its maker's pid, closed by "x" (so that pid 12's names do not match
+// pid 123's): RemoveNetnsOf finds a killed maker's leftovers by these prefixes.
+std::string NamespacePrefix(int pid) { return absl::StrCat("tv", pid, "x"); }
+// Interface names have at most 15 bytes, so they carry the pid's last five digits.
+std::string InterfacePrefix(absl::string_view kind_prefix, int pid) {
+  return absl::StrCat(kind_prefix, pid % 100000, "x");
+}
+
+// An interface name: prefix, pid, generation, kind and index.
 std::string InterfaceName(absl::string_view prefix, int pid, int generation, char kind, int index) {
-  return absl::StrCat(prefix, pid % 100000, "x", generation, std::string(1, kind), index);
+  return absl::StrCat(InterfacePrefix(prefix, pid), generation, std::string(1, kind), index);
 }
 
 }  // namespace
@@ -59,7 +66,7 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
   auto host = std::unique_ptr<NetnsHost>(new NetnsHost);
   const int pid = static_cast<int>(getpid());
   const int generation = NextGeneration();
-  host->name_ = absl::StrCat("tv", pid, "x", generation, "n", index);
+  host->name_ = absl::StrCat(NamespacePrefix(pid), generation, "n", index);
   const std::string local_if = InterfaceName("tvh", pid, generation, 'n', index);
   const std::string remote_if = InterfaceName("tvp", pid, generation, 'n', index);
   // A /30 per host inside 10.<200+..>.x.y, derived from the pid so that concurrent runs differ.
@@ -112,7 +119,7 @@ absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
   RETURN_IF_ERROR(Ip({"link", "add", "name", cluster->bridge_, "type", "bridge"}));
   RETURN_IF_ERROR(Ip({"link", "set", cluster->bridge_, "up"}));
   for (int i = 0; i < hosts; ++i) {
-    const std::string ns = absl::StrCat("tv", pid, "x", generation, "c", i);
+    const std::string ns = absl::StrCat(NamespacePrefix(pid), generation, "c", i);
     const std::string local_if = InterfaceName("tvh", pid, generation, 'c', i);
     const std::string remote_if = InterfaceName("tvp", pid, generation, 'c', i);
     const std::string address = absl::StrCat("10.", b, ".", c, ".", i + 1);
@@ -142,39 +149,17 @@ std::vector<std::string> NetnsCluster::ExecPrefix(int host) const {
   return {kIp, "netns", "exec", namespaces_[host]};
 }
 
-namespace {
-
-// The entries of `dir` whose names start with one of `prefixes`.
-std::vector<std::string> EntriesStartingWith(const char* dir,
-                                             const std::vector<std::string>& prefixes) {
-  std::vector<std::string> found;
-  DIR* d = opendir(dir);
-  if (d == nullptr) return found;
-  while (const dirent* e = readdir(d)) {
-    for (const std::string& prefix : prefixes) {
-      if (absl::StartsWith(e->d_name, prefix)) {
-        found.emplace_back(e->d_name);
-        break;
-      }
-    }
-  }
-  closedir(d);
-  return found;
-}
-
-}  // namespace
-
 void RemoveNetnsOf(int pid) {
   if (geteuid() != 0 || access(kIp, X_OK) != 0) return;
-  // The "x" after the pid keeps pid 12 from matching pid 123's names.
-  const std::string short_pid = absl::StrCat(pid % 100000, "x");
   // The host's ends first: deleting one end deletes the pair at once, while a deleted
   // namespace's devices go only when the kernel frees it.
-  for (const std::string& link : EntriesStartingWith(
-           "/sys/class/net", {absl::StrCat("tvh", short_pid), absl::StrCat("tvb", short_pid)})) {
-    (void)Ip({"link", "del", link});
+  for (const char* kind : {"tvh", "tvb"}) {
+    for (const std::string& link :
+         support::EntriesStartingWith("/sys/class/net", InterfacePrefix(kind, pid))) {
+      (void)Ip({"link", "del", link});
+    }
   }
-  for (const std::string& ns : EntriesStartingWith("/run/netns", {absl::StrCat("tv", pid, "x")})) {
+  for (const std::string& ns : support::EntriesStartingWith("/run/netns", NamespacePrefix(pid))) {
     (void)Ip({"netns", "del", ns});
   }
 }

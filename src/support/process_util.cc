@@ -178,16 +178,19 @@ int WaitForTerminationSignal(absl::Duration timeout) {
   return sig > 0 ? sig : 0;
 }
 
-std::vector<std::string> ShmRegionsOf(pid_t pid) {
+std::vector<std::string> EntriesStartingWith(const char* dir, absl::string_view prefix) {
   std::vector<std::string> names;
-  const std::string prefix = absl::StrCat(pid, ":");
-  if (DIR* d = opendir("/dev/shm")) {
+  if (DIR* d = opendir(dir)) {
     while (dirent* e = readdir(d)) {
       if (absl::StartsWith(e->d_name, prefix)) names.push_back(e->d_name);
     }
     closedir(d);
   }
   return names;
+}
+
+std::vector<std::string> ShmRegionsOf(pid_t pid) {
+  return EntriesStartingWith("/dev/shm", absl::StrCat(pid, ":"));
 }
 
 void UnlinkShmRegionsOf(pid_t pid) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace tensorverbs::support {
@@ -37,6 +38,9 @@ struct ChildExit {
 
 // Waits for any of `pids` to exit, up to `timeout`; DeadlineExceeded if none did.
 absl::StatusOr<ChildExit> WaitAnyChild(const std::vector<pid_t>& pids, absl::Duration timeout);
+
+// The names in directory `dir` that start with `prefix` (none where it cannot be read).
+std::vector<std::string> EntriesStartingWith(const char* dir, absl::string_view prefix);
 
 // libfabric's shm provider keeps its regions in /dev/shm under names that start with "<pid>:"
 // and unlinks them when the process closes its endpoints; a killed process never does. The

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "src/support/process_util.h"
 #include "tools/netns.h"
 
 namespace tensorverbs::testing {
@@ -18,11 +19,12 @@ absl::StatusOr<ToolRun> RunTool(const std::vector<std::string>& args, absl::Dura
   run.out = (*p)->ReadAll(timeout);
   absl::StatusOr<int> rc = (*p)->Wait(absl::Seconds(10));
   if (!rc.ok()) {
-    // Killed here, it cleans up nothing itself: its network namespaces are removed for it (its
-    // shared memory by the Subprocess), and what it printed says where it stopped.
+    // Killed here, it cleans up nothing itself: its shared memory and network namespaces are
+    // removed for it, and what it printed says where it stopped.
     const int pid = (*p)->pid();
     (*p)->Signal(SIGKILL);
     (void)(*p)->Wait(absl::Seconds(10));
+    support::UnlinkShmRegionsOf(pid);
     tools::RemoveNetnsOf(pid);
     return absl::DeadlineExceededError(
         absl::StrCat("`tensorverbs ", absl::StrJoin(args, " "), "` (pid ", pid, ") still ran after ",
