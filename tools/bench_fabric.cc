@@ -42,10 +42,12 @@ namespace {
 class Side {
  public:
   static absl::StatusOr<std::unique_ptr<Side>> Open(const std::string& backend,
-                                                    const std::string& provider, size_t bytes) {
+                                                    const std::string& provider,
+                                                    const std::string& source, size_t bytes) {
     auto side = std::unique_ptr<Side>(new Side);
     fabric::DomainOptions options;
     options.provider = provider;
+    options.source_address = source;
     options.queue_depth = 256;
     options.copy_threads = Config::Get().shmem_copy_threads;  // as a task's would have
     options.peer_copy = Config::Get().shmem_peer_copy;
@@ -236,7 +238,7 @@ absl::StatusOr<std::pair<double, double>> RunFiPingpong(const std::string& provi
 int RunBenchFabricPeer(const BenchFabricOptions& o) {
   absl::StatusOr<size_t> max = ParseSize(o.max_size);
   if (!max.ok()) return 2;
-  absl::StatusOr<std::unique_ptr<Side>> side = Side::Open(o.backend, o.providers, *max);
+  absl::StatusOr<std::unique_ptr<Side>> side = Side::Open(o.backend, o.providers, o.source, *max);
   if (!side.ok()) {
     std::fprintf(stderr, "bench-fabric-peer: %s\n", side.status().ToString().c_str());
     return 1;
@@ -291,11 +293,12 @@ absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec
   const bool have_fi_pingpong =
       spec.compare && spec.peer_prefix.empty() && access("/usr/bin/fi_pingpong", X_OK) == 0;
   const std::string& provider = spec.provider;
-  ASSIGN_OR_RETURN(std::unique_ptr<Side> side, Side::Open(spec.backend, provider, max_size));
+  ASSIGN_OR_RETURN(std::unique_ptr<Side> side, Side::Open(spec.backend, provider, spec.source, max_size));
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   std::vector<std::string> args = spec.peer_prefix;
   args.insert(args.end(), {exe, "bench-fabric-peer", "--backend", spec.backend, "--providers",
-                           provider, "--max-size", absl::StrCat(max_size)});
+                           provider, "--max-size", absl::StrCat(max_size), "--source",
+                           spec.peer_source});
   const std::string path = args.front();
   args.erase(args.begin());
   ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> peer,

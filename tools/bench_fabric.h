@@ -36,6 +36,11 @@ struct FabricBenchSpec {
   bool compare = true;  // also run fi_pingpong (not across network namespaces)
   // Command prefix the peer runs under, e.g. {"/usr/sbin/ip", "netns", "exec", "tv-b"}.
   std::vector<std::string> peer_prefix;
+  // The addresses each side's endpoint binds to (fabric::DomainOptions::source_address): on one
+  // host the loopback interface, so that no other job's interface carries the measurement;
+  // across a veth pair (peer_prefix), its two ends.
+  std::string source = "127.0.0.1";
+  std::string peer_source = "127.0.0.1";
   bool print = true;  // a table row per size on stdout
 };
 

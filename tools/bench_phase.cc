@@ -46,7 +46,11 @@ void MeasureCeiling(const std::vector<size_t>& sizes, int window, const NetnsHos
   spec.sizes = sizes;
   spec.compare = false;
   spec.window = window;
-  if (netns) spec.peer_prefix = netns->ExecPrefix();
+  if (netns) {
+    spec.peer_prefix = netns->ExecPrefix();
+    spec.source = netns->local_address();
+    spec.peer_source = netns->remote_address();
+  }
   *name = absl::StrCat(caps->backend, " (", caps->provider, ")");
   absl::StatusOr<std::vector<FabricRow>> got = MeasureFabric(spec);
   if (!got.ok()) {

@@ -66,6 +66,7 @@ struct BenchFabricOptions {
   bool compare = true;  // also run fi_pingpong
   std::string json;
   std::string max_size;  // peer only
+  std::string source;    // peer only: fabric::DomainOptions::source_address
 };
 int RunBenchFabric(const BenchFabricOptions& options);
 int RunBenchFabricPeer(const BenchFabricOptions& options);

@@ -262,6 +262,7 @@ int main(int argc, char** argv) {
   peer_cmd->add_option("--backend", peer.backend)->required();
   peer_cmd->add_option("--providers", peer.providers)->required();
   peer_cmd->add_option("--max-size", peer.max_size)->required();
+  peer_cmd->add_option("--source", peer.source);
 
   DemoTaskOptions task;
   CLI::App* task_cmd = app.add_subcommand("demo-task", "One task of the demo (started by demo)");

@@ -132,6 +132,7 @@ DomainOptions OptionsOf(const FabricChoice& choice) {
   options.device_memory = choice.device_memory;
   options.copy_threads = choice.copy_threads;
   options.peer_copy = choice.peer_copy;
+  options.source_address = choice.source_address;
   return options;
 }
 

@@ -97,6 +97,11 @@ struct DomainOptions {
   // shmem: offer peers' progress threads a part of each write from 512 KiB (below what the copy
   // threads share), and take part in theirs (shmem.h).
   bool peer_copy = true;
+  // ofi, socket-addressed providers (tcp, verbs): this host's address that peers reach it at
+  // (the task's host in the cluster spec). Endpoints bind to the interface that has it. Empty,
+  // or no interface of the provider has it: the provider's first interface, which can be any
+  // (a container's or another job's veth, listed before eth0) and vanish under the endpoint.
+  std::string source_address;
 };
 
 // A packed remote key, held inline: the opaque bytes MemoryRegion::PackRemoteKey produced. Every
@@ -305,11 +310,17 @@ struct FabricChoice {
   // Some peers run on this host and others do not: "auto" then opens the same-host fabric for
   // the first beside the network fabric for the others (OpensSameHostFabric).
   bool some_peers_local = false;
+  std::string source_address;  // DomainOptions::source_address
 
   static FabricChoice FromConfig(const Config& config, bool all_peers_local) {
-    return FabricChoice{
-        config.fabric, config.ofi_provider,       all_peers_local,       config.rdma,
-        nullptr,       config.shmem_copy_threads, config.shmem_peer_copy};
+    FabricChoice c;
+    c.fabric = config.fabric;
+    c.ofi_provider = config.ofi_provider;
+    c.all_peers_local = all_peers_local;
+    c.rdma = config.rdma;
+    c.copy_threads = config.shmem_copy_threads;
+    c.peer_copy = config.shmem_peer_copy;
+    return c;
   }
 };
 

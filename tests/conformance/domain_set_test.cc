@@ -6,6 +6,8 @@
 #include "src/fabric/domain_set.h"
 
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/mman.h>
 
 #include <cstdlib>
@@ -53,6 +55,7 @@ absl::StatusOr<std::unique_ptr<Pair>> OpenPair(const std::string& backend,
                                                const std::string& provider) {
   DomainOptions options;
   options.provider = provider;
+  options.source_address = "127.0.0.1";  // not another test's veth (fabric.h)
   auto p = std::make_unique<Pair>();
   absl::StatusOr<std::unique_ptr<Domain>> a = OpenDomain(backend, options);
   if (!a.ok()) return a.status();
@@ -241,6 +244,56 @@ TEST(OfiRxmDefaultsTest, SmallReceiveBuffersUnlessTheUserSetThem) {
   EXPECT_STREQ(getenv("FI_OFI_RXM_BUFFER_SIZE"), "8192");
   EXPECT_STREQ(getenv("FI_OFI_RXM_MSG_RX_SIZE"), "256");
   EXPECT_STREQ(getenv("FI_OFI_RXM_EAGER_LIMIT"), "16384") << "the user's value was overwritten";
+}
+
+// tcp lists one fabric per interface, in the kernel's order: another job's veth can come before
+// eth0 and lo, and go away under an endpoint bound to it. With a source address (a task's host
+// in the cluster spec) the endpoints bind to the interface that holds it.
+TEST(OfiSourceAddressTest, EndpointsBindToTheInterfaceThatHoldsIt) {
+  DomainOptions options;
+  options.provider = "tcp;ofi_rxm";
+  options.source_address = "127.0.0.1";
+  absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain("ofi", options);
+  if (absl::IsUnavailable(d.status())) GTEST_SKIP() << d.status();
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<std::unique_ptr<Endpoint>> ep = (*d)->CreateEndpoint();
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  const std::string name = (*ep)->LocalAddress();
+  ASSERT_GE(name.size(), sizeof(sockaddr_in));
+  sockaddr_in sin{};
+  std::memcpy(&sin, name.data(), sizeof(sin));
+  EXPECT_EQ(sin.sin_family, AF_INET);
+  EXPECT_EQ(ntohl(sin.sin_addr.s_addr), INADDR_LOOPBACK);
+  EXPECT_NE(sin.sin_port, 0) << "the endpoint listens on a port of its own";
+}
+
+// An address no interface here holds (a host name that resolves elsewhere, behind NAT) is not
+// an error: the provider's first interface serves, as without one.
+TEST(OfiSourceAddressTest, AnAddressNotHereFallsBackToTheFirstInterface) {
+  DomainOptions options;
+  options.provider = "tcp;ofi_rxm";
+  options.source_address = "203.0.113.77";  // TEST-NET-3: on no interface
+  absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain("ofi", options);
+  if (absl::IsUnavailable(d.status())) GTEST_SKIP() << d.status();
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<std::unique_ptr<Endpoint>> ep = (*d)->CreateEndpoint();
+  ASSERT_TRUE(ep.ok()) << ep.status();
+  EXPECT_FALSE((*ep)->LocalAddress().empty());
+}
+
+// shm names endpoints itself: a source address would become every endpoint's name, so the
+// backend does not pass it there, and two endpoints still get names of their own.
+TEST(OfiSourceAddressTest, SharedMemoryProviderIgnoresIt) {
+  DomainOptions options;
+  options.provider = "shm";
+  options.source_address = "127.0.0.1";
+  absl::StatusOr<std::unique_ptr<Domain>> d = OpenDomain("ofi", options);
+  if (absl::IsUnavailable(d.status())) GTEST_SKIP() << d.status();
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<std::unique_ptr<Endpoint>> a = (*d)->CreateEndpoint();
+  absl::StatusOr<std::unique_ptr<Endpoint>> b = (*d)->CreateEndpoint();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE((*a)->LocalAddress(), (*b)->LocalAddress());
 }
 
 }  // namespace

@@ -23,15 +23,18 @@ int main(int argc, char** argv) {
   std::string backend = "ofi", provider;
   size_t check = 0;
   bool shared = false;
+  std::string source;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
     if (flag == "--backend") backend = argv[i + 1];
     if (flag == "--provider") provider = argv[i + 1];
+    if (flag == "--source") source = argv[i + 1];
     if (flag == "--check") check = std::stoul(argv[i + 1]);
     if (flag == "--shared") shared = std::string(argv[i + 1]) == "1";
   }
   fabric::DomainOptions options;
   options.provider = provider;
+  options.source_address = source;
   auto domain = fabric::OpenDomain(backend, options);
   if (!domain.ok()) {
     std::fprintf(stderr, "fabric_peer: %s\n", domain.status().ToString().c_str());

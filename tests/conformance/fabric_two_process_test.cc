@@ -36,6 +36,7 @@ class FabricTwoProcessTest : public ::testing::TestWithParam<Case> {};
 TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime) {
   DomainOptions options;
   options.provider = GetParam().provider;
+  options.source_address = "127.0.0.1";  // not another test's veth (fabric.h)
   options.op_timeout = absl::Seconds(3);
   absl::StatusOr<std::unique_ptr<Domain>> domain = OpenDomain(GetParam().backend, options);
   if (absl::IsUnavailable(domain.status())) GTEST_SKIP() << domain.status();
@@ -45,7 +46,7 @@ TEST_P(FabricTwoProcessTest, WritesLandAndAKilledPeerIsAnErrorWithinBoundedTime)
   constexpr size_t kSize = 1 << 20;
   auto peer = support::Subprocess::Start(
       TV_FABRIC_PEER_PATH,
-      {"--backend", GetParam().backend, "--provider", GetParam().provider, "--check",
+      {"--backend", GetParam().backend, "--provider", GetParam().provider, "--source", "127.0.0.1", "--check",
        absl::StrCat(kSize), "--shared", GetParam().shared ? "1" : "0"});
   ASSERT_TRUE(peer.ok());
   absl::StatusOr<std::string> hello = (*peer)->WaitForLine("address ", absl::Seconds(30));

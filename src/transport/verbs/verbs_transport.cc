@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/common/coarse_clock.h"
@@ -48,6 +49,26 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   return o;
 }
 
+namespace {
+
+// The host part of this task's address in the cluster spec, without an IPv6 address's
+// brackets: the address its peers reach it at, so the one its fabric endpoints should bind to.
+// A wildcard binds nothing in particular: empty.
+std::string SourceAddressOf(const absl::flat_hash_map<std::string, std::string>& task_addresses,
+                            const std::string& task_name) {
+  auto it = task_addresses.find(task_name);
+  if (it == task_addresses.end()) return "";
+  absl::string_view host = it->second;
+  host = host.substr(0, std::min(host.size(), host.rfind(':')));
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host == "0.0.0.0" || host == "::" || host == "*") return "";
+  return std::string(host);
+}
+
+}  // namespace
+
 VerbsTransport::VerbsTransport(VerbsOptions options) : options_(std::move(options)) {}
 
 absl::StatusOr<std::unique_ptr<VerbsTransport>> VerbsTransport::Create(VerbsOptions options) {
@@ -68,6 +89,7 @@ absl::Status VerbsTransport::Start() {
   choice.rdma = options_.rdma;
   choice.copy_threads = options_.shmem_copy_threads;
   choice.peer_copy = options_.shmem_peer_copy;
+  choice.source_address = SourceAddressOf(options_.task_addresses, options_.env->task_name);
   if (options_.gpu_direct) choice.device_memory = options_.device_memory;
   // grpc+gdr lends tensors through the registrations of one fabric (LentTensors), so its peers
   // share that one.
