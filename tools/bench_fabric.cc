@@ -111,8 +111,8 @@ class Side {
       if (quiet_since_ == absl::InfiniteFuture()) quiet_since_ = now;
       if (now - quiet_since_ > kStallLimit) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "bench: no completion and no immediate for ", absl::FormatDuration(kStallLimit),
-            " (", local_done_, " writes completed, ", imms_,
+            "bench: no completion and no immediate for ", absl::FormatDuration(kStallLimit), " (",
+            local_done_, " writes completed, ", imms_,
             " immediates received so far): the fabric lost a write or the peer stopped"));
       }
       return absl::OkStatus();
@@ -293,12 +293,13 @@ absl::StatusOr<std::vector<FabricRow>> MeasureFabric(const FabricBenchSpec& spec
   const bool have_fi_pingpong =
       spec.compare && spec.peer_prefix.empty() && access("/usr/bin/fi_pingpong", X_OK) == 0;
   const std::string& provider = spec.provider;
-  ASSIGN_OR_RETURN(std::unique_ptr<Side> side, Side::Open(spec.backend, provider, spec.source, max_size));
+  ASSIGN_OR_RETURN(std::unique_ptr<Side> side,
+                   Side::Open(spec.backend, provider, spec.source, max_size));
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   std::vector<std::string> args = spec.peer_prefix;
-  args.insert(args.end(), {exe, "bench-fabric-peer", "--backend", spec.backend, "--providers",
-                           provider, "--max-size", absl::StrCat(max_size), "--source",
-                           spec.peer_source});
+  args.insert(args.end(),
+              {exe, "bench-fabric-peer", "--backend", spec.backend, "--providers", provider,
+               "--max-size", absl::StrCat(max_size), "--source", spec.peer_source});
   const std::string path = args.front();
   args.erase(args.begin());
   ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> peer,

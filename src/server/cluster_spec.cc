@@ -1,8 +1,6 @@
 #include "tensorverbs/cluster_spec.h"
 
 #include <ifaddrs.h>
-#include <netdb.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -16,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "src/common/net_address.h"
 #include "src/common/status_macros.h"
 #include "tensorverbs/device_name.h"
 
@@ -40,38 +39,17 @@ bool AddressIsLocal(absl::string_view address) {
   if (host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.")) return true;
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) == 0 && host == name) return true;
-  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
-    host = host.substr(1, host.size() - 2);
-  }
   // An address of one of this network namespace's interfaces, or a name that resolves to one:
   // the same host as far as a network namespace lets tasks share memory.
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const std::string host_text(host);
-  if (getaddrinfo(host_text.c_str(), nullptr, &hints, &found) != 0) return false;
   ifaddrs* interfaces = nullptr;
-  if (getifaddrs(&interfaces) != 0) {
-    freeaddrinfo(found);
-    return false;
-  }
-  bool local = false;
-  for (const addrinfo* a = found; a != nullptr && !local; a = a->ai_next) {
-    for (const ifaddrs* i = interfaces; i != nullptr && !local; i = i->ifa_next) {
-      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != a->ai_family) continue;
-      if (a->ai_family == AF_INET) {
-        local = reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr ==
-                reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr;
-      } else if (a->ai_family == AF_INET6) {
-        local = std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr,
-                            &reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr,
-                            sizeof(in6_addr)) == 0;
-      }
+  if (getifaddrs(&interfaces) != 0) return false;
+  const bool local = AnyResolvedAddress(HostOf(address), [&](const sockaddr* a) {
+    for (const ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
+      if (SameIp(a, i->ifa_addr)) return true;
     }
-  }
+    return false;
+  });
   freeifaddrs(interfaces);
-  freeaddrinfo(found);
   return local;
 }
 

@@ -1,7 +1,5 @@
 #include "src/fabric/ofi/ofi.h"
 
-#include <netdb.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -25,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/common/logging.h"
+#include "src/common/net_address.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/endpoint_base.h"
 #include "src/fabric/ofi/local_peers.h"
@@ -526,46 +525,27 @@ fi_info* MakeHints(const std::string& provider) {
   return hints;
 }
 
-// Providers that address endpoints by IP and list one fabric per interface.
-bool BindsToAnInterface(const std::string& provider) {
-  return absl::StrContains(provider, "tcp") || absl::StrContains(provider, "verbs") ||
-         absl::StrContains(provider, "sockets") || absl::StrContains(provider, "udp");
+bool HasSocketAddress(const fi_info* info) {
+  return info->addr_format == FI_SOCKADDR || info->addr_format == FI_SOCKADDR_IN ||
+         info->addr_format == FI_SOCKADDR_IN6;
 }
 
-bool SameIp(const sockaddr* a, const sockaddr* b) {
-  if (a == nullptr || b == nullptr || a->sa_family != b->sa_family) return false;
-  if (a->sa_family == AF_INET) {
-    return reinterpret_cast<const sockaddr_in*>(a)->sin_addr.s_addr ==
-           reinterpret_cast<const sockaddr_in*>(b)->sin_addr.s_addr;
-  }
-  if (a->sa_family == AF_INET6) {
-    return std::memcmp(&reinterpret_cast<const sockaddr_in6*>(a)->sin6_addr,
-                       &reinterpret_cast<const sockaddr_in6*>(b)->sin6_addr, sizeof(in6_addr)) == 0;
-  }
-  return false;
-}
-
-// The entry of `list` whose interface holds `source` (a name or an address), or null. Each
-// entry's source address is its interface's; matching here, rather than asking fi_getinfo with
-// FI_SOURCE, also refuses an address that no interface holds (tcp would accept it and fail
-// every endpoint with EADDRNOTAVAIL).
+// The entry of `list` whose interface holds `source` (a name or an address), or null: each
+// entry of a socket-addressed provider (tcp, verbs) is one interface, with its address as the
+// entry's source. Matching here, rather than asking fi_getinfo with FI_SOURCE, also refuses an
+// address that no interface holds (tcp would accept it and fail every endpoint with
+// EADDRNOTAVAIL).
 fi_info* EntryWithSource(fi_info* list, const std::string& source) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(source.c_str(), nullptr, &hints, &found) != 0) return nullptr;
   fi_info* match = nullptr;
-  for (fi_info* i = list; i != nullptr && match == nullptr; i = i->next) {
-    if (i->addr_format != FI_SOCKADDR && i->addr_format != FI_SOCKADDR_IN &&
-        i->addr_format != FI_SOCKADDR_IN6) {
-      continue;
+  AnyResolvedAddress(source, [&](const sockaddr* a) {
+    for (fi_info* i = list; i != nullptr; i = i->next) {
+      if (HasSocketAddress(i) && SameIp(static_cast<const sockaddr*>(i->src_addr), a)) {
+        match = i;
+        return true;
+      }
     }
-    for (const addrinfo* a = found; a != nullptr && match == nullptr; a = a->ai_next) {
-      if (SameIp(static_cast<const sockaddr*>(i->src_addr), a->ai_addr)) match = i;
-    }
-  }
-  freeaddrinfo(found);
+    return false;
+  });
   return match;
 }
 
@@ -581,7 +561,8 @@ absl::StatusOr<std::shared_ptr<Shared>> OpenProvider(const DomainOptions& option
         fi_strerror(-ret), "); `fi_info` lists the providers"));
   }
   fi_info* chosen = info;
-  if (!options.source_address.empty() && BindsToAnInterface(provider)) {
+  // shm and other providers that name endpoints themselves have no interfaces to choose from.
+  if (!options.source_address.empty() && HasSocketAddress(info)) {
     chosen = EntryWithSource(info, options.source_address);
     if (chosen == nullptr) {
       LOG(INFO) << "ofi: provider '" << provider << "' has no interface with address "

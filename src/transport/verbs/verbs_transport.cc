@@ -3,11 +3,11 @@
 #include <algorithm>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
+#include "src/common/net_address.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/transport/verbs/channel_setup.h"
@@ -58,11 +58,7 @@ std::string SourceAddressOf(const absl::flat_hash_map<std::string, std::string>&
                             const std::string& task_name) {
   auto it = task_addresses.find(task_name);
   if (it == task_addresses.end()) return "";
-  absl::string_view host = it->second;
-  host = host.substr(0, std::min(host.size(), host.rfind(':')));
-  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
-    host = host.substr(1, host.size() - 2);
-  }
+  const absl::string_view host = HostOf(it->second);
   if (host == "0.0.0.0" || host == "::" || host == "*") return "";
   return std::string(host);
 }
