@@ -12,7 +12,7 @@
 namespace tensorverbs {
 namespace {
 
-absl::Status Bad(absl::string_view key, absl::string_view why) {
+absl::Status BadKey(absl::string_view key, absl::string_view why) {
   std::string shown(key.substr(0, 200));
   if (key.size() > 200) shown += "...";
   return absl::InvalidArgumentError(absl::StrCat(
@@ -24,34 +24,34 @@ absl::Status Bad(absl::string_view key, absl::string_view why) {
 
 absl::StatusOr<ParsedKey> ParsedKey::Parse(absl::string_view key) {
   if (key.size() > kMaxKeyLength) {
-    return Bad(key, absl::StrCat("it is ", key.size(), " bytes, longer than ", kMaxKeyLength));
+    return BadKey(key, absl::StrCat("it is ", key.size(), " bytes, longer than ", kMaxKeyLength));
   }
   std::vector<absl::string_view> parts = absl::StrSplit(key, ';');
   if (parts.size() != 5) {
-    return Bad(key, absl::StrCat("it has ", parts.size(), " ';'-separated parts, not 5"));
+    return BadKey(key, absl::StrCat("it has ", parts.size(), " ';'-separated parts, not 5"));
   }
   ParsedKey k;
   k.full_key = std::string(key);
   absl::StatusOr<DeviceName> src = DeviceName::Parse(parts[0]);
-  if (!src.ok()) return Bad(key, absl::StrCat("source device: ", src.status().message()));
+  if (!src.ok()) return BadKey(key, absl::StrCat("source device: ", src.status().message()));
   k.src = *std::move(src);
   if (parts[1].empty() || parts[1].size() > 16 || !absl::SimpleHexAtoi(parts[1], &k.src_incarnation)) {
-    return Bad(key, "source incarnation is not a 64-bit hex number");
+    return BadKey(key, "source incarnation is not a 64-bit hex number");
   }
   for (char c : parts[1]) {
     if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) {
-      return Bad(key, "source incarnation is not a 64-bit hex number");
+      return BadKey(key, "source incarnation is not a 64-bit hex number");
     }
   }
   absl::StatusOr<DeviceName> dst = DeviceName::Parse(parts[2]);
-  if (!dst.ok()) return Bad(key, absl::StrCat("destination device: ", dst.status().message()));
+  if (!dst.ok()) return BadKey(key, absl::StrCat("destination device: ", dst.status().message()));
   k.dst = *std::move(dst);
-  if (parts[3].empty()) return Bad(key, "tensor name is empty");
+  if (parts[3].empty()) return BadKey(key, "tensor name is empty");
   k.edge_name = std::string(parts[3]);
   std::vector<absl::string_view> frame_iter = absl::StrSplit(parts[4], ':');
   if (frame_iter.size() != 2 || !absl::SimpleAtoi(frame_iter[0], &k.frame_id) ||
       !absl::SimpleAtoi(frame_iter[1], &k.iter_id) || k.frame_id < 0 || k.iter_id < 0) {
-    return Bad(key, "frame_id:iter_id is not two non-negative integers");
+    return BadKey(key, "frame_id:iter_id is not two non-negative integers");
   }
   return k;
 }

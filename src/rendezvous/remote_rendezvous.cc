@@ -83,11 +83,11 @@ void StageToHost(const WorkerEnv* env, const std::string& key, const Tensor& val
        staged = *std::move(staged), bytes, done = std::move(done)](absl::Status s) mutable {
         // Everything the completion holds goes before `in_flight` ends.
         const CopyInFlight last = std::move(in_flight);
-        source = Tensor();  // the device memory may go once the copy is done
+        source.Clear();  // the device memory may go once the copy is done
         Tensor out = std::move(staged);
         RecvDoneCallback callback = std::move(done);
         CountDeviceCopy(stats, CopyDirection::kDeviceToHost, s, bytes);
-        if (!s.ok()) out = Tensor();
+        if (!s.ok()) out.Clear();
         std::move(callback)(s, out, false);
       });
 }
@@ -164,12 +164,12 @@ RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocato
           // Everything the completion holds goes before `in_flight` ends.
           const CopyInFlight last = std::move(in_flight);
           CountDeviceCopy(env->stats, CopyDirection::kHostToDevice, cs, bytes);
-          proxy = Tensor();  // back to the pool before the user's callback runs
+          proxy.Clear();  // back to the pool before the user's callback runs
           auto finish = [cs = std::move(cs), dst = std::move(dst),
                          done = std::move(done)]() mutable {
             // Nothing here keeps the tensor once `done` returns.
             const Tensor out = cs.ok() ? std::move(dst) : Tensor();
-            dst = Tensor();
+            dst.Clear();
             std::move(done)(cs, out, false);
           };
           if (env->callback_executor != nullptr) {

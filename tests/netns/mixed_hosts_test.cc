@@ -36,7 +36,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-constexpr int64_t kStep = 9;
+constexpr int64_t kMixedStep = 9;
 constexpr char kShmem[] = "shmem (shmem)";
 constexpr char kTcp[] = "ofi (tcp;ofi_rxm";
 
@@ -67,7 +67,7 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
   }
 
   // Tasks 1..n-1 as peers (task t in the namespace when in_namespace(t)), each sending the
-  // standard fixtures (seed t) to task 0 at kStep once its channels to every peer stand; then
+  // standard fixtures (seed t) to task 0 at kMixedStep once its channels to every peer stand; then
   // task 0 here with `same_host` (null: by address).
   void StartJob(int n, const std::function<bool(int)>& in_namespace,
                 std::optional<absl::flat_hash_set<std::string>> same_host = std::nullopt) {
@@ -86,7 +86,7 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
       for (const std::string& a :
            {testing::TestPeerPath(), std::string("--cluster"), cluster_, std::string("--job"),
             std::string("worker"), std::string("--task"), absl::StrCat(t), std::string("--step"),
-            absl::StrCat(kStep), std::string("--seed"), absl::StrCat(t), std::string("--dst"),
+            absl::StrCat(kMixedStep), std::string("--seed"), absl::StrCat(t), std::string("--dst"),
             CpuDeviceName("worker", 0), std::string("--protocol"), GetParam(),
             std::string("--wait-for-peers"), std::string("1")}) {
         args.push_back(a);
@@ -120,7 +120,7 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
 
   // Task 0 receives task t's fixtures and checks their bytes.
   void ExpectFixturesFrom(int t) {
-    auto r = *server_->rendezvous_mgr()->Find(kStep);
+    auto r = *server_->rendezvous_mgr()->Find(kMixedStep);
     for (const testing::Fixture& f : testing::MakeFixtures(static_cast<uint32_t>(t), false)) {
       const ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(
           CpuDeviceName("worker", t), incarnations_[t], server_->device_name(), f.name));
@@ -138,7 +138,7 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
   // A recv from task t of a name it never sends: it ends only when task t is found gone,
   // which must be Unavailable naming the task within about the peer timeout.
   void ExpectFoundGone(int t, const char* fault) {
-    auto r = *server_->rendezvous_mgr()->Find(kStep);
+    auto r = *server_->rendezvous_mgr()->Find(kMixedStep);
     const ParsedKey key = *ParsedKey::Parse(ParsedKey::Create(
         CpuDeviceName("worker", t), incarnations_[t], server_->device_name(), "never"));
     const absl::Time start = absl::Now();

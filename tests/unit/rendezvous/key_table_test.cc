@@ -10,19 +10,19 @@
 namespace tensorverbs {
 namespace {
 
-ParsedKey Key(const std::string& edge) {
+ParsedKey EdgeKey(const std::string& edge) {
   return *ParsedKey::Parse(ParsedKey::Create("/job:ps/replica:0/task:0/device:CPU:0", 7,
                                              "/job:worker/replica:0/task:2/device:CPU:0", edge));
 }
 
 TEST(KeyTable, EveryRecvOfAKeySharesOneParsedCopyWithItsSourceTask) {
   KeyTable table;
-  KeyRef a = table.Intern(Key("w"));
-  KeyRef b = table.Intern(Key("w"));
-  KeyRef c = table.Intern(Key("v"));
+  KeyRef a = table.Intern(EdgeKey("w"));
+  KeyRef b = table.Intern(EdgeKey("w"));
+  KeyRef c = table.Intern(EdgeKey("v"));
   EXPECT_EQ(a.get(), b.get());
   EXPECT_NE(a.get(), c.get());
-  EXPECT_EQ(a->key.full_key, Key("w").full_key);
+  EXPECT_EQ(a->key.full_key, EdgeKey("w").full_key);
   EXPECT_EQ(a->key.edge_name, "w");
   EXPECT_EQ(a->src_task, "/job:ps/replica:0/task:0");
   EXPECT_EQ(table.size(), 2u);
@@ -31,11 +31,11 @@ TEST(KeyTable, EveryRecvOfAKeySharesOneParsedCopyWithItsSourceTask) {
 TEST(KeyTable, StartsOverPastItsBoundAndKeysHandedOutStayValid) {
   KeyTable table(/*max_keys=*/4);
   std::vector<KeyRef> held;
-  for (int i = 0; i < 10; ++i) held.push_back(table.Intern(Key(absl::StrCat("k", i))));
+  for (int i = 0; i < 10; ++i) held.push_back(table.Intern(EdgeKey(absl::StrCat("k", i))));
   EXPECT_LE(table.size(), 4u);
   for (int i = 0; i < 10; ++i) EXPECT_EQ(held[i]->key.edge_name, absl::StrCat("k", i));
   // A key interned again after the table started over is an equal, new copy.
-  KeyRef again = table.Intern(Key("k0"));
+  KeyRef again = table.Intern(EdgeKey("k0"));
   EXPECT_EQ(again->key.full_key, held[0]->key.full_key);
 }
 
@@ -45,7 +45,7 @@ TEST(KeyTable, ThreadsInterningTheSameKeysGetTheSameCopies) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&table, &got, t] {
-      for (int i = 0; i < 200; ++i) got[t].push_back(table.Intern(Key(absl::StrCat("k", i % 50))));
+      for (int i = 0; i < 200; ++i) got[t].push_back(table.Intern(EdgeKey(absl::StrCat("k", i % 50))));
     });
   }
   for (std::thread& th : threads) th.join();
