@@ -35,7 +35,8 @@ absl::StatusOr<ParsedKey> ParsedKey::Parse(absl::string_view key) {
   absl::StatusOr<DeviceName> src = DeviceName::Parse(parts[0]);
   if (!src.ok()) return BadKey(key, absl::StrCat("source device: ", src.status().message()));
   k.src = *std::move(src);
-  if (parts[1].empty() || parts[1].size() > 16 || !absl::SimpleHexAtoi(parts[1], &k.src_incarnation)) {
+  if (parts[1].empty() || parts[1].size() > 16 ||
+      !absl::SimpleHexAtoi(parts[1], &k.src_incarnation)) {
     return BadKey(key, "source incarnation is not a 64-bit hex number");
   }
   for (char c : parts[1]) {
@@ -59,8 +60,8 @@ absl::StatusOr<ParsedKey> ParsedKey::Parse(absl::string_view key) {
 std::string ParsedKey::Create(absl::string_view src_device, uint64_t src_incarnation,
                               absl::string_view dst_device, absl::string_view edge_name,
                               int64_t frame_id, int64_t iter_id) {
-  return absl::StrFormat("%s;%016x;%s;%s;%d:%d", src_device, src_incarnation, dst_device,
-                         edge_name, frame_id, iter_id);
+  return absl::StrFormat("%s;%016x;%s;%s;%d:%d", src_device, src_incarnation, dst_device, edge_name,
+                         frame_id, iter_id);
 }
 
 }  // namespace tensorverbs

@@ -45,7 +45,9 @@ TEST(KeyTable, ThreadsInterningTheSameKeysGetTheSameCopies) {
   std::vector<std::thread> threads;
   for (int t = 0; t < 4; ++t) {
     threads.emplace_back([&table, &got, t] {
-      for (int i = 0; i < 200; ++i) got[t].push_back(table.Intern(EdgeKey(absl::StrCat("k", i % 50))));
+      for (int i = 0; i < 200; ++i) {
+        got[t].push_back(table.Intern(EdgeKey(absl::StrCat("k", i % 50))));
+      }
     });
   }
   for (std::thread& th : threads) th.join();
