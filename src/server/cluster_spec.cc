@@ -33,17 +33,16 @@ absl::Status Bad(absl::string_view why) {
 }  // namespace
 
 bool AddressIsLocal(absl::string_view address) {
-  const size_t colon = address.rfind(':');
-  if (colon == absl::string_view::npos) return false;
-  absl::string_view host = address.substr(0, colon);
-  if (host == "localhost" || host == "[::1]" || absl::StartsWith(host, "127.")) return true;
+  if (address.rfind(':') == absl::string_view::npos) return false;
+  const absl::string_view host = HostOf(address);
+  if (host == "localhost" || host == "::1" || absl::StartsWith(host, "127.")) return true;
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) == 0 && host == name) return true;
   // An address of one of this network namespace's interfaces, or a name that resolves to one:
   // the same host as far as a network namespace lets tasks share memory.
   ifaddrs* interfaces = nullptr;
   if (getifaddrs(&interfaces) != 0) return false;
-  const bool local = AnyResolvedAddress(HostOf(address), [&](const sockaddr* a) {
+  const bool local = AnyResolvedAddress(host, [&](const sockaddr* a) {
     for (const ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
       if (SameIp(a, i->ifa_addr)) return true;
     }
