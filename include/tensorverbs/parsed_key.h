@@ -29,6 +29,13 @@ struct ParsedKey {
 
   static absl::StatusOr<ParsedKey> Parse(absl::string_view key);
 
+  // The key of `edge_name` between two devices already parsed, as Parse(Create(...)) would
+  // give it (and the same error for a name no key can carry), without parsing the devices again.
+  // `src_full` and `dst_full` are src.FullName() and dst.FullName(), which callers keep.
+  static absl::StatusOr<ParsedKey> Make(const DeviceName& src, absl::string_view src_full,
+                                        uint64_t src_incarnation, const DeviceName& dst,
+                                        absl::string_view dst_full, absl::string_view edge_name);
+
   // Builds the canonical key string.
   static std::string Create(absl::string_view src_device, uint64_t src_incarnation,
                             absl::string_view dst_device, absl::string_view edge_name,

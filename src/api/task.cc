@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "src/common/logging.h"
 #include "src/common/mutex.h"
+#include "src/common/recurrence_filter.h"
 #include "src/common/status_macros.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/server/server.h"
@@ -25,10 +26,48 @@
 
 namespace tensorverbs {
 
-// Parsed keys by the peer and name a caller gave. A training loop names the same tensors every
-// step, and building and parsing a key (task name, device name, the key text, its parse) cost
-// more than the rest of a small tensor's recv. A recv's entry remembers the peer incarnation
-// it was made with and is made again when the peer restarted. Any thread.
+// A task's device as keys name it: parsed once, with its full name.
+struct TaskDeviceName {
+  DeviceName device;
+  std::string full_name;  // device.FullName()
+  std::string task_name;  // device.TaskName()
+};
+using TaskDeviceRef = std::shared_ptr<const TaskDeviceName>;
+
+namespace {
+
+// The CPU device of a task named "/job:J/replica:0/task:T" or "J:T".
+absl::StatusOr<DeviceName> ParseTaskDevice(absl::string_view task) {
+  if (absl::StartsWith(task, "/job:")) {
+    absl::StatusOr<DeviceName> d = DeviceName::Parse(absl::StrCat(task, "/device:CPU:0"));
+    if (d.ok()) return d;
+  } else {
+    std::pair<absl::string_view, absl::string_view> parts = absl::StrSplit(task, ':');
+    int index = 0;
+    if (!parts.first.empty() && absl::SimpleAtoi(parts.second, &index) && index >= 0) {
+      return *DeviceName::Parse(CpuDeviceName(parts.first, index));
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("'", task, "' is not a task name: give /job:J/replica:0/task:T or J:T"));
+}
+
+TaskDeviceRef MakeTaskDevice(DeviceName device) {
+  auto d = std::make_shared<TaskDeviceName>();
+  d->full_name = device.FullName();
+  d->task_name = device.TaskName();
+  d->device = std::move(device);
+  return d;
+}
+
+}  // namespace
+
+// Keys by the peer and name a caller gave, and the peers' devices by the names callers give
+// them. A training loop names the same tensors every step, and building a key (the peer's
+// device, the key text) costs more than the rest of a small tensor's recv; so a name seen
+// twice keeps its key. Names used once (torch.distributed numbers every message) are built from
+// the peer's device, which is parsed once, and never enter the cache. A recv's entry remembers
+// the peer incarnation it was made with and is made again when the peer restarted. Any thread.
 class KeyCache {
  public:
   struct Entry {
@@ -36,37 +75,49 @@ class KeyCache {
     uint64_t incarnation = 0;  // the recv's source; 0 for a send's key
     ParsedKey key;
   };
-  // Keeps `key` for (`recv`, `peer`, `name`) and returns the entry that holds it.
-  std::shared_ptr<const Entry> Remember(bool recv, absl::string_view peer, absl::string_view name,
-                                        std::string peer_name, uint64_t incarnation,
-                                        ParsedKey key) {
-    auto entry = std::make_shared<Entry>();
-    entry->peer_name = std::move(peer_name);
-    entry->incarnation = incarnation;
-    entry->key = std::move(key);
-    Put(recv, peer, name, entry);
-    return entry;
-  }
-  std::shared_ptr<const Entry> Find(bool recv, absl::string_view peer, absl::string_view name) {
-    MutexLock lock(&mu_);
-    auto it = entries_.find(Index(recv, peer, name));
-    return it == entries_.end() ? nullptr : it->second;
-  }
-
- private:
-  void Put(bool recv, absl::string_view peer, absl::string_view name,
-           std::shared_ptr<const Entry> entry) {
-    MutexLock lock(&mu_);
-    // Names that change every step (a step number inside them) would grow it without end.
-    if (entries_.size() >= kMaxEntries) entries_.clear();
-    entries_[Index(recv, peer, name)] = std::move(entry);
-  }
-  static constexpr size_t kMaxEntries = 1 << 16;
+  // The cache's index of a send's (`recv` false) or recv's key of `name` with `peer`.
   static std::string Index(bool recv, absl::string_view peer, absl::string_view name) {
     return absl::StrCat(recv ? "r" : "s", peer, "\n", name);
   }
+  std::shared_ptr<const Entry> Find(const std::string& index) {
+    MutexLock lock(&mu_);
+    auto it = entries_.find(index);
+    return it == entries_.end() ? nullptr : it->second;
+  }
+  // Keeps a copy of `key` under `index` if that was asked for before.
+  void Remember(const std::string& index, absl::string_view peer_name, uint64_t incarnation,
+                const ParsedKey& key) {
+    MutexLock lock(&mu_);
+    if (!seen_.SeenBefore(index)) return;
+    auto entry = std::make_shared<Entry>();
+    entry->peer_name = std::string(peer_name);
+    entry->incarnation = incarnation;
+    entry->key = key;
+    // Bounded, so names that change every step cannot grow it without end.
+    if (entries_.size() >= kMaxEntries) entries_.clear();
+    entries_[index] = std::move(entry);
+  }
+  // The CPU device of the task a caller names `task`, parsed once.
+  absl::StatusOr<TaskDeviceRef> Device(absl::string_view task) {
+    {
+      MutexLock lock(&mu_);
+      if (auto it = devices_.find(task); it != devices_.end()) return it->second;
+    }
+    ASSIGN_OR_RETURN(DeviceName device, ParseTaskDevice(task));
+    TaskDeviceRef ref = MakeTaskDevice(std::move(device));
+    MutexLock lock(&mu_);
+    if (devices_.size() >= kMaxDevices) devices_.clear();
+    devices_.emplace(std::string(task), ref);
+    return ref;
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 1 << 16;
+  static constexpr size_t kMaxDevices = 1 << 12;
   Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<const Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  RecurrenceFilter seen_ ABSL_GUARDED_BY(mu_){kMaxEntries};
+  absl::flat_hash_map<std::string, TaskDeviceRef> devices_ ABSL_GUARDED_BY(mu_);
 };
 
 // Task::Stop's shutdown, run on a thread of its own so that the caller waits for it only up to
@@ -83,6 +134,7 @@ struct Task::Impl {
   std::string name;
   std::string protocol;
   absl::Duration stop_timeout;
+  TaskDeviceRef device;  // this task's CPU device
   KeyCache keys;
   const std::shared_ptr<StopState> stop = std::make_shared<StopState>();
 };
@@ -94,22 +146,6 @@ struct Step::Impl {
 };
 
 namespace {
-
-// The CPU device of a task named "/job:J/replica:0/task:T" or "J:T".
-absl::StatusOr<DeviceName> TaskDevice(absl::string_view task) {
-  if (absl::StartsWith(task, "/job:")) {
-    absl::StatusOr<DeviceName> d = DeviceName::Parse(absl::StrCat(task, "/device:CPU:0"));
-    if (d.ok()) return d;
-  } else {
-    std::pair<absl::string_view, absl::string_view> parts = absl::StrSplit(task, ':');
-    int index = 0;
-    if (!parts.first.empty() && absl::SimpleAtoi(parts.second, &index) && index >= 0) {
-      return *DeviceName::Parse(CpuDeviceName(parts.first, index));
-    }
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("'", task, "' is not a task name: give /job:J/replica:0/task:T or J:T"));
-}
 
 // Tasks whose last reference went while tensors from their pools (host or GPU) were still
 // referenced: stopped, but kept (with their pool's memory) until those tensors are gone, so no
@@ -240,6 +276,8 @@ absl::StatusOr<std::unique_ptr<Task>> Task::Start(TaskOptions options) {
   impl->name = server->task_name();
   impl->protocol = server->protocol();
   impl->stop_timeout = server_options.stop_timeout;
+  ASSIGN_OR_RETURN(DeviceName device, DeviceName::Parse(server->device_name()));
+  impl->device = MakeTaskDevice(std::move(device));
   impl->server = std::move(server);
   return std::unique_ptr<Task>(new Task(std::move(impl)));
 }
@@ -369,17 +407,18 @@ Step::~Step() {
 int64_t Step::id() const { return impl_->id; }
 
 absl::Status Step::Send(absl::string_view dst_task, absl::string_view name, const Tensor& value) {
-  KeyCache& keys = impl_->task->keys;
-  if (std::shared_ptr<const KeyCache::Entry> cached = keys.Find(false, dst_task, name)) {
+  Task::Impl& task = *impl_->task;
+  KeyCache& keys = task.keys;
+  const std::string index = KeyCache::Index(false, dst_task, name);
+  if (std::shared_ptr<const KeyCache::Entry> cached = keys.Find(index)) {
     return SendKey(cached->key, value);
   }
-  ASSIGN_OR_RETURN(DeviceName dst, TaskDevice(dst_task));
-  Server& server = *impl_->task->server;
+  ASSIGN_OR_RETURN(TaskDeviceRef dst, keys.Device(dst_task));
   ASSIGN_OR_RETURN(ParsedKey key,
-                   ParsedKey::Parse(ParsedKey::Create(server.device_name(), server.incarnation(),
-                                                      dst.FullName(), name)));
-  return SendKey(keys.Remember(false, dst_task, name, dst.TaskName(), 0, std::move(key))->key,
-                 value);
+                   ParsedKey::Make(task.device->device, task.device->full_name,
+                                   task.server->incarnation(), dst->device, dst->full_name, name));
+  keys.Remember(index, dst->task_name, 0, key);
+  return SendKey(key, value);
 }
 
 absl::Status Step::SendKey(const ParsedKey& key, const Tensor& value) {
@@ -413,11 +452,11 @@ void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, const RecvOpt
       });
 }
 
-// The key of `name` sent by `src` (whose incarnation is `incarnation`) to this task.
-absl::StatusOr<ParsedKey> KeyFrom(const Server& server, const DeviceName& src, uint64_t incarnation,
-                                  absl::string_view name) {
-  return ParsedKey::Parse(
-      ParsedKey::Create(src.FullName(), incarnation, server.device_name(), name));
+// The key of `name` sent by `src` (whose incarnation is `incarnation`) to `task`.
+absl::StatusOr<ParsedKey> KeyFrom(const Task::Impl& task, const TaskDeviceName& src,
+                                  uint64_t incarnation, absl::string_view name) {
+  return ParsedKey::Make(src.device, src.full_name, incarnation, task.device->device,
+                         task.device->full_name, name);
 }
 
 }  // namespace
@@ -430,40 +469,40 @@ void Step::RecvAsync(absl::string_view src_task, absl::string_view name, const R
                      RecvCallback done) {
   Server& server = *impl_->task->server;
   KeyCache& keys = impl_->task->keys;
-  if (std::shared_ptr<const KeyCache::Entry> cached = keys.Find(true, src_task, name)) {
+  const std::string index = KeyCache::Index(true, src_task, name);
+  if (std::shared_ptr<const KeyCache::Entry> cached = keys.Find(index)) {
     if (server.KnownPeerIncarnation(cached->peer_name) == cached->incarnation) {
       RecvKeyAsync(cached->key, options, std::move(done));
       return;
     }
   }
-  absl::StatusOr<DeviceName> src = TaskDevice(src_task);
+  absl::StatusOr<TaskDeviceRef> src = keys.Device(src_task);
   if (!src.ok()) {
     done(src.status());
     return;
   }
-  const std::string src_name = src->TaskName();
-  if (std::optional<uint64_t> known = server.KnownPeerIncarnation(src_name)) {
-    absl::StatusOr<ParsedKey> key = KeyFrom(server, *src, *known, name);
+  if (std::optional<uint64_t> known = server.KnownPeerIncarnation((*src)->task_name)) {
+    absl::StatusOr<ParsedKey> key = KeyFrom(*impl_->task, **src, *known, name);
     if (!key.ok()) {
       done(key.status());
       return;
     }
-    RecvKeyAsync(keys.Remember(true, src_task, name, src_name, *known, *std::move(key))->key,
-                 options, std::move(done));
+    keys.Remember(index, (*src)->task_name, *known, *key);
+    RecvKeyAsync(*key, options, std::move(done));
     return;
   }
   // A peer not asked yet (WaitForPeers records them all): asking waits for it to answer, up to
   // 30 s, which an asynchronous call must not do on its caller's thread. A thread of its own
   // asks, holding the task and the step's rendezvous; a step ended meanwhile fails the recv.
-  std::thread([task = impl_->task, rendezvous = impl_->rendezvous, src = *src,
+  std::thread([task = impl_->task, rendezvous = impl_->rendezvous, src = *std::move(src),
                name = std::string(name), options, done = std::move(done)]() mutable {
     absl::StatusOr<uint64_t> incarnation =
-        task->server->PeerIncarnation(src.TaskName(), absl::Seconds(30));
+        task->server->PeerIncarnation(src->task_name, absl::Seconds(30));
     if (!incarnation.ok()) {
       done(incarnation.status());
       return;
     }
-    absl::StatusOr<ParsedKey> key = KeyFrom(*task->server, src, *incarnation, name);
+    absl::StatusOr<ParsedKey> key = KeyFrom(*task, *src, *incarnation, name);
     if (!key.ok()) {
       done(key.status());
       return;

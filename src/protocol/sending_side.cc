@@ -173,9 +173,11 @@ absl::StatusOr<KeyRef> SendingSide::ValidKey(const std::string& name) {
         key->full_key, key->src_incarnation, worker->task_name, worker->incarnation));
   }
   // A training loop asks for the same keys every step: parse each once. Bounded, so a peer
-  // inventing names cannot grow it without limit.
-  if (valid_keys_.size() >= kMaxCachedKeys) valid_keys_.clear();
+  // inventing names cannot grow it without limit; names asked for once (numbered messages)
+  // stay out of it.
   KeyRef ref = MakeKeyRef(*std::move(key));
+  if (!seen_names_.SeenBefore(name)) return ref;
+  if (valid_keys_.size() >= kMaxCachedKeys) valid_keys_.clear();
   valid_keys_.emplace(name, ref);
   return ref;
 }

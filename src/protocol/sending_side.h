@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "src/common/recurrence_filter.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/copy_mode.h"
 #include "src/protocol/message.h"
@@ -101,6 +102,9 @@ class SendingSide {
   std::vector<std::unique_ptr<RdmaTensorResponse>> spares_;
   uint64_t next_serial_ = 1;
   absl::flat_hash_map<std::string, KeyRef> valid_keys_;
+  // What may enter valid_keys_. Small: keys asked for by name more than once are those past
+  // the receiver's indexed keys (PushAhead::kMaxKeys), rare.
+  RecurrenceFilter seen_names_{8192};
   // By the index the owner defined: the key, or why it is not one this task serves.
   std::vector<absl::StatusOr<KeyRef>> indexed_keys_;
   CopyBuffers copy_buffers_;

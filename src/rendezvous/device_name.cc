@@ -1,12 +1,11 @@
 #include "tensorverbs/device_name.h"
 
-#include <vector>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "src/common/split_exact.h"
 
 namespace tensorverbs {
 namespace {
@@ -37,8 +36,10 @@ bool IsValidJobName(absl::string_view job) {
 
 absl::StatusOr<DeviceName> DeviceName::Parse(absl::string_view name) {
   if (!absl::StartsWith(name, "/")) return Bad(name, "it does not start with '/'");
-  std::vector<absl::string_view> parts = absl::StrSplit(name.substr(1), '/');
-  if (parts.size() != 4) return Bad(name, "it needs exactly four components");
+  absl::string_view parts[4];
+  if (!SplitExact(name.substr(1), '/', parts, 4)) {
+    return Bad(name, "it needs exactly four components");
+  }
   DeviceName d;
   if (!absl::ConsumePrefix(&parts[0], "job:") || !IsValidJobName(parts[0])) {
     return Bad(name, "bad job component");
@@ -51,20 +52,14 @@ absl::StatusOr<DeviceName> DeviceName::Parse(absl::string_view name) {
     return Bad(name, "bad task component");
   }
   absl::string_view dev = parts[3];
-  if (absl::ConsumePrefix(&dev, "device:")) {
-    std::vector<absl::string_view> type_id = absl::StrSplit(dev, ':');
-    if (type_id.size() != 2 || type_id[0].empty() || !ParseNonNegative(type_id[1], &d.id)) {
-      return Bad(name, "bad device component");
-    }
-    d.type = std::string(type_id[0]);
-  } else {
-    // Legacy form: cpu:0 / gpu:1
-    std::vector<absl::string_view> type_id = absl::StrSplit(dev, ':');
-    if (type_id.size() != 2 || type_id[0].empty() || !ParseNonNegative(type_id[1], &d.id)) {
-      return Bad(name, "bad device component");
-    }
-    d.type = absl::AsciiStrToUpper(type_id[0]);
+  // "device:TYPE:ID", or the legacy "cpu:0" / "gpu:1".
+  const bool legacy = !absl::ConsumePrefix(&dev, "device:");
+  absl::string_view type_id[2];
+  if (!SplitExact(dev, ':', type_id, 2) || type_id[0].empty() ||
+      !ParseNonNegative(type_id[1], &d.id)) {
+    return Bad(name, "bad device component");
   }
+  d.type = legacy ? absl::AsciiStrToUpper(type_id[0]) : std::string(type_id[0]);
   for (char c : d.type) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_') {
       return Bad(name, "bad device type");

@@ -1,12 +1,12 @@
 #include "tensorverbs/parsed_key.h"
 
-#include <vector>
+#include <algorithm>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
+#include "src/common/split_exact.h"
 #include "src/common/status_macros.h"
 
 namespace tensorverbs {
@@ -26,9 +26,10 @@ absl::StatusOr<ParsedKey> ParsedKey::Parse(absl::string_view key) {
   if (key.size() > kMaxKeyLength) {
     return BadKey(key, absl::StrCat("it is ", key.size(), " bytes, longer than ", kMaxKeyLength));
   }
-  std::vector<absl::string_view> parts = absl::StrSplit(key, ';');
-  if (parts.size() != 5) {
-    return BadKey(key, absl::StrCat("it has ", parts.size(), " ';'-separated parts, not 5"));
+  absl::string_view parts[5];
+  if (!SplitExact(key, ';', parts, 5)) {
+    return BadKey(key, absl::StrCat("it has ", std::count(key.begin(), key.end(), ';') + 1,
+                                    " ';'-separated parts, not 5"));
   }
   ParsedKey k;
   k.full_key = std::string(key);
@@ -49,11 +50,29 @@ absl::StatusOr<ParsedKey> ParsedKey::Parse(absl::string_view key) {
   k.dst = *std::move(dst);
   if (parts[3].empty()) return BadKey(key, "tensor name is empty");
   k.edge_name = std::string(parts[3]);
-  std::vector<absl::string_view> frame_iter = absl::StrSplit(parts[4], ':');
-  if (frame_iter.size() != 2 || !absl::SimpleAtoi(frame_iter[0], &k.frame_id) ||
+  absl::string_view frame_iter[2];
+  if (!SplitExact(parts[4], ':', frame_iter, 2) || !absl::SimpleAtoi(frame_iter[0], &k.frame_id) ||
       !absl::SimpleAtoi(frame_iter[1], &k.iter_id) || k.frame_id < 0 || k.iter_id < 0) {
     return BadKey(key, "frame_id:iter_id is not two non-negative integers");
   }
+  return k;
+}
+
+absl::StatusOr<ParsedKey> ParsedKey::Make(const DeviceName& src, absl::string_view src_full,
+                                          uint64_t src_incarnation, const DeviceName& dst,
+                                          absl::string_view dst_full, absl::string_view edge_name) {
+  ParsedKey k;
+  k.full_key = absl::StrCat(src_full, ";", absl::Hex(src_incarnation, absl::kZeroPad16), ";",
+                            dst_full, ";", edge_name, ";0:0");
+  // The checks Parse makes of what the devices do not already guarantee.
+  if (k.full_key.size() > kMaxKeyLength || edge_name.empty() ||
+      edge_name.find(';') != absl::string_view::npos) {
+    return Parse(k.full_key);  // fails, naming what is wrong
+  }
+  k.src = src;
+  k.src_incarnation = src_incarnation;
+  k.dst = dst;
+  k.edge_name = std::string(edge_name);
   return k;
 }
 

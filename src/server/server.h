@@ -213,7 +213,8 @@ class Server {
   std::map<int, std::unique_ptr<PoolAllocator>> device_pools_ ABSL_GUARDED_BY(device_pools_mu_);
   // Before the executor, so they outlive it: a step whose last reference goes in a callback
   // the executor drains at shutdown still reaches them.
-  KeyTable keys_;            // env_.keys: the keys of this task's sends and local recvs
+  // env_.keys: the keys of this task's sends and local recvs, interned from their second use.
+  KeyTable keys_{KeyTable::kDefaultMaxKeys, /*admit_repeated_only=*/true};
   StepSizeHint step_sizes_;  // env_.step_sizes
   std::unique_ptr<Executor> executor_;
   WorkerEnv env_;

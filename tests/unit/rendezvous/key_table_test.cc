@@ -28,6 +28,24 @@ TEST(KeyTable, EveryRecvOfAKeySharesOneParsedCopyWithItsSourceTask) {
   EXPECT_EQ(table.size(), 2u);
 }
 
+// Names made for one message each (torch.distributed numbers its messages) stay out of a
+// table that admits repeated keys only, so they cannot push out the names a loop repeats.
+TEST(KeyTable, KeysSeenOnceStayOutOfATableOfRepeatedKeys) {
+  KeyTable table(/*max_keys=*/64, /*admit_repeated_only=*/true);
+  KeyRef first = table.Intern(EdgeKey("weights"));
+  KeyRef weights = table.Intern(EdgeKey("weights"));
+  EXPECT_NE(first.get(), weights.get()) << "the first sighting gets a copy of its own";
+  EXPECT_EQ(first->key.full_key, weights->key.full_key);
+  EXPECT_EQ(table.Intern(EdgeKey("weights")).get(), weights.get());
+  for (int i = 0; i < 10000; ++i) {
+    KeyRef once = table.Intern(EdgeKey(absl::StrCat("message/", i)));
+    EXPECT_EQ(once->key.edge_name, absl::StrCat("message/", i));
+    EXPECT_EQ(once->src_task, "/job:ps/replica:0/task:0");
+  }
+  EXPECT_EQ(table.size(), 1u);
+  EXPECT_EQ(table.Intern(EdgeKey("weights")).get(), weights.get());
+}
+
 TEST(KeyTable, StartsOverPastItsBoundAndKeysHandedOutStayValid) {
   KeyTable table(/*max_keys=*/4);
   std::vector<KeyRef> held;

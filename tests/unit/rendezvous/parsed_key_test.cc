@@ -3,6 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <string>
+
 namespace tensorverbs {
 namespace {
 
@@ -31,9 +34,36 @@ TEST(ParsedKey, ParsesTheCanonicalForm) {
   EXPECT_EQ(k->iter_id, 7);
 }
 
+// Make builds from parsed devices what Parse(Create(...)) gives, and refuses the same names.
+TEST(ParsedKey, MakeMatchesParseOfCreateAndRefusesTheSameNames) {
+  const DeviceName src = *DeviceName::Parse(kSrc);
+  const DeviceName dst = *DeviceName::Parse(kDst);
+  for (uint64_t incarnation : {uint64_t{0}, uint64_t{7}, uint64_t{0xdeadbeef12345678}}) {
+    absl::StatusOr<ParsedKey> made = ParsedKey::Make(src, kSrc, incarnation, dst, kDst, "a/b:0");
+    absl::StatusOr<ParsedKey> parsed =
+        ParsedKey::Parse(ParsedKey::Create(kSrc, incarnation, kDst, "a/b:0"));
+    ASSERT_TRUE(made.ok()) << made.status();
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(made->full_key, parsed->full_key);
+    EXPECT_EQ(made->src.FullName(), parsed->src.FullName());
+    EXPECT_EQ(made->dst.FullName(), parsed->dst.FullName());
+    EXPECT_EQ(made->src_incarnation, parsed->src_incarnation);
+    EXPECT_EQ(made->edge_name, parsed->edge_name);
+    EXPECT_EQ(made->frame_id, 0);
+    EXPECT_EQ(made->iter_id, 0);
+  }
+  for (const std::string& bad :
+       {std::string(), std::string("a;b"), std::string(ParsedKey::kMaxKeyLength, 'x')}) {
+    absl::StatusOr<ParsedKey> made = ParsedKey::Make(src, kSrc, 1, dst, kDst, bad);
+    absl::StatusOr<ParsedKey> parsed = ParsedKey::Parse(ParsedKey::Create(kSrc, 1, kDst, bad));
+    ASSERT_FALSE(made.ok()) << bad;
+    EXPECT_EQ(made.status(), parsed.status());
+  }
+}
+
 TEST(ParsedKey, AcceptsLegacyDeviceForm) {
-  absl::StatusOr<ParsedKey> k = ParsedKey::Parse(
-      "/job:ps/replica:0/task:1/cpu:0;1;/job:worker/replica:0/task:0/gpu:2;x;0:0");
+  absl::StatusOr<ParsedKey> k =
+      ParsedKey::Parse("/job:ps/replica:0/task:1/cpu:0;1;/job:worker/replica:0/task:0/gpu:2;x;0:0");
   ASSERT_TRUE(k.ok()) << k.status();
   EXPECT_EQ(k->src.type, "CPU");
   EXPECT_EQ(k->dst.type, "GPU");
@@ -84,7 +114,8 @@ TEST(ParsedKey, IsOnTaskAgreesWithTaskNameWithoutBuildingIt) {
   EXPECT_TRUE(d->IsOnTask(d->TaskName()));
   EXPECT_TRUE(d->IsOnTask("/job:worker/replica:0/task:3"));
   for (const char* other :
-       {"/job:worker/replica:0/task:31", "/job:worker/replica:0/task:", "/job:worke/replica:0/task:3",
+       {"/job:worker/replica:0/task:31",
+        "/job:worker/replica:0/task:", "/job:worke/replica:0/task:3",
         "/job:workers/replica:0/task:3", "/job:worker/replica:1/task:3",
         "/job:worker/replica:0/task:3/device:GPU:1", "", "/job:ps/replica:0/task:3"}) {
     EXPECT_FALSE(d->IsOnTask(other)) << other;
