@@ -87,14 +87,16 @@ def test_every_operation_on_four_ranks(tmp_path):
     assert_all_ok(run_ranks(tmp_path, "conformance", 4))
 
 
-def test_bad_input_raises_naming_the_problem_and_sends_nothing(tmp_path):
-    results = run_ranks(tmp_path, "bad_input", 2)
+@pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc", "grpc+verbs-copy", "grpc+gdr"])
+def test_bad_input_raises_naming_the_problem_and_sends_nothing(tmp_path, protocol):
+    results = run_ranks(tmp_path, "bad_input", 2, protocol=protocol)
     assert_all_ok(results)
     assert "rank 0: wait with timeout refused" in results[0][1]
 
 
-def test_a_peer_that_dies_fails_every_rank_within_the_peer_timeout(tmp_path):
-    results = run_ranks(tmp_path, "peer_dies", 3, timeout_s=120,
+@pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc", "grpc+verbs-copy", "grpc+gdr"])
+def test_a_peer_that_dies_fails_every_rank_within_the_peer_timeout(tmp_path, protocol):
+    results = run_ranks(tmp_path, "peer_dies", 3, protocol=protocol, timeout_s=120,
                         env={"TENSORVERBS_PEER_TIMEOUT_MS": "2000"})
     assert_all_ok(results)
     for rank in range(2):

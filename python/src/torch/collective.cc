@@ -116,6 +116,13 @@ absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
   }
   if (!pending->result.ok()) {
     const absl::Status& s = pending->result.status();
+    // A rank that failed first (a peer of its died) may have ended since, failing this recv
+    // with it: its word in the store names the rank that started it.
+    absl::Status first = group_.AbortFromPeers();
+    if (first.code() == absl::StatusCode::kAborted) {
+      return absl::Status(first.code(),
+                          absl::StrCat(first.message(), "; then ", from(), ": ", s.message()));
+    }
     return absl::Status(s.code(), absl::StrCat(from(), ": ", s.message()));
   }
   if (pending->result->TotalBytes() != pending->bytes) {
