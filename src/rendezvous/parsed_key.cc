@@ -5,7 +5,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "src/common/split_exact.h"
 #include "src/common/status_macros.h"
 
@@ -62,8 +61,7 @@ absl::StatusOr<ParsedKey> ParsedKey::Make(const DeviceName& src, absl::string_vi
                                           uint64_t src_incarnation, const DeviceName& dst,
                                           absl::string_view dst_full, absl::string_view edge_name) {
   ParsedKey k;
-  k.full_key = absl::StrCat(src_full, ";", absl::Hex(src_incarnation, absl::kZeroPad16), ";",
-                            dst_full, ";", edge_name, ";0:0");
+  k.full_key = Create(src_full, src_incarnation, dst_full, edge_name);
   // The checks Parse makes of what the devices do not already guarantee.
   if (k.full_key.size() > kMaxKeyLength || edge_name.empty() ||
       edge_name.find(';') != absl::string_view::npos) {
@@ -79,8 +77,8 @@ absl::StatusOr<ParsedKey> ParsedKey::Make(const DeviceName& src, absl::string_vi
 std::string ParsedKey::Create(absl::string_view src_device, uint64_t src_incarnation,
                               absl::string_view dst_device, absl::string_view edge_name,
                               int64_t frame_id, int64_t iter_id) {
-  return absl::StrFormat("%s;%016x;%s;%s;%d:%d", src_device, src_incarnation, dst_device, edge_name,
-                         frame_id, iter_id);
+  return absl::StrCat(src_device, ";", absl::Hex(src_incarnation, absl::kZeroPad16), ";",
+                      dst_device, ";", edge_name, ";", frame_id, ":", iter_id);
 }
 
 }  // namespace tensorverbs

@@ -35,8 +35,6 @@ RecvOptions ExpectBytes(size_t bytes) {
   return options;
 }
 
-namespace {}  // namespace
-
 Collective::Collective(ProcessGroupTensorVerbs& group, TvWork& work, int64_t seq,
                        absl::Time deadline)
     : group_(group), work_(work), seq_(seq), deadline_(deadline) {}
