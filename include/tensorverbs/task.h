@@ -136,6 +136,18 @@ class Task {
   absl::StatusOr<Tensor> AdoptDeviceMemory(int device, void* data, DataType dtype,
                                            const TensorShape& shape, std::function<void()> release);
 
+  // Host memory the caller owns (a PyTorch CPU tensor's, say) as a tensor to send, without
+  // copying it into the task's pool first. Over grpc+verbs a tensor of at least 64 KiB is then
+  // written to the peer from this memory itself (registered with the fabric for that one
+  // write); smaller ones, and the other protocols, copy it once as they send, as they would any
+  // memory outside the pool. The caller must neither free nor write the memory before
+  // `release`, which runs exactly once: when the last Tensor referring to it goes (after the
+  // peer took it, or when the step that sent it ends), on whichever thread drops it (often a
+  // transport thread: it must return quickly and never block), or before this returns on an
+  // error. InvalidArgument for strings, or a null `data` with bytes to hold.
+  absl::StatusOr<Tensor> AdoptHostMemory(void* data, DataType dtype, const TensorShape& shape,
+                                         std::function<void()> release);
+
   // Returns once the work queued on GPU `device`'s legacy default stream, and through it on
   // every blocking stream, has completed. The task's own copies run on streams of their own,
   // so memory written by the caller's kernels must be finished before a send reads it: call

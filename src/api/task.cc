@@ -21,6 +21,7 @@
 #include "src/common/status_macros.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "src/server/server.h"
+#include "src/tensor/adopted_memory.h"
 #include "src/tensor/allocator.h"
 #include "tensorverbs/device_name.h"
 
@@ -376,6 +377,11 @@ absl::StatusOr<Tensor> Task::AdoptDeviceMemory(int device, void* data, DataType 
                                                const TensorShape& shape,
                                                std::function<void()> release) {
   return impl_->server->AdoptDeviceMemory(device, data, dtype, shape, std::move(release));
+}
+
+absl::StatusOr<Tensor> Task::AdoptHostMemory(void* data, DataType dtype, const TensorShape& shape,
+                                             std::function<void()> release) {
+  return AdoptMemory(MemoryPlacement::Host(), data, dtype, shape, std::move(release));
 }
 
 absl::Status Task::WaitForDeviceWork(int device) {

@@ -236,6 +236,11 @@ absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RdmaMemoryMgr::RegisterTra
   return domain_->RegisterMemory(p, len, remote_access_);
 }
 
+absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RdmaMemoryMgr::RegisterSource(const void* p,
+                                                                                    size_t len) {
+  return domain_->RegisterMemory(const_cast<void*>(p), len, fabric::kAccessLocal);
+}
+
 const TensorMetaData* RdmaMemoryMgr::CachedMeta(const std::string& key) const {
   auto it = cache_.find(key);
   return it == cache_.end() ? nullptr : &it->second;

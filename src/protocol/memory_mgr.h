@@ -43,6 +43,11 @@ namespace tensorverbs::protocol {
 
 // TENSORVERBS_REGISTRATION: the seed's three memory strategies.
 enum class Registration { kPool, kPerTransfer, kCopy };
+
+// Under kPool, a source outside the pool of at least this many bytes (host memory a task
+// adopted from its caller, say) is registered for its one write instead of staged: a
+// registration costs about as much as copying 64 KiB here, and above that the copy costs more.
+inline constexpr uint64_t kRegisterSourcesFrom = uint64_t{64} << 10;
 absl::StatusOr<Registration> ParseRegistration(absl::string_view name);
 const char* RegistrationName(Registration r);
 
@@ -80,6 +85,9 @@ class RdmaMemoryMgr {
 
   // Registers [p, p+len) for one transfer, with the same remote access as the pool's regions.
   absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RegisterTransient(void* p, size_t len);
+  // Registers [p, p+len) for one write from it, with local access only: no peer is given a key
+  // to it, and none could use one it guessed.
+  absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RegisterSource(const void* p, size_t len);
 
   // The key to offer the peer of `endpoint` for memory in `region` (one this manager returned,
   // or a transient registration). With channel keys, that of the endpoint's own registration of

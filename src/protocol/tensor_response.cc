@@ -100,6 +100,20 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
     }
     return absl::OkStatus();
   }
+  if (!on_device && env->options.registration == Registration::kPool &&
+      meta_.tensor_bytes >= kRegisterSourcesFrom) {
+    // Memory outside the pool, large enough that registering it for this write is cheaper than
+    // staging a copy. A fabric that refuses it still gets the copy below.
+    absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> mr =
+        env->memory->RegisterSource(tensor.data(), meta_.tensor_bytes);
+    if (mr.ok()) {
+      transient_ = *std::move(mr);
+      env->stats->transient_registrations.fetch_add(1, std::memory_order_relaxed);
+      source_region_ = transient_.get();
+      source_ = tensor.data();
+      return absl::OkStatus();
+    }
+  }
   if (on_device) {
     return absl::FailedPreconditionError(
         absl::StrCat("the tensor is in ", tensor.placement().ToString(),

@@ -141,7 +141,7 @@ class Server {
   // Whether a tensor of the receive pool or of a GPU pool is still referenced: a stopped
   // server must then live on (Task parks it), or those tensors would point at freed memory.
   bool PoolsInUse();
-  // GPU `device`'s memory the caller owns as a tensor this task can send (device/
+  // GPU `device`'s memory the caller owns as a tensor this task can send (tensor/
   // adopted_memory.h: `release` runs once, when the last reference goes or at once on an
   // error): FailedPrecondition when this task has no CUDA runtime driving that device.
   absl::StatusOr<Tensor> AdoptDeviceMemory(int device, void* data, DataType dtype,

@@ -1,8 +1,6 @@
 // The server's GPU side: the CUDA copier and the fabric's view of GPU memory, the task's GPU
 // pools, memory adopted from the caller, and the receive pool's pinning: the Server methods
 // that deal with GPUs, apart from the rest of server.cc.
-#include "src/server/server.h"
-
 #include <functional>
 #include <limits>
 #include <memory>
@@ -12,12 +10,13 @@
 #include "src/common/config.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
-#include "src/device/adopted_memory.h"
 #include "src/device/cuda_allocator.h"
 #include "src/device/cuda_copier.h"
 #include "src/device/cuda_runtime.h"
 #include "src/device/pinned_pool.h"
 #include "src/server/cuda_fabric_memory.h"
+#include "src/server/server.h"
+#include "src/tensor/adopted_memory.h"
 
 namespace tensorverbs {
 
@@ -101,7 +100,7 @@ absl::StatusOr<Tensor> Server::AdoptDeviceMemory(int device, void* data, DataTyp
         " memory: it has no CUDA runtime driving that device (`tensorverbs info` says why); "
         "copy the tensor to the host first"));
   }
-  return device::AdoptDeviceMemory(where, data, dtype, shape, std::move(release));
+  return AdoptMemory(where, data, dtype, shape, std::move(release));
 }
 
 absl::Status Server::WaitForDeviceWork(int device) {

@@ -1,6 +1,8 @@
 // The protocol conformance suite's core (protocol_fixture.h): every fixture arrives intact, copies
 // and meta-data round trips are what each design says, limits and bounds hold, sender-side
 // errors and aborts end each recv once, and the counters count what moved.
+#include "src/protocol/memory_mgr.h"
+#include "src/tensor/adopted_memory.h"
 #include "tests/conformance/protocol_fixture.h"
 
 namespace tensorverbs::protocol_conformance {
@@ -132,6 +134,35 @@ TEST_P(ProtocolTest, UnregisteredDestinationsAndSourcesGoThroughRegisteredCopies
     EXPECT_EQ(got.allocator(), CpuAllocator());
   }
   ExpectCopies(design().pool_to_heap, 2, before);
+  ExpectNothingLent(1);
+}
+
+// Host memory a task adopted from its owner (Task::AdoptHostMemory; the torch backend's sends):
+// from kRegisterSourcesFrom bytes grpc+verbs writes from it directly, registered for that write
+// alone, and the owner gets it back once, after the peer has it.
+TEST_P(ProtocolTest, LargeSourcesOutsideThePoolAreWrittenFromWhereTheyAre) {
+  StartCluster(2);
+  std::vector<float> owned(protocol::kRegisterSourcesFrom / sizeof(float) * 4);
+  std::atomic<int> released{0};
+  absl::StatusOr<Tensor> adopted =
+      AdoptMemory(MemoryPlacement::Host(), owned.data(), DataType::kFloat32,
+                  TensorShape::Of({static_cast<int64_t>(owned.size())}),
+                  [&released] { released.fetch_add(1); });
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  testing::FillPattern(*adopted, 9);
+  const Tensor expected = *adopted->Clone(CpuAllocator());
+  const int64_t registrations = verbs_stats(1).transient_registrations.load();
+  const CopyCounts before = CountCopies();
+  Tensor got;
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "adopted", *adopted, &got));
+  EXPECT_TRUE(got.ContentEquals(expected));
+  ExpectCopies(design().large_heap_to_pool, 1, before);
+  if (design().protocol == std::string("grpc+verbs")) {
+    EXPECT_EQ(verbs_stats(1).transient_registrations.load() - registrations, 1);
+  }
+  adopted->Clear();
+  for (int i = 0; i < 500 && released.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(released.load(), 1) << "the sender let go of the adopted memory once";
   ExpectNothingLent(1);
 }
 

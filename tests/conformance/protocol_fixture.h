@@ -92,6 +92,9 @@ struct ProtocolDesign {
   Copies pool_to_pool;  // the steady state: source and destination in registered pool memory
   Copies pool_to_heap;  // a destination the fabric never registered
   Copies heap_to_heap;  // a source outside the pool as well
+  // A source outside the pool from kRegisterSourcesFrom bytes (memory adopted from its owner),
+  // into the pool.
+  Copies large_heap_to_pool;
   // Recvs per sending peer in ManyConcurrentRecvsFromThreePeers, and under TSan (which slows
   // libfabric's copies and gRPC tenfold).
   int concurrent_recvs_per_peer;
@@ -111,8 +114,9 @@ inline constexpr ProtocolDesign kGrpcVerbs = {
     .lends_tensors = false,
     .meta_data = MetaDataRoundTrip::kWhenItChanges,
     .pool_to_pool = {0, 0},
-    .pool_to_heap = {0, 1},  // a registered proxy, copied out of
-    .heap_to_heap = {1, 1},  // and a registered staging copy of the source
+    .pool_to_heap = {0, 1},        // a registered proxy, copied out of
+    .heap_to_heap = {1, 1},        // and a registered staging copy of the source
+    .large_heap_to_pool = {0, 0},  // the source registered for its write
     .concurrent_recvs_per_peer = 3334,
     .concurrent_recvs_per_peer_under_tsan = 3334,
     .big_fixture_under_tsan = true,
@@ -131,6 +135,7 @@ inline constexpr ProtocolDesign kGrpcVerbsCopy = {
     .pool_to_pool = {1, 1},
     .pool_to_heap = {1, 1},
     .heap_to_heap = {1, 1},
+    .large_heap_to_pool = {1, 1},
     .concurrent_recvs_per_peer = 667,
     .concurrent_recvs_per_peer_under_tsan = 100,
     .big_fixture_under_tsan = false,
@@ -147,8 +152,9 @@ inline constexpr ProtocolDesign kGrpcGdr = {
     .lends_tensors = true,
     .meta_data = MetaDataRoundTrip::kNever,
     .pool_to_pool = {0, 0},
-    .pool_to_heap = {0, 1},  // read into a registered proxy
-    .heap_to_heap = {1, 1},  // and the sender lends a registered copy
+    .pool_to_heap = {0, 1},        // read into a registered proxy
+    .heap_to_heap = {1, 1},        // and the sender lends a registered copy
+    .large_heap_to_pool = {1, 0},  // the sender lends a registered copy
     .concurrent_recvs_per_peer = 667,
     .concurrent_recvs_per_peer_under_tsan = 100,
     .big_fixture_under_tsan = false,
@@ -168,6 +174,7 @@ inline constexpr ProtocolDesign kGrpc = {
     .pool_to_pool = {0, 1},
     .pool_to_heap = {0, 1},
     .heap_to_heap = {0, 1},
+    .large_heap_to_pool = {0, 1},
     .concurrent_recvs_per_peer = 667,
     .concurrent_recvs_per_peer_under_tsan = 100,
     .big_fixture_under_tsan = false,

@@ -1,11 +1,11 @@
-#include "src/device/adopted_memory.h"
+#include "src/tensor/adopted_memory.h"
 
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 
-namespace tensorverbs::device {
+namespace tensorverbs {
 namespace {
 
 // Hands out `data` once; the buffer's return runs `release` and ends this allocator.
@@ -39,20 +39,16 @@ class AdoptedMemory final : public Allocator {
 
 }  // namespace
 
-absl::StatusOr<Tensor> AdoptDeviceMemory(MemoryPlacement placement, void* data, DataType dtype,
-                                         const TensorShape& shape, std::function<void()> release) {
+absl::StatusOr<Tensor> AdoptMemory(MemoryPlacement placement, void* data, DataType dtype,
+                                   const TensorShape& shape, std::function<void()> release) {
   auto refuse = [&release](absl::Status status) {
     if (release) release();
     return status;
   };
-  if (placement.kind != MemoryPlacement::Kind::kCudaDevice || placement.device < 0) {
-    return refuse(absl::InvalidArgumentError(
-        absl::StrCat("adopting ", placement.ToString(), " memory: only GPU memory is adopted")));
-  }
   if (!DataTypeCanMemCopy(dtype)) {
     return refuse(absl::InvalidArgumentError(
         absl::StrCat("adopting ", placement.ToString(), " memory as a tensor of ",
-                     DataTypeName(dtype), ": strings live in host memory only")));
+                     DataTypeName(dtype), ": string tensors are objects, not bytes to lend")));
   }
   absl::StatusOr<uint64_t> bytes = Tensor::AllocationBytes(dtype, shape);
   if (!bytes.ok()) return refuse(bytes.status());
@@ -71,4 +67,4 @@ absl::StatusOr<Tensor> AdoptDeviceMemory(MemoryPlacement placement, void* data, 
   return t;
 }
 
-}  // namespace tensorverbs::device
+}  // namespace tensorverbs
