@@ -112,6 +112,22 @@ def test_a_peer_that_dies_fails_every_rank_within_the_peer_timeout(tmp_path, pro
 
 
 @pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc"])
+def test_a_send_no_peer_takes_fails_at_the_groups_timeout_naming_the_peer(tmp_path, protocol):
+    results = run_ranks(tmp_path, "send_never_taken", 2, protocol=protocol, timeout_s=3)
+    assert_all_ok(results)
+    out = results[0][1]
+    for rank in range(2):
+        assert f"rank {rank}: the group goes on" in results[rank][1], results
+    if protocol == "grpc+verbs":  # the send lent its tensor: it waits for the peer
+        assert "the send failed after" in out, out
+        seconds = float(out.split("the send failed after ")[1].split(" s")[0])
+        assert 2.5 < seconds < 30, out
+        assert "rank:1" in out and "did not take the message" in out, out
+    else:  # staged: complete at once
+        assert "the send completed after" in out, out
+
+
+@pytest.mark.parametrize("protocol", ["grpc+verbs", "grpc"])
 def test_groups_dropped_from_python_right_after_use_go_without_a_deadlock(tmp_path, protocol):
     # Before the destructor let go of the GIL, this hung within the first few groups.
     results = run_ranks(tmp_path, "short_lived_groups", 3, protocol, timeout_s=30,

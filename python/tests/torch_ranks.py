@@ -193,6 +193,22 @@ def point_to_point():
         w.wait()
     check("batch from prev", got_prev, torch.arange(262144, dtype=torch.float32) + prv)
     check("batch from next", got_next, torch.arange(262144, dtype=torch.float32) + nxt)
+    # Over grpc+verbs a send from 64 KiB lends the tensor itself and completes once the peer
+    # has it: not before the peer asks (here, after a barrier), and with the bytes sent then.
+    lent_before = tvt.stats()["lent_sends"]
+    held = torch.full((65536,), float(RANK))
+    w = dist.isend(held, nxt, tag=9)
+    if tvt.stats()["protocol"] == "grpc+verbs":
+        if lent_before < 2 or tvt.stats()["lent_sends"] != lent_before + 1:
+            raise AssertionError(f"lent sends: {lent_before} after the batch, then {tvt.stats()}")
+        time.sleep(0.2)
+        if w.is_completed():
+            raise AssertionError("a lent isend completed before its peer asked for it")
+    dist.barrier()
+    t = torch.zeros(65536)
+    dist.recv(t, prv, tag=9)
+    w.wait()
+    check("lent send", t, torch.full((65536,), float(prv)))
     # Any source: rank 0 hears from every other rank, twice each, and learns who sent what.
     if RANK == 0:
         seen = []
@@ -307,6 +323,34 @@ def peer_dies():
     raise AssertionError("all_reduce survived a dead peer")
 
 
+def send_never_taken():
+    # A send that lends its tensor (grpc+verbs, from 64 KiB) completes when the peer takes it:
+    # one the peer never asks for fails at the group's timeout, naming the peer, and the group
+    # goes on. Staged sends complete at once.
+    init()
+    if RANK == 0:
+        started = time.monotonic()
+        w = dist.isend(torch.ones(65536), 1, tag=5)
+        try:
+            w.wait()
+            print(f"rank 0: the send completed after {time.monotonic() - started:.1f} s",
+                  flush=True)
+        except RuntimeError as e:
+            print(f"rank 0: the send failed after {time.monotonic() - started:.1f} s: {e}",
+                  flush=True)
+    # Rank 1 waits outside the group, whose timeout would otherwise end its next collective.
+    done = dist.FileStore(STORE + ".sent", WORLD)
+    if RANK == 0:
+        done.set("sent", "1")
+    else:
+        done.wait(["sent"], datetime.timedelta(seconds=60))
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    check("all_reduce after the send", t, torch.full((3,), float(WORLD)))
+    print(f"rank {RANK}: the group goes on", flush=True)
+    dist.destroy_process_group()
+
+
 def short_lived_groups():
     # Groups made, used once on a tensor only torch holds, and dropped at once: the group's
     # last reference goes on this thread (with the GIL) while its worker may still hold that
@@ -415,6 +459,7 @@ def other_backend():
 
 
 SCENARIOS = {"conformance": conformance, "bad_input": bad_input, "peer_dies": peer_dies,
+             "send_never_taken": send_never_taken,
              "mismatch": mismatch, "short_lived_groups": short_lived_groups,
              "group_dropped_in_its_callback": group_dropped_in_its_callback, "stores": stores,
              "unsupported": unsupported, "duplicate_rank": duplicate_rank,

@@ -46,6 +46,8 @@ PYBIND11_MODULE(_tensorverbs_torch, m) {
         d["protocol"] = tv->protocol();
         d["staged_copies"] = s.staged_copies;
         d["staged_bytes"] = s.staged_bytes;
+        d["lent_sends"] = s.lent_sends;
+        d["lent_bytes"] = s.lent_bytes;
         d["landed_copies"] = s.landed_copies;
         d["landed_bytes"] = s.landed_bytes;
         d["collectives"] = s.collectives;

@@ -1,7 +1,9 @@
 // The c10d::ProcessGroup operations of ProcessGroupTensorVerbs: each checks its arguments on
 // the caller's thread (a bad call raises and sends nothing), then runs as a p2p message or a
 // queued collective (see process_group.h).
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
@@ -398,6 +400,28 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Stage(const void* data, size_t b
   return staged;
 }
 
+absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Lend(const at::Tensor& t,
+                                                     c10::intrusive_ptr<TvWork> work) {
+  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(t.nbytes())});
+  if (!shape.ok()) return shape.status();
+  // The work holds `t`, so the memory lives until the release hands the work to the completer:
+  // from a transport thread, which must neither complete it nor drop it. A refusal releases
+  // before AdoptHostMemory returns, unarmed: the caller completes the work with the error.
+  auto armed = std::make_shared<std::atomic<bool>>(false);
+  absl::StatusOr<Tensor> lent =
+      task_->AdoptHostMemory(t.data_ptr(), DataType::kUInt8, *shape,
+                             [completer = completer_, work = std::move(work), armed]() mutable {
+                               if (armed->load(std::memory_order_acquire)) {
+                                 completer->Push(std::move(work), absl::OkStatus());
+                               }
+                             });
+  if (!lent.ok()) return lent.status();
+  armed->store(true, std::memory_order_release);
+  counters_->lent_sends.fetch_add(1, std::memory_order_relaxed);
+  counters_->lent_bytes.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
+  return lent;
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::send(std::vector<at::Tensor>& tensors,
                                                              int dst, int tag) {
   at::Tensor t = Single(tensors, "send");
@@ -409,16 +433,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::send(std::vector<at::Ten
   auto work = c10::make_intrusive<TvWork>(
       getRank(), c10d::OpType::SEND, nullptr, std::vector<at::Tensor>{t},
       absl::StrCat(What("send", seq), " to ", PeerName(dst), " with tag ", tag));
-  absl::Status status;
-  absl::StatusOr<Tensor> staged = Stage(t.data_ptr(), t.nbytes());
-  if (!staged.ok()) {
-    status = staged.status();
-  } else {
+  const bool lend = lend_from_ > 0 && t.nbytes() >= lend_from_;
+  absl::StatusOr<Tensor> message = lend ? Lend(t, work) : Stage(t.data_ptr(), t.nbytes());
+  absl::Status status = message.status();
+  if (message.ok()) {
     std::lock_guard<std::mutex> lock(send_mu_);
     const int64_t n = sent_[{dst, tag}]++;
-    status = step_->Send(peer_tasks_[dst], P2pName(getRank(), dst, tag, n), *staged);
+    status = step_->Send(peer_tasks_[dst], P2pName(getRank(), dst, tag, n), *message);
   }
-  work->Complete(status);
+  // A lent message completes the work when the task lets go of it. One the step refused is let
+  // go of as `message` goes, after the error below has completed the work: the release's OK
+  // comes second and changes nothing.
+  if (!lend || !status.ok()) {
+    work->Complete(status);
+  } else {
+    // Before `message` goes, so the release (which unwatches) cannot come first.
+    completer_->Watch(
+        work, std::chrono::steady_clock::now() + timeout_,
+        absl::StrCat(PeerName(dst), " did not take the message within the group's timeout of ",
+                     timeout_.count(), " ms (a rank that died, or a recv never posted)"));
+  }
   return work;
 }
 

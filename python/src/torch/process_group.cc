@@ -32,6 +32,11 @@ constexpr int64_t kStepId = 1;
 // a peer may still be on its way to the last messages of a collective this rank has finished.
 constexpr std::chrono::milliseconds kDrainLimit = std::chrono::seconds(10);
 
+// Sends from this size lend the caller's tensor instead of copying it: the transport's own
+// threshold for writing from memory outside its pool (Task::AdoptHostMemory), below which it
+// would stage a copy anyway, and the copy here lets the send complete at once.
+constexpr size_t kLendSendsFrom = size_t{64} << 10;
+
 // Lets go of the GIL for its scope when the calling thread holds it. A group's last reference
 // often goes from Python (destroy_process_group, a local that goes out of scope), with the GIL
 // held; the threads the destructor waits for may need the GIL themselves, to drop a tensor
@@ -210,7 +215,11 @@ ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
       store_(std::move(store)),
       key_prefix_(std::move(key_prefix)),
       addresses_(std::move(addresses)),
-      task_(std::move(task)) {
+      task_(std::move(task)),
+      // Only grpc+verbs writes from the caller's memory; the other protocols would copy a lent
+      // tensor all the same, only later, and their sends would complete later for nothing.
+      lend_from_(task_->protocol() == "grpc+verbs" ? kLendSendsFrom : 0),
+      completer_(WorkCompleter::Start()) {
   absl::StatusOr<std::unique_ptr<Step>> step = task_->BeginStep(kStepId);
   if (!step.ok()) Throw(step.status().ToString());
   step_ = *std::move(step);
@@ -250,6 +259,11 @@ ProcessGroupTensorVerbs::~ProcessGroupTensorVerbs() {
     if (on_worker) never_run.swap(queue_);
   }
   cv_.notify_all();
+  // Sends the peers have not taken by now never will be: their works fail as the task drops
+  // their tensors.
+  completer_->Stop(absl::CancelledError(
+      "the process group was destroyed before the task let go of the message (its peer may "
+      "not have taken it)"));
   // Stopping the task fails its pending recvs, so a collective the worker runs ends now.
   task_->Stop();
   if (worker_.joinable()) {
@@ -317,6 +331,8 @@ GroupStats ProcessGroupTensorVerbs::stats() const {
   GroupStats s;
   s.staged_copies = counters_->staged_copies.load();
   s.staged_bytes = counters_->staged_bytes.load();
+  s.lent_sends = counters_->lent_sends.load();
+  s.lent_bytes = counters_->lent_bytes.load();
   s.landed_copies = counters_->landed_copies.load();
   s.landed_bytes = counters_->landed_bytes.load();
   s.collectives = counters_->collectives.load();

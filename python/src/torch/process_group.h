@@ -6,14 +6,17 @@
 // the group's store, reads the others', checks that they agree, and waits for its peers.
 //
 // Point to point (send, recv, recvAnysource) runs on the caller's thread and the task's callback
-// threads: a send copies the tensor into the task's registered pool (one staged copy, counted)
-// and completes at once; a recv completes when its message has landed and been copied into the
-// caller's tensor. Collectives are numbered on the caller's thread, in call order, and run in
-// that order on the group's worker thread, built on the same sends and recvs (binomial trees for
-// small tensors, rings for large ones). Every method may be called from any thread without the
-// GIL and never calls Python. The destructor, which torch may call from Python with the GIL
-// held, lets go of the GIL while it waits for the group's threads: dropping a tensor whose
-// Python object died first takes the GIL, and any of them may be the one to drop it.
+// threads. Over grpc+verbs a send of at least 64 KiB lends the caller's tensor to the task
+// (Task::AdoptHostMemory), whose fabric writes it to the peer from where it is, and completes
+// when the task lets go of it: after the peer took it, as NCCL's and MPI's large sends do. A
+// smaller send, or one over another protocol, copies the tensor into the task's registered pool
+// (one staged copy, counted) and completes at once. A recv completes when its message has
+// landed and been copied into the caller's tensor. Collectives are numbered on the caller's thread,
+// in call order, and run in that order on the group's worker thread, built on the same sends and
+// recvs (binomial trees for small tensors, rings for large ones). Every method may be called from
+// any thread without the GIL and never calls Python. The destructor, which torch may call from
+// Python with the GIL held, lets go of the GIL while it waits for the group's threads: dropping a
+// tensor whose Python object died first takes the GIL, and any of them may be the one to drop it.
 //
 // Each Work completes exactly once: with its outputs written, or with an error that names the
 // operation and the peer rank and task; a `wait(timeout)` that expires fails it, and nothing
@@ -40,6 +43,7 @@
 
 #include "absl/status/status.h"
 #include "python/src/torch/p2p_matcher.h"
+#include "python/src/torch/work_completer.h"
 #include "tensorverbs/task.h"
 
 namespace tensorverbs::torch_backend {
@@ -48,6 +52,8 @@ namespace tensorverbs::torch_backend {
 struct GroupStats {
   int64_t staged_copies = 0;  // copies of tensor bytes into the pool (sends)
   int64_t staged_bytes = 0;
+  int64_t lent_sends = 0;  // sends from the caller's tensor itself, without a copy
+  int64_t lent_bytes = 0;
   int64_t landed_copies = 0;  // copies out of landed messages into the caller's tensors
   int64_t landed_bytes = 0;
   int64_t collectives = 0;
@@ -123,6 +129,7 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   using Body = std::function<absl::Status(Collective&)>;
   struct Counters {
     std::atomic<int64_t> staged_copies{0}, staged_bytes{0}, landed_copies{0}, landed_bytes{0};
+    std::atomic<int64_t> lent_sends{0}, lent_bytes{0};
     std::atomic<int64_t> collectives{0}, failed{0};
   };
   struct Queued {
@@ -143,8 +150,11 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   void FailGroup(const absl::Status& status);
   // A failure another rank published in the store, if any.
   absl::Status AbortFromPeers();
-  // A copy of `bytes` at `data` in the pool, counted: what every send sends from.
+  // A copy of `bytes` at `data` in the pool, counted: what small sends send from.
   absl::StatusOr<Tensor> Stage(const void* data, size_t bytes);
+  // `work`'s tensor `t` lent to the task as it is, counted: `work` completes (on completer_'s
+  // thread) when the task lets go of it.
+  absl::StatusOr<Tensor> Lend(const at::Tensor& t, c10::intrusive_ptr<TvWork> work);
   std::string What(const char* op, int64_t seq) const;
   // The message of (`src`, `tag`, n) in the p2p key space.
   static std::string P2pName(int src, int dst, int64_t tag, int64_t n);
@@ -158,6 +168,9 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   std::vector<std::string> peer_tasks_;  // "rank:R"
   std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
   std::shared_ptr<P2pMatcher> matcher_;
+  // Sends lend tensors from this size (grpc+verbs only; 0: never).
+  const size_t lend_from_;
+  const std::shared_ptr<WorkCompleter> completer_;
 
   std::mutex send_mu_;
   std::map<std::pair<int, int64_t>, int64_t> sent_;  // (dst, tag) -> messages; guarded by send_mu_
