@@ -132,6 +132,28 @@ def collectives():
         dist.all_to_all(outs, ins)
         for s in range(WORLD):
             check(f"all_to_all [{n}] from {s}", outs[s], torch.full((n,), float(s * 10 + RANK)))
+    # Tensors large enough that a rank lends its own memory over grpc+verbs (ring segments of
+    # 512 KiB, a broadcast root's tensor): each rank overwrites its tensor the moment its
+    # collective returns, so a lent part that a peer had not taken yet would reach it as NaN.
+    lent_before = tvt.stats()["lent_sends"]
+    n = 1000003
+    mine = [value(r, n, torch.float32, seed=5) for r in range(WORLD)]
+    for op in [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG]:
+        for rep in range(3):
+            t = mine[RANK].clone()
+            dist.all_reduce(t, op=op)
+            got = t.clone()
+            t.fill_(float("nan"))
+            want = sum(mine) / WORLD if op == dist.ReduceOp.AVG else reduce_all(mine, op)
+            if not torch.allclose(got, want):
+                raise AssertionError(f"rank {RANK}: large all_reduce {op} #{rep}: {got[:8]}")
+    for root in range(WORLD):
+        t = mine[root].clone() if RANK == root else torch.zeros(n)
+        dist.broadcast(t, root)
+        check(f"large broadcast from {root}", t, mine[root])
+        t.fill_(float("nan"))
+    if tvt.stats()["protocol"] == "grpc+verbs" and tvt.stats()["lent_sends"] == lent_before:
+        raise AssertionError(f"large collectives lent nothing: {tvt.stats()}")
     # all_to_all_single with uneven splits: rank r sends d+1 rows to rank d.
     inp = torch.cat([torch.full((d + 1, 2), float(RANK * 10 + d)) for d in range(WORLD)])
     out = torch.zeros((RANK + 1) * WORLD, 2)

@@ -90,27 +90,36 @@ Collective::PendingRef Collective::Post(int src, int part, size_t bytes) {
   return pending;
 }
 
-absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
-  auto from = [&] {
-    return absl::StrCat("part ", pending->part, " from ", group_.PeerName(pending->src));
-  };
-  std::unique_lock<std::mutex> lock(pending->mu);
-  while (!pending->done) {
+template <typename Ready, typename What>
+absl::Status Collective::AwaitOrFail(std::unique_lock<std::mutex>& lock,
+                                     std::condition_variable& cv, Ready ready, What what) {
+  while (!ready()) {
     const absl::Time now = absl::Now();
     if (now >= deadline_) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          from(), " did not come within the group's timeout (the timeout of init_process_group)"));
+      return absl::DeadlineExceededError(
+          absl::StrCat(what(), " within the group's timeout (the timeout of init_process_group)"));
     }
     // Wakes once a second to see whether the work was abandoned or another rank failed.
     const absl::Time wake = std::min(deadline_, now + absl::Seconds(1));
-    if (pending->cv.wait_until(lock, absl::ToChronoTime(wake), [&] { return pending->done; })) {
-      break;
-    }
+    if (cv.wait_until(lock, absl::ToChronoTime(wake), ready)) break;
     lock.unlock();
     if (work_.done()) return absl::CancelledError("the operation was abandoned");
     absl::Status peers = group_.AbortFromPeers();
     if (!peers.ok()) return peers;
     lock.lock();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
+  auto from = [&] {
+    return absl::StrCat("part ", pending->part, " from ", group_.PeerName(pending->src));
+  };
+  {
+    std::unique_lock<std::mutex> lock(pending->mu);
+    RETURN_IF_ERROR(AwaitOrFail(
+        lock, pending->cv, [&] { return pending->done; },
+        [&] { return absl::StrCat(from(), " did not come"); }));
   }
   if (!pending->result.ok()) {
     const absl::Status& s = pending->result.status();
@@ -129,6 +138,46 @@ absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
         pending->bytes, ": do all ranks pass tensors of the same shape and dtype?"));
   }
   return *std::move(pending->result);
+}
+
+absl::StatusOr<Tensor> Collective::Lend(const void* data, size_t bytes) {
+  if (group_.lend_from_ == 0 || bytes < group_.lend_from_) return Stage(data, bytes);
+  ASSIGN_OR_RETURN(TensorShape shape, TensorShape::Create({static_cast<int64_t>(bytes)}));
+  {
+    std::lock_guard<std::mutex> lock(lent_->mu);
+    ++lent_->outstanding;
+  }
+  // The release comes on a transport thread: it counts, and hands its reference to the work
+  // (the last one, perhaps, and with it the caller's tensor) to the completer's thread.
+  absl::StatusOr<Tensor> lent = group_.task_->AdoptHostMemory(
+      const_cast<void*>(data), DataType::kUInt8, shape,
+      [lent = lent_, completer = group_.completer_,
+       work = c10::intrusive_ptr<TvWork>::unsafe_reclaim_from_nonowning(&work_)]() mutable {
+        completer->Drop(std::move(work));
+        std::lock_guard<std::mutex> lock(lent->mu);
+        if (--lent->outstanding == 0) lent->cv.notify_all();
+      });
+  if (!lent.ok()) return lent.status();
+  group_.counters_->lent_sends.fetch_add(1, std::memory_order_relaxed);
+  group_.counters_->lent_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  return lent;
+}
+
+absl::Status Collective::WaitForLent() {
+  std::unique_lock<std::mutex> lock(lent_->mu);
+  return AwaitOrFail(
+      lock, lent_->cv, [this] { return lent_->outstanding == 0; },
+      [this] {
+        return absl::StrCat(lent_->outstanding,
+                            " message(s) lent from the caller's tensor were not taken");
+      });
+}
+
+absl::Status Collective::DivideOut(c10::ScalarType dtype, void* data, int64_t count, int64_t n) {
+  if (!work_.Write([&] { DivideBy(dtype, data, count, n); })) {
+    return absl::CancelledError("the operation was abandoned");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Collective::WriteOut(void* dst, const void* src, size_t bytes) {
@@ -182,7 +231,10 @@ absl::Status TreeAllreduce(Collective& c, void* data, int64_t count, c10::Scalar
 // one more) ends reduced on rank i-1. Each chunk travels as segments of at most kSegmentBytes,
 // every segment of a step asked for at once, so that a rank reduces and passes on one segment
 // while the next is still being written: the ring is a pipeline, and a segment is still in the
-// cache when it is reduced. Messages are reduced in the pool and passed on as they are.
+// cache when it is reduced. While reducing, a rank reduces into its own memory and lends that
+// to the next rank (no copy where the group lends): a chunk lent at step s is next changed when
+// its final value arrives in the allgather, which it reached through the next rank, so that rank
+// has read it by then. The allgather's messages are copied out and passed on as they are.
 absl::Status RingAllreduce(Collective& c, char* data, int64_t count, c10::ScalarType dtype,
                            RedOp op, int part_base) {
   const int n = c.size(), r = c.rank();
@@ -201,7 +253,8 @@ absl::Status RingAllreduce(Collective& c, char* data, int64_t count, c10::Scalar
   auto part = [&](int step, int j) { return part_base + step * segs + j; };
   const int next = mod(r + 1), prev = mod(r - 1);
   for (int j = 0; j < segs; ++j) {
-    RETURN_IF_ERROR(c.Send(next, part(0, j), ptr(seg_begin(r, j)), seg_len(r, j) * es));
+    ASSIGN_OR_RETURN(Tensor mine, c.Lend(ptr(seg_begin(r, j)), seg_len(r, j) * es));
+    RETURN_IF_ERROR(c.Forward(next, part(0, j), mine));
   }
   std::vector<Collective::PendingRef> pending(segs);
   for (int s = 0; s < 2 * (n - 1); ++s) {
@@ -214,14 +267,23 @@ absl::Status RingAllreduce(Collective& c, char* data, int64_t count, c10::Scalar
       pending[j].reset();
       const int64_t len = seg_len(i, j);
       if (reducing) {
-        ReduceInto(dtype, op, m.data(), ptr(seg_begin(i, j)), len);
-        if (s == n - 2) {  // chunk i = r+1 is complete here
-          if (op == RedOp::AVG) DivideBy(dtype, m.data(), len, n);
-          RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
+        RETURN_IF_ERROR(c.ReduceOut(dtype, op, ptr(seg_begin(i, j)), m.data(), len));
+        // Chunk i = r+1 is complete at the last reducing step.
+        if (s == n - 2 && op == RedOp::AVG) {
+          RETURN_IF_ERROR(c.DivideOut(dtype, ptr(seg_begin(i, j)), len, n));
         }
-      } else {
-        RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
+        m.Clear();  // back to the pool before the next segment lands
+        if (s == n - 2) {
+          // The complete chunk is staged: no later message proves the next rank read it, so
+          // lending it would hold this rank's completion until it did (WaitForLent).
+          RETURN_IF_ERROR(c.Send(next, part(s + 1, j), ptr(seg_begin(i, j)), len * es));
+          continue;
+        }
+        ASSIGN_OR_RETURN(Tensor reduced, c.Lend(ptr(seg_begin(i, j)), len * es));
+        RETURN_IF_ERROR(c.Forward(next, part(s + 1, j), reduced));
+        continue;
       }
+      RETURN_IF_ERROR(c.WriteOut(ptr(seg_begin(i, j)), m.data(), len * es));
       if (s < 2 * n - 3) RETURN_IF_ERROR(c.Forward(next, part(s + 1, j), m));
     }
   }
@@ -249,8 +311,8 @@ absl::Status BroadcastInPlace(Collective& c, void* data, size_t bytes, int root,
   Tensor message;
   const int low = v == 0 ? 1 << 30 : LowestBit(v);
   if (v == 0) {
-    ASSIGN_OR_RETURN(Tensor staged, c.Stage(data, bytes));
-    message = std::move(staged);
+    ASSIGN_OR_RETURN(Tensor lent, c.Lend(data, bytes));
+    message = std::move(lent);
   } else {
     ASSIGN_OR_RETURN(Tensor got, c.Recv(real(v - low), part_base, bytes));
     message = std::move(got);

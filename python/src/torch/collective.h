@@ -11,9 +11,11 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/status/status.h"
@@ -39,6 +41,15 @@ class Collective {
   absl::Status Send(int dst, int part, const void* data, size_t bytes);
   // Sends a landed message (pool memory) on without a copy; it must not change afterwards.
   absl::Status Forward(int dst, int part, const Tensor& message);
+  // The caller's `bytes` at `data` as a message, lent without a copy where the group lends
+  // (grpc+verbs, from 64 KiB; a staged copy otherwise): that memory must not change until every
+  // peer it is sent to took it. The worker waits for that (WaitForLent) before the operation
+  // completes; until the task lets go of it, the lent message holds the work, whose tensors
+  // hold the memory, so even a failed operation's memory is never read after it is freed.
+  absl::StatusOr<Tensor> Lend(const void* data, size_t bytes);
+  // Waits until the task let go of every message this operation lent, up to the deadline (and
+  // less when the work was abandoned or another rank failed).
+  absl::Status WaitForLent();
   // A message asked for and not waited for yet (Post, then Wait, lets several be under way).
   struct Pending;
   using PendingRef = std::shared_ptr<Pending>;
@@ -54,14 +65,29 @@ class Collective {
   absl::Status WriteOut(void* dst, const void* src, size_t bytes);
   // Reduces `in` into the caller's memory at `acc`, unless the work completed.
   absl::Status ReduceOut(c10::ScalarType dtype, RedOp op, void* acc, const void* in, int64_t count);
+  // Divides `count` elements of the caller's memory at `data` by `n` (AVG), unless the work
+  // completed.
+  absl::Status DivideOut(c10::ScalarType dtype, void* data, int64_t count, int64_t n);
 
  private:
   std::string NameOf(int src, int dst, int part) const;
+  // Whether the task still holds memory lent by this operation, for the release callbacks.
+  struct LentState {
+    std::mutex mu;
+    std::condition_variable cv;
+    int outstanding = 0;  // guarded by mu
+  };
+  // Waits on `pending`'s or the lent messages' condition until `ready`, the deadline, an
+  // abandoned work or a failure another rank published; `what` names what did not come.
+  template <typename Ready, typename What>
+  absl::Status AwaitOrFail(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                           Ready ready, What what);
 
   ProcessGroupTensorVerbs& group_;
   TvWork& work_;
   const int64_t seq_;
   const absl::Time deadline_;
+  const std::shared_ptr<LentState> lent_ = std::make_shared<LentState>();
 };
 
 // Recv options that say a message is a uint8 vector of `bytes` (see RecvOptions).

@@ -379,6 +379,10 @@ void ProcessGroupTensorVerbs::WorkerLoop() {
       Collective collective(*this, *item.work, item.seq,
                             absl::Now() + absl::FromChrono(item.timeout));
       status = item.body(collective);
+      // The caller may change its tensors once the work completes: what was lent from them
+      // must have been taken by then. A failed operation does not wait (its lent messages hold
+      // the memory until the task lets go of them).
+      if (status.ok()) status = collective.WaitForLent();
       if (!status.ok() || item.work->done()) {
         FailGroup(status.ok()
                       ? absl::CancelledError(absl::StrCat(item.work->what(), " was abandoned"))

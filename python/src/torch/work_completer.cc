@@ -41,6 +41,13 @@ void WorkCompleter::Push(c10::intrusive_ptr<TvWork> work, absl::Status status) {
   work->Complete(status);
 }
 
+void WorkCompleter::Drop(c10::intrusive_ptr<TvWork> work) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return;  // `work` goes here, as it would have on the thread
+  queue_.push_back(Queued{std::move(work), absl::OkStatus(), /*complete=*/false});
+  cv_.notify_one();
+}
+
 void WorkCompleter::Stop(absl::Status late) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -88,7 +95,7 @@ void WorkCompleter::Loop() {
     Queued q = std::move(queue_.front());
     queue_.pop_front();
     lock.unlock();
-    q.work->Complete(q.status);
+    if (q.complete) q.work->Complete(q.status);
     q.work.reset();  // may drop the last reference to a Python tensor: not under the lock
     lock.lock();
   }

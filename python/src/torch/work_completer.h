@@ -37,6 +37,9 @@ class WorkCompleter {
   ~WorkCompleter();
 
   void Push(c10::intrusive_ptr<TvWork> work, absl::Status status);
+  // Lets go of a reference to `work` on the completer's thread (inline after Stop), without
+  // completing it: a collective's lent memory, released while the collective still runs.
+  void Drop(c10::intrusive_ptr<TvWork> work);
   // Fails `work` with DeadlineExceeded(`what`) at `deadline` unless it is pushed before.
   void Watch(c10::intrusive_ptr<TvWork> work, std::chrono::steady_clock::time_point deadline,
              std::string what);
@@ -48,6 +51,7 @@ class WorkCompleter {
   struct Queued {
     c10::intrusive_ptr<TvWork> work;
     absl::Status status;
+    bool complete = true;  // false: only drop the reference
   };
   struct Watched {
     c10::intrusive_ptr<TvWork> work;
