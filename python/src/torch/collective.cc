@@ -142,25 +142,21 @@ absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
 
 absl::StatusOr<Tensor> Collective::Lend(const void* data, size_t bytes) {
   if (group_.lend_from_ == 0 || bytes < group_.lend_from_) return Stage(data, bytes);
-  ASSIGN_OR_RETURN(TensorShape shape, TensorShape::Create({static_cast<int64_t>(bytes)}));
   {
     std::lock_guard<std::mutex> lock(lent_->mu);
     ++lent_->outstanding;
   }
-  // The release comes on a transport thread: it counts, and hands its reference to the work
-  // (the last one, perhaps, and with it the caller's tensor) to the completer's thread.
-  absl::StatusOr<Tensor> lent = group_.task_->AdoptHostMemory(
-      const_cast<void*>(data), DataType::kUInt8, shape,
+  // The release comes on a transport thread (or at once on a refusal): it counts, and hands its
+  // reference to the work (the last one, perhaps, and with it the caller's tensor) to the
+  // completer's thread.
+  return group_.Adopt(
+      data, bytes,
       [lent = lent_, completer = group_.completer_,
        work = c10::intrusive_ptr<TvWork>::unsafe_reclaim_from_nonowning(&work_)]() mutable {
         completer->Drop(std::move(work));
         std::lock_guard<std::mutex> lock(lent->mu);
         if (--lent->outstanding == 0) lent->cv.notify_all();
       });
-  if (!lent.ok()) return lent.status();
-  group_.counters_->lent_sends.fetch_add(1, std::memory_order_relaxed);
-  group_.counters_->lent_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-  return lent;
 }
 
 absl::Status Collective::WaitForLent() {

@@ -400,25 +400,34 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Stage(const void* data, size_t b
   return staged;
 }
 
+absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Adopt(const void* data, size_t bytes,
+                                                      std::function<void()> release) {
+  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(bytes)});
+  if (!shape.ok()) {
+    release();
+    return shape.status();
+  }
+  absl::StatusOr<Tensor> lent =
+      task_->AdoptHostMemory(const_cast<void*>(data), DataType::kUInt8, *shape, std::move(release));
+  if (!lent.ok()) return lent.status();
+  counters_->lent_sends.fetch_add(1, std::memory_order_relaxed);
+  counters_->lent_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  return lent;
+}
+
 absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Lend(const at::Tensor& t,
                                                      c10::intrusive_ptr<TvWork> work) {
-  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(t.nbytes())});
-  if (!shape.ok()) return shape.status();
   // The work holds `t`, so the memory lives until the release hands the work to the completer:
   // from a transport thread, which must neither complete it nor drop it. A refusal releases
-  // before AdoptHostMemory returns, unarmed: the caller completes the work with the error.
+  // before Adopt returns, unarmed: the caller completes the work with the error.
   auto armed = std::make_shared<std::atomic<bool>>(false);
-  absl::StatusOr<Tensor> lent =
-      task_->AdoptHostMemory(t.data_ptr(), DataType::kUInt8, *shape,
-                             [completer = completer_, work = std::move(work), armed]() mutable {
-                               if (armed->load(std::memory_order_acquire)) {
-                                 completer->Push(std::move(work), absl::OkStatus());
-                               }
-                             });
-  if (!lent.ok()) return lent.status();
-  armed->store(true, std::memory_order_release);
-  counters_->lent_sends.fetch_add(1, std::memory_order_relaxed);
-  counters_->lent_bytes.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
+  absl::StatusOr<Tensor> lent = Adopt(
+      t.data_ptr(), t.nbytes(), [completer = completer_, work = std::move(work), armed]() mutable {
+        if (armed->load(std::memory_order_acquire)) {
+          completer->Push(std::move(work), absl::OkStatus());
+        }
+      });
+  if (lent.ok()) armed->store(true, std::memory_order_release);
   return lent;
 }
 

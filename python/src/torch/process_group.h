@@ -155,6 +155,10 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   // `work`'s tensor `t` lent to the task as it is, counted: `work` completes (on completer_'s
   // thread) when the task lets go of it.
   absl::StatusOr<Tensor> Lend(const at::Tensor& t, c10::intrusive_ptr<TvWork> work);
+  // `bytes` of the caller's memory at `data` as a uint8 message the task writes from, counted as
+  // lent: what every lent message is. `release` runs once, when the task lets go of it, on a
+  // transport thread (or before this returns on a refusal).
+  absl::StatusOr<Tensor> Adopt(const void* data, size_t bytes, std::function<void()> release);
   std::string What(const char* op, int64_t seq) const;
   // The message of (`src`, `tag`, n) in the p2p key space.
   static std::string P2pName(int src, int dst, int64_t tag, int64_t n);
