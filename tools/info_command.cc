@@ -144,6 +144,8 @@ int RunInfoCommand() {
   std::printf("  TENSORVERBS_POOL_REGION_MB      %lld\n",
               static_cast<long long>(config.pool_region_bytes >> 20));
   std::printf("  TENSORVERBS_CALLBACK_THREADS    %d\n", config.callback_threads);
+  std::printf("  TENSORVERBS_INLINE_CALLBACK_US  %lld\n",
+              static_cast<long long>(absl::ToInt64Microseconds(config.inline_callback_limit)));
   std::printf("  TENSORVERBS_MALLOC_TUNING       %d\n", config.malloc_tuning ? 1 : 0);
   std::printf("  TENSORVERBS_OFI_PROVIDER        %s\n",
               config.ofi_provider.empty() ? "(auto)" : config.ofi_provider.c_str());

@@ -264,6 +264,10 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(int64_t threads,
                    ParseInt(env, "TENSORVERBS_CALLBACK_THREADS", 0, 256, config.callback_threads));
   config.callback_threads = static_cast<int>(threads);
+  ASSIGN_OR_RETURN(int64_t inline_us,
+                   ParseInt(env, "TENSORVERBS_INLINE_CALLBACK_US", 0, 1000000,
+                            absl::ToInt64Microseconds(config.inline_callback_limit)));
+  config.inline_callback_limit = absl::Microseconds(inline_us);
   ASSIGN_OR_RETURN(int64_t tuning,
                    ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, config.malloc_tuning));
   config.malloc_tuning = tuning == 1;

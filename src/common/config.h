@@ -82,6 +82,11 @@ struct Config {
   // 0 runs each callback inline on the transport's thread (lowest latency; a callback that
   // blocks then stalls every transfer).
   int callback_threads = 2;
+  // TENSORVERBS_INLINE_CALLBACK_US: with callback threads, grpc+verbs runs recv callbacks on its
+  // progress thread (no hand-off between threads) until one keeps it this long; the loop then
+  // moves to a new thread and callbacks go to the callback threads from then on. 0 .. 1000000,
+  // default 1000; 0 always hands them over.
+  absl::Duration inline_callback_limit = absl::Milliseconds(1);
 
   // TENSORVERBS_MALLOC_TUNING: 1 (default) lets Server raise glibc's heap trim threshold so
   // large transfers do not fault fresh pages each time (see common/malloc_tuning.h); 0 leaves

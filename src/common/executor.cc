@@ -8,11 +8,11 @@
 
 namespace tensorverbs {
 
-Executor::Executor(std::string name, int num_threads) {
+Executor::Executor(std::string name, int num_threads) : name_(name.substr(0, 15)) {
   CHECK(num_threads >= 0);
   for (int i = 0; i < num_threads; ++i) {
     threads_.emplace_back([this] { WorkerLoop(); });
-    pthread_setname_np(threads_.back().native_handle(), name.substr(0, 15).c_str());
+    pthread_setname_np(threads_.back().native_handle(), name_.c_str());
   }
 }
 
@@ -23,11 +23,27 @@ Executor::~Executor() {
   }
   cv_.notify_all();
   for (std::thread& t : threads_) t.join();
+  std::vector<std::thread> adopted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    adopted.swap(adopted_);
+  }
+  for (std::thread& t : adopted) t.join();
+}
+
+void Executor::Adopt(std::thread thread) {
+  pthread_setname_np(thread.native_handle(), name_.c_str());
+  std::lock_guard<std::mutex> lock(mu_);
+  adopted_.push_back(std::move(thread));
 }
 
 bool Executor::OnOwnThread() const {
   const std::thread::id me = std::this_thread::get_id();
   for (const std::thread& t : threads_) {
+    if (t.get_id() == me) return true;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const std::thread& t : adopted_) {
     if (t.get_id() == me) return true;
   }
   return false;

@@ -31,10 +31,23 @@ absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
 // capacity, for a later turn: a fresh vector per turn would cost a malloc per turn and its
 // growth. A parked batch holds no reference to the spares, and one in flight holds the spares
 // alive, so a batch whose callbacks run after the engine is gone still has a home to go to or
-// is freed.
+// is freed. Each callback is claimed with `next`, so that when the loop leaves a batch it was
+// running inline, the executor runs the rest and each callback still runs exactly once; the last
+// of its holders (the thread the loop left, the executor's task) sends it home.
 struct ProgressEngine::DeliveryBatch {
   std::vector<RecvDelivery> items;
   std::shared_ptr<SpareBatches> home;  // set only while in flight
+  std::atomic<size_t> next{0};
+  std::atomic<int> holders{1};
+
+  // Runs the callbacks nobody claimed yet.
+  void RunRest() {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items.size();) {
+      RecvDelivery& d = items[i];
+      std::move(d.done)(d.status, d.tensor, d.is_dead);
+    }
+  }
+  static void Release(DeliveryBatch* batch);
 };
 
 struct ProgressEngine::SpareBatches {
@@ -50,9 +63,20 @@ struct ProgressEngine::SpareBatches {
   static void Return(DeliveryBatch* batch) {
     std::shared_ptr<SpareBatches> home = std::move(batch->home);
     batch->items.clear();
+    batch->next.store(0, std::memory_order_relaxed);
+    batch->holders.store(1, std::memory_order_relaxed);
     if (batch->items.capacity() > kMaxKeptCapacity || !home->queue.TryPush(batch)) delete batch;
   }
 };
+
+void ProgressEngine::DeliveryBatch::Release(DeliveryBatch* batch) {
+  if (batch->holders.fetch_sub(1, std::memory_order_acq_rel) == 1) SpareBatches::Return(batch);
+}
+
+namespace {
+// The engine whose callbacks the calling thread runs inline, if any.
+thread_local const ProgressEngine* inline_callbacks_of = nullptr;
+}  // namespace
 
 ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Options options,
                                Hooks hooks)
@@ -60,14 +84,24 @@ ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Optio
       executor_(executor),
       options_(options),
       hooks_(std::move(hooks)),
-      spare_batches_(std::make_shared<SpareBatches>()) {}
+      spare_batches_(std::make_shared<SpareBatches>()) {
+  inline_callbacks_.store(options_.inline_callback_limit > absl::ZeroDuration() &&
+                          !executor_->runs_inline());
+}
 
 ProgressEngine::~ProgressEngine() { Stop(); }
 
 void ProgressEngine::Start() {
-  thread_ = std::thread([this] { Loop(); });
+  current_seat_ = std::make_shared<Seat>();
+  {
+    MutexLock lock(&mu_);
+    loops_.emplace_back([this, seat = current_seat_] { Loop(seat); });
+  }
   started_.store(true);
+  if (inline_callbacks_.load()) watcher_ = std::thread([this] { WatchCallbacks(); });
 }
+
+bool ProgressEngine::InInlineCallback() const { return inline_callbacks_of == this; }
 
 bool ProgressEngine::Post(Task& task) {
   if (OnLoopThread()) {
@@ -95,22 +129,120 @@ void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
   }
 }
 
-void ProgressEngine::HandOffCallbacks() {
-  if (deliveries_.empty()) return;
+bool ProgressEngine::HandOffCallbacks(Seat* seat) {
+  if (deliveries_.empty()) return true;
   if (executor_->runs_inline()) {
     for (RecvDelivery& d : deliveries_) std::move(d.done)(d.status, d.tensor, d.is_dead);
     deliveries_.clear();
-    return;
+    return true;
   }
   DeliveryBatch* batch = nullptr;
   if (!spare_batches_->queue.TryPop(&batch)) batch = new DeliveryBatch();
   batch->items.swap(deliveries_);  // deliveries_ takes the batch's empty vector and capacity
   batch->home = spare_batches_;
+  if (seat != nullptr && inline_callbacks_.load(std::memory_order_relaxed)) {
+    return RunInline(batch, seat);
+  }
   // One pointer: stored inside the task itself, with no allocation.
   executor_->Schedule([batch]() {
-    for (RecvDelivery& d : batch->items) std::move(d.done)(d.status, d.tensor, d.is_dead);
-    SpareBatches::Return(batch);
+    batch->RunRest();
+    DeliveryBatch::Release(batch);
   });
+  return true;
+}
+
+bool ProgressEngine::RunInline(DeliveryBatch* batch, Seat* seat) {
+  inline_batch_ = batch;
+  // While user code runs here this thread is not the loop for anyone: what a callback posts goes
+  // through the queue, and nothing it calls touches the loop's state directly, so that the loop
+  // can move to another thread in the middle of it.
+  loop_thread_id_.store(std::thread::id(), std::memory_order_relaxed);
+  seat->step.store(kInCallbacks, std::memory_order_release);
+  inline_callbacks_of = this;
+  for (size_t i; (i = batch->next.fetch_add(1, std::memory_order_relaxed)) < batch->items.size();) {
+    seat->seq.store(seat->seq.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    RecvDelivery& d = batch->items[i];
+    std::move(d.done)(d.status, d.tensor, d.is_dead);
+    if (seat->step.load(std::memory_order_relaxed) == kLeft) break;
+  }
+  inline_callbacks_of = nullptr;
+  seat->seq.store(seat->seq.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  int step = kInCallbacks;
+  if (seat->step.compare_exchange_strong(step, kLooping, std::memory_order_acq_rel)) {
+    loop_thread_id_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    DeliveryBatch::Release(batch);
+    return true;
+  }
+  // The loop left this thread (MoveLoop): another thread runs it now, and the executor the
+  // callbacks this one did not get to. Nothing of the engine's may be touched from here on: it
+  // may be gone already.
+  DeliveryBatch::Release(batch);
+  return false;
+}
+
+void ProgressEngine::WatchCallbacks() {
+  prctl(PR_SET_NAME, "tv-cb-watch", 0UL, 0UL, 0UL);
+  const absl::Duration limit = options_.inline_callback_limit;
+  bool seen_in_callbacks = false;
+  uint64_t seen_seq = 0;
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  while (!watch_stop_ && inline_callbacks_.load(std::memory_order_relaxed)) {
+    // While the loop sleeps nothing runs inline, so the watcher naps longer: an idle task pays
+    // for a few wake-ups a second, not one per limit. A callback that blocks right after such a
+    // nap is noticed a housekeeping interval late, once.
+    const absl::Duration nap = sleeping_.load(std::memory_order_relaxed)
+                                   ? std::max(limit, options_.housekeeping_interval)
+                                   : limit;
+    watch_cv_.wait_for(lock, absl::ToChronoNanoseconds(nap), [this] { return watch_stop_; });
+    if (watch_stop_) break;
+    const bool in_callbacks = current_seat_->step.load(std::memory_order_relaxed) == kInCallbacks;
+    const uint64_t seq = current_seat_->seq.load(std::memory_order_relaxed);
+    if (in_callbacks && seen_in_callbacks && seq == seen_seq) {
+      // The same callback at two looks at least `limit` apart.
+      lock.unlock();
+      MoveLoop();
+      lock.lock();
+      seen_in_callbacks = false;
+      continue;
+    }
+    seen_in_callbacks = in_callbacks;
+    seen_seq = seq;
+  }
+}
+
+void ProgressEngine::MoveLoop() {
+  {
+    // Under mu_, so that Stop, which joins the loop's threads, sees the new one.
+    MutexLock lock(&mu_);
+    int step = kInCallbacks;
+    if (!current_seat_->step.compare_exchange_strong(step, kLeft, std::memory_order_acq_rel)) {
+      return;  // the callbacks ended meanwhile
+    }
+    inline_callbacks_.store(false, std::memory_order_relaxed);
+    DeliveryBatch* batch = inline_batch_;
+    batch->holders.fetch_add(1, std::memory_order_relaxed);
+    executor_->Schedule([batch]() {
+      batch->RunRest();
+      DeliveryBatch::Release(batch);
+    });
+    // The thread left behind is a callback thread now: the executor joins it as one of its
+    // own, so that the task's end waits for that callback as it waits for the others. (Unless
+    // Stop took it already to join it.)
+    if (!loops_.empty()) {
+      executor_->Adopt(std::move(loops_.back()));
+      loops_.pop_back();
+    }
+    // Even while stopping: the new loop runs what was posted and ends, where the old one could
+    // not until the callback returns.
+    current_seat_ = std::make_shared<Seat>();
+    loops_.emplace_back([this, seat = current_seat_] { Loop(seat); });
+    loop_moves_.fetch_add(1, std::memory_order_relaxed);
+  }
+  LOG(WARNING) << options_.name << ": a recv callback kept the progress thread for more than "
+               << absl::FormatDuration(options_.inline_callback_limit)
+               << "; the loop moved to a new thread, and recv callbacks run on the callback "
+                  "threads from now on (TENSORVERBS_INLINE_CALLBACK_US; 0 never runs them on "
+                  "the progress thread)";
 }
 
 bool ProgressEngine::RunDeferred() {
@@ -124,7 +256,7 @@ bool ProgressEngine::RunDeferred() {
   return ran;
 }
 
-void ProgressEngine::Loop() {
+void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
   fabric::Completion completions[kPollBatch];
   absl::Time next_housekeeping = CoarseNow();
   // The first idle turn after the last activity (adaptive mode); the fine clock is read only
@@ -178,9 +310,10 @@ void ProgressEngine::Loop() {
       // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
       // protocol's own work on a small tensor. Named, because with inline callbacks the user's
       // code runs here, and a stall report must not blame the step before it.
-      at(executor_->runs_inline() ? "a recv callback run inline"
-                                  : "handing recv callbacks to the executor");
-      HandOffCallbacks();
+      at(executor_->runs_inline() || inline_callbacks_.load(std::memory_order_relaxed)
+             ? "a recv callback run inline"
+             : "handing recv callbacks to the executor");
+      if (!HandOffCallbacks(seat.get())) return;  // the loop moved on without this thread
       active = true;
     }
     if (active) {
@@ -230,7 +363,7 @@ void ProgressEngine::Loop() {
   stopped_.store(true);
   at("stopped");
   loop_thread_id_.store(std::thread::id());
-  HandOffCallbacks();
+  HandOffCallbacks(nullptr);
 }
 
 std::string ProgressEngine::Where() const {
@@ -264,24 +397,42 @@ std::optional<std::string> ProgressEngine::StallReport(absl::Duration limit) {
 
 void ProgressEngine::Stop() {
   std::vector<Task> never_run;
+  bool never_started = false;
   {
     MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
     has_tasks_.store(true, std::memory_order_release);  // the loop looks, and sees it stop
-    if (!thread_.joinable()) {
+    if (loops_.empty()) {
       // Never started: what was posted runs here, on the thread that now owns everything.
+      never_started = true;
       stopped_.store(true);
       never_run.swap(tasks_);
     }
   }
-  if (!thread_.joinable()) {
+  if (never_started) {
     for (Task& task : never_run) std::move(task)();
-    HandOffCallbacks();
+    HandOffCallbacks(nullptr);
     return;
   }
   domain_->Interrupt();
-  thread_.join();
+  // A callback that holds the loop while it stops may still move it to a new thread, which
+  // then winds the loop down: so the threads are joined until no new one came.
+  while (true) {
+    std::vector<std::thread> loops;
+    {
+      MutexLock lock(&mu_);
+      loops.swap(loops_);
+    }
+    if (loops.empty()) break;
+    for (std::thread& loop : loops) loop.join();
+  }
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watch_stop_ = true;
+  }
+  watch_cv_.notify_all();
+  if (watcher_.joinable()) watcher_.join();
 }
 
 }  // namespace tensorverbs::protocol

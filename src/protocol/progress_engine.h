@@ -5,12 +5,23 @@
 // completion to `Hooks::on_completion`, runs `Hooks::housekeeping` every
 // `housekeeping_interval`, and gives the recv outcomes (user callbacks) completed in the turn
 // to the executor in one hand-off. Work posted from the loop thread itself (a completion that
-// sets off more work, a user callback run inline) is deferred to the end of the current step of
-// the turn without a lock. When idle it waits according to the poll mode: busy never sleeps;
-// blocking sleeps in Domain::Wait as soon as nothing is ready; adaptive spins for `poll_spin`
-// after the last activity and does not sleep while `Hooks::operations_in_flight` says a
-// transfer is moving (libfabric's shm and tcp providers move data only while the initiator
-// polls). A Post from another thread interrupts the sleep.
+// sets off more work) is deferred to the end of the current step of the turn without a lock.
+// When idle it waits according to the poll mode: busy never sleeps; blocking sleeps in
+// Domain::Wait as soon as nothing is ready; adaptive spins for `poll_spin` after the last
+// activity and does not sleep while `Hooks::operations_in_flight` says a transfer is moving
+// (libfabric's shm and tcp providers move data only while the initiator polls). A Post from
+// another thread interrupts the sleep.
+//
+// Callbacks run inline first (`inline_callback_limit` above zero, and an executor with threads):
+// the loop runs the turn's callbacks itself, which saves the wake-up of a callback thread (about
+// 7 us on a 2-vCPU machine, more than a small recv's whole protocol). While it does, the thread
+// counts as the loop for nobody (a Post from a callback takes the queue), so that the loop can
+// leave it: a watcher thread that sees one callback hold the loop for the limit starts a new
+// loop thread, gives the rest of the turn's callbacks to the executor, hands the thread it left
+// to the executor (which joins it as one of its own), and from then on every callback goes to
+// the executor. So a callback that blocks (on a lock, the GIL, a recv of its own) costs the
+// other transfers one stall of about the limit, once, instead of all of them for as long as it
+// blocks.
 //
 // Threading: Post, DeliverRecv, AskLoop and Stop may be called from any thread; state
 // reached only through the hooks belongs to the loop thread, which OnOwnerThread() identifies
@@ -22,9 +33,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -61,6 +74,10 @@ class ProgressEngine {
     absl::Duration housekeeping_interval = absl::Milliseconds(20);
     // What a stall report calls this loop ("grpc+verbs over shmem (shmem)").
     std::string name = "the progress loop";
+    // Above zero, with an executor of threads: recv callbacks run on the loop thread until one
+    // holds it this long, then on the executor (see above). Zero: always on the executor. The
+    // transport sets it from TENSORVERBS_INLINE_CALLBACK_US.
+    absl::Duration inline_callback_limit = absl::ZeroDuration();
   };
   struct Hooks {
     std::function<void(const fabric::Completion&)> on_completion;
@@ -101,6 +118,14 @@ class ProgressEngine {
   }
   // The loop thread while it runs; any thread once it has stopped (the owner's teardown).
   bool OnOwnerThread() const { return OnLoopThread() || stopped_.load(); }
+  // Whether the calling thread is running this engine's recv callbacks inline: the loop's own
+  // thread in the callback step of a turn, or a thread the loop left while a callback held it.
+  // User code there must not wait for the task's own threads.
+  bool InInlineCallback() const;
+  // Whether recv callbacks still run inline (false once one held the loop for the limit).
+  bool RunsCallbacksInline() const { return inline_callbacks_.load(std::memory_order_relaxed); }
+  // How many times a callback held the loop for the limit and the loop moved to a new thread.
+  int loop_moves() const { return loop_moves_.load(std::memory_order_relaxed); }
 
   // A stuck loop, noticed: when the loop has made no turn for `limit` since the previous call
   // that saw it move, the text of a report naming the loop and the call it is in ("polling the
@@ -127,11 +152,30 @@ class ProgressEngine {
                             absl::Duration slice, absl::FunctionRef<void()> while_waiting);
 
  private:
-  void Loop();
+  // Where a loop thread is in the callback step of its turns, shared with the watcher. The
+  // thread the loop left holds it (and the batch it ran) and nothing else of the engine, which
+  // may be gone by the time its callback returns.
+  enum CallbackStep : int { kLooping, kInCallbacks, kLeft };
+  struct Seat {
+    // kInCallbacks while the thread runs callbacks inline; the watcher's claim (kLeft) is what
+    // tells it that it no longer is the loop.
+    std::atomic<int> step{kLooping};
+    // Moves with each callback, so that the watcher can tell one callback that ran for the limit
+    // from many short ones.
+    std::atomic<uint64_t> seq{0};
+  };
+  void Loop(std::shared_ptr<Seat> seat);
   // Runs the deferred tasks (and those they defer); true if there were any.
   bool RunDeferred();
-  // The turn's recv deliveries to the executor (loop thread, or the stopping one).
-  void HandOffCallbacks();
+  // The turn's recv deliveries: run inline on `seat`'s thread if it is given and the engine
+  // still does, otherwise to the executor (loop thread, or the stopping one). False when the
+  // calling thread stopped being the loop while it ran them: it must leave the loop at once.
+  bool HandOffCallbacks(Seat* seat);
+  struct DeliveryBatch;
+  bool RunInline(DeliveryBatch* batch, Seat* seat);
+  // The watcher of inline callbacks (its own thread), and what it does when one held the loop.
+  void WatchCallbacks();
+  void MoveLoop();
 
   fabric::Domain* const domain_;
   Executor* const executor_;
@@ -165,10 +209,24 @@ class ProgressEngine {
   std::vector<Task> deferred_;
   std::vector<Task> running_;  // RunDeferred's batch, kept for its capacity
   std::vector<RecvDelivery> deliveries_;
-  struct DeliveryBatch;
   struct SpareBatches;
   const std::shared_ptr<SpareBatches> spare_batches_;
-  std::thread thread_;
+  // The loop's threads: one, and another each time a callback held the loop and it moved on.
+  // The thread it left goes to the executor, which joins it as one of its own.
+  std::vector<std::thread> loops_ ABSL_GUARDED_BY(mu_);
+
+  // Inline callbacks.
+  std::atomic<bool> inline_callbacks_{false};
+  std::atomic<int> loop_moves_{0};
+  // The seat of the loop's current thread; the watcher's (written by Start before it starts).
+  std::shared_ptr<Seat> current_seat_;
+  // The batch whose callbacks run inline now; the loop thread writes it before it publishes
+  // kInCallbacks, the watcher reads it after its claim.
+  DeliveryBatch* inline_batch_ = nullptr;
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  bool watch_stop_ = false;  // guarded by watch_mu_
+  std::thread watcher_;
 };
 
 template <typename T>

@@ -42,6 +42,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.rdma = config.rdma;
   o.poll_mode = config.poll_mode;
   o.poll_spin = config.poll_spin;
+  o.inline_callback_limit = config.inline_callback_limit;
   o.shmem_copy_threads = config.shmem_copy_threads;
   o.shmem_peer_copy = config.shmem_peer_copy;
   o.remote_keys = config.remote_keys;
@@ -128,6 +129,7 @@ absl::Status VerbsTransport::Start() {
   protocol::ProgressEngine::Options engine_options;
   engine_options.poll_mode = poll_mode;
   engine_options.poll_spin = options_.poll_spin;
+  engine_options.inline_callback_limit = options_.inline_callback_limit;
   engine_options.name = absl::StrCat("grpc+verbs over ", fabric_name());
   protocol::ProgressEngine::Hooks hooks;
   hooks.on_completion = [this](const fabric::Completion& c) { table_->Dispatch(c); };

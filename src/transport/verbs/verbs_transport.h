@@ -85,11 +85,13 @@ struct VerbsOptions {
   // channels go over the same-host fabric and the others' over the network fabric (null: the
   // server fills in the tasks whose address is local to this host).
   std::optional<absl::flat_hash_set<std::string>> same_host_tasks;
-  std::string fabric = Config::Defaults().fabric;                  // TENSORVERBS_FABRIC
-  std::string ofi_provider = Config::Defaults().ofi_provider;      // TENSORVERBS_OFI_PROVIDER
-  RdmaConfig rdma = Config::Defaults().rdma;                       // the RDMA_* variables (ibverbs)
-  std::string poll_mode = Config::Defaults().poll_mode;            // TENSORVERBS_POLL_MODE
-  absl::Duration poll_spin = Config::Defaults().poll_spin;         // TENSORVERBS_POLL_SPIN_US
+  std::string fabric = Config::Defaults().fabric;              // TENSORVERBS_FABRIC
+  std::string ofi_provider = Config::Defaults().ofi_provider;  // TENSORVERBS_OFI_PROVIDER
+  RdmaConfig rdma = Config::Defaults().rdma;                   // the RDMA_* variables (ibverbs)
+  std::string poll_mode = Config::Defaults().poll_mode;        // TENSORVERBS_POLL_MODE
+  absl::Duration poll_spin = Config::Defaults().poll_spin;     // TENSORVERBS_POLL_SPIN_US
+  // TENSORVERBS_INLINE_CALLBACK_US
+  absl::Duration inline_callback_limit = Config::Defaults().inline_callback_limit;
   int shmem_copy_threads = Config::Defaults().shmem_copy_threads;  // TENSORVERBS_SHMEM_COPY_THREADS
   bool shmem_peer_copy = Config::Defaults().shmem_peer_copy;       // TENSORVERBS_SHMEM_PEER_COPY
   std::string remote_keys = Config::Defaults().remote_keys;        // TENSORVERBS_REMOTE_KEYS
@@ -183,8 +185,11 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // posted task after N turns"), or empty when it does not run; for a report on a stuck
   // shutdown.
   std::string LoopReport() const;
-  // Whether the calling thread is the progress loop's (a callback run inline).
-  bool OnLoopThread() const { return engine_ != nullptr && engine_->OnLoopThread(); }
+  // Whether the calling thread is the progress loop's, or runs its recv callbacks inline (also
+  // one the loop left while a callback held it).
+  bool OnLoopThread() const {
+    return engine_ != nullptr && (engine_->OnLoopThread() || engine_->InInlineCallback());
+  }
 
  private:
   explicit VerbsTransport(VerbsOptions options);

@@ -1,13 +1,17 @@
-// Task::Stop's and ~Task's bound (TENSORVERBS_STOP_TIMEOUT_MS). Built twice, as the settings are
-// the process's: with TV_INLINE_CALLBACKS (TENSORVERBS_CALLBACK_THREADS=0), a recv callback that
-// blocks holds the progress thread and so the shutdown, as a fabric call that never returns
-// would; without, it blocks one of the executor's threads, which the destructor joins. Either
-// way Stop or the destructor gives up after the timeout and says what is stuck; once the
-// callback returns, the rest finishes in the background with nothing freed under it.
+// Task::Stop's and ~Task's bound (TENSORVERBS_STOP_TIMEOUT_MS). Built three times, as the
+// settings are the process's: with TV_INLINE_CALLBACKS (TENSORVERBS_CALLBACK_THREADS=0), a recv
+// callback that blocks holds the progress thread and so the shutdown, as a fabric call that never
+// returns would; with TV_EXECUTOR_CALLBACKS (TENSORVERBS_INLINE_CALLBACK_US=0), it blocks one of
+// the executor's threads, which the destructor joins; with neither (the default), it starts on
+// the progress thread, which the loop leaves after the inline limit and the executor then joins
+// as one of its own. Either way Stop or the destructor gives up after the timeout and says what
+// is stuck; once the callback returns, the rest finishes in the background with nothing freed
+// under it.
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -32,15 +36,22 @@ namespace {
 using ::testing::HasSubstr;
 
 // Before anything reads the settings (they are read once per process).
-#ifdef TV_INLINE_CALLBACKS
+#if defined(TV_INLINE_CALLBACKS)
 constexpr bool kInline = true;
+constexpr bool kInlineFirst = false;
 #define TASK_STOP_TEST TaskStopInlineTest
+#elif defined(TV_EXECUTOR_CALLBACKS)
+constexpr bool kInline = false;
+constexpr bool kInlineFirst = false;
+#define TASK_STOP_TEST TaskStopExecutorTest
 #else
 constexpr bool kInline = false;
-#define TASK_STOP_TEST TaskStopExecutorTest
+constexpr bool kInlineFirst = true;
+#define TASK_STOP_TEST TaskStopInlineFirstTest
 #endif
 const bool kSettings = [] {
   if (kInline) setenv("TENSORVERBS_CALLBACK_THREADS", "0", 1);
+  if (!kInline && !kInlineFirst) setenv("TENSORVERBS_INLINE_CALLBACK_US", "0", 1);
   setenv("TENSORVERBS_STOP_TIMEOUT_MS", "500", 1);
   return true;
 }();
@@ -79,6 +90,12 @@ int ThreadsNamed(const std::string& name) {
   return n;
 }
 int ProgressThreads() { return ThreadsNamed("tv-progress"); }
+
+std::string ThreadName() {
+  char name[16] = {};
+  pthread_getname_np(pthread_self(), name, sizeof(name));
+  return name;
+}
 
 // Waits up to `limit` for this process's threads named `name` to number `n`. Returns whether
 // they do. The reaper of parked tasks (tv-reaper) runs only while a task is parked, so one of it
@@ -206,6 +223,60 @@ TEST_F(TASK_STOP_TEST, ACallbackThatNeverReturnsHoldsTheDestructorOnlyUntilTheTi
   EXPECT_TRUE(returned.HasBeenNotified());
   s0.reset();
   tasks_[0].reset();
+  EXPECT_EQ(ThreadsNamed("tv-callbacks"), 0);
+}
+
+// By default a recv callback runs on the progress thread; one that blocks there holds every
+// transfer of the task only until the inline limit (1 ms), once: the loop moves to a new thread,
+// the task's other recvs go on, and later callbacks run on the callback threads.
+TEST_F(TASK_STOP_TEST, ACallbackThatBlocksTheProgressThreadIsLeftThereAndOtherRecvsGoOn) {
+  if (!kInlineFirst) GTEST_SKIP() << "callbacks start inline only by default";
+  std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(1);
+  std::unique_ptr<Step> s1 = *tasks_[1]->BeginStep(1);
+  absl::Notification entered, release, returned;
+  std::string blocked_on;
+  testing::internal::CaptureStderr();
+  s1->RecvAsync("worker:0", "x", [&](absl::StatusOr<Tensor> t) {
+    EXPECT_TRUE(t.ok()) << t.status();
+    blocked_on = ThreadName();
+    entered.Notify();
+    release.WaitForNotification();
+    returned.Notify();
+  });
+  ASSERT_TRUE(
+      s0->Send("worker:1", "x", *tasks_[0]->Empty(DataType::kFloat32, TensorShape::Of({4}))).ok());
+  ASSERT_TRUE(entered.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  EXPECT_EQ(blocked_on, "tv-progress") << "the callback did not run on the progress thread";
+
+  // With the callback still blocked, task 1 receives more, on a loop that moved on.
+  for (int i = 0; i < 3; ++i) {
+    const std::string key = absl::StrCat("y", i);
+    Tensor y = *tasks_[0]->Empty(DataType::kInt32, TensorShape::Of({1}));
+    y.flat<int32_t>()[0] = i;
+    ASSERT_TRUE(s0->Send("worker:1", key, y).ok());
+    std::string ran_on;
+    absl::Notification got;
+    s1->RecvAsync("worker:0", key, [&](absl::StatusOr<Tensor> t) {
+      ASSERT_TRUE(t.ok()) << t.status();
+      EXPECT_EQ(t->flat<int32_t>()[0], i);
+      ran_on = ThreadName();
+      got.Notify();
+    });
+    ASSERT_TRUE(got.WaitForNotificationWithTimeout(absl::Seconds(30))) << key;
+    EXPECT_EQ(ran_on, "tv-callbacks") << key << ": callbacks go to the callback threads now";
+  }
+  EXPECT_FALSE(returned.HasBeenNotified());
+  EXPECT_EQ(ProgressThreads(), 2) << "the thread left behind is named as a callback thread";
+  release.Notify();
+  ASSERT_TRUE(returned.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  s1.reset();
+  s0.reset();
+  tasks_[1].reset();
+  tasks_[0].reset();
+  const std::string log = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(Occurrences(log, "the loop moved to a new thread"), 1) << log;
+  EXPECT_EQ(Occurrences(log, "gave up"), 0) << log;
+  EXPECT_EQ(ProgressThreads(), 0);
   EXPECT_EQ(ThreadsNamed("tv-callbacks"), 0);
 }
 

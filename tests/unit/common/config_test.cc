@@ -62,6 +62,16 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_CALLBACK_THREADS", "-1"}}).ok());
   EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_CALLBACK_THREADS", "0"}})->callback_threads, 0)
       << "0 runs callbacks inline";
+  EXPECT_EQ(Config::Defaults().inline_callback_limit, absl::Milliseconds(1));
+  EXPECT_EQ(
+      Config::FromEnvironment({{"TENSORVERBS_INLINE_CALLBACK_US", "0"}})->inline_callback_limit,
+      absl::ZeroDuration())
+      << "0 always hands callbacks to the callback threads";
+  for (const char* value : {"-1", "1000001", "1ms"}) {
+    absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_INLINE_CALLBACK_US", value}});
+    ASSERT_FALSE(c.ok()) << value;
+    EXPECT_THAT(c.status().message(), HasSubstr("TENSORVERBS_INLINE_CALLBACK_US"));
+  }
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_POOL_REGION_MB", "65537"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "2"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TRIM_MB", "4096"}}).ok());

@@ -409,5 +409,158 @@ TEST_F(ProgressEngineTest, AStallInACallbackRunInlineIsReportedAsTheCallback) {
   engine_->Stop();
 }
 
+// Inline first: the turn's callbacks run on the loop's own thread, which is not the loop for
+// the callbacks themselves (what they post takes the queue), and they run once each in order.
+TEST_F(ProgressEngineTest, InlineFirstRunsCallbacksOnTheLoopsThreadAsNotTheLoop) {
+  ProgressEngine::Options options;
+  options.inline_callback_limit = absl::Seconds(5);
+  MakeEngine(options, /*callback_threads=*/1);
+  engine_->Start();
+  EXPECT_TRUE(engine_->RunsCallbacksInline());
+  std::thread::id loop_thread;
+  std::vector<std::thread::id> ran_on;
+  std::vector<bool> on_loop, in_callback;
+  ASSERT_TRUE(engine_->Post([&] {
+    loop_thread = std::this_thread::get_id();
+    for (int i = 0; i < 3; ++i) {
+      engine_->DeliverRecv(Delivery([&, i] {
+        Log(absl::StrCat("callback ", i));
+        ran_on.push_back(std::this_thread::get_id());
+        on_loop.push_back(engine_->OnLoopThread());
+        in_callback.push_back(engine_->InInlineCallback());
+        if (i == 1) {
+          ASSERT_TRUE(engine_->Post([&] {
+            Log(absl::StrCat("posted from a callback, on the loop: ", engine_->OnLoopThread()));
+          }));
+        }
+      }));
+    }
+    Log("task ends");
+  }));
+  EXPECT_THAT(LogWhen(5), ElementsAre("task ends", "callback 0", "callback 1", "callback 2",
+                                      "posted from a callback, on the loop: 1"));
+  EXPECT_THAT(ran_on, Each(loop_thread));
+  EXPECT_THAT(on_loop, Each(false));
+  EXPECT_THAT(in_callback, Each(true));
+  EXPECT_FALSE(engine_->InInlineCallback());
+  EXPECT_EQ(engine_->loop_moves(), 0);
+  EXPECT_TRUE(engine_->RunsCallbacksInline());
+  engine_->Stop();
+}
+
+// A callback that holds the loop for the limit is left on its thread: a new thread runs the
+// loop, the executor the rest of the turn's callbacks, and every later callback.
+TEST_F(ProgressEngineTest, ACallbackThatHoldsTheLoopIsLeftAndTheLoopGoesOnElsewhere) {
+  ProgressEngine::Options options;
+  options.inline_callback_limit = absl::Milliseconds(2);
+  MakeEngine(options, /*callback_threads=*/1);
+  engine_->Start();
+  Notification blocked, release, rest_ran;
+  std::thread::id loop_thread, blocked_thread, rest_thread;
+  std::atomic<int> runs[3] = {0, 0, 0};
+  ASSERT_TRUE(engine_->Post([&] {
+    loop_thread = std::this_thread::get_id();
+    engine_->DeliverRecv(Delivery([&] {
+      ++runs[0];
+      blocked_thread = std::this_thread::get_id();
+      blocked.Notify();
+      release.WaitForNotification();
+    }));
+    engine_->DeliverRecv(Delivery([&] { ++runs[1]; }));
+    engine_->DeliverRecv(Delivery([&] {
+      ++runs[2];
+      rest_thread = std::this_thread::get_id();
+      rest_ran.Notify();
+    }));
+  }));
+  ASSERT_TRUE(blocked.WaitForNotificationWithTimeout(kPatience));
+  // The callbacks after the blocked one run while it still blocks, and so do posted tasks.
+  ASSERT_TRUE(rest_ran.WaitForNotificationWithTimeout(kPatience));
+  std::thread::id new_loop;
+  absl::StatusOr<bool> on_loop = engine_->AskLoop<bool>(
+      [&] {
+        new_loop = std::this_thread::get_id();
+        return engine_->OnLoopThread();
+      },
+      kPatience);
+  ASSERT_TRUE(on_loop.ok()) << on_loop.status();
+  EXPECT_TRUE(*on_loop);
+  EXPECT_EQ(blocked_thread, loop_thread);
+  EXPECT_NE(new_loop, loop_thread);
+  EXPECT_NE(rest_thread, loop_thread);
+  EXPECT_EQ(engine_->loop_moves(), 1);
+  EXPECT_FALSE(engine_->RunsCallbacksInline());
+  EXPECT_FALSE(executor_->OnOwnThread());
+
+  // Later callbacks go to the executor, not to the new loop's thread.
+  Notification later_ran;
+  std::thread::id later_thread;
+  ASSERT_TRUE(engine_->Post([&] {
+    engine_->DeliverRecv(Delivery([&] {
+      later_thread = std::this_thread::get_id();
+      later_ran.Notify();
+    }));
+  }));
+  ASSERT_TRUE(later_ran.WaitForNotificationWithTimeout(kPatience));
+  EXPECT_NE(later_thread, new_loop);
+  EXPECT_NE(later_thread, loop_thread);
+
+  release.Notify();
+  engine_->Stop();
+  engine_.reset();
+  executor_.reset();  // joins the thread left behind too
+  for (auto& r : runs) EXPECT_EQ(r.load(), 1);
+}
+
+// A callback run inline that waits for the loop itself (AskLoop) would wait for good on the
+// loop's own thread; the loop moves on and answers it.
+TEST_F(ProgressEngineTest, ACallbackRunInlineThatWaitsForTheLoopIsAnswered) {
+  ProgressEngine::Options options;
+  options.inline_callback_limit = absl::Milliseconds(2);
+  MakeEngine(options, /*callback_threads=*/2);
+  engine_->Start();
+  Notification answered;
+  ASSERT_TRUE(engine_->Post([&] {
+    engine_->DeliverRecv(Delivery([&] {
+      absl::StatusOr<int> answer = engine_->AskLoop<int>([] { return 7; }, kPatience);
+      EXPECT_TRUE(answer.ok()) << answer.status();
+      if (answer.ok() && *answer == 7) answered.Notify();
+    }));
+  }));
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(kPatience));
+  EXPECT_EQ(engine_->loop_moves(), 1);
+  engine_->Stop();
+}
+
+// Stop while a callback holds the loop: the loop moves on even then, runs what was posted and
+// ends; Stop returns once the callback has, as the loop's thread is joined.
+TEST_F(ProgressEngineTest, StopWhileACallbackHoldsTheLoopRunsWhatWasPosted) {
+  ProgressEngine::Options options;
+  options.inline_callback_limit = absl::Milliseconds(50);
+  MakeEngine(options, /*callback_threads=*/1);
+  engine_->Start();
+  Notification blocked, release;
+  ASSERT_TRUE(engine_->Post([&] {
+    engine_->DeliverRecv(Delivery([&] {
+      blocked.Notify();
+      release.WaitForNotification();
+    }));
+  }));
+  ASSERT_TRUE(blocked.WaitForNotificationWithTimeout(kPatience));
+  Notification posted_ran;
+  ASSERT_TRUE(engine_->Post([&] { posted_ran.Notify(); }));
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    engine_->Stop();
+    stopped = true;
+  });
+  ASSERT_TRUE(posted_ran.WaitForNotificationWithTimeout(kPatience))
+      << "the loop did not move on while stopping";
+  release.Notify();
+  stopper.join();
+  EXPECT_TRUE(stopped);
+  EXPECT_EQ(engine_->loop_moves(), 1);
+}
+
 }  // namespace
 }  // namespace tensorverbs::protocol
