@@ -1,8 +1,13 @@
 #include "src/protocol/progress_engine.h"
 
+#include <fcntl.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +20,29 @@ namespace tensorverbs::protocol {
 namespace {
 
 constexpr size_t kPollBatch = 64;
+// How many looks in a row (a limit apart) the watcher lets a callback keep the loop while its
+// thread could run (see WatchCallbacks).
+constexpr int kRunnableLooks = 50;
+
+// Whether thread `tid` of this process is running or waits only for a core (state R in
+// /proc); also true when that cannot be read, so that the caller's patience decides.
+bool ThreadCouldRun(pid_t tid) {
+  if (tid <= 0) return true;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/self/task/%d/stat", static_cast<int>(tid));
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return true;
+  char buf[512];
+  const ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return true;
+  buf[n] = '\0';
+  // "tid (comm) S ...": the name may hold spaces and parentheses, so the state follows the
+  // last ')'.
+  const char* end = std::strrchr(buf, ')');
+  if (end == nullptr || end[1] != ' ') return true;
+  return end[2] == 'R';
+}
 
 }  // namespace
 
@@ -185,6 +213,7 @@ void ProgressEngine::WatchCallbacks() {
   const absl::Duration limit = options_.inline_callback_limit;
   bool seen_in_callbacks = false;
   uint64_t seen_seq = 0;
+  int runnable_looks = 0;  // looks in a row at one callback whose thread could run
   std::unique_lock<std::mutex> lock(watch_mu_);
   while (!watch_stop_ && inline_callbacks_.load(std::memory_order_relaxed)) {
     // While the loop sleeps nothing runs inline, so the watcher naps longer: an idle task pays
@@ -198,13 +227,23 @@ void ProgressEngine::WatchCallbacks() {
     const bool in_callbacks = current_seat_->step.load(std::memory_order_relaxed) == kInCallbacks;
     const uint64_t seq = current_seat_->seq.load(std::memory_order_relaxed);
     if (in_callbacks && seen_in_callbacks && seq == seen_seq) {
-      // The same callback at two looks at least `limit` apart.
+      // The same callback at two looks at least `limit` apart. A thread that could run has
+      // been preempted, or computes: on a loaded machine the scheduler takes the core for
+      // milliseconds from any thread, and that is no reason to give up inline callbacks. So only
+      // a callback that waits (asleep in the kernel: a lock, a condition, I/O) moves the loop at
+      // once; one that keeps running does after kRunnableLooks looks.
+      if (ThreadCouldRun(current_seat_->tid.load(std::memory_order_relaxed)) &&
+          ++runnable_looks < kRunnableLooks) {
+        continue;
+      }
       lock.unlock();
       MoveLoop();
       lock.lock();
       seen_in_callbacks = false;
+      runnable_looks = 0;
       continue;
     }
+    runnable_looks = 0;
     seen_in_callbacks = in_callbacks;
     seen_seq = seq;
   }
@@ -257,6 +296,7 @@ bool ProgressEngine::RunDeferred() {
 }
 
 void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
+  seat->tid.store(static_cast<pid_t>(syscall(SYS_gettid)), std::memory_order_relaxed);
   fabric::Completion completions[kPollBatch];
   absl::Time next_housekeeping = CoarseNow();
   // The first idle turn after the last activity (adaptive mode); the fine clock is read only

@@ -31,6 +31,8 @@
 #ifndef TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 #define TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 
+#include <sys/types.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -163,6 +165,8 @@ class ProgressEngine {
     // Moves with each callback, so that the watcher can tell one callback that ran for the limit
     // from many short ones.
     std::atomic<uint64_t> seq{0};
+    // The thread's id in the kernel, for the watcher to see whether it waits or runs.
+    std::atomic<pid_t> tid{0};
   };
   void Loop(std::shared_ptr<Seat> seat);
   // Runs the deferred tasks (and those they defer); true if there were any.

@@ -562,5 +562,37 @@ TEST_F(ProgressEngineTest, StopWhileACallbackHoldsTheLoopRunsWhatWasPosted) {
   EXPECT_EQ(engine_->loop_moves(), 1);
 }
 
+// A callback whose thread keeps running (it computes, or the scheduler took its core) is not
+// one that blocks: the loop stays with it for many limits, and moves only if it goes on.
+TEST_F(ProgressEngineTest, ACallbackThatKeepsRunningHoldsTheLoopLongerThanOneThatWaits) {
+  ProgressEngine::Options options;
+  options.inline_callback_limit = absl::Milliseconds(1);
+  MakeEngine(options, /*callback_threads=*/1);
+  engine_->Start();
+  Notification short_done, long_done;
+  ASSERT_TRUE(engine_->Post([&] {
+    engine_->DeliverRecv(Delivery([&] {
+      for (const absl::Time end = absl::Now() + absl::Milliseconds(10); absl::Now() < end;) {
+      }
+      short_done.Notify();
+    }));
+  }));
+  ASSERT_TRUE(short_done.WaitForNotificationWithTimeout(kPatience));
+  EXPECT_EQ(engine_->loop_moves(), 0) << "10 ms of computing moved the loop";
+  EXPECT_TRUE(engine_->RunsCallbacksInline());
+  // One that computes for good does move it, after a while.
+  ASSERT_TRUE(engine_->Post([&] {
+    engine_->DeliverRecv(Delivery([&] {
+      for (const absl::Time end = absl::Now() + kPatience;
+           engine_->loop_moves() == 0 && absl::Now() < end;) {
+      }
+      long_done.Notify();
+    }));
+  }));
+  ASSERT_TRUE(long_done.WaitForNotificationWithTimeout(kPatience));
+  EXPECT_EQ(engine_->loop_moves(), 1);
+  engine_->Stop();
+}
+
 }  // namespace
 }  // namespace tensorverbs::protocol
