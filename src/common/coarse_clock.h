@@ -18,6 +18,17 @@ inline absl::Time CoarseNow() {
   return absl::TimeFromTimespec(ts);
 }
 
+// How far CoarseNow moves at a time (the kernel tick, 4 ms at HZ=250), or 1 ms if the kernel
+// does not say.
+inline absl::Duration CoarseClockGrain() {
+  static const absl::Duration grain = [] {
+    timespec ts;
+    if (clock_getres(CLOCK_REALTIME_COARSE, &ts) != 0) return absl::Milliseconds(1);
+    return absl::DurationFromTimespec(ts);
+  }();
+  return grain;
+}
+
 }  // namespace tensorverbs
 
 #endif  // TENSORVERBS_COMMON_COARSE_CLOCK_H_
