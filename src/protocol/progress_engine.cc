@@ -112,10 +112,9 @@ ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Optio
       executor_(executor),
       options_(options),
       hooks_(std::move(hooks)),
-      spare_batches_(std::make_shared<SpareBatches>()) {
-  inline_callbacks_.store(options_.inline_callback_limit > absl::ZeroDuration() &&
-                          !executor_->runs_inline());
-}
+      spare_batches_(std::make_shared<SpareBatches>()),
+      inline_first_(options_.inline_callback_limit > absl::ZeroDuration() &&
+                    !executor_->runs_inline()) {}
 
 ProgressEngine::~ProgressEngine() { Stop(); }
 
@@ -126,7 +125,7 @@ void ProgressEngine::Start() {
     loops_.emplace_back([this, seat = current_seat_] { Loop(seat); });
   }
   started_.store(true);
-  if (inline_callbacks_.load()) watcher_ = std::thread([this] { WatchCallbacks(); });
+  if (inline_first_) watcher_ = std::thread([this] { WatchCallbacks(); });
 }
 
 bool ProgressEngine::InInlineCallback() const { return inline_callbacks_of == this; }
@@ -168,7 +167,7 @@ bool ProgressEngine::HandOffCallbacks(Seat* seat) {
   if (!spare_batches_->queue.TryPop(&batch)) batch = new DeliveryBatch();
   batch->items.swap(deliveries_);  // deliveries_ takes the batch's empty vector and capacity
   batch->home = spare_batches_;
-  if (seat != nullptr && inline_callbacks_.load(std::memory_order_relaxed)) {
+  if (seat != nullptr && RunsCallbacksInline()) {
     return RunInline(batch, seat);
   }
   // One pointer: stored inside the task itself, with no allocation.
@@ -215,7 +214,7 @@ void ProgressEngine::WatchCallbacks() {
   uint64_t seen_seq = 0;
   int runnable_looks = 0;  // looks in a row at one callback whose thread could run
   std::unique_lock<std::mutex> lock(watch_mu_);
-  while (!watch_stop_ && inline_callbacks_.load(std::memory_order_relaxed)) {
+  while (!watch_stop_ && RunsCallbacksInline()) {
     // While the loop sleeps nothing runs inline, so the watcher naps longer: an idle task pays
     // for a few wake-ups a second, not one per limit. A callback that blocks right after such a
     // nap is noticed a housekeeping interval late, once.
@@ -250,6 +249,8 @@ void ProgressEngine::WatchCallbacks() {
 }
 
 void ProgressEngine::MoveLoop() {
+  DeliveryBatch* batch = nullptr;
+  std::thread left;
   {
     // Under mu_, so that Stop, which joins the loop's threads, sees the new one.
     MutexLock lock(&mu_);
@@ -257,26 +258,26 @@ void ProgressEngine::MoveLoop() {
     if (!current_seat_->step.compare_exchange_strong(step, kLeft, std::memory_order_acq_rel)) {
       return;  // the callbacks ended meanwhile
     }
-    inline_callbacks_.store(false, std::memory_order_relaxed);
-    DeliveryBatch* batch = inline_batch_;
+    loop_moves_.fetch_add(1, std::memory_order_relaxed);  // callbacks go to the executor now
+    batch = inline_batch_;
     batch->holders.fetch_add(1, std::memory_order_relaxed);
-    executor_->Schedule([batch]() {
-      batch->RunRest();
-      DeliveryBatch::Release(batch);
-    });
-    // The thread left behind is a callback thread now: the executor joins it as one of its
-    // own, so that the task's end waits for that callback as it waits for the others. (Unless
-    // Stop took it already to join it.)
+    // The thread left behind (unless Stop took it already to join it).
     if (!loops_.empty()) {
-      executor_->Adopt(std::move(loops_.back()));
+      left = std::move(loops_.back());
       loops_.pop_back();
     }
     // Even while stopping: the new loop runs what was posted and ends, where the old one could
     // not until the callback returns.
     current_seat_ = std::make_shared<Seat>();
     loops_.emplace_back([this, seat = current_seat_] { Loop(seat); });
-    loop_moves_.fetch_add(1, std::memory_order_relaxed);
   }
+  executor_->Schedule([batch]() {
+    batch->RunRest();
+    DeliveryBatch::Release(batch);
+  });
+  // The thread left behind is a callback thread now: the executor joins it as one of its own,
+  // so that the task's end waits for that callback as it waits for the others.
+  if (left.joinable()) executor_->Adopt(std::move(left));
   LOG(WARNING) << options_.name << ": a recv callback kept the progress thread for more than "
                << absl::FormatDuration(options_.inline_callback_limit)
                << "; the loop moved to a new thread, and recv callbacks run on the callback "
@@ -350,7 +351,7 @@ void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
       // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
       // protocol's own work on a small tensor. Named, because with inline callbacks the user's
       // code runs here, and a stall report must not blame the step before it.
-      at(executor_->runs_inline() || inline_callbacks_.load(std::memory_order_relaxed)
+      at(executor_->runs_inline() || RunsCallbacksInline()
              ? "a recv callback run inline"
              : "handing recv callbacks to the executor");
       if (!HandOffCallbacks(seat.get())) return;  // the loop moved on without this thread

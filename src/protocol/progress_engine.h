@@ -125,7 +125,9 @@ class ProgressEngine {
   // User code there must not wait for the task's own threads.
   bool InInlineCallback() const;
   // Whether recv callbacks still run inline (false once one held the loop for the limit).
-  bool RunsCallbacksInline() const { return inline_callbacks_.load(std::memory_order_relaxed); }
+  bool RunsCallbacksInline() const {
+    return inline_first_ && loop_moves_.load(std::memory_order_relaxed) == 0;
+  }
   // How many times a callback held the loop for the limit and the loop moved to a new thread.
   int loop_moves() const { return loop_moves_.load(std::memory_order_relaxed); }
 
@@ -219,8 +221,8 @@ class ProgressEngine {
   // The thread it left goes to the executor, which joins it as one of its own.
   std::vector<std::thread> loops_ ABSL_GUARDED_BY(mu_);
 
-  // Inline callbacks.
-  std::atomic<bool> inline_callbacks_{false};
+  // Inline callbacks: configured, and run until the first move of the loop.
+  const bool inline_first_;
   std::atomic<int> loop_moves_{0};
   // The seat of the loop's current thread; the watcher's (written by Start before it starts).
   std::shared_ptr<Seat> current_seat_;
