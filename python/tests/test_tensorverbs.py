@@ -317,6 +317,9 @@ def test_a_killed_peer_fails_the_recv_within_the_timeout(protocol):
 CTRL_C = r"""
 import signal, sys, time
 import tensorverbs as tv
+# A process started in the background by a non-interactive shell inherits SIGINT ignored, and
+# Python then leaves it so: Ctrl-C must raise KeyboardInterrupt here wherever the test runs.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 cluster = {"worker": ["127.0.0.1:%d", "127.0.0.1:%d"]}
 with tv.Server(cluster, "worker", 0, "grpc") as server:
     with server.step(1) as step:
