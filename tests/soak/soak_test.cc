@@ -65,10 +65,16 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
   for (int p : *ports) addresses.push_back(absl::StrCat("127.0.0.1:", p));
   const std::string cluster = absl::StrCat("worker=", absl::StrJoin(addresses, ","));
 
-  int64_t next_base = 1000000;
+  // Each incarnation of a peer receives steps base+1 .. base+kPeerSteps and then stops asking,
+  // so the budget must exceed what a run can send one peer (about 1,500 steps a second here;
+  // 900,000 once ran out within a 60-minute run, and its last steps went unreported). Bases
+  // are far enough apart that no two incarnations share a step id.
+  constexpr int64_t kPeerSteps = 1000000000;
+  constexpr int64_t kBaseSpacing = 2 * kPeerSteps;
+  int64_t next_base = kBaseSpacing;
   auto start_peer = [&](Peer& peer) {
     peer.base = next_base;
-    next_base += 1000000;
+    next_base += kBaseSpacing;
     peer.next = 1;
     peer.expected.clear();
     peer.last_reported = 0;
@@ -77,7 +83,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
         testing::TestPeerPath(),
         {"--cluster", cluster, "--job", "worker", "--task", absl::StrCat(peer.task), "--step",
          absl::StrCat(peer.base), "--seed", "1", "--dst", CpuDeviceName("worker", 0), "--protocol",
-         protocol, "--recv-from", "0", "--recv-steps", "900000"});
+         protocol, "--recv-from", "0", "--recv-steps", absl::StrCat(kPeerSteps)});
     ASSERT_TRUE(p.ok()) << p.status();
     peer.process = *std::move(p);
     ASSERT_TRUE(peer.process->WaitForLine("ready ", absl::Seconds(60)).ok());
@@ -185,6 +191,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
     for (Peer& peer : peers) {
       // At most two steps ahead of what the peer reported.
       while (peer.expected.size() < 2) {
+        ASSERT_LE(peer.next, kPeerSteps) << "task " << peer.task << " used up its step budget";
         const int64_t index = peer.next++;
         const int64_t step = peer.base + index;
         if (random() % 20 == 0) {
