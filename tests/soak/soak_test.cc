@@ -66,7 +66,7 @@ TEST(SoakTest, SizesAbortsAndKillsLeaveEveryRecvRightAndMemoryAndDescriptorsFlat
   const std::string cluster = absl::StrCat("worker=", absl::StrJoin(addresses, ","));
 
   // Each incarnation of a peer receives steps base+1 .. base+kPeerSteps and then stops asking,
-  // so the budget must exceed what a run can send one peer (about 1,500 steps a second here;
+  // so the budget must exceed what a run can send one peer (about 750 steps a second here;
   // 900,000 once ran out within a 60-minute run, and its last steps went unreported). Bases
   // are far enough apart that no two incarnations share a step id.
   constexpr int64_t kPeerSteps = 1000000000;
