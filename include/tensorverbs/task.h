@@ -82,6 +82,15 @@ struct RecvOptions {
   // arrives, one round trip later. Other protocols ignore it.
   DataType expected_dtype = DataType::kInvalid;
   TensorShape expected_shape;
+  // Host memory of the caller's to land the tensor in (Task::AdoptHostMemory makes one over any
+  // buffer; its release tells when the task has let go). Over grpc+verbs, where the fabric can
+  // write memory it registers on the spot (tcp, ibverbs; not the same-host fabric, which
+  // reaches only memory it shares), a tensor of exactly `into`'s dtype and shape is written
+  // straight into it: the recv's result then shares `into`'s buffer, with no copy. Otherwise
+  // the recv lands as it would without it. A recv that fails may keep `into`, and its peer may
+  // still write into it, until the sender answers or the channel closes: the memory is the
+  // caller's again only when `into`'s release has run.
+  Tensor into;
 };
 
 // The protocols this build provides, best first (the same function the server uses).

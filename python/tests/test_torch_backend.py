@@ -83,6 +83,32 @@ def test_every_operation_on_three_ranks(tmp_path, protocol):
         assert f"rank {rank}: collectives ok" in out
 
 
+# Over libfabric tcp the fabric writes a recv's message into the caller's tensor itself.
+OVER_TCP = {"TENSORVERBS_FABRIC": "ofi", "TENSORVERBS_OFI_PROVIDER": "tcp", "TV_TEST_IN_PLACE": "1"}
+
+
+def test_every_operation_over_tcp_landing_large_recvs_in_place(tmp_path):
+    results = run_ranks(tmp_path, "conformance", 3, "grpc+verbs", env=OVER_TCP)
+    assert_all_ok(results)
+    for rank, (_, out) in enumerate(results):
+        assert f"rank {rank}: point to point ok" in out
+
+
+@pytest.mark.parametrize("fabric", ["default", "tcp"])
+def test_a_recv_whose_peer_dies_fails_within_the_peer_timeout_and_writes_nothing(tmp_path,
+                                                                                 fabric):
+    env = {"TENSORVERBS_PEER_TIMEOUT_MS": "2000"}
+    if fabric == "tcp":
+        env.update(OVER_TCP)
+    results = run_ranks(tmp_path, "p2p_peer_dies", 2, timeout_s=120, env=env)
+    assert_all_ok(results)
+    out = results[1][1]
+    assert "recv failed after" in out, out
+    seconds = float(out.split("recv failed after ")[1].split(" s")[0])
+    assert seconds < 60, out  # far below the group's 120 s timeout
+    assert "rank 0" in out.split("recv failed after")[1], out
+
+
 def test_every_operation_on_four_ranks(tmp_path):
     assert_all_ok(run_ranks(tmp_path, "conformance", 4))
 

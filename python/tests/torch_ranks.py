@@ -207,6 +207,7 @@ def point_to_point():
         dist.irecv(t, prv, tag=7).wait()
         check(f"message {i} in order", t, torch.tensor([i, prv]))
     # batch_isend_irecv of a ring, both ways, of 1 MiB tensors.
+    in_place_before = tvt.stats()["in_place_recvs"]
     big = torch.arange(262144, dtype=torch.float32) + RANK
     got_prev, got_next = torch.zeros_like(big), torch.zeros_like(big)
     ops = [dist.P2POp(dist.isend, big, nxt), dist.P2POp(dist.isend, big, prv),
@@ -231,6 +232,11 @@ def point_to_point():
     dist.recv(t, prv, tag=9)
     w.wait()
     check("lent send", t, torch.full((65536,), float(prv)))
+    # Those three recvs landed in their tensors themselves where the fabric writes the caller's
+    # memory (TV_TEST_IN_PLACE=1: grpc+verbs over tcp), and were copied into them elsewhere.
+    in_place = tvt.stats()["in_place_recvs"] - in_place_before
+    if in_place != (3 if os.environ.get("TV_TEST_IN_PLACE") == "1" else 0):
+        raise AssertionError(f"{in_place} recvs landed in place: {tvt.stats()}")
     # Any source: rank 0 hears from every other rank, twice each, and learns who sent what.
     if RANK == 0:
         seen = []
@@ -343,6 +349,31 @@ def peer_dies():
             os._exit(0)
         raise AssertionError("the collective after a failure did not fail")
     raise AssertionError("all_reduce survived a dead peer")
+
+
+def p2p_peer_dies():
+    # A recv whose peer dies before sending fails within the peer timeout, naming the peer,
+    # and leaves the tensor as it was: also one the fabric would have written in place.
+    init()
+    dist.barrier()
+    # Rank 0 dies only once rank 1 is through the barrier, whose last message rank 0 sends.
+    through = dist.FileStore(STORE + ".through", WORLD)
+    if RANK == 0:
+        through.wait(["rank 1"], datetime.timedelta(seconds=60))
+        print(f"rank {RANK}: exiting without a word", flush=True)
+        os._exit(0)
+    through.set("rank 1", "1")
+    t = torch.full((262144,), -1.0)
+    started = time.monotonic()
+    try:
+        dist.recv(t, 0, tag=5)
+    except RuntimeError as e:
+        print(f"rank {RANK}: recv failed after {time.monotonic() - started:.1f} s: {e}",
+              flush=True)
+        if not bool((t == -1.0).all()):
+            raise AssertionError("the failed recv wrote into its tensor")
+        os._exit(0)
+    raise AssertionError("recv survived a dead peer")
 
 
 def send_never_taken():
@@ -481,6 +512,7 @@ def other_backend():
 
 
 SCENARIOS = {"conformance": conformance, "bad_input": bad_input, "peer_dies": peer_dies,
+             "p2p_peer_dies": p2p_peer_dies,
              "send_never_taken": send_never_taken,
              "mismatch": mismatch, "short_lived_groups": short_lived_groups,
              "group_dropped_in_its_callback": group_dropped_in_its_callback, "stores": stores,

@@ -445,6 +445,7 @@ void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, const RecvOpt
   args.allocator = options.allocator;
   args.expected_dtype = options.expected_dtype;
   args.expected_shape = options.expected_shape;
+  args.into = options.into;
   rendezvous.RecvAsync(
       key, args,
       [done = std::move(done)](const absl::Status& status, const Tensor& tensor, bool is_dead) {

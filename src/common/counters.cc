@@ -34,6 +34,7 @@ absl::Span<const CounterInfo> CounterCatalog() {
       {"tensors_sent", "Tensor contents written to peers", false},
       {"bytes_sent", "Bytes of tensor contents written to peers", false},
       {"transient_registrations", "Memory registered for one transfer", false},
+      {"in_place_recvs", "Recvs whose destination was memory their caller gave (into)", false},
       {"registered_regions", "Pool regions registered with the fabric", true},
       {"registered_bytes", "Bytes of the pool regions registered with the fabric", true},
       {"channel_registrations",

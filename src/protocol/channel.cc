@@ -68,15 +68,16 @@ std::string Channel::Describe() const {
       mb_ ? mb_->rx_slots() : 0, " message slots");
 }
 
-void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, absl::Time deadline,
-                        RecvDoneCallback done) {
+void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tensor into,
+                        absl::Time deadline, RecvDoneCallback done) {
   AssertOwnerThread();
   if (receiving_ == nullptr) {
     env_->FailRecv(std::move(done), absl::InternalError(absl::StrCat("recv started on ", Describe(),
                                                                      ", which sends")));
     return;
   }
-  receiving_->StartRecv(step_id, std::move(key), allocator, deadline, std::move(done));
+  receiving_->StartRecv(step_id, std::move(key), allocator, std::move(into), deadline,
+                        std::move(done));
 }
 
 void Channel::StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline,

@@ -21,7 +21,7 @@ bool ReceivingSide::closed() const { return channel_->state() == Channel::State:
 
 const std::string& ReceivingSide::peer_task() const { return channel_->peer_task(); }
 
-void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
+void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tensor into,
                               absl::Time deadline, RecvDoneCallback done) {
   auto fail = [&](const absl::Status& s) { env_->FailRecv(std::move(done), s); };
   if (closed()) {
@@ -54,6 +54,7 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
   if (state != nullptr) ++state->active;
   auto request = RenewRecord(spare_requests_, this, *index, step_id, std::move(key), allocator,
                              deadline, std::move(done));
+  request->set_into(std::move(into));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   if (channel_->state() == Channel::State::kReady) {

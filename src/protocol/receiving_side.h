@@ -49,9 +49,9 @@ class ReceivingSide {
 
   Channel* channel() const { return channel_; }
 
-  // Starts a recv (queued until the channel is ready).
-  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, absl::Time deadline,
-                 RecvDoneCallback done);
+  // Starts a recv (queued until the channel is ready); `into`: RecvArgs::into.
+  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tensor into,
+                 absl::Time deadline, RecvDoneCallback done);
   // grpc+gdr: reads the tensor `ref` names into `dest`, then releases it at the peer.
   void StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline, GdrPull::Done done);
   // The channel became ready: starts what was queued meanwhile.

@@ -181,7 +181,28 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
           absl::StrCat("copy registration cannot land tensors in ", where.ToString(), " memory")));
     }
   }
-  if (meta.dtype != DataType::kString && env->options.registration != Registration::kCopy) {
+  if (LandsInto(meta)) {
+    // The caller's memory: a pool region's registration if it is one, else one for this write.
+    absl::StatusOr<const fabric::MemoryRegion*> pooled =
+        env->memory->FindRegistered(into_.data(), meta.tensor_bytes);
+    if (pooled.ok() && *pooled != nullptr) {
+      region = *pooled;
+    } else if (absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> mr =
+                   env->memory->RegisterTransient(into_.data(), meta.tensor_bytes);
+               mr.ok()) {
+      transient_ = *std::move(mr);
+      env->stats->transient_registrations.fetch_add(1, std::memory_order_relaxed);
+      region = transient_.get();
+    }
+    // A fabric that refuses it: the recv lands as it would without `into`.
+    if (region != nullptr) {
+      result_ = into_;
+      target = result_.data();
+      env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  if (target == nullptr && meta.dtype != DataType::kString &&
+      env->options.registration != Registration::kCopy) {
     // Out of memory names the recv: the allocator knows only sizes.
     absl::StatusOr<Tensor> result = Tensor::Allocate(allocator_, meta.dtype, meta.shape);
     if (!result.ok()) return RecvError(result.status());
@@ -206,6 +227,16 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
   ASSIGN_OR_RETURN(*key, channel_->OfferKey(*region));
   *addr = reinterpret_cast<uint64_t>(target);
   return absl::OkStatus();
+}
+
+bool RdmaTensorRequest::LandsInto(const TensorMetaData& meta) const {
+  const ChannelEnv* env = channel_->env();
+  // The same-host fabric reaches memory it does not share only by the kernel's cross-memory
+  // copy, which a hardened ptrace scope forbids: there the tensor lands in the shared pool.
+  return into_.IsInitialized() && meta.tensor_bytes > 0 && !meta.is_dead &&
+         meta.dtype == into_.dtype() && meta.shape == into_.shape() &&
+         into_.placement().host_accessible() && env->options.registration != Registration::kCopy &&
+         !env->domain->capabilities().shared_memory;
 }
 
 absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,

@@ -102,6 +102,9 @@ class RdmaTensorRequest {
   // from it, and so does the key's next push, which a GPU allocator stops (pushes land in host
   // memory only), so a key received into the GPU does not stay on host destinations.
   bool Adopt(RecvDoneCallback done, absl::Time deadline, Allocator* allocator);
+  // Caller's memory to land in (RecvArgs::into): used by PrepareDestination when the tensor
+  // matches it and the fabric can register it; held, as any destination, until the record ends.
+  void set_into(Tensor into) { into_ = std::move(into); }
   // Pushed requests: no recv will take this one.
   void Decline() {
     if (owner_ == Owner::kPushed) owner_ = Owner::kDeclined;
@@ -169,6 +172,8 @@ class RdmaTensorRequest {
   void RecvCopyContent();
   // The landed string tensor's TensorProto, parsed.
   absl::StatusOr<Tensor> ParseStringContent() const;
+  // Whether a tensor of `meta` may land in into_ (RecvArgs::into).
+  bool LandsInto(const TensorMetaData& meta) const;
   // Prefixes `status` with the recv's key and peer.
   absl::Status RecvError(const absl::Status& status) const;
   void Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead);
@@ -190,6 +195,7 @@ class RdmaTensorRequest {
   bool delivered_in_place_ = false;
   TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;
+  Tensor into_;     // RecvArgs::into
   Tensor result_;   // the destination, when the content lands in place
   Tensor staging_;  // registered proxy (strings, unregistrable destinations, copy mode)
   std::unique_ptr<fabric::MemoryRegion> transient_;  // per-transfer registration

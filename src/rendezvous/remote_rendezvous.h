@@ -121,6 +121,9 @@ struct RecvArgs {
   // cached key, so the bytes come with no meta-data round trip. Wrong, it costs that round trip.
   DataType expected_dtype = DataType::kInvalid;
   TensorShape expected_shape;
+  // Memory of the caller's that a transport whose fabric can write it lands the tensor in
+  // (RecvOptions::into); others ignore it.
+  Tensor into;
 };
 
 class RemoteRendezvous {

@@ -166,6 +166,100 @@ TEST_P(ProtocolTest, LargeSourcesOutsideThePoolAreWrittenFromWhereTheyAre) {
   ExpectNothingLent(1);
 }
 
+// Memory of the caller's to land in (RecvArgs::into, the torch backend's recvs): grpc+verbs lands
+// a tensor of its dtype and shape there where the fabric can write it (every fabric here but the
+// same-host one, which reaches only memory it shares), and the caller gets it back once, after
+// the recv's result let go. Elsewhere, and for a tensor that does not match, it stays untouched.
+TEST_P(ProtocolTest, ARecvIntoTheCallersMemoryLandsThereWhereTheFabricCanWriteIt) {
+  StartCluster(2);
+  const bool in_place =
+      design().protocol == std::string("grpc+verbs") && GetParam().fabric != &kShmem;
+  const int64_t n = static_cast<int64_t>(protocol::kRegisterSourcesFrom / sizeof(float) * 4);
+  const TensorShape shape = TensorShape::Of({n});
+  // Without and with the expected meta-data: the destination named by RE_REQUEST, then by
+  // REQUEST itself; and a tensor of another dtype, which lands in the pool.
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    std::vector<float> owned(n, -1.0f);
+    std::atomic<int> released{0};
+    absl::StatusOr<Tensor> into =
+        AdoptMemory(MemoryPlacement::Host(), owned.data(), DataType::kFloat32, shape,
+                    [&released] { released.fetch_add(1); });
+    ASSERT_TRUE(into.ok()) << into.status();
+    RecvArgs args;
+    args.into = *std::move(into);
+    if (round == 1) {
+      args.expected_dtype = DataType::kFloat32;
+      args.expected_shape = shape;
+    }
+    const bool matches = round < 2;
+    const Tensor sent =
+        PoolTensor(1, matches ? DataType::kFloat32 : DataType::kInt32, {n}, 10 + round);
+    const int64_t before = verbs_stats(0).in_place_recvs.load();
+    Tensor got;
+    ASSERT_NO_FATAL_FAILURE(SendAndRecv(round + 1, absl::StrCat("into", round), sent, &got, args));
+    args.into.Clear();
+    const bool landed_there = in_place && matches;
+    EXPECT_EQ(got.data() == owned.data(), landed_there);
+    EXPECT_EQ(verbs_stats(0).in_place_recvs.load() - before, landed_there ? 1 : 0);
+    if (landed_there) {
+      EXPECT_EQ(std::memcmp(owned.data(), sent.data(), sent.TotalBytes()), 0);
+      EXPECT_EQ(released.load(), 0) << "the result still shares the caller's memory";
+    } else {
+      EXPECT_EQ(owned[0], -1.0f);
+      EXPECT_EQ(owned[n - 1], -1.0f);
+    }
+    got.Clear();
+    for (int i = 0; i < 500 && released.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+    EXPECT_EQ(released.load(), 1) << "the task let go of the caller's memory once";
+  }
+  ExpectNothingLent(1);
+}
+
+// A recv into the caller's memory that fails while its destination is out (an aborted step)
+// keeps that memory until the sender has answered: the late content lands there, before the
+// caller gets it back, and never after.
+TEST_P(ProtocolTest, AnAbortedRecvIntoTheCallersMemoryGivesItBackOnlyAfterTheLateContent) {
+  StartCluster(2);
+  const bool in_place =
+      design().protocol == std::string("grpc+verbs") && GetParam().fabric != &kShmem;
+  const int64_t n = static_cast<int64_t>(protocol::kRegisterSourcesFrom / sizeof(float) * 4);
+  std::vector<float> owned(n, -1.0f);
+  std::atomic<int> released{0};
+  std::atomic<bool> content_at_release{false};
+  const Tensor sent = PoolTensor(1, DataType::kFloat32, {n}, 77);
+  absl::StatusOr<Tensor> into = AdoptMemory(
+      MemoryPlacement::Host(), owned.data(), DataType::kFloat32, TensorShape::Of({n}), [&] {
+        content_at_release.store(std::memcmp(owned.data(), sent.data(), sent.TotalBytes()) == 0);
+        released.fetch_add(1);
+      });
+  ASSERT_TRUE(into.ok()) << into.status();
+  RecvArgs args;
+  args.into = *std::move(into);
+  args.expected_dtype = DataType::kFloat32;  // the destination goes out with REQUEST
+  args.expected_shape = TensorShape::Of({n});
+  auto recv = std::make_unique<PendingRecv>(*Step(0, 3), Key(1, "late"), args);
+  args.into.Clear();
+  absl::SleepFor(absl::Milliseconds(100));  // the request reaches the sender
+  Step(0, 3)->StartAbort(absl::CancelledError("step 3 cancelled by the user"));
+  ASSERT_TRUE(recv->Wait());
+  EXPECT_EQ(recv->status().code(), absl::StatusCode::kCancelled) << recv->status();
+  if (in_place) {
+    EXPECT_EQ(released.load(), 0) << "the destination is still out";
+  }
+  ASSERT_TRUE(Step(1, 3)->Send(Key(1, "late"), sent).ok());
+  for (int i = 0; i < 500 && released.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(released.load(), 1);
+  if (in_place) {
+    EXPECT_TRUE(content_at_release.load()) << "the late content landed first";
+  }
+  // The channel keeps working and the recv ended once.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(4, "next", PoolTensor(1, DataType::kFloat32, {4096}, 99)));
+  EXPECT_EQ(recv->calls(), 1);
+  EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+  ExpectNothingLent(1);
+}
+
 // A receiver that accepts tensors of at most 64 KiB: a larger one fails its recv, naming the
 // key and the variable, before anything is allocated for it; smaller ones keep arriving, step
 // after step (pushed requests and cached meta-data included).

@@ -50,6 +50,8 @@ PYBIND11_MODULE(_tensorverbs_torch, m) {
         d["lent_bytes"] = s.lent_bytes;
         d["landed_copies"] = s.landed_copies;
         d["landed_bytes"] = s.landed_bytes;
+        d["in_place_recvs"] = s.in_place_recvs;
+        d["in_place_bytes"] = s.in_place_bytes;
         d["collectives"] = s.collectives;
         d["failed"] = s.failed;
         return d;

@@ -2,8 +2,10 @@
 // the caller's thread (a bad call raises and sends nothing), then runs as a p2p message or a
 // queued collective (see process_group.h).
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 
 #include "absl/strings/str_cat.h"
@@ -465,11 +467,45 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::send(std::vector<at::Ten
   return work;
 }
 
+// A recv whose message may land in the caller's tensor itself (RecvOptions::into): what the
+// task's release of that memory (on a transport thread) and the recv's end (on a callback thread)
+// share. A recv that fails while the task still holds the tensor, which its peer may then still
+// write, completes only once the task lets go of it: nothing writes into a failed recv's tensor.
+struct InPlaceLanding {
+  std::mutex mu;
+  bool released = false;  // the task let go of the tensor
+  bool failed = false;    // the recv failed before that: `failure` waits for the release
+  absl::Status failure;
+};
+
+Tensor ProcessGroupTensorVerbs::LandingFor(const at::Tensor& t,
+                                           const c10::intrusive_ptr<TvWork>& work,
+                                           const std::shared_ptr<InPlaceLanding>& landing) {
+  absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(t.nbytes())});
+  if (!shape.ok()) return Tensor();
+  // The work holds `t`, so its memory lives as long as the task may write into it. A refusal
+  // releases before AdoptHostMemory returns, with nothing failed yet: the recv copies as before.
+  absl::StatusOr<Tensor> into = task_->AdoptHostMemory(
+      t.data_ptr(), DataType::kUInt8, *shape, [completer = completer_, work, landing] {
+        absl::Status failure;
+        {
+          std::lock_guard<std::mutex> lock(landing->mu);
+          landing->released = true;
+          if (!landing->failed) return;
+          failure = landing->failure;
+        }
+        completer->Push(work, failure);  // off the transport's thread
+      });
+  return into.ok() ? *std::move(into) : Tensor();
+}
+
 namespace {
 
-// Completes a recv's work with `message`, copied into `t`.
+// Completes a recv's work with `message`: landed in `t` itself, or copied into it.
 void Land(TvWork& work, const at::Tensor& t, absl::StatusOr<Tensor> message, int src,
-          const std::string& from, std::atomic<int64_t>& copies, std::atomic<int64_t>& bytes) {
+          const std::string& from, std::atomic<int64_t>& copies, std::atomic<int64_t>& bytes,
+          std::atomic<int64_t>* in_place = nullptr,
+          std::atomic<int64_t>* in_place_bytes = nullptr) {
   if (!message.ok()) {
     work.Complete(absl::Status(message.status().code(),
                                absl::StrCat(from, ": ", message.status().message())));
@@ -481,8 +517,12 @@ void Land(TvWork& work, const at::Tensor& t, absl::StatusOr<Tensor> message, int
                      ": do the ranks agree on the shape and dtype?")));
     return;
   }
-  if (t.nbytes() > 0 &&
-      work.Write([&] { std::memcpy(t.data_ptr(), message->data(), t.nbytes()); })) {
+  if (in_place != nullptr && t.nbytes() > 0 && message->data() == t.data_ptr()) {
+    // The fabric wrote it there (RecvOptions::into): nothing to copy.
+    in_place->fetch_add(1, std::memory_order_relaxed);
+    in_place_bytes->fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
+  } else if (t.nbytes() > 0 &&
+             work.Write([&] { std::memcpy(t.data_ptr(), message->data(), t.nbytes()); })) {
     copies.fetch_add(1, std::memory_order_relaxed);
     bytes.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
   }
@@ -503,12 +543,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recv(std::vector<at::Ten
   auto work = c10::make_intrusive<TvWork>(getRank(), c10d::OpType::RECV, nullptr,
                                           std::vector<at::Tensor>{t},
                                           absl::StrCat(What("recv", seq), " with tag ", tag));
-  matcher_->Recv(src, tag, t.nbytes(),
-                 [work, t, from = PeerName(src), counters = counters_](
-                     absl::StatusOr<Tensor> message, int from_rank) {
-                   Land(*work, t, std::move(message), from_rank, absl::StrCat("from ", from),
-                        counters->landed_copies, counters->landed_bytes);
-                 });
+  // Over grpc+verbs a message from the size sends lend at may land in `t` itself, where the fabric
+  // can write it (tcp, ibverbs): the transport decides, the matcher says whether it may.
+  std::shared_ptr<InPlaceLanding> landing;
+  Tensor into;
+  if (lend_from_ > 0 && t.nbytes() >= lend_from_) {
+    landing = std::make_shared<InPlaceLanding>();
+    into = LandingFor(t, work, landing);
+  }
+  matcher_->Recv(
+      src, tag, t.nbytes(),
+      [work, t, from = absl::StrCat("from ", PeerName(src)), counters = counters_, landing,
+       completer = completer_, timeout = timeout_](absl::StatusOr<Tensor> message, int from_rank) {
+        if (landing != nullptr && !message.ok()) {
+          std::lock_guard<std::mutex> lock(landing->mu);
+          if (!landing->released) {
+            landing->failed = true;
+            landing->failure = absl::Status(message.status().code(),
+                                            absl::StrCat(from, ": ", message.status().message()));
+            completer->Watch(
+                work, std::chrono::steady_clock::now() + timeout,
+                absl::StrCat(from, ": ", message.status().message(),
+                             "; the task still held the tensor, which the peer could write, "
+                             "after the group's timeout of ",
+                             timeout.count(), " ms"));
+            return;  // completed when the task lets go of the tensor
+          }
+        }
+        Land(*work, t, std::move(message), from_rank, from, counters->landed_copies,
+             counters->landed_bytes, &counters->in_place_recvs, &counters->in_place_bytes);
+      },
+      std::move(into));
   return work;
 }
 

@@ -15,18 +15,19 @@ void P2pMatcher::PostNeeded(int src, int64_t tag, size_t bytes, std::deque<Post>
   Stream& stream = StreamOf(src, tag);
   while (stream.posted - stream.delivered < accepting) {
     const int64_t n = stream.posted++;
-    to_post->push_back(
-        Post{n, bytes, [self = shared_from_this(), src, tag, n](absl::StatusOr<Tensor> m) {
-               self->Arrived(src, tag, n, std::move(m));
-             }});
+    to_post->push_back(Post{n, bytes,
+                            [self = shared_from_this(), src, tag, n](absl::StatusOr<Tensor> m) {
+                              self->Arrived(src, tag, n, std::move(m));
+                            },
+                            Tensor()});
   }
 }
 
 void P2pMatcher::Start(int src, int64_t tag, std::deque<Post>& to_post) {
-  for (Post& p : to_post) post_(src, tag, p.n, p.bytes, std::move(p.done));
+  for (Post& p : to_post) post_(src, tag, p.n, p.bytes, std::move(p.into), std::move(p.done));
 }
 
-void P2pMatcher::Recv(int src, int64_t tag, size_t bytes, Delivery done) {
+void P2pMatcher::Recv(int src, int64_t tag, size_t bytes, Delivery done, Tensor into) {
   std::deque<Post> to_post;
   absl::StatusOr<Tensor> now = absl::UnknownError("unset");
   {
@@ -38,9 +39,21 @@ void P2pMatcher::Recv(int src, int64_t tag, size_t bytes, Delivery done) {
       stream.ready.pop_front();
       --kept_;
     } else {
-      waiters_[tag].push_back(Waiter{src, std::move(done)});
+      std::deque<Waiter>& waiting = waiters_[tag];
+      // With only recvs from known ranks waiting, the stream's messages go to its waiters in
+      // order, so this one gets message `delivered` + (its waiters ahead of it).
+      int64_t ahead = 0;
+      bool any_source = false;
+      for (const Waiter& w : waiting) {
+        any_source = any_source || w.src == -1;
+        ahead += w.src == src ? 1 : 0;
+      }
+      waiting.push_back(Waiter{src, std::move(done)});
       PostNeeded(src, tag, bytes, &to_post);
       done = nullptr;
+      if (!any_source && !to_post.empty() && to_post.back().n == stream.delivered + ahead) {
+        to_post.back().into = std::move(into);
+      }
     }
   }
   if (done) {

@@ -9,6 +9,11 @@
 // is lost or taken twice, and the messages of one (src, tag) are handed out in the order they
 // were sent, whichever of their network recvs completes first.
 //
+// A recv from a known rank may bring memory of its own (`into`, RecvOptions::into) for its
+// message to land in. It goes with a network recv only when that recv's message is certain to be
+// the one this recv gets: the recv starts it itself (no earlier network recv of the stream is
+// spare) and no recv from any source waits on the tag, which could take the message first.
+//
 // Made with std::make_shared (network recvs keep it alive) and owned by the process group. Recv and
 // RecvAny may be called from any thread; the PostRecv function runs inside them (it must not block
 // and must call its callback exactly once, on any thread, also inside the call). Every Delivery
@@ -37,16 +42,18 @@ class P2pMatcher : public std::enable_shared_from_this<P2pMatcher> {
   using Delivery = std::function<void(absl::StatusOr<Tensor> message, int src)>;
   using NetworkDone = std::function<void(absl::StatusOr<Tensor> message)>;
   // Starts the network recv of message `n` of (`src`, `tag`), which the recv that asked for it
-  // expects to be `bytes` long (a hint: the message may differ).
-  using PostRecv =
-      std::function<void(int src, int64_t tag, int64_t n, size_t bytes, NetworkDone done)>;
+  // expects to be `bytes` long (a hint: the message may differ), into `into` if it is
+  // initialized (see above).
+  using PostRecv = std::function<void(int src, int64_t tag, int64_t n, size_t bytes, Tensor into,
+                                      NetworkDone done)>;
 
   P2pMatcher(int size, int self, PostRecv post);
   P2pMatcher(const P2pMatcher&) = delete;
   P2pMatcher& operator=(const P2pMatcher&) = delete;
 
-  // The next message from `src` (not this rank) with `tag`, expected `bytes` long.
-  void Recv(int src, int64_t tag, size_t bytes, Delivery done);
+  // The next message from `src` (not this rank) with `tag`, expected `bytes` long; `into` (may be
+  // uninitialized): memory for it to land in, which goes with its network recv or is dropped.
+  void Recv(int src, int64_t tag, size_t bytes, Delivery done, Tensor into = Tensor());
   // The next message with `tag` from any other rank.
   void RecvAny(int64_t tag, size_t bytes, Delivery done);
   // Fails every waiting recv and every later one with `status` (the group is going).
@@ -71,6 +78,7 @@ class P2pMatcher : public std::enable_shared_from_this<P2pMatcher> {
     int64_t n;
     size_t bytes;
     NetworkDone done;
+    Tensor into;
   };
 
   Stream& StreamOf(int src, int64_t tag);

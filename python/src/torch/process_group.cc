@@ -228,10 +228,12 @@ ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
   const std::vector<std::string>* tasks = &peer_tasks_;
   matcher_ = std::make_shared<P2pMatcher>(
       size, rank,
-      [step_ptr, tasks, rank](int src, int64_t tag, int64_t n, size_t bytes,
+      [step_ptr, tasks, rank](int src, int64_t tag, int64_t n, size_t bytes, Tensor into,
                               P2pMatcher::NetworkDone done) {
+        RecvOptions options = ExpectBytes(bytes);
+        options.into = std::move(into);
         step_ptr->RecvAsync(
-            (*tasks)[src], P2pName(src, rank, tag, n), ExpectBytes(bytes),
+            (*tasks)[src], P2pName(src, rank, tag, n), options,
             [done = std::move(done)](absl::StatusOr<Tensor> message) { done(std::move(message)); });
       });
   worker_ = std::thread([this] { WorkerLoop(); });
@@ -335,6 +337,8 @@ GroupStats ProcessGroupTensorVerbs::stats() const {
   s.lent_bytes = counters_->lent_bytes.load();
   s.landed_copies = counters_->landed_copies.load();
   s.landed_bytes = counters_->landed_bytes.load();
+  s.in_place_recvs = counters_->in_place_recvs.load();
+  s.in_place_bytes = counters_->in_place_bytes.load();
   s.collectives = counters_->collectives.load();
   s.failed = counters_->failed.load();
   return s;

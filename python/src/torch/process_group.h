@@ -11,17 +11,24 @@
 // when the task lets go of it: after the peer took it, as NCCL's and MPI's large sends do. A
 // smaller send, or one over another protocol, copies the tensor into the task's registered pool
 // (one staged copy, counted) and completes at once. A recv completes when its message has
-// landed and been copied into the caller's tensor. Collectives are numbered on the caller's thread,
-// in call order, and run in that order on the group's worker thread, built on the same sends and
-// recvs (binomial trees for small tensors, rings for large ones). Every method may be called from
-// any thread without the GIL and never calls Python. The destructor, which torch may call from
-// Python with the GIL held, lets go of the GIL while it waits for the group's threads: dropping a
-// tensor whose Python object died first takes the GIL, and any of them may be the one to drop it.
+// landed and been copied into the caller's tensor; over grpc+verbs, from that same size and
+// where the fabric can write the caller's memory (tcp, ibverbs; not the same-host fabric), the
+// message lands in the tensor itself (RecvOptions::into), with no copy. Collectives are numbered on
+// the caller's thread, in call order, and run in that order on the group's worker thread, built on
+// the same sends and recvs (binomial trees for small tensors, rings for large ones). Every method
+// may be called from any thread without the GIL and never calls Python. The destructor, which torch
+// may call from Python with the GIL held, lets go of the GIL while it waits for the group's
+// threads: dropping a tensor whose Python object died first takes the GIL, and any of them may be
+// the one to drop it.
 //
 // Each Work completes exactly once: with its outputs written, or with an error that names the
 // operation and the peer rank and task; a `wait(timeout)` that expires fails it, and nothing
-// writes into its tensors afterwards. A failed collective fails the group's later collectives
-// (the ranks no longer agree on where they are) and tells the other ranks through the store.
+// writes into its tensors afterwards, but for a recv landing in the tensor itself: the fabric
+// may still write that one until the task lets go of it (its peer answers, or the channel
+// closes). A recv that fails on its own (a dead peer, the group's timeout) completes only after
+// the task let go, so nothing writes into its tensor afterwards. A failed collective fails the
+// group's later collectives (the ranks no longer agree on where they are) and tells the other
+// ranks through the store.
 #ifndef TENSORVERBS_PYTHON_TORCH_PROCESS_GROUP_H_
 #define TENSORVERBS_PYTHON_TORCH_PROCESS_GROUP_H_
 
@@ -56,12 +63,15 @@ struct GroupStats {
   int64_t lent_bytes = 0;
   int64_t landed_copies = 0;  // copies out of landed messages into the caller's tensors
   int64_t landed_bytes = 0;
+  int64_t in_place_recvs = 0;  // recvs the fabric wrote straight into the caller's tensor
+  int64_t in_place_bytes = 0;
   int64_t collectives = 0;
   int64_t failed = 0;
 };
 
 class TvWork;
 class Collective;
+struct InPlaceLanding;
 
 class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
  public:
@@ -129,7 +139,7 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   using Body = std::function<absl::Status(Collective&)>;
   struct Counters {
     std::atomic<int64_t> staged_copies{0}, staged_bytes{0}, landed_copies{0}, landed_bytes{0};
-    std::atomic<int64_t> lent_sends{0}, lent_bytes{0};
+    std::atomic<int64_t> lent_sends{0}, lent_bytes{0}, in_place_recvs{0}, in_place_bytes{0};
     std::atomic<int64_t> collectives{0}, failed{0};
   };
   struct Queued {
@@ -159,6 +169,10 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   // lent: what every lent message is. `release` runs once, when the task lets go of it, on a
   // transport thread (or before this returns on a refusal).
   absl::StatusOr<Tensor> Adopt(const void* data, size_t bytes, std::function<void()> release);
+  // `work`'s tensor `t` as memory a recv's message may land in (RecvOptions::into), and what its
+  // release and the recv's end share (ops.cc): uninitialized if the task refuses it.
+  Tensor LandingFor(const at::Tensor& t, const c10::intrusive_ptr<TvWork>& work,
+                    const std::shared_ptr<InPlaceLanding>& landing);
   std::string What(const char* op, int64_t seq) const;
   // The message of (`src`, `tag`, n) in the p2p key space.
   static std::string P2pName(int src, int dst, int64_t tag, int64_t n);

@@ -23,7 +23,7 @@ class VerbsRemoteRendezvous final : public RemoteRendezvous,
                            RecvDoneCallback done) override {
     transport_->Recv(shared_from_this(), key,
                      args.allocator != nullptr ? args.allocator : env_->recv_allocator,
-                     args.expected_dtype, args.expected_shape, std::move(done));
+                     args.expected_dtype, args.expected_shape, args.into, std::move(done));
   }
   void AbortRemote(const absl::Status& status) override {
     transport_->AbortStep(step_id(), status);

@@ -324,7 +324,7 @@ class ChannelTest : public ::testing::Test {
                                          Allocator* allocator = nullptr) {
     auto outcome = std::make_shared<RecvOutcome>();
     owner_.channel->StartRecv(step_id, keys_.Intern(key),
-                              allocator != nullptr ? allocator : &owner_.pool, deadline,
+                              allocator != nullptr ? allocator : &owner_.pool, Tensor(), deadline,
                               [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
                                 ++outcome->calls;
                                 outcome->status = s;
