@@ -60,21 +60,18 @@ test-tsan:
 	  ctest --output-on-failure -j $(JOBS) -L 'unit|conformance'
 
 # The Python package's tests (the module and the torch backend, which the sanitizer suites above
-# leave out) with the modules built with ASan and UBSan in build-asan-python/. Python itself is
-# not instrumented, so its processes, and the rank processes the tests start, preload the ASan
+# leave out) with the modules built with ASan and UBSan in build-asan-python/ (SANITIZE=address,
+# which keeps the Python package with TENSORVERBS_SANITIZED_PYTHON). Python itself is not
+# instrumented, so its processes, and the rank processes the tests start, preload the ASan
 # runtime, and libstdc++ beside it so that ASan finds the C++ throw it intercepts. Leak checking
 # is off: the interpreter keeps its objects at exit. Not part of `make test` (about 12 minutes).
-ASAN_PYTHON_FLAGS = -fsanitize=address,undefined -fno-omit-frame-pointer
 # Debian's interpreter, as the build uses (python/CMakeLists.txt): scripts/install-deps.sh gives it
 # pytest, NumPy and torch, whatever python3 comes first on the PATH.
 DEBIAN_PYTHON ?= /usr/bin/python3
 test-python-asan: deps
 	cmake -S . -B build-asan-python -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DTENSORVERBS_BUILD_TESTS=OFF -DTENSORVERBS_WERROR=ON \
-	  -DCMAKE_CXX_FLAGS="$(ASAN_PYTHON_FLAGS) -fno-sanitize-recover=undefined -DTENSORVERBS_DCHECK_ALWAYS_ON=1" \
-	  -DCMAKE_C_FLAGS="$(ASAN_PYTHON_FLAGS)" \
-	  -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=address,undefined" \
-	  -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" $(CMAKE_FLAGS)
+	  -DTENSORVERBS_BUILD_TESTS=OFF -DTENSORVERBS_WERROR=ON -DSANITIZE=address \
+	  -DTENSORVERBS_SANITIZED_PYTHON=ON $(CMAKE_FLAGS)
 	cmake --build build-asan-python -j $(JOBS) --target _tensorverbs _tensorverbs_torch tv_python_files
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
