@@ -109,6 +109,20 @@ def test_a_recv_whose_peer_dies_fails_within_the_peer_timeout_and_writes_nothing
     assert "rank 0" in out.split("recv failed after")[1], out
 
 
+@pytest.mark.parametrize("fabric", ["default", "tcp"])
+def test_a_recv_never_sent_fails_soon_after_the_groups_timeout_naming_the_peer(tmp_path, fabric):
+    results = run_ranks(tmp_path, "recv_never_sent", 2, timeout_s=3,
+                        env=OVER_TCP if fabric == "tcp" else None)
+    assert_all_ok(results)
+    for rank in range(2):
+        assert f"rank {rank}: the group goes on" in results[rank][1], results
+    out = results[1][1]
+    assert "the recv failed after" in out, out
+    seconds = float(out.split("the recv failed after ")[1].split(" s")[0])
+    assert 2.5 < seconds < 30, out
+    assert "rank:0" in out, out
+
+
 def test_every_operation_on_four_ranks(tmp_path):
     assert_all_ok(run_ranks(tmp_path, "conformance", 4))
 

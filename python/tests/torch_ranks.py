@@ -376,6 +376,31 @@ def p2p_peer_dies():
     raise AssertionError("recv survived a dead peer")
 
 
+def recv_never_sent():
+    # A recv whose live peer never sends fails at the group's timeout (plus, where it would
+    # have landed in place, the bounded wait for the task to let go of the tensor), naming the
+    # peer, and the group goes on.
+    init()
+    if RANK == 1:
+        started = time.monotonic()
+        try:
+            dist.recv(torch.zeros(65536), 0, tag=6)
+            raise AssertionError("a recv of a message never sent completed")
+        except RuntimeError as e:
+            print(f"rank 1: the recv failed after {time.monotonic() - started:.1f} s: {e}",
+                  flush=True)
+    done = dist.FileStore(STORE + ".failed", WORLD)
+    if RANK == 1:
+        done.set("failed", "1")
+    else:
+        done.wait(["failed"], datetime.timedelta(seconds=60))
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    check("all_reduce after the recv", t, torch.full((3,), float(WORLD)))
+    print(f"rank {RANK}: the group goes on", flush=True)
+    dist.destroy_process_group()
+
+
 def send_never_taken():
     # A send that lends its tensor (grpc+verbs, from 64 KiB) completes when the peer takes it:
     # one the peer never asks for fails at the group's timeout, naming the peer, and the group
@@ -512,7 +537,7 @@ def other_backend():
 
 
 SCENARIOS = {"conformance": conformance, "bad_input": bad_input, "peer_dies": peer_dies,
-             "p2p_peer_dies": p2p_peer_dies,
+             "p2p_peer_dies": p2p_peer_dies, "recv_never_sent": recv_never_sent,
              "send_never_taken": send_never_taken,
              "mismatch": mismatch, "short_lived_groups": short_lived_groups,
              "group_dropped_in_its_callback": group_dropped_in_its_callback, "stores": stores,

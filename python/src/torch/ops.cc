@@ -1,6 +1,7 @@
 // The c10d::ProcessGroup operations of ProcessGroupTensorVerbs: each checks its arguments on
 // the caller's thread (a bad call raises and sends nothing), then runs as a p2p message or a
 // queued collective (see process_group.h).
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -467,6 +468,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::send(std::vector<at::Ten
   return work;
 }
 
+// How long a recv that failed while its tensor was still the transport's destination waits for
+// the task to let go of it before its work fails anyway.
+constexpr std::chrono::milliseconds kLandingGrace = std::chrono::seconds(10);
+
 // A recv whose message may land in the caller's tensor itself (RecvOptions::into): what the
 // task's release of that memory (on a transport thread) and the recv's end (on a callback thread)
 // share. A recv that fails while the task still holds the tensor, which its peer may then still
@@ -561,12 +566,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recv(std::vector<at::Ten
             landing->failed = true;
             landing->failure = absl::Status(message.status().code(),
                                             absl::StrCat(from, ": ", message.status().message()));
-            completer->Watch(
-                work, std::chrono::steady_clock::now() + timeout,
-                absl::StrCat(from, ": ", message.status().message(),
-                             "; the task still held the tensor, which the peer could write, "
-                             "after the group's timeout of ",
-                             timeout.count(), " ms"));
+            // The task lets go once the peer answers or the channel closes: at once when the
+            // peer died. A live peer that never sends never answers, so the wait is bounded.
+            const std::chrono::milliseconds grace = std::min(timeout, kLandingGrace);
+            completer->Watch(work, std::chrono::steady_clock::now() + grace,
+                             absl::StrCat(from, ": ", message.status().message(),
+                                          "; the peer may still write the tensor (the task "
+                                          "did not let go of it within ",
+                                          grace.count(), " ms)"));
             return;  // completed when the task lets go of the tensor
           }
         }

@@ -25,10 +25,11 @@
 // operation and the peer rank and task; a `wait(timeout)` that expires fails it, and nothing
 // writes into its tensors afterwards, but for a recv landing in the tensor itself: the fabric
 // may still write that one until the task lets go of it (its peer answers, or the channel
-// closes). A recv that fails on its own (a dead peer, the group's timeout) completes only after
-// the task let go, so nothing writes into its tensor afterwards. A failed collective fails the
-// group's later collectives (the ranks no longer agree on where they are) and tells the other
-// ranks through the store.
+// closes). A recv that fails on its own (a dead peer, the group's timeout) completes once the
+// task let go, so nothing writes into its tensor afterwards; or at most 10 s later, failed all
+// the same, if the task still holds it then (a live peer that has not sent: should it send
+// after all, its bytes land there). A failed collective fails the group's later collectives
+// (the ranks no longer agree on where they are) and tells the other ranks through the store.
 #ifndef TENSORVERBS_PYTHON_TORCH_PROCESS_GROUP_H_
 #define TENSORVERBS_PYTHON_TORCH_PROCESS_GROUP_H_
 
