@@ -238,8 +238,18 @@ TEST_P(ProtocolTest, AnAbortedRecvIntoTheCallersMemoryGivesItBackOnlyAfterTheLat
   args.into = *std::move(into);
   args.expected_dtype = DataType::kFloat32;  // the destination goes out with REQUEST
   args.expected_shape = TensorShape::Of({n});
+  const int64_t requests = verbs_stats(0).requests.load();
   auto recv = std::make_unique<PendingRecv>(*Step(0, 3), Key(1, "late"), args);
   args.into.Clear();
+  if (design().requests_over_channel) {
+    // REQUEST, naming the destination, has gone: from here the record keeps it until the
+    // sender answers. (An abort before would end the recv with nothing named.)
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (verbs_stats(0).requests.load() == requests && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_GT(verbs_stats(0).requests.load(), requests) << "the REQUEST never went";
+  }
   absl::SleepFor(absl::Milliseconds(100));  // the request reaches the sender
   Step(0, 3)->StartAbort(absl::CancelledError("step 3 cancelled by the user"));
   ASSERT_TRUE(recv->Wait());
