@@ -136,6 +136,7 @@ def collectives():
     # 512 KiB, a broadcast root's tensor): each rank overwrites its tensor the moment its
     # collective returns, so a lent part that a peer had not taken yet would reach it as NaN.
     lent_before = tvt.stats()["lent_sends"]
+    in_place_before = tvt.stats()["in_place_recvs"]
     n = 1000003
     mine = [value(r, n, torch.float32, seed=5) for r in range(WORLD)]
     for op in [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG]:
@@ -154,6 +155,11 @@ def collectives():
         t.fill_(float("nan"))
     if tvt.stats()["protocol"] == "grpc+verbs" and tvt.stats()["lent_sends"] == lent_before:
         raise AssertionError(f"large collectives lent nothing: {tvt.stats()}")
+    # Where the fabric writes the caller's memory (TV_TEST_IN_PLACE=1), the ring's allgather
+    # and the broadcast land in the output tensors themselves; elsewhere nothing does.
+    in_place = tvt.stats()["in_place_recvs"] > in_place_before
+    if in_place != (os.environ.get("TV_TEST_IN_PLACE") == "1"):
+        raise AssertionError(f"large collectives, in place: {in_place}: {tvt.stats()}")
     # all_to_all_single with uneven splits: rank r sends d+1 rows to rank d.
     inp = torch.cat([torch.full((d + 1, 2), float(RANK * 10 + d)) for d in range(WORLD)])
     out = torch.zeros((RANK + 1) * WORLD, 2)

@@ -54,7 +54,9 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
   if (state != nullptr) ++state->active;
   auto request = RenewRecord(spare_requests_, this, *index, step_id, std::move(key), allocator,
                              deadline, std::move(done));
-  request->set_into(std::move(into));
+  // Memory of the caller's that this fabric would never write is given back at once: its owner
+  // learns from the release that the recv will not land there.
+  if (!env_->domain->capabilities().shared_memory) request->set_into(std::move(into));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   if (channel_->state() == Channel::State::kReady) {

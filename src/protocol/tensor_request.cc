@@ -201,6 +201,8 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
       env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
     }
   }
+  // Not landing there: the caller's memory goes back now (result_ holds it when it does).
+  into_.Clear();
   if (target == nullptr && meta.dtype != DataType::kString &&
       env->options.registration != Registration::kCopy) {
     // Out of memory names the recv: the allocator knows only sizes.

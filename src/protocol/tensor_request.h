@@ -103,7 +103,8 @@ class RdmaTensorRequest {
   // memory only), so a key received into the GPU does not stay on host destinations.
   bool Adopt(RecvDoneCallback done, absl::Time deadline, Allocator* allocator);
   // Caller's memory to land in (RecvArgs::into): used by PrepareDestination when the tensor
-  // matches it and the fabric can register it; held, as any destination, until the record ends.
+  // matches it and the fabric can register it, and then held, as any destination, until the
+  // record ends; let go of there otherwise.
   void set_into(Tensor into) { into_ = std::move(into); }
   // Pushed requests: no recv will take this one.
   void Decline() {

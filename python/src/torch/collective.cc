@@ -1,6 +1,7 @@
 #include "python/src/torch/collective.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
@@ -73,21 +74,64 @@ struct Collective::Pending {
   int src = 0;
   int part = 0;
   size_t bytes = 0;
+  const void* land_at = nullptr;
 };
 
-Collective::PendingRef Collective::Post(int src, int part, size_t bytes) {
+struct Collective::Landing {
+  std::atomic<bool> settled{false};
+};
+
+void Collective::Settle(const std::shared_ptr<LentState>& lent, Landing& landing) {
+  if (landing.settled.exchange(true, std::memory_order_acq_rel)) return;
+  std::lock_guard<std::mutex> lock(lent->mu);
+  if (--lent->landings == 0) lent->cv.notify_all();
+}
+
+Collective::PendingRef Collective::Post(int src, int part, size_t bytes, void* land_at) {
   auto pending = std::make_shared<Pending>();
   pending->src = src;
   pending->part = part;
   pending->bytes = bytes;
-  group_.step_->RecvAsync(group_.peer_tasks_[src], NameOf(src, rank(), part), ExpectBytes(bytes),
-                          [pending](absl::StatusOr<Tensor> result) {
+  pending->land_at = land_at;
+  RecvOptions options = ExpectBytes(bytes);
+  std::shared_ptr<Landing> landing;
+  if (land_at != nullptr && group_.lend_from_ > 0 && bytes >= group_.lend_from_) {
+    landing = std::make_shared<Landing>();
+    {
+      std::lock_guard<std::mutex> lock(lent_->mu);
+      ++lent_->outstanding;
+      ++lent_->landings;
+    }
+    // The release comes on a transport thread (or at once on a refusal), as a lent message's:
+    // it settles the landing, counts, and hands its reference to the work (which holds the
+    // caller's tensor) to the completer's thread.
+    absl::StatusOr<Tensor> into = group_.Adopt(
+        land_at, bytes,
+        [lent = lent_, landing, completer = group_.completer_,
+         work = c10::intrusive_ptr<TvWork>::unsafe_reclaim_from_nonowning(&work_)]() mutable {
+          Settle(lent, *landing);
+          completer->Drop(std::move(work));
+          std::lock_guard<std::mutex> lock(lent->mu);
+          if (--lent->outstanding == 0) lent->cv.notify_all();
+        },
+        /*count_as_lent=*/false);
+    if (into.ok()) options.into = *std::move(into);
+  }
+  group_.step_->RecvAsync(group_.peer_tasks_[src], NameOf(src, rank(), part), options,
+                          [pending, landing, lent = lent_](absl::StatusOr<Tensor> result) {
+                            // Landed: the fabric writes no more into the caller's memory.
+                            if (landing != nullptr && result.ok()) Settle(lent, *landing);
                             std::lock_guard<std::mutex> lock(pending->mu);
                             pending->result = std::move(result);
                             pending->done = true;
                             pending->cv.notify_all();
                           });
   return pending;
+}
+
+bool Collective::WaitForLandings(std::chrono::milliseconds limit) {
+  std::unique_lock<std::mutex> lock(lent_->mu);
+  return lent_->cv.wait_for(lock, limit, [this] { return lent_->landings == 0; });
 }
 
 template <typename Ready, typename What>
@@ -136,6 +180,11 @@ absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
     return absl::InvalidArgumentError(absl::StrCat(
         from(), " has ", pending->result->TotalBytes(), " bytes where this rank expects ",
         pending->bytes, ": do all ranks pass tensors of the same shape and dtype?"));
+  }
+  if (pending->land_at != nullptr && pending->result->data() == pending->land_at) {
+    group_.counters_->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
+    group_.counters_->in_place_bytes.fetch_add(static_cast<int64_t>(pending->bytes),
+                                               std::memory_order_relaxed);
   }
   return *std::move(pending->result);
 }
@@ -257,7 +306,11 @@ absl::Status RingAllreduce(Collective& c, char* data, int64_t count, c10::Scalar
     // Steps 0..n-2 reduce chunk r-s-1; steps n-1.. gather chunk r-(s-n+1).
     const bool reducing = s < n - 1;
     const int i = reducing ? mod(r - s - 1) : mod(r - (s - n + 1));
-    for (int j = 0; j < segs; ++j) pending[j] = c.Post(prev, part(s, j), seg_len(i, j) * es);
+    // The allgather's segments land in the caller's memory where the fabric can write it.
+    for (int j = 0; j < segs; ++j) {
+      pending[j] =
+          c.Post(prev, part(s, j), seg_len(i, j) * es, reducing ? nullptr : ptr(seg_begin(i, j)));
+    }
     for (int j = 0; j < segs; ++j) {
       ASSIGN_OR_RETURN(Tensor m, c.Wait(pending[j]));
       pending[j].reset();
@@ -310,7 +363,7 @@ absl::Status BroadcastInPlace(Collective& c, void* data, size_t bytes, int root,
     ASSIGN_OR_RETURN(Tensor lent, c.Lend(data, bytes));
     message = std::move(lent);
   } else {
-    ASSIGN_OR_RETURN(Tensor got, c.Recv(real(v - low), part_base, bytes));
+    ASSIGN_OR_RETURN(Tensor got, c.Recv(real(v - low), part_base, bytes, data));
     message = std::move(got);
   }
   int top = 1;
@@ -347,7 +400,7 @@ absl::Status Allgather(Collective& c, const void* in, void* const* outs, size_t 
   RETURN_IF_ERROR(c.Send(mod(r + 1), 0, in, bytes));
   for (int s = 0; s < n - 1; ++s) {
     const int i = mod(r - 1 - s);
-    ASSIGN_OR_RETURN(Tensor m, c.Recv(mod(r - 1), s, bytes));
+    ASSIGN_OR_RETURN(Tensor m, c.Recv(mod(r - 1), s, bytes, outs[i]));
     RETURN_IF_ERROR(c.WriteOut(outs[i], m.data(), bytes));
     if (s < n - 2) RETURN_IF_ERROR(c.Forward(mod(r + 1), s + 1, m));
   }

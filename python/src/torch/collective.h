@@ -11,6 +11,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -53,12 +54,21 @@ class Collective {
   // A message asked for and not waited for yet (Post, then Wait, lets several be under way).
   struct Pending;
   using PendingRef = std::shared_ptr<Pending>;
-  // Asks for part `part` from `src`, which must be `bytes` long.
-  PendingRef Post(int src, int part, size_t bytes);
+  // Asks for part `part` from `src`, which must be `bytes` long. With `land_at` (the caller's
+  // memory where the message ends up), the message may be written there by the fabric itself
+  // (RecvOptions::into; grpc+verbs from 64 KiB, over tcp and ibverbs): the result then shares
+  // that memory, WriteOut of it copies nothing, and forwarding it lends it. Such memory counts
+  // as lent (WaitForLent) until the task lets go of it, and as a landing (WaitForLandings) until
+  // its message arrived or the task let go.
+  PendingRef Post(int src, int part, size_t bytes, void* land_at = nullptr);
   absl::StatusOr<Tensor> Wait(const PendingRef& pending);
-  absl::StatusOr<Tensor> Recv(int src, int part, size_t bytes) {
-    return Wait(Post(src, part, bytes));
+  absl::StatusOr<Tensor> Recv(int src, int part, size_t bytes, void* land_at = nullptr) {
+    return Wait(Post(src, part, bytes, land_at));
   }
+  // After a failure: waits, at most `limit`, until no message of this operation can still be
+  // written into the caller's memory (each landed, or the task let go of its destination).
+  // False if some still could.
+  bool WaitForLandings(std::chrono::milliseconds limit);
   // A copy of `bytes` at `data` in the pool, for an accumulator that is sent on later.
   absl::StatusOr<Tensor> Stage(const void* data, size_t bytes);
   // Copies into the caller's tensor unless the work completed (then Cancelled).
@@ -76,7 +86,12 @@ class Collective {
     std::mutex mu;
     std::condition_variable cv;
     int outstanding = 0;  // guarded by mu
+    int landings = 0;     // destinations in the caller's memory not settled; guarded by mu
   };
+  // One destination in the caller's memory: settled once, when its message landed or the task
+  // let go of it, whichever comes first.
+  struct Landing;
+  static void Settle(const std::shared_ptr<LentState>& lent, Landing& landing);
   // Waits on `pending`'s or the lent messages' condition until `ready`, the deadline, an
   // abandoned work or a failure another rank published; `what` names what did not come.
   template <typename Ready, typename What>

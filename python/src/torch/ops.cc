@@ -194,7 +194,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::gather(
                        if (!s.ok()) return s;
                        continue;
                      }
-                     absl::StatusOr<Tensor> m = c.Recv(src, 0, in.nbytes());
+                     absl::StatusOr<Tensor> m = c.Recv(src, 0, in.nbytes(), outs[src].data_ptr());
                      if (!m.ok()) return m.status();
                      absl::Status s = c.WriteOut(outs[src].data_ptr(), m->data(), in.nbytes());
                      if (!s.ok()) return s;
@@ -221,7 +221,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::scatter(
   return Enqueue(c10d::OpType::SCATTER, "scatter", {out}, opts.timeout,
                  [ins, out, root](Collective& c) -> absl::Status {
                    if (c.rank() != root) {
-                     absl::StatusOr<Tensor> m = c.Recv(root, 0, out.nbytes());
+                     absl::StatusOr<Tensor> m = c.Recv(root, 0, out.nbytes(), out.data_ptr());
                      if (!m.ok()) return m.status();
                      return c.WriteOut(out.data_ptr(), m->data(), out.nbytes());
                    }
@@ -289,7 +289,7 @@ absl::Status Exchange(Collective& c, const std::vector<const char*>& in,
   if (!s.ok()) return s;
   for (int k = 1; k < n; ++k) {
     const int src = (r - k + n) % n;
-    absl::StatusOr<Tensor> m = c.Recv(src, 0, out_bytes[src]);
+    absl::StatusOr<Tensor> m = c.Recv(src, 0, out_bytes[src], out[src]);
     if (!m.ok()) return m.status();
     s = c.WriteOut(out[src], m->data(), out_bytes[src]);
     if (!s.ok()) return s;
@@ -404,7 +404,8 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Stage(const void* data, size_t b
 }
 
 absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Adopt(const void* data, size_t bytes,
-                                                      std::function<void()> release) {
+                                                      std::function<void()> release,
+                                                      bool count_as_lent) {
   absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(bytes)});
   if (!shape.ok()) {
     release();
@@ -412,7 +413,7 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Adopt(const void* data, size_t b
   }
   absl::StatusOr<Tensor> lent =
       task_->AdoptHostMemory(const_cast<void*>(data), DataType::kUInt8, *shape, std::move(release));
-  if (!lent.ok()) return lent.status();
+  if (!lent.ok() || !count_as_lent) return lent;
   counters_->lent_sends.fetch_add(1, std::memory_order_relaxed);
   counters_->lent_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
   return lent;
@@ -467,10 +468,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::send(std::vector<at::Ten
   }
   return work;
 }
-
-// How long a recv that failed while its tensor was still the transport's destination waits for
-// the task to let go of it before its work fails anyway.
-constexpr std::chrono::milliseconds kLandingGrace = std::chrono::seconds(10);
 
 // A recv whose message may land in the caller's tensor itself (RecvOptions::into): what the
 // task's release of that memory (on a transport thread) and the recv's end (on a callback thread)

@@ -385,8 +385,18 @@ void ProcessGroupTensorVerbs::WorkerLoop() {
       status = item.body(collective);
       // The caller may change its tensors once the work completes: what was lent from them
       // must have been taken by then. A failed operation does not wait (its lent messages hold
-      // the memory until the task lets go of them).
-      if (status.ok()) status = collective.WaitForLent();
+      // the memory until the task lets go of them), but for the messages that may still land
+      // in its tensors, at most kLandingGrace: toward a live peer that never sends, the task
+      // lets go of a destination only when the channel closes.
+      if (status.ok()) {
+        status = collective.WaitForLent();
+      } else if (!collective.WaitForLandings(kLandingGrace)) {
+        status = absl::Status(status.code(), absl::StrCat(status.message(),
+                                                          "; a peer may still write into the "
+                                                          "output tensors (the task did not "
+                                                          "let go of them within ",
+                                                          kLandingGrace.count(), " ms)"));
+      }
       if (!status.ok() || item.work->done()) {
         FailGroup(status.ok()
                       ? absl::CancelledError(absl::StrCat(item.work->what(), " was abandoned"))

@@ -74,6 +74,10 @@ class TvWork;
 class Collective;
 struct InPlaceLanding;
 
+// How long an operation that failed while the transport still held one of its tensors as a
+// destination (RecvOptions::into) waits for the task to let go of it before failing anyway.
+inline constexpr std::chrono::milliseconds kLandingGrace = std::chrono::seconds(10);
+
 class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
  public:
   static c10::intrusive_ptr<ProcessGroupTensorVerbs> Create(
@@ -167,9 +171,11 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   // thread) when the task lets go of it.
   absl::StatusOr<Tensor> Lend(const at::Tensor& t, c10::intrusive_ptr<TvWork> work);
   // `bytes` of the caller's memory at `data` as a uint8 message the task writes from, counted as
-  // lent: what every lent message is. `release` runs once, when the task lets go of it, on a
-  // transport thread (or before this returns on a refusal).
-  absl::StatusOr<Tensor> Adopt(const void* data, size_t bytes, std::function<void()> release);
+  // lent (unless `count_as_lent` is false: a recv's destination): what every lent message is.
+  // `release` runs once, when the task lets go of it, on a transport thread (or before this
+  // returns on a refusal).
+  absl::StatusOr<Tensor> Adopt(const void* data, size_t bytes, std::function<void()> release,
+                               bool count_as_lent = true);
   // `work`'s tensor `t` as memory a recv's message may land in (RecvOptions::into), and what its
   // release and the recv's end share (ops.cc): uninitialized if the task refuses it.
   Tensor LandingFor(const at::Tensor& t, const c10::intrusive_ptr<TvWork>& work,
