@@ -395,14 +395,20 @@ def recv_never_sent():
         except RuntimeError as e:
             print(f"rank 1: the recv failed after {time.monotonic() - started:.1f} s: {e}",
                   flush=True)
-    done = dist.FileStore(STORE + ".failed", WORLD)
-    if RANK == 1:
-        done.set("failed", "1")
+    goes_on_after(1, "failed")
+
+
+def goes_on_after(rank, what):
+    # The ranks meet outside the group once `rank` has seen its operation end (the group's
+    # timeout would otherwise end the others' next collective), then run one together.
+    met = dist.FileStore(f"{STORE}.{what}", WORLD)
+    if RANK == rank:
+        met.set(what, "1")
     else:
-        done.wait(["failed"], datetime.timedelta(seconds=60))
+        met.wait([what], datetime.timedelta(seconds=60))
     t = torch.ones(3)
     dist.all_reduce(t)
-    check("all_reduce after the recv", t, torch.full((3,), float(WORLD)))
+    check(f"all_reduce after the {what} operation", t, torch.full((3,), float(WORLD)))
     print(f"rank {RANK}: the group goes on", flush=True)
     dist.destroy_process_group()
 
@@ -422,17 +428,7 @@ def send_never_taken():
         except RuntimeError as e:
             print(f"rank 0: the send failed after {time.monotonic() - started:.1f} s: {e}",
                   flush=True)
-    # Rank 1 waits outside the group, whose timeout would otherwise end its next collective.
-    done = dist.FileStore(STORE + ".sent", WORLD)
-    if RANK == 0:
-        done.set("sent", "1")
-    else:
-        done.wait(["sent"], datetime.timedelta(seconds=60))
-    t = torch.ones(3)
-    dist.all_reduce(t)
-    check("all_reduce after the send", t, torch.full((3,), float(WORLD)))
-    print(f"rank {RANK}: the group goes on", flush=True)
-    dist.destroy_process_group()
+    goes_on_after(0, "sent")
 
 
 def short_lived_groups():
