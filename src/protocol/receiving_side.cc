@@ -329,6 +329,7 @@ void ReceivingSide::FinishPull(uint32_t index) {
 }
 
 void ReceivingSide::Retire(std::unique_ptr<RdmaTensorRequest> r) {
+  r->DropRegistration();  // assignment would give the memory back first
   RetireRecord(spare_requests_, std::move(r),
                RdmaTensorRequest(this, 0, 0, nullptr, nullptr, absl::InfiniteFuture(), nullptr));
 }

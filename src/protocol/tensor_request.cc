@@ -163,9 +163,11 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
                                                    fabric::RemoteKey* key) {
   ChannelEnv* env = channel_->env();
   RETURN_IF_ERROR(CheckAnnouncedSize(meta));
+  // The registration goes before the memory it covers (the caller's memory goes back with it).
+  transient_.reset();
   result_.Clear();
   staging_.Clear();
-  transient_.reset();
+  in_callers_memory_ = false;
   const fabric::MemoryRegion* region = nullptr;
   void* target = nullptr;
   const MemoryPlacement where = allocator_->Placement();
@@ -198,7 +200,7 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
     if (region != nullptr) {
       result_ = into_;
       target = result_.data();
-      env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
+      in_callers_memory_ = true;
     }
   }
   // Not landing there: the caller's memory goes back now (result_ holds it when it does).
@@ -276,9 +278,10 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     // The sender answered instead of writing into what REQUEST named: that destination (made
     // from cached meta-data that no longer holds) is never written now, and must not be
     // delivered for a tensor of another shape, such as an empty one.
+    transient_.reset();
     result_.Clear();
     staging_.Clear();
-    transient_.reset();
+    in_callers_memory_ = false;
     side_->ReleaseLargeSlot(*this);
     // Meta-data this task would refuse is not remembered: the next recv of the name asks
     // afresh rather than failing on the cached word of a peer that may since have changed.
@@ -434,6 +437,7 @@ void RdmaTensorRequest::RecvTensorContent() {
   }
   staging_.Clear();
   transient_.reset();
+  if (in_callers_memory_) env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
   if (ahead) return;  // result_ waits for the recv that takes this request
   delivered_in_place_ = true;
   Tensor result = std::move(result_);
@@ -474,6 +478,8 @@ Tensor RdmaTensorRequest::TakeLanded() {
 }
 
 void RdmaTensorRequest::Fail(const absl::Status& status) {
+  // The caller's memory, if the recv never named it as its destination, goes back at once.
+  into_.Clear();
   if (finished()) {
     Decline();
     return;
@@ -504,7 +510,9 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
 
 std::vector<Tensor> RdmaTensorRequest::TakeMemory() {
   std::vector<Tensor> memory;
-  if (result_.IsInitialized()) memory.push_back(std::move(result_));
+  // The caller's memory stays with the record, which goes after the endpoint: only the
+  // same-host fabric, which never writes it, lets a peer write once the endpoint is gone.
+  if (result_.IsInitialized() && !in_callers_memory_) memory.push_back(std::move(result_));
   if (staging_.IsInitialized()) memory.push_back(std::move(staging_));
   result_.Clear();
   staging_.Clear();

@@ -106,6 +106,8 @@ class RdmaTensorRequest {
   // matches it and the fabric can register it, and then held, as any destination, until the
   // record ends; let go of there otherwise.
   void set_into(Tensor into) { into_ = std::move(into); }
+  // Deregisters what was registered for this recv alone: before the record's memory goes.
+  void DropRegistration() { transient_.reset(); }
   // Pushed requests: no recv will take this one.
   void Decline() {
     if (owner_ == Owner::kPushed) owner_ = Owner::kDeclined;
@@ -148,7 +150,8 @@ class RdmaTensorRequest {
   bool slow_warned() const { return slow_warned_; }
   void set_slow_warned() { slow_warned_ = true; }
   const std::string& key() const { return key_->key.full_key; }
-  // The memory the sender may still write into.
+  // The memory the sender may still write into, for the channel's quarantine; memory the caller
+  // gave (RecvArgs::into) stays with the record, which the channel frees after its endpoint.
   std::vector<Tensor> TakeMemory();
 
  private:
@@ -194,7 +197,8 @@ class RdmaTensorRequest {
   LargeSlot large_slot_ = LargeSlot::kNone;
   bool slow_warned_ = false;
   bool delivered_in_place_ = false;
-  TensorMetaData meta_;  // what the content will match
+  bool in_callers_memory_ = false;  // result_ is into_'s memory
+  TensorMetaData meta_;             // what the content will match
   uint64_t checksum_ = 0;
   Tensor into_;     // RecvArgs::into
   Tensor result_;   // the destination, when the content lands in place

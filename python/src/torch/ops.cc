@@ -484,19 +484,31 @@ Tensor ProcessGroupTensorVerbs::LandingFor(const at::Tensor& t,
                                            const c10::intrusive_ptr<TvWork>& work,
                                            const std::shared_ptr<InPlaceLanding>& landing) {
   absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(t.nbytes())});
-  if (!shape.ok()) return Tensor();
+  if (!shape.ok()) {
+    std::lock_guard<std::mutex> lock(landing->mu);
+    landing->released = true;  // nothing lent: the recv copies as before
+    return Tensor();
+  }
   // The work holds `t`, so its memory lives as long as the task may write into it. A refusal
   // releases before AdoptHostMemory returns, with nothing failed yet: the recv copies as before.
+  // The release runs on a transport thread, which must not drop what may be the last reference
+  // to the work (and with it a tensor whose Python object may be gone): the completer's thread
+  // completes it or lets go of it.
   absl::StatusOr<Tensor> into = task_->AdoptHostMemory(
-      t.data_ptr(), DataType::kUInt8, *shape, [completer = completer_, work, landing] {
+      t.data_ptr(), DataType::kUInt8, *shape, [completer = completer_, work, landing]() mutable {
         absl::Status failure;
+        bool failed;
         {
           std::lock_guard<std::mutex> lock(landing->mu);
           landing->released = true;
-          if (!landing->failed) return;
+          failed = landing->failed;
           failure = landing->failure;
         }
-        completer->Push(work, failure);  // off the transport's thread
+        if (failed) {
+          completer->Push(std::move(work), failure);
+        } else {
+          completer->Drop(std::move(work));
+        }
       });
   return into.ok() ? *std::move(into) : Tensor();
 }

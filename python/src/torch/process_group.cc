@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -390,7 +391,7 @@ void ProcessGroupTensorVerbs::WorkerLoop() {
       // lets go of a destination only when the channel closes.
       if (status.ok()) {
         status = collective.WaitForLent();
-      } else if (!collective.WaitForLandings(kLandingGrace)) {
+      } else if (!collective.WaitForLandings(std::min(item.timeout, kLandingGrace))) {
         status = absl::Status(status.code(), absl::StrCat(status.message(),
                                                           "; a peer may still write into the "
                                                           "output tensors (the task did not "
