@@ -55,7 +55,9 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
   auto request = RenewRecord(spare_requests_, this, *index, step_id, std::move(key), allocator,
                              deadline, std::move(done));
   // Memory of the caller's that this fabric would never write is given back at once: its owner
-  // learns from the release that the recv will not land there.
+  // learns from the release that the recv will not land there. The same-host fabric reaches
+  // memory it does not share only by the kernel's cross-memory copy, which a hardened ptrace
+  // scope forbids: there the tensor lands in the shared pool.
   if (!env_->domain->capabilities().shared_memory) request->set_into(std::move(into));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));

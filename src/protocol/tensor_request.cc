@@ -167,7 +167,6 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
   transient_.reset();
   result_.Clear();
   staging_.Clear();
-  in_callers_memory_ = false;
   const fabric::MemoryRegion* region = nullptr;
   void* target = nullptr;
   const MemoryPlacement where = allocator_->Placement();
@@ -200,11 +199,9 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
     if (region != nullptr) {
       result_ = into_;
       target = result_.data();
-      in_callers_memory_ = true;
     }
   }
-  // Not landing there: the caller's memory goes back now (result_ holds it when it does).
-  into_.Clear();
+  ReleaseUnusedInto();
   if (target == nullptr && meta.dtype != DataType::kString &&
       env->options.registration != Registration::kCopy) {
     // Out of memory names the recv: the allocator knows only sizes.
@@ -234,13 +231,17 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
 }
 
 bool RdmaTensorRequest::LandsInto(const TensorMetaData& meta) const {
-  const ChannelEnv* env = channel_->env();
-  // The same-host fabric reaches memory it does not share only by the kernel's cross-memory
-  // copy, which a hardened ptrace scope forbids: there the tensor lands in the shared pool.
+  // (ReceivingSide::StartRecv gives no `into` to a request of the same-host fabric.)
   return into_.IsInitialized() && meta.tensor_bytes > 0 && !meta.is_dead &&
          meta.dtype == into_.dtype() && meta.shape == into_.shape() &&
-         into_.placement().host_accessible() && env->options.registration != Registration::kCopy &&
-         !env->domain->capabilities().shared_memory;
+         into_.placement().host_accessible() &&
+         channel_->env()->options.registration != Registration::kCopy;
+}
+
+void RdmaTensorRequest::ReleaseUnusedInto() {
+  // Memory the recv does not land in goes back to the caller at once: its release is how the
+  // caller learns that nothing writes there.
+  if (!LandsInCallersMemory()) into_.Clear();
 }
 
 absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,
@@ -278,10 +279,11 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     // The sender answered instead of writing into what REQUEST named: that destination (made
     // from cached meta-data that no longer holds) is never written now, and must not be
     // delivered for a tensor of another shape, such as an empty one.
+    // A destination in the caller's memory goes back with it.
+    if (LandsInCallersMemory()) into_.Clear();
     transient_.reset();
     result_.Clear();
     staging_.Clear();
-    in_callers_memory_ = false;
     side_->ReleaseLargeSlot(*this);
     // Meta-data this task would refuse is not remembered: the next recv of the name asks
     // afresh rather than failing on the cached word of a peer that may since have changed.
@@ -437,7 +439,7 @@ void RdmaTensorRequest::RecvTensorContent() {
   }
   staging_.Clear();
   transient_.reset();
-  if (in_callers_memory_) env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
+  if (LandsInCallersMemory()) env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
   if (ahead) return;  // result_ waits for the recv that takes this request
   delivered_in_place_ = true;
   Tensor result = std::move(result_);
@@ -478,8 +480,7 @@ Tensor RdmaTensorRequest::TakeLanded() {
 }
 
 void RdmaTensorRequest::Fail(const absl::Status& status) {
-  // The caller's memory, if the recv never named it as its destination, goes back at once.
-  into_.Clear();
+  ReleaseUnusedInto();
   if (finished()) {
     Decline();
     return;
@@ -512,7 +513,7 @@ std::vector<Tensor> RdmaTensorRequest::TakeMemory() {
   std::vector<Tensor> memory;
   // The caller's memory stays with the record, which goes after the endpoint: only the
   // same-host fabric, which never writes it, lets a peer write once the endpoint is gone.
-  if (result_.IsInitialized() && !in_callers_memory_) memory.push_back(std::move(result_));
+  if (result_.IsInitialized() && !LandsInCallersMemory()) memory.push_back(std::move(result_));
   if (staging_.IsInitialized()) memory.push_back(std::move(staging_));
   result_.Clear();
   staging_.Clear();

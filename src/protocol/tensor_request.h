@@ -178,6 +178,10 @@ class RdmaTensorRequest {
   absl::StatusOr<Tensor> ParseStringContent() const;
   // Whether a tensor of `meta` may land in into_ (RecvArgs::into).
   bool LandsInto(const TensorMetaData& meta) const;
+  // Whether the destination named is the caller's memory (into_).
+  bool LandsInCallersMemory() const { return result_.SharesBufferWith(into_); }
+  // Drops into_ unless it is the destination.
+  void ReleaseUnusedInto();
   // Prefixes `status` with the recv's key and peer.
   absl::Status RecvError(const absl::Status& status) const;
   void Deliver(const absl::Status& status, const Tensor& tensor, bool is_dead);
@@ -197,10 +201,9 @@ class RdmaTensorRequest {
   LargeSlot large_slot_ = LargeSlot::kNone;
   bool slow_warned_ = false;
   bool delivered_in_place_ = false;
-  bool in_callers_memory_ = false;  // result_ is into_'s memory
-  TensorMetaData meta_;             // what the content will match
+  TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;
-  Tensor into_;     // RecvArgs::into
+  Tensor into_;     // RecvArgs::into, until it is known not to be the destination
   Tensor result_;   // the destination, when the content lands in place
   Tensor staging_;  // registered proxy (strings, unregistrable destinations, copy mode)
   std::unique_ptr<fabric::MemoryRegion> transient_;  // per-transfer registration

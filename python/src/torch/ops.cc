@@ -518,8 +518,7 @@ namespace {
 // Completes a recv's work with `message`: landed in `t` itself, or copied into it.
 void Land(TvWork& work, const at::Tensor& t, absl::StatusOr<Tensor> message, int src,
           const std::string& from, std::atomic<int64_t>& copies, std::atomic<int64_t>& bytes,
-          std::atomic<int64_t>* in_place = nullptr,
-          std::atomic<int64_t>* in_place_bytes = nullptr) {
+          std::atomic<int64_t>& in_place, std::atomic<int64_t>& in_place_bytes) {
   if (!message.ok()) {
     work.Complete(absl::Status(message.status().code(),
                                absl::StrCat(from, ": ", message.status().message())));
@@ -531,10 +530,10 @@ void Land(TvWork& work, const at::Tensor& t, absl::StatusOr<Tensor> message, int
                      ": do the ranks agree on the shape and dtype?")));
     return;
   }
-  if (in_place != nullptr && t.nbytes() > 0 && message->data() == t.data_ptr()) {
+  if (t.nbytes() > 0 && message->data() == t.data_ptr()) {
     // The fabric wrote it there (RecvOptions::into): nothing to copy.
-    in_place->fetch_add(1, std::memory_order_relaxed);
-    in_place_bytes->fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
+    in_place.fetch_add(1, std::memory_order_relaxed);
+    in_place_bytes.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
   } else if (t.nbytes() > 0 &&
              work.Write([&] { std::memcpy(t.data_ptr(), message->data(), t.nbytes()); })) {
     copies.fetch_add(1, std::memory_order_relaxed);
@@ -587,7 +586,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recv(std::vector<at::Ten
           }
         }
         Land(*work, t, std::move(message), from_rank, from, counters->landed_copies,
-             counters->landed_bytes, &counters->in_place_recvs, &counters->in_place_bytes);
+             counters->landed_bytes, counters->in_place_recvs, counters->in_place_bytes);
       },
       std::move(into));
   return work;
@@ -607,7 +606,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recvAnysource(
                                                              int from_rank) {
         Land(*work, t, std::move(message), from_rank,
              from_rank < 0 ? std::string("from any rank") : absl::StrCat("from rank ", from_rank),
-             counters->landed_copies, counters->landed_bytes);
+             counters->landed_copies, counters->landed_bytes, counters->in_place_recvs,
+             counters->in_place_bytes);
       });
   return work;
 }
