@@ -197,6 +197,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_CUDA_RUNTIME",
       "TENSORVERBS_PIN_POOL",
       "TENSORVERBS_GPU_DIRECT",
+      "TENSORVERBS_PROXY_CHUNK_KB",
       "TENSORVERBS_PUSH",
       "TENSORVERBS_PUSH_MAX",
       "TENSORVERBS_PUSH_MAX_MB",
@@ -314,6 +315,15 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
   ASSIGN_OR_RETURN(std::string gpu_direct, ParseChoice(env, "TENSORVERBS_GPU_DIRECT", {"on", "off"},
                                                        OnOff(config.gpu_direct)));
   config.gpu_direct = gpu_direct == "on";
+  ASSIGN_OR_RETURN(int64_t proxy_chunk_kb,
+                   ParseInt(env, "TENSORVERBS_PROXY_CHUNK_KB", 0, 1048576,
+                            static_cast<int64_t>(config.proxy_chunk_bytes >> 10)));
+  if (proxy_chunk_kb > 0 && proxy_chunk_kb < 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TENSORVERBS_PROXY_CHUNK_KB=", proxy_chunk_kb,
+        ": chunks of the proxy path are at least 64 KiB; set 0 to move GPU tensors whole"));
+  }
+  config.proxy_chunk_bytes = static_cast<uint64_t>(proxy_chunk_kb) << 10;
   ASSIGN_OR_RETURN(std::string push,
                    ParseChoice(env, "TENSORVERBS_PUSH", {"on", "off"}, OnOff(config.push)));
   config.push = push == "on";

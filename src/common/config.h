@@ -155,6 +155,10 @@ struct Config {
   // GPU tensors from and into GPU memory directly (CUDA IPC) where a GPU is found; off, they
   // take the proxy path through host memory (two copies), as on every other fabric.
   bool gpu_direct = true;
+  // TENSORVERBS_PROXY_CHUNK_KB: 0, or 64 .. 1048576, default 4096. A GPU tensor on the proxy
+  // path over grpc+verbs moves in chunks of this many KiB, so that one chunk's device copy
+  // overlaps the next one's transfer; 0 moves it whole, one stage after another.
+  uint64_t proxy_chunk_bytes = uint64_t{4} << 20;
   // TENSORVERBS_PUSH: on (default) | off. On, a grpc+verbs receiver that just received a key at
   // step s asks for it at step s+1 at once, with a destination from the key's meta-data, so the
   // sender writes the moment it sends and the next recv of the key needs no REQUEST round

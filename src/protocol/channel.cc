@@ -68,7 +68,7 @@ std::string Channel::Describe() const {
       mb_ ? mb_->rx_slots() : 0, " message slots");
 }
 
-void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tensor into,
+void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, RecvLanding landing,
                         absl::Time deadline, RecvDoneCallback done) {
   AssertOwnerThread();
   if (receiving_ == nullptr) {
@@ -76,7 +76,7 @@ void Channel::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tenso
                                                                      ", which sends")));
     return;
   }
-  receiving_->StartRecv(step_id, std::move(key), allocator, std::move(into), deadline,
+  receiving_->StartRecv(step_id, std::move(key), allocator, std::move(landing), deadline,
                         std::move(done));
 }
 

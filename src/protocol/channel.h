@@ -136,9 +136,9 @@ class Channel {
   ReceivingSide* receiving() const { return receiving_.get(); }
   SendingSide* sending() const { return sending_.get(); }
 
-  // Owner side (ReceivingSide): starts a recv (queued until the channel is ready). `into`
-  // (may be uninitialized): RecvArgs::into.
-  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tensor into,
+  // Owner side (ReceivingSide): starts a recv (queued until the channel is ready). `landing`:
+  // RecvArgs' into and progress.
+  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, RecvLanding landing,
                  absl::Time deadline, RecvDoneCallback done);
   // Owner side, grpc+gdr: reads the tensor `ref` names into `dest` (through a registered proxy
   // if `dest` is not registered), then releases it at the peer; `done` runs once, on the

@@ -38,6 +38,7 @@ void VerbsStats::AppendCounters(CounterList* out) const {
   add("bytes_sent", content_bytes);
   add("transient_registrations", transient_registrations);
   add("in_place_recvs", in_place_recvs);
+  add("content_segments", content_segments);
   add("dropped_immediates", dropped_imms);
   add("channels_failed", channel_errors);
   add("checksum_failures", checksum_failures);

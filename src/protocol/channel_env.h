@@ -50,8 +50,9 @@ struct VerbsStats {
   std::atomic<int64_t> copies{0};        // tensor copies made by the transport (proxy,
   std::atomic<int64_t> copied_bytes{0};  //   copy strategy, unregistered sources)
   std::atomic<int64_t> transient_registrations{0};
-  std::atomic<int64_t> in_place_recvs{0};  // destinations in the caller's memory (RecvArgs::into)
-  std::atomic<int64_t> dropped_imms{0};    // unknown or stale request indexes
+  std::atomic<int64_t> in_place_recvs{0};    // destinations in the caller's memory (RecvArgs::into)
+  std::atomic<int64_t> content_segments{0};  // content segments landed before a tensor's last
+  std::atomic<int64_t> dropped_imms{0};      // unknown or stale request indexes
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};
 

@@ -15,7 +15,8 @@ namespace {
 //   u8 version | u8 type | u16 sequence | u32 used_bytes
 //   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 zero
 //   u64 remote_addr | u64 checksum | i32 dtype | u32 error_code | u64 tensor_bytes
-//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 more | u32 name_index | u32 zero
+//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 more | u32 name_index
+//   u32 segment_bytes
 //   name | remote key | rank x i64 dims | error message | zeros to a multiple of 8
 // `more`: how many messages follow this one in the same slot. Flags bit 1: name_index is set.
 constexpr size_t kHeaderSize = 8 + 16 + 8 + 8 + 4 + 4 + 8 + 8 + 8;
@@ -88,6 +89,21 @@ absl::Status Malformed(absl::string_view why) {
 
 bool KnownType(uint8_t t) { return t >= 1 && t <= 4; }
 
+// Only a message that names a destination asks for segments, and none smaller than
+// kMinSegmentBytes: a peer could otherwise make one tensor cost an immediate per byte.
+absl::Status CheckSegmentBytes(MessageType type, uint32_t segment_bytes) {
+  if (segment_bytes == 0) return absl::OkStatus();
+  if (type != MessageType::kTensorRequest && type != MessageType::kTensorReRequest) {
+    return absl::DataLossError(absl::StrCat(MessageTypeName(type), " carries a segment size"));
+  }
+  if (segment_bytes < kMinSegmentBytes) {
+    return absl::DataLossError(absl::StrCat("content segments of ", segment_bytes,
+                                            " bytes, under the ", kMinSegmentBytes,
+                                            "-byte minimum"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* MessageTypeName(MessageType type) {
@@ -123,6 +139,9 @@ absl::StatusOr<size_t> UsedBytes(const Message& m) {
   if (m.type != MessageType::kTensorRequest && m.name_index != kNoNameIndex) {
     return absl::InvalidArgumentError(
         absl::StrCat(MessageTypeName(m.type), " cannot carry a name index"));
+  }
+  if (absl::Status s = CheckSegmentBytes(m.type, m.segment_bytes); !s.ok()) {
+    return absl::InvalidArgumentError(s.message());
   }
   return kHeaderSize + m.name.size() + m.remote_key.size() + 8 * size_t(m.meta.shape.rank()) +
          std::min(m.error.message().size(), kMaxErrorMessageLength);
@@ -168,7 +187,7 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t m
   w.Put<uint16_t>(static_cast<uint16_t>(error_message.size()));
   w.Put<uint16_t>(more);
   w.Put<uint32_t>(m.name_index != kNoNameIndex ? m.name_index : 0);
-  w.Put<uint32_t>(0);
+  w.Put<uint32_t>(m.segment_bytes);
   w.Bytes(m.name);
   w.Bytes(m.remote_key);
   for (int64_t d : m.meta.shape.dims()) w.Put<int64_t>(d);
@@ -181,7 +200,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   Reader r(in);
   uint8_t version, type, flags, rank, key_len;
   uint16_t zero16, name_len, error_len, more_field;
-  uint32_t used, error_code, name_index, zero32;
+  uint32_t used, error_code, name_index;
   int32_t dtype;
   Message m;
   if (!r.Get(&version) || !r.Get(&type) || !r.Get(&m.sequence) || !r.Get(&used)) {
@@ -201,7 +220,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
       !r.Get(&zero16) || !r.Get(&m.remote_addr) || !r.Get(&m.checksum) || !r.Get(&dtype) ||
       !r.Get(&error_code) || !r.Get(&m.meta.tensor_bytes) || !r.Get(&name_len) ||
       !r.Get(&key_len) || !r.Get(&zero8) || !r.Get(&error_len) || !r.Get(&more_field) ||
-      !r.Get(&name_index) || !r.Get(&zero32)) {
+      !r.Get(&name_index) || !r.Get(&m.segment_bytes)) {
     return Malformed("truncated header");
   }
   if (flags > (kFlagDead | kFlagNameIndex)) return Malformed(absl::StrCat("unknown flags ", flags));
@@ -260,6 +279,9 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   }
   if (m.type != MessageType::kTensorRequest && m.name_index != kNoNameIndex) {
     return Malformed(absl::StrCat(MessageTypeName(m.type), " carries a name index"));
+  }
+  if (absl::Status s = CheckSegmentBytes(m.type, m.segment_bytes); !s.ok()) {
+    return Malformed(s.message());
   }
   if (more != nullptr) *more = more_field;
   return m;

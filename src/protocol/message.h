@@ -27,8 +27,9 @@ namespace tensorverbs::protocol {
 
 // 2: a slot may carry a batch of messages (the `more` header field) and an ACK may free several
 // slots (imm.h). 3: a REQUEST may name its key by a per-channel index (`name_index`), and only
-// REQUESTs carry names.
-inline constexpr uint8_t kWireVersion = 3;
+// REQUESTs carry names. 4: a REQUEST or RE_REQUEST may ask for the content in segments, each
+// ending with the immediate (`segment_bytes`).
+inline constexpr uint8_t kWireVersion = 4;
 // Message::name_index when the message does not use one.
 inline constexpr uint32_t kNoNameIndex = 0xFFFFFFFF;
 // One message-buffer slot. The largest message (limits below, rank 254) fits alone.
@@ -37,6 +38,9 @@ inline constexpr size_t kMaxNameLength = ParsedKey::kMaxKeyLength;  // rendezvou
 inline constexpr size_t kMaxRemoteKeyLength = 64;       // opaque fabric key bytes
 static_assert(kMaxRemoteKeyLength == fabric::RemoteKey::kCapacity);
 inline constexpr size_t kMaxErrorMessageLength = 2048;  // longer messages are truncated
+// The smallest content segment a receiver may ask for: it bounds the immediates one tensor
+// costs (a segment is one more completion at the receiver).
+inline constexpr uint32_t kMinSegmentBytes = 64 << 10;
 
 enum class MessageType : uint8_t {
   kTensorRequest = 1,     // receiver -> sender
@@ -80,7 +84,18 @@ struct Message {
   uint64_t checksum = 0;       // META_DATA_RESPONSE in data-validation mode
   TensorMetaData meta;         // REQUEST: the receiver's cached copy; META_DATA_RESPONSE: current
   absl::Status error;          // ERROR_STATUS
+  // REQUEST / RE_REQUEST with a destination: write the content in segments of this many bytes
+  // (0, or at least kMinSegmentBytes), each ending with the immediate, so the receiver sees it
+  // land piece by piece (ContentSegments). 0: one immediate, after the last byte.
+  uint32_t segment_bytes = 0;
 };
+
+// How many content immediates a tensor of `tensor_bytes` written in segments of
+// `segment_bytes` (0: one) costs: both sides count them alike.
+inline uint64_t ContentSegments(uint64_t tensor_bytes, uint32_t segment_bytes) {
+  if (segment_bytes == 0 || tensor_bytes <= segment_bytes) return 1;
+  return (tensor_bytes + segment_bytes - 1) / segment_bytes;
+}
 
 // A slot holds one message or, batched, several back to back: each starts at a multiple of 8
 // bytes and its header's `more` field counts the messages after it in the slot (0 for the last).

@@ -21,8 +21,8 @@ bool ReceivingSide::closed() const { return channel_->state() == Channel::State:
 
 const std::string& ReceivingSide::peer_task() const { return channel_->peer_task(); }
 
-void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tensor into,
-                              absl::Time deadline, RecvDoneCallback done) {
+void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
+                              RecvLanding landing, absl::Time deadline, RecvDoneCallback done) {
   auto fail = [&](const absl::Status& s) { env_->FailRecv(std::move(done), s); };
   if (closed()) {
     fail(absl::UnavailableError(absl::StrCat("channel to task ", peer_task(), " is closed")));
@@ -58,7 +58,8 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
   // learns from the release that the recv will not land there. The same-host fabric reaches
   // memory it does not share only by the kernel's cross-memory copy, which a hardened ptrace
   // scope forbids: there the tensor lands in the shared pool.
-  if (!env_->domain->capabilities().shared_memory) request->set_into(std::move(into));
+  if (!env_->domain->capabilities().shared_memory) request->set_into(std::move(landing.into));
+  request->set_progress(landing.progress_bytes, std::move(landing.on_landed));
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   if (channel_->state() == Channel::State::kReady) {
@@ -409,6 +410,10 @@ void ReceivingSide::OnContent(uint32_t index) {
     env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
     VLOG(1) << "dropped immediate " << index << " from task " << peer_task()
             << ": no request with that index is waiting for content";
+    return;
+  }
+  if (it->second->awaits_more_segments()) {
+    it->second->RecvSegment();  // the content lands in segments, and more are to come
     return;
   }
   it->second->RecvTensorContent();

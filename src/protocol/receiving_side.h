@@ -49,8 +49,8 @@ class ReceivingSide {
 
   Channel* channel() const { return channel_; }
 
-  // Starts a recv (queued until the channel is ready); `into`: RecvArgs::into.
-  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, Tensor into,
+  // Starts a recv (queued until the channel is ready); `landing`: RecvArgs' into and progress.
+  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, RecvLanding landing,
                  absl::Time deadline, RecvDoneCallback done);
   // grpc+gdr: reads the tensor `ref` names into `dest`, then releases it at the peer.
   void StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline, GdrPull::Done done);

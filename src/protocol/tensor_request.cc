@@ -112,6 +112,7 @@ void RdmaTensorRequest::Start() {
       }
       meta_ = *cached;
       m.meta = *cached;
+      AskForSegments(m);
       next_phase = "awaiting content";  // the sender writes into what REQUEST names
       env->stats->meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
     }
@@ -230,6 +231,38 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
   return absl::OkStatus();
 }
 
+void RdmaTensorRequest::AskForSegments(Message& m) {
+  ChannelEnv* env = channel_->env();
+  segment_bytes_ = 0;
+  segments_left_ = 1;
+  // Only the recv's own destination, whole and in place: a proxy is copied out at the end, a
+  // checksum checks the bytes only once all are in, and the caller's memory is not `landing`.
+  if (!on_landed_ || finished() || progress_bytes_ == 0 || m.remote_addr == 0 ||
+      !result_.IsInitialized() || staging_.IsInitialized() || LandsInCallersMemory() ||
+      env->options.mode != VerbsMode::kZeroCopy || env->options.data_validation ||
+      meta_.dtype == DataType::kString) {
+    return;
+  }
+  const uint64_t kMaxSegment = uint64_t{1} << 31;
+  const auto segment =
+      static_cast<uint32_t>(std::clamp<uint64_t>(progress_bytes_, kMinSegmentBytes, kMaxSegment));
+  if (meta_.tensor_bytes <= segment) return;
+  segment_bytes_ = segment;
+  segments_left_ = ContentSegments(meta_.tensor_bytes, segment_bytes_);
+  m.segment_bytes = segment_bytes_;
+}
+
+void RdmaTensorRequest::RecvSegment() {
+  DCHECK(segments_left_ > 1);
+  --segments_left_;
+  const uint64_t landed =
+      (ContentSegments(meta_.tensor_bytes, segment_bytes_) - segments_left_) * segment_bytes_;
+  channel_->env()->stats->content_segments.fetch_add(1, std::memory_order_relaxed);
+  // An ended recv still counts the sender's immediates, so that the last one ends the record.
+  if (finished() || !on_landed_) return;
+  on_landed_(result_, landed);
+}
+
 bool RdmaTensorRequest::LandsInto(const TensorMetaData& meta) const {
   // (ReceivingSide::StartRecv gives no `into` to a request of the same-host fabric.)
   return into_.IsInitialized() && meta.tensor_bytes > 0 && !meta.is_dead &&
@@ -284,6 +317,8 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
     transient_.reset();
     result_.Clear();
     staging_.Clear();
+    segment_bytes_ = 0;
+    segments_left_ = 1;
     side_->ReleaseLargeSlot(*this);
     // Meta-data this task would refuse is not remembered: the next recv of the name asks
     // afresh rather than failing on the cached word of a peer that may since have changed.
@@ -326,6 +361,7 @@ void RdmaTensorRequest::SendReRequest() {
                           : PrepareDestination(meta_, &rr.remote_addr, &rr.remote_key);
     if (!s.ok()) Fail(s);
   }
+  AskForSegments(rr);
   TransitionTo(State::kReRequested);
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().re_requests.fetch_add(1, std::memory_order_relaxed);
@@ -498,6 +534,7 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
   }
   RecvDoneCallback done = std::move(done_);
   done_ = nullptr;
+  on_landed_ = nullptr;  // nothing more is told once the recv ended
   if (trace_.active()) {
     // The last phase waits for the callback executor and runs the callback; the trace ends
     // when it returns.

@@ -106,6 +106,17 @@ class RdmaTensorRequest {
   // matches it and the fabric can register it, and then held, as any destination, until the
   // record ends; let go of there otherwise.
   void set_into(Tensor into) { into_ = std::move(into); }
+  // RecvArgs::progress_bytes and on_landed: a destination this recv names in its own memory
+  // asks for the content in segments of about `bytes`, and `on_landed` hears of each but the
+  // last (RecvSegment), while the recv has not ended.
+  void set_progress(uint64_t bytes, LandedCallback on_landed) {
+    progress_bytes_ = bytes;
+    on_landed_ = std::move(on_landed);
+  }
+  // Content segments still to come besides the last (whose immediate is RecvTensorContent's).
+  bool awaits_more_segments() const { return segments_left_ > 1; }
+  // One content segment but the last landed.
+  void RecvSegment();
   // Deregisters what was registered for this recv alone: before the record's memory goes.
   void DropRegistration() { transient_.reset(); }
   // Pushed requests: no recv will take this one.
@@ -165,6 +176,9 @@ class RdmaTensorRequest {
   // Allocates the destination for `meta` and returns where the sender writes.
   absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
                                   fabric::RemoteKey* key);
+  // After the destination for meta_ is named in `m`: asks for the content in segments where
+  // the recv wants to hear of its progress, else in one piece.
+  void AskForSegments(Message& m);
   // The peer's announced size against this task's limit (TENSORVERBS_MAX_TENSOR_MB), before
   // anything is allocated for it.
   absl::Status CheckAnnouncedSize(const TensorMetaData& meta) const;
@@ -203,8 +217,12 @@ class RdmaTensorRequest {
   bool delivered_in_place_ = false;
   TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;
-  Tensor into_;     // RecvArgs::into, until it is known not to be the destination
-  Tensor result_;   // the destination, when the content lands in place
+  uint64_t progress_bytes_ = 0;  // RecvArgs::progress_bytes
+  LandedCallback on_landed_;     // RecvArgs::on_landed, until the recv ends
+  uint32_t segment_bytes_ = 0;   // the segments asked for (0: one piece)
+  uint64_t segments_left_ = 1;   // content immediates still to come for the destination named
+  Tensor into_;                  // RecvArgs::into, until it is known not to be the destination
+  Tensor result_;                // the destination, when the content lands in place
   Tensor staging_;  // registered proxy (strings, unregistrable destinations, copy mode)
   std::unique_ptr<fabric::MemoryRegion> transient_;  // per-transfer registration
 };

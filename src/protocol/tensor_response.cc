@@ -192,7 +192,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
     return;
   }
   if (CanWriteNow()) {
-    WriteContent(request_.remote_addr, request_.remote_key);
+    WriteContent(request_.remote_addr, request_.remote_key, request_.segment_bytes);
     return;
   }
   SendMetaData();
@@ -229,10 +229,11 @@ void RdmaTensorResponse::RecvReRequest(const Message& m) {
     // release, which the immediate alone carries.
     meta_.tensor_bytes = 0;
   }
-  WriteContent(m.remote_addr, m.remote_key);
+  WriteContent(m.remote_addr, m.remote_key, m.segment_bytes);
 }
 
-void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& key) {
+void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& key,
+                                      uint32_t segment_bytes) {
   MessageBuffer* mb = channel_->message_buffer();
   fabric::Endpoint* ep = channel_->endpoint();
   TransitionTo(State::kWriting);
@@ -243,16 +244,24 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
     writes_left_ = 1;
     s = ep->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(), imm, context);
   } else {
-    // The last piece carries the immediate; pieces already posted when one is refused still
-    // complete.
+    // The last piece of each segment (one, unless the receiver asked for more) carries the
+    // immediate; pieces already posted when one is refused still complete.
     auto* source = const_cast<uint8_t*>(static_cast<const uint8_t*>(source_));
-    std::tie(writes_left_, s) =
-        PostInPieces(meta_.tensor_bytes, [&](uint64_t offset, uint64_t len, bool last) {
-          fabric::LocalBuffer local{source_region_, source + offset, len};
-          fabric::RemoteBuffer remote{key, addr + offset, len};
-          return last ? ep->PostWriteWithImm(local, remote, imm, context)
-                      : ep->PostWrite(local, remote, context);
-        });
+    const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes);
+    writes_left_ = 0;
+    for (uint64_t i = 0; i < segments && s.ok(); ++i) {
+      const uint64_t start = i * segment_bytes;
+      const uint64_t end = i + 1 == segments ? meta_.tensor_bytes : start + segment_bytes;
+      int posted = 0;
+      std::tie(posted, s) =
+          PostInPieces(end - start, [&](uint64_t offset, uint64_t len, bool last) {
+            fabric::LocalBuffer local{source_region_, source + start + offset, len};
+            fabric::RemoteBuffer remote{key, addr + start + offset, len};
+            return last ? ep->PostWriteWithImm(local, remote, imm, context)
+                        : ep->PostWrite(local, remote, context);
+          });
+      writes_left_ += posted;
+    }
   }
   if (s.ok()) return;
   if (writes_left_ > 0) {

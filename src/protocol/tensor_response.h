@@ -72,7 +72,9 @@ class RdmaTensorResponse {
   absl::Status PrepareCopySource(const Tensor& tensor, bool is_dead);
   // Whether the request already named a destination the tensor fits.
   bool CanWriteNow() const;
-  void WriteContent(uint64_t addr, const fabric::RemoteKey& key);
+  // Writes the content to `addr`, in segments of `segment_bytes` each ending with the
+  // immediate where the receiver asked for them (Message::segment_bytes), else in one.
+  void WriteContent(uint64_t addr, const fabric::RemoteKey& key, uint32_t segment_bytes);
   // The requested key, for messages ("?" when it did not resolve).
   const std::string& name() const;
   // A message to the requester about this request (step and index filled in).

@@ -1,6 +1,7 @@
 #include "src/rendezvous/remote_rendezvous.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -104,80 +105,229 @@ RecvDoneCallback StagingDevice(const WorkerEnv* env, std::string key, RecvDoneCa
   };
 }
 
-// A remote recv's `done` for a destination in device memory: the tensor arrived in a pool
-// tensor (the proxy) and is copied host-to-device into memory of `device_allocator`; `done`
-// then runs on the callback executor. A tensor that arrived on that device already (the direct
-// path) passes through as it is.
-RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocator* device_allocator,
-                                 RecvDoneCallback done) {
-  return [env, key = std::move(key), device_allocator, done = std::move(done)](
-             const absl::Status& s, const Tensor& proxy, bool is_dead) mutable {
-    if (!s.ok() || is_dead) {
-      std::move(done)(s, proxy, is_dead);
+// A remote recv into device memory. The tensor arrives in a pool tensor (the proxy) and is
+// copied host-to-device into memory of `device_allocator`; one that arrived on that device
+// already (the direct path) passes through as it is. Where the transport reports the proxy
+// filling up (Landed, from RecvArgs::on_landed), each part that landed goes to the device at
+// once, while the next is still on its way: the copies and the transfer overlap, and the last
+// copy is only the last part's. `done` runs once, on the callback executor, after every copy
+// started has completed: a copy that fails, or a recv that fails, starts no further copy, and
+// the recv fails with that error.
+//
+// Thread-safe: Landed runs on a transport thread (and hands its work to the callback
+// executor: allocating device memory may call the GPU runtime), Done on the callback executor,
+// copy completions on the copier's thread.
+class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
+ public:
+  ProxyToDevice(const WorkerEnv* env, std::string key, Allocator* device_allocator,
+                RecvDoneCallback done)
+      : env_(env), key_(std::move(key)), allocator_(device_allocator), done_(std::move(done)) {}
+
+  // RecvArgs::on_landed: the first `landed_bytes` of the tensor are in `proxy`.
+  void Landed(const Tensor& proxy, uint64_t landed_bytes) {
+    if (env_->callback_executor == nullptr) {
+      CopyLanded(proxy, landed_bytes);
       return;
     }
-    const MemoryPlacement where = device_allocator->Placement();
-    if (proxy.placement() == where) {
-      std::move(done)(s, proxy, false);
+    env_->callback_executor->Schedule([self = shared_from_this(), proxy, landed_bytes] {
+      self->CopyLanded(proxy, landed_bytes);
+    });
+  }
+
+  // The recv's `done`.
+  void Done(const absl::Status& s, const Tensor& proxy, bool is_dead) {
+    const MemoryPlacement where = allocator_->Placement();
+    if (s.ok() && !is_dead && proxy.placement() == where) {
+      Finish({s, proxy, false});  // landed on the device: nothing was copied
       return;
     }
-    // The recv fails before any copy: counted as a device copy error.
-    auto fail = [&](absl::Status error) {
-      if (env->stats) env->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
-      std::move(done)(error, Tensor(), false);
-    };
-    if (proxy.dtype() == DataType::kString) {
-      fail(absl::InvalidArgumentError(
-          absl::StrCat("recv of '", key, "' into ", where.ToString(),
+    if (s.ok() && !is_dead && proxy.dtype() == DataType::kString) {
+      Fail(absl::InvalidArgumentError(
+          absl::StrCat("recv of '", key_, "' into ", where.ToString(),
                        " memory: it is a string tensor, and strings live in host memory "
                        "only; receive it with a host allocator")));
       return;
     }
-    if (proxy.TotalBytes() == 0) {
-      // No memory, so nothing to copy: an empty tensor has no placement.
-      std::move(done)(s, proxy, false);
+    if (s.ok() && !is_dead && proxy.TotalBytes() == 0) {
+      Finish({s, proxy, false});  // no memory, so nothing to copy: an empty tensor has no placement
       return;
     }
-    absl::StatusOr<Tensor> dst = Tensor::Allocate(device_allocator, proxy.dtype(), proxy.shape());
-    if (!dst.ok()) {
-      fail(absl::Status(
-          dst.status().code(),
-          absl::StrCat("recv of '", key, "': allocating ", proxy.TotalBytes(), " bytes in ",
-                       where.ToString(), " memory (", device_allocator->Name(),
-                       ") failed: ", dst.status().message())));
-      return;
+    std::optional<Copy> copy;
+    std::optional<Outcome> outcome;
+    {
+      MutexLock lock(&mu_);
+      recv_ended_ = true;
+      if (!s.ok()) {
+        // The recv's own error: it says more than that of a copy its failure may have caused.
+        error_ = s;
+      } else if (is_dead) {
+        dead_ = true;
+      } else {
+        copy = PlanCopy(proxy, proxy.TotalBytes());
+      }
+      if (!copy) outcome = TakeOutcomeIfSettled();
     }
-    const size_t bytes = proxy.TotalBytes();
-    void* dst_data = dst->data();
-    if (env->device_copier == nullptr) {
-      fail(absl::FailedPreconditionError(
-          absl::StrCat("recv of '", key,
-                       "': it arrived in host memory, and this task has no "
-                       "CUDA runtime to copy it to ",
+    if (copy) Start(*std::move(copy));
+    if (outcome) Finish(*std::move(outcome));
+  }
+
+ private:
+  struct Copy {
+    Tensor proxy;
+    uint64_t begin;
+    uint64_t end;
+  };
+  struct Outcome {
+    absl::Status status;
+    Tensor tensor;
+    bool is_dead;
+  };
+
+  // The recv fails before any copy: counted as a device copy error.
+  void Fail(absl::Status error) {
+    if (env_->stats) env_->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+    Finish({std::move(error), Tensor(), false});
+  }
+
+  void CopyLanded(const Tensor& proxy, uint64_t landed_bytes) {
+    std::optional<Copy> copy;
+    {
+      MutexLock lock(&mu_);
+      if (recv_ended_) return;  // Done copies the rest itself
+      copy = PlanCopy(proxy, landed_bytes);
+    }
+    if (copy) Start(*std::move(copy));
+  }
+
+  // The copy of proxy's bytes from copied_ up to `end` into dst_ (allocated first), counted in
+  // flight; none when there is nothing new or the transfer already failed.
+  std::optional<Copy> PlanCopy(const Tensor& proxy, uint64_t end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!error_.ok() || dead_ || end <= copied_) return std::nullopt;
+    const MemoryPlacement where = allocator_->Placement();
+    if (env_->device_copier == nullptr) {
+      SetError(absl::FailedPreconditionError(
+          absl::StrCat("recv of '", key_,
+                       "': it arrived in host memory, and this task has no CUDA runtime to copy "
+                       "it to ",
                        where.ToString())));
-      return;
+      return std::nullopt;
     }
-    env->device_copier->CopyAsync(
-        where.device, dst_data, proxy.data(), bytes, CopyDirection::kHostToDevice, key,
-        [in_flight = CopyInFlight(env->stats), env, proxy = Tensor(proxy), dst = *std::move(dst),
-         bytes, done = std::move(done)](absl::Status cs) mutable {
+    if (!dst_.IsInitialized()) {
+      absl::StatusOr<Tensor> dst = Tensor::Allocate(allocator_, proxy.dtype(), proxy.shape());
+      if (!dst.ok()) {
+        SetError(
+            absl::Status(dst.status().code(),
+                         absl::StrCat("recv of '", key_, "': allocating ", proxy.TotalBytes(),
+                                      " bytes in ", where.ToString(), " memory (",
+                                      allocator_->Name(), ") failed: ", dst.status().message())));
+        return std::nullopt;
+      }
+      dst_ = *std::move(dst);
+      dst_data_ = static_cast<uint8_t*>(dst_.data());
+    }
+    Copy copy{proxy, copied_, end};
+    copied_ = end;
+    ++copies_in_flight_;
+    return copy;
+  }
+
+  void Start(Copy copy) {
+    // Named by its bytes when it is one part of several, so that a failure says which.
+    const std::string what =
+        copy.begin == 0 && copy.end == copy.proxy.TotalBytes()
+            ? key_
+            : absl::StrCat(key_, " (bytes ", copy.begin, " to ", copy.end, ")");
+    const MemoryPlacement where = allocator_->Placement();
+    // dst_data_ is set once, before the first copy is planned, and dst_ lives until the last
+    // copy completed.
+    uint8_t* dst = dst_data_ + copy.begin;
+    const uint8_t* src = static_cast<const uint8_t*>(copy.proxy.data()) + copy.begin;
+    env_->device_copier->CopyAsync(
+        where.device, dst, src, copy.end - copy.begin, CopyDirection::kHostToDevice, what,
+        [in_flight = CopyInFlight(env_->stats), self = shared_from_this(),
+         proxy = std::move(copy.proxy)](absl::Status cs) mutable {
           // Everything the completion holds goes before `in_flight` ends.
           const CopyInFlight last = std::move(in_flight);
-          CountDeviceCopy(env->stats, CopyDirection::kHostToDevice, cs, bytes);
           proxy.Clear();  // back to the pool before the user's callback runs
-          auto finish = [cs = std::move(cs), dst = std::move(dst),
-                         done = std::move(done)]() mutable {
-            // Nothing here keeps the tensor once `done` returns.
-            const Tensor out = cs.ok() ? std::move(dst) : Tensor();
-            dst.Clear();
-            std::move(done)(cs, out, false);
-          };
-          if (env->callback_executor != nullptr) {
-            env->callback_executor->Schedule(std::move(finish));
-          } else {
-            finish();
-          }
+          const std::shared_ptr<ProxyToDevice> me = std::move(self);
+          me->CopyDone(std::move(cs));
         });
+  }
+
+  void CopyDone(absl::Status s) {
+    std::optional<Outcome> outcome;
+    {
+      MutexLock lock(&mu_);
+      --copies_in_flight_;
+      if (!s.ok() && error_.ok()) SetError(std::move(s));
+      outcome = TakeOutcomeIfSettled();
+    }
+    if (outcome) Finish(*std::move(outcome));
+  }
+
+  void SetError(absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    error_ = std::move(s);
+    if (env_->stats) env_->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+  }
+
+  // Once the recv ended and no copy is in flight: what `done` gets, once.
+  std::optional<Outcome> TakeOutcomeIfSettled() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!recv_ended_ || copies_in_flight_ > 0 || settled_) return std::nullopt;
+    settled_ = true;
+    Outcome outcome{error_, Tensor(), dead_};
+    if (error_.ok() && !dead_) {
+      outcome.tensor = std::move(dst_);
+      // One host-to-device copy of the tensor, however many parts it went in.
+      CountDeviceCopy(env_->stats, CopyDirection::kHostToDevice, error_, copied_);
+    }
+    dst_.Clear();
+    return outcome;
+  }
+
+  void Finish(Outcome outcome) {
+    auto finish = [outcome = std::move(outcome), done = std::move(done_)]() mutable {
+      // Nothing here keeps the tensor once `done` returns.
+      const Tensor result = std::move(outcome.tensor);
+      outcome.tensor.Clear();
+      std::move(done)(outcome.status, result, outcome.is_dead);
+    };
+    if (env_->callback_executor != nullptr) {
+      env_->callback_executor->Schedule(std::move(finish));
+    } else {
+      finish();
+    }
+  }
+
+  const WorkerEnv* const env_;
+  const std::string key_;
+  Allocator* const allocator_;
+  RecvDoneCallback done_;  // moved out by Finish, which runs once
+  Mutex mu_;
+  Tensor dst_ ABSL_GUARDED_BY(mu_);
+  uint8_t* dst_data_ = nullptr;               // dst_'s bytes, for copies started outside the lock
+  uint64_t copied_ ABSL_GUARDED_BY(mu_) = 0;  // bytes whose copy has started
+  int copies_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  bool recv_ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool dead_ ABSL_GUARDED_BY(mu_) = false;
+  bool settled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// A remote recv's `done` into device memory (ProxyToDevice), and in `args` the progress that
+// pipelines its copies where the proxy path moves it in chunks.
+RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocator* device_allocator,
+                                 RecvDoneCallback done, RecvArgs* args = nullptr) {
+  auto proxy =
+      std::make_shared<ProxyToDevice>(env, std::move(key), device_allocator, std::move(done));
+  if (args != nullptr && env->proxy_chunk_bytes > 0 && env->device_copier != nullptr) {
+    args->progress_bytes = env->proxy_chunk_bytes;
+    args->on_landed = [proxy](const Tensor& landing, uint64_t landed_bytes) {
+      proxy->Landed(landing, landed_bytes);
+    };
+  }
+  return [proxy = std::move(proxy)](const absl::Status& s, const Tensor& t, bool is_dead) {
+    proxy->Done(s, t, is_dead);
   };
 }
 
@@ -265,8 +415,9 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
     // The proxy path: the protocol lands the tensor in the pool, then it goes to the device.
     RecvArgs proxy_args = args;
     proxy_args.allocator = nullptr;
-    RecvFromRemoteAsyncCounted(
-        key, proxy_args, CopyingToDevice(env_, key.full_key, args.allocator, std::move(done)));
+    RecvDoneCallback copying =
+        CopyingToDevice(env_, key.full_key, args.allocator, std::move(done), &proxy_args);
+    RecvFromRemoteAsyncCounted(key, proxy_args, std::move(copying));
     return;
   }
   RecvFromRemoteAsyncCounted(key, args, std::move(done));

@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -99,6 +100,10 @@ struct WorkerEnv {
   // Copies device tensors to and from host memory (null: no GPU in this process, and device
   // tensors cannot leave the task). Staging and proxy tensors come from recv_allocator.
   DeviceCopier* device_copier = nullptr;
+  // A device tensor on the proxy path moves in chunks of this size where the transport reports
+  // progress (RecvArgs::on_landed), each chunk's device copy overlapping the next one's
+  // transfer; 0: whole (TENSORVERBS_PROXY_CHUNK_KB).
+  uint64_t proxy_chunk_bytes = 0;
 };
 
 // OK if a peer's tensor of `bytes` (what receiving it allocates) fits under `max_bytes`;
@@ -110,6 +115,9 @@ absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes);
 // that has waited `waited`, past TENSORVERBS_SLOW_RECV_MS (`threshold`).
 std::string SlowRecvWarning(absl::string_view key, int64_t step_id, absl::string_view peer,
                             absl::Duration waited, absl::Duration threshold);
+
+// RecvArgs::on_landed.
+using LandedCallback = std::function<void(const Tensor& landing, uint64_t landed_bytes)>;
 
 struct RecvArgs {
   // Destination allocator; null means env.recv_allocator. A GPU's takes the proxy path. It must
@@ -124,6 +132,25 @@ struct RecvArgs {
   // Memory of the caller's that a transport whose fabric can write it lands the tensor in
   // (RecvOptions::into); others ignore it.
   Tensor into;
+  // A transport that can see a large tensor land piece by piece (grpc+verbs) asks for it in
+  // segments of `progress_bytes` (at least 64 KiB; 0: not at all) and calls `on_landed` as
+  // each segment but the last lands: `landed_bytes`, a prefix of the tensor, is then in
+  // `landing`, the memory the recv's result will be. Called on the transport's thread, which
+  // it must not block; never after the recv failed, never for the last segment (`done` says
+  // that one). Others ignore it.
+  uint64_t progress_bytes = 0;
+  LandedCallback on_landed;
+};
+
+// What RecvArgs says about where a transport lands the tensor, as it travels with the recv.
+struct RecvLanding {
+  Tensor into;
+  uint64_t progress_bytes = 0;
+  LandedCallback on_landed;
+
+  static RecvLanding Of(const RecvArgs& args) {
+    return RecvLanding{args.into, args.progress_bytes, args.on_landed};
+  }
 };
 
 class RemoteRendezvous {

@@ -152,6 +152,7 @@ ServerOptions ServerOptions::FromConfig(const Config& config) {
   o.stop_timeout = config.stop_timeout;
   o.pool_region_bytes = config.pool_region_bytes;
   o.max_tensor_bytes = config.max_tensor_bytes;
+  o.proxy_chunk_bytes = config.proxy_chunk_bytes;
   o.max_peer_steps = config.max_peer_steps;
   o.pool_keep_free_bytes = config.pool_keep_free_bytes;
   o.pin_pool = config.pin_pool;
@@ -257,6 +258,7 @@ void Server::FillEnv() {
   env_.stats = &stats_;
   env_.keys = &keys_;
   env_.max_tensor_bytes = options_.max_tensor_bytes;
+  env_.proxy_chunk_bytes = options_.proxy_chunk_bytes;
   env_.step_sizes = &step_sizes_;
 }
 

@@ -73,6 +73,8 @@ struct ServerOptions {
   // The largest tensor accepted from a peer (TENSORVERBS_MAX_TENSOR_MB); a larger announced
   // tensor fails its recv with ResourceExhausted before anything is allocated.
   uint64_t max_tensor_bytes = Config::Defaults().max_tensor_bytes;
+  // Chunks of a GPU tensor on the proxy path (TENSORVERBS_PROXY_CHUNK_KB; 0: whole).
+  uint64_t proxy_chunk_bytes = Config::Defaults().proxy_chunk_bytes;
   // Steps peers' requests may start before this task does (TENSORVERBS_MAX_PEER_STEPS); one it
   // has not taken up within recv_timeout is aborted.
   int64_t max_peer_steps = Config::Defaults().max_peer_steps;

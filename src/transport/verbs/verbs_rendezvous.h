@@ -21,9 +21,9 @@ class VerbsRemoteRendezvous final : public RemoteRendezvous,
   bool CountsOwnRecvs() const override { return true; }  // VerbsTransport and its channels
   void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
                            RecvDoneCallback done) override {
-    transport_->Recv(shared_from_this(), key,
-                     args.allocator != nullptr ? args.allocator : env_->recv_allocator,
-                     args.expected_dtype, args.expected_shape, args.into, std::move(done));
+    transport_->Recv(
+        shared_from_this(), key, args.allocator != nullptr ? args.allocator : env_->recv_allocator,
+        args.expected_dtype, args.expected_shape, RecvLanding::Of(args), std::move(done));
   }
   void AbortRemote(const absl::Status& status) override {
     transport_->AbortStep(step_id(), status);

@@ -249,7 +249,8 @@ void VerbsTransport::Housekeeping(absl::Time now) {
 
 void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
                           Allocator* allocator, DataType expected_dtype,
-                          const TensorShape& expected_shape, Tensor into, RecvDoneCallback done) {
+                          const TensorShape& expected_shape, RecvLanding landing,
+                          RecvDoneCallback done) {
   // The coarse clock: a recv timeout is seconds long, and this runs for every tensor.
   RecvStart r{std::move(rendezvous),
               keys_.Intern(key),
@@ -258,7 +259,7 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
               std::move(done),
               expected_dtype,
               expected_shape,
-              std::move(into)};
+              std::move(landing)};
   if (!recv_inbox_.Push(std::move(r)))
     return;  // the task posted for the earlier ones has not taken them yet
   // If the engine refuses the task (shutting down), it runs right here, off the loop thread,
@@ -313,8 +314,8 @@ void VerbsTransport::StartRecv(RecvStart r) {
       if (cached == nullptr || *cached != meta) memory->CacheMeta(r.key->key.full_key, meta);
     }
   }
-  (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator, std::move(r.into),
-                        r.deadline, std::move(r.done));
+  (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator,
+                        std::move(r.landing), r.deadline, std::move(r.done));
 }
 
 void VerbsTransport::Lend(

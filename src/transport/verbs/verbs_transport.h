@@ -120,10 +120,10 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // Receives `key` (its source task is a peer) for `rendezvous`'s step into memory from
   // `allocator`. The recv fails at once if the rendezvous was aborted before it started. An
   // `expected_dtype` (not kInvalid) and shape are cached as the key's meta-data before the
-  // request goes (see RecvArgs). `into` (may be uninitialized): RecvArgs::into.
+  // request goes (see RecvArgs). `landing`: RecvArgs' into and progress.
   void Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
             Allocator* allocator, DataType expected_dtype, const TensorShape& expected_shape,
-            Tensor into, RecvDoneCallback done);
+            RecvLanding landing, RecvDoneCallback done);
   // Fails the step's pending recvs with `status`.
   void AbortStep(int64_t step_id, const absl::Status& status);
 
@@ -224,7 +224,7 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
     RecvDoneCallback done;
     DataType expected_dtype = DataType::kInvalid;
     TensorShape expected_shape;
-    Tensor into;
+    RecvLanding landing;
   };
   // Starts the recvs in recv_inbox_: on the progress thread; on any other (the engine refused
   // the task: shutting down) it fails them.

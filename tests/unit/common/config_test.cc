@@ -294,4 +294,21 @@ TEST(Config, TraceCudaRuntimeAndPoolPinning) {
   EXPECT_THAT(bad.status().message(), HasSubstr("TENSORVERBS_PIN_POOL"));
 }
 
+TEST(Config, ProxyChunks) {
+  EXPECT_EQ(Config::FromEnvironment({})->proxy_chunk_bytes, uint64_t{4} << 20);
+  EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_PROXY_CHUNK_KB", "0"}})->proxy_chunk_bytes, 0u)
+      << "whole tensors";
+  EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_PROXY_CHUNK_KB", "64"}})->proxy_chunk_bytes,
+            uint64_t{64} << 10);
+  EXPECT_EQ(Config::FromEnvironment({{"TENSORVERBS_PROXY_CHUNK_KB", "1048576"}})->proxy_chunk_bytes,
+            uint64_t{1} << 30);
+  for (const char* value : {"1", "63", "1048577", "-1", "4M"}) {
+    absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_PROXY_CHUNK_KB", value}});
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << value;
+    EXPECT_THAT(c.status().message(), HasSubstr("TENSORVERBS_PROXY_CHUNK_KB")) << value;
+  }
+  EXPECT_THAT(Config::FromEnvironment({{"TENSORVERBS_PROXY_CHUNK_KB", "8"}}).status().message(),
+              HasSubstr("at least 64 KiB"));
+}
+
 }  // namespace tensorverbs

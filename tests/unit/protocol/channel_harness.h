@@ -321,10 +321,12 @@ class ChannelTest : public ::testing::Test {
 
   std::shared_ptr<RecvOutcome> StartRecv(int64_t step_id, const ParsedKey& key,
                                          absl::Time deadline = absl::InfiniteFuture(),
-                                         Allocator* allocator = nullptr) {
+                                         Allocator* allocator = nullptr,
+                                         RecvLanding landing = RecvLanding()) {
     auto outcome = std::make_shared<RecvOutcome>();
     owner_.channel->StartRecv(step_id, keys_.Intern(key),
-                              allocator != nullptr ? allocator : &owner_.pool, Tensor(), deadline,
+                              allocator != nullptr ? allocator : &owner_.pool, std::move(landing),
+                              deadline,
                               [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
                                 ++outcome->calls;
                                 outcome->status = s;

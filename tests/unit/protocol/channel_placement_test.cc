@@ -183,7 +183,7 @@ class LargeDestinationTest : public ChannelTest {
     for (int i = 0; i < count; ++i) {
       const Tensor expected = Floats(CpuAllocator(), kElements, static_cast<float>(step + i));
       owner_.channel->StartRecv(
-          step, keys_.Intern(keys[i]), &owner_.pool, Tensor(), absl::InfiniteFuture(),
+          step, keys_.Intern(keys[i]), &owner_.pool, RecvLanding(), absl::InfiniteFuture(),
           [landed, expected, i](const absl::Status& s, const Tensor& t, bool) {
             EXPECT_TRUE(s.ok()) << "recv " << i << ": " << s;
             EXPECT_TRUE(t.ContentEquals(expected)) << "recv " << i;

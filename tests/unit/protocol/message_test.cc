@@ -42,6 +42,7 @@ void ExpectSame(const Message& a, const Message& b) {
   EXPECT_EQ(a.checksum, b.checksum);
   EXPECT_EQ(a.meta, b.meta);
   EXPECT_EQ(a.error, b.error);
+  EXPECT_EQ(a.segment_bytes, b.segment_bytes);
 }
 
 TEST(MessageCodec, RoundTripsEveryType) {
@@ -191,6 +192,45 @@ TEST(MessageCodec, EachMalformedFormIsDataLossNamingTheProblem) {
   nameless.name.clear();
   EXPECT_THAT(std::string(DecodeMessage(Encode(nameless)).status().message()),
               HasSubstr("without a rendezvous key"));
+}
+
+TEST(MessageCodec, ADestinationMayAskForTheContentInSegmentsOfAtLeastTheMinimum) {
+  for (MessageType type : {MessageType::kTensorRequest, MessageType::kTensorReRequest}) {
+    Message m = Request();
+    m.type = type;
+    for (uint32_t segment : {0u, kMinSegmentBytes, 4u << 20, 0xFFFFFFFFu}) {
+      m.segment_bytes = segment;
+      absl::StatusOr<Message> back = DecodeMessage(Encode(m));
+      ASSERT_TRUE(back.ok()) << back.status();
+      EXPECT_EQ(back->segment_bytes, segment);
+    }
+  }
+  // Fewer bytes a segment would let a peer cost the receiver an immediate per byte; answers
+  // name no destination.
+  Message small = Request();
+  small.segment_bytes = kMinSegmentBytes - 1;
+  std::vector<uint8_t> slot(kMessageSize);
+  EXPECT_EQ(EncodeMessage(small, absl::MakeSpan(slot)).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<uint8_t> good = Encode(Request());
+  good[68] = 1;  // u32 segment_bytes at 68: 1 byte
+  EXPECT_EQ(DecodeMessage(good).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(DecodeMessage(good).status().message()),
+              HasSubstr("content segments of 1 bytes, under the 65536-byte minimum"));
+  Message meta;
+  meta.type = MessageType::kMetaDataResponse;
+  meta.segment_bytes = kMinSegmentBytes;
+  EXPECT_EQ(EncodeMessage(meta, absl::MakeSpan(slot)).code(), absl::StatusCode::kInvalidArgument);
+  meta.segment_bytes = 0;
+  std::vector<uint8_t> answer = Encode(meta);
+  answer[70] = 1;  // 65536 bytes
+  EXPECT_THAT(std::string(DecodeMessage(answer).status().message()),
+              HasSubstr("RDMA_MESSAGE_META_DATA_RESPONSE carries a segment size"));
+  // Both ends count a tensor's immediates alike.
+  EXPECT_EQ(ContentSegments(0, 0), 1u);
+  EXPECT_EQ(ContentSegments(100, 0), 1u);
+  EXPECT_EQ(ContentSegments(kMinSegmentBytes, kMinSegmentBytes), 1u);
+  EXPECT_EQ(ContentSegments(kMinSegmentBytes + 1, kMinSegmentBytes), 2u);
+  EXPECT_EQ(ContentSegments(uint64_t{1} << 30, kMinSegmentBytes), 16384u);
 }
 
 TEST(MessageCodec, ARequestNamesItsKeyByIndexOrDefinesTheIndex) {

@@ -311,5 +311,87 @@ TEST_F(PushedRequestTest, CloseInLandedAheadHandsTheTensorToTheTransport) {
   EXPECT_EQ(QuarantinedTensors(), 0u);
 }
 
+// A recv that asks to hear of its progress (RecvArgs::progress_bytes, on_landed): the sender
+// writes the content in segments, each ending with the immediate, and the recv is told of each
+// prefix that landed but the last, while it has not ended.
+class SegmentedRecvTest : public RequestMachineTest {
+ protected:
+  struct Heard {
+    std::vector<uint64_t> prefixes;
+    Tensor landing;
+  };
+  RecvLanding Listening(const std::shared_ptr<Heard>& heard, uint64_t segment) {
+    RecvLanding landing;
+    landing.progress_bytes = segment;
+    landing.on_landed = [heard](const Tensor& t, uint64_t landed_bytes) {
+      heard->prefixes.push_back(landed_bytes);
+      heard->landing = t;
+    };
+    return landing;
+  }
+};
+
+TEST_F(SegmentedRecvTest, EachSegmentButTheLastIsToldInOrderAndTheLastIsTheRecv) {
+  const ParsedKey k = Key("k");
+  constexpr uint64_t kSegment = kMinSegmentBytes;
+  // Four whole segments and a short fifth.
+  const Tensor sent = Floats(&acceptor_.pool, (4 * kSegment + 400) / 4, 3.0f);
+  for (int64_t step = 1; step <= 2; ++step) {  // the meta-data round trip, then the cached one
+    auto heard = std::make_shared<Heard>();
+    Send(step, k, sent);
+    std::shared_ptr<RecvOutcome> recv =
+        StartRecv(step, k, absl::InfiniteFuture(), nullptr, Listening(heard, kSegment));
+    ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+    Settle();
+    EXPECT_EQ(recv->calls, 1);
+    ASSERT_TRUE(recv->status.ok()) << recv->status;
+    EXPECT_TRUE(recv->tensor.ContentEquals(sent));
+    EXPECT_EQ(heard->prefixes,
+              (std::vector<uint64_t>{kSegment, 2 * kSegment, 3 * kSegment, 4 * kSegment}))
+        << "step " << step;
+    EXPECT_TRUE(heard->landing.SharesBufferWith(recv->tensor)) << "told where the result lands";
+    EXPECT_EQ(Get(owner_.stats.content_segments), 4 * step);
+    EXPECT_TRUE(Census(*owner_.channel).empty());
+  }
+  // A tensor no larger than one segment, and a recv that asks for none, cost one immediate.
+  auto heard = std::make_shared<Heard>();
+  const Tensor small = Floats(&acceptor_.pool, kSegment / 4, 1.0f);
+  Send(3, Key("small"), small);
+  std::shared_ptr<RecvOutcome> one =
+      StartRecv(3, Key("small"), absl::InfiniteFuture(), nullptr, Listening(heard, kSegment));
+  Send(3, Key("plain"), sent);
+  std::shared_ptr<RecvOutcome> plain = StartRecv(3, Key("plain"));
+  ASSERT_TRUE(Pump([&] { return one->calls > 0 && plain->calls > 0; }));
+  EXPECT_TRUE(one->tensor.ContentEquals(small));
+  EXPECT_TRUE(plain->tensor.ContentEquals(sent));
+  EXPECT_TRUE(heard->prefixes.empty());
+  EXPECT_EQ(Get(owner_.stats.content_segments), 8);
+  EXPECT_EQ(Get(owner_.stats.dropped_imms), 0);
+}
+
+TEST_F(SegmentedRecvTest, ARecvThatEndsMidwayHearsNothingMoreAndItsRecordWaitsForTheLast) {
+  const ParsedKey k = Key("k");
+  constexpr uint64_t kSegment = kMinSegmentBytes;
+  // More segments than one turn of the receiver's loop takes completions (64).
+  const Tensor sent = Floats(&acceptor_.pool, 100 * kSegment / 4, 7.0f);
+  auto heard = std::make_shared<Heard>();
+  Send(1, k, sent);
+  std::shared_ptr<RecvOutcome> recv =
+      StartRecv(1, k, absl::InfiniteFuture(), nullptr, Listening(heard, kSegment));
+  ASSERT_TRUE(Pump([&] { return !heard->prefixes.empty(); }));
+  ASSERT_LT(heard->prefixes.size(), 99u) << "the test needs the recv to end midway";
+  owner_.channel->AbortStep(1, absl::CancelledError("step 1 aborted"));
+  const size_t told = heard->prefixes.size();
+  EXPECT_EQ(InState(State::kReRequested), 1u) << "the sender may still write: the record stays";
+  Settle();
+  EXPECT_EQ(recv->calls, 1);
+  EXPECT_EQ(recv->status.code(), absl::StatusCode::kCancelled) << recv->status;
+  EXPECT_EQ(heard->prefixes.size(), told) << "nothing is told once the recv ended";
+  EXPECT_TRUE(Census(*owner_.channel).empty()) << "the last immediate ended the record";
+  EXPECT_EQ(Get(owner_.stats.content_segments), 99);
+  EXPECT_EQ(Get(owner_.stats.dropped_imms), 0);
+  EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
+}
+
 }  // namespace
 }  // namespace tensorverbs::protocol::channel_testing
