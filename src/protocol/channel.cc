@@ -144,6 +144,12 @@ void Channel::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status&
   if (sending_ != nullptr) sending_->OnLocalTensor(serial, index, status, tensor, is_dead);
 }
 
+void Channel::OnStaged(uint64_t serial, uint32_t index, const absl::Status& status,
+                       uint64_t staged_bytes) {
+  AssertOwnerThread();
+  if (sending_ != nullptr) sending_->OnStaged(serial, index, status, staged_bytes);
+}
+
 void Channel::SendMessage(Message m) {
   if (state_ == State::kClosed || !closing_.ok()) return;
   absl::Status s = mb_->Send(std::move(m));

@@ -173,6 +173,9 @@ class Channel {
   // Acceptor side: a local tensor for response `serial` is ready.
   void OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
                      const Tensor& tensor, bool is_dead);
+  // Acceptor side: the device tensor of response `serial`, staged in chunks, has
+  // `staged_bytes` in host memory (or failed to stage).
+  void OnStaged(uint64_t serial, uint32_t index, const absl::Status& status, uint64_t staged_bytes);
 
   // The completion demultiplexer: control messages and ACKs here, content immediates, reads
   // and content writes to the side they belong to.

@@ -89,6 +89,17 @@ void SendingSide::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Sta
   it->second->Resume(status, tensor, is_dead);
 }
 
+void SendingSide::OnStaged(uint64_t serial, uint32_t index, const absl::Status& status,
+                           uint64_t staged_bytes) {
+  auto it = responses_.find(index);
+  if (it == responses_.end() || it->second->serial() != serial) return;  // over already
+  if (!status.ok() && it->second->state() == RdmaTensorResponse::State::kWaitReRequest) {
+    // Its ERROR_STATUS may cross the receiver's RE_REQUEST.
+    ExpectLateReRequest(index);
+  }
+  if (it->second->OnStaged(status, staged_bytes)) FinishResponse(index);
+}
+
 void SendingSide::ExpireResponses(absl::Time now) {
   if (env_->response_timeout() == absl::InfiniteDuration()) return;
   std::vector<uint32_t> expired;
@@ -102,19 +113,23 @@ void SendingSide::ExpireResponses(absl::Time now) {
     if (closed()) return;  // an ERROR_STATUS that failed to go closed it
     auto it = responses_.find(index);
     if (it == responses_.end()) continue;
-    // An entry goes when its RE_REQUEST or the index's next REQUEST comes; a faulty peer that
-    // sends neither cannot grow the set past max_responses (then a late RE_REQUEST of an
-    // entry forgotten here closes the channel, as any unknown one does).
-    if (expired_responses_.size() >= static_cast<size_t>(env_->transfer.max_responses)) {
-      expired_responses_.clear();
-    }
-    expired_responses_.insert(index);
+    ExpectLateReRequest(index);
     it->second->Expire(absl::DeadlineExceededError(absl::StrCat(
         "task ", peer_task(), " did not ask for the content within ",
         absl::FormatDuration(env_->response_timeout()),
         " of its meta-data (TENSORVERBS_RECV_TIMEOUT_MS plus TENSORVERBS_PEER_TIMEOUT_MS); "
         "the sender dropped the tensor")));
   }
+}
+
+void SendingSide::ExpectLateReRequest(uint32_t index) {
+  // An entry goes when its RE_REQUEST or the index's next REQUEST comes; a faulty peer that
+  // sends neither cannot grow the set past max_responses (then a late RE_REQUEST of an entry
+  // forgotten here closes the channel, as any unknown one does).
+  if (expired_responses_.size() >= static_cast<size_t>(env_->transfer.max_responses)) {
+    expired_responses_.clear();
+  }
+  expired_responses_.insert(index);
 }
 
 size_t SendingSide::responses_in_progress() const {

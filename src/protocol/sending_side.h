@@ -54,6 +54,8 @@ class SendingSide {
   // A local tensor for response `serial` is ready.
   void OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
                      const Tensor& tensor, bool is_dead);
+  // More of response `serial`'s device tensor is staged in host memory (or its staging failed).
+  void OnStaged(uint64_t serial, uint32_t index, const absl::Status& status, uint64_t staged_bytes);
   // Ends the responses whose receiver has not asked for the content within
   // env->response_timeout() of their META_DATA_RESPONSE (a faulty receiver would otherwise pin
   // their tensors for the channel's life): ERROR_STATUS, and a late RE_REQUEST is ignored.
@@ -82,6 +84,9 @@ class SendingSide {
   static constexpr size_t kMaxCachedKeys = 65536;
 
   bool closed() const;
+  // Response `index` answers with ERROR_STATUS while the receiver's RE_REQUEST may be on its
+  // way: that RE_REQUEST is dropped, not taken for a protocol error.
+  void ExpectLateReRequest(uint32_t index);
   const std::string& peer_task() const;
   // The key REQUEST `m` names, by name or index (defining the index if it does), or why it
   // names none this task serves. A REQUEST that breaks the indexing rules (an index never

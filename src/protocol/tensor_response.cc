@@ -62,9 +62,10 @@ void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, Key
   rendezvous_ = std::move(rendezvous);
   key_ = std::move(key);
   ChannelEnv* env = channel_->env();
+  // A device tensor comes as it is where the fabric writes from it or it is staged in chunks.
   token_ = rendezvous_->RecvLocalAsync(
       key_, env->local_tensors->Open(channel_->id(), request_.request_index, serial_),
-      /*keep_device=*/env->device_direct);
+      /*keep_device=*/env->device_direct || StagesInChunks());
 }
 
 void RdmaTensorResponse::Cancel() {
@@ -139,6 +140,41 @@ absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is
   return absl::OkStatus();
 }
 
+bool RdmaTensorResponse::StagesInChunks() const {
+  const ChannelEnv* env = channel_->env();
+  // Zero copy only: copy mode lays the tensor out in a buffer of its own, and a checksum needs
+  // every byte before META_DATA_RESPONSE.
+  return env->worker != nullptr && env->worker->device_copier != nullptr &&
+         env->worker->proxy_chunk_bytes > 0 && env->options.mode == VerbsMode::kZeroCopy &&
+         !env->options.data_validation;
+}
+
+RemoteRendezvous::StagedCallback RdmaTensorResponse::TellStaged() const {
+  ChannelEnv* env = channel_->env();
+  // From the copier's thread to the progress thread, where the response is (if it still is).
+  return [env, channel_id = channel_->id(), serial = serial_, index = request_.request_index](
+             const absl::Status& status, uint64_t staged_bytes) {
+    env->host->Post([env, channel_id, serial, index, status, staged_bytes] {
+      if (Channel* c = env->channels->Find(channel_id)) {
+        c->OnStaged(serial, index, status, staged_bytes);
+      }
+    });
+  };
+}
+
+bool RdmaTensorResponse::OnStaged(const absl::Status& status, uint64_t staged_bytes) {
+  if (!chunked_ || state_ == State::kDone) return false;
+  if (!status.ok()) {
+    staging_error_ = status;
+    if (state_ == State::kWriting && writes_left_ > 0) return false;  // OnWriteDone answers
+    SendError(status);                                                // finishes the response
+    return false;
+  }
+  staged_bytes_ = std::max(staged_bytes_, staged_bytes);
+  if (state_ == State::kWriting) PostStagedWrites();
+  return false;
+}
+
 bool RdmaTensorResponse::CanWriteNow() const {
   if (channel_->env()->options.data_validation)
     return false;  // the checksum rides META_DATA_RESPONSE
@@ -168,9 +204,23 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
             : nullptr;
     if (region.ok() && *region == nullptr) {
       restaged_ = true;
-      rendezvous_->StageToHostAsync(
-          name(), tensor,
-          env->local_tensors->Open(channel_->id(), request_.request_index, serial_));
+      const uint64_t chunk = env->worker != nullptr ? env->worker->proxy_chunk_bytes : 0;
+      if (!StagesInChunks() || tensor.TotalBytes() <= chunk) {
+        rendezvous_->StageToHostAsync(
+            name(), tensor,
+            env->local_tensors->Open(channel_->id(), request_.request_index, serial_));
+        return;
+      }
+      // The response goes on with the staging tensor; its parts are written as they get there.
+      absl::StatusOr<Tensor> staged =
+          rendezvous_->StageToHostInChunks(name(), tensor, chunk, TellStaged());
+      if (!staged.ok()) {
+        SendError(staged.status());
+        return;
+      }
+      chunked_ = true;
+      staged_bytes_ = 0;
+      Resume(absl::OkStatus(), *staged, false);
       return;
     }
   }
@@ -237,34 +287,58 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
   MessageBuffer* mb = channel_->message_buffer();
   fabric::Endpoint* ep = channel_->endpoint();
   TransitionTo(State::kWriting);
+  if (meta_.is_dead || meta_.tensor_bytes == 0) {
+    const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
+    writes_left_ = 1;
+    absl::Status s = ep->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(),
+                                          request_.request_index, context);
+    if (!s.ok()) {
+      channel_->Close(absl::UnavailableError(absl::StrCat(
+          "content write to task ", channel_->peer_task(), " failed midway: ", s.message())));
+    }
+    return;
+  }
+  write_addr_ = addr;
+  write_key_ = key;
+  write_segment_ = segment_bytes;
+  posted_ = 0;
+  writes_left_ = 0;
+  if (chunked_ && !staging_error_.ok()) {
+    SendError(staging_error_);  // a part failed to stage before the receiver asked
+    return;
+  }
+  PostStagedWrites();
+}
+
+void RdmaTensorResponse::PostStagedWrites() {
+  fabric::Endpoint* ep = channel_->endpoint();
   const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
   const uint32_t imm = request_.request_index;
+  const uint64_t total = meta_.tensor_bytes;
+  const uint64_t ready = ready_bytes();
+  // What one immediate closes: the receiver's segments, else (staging in chunks) the chunks,
+  // else the whole tensor. Only the receiver's segments and the last unit carry it.
+  const uint64_t chunk = chunked_ ? channel_->env()->worker->proxy_chunk_bytes : 0;
+  const uint64_t unit = write_segment_ > 0 ? write_segment_ : chunked_ ? chunk : total;
+  auto* source = const_cast<uint8_t*>(static_cast<const uint8_t*>(source_));
   absl::Status s;
-  if (meta_.is_dead || meta_.tensor_bytes == 0) {
-    writes_left_ = 1;
-    s = ep->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(), imm, context);
-  } else {
-    // The last piece of each segment (one, unless the receiver asked for more) carries the
-    // immediate; pieces already posted when one is refused still complete.
-    auto* source = const_cast<uint8_t*>(static_cast<const uint8_t*>(source_));
-    const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes);
-    writes_left_ = 0;
-    for (uint64_t i = 0; i < segments && s.ok(); ++i) {
-      const uint64_t start = i * segment_bytes;
-      const uint64_t end = i + 1 == segments ? meta_.tensor_bytes : start + segment_bytes;
-      int posted = 0;
-      std::tie(posted, s) =
-          PostInPieces(end - start, [&](uint64_t offset, uint64_t len, bool last) {
-            fabric::LocalBuffer local{source_region_, source + start + offset, len};
-            fabric::RemoteBuffer remote{key, addr + start + offset, len};
-            return last ? ep->PostWriteWithImm(local, remote, imm, context)
-                        : ep->PostWrite(local, remote, context);
-          });
-      writes_left_ += posted;
-    }
+  while (posted_ < total && s.ok()) {
+    const uint64_t start = posted_;
+    const uint64_t end = std::min(total, start + unit);
+    if (end > ready) break;  // its bytes are still being staged
+    const bool imm_at_end = write_segment_ > 0 || end == total;
+    int posted = 0;
+    std::tie(posted, s) = PostInPieces(end - start, [&](uint64_t offset, uint64_t len, bool last) {
+      fabric::LocalBuffer local{source_region_, source + start + offset, len};
+      fabric::RemoteBuffer remote{write_key_, write_addr_ + start + offset, len};
+      return last && imm_at_end ? ep->PostWriteWithImm(local, remote, imm, context)
+                                : ep->PostWrite(local, remote, context);
+    });
+    writes_left_ += posted;
+    if (s.ok()) posted_ = end;
   }
   if (s.ok()) return;
-  if (writes_left_ > 0) {
+  if (writes_left_ > 0 || posted_ > 0) {
     channel_->Close(absl::UnavailableError(absl::StrCat(
         "content write to task ", channel_->peer_task(), " failed midway: ", s.message())));
     return;
@@ -277,6 +351,12 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
 
 bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
+  if (!staging_error_.ok()) {
+    // A part failed to stage: now that nothing reads the source any more, the receiver hears.
+    SendError(staging_error_);
+    return false;  // SendError finished the response
+  }
+  if (posted_ < meta_.tensor_bytes && !meta_.is_dead) return false;  // parts still staging
   ChannelEnv* env = channel_->env();
   if (env->options.mode == VerbsMode::kCopy && staging_.IsInitialized()) {
     side_->copy_buffers().Return(name(), std::move(staging_));

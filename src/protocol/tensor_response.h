@@ -6,6 +6,12 @@
 //   kWaitReRequest --RE_REQUEST: write content--> kWriting
 //   kWaitReRequest --no RE_REQUEST within the response timeout: ERROR_STATUS--> kDone
 //   kWriting --last write completed--> kDone
+//
+// A device tensor the fabric cannot reach is staged to host memory. Where the proxy path
+// moves in chunks (WorkerEnv::proxy_chunk_bytes), the response goes on at once with the
+// staging tensor and writes each part as soon as its device-to-host copy completed
+// (OnStaged), so the copies of later parts overlap the writes of earlier ones; a part that
+// fails to stage ends the response with ERROR_STATUS once the writes already posted completed.
 //   any --error: ERROR_STATUS, or Cancel--> kDone
 //
 // Any sender-side failure (bad key, stale incarnation, cleaned-up or aborted step,
@@ -49,6 +55,9 @@ class RdmaTensorResponse {
   void RecvReRequest(const Message& m);
   // One content write completed; true when the response is finished.
   bool OnWriteDone();
+  // Chunked staging: the first `staged_bytes` of the tensor are in host memory, or `status`
+  // says why the staging failed. True when the response is finished.
+  bool OnStaged(const absl::Status& status, uint64_t staged_bytes);
   // Stops waiting for the local tensor (channel closing).
   void Cancel();
   // Gives up waiting for the RE_REQUEST (the receiver did not ask for the content in time):
@@ -75,6 +84,13 @@ class RdmaTensorResponse {
   // Writes the content to `addr`, in segments of `segment_bytes` each ending with the
   // immediate where the receiver asked for them (Message::segment_bytes), else in one.
   void WriteContent(uint64_t addr, const fabric::RemoteKey& key, uint32_t segment_bytes);
+  // Posts the content writes whose bytes are staged (all of them unless staging in chunks).
+  void PostStagedWrites();
+  // Whether a device tensor is staged in chunks, and the callback that tells this response.
+  bool StagesInChunks() const;
+  RemoteRendezvous::StagedCallback TellStaged() const;
+  // The bytes of the source there to write.
+  uint64_t ready_bytes() const { return chunked_ ? staged_bytes_ : meta_.tensor_bytes; }
   // The requested key, for messages ("?" when it did not resolve).
   const std::string& name() const;
   // A message to the requester about this request (step and index filled in).
@@ -102,6 +118,15 @@ class RdmaTensorResponse {
   int writes_left_ = 0;
   absl::Time meta_sent_at_ = absl::InfiniteFuture();
   bool restaged_ = false;  // a device tensor the fabric cannot reach went to host staging
+  // Staging in chunks: how far it got, and why it stopped if it failed.
+  bool chunked_ = false;
+  uint64_t staged_bytes_ = 0;
+  absl::Status staging_error_;
+  // The content write: where, in what segments (0: one), and the bytes posted so far.
+  uint64_t write_addr_ = 0;
+  fabric::RemoteKey write_key_;
+  uint32_t write_segment_ = 0;
+  uint64_t posted_ = 0;
 };
 
 const char* ResponseStateName(RdmaTensorResponse::State state);

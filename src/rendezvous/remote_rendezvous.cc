@@ -1,9 +1,11 @@
 #include "src/rendezvous/remote_rendezvous.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -454,6 +456,104 @@ void RemoteRendezvous::StageToHostAsync(const std::string& key, const Tensor& va
     return;
   }
   StageToHost(env_, key, value, std::move(done));
+}
+
+namespace {
+
+// The chunks of one StageToHostInChunks in flight: completions may come in any order, and the
+// prefix they make whole is told in order, once each; the first failure ends the telling.
+class ChunkedStaging {
+ public:
+  ChunkedStaging(TransferStats* stats, uint64_t total, uint64_t chunk,
+                 RemoteRendezvous::StagedCallback on_staged)
+      : stats_(stats),
+        total_(total),
+        chunk_(chunk),
+        done_((total + chunk - 1) / chunk, false),
+        on_staged_(std::move(on_staged)) {}
+
+  void ChunkDone(size_t i, absl::Status s) {
+    absl::Status failure;
+    uint64_t staged = 0;
+    bool tell = false;
+    {
+      MutexLock lock(&mu_);
+      if (failed_) return;
+      if (!s.ok()) {
+        failed_ = true;
+        failure = std::move(s);
+        if (stats_) stats_->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        done_[i] = true;
+        const size_t before = next_;
+        while (next_ < done_.size() && done_[next_]) ++next_;
+        if (next_ == before) return;
+        staged = std::min<uint64_t>(next_ * chunk_, total_);
+        tell = true;
+        if (staged == total_) CountDeviceCopy(stats_, CopyDirection::kDeviceToHost, s, total_);
+      }
+    }
+    // Told outside the lock, one completion at a time: the copier runs them on its one thread.
+    if (!failure.ok()) {
+      on_staged_(failure, 0);
+    } else if (tell) {
+      on_staged_(absl::OkStatus(), staged);
+    }
+  }
+
+ private:
+  TransferStats* const stats_;
+  const uint64_t total_;
+  const uint64_t chunk_;
+  Mutex mu_;
+  std::vector<bool> done_ ABSL_GUARDED_BY(mu_);
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;  // chunks staged in order
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  const RemoteRendezvous::StagedCallback on_staged_;
+};
+
+}  // namespace
+
+absl::StatusOr<Tensor> RemoteRendezvous::StageToHostInChunks(const std::string& key,
+                                                             const Tensor& value,
+                                                             uint64_t chunk_bytes,
+                                                             StagedCallback on_staged) {
+  if (env_->device_copier == nullptr || !env_->device_copier->Handles(value.placement())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "send of '", key, "': the tensor is in ", value.placement().ToString(),
+        " memory the fabric cannot reach, and this task has no CUDA runtime driving that device "
+        "to stage it"));
+  }
+  absl::StatusOr<Tensor> staged =
+      Tensor::Allocate(env_->recv_allocator, value.dtype(), value.shape());
+  if (!staged.ok()) {
+    return absl::Status(staged.status().code(),
+                        absl::StrCat("staging '", key, "' from ", value.placement().ToString(),
+                                     " for a peer: ", staged.status().message()));
+  }
+  const uint64_t total = value.TotalBytes();
+  const uint64_t chunk = std::max<uint64_t>(chunk_bytes, 1);
+  auto state = std::make_shared<ChunkedStaging>(env_->stats, total, chunk, std::move(on_staged));
+  auto* dst = static_cast<uint8_t*>(staged->data());
+  const auto* src = static_cast<const uint8_t*>(value.data());
+  // Every copy is queued now: the copier runs them one after another on its device-to-host
+  // stream, and the first chunk's write need not wait for the last one's copy.
+  for (uint64_t begin = 0, i = 0; begin < total; begin += chunk, ++i) {
+    const uint64_t end = std::min(total, begin + chunk);
+    env_->device_copier->CopyAsync(
+        value.placement().device, dst + begin, src + begin, end - begin,
+        CopyDirection::kDeviceToHost, absl::StrCat(key, " (bytes ", begin, " to ", end, ")"),
+        [in_flight = CopyInFlight(env_->stats), state, i, source = value,
+         target = *staged](absl::Status s) mutable {
+          // Everything the completion holds goes before `in_flight` ends.
+          const CopyInFlight last = std::move(in_flight);
+          source.Clear();
+          target.Clear();
+          const std::shared_ptr<ChunkedStaging> chunks = std::move(state);
+          chunks->ChunkDone(static_cast<size_t>(i), std::move(s));
+        });
+  }
+  return *std::move(staged);
 }
 
 uint64_t RemoteRendezvous::RecvLocalAsync(KeyRef key, RecvDoneCallback done, bool keep_device) {

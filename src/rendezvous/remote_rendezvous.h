@@ -178,6 +178,15 @@ class RemoteRendezvous {
   // Copies the device tensor `value` into a pool tensor for a peer and runs `done` with it (on
   // the copier's thread), or with the reason it cannot. `key` names it in errors.
   void StageToHostAsync(const std::string& key, const Tensor& value, RecvDoneCallback done);
+  // Told, on the copier's thread, as a staging in chunks goes on: OK with the bytes staged so
+  // far (a prefix, growing), or the first failure, after which nothing more is told.
+  using StagedCallback = std::function<void(const absl::Status& status, uint64_t staged_bytes)>;
+  // As StageToHostAsync, in chunks of `chunk_bytes`: returns the pool tensor the device tensor
+  // `value` is copied into, at once, and tells `on_staged` of each prefix that is there, so
+  // that a protocol may send the first chunk while the next ones are copied. Fails at once
+  // (nothing copied) when there is no copier for `value` or no pool memory for the copy.
+  absl::StatusOr<Tensor> StageToHostInChunks(const std::string& key, const Tensor& value,
+                                             uint64_t chunk_bytes, StagedCallback on_staged);
   bool CancelLocalRecv(uint64_t token, const absl::Status& status);
 
   void StartAbort(const absl::Status& status);

@@ -131,7 +131,8 @@ TEST_P(ProtocolTest, ALargeDeviceTensorOnTheProxyPathGoesToTheDeviceInChunksAsIt
   EXPECT_EQ(server(0).stats().host_to_device.load(), transfers)
       << "one host-to-device copy of each tensor, however many parts it went in";
   EXPECT_EQ(server(0).stats().device_copied_bytes.load(), transfers * static_cast<int64_t>(kBytes));
-  EXPECT_EQ(server(1).stats().device_to_host.load(), transfers);
+  EXPECT_EQ(server(1).stats().device_to_host.load(), transfers)
+      << "one device-to-host copy of each tensor, however many parts it went in";
   // grpc+verbs writes into the receiver's proxy and can say which part landed: each chunk but
   // the last is an immediate of its own, and its copy may start at once (parts that landed
   // before the last copy started go in one copy). Other protocols land it whole.
@@ -141,9 +142,12 @@ TEST_P(ProtocolTest, ALargeDeviceTensorOnTheProxyPathGoesToTheDeviceInChunksAsIt
               transfers * static_cast<int64_t>(kChunks - 1));
     EXPECT_GE(copier.host_to_device(), transfers);
     EXPECT_LE(copier.host_to_device(), transfers * static_cast<int64_t>(kChunks));
+    // The sender stages it in chunks too, and writes each as its copy completes.
+    EXPECT_EQ(copier.device_to_host(), transfers * static_cast<int64_t>(kChunks));
   } else {
     EXPECT_EQ(verbs_stats(0).content_segments.load(), 0);
     EXPECT_EQ(copier.host_to_device(), transfers);
+    EXPECT_EQ(copier.device_to_host(), transfers);
   }
   EXPECT_EQ(server(0).stats().device_copy_errors.load(), 0);
   EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
@@ -164,9 +168,76 @@ TEST_P(ProtocolTest, ALargeDeviceTensorOnTheProxyPathGoesToTheDeviceInChunksAsIt
   EXPECT_FALSE(fails.tensor().IsInitialized());
   EXPECT_EQ(server(0).stats().device_copy_errors.load(), 1);
   EXPECT_EQ(server(0).stats().host_to_device.load(), transfers) << "a failed recv counts no copy";
+  // One part's device-to-host copy fails on the sender: the recv fails once with its error.
+  // Parts staged before it may have been written; none after it is.
+  copier.FailNext(CopyDirection::kDeviceToHost,
+                  absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
+  Tensor unstaged = DeviceTensor(gpu1, DataType::kFloat32, {kFloats}, 42, &host);
+  ASSERT_TRUE(Step(1, 5)->Send(Key(1, "big"), unstaged).ok());
+  PendingRecv staging_fails(*Step(0, 5), Key(1, "big"), to_gpu0);
+  ASSERT_TRUE(staging_fails.Wait());
+  EXPECT_EQ(staging_fails.status().code(), absl::StatusCode::kInternal) << staging_fails.status();
+  EXPECT_THAT(std::string(staging_fails.status().message()),
+              AllOf(HasSubstr("stand-in failure on cuda:1"), HasSubstr("big")));
+  EXPECT_EQ(staging_fails.calls(), 1);
+  // The same for a key the receiver has not received before: the failure may come before or
+  // after its RE_REQUEST, and either way ends only that recv.
+  copier.FailNext(CopyDirection::kDeviceToHost,
+                  absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
+  ASSERT_TRUE(Step(1, 5)->Send(Key(1, "fresh"), unstaged).ok());
+  PendingRecv fresh_fails(*Step(0, 5), Key(1, "fresh"), to_gpu0);
+  ASSERT_TRUE(fresh_fails.Wait());
+  EXPECT_EQ(fresh_fails.status().code(), absl::StatusCode::kInternal) << fresh_fails.status();
+  EXPECT_THAT(std::string(fresh_fails.status().message()), HasSubstr("fresh"));
+  EXPECT_EQ(fresh_fails.calls(), 1);
+  EXPECT_EQ(server(1).stats().device_copy_errors.load(), 2);
+  // (The tensor whose host-to-device copy failed was staged whole.)
+  EXPECT_EQ(server(1).stats().device_to_host.load(), transfers + 1)
+      << "a failed staging counts none";
   Tensor later = DeviceTensor(gpu1, DataType::kFloat32, {kFloats}, 41, &host);
-  ASSERT_NO_FATAL_FAILURE(DeviceRecv(5, "big", later, host, to_gpu0, &transfers));
+  ASSERT_NO_FATAL_FAILURE(DeviceRecv(6, "big", later, host, to_gpu0, &transfers));
   EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
+  EXPECT_EQ(verbs_stats(1).channel_errors.load(), 0);
+}
+
+TEST_P(ProtocolTest, TheSenderWritesAStagedChunkWhileTheNextAreStillOnTheirWayToHostMemory) {
+  if (!design().content_by_write || design().frames_content) {
+    GTEST_SKIP() << "only grpc+verbs writes a tensor in parts";
+  }
+  testing::StandInDeviceCopier& copier = UseStandInGpus(2);
+  testing::StandInDeviceAllocator& gpu0 = StandInGpu(0);
+  testing::StandInDeviceAllocator& gpu1 = StandInGpu(1);
+  constexpr uint64_t kChunk = 64 << 10;
+  constexpr int64_t kFloats = 16 * kChunk / 4;
+  StartCluster(2, [](ServerOptions& o) { o.proxy_chunk_bytes = kChunk; });
+  RecvArgs to_gpu0;
+  to_gpu0.allocator = &gpu0;
+  auto within = [](const std::function<bool()>& condition) {
+    for (int i = 0; i < 10000 && !condition(); ++i) absl::SleepFor(absl::Milliseconds(1));
+    return condition();
+  };
+  copier.Hold(CopyDirection::kDeviceToHost);
+  Tensor host;
+  Tensor sent = DeviceTensor(gpu1, DataType::kFloat32, {kFloats}, 9, &host);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "big"), sent).ok());
+  PendingRecv recv(*Step(0, 1), Key(1, "big"), to_gpu0);
+  ASSERT_TRUE(within([&] { return copier.held() == 16; })) << copier.held() << " chunks queued";
+  // Two chunks reach host memory; the other fourteen wait. The receiver sees the first two
+  // land (each its own segment) and copies them on to its device meanwhile.
+  copier.ReleaseHeld(2);
+  ASSERT_TRUE(within([&] { return verbs_stats(0).content_segments.load() == 2; }))
+      << verbs_stats(0).content_segments.load() << " segments landed";
+  EXPECT_TRUE(within([&] { return copier.host_to_device() >= 1; }))
+      << "a landed part goes to the device before the rest is even staged";
+  EXPECT_EQ(copier.held(), 14u);
+  EXPECT_EQ(recv.calls(), 0);
+  copier.ReleaseHeld(-1);
+  ASSERT_TRUE(recv.Wait());
+  ASSERT_TRUE(recv.status().ok()) << recv.status();
+  EXPECT_TRUE(SameBytes(recv.tensor(), host));
+  EXPECT_EQ(verbs_stats(0).content_segments.load(), 15);
+  EXPECT_EQ(server(1).stats().device_to_host.load(), 1);
+  EXPECT_EQ(server(0).stats().host_to_device.load(), 1);
 }
 
 TEST_P(ProtocolTest, DeviceCopyFailuresAndMisuseFailTheirRecvOnceWithTheReason) {

@@ -3,15 +3,17 @@
 // StandInDeviceCopier copies it with memcpy on a thread of its own, as a DeviceCopier must (never
 // inline), counting copies per direction and failing the ones a test asks it to. Together they
 // exercise the proxy path's bookkeeping (staging, proxies, copy counts, errors, callbacks) in
-// every protocol without CUDA.
+// every protocol without CUDA. A test may also hold the copies of one direction and let them run
+// one by one (Hold, ReleaseHeld), to see what a transfer does while its copies wait.
 //
-// Thread-safe. The copier's destructor finishes every copy it was given.
+// Thread-safe. The copier's destructor finishes every copy it was given, held ones too.
 #ifndef TENSORVERBS_TESTS_SUPPORT_STAND_IN_DEVICE_H_
 #define TENSORVERBS_TESTS_SUPPORT_STAND_IN_DEVICE_H_
 
 #include <atomic>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -46,6 +48,9 @@ class StandInDeviceCopier final : public DeviceCopier {
  public:
   // Copies for devices 0 .. devices-1.
   explicit StandInDeviceCopier(int devices = 1) : devices_(devices) {}
+  ~StandInDeviceCopier() override { ReleaseHeld(-1); }
+  StandInDeviceCopier(const StandInDeviceCopier&) = delete;
+  StandInDeviceCopier& operator=(const StandInDeviceCopier&) = delete;
 
   std::string Name() const override { return "stand-in copier"; }
   bool Handles(const MemoryPlacement& p) const override {
@@ -63,7 +68,8 @@ class StandInDeviceCopier final : public DeviceCopier {
         failures_.pop_front();
       }
     }
-    thread_.Schedule([this, dst, src, bytes, direction, outcome, done = std::move(done)]() mutable {
+    Executor::Task copy = [this, dst, src, bytes, direction, outcome,
+                           done = std::move(done)]() mutable {
       if (outcome.ok()) {
         if (bytes > 0) std::memcpy(dst, src, bytes);
         (direction == CopyDirection::kDeviceToHost   ? d2h_
@@ -72,7 +78,38 @@ class StandInDeviceCopier final : public DeviceCopier {
             .fetch_add(1);
       }
       std::move(done)(outcome);
-    });
+    };
+    {
+      MutexLock lock(&mu_);
+      if (holding_ && *holding_ == direction) {
+        held_.push_back(std::move(copy));
+        return;
+      }
+    }
+    thread_.Schedule(std::move(copy));
+  }
+
+  // Copies in `direction` wait from now on, in order, until ReleaseHeld lets them run.
+  void Hold(CopyDirection direction) {
+    MutexLock lock(&mu_);
+    holding_ = direction;
+  }
+  // Lets the first `n` held copies run; with n < 0 all of them, and holds no more.
+  void ReleaseHeld(int n) {
+    std::deque<Executor::Task> run;
+    {
+      MutexLock lock(&mu_);
+      if (n < 0) holding_.reset();
+      while (!held_.empty() && (n < 0 || static_cast<int>(run.size()) < n)) {
+        run.push_back(std::move(held_.front()));
+        held_.pop_front();
+      }
+    }
+    for (Executor::Task& copy : run) thread_.Schedule(std::move(copy));
+  }
+  size_t held() const {
+    MutexLock lock(&mu_);
+    return held_.size();
   }
 
   // The next copy in `direction` fails with `status` (its message gains device and key).
@@ -87,8 +124,10 @@ class StandInDeviceCopier final : public DeviceCopier {
  private:
   const int devices_;
   std::atomic<int64_t> d2h_{0}, h2d_{0}, d2d_{0};
-  Mutex mu_;
+  mutable Mutex mu_;
   std::deque<std::pair<CopyDirection, absl::Status>> failures_ ABSL_GUARDED_BY(mu_);
+  std::optional<CopyDirection> holding_ ABSL_GUARDED_BY(mu_);
+  std::deque<Executor::Task> held_ ABSL_GUARDED_BY(mu_);
   Executor thread_{"stand-in-gpu", 1};  // last: drained before the counters go
 };
 
