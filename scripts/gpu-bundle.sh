@@ -151,9 +151,19 @@ if [ "$what" != tests ] && [ "$what" != rdma ]; then
   echo "== [${SECONDS}s] bench p2p --device cuda: grpc+verbs direct (CUDA IPC), grpc through host memory"
   "$tv" bench p2p --device cuda --protocols grpc+verbs,grpc --sizes "$sizes" \
     --json "$out/p2p-cuda.json" || rc=1
+  # The proxy path against its slowest stage (D2H, the fabric write, H2D, all measured in this
+  # invocation), in chunks of the default TENSORVERBS_PROXY_CHUNK_KB.
   echo "== the same with TENSORVERBS_GPU_DIRECT=off: grpc+verbs over the proxy path"
   TENSORVERBS_GPU_DIRECT=off "$tv" bench p2p --device cuda --protocols grpc+verbs \
-    --sizes "$sizes" --no-baselines --json "$out/p2p-cuda-proxy.json" || rc=1
+    --sizes "$sizes" --json "$out/p2p-cuda-proxy.json" || rc=1
+  # Whole tensors (0: the stages one after another, as before the pipeline) and two other chunk
+  # sizes, to choose the default from.
+  for kb in 0 1024 16384; do
+    echo "== [${SECONDS}s] the proxy path with TENSORVERBS_PROXY_CHUNK_KB=$kb"
+    TENSORVERBS_PROXY_CHUNK_KB=$kb TENSORVERBS_GPU_DIRECT=off "$tv" bench p2p --device cuda \
+      --protocols grpc+verbs --sizes 1MiB,16MiB,64MiB,256MiB --no-baselines \
+      --json "$out/p2p-cuda-proxy-chunk$kb.json" || rc=1
+  done
   # Where a proxy recv's time goes: each recv's phases (Perfetto / chrome://tracing JSON, one
   # file per process), at a size where the stream falls short of its slowest stage.
   echo "== [${SECONDS}s] the proxy path traced at 1 and 16 MiB"
