@@ -127,6 +127,18 @@ class HeldObject {
   py::object object_;
 };
 
+// Gives back a reference taken with the GIL from a thread that may not take it (a progress
+// thread must never wait for it): the interpreter drops it at its next pending-calls check.
+// An interpreter that is going, or whose queue is full, keeps it: a leak, never a crash.
+int DecrefPending(void* object) {
+  Py_DECREF(static_cast<PyObject*>(object));
+  return 0;
+}
+void DecrefLater(PyObject* object) {
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+  (void)Py_AddPendingCall(DecrefPending, object);
+}
+
 // --- dtypes -------------------------------------------------------------------------------------
 
 DataType DataTypeOf(const py::dtype& dtype) {
@@ -384,6 +396,11 @@ class PyTask {
   const std::shared_ptr<Task>& task() const { return task_; }
   std::atomic<int64_t>& staged() { return staged_; }
   std::atomic<int64_t>& staged_bytes() { return staged_bytes_; }
+  // A recv into `out` that landed elsewhere (the same-host fabric) and was copied in.
+  void CountOutCopy(uint64_t bytes) {
+    out_copies_.fetch_add(1, std::memory_order_relaxed);
+    out_copied_bytes_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  }
 
   void WaitForPeers(double timeout) {
     absl::Status s;
@@ -426,6 +443,8 @@ class PyTask {
     d["copied_bytes"] = s.copied_bytes;
     d["staged"] = staged_.load(std::memory_order_relaxed);
     d["staged_bytes"] = staged_bytes_.load(std::memory_order_relaxed);
+    d["out_copies"] = out_copies_.load(std::memory_order_relaxed);
+    d["out_copied_bytes"] = out_copied_bytes_.load(std::memory_order_relaxed);
     // And every counter `tensorverbs stats` shows for the task, under the same names.
     for (const auto& [name, value] : task_->counters()) d[py::str(name)] = value;
     return d;
@@ -554,6 +573,8 @@ class PyTask {
   std::shared_ptr<Task> task_;
   std::atomic<int64_t> staged_{0};
   std::atomic<int64_t> staged_bytes_{0};
+  std::atomic<int64_t> out_copies_{0};
+  std::atomic<int64_t> out_copied_bytes_{0};
 };
 
 // --- RecvFuture ---------------------------------------------------------------------------------
@@ -714,6 +735,95 @@ class PyStep {
     return ValueOf(Start(src_task, name, device)->Received(timeout, Describe(src_task, name)));
   }
 
+  // The tensor, received into the caller's array `out` (writable, C-contiguous, of the
+  // tensor's dtype and shape) and returned as `out`. Where the fabric can write the array's
+  // memory (tcp, ibverbs) the bytes land there with no copy; elsewhere they are copied in once.
+  // The task holds a reference to `out` for as long as a peer may write it, so its memory
+  // stays valid whatever the caller does. A recv that fails waits for the task to let go of
+  // `out` (at most kOutGraceSeconds: the sender answers or the channel closes) before it
+  // raises; one that times out raises at once and, asked for still, may land in `out` later.
+  py::object RecvInto(const std::string& src_task, const std::string& name,
+                      std::optional<double> timeout, py::array out) {
+    Step& step = Live();
+    const std::string what = Describe(src_task, name);
+    if (!out.writeable()) throw py::value_error(what + ": `out` is read-only");
+    if ((out.flags() & py::array::c_style) == 0) {
+      throw py::value_error(what + ": `out` must be C-contiguous");
+    }
+    const DataType type = DataTypeOf(out.dtype());
+    if (type == DataType::kString) throw py::value_error(what + ": `out` cannot hold strings");
+    std::vector<int64_t> dims(out.shape(), out.shape() + out.ndim());
+    const TensorShape shape = ValueOrRaise(TensorShape::Create(dims));
+    struct Landing {
+      std::mutex mu;
+      std::condition_variable cv;
+      bool released = false;          // under mu: the task let go of `out`
+      bool done = false;              // under mu
+      absl::StatusOr<Tensor> result;  // written once before `done`
+    };
+    auto landing = std::make_shared<Landing>();
+    RecvOptions options;
+    if (out.nbytes() > 0) {
+      // The release may run on the task's progress thread, which must never wait for the GIL:
+      // it gives the reference back through the interpreter's pending calls.
+      PyObject* held = out.ptr();
+      Py_INCREF(held);
+      options.into = ValueOrRaise(
+          task_->task()->AdoptHostMemory(out.mutable_data(), type, shape, [landing, held] {
+            {
+              std::lock_guard<std::mutex> lock(landing->mu);
+              landing->released = true;
+            }
+            landing->cv.notify_all();
+            DecrefLater(held);
+          }));
+    } else {
+      landing->released = true;
+    }
+    Tensor into = options.into;
+    {
+      py::gil_scoped_release nogil;
+      step.RecvAsync(src_task, name, options, [landing](absl::StatusOr<Tensor> result) {
+        {
+          std::lock_guard<std::mutex> lock(landing->mu);
+          landing->result = std::move(result);
+          landing->done = true;
+        }
+        landing->cv.notify_all();
+      });
+      options.into = Tensor();
+    }
+    Landing* l = landing.get();
+    if (!WaitWithoutGil(
+            l->mu, l->cv, [l] { return l->done; }, DeadlineAfter(timeout))) {
+      Raise(absl::DeadlineExceededError(
+          absl::StrFormat("%s took over %g s; it is still asked for and may land in `out` later",
+                          what, timeout.value_or(0))));
+    }
+    absl::StatusOr<Tensor> result = std::move(l->result);
+    if (!result.ok()) {
+      into.Clear();  // the task holds it as long as the peer may write it
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lock(l->mu);
+      l->cv.wait_for(lock, std::chrono::seconds(kOutGraceSeconds), [l] { return l->released; });
+    }
+    if (!result.ok()) Raise(result.status());
+    const Tensor& got = *result;
+    if (got.SharesBufferWith(into)) return out;  // in place (in_place_recvs)
+    if (got.dtype() != type || got.shape() != shape) {
+      throw py::value_error(absl::StrCat(what, ": the tensor is ", DataTypeName(got.dtype()),
+                                         got.shape().DebugString(), ", `out` is ",
+                                         DataTypeName(type), shape.DebugString(),
+                                         "; nothing was written into `out`"));
+    }
+    if (got.TotalBytes() > 0) {
+      py::gil_scoped_release nogil;
+      std::memcpy(out.mutable_data(), got.data(), got.TotalBytes());
+    }
+    task_->CountOutCopy(got.TotalBytes());
+    return out;
+  }
+
   // Every recv of `keys` ((task, name) pairs) started at once and waited for together: their
   // values in order, or the first failure's error (by order), after all ended, or
   // DeadlineExceededError naming the first still waiting after `timeout` seconds.
@@ -837,6 +947,9 @@ class PyStep {
     return absl::StrCat("recv of '", name, "' from ", src_task, " in step ", id_);
   }
 
+  // How long a recv into `out` that failed waits for the task to let go of `out`.
+  static constexpr int kOutGraceSeconds = 10;
+
   std::shared_ptr<PyTask> task_;
   std::unique_ptr<Step> step_;
   int64_t id_ = 0;
@@ -938,6 +1051,8 @@ PYBIND11_MODULE(_tensorverbs, m) {
       .def("send_many", &tvp::PyStep::SendMany, py::arg("items"))
       .def("recv", &tvp::PyStep::Recv, py::arg("task"), py::arg("name"),
            py::arg("timeout") = py::none(), py::arg("device") = py::none())
+      .def("recv_into", &tvp::PyStep::RecvInto, py::arg("task"), py::arg("name"),
+           py::arg("timeout") = py::none(), py::arg("out"))
       .def("recv_async", &tvp::PyStep::RecvAsync, py::arg("task"), py::arg("name"),
            py::arg("device") = py::none())
       .def("recv_many", &tvp::PyStep::RecvMany, py::arg("keys"), py::arg("timeout") = py::none(),

@@ -320,14 +320,33 @@ class Step:
         TimeoutError) and the recv stays asked for. `device` as for recv."""
         return self._core.recv_async(task, name, _device_ordinal(device))
 
-    def recv(self, task, name, timeout=None, device=None):
+    def recv(self, task, name, timeout=None, device=None, out=None):
         """The tensor `task` sends under `name`: waits at most `timeout` seconds (None: the
         server's recv timeout). DeadlineExceededError after `timeout`; the recv stays asked
         for in this step, so receiving the same name again in this step fails. With `device`
         ("cuda", "cuda:N", an ordinal or a torch.device) the tensor lands in that GPU's memory
-        and comes as a DeviceTensor (torch.from_dlpack takes it without a copy)."""
-        return self._core.recv(task, name, None if timeout is None else float(timeout),
-                               _device_ordinal(device))
+        and comes as a DeviceTensor (torch.from_dlpack takes it without a copy).
+
+        With `out` (a writable, C-contiguous NumPy array or CPU torch tensor of the tensor's
+        dtype and shape) the tensor is received into `out`, which is returned. Over grpc+verbs
+        on a fabric that can write any memory (libfabric tcp, ibverbs) the bytes land in `out`
+        itself, with no copy (`stats()["in_place_recvs"]` counts them); elsewhere they are
+        copied in once (`out_copies`). Here `timeout` ends the recv itself; a recv that fails
+        may hold `out` until its sender answers: it raises once the task let go of `out`, or
+        after 10 s more, saying so, with `out` kept alive for the sender."""
+        timeout = None if timeout is None else float(timeout)
+        if out is None:
+            return self._core.recv(task, name, timeout, _device_ordinal(device))
+        if device is not None:
+            raise ValueError("recv: give `out` or `device`, not both (`out` is host memory)")
+        array = out
+        if not isinstance(out, _np.ndarray) and hasattr(out, "numpy"):
+            array = out.numpy()  # a CPU torch tensor: the same memory
+        if not isinstance(array, _np.ndarray):
+            raise TypeError(f"recv: `out` must be a NumPy array or a CPU torch tensor, not "
+                            f"{type(out).__name__}")
+        self._core.recv_into(task, name, timeout, array)
+        return out
 
     def recv_many(self, keys, timeout=None, device=None):
         """The tensors of `keys`, a list of (task, name) pairs, in order: all asked for at once

@@ -99,3 +99,17 @@ def test_tensors_dlpack_or_the_wire_cannot_carry_raise_clear_errors(verbs_pair):
             sending.send("worker:0", "grad", torch.ones(3, requires_grad=True))
         # A tensor that needs no gradient, or its detached value, goes.
         sending.send("worker:0", "detached", torch.ones(3, requires_grad=True).detach())
+
+
+def test_a_torch_tensor_is_received_into_as_out_and_returned(verbs_pair):
+    a, b = verbs_pair
+    with a.step(1) as receiving, b.step(1) as sending:
+        sent = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+        sending.send("worker:0", "t", sent)
+        out = torch.zeros(3, 4, dtype=torch.float64)
+        got = receiving.recv("worker:1", "t", timeout=20, out=out)
+        assert got is out
+        assert torch.equal(out, sent)
+        sending.send("worker:0", "u", sent)
+        with pytest.raises(ValueError, match=r"float64\[3,4\], `out` is int32\[3,4\]"):
+            receiving.recv("worker:1", "u", timeout=20, out=torch.zeros(3, 4, dtype=torch.int32))
