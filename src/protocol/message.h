@@ -41,6 +41,9 @@ inline constexpr size_t kMaxErrorMessageLength = 2048;  // longer messages are t
 // The smallest content segment a receiver may ask for: it bounds the immediates one tensor
 // costs (a segment is one more completion at the receiver).
 inline constexpr uint32_t kMinSegmentBytes = 64 << 10;
+// The most segments one tensor may be asked for in: a receiver asks for larger ones where its
+// chunks would make more, and a sender refuses more.
+inline constexpr uint64_t kMaxContentSegments = 16384;
 
 enum class MessageType : uint8_t {
   kTensorRequest = 1,     // receiver -> sender

@@ -244,8 +244,10 @@ void RdmaTensorRequest::AskForSegments(Message& m) {
     return;
   }
   const uint64_t kMaxSegment = uint64_t{1} << 31;
-  const auto segment =
-      static_cast<uint32_t>(std::clamp<uint64_t>(progress_bytes_, kMinSegmentBytes, kMaxSegment));
+  // No more than kMaxContentSegments, which the sender refuses.
+  const uint64_t fewest = (meta_.tensor_bytes + kMaxContentSegments - 1) / kMaxContentSegments;
+  const auto segment = static_cast<uint32_t>(
+      std::clamp<uint64_t>(std::max(progress_bytes_, fewest), kMinSegmentBytes, kMaxSegment));
   if (meta_.tensor_bytes <= segment) return;
   segment_bytes_ = segment;
   segments_left_ = ContentSegments(meta_.tensor_bytes, segment_bytes_);

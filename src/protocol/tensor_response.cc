@@ -93,6 +93,10 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   if (meta_.tensor_bytes == 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(source_region_,
                    env->TransferRegion(tensor.data(), meta_.tensor_bytes, &transient_));
+  if (chunked_ && source_region_ == nullptr) {
+    // Its chunks are still being copied in: a copy of it now would send what is not there yet.
+    return absl::InternalError("the tensor staged in chunks is outside the registered pool");
+  }
   const bool on_device = !tensor.placement().host_accessible();
   if (source_region_ != nullptr) {
     source_ = tensor.data();
@@ -144,9 +148,11 @@ bool RdmaTensorResponse::StagesInChunks() const {
   const ChannelEnv* env = channel_->env();
   // Zero copy only: copy mode lays the tensor out in a buffer of its own, and a checksum needs
   // every byte before META_DATA_RESPONSE.
+  // Pool registration only: the staging tensor is then registered already, so the writes
+  // read it where the copies land; a staged copy of it would take whatever is there yet.
   return env->worker != nullptr && env->worker->device_copier != nullptr &&
          env->worker->proxy_chunk_bytes > 0 && env->options.mode == VerbsMode::kZeroCopy &&
-         !env->options.data_validation;
+         !env->options.data_validation && env->options.registration == Registration::kPool;
 }
 
 RemoteRendezvous::StagedCallback RdmaTensorResponse::TellStaged() const {
@@ -165,6 +171,11 @@ RemoteRendezvous::StagedCallback RdmaTensorResponse::TellStaged() const {
 bool RdmaTensorResponse::OnStaged(const absl::Status& status, uint64_t staged_bytes) {
   if (!chunked_ || state_ == State::kDone) return false;
   if (!status.ok()) {
+    // Writing nothing (the receiver gave up and only the release goes) or all of it already:
+    // the failure changes nothing any more.
+    if (state_ == State::kWriting && (meta_.tensor_bytes == 0 || posted_ >= meta_.tensor_bytes)) {
+      return false;
+    }
     staging_error_ = status;
     if (state_ == State::kWriting && writes_left_ > 0) return false;  // OnWriteDone answers
     SendError(status);                                                // finishes the response
@@ -307,10 +318,19 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
     SendError(staging_error_);  // a part failed to stage before the receiver asked
     return;
   }
+  if (const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes);
+      segments > kMaxContentSegments) {
+    // Each segment is an immediate the receiver takes: a bound on what one tensor costs it.
+    SendError(absl::InvalidArgumentError(absl::StrCat("the receiver asked for ", segments,
+                                                      " segments of ", segment_bytes,
+                                                      " bytes, more than ", kMaxContentSegments)));
+    return;
+  }
   PostStagedWrites();
 }
 
 void RdmaTensorResponse::PostStagedWrites() {
+  if (!staging_error_.ok()) return;  // a part failed to stage: nothing more goes
   fabric::Endpoint* ep = channel_->endpoint();
   const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
   const uint32_t imm = request_.request_index;
@@ -351,7 +371,7 @@ void RdmaTensorResponse::PostStagedWrites() {
 
 bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
-  if (!staging_error_.ok()) {
+  if (!staging_error_.ok() && posted_ < meta_.tensor_bytes) {
     // A part failed to stage: now that nothing reads the source any more, the receiver hears.
     SendError(staging_error_);
     return false;  // SendError finished the response

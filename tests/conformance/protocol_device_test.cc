@@ -240,6 +240,31 @@ TEST_P(ProtocolTest, TheSenderWritesAStagedChunkWhileTheNextAreStillOnTheirWayTo
   EXPECT_EQ(server(0).stats().host_to_device.load(), 1);
 }
 
+TEST_P(ProtocolTest, UnderCopyRegistrationALargeDeviceTensorIsStagedWholeAndArrivesExactly) {
+  // A sender that copies its sources into registered staging (copy registration; per-transfer
+  // when a registration fails) must not copy a staging tensor whose chunks are still on their
+  // way: it stages the device tensor whole, as before chunks.
+  testing::StandInDeviceCopier& copier = UseStandInGpus(2);
+  testing::StandInDeviceAllocator& gpu0 = StandInGpu(0);
+  testing::StandInDeviceAllocator& gpu1 = StandInGpu(1);
+  constexpr uint64_t kChunk = 64 << 10;
+  StartCluster(2, [](ServerOptions& o) {
+    o.proxy_chunk_bytes = kChunk;
+    o.verbs.channel.registration = protocol::Registration::kCopy;
+  });
+  RecvArgs to_gpu0;
+  to_gpu0.allocator = &gpu0;
+  int64_t transfers = 0;
+  for (int64_t step = 1; step <= 2; ++step) {
+    Tensor host;
+    Tensor sent = DeviceTensor(gpu1, DataType::kFloat32, {int64_t{8} * kChunk / 4},
+                               static_cast<uint32_t>(step), &host);
+    ASSERT_NO_FATAL_FAILURE(DeviceRecv(step, "big", sent, host, to_gpu0, &transfers));
+  }
+  EXPECT_EQ(copier.device_to_host(), transfers) << "one whole copy per tensor";
+  EXPECT_EQ(server(1).stats().device_to_host.load(), transfers);
+}
+
 TEST_P(ProtocolTest, DeviceCopyFailuresAndMisuseFailTheirRecvOnceWithTheReason) {
   testing::StandInDeviceCopier& copier = UseStandInGpus(1);
   testing::StandInDeviceAllocator& gpu0 = StandInGpu(0);
