@@ -232,7 +232,7 @@ namespace tensorverbs::fabric {
 namespace {
 
 // libfabric's rxm layer would give every endpoint (one per channel) 64 MiB of receive bounce
-// buffers; the ofi backend asks for 256 of 8 KiB instead, unless the user set the variables.
+// buffers; the ofi backend asks for 256 of 2 KiB instead, unless the user set the variables.
 TEST(OfiRxmDefaultsTest, SmallReceiveBuffersUnlessTheUserSetThem) {
   setenv("FI_OFI_RXM_EAGER_LIMIT", "16384", /*overwrite=*/1);
   DomainOptions options;
@@ -241,7 +241,7 @@ TEST(OfiRxmDefaultsTest, SmallReceiveBuffersUnlessTheUserSetThem) {
   if (absl::IsUnavailable(d.status())) GTEST_SKIP() << d.status();
   ASSERT_TRUE(d.ok()) << d.status();
   ASSERT_NE(getenv("FI_OFI_RXM_BUFFER_SIZE"), nullptr);
-  EXPECT_STREQ(getenv("FI_OFI_RXM_BUFFER_SIZE"), "8192");
+  EXPECT_STREQ(getenv("FI_OFI_RXM_BUFFER_SIZE"), "2048");
   EXPECT_STREQ(getenv("FI_OFI_RXM_MSG_RX_SIZE"), "256");
   EXPECT_STREQ(getenv("FI_OFI_RXM_EAGER_LIMIT"), "16384") << "the user's value was overwritten";
 }
