@@ -152,44 +152,45 @@ TEST_P(ProtocolTest, ALargeDeviceTensorOnTheProxyPathGoesToTheDeviceInChunksAsIt
   EXPECT_EQ(server(0).stats().device_copy_errors.load(), 0);
   EXPECT_EQ(verbs_stats(0).channel_errors.load(), 0);
 
+  // The next copy in `direction` fails; the recv of `name` in `step` then fails once with its
+  // error, naming the key (and `device`, if given).
+  auto recv_failing = [&](CopyDirection direction, int64_t step, const std::string& name,
+                          const Tensor& sent, const std::string& device,
+                          std::unique_ptr<PendingRecv>* recv) {
+    copier.FailNext(direction,
+                    absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
+    ASSERT_TRUE(Step(1, step)->Send(Key(1, name), sent).ok());
+    *recv = std::make_unique<PendingRecv>(*Step(0, step), Key(1, name), to_gpu0);
+    ASSERT_TRUE((*recv)->Wait());
+    EXPECT_EQ((*recv)->status().code(), absl::StatusCode::kInternal) << (*recv)->status();
+    EXPECT_THAT(std::string((*recv)->status().message()), HasSubstr(name));
+    if (!device.empty()) {
+      EXPECT_THAT(std::string((*recv)->status().message()),
+                  HasSubstr("stand-in failure on " + device));
+    }
+    EXPECT_EQ((*recv)->calls(), 1);
+  };
   // One part's copy fails: the recv fails once, naming the key and the part, and the next
   // tensor arrives whole on the same channel.
-  copier.FailNext(CopyDirection::kHostToDevice,
-                  absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
   Tensor host;
   Tensor sent = DeviceTensor(gpu1, DataType::kFloat32, {kFloats}, 40, &host);
-  ASSERT_TRUE(Step(1, 4)->Send(Key(1, "big"), sent).ok());
-  PendingRecv fails(*Step(0, 4), Key(1, "big"), to_gpu0);
-  ASSERT_TRUE(fails.Wait());
-  EXPECT_EQ(fails.status().code(), absl::StatusCode::kInternal) << fails.status();
-  EXPECT_THAT(std::string(fails.status().message()),
-              AllOf(HasSubstr("stand-in failure on cuda:0"), HasSubstr("big")));
-  EXPECT_EQ(fails.calls(), 1);
-  EXPECT_FALSE(fails.tensor().IsInitialized());
+  std::unique_ptr<PendingRecv> fails;
+  ASSERT_NO_FATAL_FAILURE(
+      recv_failing(CopyDirection::kHostToDevice, 4, "big", sent, "cuda:0", &fails));
+  EXPECT_FALSE(fails->tensor().IsInitialized());
   EXPECT_EQ(server(0).stats().device_copy_errors.load(), 1);
   EXPECT_EQ(server(0).stats().host_to_device.load(), transfers) << "a failed recv counts no copy";
   // One part's device-to-host copy fails on the sender: the recv fails once with its error.
   // Parts staged before it may have been written; none after it is.
-  copier.FailNext(CopyDirection::kDeviceToHost,
-                  absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
   Tensor unstaged = DeviceTensor(gpu1, DataType::kFloat32, {kFloats}, 42, &host);
-  ASSERT_TRUE(Step(1, 5)->Send(Key(1, "big"), unstaged).ok());
-  PendingRecv staging_fails(*Step(0, 5), Key(1, "big"), to_gpu0);
-  ASSERT_TRUE(staging_fails.Wait());
-  EXPECT_EQ(staging_fails.status().code(), absl::StatusCode::kInternal) << staging_fails.status();
-  EXPECT_THAT(std::string(staging_fails.status().message()),
-              AllOf(HasSubstr("stand-in failure on cuda:1"), HasSubstr("big")));
-  EXPECT_EQ(staging_fails.calls(), 1);
+  std::unique_ptr<PendingRecv> staging_fails;
+  ASSERT_NO_FATAL_FAILURE(
+      recv_failing(CopyDirection::kDeviceToHost, 5, "big", unstaged, "cuda:1", &staging_fails));
   // The same for a key the receiver has not received before: the failure may come before or
   // after its RE_REQUEST, and either way ends only that recv.
-  copier.FailNext(CopyDirection::kDeviceToHost,
-                  absl::InternalError("CUDA cudaMemcpyAsync failed: stand-in failure"));
-  ASSERT_TRUE(Step(1, 5)->Send(Key(1, "fresh"), unstaged).ok());
-  PendingRecv fresh_fails(*Step(0, 5), Key(1, "fresh"), to_gpu0);
-  ASSERT_TRUE(fresh_fails.Wait());
-  EXPECT_EQ(fresh_fails.status().code(), absl::StatusCode::kInternal) << fresh_fails.status();
-  EXPECT_THAT(std::string(fresh_fails.status().message()), HasSubstr("fresh"));
-  EXPECT_EQ(fresh_fails.calls(), 1);
+  std::unique_ptr<PendingRecv> fresh_fails;
+  ASSERT_NO_FATAL_FAILURE(
+      recv_failing(CopyDirection::kDeviceToHost, 5, "fresh", unstaged, "", &fresh_fails));
   EXPECT_EQ(server(1).stats().device_copy_errors.load(), 2);
   // (The tensor whose host-to-device copy failed was staged whole.)
   EXPECT_EQ(server(1).stats().device_to_host.load(), transfers + 1)
