@@ -39,6 +39,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "tensorverbs/cluster_spec.h"
+#include "tensorverbs/event.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor.h"
 
@@ -91,6 +92,12 @@ struct RecvOptions {
   // still write into it, until the sender answers or the channel closes: the memory is the
   // caller's again only when `into`'s release has run.
   Tensor into;
+  // For RecvAsync: the callback only stores its result and notifies an Event (or does no more
+  // than that): it never blocks, never waits for the task and never calls back into it. Over
+  // grpc+verbs such a callback may run on whichever thread drives the task's progress, a thread
+  // waiting in Task::Wait included, with no hand-off to a callback thread. A callback that
+  // blocks despite the mark holds up every transfer of the task while it blocks.
+  bool quick_callback = false;
 };
 
 // The protocols this build provides, best first (the same function the server uses).
@@ -163,6 +170,15 @@ class Task {
   // this first (a DLPack producer asked for stream 1, the legacy default stream, orders its
   // work before it). Blocks the caller; FailedPrecondition without a CUDA runtime.
   absl::Status WaitForDeviceWork(int device);
+
+  // Waits until `event` is notified or `deadline` passes; whether it was notified. Over
+  // grpc+verbs the calling thread drives the task's transport while it waits: it polls the
+  // fabric and runs the protocol itself, and runs the callbacks of recvs started with
+  // RecvOptions::quick_callback that complete meanwhile, so the recv it waits for completes on
+  // this thread with no hand-off between threads. One thread drives at a time; others wait for
+  // it and take over when it leaves (TENSORVERBS_WAITER_PROGRESS=0: none drives, all sleep).
+  // Never call it from a recv callback. Step::Recv and WaitUntilSendsTaken wait this way.
+  bool Wait(Event& event, absl::Time deadline);
 
   TaskStats stats() const;
   // Every counter of this task as `tensorverbs stats` reports it (the channels' aside), by

@@ -83,22 +83,19 @@ absl::Time DeadlineAfter(const std::optional<double>& timeout) {
   return timeout.has_value() ? absl::Now() + Seconds(*timeout) : absl::InfiniteFuture();
 }
 
-// Waits, without the GIL, until `done()` holds under `mu` (signalled through `cv`) or
-// `deadline` passes; returns whether it holds. Every 50 ms it takes the GIL to let signals
-// through: Ctrl-C raises KeyboardInterrupt here (the recvs it waits for stay asked for).
-// std::mutex rather than absl::Mutex: one is made per recv, and Debian's abseil tracks every
-// absl::Mutex for deadlock detection, which costs more than the rest of a small recv here.
-template <typename Done>
-bool WaitWithoutGil(std::mutex& mu, std::condition_variable& cv, Done done, absl::Time deadline) {
+// Waits, without the GIL, until `event` is notified or `deadline` passes; returns whether it
+// was. Meanwhile the thread drives `task`'s progress (Task::Wait), so the recvs it waits for
+// complete on it. Every 50 ms it lets progress go and takes the GIL to let signals through:
+// Ctrl-C raises KeyboardInterrupt here (the recvs it waits for stay asked for, and another
+// thread drives the task from then on).
+bool WaitWithoutGil(Task& task, Event& event, absl::Time deadline) {
   while (true) {
-    bool held;
+    bool notified;
     {
       py::gil_scoped_release nogil;
-      std::unique_lock<std::mutex> lock(mu);
-      const absl::Time slice_end = std::min(deadline, absl::Now() + absl::Milliseconds(50));
-      held = cv.wait_until(lock, absl::ToChronoTime(slice_end), done);
+      notified = task.Wait(event, std::min(deadline, absl::Now() + absl::Milliseconds(50)));
     }
-    if (held) return true;
+    if (notified) return true;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
     if (absl::Now() >= deadline) return false;
   }
@@ -584,7 +581,7 @@ class PyTask {
 // the GIL to let them go, because its last reference may drop on the task thread.
 struct RecvState {
   std::mutex mu;
-  std::condition_variable cv;
+  Event event;        // notified once `done` is set
   bool done = false;  // under mu
   // Written once before `done` is set and read only after: needs no lock then.
   absl::StatusOr<Tensor> result;
@@ -603,7 +600,7 @@ struct RecvState {
       callbacks.swap(state->callbacks);
       future.swap(state->future);
     }
-    state->cv.notify_all();
+    state->event.Notify();
     if (callbacks.empty() || !Py_IsInitialized() || _Py_IsFinalizing()) return;
     py::gil_scoped_acquire gil;
     for (const auto& callback : callbacks) {
@@ -622,20 +619,20 @@ struct RecvState {
     return done;
   }
 
-  // Waits (GIL released, Ctrl-C let through) for the end, or raises DeadlineExceededError
-  // naming `what` after `timeout` seconds (None: no limit). With the GIL.
-  void Wait(const std::optional<double>& timeout, const std::string& what) {
-    if (Done()) return;
-    if (!WaitWithoutGil(
-            mu, cv, [this] { return done; }, DeadlineAfter(timeout))) {
+  // Waits (GIL released, `task`'s progress driven, Ctrl-C let through) for the end, or raises
+  // DeadlineExceededError naming `what` after `timeout` seconds (None: no limit). With the GIL.
+  void Wait(Task& task, const std::optional<double>& timeout, const std::string& what) {
+    if (event.HasBeenNotified()) return;
+    if (!WaitWithoutGil(task, event, DeadlineAfter(timeout))) {
       Raise(absl::DeadlineExceededError(
           absl::StrFormat("%s took over %g s", what, timeout.value_or(0))));
     }
   }
 
   // The received tensor once the recv ended, or raises its error (or the timeout's).
-  const Tensor& Received(const std::optional<double>& timeout, const std::string& what) {
-    Wait(timeout, what);
+  const Tensor& Received(Task& task, const std::optional<double>& timeout,
+                         const std::string& what) {
+    Wait(task, timeout, what);
     if (!result.ok()) Raise(result.status());
     return *result;
   }
@@ -649,20 +646,20 @@ struct RecvState {
 class RecvFuture : public std::enable_shared_from_this<RecvFuture> {
  public:
   // `what` names the recv in a timeout's message ("recv of 'x' from worker:1 in step 3").
-  RecvFuture(std::shared_ptr<RecvState> state, std::string what)
-      : state_(std::move(state)), what_(std::move(what)) {}
+  RecvFuture(std::shared_ptr<RecvState> state, std::string what, std::shared_ptr<PyTask> task)
+      : state_(std::move(state)), what_(std::move(what)), task_(std::move(task)) {}
 
   // The tensor, or raises the recv's error; DeadlineExceededError (a TimeoutError) after
   // `timeout` seconds, the recv still asked for.
   py::object Result(std::optional<double> timeout) {
-    const Tensor& tensor = state_->Received(timeout, what_);
+    const Tensor& tensor = state_->Received(*task_->task(), timeout, what_);
     if (!value_) value_ = ValueOf(tensor);  // result() may be called again
     return value_;
   }
 
   // The recv's error as an exception object, or None if it succeeded.
   py::object Exception(std::optional<double> timeout) {
-    state_->Wait(timeout, what_);
+    state_->Wait(*task_->task(), timeout, what_);
     return state_->result.ok() ? py::none() : ErrorOf(state_->result.status());
   }
 
@@ -691,6 +688,7 @@ class RecvFuture : public std::enable_shared_from_this<RecvFuture> {
  private:
   const std::shared_ptr<RecvState> state_;
   const std::string what_;
+  const std::shared_ptr<PyTask> task_;  // whose progress a wait drives
   py::object value_;
 };
 
@@ -725,14 +723,17 @@ class PyStep {
   // Starts the recv of `name` from `src_task`; the future ends once with its result.
   std::shared_ptr<RecvFuture> RecvAsync(const std::string& src_task, const std::string& name,
                                         std::optional<int> device) {
-    return std::make_shared<RecvFuture>(Start(src_task, name, device), Describe(src_task, name));
+    // Not a quick callback: done-callbacks added to the future run in it, with the GIL.
+    return std::make_shared<RecvFuture>(Start(src_task, name, device, /*quick=*/false),
+                                        Describe(src_task, name), task_);
   }
 
   // The tensor, waiting at most `timeout` seconds (None: the task's recv timeout).
   // `device`: into that GPU's memory (a DeviceTensor), else into host memory.
   py::object Recv(const std::string& src_task, const std::string& name,
                   std::optional<double> timeout, std::optional<int> device) {
-    return ValueOf(Start(src_task, name, device)->Received(timeout, Describe(src_task, name)));
+    return ValueOf(Start(src_task, name, device, /*quick=*/true)
+                       ->Received(*task_->task(), timeout, Describe(src_task, name)));
   }
 
   // The tensor, received into the caller's array `out` (writable, C-contiguous, of the
@@ -758,7 +759,7 @@ class PyStep {
       std::mutex mu;
       std::condition_variable cv;
       bool released = false;          // under mu: the task let go of `out`
-      bool done = false;              // under mu
+      Event done;                     // the recv ended
       absl::StatusOr<Tensor> result;  // written once before `done`
     };
     auto landing = std::make_shared<Landing>();
@@ -781,21 +782,17 @@ class PyStep {
       landing->released = true;
     }
     Tensor into = options.into;
+    options.quick_callback = true;
     {
       py::gil_scoped_release nogil;
       step.RecvAsync(src_task, name, options, [landing](absl::StatusOr<Tensor> result) {
-        {
-          std::lock_guard<std::mutex> lock(landing->mu);
-          landing->result = std::move(result);
-          landing->done = true;
-        }
-        landing->cv.notify_all();
+        landing->result = std::move(result);
+        landing->done.Notify();
       });
       options.into = Tensor();
     }
     Landing* l = landing.get();
-    if (!WaitWithoutGil(
-            l->mu, l->cv, [l] { return l->done; }, DeadlineAfter(timeout))) {
+    if (!WaitWithoutGil(*task_->task(), l->done, DeadlineAfter(timeout))) {
       Raise(absl::DeadlineExceededError(
           absl::StrFormat("%s took over %g s; it is still asked for and may land in `out` later",
                           what, timeout.value_or(0))));
@@ -830,11 +827,13 @@ class PyStep {
   py::list RecvMany(const std::vector<std::pair<std::string, std::string>>& keys,
                     std::optional<double> timeout, std::optional<int> device) {
     Step& step = Live();
+    if (keys.empty()) return py::list();
     RecvOptions options;
     options.allocator = task_->RecvAllocator(device);
+    options.quick_callback = true;
     struct Batch {
       std::mutex mu;
-      std::condition_variable cv;
+      Event all_ended;
       size_t left = 0;                              // under mu
       std::vector<bool> ended;                      // under mu
       std::vector<absl::StatusOr<Tensor>> results;  // each written once, before `left` drops
@@ -856,13 +855,12 @@ class PyStep {
                            batch->ended[i] = true;
                            last = --batch->left == 0;
                          }
-                         if (last) batch->cv.notify_all();
+                         if (last) batch->all_ended.Notify();
                        });
       }
     }
     Batch* b = batch.get();
-    if (!WaitWithoutGil(
-            b->mu, b->cv, [b] { return b->left == 0; }, deadline)) {
+    if (!WaitWithoutGil(*task_->task(), b->all_ended, deadline)) {
       std::lock_guard<std::mutex> lock(b->mu);
       const size_t first = std::find(b->ended.begin(), b->ended.end(), false) - b->ended.begin();
       Raise(absl::DeadlineExceededError(absl::StrFormat(
@@ -930,11 +928,14 @@ class PyStep {
   }
 
   // Starts the recv; the task ends the state once.
+  // `quick`: nobody can add done-callbacks (a blocking recv's), so the callback only stores the
+  // tensor and wakes the waiter, wherever the task's progress runs.
   std::shared_ptr<RecvState> Start(const std::string& src_task, const std::string& name,
-                                   std::optional<int> device) {
+                                   std::optional<int> device, bool quick) {
     Step& step = Live();
     RecvOptions options;
     options.allocator = task_->RecvAllocator(device);
+    options.quick_callback = quick;
     auto state = std::make_shared<RecvState>();
     py::gil_scoped_release nogil;
     step.RecvAsync(src_task, name, options, [state](absl::StatusOr<Tensor> result) {

@@ -384,6 +384,10 @@ absl::StatusOr<Tensor> Task::AdoptHostMemory(void* data, DataType dtype, const T
   return AdoptMemory(MemoryPlacement::Host(), data, dtype, shape, std::move(release));
 }
 
+bool Task::Wait(Event& event, absl::Time deadline) {
+  return impl_->server->DriveUntil(event, deadline);
+}
+
 absl::Status Task::WaitForDeviceWork(int device) {
   return impl_->server->WaitForDeviceWork(device);
 }
@@ -446,6 +450,7 @@ void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, const RecvOpt
   args.expected_dtype = options.expected_dtype;
   args.expected_shape = options.expected_shape;
   args.into = options.into;
+  args.quick_callback = options.quick_callback;
   rendezvous.RecvAsync(
       key, args,
       [done = std::move(done)](const absl::Status& status, const Tensor& tensor, bool is_dead) {
@@ -536,21 +541,22 @@ absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view 
 absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view name,
                                   const RecvOptions& options) {
   const absl::Duration timeout = options.timeout;
-  // Shared with the callback, which may run after a timed-out Recv returned.
+  const absl::Time deadline =
+      timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+  // Shared with the callback, which may run after a timed-out Recv returned. The result is
+  // written before the event is notified and read only after it was.
   struct State {
-    Mutex mu;
-    bool done ABSL_GUARDED_BY(mu) = false;
-    absl::StatusOr<Tensor> result ABSL_GUARDED_BY(mu);
+    Event event;
+    absl::StatusOr<Tensor> result;
   };
   auto state = std::make_shared<State>();
-  RecvAsync(src_task, name, options, [state](absl::StatusOr<Tensor> result) {
-    MutexLock lock(&state->mu);
+  RecvOptions quick = options;
+  quick.quick_callback = true;
+  RecvAsync(src_task, name, quick, [state](absl::StatusOr<Tensor> result) {
     state->result = std::move(result);
-    state->done = true;
+    state->event.Notify();
   });
-  MutexLock lock(&state->mu);
-  if (!state->mu.AwaitWithTimeout(
-          [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(state->mu) { return state->done; }, timeout)) {
+  if (!impl_->task->server->DriveUntil(state->event, deadline)) {
     return absl::DeadlineExceededError(absl::StrCat("recv of '", name, "' from ", src_task,
                                                     " in step ", impl_->id, " took over ",
                                                     absl::FormatDuration(timeout)));
@@ -559,17 +565,17 @@ absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view 
 }
 
 absl::Status Step::WaitUntilSendsTaken(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (true) {
-    const size_t left = impl_->rendezvous->NumPendingSends();
-    if (left == 0) return absl::OkStatus();
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(left, " tensors sent in step ", impl_->id,
-                                                      " were not taken by their peers within ",
-                                                      absl::FormatDuration(timeout)));
-    }
-    absl::SleepFor(absl::Milliseconds(1));
-  }
+  const absl::Time deadline =
+      timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+  // Peers take the sends through this task's progress, which this thread drives meanwhile.
+  auto taken = std::make_shared<Event>();
+  impl_->rendezvous->NotifyWhenSendsTaken(taken);
+  if (impl_->task->server->DriveUntil(*taken, deadline)) return absl::OkStatus();
+  const size_t left = impl_->rendezvous->NumPendingSends();
+  if (left == 0) return absl::OkStatus();
+  return absl::DeadlineExceededError(absl::StrCat(left, " tensors sent in step ", impl_->id,
+                                                  " were not taken by their peers within ",
+                                                  absl::FormatDuration(timeout)));
 }
 
 }  // namespace tensorverbs

@@ -180,6 +180,7 @@ const std::vector<std::string>& Config::KnownVariables() {
       "TENSORVERBS_POOL_REGION_MB",
       "TENSORVERBS_CALLBACK_THREADS",
       "TENSORVERBS_INLINE_CALLBACK_US",
+      "TENSORVERBS_WAITER_PROGRESS",
       "TENSORVERBS_MALLOC_TUNING",
       "TENSORVERBS_MALLOC_TRIM_MB",
       "TENSORVERBS_OFI_PROVIDER",
@@ -270,6 +271,9 @@ absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::
                    ParseInt(env, "TENSORVERBS_INLINE_CALLBACK_US", 0, 1000000,
                             absl::ToInt64Microseconds(config.inline_callback_limit)));
   config.inline_callback_limit = absl::Microseconds(inline_us);
+  ASSIGN_OR_RETURN(int64_t waiter_progress,
+                   ParseInt(env, "TENSORVERBS_WAITER_PROGRESS", 0, 1, config.waiter_progress));
+  config.waiter_progress = waiter_progress == 1;
   ASSIGN_OR_RETURN(int64_t tuning,
                    ParseInt(env, "TENSORVERBS_MALLOC_TUNING", 0, 1, config.malloc_tuning));
   config.malloc_tuning = tuning == 1;

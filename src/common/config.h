@@ -87,6 +87,11 @@ struct Config {
   // moves to a new thread and callbacks go to the callback threads from then on. 0 .. 1000000,
   // default 1000; 0 always hands them over.
   absl::Duration inline_callback_limit = absl::Milliseconds(1);
+  // TENSORVERBS_WAITER_PROGRESS: 1 (default) lets a thread that waits for a recv (a blocking
+  // recv, a future's or a work's wait) drive grpc+verbs's progress itself while it waits, so
+  // the recv completes on it with no hand-off between threads; 0 leaves progress to the progress
+  // thread alone, and the waiter sleeps until it is woken.
+  bool waiter_progress = true;
 
   // TENSORVERBS_MALLOC_TUNING: 1 (default) lets Server raise glibc's heap trim threshold so
   // large transfers do not fault fresh pages each time (see common/malloc_tuning.h); 0 leaves

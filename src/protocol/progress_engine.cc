@@ -19,7 +19,6 @@
 namespace tensorverbs::protocol {
 namespace {
 
-constexpr size_t kPollBatch = 64;
 // How many looks in a row (a limit apart) the watcher lets a callback keep the loop while its
 // thread could run (see WatchCallbacks).
 constexpr int kRunnableLooks = 50;
@@ -43,6 +42,29 @@ bool ThreadCouldRun(pid_t tid) {
   if (end == nullptr || end[1] != ' ') return true;
   return end[2] == 'R';
 }
+
+// Whether two sleeps would poll the same fds for the same events.
+bool SameFds(const std::vector<pollfd>& a, const std::vector<pollfd>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].fd != b[i].fd || a[i].events != b[i].events) return false;
+  }
+  return true;
+}
+
+// The fds of a sleep that did not happen (or whose wake-ups another thread takes): FinishSleep
+// drains nothing for them.
+void ClearRevents(std::vector<pollfd>* fds) {
+  for (pollfd& f : *fds) f.revents = 0;
+}
+
+// How many turns a waiter that leaves runs, at most, while a transfer it set off is still in
+// flight (the write of an acknowledgement): each completes within a turn or two, and finishing
+// it here spares the progress thread a wake-up.
+constexpr int kDrainTurns = 8;
+// One gap longer than this counts as this long in the average: a pause between training steps
+// should not teach the owner never to spin again.
+constexpr double kMaxLearnedGapUs = 2000;
 
 }  // namespace
 
@@ -106,6 +128,37 @@ namespace {
 thread_local const ProgressEngine* inline_callbacks_of = nullptr;
 }  // namespace
 
+// A thread in DriveUntil: what Notify of its event wakes, and its place among the waiters parked
+// for progress.
+struct ProgressEngine::WaitSlot final : Event::Waker {
+  enum Mode : int { kRunning, kParked, kInDomain };
+
+  explicit WaitSlot(ProgressEngine* e) : engine(e), thread(std::this_thread::get_id()) {}
+
+  void Wake() override {
+    // Both sides store, then load (sequentially consistent): either the waiter sees `woken`
+    // before it sleeps, or this sees where it sleeps.
+    woken.store(true);
+    const int m = mode.load();
+    if (m == kInDomain) {
+      engine->domain_->Interrupt();
+    } else if (m == kParked) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_one();
+    }
+  }
+
+  ProgressEngine* const engine;
+  const std::thread::id thread;
+  std::atomic<int> mode{kRunning};
+  std::atomic<bool> woken{false};
+  // Set, under the engine's own_mu_, by the owner that hands progress to this waiter.
+  std::atomic<bool> handed{false};
+  std::mutex mu;  // parks with cv; taken after own_mu_ where both are
+  std::condition_variable cv;
+  WaitSlot* next_parked = nullptr;  // guarded by the engine's own_mu_
+};
+
 ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Options options,
                                Hooks hooks)
     : domain_(domain),
@@ -132,8 +185,8 @@ bool ProgressEngine::InInlineCallback() const { return inline_callbacks_of == th
 
 bool ProgressEngine::Post(Task& task) {
   if (OnLoopThread()) {
-    // On the loop thread (a completion, a task, or an inline user callback): no lock and no
-    // wake-up, just later in this turn of the loop.
+    // On the owner of progress (a completion, a task, or a quick callback): no lock and no
+    // wake-up, just later in this turn.
     deferred_.push_back(std::move(task));
     return true;
   }
@@ -159,10 +212,30 @@ void ProgressEngine::DeliverRecv(RecvDelivery delivery) {
 bool ProgressEngine::HandOffCallbacks(Seat* seat) {
   if (deliveries_.empty()) return true;
   if (executor_->runs_inline()) {
-    for (RecvDelivery& d : deliveries_) std::move(d.done)(d.status, d.tensor, d.is_dead);
-    deliveries_.clear();
+    // A callback may deliver more (into deliveries_), so the turn's run from a vector of their
+    // own; deliveries_ keeps its capacity in the swap.
+    quick_.swap(deliveries_);
+    for (RecvDelivery& d : quick_) std::move(d.done)(d.status, d.tensor, d.is_dead);
+    quick_.clear();
     return true;
   }
+  // Quick callbacks run here, on whoever drives: they only store an outcome and wake its waiter,
+  // which is often this very thread.
+  size_t kept = 0;
+  for (size_t i = 0; i < deliveries_.size(); ++i) {
+    if (deliveries_[i].quick) {
+      quick_.push_back(std::move(deliveries_[i]));
+    } else {
+      if (kept != i) deliveries_[kept] = std::move(deliveries_[i]);
+      ++kept;
+    }
+  }
+  deliveries_.erase(deliveries_.begin() + static_cast<ptrdiff_t>(kept), deliveries_.end());
+  if (!quick_.empty()) {
+    for (RecvDelivery& d : quick_) std::move(d.done)(d.status, d.tensor, d.is_dead);
+    quick_.clear();
+  }
+  if (deliveries_.empty()) return true;
   DeliveryBatch* batch = nullptr;
   if (!spare_batches_->queue.TryPop(&batch)) batch = new DeliveryBatch();
   batch->items.swap(deliveries_);  // deliveries_ takes the batch's empty vector and capacity
@@ -266,6 +339,11 @@ void ProgressEngine::MoveLoop() {
       left = std::move(loops_.back());
       loops_.pop_back();
     }
+    {
+      // The left thread owned progress: a parked waiter, or the new loop thread, takes it on.
+      std::lock_guard<std::mutex> own(own_mu_);
+      HandOnLocked();
+    }
     // Even while stopping: the new loop runs what was posted and ends, where the old one could
     // not until the callback returns.
     current_seat_ = std::make_shared<Seat>();
@@ -296,68 +374,204 @@ bool ProgressEngine::RunDeferred() {
   return ran;
 }
 
+ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
+  turns_.store(turns_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  bool active = false;
+  auto at = [this](const char* phase) { phase_.store(phase, std::memory_order_relaxed); };
+  at("taking posted tasks");
+  if (has_tasks_.load(std::memory_order_acquire)) {
+    MutexLock lock(&mu_);
+    if (tasks_.empty() && stopping_) return TurnResult::kStop;
+    posted_batch_.swap(tasks_);
+    // While stopping, keep looking until the queue is empty.
+    has_tasks_.store(stopping_, std::memory_order_relaxed);
+  }
+  at("a posted task");
+  for (Task& task : posted_batch_) {
+    std::move(task)();
+    active = true;
+  }
+  posted_batch_.clear();
+  active |= RunDeferred();
+  at("polling the fabric (Domain::Poll)");
+  absl::StatusOr<size_t> n = domain_->Poll(absl::MakeSpan(completions_));
+  if (!n.ok()) {
+    if (n.status() != last_poll_error_) {
+      LOG(ERROR) << "grpc+verbs: polling failed: " << n.status();
+    }
+    last_poll_error_ = n.status();
+  } else if (*n > 0) {
+    active = true;
+    at("handling a completion");
+    for (size_t i = 0; i < *n; ++i) hooks_.on_completion(completions_[i]);
+    RunDeferred();
+  }
+  const absl::Time coarse = CoarseNow();
+  if (coarse >= next_housekeeping_) {
+    at("housekeeping (timeouts, reaping)");
+    hooks_.housekeeping(absl::Now());
+    RunDeferred();
+    next_housekeeping_ = coarse + options_.housekeeping_interval;
+  }
+  if (!deliveries_.empty()) {
+    // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
+    // protocol's own work on a small tensor. Named, because with inline callbacks the user's
+    // code runs here, and a stall report must not blame the step before it.
+    at(executor_->runs_inline() || (seat != nullptr && RunsCallbacksInline())
+           ? "a recv callback run inline"
+           : "handing recv callbacks on");
+    if (!HandOffCallbacks(seat)) return TurnResult::kLeft;  // the loop moved on without it
+    active = true;
+  }
+  return active ? TurnResult::kActive : TurnResult::kIdle;
+}
+
+absl::Duration ProgressEngine::SpinBound(bool awaiting) const {
+  const absl::Duration cap =
+      awaiting ? std::max(options_.poll_spin, options_.awaiting_spin) : options_.poll_spin;
+  if (gap_us_ <= 0) return cap;  // nothing learned yet
+  const double cap_us = absl::ToDoubleMicroseconds(cap);
+  // Work that comes later than the cap, on average, is not worth a spin at all: the thread
+  // sleeps at once and leaves the core to whoever will produce it.
+  if (gap_us_ > cap_us) return absl::ZeroDuration();
+  return std::min(cap, absl::Microseconds(2 * gap_us_ + 2));
+}
+
+void ProgressEngine::LearnGap(absl::Duration gap) {
+  const double us = std::min(absl::ToDoubleMicroseconds(gap), kMaxLearnedGapUs);
+  gap_us_ = gap_us_ <= 0 ? us : gap_us_ + (us - gap_us_) / 8;
+}
+
+bool ProgressEngine::NeedsDriver() const {
+  return has_tasks_.load() || !deferred_.empty() || !deliveries_.empty() ||
+         hooks_.operations_in_flight();
+}
+
+void ProgressEngine::TakeForLoop(std::unique_lock<std::mutex>& lock) {
+  while (owner_ != Owner::kNobody) {
+    loop_parked_ = true;
+    loop_cv_.wait(lock);
+  }
+  loop_parked_ = false;
+  owner_ = Owner::kLoop;
+  loop_sleep_ = LoopSleep::kAwake;
+  loop_thread_id_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+}
+
+bool ProgressEngine::HandOnLocked() {
+  loop_thread_id_.store(std::thread::id(), std::memory_order_relaxed);
+  // After Stop the progress thread's last turn runs what is left: no waiter takes over then.
+  if (parked_ != nullptr && !stop_requested_.load()) {
+    WaitSlot* next = parked_;
+    parked_ = next->next_parked;
+    next->next_parked = nullptr;
+    owner_ = Owner::kWaiter;
+    loop_thread_id_.store(next->thread, std::memory_order_relaxed);
+    next->handed.store(true);
+    std::lock_guard<std::mutex> slot_lock(next->mu);
+    next->cv.notify_one();
+    return true;
+  }
+  owner_ = Owner::kNobody;
+  if (loop_parked_) loop_cv_.notify_one();
+  return false;
+}
+
+void ProgressEngine::YieldToWaiters() {
+  std::unique_lock<std::mutex> lock(own_mu_);
+  if (parked_ == nullptr || stop_requested_.load()) return;  // they left already
+  HandOnLocked();
+  TakeForLoop(lock);  // parks until the waiters let go
+}
+
+void ProgressEngine::SleepInDomain() {
+  phase_.store("waiting for the fabric (Domain::Wait)", std::memory_order_relaxed);
+  sleep_fds_.clear();
+  // Until housekeeping is due by the coarse clock, which lags the fine one that times the wait by
+  // up to one grain: a wait that ends on time would find it not yet due and nap again and again
+  // in short slices until the clock ticks, which made an idle task wake about 575 times a second
+  // instead of 50. Housekeeping runs at most a grain late.
+  absl::Duration timeout =
+      std::max(next_housekeeping_ - CoarseNow(), absl::ZeroDuration()) + CoarseClockGrain();
+  absl::StatusOr<bool> may_sleep = domain_->PrepareToSleep(&sleep_fds_, &timeout);
+  if (!may_sleep.ok() || !*may_sleep || timeout <= absl::ZeroDuration()) {
+    if (!may_sleep.ok() && may_sleep.status() != last_poll_error_) {
+      LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << may_sleep.status();
+      last_poll_error_ = may_sleep.status();
+    }
+    ClearRevents(&sleep_fds_);
+    domain_->FinishSleep(sleep_fds_);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(own_mu_);
+    if (parked_ != nullptr || stop_requested_.load()) {
+      // A waiter wants progress (the next turn hands it over), or the loop is to stop.
+      ClearRevents(&sleep_fds_);
+      domain_->FinishSleep(sleep_fds_);
+      return;
+    }
+    // Armed, and then let go: a waiter that comes while this thread sleeps takes progress over
+    // without waking it.
+    armed_fds_ = sleep_fds_;
+    owner_ = Owner::kNobody;
+    loop_sleep_ = LoopSleep::kArmed;
+    loop_thread_id_.store(std::thread::id(), std::memory_order_relaxed);
+    sleeping_.store(true);
+  }
+  bool work;
+  {
+    MutexLock lock(&mu_);
+    work = !tasks_.empty() || stopping_;
+  }
+  if (work) {
+    ClearRevents(&sleep_fds_);
+  } else {
+    const timespec ts = absl::ToTimespec(timeout);
+    if (ppoll(sleep_fds_.data(), sleep_fds_.size(), &ts, nullptr) < 0) {
+      ClearRevents(&sleep_fds_);
+    }
+  }
+  std::unique_lock<std::mutex> lock(own_mu_);
+  if (loop_sleep_ == LoopSleep::kArmed) {
+    // Nobody came (or a waiter came, went, and armed the domain again for this sleep).
+    sleeping_.store(false);
+    owner_ = Owner::kLoop;
+    loop_sleep_ = LoopSleep::kAwake;
+    loop_thread_id_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+    lock.unlock();
+    domain_->FinishSleep(sleep_fds_);
+    return;
+  }
+  // A waiter took progress and the arming over; it finished the sleep already.
+  loop_sleep_ = LoopSleep::kAwake;
+  TakeForLoop(lock);
+}
+
 void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
   seat->tid.store(static_cast<pid_t>(syscall(SYS_gettid)), std::memory_order_relaxed);
-  fabric::Completion completions[kPollBatch];
-  absl::Time next_housekeeping = CoarseNow();
-  // The first idle turn after the last activity (adaptive mode); the fine clock is read only
-  // on idle turns, so a busy loop pays for no clock reads but the coarse one.
-  absl::Time idle_since = absl::InfiniteFuture();
-  std::vector<Task> batch;
-  absl::Status last_poll_error;
-  loop_thread_id_.store(std::this_thread::get_id());
   // The kernel lets a sleeping thread's timer fire up to its slack late (50 us by default), which
   // doubles a 50 us nap of a provider without a wait object; this thread's naps are meant.
   prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
   prctl(PR_SET_NAME, "tv-progress", 0UL, 0UL, 0UL);  // for top -H, gdb and tests
-  auto at = [this](const char* phase) { phase_.store(phase, std::memory_order_relaxed); };
+  {
+    std::unique_lock<std::mutex> lock(own_mu_);
+    TakeForLoop(lock);
+  }
+  // The first idle turn after the last activity (adaptive mode); the fine clock is read only
+  // on idle turns, so a busy loop pays for no clock reads but the coarse one.
+  absl::Time idle_since = absl::InfiniteFuture();
   while (true) {
-    turns_.store(turns_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    bool active = false;
-    at("taking posted tasks");
-    if (has_tasks_.load(std::memory_order_acquire)) {
-      MutexLock lock(&mu_);
-      if (tasks_.empty() && stopping_) break;
-      batch.swap(tasks_);
-      // While stopping, keep looking until the queue is empty.
-      has_tasks_.store(stopping_, std::memory_order_relaxed);
+    const TurnResult result = Turn(seat.get());
+    if (result == TurnResult::kLeft) return;  // the loop moved on without this thread
+    if (result == TurnResult::kStop) break;
+    if (handoff_wanted_.load(std::memory_order_relaxed) > 0) {
+      YieldToWaiters();
+      idle_since = absl::InfiniteFuture();
+      continue;
     }
-    at("a posted task");
-    for (Task& task : batch) {
-      std::move(task)();
-      active = true;
-    }
-    batch.clear();
-    active |= RunDeferred();
-    at("polling the fabric (Domain::Poll)");
-    absl::StatusOr<size_t> n = domain_->Poll(absl::MakeSpan(completions));
-    if (!n.ok()) {
-      if (n.status() != last_poll_error) LOG(ERROR) << "grpc+verbs: polling failed: " << n.status();
-      last_poll_error = n.status();
-    } else if (*n > 0) {
-      active = true;
-      at("handling a completion");
-      for (size_t i = 0; i < *n; ++i) hooks_.on_completion(completions[i]);
-      RunDeferred();
-    }
-    const absl::Time coarse = CoarseNow();
-    if (coarse >= next_housekeeping) {
-      at("housekeeping (timeouts, reaping)");
-      hooks_.housekeeping(absl::Now());
-      RunDeferred();
-      next_housekeeping = coarse + options_.housekeeping_interval;
-    }
-    if (!deliveries_.empty()) {
-      // One hand-off for the turn's callbacks: a wake-up per callback costs more than the
-      // protocol's own work on a small tensor. Named, because with inline callbacks the user's
-      // code runs here, and a stall report must not blame the step before it.
-      at(executor_->runs_inline() || RunsCallbacksInline()
-             ? "a recv callback run inline"
-             : "handing recv callbacks to the executor");
-      if (!HandOffCallbacks(seat.get())) return;  // the loop moved on without this thread
-      active = true;
-    }
-    if (active) {
+    if (result == TurnResult::kActive) {
+      if (idle_since != absl::InfiniteFuture()) LearnGap(absl::Now() - idle_since);
       idle_since = absl::InfiniteFuture();
       continue;
     }
@@ -372,9 +586,8 @@ void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
     if (options_.poll_mode == PollMode::kAdaptive) {
       const absl::Time now = absl::Now();
       if (idle_since == absl::InfiniteFuture()) idle_since = now;
-      const absl::Duration idle = now - idle_since;
-      if (idle < options_.poll_spin ||
-          (idle < options_.awaiting_spin && hooks_.awaiting_peer && hooks_.awaiting_peer())) {
+      const bool awaiting = hooks_.awaiting_peer && hooks_.awaiting_peer();
+      if (now - idle_since < SpinBound(awaiting)) {
         std::this_thread::yield();
         continue;
       }
@@ -382,33 +595,191 @@ void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
       // moves only while this thread polls, so it does not sleep until its writes complete.
       if (hooks_.operations_in_flight()) continue;
     }
+    const uint64_t drives = waiter_drives_.load(std::memory_order_relaxed);
+    SleepInDomain();
+    // A gap that a waiter's driving filled in teaches nothing about this thread's spin.
+    if (waiter_drives_.load(std::memory_order_relaxed) != drives) {
+      idle_since = absl::InfiniteFuture();
+    }
+  }
+  // From here on the owner's objects are used by the thread that tears it down; callbacks go
+  // to the executor directly. This thread keeps progress: no waiter takes it after Stop.
+  stopped_.store(true);
+  phase_.store("stopped", std::memory_order_relaxed);
+  loop_thread_id_.store(std::thread::id());
+  HandOffCallbacks(nullptr);
+}
+
+bool ProgressEngine::DriveUntil(Event& event, absl::Time deadline) {
+  if (event.HasBeenNotified()) return true;
+  // A thread that drives already (a quick callback, a posted task) or runs callbacks inline
+  // cannot drive again from inside; it waits as any thread waits without an engine.
+  if (!options_.waiters_drive || !started_.load() || stop_requested_.load() || OnLoopThread() ||
+      InInlineCallback()) {
+    return event.WaitUntil(deadline);
+  }
+  WaitSlot slot(this);
+  if (!event.AddWaker(&slot)) return true;
+  while (!event.HasBeenNotified() && !stop_requested_.load() && absl::Now() < deadline) {
+    if (AcquireForWaiter(&slot, event, deadline)) {
+      DriveAsOwner(&slot, event, deadline);
+      ReleaseFromWaiter();
+    }
+  }
+  event.RemoveWaker(&slot);
+  // Stop came: the recv fails on the teardown's thread, or the deadline ends the wait.
+  return event.HasBeenNotified() || event.WaitUntil(deadline);
+}
+
+bool ProgressEngine::AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time deadline) {
+  std::unique_lock<std::mutex> lock(own_mu_);
+  if (stop_requested_.load()) return false;
+  if (owner_ == Owner::kNobody) {
+    owner_ = Owner::kWaiter;
+    loop_thread_id_.store(slot->thread, std::memory_order_relaxed);
+    const bool disarm = loop_sleep_ == LoopSleep::kArmed;
+    if (disarm) {
+      // The progress thread sleeps in the domain it armed: take the arming back (nobody needs
+      // its wake-ups while this thread polls) and leave it asleep.
+      loop_sleep_ = LoopSleep::kDisarmed;
+      sleeping_.store(false);
+    }
+    lock.unlock();
+    waiter_drives_.fetch_add(1, std::memory_order_relaxed);
+    if (disarm) {
+      ClearRevents(&armed_fds_);
+      domain_->FinishSleep(armed_fds_);
+    }
+    return true;
+  }
+  // Someone drives. The progress thread hands progress over at the end of its turn; a waiter
+  // runs this one's quick callback, or hands progress on when it leaves.
+  const bool asked = owner_ == Owner::kLoop;
+  if (asked) handoff_wanted_.fetch_add(1);
+  slot->handed.store(false);
+  WaitSlot** tail = &parked_;
+  while (*tail != nullptr) tail = &(*tail)->next_parked;
+  *tail = slot;
+  lock.unlock();
+  {
+    std::unique_lock<std::mutex> slot_lock(slot->mu);
+    slot->mode.store(WaitSlot::kParked);
+    while (!slot->woken.load() && !slot->handed.load() && !event.HasBeenNotified()) {
+      if (deadline == absl::InfiniteFuture()) {
+        slot->cv.wait(slot_lock);
+      } else if (slot->cv.wait_until(slot_lock, absl::ToChronoTime(deadline)) ==
+                 std::cv_status::timeout) {
+        break;
+      }
+    }
+    slot->mode.store(WaitSlot::kRunning);
+    slot->woken.store(false);
+  }
+  lock.lock();
+  if (asked) handoff_wanted_.fetch_sub(1);
+  for (WaitSlot** p = &parked_; *p != nullptr; p = &(*p)->next_parked) {
+    if (*p == slot) {
+      *p = slot->next_parked;
+      slot->next_parked = nullptr;
+      break;
+    }
+  }
+  if (!slot->handed.load()) return false;
+  waiter_drives_.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+void ProgressEngine::DriveAsOwner(WaitSlot* slot, Event& event, absl::Time deadline) {
+  absl::Time idle_since = absl::InfiniteFuture();
+  while (true) {
+    const TurnResult result = Turn(nullptr);
+    if (result == TurnResult::kStop || event.HasBeenNotified() || stop_requested_.load()) return;
+    if (result == TurnResult::kActive) {
+      if (idle_since != absl::InfiniteFuture()) LearnGap(absl::Now() - idle_since);
+      idle_since = absl::InfiniteFuture();
+      continue;
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline) return;
+    if (options_.poll_mode == PollMode::kBusy) {
+      std::this_thread::yield();
+      continue;
+    }
+    if (options_.poll_mode == PollMode::kAdaptive) {
+      if (idle_since == absl::InfiniteFuture()) idle_since = now;
+      const bool awaiting = hooks_.awaiting_peer && hooks_.awaiting_peer();
+      if (now - idle_since < SpinBound(awaiting)) {
+        std::this_thread::yield();
+        continue;
+      }
+      if (hooks_.operations_in_flight()) continue;
+    }
+    // Asleep in the domain, owning it: a completion, a Post or this waiter's Notify wakes it.
+    phase_.store("waiting for the fabric (Domain::Wait)", std::memory_order_relaxed);
+    slot->mode.store(WaitSlot::kInDomain);
     sleeping_.store(true);
     bool work;
     {
       MutexLock lock(&mu_);
       work = !tasks_.empty() || stopping_;
     }
-    if (!work) {
-      at("waiting for the fabric (Domain::Wait)");
-      // Until housekeeping is due by the coarse clock, which lags the fine one that times the
-      // wait by up to one grain: a wait that ends on time would find it not yet due and nap
-      // again and again in short slices until the clock ticks, which made an idle task wake
-      // about 575 times a second instead of 50. Housekeeping runs at most a grain late.
-      absl::Status s = domain_->Wait(
-          std::max(next_housekeeping - CoarseNow(), absl::ZeroDuration()) + CoarseClockGrain());
-      if (!s.ok() && s != last_poll_error) {
+    if (!work && !slot->woken.load() && !event.HasBeenNotified()) {
+      const absl::Duration timeout = std::min(
+          deadline - now,
+          std::max(next_housekeeping_ - CoarseNow(), absl::ZeroDuration()) + CoarseClockGrain());
+      absl::Status s = domain_->Wait(timeout);
+      if (!s.ok() && s != last_poll_error_) {
         LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << s;
-        last_poll_error = s;
+        last_poll_error_ = s;
       }
     }
     sleeping_.store(false);
+    slot->mode.store(WaitSlot::kRunning);
+    slot->woken.store(false);
   }
-  // From here on the owner's objects are used by the thread that tears it down; callbacks go
-  // to the executor directly.
-  stopped_.store(true);
-  at("stopped");
-  loop_thread_id_.store(std::thread::id());
-  HandOffCallbacks(nullptr);
+}
+
+void ProgressEngine::ReleaseFromWaiter() {
+  for (int i = 0; i < kDrainTurns && !stop_requested_.load() && hooks_.operations_in_flight();
+       ++i) {
+    if (Turn(nullptr) == TurnResult::kStop) break;
+  }
+  const bool needs_driver = NeedsDriver();
+  std::unique_lock<std::mutex> lock(own_mu_);
+  const bool rearm = !needs_driver && parked_ == nullptr && !loop_parked_ &&
+                     loop_sleep_ == LoopSleep::kDisarmed && !stop_requested_.load();
+  if (rearm) {
+    // The progress thread still sleeps on the fds it armed: arm the domain for that sleep
+    // again, so that it wakes for what comes next and not before.
+    lock.unlock();
+    rearm_fds_.clear();
+    absl::Duration timeout = options_.housekeeping_interval;
+    absl::StatusOr<bool> may_sleep = domain_->PrepareToSleep(&rearm_fds_, &timeout);
+    const bool armed = may_sleep.ok() && *may_sleep;
+    const bool same =
+        armed && SameFds(rearm_fds_, armed_fds_) && timeout >= options_.housekeeping_interval;
+    lock.lock();
+    if (same && parked_ == nullptr && !loop_parked_ && loop_sleep_ == LoopSleep::kDisarmed) {
+      loop_sleep_ = LoopSleep::kArmed;
+      owner_ = Owner::kNobody;
+      loop_thread_id_.store(std::thread::id(), std::memory_order_relaxed);
+      sleeping_.store(true);
+      lock.unlock();
+      // A Post that found nobody asleep before the store above must still be seen.
+      if (has_tasks_.load()) domain_->Interrupt();
+      return;
+    }
+    // It could not be armed for that sleep as it is: undo, and wake the thread instead.
+    lock.unlock();
+    ClearRevents(&rearm_fds_);
+    domain_->FinishSleep(rearm_fds_);
+    lock.lock();
+  }
+  const bool to_waiter = HandOnLocked();
+  // The progress thread asleep on a sleep that no longer wakes it drives from here on.
+  const bool wake_loop = !to_waiter && !loop_parked_ && loop_sleep_ == LoopSleep::kDisarmed;
+  lock.unlock();
+  if (wake_loop) domain_->Interrupt();
 }
 
 std::string ProgressEngine::Where() const {
@@ -447,7 +818,8 @@ void ProgressEngine::Stop() {
     MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
-    has_tasks_.store(true, std::memory_order_release);  // the loop looks, and sees it stop
+    stop_requested_.store(true);
+    has_tasks_.store(true, std::memory_order_release);  // the owner looks, and sees it stop
     if (loops_.empty()) {
       // Never started: what was posted runs here, on the thread that now owns everything.
       never_started = true;

@@ -1,33 +1,49 @@
-// ProgressEngine: the one thread that owns a fabric domain and everything that uses it (the
-// channels, the memory manager's registrations), and the loop it runs.
+// ProgressEngine: the progress of one fabric domain and of everything that uses it (the
+// channels, the memory manager's registrations): who drives it, and the turn each driver runs.
 //
-// Each turn the loop runs the tasks other threads posted, polls the domain and hands each
-// completion to `Hooks::on_completion`, runs `Hooks::housekeeping` every
-// `housekeeping_interval`, and gives the recv outcomes (user callbacks) completed in the turn
-// to the executor in one hand-off. Work posted from the loop thread itself (a completion that
-// sets off more work) is deferred to the end of the current step of the turn without a lock.
-// When idle it waits according to the poll mode: busy never sleeps; blocking sleeps in
-// Domain::Wait as soon as nothing is ready; adaptive spins for `poll_spin` after the last
-// activity and does not sleep while `Hooks::operations_in_flight` says a transfer is moving
-// (libfabric's shm and tcp providers move data only while the initiator polls). A Post from
-// another thread interrupts the sleep.
+// A turn runs the tasks other threads posted, polls the domain and hands each completion to
+// `Hooks::on_completion`, runs `Hooks::housekeeping` every `housekeeping_interval`, and ends with
+// the recv outcomes (user callbacks) completed in the turn. Work posted by the driving thread
+// itself (a completion that sets off more work) is deferred to the end of the current step of
+// the turn without a lock.
 //
-// Callbacks run inline first (`inline_callback_limit` above zero, and an executor with threads):
-// the loop runs the turn's callbacks itself, which saves the wake-up of a callback thread (about
-// 7 us on a 2-vCPU machine, more than a small recv's whole protocol). While it does, the thread
-// counts as the loop for nobody (a Post from a callback takes the queue), so that the loop can
-// leave it: a watcher thread that sees one callback hold the loop for the limit starts a new
-// loop thread, gives the rest of the turn's callbacks to the executor, hands the thread it left
-// to the executor (which joins it as one of its own), and from then on every callback goes to
-// the executor. So a callback that blocks (on a lock, the GIL, a recv of its own) costs the
-// other transfers one stall of about the limit, once, instead of all of them for as long as it
-// blocks.
+// One thread at a time drives: the owner of progress. Two kinds of thread own it in turn:
+// - A thread that waits for a recv (DriveUntil, under Task::Wait) drives while it waits: it runs
+//   turns itself, so the completion it waits for is polled, handled and delivered on that very
+//   thread, with no hand-off to the progress thread and back through a callback thread. While it
+//   owns progress, other waiters park; they take over, one at a time, when it leaves.
+// - The engine's own thread (`tv-progress`) drives whenever no waiter does: for what nobody waits
+//   on (requests of peers, pushed tensors, send completions, asynchronous callbacks). A waiter that
+//   arrives while it drives asks for progress and gets it at the end of the thread's turn.
+// When the owner is idle it spins for a bound learned from how soon work came after earlier idle
+// turns (capped by `poll_spin`, or `awaiting_spin` while a peer owes an answer), and does not
+// sleep while `Hooks::operations_in_flight` says a transfer moves (libfabric's shm and tcp
+// providers move data only while the initiator polls); then it sleeps in the domain's wait
+// objects. The progress thread sleeps there without owning progress (the domain is armed, then
+// released), so a waiter takes progress over from a sleeping progress thread without waking it;
+// it takes the arming back (FinishSleep) and, when it leaves with nothing in flight, arms the
+// domain for the sleeping thread again. A waiter that owns progress sleeps in the domain itself.
+// A Post from another thread interrupts whichever sleep is on duty.
 //
-// Threading: Post, DeliverRecv, AskLoop and Stop may be called from any thread; state
-// reached only through the hooks belongs to the loop thread, which OnOwnerThread() identifies
-// (and, after Stop, the thread tearing the owner down). Stop runs what was posted before it,
-// then joins; a Post after Stop returns false and leaves the task to its caller, so no callback
-// is lost.
+// Recv outcomes: a delivery marked `quick` (its callback only stores the result and notifies an
+// Event) runs on the driving thread at the end of the turn, whoever drives. Others run on the
+// executor, or inline on the progress thread first (`inline_callback_limit` above zero, and an
+// executor with threads): the loop runs them itself, which saves the wake-up of a callback thread
+// (about 7 us on a 2-vCPU machine, more than a small recv's whole protocol). While it does, the
+// thread counts as the loop for nobody (a Post from a callback takes the queue), so that the loop
+// can leave it: a watcher thread that sees one callback hold the loop for the limit starts a new
+// loop thread, gives the rest of the turn's callbacks to the executor, hands the thread it left to
+// the executor (which joins it as one of its own), and from then on every callback goes to the
+// executor. So a callback that blocks (on a lock, the GIL, a recv of its own) costs the other
+// transfers one stall of about the limit, once, instead of all of them for as long as it blocks.
+// A waiter's thread never runs a callback that is not quick: those go to the executor.
+//
+// Threading: Post, DeliverRecv, AskLoop, DriveUntil and Stop may be called from any thread;
+// state reached only through the hooks belongs to the owner of progress, which OnLoopThread()
+// identifies (and, after Stop, the thread tearing the owner down: OnOwnerThread()). Stop runs what
+// was posted before it, then joins; a waiter that drives when Stop comes leaves the driving to the
+// progress thread's last turn. A Post after Stop returns false and leaves the task to its caller,
+// so no callback is lost.
 #ifndef TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 #define TENSORVERBS_PROTOCOL_PROGRESS_ENGINE_H_
 
@@ -36,6 +52,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -55,6 +72,7 @@
 #include "src/common/mutex.h"
 #include "src/fabric/fabric.h"
 #include "src/rendezvous/local_rendezvous.h"
+#include "tensorverbs/event.h"
 #include "tensorverbs/tensor.h"
 
 namespace tensorverbs::protocol {
@@ -69,10 +87,16 @@ class ProgressEngine {
 
   struct Options {
     PollMode poll_mode = PollMode::kAdaptive;
+    // Adaptive mode: the most an idle owner spins before it sleeps; it spins less where work
+    // came later than that after earlier idle turns (the bound is learned, see above).
     absl::Duration poll_spin = absl::Microseconds(50);
-    // Adaptive mode spins this long (if longer than poll_spin) while a peer owes this side an
-    // answer: on a fabric without a wait object a nap would delay it by up to the nap.
+    // The same cap (if longer than poll_spin) while a peer owes this side an answer: on a
+    // fabric without a wait object a nap would delay it by up to the nap.
     absl::Duration awaiting_spin = absl::Milliseconds(1);
+    // Whether threads that wait (DriveUntil) drive progress themselves; otherwise they sleep
+    // until the progress thread completes what they wait for. The transport sets it from
+    // TENSORVERBS_WAITER_PROGRESS.
+    bool waiters_drive = true;
     absl::Duration housekeeping_interval = absl::Milliseconds(20);
     // What a stall report calls this loop ("grpc+verbs over shmem (shmem)").
     std::string name = "the progress loop";
@@ -104,16 +128,27 @@ class ProgressEngine {
   // loop thread itself, defers it to later in the current turn.
   bool Post(Task& task);
   bool Post(Task&& task) { return Post(task); }
-  // Runs a recv's `done` with its outcome on the executor: on the loop thread, with the turn's
-  // other recvs at the end of the turn (one task for all of them, so a recv costs no heap
-  // allocation of its own); elsewhere at once.
+  // Runs a recv's `done` with its outcome: on the owner of progress, at the end of the turn,
+  // with the turn's other recvs (one task for all of them, so a recv costs no heap allocation
+  // of its own): a quick one there and then, the others as the engine runs callbacks (above);
+  // from any other thread, on the executor at once.
   struct RecvDelivery {
     RecvDoneCallback done;
     absl::Status status;
     Tensor tensor;
     bool is_dead = false;
+    // `done` only stores the outcome and notifies (RecvArgs::quick_callback): it may run on
+    // whichever thread drives progress, a waiter's included.
+    bool quick = false;
   };
   void DeliverRecv(RecvDelivery delivery);
+
+  // Blocks the calling thread until `event` is notified or `deadline` passes, and says whether
+  // it was notified. Meanwhile the thread drives progress whenever no other thread does (see
+  // above); it only sleeps before Start, after Stop, with `waiters_drive` off, and on a thread
+  // that drives already (a quick callback, a posted task) or runs callbacks inline. A waiter that
+  // gives up (its deadline) hands progress on; nothing it would have run is lost.
+  bool DriveUntil(Event& event, absl::Time deadline);
 
   bool OnLoopThread() const {
     return std::this_thread::get_id() == loop_thread_id_.load(std::memory_order_relaxed);
@@ -124,6 +159,8 @@ class ProgressEngine {
   // thread in the callback step of a turn, or a thread the loop left while a callback held it.
   // User code there must not wait for the task's own threads.
   bool InInlineCallback() const;
+  // How many times a waiting thread took progress over (DriveUntil), for tests and stats.
+  uint64_t waiter_drives() const { return waiter_drives_.load(std::memory_order_relaxed); }
   // Whether recv callbacks still run inline (false once one held the loop for the limit).
   bool RunsCallbacksInline() const {
     return inline_first_ && loop_moves_.load(std::memory_order_relaxed) == 0;
@@ -171,17 +208,49 @@ class ProgressEngine {
     std::atomic<pid_t> tid{0};
   };
   void Loop(std::shared_ptr<Seat> seat);
+  enum class TurnResult { kIdle, kActive, kStop, kLeft };
+  // One turn, on the owner of progress: `seat` is the progress thread's (null for a waiter,
+  // which runs only quick callbacks itself). kStop: Stop came and nothing is left to run;
+  // kLeft: the loop left this thread while it ran a callback inline (it must return at once).
+  TurnResult Turn(Seat* seat);
   // Runs the deferred tasks (and those they defer); true if there were any.
   bool RunDeferred();
-  // The turn's recv deliveries: run inline on `seat`'s thread if it is given and the engine
-  // still does, otherwise to the executor (loop thread, or the stopping one). False when the
-  // calling thread stopped being the loop while it ran them: it must leave the loop at once.
+  // The turn's recv deliveries: quick ones at once; the rest inline on `seat`'s thread if it is
+  // given and the engine still does, otherwise to the executor. False when the calling thread
+  // stopped being the loop while it ran them: it must leave the loop at once.
   bool HandOffCallbacks(Seat* seat);
   struct DeliveryBatch;
   bool RunInline(DeliveryBatch* batch, Seat* seat);
   // The watcher of inline callbacks (its own thread), and what it does when one held the loop.
   void WatchCallbacks();
   void MoveLoop();
+
+  // Who owns progress, and where the progress thread is when it does not.
+  enum class Owner { kNobody, kLoop, kWaiter };
+  enum class LoopSleep {
+    kAwake,     // the progress thread owns progress, parks for it, or is on its way to one
+    kArmed,     // it sleeps in the domain, which it armed (PrepareToSleep), owning nothing
+    kDisarmed,  // it still sleeps there, but a waiter took the arming back (FinishSleep)
+  };
+  struct WaitSlot;
+  // The progress thread: takes progress (parking while a waiter owns it); hands it to the
+  // waiters that asked, then takes it back; sleeps in the domain without it.
+  void TakeForLoop(std::unique_lock<std::mutex>& lock);
+  void YieldToWaiters();
+  void SleepInDomain();
+  // A waiter: takes progress or parks until it is handed over, its event is notified or its
+  // deadline passes; true when it owns progress.
+  bool AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time deadline);
+  void DriveAsOwner(WaitSlot* slot, Event& event, absl::Time deadline);
+  void ReleaseFromWaiter();
+  // With own_mu_ held, by the owner that lets go: hands progress to the first parked waiter, or
+  // to nobody (waking the progress thread where it parks). Whether a waiter got it.
+  bool HandOnLocked();
+  // The spin an idle owner allows itself, from the gaps it measured (adaptive mode).
+  absl::Duration SpinBound(bool awaiting) const;
+  void LearnGap(absl::Duration gap);
+  // Whether an owner that lets go leaves something that needs a driver at once.
+  bool NeedsDriver() const;
 
   fabric::Domain* const domain_;
   Executor* const executor_;
@@ -195,7 +264,8 @@ class ProgressEngine {
   // Set with tasks_ (and with stopping_) so that the loop looks at the queue only when there is
   // something to see.
   std::atomic<bool> has_tasks_{false};
-  // Set by the loop before it sleeps, so Post knows to interrupt the wait.
+  // Set while the thread on duty (the owner, or the progress thread armed without owning)
+  // sleeps in the domain, so Post knows to interrupt the wait.
   std::atomic<bool> sleeping_{false};
   std::atomic<std::thread::id> loop_thread_id_{};
   std::atomic<bool> stopped_{false};
@@ -210,11 +280,37 @@ class ProgressEngine {
   uint64_t watched_turns_ ABSL_GUARDED_BY(stall_mu_) = 0;
   absl::Time watched_since_ ABSL_GUARDED_BY(stall_mu_) = absl::InfinitePast();
   bool stall_reported_ ABSL_GUARDED_BY(stall_mu_) = false;
-  // Loop thread: tasks posted on it, run later in the same turn; user callbacks completed in
-  // this turn, handed to the executor at its end.
+  // The owner of progress's: tasks posted on it, run later in the same turn; user callbacks
+  // completed in this turn, handed on at its end; the state a turn keeps between turns.
   std::vector<Task> deferred_;
   std::vector<Task> running_;  // RunDeferred's batch, kept for its capacity
   std::vector<RecvDelivery> deliveries_;
+  std::vector<RecvDelivery> quick_;  // the turn's quick deliveries while they run
+  std::vector<Task> posted_batch_;   // the posted tasks a turn took
+  static constexpr size_t kPollBatch = 64;
+  fabric::Completion completions_[kPollBatch];
+  absl::Time next_housekeeping_ = absl::InfinitePast();
+  absl::Status last_poll_error_;
+  // The gaps between the first idle turn and the next work, averaged (adaptive mode's spin).
+  double gap_us_ = 0;
+
+  // Ownership (see above). own_mu_ orders every change of owner, and so every hand-over of the
+  // owner's state above from one thread to the next.
+  std::mutex own_mu_;
+  Owner owner_ = Owner::kNobody;              // guarded by own_mu_
+  LoopSleep loop_sleep_ = LoopSleep::kAwake;  // guarded by own_mu_
+  bool loop_parked_ = false;                  // guarded by own_mu_
+  std::condition_variable loop_cv_;           // the progress thread parks on it
+  WaitSlot* parked_ = nullptr;                // waiters parked for progress, guarded by own_mu_
+  // The fds the progress thread sleeps on, as armed: written by the owner that arms, read by
+  // the waiter that takes the arming back.
+  std::vector<pollfd> armed_fds_;
+  std::vector<pollfd> sleep_fds_;  // the progress thread's own sleep
+  std::vector<pollfd> rearm_fds_;  // a leaving waiter's arming for that sleep
+  // Waiters that asked the progress thread for progress; it looks after each turn.
+  std::atomic<int> handoff_wanted_{0};
+  std::atomic<bool> stop_requested_{false};
+  std::atomic<uint64_t> waiter_drives_{0};
   struct SpareBatches;
   const std::shared_ptr<SpareBatches> spare_batches_;
   // The loop's threads: one, and another each time a callback held the loop and it moved on.

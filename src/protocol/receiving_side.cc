@@ -38,7 +38,7 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
   }
   PushAhead::KeyState* state = push_.StateOf(key);
   if (state != nullptr && state->pushed != PushAhead::kNoPush &&
-      AdoptPushed(state, step_id, done, deadline, allocator)) {
+      AdoptPushed(state, step_id, done, landing.quick_callback, deadline, allocator)) {
     return;  // no REQUEST: it went out when the key's previous step completed
   }
   if (absl::Status s = CheckPendingBound("recv"); !s.ok()) {
@@ -60,6 +60,7 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
   // scope forbids: there the tensor lands in the shared pool.
   if (!env_->domain->capabilities().shared_memory) request->set_into(std::move(landing.into));
   request->set_progress(landing.progress_bytes, std::move(landing.on_landed));
+  request->set_quick_callback(landing.quick_callback);
   RdmaTensorRequest* raw = request.get();
   requests_.emplace(*index, std::move(request));
   if (channel_->state() == Channel::State::kReady) {
@@ -362,7 +363,7 @@ void ReceivingSide::Unpush(RdmaTensorRequest& r) {
 }
 
 bool ReceivingSide::AdoptPushed(PushAhead::KeyState* state, int64_t step, RecvDoneCallback& done,
-                                absl::Time deadline, Allocator* allocator) {
+                                bool quick_callback, absl::Time deadline, Allocator* allocator) {
   auto it = requests_.find(state->pushed);
   if (it == requests_.end()) {
     state->pushed = PushAhead::kNoPush;
@@ -374,6 +375,7 @@ bool ReceivingSide::AdoptPushed(PushAhead::KeyState* state, int64_t step, RecvDo
     ++state->active;
     env_->stats->push_hits.fetch_add(1, std::memory_order_relaxed);
     // If it had landed, this recv is complete.
+    r.set_quick_callback(quick_callback);
     if (r.Adopt(std::move(done), deadline, allocator)) FinishDelivered(r.index());
     return true;
   }

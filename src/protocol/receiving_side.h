@@ -112,7 +112,7 @@ class ReceivingSide {
   // The recv of (`key`, `step`) takes the pushed request if it is the one; true if it did (and
   // `done` is then the request's). A pushed request for another step stays for its own recv.
   bool AdoptPushed(PushAhead::KeyState* state, int64_t step, RecvDoneCallback& done,
-                   absl::Time deadline, Allocator* allocator);
+                   bool quick_callback, absl::Time deadline, Allocator* allocator);
   // Finishes request `index`, whose recv completed, and pushes its key's next step if the recv
   // was written in place.
   void FinishDelivered(uint32_t index);

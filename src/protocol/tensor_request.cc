@@ -545,7 +545,7 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
   }
   channel_->env()->CountRecv(status, tensor);
   channel_->counters().CountRecv(status, tensor);
-  channel_->env()->host->Deliver({std::move(done), status, tensor, is_dead});
+  channel_->env()->host->Deliver({std::move(done), status, tensor, is_dead, quick_callback_});
 }
 
 std::vector<Tensor> RdmaTensorRequest::TakeMemory() {

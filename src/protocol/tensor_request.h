@@ -106,6 +106,8 @@ class RdmaTensorRequest {
   // matches it and the fabric can register it, and then held, as any destination, until the
   // record ends; let go of there otherwise.
   void set_into(Tensor into) { into_ = std::move(into); }
+  // RecvArgs::quick_callback: `done` may run on whichever thread drives progress.
+  void set_quick_callback(bool quick) { quick_callback_ = quick; }
   // RecvArgs::progress_bytes and on_landed: a destination this recv names in its own memory
   // asks for the content in segments of about `bytes`, and `on_landed` hears of each but the
   // last (RecvSegment), while the recv has not ended.
@@ -218,6 +220,7 @@ class RdmaTensorRequest {
   TensorMetaData meta_;  // what the content will match
   uint64_t checksum_ = 0;
   uint64_t progress_bytes_ = 0;  // RecvArgs::progress_bytes
+  bool quick_callback_ = false;  // RecvArgs::quick_callback
   LandedCallback on_landed_;     // RecvArgs::on_landed, until the recv ends
   uint32_t segment_bytes_ = 0;   // the segments asked for (0: one piece)
   uint64_t segments_left_ = 1;   // content immediates still to come for the destination named

@@ -47,6 +47,7 @@ absl::Status LocalRendezvous::Send(KeyRef key, const Tensor& value, bool is_dead
     auto it = table_.find(name);
     if (it == table_.end()) {
       table_.emplace(name, Item{std::move(key), Value{value, is_dead}});
+      ++values_;
       most_items_ = std::max(most_items_, table_.size());
       return absl::OkStatus();
     }
@@ -71,6 +72,7 @@ uint64_t LocalRendezvous::RecvAsync(const ParsedKey& key, RecvDoneCallback done)
 uint64_t LocalRendezvous::RecvAsync(KeyRef key, RecvDoneCallback done) {
   absl::Status error;
   Value value;
+  std::vector<std::shared_ptr<Event>> taken;
   {
     MutexLock lock(&mu_);
     if (!status_.ok()) {
@@ -87,14 +89,16 @@ uint64_t LocalRendezvous::RecvAsync(KeyRef key, RecvDoneCallback done) {
         return token;
       }
       if (std::holds_alternative<Waiter>(it->second.what)) {
-        error = absl::AlreadyExistsError(absl::StrCat(
-            "duplicate recv of rendezvous key '", name, "': a recv is already waiting"));
+        error = absl::AlreadyExistsError(absl::StrCat("duplicate recv of rendezvous key '", name,
+                                                      "': a recv is already waiting"));
       } else {
         value = std::move(std::get<Value>(it->second.what));
         table_.erase(it);
+        if (--values_ == 0) taken.swap(sends_taken_);
       }
     }
   }
+  for (const std::shared_ptr<Event>& event : taken) event->Notify();
   if (!error.ok()) {
     std::move(done)(error, Tensor(), false);
   } else {
@@ -120,6 +124,7 @@ bool LocalRendezvous::CancelRecv(uint64_t token, const absl::Status& status) {
 
 void LocalRendezvous::StartAbort(const absl::Status& status) {
   std::vector<RecvDoneCallback> waiters;
+  std::vector<std::shared_ptr<Event>> taken;
   absl::Status abort_status = status.ok() ? absl::CancelledError("rendezvous aborted") : status;
   {
     MutexLock lock(&mu_);
@@ -130,7 +135,10 @@ void LocalRendezvous::StartAbort(const absl::Status& status) {
     }
     waiter_keys_.clear();  // first: its views point into the table's keys
     table_.clear();
+    values_ = 0;
+    taken.swap(sends_taken_);
   }
+  for (const std::shared_ptr<Event>& event : taken) event->Notify();
   for (RecvDoneCallback& done : waiters) std::move(done)(abort_status, Tensor(), false);
 }
 
@@ -141,9 +149,18 @@ absl::Status LocalRendezvous::status() const {
 
 size_t LocalRendezvous::NumPendingSends() const {
   MutexLock lock(&mu_);
-  size_t n = 0;
-  for (const auto& [key, item] : table_) n += std::holds_alternative<Value>(item.what);
-  return n;
+  return values_;
+}
+
+void LocalRendezvous::NotifyWhenSendsTaken(std::shared_ptr<Event> event) {
+  {
+    MutexLock lock(&mu_);
+    if (values_ > 0) {
+      sends_taken_.push_back(std::move(event));
+      return;
+    }
+  }
+  event->Notify();
 }
 
 size_t LocalRendezvous::NumWaiters() const {

@@ -22,8 +22,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <variant>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -32,6 +34,7 @@
 #include "src/common/mutex.h"
 #include "src/common/trace.h"
 #include "src/rendezvous/key_table.h"
+#include "tensorverbs/event.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor.h"
 
@@ -95,6 +98,9 @@ class LocalRendezvous {
   absl::Status status() const;
   size_t NumPendingSends() const;
   size_t NumWaiters() const;
+  // Notifies `event` once no sent value waits for its recv (at once if none does; also when the
+  // rendezvous aborts, which drops them).
+  void NotifyWhenSendsTaken(std::shared_ptr<Event> event);
 
  private:
   struct Value {
@@ -123,6 +129,8 @@ class LocalRendezvous {
   uint64_t next_token_ ABSL_GUARDED_BY(mu_) = 1;
   size_t most_items_ ABSL_GUARDED_BY(mu_) = 0;  // the tables' high-water marks, for sizes_
   size_t most_waiters_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t values_ ABSL_GUARDED_BY(mu_) = 0;  // sent values in table_
+  std::vector<std::shared_ptr<Event>> sends_taken_ ABSL_GUARDED_BY(mu_);
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -92,8 +92,11 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
       if (env_->stats) env_->stats->device_direct_recvs.fetch_add(1, std::memory_order_relaxed);
       // Lands in the device pool; one that landed in host memory after all (a destination
       // pushed ahead before the direct path was known) is copied over.
+      // The copy to the device starts in the callback: not a quick one any more.
+      RecvArgs direct_args = args;
+      direct_args.quick_callback = false;
       RecvFromRemoteAsyncCounted(
-          key, args,
+          key, direct_args,
           device_staging::CopyingToDevice(env_, key.full_key, args.allocator, std::move(done)));
       return;
     }
@@ -111,6 +114,7 @@ void RemoteRendezvous::RecvAsync(const ParsedKey& key, const RecvArgs& args,
     // The proxy path: the protocol lands the tensor in the pool, then it goes to the device.
     RecvArgs proxy_args = args;
     proxy_args.allocator = nullptr;
+    proxy_args.quick_callback = false;
     RecvDoneCallback copying = device_staging::CopyingToDevice(env_, key.full_key, args.allocator,
                                                                std::move(done), &proxy_args);
     RecvFromRemoteAsyncCounted(key, proxy_args, std::move(copying));

@@ -140,16 +140,23 @@ struct RecvArgs {
   // that one). Others ignore it.
   uint64_t progress_bytes = 0;
   LandedCallback on_landed;
+  // `done` only stores the outcome and notifies whoever waits for it (an Event): it never
+  // blocks and never waits for the task, so a transport may run it on whichever thread drives
+  // its progress, a thread waiting for this very recv included, instead of handing it to a
+  // callback thread.
+  bool quick_callback = false;
 };
 
 // What RecvArgs says about where a transport lands the tensor, as it travels with the recv.
+// And whether its callback is quick (RecvArgs::quick_callback), which travels with it too.
 struct RecvLanding {
   Tensor into;
   uint64_t progress_bytes = 0;
   LandedCallback on_landed;
+  bool quick_callback = false;
 
   static RecvLanding Of(const RecvArgs& args) {
-    return RecvLanding{args.into, args.progress_bytes, args.on_landed};
+    return RecvLanding{args.into, args.progress_bytes, args.on_landed, args.quick_callback};
   }
 };
 
@@ -194,6 +201,10 @@ class RemoteRendezvous {
 
   // Sent values not yet taken by a recv (local or remote).
   size_t NumPendingSends() const { return local_.NumPendingSends(); }
+  // Notifies `event` once every sent value was taken (LocalRendezvous::NotifyWhenSendsTaken).
+  void NotifyWhenSendsTaken(std::shared_ptr<Event> event) {
+    local_.NotifyWhenSendsTaken(std::move(event));
+  }
 
  protected:
   // Whether RecvFromRemoteAsync counts each recv in env's TransferStats itself (CountRecv, on

@@ -384,6 +384,11 @@ void Server::Stop() {
   step("stopped");
 }
 
+bool Server::DriveUntil(Event& event, absl::Time deadline) {
+  if (verbs_ != nullptr) return verbs_->DriveUntil(event, deadline);
+  return event.WaitUntil(deadline);
+}
+
 bool Server::OnOwnThread() const {
   return (executor_ != nullptr && executor_->OnOwnThread()) || (verbs_ && verbs_->OnLoopThread());
 }

@@ -35,6 +35,7 @@
 #include "src/transport/grpc/worker_client.h"
 #include "src/transport/verbs/verbs_transport.h"
 #include "tensorverbs/cluster_spec.h"
+#include "tensorverbs/event.h"
 
 namespace tensorverbs {
 
@@ -122,6 +123,9 @@ class Server {
   // Whether the calling thread is one of this server's own: a callback thread, or the progress
   // thread running a callback inline. Such a thread cannot wait for the server to stop.
   bool OnOwnThread() const;
+  // Waits until `event` is notified or `deadline`, driving grpc+verbs's progress meanwhile
+  // (ProgressEngine::DriveUntil); other protocols only wait. Whether it was notified.
+  bool DriveUntil(Event& event, absl::Time deadline);
   // Stops this task's grpc+verbs traffic (writes under way finish first) without closing
   // anything: for stopping several servers of one process, whose shared-memory peers must not
   // be written to once one of them has closed. Stop() does it too.

@@ -67,10 +67,8 @@ absl::Status Collective::Forward(int dst, int part, const Tensor& message) {
 }
 
 struct Collective::Pending {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  absl::StatusOr<Tensor> result;
+  Event arrived;
+  absl::StatusOr<Tensor> result;  // written before `arrived` is notified, read after
   int src = 0;
   int part = 0;
   size_t bytes = 0;
@@ -94,6 +92,9 @@ Collective::PendingRef Collective::Post(int src, int part, size_t bytes, void* l
   pending->bytes = bytes;
   pending->land_at = land_at;
   RecvOptions options = ExpectBytes(bytes);
+  // The callback only settles, stores and notifies: it runs on whichever thread drives the
+  // task's progress, this operation's own thread (in Wait) most often.
+  options.quick_callback = true;
   std::shared_ptr<Landing> landing;
   if (land_at != nullptr && group_.lend_from_ > 0 && bytes >= group_.lend_from_) {
     landing = std::make_shared<Landing>();
@@ -121,10 +122,8 @@ Collective::PendingRef Collective::Post(int src, int part, size_t bytes, void* l
                           [pending, landing, lent = lent_](absl::StatusOr<Tensor> result) {
                             // Landed: the fabric writes no more into the caller's memory.
                             if (landing != nullptr && result.ok()) Settle(lent, *landing);
-                            std::lock_guard<std::mutex> lock(pending->mu);
                             pending->result = std::move(result);
-                            pending->done = true;
-                            pending->cv.notify_all();
+                            pending->arrived.Notify();
                           });
   return pending;
 }
@@ -155,16 +154,30 @@ absl::Status Collective::AwaitOrFail(std::unique_lock<std::mutex>& lock,
   return absl::OkStatus();
 }
 
+template <typename What>
+absl::Status Collective::AwaitArrival(Event& arrived, What what) {
+  while (!arrived.HasBeenNotified()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline_) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what(), " within the group's timeout (the timeout of init_process_group)"));
+    }
+    // Lets go of the task's progress once a second to see whether the work was abandoned or
+    // another rank failed.
+    if (group_.task_->Wait(arrived, std::min(deadline_, now + absl::Seconds(1)))) break;
+    if (work_.done()) return absl::CancelledError("the operation was abandoned");
+    absl::Status peers = group_.AbortFromPeers();
+    if (!peers.ok()) return peers;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
   auto from = [&] {
     return absl::StrCat("part ", pending->part, " from ", group_.PeerName(pending->src));
   };
-  {
-    std::unique_lock<std::mutex> lock(pending->mu);
-    RETURN_IF_ERROR(AwaitOrFail(
-        lock, pending->cv, [&] { return pending->done; },
-        [&] { return absl::StrCat(from(), " did not come"); }));
-  }
+  RETURN_IF_ERROR(
+      AwaitArrival(pending->arrived, [&] { return absl::StrCat(from(), " did not come"); }));
   if (!pending->result.ok()) {
     const absl::Status& s = pending->result.status();
     // A rank that failed first (a peer of its died) may have ended since, failing this recv

@@ -97,6 +97,10 @@ class Collective {
   template <typename Ready, typename What>
   absl::Status AwaitOrFail(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
                            Ready ready, What what);
+  // The same for a message's Event, driving the task's progress while it waits (Task::Wait):
+  // the message's completion is polled, and its callback run, on this thread.
+  template <typename What>
+  absl::Status AwaitArrival(Event& arrived, What what);
 
   ProcessGroupTensorVerbs& group_;
   TvWork& work_;

@@ -1,5 +1,8 @@
 #include "src/fabric/loopback/loopback.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -47,13 +50,25 @@ struct DomainState {
   int imms ABSL_GUARDED_BY(mu) = 0;
   int writes_with_imm ABSL_GUARDED_BY(mu) = 0;
   bool closed ABSL_GUARDED_BY(mu) = false;
-  bool interrupted ABSL_GUARDED_BY(mu) = false;  // Domain::Interrupt, consumed by Wait
+  // The doorbell a sleeping domain polls (PrepareToSleep): rung by Interrupt, by fault changes,
+  // and by each completion pushed while the domain is armed to sleep.
+  const int bell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  bool armed ABSL_GUARDED_BY(mu) = false;
   // Set once this domain's writes had an immediate delivered twice: from then on a peer may
   // take a completion for a write still to come and read its target while it is copied.
   bool duplicated_an_imm ABSL_GUARDED_BY(mu) = false;
 
+  ~DomainState() {
+    if (bell >= 0) close(bell);
+  }
+
   void Push(const Completion& c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     queue.push_back({c, faults.delay_polls});
+    if (armed) Ring();
+  }
+  void Ring() const {
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t w = write(bell, &one, sizeof(one));
   }
 };
 
@@ -319,28 +334,43 @@ class LoopbackDomain final : public Domain {
   }
 
   absl::Status Wait(absl::Duration timeout) override {
-    DomainState& st = *state_;
-    MutexLock lock(&st.mu);
-    // Delayed completions become ready only through Poll calls, so they end the wait too.
-    st.mu.AwaitWithTimeout(
-        [&st]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(st.mu) {
-          return st.interrupted || (!st.queue.empty() && !st.faults.stalled);
-        },
-        timeout);
-    st.interrupted = false;
-    return absl::OkStatus();
+    Domain* self = this;
+    return SleepOn(absl::MakeConstSpan(&self, 1), timeout);
   }
 
-  void Interrupt() override {
-    MutexLock lock(&state_->mu);
-    state_->interrupted = true;
+  absl::StatusOr<bool> PrepareToSleep(std::vector<pollfd>* fds, absl::Duration* timeout) override {
+    (void)timeout;
+    DomainState& st = *state_;
+    if (st.bell < 0) return absl::UnavailableError("loopback: no eventfd for the doorbell");
+    MutexLock lock(&st.mu);
+    // Delayed completions become ready only through Poll calls, so they end the sleep too.
+    if (!st.queue.empty() && !st.faults.stalled) return false;
+    st.armed = true;
+    fds->push_back(pollfd{st.bell, POLLIN, 0});
+    return true;
   }
+
+  void FinishSleep(absl::Span<const pollfd> fds) override {
+    DomainState& st = *state_;
+    {
+      MutexLock lock(&st.mu);
+      st.armed = false;
+    }
+    if (!fds.empty() && fds[0].revents != 0) {
+      uint64_t value;
+      [[maybe_unused]] ssize_t r = read(st.bell, &value, sizeof(value));
+    }
+  }
+
+  void Interrupt() override { state_->Ring(); }
 
   void SetFaults(const Faults& faults) {
     MutexLock lock(&state_->mu);
     state_->faults = faults;
     state_->posts = state_->registrations = state_->ops = state_->imms = state_->writes_with_imm =
         0;
+    // A stall that ends makes the queue pollable: a sleeper looks again.
+    state_->Ring();
   }
 
  private:

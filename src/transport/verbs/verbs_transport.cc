@@ -43,6 +43,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.poll_mode = config.poll_mode;
   o.poll_spin = config.poll_spin;
   o.inline_callback_limit = config.inline_callback_limit;
+  o.waiter_progress = config.waiter_progress;
   o.shmem_copy_threads = config.shmem_copy_threads;
   o.shmem_peer_copy = config.shmem_peer_copy;
   o.remote_keys = config.remote_keys;
@@ -130,6 +131,7 @@ absl::Status VerbsTransport::Start() {
   engine_options.poll_mode = poll_mode;
   engine_options.poll_spin = options_.poll_spin;
   engine_options.inline_callback_limit = options_.inline_callback_limit;
+  engine_options.waiters_drive = options_.waiter_progress;
   engine_options.name = absl::StrCat("grpc+verbs over ", fabric_name());
   protocol::ProgressEngine::Hooks hooks;
   hooks.on_completion = [this](const fabric::Completion& c) { table_->Dispatch(c); };
@@ -290,7 +292,8 @@ void VerbsTransport::StartRecv(RecvStart r) {
   if (std::optional<Tensor> landed =
           landed_.Take(r.key->src_task, r.key->key.full_key, r.rendezvous->step_id())) {
     channel_env_.CountRecv(absl::OkStatus(), *landed);
-    host_.Deliver({std::move(r.done), absl::OkStatus(), *std::move(landed), false});
+    host_.Deliver(
+        {std::move(r.done), absl::OkStatus(), *std::move(landed), false, r.landing.quick_callback});
     return;
   }
   absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(r.key->src_task);

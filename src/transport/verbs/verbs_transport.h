@@ -92,6 +92,7 @@ struct VerbsOptions {
   absl::Duration poll_spin = Config::Defaults().poll_spin;     // TENSORVERBS_POLL_SPIN_US
   // TENSORVERBS_INLINE_CALLBACK_US
   absl::Duration inline_callback_limit = Config::Defaults().inline_callback_limit;
+  bool waiter_progress = Config::Defaults().waiter_progress;       // TENSORVERBS_WAITER_PROGRESS
   int shmem_copy_threads = Config::Defaults().shmem_copy_threads;  // TENSORVERBS_SHMEM_COPY_THREADS
   bool shmem_peer_copy = Config::Defaults().shmem_peer_copy;       // TENSORVERBS_SHMEM_PEER_COPY
   std::string remote_keys = Config::Defaults().remote_keys;        // TENSORVERBS_REMOTE_KEYS
@@ -190,6 +191,12 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   bool OnLoopThread() const {
     return engine_ != nullptr && (engine_->OnLoopThread() || engine_->InInlineCallback());
   }
+  // Waits for `event`, driving the transport's progress meanwhile (ProgressEngine::DriveUntil).
+  bool DriveUntil(Event& event, absl::Time deadline) {
+    return engine_ != nullptr ? engine_->DriveUntil(event, deadline) : event.WaitUntil(deadline);
+  }
+  // How many times a waiting thread took this transport's progress over.
+  uint64_t waiter_drives() const { return engine_ != nullptr ? engine_->waiter_drives() : 0; }
 
  private:
   explicit VerbsTransport(VerbsOptions options);

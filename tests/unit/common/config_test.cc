@@ -72,6 +72,14 @@ TEST(Config, OutOfRangeNamesVariableAndRange) {
     ASSERT_FALSE(c.ok()) << value;
     EXPECT_THAT(c.status().message(), HasSubstr("TENSORVERBS_INLINE_CALLBACK_US"));
   }
+  EXPECT_TRUE(Config::Defaults().waiter_progress);
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_WAITER_PROGRESS", "0"}})->waiter_progress)
+      << "0 leaves progress to the progress thread";
+  for (const char* value : {"2", "-1", "yes"}) {
+    absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_WAITER_PROGRESS", value}});
+    ASSERT_FALSE(c.ok()) << value;
+    EXPECT_THAT(c.status().message(), HasSubstr("TENSORVERBS_WAITER_PROGRESS"));
+  }
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_POOL_REGION_MB", "65537"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TUNING", "2"}}).ok());
   EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_MALLOC_TRIM_MB", "4096"}}).ok());
