@@ -118,6 +118,24 @@ def collectives():
         dist.all_gather_into_tensor(flat, mine[RANK])
         check(f"all_gather_into_tensor [{n}]", flat, torch.cat(mine))
 
+        # The coalesced forms: several tensors in one operation, as gloo's.
+        for dtypes in ([torch.float32, torch.float32, torch.float32],
+                       [torch.int64, torch.int64, torch.int64]):  # torch wants one dtype
+            lengths = [n, 3, n + 5]
+            mine3 = [[value(r, lengths[k], dtypes[k], seed=n + 20 + k) for k in range(3)]
+                     for r in range(WORLD)]
+            ts = [t.clone() for t in mine3[RANK]]
+            dist.all_reduce_coalesced(ts)
+            for k in range(3):
+                check(f"all_reduce_coalesced {dtypes[k]}[{lengths[k]}]", ts[k],
+                      reduce_all([mine3[r][k] for r in range(WORLD)], dist.ReduceOp.SUM))
+            outs = [[torch.zeros(lengths[k], dtype=dtypes[k]) for k in range(3)]
+                    for _ in range(WORLD)]
+            dist.all_gather_coalesced(outs, mine3[RANK])
+            for r in range(WORLD):
+                for k in range(3):
+                    check(f"all_gather_coalesced from {r} [{k}]", outs[r][k], mine3[r][k])
+
         blocks = [[value(r * WORLD + b, n, torch.float32, seed=n + 4) for b in range(WORLD)]
                   for r in range(WORLD)]
         out = torch.zeros(n)
@@ -505,9 +523,9 @@ def unsupported():
     init()
     expect_error("PREMUL_SUM", lambda: dist.all_reduce(
         torch.ones(3), op=dist._make_nccl_premul_sum(2.0)), "PREMUL_SUM")
-    outs = [[torch.zeros(3) for _ in range(WORLD)]]
+    outs = [[torch.zeros(3)] for _ in range(WORLD)]
     expect_error("all_gather_coalesced", lambda: dist.all_gather_coalesced(
-        outs, [torch.ones(3)]), "tensorverbs", "allgather_coalesced")
+        outs, [torch.ones(4)]), "tensorverbs", "allgather_coalesced", "[4]")
     # Nothing was sent: the group still agrees and works.
     t = torch.ones(3)
     dist.all_reduce(t)

@@ -47,6 +47,13 @@ std::string Collective::NameOf(int src, int dst, int part) const {
   return absl::StrCat("c", seq_, "/", part, "/", src, ">", dst);
 }
 
+uint8_t* Collective::Scratch(size_t bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+  uint8_t* data = t.data_ptr<uint8_t>();
+  work_.Keep(std::move(t));
+  return data;
+}
+
 absl::StatusOr<Tensor> Collective::Stage(const void* data, size_t bytes) {
   return group_.Stage(data, bytes);
 }

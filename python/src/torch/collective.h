@@ -69,6 +69,9 @@ class Collective {
   // written into the caller's memory (each landed, or the task let go of its destination).
   // False if some still could.
   bool WaitForLandings(std::chrono::milliseconds limit);
+  // `bytes` of scratch memory that lives as long as the operation's work: it may be lent and
+  // named as a destination as the caller's memory is.
+  uint8_t* Scratch(size_t bytes);
   // A copy of `bytes` at `data` in the pool, for an accumulator that is sent on later.
   absl::StatusOr<Tensor> Stage(const void* data, size_t bytes);
   // Copies into the caller's tensor unless the work completed (then Cancelled).

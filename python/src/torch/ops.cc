@@ -116,17 +116,44 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::allreduce_coalesced(
     CheckTensor(t, "allreduce_coalesced");
     op = CheckOp(opts.reduceOp, t, "allreduce_coalesced");
   }
+  // Tensors of one dtype (as gloo requires of them all) travel as one: packed into one buffer,
+  // reduced in one operation, unpacked; mixed dtypes go one tensor at a time.
+  const bool one_dtype = std::all_of(tensors.begin(), tensors.end(), [&](const at::Tensor& t) {
+    return t.scalar_type() == tensors[0].scalar_type();
+  });
   const int parts = 2 * getSize();
-  return Enqueue(c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors, opts.timeout,
-                 [tensors, op, parts](Collective& c) {
-                   for (size_t i = 0; i < tensors.size(); ++i) {
-                     const at::Tensor& t = tensors[i];
-                     absl::Status s = AllreduceInPlace(c, t.data_ptr(), t.numel(), t.scalar_type(),
-                                                       op, static_cast<int>(i) * parts);
-                     if (!s.ok()) return s;
-                   }
-                   return absl::OkStatus();
-                 });
+  return Enqueue(
+      c10d::OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", tensors, opts.timeout,
+      [tensors, op, parts, one_dtype](Collective& c) {
+        if (!one_dtype || tensors.size() == 1) {
+          for (size_t i = 0; i < tensors.size(); ++i) {
+            const at::Tensor& t = tensors[i];
+            absl::Status s = AllreduceInPlace(c, t.data_ptr(), t.numel(), t.scalar_type(), op,
+                                              static_cast<int>(i) * parts);
+            if (!s.ok()) return s;
+          }
+          return absl::OkStatus();
+        }
+        size_t total = 0;
+        int64_t count = 0;
+        for (const at::Tensor& t : tensors) {
+          total += t.nbytes();
+          count += t.numel();
+        }
+        uint8_t* packed = c.Scratch(total);
+        size_t at = 0;
+        for (const at::Tensor& t : tensors) {
+          if (t.nbytes() > 0) std::memcpy(packed + at, t.data_ptr(), t.nbytes());
+          at += t.nbytes();
+        }
+        absl::Status s = AllreduceInPlace(c, packed, count, tensors[0].scalar_type(), op, 0);
+        at = 0;
+        for (const at::Tensor& t : tensors) {
+          if (s.ok()) s = c.WriteOut(t.data_ptr(), packed + at, t.nbytes());
+          at += t.nbytes();
+        }
+        return s;
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::reduce(std::vector<at::Tensor>& tensors,
@@ -153,6 +180,55 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::allgather(
                    std::vector<void*> ptrs;
                    for (const at::Tensor& o : outs) ptrs.push_back(o.data_ptr());
                    return Allgather(c, in.data_ptr(), ptrs.data(), in.nbytes());
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  if (inputs.empty()) Fail("allgather_coalesced", "takes at least one input tensor");
+  for (const at::Tensor& in : inputs) CheckTensor(in, "allgather_coalesced");
+  if (static_cast<int>(outputs.size()) != getSize()) {
+    Fail("allgather_coalesced", absl::StrCat("takes one list of output tensors per rank: ",
+                                             getSize(), " lists, not ", outputs.size()));
+  }
+  for (const std::vector<at::Tensor>& list : outputs) {
+    if (list.size() != inputs.size()) {
+      Fail("allgather_coalesced",
+           absl::StrCat("each rank's list of outputs has one tensor per input: ", inputs.size(),
+                        ", not ", list.size()));
+    }
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      CheckLike(list[j], inputs[j], inputs[j].numel(), "allgather_coalesced");
+    }
+  }
+  std::vector<at::Tensor> outs;
+  for (const std::vector<at::Tensor>& list : outputs)
+    outs.insert(outs.end(), list.begin(), list.end());
+  // Every rank's inputs travel as one message: packed, gathered, unpacked into the outputs.
+  return Enqueue(c10d::OpType::ALLGATHER_COALESCED, "allgather_coalesced", outs, opts.timeout,
+                 [inputs, outputs](Collective& c) {
+                   size_t bytes = 0;
+                   for (const at::Tensor& in : inputs) bytes += in.nbytes();
+                   uint8_t* packed = c.Scratch(bytes * (c.size() + 1));
+                   uint8_t* mine = packed + bytes * c.size();
+                   size_t at = 0;
+                   for (const at::Tensor& in : inputs) {
+                     if (in.nbytes() > 0) std::memcpy(mine + at, in.data_ptr(), in.nbytes());
+                     at += in.nbytes();
+                   }
+                   std::vector<void*> ptrs;
+                   for (int r = 0; r < c.size(); ++r) ptrs.push_back(packed + r * bytes);
+                   absl::Status s = Allgather(c, mine, ptrs.data(), bytes);
+                   for (int r = 0; r < c.size() && s.ok(); ++r) {
+                     at = 0;
+                     for (size_t j = 0; j < inputs.size() && s.ok(); ++j) {
+                       s = c.WriteOut(outputs[r][j].data_ptr(), packed + r * bytes + at,
+                                      inputs[j].nbytes());
+                       at += inputs[j].nbytes();
+                     }
+                   }
+                   return s;
                  });
 }
 

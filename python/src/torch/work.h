@@ -45,6 +45,13 @@ class TvWork final : public c10d::Work {
     return done_;
   }
   void set_source_rank(int rank) { source_rank_.store(rank, std::memory_order_relaxed); }
+  // Keeps `t` (an operation's scratch memory) for as long as the work lives, as the outputs are
+  // kept: memory lent to the task or named as a destination must outlive every use the task
+  // makes of it, and the task's releases hold the work.
+  void Keep(at::Tensor t) {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    kept_.push_back(std::move(t));
+  }
   const std::string& what() const { return what_; }
 
   bool wait(std::chrono::milliseconds timeout) override;
@@ -58,7 +65,8 @@ class TvWork final : public c10d::Work {
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> source_rank_{-1};
   mutable std::mutex write_mu_;
-  bool done_ = false;  // guarded by write_mu_
+  bool done_ = false;             // guarded by write_mu_
+  std::vector<at::Tensor> kept_;  // guarded by write_mu_
 };
 
 }  // namespace tensorverbs::torch_backend
