@@ -98,6 +98,11 @@ struct RecvOptions {
   // waiting in Task::Wait included, with no hand-off to a callback thread. A callback that
   // blocks despite the mark holds up every transfer of the task while it blocks.
   bool quick_callback = false;
+  // For RecvAsync: the caller waits for this recv with Task::Wait right away. Over grpc+verbs
+  // the wait then starts the recv itself, instead of the transport waking its progress thread
+  // for it. A recv marked so that nobody waits for starts late: when the task's progress thread
+  // next wakes, 20 ms later at most.
+  bool waiter_starts = false;
 };
 
 // The protocols this build provides, best first (the same function the server uses).

@@ -783,6 +783,7 @@ class PyStep {
     }
     Tensor into = options.into;
     options.quick_callback = true;
+    options.waiter_starts = true;
     {
       py::gil_scoped_release nogil;
       step.RecvAsync(src_task, name, options, [landing](absl::StatusOr<Tensor> result) {
@@ -831,6 +832,7 @@ class PyStep {
     RecvOptions options;
     options.allocator = task_->RecvAllocator(device);
     options.quick_callback = true;
+    options.waiter_starts = true;
     struct Batch {
       std::mutex mu;
       Event all_ended;
@@ -936,6 +938,7 @@ class PyStep {
     RecvOptions options;
     options.allocator = task_->RecvAllocator(device);
     options.quick_callback = quick;
+    options.waiter_starts = quick;  // a blocking recv waits at once; a future may never
     auto state = std::make_shared<RecvState>();
     py::gil_scoped_release nogil;
     step.RecvAsync(src_task, name, options, [state](absl::StatusOr<Tensor> result) {

@@ -451,6 +451,7 @@ void StartRecv(RemoteRendezvous& rendezvous, const ParsedKey& key, const RecvOpt
   args.expected_shape = options.expected_shape;
   args.into = options.into;
   args.quick_callback = options.quick_callback;
+  args.waiter_starts = options.waiter_starts;
   rendezvous.RecvAsync(
       key, args,
       [done = std::move(done)](const absl::Status& status, const Tensor& tensor, bool is_dead) {
@@ -552,6 +553,7 @@ absl::StatusOr<Tensor> Step::Recv(absl::string_view src_task, absl::string_view 
   auto state = std::make_shared<State>();
   RecvOptions quick = options;
   quick.quick_callback = true;
+  quick.waiter_starts = true;
   RecvAsync(src_task, name, quick, [state](absl::StatusOr<Tensor> result) {
     state->result = std::move(result);
     state->event.Notify();

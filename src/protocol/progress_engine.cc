@@ -65,6 +65,9 @@ constexpr int kDrainTurns = 8;
 // One gap longer than this counts as this long in the average: a pause between training steps
 // should not teach the owner never to spin again.
 constexpr double kMaxLearnedGapUs = 2000;
+// The longest sleep in the domain that counts as a nap: a domain without a wait object bounds
+// every sleep by about this (libfabric's shm provider, 50 us).
+constexpr absl::Duration kNap = absl::Microseconds(60);
 
 }  // namespace
 
@@ -131,24 +134,20 @@ thread_local const ProgressEngine* inline_callbacks_of = nullptr;
 // A thread in DriveUntil: what Notify of its event wakes, and its place among the waiters parked
 // for progress.
 struct ProgressEngine::WaitSlot final : Event::Waker {
-  enum Mode : int { kRunning, kParked, kInDomain };
+  enum Mode : int { kRunning, kParked };
 
-  explicit WaitSlot(ProgressEngine* e) : engine(e), thread(std::this_thread::get_id()) {}
+  WaitSlot() : thread(std::this_thread::get_id()) {}
 
   void Wake() override {
     // Both sides store, then load (sequentially consistent): either the waiter sees `woken`
     // before it sleeps, or this sees where it sleeps.
     woken.store(true);
-    const int m = mode.load();
-    if (m == kInDomain) {
-      engine->domain_->Interrupt();
-    } else if (m == kParked) {
+    if (mode.load() == kParked) {
       std::lock_guard<std::mutex> lock(mu);
       cv.notify_one();
     }
   }
 
-  ProgressEngine* const engine;
   const std::thread::id thread;
   std::atomic<int> mode{kRunning};
   std::atomic<bool> woken{false};
@@ -197,6 +196,17 @@ bool ProgressEngine::Post(Task& task) {
     has_tasks_.store(true, std::memory_order_release);
   }
   if (sleeping_.load()) domain_->Interrupt();
+  return true;
+}
+
+bool ProgressEngine::PostForWaiter(Task& task) {
+  if (!options_.waiters_drive || OnLoopThread()) return Post(task);
+  {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    tasks_.push_back(std::move(task));
+    has_tasks_.store(true, std::memory_order_release);
+  }
   return true;
 }
 
@@ -427,8 +437,12 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
 }
 
 absl::Duration ProgressEngine::SpinBound(bool awaiting) const {
-  const absl::Duration cap =
-      awaiting ? std::max(options_.poll_spin, options_.awaiting_spin) : options_.poll_spin;
+  // A sleep in the domain that only naps (no wait object: libfabric's shm) delays what a peer
+  // owes by up to the nap; a sleep on a wait object costs only the wake-up, which a spin longer
+  // than poll_spin no longer saves.
+  const absl::Duration cap = awaiting && sleep_naps_
+                                 ? std::max(options_.poll_spin, options_.awaiting_spin)
+                                 : options_.poll_spin;
   if (gap_us_ <= 0) return cap;  // nothing learned yet
   const double cap_us = absl::ToDoubleMicroseconds(cap);
   // Work that comes later than the cap, on average, is not worth a spin at all: the thread
@@ -493,7 +507,9 @@ void ProgressEngine::SleepInDomain() {
   // instead of 50. Housekeeping runs at most a grain late.
   absl::Duration timeout =
       std::max(next_housekeeping_ - CoarseNow(), absl::ZeroDuration()) + CoarseClockGrain();
+  const absl::Duration asked = timeout;
   absl::StatusOr<bool> may_sleep = domain_->PrepareToSleep(&sleep_fds_, &timeout);
+  if (may_sleep.ok() && *may_sleep) sleep_naps_ = timeout < asked && timeout <= kNap;
   if (!may_sleep.ok() || !*may_sleep || timeout <= absl::ZeroDuration()) {
     if (!may_sleep.ok() && may_sleep.status() != last_poll_error_) {
       LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << may_sleep.status();
@@ -616,19 +632,38 @@ bool ProgressEngine::DriveUntil(Event& event, absl::Time deadline) {
   // cannot drive again from inside; it waits as any thread waits without an engine.
   if (!options_.waiters_drive || !started_.load() || stop_requested_.load() || OnLoopThread() ||
       InInlineCallback()) {
+    Nudge();  // what this thread posted for its wait (PostForWaiter) is someone else's to run
     return event.WaitUntil(deadline);
   }
-  WaitSlot slot(this);
+  WaitSlot slot;
   if (!event.AddWaker(&slot)) return true;
   while (!event.HasBeenNotified() && !stop_requested_.load() && absl::Now() < deadline) {
     if (AcquireForWaiter(&slot, event, deadline)) {
-      DriveAsOwner(&slot, event, deadline);
+      const bool idle = DriveAsOwner(event, deadline);
       ReleaseFromWaiter();
+      // Nothing more to do but wait: the completion comes through whoever drives next (the
+      // progress thread, woken by the fabric), which runs this thread's quick callback.
+      if (idle) ParkUntil(&slot, event, deadline);
     }
   }
   event.RemoveWaker(&slot);
   // Stop came: the recv fails on the teardown's thread, or the deadline ends the wait.
   return event.HasBeenNotified() || event.WaitUntil(deadline);
+}
+
+void ProgressEngine::ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline) {
+  std::unique_lock<std::mutex> slot_lock(slot->mu);
+  slot->mode.store(WaitSlot::kParked);
+  while (!slot->woken.load() && !event.HasBeenNotified()) {
+    if (deadline == absl::InfiniteFuture()) {
+      slot->cv.wait(slot_lock);
+    } else if (slot->cv.wait_until(slot_lock, absl::ToChronoTime(deadline)) ==
+               std::cv_status::timeout) {
+      break;
+    }
+  }
+  slot->mode.store(WaitSlot::kRunning);
+  slot->woken.store(false);
 }
 
 bool ProgressEngine::AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time deadline) {
@@ -661,6 +696,9 @@ bool ProgressEngine::AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time d
   while (*tail != nullptr) tail = &(*tail)->next_parked;
   *tail = slot;
   lock.unlock();
+  // An owner asleep in the domain has not seen what this thread may have posted for its own
+  // wait (PostForWaiter): it runs it now.
+  if (has_tasks_.load()) Nudge();
   {
     std::unique_lock<std::mutex> slot_lock(slot->mu);
     slot->mode.store(WaitSlot::kParked);
@@ -689,53 +727,43 @@ bool ProgressEngine::AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time d
   return true;
 }
 
-void ProgressEngine::DriveAsOwner(WaitSlot* slot, Event& event, absl::Time deadline) {
+bool ProgressEngine::DriveAsOwner(Event& event, absl::Time deadline) {
   absl::Time idle_since = absl::InfiniteFuture();
   while (true) {
     const TurnResult result = Turn(nullptr);
-    if (result == TurnResult::kStop || event.HasBeenNotified() || stop_requested_.load()) return;
+    if (result == TurnResult::kStop || event.HasBeenNotified() || stop_requested_.load()) {
+      return false;
+    }
     if (result == TurnResult::kActive) {
       if (idle_since != absl::InfiniteFuture()) LearnGap(absl::Now() - idle_since);
       idle_since = absl::InfiniteFuture();
       continue;
     }
     const absl::Time now = absl::Now();
-    if (now >= deadline) return;
+    if (now >= deadline) return false;
     if (options_.poll_mode == PollMode::kBusy) {
       std::this_thread::yield();
       continue;
     }
-    if (options_.poll_mode == PollMode::kAdaptive) {
-      if (idle_since == absl::InfiniteFuture()) idle_since = now;
+    if (idle_since == absl::InfiniteFuture()) idle_since = now;
+    if (options_.waiter_spin.has_value()) {
+      if (now - idle_since < *options_.waiter_spin) {
+        std::this_thread::yield();
+        continue;
+      }
+    } else if (options_.poll_mode == PollMode::kAdaptive) {
       const bool awaiting = hooks_.awaiting_peer && hooks_.awaiting_peer();
       if (now - idle_since < SpinBound(awaiting)) {
         std::this_thread::yield();
         continue;
       }
-      if (hooks_.operations_in_flight()) continue;
     }
-    // Asleep in the domain, owning it: a completion, a Post or this waiter's Notify wakes it.
-    phase_.store("waiting for the fabric (Domain::Wait)", std::memory_order_relaxed);
-    slot->mode.store(WaitSlot::kInDomain);
-    sleeping_.store(true);
-    bool work;
-    {
-      MutexLock lock(&mu_);
-      work = !tasks_.empty() || stopping_;
-    }
-    if (!work && !slot->woken.load() && !event.HasBeenNotified()) {
-      const absl::Duration timeout = std::min(
-          deadline - now,
-          std::max(next_housekeeping_ - CoarseNow(), absl::ZeroDuration()) + CoarseClockGrain());
-      absl::Status s = domain_->Wait(timeout);
-      if (!s.ok() && s != last_poll_error_) {
-        LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << s;
-        last_poll_error_ = s;
-      }
-    }
-    sleeping_.store(false);
-    slot->mode.store(WaitSlot::kRunning);
-    slot->woken.store(false);
+    // Data progress is manual on libfabric's shm and tcp providers: this thread's writes move
+    // only while someone polls, and it is the one that can.
+    if (hooks_.operations_in_flight()) continue;
+    // Idle past the spin: the progress thread sleeps in the domain for this waiter (a wake-up
+    // of one thread when the answer comes, instead of two sleepers on the same doorbell).
+    return true;
   }
 }
 

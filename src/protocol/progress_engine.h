@@ -97,6 +97,9 @@ class ProgressEngine {
     // until the progress thread completes what they wait for. The transport sets it from
     // TENSORVERBS_WAITER_PROGRESS.
     bool waiters_drive = true;
+    // When set, how long a waiter that owns progress spins while idle before it leaves the
+    // fabric to the progress thread, instead of the learned bound (tests pin it).
+    std::optional<absl::Duration> waiter_spin;
     absl::Duration housekeeping_interval = absl::Milliseconds(20);
     // What a stall report calls this loop ("grpc+verbs over shmem (shmem)").
     std::string name = "the progress loop";
@@ -128,6 +131,15 @@ class ProgressEngine {
   // loop thread itself, defers it to later in the current turn.
   bool Post(Task& task);
   bool Post(Task&& task) { return Post(task); }
+  // As Post, for a task that the posting thread's own DriveUntil, about to come, runs: nobody
+  // is woken for it (the progress thread would only have to hand progress over). Another thread
+  // that drives runs it at its next turn; with nobody driving, the progress thread does when it
+  // next wakes (its housekeeping interval at the latest). With waiters_drive off, as Post.
+  bool PostForWaiter(Task& task);
+  // Wakes the thread on duty if it sleeps in the domain, so that it looks at what was posted.
+  void Nudge() {
+    if (sleeping_.load()) domain_->Interrupt();
+  }
   // Runs a recv's `done` with its outcome: on the owner of progress, at the end of the turn,
   // with the turn's other recvs (one task for all of them, so a recv costs no heap allocation
   // of its own): a quick one there and then, the others as the engine runs callbacks (above);
@@ -241,7 +253,11 @@ class ProgressEngine {
   // A waiter: takes progress or parks until it is handed over, its event is notified or its
   // deadline passes; true when it owns progress.
   bool AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time deadline);
-  void DriveAsOwner(WaitSlot* slot, Event& event, absl::Time deadline);
+  // Runs turns until the event, the deadline or Stop (false), or until it has been idle past its
+  // spin (true: the waiter then parks, and the progress thread sleeps in the domain for it).
+  bool DriveAsOwner(Event& event, absl::Time deadline);
+  // Parks until `event` is notified or `deadline` passes.
+  void ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline);
   void ReleaseFromWaiter();
   // With own_mu_ held, by the owner that lets go: hands progress to the first parked waiter, or
   // to nobody (waking the progress thread where it parks). Whether a waiter got it.
@@ -293,6 +309,8 @@ class ProgressEngine {
   absl::Status last_poll_error_;
   // The gaps between the first idle turn and the next work, averaged (adaptive mode's spin).
   double gap_us_ = 0;
+  // Whether the domain's sleeps are naps (no wait object), as the last one was.
+  bool sleep_naps_ = false;
 
   // Ownership (see above). own_mu_ orders every change of owner, and so every hand-over of the
   // owner's state above from one thread to the next.

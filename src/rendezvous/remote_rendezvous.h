@@ -145,6 +145,12 @@ struct RecvArgs {
   // its progress, a thread waiting for this very recv included, instead of handing it to a
   // callback thread.
   bool quick_callback = false;
+  // The caller waits for this recv right away, driving the transport's progress (Task::Wait):
+  // a transport whose progress a waiter can drive (grpc+verbs) leaves starting the recv to that
+  // wait instead of waking its progress thread for it, which would then have to hand progress
+  // over. A recv nobody waits for after all starts when the progress thread next wakes (its
+  // housekeeping interval, 20 ms, at the latest).
+  bool waiter_starts = false;
 };
 
 // What RecvArgs says about where a transport lands the tensor, as it travels with the recv.
@@ -154,9 +160,11 @@ struct RecvLanding {
   uint64_t progress_bytes = 0;
   LandedCallback on_landed;
   bool quick_callback = false;
+  bool waiter_starts = false;
 
   static RecvLanding Of(const RecvArgs& args) {
-    return RecvLanding{args.into, args.progress_bytes, args.on_landed, args.quick_callback};
+    return RecvLanding{args.into, args.progress_bytes, args.on_landed, args.quick_callback,
+                       args.waiter_starts};
   }
 };
 

@@ -102,6 +102,7 @@ Collective::PendingRef Collective::Post(int src, int part, size_t bytes, void* l
   // The callback only settles, stores and notifies: it runs on whichever thread drives the
   // task's progress, this operation's own thread (in Wait) most often.
   options.quick_callback = true;
+  options.waiter_starts = true;  // Wait follows, on this thread
   std::shared_ptr<Landing> landing;
   if (land_at != nullptr && group_.lend_from_ > 0 && bytes >= group_.lend_from_) {
     landing = std::make_shared<Landing>();

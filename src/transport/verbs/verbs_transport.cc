@@ -254,6 +254,7 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
                           const TensorShape& expected_shape, RecvLanding landing,
                           RecvDoneCallback done) {
   // The coarse clock: a recv timeout is seconds long, and this runs for every tensor.
+  const bool quiet = landing.waiter_starts;
   RecvStart r{std::move(rendezvous),
               keys_.Intern(key),
               allocator,
@@ -262,13 +263,17 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
               expected_dtype,
               expected_shape,
               std::move(landing)};
-  if (!recv_inbox_.Push(std::move(r)))
-    return;  // the task posted for the earlier ones has not taken them yet
+  if (!recv_inbox_.Push(std::move(r))) {
+    // The task posted for the earlier ones has not taken them yet; it may have been posted
+    // without waking anyone (a waiter's), and this recv may have no waiter.
+    if (!quiet) engine_->Nudge();
+    return;
+  }
   // If the engine refuses the task (shutting down), it runs right here, off the loop thread,
   // and only fails the recvs; so does a task that a stopping engine that never started runs
   // on the stopping thread.
   protocol::ProgressEngine::Task task = [this] { StartQueuedRecvs(); };
-  if (!engine_->Post(task)) std::move(task)();
+  if (!(quiet ? engine_->PostForWaiter(task) : engine_->Post(task))) std::move(task)();
 }
 
 void VerbsTransport::StartQueuedRecvs() {

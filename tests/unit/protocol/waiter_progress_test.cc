@@ -1,6 +1,10 @@
 // ProgressEngine::DriveUntil over a loopback domain: threads that wait drive progress, hand it
 // over between them, and give it back, and nothing a waiter would have run is lost.
 //
+// Waiters spin for as long as a test lets them (Options::waiter_spin, long by default here), so
+// that one that drives keeps driving until what it waits for came; the last tests pin it at
+// zero, where a waiter leaves the fabric to the progress thread as soon as it is idle.
+//
 // The domain writes to its own endpoint; each write's completion stands for a recv's content:
 // the hook delivers a quick recv whose callback notifies the Event of the write's context and
 // records the thread the completion and the callback ran on. Completions are held back (a
@@ -39,7 +43,13 @@ class WaiterProgressTest : public ::testing::Test {
     if (engine_ != nullptr) engine_->Stop();
   }
 
-  void MakeEngine(ProgressEngine::Options options = {}) {
+  static ProgressEngine::Options Spinning() {
+    ProgressEngine::Options options;
+    options.waiter_spin = kWaitPatience;
+    return options;
+  }
+
+  void MakeEngine(ProgressEngine::Options options = Spinning()) {
     executor_ = std::make_unique<Executor>("callbacks", 1);
     ProgressEngine::Hooks hooks;
     hooks.on_completion = [this](const fabric::Completion& c) {
@@ -275,7 +285,7 @@ TEST_F(WaiterProgressTest, StopWhileAWaiterDrivesLeavesItWaitingAndRunsWhatWasPo
 }
 
 TEST_F(WaiterProgressTest, WithWaiterProgressOffTheProgressThreadDoesItAll) {
-  ProgressEngine::Options options;
+  ProgressEngine::Options options = Spinning();
   options.waiters_drive = false;
   MakeEngine(options);
   Stall(true);
@@ -289,6 +299,49 @@ TEST_F(WaiterProgressTest, WithWaiterProgressOffTheProgressThreadDoesItAll) {
   EXPECT_EQ(result.load(), 1);
   EXPECT_EQ(engine_->waiter_drives(), 0u);
   EXPECT_NE(ThreadOf(8, "completion"), waiter);
+}
+
+TEST_F(WaiterProgressTest, AnIdleWaiterLeavesTheFabricToTheProgressThreadAndIsWokenByIt) {
+  ProgressEngine::Options options;
+  options.waiter_spin = absl::ZeroDuration();
+  MakeEngine(options);
+  Stall(true);
+  Write(9);
+  std::thread::id waiter;
+  std::atomic<int> result{-1};
+  std::thread t = Waiter(9, &waiter, &result);
+  ASSERT_TRUE(SoonEnough([&] { return engine_->waiter_drives() >= 1; }));
+  absl::SleepFor(absl::Milliseconds(5));  // long idle: the waiter parks, the loop sleeps for it
+  Stall(false);
+  t.join();
+  EXPECT_EQ(result.load(), 1);
+  EXPECT_NE(ThreadOf(9, "completion"), waiter);
+  EXPECT_EQ(ThreadOf(9, "callback"), ThreadOf(9, "completion"))
+      << "a quick callback runs where its completion was handled";
+}
+
+TEST_F(WaiterProgressTest, IdleWaitersAndThePostersAllGetTheirsExactlyOnce) {
+  // As below, with waiters that park as soon as they are idle: the progress thread and the
+  // waiters trade progress constantly.
+  ProgressEngine::Options options;
+  options.waiter_spin = absl::ZeroDuration();
+  MakeEngine(options);
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 200;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRounds; ++r) {
+        const uint64_t id = 5000 + t * kRounds + r;
+        Write(id);
+        EXPECT_TRUE(engine_->DriveUntil(EventOf(id), absl::Now() + kWaitPatience)) << id;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  MutexLock lock(&mu_);
+  EXPECT_EQ(callback_runs_.size(), static_cast<size_t>(kThreads * kRounds));
+  for (const auto& [id, runs] : callback_runs_) EXPECT_EQ(runs, 1) << id;
 }
 
 TEST_F(WaiterProgressTest, ManyWaitersAndThePostersAllGetTheirsExactlyOnce) {
