@@ -185,6 +185,22 @@ class Task {
   // Never call it from a recv callback. Step::Recv and WaitUntilSendsTaken wait this way.
   bool Wait(Event& event, absl::Time deadline);
 
+  // A burst of sends, recvs and waits on one thread (a collective's): while it lives, what the
+  // thread starts on this task wakes no other thread, because the thread's next wait (Task::Wait,
+  // Step::Recv) starts it itself; if the burst ends with nothing waited for since, its end wakes
+  // the task's progress thread. Make it, use it and let it go on the same thread. Other
+  // protocols ignore it.
+  class Burst {
+   public:
+    explicit Burst(Task& task);
+    Burst(const Burst&) = delete;
+    Burst& operator=(const Burst&) = delete;
+    ~Burst();
+
+   private:
+    std::shared_ptr<void> scope_;
+  };
+
   TaskStats stats() const;
   // Every counter of this task as `tensorverbs stats` reports it (the channels' aside), by
   // name: tensors_received, bytes_sent, pushed_requests, pool_bytes_in_use, ...

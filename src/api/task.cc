@@ -388,6 +388,10 @@ bool Task::Wait(Event& event, absl::Time deadline) {
   return impl_->server->DriveUntil(event, deadline);
 }
 
+Task::Burst::Burst(Task& task) : scope_(task.impl_->server->QuietScope()) {}
+
+Task::Burst::~Burst() = default;
+
 absl::Status Task::WaitForDeviceWork(int device) {
   return impl_->server->WaitForDeviceWork(device);
 }

@@ -65,9 +65,10 @@ constexpr int kDrainTurns = 8;
 // One gap longer than this counts as this long in the average: a pause between training steps
 // should not teach the owner never to spin again.
 constexpr double kMaxLearnedGapUs = 2000;
-// The longest sleep in the domain that counts as a nap: a domain without a wait object bounds
-// every sleep by about this (libfabric's shm provider, 50 us).
-constexpr absl::Duration kNap = absl::Microseconds(60);
+// How often a waiter whose recv another thread drives looks whether progress went idle (and so
+// its to take): the driver's sleep arms the domain for the waiter's completion too, so this
+// only bounds a wait for a driver that left without anyone to hand progress to.
+constexpr absl::Duration kDriverCheck = absl::Milliseconds(20);
 
 }  // namespace
 
@@ -129,7 +130,23 @@ void ProgressEngine::DeliveryBatch::Release(DeliveryBatch* batch) {
 namespace {
 // The engine whose callbacks the calling thread runs inline, if any.
 thread_local const ProgressEngine* inline_callbacks_of = nullptr;
+// The engine whose posts the calling thread makes quietly (QuietScope), and whether one of them
+// still owes a wake-up (nobody has driven since).
+thread_local ProgressEngine* quiet_engine = nullptr;
+thread_local bool quiet_owed = false;
 }  // namespace
+
+ProgressEngine::QuietScope::QuietScope(ProgressEngine* engine)
+    : engine_(engine), outer_(quiet_engine), outer_owed_(quiet_owed) {
+  quiet_engine = engine_;
+  quiet_owed = false;
+}
+
+ProgressEngine::QuietScope::~QuietScope() {
+  if (quiet_owed && engine_ != nullptr) engine_->Nudge();
+  quiet_engine = outer_;
+  quiet_owed = outer_owed_;
+}
 
 // A thread in DriveUntil: what Notify of its event wakes, and its place among the waiters parked
 // for progress.
@@ -151,11 +168,8 @@ struct ProgressEngine::WaitSlot final : Event::Waker {
   const std::thread::id thread;
   std::atomic<int> mode{kRunning};
   std::atomic<bool> woken{false};
-  // Set, under the engine's own_mu_, by the owner that hands progress to this waiter.
-  std::atomic<bool> handed{false};
-  std::mutex mu;  // parks with cv; taken after own_mu_ where both are
+  std::mutex mu;  // parks with cv
   std::condition_variable cv;
-  WaitSlot* next_parked = nullptr;  // guarded by the engine's own_mu_
 };
 
 ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Options options,
@@ -189,6 +203,7 @@ bool ProgressEngine::Post(Task& task) {
     deferred_.push_back(std::move(task));
     return true;
   }
+  if (quiet_engine == this) return PostForWaiter(task);
   {
     MutexLock lock(&mu_);
     if (stopping_) return false;
@@ -200,12 +215,20 @@ bool ProgressEngine::Post(Task& task) {
 }
 
 bool ProgressEngine::PostForWaiter(Task& task) {
-  if (!options_.waiters_drive || OnLoopThread()) return Post(task);
+  if (OnLoopThread()) {
+    deferred_.push_back(std::move(task));
+    return true;
+  }
   {
     MutexLock lock(&mu_);
     if (stopping_) return false;
     tasks_.push_back(std::move(task));
     has_tasks_.store(true, std::memory_order_release);
+  }
+  if (!options_.waiters_drive) {
+    Nudge();
+  } else if (quiet_engine == this) {
+    quiet_owed = true;  // the scope's end wakes someone unless this thread drives first
   }
   return true;
 }
@@ -350,9 +373,9 @@ void ProgressEngine::MoveLoop() {
       loops_.pop_back();
     }
     {
-      // The left thread owned progress: a parked waiter, or the new loop thread, takes it on.
+      // The left thread owned progress: the new loop thread, or a waiter, takes it on.
       std::lock_guard<std::mutex> own(own_mu_);
-      HandOnLocked();
+      ReleaseLocked();
     }
     // Even while stopping: the new loop runs what was posted and ends, where the old one could
     // not until the callback returns.
@@ -440,20 +463,21 @@ absl::Duration ProgressEngine::SpinBound(bool awaiting) const {
   // A sleep in the domain that only naps (no wait object: libfabric's shm) delays what a peer
   // owes by up to the nap; a sleep on a wait object costs only the wake-up, which a spin longer
   // than poll_spin no longer saves.
-  const absl::Duration cap = awaiting && sleep_naps_
-                                 ? std::max(options_.poll_spin, options_.awaiting_spin)
-                                 : options_.poll_spin;
-  if (gap_us_ <= 0) return cap;  // nothing learned yet
+  const absl::Duration cap =
+      awaiting ? std::max(options_.poll_spin, options_.awaiting_spin) : options_.poll_spin;
+  const double gap_us = gap_us_.load(std::memory_order_relaxed);
+  if (gap_us <= 0) return cap;  // nothing learned yet
   const double cap_us = absl::ToDoubleMicroseconds(cap);
   // Work that comes later than the cap, on average, is not worth a spin at all: the thread
   // sleeps at once and leaves the core to whoever will produce it.
-  if (gap_us_ > cap_us) return absl::ZeroDuration();
-  return std::min(cap, absl::Microseconds(2 * gap_us_ + 2));
+  if (gap_us > cap_us) return absl::ZeroDuration();
+  return std::min(cap, absl::Microseconds(2 * gap_us + 2));
 }
 
 void ProgressEngine::LearnGap(absl::Duration gap) {
   const double us = std::min(absl::ToDoubleMicroseconds(gap), kMaxLearnedGapUs);
-  gap_us_ = gap_us_ <= 0 ? us : gap_us_ + (us - gap_us_) / 8;
+  const double old = gap_us_.load(std::memory_order_relaxed);
+  gap_us_.store(old <= 0 ? us : old + (us - old) / 8, std::memory_order_relaxed);
 }
 
 bool ProgressEngine::NeedsDriver() const {
@@ -468,34 +492,22 @@ void ProgressEngine::TakeForLoop(std::unique_lock<std::mutex>& lock) {
   }
   loop_parked_ = false;
   owner_ = Owner::kLoop;
-  loop_sleep_ = LoopSleep::kAwake;
   loop_thread_id_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  if (armed_) {
+    // This thread's own arming, which it slept on and left before anyone took it back.
+    armed_ = false;
+    sleeping_.store(false);
+    lock.unlock();
+    ClearRevents(&armed_fds_);
+    domain_->FinishSleep(armed_fds_);
+    lock.lock();
+  }
 }
 
-bool ProgressEngine::HandOnLocked() {
+void ProgressEngine::ReleaseLocked() {
   loop_thread_id_.store(std::thread::id(), std::memory_order_relaxed);
-  // After Stop the progress thread's last turn runs what is left: no waiter takes over then.
-  if (parked_ != nullptr && !stop_requested_.load()) {
-    WaitSlot* next = parked_;
-    parked_ = next->next_parked;
-    next->next_parked = nullptr;
-    owner_ = Owner::kWaiter;
-    loop_thread_id_.store(next->thread, std::memory_order_relaxed);
-    next->handed.store(true);
-    std::lock_guard<std::mutex> slot_lock(next->mu);
-    next->cv.notify_one();
-    return true;
-  }
   owner_ = Owner::kNobody;
   if (loop_parked_) loop_cv_.notify_one();
-  return false;
-}
-
-void ProgressEngine::YieldToWaiters() {
-  std::unique_lock<std::mutex> lock(own_mu_);
-  if (parked_ == nullptr || stop_requested_.load()) return;  // they left already
-  HandOnLocked();
-  TakeForLoop(lock);  // parks until the waiters let go
 }
 
 void ProgressEngine::SleepInDomain() {
@@ -507,9 +519,7 @@ void ProgressEngine::SleepInDomain() {
   // instead of 50. Housekeeping runs at most a grain late.
   absl::Duration timeout =
       std::max(next_housekeeping_ - CoarseNow(), absl::ZeroDuration()) + CoarseClockGrain();
-  const absl::Duration asked = timeout;
   absl::StatusOr<bool> may_sleep = domain_->PrepareToSleep(&sleep_fds_, &timeout);
-  if (may_sleep.ok() && *may_sleep) sleep_naps_ = timeout < asked && timeout <= kNap;
   if (!may_sleep.ok() || !*may_sleep || timeout <= absl::ZeroDuration()) {
     if (!may_sleep.ok() && may_sleep.status() != last_poll_error_) {
       LOG(ERROR) << "grpc+verbs: waiting for completions failed: " << may_sleep.status();
@@ -521,19 +531,18 @@ void ProgressEngine::SleepInDomain() {
   }
   {
     std::lock_guard<std::mutex> lock(own_mu_);
-    if (parked_ != nullptr || stop_requested_.load()) {
-      // A waiter wants progress (the next turn hands it over), or the loop is to stop.
+    if (stop_requested_.load()) {
       ClearRevents(&sleep_fds_);
       domain_->FinishSleep(sleep_fds_);
       return;
     }
-    // Armed, and then let go: a waiter that comes while this thread sleeps takes progress over
-    // without waking it.
+    // Armed, and then let go: a waiter that takes progress while this thread sleeps takes the
+    // arming back without waking it.
     armed_fds_ = sleep_fds_;
-    owner_ = Owner::kNobody;
-    loop_sleep_ = LoopSleep::kArmed;
-    loop_thread_id_.store(std::thread::id(), std::memory_order_relaxed);
+    armed_ = true;
+    loop_in_poll_ = true;
     sleeping_.store(true);
+    ReleaseLocked();
   }
   bool work;
   {
@@ -549,18 +558,19 @@ void ProgressEngine::SleepInDomain() {
     }
   }
   std::unique_lock<std::mutex> lock(own_mu_);
-  if (loop_sleep_ == LoopSleep::kArmed) {
+  loop_in_poll_ = false;
+  if (owner_ == Owner::kNobody && armed_) {
     // Nobody came (or a waiter came, went, and armed the domain again for this sleep).
+    armed_ = false;
     sleeping_.store(false);
     owner_ = Owner::kLoop;
-    loop_sleep_ = LoopSleep::kAwake;
     loop_thread_id_.store(std::this_thread::get_id(), std::memory_order_relaxed);
     lock.unlock();
     domain_->FinishSleep(sleep_fds_);
     return;
   }
-  // A waiter took progress and the arming over; it finished the sleep already.
-  loop_sleep_ = LoopSleep::kAwake;
+  // A waiter took progress, and the arming, over (or is about to take the arming): this thread
+  // takes progress back once it is free.
   TakeForLoop(lock);
 }
 
@@ -581,11 +591,6 @@ void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
     const TurnResult result = Turn(seat.get());
     if (result == TurnResult::kLeft) return;  // the loop moved on without this thread
     if (result == TurnResult::kStop) break;
-    if (handoff_wanted_.load(std::memory_order_relaxed) > 0) {
-      YieldToWaiters();
-      idle_since = absl::InfiniteFuture();
-      continue;
-    }
     if (result == TurnResult::kActive) {
       if (idle_since != absl::InfiniteFuture()) LearnGap(absl::Now() - idle_since);
       idle_since = absl::InfiniteFuture();
@@ -633,17 +638,25 @@ bool ProgressEngine::DriveUntil(Event& event, absl::Time deadline) {
   if (!options_.waiters_drive || !started_.load() || stop_requested_.load() || OnLoopThread() ||
       InInlineCallback()) {
     Nudge();  // what this thread posted for its wait (PostForWaiter) is someone else's to run
+    if (quiet_engine == this) quiet_owed = false;
     return event.WaitUntil(deadline);
   }
   WaitSlot slot;
   if (!event.AddWaker(&slot)) return true;
+  // This wait runs what the thread posted, or nudges whoever drives (AcquireForWaiter).
+  if (quiet_engine == this) quiet_owed = false;
   while (!event.HasBeenNotified() && !stop_requested_.load() && absl::Now() < deadline) {
-    if (AcquireForWaiter(&slot, event, deadline)) {
+    if (TakeIdleProgress(&slot)) {
       const bool idle = DriveAsOwner(event, deadline);
       ReleaseFromWaiter();
       // Nothing more to do but wait: the completion comes through whoever drives next (the
       // progress thread, woken by the fabric), which runs this thread's quick callback.
-      if (idle) ParkUntil(&slot, event, deadline);
+      if (idle) ParkUntil(&slot, event, deadline, /*spin=*/false);
+    } else {
+      // Another thread drives, and runs this thread's quick callback when its completion comes:
+      // wait for that, spinning first where it may come soon; the loop takes progress if the
+      // other thread lets it go idle meanwhile.
+      ParkUntil(&slot, event, std::min(deadline, absl::Now() + kDriverCheck), /*spin=*/true);
     }
   }
   event.RemoveWaker(&slot);
@@ -651,7 +664,12 @@ bool ProgressEngine::DriveUntil(Event& event, absl::Time deadline) {
   return event.HasBeenNotified() || event.WaitUntil(deadline);
 }
 
-void ProgressEngine::ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline) {
+void ProgressEngine::ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline, bool spin) {
+  if (spin) {
+    const absl::Time spin_end = std::min(deadline, absl::Now() + SpinBound(/*awaiting=*/false));
+    while (!event.HasBeenNotified() && absl::Now() < spin_end) std::this_thread::yield();
+    if (event.HasBeenNotified()) return;
+  }
   std::unique_lock<std::mutex> slot_lock(slot->mu);
   slot->mode.store(WaitSlot::kParked);
   while (!slot->woken.load() && !event.HasBeenNotified()) {
@@ -666,65 +684,26 @@ void ProgressEngine::ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline
   slot->woken.store(false);
 }
 
-bool ProgressEngine::AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time deadline) {
+bool ProgressEngine::TakeIdleProgress(WaitSlot* slot) {
   std::unique_lock<std::mutex> lock(own_mu_);
-  if (stop_requested_.load()) return false;
-  if (owner_ == Owner::kNobody) {
-    owner_ = Owner::kWaiter;
-    loop_thread_id_.store(slot->thread, std::memory_order_relaxed);
-    const bool disarm = loop_sleep_ == LoopSleep::kArmed;
-    if (disarm) {
-      // The progress thread sleeps in the domain it armed: take the arming back (nobody needs
-      // its wake-ups while this thread polls) and leave it asleep.
-      loop_sleep_ = LoopSleep::kDisarmed;
-      sleeping_.store(false);
-    }
-    lock.unlock();
-    waiter_drives_.fetch_add(1, std::memory_order_relaxed);
-    if (disarm) {
-      ClearRevents(&armed_fds_);
-      domain_->FinishSleep(armed_fds_);
-    }
-    return true;
-  }
-  // Someone drives. The progress thread hands progress over at the end of its turn; a waiter
-  // runs this one's quick callback, or hands progress on when it leaves.
-  const bool asked = owner_ == Owner::kLoop;
-  if (asked) handoff_wanted_.fetch_add(1);
-  slot->handed.store(false);
-  WaitSlot** tail = &parked_;
-  while (*tail != nullptr) tail = &(*tail)->next_parked;
-  *tail = slot;
-  lock.unlock();
-  // An owner asleep in the domain has not seen what this thread may have posted for its own
-  // wait (PostForWaiter): it runs it now.
-  if (has_tasks_.load()) Nudge();
-  {
-    std::unique_lock<std::mutex> slot_lock(slot->mu);
-    slot->mode.store(WaitSlot::kParked);
-    while (!slot->woken.load() && !slot->handed.load() && !event.HasBeenNotified()) {
-      if (deadline == absl::InfiniteFuture()) {
-        slot->cv.wait(slot_lock);
-      } else if (slot->cv.wait_until(slot_lock, absl::ToChronoTime(deadline)) ==
-                 std::cv_status::timeout) {
-        break;
-      }
-    }
-    slot->mode.store(WaitSlot::kRunning);
-    slot->woken.store(false);
-  }
-  lock.lock();
-  if (asked) handoff_wanted_.fetch_sub(1);
-  for (WaitSlot** p = &parked_; *p != nullptr; p = &(*p)->next_parked) {
-    if (*p == slot) {
-      *p = slot->next_parked;
-      slot->next_parked = nullptr;
-      break;
-    }
-  }
-  if (!slot->handed.load()) return false;
-  waiter_drives_.fetch_add(1, std::memory_order_relaxed);
+  if (stop_requested_.load() || owner_ != Owner::kNobody) return false;
+  owner_ = Owner::kWaiter;
+  loop_thread_id_.store(slot->thread, std::memory_order_relaxed);
+  TakeArmingLocked(lock);
   return true;
+}
+
+void ProgressEngine::TakeArmingLocked(std::unique_lock<std::mutex>& lock) {
+  waiter_drives_.fetch_add(1, std::memory_order_relaxed);
+  if (!armed_) return;
+  // The progress thread sleeps on the arming it made (or is on its way out of that sleep): take
+  // it back (nobody needs its wake-ups while this thread polls) and leave the thread asleep.
+  armed_ = false;
+  sleeping_.store(false);
+  lock.unlock();
+  ClearRevents(&armed_fds_);
+  domain_->FinishSleep(armed_fds_);
+  lock.lock();
 }
 
 bool ProgressEngine::DriveAsOwner(Event& event, absl::Time deadline) {
@@ -774,9 +753,10 @@ void ProgressEngine::ReleaseFromWaiter() {
   }
   const bool needs_driver = NeedsDriver();
   std::unique_lock<std::mutex> lock(own_mu_);
-  const bool rearm = !needs_driver && parked_ == nullptr && !loop_parked_ &&
-                     loop_sleep_ == LoopSleep::kDisarmed && !stop_requested_.load();
-  if (rearm) {
+  auto may_rearm = [&] {
+    return !needs_driver && !loop_parked_ && loop_in_poll_ && !armed_ && !stop_requested_.load();
+  };
+  if (may_rearm()) {
     // The progress thread still sleeps on the fds it armed: arm the domain for that sleep
     // again, so that it wakes for what comes next and not before.
     lock.unlock();
@@ -787,11 +767,11 @@ void ProgressEngine::ReleaseFromWaiter() {
     const bool same =
         armed && SameFds(rearm_fds_, armed_fds_) && timeout >= options_.housekeeping_interval;
     lock.lock();
-    if (same && parked_ == nullptr && !loop_parked_ && loop_sleep_ == LoopSleep::kDisarmed) {
-      loop_sleep_ = LoopSleep::kArmed;
+    if (same && may_rearm()) {
+      armed_ = true;
+      sleeping_.store(true);
       owner_ = Owner::kNobody;
       loop_thread_id_.store(std::thread::id(), std::memory_order_relaxed);
-      sleeping_.store(true);
       lock.unlock();
       // A Post that found nobody asleep before the store above must still be seen.
       if (has_tasks_.load()) domain_->Interrupt();
@@ -803,9 +783,9 @@ void ProgressEngine::ReleaseFromWaiter() {
     domain_->FinishSleep(rearm_fds_);
     lock.lock();
   }
-  const bool to_waiter = HandOnLocked();
+  ReleaseLocked();
   // The progress thread asleep on a sleep that no longer wakes it drives from here on.
-  const bool wake_loop = !to_waiter && !loop_parked_ && loop_sleep_ == LoopSleep::kDisarmed;
+  const bool wake_loop = !loop_parked_ && loop_in_poll_;
   lock.unlock();
   if (wake_loop) domain_->Interrupt();
 }

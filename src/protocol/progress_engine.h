@@ -140,6 +140,22 @@ class ProgressEngine {
   void Nudge() {
     if (sleeping_.load()) domain_->Interrupt();
   }
+  // A burst of work on the calling thread that ends in its own DriveUntil (or the scope's end):
+  // while it lives, what the thread posts wakes nobody (as PostForWaiter), and the scope's end
+  // wakes the thread on duty if the thread did not drive since. For a collective: its sends and
+  // recvs, and the waits between them, all on one thread, with no other thread woken for them.
+  class QuietScope {
+   public:
+    explicit QuietScope(ProgressEngine* engine);
+    QuietScope(const QuietScope&) = delete;
+    QuietScope& operator=(const QuietScope&) = delete;
+    ~QuietScope();
+
+   private:
+    ProgressEngine* const engine_;
+    ProgressEngine* const outer_;
+    const bool outer_owed_;
+  };
   // Runs a recv's `done` with its outcome: on the owner of progress, at the end of the turn,
   // with the turn's other recvs (one task for all of them, so a recv costs no heap allocation
   // of its own): a quick one there and then, the others as the engine runs callbacks (above);
@@ -239,29 +255,29 @@ class ProgressEngine {
 
   // Who owns progress, and where the progress thread is when it does not.
   enum class Owner { kNobody, kLoop, kWaiter };
-  enum class LoopSleep {
-    kAwake,     // the progress thread owns progress, parks for it, or is on its way to one
-    kArmed,     // it sleeps in the domain, which it armed (PrepareToSleep), owning nothing
-    kDisarmed,  // it still sleeps there, but a waiter took the arming back (FinishSleep)
-  };
   struct WaitSlot;
-  // The progress thread: takes progress (parking while a waiter owns it); hands it to the
-  // waiters that asked, then takes it back; sleeps in the domain without it.
+  // The progress thread: takes progress (parking while a waiter owns it) and finishes an
+  // arming of its own left behind.
   void TakeForLoop(std::unique_lock<std::mutex>& lock);
-  void YieldToWaiters();
+  // The progress thread arms the domain (PrepareToSleep) and sleeps on it without owning
+  // progress.
   void SleepInDomain();
-  // A waiter: takes progress or parks until it is handed over, its event is notified or its
-  // deadline passes; true when it owns progress.
-  bool AcquireForWaiter(WaitSlot* slot, Event& event, absl::Time deadline);
+  // A waiter: takes progress if nobody drives (the progress thread asleep, or gone from it);
+  // true when it owns progress.
+  bool TakeIdleProgress(WaitSlot* slot);
+  // A waiter that just took progress, under own_mu_: takes back an arming the progress thread
+  // sleeps on (FinishSleep), leaving the thread asleep.
+  void TakeArmingLocked(std::unique_lock<std::mutex>& lock);
   // Runs turns until the event, the deadline or Stop (false), or until it has been idle past its
   // spin (true: the waiter then parks, and the progress thread sleeps in the domain for it).
   bool DriveAsOwner(Event& event, absl::Time deadline);
-  // Parks until `event` is notified or `deadline` passes.
-  void ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline);
+  // Parks until `event` is notified or `deadline` passes; with `spin`, spins first for the
+  // learned bound.
+  void ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline, bool spin);
   void ReleaseFromWaiter();
-  // With own_mu_ held, by the owner that lets go: hands progress to the first parked waiter, or
-  // to nobody (waking the progress thread where it parks). Whether a waiter got it.
-  bool HandOnLocked();
+  // With own_mu_ held, by the owner that lets go: nobody owns progress (the progress thread,
+  // where it parks for it, is woken to take it).
+  void ReleaseLocked();
   // The spin an idle owner allows itself, from the gaps it measured (adaptive mode).
   absl::Duration SpinBound(bool awaiting) const;
   void LearnGap(absl::Duration gap);
@@ -307,26 +323,26 @@ class ProgressEngine {
   fabric::Completion completions_[kPollBatch];
   absl::Time next_housekeeping_ = absl::InfinitePast();
   absl::Status last_poll_error_;
-  // The gaps between the first idle turn and the next work, averaged (adaptive mode's spin).
-  double gap_us_ = 0;
-  // Whether the domain's sleeps are naps (no wait object), as the last one was.
-  bool sleep_naps_ = false;
+  // The gaps between the first idle turn and the next work, averaged (adaptive mode's spin):
+  // written by the owner, read by waiters that spin for their event too.
+  std::atomic<double> gap_us_{0};
 
   // Ownership (see above). own_mu_ orders every change of owner, and so every hand-over of the
   // owner's state above from one thread to the next.
   std::mutex own_mu_;
-  Owner owner_ = Owner::kNobody;              // guarded by own_mu_
-  LoopSleep loop_sleep_ = LoopSleep::kAwake;  // guarded by own_mu_
-  bool loop_parked_ = false;                  // guarded by own_mu_
-  std::condition_variable loop_cv_;           // the progress thread parks on it
-  WaitSlot* parked_ = nullptr;                // waiters parked for progress, guarded by own_mu_
+  Owner owner_ = Owner::kNobody;  // guarded by own_mu_
+  // The progress thread sleeps in the domain (ppoll), or is on its way into that sleep.
+  bool loop_in_poll_ = false;  // guarded by own_mu_
+  // The domain is armed (PrepareToSleep) for the progress thread's sleep, and nobody has
+  // finished that arming yet (FinishSleep). Whoever takes progress finishes it.
+  bool armed_ = false;               // guarded by own_mu_
+  bool loop_parked_ = false;         // guarded by own_mu_
+  std::condition_variable loop_cv_;  // the progress thread parks on it
   // The fds the progress thread sleeps on, as armed: written by the owner that arms, read by
   // the waiter that takes the arming back.
   std::vector<pollfd> armed_fds_;
   std::vector<pollfd> sleep_fds_;  // the progress thread's own sleep
   std::vector<pollfd> rearm_fds_;  // a leaving waiter's arming for that sleep
-  // Waiters that asked the progress thread for progress; it looks after each turn.
-  std::atomic<int> handoff_wanted_{0};
   std::atomic<bool> stop_requested_{false};
   std::atomic<uint64_t> waiter_drives_{0};
   struct SpareBatches;

@@ -389,6 +389,11 @@ bool Server::DriveUntil(Event& event, absl::Time deadline) {
   return event.WaitUntil(deadline);
 }
 
+std::shared_ptr<void> Server::QuietScope() {
+  if (verbs_ == nullptr) return nullptr;
+  return verbs_->QuietScope();
+}
+
 bool Server::OnOwnThread() const {
   return (executor_ != nullptr && executor_->OnOwnThread()) || (verbs_ && verbs_->OnLoopThread());
 }

@@ -126,6 +126,9 @@ class Server {
   // Waits until `event` is notified or `deadline`, driving grpc+verbs's progress meanwhile
   // (ProgressEngine::DriveUntil); other protocols only wait. Whether it was notified.
   bool DriveUntil(Event& event, absl::Time deadline);
+  // A ProgressEngine::QuietScope of grpc+verbs's progress for the calling thread, ended when the
+  // result goes (on the same thread); null for other protocols.
+  std::shared_ptr<void> QuietScope();
   // Stops this task's grpc+verbs traffic (writes under way finish first) without closing
   // anything: for stopping several servers of one process, whose shared-memory peers must not
   // be written to once one of them has closed. Stop() does it too.

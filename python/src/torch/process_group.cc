@@ -383,7 +383,11 @@ void ProcessGroupTensorVerbs::WorkerLoop() {
     if (status.ok()) {
       Collective collective(*this, *item.work, item.seq,
                             absl::Now() + absl::FromChrono(item.timeout));
-      status = item.body(collective);
+      {
+        // Its sends and recvs wake no other thread: this one's waits start them.
+        Task::Burst burst(*task_);
+        status = item.body(collective);
+      }
       // The caller may change its tensors once the work completes: what was lent from them
       // must have been taken by then. A failed operation does not wait (its lent messages hold
       // the memory until the task lets go of them), but for the messages that may still land

@@ -195,6 +195,11 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   bool DriveUntil(Event& event, absl::Time deadline) {
     return engine_ != nullptr ? engine_->DriveUntil(event, deadline) : event.WaitUntil(deadline);
   }
+  // ProgressEngine::QuietScope over this transport's progress (see Server::QuietScope).
+  std::shared_ptr<void> QuietScope() {
+    if (engine_ == nullptr) return nullptr;
+    return std::make_shared<protocol::ProgressEngine::QuietScope>(engine_.get());
+  }
   // How many times a waiting thread took this transport's progress over.
   uint64_t waiter_drives() const { return engine_ != nullptr ? engine_->waiter_drives() : 0; }
 
