@@ -50,7 +50,8 @@ def stats(group=None):
     staged_bytes (sends copied into the pool), lent_sends and lent_bytes (sends written from the
     caller's tensor itself), landed_copies and landed_bytes (received messages copied into
     tensors), in_place_recvs and in_place_bytes (messages the fabric wrote straight into the
-    recv's tensor), collectives and failed, and the protocol."""
+    recv's tensor), collectives, collectives_on_caller (run by the thread that waited for them
+    rather than the group's worker) and failed, and the protocol."""
     if group is None:
         group = _dist.distributed_c10d._get_default_group()
     return _tensorverbs_torch.stats(group)

@@ -208,7 +208,14 @@ def collectives():
             check("recv in a subgroup", got, torch.tensor([7]))
         dist.destroy_process_group(pair)
     dist.barrier()
-    print(f"rank {RANK}: collectives ok", flush=True)
+    # A synchronous collective's wait runs it on the waiting thread where the group's worker has
+    # not started it: of the hundreds above, the caller ran some (which, depends on the race).
+    counts = tvt.stats()
+    if counts["collectives_on_caller"] == 0 or \
+            counts["collectives_on_caller"] > counts["collectives"]:
+        raise AssertionError(f"rank {RANK}: collectives on the caller: {counts}")
+    print(f"rank {RANK}: collectives ok ({counts['collectives_on_caller']} of "
+          f"{counts['collectives']} on the caller)", flush=True)
 
 
 def point_to_point():

@@ -53,6 +53,7 @@ PYBIND11_MODULE(_tensorverbs_torch, m) {
         d["in_place_recvs"] = s.in_place_recvs;
         d["in_place_bytes"] = s.in_place_bytes;
         d["collectives"] = s.collectives;
+        d["collectives_on_caller"] = s.collectives_on_caller;
         d["failed"] = s.failed;
         return d;
       },

@@ -341,6 +341,7 @@ GroupStats ProcessGroupTensorVerbs::stats() const {
   s.in_place_recvs = counters_->in_place_recvs.load();
   s.in_place_bytes = counters_->in_place_bytes.load();
   s.collectives = counters_->collectives.load();
+  s.collectives_on_caller = counters_->collectives_on_caller.load();
   s.failed = counters_->failed.load();
   return s;
 }
@@ -353,6 +354,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::Enqueue(c10d::OpType typ
   const int64_t seq = next_seq_++;
   auto work =
       c10::make_intrusive<TvWork>(getRank(), type, nullptr, std::move(outputs), What(op, seq));
+  // A wait() on the work runs the queue on the waiting thread (RunQueuedUntil), as long as the
+  // group lives.
+  work->set_runner(
+      [group = c10::weak_intrusive_ptr<ProcessGroupTensorVerbs>(
+           c10::intrusive_ptr<ProcessGroupTensorVerbs>::reclaim_copy(this))](TvWork& w) {
+        if (c10::intrusive_ptr<ProcessGroupTensorVerbs> g = group.lock()) g->RunQueuedUntil(w);
+      });
   queue_.push_back(Queued{work, std::move(body), seq, TimeoutOf(timeout)});
   cv_.notify_all();
   return work;
@@ -366,59 +374,90 @@ void ProcessGroupTensorVerbs::WorkerLoop() {
     absl::Status status;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      cv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !running_); });
       if (queue_.empty()) return;
-      item = std::move(queue_.front());
-      queue_.pop_front();
-      running_ = true;
-      if (stopping_) {
-        status = absl::CancelledError("the process group was destroyed");
-      } else if (!group_error_.ok()) {
-        status = absl::Status(group_error_.code(),
-                              absl::StrCat("an earlier collective of this group failed, so the "
-                                           "ranks no longer agree: ",
-                                           group_error_.message()));
-      }
+      if (!TakeNext(&item, &status)) continue;
     }
-    if (status.ok()) {
-      Collective collective(*this, *item.work, item.seq,
-                            absl::Now() + absl::FromChrono(item.timeout));
-      {
-        // Its sends and recvs wake no other thread: this one's waits start them.
-        Task::Burst burst(*task_);
-        status = item.body(collective);
-      }
-      // The caller may change its tensors once the work completes: what was lent from them
-      // must have been taken by then. A failed operation does not wait (its lent messages hold
-      // the memory until the task lets go of them), but for the messages that may still land
-      // in its tensors, at most kLandingGrace: toward a live peer that never sends, the task
-      // lets go of a destination only when the channel closes.
-      if (status.ok()) {
-        status = collective.WaitForLent();
-      } else if (!collective.WaitForLandings(std::min(item.timeout, kLandingGrace))) {
-        status = absl::Status(status.code(), absl::StrCat(status.message(),
-                                                          "; a peer may still write into the "
-                                                          "output tensors (the task did not "
-                                                          "let go of them within ",
-                                                          kLandingGrace.count(), " ms)"));
-      }
-      if (!status.ok() || item.work->done()) {
-        FailGroup(status.ok()
-                      ? absl::CancelledError(absl::StrCat(item.work->what(), " was abandoned"))
-                      : absl::Status(status.code(),
-                                     absl::StrCat(item.work->what(), ": ", status.message())));
-      }
-    }
-    counters_->collectives.fetch_add(1, std::memory_order_relaxed);
-    if (!status.ok()) counters_->failed.fetch_add(1, std::memory_order_relaxed);
-    item.work->Complete(status);  // runs the future's callbacks, which may destroy the group
+    Run(item, status);
     if (destroyed->load(std::memory_order_acquire)) return;
+    Finished();
+  }
+}
+
+bool ProcessGroupTensorVerbs::TakeNext(Queued* item, absl::Status* status) {
+  if (running_ || queue_.empty()) return false;
+  *item = std::move(queue_.front());
+  queue_.pop_front();
+  running_ = true;
+  if (stopping_) {
+    *status = absl::CancelledError("the process group was destroyed");
+  } else if (!group_error_.ok()) {
+    *status = absl::Status(group_error_.code(),
+                           absl::StrCat("an earlier collective of this group failed, so the "
+                                        "ranks no longer agree: ",
+                                        group_error_.message()));
+  }
+  return true;
+}
+
+void ProcessGroupTensorVerbs::Finished() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    running_ = false;
+  }
+  cv_.notify_all();
+}
+
+void ProcessGroupTensorVerbs::RunQueuedUntil(TvWork& work) {
+  // The caller's thread runs the collectives queued before its own, and its own, in order,
+  // where the worker has not started them: no hand-off to the worker and back, and the
+  // collective's waits drive the task's progress on this thread.
+  while (!work.done()) {
+    Queued item;
+    absl::Status status;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      running_ = false;
+      if (!TakeNext(&item, &status)) return;  // the worker runs it: wait for the work
     }
-    cv_.notify_all();
+    counters_->collectives_on_caller.fetch_add(1, std::memory_order_relaxed);
+    Run(item, status);
+    Finished();
   }
+}
+
+void ProcessGroupTensorVerbs::Run(Queued& item, absl::Status status) {
+  if (status.ok()) {
+    Collective collective(*this, *item.work, item.seq,
+                          absl::Now() + absl::FromChrono(item.timeout));
+    {
+      // Its sends and recvs wake no other thread: this one's waits start them.
+      Task::Burst burst(*task_);
+      status = item.body(collective);
+    }
+    // The caller may change its tensors once the work completes: what was lent from them
+    // must have been taken by then. A failed operation does not wait (its lent messages hold
+    // the memory until the task lets go of them), but for the messages that may still land
+    // in its tensors, at most kLandingGrace: toward a live peer that never sends, the task
+    // lets go of a destination only when the channel closes.
+    if (status.ok()) {
+      status = collective.WaitForLent();
+    } else if (!collective.WaitForLandings(std::min(item.timeout, kLandingGrace))) {
+      status = absl::Status(status.code(), absl::StrCat(status.message(),
+                                                        "; a peer may still write into the "
+                                                        "output tensors (the task did not "
+                                                        "let go of them within ",
+                                                        kLandingGrace.count(), " ms)"));
+    }
+    if (!status.ok() || item.work->done()) {
+      FailGroup(status.ok()
+                    ? absl::CancelledError(absl::StrCat(item.work->what(), " was abandoned"))
+                    : absl::Status(status.code(),
+                                   absl::StrCat(item.work->what(), ": ", status.message())));
+    }
+  }
+  counters_->collectives.fetch_add(1, std::memory_order_relaxed);
+  if (!status.ok()) counters_->failed.fetch_add(1, std::memory_order_relaxed);
+  item.work->Complete(status);  // runs the future's callbacks, which may destroy the group
 }
 
 void ProcessGroupTensorVerbs::FailGroup(const absl::Status& status) {

@@ -67,6 +67,7 @@ struct GroupStats {
   int64_t in_place_recvs = 0;  // recvs the fabric wrote straight into the caller's tensor
   int64_t in_place_bytes = 0;
   int64_t collectives = 0;
+  int64_t collectives_on_caller = 0;  // run by the thread that waited for them (Work::wait)
   int64_t failed = 0;
 };
 
@@ -148,7 +149,7 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   struct Counters {
     std::atomic<int64_t> staged_copies{0}, staged_bytes{0}, landed_copies{0}, landed_bytes{0};
     std::atomic<int64_t> lent_sends{0}, lent_bytes{0}, in_place_recvs{0}, in_place_bytes{0};
-    std::atomic<int64_t> collectives{0}, failed{0};
+    std::atomic<int64_t> collectives{0}, collectives_on_caller{0}, failed{0};
   };
   struct Queued {
     c10::intrusive_ptr<TvWork> work;
@@ -163,6 +164,16 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
                                          std::vector<at::Tensor> outputs,
                                          std::chrono::milliseconds timeout, Body body);
   void WorkerLoop();
+  // With mu_ held: takes the next queued collective if none runs (false otherwise), with the
+  // status it starts with (a destroyed group's or an earlier failure's).
+  bool TakeNext(Queued* item, absl::Status* status);
+  // Runs a taken collective to its end and completes its work; then Finished, unless the group
+  // went meanwhile (a future callback may destroy it).
+  void Run(Queued& item, absl::Status status);
+  void Finished();
+  // On a thread in `work`'s wait(): runs the queued collectives up to `work`'s, unless the worker
+  // runs them.
+  void RunQueuedUntil(TvWork& work);
   std::chrono::milliseconds TimeoutOf(std::chrono::milliseconds requested) const;
   // The first failure of a collective, told to the other ranks through the store (best effort).
   void FailGroup(const absl::Status& status);

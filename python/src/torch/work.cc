@@ -44,6 +44,9 @@ bool TvWork::Complete(const absl::Status& status) {
 }
 
 bool TvWork::wait(std::chrono::milliseconds timeout) {
+  // Without a timeout the caller may as well run the collective itself; with one, it waits, so
+  // that the timeout can abandon the work.
+  if (runner_ && timeout == kNoTimeout) runner_(*this);
   std::unique_lock<std::mutex> lock(mutex_);
   if (timeout == kNoTimeout) {
     cv_.wait(lock, [this] { return completed_; });

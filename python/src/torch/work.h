@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -54,12 +55,17 @@ class TvWork final : public c10d::Work {
   }
   const std::string& what() const { return what_; }
 
+  // What wait() runs first, on the waiting thread: the group's queue, up to this work
+  // (ProcessGroupTensorVerbs::RunQueuedUntil). Set once, before the work is handed out.
+  void set_runner(std::function<void(TvWork&)> runner) { runner_ = std::move(runner); }
+
   bool wait(std::chrono::milliseconds timeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   int sourceRank() const override;
   std::vector<at::Tensor> result() override { return outputs_; }
 
  private:
+  std::function<void(TvWork&)> runner_;
   const std::vector<at::Tensor> outputs_;
   const std::string what_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
