@@ -348,6 +348,59 @@ def test_ctrl_c_interrupts_a_waiting_recv():
         child.wait()
 
 
+CTRL_C_WHILE_DRIVING = r"""
+import signal, sys, threading
+import numpy as np
+import tensorverbs as tv
+signal.signal(signal.SIGINT, signal.default_int_handler)
+cluster = {"worker": ["127.0.0.1:%d", "127.0.0.1:%d"]}
+with tv.Server(cluster, "worker", 0, "grpc+verbs", 60) as a, \
+        tv.Server(cluster, "worker", 1, "grpc+verbs", 60) as b:
+    a.wait_for_peers(30)
+    b.wait_for_peers(30)
+    with a.step(1) as receiving, b.step(1) as sending:
+        # Started before the wait that is interrupted, and completed after it: whoever drives the
+        # task once the waiter left must still land it.
+        pending = receiving.recv_async("worker:1", "pending")
+        # Another thread waits too: it parks behind the driver, and takes progress on after it.
+        other = {}
+        t = threading.Thread(target=lambda: other.update(v=receiving.recv("worker:1", "other",
+                                                                         timeout=30)))
+        t.start()
+        print("waiting", flush=True)
+        try:
+            receiving.recv("worker:1", "never", timeout=60)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        sending.send("worker:0", "pending", np.arange(5, dtype=np.int64))
+        sending.send("worker:0", "other", np.ones(3, dtype=np.float32))
+        assert (pending.result(timeout=30) == np.arange(5)).all()
+        t.join()
+        assert (other["v"] == np.ones(3)).all()
+        sending.send("worker:0", "after", np.full(2, 7, dtype=np.int32))
+        assert (receiving.recv("worker:1", "after", timeout=30) == 7).all()
+        print("went on", flush=True)
+"""
+
+
+def test_ctrl_c_while_driving_the_task_hands_progress_on_and_loses_nothing():
+    # Over grpc+verbs a blocking recv drives the task's progress itself; Ctrl-C ends that wait,
+    # and the recvs other threads (and the same one, later) wait for still arrive.
+    ports = [int(a.split(":")[1]) for a in cluster_of(2)["worker"]]
+    child = subprocess.Popen([sys.executable, "-c", CTRL_C_WHILE_DRIVING % tuple(ports)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        out = child.stdout.read()
+        assert child.wait(timeout=60) == 0, out
+        assert "interrupted" in out and "went on" in out, out
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_errors_carry_their_code_and_builtin_kind():
     e = tv.error_from_status(14, "task /job:worker/replica:0/task:1 is gone")
     assert isinstance(e, tv.UnavailableError) and isinstance(e, ConnectionError)

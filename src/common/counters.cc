@@ -44,6 +44,8 @@ absl::Span<const CounterInfo> CounterCatalog() {
        "Registrations made for one channel's peer alone (per-channel keys)", true},
       {"channel_registered_bytes", "Bytes of the registrations made for one channel", true},
       {"registrations", "Registrations made for this channel's peer alone", true},
+      {"waiter_drives",
+       "Times a thread waiting for a recv took the transport's progress over (Task::Wait)", false},
       {"dropped_immediates", "Completions naming no live request (stale or duplicated)", false},
       {"channels_failed", "Channels closed by an error", false},
       {"checksum_failures", "Transfers whose checksum did not match", false},

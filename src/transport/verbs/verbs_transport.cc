@@ -406,6 +406,7 @@ void VerbsTransport::AppendCounters(CounterList* out) const {
   out->emplace_back("registered_bytes", reg.bytes);
   out->emplace_back("channel_registrations", reg.endpoint_registrations);
   out->emplace_back("channel_registered_bytes", reg.endpoint_bytes);
+  out->emplace_back("waiter_drives", static_cast<int64_t>(waiter_drives()));
 }
 
 protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges() const {

@@ -9,6 +9,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -296,6 +298,57 @@ TEST_F(TaskTest, WaitingForSendsToBeTakenNamesWhatIsLeft) {
   std::unique_ptr<Step> s0 = *tasks_[0]->BeginStep(4);
   ASSERT_TRUE(s0->Recv("worker:1", "x", absl::Seconds(30)).ok());
   EXPECT_TRUE(s1->WaitUntilSendsTaken(absl::Seconds(10)).ok());
+}
+
+// Over grpc+verbs the threads that block in Recv drive the task's progress themselves, one at a
+// time, and leave it to each other and to the progress thread: several threads receiving at
+// once, one of them giving up again and again, each get exactly their own tensors.
+TEST(TaskWaitersTest, ThreadsBlockedInRecvOverGrpcVerbsEachGetTheirOwnTensors) {
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const ClusterSpec cluster = *ClusterSpec::Parse(
+      absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*ports)[1]));
+  std::unique_ptr<Task> tasks[2];
+  for (int i = 0; i < 2; ++i) {
+    TaskOptions o = OptionsFor(cluster, i);
+    o.protocol = "grpc+verbs";
+    absl::StatusOr<std::unique_ptr<Task>> t = Task::Start(o);
+    ASSERT_TRUE(t.ok()) << t.status();
+    tasks[i] = *std::move(t);
+  }
+  for (auto& t : tasks) ASSERT_TRUE(t->WaitForPeers(absl::Seconds(30)).ok());
+  constexpr int kThreads = 3;
+  constexpr int kRounds = 100;
+  std::atomic<int> wrong{0}, gave_up{0};
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kThreads; ++k) {
+    threads.emplace_back([&, k] {
+      for (int r = 0; r < kRounds; ++r) {
+        const int64_t step_id = 1 + r;
+        std::unique_ptr<Step> receiving = *tasks[0]->BeginStep(step_id * 10 + k);
+        std::unique_ptr<Step> sending = *tasks[1]->BeginStep(step_id * 10 + k);
+        // A recv nobody sends, given up at once: the wait hands progress on.
+        if (!receiving->Recv("worker:1", "never", absl::Microseconds(200)).ok()) ++gave_up;
+        Tensor t = *tasks[1]->Empty(DataType::kInt64, TensorShape::Of({2}));
+        static_cast<int64_t*>(t.data())[0] = k;
+        static_cast<int64_t*>(t.data())[1] = r;
+        if (!sending->Send("worker:0", "x", t).ok()) ++wrong;
+        absl::StatusOr<Tensor> got = receiving->Recv("worker:1", "x", absl::Seconds(30));
+        if (!got.ok() || static_cast<const int64_t*>(got->data())[0] != k ||
+            static_cast<const int64_t*>(got->data())[1] != r) {
+          ++wrong;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(gave_up.load(), kThreads * kRounds);
+  int64_t drives = -1;
+  for (const auto& [name, value] : tasks[0]->counters()) {
+    if (name == "waiter_drives") drives = value;
+  }
+  EXPECT_GE(drives, 0) << "the task reports no waiter_drives counter";
 }
 
 }  // namespace
