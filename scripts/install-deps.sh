@@ -16,7 +16,7 @@ packages=(
   clang libclang-rt-14-dev
   nlohmann-json3-dev
   iproute2 procps
-  gnuplot-nox
+  gnuplot-nox ucx-utils
   slurmctld slurmd slurm-client munge
   python3-dev pybind11-dev python3-numpy python3-pytest python3-torch libtorch-dev python3-venv python3-setuptools python3-wheel
 )
