@@ -42,6 +42,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "src/common/config.h"
+#include "src/common/host_identity.h"
 #include "src/fabric/device_memory.h"
 
 namespace tensorverbs::fabric {
@@ -284,11 +285,8 @@ class Domain {
 // until one may have a completion or `timeout` passes. A domain's Wait, or a DomainSet's.
 absl::Status SleepOn(absl::Span<Domain* const> domains, absl::Duration timeout);
 
-// What tells two tasks they share a host, so that the same-host fabric can join them: this
-// boot of the kernel (/proc/sys/kernel/random/boot_id) and this process's network namespace
-// (the inode of /proc/self/ns/net). Two network namespaces of one machine are two hosts:
-// their tasks reach each other over the network only, as the netns tests require. Read once.
-const std::string& ThisHostIdentity();
+// What tells two tasks they share a host (src/common/host_identity.h).
+using ::tensorverbs::ThisHostIdentity;
 
 // The backends compiled in: "loopback", "ofi", and "ibverbs" when rdma-core was found.
 std::vector<std::string> BackendNames();

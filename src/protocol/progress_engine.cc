@@ -731,8 +731,9 @@ bool ProgressEngine::DriveAsOwner(Event& event, absl::Time deadline) {
         continue;
       }
     } else if (options_.poll_mode == PollMode::kAdaptive) {
-      const bool awaiting = hooks_.awaiting_peer && hooks_.awaiting_peer();
-      if (now - idle_since < SpinBound(awaiting)) {
+      // Not the longer cap while a peer owes an answer: that answer is what the progress thread,
+      // armed, wakes for; a waiter spins only as long as work usually takes to come.
+      if (now - idle_since < SpinBound(/*awaiting=*/false)) {
         std::this_thread::yield();
         continue;
       }

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "src/common/unix_socket.h"
 
 namespace tensorverbs::fabric::shmem {
 
@@ -135,13 +136,9 @@ std::string SocketName(uint64_t uid);
 sockaddr_un SocketAddress(uint64_t uid, socklen_t* len);
 // Send and receive timeouts of kSocketTimeout.
 void SetTimeouts(int fd);
-// Sends `msg` with up to two descriptors.
-bool SendWithFds(int sock, const void* msg, size_t len, const int* fds, int nfds, int flags = 0);
-// Receives one message of exactly `len` bytes and the descriptors that came with it (closed if
-// the caller does not want that many). Returns the byte count, 0 on EOF, -1 on error.
-ssize_t RecvWithFds(int sock, void* msg, size_t len, int* fds, int max_fds, int* nfds);
-// The process and user on the other end of a connected Unix socket; false if unknown.
-bool PeerCredentials(int sock, ucred* cred);
+using ::tensorverbs::PeerCredentials;
+using ::tensorverbs::RecvWithFds;
+using ::tensorverbs::SendWithFds;
 int PidfdOpen(pid_t pid);
 // The size of a memfd a peer sent, if it is one we can map without risk: sealed against
 // shrinking (so our accesses can never fault past its end) and at least `needed` bytes.
