@@ -51,7 +51,9 @@ def stats(group=None):
     caller's tensor itself), landed_copies and landed_bytes (received messages copied into
     tensors), in_place_recvs and in_place_bytes (messages the fabric wrote straight into the
     recv's tensor), collectives, collectives_on_caller (run by the thread that waited for them
-    rather than the group's worker) and failed, and the protocol."""
+    rather than the group's worker), same_host_collectives (all_reduce and reduce_scatter done
+    through the ranks' shared memory, every rank being on this host) and failed, and the
+    protocol."""
     if group is None:
         group = _dist.distributed_c10d._get_default_group()
     return _tensorverbs_torch.stats(group)

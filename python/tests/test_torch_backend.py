@@ -83,6 +83,17 @@ def test_every_operation_on_three_ranks(tmp_path, protocol):
         assert f"rank {rank}: collectives ok" in out
 
 
+def test_every_operation_on_three_ranks_over_messages_alone(tmp_path):
+    # Every rank is on this host, so grpc+verbs reduces through the ranks' shared memory; told
+    # not to, it takes the trees and rings of messages, which ranks on several hosts take.
+    results = run_ranks(tmp_path, "conformance", 3, "grpc+verbs",
+                        env={"TENSORVERBS_TORCH_SAME_HOST": "0"})
+    assert_all_ok(results)
+    for rank, (_, out) in enumerate(results):
+        assert f"rank {rank}: collectives ok" in out
+        assert "0 through shared memory" in out, out
+
+
 # Over libfabric tcp the fabric writes a recv's message into the caller's tensor itself.
 OVER_TCP = {"TENSORVERBS_FABRIC": "ofi", "TENSORVERBS_OFI_PROVIDER": "tcp", "TV_TEST_IN_PLACE": "1"}
 

@@ -214,8 +214,15 @@ def collectives():
     if counts["collectives_on_caller"] == 0 or \
             counts["collectives_on_caller"] > counts["collectives"]:
         raise AssertionError(f"rank {RANK}: collectives on the caller: {counts}")
+    # Ranks all on this host over grpc+verbs reduce through shared memory, unless told not to.
+    shared = (counts["protocol"] == "grpc+verbs" and
+              os.environ.get("TENSORVERBS_TORCH_SAME_HOST", "1") != "0" and
+              os.environ.get("TENSORVERBS_FABRIC", "auto") in ("auto", "shmem"))
+    if (counts["same_host_collectives"] > 0) != shared:
+        raise AssertionError(f"rank {RANK}: shared memory expected {shared}: {counts}")
     print(f"rank {RANK}: collectives ok ({counts['collectives_on_caller']} of "
-          f"{counts['collectives']} on the caller)", flush=True)
+          f"{counts['collectives']} on the caller, {counts['same_host_collectives']} through "
+          f"shared memory)", flush=True)
 
 
 def point_to_point():

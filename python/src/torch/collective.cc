@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "python/src/torch/process_group.h"
+#include "python/src/torch/same_host.h"
 #include "python/src/torch/work.h"
 #include "src/common/status_macros.h"
 
@@ -160,6 +161,24 @@ absl::Status Collective::AwaitOrFail(std::unique_lock<std::mutex>& lock,
     lock.lock();
   }
   return absl::OkStatus();
+}
+
+SameHostGroup* Collective::same_host() const { return group_.same_host_.get(); }
+
+std::string Collective::PeerName(int rank) const { return group_.PeerName(rank); }
+
+void Collective::CountSameHost() {
+  group_.counters_->same_host_collectives.fetch_add(1, std::memory_order_relaxed);
+}
+
+absl::Status Collective::StillWanted(const std::string& waiting_for) {
+  if (absl::Now() >= deadline_) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        waiting_for,
+        " did not come within the group's timeout (the timeout of init_process_group)"));
+  }
+  if (work_.done()) return absl::CancelledError("the operation was abandoned");
+  return group_.AbortFromPeers();
 }
 
 template <typename What>
@@ -367,6 +386,10 @@ absl::Status AllreduceInPlace(Collective& c, void* data, int64_t count, c10::Sca
   if (c.size() == 1) {
     return absl::OkStatus();  // AVG over one rank is the value itself
   }
+  if (SameHostGroup* shared = c.same_host()) {
+    c.CountSameHost();
+    return shared->Allreduce(c, data, count, dtype, op);
+  }
   const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
   if (bytes >= kRingBytes && count >= c.size()) {
     return RingAllreduce(c, static_cast<char*>(data), count, dtype, op, part_base);
@@ -434,6 +457,10 @@ absl::Status ReduceScatter(Collective& c, const void* const* ins, void* out, int
   const size_t bytes = static_cast<size_t>(count) * c10::elementSize(dtype);
   auto mod = [&](int i) { return ((i % n) + n) % n; };
   if (n == 1) return c.WriteOut(out, ins[0], bytes);
+  if (SameHostGroup* shared = c.same_host()) {
+    c.CountSameHost();
+    return shared->ReduceScatter(c, ins, out, count, dtype, op);
+  }
   // Step s passes on the partial sum of block r-s-1; the last one received is block r's.
   RETURN_IF_ERROR(c.Send(mod(r + 1), 0, ins[mod(r - 1)], bytes));
   for (int s = 0; s < n - 1; ++s) {

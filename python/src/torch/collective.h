@@ -29,6 +29,7 @@
 namespace tensorverbs::torch_backend {
 
 class ProcessGroupTensorVerbs;
+class SameHostGroup;
 class TvWork;
 
 class Collective {
@@ -37,6 +38,15 @@ class Collective {
 
   int rank() const;
   int size() const;
+  // The ranks' shared memory, when every rank of the group runs on this host (same_host.h).
+  SameHostGroup* same_host() const;
+  // OK while the operation is still wanted: before its deadline, its work not abandoned, and
+  // no other rank having published a failure. `waiting_for` names what it waits for.
+  absl::Status StillWanted(const std::string& waiting_for);
+  // "rank R (task rank:R at host:port)", for errors.
+  std::string PeerName(int rank) const;
+  // Counts an operation done through the shared memory (GroupStats::same_host_collectives).
+  void CountSameHost();
 
   // Sends `bytes` at `data` to `dst` as part `part`: one staged copy into the pool.
   absl::Status Send(int dst, int part, const void* data, size_t bytes);

@@ -54,6 +54,7 @@ PYBIND11_MODULE(_tensorverbs_torch, m) {
         d["in_place_bytes"] = s.in_place_bytes;
         d["collectives"] = s.collectives;
         d["collectives_on_caller"] = s.collectives_on_caller;
+        d["same_host_collectives"] = s.same_host_collectives;
         d["failed"] = s.failed;
         return d;
       },

@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "python/src/torch/collective.h"
 #include "python/src/torch/work.h"
+#include "src/common/host_identity.h"
 #include "tensorverbs/placement.h"
 #include "tensorverbs/version.h"
 
@@ -137,7 +138,15 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
   // addresses: every rank counts its own inits, which agree when the ranks do.
   const int64_t generation = store->add(absl::StrCat("tensorverbs/inits/", rank), 1);
   const std::string prefix = absl::StrCat("tensorverbs/", generation, "/");
-  const std::string mine = absl::StrCat(Version(), "|", size, "|", protocol, "|", address);
+  // Ranks that all run on this host reduce through shared memory (same_host.h); each says where
+  // it runs and whether it may, so that every rank decides alike.
+  // Only where the ranks' own fabric would be the same-host one: a fabric forced to the network
+  // (TENSORVERBS_FABRIC=ofi, say) is what the user wants measured or used.
+  const std::string fabric = Env("TENSORVERBS_FABRIC", "auto");
+  const bool may_share =
+      Env("TENSORVERBS_TORCH_SAME_HOST", "1") != "0" && (fabric == "auto" || fabric == "shmem");
+  const std::string mine = absl::StrCat(Version(), "|", size, "|", protocol, "|", address, "|",
+                                        ThisHostIdentity(), "|", may_share ? 1 : 0);
   store->set(absl::StrCat(prefix, "rank/", rank), Bytes(mine));
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(absl::StrCat(prefix, "rank/", r));
@@ -170,11 +179,12 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
                        FirstLine(e.what()), ")", twice));
   }
   std::vector<std::string> addresses(size);
+  bool share = protocol == "grpc+verbs" && size >= 2 && size <= SameHostGroup::kMaxRanks;
   for (int r = 0; r < size; ++r) {
     const std::string theirs = Text(store->get(keys[r]));
-    std::vector<std::string> f = absl::StrSplit(theirs, absl::MaxSplits('|', 3));
+    std::vector<std::string> f = absl::StrSplit(theirs, absl::MaxSplits('|', 5));
     int their_size = 0;
-    if (f.size() != 4 || !absl::SimpleAtoi(f[1], &their_size)) {
+    if (f.size() != 6 || !absl::SimpleAtoi(f[1], &their_size)) {
       Throw(absl::StrCat("rank ", r, " published '", theirs, "', not a tensorverbs address"));
     }
     if (f[0] != Version()) {
@@ -190,6 +200,27 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
                          protocol, ": set TENSORVERBS_PROTOCOL alike on every rank"));
     }
     addresses[r] = f[3];
+    share = share && f[4] == ThisHostIdentity() && f[5] == "1";
+  }
+  std::unique_ptr<SameHostGroup> same_host;
+  if (share) {
+    SameHostGroup::Store access;
+    access.set = [&](const std::string& key, const std::string& value) {
+      store->set(key, Bytes(value));
+    };
+    access.get = [&](const std::string& key) -> absl::StatusOr<std::string> {
+      try {
+        store->wait({key}, timeout);
+        return Text(store->get(key));
+      } catch (const std::exception& e) {
+        return absl::UnavailableError(
+            absl::StrCat("the store did not give ", key, ": ", FirstLine(e.what())));
+      }
+    };
+    absl::StatusOr<std::unique_ptr<SameHostGroup>> joined =
+        SameHostGroup::Join(access, absl::StrCat(prefix, "same_host"), rank, size, timeout);
+    if (!joined.ok()) Throw(joined.status().ToString());
+    same_host = *std::move(joined);
   }
   absl::StatusOr<ClusterSpec> cluster =
       ClusterSpec::Parse(absl::StrCat("rank=", absl::StrJoin(addresses, ",")));
@@ -205,18 +236,21 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
   absl::Status peers = (*task)->WaitForPeers(absl::FromChrono(timeout));
   if (!peers.ok()) Throw(absl::StrCat("rank ", rank, ": ", peers.ToString()));
   return c10::make_intrusive<ProcessGroupTensorVerbs>(rank, size, timeout, store, prefix,
-                                                      std::move(addresses), *std::move(task));
+                                                      std::move(addresses), *std::move(task),
+                                                      std::move(same_host));
 }
 
 ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
     int rank, int size, std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Store> store,
-    std::string key_prefix, std::vector<std::string> addresses, std::unique_ptr<Task> task)
+    std::string key_prefix, std::vector<std::string> addresses, std::unique_ptr<Task> task,
+    std::unique_ptr<SameHostGroup> same_host)
     : c10d::ProcessGroup(rank, size),
       timeout_(timeout),
       store_(std::move(store)),
       key_prefix_(std::move(key_prefix)),
       addresses_(std::move(addresses)),
       task_(std::move(task)),
+      same_host_(std::move(same_host)),
       // Only grpc+verbs writes from the caller's memory; the other protocols would copy a lent
       // tensor all the same, only later, and their sends would complete later for nothing.
       lend_from_(task_->protocol() == "grpc+verbs" ? kLendSendsFrom : 0),
@@ -342,6 +376,7 @@ GroupStats ProcessGroupTensorVerbs::stats() const {
   s.in_place_bytes = counters_->in_place_bytes.load();
   s.collectives = counters_->collectives.load();
   s.collectives_on_caller = counters_->collectives_on_caller.load();
+  s.same_host_collectives = counters_->same_host_collectives.load();
   s.failed = counters_->failed.load();
   return s;
 }

@@ -51,6 +51,7 @@
 
 #include "absl/status/status.h"
 #include "python/src/torch/p2p_matcher.h"
+#include "python/src/torch/same_host.h"
 #include "python/src/torch/work_completer.h"
 #include "tensorverbs/task.h"
 
@@ -68,6 +69,7 @@ struct GroupStats {
   int64_t in_place_bytes = 0;
   int64_t collectives = 0;
   int64_t collectives_on_caller = 0;  // run by the thread that waited for them (Work::wait)
+  int64_t same_host_collectives = 0;  // reduced through the ranks' shared memory (same_host.h)
   int64_t failed = 0;
 };
 
@@ -87,7 +89,8 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   // Create's last step (public for c10::make_intrusive): the group over a started `task`.
   ProcessGroupTensorVerbs(int rank, int size, std::chrono::milliseconds timeout,
                           c10::intrusive_ptr<c10d::Store> store, std::string key_prefix,
-                          std::vector<std::string> addresses, std::unique_ptr<Task> task);
+                          std::vector<std::string> addresses, std::unique_ptr<Task> task,
+                          std::unique_ptr<SameHostGroup> same_host);
   ~ProcessGroupTensorVerbs() override;
 
   const std::string getBackendName() const override { return "tensorverbs"; }
@@ -149,7 +152,8 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   struct Counters {
     std::atomic<int64_t> staged_copies{0}, staged_bytes{0}, landed_copies{0}, landed_bytes{0};
     std::atomic<int64_t> lent_sends{0}, lent_bytes{0}, in_place_recvs{0}, in_place_bytes{0};
-    std::atomic<int64_t> collectives{0}, collectives_on_caller{0}, failed{0};
+    std::atomic<int64_t> collectives{0}, collectives_on_caller{0}, same_host_collectives{0},
+        failed{0};
   };
   struct Queued {
     c10::intrusive_ptr<TvWork> work;
@@ -204,6 +208,8 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   const std::vector<std::string> addresses_;
   std::unique_ptr<Task> task_;
   std::unique_ptr<Step> step_;
+  // Every rank on this host over grpc+verbs: all_reduce and reduce_scatter go through it.
+  std::unique_ptr<SameHostGroup> same_host_;
   std::vector<std::string> peer_tasks_;  // "rank:R"
   std::shared_ptr<Counters> counters_ = std::make_shared<Counters>();
   std::shared_ptr<P2pMatcher> matcher_;
