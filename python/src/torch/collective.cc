@@ -398,6 +398,11 @@ absl::Status AllreduceInPlace(Collective& c, void* data, int64_t count, c10::Sca
 }
 
 absl::Status BroadcastInPlace(Collective& c, void* data, size_t bytes, int root, int part_base) {
+  SameHostGroup* shared = c.same_host();
+  if (shared != nullptr && bytes <= SameHostGroup::kMaxCopyBytes) {
+    c.CountSameHost();
+    return shared->Broadcast(c, data, bytes, root);
+  }
   const int n = c.size();
   const int v = ((c.rank() - root) % n + n) % n;
   auto real = [&](int u) { return (u + root) % n; };
@@ -439,6 +444,12 @@ absl::Status ReduceToRoot(Collective& c, const void* in, void* out, int64_t coun
 absl::Status Allgather(Collective& c, const void* in, void* const* outs, size_t bytes) {
   const int n = c.size(), r = c.rank();
   auto mod = [&](int i) { return ((i % n) + n) % n; };
+  if (n > 1 && bytes <= SameHostGroup::kMaxCopyBytes) {
+    if (SameHostGroup* shared = c.same_host()) {
+      c.CountSameHost();
+      return shared->Allgather(c, in, outs, bytes);
+    }
+  }
   RETURN_IF_ERROR(c.WriteOut(outs[r], in, bytes));
   if (n == 1) return absl::OkStatus();
   RETURN_IF_ERROR(c.Send(mod(r + 1), 0, in, bytes));
@@ -478,6 +489,10 @@ absl::Status ReduceScatter(Collective& c, const void* const* ins, void* out, int
 }
 
 absl::Status Barrier(Collective& c) {
+  if (SameHostGroup* shared = c.same_host()) {
+    c.CountSameHost();
+    return shared->Barrier(c);
+  }
   const int n = c.size(), r = c.rank();
   const char token = 1;
   for (int k = 1, part = 0; k < n; k <<= 1, ++part) {

@@ -276,7 +276,15 @@ ProcessGroupTensorVerbs::ProcessGroupTensorVerbs(
   init();
 }
 
-ProcessGroupTensorVerbs::~ProcessGroupTensorVerbs() {
+// The last strong reference may go while works still hold weak ones (their runners): the group
+// shuts down then, not when the memory goes with the last work.
+void ProcessGroupTensorVerbs::release_resources() { Shutdown(); }
+
+ProcessGroupTensorVerbs::~ProcessGroupTensorVerbs() { Shutdown(); }
+
+void ProcessGroupTensorVerbs::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
   GilReleasedIfHeld no_gil;
   Unregister(this);
   // The last reference can go inside a work's future callback, on the worker itself, which
@@ -341,9 +349,21 @@ void ProcessGroupTensorVerbs::DrainSends(std::chrono::milliseconds limit) {
 }
 
 void DrainAllGroups(std::chrono::milliseconds limit) {
-  // Under the lock throughout: a group's destructor unregisters first, so none goes meanwhile.
-  std::lock_guard<std::mutex> lock(Live().mu);
-  for (ProcessGroupTensorVerbs* g : Live().groups) g->Drain(limit);
+  // Strong references taken under the lock, and the draining outside it: a group that shuts
+  // down meanwhile (its last reference going on its worker, say) unregisters under the same
+  // lock. A group still in the set has not finished unregistering, so its memory is there; one
+  // whose last strong reference already went locks to null and is left to its shutdown.
+  std::vector<c10::intrusive_ptr<ProcessGroupTensorVerbs>> groups;
+  {
+    std::lock_guard<std::mutex> lock(Live().mu);
+    for (ProcessGroupTensorVerbs* g : Live().groups) {
+      auto weak = c10::weak_intrusive_ptr<ProcessGroupTensorVerbs>::reclaim_copy(g);
+      if (c10::intrusive_ptr<ProcessGroupTensorVerbs> strong = weak.lock()) {
+        groups.push_back(std::move(strong));
+      }
+    }
+  }
+  for (const auto& g : groups) g->Drain(limit);
 }
 
 std::string ProcessGroupTensorVerbs::P2pName(int src, int dst, int64_t tag, int64_t n) {
@@ -405,15 +425,20 @@ void ProcessGroupTensorVerbs::WorkerLoop() {
   // Outlives the group, which may be destroyed inside a work's Complete on this thread.
   const std::shared_ptr<std::atomic<bool>> destroyed = destroyed_;
   while (true) {
-    Queued item;
-    absl::Status status;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !running_); });
-      if (queue_.empty()) return;
-      if (!TakeNext(&item, &status)) continue;
+      Queued item;
+      absl::Status status;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || (!queue_.empty() && !running_); });
+        if (queue_.empty()) return;
+        if (!TakeNext(&item, &status)) continue;
+      }
+      Run(item, status);
+      // The item's tensors go before the worker says it is idle: the exit drain waits for that,
+      // and a tensor whose Python object is gone needs the interpreter to free it, which a
+      // thread cannot take once the interpreter is finalizing.
     }
-    Run(item, status);
     if (destroyed->load(std::memory_order_acquire)) return;
     Finished();
   }
@@ -448,14 +473,16 @@ void ProcessGroupTensorVerbs::RunQueuedUntil(TvWork& work) {
   // where the worker has not started them: no hand-off to the worker and back, and the
   // collective's waits drive the task's progress on this thread.
   while (!work.done()) {
-    Queued item;
-    absl::Status status;
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!TakeNext(&item, &status)) return;  // the worker runs it: wait for the work
+      Queued item;
+      absl::Status status;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!TakeNext(&item, &status)) return;  // the worker runs it: wait for the work
+      }
+      counters_->collectives_on_caller.fetch_add(1, std::memory_order_relaxed);
+      Run(item, status);
     }
-    counters_->collectives_on_caller.fetch_add(1, std::memory_order_relaxed);
-    Run(item, status);
     Finished();
   }
 }

@@ -92,6 +92,7 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
                           std::vector<std::string> addresses, std::unique_ptr<Task> task,
                           std::unique_ptr<SameHostGroup> same_host);
   ~ProcessGroupTensorVerbs() override;
+  void release_resources() override;
 
   const std::string getBackendName() const override { return "tensorverbs"; }
 
@@ -167,6 +168,8 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> Enqueue(c10d::OpType type, const char* op,
                                          std::vector<at::Tensor> outputs,
                                          std::chrono::milliseconds timeout, Body body);
+  // Drains, stops the worker and the task, and fails what never ran; runs once.
+  void Shutdown();
   void WorkerLoop();
   // With mu_ held: takes the next queued collective if none runs (false otherwise), with the
   // status it starts with (a destroyed group's or an earlier failure's).
@@ -230,6 +233,9 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   absl::Status group_error_;  // guarded by mu_
   // Set by a destructor that runs on the worker (inside a work's callback): the worker's loop
   // then touches nothing of the group.
+  // Set by the first Shutdown: release_resources and the destructor both run it, and which
+  // runs, or whether both do, depends on whether weak references were left.
+  bool shut_down_ = false;
   const std::shared_ptr<std::atomic<bool>> destroyed_ = std::make_shared<std::atomic<bool>>(false);
   std::thread worker_;
 };

@@ -348,4 +348,46 @@ absl::Status SameHostGroup::ReduceScatter(Collective& c, const void* const* ins,
   return absl::OkStatus();
 }
 
+absl::Status SameHostGroup::Broadcast(Collective& c, void* data, size_t bytes, int root) {
+  char* buf = static_cast<char*>(data);
+  for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += slot_bytes_) {
+    const size_t n = std::min(slot_bytes_, bytes - off);
+    const uint64_t turn = next_turn_++;
+    if (rank_ == root) std::memcpy(Slot(root), buf + off, n);
+    Announce(bytes, c10::kByte);
+    RETURN_IF_ERROR(Meet(c, 0, turn));
+    RETURN_IF_ERROR(Agree(c, bytes, c10::kByte));
+    if (rank_ != root) RETURN_IF_ERROR(c.WriteOut(buf + off, Slot(root), n));
+    RETURN_IF_ERROR(Meet(c, 1, turn));
+    if (bytes == 0) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SameHostGroup::Allgather(Collective& c, const void* in, void* const* outs,
+                                      size_t bytes) {
+  const char* src = static_cast<const char*>(in);
+  for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += slot_bytes_) {
+    const size_t n = std::min(slot_bytes_, bytes - off);
+    const uint64_t turn = next_turn_++;
+    std::memcpy(Slot(rank_), src + off, n);
+    Announce(bytes, c10::kByte);
+    RETURN_IF_ERROR(Meet(c, 0, turn));
+    RETURN_IF_ERROR(Agree(c, bytes, c10::kByte));
+    for (int r = 0; r < size_; ++r) {
+      RETURN_IF_ERROR(c.WriteOut(static_cast<char*>(outs[r]) + off, Slot(r), n));
+    }
+    RETURN_IF_ERROR(Meet(c, 1, turn));
+    if (bytes == 0) break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SameHostGroup::Barrier(Collective& c) {
+  const uint64_t turn = next_turn_++;
+  Announce(0, c10::kByte);
+  RETURN_IF_ERROR(Meet(c, 0, turn));
+  return Meet(c, 1, turn);
+}
+
 }  // namespace tensorverbs::torch_backend

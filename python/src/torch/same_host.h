@@ -1,5 +1,6 @@
 // SameHostGroup: one memory segment shared by every rank of a process group that all run on this
-// host, and all_reduce and reduce_scatter through it: each rank copies its input into its own
+// host, and all_reduce and reduce_scatter through it (broadcast, all_gather and barrier too,
+// which need no reduction: a copy in, a copy out): each rank copies its input into its own
 // slot once, reduces its share of the elements straight out of every rank's slot, and copies the
 // result out, instead of passing one message per ring step (NCCL's and oneCCL's shared-memory
 // algorithms do the same). Per rank and byte that is two copies and a reduction pass, against a
@@ -66,6 +67,19 @@ class SameHostGroup {
   // this rank, `count` elements.
   absl::Status ReduceScatter(Collective& c, const void* const* ins, void* out, int64_t count,
                              c10::ScalarType dtype, RedOp op);
+
+  // Broadcast and Allgather above this many bytes (per rank) pass messages instead: there the
+  // message path lends the sender's tensor, and where the fabric writes the caller's memory it
+  // lands in the output itself, so each byte moves once rather than in and out of a slot; below
+  // it the message path's cost per message dominates and the slots win.
+  static constexpr size_t kMaxCopyBytes = size_t{1} << 20;
+
+  // Rank `root`'s `bytes` at `data` into every rank's `data`.
+  absl::Status Broadcast(Collective& c, void* data, size_t bytes, int root);
+  // outs[i] gets rank i's `bytes` at `in`.
+  absl::Status Allgather(Collective& c, const void* in, void* const* outs, size_t bytes);
+  // Returns once every rank reached it.
+  absl::Status Barrier(Collective& c);
 
   size_t slot_bytes() const { return slot_bytes_; }
 
