@@ -15,8 +15,9 @@
 // - The engine's own thread (`tv-progress`) drives whenever no waiter does: for what nobody waits
 //   on (requests of peers, pushed tensors, send completions, asynchronous callbacks). A waiter that
 //   arrives while it drives asks for progress and gets it at the end of the thread's turn.
-// When the owner is idle it spins for a bound learned from how soon work came after earlier idle
-// turns (capped by `poll_spin`, or `awaiting_spin` while a peer owes an answer), and does not
+// When the owner is idle it spins `poll_spin` (a wake-up costs about as much), or, while a peer
+// owes an answer, about twice as long as answers took after earlier idle turns (between
+// `poll_spin` and `awaiting_spin`: the bound is learned), and does not
 // sleep while `Hooks::operations_in_flight` says a transfer moves (libfabric's shm and tcp
 // providers move data only while the initiator polls); then it sleeps in the domain's wait
 // objects. The progress thread sleeps there without owning progress (the domain is armed, then
@@ -87,11 +88,12 @@ class ProgressEngine {
 
   struct Options {
     PollMode poll_mode = PollMode::kAdaptive;
-    // Adaptive mode: the most an idle owner spins before it sleeps; it spins less where work
-    // came later than that after earlier idle turns (the bound is learned, see above).
+    // Adaptive mode: how long an idle owner spins before it sleeps, where no peer owes it an
+    // answer.
     absl::Duration poll_spin = absl::Microseconds(50);
-    // The same cap (if longer than poll_spin) while a peer owes this side an answer: on a
-    // fabric without a wait object a nap would delay it by up to the nap.
+    // The most it spins while a peer owes this side an answer (it learns the bound, at least
+    // poll_spin): on a fabric without a wait object a nap would delay the answer by up to the
+    // nap, and with one the wake-up costs about as much as a short round trip.
     absl::Duration awaiting_spin = absl::Milliseconds(1);
     // Whether threads that wait (DriveUntil) drive progress themselves; otherwise they sleep
     // until the progress thread completes what they wait for. The transport sets it from
