@@ -15,6 +15,7 @@
 #include "src/common/bounded_queue.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
+#include "src/common/spin.h"
 
 namespace tensorverbs::protocol {
 namespace {
@@ -465,6 +466,9 @@ absl::Duration ProgressEngine::SpinBound(bool awaiting) const {
   // that does not costs at most that much. While a peer owes an answer it spins on for about
   // twice as long as answers have taken (the gaps it measured between an idle turn and the next
   // work), up to awaiting_spin: long enough for a round trip, not for a pause between steps.
+  // Beside threads that never block (YieldsAreCostly) a spin only keeps the core from them and
+  // from the thread it waits for: a short one, then the kernel's wait.
+  if (YieldsAreCostly()) return std::min(options_.poll_spin, kSpinWhileCostly);
   if (!awaiting) return options_.poll_spin;
   const double gap_us = gap_us_.load(std::memory_order_relaxed);
   const absl::Duration learned =
@@ -608,7 +612,7 @@ void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
       if (idle_since == absl::InfiniteFuture()) idle_since = now;
       const bool awaiting = hooks_.awaiting_peer && hooks_.awaiting_peer();
       if (now - idle_since < SpinBound(awaiting)) {
-        std::this_thread::yield();
+        SpinYield();
         continue;
       }
       // Data progress is manual on libfabric's shm and tcp providers: a transfer in flight
@@ -666,7 +670,7 @@ bool ProgressEngine::DriveUntil(Event& event, absl::Time deadline) {
 void ProgressEngine::ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline, bool spin) {
   if (spin) {
     const absl::Time spin_end = std::min(deadline, absl::Now() + SpinBound(/*awaiting=*/false));
-    while (!event.HasBeenNotified() && absl::Now() < spin_end) std::this_thread::yield();
+    while (!event.HasBeenNotified() && absl::Now() < spin_end) SpinYield();
     if (event.HasBeenNotified()) return;
   }
   std::unique_lock<std::mutex> slot_lock(slot->mu);
@@ -726,14 +730,14 @@ bool ProgressEngine::DriveAsOwner(Event& event, absl::Time deadline) {
     if (idle_since == absl::InfiniteFuture()) idle_since = now;
     if (options_.waiter_spin.has_value()) {
       if (now - idle_since < *options_.waiter_spin) {
-        std::this_thread::yield();
+        SpinYield();
         continue;
       }
     } else if (options_.poll_mode == PollMode::kAdaptive) {
       // Not the longer cap while a peer owes an answer: that answer is what the progress thread,
       // armed, wakes for; a waiter spins only as long as work usually takes to come.
       if (now - idle_since < SpinBound(/*awaiting=*/false)) {
-        std::this_thread::yield();
+        SpinYield();
         continue;
       }
     }

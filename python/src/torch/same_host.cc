@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "python/src/torch/collective.h"
 #include "src/common/shared_memory.h"
+#include "src/common/spin.h"
 #include "src/common/status_macros.h"
 #include "src/common/unix_socket.h"
 
@@ -247,8 +248,8 @@ absl::Status SameHostGroup::Meet(Collective& c, int which, uint64_t turn) {
     }
     return -1;
   };
-  const absl::Time spin_end = absl::Now() + kMeetSpin;
-  while (missing() >= 0 && absl::Now() < spin_end) std::this_thread::yield();
+  const absl::Time spin_end = absl::Now() + (YieldsAreCostly() ? kSpinWhileCostly : kMeetSpin);
+  while (missing() >= 0 && absl::Now() < spin_end) SpinYield();
   absl::Time next_check = absl::Now() + kMeetCheck;
   const uint64_t my_ns = h->cells[rank_].pid_ns.load();
   while (true) {
