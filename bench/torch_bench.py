@@ -6,7 +6,9 @@
 For each backend it starts --ranks processes (one torch thread each) that time all_reduce
 (SUM, float32) per size: each size runs until --seconds pass, and the figure is the mean time
 of one all_reduce on rank 0, after a barrier. Then it runs examples/torch_ddp/train.py with each
-backend and reads the median DDP step time it prints. Backends alternate within each of the
+backend and reads the median DDP step time it prints, and the same passes timed without the
+gradient all_reduce (no_sync): the step's share spent communicating is one less their ratio.
+Backends alternate within each of the
 --repeat runs, and each figure is given as the median and spread of the runs. The point to point
 figures (streams and round trips) are bench/python_bench.py's, with --torch-backend.
 """
@@ -87,7 +89,8 @@ def ddp_step_ms(backend, args):
     m = re.search(r"median step ([0-9.]+) ms", run.stdout)
     if run.returncode != 0 or m is None:
         raise RuntimeError(f"DDP on {backend} failed:\n{run.stdout}")
-    return float(m.group(1))
+    alone = re.search(r"compute alone ([0-9.]+) ms", run.stdout)
+    return float(m.group(1)), float(alone.group(1)) if alone else None
 
 
 def spread(values):
@@ -117,13 +120,18 @@ def main():
     backends = args.backends.split(",")
     allreduce = {b: {} for b in backends}
     ddp = {b: [] for b in backends}
+    alone = {b: [] for b in backends}
     for _ in range(args.repeat):
         for b in backends:
             for row in run_ranks(b, args):
                 allreduce[b].setdefault(row["bytes"], []).append(row["us"])
             if not args.no_ddp:
-                ddp[b].append(ddp_step_ms(b, args))
-    results = {"ranks": args.ranks, "seconds": args.seconds, "all_reduce": [], "ddp_step_ms": {}}
+                step, compute = ddp_step_ms(b, args)
+                ddp[b].append(step)
+                if compute is not None:
+                    alone[b].append(compute)
+    results = {"ranks": args.ranks, "seconds": args.seconds, "all_reduce": [], "ddp_step_ms": {},
+               "ddp_compute_alone_ms": {}, "ddp_communication_share": {}}
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         row = {"bytes": size}
         line = f"all_reduce {size:>10} B"
@@ -141,6 +149,17 @@ def main():
         for b in backends:
             results["ddp_step_ms"][b] = spread(ddp[b])
             line += f"  {b} {results['ddp_step_ms'][b]['median']:.2f} ms"
+            if alone[b]:
+                # The step less the same passes without the gradient all_reduce, as a share.
+                results["ddp_compute_alone_ms"][b] = spread(alone[b])
+                share = [max(0.0, 1 - a / s) for a, s in zip(alone[b], ddp[b])]
+                results["ddp_communication_share"][b] = spread(share)
+                line += f" (communicating {100 * statistics.median(share):.0f}%)"
+        if len(backends) == 2:
+            ratio = (results["ddp_step_ms"][backends[1]]["median"] /
+                     results["ddp_step_ms"][backends[0]]["median"])
+            results["ddp_ratio"] = ratio
+            line += f"  {backends[0]} {ratio:.2f}x faster"
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -79,7 +79,11 @@ def ucx(test, size):
     finally:
         server.kill()
         server.wait()
-    lines = [l for l in out.stdout.splitlines() if l and l[0].isdigit()]
+    # The CSV rows right-align their first column: " 256,83.796,..." at few iterations.
+    lines = [l.strip() for l in out.stdout.splitlines() if l.strip()[:1].isdigit()]
+    if not lines:
+        raise RuntimeError(f"ucx_perftest {test} {size} B printed no figures:\n{out.stdout}"
+                           f"\n{out.stderr}")
     fields = lines[-1].split(",")
     return {"p50_us": float(fields[1]), "gbps": float(fields[5]) * (1 << 20) / 1e9,
             "msg_per_s": float(fields[7])}

@@ -62,10 +62,26 @@ def train(rank, world, args, init_method):
         dist.all_reduce(mean)
         if rank == 0:
             print(f"step {step} loss {mean.item() / world:.6f}", flush=True)
+    # The same forward and backward passes without DDP's gradient all_reduce (no_sync), the
+    # ranks still sharing the cores: what a step costs without communication.
+    alone = []
+    for step in range(args.compute_steps):
+        lo = (step * batch) % len(x)
+        started = time.perf_counter()
+        opt.zero_grad()
+        with model.no_sync():
+            torch.nn.functional.mse_loss(model(x[lo:lo + batch]), y[lo:lo + batch]).backward()
+        alone.append(time.perf_counter() - started)
+    opt.zero_grad()
     if rank == 0:
         steady = sorted(times[len(times) // 4:])
-        print(f"{args.backend}: {world} ranks, median step {1e3 * steady[len(steady) // 2]:.2f} ms",
-              flush=True)
+        step_ms = 1e3 * steady[len(steady) // 2]
+        if alone:
+            alone_ms = 1e3 * sorted(alone)[len(alone) // 2]
+            share = max(0.0, 1 - alone_ms / step_ms)
+            print(f"{args.backend}: {world} ranks, compute alone {alone_ms:.2f} ms a step, "
+                  f"communication {100 * share:.0f}% of the step", flush=True)
+        print(f"{args.backend}: {world} ranks, median step {step_ms:.2f} ms", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -79,6 +95,8 @@ def main():
     p.add_argument("--backend", default="tensorverbs")
     p.add_argument("--nprocs", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--compute-steps", type=int, default=10,
+                   help="steps timed without the gradient all_reduce (0: none)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--timeout", type=float, default=120)
