@@ -6,9 +6,9 @@
 // the cores, a yield lets them run now rather than at the scheduler's next tick. That holds while
 // the other runnable threads block soon (ours do). Beside a thread that never blocks (another
 // job's computation, a busy loop) a yield hands it the core for a whole time slice, milliseconds.
-// So each yield is timed: one that returns later than kCostlyYield marks yields costly for
-// kCostlyFor, during which SpinYield pauses the core instead and spin-waits should end soon and
-// block in the kernel (YieldsAreCostly), where a wake-up gets the core back at once.
+// So each yield is timed: two that return later than kCostlyYield within 50 ms mark yields
+// costly for kCostlyFor, during which SpinYield pauses the core instead and spin-waits should end
+// soon and block in the kernel (YieldsAreCostly), where a wake-up gets the core back at once.
 #ifndef TENSORVERBS_COMMON_SPIN_H_
 #define TENSORVERBS_COMMON_SPIN_H_
 
