@@ -15,7 +15,6 @@
 #include "src/common/bounded_queue.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
-#include "src/common/spin.h"
 
 namespace tensorverbs::protocol {
 namespace {
@@ -466,9 +465,6 @@ absl::Duration ProgressEngine::SpinBound(bool awaiting) const {
   // that does not costs at most that much. While a peer owes an answer it spins on for about
   // twice as long as answers have taken (the gaps it measured between an idle turn and the next
   // work), up to awaiting_spin: long enough for a round trip, not for a pause between steps.
-  // Beside threads that never block (YieldsAreCostly) a spin only keeps the core from them and
-  // from the thread it waits for: a short one, then the kernel's wait.
-  if (YieldsAreCostly()) return std::min(options_.poll_spin, kSpinWhileCostly);
   if (!awaiting) return options_.poll_spin;
   const double gap_us = gap_us_.load(std::memory_order_relaxed);
   const absl::Duration learned =
@@ -612,7 +608,7 @@ void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
       if (idle_since == absl::InfiniteFuture()) idle_since = now;
       const bool awaiting = hooks_.awaiting_peer && hooks_.awaiting_peer();
       if (now - idle_since < SpinBound(awaiting)) {
-        SpinYield();
+        std::this_thread::yield();
         continue;
       }
       // Data progress is manual on libfabric's shm and tcp providers: a transfer in flight
@@ -670,7 +666,7 @@ bool ProgressEngine::DriveUntil(Event& event, absl::Time deadline) {
 void ProgressEngine::ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline, bool spin) {
   if (spin) {
     const absl::Time spin_end = std::min(deadline, absl::Now() + SpinBound(/*awaiting=*/false));
-    while (!event.HasBeenNotified() && absl::Now() < spin_end) SpinYield();
+    while (!event.HasBeenNotified() && absl::Now() < spin_end) std::this_thread::yield();
     if (event.HasBeenNotified()) return;
   }
   std::unique_lock<std::mutex> slot_lock(slot->mu);
@@ -730,7 +726,7 @@ bool ProgressEngine::DriveAsOwner(Event& event, absl::Time deadline) {
     if (idle_since == absl::InfiniteFuture()) idle_since = now;
     if (options_.waiter_spin.has_value()) {
       if (now - idle_since < *options_.waiter_spin) {
-        SpinYield();
+        std::this_thread::yield();
         continue;
       }
     } else if (options_.poll_mode == PollMode::kAdaptive) {
@@ -739,7 +735,7 @@ bool ProgressEngine::DriveAsOwner(Event& event, absl::Time deadline) {
       // per message (the Python package's 4 B round trip went from 52 to 126-183 us).
       const bool awaiting = hooks_.awaiting_peer && hooks_.awaiting_peer();
       if (now - idle_since < SpinBound(awaiting)) {
-        SpinYield();
+        std::this_thread::yield();
         continue;
       }
     }
@@ -763,7 +759,7 @@ void ProgressEngine::ReleaseFromWaiter() {
   // critical path (the Python package's 4 B round trip: 126-149 us asleep, 83-104 us so).
   const double gap_us = gap_us_.load(std::memory_order_relaxed);
   const bool conversing =
-      options_.poll_mode == PollMode::kAdaptive && !YieldsAreCostly() && gap_us > 0 &&
+      options_.poll_mode == PollMode::kAdaptive && gap_us > 0 &&
       gap_us < absl::ToDoubleMicroseconds(std::max(options_.poll_spin, options_.awaiting_spin));
   const bool needs_driver = NeedsDriver() || conversing;
   std::unique_lock<std::mutex> lock(own_mu_);
