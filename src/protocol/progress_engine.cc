@@ -492,15 +492,8 @@ void ProgressEngine::TakeForLoop(std::unique_lock<std::mutex>& lock) {
   loop_parked_ = false;
   owner_ = Owner::kLoop;
   loop_thread_id_.store(std::this_thread::get_id(), std::memory_order_relaxed);
-  if (armed_) {
-    // This thread's own arming, which it slept on and left before anyone took it back.
-    armed_ = false;
-    sleeping_.store(false);
-    lock.unlock();
-    ClearRevents(&armed_fds_);
-    domain_->FinishSleep(armed_fds_);
-    lock.lock();
-  }
+  // This thread's own arming, which it slept on and left before anyone took it back.
+  if (armed_) DisarmLocked(lock);
 }
 
 void ProgressEngine::ReleaseLocked() {
@@ -694,9 +687,12 @@ bool ProgressEngine::TakeIdleProgress(WaitSlot* slot) {
 
 void ProgressEngine::TakeArmingLocked(std::unique_lock<std::mutex>& lock) {
   waiter_drives_.fetch_add(1, std::memory_order_relaxed);
-  if (!armed_) return;
   // The progress thread sleeps on the arming it made (or is on its way out of that sleep): take
   // it back (nobody needs its wake-ups while this thread polls) and leave the thread asleep.
+  if (armed_) DisarmLocked(lock);
+}
+
+void ProgressEngine::DisarmLocked(std::unique_lock<std::mutex>& lock) {
   armed_ = false;
   sleeping_.store(false);
   lock.unlock();

@@ -276,6 +276,9 @@ class ProgressEngine {
   // Parks until `event` is notified or `deadline` passes; with `spin`, spins first for the
   // learned bound.
   void ParkUntil(WaitSlot* slot, Event& event, absl::Time deadline, bool spin);
+  // With own_mu_ held (released meanwhile) and the domain armed for the progress thread's
+  // sleep: takes that arming back.
+  void DisarmLocked(std::unique_lock<std::mutex>& lock);
   void ReleaseFromWaiter();
   // With own_mu_ held, by the owner that lets go: nobody owns progress (the progress thread,
   // where it parks for it, is woken to take it).
