@@ -198,7 +198,7 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   absl::StatusOr<Tensor> Adopt(const void* data, size_t bytes, std::function<void()> release,
                                bool count_as_lent = true);
   // `work`'s tensor `t` as memory a recv's message may land in (RecvOptions::into), and what its
-  // release and the recv's end share (ops.cc): uninitialized if the task refuses it.
+  // release and the recv's end share (ops_p2p.cc): uninitialized if the task refuses it.
   Tensor LandingFor(const at::Tensor& t, const c10::intrusive_ptr<TvWork>& work,
                     const std::shared_ptr<InPlaceLanding>& landing);
   std::string What(const char* op, int64_t seq) const;
