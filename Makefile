@@ -13,7 +13,7 @@ SOAK_SECONDS ?= 600
 SOAK_PROTOCOL ?= grpc+verbs
 
 .PHONY: all deps configure build demo test test-unit test-asan test-tsan test-python-asan fuzz soak \
-	format clean
+	settings-table format clean
 
 all: build
 
@@ -43,6 +43,13 @@ soak: build
 	cd $(BUILD_DIR) && TV_SOAK_SECONDS=$(SOAK_SECONDS) \
 	  TV_SOAK_PROTOCOL=$(SOAK_PROTOCOL) \
 	  timeout -k 30 $$(( $(SOAK_SECONDS) + 600 )) tests/soak/soak_test
+
+# Rewrites the README's configuration tables from src/common/settings.cc (the build fails
+# while they differ).
+settings-table: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target tensorverbs
+	cmake -DTOOL=$(BUILD_DIR)/tools/tensorverbs -DREADME=README.md -DUPDATE=ON \
+	  -P cmake/CheckSettingsTable.cmake
 
 test-unit: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -L unit

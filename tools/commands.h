@@ -156,6 +156,9 @@ int RunBenchScale(const BenchScaleOptions& options);
 // Prints the fabric backends and libfabric providers usable here, the memlock limit and the
 // configuration in effect.
 int RunInfoCommand();
+// Prints the README's configuration table `table` (tensorverbs or rdma) from the settings
+// table; the build compares it with the README (cmake/CheckSettingsTable.cmake).
+int RunSettingsMarkdown(const std::string& table);
 
 }  // namespace tensorverbs::tools
 

@@ -2,10 +2,13 @@
 #include <sys/resource.h>
 
 #include <cstdio>
+#include <map>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
+#include "src/common/settings.h"
 #include "src/device/cuda_runtime.h"
 #include "src/fabric/fabric.h"
 #include "src/server/server.h"
@@ -72,6 +75,18 @@ std::string Bytes(rlim_t v) {
 
 }  // namespace
 
+int RunSettingsMarkdown(const std::string& table) {
+  if (table != "tensorverbs" && table != "rdma") {
+    std::fprintf(stderr, "--settings-markdown: give tensorverbs or rdma, not '%s'\n",
+                 table.c_str());
+    return 2;
+  }
+  std::fputs(
+      SettingsMarkdown(table == "rdma" ? SettingTable::kRdma : SettingTable::kTensorVerbs).c_str(),
+      stdout);
+  return 0;
+}
+
 int RunInfoCommand() {
   const Config& config = Config::Get();
   fabric::FabricChoice choice;
@@ -136,29 +151,19 @@ int RunInfoCommand() {
                   ? " (RDMA NICs pin registered memory; raise it with ulimit -l for large pools)"
                   : "");
 
-  std::printf("\nconfiguration (from the environment):\n");
-  std::printf("  TENSORVERBS_RECV_TIMEOUT_MS     %lld\n",
-              static_cast<long long>(absl::ToInt64Milliseconds(config.recv_timeout)));
-  std::printf("  TENSORVERBS_CONNECT_TIMEOUT_MS  %lld\n",
-              static_cast<long long>(absl::ToInt64Milliseconds(config.connect_timeout)));
-  std::printf("  TENSORVERBS_POOL_REGION_MB      %lld\n",
-              static_cast<long long>(config.pool_region_bytes >> 20));
-  std::printf("  TENSORVERBS_CALLBACK_THREADS    %d\n", config.callback_threads);
-  std::printf("  TENSORVERBS_INLINE_CALLBACK_US  %lld\n",
-              static_cast<long long>(absl::ToInt64Microseconds(config.inline_callback_limit)));
-  std::printf("  TENSORVERBS_MALLOC_TUNING       %d\n", config.malloc_tuning ? 1 : 0);
-  std::printf("  TENSORVERBS_OFI_PROVIDER        %s\n",
-              config.ofi_provider.empty() ? "(auto)" : config.ofi_provider.c_str());
-  const RdmaConfig& r = config.rdma;
-  std::printf("  RDMA_DEVICE %s, RDMA_DEVICE_PORT %s, RDMA_GID_INDEX %s, RDMA_QP_MTU %s\n",
-              r.device.empty() ? "(auto)" : r.device.c_str(),
-              r.port ? absl::StrCat(r.port).c_str() : "(auto)",
-              r.gid_index >= 0 ? absl::StrCat(r.gid_index).c_str() : "(auto)",
-              r.mtu ? absl::StrCat(r.mtu).c_str() : "(active)");
-  std::printf(
-      "  RDMA_QP_QUEUE_DEPTH %d, RDMA_QP_TIMEOUT %d, RDMA_QP_RETRY_COUNT %d, RDMA_QP_SL %d, "
-      "RDMA_QP_PKEY_INDEX %d, RDMA_TRAFFIC_CLASS %d\n",
-      r.queue_depth, r.timeout, r.retry_count, r.sl, r.pkey_index, r.traffic_class);
+  // Every setting from the table, so a new one shows up here without an edit.
+  std::printf("\nconfiguration (the defaults, and what the environment sets):\n");
+  const std::map<std::string, std::string> set = EnvironmentVariables({"TENSORVERBS_", "RDMA_"});
+  for (const Setting& s : Settings()) {
+    const bool from_env =
+        set.count(s.variable) != 0 || (s.alias != nullptr && set.count(s.alias) != 0);
+    std::string value;
+    if (s.get != nullptr) value = s.get(config);
+    if (value.empty() || (!from_env && s.default_note != nullptr)) {
+      value = s.default_note != nullptr ? absl::StrCat("(", s.default_note, ")") : "(unset)";
+    }
+    std::printf("  %s %s%s\n", s.variable, value.c_str(), from_env ? "  (set)" : "");
+  }
   for (const std::string& w : config.warnings) std::printf("  warning: %s\n", w.c_str());
   return 0;
 }

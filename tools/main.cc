@@ -81,6 +81,9 @@ int main(int argc, char** argv) {
 
   CLI::App* info_cmd = app.add_subcommand(
       "info", "Show the fabric backends and providers usable here and the configuration");
+  std::string settings_table;
+  info_cmd->add_option("--settings-markdown", settings_table,
+                       "Print the README's table of the settings instead: tensorverbs or rdma");
 
   BenchFabricOptions bench;
   CLI::App* bench_cmd = app.add_subcommand("bench", "Benchmarks");
@@ -304,6 +307,8 @@ int main(int argc, char** argv) {
     if (!f.value.empty()) setenv(f.variable, f.value.c_str(), /*overwrite=*/1);
   }
 
+  // The README's tables depend on the defaults alone, not on this environment.
+  if (info_cmd->parsed() && !settings_table.empty()) return RunSettingsMarkdown(settings_table);
   if (absl::Status s = tensorverbs::Config::EnvironmentStatus(); !s.ok()) {
     std::fprintf(stderr, "tensorverbs: %s\n", std::string(s.message()).c_str());
     return 2;

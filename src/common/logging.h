@@ -11,9 +11,9 @@
 #include <sstream>
 #include <string_view>
 
-namespace tensorverbs {
+#include "src/common/log_severity.h"
 
-enum class LogSeverity { kVerbose = -1, kInfo = 0, kWarning = 1, kError = 2, kFatal = 3 };
+namespace tensorverbs {
 
 namespace logging_internal {
 

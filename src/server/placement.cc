@@ -8,14 +8,12 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "src/common/config.h"
 #include "src/common/status_macros.h"
-
-extern char** environ;
 
 namespace tensorverbs {
 namespace {
 
-constexpr int kDefaultSlurmPort = 8888;
 // Bounds what a host list or a count may expand to: a typo must not allocate without end.
 constexpr int64_t kMaxTasks = 1 << 20;
 
@@ -117,7 +115,7 @@ absl::StatusOr<TaskPlacement> FromSlurm(const std::map<std::string, std::string>
     return Bad("SLURM_PROCID", procid, absl::StrCat("is not a rank of the ", total, " tasks"));
   }
   const std::string port_text = Get(vars, "TENSORVERBS_SLURM_PORT");
-  int base_port = kDefaultSlurmPort;
+  int base_port = Config::Defaults().slurm_port;
   int most_per_host = 0;
   for (int c : counts) most_per_host = std::max(most_per_host, c);
   if (!port_text.empty() && (!absl::SimpleAtoi(port_text, &base_port) || base_port < 1)) {
@@ -279,14 +277,7 @@ absl::StatusOr<TaskPlacement> PlacementFromVariables(
 }
 
 absl::StatusOr<TaskPlacement> PlacementFromEnvironment(absl::string_view source) {
-  std::map<std::string, std::string> vars;
-  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-    absl::string_view entry(*e);
-    const size_t eq = entry.find('=');
-    if (eq == absl::string_view::npos) continue;
-    vars.emplace(entry.substr(0, eq), entry.substr(eq + 1));
-  }
-  return PlacementFromVariables(source, vars);
+  return PlacementFromVariables(source, EnvironmentVariables({}));
 }
 
 }  // namespace tensorverbs

@@ -15,12 +15,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "src/common/config.h"
 
 namespace tensorverbs::support {
 
@@ -115,8 +117,9 @@ absl::StatusOr<std::string> FindOnPath(const std::string& program) {
     if (runnable(program)) return program;
     return absl::NotFoundError(absl::StrCat("'", program, "' is not an executable file"));
   }
-  const char* path = std::getenv("PATH");
-  const std::string dirs = path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin";
+  const std::map<std::string, std::string> env = EnvironmentVariables({"PATH"});
+  const auto path = env.find("PATH");
+  const std::string dirs = path != env.end() ? path->second : "/usr/local/bin:/usr/bin:/bin";
   for (absl::string_view dir : absl::StrSplit(dirs, ':', absl::SkipEmpty())) {
     std::string candidate = absl::StrCat(dir, "/", program);
     if (runnable(candidate)) return candidate;

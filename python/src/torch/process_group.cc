@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "python/src/torch/collective.h"
 #include "python/src/torch/work.h"
+#include "src/common/config.h"
 #include "src/common/host_identity.h"
 #include "tensorverbs/placement.h"
 #include "tensorverbs/version.h"
@@ -79,15 +80,10 @@ void Unregister(ProcessGroupTensorVerbs* g) {
   throw std::runtime_error(absl::StrCat("tensorverbs: ", message));
 }
 
-std::string Env(const char* name, const std::string& fallback) {
-  const char* value = std::getenv(name);
-  return value != nullptr && *value != '\0' ? std::string(value) : fallback;
-}
-
 // The address peers reach this rank at: TENSORVERBS_HOST, else this host's name resolved
 // (gloo's default), else loopback.
 std::string HostAddress() {
-  std::string host = Env("TENSORVERBS_HOST", "");
+  const std::string& host = Config::Get().torch_host;
   if (!host.empty()) return host;
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) == 0) {
@@ -124,7 +120,9 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
     Throw(absl::StrCat("rank ", rank, " is not in a world of size ", size));
   }
   if (timeout.count() <= 0) timeout = std::chrono::minutes(30);
-  const std::string protocol = Env("TENSORVERBS_PROTOCOL", "grpc+verbs");
+  if (absl::Status s = Config::EnvironmentStatus(); !s.ok()) Throw(std::string(s.message()));
+  const Config& config = Config::Get();
+  const std::string& protocol = config.torch_protocol;
   const std::string host = HostAddress();
   // Picked outside the ephemeral range and reserved on this host (tensorverbs/placement.h):
   // the task binds it only after every rank read the addresses.
@@ -142,9 +140,8 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
   // it runs and whether it may, so that every rank decides alike.
   // Only where the ranks' own fabric would be the same-host one: a fabric forced to the network
   // (TENSORVERBS_FABRIC=ofi, say) is what the user wants measured or used.
-  const std::string fabric = Env("TENSORVERBS_FABRIC", "auto");
   const bool may_share =
-      Env("TENSORVERBS_TORCH_SAME_HOST", "1") != "0" && (fabric == "auto" || fabric == "shmem");
+      config.torch_same_host && (config.fabric == "auto" || config.fabric == "shmem");
   const std::string mine = absl::StrCat(Version(), "|", size, "|", protocol, "|", address, "|",
                                         ThisHostIdentity(), "|", may_share ? 1 : 0);
   store->set(absl::StrCat(prefix, "rank/", rank), Bytes(mine));

@@ -3,9 +3,17 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cctype>
+#include <map>
+#include <set>
+#include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "src/common/logging.h"
+#include "src/common/settings.h"
 
 namespace tensorverbs {
 namespace {
@@ -317,6 +325,92 @@ TEST(Config, ProxyChunks) {
   }
   EXPECT_THAT(Config::FromEnvironment({{"TENSORVERBS_PROXY_CHUNK_KB", "8"}}).status().message(),
               HasSubstr("at least 64 KiB"));
+}
+
+// The settings table is what Config parses, lists and documents: each row must read back the
+// value it stores, refuse what lies outside its range, and appear once in the README's tables.
+TEST(Settings, EveryRowStoresWhatItReadsBack) {
+  for (const Setting& s : Settings()) {
+    if (s.get == nullptr) continue;
+    std::string value = s.get(Config::Defaults());
+    if (s.kind == SettingKind::kInteger && s.default_note != nullptr) value = absl::StrCat(s.max);
+    if (s.kind == SettingKind::kText) value = "some text";
+    if (s.kind == SettingKind::kChoice) value = s.choices.back();
+    if (value.empty()) continue;
+    std::map<std::string, std::string> env = {{s.variable, value}};
+    if (absl::StartsWith(s.variable, "TENSORVERBS_TLS_")) {  // all three or none
+      env = {{"TENSORVERBS_TLS_CERT", value}, {"TENSORVERBS_TLS_KEY", value},
+             {"TENSORVERBS_TLS_CA", value}};
+    }
+    absl::StatusOr<Config> c = Config::FromEnvironment(env);
+    ASSERT_TRUE(c.ok()) << s.variable << "=" << value << ": " << c.status();
+    EXPECT_EQ(s.get(*c), value) << s.variable;
+    EXPECT_TRUE(c->warnings.empty()) << s.variable;
+  }
+}
+
+TEST(Settings, EveryIntegerRowRefusesOneBeyondItsRange) {
+  for (const Setting& s : Settings()) {
+    if (s.kind != SettingKind::kInteger || s.set_int == nullptr) continue;
+    for (int64_t v : {s.min - 1, s.max + 1}) {
+      absl::StatusOr<Config> c = Config::FromEnvironment({{s.variable, absl::StrCat(v)}});
+      ASSERT_FALSE(c.ok()) << s.variable << "=" << v;
+      EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_THAT(c.status().message(), HasSubstr(s.variable));
+      EXPECT_THAT(c.status().message(), HasSubstr(absl::StrCat("[", s.min, ", ", s.max, "]")));
+    }
+  }
+}
+
+TEST(Settings, ChoiceRowsNameTheirChoices) {
+  for (const Setting& s : Settings()) {
+    if (s.kind != SettingKind::kChoice) continue;
+    absl::StatusOr<Config> c = Config::FromEnvironment({{s.variable, "no-such-choice"}});
+    ASSERT_FALSE(c.ok()) << s.variable;
+    EXPECT_THAT(c.status().message(), HasSubstr(s.variable));
+    EXPECT_THAT(c.status().message(), HasSubstr(s.choices.front()));
+    // Case does not matter.
+    std::string upper = s.choices.front();
+    for (char& ch : upper) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    EXPECT_TRUE(Config::FromEnvironment({{s.variable, upper}}).ok()) << s.variable;
+  }
+}
+
+TEST(Settings, EachVariableIsKnownAndListedOnce) {
+  std::set<std::string> seen;
+  for (const Setting& s : Settings()) {
+    EXPECT_TRUE(seen.insert(s.variable).second) << s.variable << " twice";
+    EXPECT_EQ(FindSetting(s.variable), &s);
+    if (s.alias != nullptr) {
+      EXPECT_EQ(FindSetting(s.alias), &s);
+    }
+    const std::string table = SettingsMarkdown(s.table);
+    const std::string row = absl::StrCat("| `", s.variable, "`");
+    ASSERT_NE(table.find(row), std::string::npos) << s.variable;
+    EXPECT_EQ(table.find(row), table.rfind(row)) << s.variable;
+  }
+  EXPECT_EQ(FindSetting("TENSORVERBS_NO_SUCH"), nullptr);
+  const std::vector<std::string>& known = Config::KnownVariables();
+  EXPECT_NE(std::find(known.begin(), known.end(), "RDMA_PKEY"), known.end());
+}
+
+TEST(Settings, TheTorchBackendsAndSlurmsVariables) {
+  absl::StatusOr<Config> d = Config::FromEnvironment({});
+  EXPECT_EQ(d->torch_protocol, "grpc+verbs");
+  EXPECT_EQ(d->torch_host, "");
+  EXPECT_TRUE(d->torch_same_host);
+  EXPECT_EQ(d->slurm_port, 8888);
+  absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_PROTOCOL", " grpc "},
+                                                      {"TENSORVERBS_HOST", "10.0.0.7"},
+                                                      {"TENSORVERBS_TORCH_SAME_HOST", "0"},
+                                                      {"TENSORVERBS_SLURM_PORT", "9000"}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->torch_protocol, "grpc");
+  EXPECT_EQ(c->torch_host, "10.0.0.7");
+  EXPECT_FALSE(c->torch_same_host);
+  EXPECT_EQ(c->slurm_port, 9000);
+  absl::StatusOr<Config> bad = Config::FromEnvironment({{"TENSORVERBS_TORCH_SAME_HOST", "yes"}});
+  EXPECT_THAT(bad.status().message(), HasSubstr("TENSORVERBS_TORCH_SAME_HOST"));
 }
 
 }  // namespace tensorverbs
