@@ -67,7 +67,7 @@ endforeach()
 
 if(violations)
   list(JOIN violations "\n  " text)
-  message(FATAL_ERROR "upward includes (see docs/architecture.md, Layers):\n  ${text}")
+  message(FATAL_ERROR "upward includes (see docs/architecture/layers.md):\n  ${text}")
 endif()
 if(STAMP)
   file(TOUCH "${STAMP}")

@@ -1,6 +1,6 @@
 # Rules of the house that the build checks (run by the tv_source_rules target):
 #  - no source file in src/, tools/ or python/src/ is over 600 lines: a room that outgrew one
-#    idea is split by object (docs/architecture.md, Rooms);
+#    idea is split by object (docs/architecture/layers.md, rules the build checks);
 #  - nothing but src/common/config.cc reads the environment: a setting is a row of the settings
 #    table (src/common/settings.cc), and other readers go through EnvironmentVariables().
 # Usage: cmake -DROOT=<source dir> [-DSTAMP=<file>] -P CheckSourceRules.cmake

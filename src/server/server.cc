@@ -328,7 +328,7 @@ void Server::WarnIfOpenToAnyone() const {
   std::call_once(warned, [this] {
     LOG(WARNING) << "task " << env_.task_name << " listens on " << options_.listen_address
                  << " without authentication: anyone who reaches the port can receive its "
-                    "tensors; set TENSORVERBS_SECRET_FILE or TENSORVERBS_TLS_* (README, "
+                    "tensors; set TENSORVERBS_SECRET_FILE or TENSORVERBS_TLS_* (docs/guide.md, "
                     "\"Security\")";
   });
 }

@@ -147,7 +147,7 @@ class OfiDomain final : public Domain {
 // namespaces): 1.26 GB of proportional memory per task, and 4.6 s to set up its channels. The
 // protocol moves tensors by RMA writes, which take no bounce buffer; the rxm messages that do
 // are rare and small. 256 buffers of 8 KiB bring a task to 0.36 GB and its set-up to 1.0 s, and
-// raise the small-tensor rate over tcp (docs/PERFORMANCE.md). Buffers of 2 KiB halve what each
+// raise the small-tensor rate over tcp (docs/perf/history.md). Buffers of 2 KiB halve what each
 // endpoint keeps beside them (8 tasks over tcp: 358 to 178 MiB of proportional memory per task)
 // at the same speed, measured from 4 B to 64 MiB, which is what lets 4 hosts of 8 tasks run on
 // one 24 GiB machine. rxm reads these variables once, when libfabric first loads it (the first

@@ -21,7 +21,7 @@
 namespace tensorverbs::fabric::shmem {
 
 // Writes of at least this many bytes into a peer's mapping use non-temporal stores. Measured
-// (docs/PERFORMANCE.md): into destinations the writer has not touched lately
+// (docs/perf/history.md): into destinations the writer has not touched lately
 // (bench/copy_bench.cc) streaming stores beat memcpy at every size from 64 KiB, 1.3x at
 // 4-64 MiB; but into a destination still in cache, as a pool chunk reused at once often is,
 // memcpy won at 1 MiB (`bench fabric`: 0.72x memcpy streaming, 1.06x plain). From twice a
@@ -45,7 +45,7 @@ void StreamingCopy(void* dst, const void* src, size_t n);
 class CopyHelpers {
  public:
   // Copies of at least `min_shared_bytes` are shared. The default is where sharing paid in the
-  // protocol on two cores (PERFORMANCE.md: at 1 and 4 MiB the helper's wake-up and the cores
+  // protocol on two cores (docs/perf/history.md: at 1 and 4 MiB the helper's wake-up and the cores
   // it competes for cost more than half a copy saves; from 8 MiB it wins).
   static constexpr size_t kMinSharedBytes = size_t{8} << 20;
 

@@ -28,7 +28,7 @@ namespace tensorverbs::fabric::shmem {
 // Host writes of at least this many bytes (and below what CopyHelpers shares) are offered to
 // the peer to copy part of (SharedWrite): its progress thread, polling anyway on another core,
 // copies parts into its own memory while this one copies the rest. At 256 KiB sharing cost
-// more than it saved (docs/PERFORMANCE.md: the single recv's latency 7 -> 12 us).
+// more than it saved (docs/perf/history.md: the single recv's latency 7 -> 12 us).
 inline constexpr size_t kMinSharedWriteBytes = size_t{512} << 10;
 // A shared write's parts: at least this many bytes, and at most kMaxSharedWriteParts of them.
 inline constexpr size_t kMinSharedWritePart = size_t{64} << 10;

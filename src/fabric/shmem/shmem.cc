@@ -165,7 +165,7 @@ class ShmemDomain final : public Domain {
     std::vector<ShmemEndpoint*>& live = d_->live;
     // While device copies run the progress thread does not sleep: a finished copy rings no bell,
     // and a timed sleep would add the timer's slack (tens of microseconds) to every tensor's
-    // completion (measured: docs/PERFORMANCE.md). The copies bound how long it polls.
+    // completion (measured: docs/perf/history.md). The copies bound how long it polls.
     for (ShmemEndpoint* ep : live) {
       if (ep->device_copies() > 0) return false;
     }
