@@ -34,7 +34,7 @@ namespace {
 CounterInfo MeaningOf(absl::string_view name) {
   const CounterInfo* info = FindCounter(name);
   if (info != nullptr) return *info;
-  return {"", "tensorverbs counter", false};
+  return {.name = "", .help = "tensorverbs counter", .gauge = false};
 }
 
 // Prometheus label values escape backslash, double quote and newline.

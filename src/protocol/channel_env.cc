@@ -22,26 +22,26 @@ uint32_t RemoteAccessFor(VerbsMode mode) {
 }
 
 void VerbsStats::AppendCounters(CounterList* out) const {
-  auto add = [out](const char* name, const std::atomic<int64_t>& value) {
-    out->emplace_back(name, value.load(std::memory_order_relaxed));
+  auto add = [out](Counter key, const std::atomic<int64_t>& value) {
+    AddCounter(out, key, value.load(std::memory_order_relaxed));
   };
-  add("requests", requests);
-  add("meta_cache_hits", meta_cache_hits);
-  add("pushed_requests", pushed);
-  add("push_hits", push_hits);
-  add("meta_responses", meta_responses);
-  add("re_requests", re_requests);
-  add("errors_sent", errors_sent);
-  add("control_messages", control_messages);
-  add("control_slots", control_slots);
-  add("tensors_sent", content_writes);
-  add("bytes_sent", content_bytes);
-  add("transient_registrations", transient_registrations);
-  add("in_place_recvs", in_place_recvs);
-  add("content_segments", content_segments);
-  add("dropped_immediates", dropped_imms);
-  add("channels_failed", channel_errors);
-  add("checksum_failures", checksum_failures);
+  add(Counter::kRequests, requests);
+  add(Counter::kMetaCacheHits, meta_cache_hits);
+  add(Counter::kPushedRequests, pushed);
+  add(Counter::kPushHits, push_hits);
+  add(Counter::kMetaResponses, meta_responses);
+  add(Counter::kReRequests, re_requests);
+  add(Counter::kErrorsSent, errors_sent);
+  add(Counter::kControlMessages, control_messages);
+  add(Counter::kControlSlots, control_slots);
+  add(Counter::kTensorsSent, content_writes);
+  add(Counter::kBytesSent, content_bytes);
+  add(Counter::kTransientRegistrations, transient_registrations);
+  add(Counter::kInPlaceRecvs, in_place_recvs);
+  add(Counter::kContentSegments, content_segments);
+  add(Counter::kDroppedImmediates, dropped_imms);
+  add(Counter::kChannelsFailed, channel_errors);
+  add(Counter::kChecksumFailures, checksum_failures);
 }
 
 uint64_t ContentChecksum(const void* data, uint64_t bytes) {

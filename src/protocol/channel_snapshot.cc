@@ -25,13 +25,13 @@ ChannelSnapshot Channel::Snapshot() const {
     s.fabric = absl::StrCat(caps.backend, " (", caps.provider, ")");
   }
   s.description = Describe();
-  auto add = [&s](const char* name, int64_t value) { s.counters.emplace_back(name, value); };
+  auto add = [&s](Counter key, int64_t value) { AddCounter(&s.counters, key, value); };
   auto get = [](const std::atomic<int64_t>& a) { return a.load(std::memory_order_relaxed); };
   const ChannelCounters& c = counters_;
   if (s.receives) {
-    add("tensors_received", get(c.tensors_received));
-    add("bytes_received", get(c.bytes_received));
-    add("recv_errors", get(c.recv_errors));
+    add(Counter::kTensorsReceived, get(c.tensors_received));
+    add(Counter::kBytesReceived, get(c.bytes_received));
+    add(Counter::kRecvErrors, get(c.recv_errors));
     for (int code = 1; code < ChannelCounters::kCodes; ++code) {
       const int64_t n = get(c.recv_errors_by_code[code]);
       if (n > 0) {
@@ -41,26 +41,26 @@ ChannelSnapshot Channel::Snapshot() const {
             n);
       }
     }
-    add("requests", get(c.requests));
-    add("re_requests", get(c.re_requests));
-    add("proxies", get(c.proxies));
-    add("pending_recvs", static_cast<int64_t>(receiving_->held_indexes()));
+    add(Counter::kRequests, get(c.requests));
+    add(Counter::kReRequests, get(c.re_requests));
+    add(Counter::kProxies, get(c.proxies));
+    add(Counter::kPendingRecvs, static_cast<int64_t>(receiving_->held_indexes()));
   } else {
-    add("tensors_sent", get(c.tensors_sent));
-    add("bytes_sent", get(c.bytes_sent));
-    add("meta_responses", get(c.meta_responses));
-    add("errors_sent", get(c.errors_sent));
-    add("responses_pending", static_cast<int64_t>(sending_->responses()));
+    add(Counter::kTensorsSent, get(c.tensors_sent));
+    add(Counter::kBytesSent, get(c.bytes_sent));
+    add(Counter::kMetaResponses, get(c.meta_responses));
+    add(Counter::kErrorsSent, get(c.errors_sent));
+    add(Counter::kResponsesPending, static_cast<int64_t>(sending_->responses()));
   }
-  add("control_messages", mb_ ? static_cast<int64_t>(mb_->messages_sent()) : 0);
-  add("control_slots", mb_ ? static_cast<int64_t>(mb_->sent()) : 0);
-  add("slot_waits", mb_ ? static_cast<int64_t>(mb_->slot_waits()) : 0);
+  add(Counter::kControlMessages, mb_ ? static_cast<int64_t>(mb_->messages_sent()) : 0);
+  add(Counter::kControlSlots, mb_ ? static_cast<int64_t>(mb_->sent()) : 0);
+  add(Counter::kSlotWaits, mb_ ? static_cast<int64_t>(mb_->slot_waits()) : 0);
   // With channel keys each channel's peer writes through registrations of its own; otherwise
   // through the task's shared ones (counted once, per task).
   if (env_->memory != nullptr && env_->memory->channel_keys() && endpoint_ != nullptr) {
     const auto [registrations, bytes] = env_->memory->EndpointRegistrations(endpoint_.get());
-    add("registrations", registrations);
-    add("registered_bytes", bytes);
+    add(Counter::kRegistrations, registrations);
+    add(Counter::kRegisteredBytes, bytes);
   }
   return s;
 }

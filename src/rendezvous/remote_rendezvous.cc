@@ -13,21 +13,22 @@
 namespace tensorverbs {
 
 void TransferStats::AppendCounters(CounterList* out) const {
-  auto add = [out](const char* name, const std::atomic<int64_t>& value) {
-    out->emplace_back(name, value.load(std::memory_order_relaxed));
+  auto add = [out](Counter key, const std::atomic<int64_t>& value) {
+    AddCounter(out, key, value.load(std::memory_order_relaxed));
   };
-  add("tensors_received", tensors);
-  add("bytes_received", bytes);
-  add("recv_errors", errors);
-  add("copies", copies);
-  add("copied_bytes", copied_bytes);
-  add("device_to_host_copies", device_to_host);
-  add("host_to_device_copies", host_to_device);
-  add("device_copied_bytes", device_copied_bytes);
-  add("device_copy_errors", device_copy_errors);
-  add("device_direct_sends", device_direct_sends);
-  add("device_direct_recvs", device_direct_recvs);
+  add(Counter::kTensorsReceived, tensors);
+  add(Counter::kBytesReceived, bytes);
+  add(Counter::kRecvErrors, errors);
+  add(Counter::kCopies, copies);
+  add(Counter::kCopiedBytes, copied_bytes);
+  add(Counter::kDeviceToHostCopies, device_to_host);
+  add(Counter::kHostToDeviceCopies, host_to_device);
+  add(Counter::kDeviceCopiedBytes, device_copied_bytes);
+  add(Counter::kDeviceCopyErrors, device_copy_errors);
+  add(Counter::kDeviceDirectSends, device_direct_sends);
+  add(Counter::kDeviceDirectRecvs, device_direct_recvs);
 }
+
 absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes) {
   if (bytes <= max_bytes) return absl::OkStatus();
   const std::string limit = max_bytes % (uint64_t{1} << 20) == 0

@@ -432,10 +432,10 @@ CounterList Server::Counters() const {
   CounterList out;
   stats_.AppendCounters(&out);
   const PoolAllocator::Stats pool = recv_allocator_->GetStats();
-  out.emplace_back("pool_regions", static_cast<int64_t>(pool.regions));
-  out.emplace_back("pool_bytes", static_cast<int64_t>(pool.region_bytes));
-  out.emplace_back("pool_bytes_in_use", static_cast<int64_t>(pool.bytes_in_use));
-  out.emplace_back("pool_allocations", static_cast<int64_t>(pool.allocations));
+  AddCounter(&out, Counter::kPoolRegions, static_cast<int64_t>(pool.regions));
+  AddCounter(&out, Counter::kPoolBytes, static_cast<int64_t>(pool.region_bytes));
+  AddCounter(&out, Counter::kPoolBytesInUse, static_cast<int64_t>(pool.bytes_in_use));
+  AddCounter(&out, Counter::kPoolAllocations, static_cast<int64_t>(pool.allocations));
   if (verbs_ != nullptr) verbs_->AppendCounters(&out);
   return out;
 }

@@ -45,7 +45,7 @@ class Collective {
   absl::Status StillWanted(const std::string& waiting_for);
   // "rank R (task rank:R at host:port)", for errors.
   std::string PeerName(int rank) const;
-  // Counts an operation done through the shared memory (GroupStats::same_host_collectives).
+  // Counts an operation done through the shared memory (the group counter torch_same_host_collectives).
   void CountSameHost();
 
   // Sends `bytes` at `data` to `dst` as part `part`: one staged copy into the pool.

@@ -7,11 +7,11 @@
 
 #include <stdexcept>
 
+#include "absl/strings/strip.h"
 #include "python/src/torch/process_group.h"
 #include "tensorverbs/version.h"
 
 namespace py = pybind11;
-using tensorverbs::torch_backend::GroupStats;
 using tensorverbs::torch_backend::ProcessGroupTensorVerbs;
 
 PYBIND11_MODULE(_tensorverbs_torch, m) {
@@ -41,21 +41,15 @@ PYBIND11_MODULE(_tensorverbs_torch, m) {
           throw std::invalid_argument("tensorverbs.torch.stats: the group's backend is " +
                                       group->getBackendName() + ", not tensorverbs");
         }
-        const GroupStats s = tv->stats();
         py::dict d;
         d["protocol"] = tv->protocol();
-        d["staged_copies"] = s.staged_copies;
-        d["staged_bytes"] = s.staged_bytes;
-        d["lent_sends"] = s.lent_sends;
-        d["lent_bytes"] = s.lent_bytes;
-        d["landed_copies"] = s.landed_copies;
-        d["landed_bytes"] = s.landed_bytes;
-        d["in_place_recvs"] = s.in_place_recvs;
-        d["in_place_bytes"] = s.in_place_bytes;
-        d["collectives"] = s.collectives;
-        d["collectives_on_caller"] = s.collectives_on_caller;
-        d["same_host_collectives"] = s.same_host_collectives;
-        d["failed"] = s.failed;
+        // The catalog's names without their scope's prefix: torch_staged_copies is
+        // staged_copies here.
+        constexpr absl::string_view kPrefix = "torch_";
+        for (const auto& [name, value] : tv->stats()) {
+          const absl::string_view key = absl::StripPrefix(name, kPrefix);
+          d[py::str(key.data(), key.size())] = value;
+        }
         return d;
       },
       py::arg("group"), "A tensorverbs group's counters: copies made, collectives run and failed.");

@@ -32,8 +32,8 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Stage(const void* data, size_t b
   absl::StatusOr<Tensor> staged = task_->Empty(DataType::kUInt8, *shape);
   if (!staged.ok()) return staged.status();
   if (bytes > 0) std::memcpy(staged->data(), data, bytes);
-  counters_->staged_copies.fetch_add(1, std::memory_order_relaxed);
-  counters_->staged_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  counters_->Add(Counter::kTorchStagedCopies);
+  counters_->Add(Counter::kTorchStagedBytes, static_cast<int64_t>(bytes));
   return staged;
 }
 
@@ -48,8 +48,8 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Adopt(const void* data, size_t b
   absl::StatusOr<Tensor> lent =
       task_->AdoptHostMemory(const_cast<void*>(data), DataType::kUInt8, *shape, std::move(release));
   if (!lent.ok() || !count_as_lent) return lent;
-  counters_->lent_sends.fetch_add(1, std::memory_order_relaxed);
-  counters_->lent_bytes.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+  counters_->Add(Counter::kTorchLentSends);
+  counters_->Add(Counter::kTorchLentBytes, static_cast<int64_t>(bytes));
   return lent;
 }
 
@@ -151,8 +151,7 @@ namespace {
 
 // Completes a recv's work with `message`: landed in `t` itself, or copied into it.
 void Land(TvWork& work, const at::Tensor& t, absl::StatusOr<Tensor> message, int src,
-          const std::string& from, std::atomic<int64_t>& copies, std::atomic<int64_t>& bytes,
-          std::atomic<int64_t>& in_place, std::atomic<int64_t>& in_place_bytes) {
+          const std::string& from, ProcessGroupTensorVerbs::Counters& counters) {
   if (!message.ok()) {
     work.Complete(absl::Status(message.status().code(),
                                absl::StrCat(from, ": ", message.status().message())));
@@ -166,12 +165,12 @@ void Land(TvWork& work, const at::Tensor& t, absl::StatusOr<Tensor> message, int
   }
   if (t.nbytes() > 0 && message->data() == t.data_ptr()) {
     // The fabric wrote it there (RecvOptions::into): nothing to copy.
-    in_place.fetch_add(1, std::memory_order_relaxed);
-    in_place_bytes.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
+    counters.Add(Counter::kTorchInPlaceRecvs);
+    counters.Add(Counter::kTorchInPlaceBytes, static_cast<int64_t>(t.nbytes()));
   } else if (t.nbytes() > 0 &&
              work.Write([&] { std::memcpy(t.data_ptr(), message->data(), t.nbytes()); })) {
-    copies.fetch_add(1, std::memory_order_relaxed);
-    bytes.fetch_add(static_cast<int64_t>(t.nbytes()), std::memory_order_relaxed);
+    counters.Add(Counter::kTorchLandedCopies);
+    counters.Add(Counter::kTorchLandedBytes, static_cast<int64_t>(t.nbytes()));
   }
   work.set_source_rank(src);
   work.Complete(absl::OkStatus());
@@ -219,8 +218,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recv(std::vector<at::Ten
             return;  // completed when the task lets go of the tensor
           }
         }
-        Land(*work, t, std::move(message), from_rank, from, counters->landed_copies,
-             counters->landed_bytes, counters->in_place_recvs, counters->in_place_bytes);
+        Land(*work, t, std::move(message), from_rank, from, *counters);
       },
       std::move(into));
   return work;
@@ -240,8 +238,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recvAnysource(
                                                              int from_rank) {
         Land(*work, t, std::move(message), from_rank,
              from_rank < 0 ? std::string("from any rank") : absl::StrCat("from rank ", from_rank),
-             counters->landed_copies, counters->landed_bytes, counters->in_place_recvs,
-             counters->in_place_bytes);
+             *counters);
       });
   return work;
 }

@@ -381,22 +381,7 @@ std::chrono::milliseconds ProcessGroupTensorVerbs::TimeoutOf(
   return requested.count() > 0 ? requested : timeout_;  // torch's "unset" is -1 ms
 }
 
-GroupStats ProcessGroupTensorVerbs::stats() const {
-  GroupStats s;
-  s.staged_copies = counters_->staged_copies.load();
-  s.staged_bytes = counters_->staged_bytes.load();
-  s.lent_sends = counters_->lent_sends.load();
-  s.lent_bytes = counters_->lent_bytes.load();
-  s.landed_copies = counters_->landed_copies.load();
-  s.landed_bytes = counters_->landed_bytes.load();
-  s.in_place_recvs = counters_->in_place_recvs.load();
-  s.in_place_bytes = counters_->in_place_bytes.load();
-  s.collectives = counters_->collectives.load();
-  s.collectives_on_caller = counters_->collectives_on_caller.load();
-  s.same_host_collectives = counters_->same_host_collectives.load();
-  s.failed = counters_->failed.load();
-  return s;
-}
+CounterList ProcessGroupTensorVerbs::stats() const { return counters_->List(); }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::Enqueue(c10d::OpType type, const char* op,
                                                                 std::vector<at::Tensor> outputs,
@@ -477,7 +462,7 @@ void ProcessGroupTensorVerbs::RunQueuedUntil(TvWork& work) {
         std::lock_guard<std::mutex> lock(mu_);
         if (!TakeNext(&item, &status)) return;  // the worker runs it: wait for the work
       }
-      counters_->collectives_on_caller.fetch_add(1, std::memory_order_relaxed);
+      counters_->Add(Counter::kTorchCollectivesOnCaller);
       Run(item, status);
     }
     Finished();
@@ -514,8 +499,8 @@ void ProcessGroupTensorVerbs::Run(Queued& item, absl::Status status) {
                                    absl::StrCat(item.work->what(), ": ", status.message())));
     }
   }
-  counters_->collectives.fetch_add(1, std::memory_order_relaxed);
-  if (!status.ok()) counters_->failed.fetch_add(1, std::memory_order_relaxed);
+  counters_->Add(Counter::kTorchCollectives);
+  if (!status.ok()) counters_->Add(Counter::kTorchFailed);
   item.work->Complete(status);  // runs the future's callbacks, which may destroy the group
 }
 

@@ -53,25 +53,10 @@
 #include "python/src/torch/p2p_matcher.h"
 #include "python/src/torch/same_host.h"
 #include "python/src/torch/work_completer.h"
+#include "src/common/counters.h"
 #include "tensorverbs/task.h"
 
 namespace tensorverbs::torch_backend {
-
-// Counters of one group, for tests and benchmarks.
-struct GroupStats {
-  int64_t staged_copies = 0;  // copies of tensor bytes into the pool (sends)
-  int64_t staged_bytes = 0;
-  int64_t lent_sends = 0;  // sends from the caller's tensor itself, without a copy
-  int64_t lent_bytes = 0;
-  int64_t landed_copies = 0;  // copies out of landed messages into the caller's tensors
-  int64_t landed_bytes = 0;
-  int64_t in_place_recvs = 0;  // recvs the fabric wrote straight into the caller's tensor
-  int64_t in_place_bytes = 0;
-  int64_t collectives = 0;
-  int64_t collectives_on_caller = 0;  // run by the thread that waited for them (Work::wait)
-  int64_t same_host_collectives = 0;  // reduced through the ranks' shared memory (same_host.h)
-  int64_t failed = 0;
-};
 
 class TvWork;
 class Collective;
@@ -142,7 +127,10 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
   // Drain's second half: waits up to `limit` for the peers to take what this group sent.
   void DrainSends(std::chrono::milliseconds limit);
 
-  GroupStats stats() const;
+  // The group's counters: the catalog's torch_ entries (common/counters.h), which
+  // tensorverbs.torch.stats gives without that prefix. Any thread adds to them.
+  using Counters = CounterSet<Counter::kTorchStagedCopies, Counter::kTorchFailed>;
+  CounterList stats() const;
   const std::string& protocol() const { return task_->protocol(); }
   // "rank:R (/job:rank/replica:0/task:R at host:port)", for error messages.
   std::string PeerName(int rank) const;
@@ -150,12 +138,6 @@ class ProcessGroupTensorVerbs final : public c10d::ProcessGroup {
  private:
   friend class Collective;
   using Body = std::function<absl::Status(Collective&)>;
-  struct Counters {
-    std::atomic<int64_t> staged_copies{0}, staged_bytes{0}, landed_copies{0}, landed_bytes{0};
-    std::atomic<int64_t> lent_sends{0}, lent_bytes{0}, in_place_recvs{0}, in_place_bytes{0};
-    std::atomic<int64_t> collectives{0}, collectives_on_caller{0}, same_host_collectives{0},
-        failed{0};
-  };
   struct Queued {
     c10::intrusive_ptr<TvWork> work;
     Body body;

@@ -402,11 +402,11 @@ bool VerbsTransport::LandsOnDevice(const std::string& src_task, const Allocator*
 void VerbsTransport::AppendCounters(CounterList* out) const {
   stats_.AppendCounters(out);
   const protocol::RdmaMemoryMgr::RegistrationGauges reg = registration_gauges();
-  out->emplace_back("registered_regions", reg.regions);
-  out->emplace_back("registered_bytes", reg.bytes);
-  out->emplace_back("channel_registrations", reg.endpoint_registrations);
-  out->emplace_back("channel_registered_bytes", reg.endpoint_bytes);
-  out->emplace_back("waiter_drives", static_cast<int64_t>(waiter_drives()));
+  AddCounter(out, Counter::kRegisteredRegions, reg.regions);
+  AddCounter(out, Counter::kRegisteredBytes, reg.bytes);
+  AddCounter(out, Counter::kChannelRegistrations, reg.endpoint_registrations);
+  AddCounter(out, Counter::kChannelRegisteredBytes, reg.endpoint_bytes);
+  AddCounter(out, Counter::kWaiterDrives, static_cast<int64_t>(waiter_drives()));
 }
 
 protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges() const {
