@@ -13,7 +13,7 @@ SOAK_SECONDS ?= 600
 SOAK_PROTOCOL ?= grpc+verbs
 
 .PHONY: all deps configure build demo test test-unit test-asan test-tsan test-python-asan fuzz soak \
-	settings-table format clean
+	settings-table bench-report format clean
 
 all: build
 
@@ -50,6 +50,11 @@ settings-table: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target tensorverbs
 	cmake -DTOOL=$(BUILD_DIR)/tools/tensorverbs -DREADME=README.md -DUPDATE=ON \
 	  -P cmake/CheckSettingsTable.cmake
+
+# Today's headline figures against the raw fabric, memcpy, UCX and gloo (bench/report.py): JSON,
+# PNGs and headline.md under docs/perf/current/. Run it on an idle machine (about 15 minutes).
+bench-report: build
+	python3 bench/report.py --tool $(BUILD_DIR)/tools/tensorverbs --out docs/perf/current
 
 test-unit: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -L unit
