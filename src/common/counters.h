@@ -109,8 +109,11 @@ const CounterInfo& CounterInfoOf(Counter key);
 // The task-scope entry named `name`; null for a name it lacks (a newer peer's counter).
 const CounterInfo* FindCounter(absl::string_view name);
 
-// Appends `key`'s (name, value) to `out`.
+// Appends `key`'s (name, value) to `out`; the second form reads a running total.
 void AddCounter(CounterList* out, Counter key, int64_t value);
+inline void AddCounter(CounterList* out, Counter key, const std::atomic<int64_t>& total) {
+  AddCounter(out, key, total.load(std::memory_order_relaxed));
+}
 
 // Atomic totals of the counters from `First` to `Last` (inclusive), added to by key from any
 // thread; List() gives them under their catalog names, in the enum's order.

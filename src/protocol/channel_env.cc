@@ -22,26 +22,23 @@ uint32_t RemoteAccessFor(VerbsMode mode) {
 }
 
 void VerbsStats::AppendCounters(CounterList* out) const {
-  auto add = [out](Counter key, const std::atomic<int64_t>& value) {
-    AddCounter(out, key, value.load(std::memory_order_relaxed));
-  };
-  add(Counter::kRequests, requests);
-  add(Counter::kMetaCacheHits, meta_cache_hits);
-  add(Counter::kPushedRequests, pushed);
-  add(Counter::kPushHits, push_hits);
-  add(Counter::kMetaResponses, meta_responses);
-  add(Counter::kReRequests, re_requests);
-  add(Counter::kErrorsSent, errors_sent);
-  add(Counter::kControlMessages, control_messages);
-  add(Counter::kControlSlots, control_slots);
-  add(Counter::kTensorsSent, content_writes);
-  add(Counter::kBytesSent, content_bytes);
-  add(Counter::kTransientRegistrations, transient_registrations);
-  add(Counter::kInPlaceRecvs, in_place_recvs);
-  add(Counter::kContentSegments, content_segments);
-  add(Counter::kDroppedImmediates, dropped_imms);
-  add(Counter::kChannelsFailed, channel_errors);
-  add(Counter::kChecksumFailures, checksum_failures);
+  AddCounter(out, Counter::kRequests, requests);
+  AddCounter(out, Counter::kMetaCacheHits, meta_cache_hits);
+  AddCounter(out, Counter::kPushedRequests, pushed);
+  AddCounter(out, Counter::kPushHits, push_hits);
+  AddCounter(out, Counter::kMetaResponses, meta_responses);
+  AddCounter(out, Counter::kReRequests, re_requests);
+  AddCounter(out, Counter::kErrorsSent, errors_sent);
+  AddCounter(out, Counter::kControlMessages, control_messages);
+  AddCounter(out, Counter::kControlSlots, control_slots);
+  AddCounter(out, Counter::kTensorsSent, content_writes);
+  AddCounter(out, Counter::kBytesSent, content_bytes);
+  AddCounter(out, Counter::kTransientRegistrations, transient_registrations);
+  AddCounter(out, Counter::kInPlaceRecvs, in_place_recvs);
+  AddCounter(out, Counter::kContentSegments, content_segments);
+  AddCounter(out, Counter::kDroppedImmediates, dropped_imms);
+  AddCounter(out, Counter::kChannelsFailed, channel_errors);
+  AddCounter(out, Counter::kChecksumFailures, checksum_failures);
 }
 
 uint64_t ContentChecksum(const void* data, uint64_t bytes) {

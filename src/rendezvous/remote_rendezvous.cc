@@ -13,20 +13,17 @@
 namespace tensorverbs {
 
 void TransferStats::AppendCounters(CounterList* out) const {
-  auto add = [out](Counter key, const std::atomic<int64_t>& value) {
-    AddCounter(out, key, value.load(std::memory_order_relaxed));
-  };
-  add(Counter::kTensorsReceived, tensors);
-  add(Counter::kBytesReceived, bytes);
-  add(Counter::kRecvErrors, errors);
-  add(Counter::kCopies, copies);
-  add(Counter::kCopiedBytes, copied_bytes);
-  add(Counter::kDeviceToHostCopies, device_to_host);
-  add(Counter::kHostToDeviceCopies, host_to_device);
-  add(Counter::kDeviceCopiedBytes, device_copied_bytes);
-  add(Counter::kDeviceCopyErrors, device_copy_errors);
-  add(Counter::kDeviceDirectSends, device_direct_sends);
-  add(Counter::kDeviceDirectRecvs, device_direct_recvs);
+  AddCounter(out, Counter::kTensorsReceived, tensors);
+  AddCounter(out, Counter::kBytesReceived, bytes);
+  AddCounter(out, Counter::kRecvErrors, errors);
+  AddCounter(out, Counter::kCopies, copies);
+  AddCounter(out, Counter::kCopiedBytes, copied_bytes);
+  AddCounter(out, Counter::kDeviceToHostCopies, device_to_host);
+  AddCounter(out, Counter::kHostToDeviceCopies, host_to_device);
+  AddCounter(out, Counter::kDeviceCopiedBytes, device_copied_bytes);
+  AddCounter(out, Counter::kDeviceCopyErrors, device_copy_errors);
+  AddCounter(out, Counter::kDeviceDirectSends, device_direct_sends);
+  AddCounter(out, Counter::kDeviceDirectRecvs, device_direct_recvs);
 }
 
 absl::Status CheckReceivedTensorBytes(uint64_t bytes, uint64_t max_bytes) {
