@@ -52,6 +52,12 @@ def run(cmd, log):
 
 def measure(args):
     os.makedirs(args.out, exist_ok=True)
+    # A step this run skips (no UCX, no PyTorch) must not leave an earlier run's figures to be
+    # composed beside this one's.
+    for name in ("p2p.json", "p2p.png", "rate.json", "ucx.json", "torch.json", "torch.png",
+                 "headline.md"):
+        if os.path.exists(os.path.join(args.out, name)):
+            os.remove(os.path.join(args.out, name))
     log = os.path.join(args.out, "report.log")
     open(log, "w").close()
     tool = args.tool

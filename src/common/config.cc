@@ -115,9 +115,14 @@ const std::vector<std::string>& Config::KnownVariables() {
 
 absl::StatusOr<Config> Config::FromEnvironment(const std::map<std::string, std::string>& env) {
   Config config;
+  // A variable set to nothing (or blanks) is the same as unset, as `VAR= command` means.
+  auto find = [&env](const char* name) {
+    auto it = name != nullptr ? env.find(name) : env.end();
+    return it != env.end() && absl::StripAsciiWhitespace(it->second).empty() ? env.end() : it;
+  };
   for (const Setting& s : Settings()) {
-    auto a = env.find(s.variable);
-    auto b = s.alias != nullptr ? env.find(s.alias) : env.end();
+    auto a = find(s.variable);
+    auto b = find(s.alias);
     if (a != env.end() && b != env.end() &&
         absl::StripAsciiWhitespace(a->second) != absl::StripAsciiWhitespace(b->second)) {
       return absl::InvalidArgumentError(absl::StrCat("environment variables ", s.variable, "='",

@@ -116,16 +116,22 @@ inline void AddCounter(CounterList* out, Counter key, const std::atomic<int64_t>
 }
 
 // Atomic totals of the counters from `First` to `Last` (inclusive), added to by key from any
-// thread; List() gives them under their catalog names, in the enum's order.
+// thread (`set.Add<Counter::kX>(n)`); List() gives them under their catalog names, in the
+// enum's order.
 template <Counter First, Counter Last>
 class CounterSet {
  public:
   static constexpr size_t kSize = static_cast<size_t>(Last) - static_cast<size_t>(First) + 1;
 
-  void Add(Counter key, int64_t n = 1) {
-    values_[Index(key)].fetch_add(n, std::memory_order_relaxed);
+  // The key is a template argument so that one outside [First, Last] fails to compile.
+  template <Counter kKey>
+  void Add(int64_t n = 1) {
+    values_[Index<kKey>()].fetch_add(n, std::memory_order_relaxed);
   }
-  int64_t Get(Counter key) const { return values_[Index(key)].load(std::memory_order_relaxed); }
+  template <Counter kKey>
+  int64_t Get() const {
+    return values_[Index<kKey>()].load(std::memory_order_relaxed);
+  }
   CounterList List() const {
     CounterList out;
     out.reserve(kSize);
@@ -137,7 +143,11 @@ class CounterSet {
   }
 
  private:
-  static size_t Index(Counter key) { return static_cast<size_t>(key) - static_cast<size_t>(First); }
+  template <Counter kKey>
+  static constexpr size_t Index() {
+    static_assert(kKey >= First && kKey <= Last, "a counter outside this set");
+    return static_cast<size_t>(kKey) - static_cast<size_t>(First);
+  }
   std::array<std::atomic<int64_t>, kSize> values_{};
 };
 

@@ -421,13 +421,14 @@ std::vector<Setting> MakeSettings() {
        .set_text = [](Config& c, const std::string& v) { c.torch_host = v; },
        .get = [](const Config& c) { return c.torch_host; }});
   add({.variable = "TENSORVERBS_TORCH_SAME_HOST",
-       .kind = K::kInteger,
-       .min = 0,
-       .max = 1,
+       .kind = K::kChoice,
+       .choices = {"1", "0", "on", "off"},
        .help = "the `torch.distributed` backend: `1` reduces through the ranks' shared memory "
                "when every rank runs on this host over `grpc+verbs` and the same-host fabric; "
                "`0` keeps to messages (set it alike on every rank)",
-       .set_int = [](Config& c, int64_t v) { c.torch_same_host = v == 1; },
+       .set_text = [](Config& c, const std::string& v) {
+         c.torch_same_host = v == "1" || v == "on";
+       },
        .get = [](const Config& c) { return OneZero(c.torch_same_host); }});
   add({.variable = "TENSORVERBS_CMAKE_BUILD_DIR",
        .kind = K::kText,

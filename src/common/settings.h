@@ -10,7 +10,8 @@
 // the two cannot disagree. A few variables are read outside Config (by the Slurm placement
 // parser and by setup.py); their rows have no `set`, and their help names the reader.
 //
-// The table is immutable and built on first use; any thread may read it.
+// A variable set to nothing (or to blanks) counts as unset. The table is immutable and built
+// on first use; any thread may read it.
 #ifndef TENSORVERBS_COMMON_SETTINGS_H_
 #define TENSORVERBS_COMMON_SETTINGS_H_
 

@@ -20,8 +20,8 @@
 
 namespace tensorverbs::protocol {
 namespace progress_internal {
-thread_local ProgressEngine* quiet_engine = nullptr;
-thread_local bool quiet_owed = false;
+constinit thread_local ProgressEngine* quiet_engine = nullptr;
+constinit thread_local bool quiet_owed = false;
 }  // namespace progress_internal
 
 namespace {

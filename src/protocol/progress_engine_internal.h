@@ -63,8 +63,8 @@ namespace progress_internal {
 
 // The engine whose posts the calling thread makes quietly (QuietScope), and whether one of them
 // still owes a wake-up (nobody has driven since).
-extern thread_local ProgressEngine* quiet_engine;
-extern thread_local bool quiet_owed;
+extern thread_local constinit ProgressEngine* quiet_engine;
+extern thread_local constinit bool quiet_owed;
 
 // The fds of a sleep that did not happen (or whose wake-ups another thread takes): FinishSleep
 // drains nothing for them.

@@ -464,11 +464,11 @@ void Server::AddChannels(const std::vector<protocol::ChannelSnapshot>& channels,
     ch->set_description(s.description);
     for (const auto& [name, value] : s.counters) {
       (*ch->mutable_counters())[name] = value;
-      if (name == "pending_recvs") pending += value;
+      if (name == CounterInfoOf(Counter::kPendingRecvs).name) pending += value;
     }
   }
-  c["pending_recvs"] = pending;
-  c["channels"] = out->channels_size();
+  c[std::string(CounterInfoOf(Counter::kPendingRecvs).name)] = pending;
+  c[std::string(CounterInfoOf(Counter::kChannels).name)] = out->channels_size();
 }
 
 proto::GetStatsResponse Server::CollectStats() {

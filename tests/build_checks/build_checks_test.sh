@@ -57,6 +57,11 @@ root=$(tree at_limit src/common/long.cc "$(printf '// line\n%.0s' $(seq 600))")
 expect pass "a file of 600 lines" "" CheckSourceRules.cmake -DROOT="$root"
 root=$(tree over_limit python/src/long.cc "$(printf '// line\n%.0s' $(seq 601))")
 expect fail "a file of 601 lines" "python/src/long.cc has 601 lines" CheckSourceRules.cmake -DROOT="$root"
+root="$work/no_newline"
+mkdir -p "$root/src/common"
+{ printf '// line\n%.0s' $(seq 600); printf '// the 601st, without its newline'; } > "$root/src/common/long.cc"
+expect fail "601 lines, the last without its newline" "src/common/long.cc has 601 lines" \
+  CheckSourceRules.cmake -DROOT="$root"
 root=$(tree getenv tools/env.cc 'const char* v = std::getenv("TENSORVERBS_X");')
 expect fail "a tool calls getenv" "tools/env.cc reads the environment" CheckSourceRules.cmake -DROOT="$root"
 root=$(tree environ src/server/env.cc 'extern char** environ;')

@@ -168,7 +168,7 @@ SameHostGroup* Collective::same_host() const { return group_.same_host_.get(); }
 std::string Collective::PeerName(int rank) const { return group_.PeerName(rank); }
 
 void Collective::CountSameHost() {
-  group_.counters_->Add(Counter::kTorchSameHostCollectives);
+  group_.counters_->Add<Counter::kTorchSameHostCollectives>();
 }
 
 absl::Status Collective::StillWanted(const std::string& waiting_for) {
@@ -222,8 +222,8 @@ absl::StatusOr<Tensor> Collective::Wait(const PendingRef& pending) {
         pending->bytes, ": do all ranks pass tensors of the same shape and dtype?"));
   }
   if (pending->land_at != nullptr && pending->result->data() == pending->land_at) {
-    group_.counters_->Add(Counter::kTorchInPlaceRecvs);
-    group_.counters_->Add(Counter::kTorchInPlaceBytes, static_cast<int64_t>(pending->bytes));
+    group_.counters_->Add<Counter::kTorchInPlaceRecvs>();
+    group_.counters_->Add<Counter::kTorchInPlaceBytes>(static_cast<int64_t>(pending->bytes));
   }
   return *std::move(pending->result);
 }
@@ -269,8 +269,8 @@ absl::Status Collective::WriteOut(void* dst, const void* src, size_t bytes) {
   if (!work_.Write([&] { std::memcpy(dst, src, bytes); })) {
     return absl::CancelledError("the operation was abandoned");
   }
-  group_.counters_->Add(Counter::kTorchLandedCopies);
-  group_.counters_->Add(Counter::kTorchLandedBytes, static_cast<int64_t>(bytes));
+  group_.counters_->Add<Counter::kTorchLandedCopies>();
+  group_.counters_->Add<Counter::kTorchLandedBytes>(static_cast<int64_t>(bytes));
   return absl::OkStatus();
 }
 

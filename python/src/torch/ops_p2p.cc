@@ -32,8 +32,8 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Stage(const void* data, size_t b
   absl::StatusOr<Tensor> staged = task_->Empty(DataType::kUInt8, *shape);
   if (!staged.ok()) return staged.status();
   if (bytes > 0) std::memcpy(staged->data(), data, bytes);
-  counters_->Add(Counter::kTorchStagedCopies);
-  counters_->Add(Counter::kTorchStagedBytes, static_cast<int64_t>(bytes));
+  counters_->Add<Counter::kTorchStagedCopies>();
+  counters_->Add<Counter::kTorchStagedBytes>(static_cast<int64_t>(bytes));
   return staged;
 }
 
@@ -48,8 +48,8 @@ absl::StatusOr<Tensor> ProcessGroupTensorVerbs::Adopt(const void* data, size_t b
   absl::StatusOr<Tensor> lent =
       task_->AdoptHostMemory(const_cast<void*>(data), DataType::kUInt8, *shape, std::move(release));
   if (!lent.ok() || !count_as_lent) return lent;
-  counters_->Add(Counter::kTorchLentSends);
-  counters_->Add(Counter::kTorchLentBytes, static_cast<int64_t>(bytes));
+  counters_->Add<Counter::kTorchLentSends>();
+  counters_->Add<Counter::kTorchLentBytes>(static_cast<int64_t>(bytes));
   return lent;
 }
 
@@ -165,12 +165,12 @@ void Land(TvWork& work, const at::Tensor& t, absl::StatusOr<Tensor> message, int
   }
   if (t.nbytes() > 0 && message->data() == t.data_ptr()) {
     // The fabric wrote it there (RecvOptions::into): nothing to copy.
-    counters.Add(Counter::kTorchInPlaceRecvs);
-    counters.Add(Counter::kTorchInPlaceBytes, static_cast<int64_t>(t.nbytes()));
+    counters.Add<Counter::kTorchInPlaceRecvs>();
+    counters.Add<Counter::kTorchInPlaceBytes>(static_cast<int64_t>(t.nbytes()));
   } else if (t.nbytes() > 0 &&
              work.Write([&] { std::memcpy(t.data_ptr(), message->data(), t.nbytes()); })) {
-    counters.Add(Counter::kTorchLandedCopies);
-    counters.Add(Counter::kTorchLandedBytes, static_cast<int64_t>(t.nbytes()));
+    counters.Add<Counter::kTorchLandedCopies>();
+    counters.Add<Counter::kTorchLandedBytes>(static_cast<int64_t>(t.nbytes()));
   }
   work.set_source_rank(src);
   work.Complete(absl::OkStatus());

@@ -82,8 +82,8 @@ void Unregister(ProcessGroupTensorVerbs* g) {
 
 // The address peers reach this rank at: TENSORVERBS_HOST, else this host's name resolved
 // (gloo's default), else loopback.
-std::string HostAddress() {
-  const std::string& host = Config::Get().torch_host;
+std::string HostAddress(const Config& config) {
+  const std::string& host = config.torch_host;
   if (!host.empty()) return host;
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) == 0) {
@@ -120,10 +120,13 @@ c10::intrusive_ptr<ProcessGroupTensorVerbs> ProcessGroupTensorVerbs::Create(
     Throw(absl::StrCat("rank ", rank, " is not in a world of size ", size));
   }
   if (timeout.count() <= 0) timeout = std::chrono::minutes(30);
-  if (absl::Status s = Config::EnvironmentStatus(); !s.ok()) Throw(std::string(s.message()));
-  const Config& config = Config::Get();
+  // Read at each group's creation, as a script may set the variables between groups.
+  absl::StatusOr<Config> parsed =
+      Config::FromEnvironment(EnvironmentVariables({"TENSORVERBS_", "RDMA_"}));
+  if (!parsed.ok()) Throw(std::string(parsed.status().message()));
+  const Config& config = *parsed;
   const std::string& protocol = config.torch_protocol;
-  const std::string host = HostAddress();
+  const std::string host = HostAddress(config);
   // Picked outside the ephemeral range and reserved on this host (tensorverbs/placement.h):
   // the task binds it only after every rank read the addresses.
   absl::StatusOr<std::vector<int>> port = tensorverbs::PickFreePorts(1, host);
@@ -462,7 +465,7 @@ void ProcessGroupTensorVerbs::RunQueuedUntil(TvWork& work) {
         std::lock_guard<std::mutex> lock(mu_);
         if (!TakeNext(&item, &status)) return;  // the worker runs it: wait for the work
       }
-      counters_->Add(Counter::kTorchCollectivesOnCaller);
+      counters_->Add<Counter::kTorchCollectivesOnCaller>();
       Run(item, status);
     }
     Finished();
@@ -499,8 +502,8 @@ void ProcessGroupTensorVerbs::Run(Queued& item, absl::Status status) {
                                    absl::StrCat(item.work->what(), ": ", status.message())));
     }
   }
-  counters_->Add(Counter::kTorchCollectives);
-  if (!status.ok()) counters_->Add(Counter::kTorchFailed);
+  counters_->Add<Counter::kTorchCollectives>();
+  if (!status.ok()) counters_->Add<Counter::kTorchFailed>();
   item.work->Complete(status);  // runs the future's callbacks, which may destroy the group
 }
 

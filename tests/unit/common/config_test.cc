@@ -335,7 +335,7 @@ TEST(Settings, EveryRowStoresWhatItReadsBack) {
     std::string value = s.get(Config::Defaults());
     if (s.kind == SettingKind::kInteger && s.default_note != nullptr) value = absl::StrCat(s.max);
     if (s.kind == SettingKind::kText) value = "some text";
-    if (s.kind == SettingKind::kChoice) value = s.choices.back();
+    if (s.kind == SettingKind::kChoice) value = s.choices.front();
     if (value.empty()) continue;
     std::map<std::string, std::string> env = {{s.variable, value}};
     if (absl::StartsWith(s.variable, "TENSORVERBS_TLS_")) {  // all three or none
@@ -409,8 +409,25 @@ TEST(Settings, TheTorchBackendsAndSlurmsVariables) {
   EXPECT_EQ(c->torch_host, "10.0.0.7");
   EXPECT_FALSE(c->torch_same_host);
   EXPECT_EQ(c->slurm_port, 9000);
+  EXPECT_FALSE(Config::FromEnvironment({{"TENSORVERBS_TORCH_SAME_HOST", "off"}})->torch_same_host);
+  EXPECT_TRUE(Config::FromEnvironment({{"TENSORVERBS_TORCH_SAME_HOST", "ON"}})->torch_same_host);
   absl::StatusOr<Config> bad = Config::FromEnvironment({{"TENSORVERBS_TORCH_SAME_HOST", "yes"}});
   EXPECT_THAT(bad.status().message(), HasSubstr("TENSORVERBS_TORCH_SAME_HOST"));
+}
+
+// `VAR= command` sets VAR to nothing, which means "unset" here as in most tools: an empty
+// protocol or port must not replace the default, and a blank alias does not disagree.
+TEST(Settings, AVariableSetToNothingIsUnset) {
+  absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_PROTOCOL", ""},
+                                                      {"TENSORVERBS_SLURM_PORT", " "},
+                                                      {"TENSORVERBS_RECV_TIMEOUT_MS", ""},
+                                                      {"RDMA_QP_SL", "3"},
+                                                      {"RDMA_SL", ""}});
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->torch_protocol, "grpc+verbs");
+  EXPECT_EQ(c->slurm_port, 8888);
+  EXPECT_EQ(c->recv_timeout, Config::Defaults().recv_timeout);
+  EXPECT_EQ(c->rdma.sl, 3);
 }
 
 }  // namespace tensorverbs

@@ -48,10 +48,10 @@ TEST(CounterCatalog, KeysNameTheirEntries) {
 
 TEST(CounterSet, AddsByKeyAndListsUnderCatalogNames) {
   CounterSet<Counter::kTorchStagedCopies, Counter::kTorchFailed> set;
-  set.Add(Counter::kTorchStagedCopies);
-  set.Add(Counter::kTorchStagedBytes, 4096);
-  set.Add(Counter::kTorchFailed, 2);
-  EXPECT_EQ(set.Get(Counter::kTorchStagedBytes), 4096);
+  set.Add<Counter::kTorchStagedCopies>();
+  set.Add<Counter::kTorchStagedBytes>(4096);
+  set.Add<Counter::kTorchFailed>(2);
+  EXPECT_EQ(set.Get<Counter::kTorchStagedBytes>(), 4096);
   const CounterList list = set.List();
   ASSERT_EQ(list.size(), decltype(set)::kSize);
   EXPECT_EQ(list.front(), (std::pair<std::string, int64_t>("torch_staged_copies", 1)));
