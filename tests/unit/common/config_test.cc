@@ -184,6 +184,18 @@ TEST(Config, RdmaOutOfRangeNamesTheVariableAndRange) {
   EXPECT_TRUE(Config::FromEnvironment({{"RDMA_QP_MTU", "4096"}}).ok());
 }
 
+// fuzz/corpus/config/regression-rdma-variable: a refusal names the RDMA_ variable it refuses,
+// not a TENSORVERBS_ one (the fuzzer's check had assumed the prefix).
+TEST(Config, ARefusedRdmaValueNamesItsOwnVariable) {
+  absl::StatusOr<Config> c = Config::FromEnvironment({{"TENSORVERBS_RECV_TIMEOUT_MS", "600000"},
+                                                      {"TENSORVERBS_POOL_REGION_MB", "64"},
+                                                      {"TENSORVERBS_MADE_UP", "-"},
+                                                      {"RDMA_GID_INDEX", "01\x13x0"}});
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("RDMA_GID_INDEX"));
+}
+
 TEST(Config, GrpcVerbsVariables) {
   absl::StatusOr<Config> d = Config::FromEnvironment({});
   ASSERT_TRUE(d.ok());
