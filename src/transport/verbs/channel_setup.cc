@@ -31,30 +31,23 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
 
 }  // namespace
 
-ChannelSetup::ChannelSetup(Options options, protocol::ChannelEnv* env,
-                           protocol::ChannelEnv* same_host_env, protocol::ChannelTable* table,
-                           protocol::ProgressEngine* engine, VerbsStubs* stubs)
+ChannelSetup::ChannelSetup(Options options, protocol::FabricContexts* fabrics,
+                           protocol::ChannelTable* table, protocol::ProgressEngine* engine,
+                           VerbsStubs* stubs)
     : options_(std::move(options)),
-      env_(env),
-      same_host_env_(same_host_env),
+      fabrics_(fabrics),
+      env_(&fabrics->primary().env),
       table_(table),
       engine_(engine),
       stubs_(stubs) {}
 
-protocol::ChannelEnv* ChannelSetup::EnvFor(const std::string& task) const {
-  if (same_host_env_ != nullptr && options_.same_host_tasks.contains(task) &&
-      !elsewhere_.contains(task)) {
-    return same_host_env_;
+protocol::FabricContext& ChannelSetup::ContextFor(const std::string& task) const {
+  using Reach = protocol::FabricContext::Reach;
+  if (protocol::FabricContext* local = fabrics_->FirstWith(Reach::kSameHost);
+      local != nullptr && options_.same_host_tasks.contains(task) && !elsewhere_.contains(task)) {
+    return *local;
   }
-  return env_;
-}
-
-protocol::ChannelEnv* ChannelSetup::EnvOfFamily(const std::string& family) const {
-  if (env_->domain->capabilities().family == family) return env_;
-  if (same_host_env_ != nullptr && same_host_env_->domain->capabilities().family == family) {
-    return same_host_env_;
-  }
-  return nullptr;
+  return fabrics_->primary();
 }
 
 void ChannelSetup::AssertOnLoop() const {
@@ -69,7 +62,7 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
     return absl::NotFoundError(absl::StrCat("task ", task, " is not in the cluster spec"));
   }
   const uint64_t id = table_->NextId();
-  protocol::ChannelEnv* env = EnvFor(task);
+  protocol::ChannelEnv* env = &ContextFor(task).env;
   auto channel = std::make_unique<Channel>(env, Channel::Role::kOwner, id, task);
   channel->set_peer_address(address->second);
   if (absl::Status s = channel->Init(); !s.ok()) {
@@ -128,14 +121,13 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
                                 ? r.refused()
                                 : absl::StrCat("it runs on host ", r.host(), ", this task on ",
                                                fabric::ThisHostIdentity());
-    if (channel->env() == same_host_env_) {
+    if (channel->env() != &fabrics_->primary().env) {
       // Its address is local, yet it is elsewhere (another network namespace, a container
       // behind a forwarded port): the network fabric reaches it. Once per peer.
       elsewhere_.insert(task);
       LOG(WARNING) << "task " << task << " at " << options_.task_addresses.at(task)
                    << " is not on this host after all (" << why << "); its channels go over "
-                   << env_->domain->capabilities().backend << " ("
-                   << env_->domain->capabilities().provider << ") instead";
+                   << fabrics_->primary().Name() << " instead";
       channel->Close(absl::UnavailableError(absl::StrCat(
           "the same-host channel to task ", task, " was refused (", why,
           "); the recvs that started it fail, later ones go over the network fabric")));
@@ -207,14 +199,12 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
         absl::StrCat("task '", absl::CEscape(task.substr(0, 256)), "' is not a peer in task ", self,
                      "'s cluster spec; every task must be started with the same cluster"));
   }
-  protocol::ChannelEnv* env = EnvOfFamily(request.fabric());
+  protocol::FabricContext* context = fabrics_->OfFamily(request.fabric());
+  protocol::ChannelEnv* env = context != nullptr ? &context->env : nullptr;
   if (env == nullptr && !fabric::SameHostOnly(request.fabric())) {
-    std::string families = env_->domain->capabilities().family;
-    if (same_host_env_ != nullptr) {
-      absl::StrAppend(&families, " and ", same_host_env_->domain->capabilities().family);
-    }
     return absl::FailedPreconditionError(absl::StrCat(
-        "task ", task, " uses fabric ", request.fabric(), " but task ", self, " uses ", families,
+        "task ", task, " uses fabric ", request.fabric(), " but task ", self, " uses ",
+        fabrics_->Families(),
         "; set TENSORVERBS_FABRIC and TENSORVERBS_OFI_PROVIDER the same on every task"));
   }
   if (request.protocol() != protocol) {

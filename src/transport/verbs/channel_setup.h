@@ -6,13 +6,13 @@
 // use and calls the peer's VerbsService.Connect with its endpoint address and message-buffer
 // key; the answer connects it (OnConnectDone). The peer's Accept checks fabric, protocol, wire
 // version and incarnation, replaces any older channel from that task, and answers with its own
-// end. Each channel's fabric is chosen here, per peer: with a same-host fabric beside the
-// network one, a peer of Options::same_host_tasks gets the first. Both ends check that they
-// share the host (fabric::ThisHostIdentity) before a same-host channel stands; where they do
-// not, the acceptor refuses the fabric (ConnectResponse::refused), and the owner logs it once
-// and sets the channel up again over the network fabric. CheckChannel answers the owner's liveness
-// probes, from the table (which keeps why an accepted channel closed, so the owner's probe learns
-// it).
+// end. Each channel's fabric context (protocol/fabric_contexts.h) is chosen here, per peer: with a
+// same-host fabric beside the network one, a peer of Options::same_host_tasks gets the first. Both
+// ends check that they share the host (fabric::ThisHostIdentity) before a same-host channel stands;
+// where they do not, the acceptor refuses the fabric (ConnectResponse::refused), and the owner logs
+// it once and sets the channel up again over the network fabric. CheckChannel answers the owner's
+// liveness probes, from the table (which keeps why an accepted channel closed, so the owner's probe
+// learns it).
 //
 // Threading: everything but ConnectPeers and WaitForCallbacks runs on the transport's progress
 // thread (the engine's owner thread), which owns the channels. ConnectPeers waits on another
@@ -40,6 +40,7 @@
 #include "src/common/mutex.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_table.h"
+#include "src/protocol/fabric_contexts.h"
 #include "src/protocol/progress_engine.h"
 #include "src/transport/verbs/verbs_stubs.h"
 
@@ -60,10 +61,9 @@ class ChannelSetup {
     std::function<void(const std::string& task)> peer_gone;
   };
 
-  // `env`: the channels' env, through the fabric for every peer (or, with `same_host_env`, for
-  // the peers on other hosts); `same_host_env`: through the same-host fabric (null: none).
-  ChannelSetup(Options options, protocol::ChannelEnv* env, protocol::ChannelEnv* same_host_env,
-               protocol::ChannelTable* table, protocol::ProgressEngine* engine, VerbsStubs* stubs);
+  // `fabrics`: the transport's open fabrics, whose envs the channels use (built, not empty).
+  ChannelSetup(Options options, protocol::FabricContexts* fabrics, protocol::ChannelTable* table,
+               protocol::ProgressEngine* engine, VerbsStubs* stubs);
   ChannelSetup(const ChannelSetup&) = delete;
   ChannelSetup& operator=(const ChannelSetup&) = delete;
 
@@ -117,15 +117,14 @@ class ChannelSetup {
   absl::Status CheckWireVersion(const std::string& task, uint32_t version) const;
   void RecordConnectResult(const std::string& task, const absl::Status& status);
 
-  // The env a new channel to `task` uses: the same-host one for a task of same_host_tasks
-  // that has not turned out to be elsewhere.
-  protocol::ChannelEnv* EnvFor(const std::string& task) const;
-  // Acceptor: the env whose fabric `family` names; null if none.
-  protocol::ChannelEnv* EnvOfFamily(const std::string& family) const;
+  // The fabric a new channel to `task` uses: the same-host one for a task of same_host_tasks
+  // that has not turned out to be elsewhere, else the one that reaches every peer.
+  protocol::FabricContext& ContextFor(const std::string& task) const;
 
   const Options options_;
-  protocol::ChannelEnv* const env_;
-  protocol::ChannelEnv* const same_host_env_;
+  protocol::FabricContexts* const fabrics_;
+  // The primary context's env: what every channel shares (the worker, the mode).
+  const protocol::ChannelEnv* const env_;
   protocol::ChannelTable* const table_;
   protocol::ProgressEngine* const engine_;
   VerbsStubs* const stubs_;

@@ -100,32 +100,47 @@ absl::Status VerbsTransport::Start() {
         domain.status().code(),
         absl::StrCat("grpc+verbs: ", domain.status().message(), ", or use --protocol grpc"));
   }
-  domain_ = *std::move(domain);
   if (options_.remote_keys != "per-channel" && options_.remote_keys != "shared") {
     return absl::InvalidArgumentError(absl::StrCat("unknown remote keys '", options_.remote_keys,
                                                    "'; expected per-channel or shared"));
   }
-  auto memory_for = [this](fabric::Domain* domain) {
-    return std::make_unique<protocol::RdmaMemoryMgr>(
-        domain, options_.pool, protocol::RemoteAccessFor(options_.channel.mode),
-        options_.remote_keys == "per-channel" && domain->capabilities().channel_keys);
+  table_ = std::make_unique<protocol::ChannelTable>([this] { return engine_->OnOwnerThread(); });
+
+  // What the channels of every fabric share; each context adds its domain and registrations.
+  protocol::ChannelEnv shared;
+  shared.worker = options_.env;
+  shared.stats = &stats_;
+  shared.transfer = options_.transfer;
+  shared.options = options_.channel;
+  shared.host = &host_;
+  shared.channels = table_.get();
+  shared.landed = &landed_;
+  auto add_context = [this, &shared](protocol::FabricContext::Reach reach,
+                                     std::unique_ptr<fabric::Domain> opened) {
+    auto memory = std::make_unique<protocol::RdmaMemoryMgr>(
+        opened.get(), options_.pool, protocol::RemoteAccessFor(options_.channel.mode),
+        options_.remote_keys == "per-channel" && opened->capabilities().channel_keys);
+    protocol::FabricContext& context =
+        fabrics_.Add(reach, std::move(opened), std::move(memory), shared);
+    context.env.device_direct = context.domain->capabilities().device_memory &&
+                                options_.channel.registration == protocol::Registration::kPool &&
+                                options_.channel.mode == protocol::VerbsMode::kZeroCopy &&
+                                !options_.channel.data_validation;
   };
-  memory_ = memory_for(domain_.get());
-  fabric::Domain* polled = domain_.get();
+  add_context(protocol::FabricContext::Reach::kAnyPeer, *std::move(domain));
   if (fabric::OpensSameHostFabric(choice)) {
     absl::StatusOr<std::unique_ptr<fabric::Domain>> local = fabric::OpenSameHostFabric(choice);
     if (local.ok()) {
-      same_host_domain_ = *std::move(local);
-      same_host_memory_ = memory_for(same_host_domain_.get());
-      domains_ = std::make_unique<fabric::DomainSet>(
-          std::vector<fabric::Domain*>{domain_.get(), same_host_domain_.get()});
-      polled = domains_.get();
+      add_context(protocol::FabricContext::Reach::kSameHost, *std::move(local));
     } else {
       LOG(WARNING) << "task " << options_.env->task_name << ": the same-host fabric cannot open ("
                    << local.status().message() << "); the peers on this host go over "
                    << fabric_name() << " too";
     }
   }
+  // A sender's local tensors reach the responses of every fabric through one inbox.
+  local_tensors_ = std::make_unique<protocol::LocalTensorInbox>(&env());
+  for (const auto& context : fabrics_) context->env.local_tensors = local_tensors_.get();
 
   protocol::ProgressEngine::Options engine_options;
   engine_options.poll_mode = poll_mode;
@@ -138,35 +153,8 @@ absl::Status VerbsTransport::Start() {
   hooks.housekeeping = [this](absl::Time now) { Housekeeping(now); };
   hooks.operations_in_flight = [this] { return OperationsInFlight(); };
   hooks.awaiting_peer = [this] { return table_->AwaitingPeers(); };
-  engine_ = std::make_unique<protocol::ProgressEngine>(polled, options_.env->callback_executor,
-                                                       engine_options, std::move(hooks));
-  table_ = std::make_unique<protocol::ChannelTable>([this] { return engine_->OnOwnerThread(); });
-
-  channel_env_.worker = options_.env;
-  channel_env_.memory = memory_.get();
-  channel_env_.domain = domain_.get();
-  channel_env_.stats = &stats_;
-  channel_env_.transfer = options_.transfer;
-  channel_env_.options = options_.channel;
-  auto device_direct = [this](const fabric::Domain& domain) {
-    return domain.capabilities().device_memory &&
-           options_.channel.registration == protocol::Registration::kPool &&
-           options_.channel.mode == protocol::VerbsMode::kZeroCopy &&
-           !options_.channel.data_validation;
-  };
-  channel_env_.device_direct = device_direct(*domain_);
-  channel_env_.host = &host_;
-  channel_env_.channels = table_.get();
-  channel_env_.landed = &landed_;
-  local_tensors_ = std::make_unique<protocol::LocalTensorInbox>(&channel_env_);
-  channel_env_.local_tensors = local_tensors_.get();
-  if (same_host_domain_ != nullptr) {
-    // The same channels' world, through the other fabric and its registrations.
-    same_host_env_ = channel_env_;
-    same_host_env_.domain = same_host_domain_.get();
-    same_host_env_.memory = same_host_memory_.get();
-    same_host_env_.device_direct = device_direct(*same_host_domain_);
-  }
+  engine_ = std::make_unique<protocol::ProgressEngine>(
+      fabrics_.polled(), options_.env->callback_executor, engine_options, std::move(hooks));
 
   std::shared_ptr<const rpc::RpcSecurity> security =
       options_.security != nullptr ? options_.security : rpc::RpcSecurity::Insecure();
@@ -174,14 +162,14 @@ absl::Status VerbsTransport::Start() {
   ChannelSetup::Options setup;
   setup.task_addresses = options_.task_addresses;
   setup.connect_timeout = options_.transfer.connect_timeout;
-  if (same_host_domain_ != nullptr) setup.same_host_tasks = *options_.same_host_tasks;
+  if (fabrics_.size() > 1) setup.same_host_tasks = *options_.same_host_tasks;
   // Progress thread, like every use of lent_ (created below, before the engine starts).
   setup.lent_to = [this] { return lent_->Borrowers(); };
   setup.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
-  channels_ = std::make_unique<ChannelSetup>(
-      std::move(setup), &channel_env_, same_host_domain_ != nullptr ? &same_host_env_ : nullptr,
-      table_.get(), engine_.get(), stubs_.get());
-  lent_ = std::make_unique<LentTensors>(&channel_env_);
+  channels_ = std::make_unique<ChannelSetup>(std::move(setup), &fabrics_, table_.get(),
+                                             engine_.get(), stubs_.get());
+  // grpc+gdr lends through the primary fabric's registrations (it opens no other).
+  lent_ = std::make_unique<LentTensors>(&env());
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
   watchdog_ =
       std::make_unique<PeerWatchdog>(options_.env->task_name, options_.transfer.peer_timeout,
@@ -194,9 +182,10 @@ absl::Status VerbsTransport::Start() {
             << ", " << options_.channel.message_slots << " message slots (batches of up to "
             << options_.channel.message_batch << "), "
             << protocol::RegistrationName(options_.channel.registration) << " registration, "
-            << (memory_->channel_keys()
-                    ? (domain_->capabilities().endpoint_bound_keys ? "endpoint-bound channel keys"
-                                                                   : "per-channel keys")
+            << (fabrics_.primary().memory->channel_keys()
+                    ? (fabrics_.primary().domain->capabilities().endpoint_bound_keys
+                           ? "endpoint-bound channel keys"
+                           : "per-channel keys")
                     : "shared keys")
             << ", " << options_.poll_mode << " polling"
             << (options_.channel.data_validation ? ", data validation on" : "");
@@ -225,15 +214,7 @@ bool VerbsTransport::Host::OnOwnerThread() const { return transport_->engine_->O
 
 grpc::Service* VerbsTransport::service() { return service_.get(); }
 
-std::string VerbsTransport::fabric_name() const {
-  const fabric::Capabilities& caps = domain_->capabilities();
-  std::string name = absl::StrCat(caps.backend, " (", caps.provider, ")");
-  if (same_host_domain_ != nullptr) {
-    const fabric::Capabilities& local = same_host_domain_->capabilities();
-    absl::StrAppend(&name, " + ", local.backend, " (", local.provider, ") on this host");
-  }
-  return name;
-}
+std::string VerbsTransport::fabric_name() const { return fabrics_.Name(); }
 
 bool VerbsTransport::OperationsInFlight() const {
   // A lent tensor is about to be read, and on shm the reads progress through this side too.
@@ -282,7 +263,7 @@ void VerbsTransport::StartQueuedRecvs() {
 }
 
 void VerbsTransport::StartRecv(RecvStart r) {
-  auto fail = [this, &r](const absl::Status& s) { channel_env_.FailRecv(std::move(r.done), s); };
+  auto fail = [this, &r](const absl::Status& s) { env().FailRecv(std::move(r.done), s); };
   if (!engine_->OnLoopThread()) {
     fail(absl::CancelledError(
         absl::StrCat("recv of '", r.key->key.full_key, "': the server is shutting down")));
@@ -296,7 +277,7 @@ void VerbsTransport::StartRecv(RecvStart r) {
   }
   if (std::optional<Tensor> landed =
           landed_.Take(r.key->src_task, r.key->key.full_key, r.rendezvous->step_id())) {
-    channel_env_.CountRecv(absl::OkStatus(), *landed);
+    env().CountRecv(absl::OkStatus(), *landed);
     host_.Deliver(
         {std::move(r.done), absl::OkStatus(), *std::move(landed), false, r.landing.quick_callback});
     return;
@@ -345,11 +326,11 @@ void VerbsTransport::set_rendezvous_mgr(RendezvousMgr* mgr) {
   // Written on the loop thread, so that the loop's later reads happen after the write without
   // relying on how a peer's first request reaches it.
   if (engine_->OnOwnerThread()) {  // the loop itself, or no loop any more
-    channel_env_.rendezvous_mgr = same_host_env_.rendezvous_mgr = mgr;
+    fabrics_.SetRendezvousMgr(mgr);
     return;
   }
   absl::StatusOr<bool> set = engine_->AskLoop<bool>([this, mgr] {
-    channel_env_.rendezvous_mgr = same_host_env_.rendezvous_mgr = mgr;
+    fabrics_.SetRendezvousMgr(mgr);
     return true;
   });
   // Refused only once the loop stops, and a stopped loop serves no request.
@@ -381,9 +362,10 @@ void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorR
 
 void VerbsTransport::AddDevicePool(PoolAllocator* pool) {
   MutexLock lock(&memory_mu_);
-  if (channel_env_.device_direct && memory_ != nullptr) memory_->AddDevicePool(pool);
-  if (same_host_env_.device_direct && same_host_memory_ != nullptr) {
-    same_host_memory_->AddDevicePool(pool);
+  for (const auto& context : fabrics_) {
+    if (context->env.device_direct && context->memory != nullptr) {
+      context->memory->AddDevicePool(pool);
+    }
   }
 }
 
@@ -391,9 +373,10 @@ bool VerbsTransport::LandsOnDevice(const std::string& src_task, const Allocator*
   if (!device_direct()) return false;
   {
     MutexLock lock(&memory_mu_);
-    const bool added =
-        (memory_ != nullptr && memory_->HasDevicePool(allocator)) ||
-        (same_host_memory_ != nullptr && same_host_memory_->HasDevicePool(allocator));
+    bool added = false;
+    for (const auto& context : fabrics_) {
+      added |= context->memory != nullptr && context->memory->HasDevicePool(allocator);
+    }
     if (!added) return false;
   }
   return channels_ != nullptr && channels_->PeerWritesDevice(src_task);
@@ -411,16 +394,7 @@ void VerbsTransport::AppendCounters(CounterList* out) const {
 
 protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges() const {
   MutexLock lock(&memory_mu_);
-  protocol::RdmaMemoryMgr::RegistrationGauges sum;
-  for (const protocol::RdmaMemoryMgr* m : {memory_.get(), same_host_memory_.get()}) {
-    if (m == nullptr) continue;
-    const protocol::RdmaMemoryMgr::RegistrationGauges g = m->gauges();
-    sum.regions += g.regions;
-    sum.bytes += g.bytes;
-    sum.endpoint_registrations += g.endpoint_registrations;
-    sum.endpoint_bytes += g.endpoint_bytes;
-  }
-  return sum;
+  return fabrics_.Gauges();
 }
 
 void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
@@ -501,8 +475,7 @@ void VerbsTransport::Shutdown() {
   quarantine_.clear();
   lent_->Clear();
   MutexLock lock(&memory_mu_);
-  memory_.reset();
-  same_host_memory_.reset();
+  fabrics_.ReleaseRegistrations();
 }
 
 }  // namespace tensorverbs::verbs

@@ -1,8 +1,9 @@
 // VerbsTransport: the grpc+verbs protocol engine of one server (also grpc+verbs-copy, and the
 // RDMA half of grpc+gdr).
 //
-// It owns the fabric domain (chosen by fabric::OpenFabric's policy from VerbsOptions::fabric),
-// the memory manager, and the parts that run the protocol on it:
+// It owns the fabrics it opened (chosen by fabric::OpenFabric's policy from VerbsOptions::fabric),
+// each a context of domain, registrations and channel env (protocol/fabric_contexts.h), and the
+// parts that run the protocol on them:
 // - ProgressEngine (protocol/progress_engine.h): the one thread that touches the domain and
 //   every channel; other threads reach them by posting tasks to it.
 // - ChannelTable (protocol/channel_table.h): the channels, which ChannelSetup (channel_setup.h)
@@ -41,11 +42,11 @@
 #include "absl/time/time.h"
 #include "src/common/config.h"
 #include "src/common/mutex.h"
-#include "src/fabric/domain_set.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/channel_table.h"
+#include "src/protocol/fabric_contexts.h"
 #include "src/protocol/inbox.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
@@ -131,7 +132,12 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // GPU tensors written directly. Whether this transport's fabric moves GPU memory with no
   // copy through host memory (see protocol::ChannelEnv::device_direct).
   // With a same-host fabric beside the network one, whether either does.
-  bool device_direct() const { return channel_env_.device_direct || same_host_env_.device_direct; }
+  bool device_direct() const {
+    for (const auto& context : fabrics_) {
+      if (context->env.device_direct) return true;
+    }
+    return false;
+  }
   // Registers `pool`'s regions (GPU memory) with the fabric as they come, so tensors in it are
   // written from and into directly. Any thread; `pool` outlives this transport. A no-op without
   // device_direct().
@@ -165,7 +171,7 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // The transport's counters and registration gauges, under their catalog names (any thread).
   void AppendCounters(CounterList* out) const;
   // For fault injection in tests (loopback::SetFaults is thread-safe); nothing else may use it.
-  fabric::Domain* domain_for_testing() { return domain_.get(); }
+  fabric::Domain* domain_for_testing() { return fabrics_.primary().domain.get(); }
   // Channels that are set up, of both roles, for tests and tools (any thread; asks the loop).
   size_t NumReadyChannels();
   // Every channel with its counters (any thread; asks the loop, empty if it does not answer
@@ -242,21 +248,17 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // the task: shutting down) it fails them.
   void StartQueuedRecvs();
   void StartRecv(RecvStart r);
+  // The primary fabric's env: recvs that never reach a channel are counted and failed through
+  // it, and what serves every fabric (the local-tensor inbox, grpc+gdr's lending) is built on it.
+  protocol::ChannelEnv& env() { return fabrics_.primary().env; }
 
   const VerbsOptions options_;
   protocol::VerbsStats stats_;
   KeyTable keys_;  // the keys recvs ask for, parsed once (any thread)
-  std::unique_ptr<fabric::Domain> domain_;
-  std::unique_ptr<protocol::RdmaMemoryMgr> memory_;
-  // The same-host fabric beside domain_, for the peers on this host (OpensSameHostFabric), with
-  // its own registrations of the pool and the channel env its channels share; null when the
-  // task uses one fabric for every peer. The progress engine then drives both as domains_.
-  std::unique_ptr<fabric::Domain> same_host_domain_;
-  std::unique_ptr<protocol::RdmaMemoryMgr> same_host_memory_;
-  std::unique_ptr<fabric::DomainSet> domains_;
+  // The fabric for every peer, and beside it, where OpensSameHostFabric, the same-host fabric
+  // for the peers on this host; the progress engine drives all of them.
+  protocol::FabricContexts fabrics_;
   Host host_{this};
-  protocol::ChannelEnv channel_env_;
-  protocol::ChannelEnv same_host_env_;
   std::unique_ptr<protocol::ProgressEngine> engine_;
   std::unique_ptr<protocol::ChannelTable> table_;
   std::unique_ptr<protocol::LocalTensorInbox> local_tensors_;
@@ -269,8 +271,8 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
   protocol::LandedStore landed_;
   std::unique_ptr<LentTensors> lent_;
-  // Held by the any-thread users of memory_ (gauges, device pools) and by Shutdown, which
-  // drops it while they may run.
+  // Held by the any-thread users of the fabrics' registrations (gauges, device pools) and by
+  // Shutdown, which drops them while they may run.
   mutable Mutex memory_mu_;
   // Recvs started by callers, waiting for the progress thread: one posted task per batch, not
   // one owning each recv (protocol/inbox.h).
