@@ -1,6 +1,7 @@
 // What every grpc+verbs channel of one transport shares: the worker, the fabric domain, the
 // memory manager, the counters, the mode and settings, the channel table, and the transport
-// that runs them (ChannelHost: post work later, deliver a user callback, quarantine memory).
+// that runs them (ChannelHost: post work later, deliver a user callback, quarantine memory,
+// carry a new channel's handshake to its peer).
 //
 // The transport owns one ChannelEnv and outlives every channel; channels and the state machines
 // (tensor_request.h, tensor_response.h, gdr_pull.h) read it on the progress thread only, except
@@ -22,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "proto/verbs.pb.h"
 #include "src/common/config.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/memory_mgr.h"
@@ -107,6 +109,14 @@ class ChannelHost {
   // True on the thread that owns the channels (the progress thread, or the thread that tears
   // the transport down after the loop ended). Any thread.
   virtual bool OnOwnerThread() const = 0;
+  // Sends this task's end of a new owner channel (`request`, which names it by channel_id) to
+  // `task` at `address` over the transport's set-up service (PeerChannels makes the channel and
+  // reads the answer). `answered` runs later on the progress thread, never inline, once, with
+  // the peer's answer or why the call failed; a call still in flight when the loop stops is
+  // cancelled and its answer dropped, since every channel has closed by then.
+  using ConnectAnswered = absl::AnyInvocable<void(absl::StatusOr<proto::ConnectResponse>) &&>;
+  virtual void Connect(const std::string& task, const std::string& address,
+                       const proto::ConnectRequest& request, ConnectAnswered answered) = 0;
 };
 
 // The settings of one transport's grpc+verbs channels. Each field that has a variable starts

@@ -4,8 +4,8 @@
 // remembering (bounded) why accepted ones closed, so a peer's liveness probe can learn it.
 //
 // The transport owns it beside its ProgressEngine and hands it to the channels (ChannelEnv::
-// channels) and to the gRPC handshake (transport/verbs/channel_setup.h), which creates the
-// channels and adds them here. Every method runs on the progress thread (the engine's owner
+// channels) and to PeerChannels (peer_channels.h), which creates the channels and adds them
+// here. Every method runs on the progress thread (the engine's owner
 // thread), which owns the channels; the table outlives every task that names a channel by id.
 #ifndef TENSORVERBS_PROTOCOL_CHANNEL_TABLE_H_
 #define TENSORVERBS_PROTOCOL_CHANNEL_TABLE_H_

@@ -14,7 +14,7 @@
 namespace tensorverbs::verbs {
 
 struct PeerWatchdog::Probe {
-  ChannelSetup::Probe peer;
+  protocol::PeerChannels::Probe peer;
   grpc::ClientContext context;
   proto::CheckChannelRequest request;
   proto::CheckChannelResponse response;
@@ -22,7 +22,7 @@ struct PeerWatchdog::Probe {
 };
 
 PeerWatchdog::PeerWatchdog(std::string self, absl::Duration peer_timeout,
-                           protocol::ProgressEngine* engine, ChannelSetup* channels,
+                           protocol::ProgressEngine* engine, protocol::PeerChannels* channels,
                            protocol::ChannelTable* table, VerbsStubs* stubs)
     : self_(std::move(self)),
       peer_timeout_(peer_timeout),
@@ -60,8 +60,8 @@ void PeerWatchdog::Loop() {
     // Waited for in slices of the round, so that a loop which stopped turning is reported
     // while it keeps this waiting (up to 5 s: a loop busy with large copies may be slow to
     // answer without being stuck).
-    absl::StatusOr<std::vector<ChannelSetup::Probe>> peers =
-        engine_->AskLoop<std::vector<ChannelSetup::Probe>>(
+    absl::StatusOr<std::vector<protocol::PeerChannels::Probe>> peers =
+        engine_->AskLoop<std::vector<protocol::PeerChannels::Probe>>(
             [this] { return channels_->PendingPeers(); }, absl::Seconds(5), interval,
             [this] {
               if (std::optional<std::string> stalled = engine_->StallReport(peer_timeout_)) {
@@ -75,20 +75,20 @@ void PeerWatchdog::Loop() {
 }
 
 void PeerWatchdog::LastRound(absl::Duration timeout) {
-  absl::StatusOr<std::vector<ChannelSetup::Probe>> peers =
-      engine_->AskLoop<std::vector<ChannelSetup::Probe>>(
+  absl::StatusOr<std::vector<protocol::PeerChannels::Probe>> peers =
+      engine_->AskLoop<std::vector<protocol::PeerChannels::Probe>>(
           [this] { return channels_->PendingPeers(); }, timeout);
   if (!peers.ok() || peers->empty()) return;
   ProbeRound(*peers, std::min(timeout, peer_timeout_), /*last=*/true);
 }
 
-void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers, absl::Duration timeout,
-                              bool last) {
+void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& peers,
+                              absl::Duration timeout, bool last) {
   std::vector<std::shared_ptr<Probe>> round;
   {
     MutexLock lock(&mu_);
     if (stop_ && !last) return;
-    for (const ChannelSetup::Probe& peer : peers) {
+    for (const protocol::PeerChannels::Probe& peer : peers) {
       auto probe = std::make_shared<Probe>();
       probe->peer = peer;
       probe->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
@@ -125,7 +125,7 @@ void PeerWatchdog::ProbeRound(const std::vector<ChannelSetup::Probe>& peers, abs
 }
 
 void PeerWatchdog::Judge(const Probe& probe) {
-  const ChannelSetup::Probe& peer = probe.peer;
+  const protocol::PeerChannels::Probe& peer = probe.peer;
   absl::Status verdict;
   if (peer.connecting) {
     // The peer does not know the channel yet, so only silence is a verdict: a peer that never

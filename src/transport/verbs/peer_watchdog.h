@@ -13,7 +13,8 @@
 // peer (responses, copy buffers, grpc+gdr's lent tensors) is probed for whether the peer's own
 // end still stands, so a receiver that died or dropped the channel does not pin that memory
 // until this process ends. Its verdict closes the accepted channel (its memory quarantined as
-// on any close); silence also ends what was lent to that task alone (ChannelSetup::PeerGone).
+// on any close); silence also ends what was lent to that task alone
+// (protocol::PeerChannels::PeerGone).
 //
 // Each round it also asks the progress engine whether its loop has stopped turning
 // (ProgressEngine::StallReport, with the peer timeout as the limit) and logs the report once
@@ -33,8 +34,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/time/time.h"
 #include "src/common/mutex.h"
+#include "src/protocol/peer_channels.h"
 #include "src/protocol/progress_engine.h"
-#include "src/transport/verbs/channel_setup.h"
 #include "src/transport/verbs/verbs_stubs.h"
 
 namespace tensorverbs::verbs {
@@ -43,7 +44,7 @@ class PeerWatchdog {
  public:
   // `self` is this task's name (the probes carry it); the others outlive the watchdog.
   PeerWatchdog(std::string self, absl::Duration peer_timeout, protocol::ProgressEngine* engine,
-               ChannelSetup* channels, protocol::ChannelTable* table, VerbsStubs* stubs);
+               protocol::PeerChannels* channels, protocol::ChannelTable* table, VerbsStubs* stubs);
   PeerWatchdog(const PeerWatchdog&) = delete;
   PeerWatchdog& operator=(const PeerWatchdog&) = delete;
   ~PeerWatchdog();  // Stop()
@@ -61,14 +62,15 @@ class PeerWatchdog {
   void Loop();
   // Probes every peer of `peers` at once, each within `timeout`, and returns when every probe
   // has an answer (or was cancelled by Stop, which the last round ignores).
-  void ProbeRound(const std::vector<ChannelSetup::Probe>& peers, absl::Duration timeout, bool last);
+  void ProbeRound(const std::vector<protocol::PeerChannels::Probe>& peers, absl::Duration timeout,
+                  bool last);
   // The verdict on one answer, applied on the progress thread.
   void Judge(const Probe& probe);
 
   const std::string self_;
   const absl::Duration peer_timeout_;
   protocol::ProgressEngine* const engine_;
-  ChannelSetup* const channels_;
+  protocol::PeerChannels* const channels_;
   protocol::ChannelTable* const table_;
   VerbsStubs* const stubs_;
 

@@ -1,6 +1,6 @@
 // VerbsServiceImpl: the gRPC service a grpc+verbs task serves on its port for its peers:
 // Connect (channel set-up) and CheckChannel (liveness probes). Each call runs on a gRPC
-// callback thread, which only posts the work to the progress thread (ChannelSetup owns the
+// callback thread, which only posts the work to the progress thread (PeerChannels owns the
 // channels there) and returns; the reactor finishes once, with the answer, or with Unavailable
 // when the transport is shutting down. Registered on the server's builder before it starts;
 // outlives the gRPC server's shutdown.
@@ -10,16 +10,16 @@
 #include <grpcpp/grpcpp.h>
 
 #include "proto/verbs.grpc.pb.h"
+#include "src/protocol/peer_channels.h"
 #include "src/protocol/progress_engine.h"
 #include "src/rpc/security.h"
-#include "src/transport/verbs/channel_setup.h"
 
 namespace tensorverbs::verbs {
 
 class VerbsServiceImpl final : public proto::VerbsService::CallbackService {
  public:
   // Every call is authenticated with `security` first (rpc/security.h).
-  VerbsServiceImpl(protocol::ProgressEngine* engine, ChannelSetup* channels,
+  VerbsServiceImpl(protocol::ProgressEngine* engine, protocol::PeerChannels* channels,
                    std::shared_ptr<const rpc::RpcSecurity> security)
       : engine_(engine), channels_(channels), security_(std::move(security)) {}
 
@@ -32,7 +32,7 @@ class VerbsServiceImpl final : public proto::VerbsService::CallbackService {
 
  private:
   protocol::ProgressEngine* const engine_;
-  ChannelSetup* const channels_;
+  protocol::PeerChannels* const channels_;
   const std::shared_ptr<const rpc::RpcSecurity> security_;
 };
 

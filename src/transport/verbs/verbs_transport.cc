@@ -10,7 +10,7 @@
 #include "src/common/net_address.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/local_tensor_inbox.h"
-#include "src/transport/verbs/channel_setup.h"
+#include "src/transport/verbs/connect_calls.h"
 #include "src/transport/verbs/lent_tensors.h"
 #include "src/transport/verbs/peer_watchdog.h"
 #include "src/transport/verbs/verbs_service.h"
@@ -159,15 +159,16 @@ absl::Status VerbsTransport::Start() {
   std::shared_ptr<const rpc::RpcSecurity> security =
       options_.security != nullptr ? options_.security : rpc::RpcSecurity::Insecure();
   stubs_ = std::make_unique<VerbsStubs>(security);
-  ChannelSetup::Options setup;
-  setup.task_addresses = options_.task_addresses;
-  setup.connect_timeout = options_.transfer.connect_timeout;
-  if (fabrics_.size() > 1) setup.same_host_tasks = *options_.same_host_tasks;
+  connect_calls_ = std::make_unique<ConnectCalls>(options_.transfer.connect_timeout, engine_.get(),
+                                                  stubs_.get());
+  protocol::PeerChannels::Options peers;
+  peers.task_addresses = options_.task_addresses;
+  if (fabrics_.size() > 1) peers.same_host_tasks = *options_.same_host_tasks;
   // Progress thread, like every use of lent_ (created below, before the engine starts).
-  setup.lent_to = [this] { return lent_->Borrowers(); };
-  setup.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
-  channels_ = std::make_unique<ChannelSetup>(std::move(setup), &fabrics_, table_.get(),
-                                             engine_.get(), stubs_.get());
+  peers.lent_to = [this] { return lent_->Borrowers(); };
+  peers.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
+  channels_ = std::make_unique<protocol::PeerChannels>(std::move(peers), &fabrics_, table_.get(),
+                                                       engine_.get());
   // grpc+gdr lends through the primary fabric's registrations (it opens no other).
   lent_ = std::make_unique<LentTensors>(&env());
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
@@ -211,6 +212,11 @@ void VerbsTransport::Host::ReleaseLent(const std::string& task, uint32_t tensor_
 }
 
 bool VerbsTransport::Host::OnOwnerThread() const { return transport_->engine_->OnOwnerThread(); }
+
+void VerbsTransport::Host::Connect(const std::string& task, const std::string& address,
+                                   const proto::ConnectRequest& request, ConnectAnswered answered) {
+  transport_->connect_calls_->Connect(task, address, request, std::move(answered));
+}
 
 grpc::Service* VerbsTransport::service() { return service_.get(); }
 
@@ -262,49 +268,14 @@ void VerbsTransport::StartQueuedRecvs() {
   recv_inbox_.Drain([this](RecvStart& r) { StartRecv(std::move(r)); }, engine_->OnLoopThread());
 }
 
-void VerbsTransport::StartRecv(RecvStart r) {
-  auto fail = [this, &r](const absl::Status& s) { env().FailRecv(std::move(r.done), s); };
+void VerbsTransport::StartRecv(protocol::RecvStart r) {
   if (!engine_->OnLoopThread()) {
-    fail(absl::CancelledError(
-        absl::StrCat("recv of '", r.key->key.full_key, "': the server is shutting down")));
+    env().FailRecv(std::move(r.done),
+                   absl::CancelledError(absl::StrCat("recv of '", r.key->key.full_key,
+                                                     "': the server is shutting down")));
     return;
   }
-  // An abort that raced with this recv's start: its AbortStep ran before this task, so the
-  // step's status already tells.
-  if (absl::Status s = r.rendezvous->status(); !s.ok()) {
-    fail(s);
-    return;
-  }
-  if (std::optional<Tensor> landed =
-          landed_.Take(r.key->src_task, r.key->key.full_key, r.rendezvous->step_id())) {
-    env().CountRecv(absl::OkStatus(), *landed);
-    host_.Deliver(
-        {std::move(r.done), absl::OkStatus(), *std::move(landed), false, r.landing.quick_callback});
-    return;
-  }
-  absl::StatusOr<protocol::Channel*> channel = channels_->OwnerChannel(r.key->src_task);
-  if (!channel.ok()) {
-    fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", r.key->key.full_key,
-                                                            "': ", channel.status().message())));
-    return;
-  }
-  if (r.expected_dtype != DataType::kInvalid && DataTypeCanMemCopy(r.expected_dtype)) {
-    // The caller knows what comes: as good as the meta-data of an earlier step of this key.
-    if (absl::StatusOr<uint64_t> bytes =
-            Tensor::AllocationBytes(r.expected_dtype, r.expected_shape);
-        bytes.ok()) {
-      protocol::TensorMetaData meta;
-      meta.dtype = r.expected_dtype;
-      meta.shape = r.expected_shape;
-      meta.tensor_bytes = *bytes;
-      // The cache of the channel's own fabric, which its requests read.
-      protocol::RdmaMemoryMgr* memory = (*channel)->env()->memory;
-      const protocol::TensorMetaData* cached = memory->CachedMeta(r.key->key.full_key);
-      if (cached == nullptr || *cached != meta) memory->CacheMeta(r.key->key.full_key, meta);
-    }
-  }
-  (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator,
-                        std::move(r.landing), r.deadline, std::move(r.done));
+  channels_->StartRecv(std::move(r));
 }
 
 void VerbsTransport::Lend(
@@ -405,7 +376,7 @@ void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
 }
 
 absl::Status VerbsTransport::ConnectPeers(absl::Duration timeout) {
-  return channels_->ConnectPeers(options_.env->task_name, timeout);
+  return channels_->ConnectPeers(timeout);
 }
 
 size_t VerbsTransport::NumReadyChannels() {
@@ -469,8 +440,8 @@ void VerbsTransport::Shutdown() {
   // The loop has stopped, so this thread owns the channels now.
   table_->CloseAll(
       absl::CancelledError(absl::StrCat("task ", options_.env->task_name, " is shutting down")));
-  channels_->CancelConnects();
-  channels_->Shutdown(absl::Seconds(10));
+  connect_calls_->CancelAll();
+  connect_calls_->Shutdown(absl::Seconds(10));
   table_->Clear();
   quarantine_.clear();
   lent_->Clear();

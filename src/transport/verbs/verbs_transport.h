@@ -6,9 +6,11 @@
 // parts that run the protocol on them:
 // - ProgressEngine (protocol/progress_engine.h): the one thread that touches the domain and
 //   every channel; other threads reach them by posting tasks to it.
-// - ChannelTable (protocol/channel_table.h): the channels, which ChannelSetup (channel_setup.h)
-//   sets up over VerbsService.Connect, served by VerbsServiceImpl (verbs_service.h) on the
-//   server's gRPC port. The transport is the channels' ChannelHost.
+// - ChannelTable (protocol/channel_table.h): the channels, which PeerChannels
+//   (protocol/peer_channels.h) finds and makes, and where recvs start. The transport is the
+//   channels' ChannelHost: it carries a new channel's handshake to the peer over
+//   VerbsService.Connect (ConnectCalls, connect_calls.h), and VerbsServiceImpl
+//   (verbs_service.h) serves the peers' on the server's gRPC port.
 // - PeerWatchdog (peer_watchdog.h): liveness probes of peers with pending recvs.
 // - LentTensors (lent_tensors.h): grpc+gdr's tensors lent to readers.
 // Recv() starts a recv of a remote tensor: on first use of a peer the channel is set up by one
@@ -50,6 +52,7 @@
 #include "src/protocol/inbox.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/memory_mgr.h"
+#include "src/protocol/peer_channels.h"
 #include "src/protocol/progress_engine.h"
 #include "src/protocol/push_ahead.h"
 #include "src/protocol/remote_tensor.h"
@@ -61,7 +64,7 @@
 
 namespace tensorverbs::verbs {
 
-class ChannelSetup;
+class ConnectCalls;
 class LentTensors;
 class PeerWatchdog;
 class VerbsServiceImpl;
@@ -228,22 +231,14 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
     void Quarantine(std::vector<Tensor> memory, absl::Time until) override;
     void ReleaseLent(const std::string& task, uint32_t tensor_key) override;
     bool OnOwnerThread() const override;
+    void Connect(const std::string& task, const std::string& address,
+                 const proto::ConnectRequest& request, ConnectAnswered answered) override;
 
    private:
     VerbsTransport* const transport_;
   };
 
-  // A recv on its way from the caller's thread to the progress thread.
-  struct RecvStart {
-    std::shared_ptr<RemoteRendezvous> rendezvous;
-    KeyRef key;
-    Allocator* allocator = nullptr;
-    absl::Time deadline;
-    RecvDoneCallback done;
-    DataType expected_dtype = DataType::kInvalid;
-    TensorShape expected_shape;
-    RecvLanding landing;
-  };
+  using RecvStart = protocol::RecvStart;
   // Starts the recvs in recv_inbox_: on the progress thread; on any other (the engine refused
   // the task: shutting down) it fails them.
   void StartQueuedRecvs();
@@ -263,7 +258,8 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   std::unique_ptr<protocol::ChannelTable> table_;
   std::unique_ptr<protocol::LocalTensorInbox> local_tensors_;
   std::unique_ptr<VerbsStubs> stubs_;
-  std::unique_ptr<ChannelSetup> channels_;
+  std::unique_ptr<ConnectCalls> connect_calls_;
+  std::unique_ptr<protocol::PeerChannels> channels_;
   std::unique_ptr<VerbsServiceImpl> service_;
   std::unique_ptr<PeerWatchdog> watchdog_;
 

@@ -144,6 +144,11 @@ struct Side : public ChannelHost {
   // The test thread plays both progress threads; anything else touching a channel is a bug
   // the DCHECKs of a sanitizer build report.
   bool OnOwnerThread() const override { return std::this_thread::get_id() == owner_thread; }
+  // The harness connects its channels itself (Pair); nothing here makes one through a peer.
+  void Connect(const std::string& task, const std::string& address,
+               const proto::ConnectRequest& request, ConnectAnswered answered) override {
+    ADD_FAILURE() << "unexpected Connect to " << task;
+  }
 
   // Tasks the channel posted (ACKs, local tensors that became ready), and what they post in
   // turn. True if any ran.

@@ -1,5 +1,5 @@
 // FabricContexts: the collection of a transport's open fabrics. Two loopback domains stand for a
-// network fabric and a same-host one; what is checked is what ChannelSetup and VerbsTransport
+// network fabric and a same-host one; what is checked is what PeerChannels and VerbsTransport
 // rely on: the first reaches every peer, each env points at its own domain and registrations,
 // lookups by reach and family, what the engine polls, and the sums over every context.
 #include "src/protocol/fabric_contexts.h"

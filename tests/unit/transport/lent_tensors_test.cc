@@ -33,6 +33,10 @@ class QuarantineHost final : public protocol::ChannelHost {
   }
   void ReleaseLent(const std::string& task, uint32_t tensor_key) override {}
   bool OnOwnerThread() const override { return true; }
+  void Connect(const std::string& task, const std::string& address,
+               const proto::ConnectRequest& request, ConnectAnswered answered) override {
+    ADD_FAILURE() << "unexpected Connect";
+  }
 
   std::function<void(std::vector<Tensor>, absl::Time)> quarantine;
 };

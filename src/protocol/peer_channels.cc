@@ -1,7 +1,7 @@
-#include "src/transport/verbs/channel_setup.h"
+#include "src/protocol/peer_channels.h"
 
 #include <algorithm>
-#include <tuple>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -12,12 +12,9 @@
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/message.h"
-#include "src/rpc/grpc_util.h"
+#include "src/protocol/push_ahead.h"
 
-namespace tensorverbs::verbs {
-
-using protocol::Channel;
-
+namespace tensorverbs::protocol {
 namespace {
 
 void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
@@ -25,36 +22,76 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
   end->set_rx_addr(channel.message_buffer()->rx_addr());
   end->set_rx_key(channel.message_buffer()->rx_key());
   end->set_rx_slots(static_cast<uint32_t>(channel.message_buffer()->rx_slots()));
-  end->set_wire_version(protocol::kWireVersion);
+  end->set_wire_version(kWireVersion);
   end->set_device_writes(channel.env()->device_direct);
 }
 
 }  // namespace
 
-ChannelSetup::ChannelSetup(Options options, protocol::FabricContexts* fabrics,
-                           protocol::ChannelTable* table, protocol::ProgressEngine* engine,
-                           VerbsStubs* stubs)
+PeerChannels::PeerChannels(Options options, FabricContexts* fabrics, ChannelTable* table,
+                           ProgressEngine* engine)
     : options_(std::move(options)),
       fabrics_(fabrics),
       env_(&fabrics->primary().env),
       table_(table),
-      engine_(engine),
-      stubs_(stubs) {}
+      engine_(engine) {}
 
-protocol::FabricContext& ChannelSetup::ContextFor(const std::string& task) const {
-  using Reach = protocol::FabricContext::Reach;
-  if (protocol::FabricContext* local = fabrics_->FirstWith(Reach::kSameHost);
+FabricContext& PeerChannels::ContextFor(const std::string& task) const {
+  if (FabricContext* local = fabrics_->FirstWith(FabricContext::Reach::kSameHost);
       local != nullptr && options_.same_host_tasks.contains(task) && !elsewhere_.contains(task)) {
     return *local;
   }
   return fabrics_->primary();
 }
 
-void ChannelSetup::AssertOnLoop() const {
+void PeerChannels::AssertOnLoop() const {
   DCHECK(engine_->OnOwnerThread()) << "grpc+verbs channel state used off the progress thread";
 }
 
-absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
+void PeerChannels::StartRecv(RecvStart r) {
+  AssertOnLoop();
+  auto fail = [this, &r](const absl::Status& s) { env_->FailRecv(std::move(r.done), s); };
+  // An abort that raced with this recv's start: its AbortStep ran before this task, so the
+  // step's status already tells.
+  if (absl::Status s = r.rendezvous->status(); !s.ok()) {
+    fail(s);
+    return;
+  }
+  if (env_->landed != nullptr) {
+    if (std::optional<Tensor> landed =
+            env_->landed->Take(r.key->src_task, r.key->key.full_key, r.rendezvous->step_id())) {
+      env_->CountRecv(absl::OkStatus(), *landed);
+      env_->host->Deliver({std::move(r.done), absl::OkStatus(), *std::move(landed), false,
+                           r.landing.quick_callback});
+      return;
+    }
+  }
+  absl::StatusOr<Channel*> channel = OwnerChannel(r.key->src_task);
+  if (!channel.ok()) {
+    fail(absl::Status(channel.status().code(), absl::StrCat("recv of '", r.key->key.full_key,
+                                                            "': ", channel.status().message())));
+    return;
+  }
+  if (r.expected_dtype != DataType::kInvalid && DataTypeCanMemCopy(r.expected_dtype)) {
+    // The caller knows what comes: as good as the meta-data of an earlier step of this key.
+    if (absl::StatusOr<uint64_t> bytes =
+            Tensor::AllocationBytes(r.expected_dtype, r.expected_shape);
+        bytes.ok()) {
+      TensorMetaData meta;
+      meta.dtype = r.expected_dtype;
+      meta.shape = r.expected_shape;
+      meta.tensor_bytes = *bytes;
+      // The cache of the channel's own fabric, which its requests read.
+      RdmaMemoryMgr* memory = (*channel)->env()->memory;
+      const TensorMetaData* cached = memory->CachedMeta(r.key->key.full_key);
+      if (cached == nullptr || *cached != meta) memory->CacheMeta(r.key->key.full_key, meta);
+    }
+  }
+  (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator,
+                        std::move(r.landing), r.deadline, std::move(r.done));
+}
+
+absl::StatusOr<Channel*> PeerChannels::OwnerChannel(const std::string& task) {
   AssertOnLoop();
   if (Channel* c = table_->OwnerFor(task)) return c;
   auto address = options_.task_addresses.find(task);
@@ -62,7 +99,7 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
     return absl::NotFoundError(absl::StrCat("task ", task, " is not in the cluster spec"));
   }
   const uint64_t id = table_->NextId();
-  protocol::ChannelEnv* env = &ContextFor(task).env;
+  ChannelEnv* env = &ContextFor(task).env;
   auto channel = std::make_unique<Channel>(env, Channel::Role::kOwner, id, task);
   channel->set_peer_address(address->second);
   if (absl::Status s = channel->Init(); !s.ok()) {
@@ -76,52 +113,45 @@ absl::StatusOr<Channel*> ChannelSetup::OwnerChannel(const std::string& task) {
     peer_device_writes_[task] = false;
   }
 
-  std::shared_ptr<proto::VerbsService::Stub> stub = stubs_->Get(task, address->second);
-  auto connecting = std::make_unique<Connecting>();
-  proto::ConnectRequest& request = connecting->request;
+  proto::ConnectRequest request;
   request.set_task_name(env_->worker->task_name);
   request.set_incarnation(env_->worker->incarnation);
   request.set_fabric(env->domain->capabilities().family);
-  request.set_protocol(protocol::VerbsModeProtocol(env_->options.mode));
+  request.set_protocol(VerbsModeProtocol(env_->options.mode));
   request.set_channel_id(id);
   request.set_host(fabric::ThisHostIdentity());
   FillEnd(*raw, request.mutable_end());
-  connecting->context.set_deadline(absl::ToChronoTime(absl::Now() + options_.connect_timeout));
-  connecting->context.set_wait_for_ready(true);
-  Connecting* c = connecting.get();
-  connecting_.emplace(id, std::move(connecting));
-  connects_in_flight_.fetch_add(1);
-  stub->async()->Connect(&c->context, &c->request, &c->response, [this, id](grpc::Status s) {
-    engine_->Post([this, id, s]() mutable { OnConnectDone(id, s); });
-    connects_in_flight_.fetch_sub(1);
-  });
+  connecting_.insert(id);
+  env_->host->Connect(task, address->second, request,
+                      [this, id](absl::StatusOr<proto::ConnectResponse> answer) {
+                        OnConnectAnswer(id, std::move(answer));
+                      });
   return raw;
 }
 
-void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
-  auto node = connecting_.extract(id);
-  if (node.empty()) return;
-  std::unique_ptr<Connecting> connecting = std::move(node.mapped());
+void PeerChannels::OnConnectAnswer(uint64_t id, absl::StatusOr<proto::ConnectResponse> answer) {
+  AssertOnLoop();
+  if (connecting_.erase(id) == 0) return;
   Channel* channel = table_->Find(id);
   if (channel == nullptr) return;
   const std::string task = channel->peer_task();
   absl::Status result;
   if (channel->state() == Channel::State::kClosed) {
     result = absl::CancelledError("the channel was closed while it was being set up");
-  } else if (!status.ok()) {
-    absl::Status s = rpc::FromGrpcStatus(status);
+  } else if (!answer.ok()) {
+    const absl::Status& s = answer.status();
     result = absl::Status(
         s.code() == absl::StatusCode::kDeadlineExceeded ? absl::StatusCode::kUnavailable : s.code(),
         absl::StrCat("could not set up the grpc+verbs channel to task ", task, " at ",
                      options_.task_addresses.at(task), ": ", s.message()));
-  } else if (const proto::ConnectResponse& r = connecting->response;
+  } else if (const proto::ConnectResponse& r = *answer;
              fabric::SameHostOnly(channel->env()->domain->capabilities().family) &&
              (!r.refused().empty() || r.host() != fabric::ThisHostIdentity())) {
     const std::string why = !r.refused().empty()
                                 ? r.refused()
                                 : absl::StrCat("it runs on host ", r.host(), ", this task on ",
                                                fabric::ThisHostIdentity());
-    if (channel->env() != &fabrics_->primary().env) {
+    if (channel->env() != env_) {
       // Its address is local, yet it is elsewhere (another network namespace, a container
       // behind a forwarded port): the network fabric reaches it. Once per peer.
       elsewhere_.insert(task);
@@ -153,11 +183,11 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
   }
   {
     MutexLock lock(&connect_mu_);
-    peer_device_writes_[task] = result.ok() && connecting->response.end().device_writes();
+    peer_device_writes_[task] = result.ok() && answer->end().device_writes();
   }
   if (result.ok()) {
     LOG(INFO) << channel->Describe() << " ready; peer endpoint "
-              << absl::BytesToHexString(connecting->response.end().endpoint_address()).substr(0, 32)
+              << absl::BytesToHexString(answer->end().endpoint_address()).substr(0, 32)
               << ", peer incarnation " << absl::StrFormat("%016x", channel->peer_incarnation());
   } else {
     channel->Close(result);
@@ -165,32 +195,32 @@ void ChannelSetup::OnConnectDone(uint64_t id, const grpc::Status& status) {
   RecordConnectResult(task, result);
 }
 
-bool ChannelSetup::PeerWritesDevice(const std::string& task) const {
+bool PeerChannels::PeerWritesDevice(const std::string& task) const {
   MutexLock lock(&connect_mu_);
   auto it = peer_device_writes_.find(task);
   return it != peer_device_writes_.end() && it->second;
 }
 
-void ChannelSetup::RecordConnectResult(const std::string& task, const absl::Status& status) {
+void PeerChannels::RecordConnectResult(const std::string& task, const absl::Status& status) {
   MutexLock lock(&connect_mu_);
   connect_results_[task] = status;
 }
 
-absl::Status ChannelSetup::CheckWireVersion(const std::string& task, uint32_t version) const {
-  if (version == protocol::kWireVersion) return absl::OkStatus();
+absl::Status PeerChannels::CheckWireVersion(const std::string& task, uint32_t version) const {
+  if (version == kWireVersion) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("task ", task, " speaks grpc+verbs wire version ",
                    version == 0 ? std::string("1 or older") : absl::StrCat(version), " but task ",
-                   env_->worker->task_name, " speaks ", protocol::kWireVersion,
+                   env_->worker->task_name, " speaks ", kWireVersion,
                    "; run the same tensorverbs release on every task"));
 }
 
-absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
+absl::Status PeerChannels::Accept(const proto::ConnectRequest& request,
                                   proto::ConnectResponse* response) {
   AssertOnLoop();
   const std::string& task = request.task_name();
   const std::string& self = env_->worker->task_name;
-  const char* protocol = protocol::VerbsModeProtocol(env_->options.mode);
+  const char* protocol = VerbsModeProtocol(env_->options.mode);
   // Everything is checked before anything existing is touched: only a task of the cluster
   // spec may have a channel here, and a request that fails any check leaves the caller's
   // current channel (if any) as it was.
@@ -199,8 +229,8 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
         absl::StrCat("task '", absl::CEscape(task.substr(0, 256)), "' is not a peer in task ", self,
                      "'s cluster spec; every task must be started with the same cluster"));
   }
-  protocol::FabricContext* context = fabrics_->OfFamily(request.fabric());
-  protocol::ChannelEnv* env = context != nullptr ? &context->env : nullptr;
+  FabricContext* context = fabrics_->OfFamily(request.fabric());
+  ChannelEnv* env = context != nullptr ? &context->env : nullptr;
   if (env == nullptr && !fabric::SameHostOnly(request.fabric())) {
     return absl::FailedPreconditionError(absl::StrCat(
         "task ", task, " uses fabric ", request.fabric(), " but task ", self, " uses ",
@@ -259,7 +289,7 @@ absl::Status ChannelSetup::Accept(const proto::ConnectRequest& request,
   return absl::OkStatus();
 }
 
-void ChannelSetup::CheckChannel(const proto::CheckChannelRequest& request,
+void PeerChannels::CheckChannel(const proto::CheckChannelRequest& request,
                                 proto::CheckChannelResponse* response) {
   AssertOnLoop();
   response->set_incarnation(env_->worker->incarnation);
@@ -287,7 +317,7 @@ void ChannelSetup::CheckChannel(const proto::CheckChannelRequest& request,
                                       : "no such channel (this task restarted?)");
 }
 
-std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
+std::vector<PeerChannels::Probe> PeerChannels::PendingPeers() const {
   AssertOnLoop();
   std::vector<Probe> out;
   const absl::flat_hash_set<std::string> lent_to =
@@ -310,12 +340,8 @@ std::vector<ChannelSetup::Probe> ChannelSetup::PendingPeers() const {
   return out;
 }
 
-void ChannelSetup::CancelConnects() {
-  AssertOnLoop();
-  for (auto& [id, c] : connecting_) c->context.TryCancel();
-}
-
-absl::Status ChannelSetup::ConnectPeers(const std::string& self, absl::Duration timeout) {
+absl::Status PeerChannels::ConnectPeers(absl::Duration timeout) {
+  const std::string& self = env_->worker->task_name;
   std::vector<std::string> peers;
   for (const auto& [task, address] : options_.task_addresses) {
     if (task != self) peers.push_back(task);
@@ -357,14 +383,4 @@ absl::Status ChannelSetup::ConnectPeers(const std::string& self, absl::Duration 
                    " (raise TENSORVERBS_CONNECT_TIMEOUT_MS if peers start slowly)"));
 }
 
-void ChannelSetup::Shutdown(absl::Duration timeout) {
-  // Cancelled set-up calls finish promptly; their callbacks only touch connects_in_flight_
-  // once the engine refuses posts.
-  const absl::Time deadline = absl::Now() + timeout;
-  while (connects_in_flight_.load() > 0 && absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  connecting_.clear();
-}
-
-}  // namespace tensorverbs::verbs
+}  // namespace tensorverbs::protocol

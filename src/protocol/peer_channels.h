@@ -1,56 +1,61 @@
-// ChannelSetup: how the grpc+verbs transport's channels are set up, over gRPC. The channels
-// themselves are in the protocol layer's ChannelTable (protocol/channel_table.h), which the
-// transport owns; this adds the channels it sets up there.
+// PeerChannels: one transport's grpc+verbs channels, by peer task. It finds the channel that
+// receives from a task and makes it when there is none: it picks the fabric context (with a
+// same-host fabric beside the network one, a peer of Options::same_host_tasks gets the first),
+// creates and initializes the channel, and hands this task's end to the transport
+// (ChannelHost::Connect), whose answer comes back here. It is also the acceptor's side of that
+// handshake and of the owner's liveness probes, and where a recv starts: a tensor that already
+// landed ahead (TENSORVERBS_PUSH) is delivered at once; otherwise the caller's expected
+// meta-data is cached for the channel's fabric and the recv goes to the channel.
 //
-// The receiving task owns a channel per peer it receives from. OwnerChannel creates it on first
-// use and calls the peer's VerbsService.Connect with its endpoint address and message-buffer
-// key; the answer connects it (OnConnectDone). The peer's Accept checks fabric, protocol, wire
-// version and incarnation, replaces any older channel from that task, and answers with its own
-// end. Each channel's fabric context (protocol/fabric_contexts.h) is chosen here, per peer: with a
-// same-host fabric beside the network one, a peer of Options::same_host_tasks gets the first. Both
-// ends check that they share the host (fabric::ThisHostIdentity) before a same-host channel stands;
-// where they do not, the acceptor refuses the fabric (ConnectResponse::refused), and the owner logs
-// it once and sets the channel up again over the network fabric. CheckChannel answers the owner's
-// liveness probes, from the table (which keeps why an accepted channel closed, so the owner's probe
-// learns it).
+// Both ends check that they share the host (fabric::ThisHostIdentity) before a same-host
+// channel stands; where they do not, the acceptor refuses the fabric (ConnectResponse::refused),
+// and the owner logs it once and sets the channel up again over the network fabric.
 //
-// Threading: everything but ConnectPeers and WaitForCallbacks runs on the transport's progress
-// thread (the engine's owner thread), which owns the channels. ConnectPeers waits on another
-// thread; gRPC completion callbacks only post to the engine. The owner (VerbsTransport) outlives
-// it and destroys it after the engine stopped.
-#ifndef TENSORVERBS_TRANSPORT_VERBS_CHANNEL_SETUP_H_
-#define TENSORVERBS_TRANSPORT_VERBS_CHANNEL_SETUP_H_
+// The transport owns it beside the channel table and the fabric contexts, which outlive it.
+// Threading: everything but ConnectPeers and PeerWritesDevice runs on the progress thread (the
+// engine's owner thread), which owns the channels. ConnectPeers waits on another thread.
+#ifndef TENSORVERBS_PROTOCOL_PEER_CHANNELS_H_
+#define TENSORVERBS_PROTOCOL_PEER_CHANNELS_H_
 
-#include <grpcpp/grpcpp.h>
-
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "proto/verbs.grpc.pb.h"
+#include "proto/verbs.pb.h"
 #include "src/common/mutex.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_table.h"
 #include "src/protocol/fabric_contexts.h"
 #include "src/protocol/progress_engine.h"
-#include "src/transport/verbs/verbs_stubs.h"
+#include "src/rendezvous/key_table.h"
+#include "src/rendezvous/remote_rendezvous.h"
 
-namespace tensorverbs::verbs {
+namespace tensorverbs::protocol {
 
-class ChannelSetup {
+// A recv on its way from the caller's thread to the progress thread.
+struct RecvStart {
+  std::shared_ptr<RemoteRendezvous> rendezvous;
+  KeyRef key;
+  Allocator* allocator = nullptr;
+  absl::Time deadline;
+  RecvDoneCallback done;
+  DataType expected_dtype = DataType::kInvalid;
+  TensorShape expected_shape;
+  RecvLanding landing;
+};
+
+class PeerChannels {
  public:
   struct Options {
     absl::flat_hash_map<std::string, std::string> task_addresses;  // every task of the cluster
-    absl::Duration connect_timeout = absl::Seconds(60);
     // The peers whose channels this task sets up over the same-host fabric (when it has one).
     absl::flat_hash_set<std::string> same_host_tasks;
     // The tasks this task holds something else for (grpc+gdr's lent tensors): their accepted
@@ -61,25 +66,27 @@ class ChannelSetup {
     std::function<void(const std::string& task)> peer_gone;
   };
 
-  // `fabrics`: the transport's open fabrics, whose envs the channels use (built, not empty).
-  ChannelSetup(Options options, protocol::FabricContexts* fabrics, protocol::ChannelTable* table,
-               protocol::ProgressEngine* engine, VerbsStubs* stubs);
-  ChannelSetup(const ChannelSetup&) = delete;
-  ChannelSetup& operator=(const ChannelSetup&) = delete;
+  // `fabrics` (built, not empty), `table` and `engine` outlive this object; the channels reach
+  // the transport through their env's host.
+  PeerChannels(Options options, FabricContexts* fabrics, ChannelTable* table,
+               ProgressEngine* engine);
+  PeerChannels(const PeerChannels&) = delete;
+  PeerChannels& operator=(const PeerChannels&) = delete;
 
   // Progress thread.
+  // Starts `r`: delivered from the landed store, failed (the step was aborted, no channel can
+  // be made), or handed to the channel that receives from its source task. `r.done` runs once.
+  void StartRecv(RecvStart r);
   // The ready or connecting channel that receives from `task`, set up now if there is none.
-  absl::StatusOr<protocol::Channel*> OwnerChannel(const std::string& task);
+  absl::StatusOr<Channel*> OwnerChannel(const std::string& task);
   // The acceptor's side of Connect.
   absl::Status Accept(const proto::ConnectRequest& request, proto::ConnectResponse* response);
   // The acceptor's side of a liveness probe.
   void CheckChannel(const proto::CheckChannelRequest& request,
                     proto::CheckChannelResponse* response);
-  // Whether a set-up call for channel `id` is still in flight (its callback names it by id,
+  // Whether the set-up call for channel `id` is still unanswered (its answer names it by id,
   // so the table keeps it even closed).
   bool SettingUp(uint64_t id) const { return connecting_.contains(id); }
-  // Cancels the set-up calls in flight (the transport is shutting down).
-  void CancelConnects();
   // What the watchdog probes: owner channels with recvs or reads pending (one still being set up
   // too, `connecting`, for whether its peer answers at all), and accepted channels that hold
   // something for their peer (`accepting`), so a receiver that died does not pin it.
@@ -99,54 +106,46 @@ class ChannelSetup {
   void PeerGone(const std::string& task) {
     if (options_.peer_gone) options_.peer_gone(task);
   }
-  // Whether the last channel set up to receive from `task` found that it writes GPU memory
-  // directly (its ChannelEnd's device_writes). Any thread.
-  bool PeerWritesDevice(const std::string& task) const;
 
+  // Any thread.
+  // Whether the last channel set up to receive from `task` found that it writes GPU memory
+  // directly (its ChannelEnd's device_writes).
+  bool PeerWritesDevice(const std::string& task) const;
   // Any thread but the progress thread: sets up channels to every peer task, waiting up to
   // `timeout`. The error names the tasks whose channel could not be set up and why.
-  absl::Status ConnectPeers(const std::string& self, absl::Duration timeout);
-  // After the engine stopped: waits (up to `timeout`) for set-up calls still in flight, whose
-  // callbacks refer to this object.
-  void Shutdown(absl::Duration timeout);
+  absl::Status ConnectPeers(absl::Duration timeout);
 
  private:
   void AssertOnLoop() const;
-  void OnConnectDone(uint64_t channel_id, const grpc::Status& status);
+  // The answer to channel `id`'s Connect (an error: the call failed).
+  void OnConnectAnswer(uint64_t id, absl::StatusOr<proto::ConnectResponse> answer);
   // FailedPrecondition naming both tasks when `task`'s control messages use another layout.
   absl::Status CheckWireVersion(const std::string& task, uint32_t version) const;
   void RecordConnectResult(const std::string& task, const absl::Status& status);
-
   // The fabric a new channel to `task` uses: the same-host one for a task of same_host_tasks
   // that has not turned out to be elsewhere, else the one that reaches every peer.
-  protocol::FabricContext& ContextFor(const std::string& task) const;
+  FabricContext& ContextFor(const std::string& task) const;
 
   const Options options_;
-  protocol::FabricContexts* const fabrics_;
-  // The primary context's env: what every channel shares (the worker, the mode).
-  const protocol::ChannelEnv* const env_;
-  protocol::ChannelTable* const table_;
-  protocol::ProgressEngine* const engine_;
-  VerbsStubs* const stubs_;
+  FabricContexts* const fabrics_;
+  // The primary context's env: what every channel shares (the worker, the mode, the host).
+  ChannelEnv* const env_;
+  ChannelTable* const table_;
+  ProgressEngine* const engine_;
 
   // Progress-thread state.
-  struct Connecting {
-    grpc::ClientContext context;
-    proto::ConnectRequest request;
-    proto::ConnectResponse response;
-  };
-  absl::flat_hash_map<uint64_t, std::unique_ptr<Connecting>> connecting_;
+  // Owner channels whose Connect has not been answered.
+  absl::flat_hash_set<uint64_t> connecting_;
   // Tasks of same_host_tasks whose end refused the same-host fabric (another host after all):
   // their channels go over the network fabric from then on.
   absl::flat_hash_set<std::string> elsewhere_;
 
-  std::atomic<int> connects_in_flight_{0};
   // Set-up results for ConnectPeers, written by the progress thread.
   mutable Mutex connect_mu_;
   absl::flat_hash_map<std::string, absl::Status> connect_results_ ABSL_GUARDED_BY(connect_mu_);
   absl::flat_hash_map<std::string, bool> peer_device_writes_ ABSL_GUARDED_BY(connect_mu_);
 };
 
-}  // namespace tensorverbs::verbs
+}  // namespace tensorverbs::protocol
 
-#endif  // TENSORVERBS_TRANSPORT_VERBS_CHANNEL_SETUP_H_
+#endif  // TENSORVERBS_PROTOCOL_PEER_CHANNELS_H_
