@@ -12,7 +12,6 @@
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/message.h"
-#include "src/protocol/push_ahead.h"
 
 namespace tensorverbs::protocol {
 namespace {
@@ -57,14 +56,12 @@ void PeerChannels::StartRecv(RecvStart r) {
     fail(s);
     return;
   }
-  if (env_->landed != nullptr) {
-    if (std::optional<Tensor> landed =
-            env_->landed->Take(r.key->src_task, r.key->key.full_key, r.rendezvous->step_id())) {
-      env_->CountRecv(absl::OkStatus(), *landed);
-      env_->host->Deliver({std::move(r.done), absl::OkStatus(), *std::move(landed), false,
-                           r.landing.quick_callback});
-      return;
-    }
+  if (std::optional<Tensor> landed =
+          landed_.Take(r.key->src_task, r.key->key.full_key, r.rendezvous->step_id())) {
+    env_->CountRecv(absl::OkStatus(), *landed);
+    env_->host->Deliver(
+        {std::move(r.done), absl::OkStatus(), *std::move(landed), false, r.landing.quick_callback});
+    return;
   }
   absl::StatusOr<Channel*> channel = OwnerChannel(r.key->src_task);
   if (!channel.ok()) {
@@ -90,6 +87,14 @@ void PeerChannels::StartRecv(RecvStart r) {
   (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator,
                         std::move(r.landing), r.deadline, std::move(r.done));
 }
+
+void PeerChannels::AbortStep(int64_t step_id, const absl::Status& status) {
+  AssertOnLoop();
+  landed_.DropStep(step_id);
+  table_->AbortStep(step_id, status);
+}
+
+void PeerChannels::Expire(absl::Time now) { landed_.Expire(now); }
 
 absl::StatusOr<Channel*> PeerChannels::OwnerChannel(const std::string& task) {
   AssertOnLoop();

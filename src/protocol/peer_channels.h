@@ -5,7 +5,8 @@
 // (ChannelHost::Connect), whose answer comes back here. It is also the acceptor's side of that
 // handshake and of the owner's liveness probes, and where a recv starts: a tensor that already
 // landed ahead (TENSORVERBS_PUSH) is delivered at once; otherwise the caller's expected
-// meta-data is cached for the channel's fabric and the recv goes to the channel.
+// meta-data is cached for the channel's fabric and the recv goes to the channel. It keeps the
+// landed store (every context's env points at it) and ends a step on every channel.
 //
 // Both ends check that they share the host (fabric::ThisHostIdentity) before a same-host
 // channel stands; where they do not, the acceptor refuses the fabric (ConnectResponse::refused),
@@ -35,6 +36,7 @@
 #include "src/protocol/channel_table.h"
 #include "src/protocol/fabric_contexts.h"
 #include "src/protocol/progress_engine.h"
+#include "src/protocol/push_ahead.h"
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 
@@ -77,6 +79,14 @@ class PeerChannels {
   // Starts `r`: delivered from the landed store, failed (the step was aborted, no channel can
   // be made), or handed to the channel that receives from its source task. `r.done` runs once.
   void StartRecv(RecvStart r);
+  // Ends `step_id`: its tensors that landed ahead are dropped, and its pending recvs (pushed
+  // requests included) on every channel fail with `status`.
+  void AbortStep(int64_t step_id, const absl::Status& status);
+  // Drops landed tensors past their time (the transport's housekeeping).
+  void Expire(absl::Time now);
+  // Where channels keep tensors that landed in pushed requests after the channel closed
+  // (ChannelEnv::landed); the transport points every context's env here before it starts.
+  LandedStore* landed() { return &landed_; }
   // The ready or connecting channel that receives from `task`, set up now if there is none.
   absl::StatusOr<Channel*> OwnerChannel(const std::string& task);
   // The acceptor's side of Connect.
@@ -134,6 +144,7 @@ class PeerChannels {
   ProgressEngine* const engine_;
 
   // Progress-thread state.
+  LandedStore landed_;
   // Owner channels whose Connect has not been answered.
   absl::flat_hash_set<uint64_t> connecting_;
   // Tasks of same_host_tasks whose end refused the same-host fabric (another host after all):

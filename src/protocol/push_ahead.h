@@ -8,7 +8,7 @@
 // push may be made; the receiving side (receiving_side.h) makes the request, and a recv that
 // finds it takes it over (RdmaTensorRequest::Adopt: the request only sees "adopted").
 //
-// LandedStore is the transport's: tensors that landed in pushed requests no recv took before
+// LandedStore is PeerChannels' (peer_channels.h), one per transport: tensors that landed in pushed requests no recv took before
 // their channel closed (the peer stopped after its sends were taken, as every task does at the
 // end of training), kept for the recv of (peer task, key, step) until it comes, its step ends,
 // or their time is up.

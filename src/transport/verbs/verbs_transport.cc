@@ -114,7 +114,6 @@ absl::Status VerbsTransport::Start() {
   shared.options = options_.channel;
   shared.host = &host_;
   shared.channels = table_.get();
-  shared.landed = &landed_;
   auto add_context = [this, &shared](protocol::FabricContext::Reach reach,
                                      std::unique_ptr<fabric::Domain> opened) {
     auto memory = std::make_unique<protocol::RdmaMemoryMgr>(
@@ -169,6 +168,7 @@ absl::Status VerbsTransport::Start() {
   peers.peer_gone = [this](const std::string& task) { lent_->EndLeasesOf(task); };
   channels_ = std::make_unique<protocol::PeerChannels>(std::move(peers), &fabrics_, table_.get(),
                                                        engine_.get());
+  for (const auto& context : fabrics_) context->env.landed = channels_->landed();
   // grpc+gdr lends through the primary fabric's registrations (it opens no other).
   lent_ = std::make_unique<LentTensors>(&env());
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
@@ -233,7 +233,7 @@ void VerbsTransport::Housekeeping(absl::Time now) {
                                    [now](const auto& q) { return q.first <= now; }),
                     quarantine_.end());
   lent_->Expire(now);
-  landed_.Expire(now);
+  channels_->Expire(now);
 }
 
 void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const ParsedKey& key,
@@ -369,10 +369,7 @@ protocol::RdmaMemoryMgr::RegistrationGauges VerbsTransport::registration_gauges(
 }
 
 void VerbsTransport::AbortStep(int64_t step_id, const absl::Status& status) {
-  engine_->Post([this, step_id, status]() mutable {
-    landed_.DropStep(step_id);
-    table_->AbortStep(step_id, status);
-  });
+  engine_->Post([this, step_id, status]() mutable { channels_->AbortStep(step_id, status); });
 }
 
 absl::Status VerbsTransport::ConnectPeers(absl::Duration timeout) {

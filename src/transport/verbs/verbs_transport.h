@@ -265,7 +265,6 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
 
   // Progress-thread state.
   std::vector<std::pair<absl::Time, std::vector<Tensor>>> quarantine_;
-  protocol::LandedStore landed_;
   std::unique_ptr<LentTensors> lent_;
   // Held by the any-thread users of the fabrics' registrations (gauges, device pools) and by
   // Shutdown, which drops them while they may run.

@@ -74,7 +74,6 @@ struct PeerTask : public ChannelHost {
     shared.stats = &stats;
     shared.host = this;
     shared.channels = &table;
-    shared.landed = &landed;
     shared.options.push = false;
     std::unique_ptr<fabric::Domain> domain = *fabric::OpenDomain("loopback", {});
     auto memory =
@@ -93,6 +92,7 @@ struct PeerTask : public ChannelHost {
     PeerChannels::Options options;
     options.task_addresses = {{OwnerName(), "owner:1"}, {AcceptorName(), "acceptor:2"}};
     channels = std::make_unique<PeerChannels>(std::move(options), &fabrics, &table, engine.get());
+    fabrics.primary().env.landed = channels->landed();
   }
   ~PeerTask() override {
     table.CloseAll(absl::CancelledError("test over"));
@@ -133,7 +133,6 @@ struct PeerTask : public ChannelHost {
   TransferStats transfer_stats;
   WorkerEnv worker;
   VerbsStats stats;
-  LandedStore landed;
   ChannelTable table;
   FabricContexts fabrics;
   std::unique_ptr<LocalTensorInbox> local_tensors;
@@ -293,13 +292,22 @@ TEST_F(PeerChannelsTest, ARecvTakesATensorThatLandedAheadWithoutAChannel) {
   absl::Status status = absl::UnknownError("not run");
   int calls = 0;
   RecvStart r = Recv("landed", &status, &calls);
-  owner_.landed.Keep(AcceptorName(), r.key->key.full_key, 1, tensor,
-                     absl::Now() + absl::Minutes(1));
+  owner_.channels->landed()->Keep(AcceptorName(), r.key->key.full_key, 1, tensor,
+                                  absl::Now() + absl::Minutes(1));
   owner_.channels->StartRecv(std::move(r));
   EXPECT_EQ(calls, 1);
   EXPECT_TRUE(status.ok()) << status;
   EXPECT_TRUE(owner_.calls.empty());  // no channel was made for it
   EXPECT_EQ(owner_.table.NumReady(), 0u);
+}
+
+TEST_F(PeerChannelsTest, AnAbortedStepDropsWhatLandedForIt) {
+  Tensor tensor = *Tensor::Allocate(&owner_.pool, DataType::kFloat32, TensorShape::Of({1}));
+  owner_.channels->landed()->Keep(AcceptorName(), "k", 1, tensor, absl::Now() + absl::Minutes(1));
+  owner_.channels->landed()->Keep(AcceptorName(), "k", 2, tensor, absl::Now() + absl::Minutes(1));
+  owner_.channels->AbortStep(1, absl::CancelledError("step 1 was cleaned up"));
+  EXPECT_FALSE(owner_.channels->landed()->Take(AcceptorName(), "k", 1).has_value());
+  EXPECT_TRUE(owner_.channels->landed()->Take(AcceptorName(), "k", 2).has_value());
 }
 
 TEST_F(PeerChannelsTest, ARecvOfAnAbortedStepFailsAtOnceWithTheStepsStatus) {
