@@ -264,18 +264,20 @@ void VerbsTransport::Recv(std::shared_ptr<RemoteRendezvous> rendezvous, const Pa
 }
 
 void VerbsTransport::StartQueuedRecvs() {
-  // Off the loop thread (shutting down), possibly on several threads at once: a batch of its own.
-  recv_inbox_.Drain([this](RecvStart& r) { StartRecv(std::move(r)); }, engine_->OnLoopThread());
-}
-
-void VerbsTransport::StartRecv(protocol::RecvStart r) {
-  if (!engine_->OnLoopThread()) {
-    env().FailRecv(std::move(r.done),
-                   absl::CancelledError(absl::StrCat("recv of '", r.key->key.full_key,
-                                                     "': the server is shutting down")));
-    return;
-  }
-  channels_->StartRecv(std::move(r));
+  // Off the loop thread (shutting down), possibly on several threads at once: a batch of its own,
+  // whose recvs fail.
+  const bool on_loop = engine_->OnLoopThread();
+  recv_inbox_.Drain(
+      [this, on_loop](RecvStart& r) {
+        if (on_loop) {
+          channels_->StartRecv(std::move(r));
+        } else {
+          env().FailRecv(std::move(r.done),
+                         absl::CancelledError(absl::StrCat("recv of '", r.key->key.full_key,
+                                                           "': the server is shutting down")));
+        }
+      },
+      on_loop);
 }
 
 void VerbsTransport::Lend(

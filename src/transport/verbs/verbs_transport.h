@@ -239,10 +239,9 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   };
 
   using RecvStart = protocol::RecvStart;
-  // Starts the recvs in recv_inbox_: on the progress thread; on any other (the engine refused
-  // the task: shutting down) it fails them.
+  // Starts the recvs in recv_inbox_ (PeerChannels::StartRecv): on the progress thread; on any
+  // other (the engine refused the task: shutting down) it fails them.
   void StartQueuedRecvs();
-  void StartRecv(RecvStart r);
   // The primary fabric's env: recvs that never reach a channel are counted and failed through
   // it, and what serves every fabric (the local-tensor inbox, grpc+gdr's lending) is built on it.
   protocol::ChannelEnv& env() { return fabrics_.primary().env; }
