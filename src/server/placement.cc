@@ -114,13 +114,15 @@ absl::StatusOr<TaskPlacement> FromSlurm(const std::map<std::string, std::string>
   if (!absl::SimpleAtoi(procid, &rank) || rank < 0 || rank >= total) {
     return Bad("SLURM_PROCID", procid, absl::StrCat("is not a rank of the ", total, " tasks"));
   }
-  const std::string port_text = Get(vars, "TENSORVERBS_SLURM_PORT");
-  int base_port = Config::Defaults().slurm_port;
+  // The port is read through its row of the settings table (its range, its message), as every
+  // variable is; only the rule that spans it and the task counts is checked here.
+  std::map<std::string, std::string> port_var;
+  if (auto it = vars.find("TENSORVERBS_SLURM_PORT"); it != vars.end()) port_var.insert(*it);
+  absl::StatusOr<Config> port_config = Config::FromEnvironment(port_var);
+  if (!port_config.ok()) return port_config.status();
+  const int base_port = port_config->slurm_port;
   int most_per_host = 0;
   for (int c : counts) most_per_host = std::max(most_per_host, c);
-  if (!port_text.empty() && (!absl::SimpleAtoi(port_text, &base_port) || base_port < 1)) {
-    return Bad("TENSORVERBS_SLURM_PORT", port_text, "is not a port number");
-  }
   if (base_port + most_per_host - 1 > 65535) {
     return Bad(
         "TENSORVERBS_SLURM_PORT", absl::StrCat(base_port),

@@ -90,6 +90,9 @@ TEST(PlacementTest, ABadSlurmEnvironmentNamesTheVariable) {
            {"TENSORVERBS_SLURM_JOBS", "ps", "JOB:COUNT"},
            {"TENSORVERBS_SLURM_PORT", "65535", "fewer ports"},
            {"TENSORVERBS_SLURM_PORT", "http", "TENSORVERBS_SLURM_PORT"},
+           // The settings table's range, as for every variable.
+           {"TENSORVERBS_SLURM_PORT", "0", "[1, 65535]"},
+           {"TENSORVERBS_SLURM_PORT", "70000", "[1, 65535]"},
            {"SLURM_JOB_NODELIST", "node[1-", "SLURM_JOB_NODELIST"},
        }) {
     std::map<std::string, std::string> vars = Slurm("1");
