@@ -52,9 +52,11 @@ settings-table: configure
 	  -P cmake/CheckSettingsTable.cmake
 
 # Today's headline figures against the raw fabric, memcpy, UCX and gloo (bench/report.py): JSON,
-# PNGs and headline.md under docs/perf/current/. Run it on an idle machine (about 15 minutes).
+# PNGs and headline.md under docs/perf/current/, and the same tables at the top of
+# docs/PERFORMANCE.md. Run it on an idle machine (about 15 minutes).
 bench-report: build
-	python3 bench/report.py --tool $(BUILD_DIR)/tools/tensorverbs --out docs/perf/current
+	python3 bench/report.py --tool $(BUILD_DIR)/tools/tensorverbs --out docs/perf/current \
+	  --into docs/PERFORMANCE.md
 
 test-unit: build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -L unit

@@ -10,7 +10,9 @@ Runs, one after another (on an idle machine: the figures are ratios within one r
   - bench/torch_bench.py, 4 ranks of all_reduce and the DDP example against gloo, where
     PyTorch is installed.
 Each writes its JSON into --out; this script then draws p2p.png (bench p2p's own plot) and
-torch.png (gnuplot), and writes headline.md, the tables docs/PERFORMANCE.md opens with.
+torch.png (gnuplot), and writes headline.md. --into FILE also puts those tables into FILE
+between its `<!-- bench-report: begin -->` and `<!-- bench-report: end -->` lines (make
+bench-report: docs/PERFORMANCE.md, which opens with them), replacing what was there.
 --from-json composes headline.md from JSON already in --out, running nothing.
 """
 
@@ -216,6 +218,34 @@ def compose(args):
     print(f"bench report: wrote {path}")
 
 
+BEGIN = "<!-- bench-report: begin -->"
+END = "<!-- bench-report: end -->"
+
+
+def splice(headline_path, out, into):
+    """Puts headline.md between the markers of `into`: one heading level down, its images
+    linked from where `into` is. Exits naming the file when the markers are not there."""
+    with open(into) as f:
+        text = f.read()
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < begin:
+        sys.exit(f"bench report: {into} has no '{BEGIN}' line followed by '{END}'")
+    rel = os.path.relpath(out, os.path.dirname(os.path.abspath(into)))
+    body = []
+    with open(headline_path) as f:
+        for line in f.read().splitlines():
+            if line.startswith("#"):
+                line = "#" + line
+            elif line.startswith("![") and "](" in line:
+                alt, target = line[2:].split("](", 1)
+                line = f"![{alt}]({rel}/{target}"
+            body.append(line)
+    text = text[:begin + len(BEGIN)] + "\n" + "\n".join(body).strip() + "\n" + text[end:]
+    with open(into, "w") as f:
+        f.write(text)
+    print(f"bench report: put the headline into {into}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "perf", "current"))
@@ -224,10 +254,13 @@ def main():
     p.add_argument("--p2p-sizes", default="4B,4KiB,64KiB,1MiB,16MiB,64MiB")
     p.add_argument("--from-json", action="store_true",
                    help="compose headline.md from the JSON already in --out")
+    p.add_argument("--into", help="a Markdown file whose bench-report markers get the tables")
     args = p.parse_args()
     if not args.from_json:
         measure(args)
     compose(args)
+    if args.into:
+        splice(os.path.join(args.out, "headline.md"), args.out, args.into)
 
 
 if __name__ == "__main__":

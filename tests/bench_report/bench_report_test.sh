@@ -29,6 +29,32 @@ expect 'DDP step' "the DDP step"
 if grep -q 'grpc+verbs-copy\|| grpc |' "$headline"; then
   echo "FAIL the p2p table holds other protocols' rows"; failures=$((failures + 1))
 fi
+# --into: the tables go between the markers of a page, one heading level down, its images
+# linked from the page's folder; the text around them stays, and a second run replaces them.
+mkdir -p "$out/page"
+printf '# Performance\n\nTEXT-BEFORE\n\n<!-- bench-report: begin -->\nSTALE-TABLE\n<!-- bench-report: end -->\n\nTEXT-AFTER\n' \
+  > "$out/page/PERF.md"
+touch "$out/p2p.png"
+for run in 1 2; do
+  python3 "$src/bench/report.py" --out "$out" --from-json --into "$out/page/PERF.md" > /dev/null
+done
+page="$out/page/PERF.md"
+check_page() {
+  if [[ $(grep -cF -- "$1" "$page") == "$2" ]]; then
+    echo "ok   $3"
+  else
+    echo "FAIL $3: '$1' is not in the page $2 time(s)"; failures=$((failures + 1))
+  fi
+}
+check_page '| 1 MiB | 28.5 [27.8-28.8] | 0.74 | 0.99 | 16.82 us | 0.22 |' 1 "the page holds the p2p row once after two runs"
+check_page '## Headline figures' 1 "the headline's title is one level down"
+check_page '](../p2p.png)' 1 "the plot is linked from the page's folder"
+check_page TEXT-BEFORE 1 "the text before the markers stays"
+check_page TEXT-AFTER 1 "the text after the markers stays"
+check_page STALE-TABLE 0 "what was between the markers is replaced"
+printf 'no markers\n' > "$out/page/NONE.md"
+python3 "$src/bench/report.py" --out "$out" --from-json --into "$out/page/NONE.md" \
+  > /dev/null 2>&1 && { echo "FAIL a page without markers was accepted"; failures=$((failures + 1)); }
 python3 "$src/bench/report.py" --out "$out/empty" --from-json 2>/dev/null && {
   echo "FAIL composing from a folder without JSON succeeded"; failures=$((failures + 1)); }
 [[ $failures -eq 0 ]]
