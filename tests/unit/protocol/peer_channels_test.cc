@@ -20,6 +20,7 @@
 #include "src/protocol/push_ahead.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/tensor/allocator.h"
+#include "tests/unit/protocol/channel_harness.h"
 #include "tensorverbs/device_name.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor.h"
@@ -37,19 +38,6 @@ const std::string& AcceptorName() {
   static const std::string* name = new std::string(TaskName("worker", 1));
   return *name;
 }
-
-// A rendezvous whose remote recvs are a test bug: only PeerChannels::StartRecv starts them here.
-class StepRendezvous final : public RemoteRendezvous {
- public:
-  using RemoteRendezvous::RemoteRendezvous;
-
- protected:
-  void RecvFromRemoteAsync(const ParsedKey& key, const RecvArgs& args,
-                           RecvDoneCallback done) override {
-    ADD_FAILURE() << "unexpected remote recv of " << key.full_key;
-    std::move(done)(absl::UnimplementedError("not here"), Tensor(), false);
-  }
-};
 
 // One task: its fabric context, table, engine and PeerChannels, and the ChannelHost they use.
 struct PeerTask : public ChannelHost {
@@ -148,7 +136,7 @@ class PeerChannelsTest : public ::testing::Test {
   RecvStart Recv(const std::string& tensor, absl::Status* status, int* calls,
                  const std::string& src_job = "worker", int src_task = 1) {
     RecvStart r;
-    r.rendezvous = std::make_shared<StepRendezvous>(&owner_.worker, 1);
+    r.rendezvous = std::make_shared<channel_testing::LocalOnlyRendezvous>(&owner_.worker, 1);
     r.key = MakeKeyRef(*ParsedKey::Parse(ParsedKey::Create(CpuDeviceName(src_job, src_task), 0x2222,
                                                            CpuDeviceName("worker", 0), tensor)));
     r.allocator = &owner_.pool;
