@@ -54,8 +54,10 @@ settings-table: configure
 # Today's headline figures against the raw fabric, memcpy, UCX and gloo (bench/report.py): JSON,
 # PNGs and headline.md under docs/perf/current/, and the same tables at the top of
 # docs/PERFORMANCE.md. Run it on an idle machine (about 15 minutes).
+# Debian's interpreter (DEBIAN_PYTHON, below): the one scripts/install-deps.sh gives PyTorch, for
+# the figures against gloo.
 bench-report: build
-	python3 bench/report.py --tool $(BUILD_DIR)/tools/tensorverbs --out docs/perf/current \
+	$(DEBIAN_PYTHON) bench/report.py --tool $(BUILD_DIR)/tools/tensorverbs --out docs/perf/current \
 	  --into docs/PERFORMANCE.md
 
 test-unit: build
