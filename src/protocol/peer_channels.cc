@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/time/clock.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/message.h"

@@ -20,10 +20,10 @@
 #include "src/protocol/push_ahead.h"
 #include "src/rendezvous/rendezvous_mgr.h"
 #include "src/tensor/allocator.h"
-#include "tests/unit/protocol/channel_harness.h"
 #include "tensorverbs/device_name.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor.h"
+#include "tests/unit/protocol/channel_harness.h"
 
 namespace tensorverbs::protocol {
 namespace {
@@ -84,11 +84,22 @@ struct PeerTask : public ChannelHost {
   }
   ~PeerTask() override {
     table.CloseAll(absl::CancelledError("test over"));
+    RunPosted();
     table.Clear();
   }
 
+  // What the channels posted, run as the loop would at the end of its turn: never inside the
+  // call that posted it (a channel's close posts the reap of its records).
+  void RunPosted() {
+    while (!posted.empty()) {
+      absl::AnyInvocable<void()&&> task = std::move(posted.front());
+      posted.erase(posted.begin());
+      std::move(task)();
+    }
+  }
+
   // ChannelHost.
-  void Post(absl::AnyInvocable<void() &&> task) override { std::move(task)(); }
+  void Post(absl::AnyInvocable<void() &&> task) override { posted.push_back(std::move(task)); }
   void Deliver(ProgressEngine::RecvDelivery d) override {
     std::move(d.done)(d.status, d.tensor, d.is_dead);
   }
@@ -127,6 +138,7 @@ struct PeerTask : public ChannelHost {
   std::unique_ptr<ProgressEngine> engine;
   std::unique_ptr<PeerChannels> channels;
   std::vector<Call> calls;
+  std::vector<absl::AnyInvocable<void() &&>> posted;
 };
 
 class PeerChannelsTest : public ::testing::Test {
