@@ -13,7 +13,7 @@ SOAK_SECONDS ?= 600
 SOAK_PROTOCOL ?= grpc+verbs
 
 .PHONY: all deps configure build demo test test-unit test-asan test-tsan test-python-asan fuzz soak \
-	settings-table bench-report format clean
+	settings-table state-diagrams bench-report format clean
 
 all: build
 
@@ -50,6 +50,11 @@ settings-table: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS) --target tensorverbs
 	cmake -DTOOL=$(BUILD_DIR)/tools/tensorverbs -DREADME=README.md -DUPDATE=ON \
 	  -P cmake/CheckSettingsTable.cmake
+
+# Redraws docs/architecture/state-machines.md from the protocol's state tables (a unit test
+# fails while the page and the tables differ).
+state-diagrams: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target state_diagrams
 
 # Today's headline figures against the raw fabric, memcpy, UCX and gloo (bench/report.py): JSON,
 # PNGs and headline.md under docs/perf/current/, and the same tables at the top of

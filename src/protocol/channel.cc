@@ -1,5 +1,6 @@
 #include "src/protocol/channel.h"
 
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -9,6 +10,33 @@
 #include "src/protocol/channel_table.h"
 
 namespace tensorverbs::protocol {
+namespace {
+
+constexpr const char* kChannelStateNames[] = {"connecting", "ready", "closed"};
+constexpr const char* kChannelEventNames[] = {"Connected", "Close"};
+static_assert(std::size(kChannelStateNames) == Channel::kStates);
+static_assert(std::size(kChannelEventNames) == Channel::kEvents);
+
+// The channel's machine, row by row (state_table.h).
+constexpr StateRow<Channel::State, Channel::Event> kChannelRows[] = {
+    {Channel::State::kConnecting, Channel::Event::kConnected, "", Channel::State::kReady,
+     "start the requests queued meanwhile"},
+    {Channel::State::kConnecting, Channel::Event::kClose, "", Channel::State::kClosed,
+     "end every recv, keep memory the peer may write"},
+    {Channel::State::kReady, Channel::Event::kClose, "", Channel::State::kClosed,
+     "end every recv and response, keep memory the peer may write"},
+};
+
+constexpr StateTable kChannelTable("Channel", kChannelStateNames, kChannelEventNames,
+                                   Channel::State::kConnecting, kChannelRows);
+
+}  // namespace
+
+StateTableView ChannelStateTable() { return kChannelTable.View(); }
+
+void Channel::TransitionTo(State next, Event event) {
+  kChannelTable.Move(&state_, event, next, [&] { return Describe(); });
+}
 
 void Channel::AssertOwnerThread() const {
   DCHECK(env_->OnOwnerThread()) << Describe() << " used off the progress thread";
@@ -54,7 +82,7 @@ absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr,
   RETURN_IF_ERROR(endpoint_->Connect(peer_address));
   RETURN_IF_ERROR(mb_->Connect(endpoint_.get(), rx_addr, std::move(rx_key), rx_slots));
   peer_incarnation_ = peer_incarnation;
-  state_ = State::kReady;
+  TransitionTo(State::kReady, Event::kConnected);
   if (receiving_ != nullptr) receiving_->OnReady();
   return absl::OkStatus();
 }
@@ -309,7 +337,7 @@ void Channel::HandleMessage(Message& m) {
 void Channel::Close(const absl::Status& status) {
   AssertOwnerThread();
   if (state_ == State::kClosed) return;
-  state_ = State::kClosed;
+  TransitionTo(State::kClosed, Event::kClose);
   close_status_ = status.ok() ? absl::CancelledError("closed") : status;
   if (status.code() != absl::StatusCode::kCancelled) {
     env_->stats->channel_errors.fetch_add(1, std::memory_order_relaxed);

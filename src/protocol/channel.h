@@ -94,7 +94,11 @@ struct ChannelSnapshot {
 class Channel {
  public:
   enum class Role { kOwner, kAcceptor };
+  // The channel's machine is one table, kChannelTable in channel.cc (state_table.h).
   enum class State { kConnecting, kReady, kClosed };
+  static constexpr int kStates = 3;
+  enum class Event { kConnected, kClose };
+  static constexpr int kEvents = 2;
 
   Channel(ChannelEnv* env, Role role, uint64_t id, std::string peer_task);
   ~Channel();
@@ -206,6 +210,9 @@ class Channel {
   void Reap();
 
  private:
+  // The one place the state changes; checks in debug and sanitizer builds that the move is a
+  // row of kChannelTable.
+  void TransitionTo(State next, Event event);
   void AssertOwnerThread() const;
   void OnControlMessage();
   void HandleMessage(Message& m);
@@ -230,6 +237,9 @@ class Channel {
   std::unique_ptr<ReceivingSide> receiving_;
   std::unique_ptr<SendingSide> sending_;
 };
+
+// The channel's table, for the diagrams and the tests.
+StateTableView ChannelStateTable();
 
 }  // namespace tensorverbs::protocol
 

@@ -1,6 +1,7 @@
 #include "src/protocol/gdr_pull.h"
 
 #include <cstring>
+#include <iterator>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -22,36 +23,51 @@ GdrPull::GdrPull(ReceivingSide* side, uint32_t index, RemoteTensorRef ref, Tenso
       deadline_(deadline),
       done_(std::move(done)) {}
 
+// A namespace of its own: the unity build compiles this file with the other machines'.
+namespace pull_machine {
+
+using State = GdrPull::State;
+using Event = GdrPull::Event;
+
+constexpr const char* kStateNames[] = {"queued", "reading", "done"};
+constexpr const char* kEventNames[] = {"Issue", "ReadDone", "Close"};
+static_assert(std::size(kStateNames) == GdrPull::kStates);
+static_assert(std::size(kEventNames) == GdrPull::kEvents);
+
+// The pull's machine, row by row (state_table.h).
+constexpr StateRow<State, Event> kPullRows[] = {
+    {State::kQueued, Event::kIssue, "reads posted", State::kReading, ""},
+    {State::kQueued, Event::kIssue,
+     "nothing to read (refused, ended, an unfit destination, no read posted)", State::kDone,
+     "release the tensor at the sender"},
+    {State::kQueued, Event::kClose, "", State::kDone, "end the recv"},
+    {State::kReading, Event::kReadDone, "the last read", State::kDone,
+     "release the tensor at the sender, deliver"},
+    {State::kReading, Event::kClose, "", State::kDone, "end the recv, quarantine the destination"},
+};
+
+constexpr StateTable kPullTable("GdrPull", kStateNames, kEventNames, State::kQueued, kPullRows);
+
+}  // namespace pull_machine
+
+using pull_machine::kPullTable;
+
 bool GdrPullTransitionAllowed(GdrPull::State from, GdrPull::State to) {
-  using State = GdrPull::State;
-  switch (from) {
-    case State::kQueued:
-      return to == State::kReading || to == State::kDone;
-    case State::kReading:
-      return to == State::kDone;
-    case State::kDone:
-      return false;
-  }
-  return false;
+  return kPullTable.Allows(from, to);
 }
 
-const char* PullStateName(GdrPull::State state) {
-  switch (state) {
-    case GdrPull::State::kQueued:
-      return "queued";
-    case GdrPull::State::kReading:
-      return "reading";
-    case GdrPull::State::kDone:
-      return "done";
-  }
-  return "?";
+const char* PullStateName(GdrPull::State state) { return kPullTable.StateName(state); }
+
+StateTableView PullStateTable() { return kPullTable.View(); }
+
+void GdrPull::TransitionTo(State next, Event event) {
+  kPullTable.Move(&state_, event, next, [&] {
+    return absl::StrCat("read of a tensor from task ", channel_->peer_task());
+  });
 }
 
-void GdrPull::TransitionTo(State next) {
-  DCHECK(GdrPullTransitionAllowed(state_, next))
-      << "read of a tensor from task " << channel_->peer_task() << ": " << PullStateName(state_)
-      << " -> " << PullStateName(next);
-  state_ = next;
+void GdrPull::Closed() {
+  if (state_ != State::kDone) TransitionTo(State::kDone, Event::kClose);
 }
 
 void GdrPull::End(const absl::Status& status) {
@@ -66,7 +82,7 @@ void GdrPull::FinishUnread(std::optional<absl::Status> status) {
   // than holding it until its lease ends.
   absl::Status release = PostRelease();
   End(status.has_value() ? *status : release);
-  TransitionTo(State::kDone);
+  TransitionTo(State::kDone, Event::kIssue);
   side_->FinishPull(index_);  // nothing was posted: nothing can land
   if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
 }
@@ -120,7 +136,7 @@ void GdrPull::Issue() {
         fabric::LocalBuffer{*region, static_cast<uint8_t*>(target) + offset, len},
         fabric::RemoteBuffer{ref_.key, ref_.addr + offset, len}, context);
   });
-  if (reads_left_ > 0) TransitionTo(State::kReading);
+  if (reads_left_ > 0) TransitionTo(State::kReading, Event::kIssue);
   if (s.ok()) return;
   if (reads_left_ == 0) {
     FinishUnread(absl::InvalidArgumentError(absl::StrCat(
@@ -142,7 +158,7 @@ void GdrPull::OnReadDone() {
   }
   env->stats->content_bytes.fetch_add(static_cast<int64_t>(ref_.bytes), std::memory_order_relaxed);
   End(absl::OkStatus());
-  TransitionTo(State::kDone);
+  TransitionTo(State::kDone, Event::kReadDone);
   side_->FinishPull(index_);
   if (!release.ok()) channel_->Close(ReleaseFailed(channel_, release));
 }

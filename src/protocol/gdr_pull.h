@@ -7,12 +7,12 @@
 // (its deadline passed while queued, the destination cannot be read into): no tensor waits at
 // the sender for its lease to end.
 //
-//   kQueued --Issue: reads posted--> kReading --last read completed: release--> kDone
-//   kQueued --nothing to read (refused, ended, unfit destination): release--> kDone
-//
-// Whether `done` has run (the recv ended: deadline, close) is beside the state, not a state:
-// a pull that ended while reading keeps its memory until its reads complete or the channel
-// closes. TransitionTo is the one place the state changes (GdrPullTransitionAllowed).
+// Its rows are one table, kPullTable in gdr_pull.cc (state_table.h; drawn in
+// docs/architecture/state-machines.md): Issue posts the reads (kReading) or, with nothing to
+// read, releases at once (kDone); the last read releases and delivers (kDone); a close ends it
+// in any state. Whether `done` has run (the recv ended: deadline, close) is beside the state,
+// not a state: a pull that ended while reading keeps its memory until its reads complete or
+// the channel closes.
 //
 // Owned by its channel's ReceivingSide (by request index, from the same index space as recvs);
 // every method runs on the transport's progress thread. `done` runs exactly once, on the progress
@@ -28,6 +28,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "src/common/state_table.h"
 #include "src/protocol/remote_tensor.h"
 #include "tensorverbs/tensor.h"
 
@@ -41,6 +42,8 @@ class GdrPull {
   using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
   enum class State { kQueued, kReading, kDone };
   static constexpr int kStates = 3;
+  enum class Event { kIssue, kReadDone, kClose };
+  static constexpr int kEvents = 3;
 
   GdrPull(ReceivingSide* side, uint32_t index, RemoteTensorRef ref, Tensor dest,
           absl::Time deadline, Done done);
@@ -53,6 +56,8 @@ class GdrPull {
   void OnReadDone();
   // Runs `done` with `status` if it has not run.
   void End(const absl::Status& status);
+  // The channel closed: the machine ends (after End, which tells the recv).
+  void Closed();
 
   bool finished() const { return !done_; }
   State state() const { return state_; }
@@ -68,8 +73,9 @@ class GdrPull {
   // Posts the zero-byte write that lets the sender drop the tensor.
   absl::Status PostRelease();
   static absl::Status ReleaseFailed(const Channel* channel, const absl::Status& status);
-  // The one place the state changes; DCHECKs that the move is one of the diagram's.
-  void TransitionTo(State next);
+  // The one place the state changes; checks in debug and sanitizer builds that the move is a
+  // row of kPullTable.
+  void TransitionTo(State next, Event event);
 
   ReceivingSide* const side_;
   Channel* const channel_;  // side_'s
@@ -84,8 +90,10 @@ class GdrPull {
 };
 
 const char* PullStateName(GdrPull::State state);
-// Whether the diagram above has an edge from `from` to `to`.
+// Whether a row of the table moves `from` to `to`.
 bool GdrPullTransitionAllowed(GdrPull::State from, GdrPull::State to);
+// The table, for the diagrams and the tests.
+StateTableView PullStateTable();
 
 }  // namespace tensorverbs::protocol
 

@@ -107,7 +107,7 @@ void ReceivingSide::OnReady() {
     auto it = requests_.find(index);
     if (it == requests_.end()) continue;
     if (it->second->finished()) {
-      FinishRequest(index);  // aborted while queued: never sent, nothing can land
+      FinishRequest(index, RdmaTensorRequest::Event::kAbort);  // never sent: nothing can land
       continue;
     }
     it->second->Start();
@@ -156,7 +156,7 @@ void ReceivingSide::AbortStep(int64_t step_id, const absl::Status& status) {
   // sender answers (content or ERROR_STATUS) so their memory is not reused under a write.
   for (uint32_t index : unsent) {
     queued_.erase(std::remove(queued_.begin(), queued_.end(), index), queued_.end());
-    FinishRequest(index);
+    FinishRequest(index, RdmaTensorRequest::Event::kAbort);
   }
   // One at a time, by index: a failed send closes the channel, which empties the table.
   for (uint32_t index : release) {
@@ -304,10 +304,11 @@ void ReceivingSide::GrantWaiting() {
   }
 }
 
-void ReceivingSide::FinishRequest(uint32_t index) {
+void ReceivingSide::FinishRequest(uint32_t index, RdmaTensorRequest::Event why) {
   auto it = requests_.find(index);
   if (it != requests_.end()) {
     RdmaTensorRequest& r = *it->second;
+    r.End(why);
     ReleaseLargeSlot(r);
     if (r.pushed_unadopted()) {
       Unpush(r);
@@ -430,7 +431,7 @@ void ReceivingSide::FinishDelivered(uint32_t index) {
   const KeyRef key = r.key_ref();
   const int64_t step = r.step_id();
   Allocator* allocator = r.allocator();
-  FinishRequest(index);
+  FinishRequest(index, RdmaTensorRequest::Event::kContent);
   if (push) Push(key, step + 1, allocator);
 }
 
@@ -447,7 +448,7 @@ void ReceivingSide::OnAnswer(const Message& m) {
   it->second->Fail(
       absl::Status(m.error.code(), absl::StrCat("task ", peer_task(), " could not send '",
                                                 it->second->key(), "': ", m.error.message())));
-  FinishRequest(m.request_index);
+  FinishRequest(m.request_index, RdmaTensorRequest::Event::kErrorStatus);
   GrantWaiting();
 }
 
@@ -462,6 +463,7 @@ void ReceivingSide::Close(const absl::Status& status, std::vector<Tensor>* memor
       request->Fail(status);
       for (Tensor& t : request->TakeMemory()) memory->push_back(std::move(t));
     }
+    request->End(RdmaTensorRequest::Event::kClose);
     finished_requests_.push_back(std::move(request));
   }
   requests_.clear();
@@ -471,6 +473,7 @@ void ReceivingSide::Close(const absl::Status& status, std::vector<Tensor>* memor
   large_waiting_.clear();
   for (auto& [index, pull] : pulls_) {
     pull->End(status);
+    pull->Closed();
     for (Tensor& t : pull->TakeMemory()) memory->push_back(std::move(t));
     finished_pulls_.push_back(std::move(pull));
   }

@@ -97,8 +97,9 @@ class ReceivingSide {
   // Gives back what `r` holds (its destination will not be written, or it is finished).
   void ReleaseLargeSlot(RdmaTensorRequest& r);
   // Takes a finished request or pull out of its table and frees its index; the record itself
-  // is freed at the end of the turn.
-  void FinishRequest(uint32_t index);
+  // is freed at the end of the turn. `why` is the event that ends the request (its machine
+  // moves to kDone on it unless it is there).
+  void FinishRequest(uint32_t index, RdmaTensorRequest::Event why);
   void FinishPull(uint32_t index);
   // Copy mode: the receiver's pre-registered buffers by tensor name.
   CopyBuffers& copy_buffers() { return copy_buffers_; }

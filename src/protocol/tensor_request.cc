@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -11,49 +12,22 @@
 #include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/copy_mode.h"
+#include "src/protocol/request_table.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
 
+using request_machine::kRequestTable;
+
 bool RequestTransitionAllowed(RdmaTensorRequest::State from, RdmaTensorRequest::State to) {
-  using State = RdmaTensorRequest::State;
-  switch (from) {
-    case State::kQueued:
-      return to == State::kRequested || to == State::kDone;
-    case State::kRequested:
-      return to == State::kAwaitingGrant || to == State::kMetaParked || to == State::kReRequested ||
-             to == State::kLandedAhead || to == State::kDone;
-    case State::kAwaitingGrant:
-    case State::kMetaParked:
-      return to == State::kReRequested;
-    case State::kReRequested:
-    case State::kLandedAhead:
-      return to == State::kDone;
-    case State::kDone:
-      return false;
-  }
-  return false;
+  return kRequestTable.Allows(from, to);
 }
 
 const char* RequestStateName(RdmaTensorRequest::State state) {
-  switch (state) {
-    case RdmaTensorRequest::State::kQueued:
-      return "queued";
-    case RdmaTensorRequest::State::kRequested:
-      return "requested";
-    case RdmaTensorRequest::State::kAwaitingGrant:
-      return "awaiting a grant";
-    case RdmaTensorRequest::State::kMetaParked:
-      return "meta-data parked";
-    case RdmaTensorRequest::State::kReRequested:
-      return "re-requested";
-    case RdmaTensorRequest::State::kLandedAhead:
-      return "landed ahead";
-    case RdmaTensorRequest::State::kDone:
-      return "done";
-  }
-  return "?";
+  return kRequestTable.StateName(state);
 }
+
+StateTableView RequestStateTable() { return kRequestTable.View(); }
 
 RdmaTensorRequest::RdmaTensorRequest(ReceivingSide* side, uint32_t index, int64_t step_id,
                                      KeyRef key, Allocator* allocator, absl::Time deadline,
@@ -76,11 +50,15 @@ void RdmaTensorRequest::BeginTrace(const char* phase) {
                        VerbsModeProtocol(channel_->env()->options.mode), phase);
 }
 
-void RdmaTensorRequest::TransitionTo(State next) {
-  DCHECK(RequestTransitionAllowed(state_, next))
-      << "request " << index_ << " for '" << key_->key.full_key << "': " << RequestStateName(state_)
-      << " -> " << RequestStateName(next);
-  state_ = next;
+void RdmaTensorRequest::TransitionTo(State next, Event event) {
+  kRequestTable.Move(&state_, event, next, [&] {
+    return absl::StrCat("request ", index_, " for '", key_->key.full_key, "' from task ",
+                        channel_->peer_task());
+  });
+}
+
+void RdmaTensorRequest::End(Event event) {
+  if (state_ != State::kDone) TransitionTo(State::kDone, event);
 }
 
 void RdmaTensorRequest::Start() {
@@ -105,8 +83,8 @@ void RdmaTensorRequest::Start() {
         absl::Status s = PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
         if (!s.ok()) {
           Fail(s);
-          TransitionTo(State::kDone);
-          side_->FinishRequest(index_);  // freed at the end of the turn
+          TransitionTo(State::kDone, Event::kStart);
+          side_->FinishRequest(index_, Event::kStart);  // freed at the end of the turn
           return;
         }
       }
@@ -120,7 +98,7 @@ void RdmaTensorRequest::Start() {
   // Named last, once nothing can stop the REQUEST from going out: a key's first REQUEST on the
   // channel defines its index, and the peer must see every index it is later asked by.
   side_->NameKey(key_, &m);
-  TransitionTo(State::kRequested);
+  TransitionTo(State::kRequested, Event::kStart);
   env->stats->requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().requests.fetch_add(1, std::memory_order_relaxed);
   trace_.Phase(next_phase);
@@ -331,24 +309,24 @@ void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
   if (adoptable()) {
     // Pushed, and no recv has taken it yet: the sender holds the tensor for it, so it waits
     // here for the recv (Adopt) or for its step to end (Release), whichever comes first.
-    TransitionTo(State::kMetaParked);
+    TransitionTo(State::kMetaParked, Event::kMetaData);
     return;
   }
   if (!copy && !finished() && !meta_.is_dead && !side_->GrantLargeDestination(*this)) {
     trace_.Phase("awaiting a large-destination grant");
     // The channel calls Grant when an earlier large recv has landed.
-    TransitionTo(State::kAwaitingGrant);
+    TransitionTo(State::kAwaitingGrant, Event::kMetaData);
     return;
   }
-  SendReRequest();
+  SendReRequest(Event::kMetaData);
 }
 
 void RdmaTensorRequest::Grant() {
   DCHECK(state_ == State::kAwaitingGrant);
-  SendReRequest();
+  SendReRequest(Event::kGrant);
 }
 
-void RdmaTensorRequest::SendReRequest() {
+void RdmaTensorRequest::SendReRequest(Event event) {
   ChannelEnv* env = channel_->env();
   const bool copy = env->options.mode == VerbsMode::kCopy;
   Message rr;
@@ -364,7 +342,7 @@ void RdmaTensorRequest::SendReRequest() {
     if (!s.ok()) Fail(s);
   }
   AskForSegments(rr);
-  TransitionTo(State::kReRequested);
+  TransitionTo(State::kReRequested, event);
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().re_requests.fetch_add(1, std::memory_order_relaxed);
   trace_.Phase("awaiting content");
@@ -373,7 +351,7 @@ void RdmaTensorRequest::SendReRequest() {
 
 void RdmaTensorRequest::Release() {
   DCHECK(needs_release());
-  SendReRequest();
+  SendReRequest(Event::kRelease);
 }
 
 absl::Status RdmaTensorRequest::RecvError(const absl::Status& status) const {
@@ -436,8 +414,10 @@ void RdmaTensorRequest::RecvTensorContent() {
   ChannelEnv* env = channel_->env();
   // A pushed request no recv took keeps what landed for its recv; one whose content cannot be
   // kept (dead, a string, a failed check) is declined on delivery and ends (Deliver).
+  // A pushed request moves to kLandedAhead once its result is ready; one that fails on the way
+  // is declined and its record ends (from kRequested) as any other.
   const bool ahead = adoptable();
-  TransitionTo(ahead ? State::kLandedAhead : State::kDone);
+  if (!ahead) TransitionTo(State::kDone, Event::kContent);
   trace_.Phase("landed");
   if (finished() && !ahead) return;
   if (env->options.mode == VerbsMode::kCopy) {
@@ -478,7 +458,10 @@ void RdmaTensorRequest::RecvTensorContent() {
   staging_.Clear();
   transient_.reset();
   if (LandsInCallersMemory()) env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
-  if (ahead) return;  // result_ waits for the recv that takes this request
+  if (ahead) {
+    TransitionTo(State::kLandedAhead, Event::kContent);
+    return;  // result_ waits for the recv that takes this request
+  }
   delivered_in_place_ = true;
   Tensor result = std::move(result_);
   Deliver(absl::OkStatus(), result, false);
@@ -499,11 +482,11 @@ bool RdmaTensorRequest::Adopt(RecvDoneCallback done, absl::Time deadline, Alloca
   if (state_ == State::kMetaParked) {
     // The sender described another tensor than the cached meta-data: now that a recv owns
     // this request, it names a destination for it (last: the send may close the channel).
-    SendReRequest();
+    SendReRequest(Event::kAdopt);
     return false;
   }
   if (state_ != State::kLandedAhead) return false;
-  TransitionTo(State::kDone);
+  TransitionTo(State::kDone, Event::kAdopt);
   delivered_in_place_ = true;
   Tensor result = std::move(result_);
   Deliver(absl::OkStatus(), result, false);
@@ -512,7 +495,7 @@ bool RdmaTensorRequest::Adopt(RecvDoneCallback done, absl::Time deadline, Alloca
 
 Tensor RdmaTensorRequest::TakeLanded() {
   DCHECK(state_ == State::kLandedAhead);
-  TransitionTo(State::kDone);
+  TransitionTo(State::kDone, Event::kClose);
   owner_ = Owner::kDeclined;
   return std::move(result_);
 }
@@ -531,7 +514,6 @@ void RdmaTensorRequest::Deliver(const absl::Status& status, const Tensor& tensor
     // A pushed request no recv took ends here (a dead or string tensor, a bad destination):
     // nobody to tell, and nothing kept for a recv.
     Decline();
-    if (state_ == State::kLandedAhead) TransitionTo(State::kDone);
     return;
   }
   RecvDoneCallback done = std::move(done_);

@@ -1,30 +1,21 @@
 // RdmaTensorRequest: the receiving side of one recv over a grpc+verbs channel (the owner's
-// state machine of seed 000), one explicit machine per request:
-//
-//   kQueued --Start: REQUEST--> kRequested
-//   kQueued --failed or aborted before sending--> kDone
-//   kRequested --META_DATA_RESPONSE, destination at hand: RE_REQUEST--> kReRequested
-//   kRequested --META_DATA_RESPONSE, large destination not granted yet--> kAwaitingGrant
-//   kRequested --META_DATA_RESPONSE for a pushed request no recv took--> kMetaParked
-//   kRequested / kReRequested --content immediate--> kDone
-//   kRequested --content immediate for a pushed request no recv took--> kLandedAhead
-//   kAwaitingGrant --Grant: RE_REQUEST--> kReRequested
-//   kMetaParked --Adopt, or Release once declined: RE_REQUEST--> kReRequested
-//   kLandedAhead --Adopt delivers, TakeLanded hands it over, or it is declined--> kDone
+// state machine of seed 000), one explicit machine per request. Its rows (state, event, guard,
+// next state, action) are one table, kRequestTable in request_table.h: Move checks each move
+// against it, the unit tests walk every row, and docs/architecture/state-machines.md draws it.
+// In short: REQUEST goes out (kRequested); content lands (kDone), or META_DATA_RESPONSE comes
+// and RE_REQUEST names a destination (kReRequested) before it does, after a grant for a large
+// one (kAwaitingGrant); a pushed request parks what comes until a recv takes it over
+// (kMetaParked, kLandedAhead). ERROR_STATUS, an aborted step and a close end it in any state.
 //
 // Who the request serves is a field beside the state, not a state: a recv's (kRecv), or made
 // ahead of any recv (kPushed) and then taken over by one (kAdopted) or given up (kDeclined).
 // `Fail` (abort, deadline, ERROR_STATUS, channel closed) ends the recv at once whatever the
 // state, but not the record: it keeps its index and destination until the sender answers, so
-// late content never lands in memory anyone else uses. TransitionTo is the one place the
-// state changes, and checks each move against the diagram (RequestTransitionAllowed, which the
-// unit tests hold to the diagram above).
+// late content never lands in memory anyone else uses.
 //
 // With a cached meta-data (keyed by rendezvous key, without step id) REQUEST already names the
 // destination and the sender writes at once; otherwise (and always for strings and in
-// validation mode) the meta-data round trip names it. `Fail` (abort, deadline, ERROR_STATUS,
-// channel closed) ends the recv at once but not the record: it keeps its index and destination
-// until the sender answers, so late content never lands in memory anyone else uses.
+// validation mode) the meta-data round trip names it.
 //
 // Large destinations (ChannelEnv::large_in_flight): a recv of a large tensor names its
 // destination in REQUEST only while the channel has no other such REQUEST out; otherwise it
@@ -55,6 +46,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "src/common/state_table.h"
 #include "src/common/trace.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
@@ -80,6 +72,19 @@ class RdmaTensorRequest {
     kDone,           // content in (delivered or dropped), or ended before sending
   };
   static constexpr int kStates = 7;
+  // What moves a request: the table's events.
+  enum class Event {
+    kStart,        // the channel is ready: REQUEST goes out
+    kMetaData,     // META_DATA_RESPONSE
+    kGrant,        // the channel grants a large destination
+    kAdopt,        // a recv takes the pushed request over
+    kRelease,      // the pushed request's step ended while it held META_DATA_RESPONSE
+    kContent,      // the content's (last) immediate
+    kErrorStatus,  // ERROR_STATUS
+    kAbort,        // the step was aborted (or the recv ended) before anything can land
+    kClose,        // the channel closed
+  };
+  static constexpr int kEvents = 9;
   // Whom the request serves.
   enum class Owner : uint8_t { kRecv, kPushed, kAdopted, kDeclined };
   // Which of the channel's large-destination allowances this request holds.
@@ -130,6 +135,9 @@ class RdmaTensorRequest {
   // where a send that fails and closes the channel cannot pull the record from under a loop).
   bool needs_release() const { return state_ == State::kMetaParked && owner_ == Owner::kDeclined; }
   void Release();
+  // The channel forgets the record on `event` (ERROR_STATUS, an abort before anything can
+  // land, a close): the record moves to kDone unless it is there.
+  void End(Event event);
   // Large destinations: whether this request waits in the channel's queue for a grant, and
   // the answer to it: RE_REQUEST, with a destination if the recv is still wanted (the channel
   // set large_slot() to kGranted then) or to release the sender's tensor if not.
@@ -168,13 +176,13 @@ class RdmaTensorRequest {
   std::vector<Tensor> TakeMemory();
 
  private:
-  // The one place the state changes; CHECKs in debug builds that the move is one of the
-  // diagram's.
-  void TransitionTo(State next);
+  // The one place the state changes; checks in debug and sanitizer builds that the move is a
+  // row of kRequestTable.
+  void TransitionTo(State next, Event event);
   // Starts trace_ with `phase` open (TENSORVERBS_TRACE).
   void BeginTrace(const char* phase);
-  // RE_REQUEST for meta_: a destination if the recv is still wanted, else none.
-  void SendReRequest();
+  // RE_REQUEST for meta_, on `event`: a destination if the recv is still wanted, else none.
+  void SendReRequest(Event event);
   // Allocates the destination for `meta` and returns where the sender writes.
   absl::Status PrepareDestination(const TensorMetaData& meta, uint64_t* addr,
                                   fabric::RemoteKey* key);
@@ -231,8 +239,10 @@ class RdmaTensorRequest {
 };
 
 const char* RequestStateName(RdmaTensorRequest::State state);
-// Whether the diagram above has an edge from `from` to `to`.
+// Whether a row of the table moves `from` to `to`.
 bool RequestTransitionAllowed(RdmaTensorRequest::State from, RdmaTensorRequest::State to);
+// The table, for the diagrams and the tests.
+StateTableView RequestStateTable();
 
 }  // namespace tensorverbs::protocol
 

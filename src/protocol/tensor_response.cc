@@ -1,5 +1,6 @@
 #include "src/protocol/tensor_response.h"
 
+#include <iterator>
 #include <tuple>
 #include <utility>
 
@@ -14,34 +15,58 @@
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
+// A namespace of its own: the unity build compiles this file with the other machines'.
+namespace response_machine {
+
+using State = RdmaTensorResponse::State;
+using Event = RdmaTensorResponse::Event;
+
+constexpr const char* kStateNames[] = {"waiting for the tensor", "waiting for RE_REQUEST",
+                                       "writing", "done"};
+constexpr const char* kEventNames[] = {"Tensor",    "ReRequest",    "Expire", "Staged",
+                                       "WriteDone", "WriteRefused", "Cancel"};
+static_assert(std::size(kStateNames) == RdmaTensorResponse::kStates);
+static_assert(std::size(kEventNames) == RdmaTensorResponse::kEvents);
+
+// The response's machine, row by row (state_table.h).
+constexpr StateRow<State, Event> kResponseRows[] = {
+    {State::kWaitTensor, Event::kTensor, "the request named a destination the tensor fits",
+     State::kWriting, "write the content"},
+    {State::kWaitTensor, Event::kTensor, "none came, or it cannot be sent", State::kDone,
+     "ERROR_STATUS"},
+    {State::kWaitTensor, Event::kTensor, "", State::kWaitReRequest, "META_DATA_RESPONSE"},
+    {State::kWaitTensor, Event::kCancel, "", State::kDone, "stop waiting for the tensor"},
+    {State::kWaitReRequest, Event::kReRequest, "", State::kWriting,
+     "write the content (the immediate alone when no destination is named)"},
+    {State::kWaitReRequest, Event::kExpire, "", State::kDone, "ERROR_STATUS"},
+    {State::kWaitReRequest, Event::kStaged, "a part failed to stage", State::kDone, "ERROR_STATUS"},
+    {State::kWaitReRequest, Event::kCancel, "", State::kDone, "let go of the tensor"},
+    {State::kWriting, Event::kStaged, "a part failed to stage, and no write is in flight",
+     State::kDone, "ERROR_STATUS"},
+    {State::kWriting, Event::kWriteDone, "the last write", State::kDone,
+     "count the tensor sent (ERROR_STATUS when a part failed to stage)"},
+    {State::kWriting, Event::kWriteRefused,
+     "the destination or its segments cannot be written, or a part failed to stage", State::kDone,
+     "ERROR_STATUS"},
+    {State::kWriting, Event::kCancel, "", State::kDone, "let go of the tensor"},
+};
+
+constexpr StateTable kResponseTable("RdmaTensorResponse", kStateNames, kEventNames,
+                                    State::kWaitTensor, kResponseRows);
+
+}  // namespace response_machine
+
+using response_machine::kResponseTable;
+
 bool ResponseTransitionAllowed(RdmaTensorResponse::State from, RdmaTensorResponse::State to) {
-  using State = RdmaTensorResponse::State;
-  switch (from) {
-    case State::kWaitTensor:
-      return to != State::kWaitTensor;
-    case State::kWaitReRequest:
-      return to == State::kWriting || to == State::kDone;
-    case State::kWriting:
-      return to == State::kDone;
-    case State::kDone:
-      return false;
-  }
-  return false;
+  return kResponseTable.Allows(from, to);
 }
 
 const char* ResponseStateName(RdmaTensorResponse::State state) {
-  switch (state) {
-    case RdmaTensorResponse::State::kWaitTensor:
-      return "waiting for the tensor";
-    case RdmaTensorResponse::State::kWaitReRequest:
-      return "waiting for RE_REQUEST";
-    case RdmaTensorResponse::State::kWriting:
-      return "writing";
-    case RdmaTensorResponse::State::kDone:
-      return "done";
-  }
-  return "?";
+  return kResponseTable.StateName(state);
 }
+
+StateTableView ResponseStateTable() { return kResponseTable.View(); }
 
 RdmaTensorResponse::RdmaTensorResponse(SendingSide* side, uint64_t serial, Message request)
     : side_(side), channel_(side->channel()), serial_(serial), request_(std::move(request)) {}
@@ -51,11 +76,11 @@ const std::string& RdmaTensorResponse::name() const {
   return key_ != nullptr ? key_->key.full_key : kUnresolved;
 }
 
-void RdmaTensorResponse::TransitionTo(State next) {
-  DCHECK(ResponseTransitionAllowed(state_, next))
-      << "response to request " << request_.request_index << " for '" << name()
-      << "': " << ResponseStateName(state_) << " -> " << ResponseStateName(next);
-  state_ = next;
+void RdmaTensorResponse::TransitionTo(State next, Event event) {
+  kResponseTable.Move(&state_, event, next, [&] {
+    return absl::StrCat("response to request ", request_.request_index, " for '", name(),
+                        "' of task ", channel_->peer_task());
+  });
 }
 
 void RdmaTensorResponse::Start(std::shared_ptr<RemoteRendezvous> rendezvous, KeyRef key) {
@@ -72,7 +97,7 @@ void RdmaTensorResponse::Cancel() {
   if (state_ == State::kWaitTensor && rendezvous_ != nullptr && token_ != 0) {
     rendezvous_->CancelLocalRecv(token_, absl::CancelledError("channel closed"));
   }
-  if (state_ != State::kDone) TransitionTo(State::kDone);
+  if (state_ != State::kDone) TransitionTo(State::kDone, Event::kCancel);
 }
 
 absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
@@ -178,7 +203,7 @@ bool RdmaTensorResponse::OnStaged(const absl::Status& status, uint64_t staged_by
     }
     staging_error_ = status;
     if (state_ == State::kWriting && writes_left_ > 0) return false;  // OnWriteDone answers
-    SendError(status);                                                // finishes the response
+    SendError(status, Event::kStaged);                                // finishes the response
     return false;
   }
   staged_bytes_ = std::max(staged_bytes_, staged_bytes);
@@ -203,7 +228,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
   ChannelEnv* env = channel_->env();
   if (state_ != State::kWaitTensor) return;
   if (!status.ok()) {
-    SendError(status);
+    SendError(status, Event::kTensor);
     return;
   }
   if (!is_dead && !tensor.placement().host_accessible() && tensor.TotalBytes() > 0 && !restaged_) {
@@ -226,7 +251,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
       absl::StatusOr<Tensor> staged =
           rendezvous_->StageToHostInChunks(name(), tensor, chunk, TellStaged());
       if (!staged.ok()) {
-        SendError(staged.status());
+        SendError(staged.status(), Event::kTensor);
         return;
       }
       chunked_ = true;
@@ -249,11 +274,12 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
   }
   if (!prepared.ok()) {
     SendError(absl::Status(prepared.code(), absl::StrCat("the sender cannot transfer the tensor: ",
-                                                         prepared.message())));
+                                                         prepared.message())),
+              Event::kTensor);
     return;
   }
   if (CanWriteNow()) {
-    WriteContent(request_.remote_addr, request_.remote_key, request_.segment_bytes);
+    WriteContent(request_.remote_addr, request_.remote_key, request_.segment_bytes, Event::kTensor);
     return;
   }
   SendMetaData();
@@ -272,7 +298,7 @@ void RdmaTensorResponse::SendMetaData() {
   Message m = Answer(MessageType::kMetaDataResponse);
   m.meta = meta_;
   if (env->options.data_validation) m.checksum = ContentChecksum(source_, meta_.tensor_bytes);
-  TransitionTo(State::kWaitReRequest);
+  TransitionTo(State::kWaitReRequest, Event::kTensor);
   meta_sent_at_ = absl::Now();
   env->stats->meta_responses.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().meta_responses.fetch_add(1, std::memory_order_relaxed);
@@ -290,14 +316,14 @@ void RdmaTensorResponse::RecvReRequest(const Message& m) {
     // release, which the immediate alone carries.
     meta_.tensor_bytes = 0;
   }
-  WriteContent(m.remote_addr, m.remote_key, m.segment_bytes);
+  WriteContent(m.remote_addr, m.remote_key, m.segment_bytes, Event::kReRequest);
 }
 
 void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& key,
-                                      uint32_t segment_bytes) {
+                                      uint32_t segment_bytes, Event event) {
   MessageBuffer* mb = channel_->message_buffer();
   fabric::Endpoint* ep = channel_->endpoint();
-  TransitionTo(State::kWriting);
+  TransitionTo(State::kWriting, event);
   if (meta_.is_dead || meta_.tensor_bytes == 0) {
     const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
     writes_left_ = 1;
@@ -315,7 +341,7 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
   posted_ = 0;
   writes_left_ = 0;
   if (chunked_ && !staging_error_.ok()) {
-    SendError(staging_error_);  // a part failed to stage before the receiver asked
+    SendError(staging_error_, Event::kWriteRefused);  // a part failed to stage before
     return;
   }
   if (const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes);
@@ -323,7 +349,8 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
     // Each segment is an immediate the receiver takes: a bound on what one tensor costs it.
     SendError(absl::InvalidArgumentError(absl::StrCat("the receiver asked for ", segments,
                                                       " segments of ", segment_bytes,
-                                                      " bytes, more than ", kMaxContentSegments)));
+                                                      " bytes, more than ", kMaxContentSegments)),
+              Event::kWriteRefused);
     return;
   }
   PostStagedWrites();
@@ -365,15 +392,17 @@ void RdmaTensorResponse::PostStagedWrites() {
   }
   // The target the receiver named is not writable (a bad key or range): report it to the
   // receiver rather than trusting the peer's description.
-  SendError(absl::InvalidArgumentError(absl::StrCat(
-      "the sender could not write the tensor to the receiver's destination: ", s.message())));
+  SendError(
+      absl::InvalidArgumentError(absl::StrCat(
+          "the sender could not write the tensor to the receiver's destination: ", s.message())),
+      Event::kWriteRefused);
 }
 
 bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
   if (!staging_error_.ok() && posted_ < meta_.tensor_bytes) {
     // A part failed to stage: now that nothing reads the source any more, the receiver hears.
-    SendError(staging_error_);
+    SendError(staging_error_, Event::kWriteDone);
     return false;  // SendError finished the response
   }
   if (posted_ < meta_.tensor_bytes && !meta_.is_dead) return false;  // parts still staging
@@ -388,20 +417,20 @@ bool RdmaTensorResponse::OnWriteDone() {
   channel_->counters().tensors_sent.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().bytes_sent.fetch_add(static_cast<int64_t>(meta_.tensor_bytes),
                                             std::memory_order_relaxed);
-  TransitionTo(State::kDone);
+  TransitionTo(State::kDone, Event::kWriteDone);
   return true;
 }
 
 void RdmaTensorResponse::Expire(const absl::Status& status) {
   if (state_ != State::kWaitReRequest) return;
-  SendError(status);
+  SendError(status, Event::kExpire);
 }
 
-void RdmaTensorResponse::SendError(const absl::Status& status) {
+void RdmaTensorResponse::SendError(const absl::Status& status, Event event) {
   ChannelEnv* env = channel_->env();
   Message m = Answer(MessageType::kErrorStatus);
   m.error = status.ok() ? absl::InternalError("unknown error") : status;
-  TransitionTo(State::kDone);
+  TransitionTo(State::kDone, event);
   env->stats->errors_sent.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().errors_sent.fetch_add(1, std::memory_order_relaxed);
   // A failed send closes the channel, which moves this response out of its table first.

@@ -1,18 +1,15 @@
 // RdmaTensorResponse: the sending side of one recv over a grpc+verbs channel (the acceptor's
-// state machine of seed 000).
-//
-//   kWaitTensor --local tensor; meta matches the request's: write content--> kWriting
-//   kWaitTensor --local tensor; otherwise: META_DATA_RESPONSE--> kWaitReRequest
-//   kWaitReRequest --RE_REQUEST: write content--> kWriting
-//   kWaitReRequest --no RE_REQUEST within the response timeout: ERROR_STATUS--> kDone
-//   kWriting --last write completed--> kDone
+// state machine of seed 000). Its rows are one table, kResponseTable in tensor_response.cc
+// (state_table.h; drawn in docs/architecture/state-machines.md). In short: once the local tensor
+// is there, the content goes at once when the REQUEST named a destination it fits (kWriting),
+// else META_DATA_RESPONSE asks for one (kWaitReRequest); the last write completed ends it, and so
+// does ERROR_STATUS or Cancel in any state.
 //
 // A device tensor the fabric cannot reach is staged to host memory. Where the proxy path
 // moves in chunks (WorkerEnv::proxy_chunk_bytes), the response goes on at once with the
 // staging tensor and writes each part as soon as its device-to-host copy completed
 // (OnStaged), so the copies of later parts overlap the writes of earlier ones; a part that
 // fails to stage ends the response with ERROR_STATUS once the writes already posted completed.
-//   any --error: ERROR_STATUS, or Cancel--> kDone
 //
 // Any sender-side failure (bad key, stale incarnation, cleaned-up or aborted step,
 // unserializable tensor, unwritable destination) goes back as ERROR_STATUS with its code and
@@ -29,6 +26,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "src/common/state_table.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
 #include "src/rendezvous/key_table.h"
@@ -44,6 +42,17 @@ class RdmaTensorResponse {
  public:
   enum class State { kWaitTensor, kWaitReRequest, kWriting, kDone };
   static constexpr int kStates = 4;
+  // What moves a response: the table's events.
+  enum class Event {
+    kTensor,        // the local tensor (or why there is none)
+    kReRequest,     // RE_REQUEST
+    kExpire,        // no RE_REQUEST within the response timeout
+    kStaged,        // chunked staging: a part failed to stage
+    kWriteDone,     // the last content write completed
+    kWriteRefused,  // the content write cannot go
+    kCancel,        // the channel closed
+  };
+  static constexpr int kEvents = 7;
 
   RdmaTensorResponse(SendingSide* side, uint64_t serial, Message request);
 
@@ -73,9 +82,9 @@ class RdmaTensorResponse {
   bool in_progress() const { return state_ == State::kWriting || state_ == State::kWaitReRequest; }
 
  private:
-  // The one place the state changes; DCHECKs that the transition is one of the diagram's
-  // (ResponseTransitionAllowed, which the unit tests hold to the diagram).
-  void TransitionTo(State next);
+  // The one place the state changes; checks in debug and sanitizer builds that the move is a
+  // row of kResponseTable.
+  void TransitionTo(State next, Event event);
   absl::Status PrepareSource(const Tensor& tensor);
   // Copy mode: lays the tensor out in the name's registered buffer (the copy in).
   absl::Status PrepareCopySource(const Tensor& tensor, bool is_dead);
@@ -83,7 +92,9 @@ class RdmaTensorResponse {
   bool CanWriteNow() const;
   // Writes the content to `addr`, in segments of `segment_bytes` each ending with the
   // immediate where the receiver asked for them (Message::segment_bytes), else in one.
-  void WriteContent(uint64_t addr, const fabric::RemoteKey& key, uint32_t segment_bytes);
+  // `event` is what started the write.
+  void WriteContent(uint64_t addr, const fabric::RemoteKey& key, uint32_t segment_bytes,
+                    Event event);
   // Posts the content writes whose bytes are staged (all of them unless staging in chunks).
   void PostStagedWrites();
   // Whether a device tensor is staged in chunks, and the callback that tells this response.
@@ -97,8 +108,8 @@ class RdmaTensorResponse {
   Message Answer(MessageType type) const;
   // META_DATA_RESPONSE (in copy mode: the seed's BUFFER_REQUEST), then wait for RE_REQUEST.
   void SendMetaData();
-  // ERROR_STATUS; the sending side then forgets this response.
-  void SendError(const absl::Status& status);
+  // ERROR_STATUS on `event`; the sending side then forgets this response.
+  void SendError(const absl::Status& status, Event event);
 
   // Not const: a finished record is recycled by assignment (spare_records.h).
   SendingSide* side_;
@@ -130,8 +141,10 @@ class RdmaTensorResponse {
 };
 
 const char* ResponseStateName(RdmaTensorResponse::State state);
-// Whether the diagram above has an edge from `from` to `to`.
+// Whether a row of the table moves `from` to `to`.
 bool ResponseTransitionAllowed(RdmaTensorResponse::State from, RdmaTensorResponse::State to);
+// The table, for the diagrams and the tests.
+StateTableView ResponseStateTable();
 
 }  // namespace tensorverbs::protocol
 

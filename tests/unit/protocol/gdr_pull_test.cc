@@ -77,6 +77,8 @@ TEST_F(GdrPullTest, ADestinationOfAnotherSizeFailsThePullAndReleasesTheTensor) {
   StartPull(Lent(11, 64), Floats(&owner_.pool, 4, 0.0f), absl::InfiniteFuture(), &status, &calls);
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_TRUE(RowsTaken::Took(PullStateTable(), GdrPull::State::kQueued, GdrPull::Event::kIssue,
+                              GdrPull::State::kDone));
   ASSERT_TRUE(Pump([&] { return !released_.empty(); }));
   EXPECT_EQ(released_, std::vector<uint32_t>{11});
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
@@ -124,15 +126,30 @@ TEST_F(FullGdrPullTest, AReadBeyondTheBoundIsRefusedAndItsTensorReleased) {
 
 using PullState = GdrPull::State;
 
-TEST(GdrPullTransitionTest, TheTableIsTheDiagramInTheHeader) {
-  constexpr PullState kEvery[] = {PullState::kQueued, PullState::kReading, PullState::kDone};
-  static_assert(std::size(kEvery) == GdrPull::kStates);
-  const std::set<std::pair<PullState, PullState>> diagram = {
-      {PullState::kQueued, PullState::kReading},
-      {PullState::kQueued, PullState::kDone},
-      {PullState::kReading, PullState::kDone},
+using PullEvent = GdrPull::Event;
+
+TEST(GdrPullTableTest, EveryRowIsWalkedByATest) {
+  auto walk = [](PullState from, PullEvent event, PullState to, const char* test) {
+    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
   };
-  ExpectTableIsTheDiagram(kEvery, diagram, GdrPullTransitionAllowed, PullStateName);
+  const char* const kRead =
+      "UnconnectedReadingGdrPullTest.QueuedThenReadingThenDoneReleasesTheTensor";
+  ExpectEveryRowWalked(
+      PullStateTable(),
+      {
+          walk(PullState::kQueued, PullEvent::kIssue, PullState::kReading, kRead),
+          walk(PullState::kQueued, PullEvent::kIssue, PullState::kDone,
+               "GdrPullTest.ADestinationOfAnotherSizeFailsThePullAndReleasesTheTensor"),
+          walk(PullState::kQueued, PullEvent::kClose, PullState::kDone,
+               "UnconnectedReadingGdrPullTest.CloseInQueuedEndsThePullOnce"),
+          walk(PullState::kReading, PullEvent::kReadDone, PullState::kDone, kRead),
+          walk(PullState::kReading, PullEvent::kClose, PullState::kDone,
+               "ReadingGdrPullTest.CloseInReadingEndsThePullOnceAndQuarantinesItsDestination"),
+      });
+}
+
+::testing::AssertionResult Took(PullState from, PullEvent event, PullState to) {
+  return RowsTaken::Took(PullStateTable(), from, event, to);
 }
 
 // A tensor the acceptor's task really lends: registered for remote reads on its domain.
@@ -175,6 +192,8 @@ TEST_F(UnconnectedReadingGdrPullTest, QueuedThenReadingThenDoneReleasesTheTensor
   EXPECT_TRUE(dest.ContentEquals(lent_));
   EXPECT_EQ(released_, std::vector<uint32_t>{9});
   EXPECT_EQ(InState(PullState::kQueued) + InState(PullState::kReading), 0u);
+  EXPECT_TRUE(Took(PullState::kQueued, PullEvent::kIssue, PullState::kReading));
+  EXPECT_TRUE(Took(PullState::kReading, PullEvent::kReadDone, PullState::kDone));
 }
 
 TEST_F(UnconnectedReadingGdrPullTest, CloseInQueuedEndsThePullOnce) {
@@ -187,6 +206,7 @@ TEST_F(UnconnectedReadingGdrPullTest, CloseInQueuedEndsThePullOnce) {
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
   EXPECT_EQ(InState(PullState::kQueued), 0u);
+  EXPECT_TRUE(Took(PullState::kQueued, PullEvent::kClose, PullState::kDone));
 }
 
 TEST_F(ReadingGdrPullTest, CloseInReadingEndsThePullOnceAndQuarantinesItsDestination) {
@@ -205,6 +225,7 @@ TEST_F(ReadingGdrPullTest, CloseInReadingEndsThePullOnceAndQuarantinesItsDestina
     for (const Tensor& t : q.memory) quarantined += t.data() == dest.data();
   }
   EXPECT_EQ(quarantined, 1u) << "a read still in flight may write the destination";
+  EXPECT_TRUE(Took(PullState::kReading, PullEvent::kClose, PullState::kDone));
 }
 
 }  // namespace

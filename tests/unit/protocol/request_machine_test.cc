@@ -1,7 +1,7 @@
 // RdmaTensorRequest's state machine, driven through a real channel pair (channel_harness.h):
-// the transition table against the diagram in tensor_request.h, every edge of the diagram
-// walked by the protocol itself, and a close of the channel in every state a request rests in,
-// which ends each recv exactly once and keeps the memory the sender may still write.
+// every row of its table (tensor_request.cc) walked by the protocol itself and seen taken, and a
+// close of the channel in every state a request rests in, which ends each recv exactly once and
+// keeps the memory the sender may still write.
 //
 // kDone is where a record ends: the channel finishes it in the same loop turn, so it never
 // rests there and there is no close to test in it.
@@ -30,18 +30,77 @@ constexpr State kEveryState[] = {State::kQueued,     State::kRequested,   State:
                                  State::kDone};
 static_assert(std::size(kEveryState) == RdmaTensorRequest::kStates);
 
-TEST(RequestTransitionTest, TheTableIsTheDiagramInTheHeader) {
-  // tensor_request.h's diagram, edge by edge.
-  const std::set<std::pair<State, State>> diagram = {
-      {State::kQueued, State::kRequested},       {State::kQueued, State::kDone},
-      {State::kRequested, State::kReRequested},  {State::kRequested, State::kAwaitingGrant},
-      {State::kRequested, State::kMetaParked},   {State::kRequested, State::kDone},
-      {State::kRequested, State::kLandedAhead},  {State::kAwaitingGrant, State::kReRequested},
-      {State::kMetaParked, State::kReRequested}, {State::kReRequested, State::kDone},
-      {State::kLandedAhead, State::kDone},
-  };
-  ExpectTableIsTheDiagram(kEveryState, diagram, RequestTransitionAllowed, RequestStateName);
+using Event = RdmaTensorRequest::Event;
+
+// The tests below that walk each row of the request's table.
+RowWalk Walk(State from, Event event, State to, const char* test) {
+  return {static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
 }
+
+TEST(RequestTableTest, EveryRowIsWalkedByATest) {
+  const char* const kRoundTrip = "UnconnectedRequestMachineTest.QueuedRequestedReRequestedDone";
+  const char* const kGranted =
+      "GrantedRequestTest.AwaitingGrantThenReRequestedWhenTheOneAheadLands";
+  const char* const kParkedAdopted =
+      "PushedRequestTest.MetaParkedThenAdoptedAsksWithAFittingDestination";
+  const char* const kLandedAdopted = "PushedRequestTest.LandedAheadThenAdoptedDeliversAtOnce";
+  ExpectEveryRowWalked(
+      RequestStateTable(),
+      {
+          Walk(State::kQueued, Event::kStart, State::kRequested, kRoundTrip),
+          Walk(State::kQueued, Event::kStart, State::kDone,
+               "RequestMachineTest.QueuedToDoneWhenTheCachedDestinationCannotBeMade"),
+          Walk(State::kQueued, Event::kAbort, State::kDone,
+               "UnconnectedRequestMachineTest.AbortInQueuedEndsTheRecvAndForgetsTheRequest"),
+          Walk(State::kQueued, Event::kClose, State::kDone,
+               "UnconnectedRequestMachineTest.CloseInQueuedEndsTheRecvOnce"),
+          Walk(State::kRequested, Event::kMetaData, State::kMetaParked, kParkedAdopted),
+          Walk(State::kRequested, Event::kMetaData, State::kAwaitingGrant, kGranted),
+          Walk(State::kRequested, Event::kMetaData, State::kReRequested, kRoundTrip),
+          Walk(State::kRequested, Event::kContent, State::kLandedAhead, kLandedAdopted),
+          Walk(State::kRequested, Event::kContent, State::kDone,
+               "RequestMachineTest.RequestedStraightToDoneWithCachedMetaData"),
+          Walk(State::kRequested, Event::kErrorStatus, State::kDone,
+               "RequestMachineTest.ErrorStatusInRequestedEndsTheRecvOnce"),
+          Walk(State::kRequested, Event::kClose, State::kDone,
+               "RequestMachineTest.CloseInRequestedEndsTheRecvOnceAndKeepsItsDestination"),
+          Walk(State::kAwaitingGrant, Event::kGrant, State::kReRequested, kGranted),
+          Walk(State::kAwaitingGrant, Event::kErrorStatus, State::kDone,
+               "GrantedRequestTest.ErrorStatusInAwaitingGrantEndsThatRecvOnceAndTheOtherLands"),
+          Walk(State::kAwaitingGrant, Event::kClose, State::kDone,
+               "GrantedRequestTest.CloseInAwaitingGrantAndReRequestedEndsBothRecvsOnce"),
+          Walk(State::kMetaParked, Event::kAdopt, State::kReRequested, kParkedAdopted),
+          Walk(State::kMetaParked, Event::kRelease, State::kReRequested,
+               "PushedRequestTest.MetaParkedThenDeclinedReleasesTheSendersTensor"),
+          Walk(State::kMetaParked, Event::kErrorStatus, State::kDone,
+               "PushedRequestTest.ErrorStatusInMetaParkedForgetsTheRequest"),
+          Walk(State::kMetaParked, Event::kClose, State::kDone,
+               "PushedRequestTest.CloseInMetaParkedCallsNobody"),
+          Walk(State::kReRequested, Event::kContent, State::kDone, kRoundTrip),
+          Walk(State::kReRequested, Event::kErrorStatus, State::kDone,
+               "GrantedRequestTest.ExpiredResponsesEndBothRecvsOnceAndTheGrantComesBack"),
+          Walk(State::kReRequested, Event::kClose, State::kDone,
+               "GrantedRequestTest.CloseAfterTheGrantEndsTheSecondRecvOnceAndKeepsItsDestination"),
+          Walk(State::kLandedAhead, Event::kAdopt, State::kDone, kLandedAdopted),
+          Walk(State::kLandedAhead, Event::kAbort, State::kDone,
+               "PushedRequestTest.LandedAheadThenDeclinedEndsTheRecord"),
+          Walk(State::kLandedAhead, Event::kClose, State::kDone,
+               "PushedRequestTest.CloseInLandedAheadHandsTheTensorToTheTransport"),
+      });
+}
+
+// Whether the test took the request table's row (from, event, to).
+::testing::AssertionResult Took(State from, Event event, State to) {
+  return RowsTaken::Took(RequestStateTable(), from, event, to);
+}
+
+// An allocator with no memory to give.
+class RefusingAllocator final : public Allocator {
+ public:
+  std::string Name() const override { return "refusing"; }
+  void* AllocateRaw(size_t) override { return nullptr; }
+  void DeallocateRaw(void*, size_t) override {}
+};
 
 // Requests of the owner's channel in each state, by owner; only non-zero entries.
 std::map<std::pair<State, Owner>, size_t> Census(const Channel& channel) {
@@ -62,6 +121,12 @@ class RequestMachineTest : public ChannelTest {
   void Configure(ChannelEnv* env) override {
     env->options.large_bytes = uint64_t{64} << 10;
     env->options.large_in_flight = 1;
+    // The sender's response timeout (its recv timeout plus its peer timeout), for the tests
+    // that expire responses.
+    if (env == &acceptor_.env) {
+      env->transfer.recv_timeout = absl::Seconds(4);
+      env->transfer.peer_timeout = absl::Seconds(1);
+    }
   }
   size_t InState(State s, std::optional<Owner> o = std::nullopt) {
     return owner_.channel->CountRequests(s, o);
@@ -113,6 +178,11 @@ TEST_F(UnconnectedRequestMachineTest, QueuedRequestedReRequestedDone) {
   ASSERT_TRUE(recv->status.ok()) << recv->status;
   EXPECT_TRUE(recv->tensor.ContentEquals(sent));
   EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_TRUE(Took(State::kQueued, Event::kStart, State::kRequested));
+  EXPECT_TRUE(RowsTaken::Took(ChannelStateTable(), Channel::State::kConnecting,
+                              Channel::Event::kConnected, Channel::State::kReady));
+  EXPECT_TRUE(Took(State::kRequested, Event::kMetaData, State::kReRequested));
+  EXPECT_TRUE(Took(State::kReRequested, Event::kContent, State::kDone));
 }
 
 TEST_F(UnconnectedRequestMachineTest, CloseInQueuedEndsTheRecvOnce) {
@@ -121,6 +191,58 @@ TEST_F(UnconnectedRequestMachineTest, CloseInQueuedEndsTheRecvOnce) {
   CloseOwner();
   ExpectEndedByClose(*recv);
   EXPECT_EQ(QuarantinedTensors(), 0u) << "a request never sent named no memory";
+  EXPECT_TRUE(Took(State::kQueued, Event::kClose, State::kDone));
+  EXPECT_TRUE(RowsTaken::Took(ChannelStateTable(), Channel::State::kConnecting,
+                              Channel::Event::kClose, Channel::State::kClosed));
+}
+
+TEST_F(UnconnectedRequestMachineTest, AbortInQueuedEndsTheRecvAndForgetsTheRequest) {
+  std::shared_ptr<RecvOutcome> recv = StartRecv(1, Key("k"));
+  ASSERT_EQ(InState(State::kQueued, Owner::kRecv), 1u);
+  owner_.channel->AbortStep(1, absl::CancelledError("step 1 aborted"));
+  Settle();
+  EXPECT_EQ(recv->calls, 1);
+  EXPECT_EQ(recv->status.code(), absl::StatusCode::kCancelled) << recv->status;
+  EXPECT_TRUE(Census(*owner_.channel).empty()) << "never sent: nothing can land";
+  EXPECT_TRUE(Took(State::kQueued, Event::kAbort, State::kDone));
+  ASSERT_NO_FATAL_FAILURE(ConnectChannels());
+  Settle();
+  EXPECT_EQ(Get(owner_.stats.requests), 0) << "no REQUEST goes for it once connected";
+}
+
+// kQueued -> kDone: a cached meta-data has REQUEST name the destination, and there is no
+// memory for it.
+TEST_F(RequestMachineTest, QueuedToDoneWhenTheCachedDestinationCannotBeMade) {
+  const ParsedKey k = Key("k");
+  ASSERT_TRUE(Transfer(1, k, Floats(&acceptor_.pool, 100, 1.0f))->status.ok());
+  const int64_t requests = Get(owner_.stats.requests);
+  RefusingAllocator refusing;
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k, absl::InfiniteFuture(), &refusing);
+  Settle();
+  EXPECT_EQ(recv->calls, 1);
+  EXPECT_EQ(recv->status.code(), absl::StatusCode::kResourceExhausted) << recv->status;
+  EXPECT_THAT(std::string(recv->status.message()), HasSubstr("refusing"));
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_EQ(Get(owner_.stats.requests), requests) << "no REQUEST went";
+  EXPECT_TRUE(Took(State::kQueued, Event::kStart, State::kDone));
+}
+
+// kRequested -> kDone on ERROR_STATUS: the sender's step ends while its response waits for the
+// tensor.
+TEST_F(RequestMachineTest, ErrorStatusInRequestedEndsTheRecvOnce) {
+  const ParsedKey k = Key("k");
+  std::shared_ptr<RecvOutcome> recv = StartRecv(1, k);
+  ASSERT_TRUE(ReachState(State::kRequested, Owner::kRecv));
+  Settle();  // the sender has no tensor yet
+  acceptor_.rendezvous_mgr->Cleanup(1);
+  ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+  Settle();
+  EXPECT_EQ(recv->calls, 1);
+  EXPECT_FALSE(recv->status.ok());
+  EXPECT_THAT(std::string(recv->status.message()), HasSubstr("could not send"));
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_TRUE(Took(State::kRequested, Event::kErrorStatus, State::kDone));
 }
 
 // kRequested -> kDone: with the meta-data cached, REQUEST names the destination and the
@@ -140,6 +262,7 @@ TEST_F(RequestMachineTest, RequestedStraightToDoneWithCachedMetaData) {
   EXPECT_TRUE(recv->tensor.ContentEquals(sent));
   EXPECT_EQ(Get(owner_.stats.re_requests), re_requests) << "no kReRequested on the way";
   EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_TRUE(Took(State::kRequested, Event::kContent, State::kDone));
 }
 
 TEST_F(RequestMachineTest, CloseInRequestedEndsTheRecvOnceAndKeepsItsDestination) {
@@ -151,6 +274,9 @@ TEST_F(RequestMachineTest, CloseInRequestedEndsTheRecvOnceAndKeepsItsDestination
   CloseOwner();
   ExpectEndedByClose(*recv);
   EXPECT_EQ(QuarantinedTensors(), 1u) << "the sender may still write the destination";
+  EXPECT_TRUE(Took(State::kRequested, Event::kClose, State::kDone));
+  EXPECT_TRUE(RowsTaken::Took(ChannelStateTable(), Channel::State::kReady, Channel::Event::kClose,
+                              Channel::State::kClosed));
 }
 
 // A large recv waits for the one ahead of it (kAwaitingGrant), then asks (kReRequested).
@@ -184,6 +310,8 @@ TEST_F(GrantedRequestTest, AwaitingGrantThenReRequestedWhenTheOneAheadLands) {
   EXPECT_TRUE(got_b_->tensor.ContentEquals(sent_b_));
   EXPECT_EQ(Get(owner_.stats.re_requests), 2);
   EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_TRUE(Took(State::kRequested, Event::kMetaData, State::kAwaitingGrant));
+  EXPECT_TRUE(Took(State::kAwaitingGrant, Event::kGrant, State::kReRequested));
 }
 
 TEST_F(GrantedRequestTest, CloseInAwaitingGrantAndReRequestedEndsBothRecvsOnce) {
@@ -191,6 +319,7 @@ TEST_F(GrantedRequestTest, CloseInAwaitingGrantAndReRequestedEndsBothRecvsOnce) 
   ExpectEndedByClose(*got_a_);
   ExpectEndedByClose(*got_b_);
   EXPECT_EQ(QuarantinedTensors(), 1u) << "the granted destination; the other was never named";
+  EXPECT_TRUE(Took(State::kAwaitingGrant, Event::kClose, State::kDone));
 }
 
 TEST_F(GrantedRequestTest, CloseAfterTheGrantEndsTheSecondRecvOnceAndKeepsItsDestination) {
@@ -205,6 +334,46 @@ TEST_F(GrantedRequestTest, CloseAfterTheGrantEndsTheSecondRecvOnceAndKeepsItsDes
   CloseOwner();
   ExpectEndedByClose(*second);
   EXPECT_EQ(QuarantinedTensors(), 1u) << "the destination named in its RE_REQUEST";
+  EXPECT_TRUE(Took(State::kReRequested, Event::kClose, State::kDone));
+}
+
+// The sender gives up on both responses (no RE_REQUEST in time, as it sees it): the granted
+// recv's RE_REQUEST crosses the ERROR_STATUS, and the waiting one, granted in turn, ends too.
+TEST_F(GrantedRequestTest, ExpiredResponsesEndBothRecvsOnceAndTheGrantComesBack) {
+  acceptor_.channel->ExpireResponses(absl::Now() + absl::Hours(1));
+  ASSERT_TRUE(Pump([&] { return got_a_->calls > 0 && got_b_->calls > 0; }));
+  Settle();
+  for (const std::shared_ptr<RecvOutcome>& got : {got_a_, got_b_}) {
+    EXPECT_EQ(got->calls, 1);
+    EXPECT_EQ(got->status.code(), absl::StatusCode::kDeadlineExceeded) << got->status;
+  }
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_TRUE(Took(State::kReRequested, Event::kErrorStatus, State::kDone));
+  // The channel's grant came back: the next large recv goes.
+  std::shared_ptr<RecvOutcome> next = Transfer(2, a_, sent_a_);
+  ASSERT_TRUE(next->status.ok()) << next->status;
+  EXPECT_TRUE(next->tensor.ContentEquals(sent_a_));
+}
+
+// ERROR_STATUS for the recv that waits for a grant (what a sender whose response failed
+// answers): it ends once, and the granted one lands.
+TEST_F(GrantedRequestTest, ErrorStatusInAwaitingGrantEndsThatRecvOnceAndTheOtherLands) {
+  Message error = Control(MessageType::kErrorStatus, b_, /*index=*/1);
+  error.error = absl::InternalError("the sender failed");
+  acceptor_.channel->SendMessage(error);
+  ASSERT_TRUE(Pump([&] { return got_b_->calls > 0; }));
+  EXPECT_EQ(InState(State::kAwaitingGrant), 0u);
+  EXPECT_TRUE(Took(State::kAwaitingGrant, Event::kErrorStatus, State::kDone));
+  ASSERT_TRUE(Pump([&] { return got_a_->calls > 0; }));
+  Settle();
+  EXPECT_EQ(got_b_->calls, 1);
+  EXPECT_EQ(got_b_->status.code(), absl::StatusCode::kInternal) << got_b_->status;
+  EXPECT_THAT(std::string(got_b_->status.message()), HasSubstr("the sender failed"));
+  EXPECT_EQ(got_a_->calls, 1);
+  ASSERT_TRUE(got_a_->status.ok()) << got_a_->status;
+  EXPECT_TRUE(got_a_->tensor.ContentEquals(sent_a_));
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
 }
 
 // Requests pushed ahead (TENSORVERBS_PUSH): made by the channel after a recv of the key, then
@@ -236,6 +405,8 @@ TEST_F(PushedRequestTest, LandedAheadThenAdoptedDeliversAtOnce) {
   Settle();
   // Delivered in place, so step 3 is pushed in turn.
   EXPECT_EQ((Census(*owner_.channel)), (CensusMap{{{State::kRequested, Owner::kPushed}, 1}}));
+  EXPECT_TRUE(Took(State::kRequested, Event::kContent, State::kLandedAhead));
+  EXPECT_TRUE(Took(State::kLandedAhead, Event::kAdopt, State::kDone));
 }
 
 TEST_F(PushedRequestTest, AdoptedWhileRequestedThenDone) {
@@ -261,6 +432,8 @@ TEST_F(PushedRequestTest, MetaParkedThenAdoptedAsksWithAFittingDestination) {
   EXPECT_EQ(recv->calls, 1);
   ASSERT_TRUE(recv->status.ok()) << recv->status;
   EXPECT_TRUE(recv->tensor.ContentEquals(sent));
+  EXPECT_TRUE(Took(State::kRequested, Event::kMetaData, State::kMetaParked));
+  EXPECT_TRUE(Took(State::kMetaParked, Event::kAdopt, State::kReRequested));
 }
 
 TEST_F(PushedRequestTest, MetaParkedThenDeclinedReleasesTheSendersTensor) {
@@ -273,6 +446,7 @@ TEST_F(PushedRequestTest, MetaParkedThenDeclinedReleasesTheSendersTensor) {
   EXPECT_TRUE(Census(*owner_.channel).empty());
   EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u) << "released by an empty RE_REQUEST";
   EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
+  EXPECT_TRUE(Took(State::kMetaParked, Event::kRelease, State::kReRequested));
 }
 
 TEST_F(PushedRequestTest, LandedAheadThenDeclinedEndsTheRecord) {
@@ -283,6 +457,19 @@ TEST_F(PushedRequestTest, LandedAheadThenDeclinedEndsTheRecord) {
   Settle();
   EXPECT_TRUE(Census(*owner_.channel).empty());
   EXPECT_EQ(Get(owner_.stats.push_unused), unused + 1);
+  EXPECT_TRUE(Took(State::kLandedAhead, Event::kAbort, State::kDone));
+}
+
+TEST_F(PushedRequestTest, ErrorStatusInMetaParkedForgetsTheRequest) {
+  Send(2, k_, Floats(&acceptor_.pool, 300, 5.0f));
+  ASSERT_TRUE(ReachState(State::kMetaParked, Owner::kPushed));
+  Settle();
+  acceptor_.channel->ExpireResponses(absl::Now() + absl::Hours(1));
+  Settle();
+  EXPECT_TRUE(Census(*owner_.channel).empty());
+  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u);
+  EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
+  EXPECT_TRUE(Took(State::kMetaParked, Event::kErrorStatus, State::kDone));
 }
 
 TEST_F(PushedRequestTest, CloseInRequestedCallsNobodyAndKeepsTheDestination) {
@@ -298,6 +485,7 @@ TEST_F(PushedRequestTest, CloseInMetaParkedCallsNobody) {
   std::shared_ptr<RecvOutcome> recv = StartRecv(2, k_);
   EXPECT_EQ(recv->calls, 1);
   EXPECT_EQ(recv->status.code(), absl::StatusCode::kUnavailable) << recv->status;
+  EXPECT_TRUE(Took(State::kMetaParked, Event::kClose, State::kDone));
 }
 
 TEST_F(PushedRequestTest, CloseInLandedAheadHandsTheTensorToTheTransport) {
@@ -309,6 +497,7 @@ TEST_F(PushedRequestTest, CloseInLandedAheadHandsTheTensorToTheTransport) {
   EXPECT_TRUE(kept->IsInitialized());
   EXPECT_TRUE(owner_.landed.empty()) << "kept once, for its own key and step";
   EXPECT_EQ(QuarantinedTensors(), 0u);
+  EXPECT_TRUE(Took(State::kLandedAhead, Event::kClose, State::kDone));
 }
 
 // A recv that asks to hear of its progress (RecvArgs::progress_bytes, on_landed): the sender

@@ -1,19 +1,22 @@
 // RdmaTensorResponse's state machine, driven through a real channel pair (channel_harness.h):
-// the transition table against the diagram in tensor_response.h, every edge walked by the
-// protocol itself, and a close of the sender's channel in every state a response rests in,
-// after which the channel holds nothing and a late tensor or completion finds no one.
+// every row of its table (tensor_response.cc) walked by the protocol itself and seen taken, and a
+// close of the sender's channel in every state a response rests in, after which the channel holds
+// nothing and a late tensor or completion finds no one.
 //
 // kDone is where a record ends: the sending side finishes it in the same loop turn, so it
 // never rests there and there is no close to test in it.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <set>
 #include <string>
 #include <utility>
 
+#include "tests/support/stand_in_device.h"
 #include "tests/unit/protocol/channel_harness.h"
 
 namespace tensorverbs::protocol::channel_testing {
@@ -26,14 +29,43 @@ constexpr State kEveryState[] = {State::kWaitTensor, State::kWaitReRequest, Stat
                                  State::kDone};
 static_assert(std::size(kEveryState) == RdmaTensorResponse::kStates);
 
-TEST(ResponseTransitionTest, TheTableIsTheDiagramInTheHeader) {
-  // tensor_response.h's diagram, edge by edge ("any --error, or Cancel--> kDone" included).
-  const std::set<std::pair<State, State>> diagram = {
-      {State::kWaitTensor, State::kWriting}, {State::kWaitTensor, State::kWaitReRequest},
-      {State::kWaitTensor, State::kDone},    {State::kWaitReRequest, State::kWriting},
-      {State::kWaitReRequest, State::kDone}, {State::kWriting, State::kDone},
+using Event = RdmaTensorResponse::Event;
+
+TEST(ResponseTableTest, EveryRowIsWalkedByATest) {
+  auto walk = [](State from, Event event, State to, const char* test) {
+    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
   };
-  ExpectTableIsTheDiagram(kEveryState, diagram, ResponseTransitionAllowed, ResponseStateName);
+  const char* const kRoundTrip =
+      "ResponseMachineTest.WaitTensorThenWaitReRequestThenWritingThenDone";
+  ExpectEveryRowWalked(
+      ResponseStateTable(),
+      {
+          walk(State::kWaitTensor, Event::kTensor, State::kWriting,
+               "ResponseMachineTest.WaitTensorStraightToWritingWhenTheRequestNamedADestination"),
+          walk(State::kWaitTensor, Event::kTensor, State::kDone,
+               "ResponseMachineTest.WaitTensorToDoneWhenTheSendersStepIsAborted"),
+          walk(State::kWaitTensor, Event::kTensor, State::kWaitReRequest, kRoundTrip),
+          walk(State::kWaitTensor, Event::kCancel, State::kDone,
+               "ResponseMachineTest.CloseInWaitTensorCancelsTheWaitAndALateTensorFindsNoOne"),
+          walk(State::kWaitReRequest, Event::kReRequest, State::kWriting, kRoundTrip),
+          walk(State::kWaitReRequest, Event::kExpire, State::kDone,
+               "ExpiringResponseMachineTest.WaitReRequestToDoneWhenTheReceiverNeverAsks"),
+          walk(State::kWaitReRequest, Event::kStaged, State::kDone,
+               "StagedResponseTest.WaitReRequestToDoneWhenAPartFailsToStage"),
+          walk(State::kWaitReRequest, Event::kCancel, State::kDone,
+               "ResponseMachineTest.CloseInWaitReRequestLetsTheTensorGo"),
+          walk(State::kWriting, Event::kStaged, State::kDone,
+               "StagedResponseTest.WritingToDoneWhenAPartFailsToStageWithNoWriteInFlight"),
+          walk(State::kWriting, Event::kWriteDone, State::kDone, kRoundTrip),
+          walk(State::kWriting, Event::kWriteRefused, State::kDone,
+               "ResponseMachineTest.WritingToDoneWhenTheNamedDestinationCannotBeWritten"),
+          walk(State::kWriting, Event::kCancel, State::kDone,
+               "ResponseMachineTest.CloseInWritingIgnoresTheWritesCompletion"),
+      });
+}
+
+::testing::AssertionResult Took(State from, Event event, State to) {
+  return RowsTaken::Took(ResponseStateTable(), from, event, to);
 }
 
 using CensusMap = std::map<State, size_t>;
@@ -82,6 +114,9 @@ TEST_F(ResponseMachineTest, WaitTensorThenWaitReRequestThenWritingThenDone) {
   EXPECT_TRUE(recv->tensor.ContentEquals(sent));
   EXPECT_TRUE(Census().empty());
   EXPECT_EQ(Get(acceptor_.stats.content_writes), 1);
+  EXPECT_TRUE(Took(State::kWaitTensor, Event::kTensor, State::kWaitReRequest));
+  EXPECT_TRUE(Took(State::kWaitReRequest, Event::kReRequest, State::kWriting));
+  EXPECT_TRUE(Took(State::kWriting, Event::kWriteDone, State::kDone));
 }
 
 // kWaitTensor -> kWriting -> kDone: with the meta-data cached, REQUEST names a destination the
@@ -103,6 +138,7 @@ TEST_F(ResponseMachineTest, WaitTensorStraightToWritingWhenTheRequestNamedADesti
   EXPECT_EQ(Get(acceptor_.stats.content_writes), writes + 1);
   EXPECT_EQ(Get(acceptor_.stats.meta_responses), meta_responses) << "no kWaitReRequest";
   EXPECT_TRUE(Census().empty());
+  EXPECT_TRUE(Took(State::kWaitTensor, Event::kTensor, State::kWriting));
 }
 
 // kWaitTensor -> kDone: the sender's step is aborted before its tensor exists; the receiver
@@ -123,6 +159,7 @@ TEST_F(ResponseMachineTest, WaitTensorToDoneWhenTheSendersStepIsAborted) {
   EXPECT_EQ(Get(acceptor_.stats.errors_sent), 1);
   EXPECT_TRUE(Census().empty());
   EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 0u);
+  EXPECT_TRUE(Took(State::kWaitTensor, Event::kTensor, State::kDone));
 }
 
 // kWaitReRequest -> kWriting -> kDone with nothing to write: the receiver releases the tensor
@@ -166,6 +203,7 @@ TEST_F(ExpiringResponseMachineTest, WaitReRequestToDoneWhenTheReceiverNeverAsks)
   Settle();
   EXPECT_EQ(recv->calls, 1);
   EXPECT_EQ(recv->status.code(), absl::StatusCode::kDeadlineExceeded) << recv->status;
+  EXPECT_TRUE(Took(State::kWaitReRequest, Event::kExpire, State::kDone));
 }
 
 TEST_F(ResponseMachineTest, CloseInWaitTensorCancelsTheWaitAndALateTensorFindsNoOne) {
@@ -178,6 +216,7 @@ TEST_F(ResponseMachineTest, CloseInWaitTensorCancelsTheWaitAndALateTensorFindsNo
   Settle();
   EXPECT_EQ(Get(acceptor_.stats.content_writes), 0);
   EXPECT_EQ(Get(acceptor_.stats.meta_responses), 0);
+  EXPECT_TRUE(Took(State::kWaitTensor, Event::kCancel, State::kDone));
 }
 
 TEST_F(ResponseMachineTest, CloseInWaitReRequestLetsTheTensorGo) {
@@ -187,6 +226,7 @@ TEST_F(ResponseMachineTest, CloseInWaitReRequestLetsTheTensorGo) {
   ASSERT_TRUE(ReachState(State::kWaitReRequest));
   CloseAcceptor();
   EXPECT_EQ(Get(acceptor_.stats.content_writes), 0);
+  EXPECT_TRUE(Took(State::kWaitReRequest, Event::kCancel, State::kDone));
 }
 
 TEST_F(ResponseMachineTest, CloseInWritingIgnoresTheWritesCompletion) {
@@ -200,6 +240,110 @@ TEST_F(ResponseMachineTest, CloseInWritingIgnoresTheWritesCompletion) {
   CloseAcceptor();
   EXPECT_EQ(Get(acceptor_.stats.content_writes), writes) << "a closed channel counts no completion";
   EXPECT_EQ(acceptor_.channel->state(), Channel::State::kClosed);
+  EXPECT_TRUE(Took(State::kWriting, Event::kCancel, State::kDone));
+}
+
+// kWaitTensor -> kWriting -> kDone: a REQUEST that names a destination the fabric refuses (a
+// peer's malformed key) is answered with ERROR_STATUS, and the channel stays up.
+TEST_F(ResponseMachineTest, WritingToDoneWhenTheNamedDestinationCannotBeWritten) {
+  const ParsedKey k = Key("k");
+  const Tensor sent = Floats(&acceptor_.pool, 100, 2.0f);
+  Send(1, k, sent);
+  Message m = Control(MessageType::kTensorRequest, k, 90);
+  m.meta.dtype = sent.dtype();
+  m.meta.shape = sent.shape();
+  m.meta.tensor_bytes = sent.TotalBytes();
+  m.remote_addr = 4096;
+  m.remote_key = "not a key";
+  owner_.channel->SendMessage(m);
+  ASSERT_TRUE(Pump([&] { return Get(acceptor_.stats.errors_sent) == 1; }));
+  Settle();
+  EXPECT_TRUE(Census().empty());
+  EXPECT_EQ(Get(acceptor_.stats.content_writes), 0);
+  EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_TRUE(Took(State::kWaitTensor, Event::kTensor, State::kWriting));
+  EXPECT_TRUE(Took(State::kWriting, Event::kWriteRefused, State::kDone));
+}
+
+// A device tensor the fabric cannot reach, staged to host memory in parts
+// (WorkerEnv::proxy_chunk_bytes) by a stand-in GPU's copier whose copies the test holds and
+// fails: a part that fails to stage ends the response with ERROR_STATUS, in either state it can
+// find the response in.
+class StagedResponseTest : public ResponseMachineTest {
+ protected:
+  static constexpr uint64_t kChunk = 4096;
+  static constexpr int64_t kFloats = 4 * kChunk / 4;  // four parts
+  void SetUp() override {
+    acceptor_.worker.device_copier = &copier_;
+    acceptor_.worker.proxy_chunk_bytes = kChunk;
+    ASSERT_NO_FATAL_FAILURE(ResponseMachineTest::SetUp());
+  }
+  Tensor DeviceFloats(float scale) {
+    const Tensor host = Floats(&acceptor_.pool, kFloats, scale);
+    Tensor t = *Tensor::Allocate(&gpu_, DataType::kFloat32, host.shape());
+    std::memcpy(t.data(), host.data(), host.TotalBytes());
+    return t;
+  }
+  // Turns the sender's loop alone until `until` holds.
+  ::testing::AssertionResult TurnSender(const std::function<bool()>& until) {
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (!until()) {
+      if (absl::Now() > deadline) return ::testing::AssertionFailure() << "not reached in 10 s";
+      acceptor_.Turn();
+    }
+    return ::testing::AssertionSuccess();
+  }
+  static void ExpectStagingFailure(const RecvOutcome& recv) {
+    EXPECT_EQ(recv.calls, 1);
+    EXPECT_EQ(recv.status.code(), absl::StatusCode::kInternal) << recv.status;
+    EXPECT_THAT(std::string(recv.status.message()), HasSubstr("stand-in staging failure"));
+  }
+
+  testing::StandInDeviceAllocator gpu_{0};
+  testing::StandInDeviceCopier copier_{1};
+};
+
+TEST_F(StagedResponseTest, WaitReRequestToDoneWhenAPartFailsToStage) {
+  const ParsedKey k = Key("k");
+  copier_.Hold(CopyDirection::kDeviceToHost);
+  copier_.FailNext(CopyDirection::kDeviceToHost, absl::InternalError("stand-in staging failure"));
+  Send(1, k, DeviceFloats(2.0f));
+  std::shared_ptr<RecvOutcome> recv = StartRecv(1, k);
+  // META_DATA_RESPONSE is out; the receiver has not answered it.
+  ASSERT_TRUE(ReachState(State::kWaitReRequest));
+  copier_.ReleaseHeld(-1);
+  ASSERT_TRUE(TurnSender([&] { return Census().empty(); }));
+  EXPECT_TRUE(Took(State::kWaitReRequest, Event::kStaged, State::kDone));
+  ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+  Settle();
+  ExpectStagingFailure(*recv);
+  EXPECT_EQ(Get(acceptor_.stats.content_writes), 0);
+  EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+}
+
+TEST_F(StagedResponseTest, WritingToDoneWhenAPartFailsToStageWithNoWriteInFlight) {
+  const ParsedKey k = Key("k");
+  // The first transfer caches the meta-data: the next REQUEST names a destination, and the
+  // sender goes to kWriting as soon as its tensor is there, before any part is staged.
+  ASSERT_TRUE(Transfer(1, k, DeviceFloats(1.0f))->status.ok());
+  const int64_t writes = Get(acceptor_.stats.content_writes);
+  std::shared_ptr<RecvOutcome> recv = StartRecv(2, k);
+  ASSERT_TRUE(ReachState(State::kWaitTensor));
+  Settle();
+  copier_.Hold(CopyDirection::kDeviceToHost);
+  copier_.FailNext(CopyDirection::kDeviceToHost, absl::InternalError("stand-in staging failure"));
+  Send(2, k, DeviceFloats(2.0f));
+  ASSERT_TRUE(TurnSender([&] { return acceptor_.channel->CountResponses(State::kWriting) == 1; }));
+  copier_.ReleaseHeld(-1);
+  ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
+  Settle();
+  ExpectStagingFailure(*recv);
+  EXPECT_EQ(Get(acceptor_.stats.content_writes), writes);
+  EXPECT_TRUE(Census().empty());
+  EXPECT_TRUE(Took(State::kWriting, Event::kStaged, State::kDone));
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
 }
 
 }  // namespace
