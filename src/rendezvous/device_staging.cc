@@ -8,7 +8,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "src/common/mutex.h"
+#include "src/common/on_demand_loop.h"
+#include "src/common/state_table.h"
 
 namespace tensorverbs::device_staging {
 namespace {
@@ -45,6 +46,44 @@ class CopyInFlight {
   TransferStats* stats_;
 };
 
+// The machines of this file as tables (state_table.h); ProxyStateTable and StagingStateTable
+// hand them to the diagrams and the tests.
+constexpr const char* kProxyStates[] = {"landing", "draining", "done"};
+constexpr const char* kProxyEvents[] = {"Landed", "RecvEnded", "CopyDone"};
+constexpr StateRow<ProxyState, ProxyEvent> kProxyRows[] = {
+    {ProxyState::kLanding, ProxyEvent::kLanded, "", ProxyState::kLanding,
+     "copy the new bytes to the device (allocating it first), unless a copy failed"},
+    {ProxyState::kLanding, ProxyEvent::kCopyDone, "", ProxyState::kLanding, "keep the first error"},
+    {ProxyState::kLanding, ProxyEvent::kRecvEnded, "copies in flight (the rest's included)",
+     ProxyState::kDraining, "copy the rest, unless the recv or a copy failed"},
+    {ProxyState::kLanding, ProxyEvent::kRecvEnded, "", ProxyState::kDone,
+     "done: the tensor (on the device already, or empty), or the error"},
+    {ProxyState::kDraining, ProxyEvent::kCopyDone, "more in flight", ProxyState::kDraining,
+     "keep the first error"},
+    {ProxyState::kDraining, ProxyEvent::kCopyDone, "the last in flight", ProxyState::kDone,
+     "done: the tensor on the device, or the first error"},
+    {ProxyState::kDraining, ProxyEvent::kLanded, "", ProxyState::kDraining,
+     "nothing: the recv's end copies the rest"},
+    {ProxyState::kDone, ProxyEvent::kLanded, "", ProxyState::kDone, "nothing"},
+};
+constexpr StateTable kProxyTable("ProxyToDevice", kProxyStates, kProxyEvents, ProxyState::kLanding,
+                                 kProxyRows);
+
+constexpr const char* kStagingStates[] = {"staging", "staged", "failed"};
+constexpr const char* kStagingEvents[] = {"ChunkDone"};
+constexpr StateRow<StagingState, StagingEvent> kStagingRows[] = {
+    {StagingState::kStaging, StagingEvent::kChunkDone, "it succeeded, and bytes are still to come",
+     StagingState::kStaging, "tell the prefix made whole, if it grew"},
+    {StagingState::kStaging, StagingEvent::kChunkDone, "it succeeded, and every chunk is staged",
+     StagingState::kStaged, "tell the whole, count one copy"},
+    {StagingState::kStaging, StagingEvent::kChunkDone, "it failed", StagingState::kFailed,
+     "tell the failure"},
+    {StagingState::kFailed, StagingEvent::kChunkDone, "", StagingState::kFailed,
+     "nothing more is told"},
+};
+constexpr StateTable kStagingTable("ChunkedStaging", kStagingStates, kStagingEvents,
+                                   StagingState::kStaging, kStagingRows);
+
 // A remote recv into device memory. The tensor arrives in a pool tensor (the proxy) and is
 // copied host-to-device into memory of `device_allocator`; one that arrived on that device
 // already (the direct path) passes through as it is. Where the transport reports the proxy
@@ -54,61 +93,37 @@ class CopyInFlight {
 // started has completed: a copy that fails, or a recv that fails, starts no further copy, and
 // the recv fails with that error.
 //
-// Thread-safe: Landed runs on a transport thread (and hands its work to the callback
-// executor: allocating device memory may call the GPU runtime), Done on the callback executor,
-// copy completions on the copier's thread.
+// Its machine is kProxyTable (ProxyStateTable): landing while the recv goes on, draining once
+// it ended and copies are in flight, done once `done` is on its way. Its events come from three
+// threads (a part landed: the transport's, through the callback executor, since allocating
+// device memory may call the GPU runtime; the recv's end: the callback executor; a copy's
+// completion: the copier's) and each is posted to the recv's own loop (OnDemandLoop), where the
+// machine advances one event at a time: its fields need no lock.
 class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
  public:
+  using State = ProxyState;
+  using Event = ProxyEvent;
+
   ProxyToDevice(const WorkerEnv* env, std::string key, Allocator* device_allocator,
                 RecvDoneCallback done)
       : env_(env), key_(std::move(key)), allocator_(device_allocator), done_(std::move(done)) {}
 
   // RecvArgs::on_landed: the first `landed_bytes` of the tensor are in `proxy`.
   void Landed(const Tensor& proxy, uint64_t landed_bytes) {
+    auto post = [self = shared_from_this(), proxy, landed_bytes] {
+      self->loop_.Post([self, proxy, landed_bytes] { self->OnLanded(proxy, landed_bytes); });
+    };
     if (env_->callback_executor == nullptr) {
-      CopyLanded(proxy, landed_bytes);
-      return;
+      post();
+    } else {
+      env_->callback_executor->Schedule(std::move(post));
     }
-    env_->callback_executor->Schedule([self = shared_from_this(), proxy, landed_bytes] {
-      self->CopyLanded(proxy, landed_bytes);
-    });
   }
 
   // The recv's `done`.
   void Done(const absl::Status& s, const Tensor& proxy, bool is_dead) {
-    const MemoryPlacement where = allocator_->Placement();
-    if (s.ok() && !is_dead && proxy.placement() == where) {
-      Finish({s, proxy, false});  // landed on the device: nothing was copied
-      return;
-    }
-    if (s.ok() && !is_dead && proxy.dtype() == DataType::kString) {
-      Fail(absl::InvalidArgumentError(
-          absl::StrCat("recv of '", key_, "' into ", where.ToString(),
-                       " memory: it is a string tensor, and strings live in host memory "
-                       "only; receive it with a host allocator")));
-      return;
-    }
-    if (s.ok() && !is_dead && proxy.TotalBytes() == 0) {
-      Finish({s, proxy, false});  // no memory, so nothing to copy: an empty tensor has no placement
-      return;
-    }
-    std::optional<Copy> copy;
-    std::optional<Outcome> outcome;
-    {
-      MutexLock lock(&mu_);
-      recv_ended_ = true;
-      if (!s.ok()) {
-        // The recv's own error: it says more than that of a copy its failure may have caused.
-        error_ = s;
-      } else if (is_dead) {
-        dead_ = true;
-      } else {
-        copy = PlanCopy(proxy, proxy.TotalBytes());
-      }
-      if (!copy) outcome = TakeOutcomeIfSettled();
-    }
-    if (copy) Start(*std::move(copy));
-    if (outcome) Finish(*std::move(outcome));
+    std::shared_ptr<ProxyToDevice> self = shared_from_this();
+    loop_.Post([self, s, proxy, is_dead] { self->OnRecvEnded(s, proxy, is_dead); });
   }
 
  private:
@@ -123,26 +138,63 @@ class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
     bool is_dead;
   };
 
-  // The recv fails before any copy: counted as a device copy error.
-  void Fail(absl::Status error) {
-    if (env_->stats) env_->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
-    Finish({std::move(error), Tensor(), false});
+  void MoveTo(State next, Event event) {
+    kProxyTable.Move(&state_, event, next, [&] { return absl::StrCat("recv of '", key_, "'"); });
   }
 
-  void CopyLanded(const Tensor& proxy, uint64_t landed_bytes) {
-    std::optional<Copy> copy;
-    {
-      MutexLock lock(&mu_);
-      if (recv_ended_) return;  // Done copies the rest itself
-      copy = PlanCopy(proxy, landed_bytes);
+  void OnLanded(const Tensor& proxy, uint64_t landed_bytes) {
+    if (state_ != State::kLanding) {
+      MoveTo(state_, Event::kLanded);  // the recv's end copied the rest
+      return;
     }
+    std::optional<Copy> copy = PlanCopy(proxy, landed_bytes);
+    MoveTo(State::kLanding, Event::kLanded);
     if (copy) Start(*std::move(copy));
+  }
+
+  void OnRecvEnded(const absl::Status& s, const Tensor& proxy, bool is_dead) {
+    const MemoryPlacement where = allocator_->Placement();
+    if (s.ok() && !is_dead && proxy.placement() == where) {
+      // Landed on the device: nothing was copied.
+      return End(Event::kRecvEnded, {s, proxy, false});
+    }
+    if (s.ok() && !is_dead && proxy.dtype() == DataType::kString) {
+      SetError(absl::InvalidArgumentError(
+          absl::StrCat("recv of '", key_, "' into ", where.ToString(),
+                       " memory: it is a string tensor, and strings live in host memory "
+                       "only; receive it with a host allocator")));
+      return End(Event::kRecvEnded, {error_, Tensor(), false});
+    }
+    if (s.ok() && !is_dead && proxy.TotalBytes() == 0) {
+      // No memory, so nothing to copy: an empty tensor has no placement.
+      return End(Event::kRecvEnded, {s, proxy, false});
+    }
+    std::optional<Copy> copy;
+    if (!s.ok()) {
+      // The recv's own error: it says more than that of a copy its failure may have caused.
+      error_ = s;
+    } else if (is_dead) {
+      dead_ = true;
+    } else {
+      copy = PlanCopy(proxy, proxy.TotalBytes());
+    }
+    if (copies_in_flight_ == 0) return End(Event::kRecvEnded, TakeOutcome());
+    MoveTo(State::kDraining, Event::kRecvEnded);
+    if (copy) Start(*std::move(copy));
+  }
+
+  void OnCopyDone(absl::Status s) {
+    --copies_in_flight_;
+    if (!s.ok() && error_.ok()) SetError(std::move(s));
+    if (state_ == State::kDraining && copies_in_flight_ == 0) {
+      return End(Event::kCopyDone, TakeOutcome());
+    }
+    MoveTo(state_, Event::kCopyDone);
   }
 
   // The copy of proxy's bytes from copied_ up to `end` into dst_ (allocated first), counted in
   // flight; none when there is nothing new or the transfer already failed.
-  std::optional<Copy> PlanCopy(const Tensor& proxy, uint64_t end)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  std::optional<Copy> PlanCopy(const Tensor& proxy, uint64_t end) {
     if (!error_.ok() || dead_ || end <= copied_) return std::nullopt;
     const MemoryPlacement where = allocator_->Placement();
     if (env_->device_copier == nullptr) {
@@ -164,7 +216,6 @@ class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
         return std::nullopt;
       }
       dst_ = *std::move(dst);
-      dst_data_ = static_cast<uint8_t*>(dst_.data());
     }
     Copy copy{proxy, copied_, end};
     copied_ = end;
@@ -179,9 +230,8 @@ class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
             ? key_
             : absl::StrCat(key_, " (bytes ", copy.begin, " to ", copy.end, ")");
     const MemoryPlacement where = allocator_->Placement();
-    // dst_data_ is set once, before the first copy is planned, and dst_ lives until the last
-    // copy completed.
-    uint8_t* dst = dst_data_ + copy.begin;
+    // dst_ lives until the last copy completed: only the machine's end takes it.
+    uint8_t* dst = static_cast<uint8_t*>(dst_.data()) + copy.begin;
     const uint8_t* src = static_cast<const uint8_t*>(copy.proxy.data()) + copy.begin;
     env_->device_copier->CopyAsync(
         where.device, dst, src, copy.end - copy.begin, CopyDirection::kHostToDevice, what,
@@ -191,30 +241,17 @@ class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
           const CopyInFlight last = std::move(in_flight);
           proxy.Clear();  // back to the pool before the user's callback runs
           const std::shared_ptr<ProxyToDevice> me = std::move(self);
-          me->CopyDone(std::move(cs));
+          me->loop_.Post([me, cs = std::move(cs)]() mutable { me->OnCopyDone(std::move(cs)); });
         });
   }
 
-  void CopyDone(absl::Status s) {
-    std::optional<Outcome> outcome;
-    {
-      MutexLock lock(&mu_);
-      --copies_in_flight_;
-      if (!s.ok() && error_.ok()) SetError(std::move(s));
-      outcome = TakeOutcomeIfSettled();
-    }
-    if (outcome) Finish(*std::move(outcome));
-  }
-
-  void SetError(absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  void SetError(absl::Status s) {
     error_ = std::move(s);
     if (env_->stats) env_->stats->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
   }
 
-  // Once the recv ended and no copy is in flight: what `done` gets, once.
-  std::optional<Outcome> TakeOutcomeIfSettled() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (!recv_ended_ || copies_in_flight_ > 0 || settled_) return std::nullopt;
-    settled_ = true;
+  // What `done` gets once the recv ended and no copy is in flight.
+  Outcome TakeOutcome() {
     Outcome outcome{error_, Tensor(), dead_};
     if (error_.ok() && !dead_) {
       outcome.tensor = std::move(dst_);
@@ -225,7 +262,9 @@ class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
     return outcome;
   }
 
-  void Finish(Outcome outcome) {
+  // The machine's end on `event`: `done` gets `outcome`, on the callback executor.
+  void End(Event event, Outcome outcome) {
+    MoveTo(State::kDone, event);
     auto finish = [outcome = std::move(outcome), done = std::move(done_)]() mutable {
       // Nothing here keeps the tensor once `done` returns.
       const Tensor result = std::move(outcome.tensor);
@@ -242,22 +281,26 @@ class ProxyToDevice : public std::enable_shared_from_this<ProxyToDevice> {
   const WorkerEnv* const env_;
   const std::string key_;
   Allocator* const allocator_;
-  RecvDoneCallback done_;  // moved out by Finish, which runs once
-  Mutex mu_;
-  Tensor dst_ ABSL_GUARDED_BY(mu_);
-  uint8_t* dst_data_ = nullptr;               // dst_'s bytes, for copies started outside the lock
-  uint64_t copied_ ABSL_GUARDED_BY(mu_) = 0;  // bytes whose copy has started
-  int copies_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-  bool recv_ended_ ABSL_GUARDED_BY(mu_) = false;
-  bool dead_ ABSL_GUARDED_BY(mu_) = false;
-  bool settled_ ABSL_GUARDED_BY(mu_) = false;
+  OnDemandLoop loop_;
+  // Touched in the loop's tasks only.
+  State state_ = State::kLanding;
+  RecvDoneCallback done_;  // moved out by End, which runs once
+  Tensor dst_;
+  uint64_t copied_ = 0;  // bytes whose copy has started
+  int copies_in_flight_ = 0;
+  absl::Status error_;
+  bool dead_ = false;
 };
 
 // The chunks of one StageToHostInChunks in flight: completions may come in any order, and the
-// prefix they make whole is told in order, once each; the first failure ends the telling.
-class ChunkedStaging {
+// prefix they make whole is told in order, once each; the first failure ends the telling. Its
+// machine is kStagingTable (StagingStateTable); completions come from the copier's thread and
+// each is posted to the staging's own loop, where the machine advances.
+class ChunkedStaging : public std::enable_shared_from_this<ChunkedStaging> {
  public:
+  using State = StagingState;
+  using Event = StagingEvent;
+
   ChunkedStaging(TransferStats* stats, uint64_t total, uint64_t chunk,
                  RemoteRendezvous::StagedCallback on_staged)
       : stats_(stats),
@@ -267,46 +310,52 @@ class ChunkedStaging {
         on_staged_(std::move(on_staged)) {}
 
   void ChunkDone(size_t i, absl::Status s) {
-    absl::Status failure;
-    uint64_t staged = 0;
-    bool tell = false;
-    {
-      MutexLock lock(&mu_);
-      if (failed_) return;
-      if (!s.ok()) {
-        failed_ = true;
-        failure = std::move(s);
-        if (stats_) stats_->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
-      } else {
-        done_[i] = true;
-        const size_t before = next_;
-        while (next_ < done_.size() && done_[next_]) ++next_;
-        if (next_ == before) return;
-        staged = std::min<uint64_t>(next_ * chunk_, total_);
-        tell = true;
-        if (staged == total_) CountDeviceCopy(stats_, CopyDirection::kDeviceToHost, s, total_);
-      }
-    }
-    // Told outside the lock, one completion at a time: the copier runs them on its one thread.
-    if (!failure.ok()) {
-      on_staged_(failure, 0);
-    } else if (tell) {
-      on_staged_(absl::OkStatus(), staged);
-    }
+    std::shared_ptr<ChunkedStaging> self = shared_from_this();
+    loop_.Post([self, i, s = std::move(s)]() mutable { self->OnChunkDone(i, std::move(s)); });
   }
 
  private:
+  void MoveTo(State next) {
+    kStagingTable.Move(&state_, Event::kChunkDone, next,
+                       [&] { return absl::StrCat("staging of ", total_, " bytes"); });
+  }
+
+  void OnChunkDone(size_t i, absl::Status s) {
+    if (state_ != State::kStaging) return MoveTo(state_);  // nothing more is told
+    if (!s.ok()) {
+      if (stats_) stats_->device_copy_errors.fetch_add(1, std::memory_order_relaxed);
+      MoveTo(State::kFailed);
+      on_staged_(s, 0);
+      return;
+    }
+    done_[i] = true;
+    const size_t before = next_;
+    while (next_ < done_.size() && done_[next_]) ++next_;
+    const uint64_t staged = std::min<uint64_t>(next_ * chunk_, total_);
+    if (staged == total_) {
+      CountDeviceCopy(stats_, CopyDirection::kDeviceToHost, s, total_);
+      MoveTo(State::kStaged);
+    } else {
+      MoveTo(State::kStaging);
+    }
+    if (next_ > before) on_staged_(absl::OkStatus(), staged);
+  }
+
   TransferStats* const stats_;
   const uint64_t total_;
   const uint64_t chunk_;
-  Mutex mu_;
-  std::vector<bool> done_ ABSL_GUARDED_BY(mu_);
-  size_t next_ ABSL_GUARDED_BY(mu_) = 0;  // chunks staged in order
-  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  OnDemandLoop loop_;
+  // Touched in the loop's tasks only.
+  State state_ = State::kStaging;
+  std::vector<bool> done_;
+  size_t next_ = 0;  // chunks staged in order
   const RemoteRendezvous::StagedCallback on_staged_;
 };
 
 }  // namespace
+
+StateTableView ProxyStateTable() { return kProxyTable.View(); }
+StateTableView StagingStateTable() { return kStagingTable.View(); }
 
 // A device tensor taken from this task's table for a peer, copied into a pool tensor (which
 // the fabric writes from without a further copy); `done` gets that copy. Runs `done` on the

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "src/common/state_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 
 namespace tensorverbs::device_staging {
@@ -42,6 +43,17 @@ RecvDoneCallback CopyingToDevice(const WorkerEnv* env, std::string key, Allocato
 absl::StatusOr<Tensor> StageToHostInChunks(const WorkerEnv* env, const std::string& key,
                                            const Tensor& value, uint64_t chunk_bytes,
                                            RemoteRendezvous::StagedCallback on_staged);
+
+// The machines inside, for the diagrams and the tests (docs/architecture/state-machines.md):
+// CopyingToDevice's recv into device memory, whose events (a part landed, the recv ended, a copy
+// completed) come from three threads and are posted to the recv's own loop; and
+// StageToHostInChunks' chunks, whose completions are posted to the staging's loop.
+enum class ProxyState { kLanding, kDraining, kDone };
+enum class ProxyEvent { kLanded, kRecvEnded, kCopyDone };
+StateTableView ProxyStateTable();
+enum class StagingState { kStaging, kStaged, kFailed };
+enum class StagingEvent { kChunkDone };
+StateTableView StagingStateTable();
 
 }  // namespace tensorverbs::device_staging
 

@@ -41,8 +41,13 @@
 #include "tensorverbs/device_name.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor.h"
+#include "tests/support/state_rows.h"
 
 namespace tensorverbs::protocol::channel_testing {
+
+using ::tensorverbs::testing::ExpectEveryRowWalked;
+using ::tensorverbs::testing::RowsTaken;
+using ::tensorverbs::testing::RowWalk;
 
 using ::testing::HasSubstr;
 
@@ -67,110 +72,6 @@ class LocalOnlyRendezvous final : public RemoteRendezvous {
     std::move(done)(absl::UnimplementedError("local-only rendezvous"), Tensor(), false);
   }
 };
-
-// The rows of the state tables (state_table.h) the protocol took while a test ran, as (table,
-// row index); a move that is no row is recorded with index -1. ChannelTest installs the tap for
-// each test, and its TearDown expects no such move.
-class RowsTaken {
- public:
-  static void Tap(const char* table, int row) {
-    std::lock_guard<std::mutex> lock(mu());
-    rows().insert({table, row});
-  }
-  static void Clear() {
-    std::lock_guard<std::mutex> lock(mu());
-    rows().clear();
-  }
-  // Moves a test took that are no row of their table.
-  static std::vector<std::string> Refused() {
-    std::lock_guard<std::mutex> lock(mu());
-    std::vector<std::string> out;
-    for (const auto& [table, row] : rows()) {
-      if (row < 0) out.push_back(table);
-    }
-    return out;
-  }
-  // Whether the test took the row (from, event, to) of `table`.
-  template <typename State, typename Event>
-  static ::testing::AssertionResult Took(const StateTableView& table, State from, Event event,
-                                         State to) {
-    const int row =
-        RowOf(table, static_cast<int>(from), static_cast<int>(event), static_cast<int>(to));
-    if (row < 0) {
-      return ::testing::AssertionFailure()
-             << table.name << " has no row " << table.states[static_cast<int>(from)] << " --"
-             << table.events[static_cast<int>(event)] << "--> "
-             << table.states[static_cast<int>(to)];
-    }
-    std::lock_guard<std::mutex> lock(mu());
-    if (rows().count({table.name, row}) == 0) {
-      return ::testing::AssertionFailure() << "the test did not take " << table.name << "'s row "
-                                           << table.states[static_cast<int>(from)] << " --"
-                                           << table.events[static_cast<int>(event)] << "--> "
-                                           << table.states[static_cast<int>(to)];
-    }
-    return ::testing::AssertionSuccess();
-  }
-  static int RowOf(const StateTableView& table, int from, int event, int to) {
-    for (size_t i = 0; i < table.rows.size(); ++i) {
-      const StateTableView::Row& r = table.rows[i];
-      if (r.from == from && r.event == event && r.to == to) return static_cast<int>(i);
-    }
-    return -1;
-  }
-
- private:
-  static std::mutex& mu() {
-    static std::mutex m;
-    return m;
-  }
-  static std::set<std::pair<std::string, int>>& rows() {
-    static std::set<std::pair<std::string, int>> taken;
-    return taken;
-  }
-};
-
-// Which test walks a row of a state table: the row, and the test ("Suite.Name") that takes it
-// and says so (RowsTaken::Took), in this binary unless `elsewhere` names the one it is in.
-struct RowWalk {
-  int from;
-  int event;
-  int to;
-  const char* test;
-  const char* elsewhere = nullptr;
-};
-
-// Holds `table` to its walks: its shape is sound (CheckStateTable), every row has a walk, every
-// walk is a row, and each test named in this binary exists.
-inline void ExpectEveryRowWalked(const StateTableView& table, const std::vector<RowWalk>& walks) {
-  EXPECT_EQ(CheckStateTable(table), "");
-  std::set<std::string> tests;
-  const ::testing::UnitTest& unit = *::testing::UnitTest::GetInstance();
-  for (int i = 0; i < unit.total_test_suite_count(); ++i) {
-    const ::testing::TestSuite& suite = *unit.GetTestSuite(i);
-    for (int j = 0; j < suite.total_test_count(); ++j) {
-      tests.insert(absl::StrCat(suite.name(), ".", suite.GetTestInfo(j)->name()));
-    }
-  }
-  std::vector<bool> walked(table.rows.size(), false);
-  for (const RowWalk& w : walks) {
-    const int row = RowsTaken::RowOf(table, w.from, w.event, w.to);
-    if (row < 0) {
-      ADD_FAILURE() << w.test << " walks " << table.states[w.from] << " --" << table.events[w.event]
-                    << "--> " << table.states[w.to] << ", which is no row of " << table.name;
-      continue;
-    }
-    walked[row] = true;
-    if (w.elsewhere == nullptr) {
-      EXPECT_EQ(tests.count(w.test), 1u) << "no test " << w.test << " in this binary";
-    }
-  }
-  for (size_t i = 0; i < table.rows.size(); ++i) {
-    const StateTableView::Row& r = table.rows[i];
-    EXPECT_TRUE(walked[i]) << "no test walks " << table.name << "'s row " << table.states[r.from]
-                           << " --" << table.events[r.event] << "--> " << table.states[r.to];
-  }
-}
 
 // What one recv's callback saw. `calls` is how the tests prove "exactly once".
 struct RecvOutcome {
@@ -306,6 +207,8 @@ struct Side : public ChannelHost {
   Channel* channel = nullptr;  // in `table`
 };
 
+// Two tasks' ends of one channel. Each test runs with the state tables' tap installed
+// (RowsTaken): a test can ask which rows it took, and TearDown fails on a move that is no row.
 class ChannelTest : public ::testing::Test {
  protected:
   // Lets a derived fixture choose the mode and registration strategy before the channels exist.

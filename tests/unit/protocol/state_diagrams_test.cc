@@ -1,7 +1,8 @@
-// docs/architecture/state-machines.md draws the protocol's state tables (state_table.h): this
-// test renders every table and holds the page to it, so the drawing cannot drift from the code,
-// and shows that a stale page is refused naming the table. Run with --write=PATH (what `make
-// state-diagrams` does) it writes the page's generated part instead of testing.
+// docs/architecture/state-machines.md draws the state tables of the protocol and device staging
+// (state_table.h): this test renders every table and holds the page to it, so the drawing cannot
+// drift from the code, and shows that a stale page is refused naming the table. Run with
+// --write=PATH (what `make state-diagrams` does) it writes the page's generated part instead of
+// testing.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +20,7 @@
 #include "src/protocol/gdr_pull.h"
 #include "src/protocol/tensor_request.h"
 #include "src/protocol/tensor_response.h"
+#include "src/rendezvous/device_staging.h"
 
 namespace tensorverbs::protocol {
 namespace {
@@ -27,7 +29,12 @@ constexpr char kBegin[] = "<!-- state-tables: begin (make state-diagrams writes 
 constexpr char kEnd[] = "<!-- state-tables: end -->\n";
 
 std::vector<StateTableView> Tables() {
-  return {ChannelStateTable(), RequestStateTable(), ResponseStateTable(), PullStateTable()};
+  return {ChannelStateTable(),
+          RequestStateTable(),
+          ResponseStateTable(),
+          PullStateTable(),
+          device_staging::ProxyStateTable(),
+          device_staging::StagingStateTable()};
 }
 
 // What stands between the page's markers.
