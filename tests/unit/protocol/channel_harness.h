@@ -118,7 +118,11 @@ struct Side : public ChannelHost {
   }
 
   // ChannelHost.
-  void Post(absl::AnyInvocable<void() &&> task) override { posted.push_back(std::move(task)); }
+  // From any thread, as the transport's: a GPU copier's thread posts staged parts.
+  void Post(absl::AnyInvocable<void() &&> task) override {
+    std::lock_guard<std::mutex> lock(posted_mu);
+    posted.push_back(std::move(task));
+  }
   void Deliver(ProgressEngine::RecvDelivery d) override {
     callbacks.push_back(
         [d = std::move(d)]() mutable { std::move(d.done)(d.status, d.tensor, d.is_dead); });
@@ -142,13 +146,17 @@ struct Side : public ChannelHost {
   // turn. True if any ran.
   bool RunPosted() {
     bool ran = false;
-    while (!posted.empty()) {
-      absl::AnyInvocable<void()&&> task = std::move(posted.front());
-      posted.pop_front();
+    for (;;) {
+      absl::AnyInvocable<void() &&> task;
+      {
+        std::lock_guard<std::mutex> lock(posted_mu);
+        if (posted.empty()) return ran;
+        task = std::move(posted.front());
+        posted.pop_front();
+      }
       std::move(task)();
       ran = true;
     }
-    return ran;
   }
 
   // The turn's user callbacks go to the executor together, as ProgressEngine hands them over.
@@ -192,7 +200,8 @@ struct Side : public ChannelHost {
   WorkerEnv worker;
   VerbsStats stats;
   const std::thread::id owner_thread;
-  std::deque<absl::AnyInvocable<void() &&>> posted;
+  std::mutex posted_mu;
+  std::deque<absl::AnyInvocable<void() &&>> posted;  // guarded by posted_mu
   std::vector<Executor::Task> callbacks;
   std::vector<Quarantined> quarantined;
   int unrouted = 0;
