@@ -1,7 +1,6 @@
 #include "python/src/torch/collective.h"
 
 #include <algorithm>
-#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
@@ -83,12 +82,9 @@ struct Collective::Pending {
   const void* land_at = nullptr;
 };
 
-struct Collective::Landing {
-  std::atomic<bool> settled{false};
-};
-
-void Collective::Settle(const std::shared_ptr<LentState>& lent, Landing& landing) {
-  if (landing.settled.exchange(true, std::memory_order_acq_rel)) return;
+void Collective::Settle(const std::shared_ptr<LentState>& lent, CollectiveLanding& landing,
+                        CollectiveLanding::Event event) {
+  if (!landing.Settle(event)) return;
   std::lock_guard<std::mutex> lock(lent->mu);
   if (--lent->landings == 0) lent->cv.notify_all();
 }
@@ -104,9 +100,9 @@ Collective::PendingRef Collective::Post(int src, int part, size_t bytes, void* l
   // task's progress, this operation's own thread (in Wait) most often.
   options.quick_callback = true;
   options.waiter_starts = true;  // Wait follows, on this thread
-  std::shared_ptr<Landing> landing;
+  std::shared_ptr<CollectiveLanding> landing;
   if (land_at != nullptr && group_.lend_from_ > 0 && bytes >= group_.lend_from_) {
-    landing = std::make_shared<Landing>();
+    landing = std::make_shared<CollectiveLanding>();
     {
       std::lock_guard<std::mutex> lock(lent_->mu);
       ++lent_->outstanding;
@@ -119,7 +115,7 @@ Collective::PendingRef Collective::Post(int src, int part, size_t bytes, void* l
         land_at, bytes,
         [lent = lent_, landing, completer = group_.completer_,
          work = c10::intrusive_ptr<TvWork>::unsafe_reclaim_from_nonowning(&work_)]() mutable {
-          Settle(lent, *landing);
+          Settle(lent, *landing, CollectiveLanding::Event::kReleased);
           completer->Drop(std::move(work));
           std::lock_guard<std::mutex> lock(lent->mu);
           if (--lent->outstanding == 0) lent->cv.notify_all();
@@ -130,7 +126,9 @@ Collective::PendingRef Collective::Post(int src, int part, size_t bytes, void* l
   group_.step_->RecvAsync(group_.peer_tasks_[src], NameOf(src, rank(), part), options,
                           [pending, landing, lent = lent_](absl::StatusOr<Tensor> result) {
                             // Landed: the fabric writes no more into the caller's memory.
-                            if (landing != nullptr && result.ok()) Settle(lent, *landing);
+                            if (landing != nullptr && result.ok()) {
+                              Settle(lent, *landing, CollectiveLanding::Event::kLanded);
+                            }
                             pending->result = std::move(result);
                             pending->arrived.Notify();
                           });
@@ -167,9 +165,7 @@ SameHostGroup* Collective::same_host() const { return group_.same_host_.get(); }
 
 std::string Collective::PeerName(int rank) const { return group_.PeerName(rank); }
 
-void Collective::CountSameHost() {
-  group_.counters_->Add<Counter::kTorchSameHostCollectives>();
-}
+void Collective::CountSameHost() { group_.counters_->Add<Counter::kTorchSameHostCollectives>(); }
 
 absl::Status Collective::StillWanted(const std::string& waiting_for) {
   if (absl::Now() >= deadline_) {

@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "python/src/torch/landings.h"
 #include "python/src/torch/reduce.h"
 #include "tensorverbs/task.h"
 #include "tensorverbs/tensor.h"
@@ -45,7 +46,8 @@ class Collective {
   absl::Status StillWanted(const std::string& waiting_for);
   // "rank R (task rank:R at host:port)", for errors.
   std::string PeerName(int rank) const;
-  // Counts an operation done through the shared memory (the group counter torch_same_host_collectives).
+  // Counts an operation done through the shared memory (the group counter
+  // torch_same_host_collectives).
   void CountSameHost();
 
   // Sends `bytes` at `data` to `dst` as part `part`: one staged copy into the pool.
@@ -101,10 +103,10 @@ class Collective {
     int outstanding = 0;  // guarded by mu
     int landings = 0;     // destinations in the caller's memory not settled; guarded by mu
   };
-  // One destination in the caller's memory: settled once, when its message landed or the task
-  // let go of it, whichever comes first.
-  struct Landing;
-  static void Settle(const std::shared_ptr<LentState>& lent, Landing& landing);
+  // One destination in the caller's memory (CollectiveLanding): settled once, when its message
+  // landed or the task let go of it, whichever comes first; the first counts it settled.
+  static void Settle(const std::shared_ptr<LentState>& lent, CollectiveLanding& landing,
+                     CollectiveLanding::Event event);
   // Waits on `pending`'s or the lent messages' condition until `ready`, the deadline, an
   // abandoned work or a failure another rank published; `what` names what did not come.
   template <typename Ready, typename What>

@@ -103,24 +103,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::send(std::vector<at::Ten
   return work;
 }
 
-// A recv whose message may land in the caller's tensor itself (RecvOptions::into): what the
-// task's release of that memory (on a transport thread) and the recv's end (on a callback thread)
-// share. A recv that fails while the task still holds the tensor, which its peer may then still
-// write, completes only once the task lets go of it: nothing writes into a failed recv's tensor.
-struct InPlaceLanding {
-  std::mutex mu;
-  bool released = false;  // the task let go of the tensor
-  bool failed = false;    // the recv failed before that: `failure` waits for the release
-  absl::Status failure;
-};
-
 Tensor ProcessGroupTensorVerbs::LandingFor(const at::Tensor& t,
                                            const c10::intrusive_ptr<TvWork>& work,
                                            const std::shared_ptr<InPlaceLanding>& landing) {
   absl::StatusOr<TensorShape> shape = TensorShape::Create({static_cast<int64_t>(t.nbytes())});
   if (!shape.ok()) {
-    std::lock_guard<std::mutex> lock(landing->mu);
-    landing->released = true;  // nothing lent: the recv copies as before
+    landing->Released();  // nothing lent: the recv copies as before
     return Tensor();
   }
   // The work holds `t`, so its memory lives as long as the task may write into it. A refusal
@@ -130,16 +118,8 @@ Tensor ProcessGroupTensorVerbs::LandingFor(const at::Tensor& t,
   // completes it or lets go of it.
   absl::StatusOr<Tensor> into = task_->AdoptHostMemory(
       t.data_ptr(), DataType::kUInt8, *shape, [completer = completer_, work, landing]() mutable {
-        absl::Status failure;
-        bool failed;
-        {
-          std::lock_guard<std::mutex> lock(landing->mu);
-          landing->released = true;
-          failed = landing->failed;
-          failure = landing->failure;
-        }
-        if (failed) {
-          completer->Push(std::move(work), failure);
+        if (landing->Released() == InPlaceLanding::Action::kFail) {
+          completer->Push(std::move(work), landing->failure());
         } else {
           completer->Drop(std::move(work));
         }
@@ -201,12 +181,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTensorVerbs::recv(std::vector<at::Ten
       src, tag, t.nbytes(),
       [work, t, from = absl::StrCat("from ", PeerName(src)), counters = counters_, landing,
        completer = completer_, timeout = timeout_](absl::StatusOr<Tensor> message, int from_rank) {
-        if (landing != nullptr && !message.ok()) {
-          std::lock_guard<std::mutex> lock(landing->mu);
-          if (!landing->released) {
-            landing->failed = true;
-            landing->failure = absl::Status(message.status().code(),
-                                            absl::StrCat(from, ": ", message.status().message()));
+        if (landing != nullptr) {
+          const absl::Status ended =
+              message.ok() ? absl::OkStatus()
+                           : absl::Status(message.status().code(),
+                                          absl::StrCat(from, ": ", message.status().message()));
+          if (landing->RecvEnded(ended) == InPlaceLanding::Action::kWatch) {
             // The task lets go once the peer answers or the channel closes: at once when the
             // peer died. A live peer that never sends never answers, so the wait is bounded.
             const std::chrono::milliseconds grace = std::min(timeout, kLandingGrace);

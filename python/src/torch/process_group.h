@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "python/src/torch/landings.h"
 #include "python/src/torch/p2p_matcher.h"
 #include "python/src/torch/same_host.h"
 #include "python/src/torch/work_completer.h"
@@ -60,7 +61,6 @@ namespace tensorverbs::torch_backend {
 
 class TvWork;
 class Collective;
-struct InPlaceLanding;
 
 // How long an operation that failed while the transport still held one of its tensors as a
 // destination (RecvOptions::into) waits for the task to let go of it before failing anyway.

@@ -1,4 +1,5 @@
-// docs/architecture/state-machines.md draws the state tables of the protocol and device staging
+// docs/architecture/state-machines.md draws the state tables of the protocol, device staging and
+// the torch backend's landings
 // (state_table.h): this test renders every table and holds the page to it, so the drawing cannot
 // drift from the code, and shows that a stale page is refused naming the table. Run with
 // --write=PATH (what `make state-diagrams` does) it writes the page's generated part instead of
@@ -15,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "python/src/torch/landings.h"
 #include "src/common/state_table.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/gdr_pull.h"
@@ -34,7 +36,9 @@ std::vector<StateTableView> Tables() {
           ResponseStateTable(),
           PullStateTable(),
           device_staging::ProxyStateTable(),
-          device_staging::StagingStateTable()};
+          device_staging::StagingStateTable(),
+          torch_backend::InPlaceLandingTable(),
+          torch_backend::CollectiveLandingTable()};
 }
 
 // What stands between the page's markers.

@@ -1,0 +1,141 @@
+// The torch backend's landing machines (python/src/torch/landings.h), without torch: every row
+// of both tables walked and seen taken (the tables' tap), and the join raced from two threads:
+// whichever order the release and the recv's end come in, the work completes exactly once, and
+// a failed recv's only after the release.
+#include "python/src/torch/landings.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "tests/support/state_rows.h"
+
+namespace tensorverbs::torch_backend {
+namespace {
+
+using ::tensorverbs::testing::ExpectEveryRowWalked;
+using ::tensorverbs::testing::RowsTaken;
+using ::tensorverbs::testing::RowWalk;
+using In = InPlaceLanding;
+using Co = CollectiveLanding;
+
+class LandingsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    RowsTaken::Clear();
+    SetTransitionTap(&RowsTaken::Tap);
+  }
+  void TearDown() override {
+    EXPECT_THAT(RowsTaken::Refused(), ::testing::IsEmpty()) << "moves that are no row";
+    SetTransitionTap(nullptr);
+  }
+  static ::testing::AssertionResult Took(In::State from, In::Event event, In::State to) {
+    return RowsTaken::Took(InPlaceLandingTable(), from, event, to);
+  }
+  static ::testing::AssertionResult Took(Co::State from, Co::Event event, Co::State to) {
+    return RowsTaken::Took(CollectiveLandingTable(), from, event, to);
+  }
+};
+
+TEST(LandingTables, EveryRowIsWalkedByATest) {
+  auto in = [](In::State from, In::Event event, In::State to, const char* test) {
+    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
+  };
+  const char* const kLanded = "LandingsTest.ARecvThatLandsCompletesAtOnceAndTheReleaseDrops";
+  const char* const kEarly = "LandingsTest.AReleaseBeforeTheEndDropsAndTheEndCompletes";
+  const char* const kFailed = "LandingsTest.AFailedRecvWaitsForTheReleaseWhichCompletesIt";
+  ExpectEveryRowWalked(
+      InPlaceLandingTable(),
+      {
+          in(In::State::kLent, In::Event::kReleased, In::State::kReleased, kEarly),
+          in(In::State::kLent, In::Event::kRecvEnded, In::State::kLanded, kLanded),
+          in(In::State::kLent, In::Event::kRecvEnded, In::State::kFailedHeld, kFailed),
+          in(In::State::kReleased, In::Event::kRecvEnded, In::State::kDone, kEarly),
+          in(In::State::kLanded, In::Event::kReleased, In::State::kDone, kLanded),
+          in(In::State::kFailedHeld, In::Event::kReleased, In::State::kDone, kFailed),
+      });
+  auto co = [](Co::State from, Co::Event event, Co::State to) {
+    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to),
+                   "LandingsTest.ACollectiveDestinationSettlesOnceWhicheverComesFirst"};
+  };
+  ExpectEveryRowWalked(CollectiveLandingTable(),
+                       {
+                           co(Co::State::kWaiting, Co::Event::kLanded, Co::State::kSettled),
+                           co(Co::State::kWaiting, Co::Event::kReleased, Co::State::kSettled),
+                           co(Co::State::kSettled, Co::Event::kLanded, Co::State::kSettled),
+                           co(Co::State::kSettled, Co::Event::kReleased, Co::State::kSettled),
+                       });
+}
+
+TEST_F(LandingsTest, ARecvThatLandsCompletesAtOnceAndTheReleaseDrops) {
+  In landing;
+  EXPECT_EQ(landing.RecvEnded(absl::OkStatus()), In::Action::kLand);
+  EXPECT_EQ(landing.Released(), In::Action::kDrop);
+  EXPECT_EQ(landing.state(), In::State::kDone);
+  EXPECT_TRUE(Took(In::State::kLent, In::Event::kRecvEnded, In::State::kLanded));
+  EXPECT_TRUE(Took(In::State::kLanded, In::Event::kReleased, In::State::kDone));
+}
+
+TEST_F(LandingsTest, AReleaseBeforeTheEndDropsAndTheEndCompletes) {
+  In landing;  // the task refused the memory, or let go of it early
+  EXPECT_EQ(landing.Released(), In::Action::kDrop);
+  EXPECT_EQ(landing.RecvEnded(absl::UnavailableError("gone")), In::Action::kLand)
+      << "nothing writes the tensor any more: the failure completes the work at once";
+  EXPECT_TRUE(Took(In::State::kLent, In::Event::kReleased, In::State::kReleased));
+  EXPECT_TRUE(Took(In::State::kReleased, In::Event::kRecvEnded, In::State::kDone));
+}
+
+TEST_F(LandingsTest, AFailedRecvWaitsForTheReleaseWhichCompletesIt) {
+  In landing;
+  EXPECT_EQ(landing.RecvEnded(absl::UnavailableError("from rank 1: gone")), In::Action::kWatch);
+  EXPECT_EQ(landing.Released(), In::Action::kFail);
+  EXPECT_EQ(landing.failure().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(landing.failure().message(), "from rank 1: gone");
+  EXPECT_TRUE(Took(In::State::kLent, In::Event::kRecvEnded, In::State::kFailedHeld));
+  EXPECT_TRUE(Took(In::State::kFailedHeld, In::Event::kReleased, In::State::kDone));
+}
+
+TEST_F(LandingsTest, ACollectiveDestinationSettlesOnceWhicheverComesFirst) {
+  Co landed_first, released_first;
+  EXPECT_TRUE(landed_first.Settle(Co::Event::kLanded));
+  EXPECT_FALSE(landed_first.Settle(Co::Event::kReleased));
+  EXPECT_TRUE(released_first.Settle(Co::Event::kReleased));
+  EXPECT_FALSE(released_first.Settle(Co::Event::kLanded));
+  EXPECT_TRUE(Took(Co::State::kWaiting, Co::Event::kLanded, Co::State::kSettled));
+  EXPECT_TRUE(Took(Co::State::kWaiting, Co::Event::kReleased, Co::State::kSettled));
+  EXPECT_TRUE(Took(Co::State::kSettled, Co::Event::kLanded, Co::State::kSettled));
+  EXPECT_TRUE(Took(Co::State::kSettled, Co::Event::kReleased, Co::State::kSettled));
+}
+
+// The release and the recv's end from two threads at once, many times: the work completes once
+// (kLand, or kFail after a kWatch), and never at kWatch alone.
+TEST_F(LandingsTest, RacedFromTwoThreadsTheWorkCompletesExactlyOnce) {
+  for (int round = 0; round < 2000; ++round) {
+    In landing;
+    const bool fails = round % 2 == 1;
+    std::atomic<int> completions{0};
+    std::atomic<bool> watched{false};
+    std::thread release([&] {
+      if (landing.Released() == In::Action::kFail) {
+        EXPECT_TRUE(watched.load()) << "failed only after the end asked to wait";
+        completions.fetch_add(1);
+      }
+    });
+    std::thread end([&] {
+      const In::Action a =
+          landing.RecvEnded(fails ? absl::UnavailableError("gone") : absl::OkStatus());
+      if (a == In::Action::kLand) completions.fetch_add(1);
+      if (a == In::Action::kWatch) watched.store(true);
+    });
+    release.join();
+    end.join();
+    ASSERT_EQ(completions.load(), 1) << "round " << round;
+    ASSERT_EQ(landing.state(), In::State::kDone);
+  }
+}
+
+}  // namespace
+}  // namespace tensorverbs::torch_backend
