@@ -8,11 +8,13 @@
 // at once, and this way each side of a channel has one job.
 //
 // This class is the part both ends share: the endpoint, the control-message buffer, the
-// completion demultiplexer and the sticky close status. What each role owns lives in its side:
-// ReceivingSide (receiving_side.h: requests, key names, push-ahead, large-destination grants,
-// grpc+gdr's reads) or SendingSide (sending_side.h: responses, key validation, the expired
-// set). The state machines are in tensor_request.h, tensor_response.h and gdr_pull.h; what
-// copy mode does differently in copy_mode.h.
+// completion demultiplexer and the sticky close status. What each role owns lives in its side,
+// which callers reach directly (receiving(), sending(), or the channel table's FindReceiving and
+// FindSending): ReceivingSide (receiving_side.h: recvs, requests, key names, push-ahead,
+// large-destination grants, grpc+gdr's reads) or SendingSide (sending_side.h: responses, key
+// validation, the expired set, local tensors and staged parts). The state machines are in
+// tensor_request.h, tensor_response.h and gdr_pull.h; what copy mode does differently in
+// copy_mode.h.
 //
 // Everything here runs on the transport's progress thread (the owner thread of ChannelEnv;
 // each public method DCHECKs it). A request's `done` runs exactly once on the worker's callback
@@ -136,50 +138,13 @@ class Channel {
   ChannelCounters& counters() { return counters_; }
   ChannelSnapshot Snapshot() const;
   const ChannelCounters& counters() const { return counters_; }
-  // The side of the channel its role makes it: the other one is null.
+  // The side of the channel its role makes it: the other one is null. Callers reach a side's
+  // operations (recvs, pulls, responses, expiry) through it, or through the channel table's
+  // FindReceiving and FindSending; the channel itself only demultiplexes and closes.
   ReceivingSide* receiving() const { return receiving_.get(); }
   SendingSide* sending() const { return sending_.get(); }
-
-  // Owner side (ReceivingSide): starts a recv (queued until the channel is ready). `landing`:
-  // RecvArgs' into and progress.
-  void StartRecv(int64_t step_id, KeyRef key, Allocator* allocator, RecvLanding landing,
-                 absl::Time deadline, RecvDoneCallback done);
-  // Owner side, grpc+gdr: reads the tensor `ref` names into `dest` (through a registered proxy
-  // if `dest` is not registered), then releases it at the peer; `done` runs once, on the
-  // progress thread. Queued until the channel is ready.
-  void StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline, GdrPull::Done done);
-  // Owner side: fails the step's pending recvs.
-  void AbortStep(int64_t step_id, const absl::Status& status);
-  // Owner side: fails recvs and pulls past their deadline.
-  void ExpireRequests(absl::Time now);
-  // Owner side: recvs and reads that have not ended (0 on the acceptor's end).
-  size_t pending_requests() const;
-  // Owner side: requests in `state` (and served by `owner`, when given), for tests and
-  // diagnostics of the request state machine.
-  size_t CountRequests(RdmaTensorRequest::State state,
-                       std::optional<RdmaTensorRequest::Owner> owner = std::nullopt) const;
-  // Owner side, grpc+gdr: reads in `state` (0 on the acceptor's end).
-  size_t CountPulls(GdrPull::State state) const;
-  // Owner side: requests (recvs, pushed requests, reads) the peer still owes an answer.
-  bool awaiting_peer() const;
-  // Acceptor side (SendingSide): responses in `state`, for tests and diagnostics of the
-  // response state machine (0 on the owner's end).
-  size_t CountResponses(RdmaTensorResponse::State state) const;
-  // Acceptor side: responses that hold their tensor and are still sending it.
-  size_t responses_in_progress() const;
-  // Acceptor side: whether this end holds anything for its peer (responses, copy buffers),
-  // which a dead peer would otherwise pin until the channel closes.
-  bool holds_state_for_peer() const;
-  // Acceptor side: ends the responses whose receiver has not asked for the content within
-  // env->response_timeout() of their META_DATA_RESPONSE: ERROR_STATUS, and a late RE_REQUEST
-  // is ignored.
-  void ExpireResponses(absl::Time now);
-  // Acceptor side: a local tensor for response `serial` is ready.
-  void OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
-                     const Tensor& tensor, bool is_dead);
-  // Acceptor side: the device tensor of response `serial`, staged in chunks, has
-  // `staged_bytes` in host memory (or failed to stage).
-  void OnStaged(uint64_t serial, uint32_t index, const absl::Status& status, uint64_t staged_bytes);
+  // DCHECKs that the caller is the channel's progress thread (ChannelHost::OnOwnerThread).
+  void AssertOwnerThread() const;
 
   // The completion demultiplexer: control messages and ACKs here, content immediates, reads
   // and content writes to the side they belong to.
@@ -213,7 +178,6 @@ class Channel {
   // The one place the state changes; checks in debug and sanitizer builds that the move is a
   // row of kChannelTable.
   void TransitionTo(State next, Event event);
-  void AssertOwnerThread() const;
   void OnControlMessage();
   void HandleMessage(Message& m);
 

@@ -32,6 +32,16 @@ Channel* ChannelTable::Find(uint64_t id) const {
   return it == channels_.end() ? nullptr : it->second.get();
 }
 
+ReceivingSide* ChannelTable::FindReceiving(uint64_t id) const {
+  Channel* c = Find(id);
+  return c != nullptr ? c->receiving() : nullptr;
+}
+
+SendingSide* ChannelTable::FindSending(uint64_t id) const {
+  Channel* c = Find(id);
+  return c != nullptr ? c->sending() : nullptr;
+}
+
 Channel* ChannelTable::OwnerFor(const std::string& task) const {
   auto it = owner_by_task_.find(task);
   if (it == owner_by_task_.end()) return nullptr;
@@ -84,10 +94,10 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
   for (auto& [id, channel] : channels_) {
     if (channel->state() == Channel::State::kClosed) {
       closed.push_back(id);
-    } else if (channel->role() == Channel::Role::kOwner) {
-      channel->ExpireRequests(now);
+    } else if (ReceivingSide* r = channel->receiving()) {
+      r->ExpireRequests(now);
     } else {
-      channel->ExpireResponses(now);
+      channel->sending()->ExpireResponses(now);
     }
   }
   for (uint64_t id : closed) {
@@ -107,7 +117,7 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
 void ChannelTable::AbortStep(int64_t step_id, const absl::Status& status) {
   AssertOnLoop();
   for (auto& [id, channel] : channels_) {
-    if (channel->role() == Channel::Role::kOwner) channel->AbortStep(step_id, status);
+    if (ReceivingSide* r = channel->receiving()) r->AbortStep(step_id, status);
   }
 }
 
@@ -133,14 +143,17 @@ bool ChannelTable::OperationsInFlight() const {
 
 bool ChannelTable::AwaitingPeers() const {
   for (const auto& [id, c] : channels_) {
-    if (c->state() == Channel::State::kReady && c->awaiting_peer()) return true;
+    if (c->state() == Channel::State::kReady && c->receiving() != nullptr &&
+        c->receiving()->awaiting_peer()) {
+      return true;
+    }
   }
   return false;
 }
 
 bool ChannelTable::ResponsesInProgress() const {
   for (const auto& [id, c] : channels_) {
-    if (c->responses_in_progress() > 0) return true;
+    if (c->sending() != nullptr && c->sending()->responses_in_progress() > 0) return true;
   }
   return false;
 }

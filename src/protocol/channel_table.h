@@ -40,6 +40,10 @@ class ChannelTable {
   Channel* Add(std::unique_ptr<Channel> channel);
   // The channel with `id`, closed or not; null once it was dropped.
   Channel* Find(uint64_t id) const;
+  // The side of channel `id`, or null when there is no such channel or it has the other role:
+  // what events posted to the loop for one side (a local tensor, a staged part, a recv) act on.
+  ReceivingSide* FindReceiving(uint64_t id) const;
+  SendingSide* FindSending(uint64_t id) const;
   // The owner channel that receives from `task`, unless it closed; null if none.
   Channel* OwnerFor(const std::string& task) const;
   // The accepted channel `task` set up as its channel `peer_channel_id`; null if none.

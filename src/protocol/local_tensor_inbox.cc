@@ -30,8 +30,8 @@ void LocalTensorInbox::Drain() {
     if (it == waiting_.end()) return;
     const Waiting w = it->second;
     waiting_.erase(it);
-    if (Channel* c = env_->channels->Find(w.channel_id)) {
-      c->OnLocalTensor(w.serial, w.index, a.status, a.tensor, a.is_dead);
+    if (SendingSide* side = env_->channels->FindSending(w.channel_id)) {
+      side->OnLocalTensor(w.serial, w.index, a.status, a.tensor, a.is_dead);
     }
   });
 }

@@ -4,7 +4,8 @@
 // A response (RdmaTensorResponse, sender side) asks the step's rendezvous for its tensor with a
 // callback that may run on any thread: the user's Send, a cancel, an abort. That callback only
 // records the outcome here under a ticket, and the progress thread later hands it to the
-// response's channel (Channel::OnLocalTensor), which checks that the response still waits. The
+// response's side (ChannelTable::FindSending, SendingSide::OnLocalTensor), which checks that the
+// response still waits. The
 // callback holds this inbox and the ticket, 16 bytes that AnyInvocable stores inline, so a
 // response costs no heap allocation for it (closures carrying the channel's id, serial and
 // index did).

@@ -83,8 +83,9 @@ void PeerChannels::StartRecv(RecvStart r) {
       if (cached == nullptr || *cached != meta) memory->CacheMeta(r.key->key.full_key, meta);
     }
   }
-  (*channel)->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator,
-                        std::move(r.landing), r.deadline, std::move(r.done));
+  // An owner channel: the side that receives is there.
+  (*channel)->receiving()->StartRecv(r.rendezvous->step_id(), std::move(r.key), r.allocator,
+                                     std::move(r.landing), r.deadline, std::move(r.done));
 }
 
 void PeerChannels::AbortStep(int64_t step_id, const absl::Status& status) {
@@ -328,11 +329,11 @@ std::vector<PeerChannels::Probe> PeerChannels::PendingPeers() const {
       options_.lent_to ? options_.lent_to() : absl::flat_hash_set<std::string>();
   table_->ForEach([&](const Channel& c) {
     if (c.role() == Channel::Role::kOwner && c.state() != Channel::State::kClosed &&
-        c.pending_requests() > 0) {
+        c.receiving()->pending_requests() > 0) {
       out.push_back({c.peer_task(), options_.task_addresses.at(c.peer_task()), c.peer_incarnation(),
                      c.id(), c.state() == Channel::State::kConnecting});
     } else if (c.role() == Channel::Role::kAcceptor && c.state() == Channel::State::kReady &&
-               (c.holds_state_for_peer() || lent_to.contains(c.peer_task()))) {
+               (c.sending()->holds_state_for_peer() || lent_to.contains(c.peer_task()))) {
       auto address = options_.task_addresses.find(c.peer_task());
       if (address == options_.task_addresses.end()) return;
       Probe probe{c.peer_task(), address->second, c.peer_incarnation(), c.id()};

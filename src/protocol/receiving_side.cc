@@ -23,6 +23,7 @@ const std::string& ReceivingSide::peer_task() const { return channel_->peer_task
 
 void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
                               RecvLanding landing, absl::Time deadline, RecvDoneCallback done) {
+  channel_->AssertOwnerThread();
   auto fail = [&](const absl::Status& s) { env_->FailRecv(std::move(done), s); };
   if (closed()) {
     fail(absl::UnavailableError(absl::StrCat("channel to task ", peer_task(), " is closed")));
@@ -72,6 +73,7 @@ void ReceivingSide::StartRecv(int64_t step_id, KeyRef key, Allocator* allocator,
 
 void ReceivingSide::StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline,
                               GdrPull::Done done) {
+  channel_->AssertOwnerThread();
   if (closed()) {
     std::move(done)(
         absl::UnavailableError(absl::StrCat("channel to task ", peer_task(), " is closed")));
@@ -140,6 +142,7 @@ void ReceivingSide::OnReadDone(uint32_t index) {
 }
 
 void ReceivingSide::AbortStep(int64_t step_id, const absl::Status& status) {
+  channel_->AssertOwnerThread();
   std::vector<uint32_t> unsent, release;
   for (auto& [index, request] : requests_) {
     if (request->step_id() != step_id) continue;
@@ -168,7 +171,9 @@ void ReceivingSide::AbortStep(int64_t step_id, const absl::Status& status) {
   if (!closed()) GrantWaiting();
 }
 
-void ReceivingSide::ExpireRequests(absl::Time now, bool connecting) {
+void ReceivingSide::ExpireRequests(absl::Time now) {
+  channel_->AssertOwnerThread();
+  const bool connecting = channel_->state() == Channel::State::kConnecting;
   for (auto& [index, request] : requests_) {
     if (request->finished()) continue;
     if (request->deadline() > now) {

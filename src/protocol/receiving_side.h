@@ -58,8 +58,9 @@ class ReceivingSide {
   void OnReady();
   // Fails the step's pending recvs.
   void AbortStep(int64_t step_id, const absl::Status& status);
-  // Fails recvs and pulls past their deadline (`connecting`: the channel never got ready).
-  void ExpireRequests(absl::Time now, bool connecting);
+  // Fails recvs and pulls past their deadline (with the reason that the channel never got
+  // ready while it is connecting).
+  void ExpireRequests(absl::Time now);
 
   // What the peer sends a receiver.
   void OnAnswer(const Message& m);  // META_DATA_RESPONSE or ERROR_STATUS

@@ -84,6 +84,7 @@ void SendingSide::OnLentReleased(uint32_t tensor_key) {
 
 void SendingSide::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Status& status,
                                 const Tensor& tensor, bool is_dead) {
+  channel_->AssertOwnerThread();
   auto it = responses_.find(index);
   if (it == responses_.end() || it->second->serial() != serial) return;  // cancelled
   it->second->Resume(status, tensor, is_dead);
@@ -91,6 +92,7 @@ void SendingSide::OnLocalTensor(uint64_t serial, uint32_t index, const absl::Sta
 
 void SendingSide::OnStaged(uint64_t serial, uint32_t index, const absl::Status& status,
                            uint64_t staged_bytes) {
+  channel_->AssertOwnerThread();
   auto it = responses_.find(index);
   if (it == responses_.end() || it->second->serial() != serial) return;  // over already
   if (!status.ok() && it->second->state() == RdmaTensorResponse::State::kWaitReRequest) {
@@ -101,6 +103,7 @@ void SendingSide::OnStaged(uint64_t serial, uint32_t index, const absl::Status& 
 }
 
 void SendingSide::ExpireResponses(absl::Time now) {
+  channel_->AssertOwnerThread();
   if (env_->response_timeout() == absl::InfiniteDuration()) return;
   std::vector<uint32_t> expired;
   for (const auto& [index, response] : responses_) {

@@ -186,8 +186,8 @@ RemoteRendezvous::StagedCallback RdmaTensorResponse::TellStaged() const {
   return [env, channel_id = channel_->id(), serial = serial_, index = request_.request_index](
              const absl::Status& status, uint64_t staged_bytes) {
     env->host->Post([env, channel_id, serial, index, status, staged_bytes] {
-      if (Channel* c = env->channels->Find(channel_id)) {
-        c->OnStaged(serial, index, status, staged_bytes);
+      if (SendingSide* side = env->channels->FindSending(channel_id)) {
+        side->OnStaged(serial, index, status, staged_bytes);
       }
     });
   };

@@ -325,7 +325,7 @@ void VerbsTransport::Pull(const std::string& task, const protocol::RemoteTensorR
       std::move (*holder)(channel.status());
       return;
     }
-    (*channel)->StartPull(ref, std::move(dest), deadline, std::move(*holder));
+    (*channel)->receiving()->StartPull(ref, std::move(dest), deadline, std::move(*holder));
   };
   if (!engine_->Post(t)) {
     std::move (*holder)(

@@ -333,15 +333,15 @@ class ChannelTest : public ::testing::Test {
                                          Allocator* allocator = nullptr,
                                          RecvLanding landing = RecvLanding()) {
     auto outcome = std::make_shared<RecvOutcome>();
-    owner_.channel->StartRecv(step_id, keys_.Intern(key),
-                              allocator != nullptr ? allocator : &owner_.pool, std::move(landing),
-                              deadline,
-                              [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
-                                ++outcome->calls;
-                                outcome->status = s;
-                                outcome->tensor = t;
-                                outcome->is_dead = is_dead;
-                              });
+    owner_.channel->receiving()->StartRecv(
+        step_id, keys_.Intern(key), allocator != nullptr ? allocator : &owner_.pool,
+        std::move(landing), deadline,
+        [outcome](const absl::Status& s, const Tensor& t, bool is_dead) {
+          ++outcome->calls;
+          outcome->status = s;
+          outcome->tensor = t;
+          outcome->is_dead = is_dead;
+        });
     return outcome;
   }
 

@@ -21,10 +21,10 @@ TEST_F(UnconnectedChannelTest, RecvsStartedBeforeConnectWaitAndThoseThatEndedAre
   std::shared_ptr<RecvOutcome> waits = StartRecv(1, Key("a"));
   std::shared_ptr<RecvOutcome> aborted = StartRecv(2, Key("b"));
   std::shared_ptr<RecvOutcome> expired = StartRecv(3, Key("c"), deadline);
-  EXPECT_EQ(owner_.channel->pending_requests(), 3u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 3u);
 
-  owner_.channel->AbortStep(2, absl::AbortedError("step 2 was aborted"));
-  owner_.channel->ExpireRequests(deadline + absl::Milliseconds(1));
+  owner_.channel->receiving()->AbortStep(2, absl::AbortedError("step 2 was aborted"));
+  owner_.channel->receiving()->ExpireRequests(deadline + absl::Milliseconds(1));
   Settle();
   EXPECT_EQ(aborted->calls, 1);
   EXPECT_EQ(aborted->status.code(), absl::StatusCode::kAborted);
@@ -33,7 +33,7 @@ TEST_F(UnconnectedChannelTest, RecvsStartedBeforeConnectWaitAndThoseThatEndedAre
   EXPECT_THAT(std::string(expired->status.message()),
               HasSubstr("was not set up before the recv's deadline"));
   EXPECT_EQ(waits->calls, 0);
-  EXPECT_EQ(owner_.channel->pending_requests(), 1u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 1u);
 
   const Tensor sent = Floats(&acceptor_.pool, 100, 1.0f);
   Send(1, Key("a"), sent);
@@ -45,7 +45,7 @@ TEST_F(UnconnectedChannelTest, RecvsStartedBeforeConnectWaitAndThoseThatEndedAre
   EXPECT_EQ(Get(owner_.stats.requests), 1) << "the recvs that ended while queued never went out";
   EXPECT_EQ(aborted->calls, 1);
   EXPECT_EQ(expired->calls, 1);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
   // Nothing of theirs was left behind for a sender to write into.
   owner_.channel->Close(absl::CancelledError("test over"));
   EXPECT_TRUE(owner_.quarantined.empty());
@@ -127,8 +127,8 @@ TEST_P(StrategyTest, DeliversIntactTensorsWithTheDesignsCopies) {
   EXPECT_TRUE(dead->is_dead);
 
   Settle();
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
-  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
+  EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 0u);
   EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
 }
 
@@ -182,7 +182,7 @@ class LargeDestinationTest : public ChannelTest {
     auto landed = std::make_shared<int>(0);
     for (int i = 0; i < count; ++i) {
       const Tensor expected = Floats(CpuAllocator(), kElements, static_cast<float>(step + i));
-      owner_.channel->StartRecv(
+      owner_.channel->receiving()->StartRecv(
           step, keys_.Intern(keys[i]), &owner_.pool, RecvLanding(), absl::InfiniteFuture(),
           [landed, expected, i](const absl::Status& s, const Tensor& t, bool) {
             EXPECT_TRUE(s.ok()) << "recv " << i << ": " << s;
@@ -249,7 +249,7 @@ TEST_F(LargeDestinationTest, ALargeRecvWhoseTensorComesLaterNeverHoldsUpOnesThat
   EXPECT_TRUE(got_a->tensor.ContentEquals(sent_a));
   Settle();
   EXPECT_EQ(got_a->calls + got_b->calls + got_c->calls, 3);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 }
 
 // A recv that ends while it waits for a large destination answers the sender at once, without
@@ -265,7 +265,7 @@ TEST_F(LargeDestinationTest, ARecvAbortedWhileWaitingForADestinationReleasesTheS
   ASSERT_TRUE(Pump([&] { return Get(owner_.stats.re_requests) > 0; }));
   EXPECT_EQ(Get(acceptor_.stats.meta_responses), 2);
   EXPECT_EQ(Get(owner_.stats.re_requests), 1);
-  owner_.channel->AbortStep(2, absl::AbortedError("step 2 was aborted"));
+  owner_.channel->receiving()->AbortStep(2, absl::AbortedError("step 2 was aborted"));
   EXPECT_EQ(Get(owner_.stats.re_requests), 2) << "released at once, not behind the first";
   Settle();
   EXPECT_EQ(waiting->calls, 1);
@@ -274,8 +274,8 @@ TEST_F(LargeDestinationTest, ARecvAbortedWhileWaitingForADestinationReleasesTheS
   EXPECT_TRUE(got_first->status.ok()) << got_first->status;
   EXPECT_TRUE(got_first->tensor.ContentEquals(sent_first));
   EXPECT_EQ(Get(acceptor_.stats.content_bytes), kElements * static_cast<int64_t>(sizeof(float)));
-  EXPECT_FALSE(acceptor_.channel->holds_state_for_peer()) << "the sender let go of both";
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_FALSE(acceptor_.channel->sending()->holds_state_for_peer()) << "the sender let go of both";
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 }
 
 }  // namespace

@@ -132,7 +132,7 @@ TEST_F(ChannelTest, ManyRecvsAtOnceBatchTheirMessagesAndAllArrive) {
   EXPECT_LT(Get(owner_.stats.control_slots), Get(owner_.stats.control_messages));
   EXPECT_EQ(owner_.channel->message_buffer()->pending(), 0u);
   EXPECT_EQ(acceptor_.channel->message_buffer()->pending(), 0u);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 }
 
 TEST_F(ChannelTest, ADuplicatedContentImmediateIsDroppedNotDeliveredTwice) {

@@ -80,8 +80,8 @@ TEST_F(ChannelTest, FirstRecvTakesTheMetaDataRoundTripAndTheNextHitsTheCache) {
   Settle();
   EXPECT_EQ(first->calls, 1);
   EXPECT_EQ(second->calls, 1);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
-  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
+  EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 0u);
   EXPECT_EQ(Get(owner_.stats.dropped_imms), 0);
   EXPECT_EQ(owner_.channel->message_buffer()->pending(), 0u) << "every slot was acknowledged";
   EXPECT_EQ(acceptor_.channel->message_buffer()->pending(), 0u);
@@ -125,7 +125,7 @@ TEST_F(ChannelTest, RecvBeforeSendWaitsForTheTensor) {
   ASSERT_TRUE(Pump([&] { return acceptor_.channel->message_buffer()->messages_received() >= 1; }));
   Settle();
   EXPECT_EQ(out->calls, 0);
-  EXPECT_EQ(owner_.channel->pending_requests(), 1u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 1u);
   EXPECT_EQ(Get(acceptor_.stats.meta_responses), 0) << "nothing to describe yet";
 
   const Tensor sent = Floats(&acceptor_.pool, 1000, 0.25f);
@@ -135,7 +135,7 @@ TEST_F(ChannelTest, RecvBeforeSendWaitsForTheTensor) {
   EXPECT_TRUE(out->tensor.ContentEquals(sent));
   Settle();
   EXPECT_EQ(out->calls, 1);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 }
 
 // The sender's response waits for its local tensor under one ticket of the inbox, which the
@@ -204,7 +204,7 @@ TEST_F(ChannelTest, DeadEmptyAndStringTensorsArriveAsSuch) {
   EXPECT_EQ(Get(acceptor_.stats.meta_responses), 5);
   EXPECT_EQ(Get(acceptor_.stats.errors_sent), 0);
   Settle();
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 }
 
 TEST_F(ChannelTest, KeyOfAnotherSourceTaskEndsTheRecvWithTheSendersError) {
@@ -239,7 +239,7 @@ TEST_F(ChannelTest, KeyOfAnotherSourceTaskEndsTheRecvWithTheSendersError) {
   EXPECT_EQ(out->calls, 1);
   EXPECT_EQ(restarted->calls, 1);
   EXPECT_EQ(again->calls, 1);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
   // A sender's error ends one recv, not the channel.
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
   EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
@@ -267,12 +267,12 @@ TEST_F(ChannelTest, AbortStepEndsARecvOnceAndKeepsItsMemoryUntilTheSenderAnswers
   EXPECT_EQ(owner_.pool.GetStats().allocations, baseline + 1)
       << "the destination is allocated before asking";
 
-  owner_.channel->AbortStep(2, absl::AbortedError("step 2 was aborted"));
+  owner_.channel->receiving()->AbortStep(2, absl::AbortedError("step 2 was aborted"));
   ASSERT_TRUE(Pump([&] { return aborted->calls > 0; }));
   EXPECT_EQ(aborted->status.code(), absl::StatusCode::kAborted);
   EXPECT_THAT(std::string(aborted->status.message()), HasSubstr("step 2 was aborted"));
   EXPECT_EQ(bystander->calls, 0) << "another step's recv is untouched";
-  EXPECT_EQ(owner_.channel->pending_requests(), 1u) << "only the bystander is pending";
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 1u) << "only the bystander is pending";
   EXPECT_EQ(owner_.pool.GetStats().allocations, baseline + 1)
       << "the destination stays while the sender may still write into it";
 
@@ -285,7 +285,7 @@ TEST_F(ChannelTest, AbortStepEndsARecvOnceAndKeepsItsMemoryUntilTheSenderAnswers
   EXPECT_EQ(Get(acceptor_.stats.content_bytes), 2 * kBytes);
   EXPECT_EQ(Get(owner_.stats.dropped_imms), 0);
   EXPECT_EQ(owner_.pool.GetStats().allocations, baseline);
-  EXPECT_EQ(owner_.channel->pending_requests(), 1u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 1u);
 
   // The channel goes on: the bystander and a new recv of the aborted key both complete.
   const Tensor later = Floats(&acceptor_.pool, kElements, 4.0f);
@@ -295,7 +295,7 @@ TEST_F(ChannelTest, AbortStepEndsARecvOnceAndKeepsItsMemoryUntilTheSenderAnswers
   EXPECT_TRUE(again->tensor.ContentEquals(later));
   ASSERT_TRUE(Pump([&] { return bystander->calls > 0; }));
   EXPECT_TRUE(bystander->status.ok()) << bystander->status;
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 
   // No record is left holding memory: closing now has nothing to quarantine.
   owner_.channel->Close(absl::CancelledError("test over"));
@@ -307,7 +307,7 @@ TEST_F(ChannelTest, AbortBeforeTheMetaDataRoundTripReleasesWithAnEmptyWrite) {
   const ParsedKey key = Key("uncached");
   std::shared_ptr<RecvOutcome> out = StartRecv(1, key);
   Settle();
-  owner_.channel->AbortStep(1, absl::CancelledError("step 1 was cleaned up"));
+  owner_.channel->receiving()->AbortStep(1, absl::CancelledError("step 1 was cleaned up"));
   ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
   EXPECT_EQ(out->status.code(), absl::StatusCode::kCancelled);
 
@@ -332,19 +332,19 @@ TEST_F(ChannelTest, ExpireRequestsFailsARecvPastItsDeadline) {
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   std::shared_ptr<RecvOutcome> out = StartRecv(2, key, deadline);
   Settle();
-  owner_.channel->ExpireRequests(deadline - absl::Seconds(1));
+  owner_.channel->receiving()->ExpireRequests(deadline - absl::Seconds(1));
   Settle();
   EXPECT_EQ(out->calls, 0) << "not yet due";
 
-  owner_.channel->ExpireRequests(deadline + absl::Milliseconds(1));
+  owner_.channel->receiving()->ExpireRequests(deadline + absl::Milliseconds(1));
   ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
   EXPECT_EQ(out->status.code(), absl::StatusCode::kDeadlineExceeded) << out->status;
   EXPECT_THAT(std::string(out->status.message()), HasSubstr(key.full_key));
   EXPECT_THAT(std::string(out->status.message()), HasSubstr(TaskName(kJob, kAcceptorTaskIndex)));
   EXPECT_THAT(std::string(out->status.message()), HasSubstr("TENSORVERBS_RECV_TIMEOUT_MS"));
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 
-  owner_.channel->ExpireRequests(deadline + absl::Minutes(1));
+  owner_.channel->receiving()->ExpireRequests(deadline + absl::Minutes(1));
   Settle();
   EXPECT_EQ(out->calls, 1);
   EXPECT_EQ(owner_.pool.GetStats().allocations, baseline + 1) << "kept for a late write";
@@ -376,7 +376,7 @@ TEST_F(PendingBoundTest, RecvsBeyondThePendingBoundFailAtOnceAndAFinishedOneGive
   EXPECT_EQ(c->status.code(), absl::StatusCode::kResourceExhausted) << c->status;
   EXPECT_THAT(std::string(c->status.message()), HasSubstr("TENSORVERBS_MAX_PENDING_RECVS=2"));
   EXPECT_THAT(std::string(c->status.message()), HasSubstr(TaskName(kJob, kAcceptorTaskIndex)));
-  EXPECT_EQ(owner_.channel->pending_requests(), 2u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 2u);
   Settle();
   EXPECT_EQ(Get(owner_.stats.requests), 2) << "the refused recv asked for nothing";
 
@@ -388,7 +388,7 @@ TEST_F(PendingBoundTest, RecvsBeyondThePendingBoundFailAtOnceAndAFinishedOneGive
   std::shared_ptr<RecvOutcome> d = StartRecv(1, Key("d"));
   Settle();
   EXPECT_EQ(d->calls, 0) << "the finished recv's place was free";
-  EXPECT_EQ(owner_.channel->pending_requests(), 2u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 2u);
   Send(1, Key("b"), sent);
   Send(1, Key("d"), sent);
   ASSERT_TRUE(Pump([&] { return b->calls > 0 && d->calls > 0; }));
@@ -416,11 +416,11 @@ TEST_F(ResponseExpiryTest, AResponseTheReceiverNeverAnswersIsDroppedAndALateAnsw
   std::shared_ptr<RecvOutcome> out = StartRecv(1, key);
   // Stop right after the sender's META_DATA_RESPONSE, before the receiver reads it.
   ASSERT_TRUE(Pump([&] { return Get(acceptor_.stats.meta_responses) == 1; }));
-  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 1u);
-  acceptor_.channel->ExpireResponses(absl::Now() + absl::Seconds(1));
-  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 1u) << "not yet due";
-  acceptor_.channel->ExpireResponses(absl::Now() + absl::Seconds(6));
-  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u) << "the tensor is let go";
+  EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 1u);
+  acceptor_.channel->sending()->ExpireResponses(absl::Now() + absl::Seconds(1));
+  EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 1u) << "not yet due";
+  acceptor_.channel->sending()->ExpireResponses(absl::Now() + absl::Seconds(6));
+  EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 0u) << "the tensor is let go";
   EXPECT_EQ(Get(acceptor_.stats.errors_sent), 1);
 
   // The receiver answers the meta-data (its RE_REQUEST crosses the ERROR_STATUS), then takes
@@ -433,7 +433,7 @@ TEST_F(ResponseExpiryTest, AResponseTheReceiverNeverAnswersIsDroppedAndALateAnsw
   EXPECT_EQ(Get(acceptor_.stats.dropped_imms), 1) << "the crossing RE_REQUEST";
   EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
   EXPECT_EQ(Get(acceptor_.stats.content_writes), 0) << "nothing was written";
 
   // The channel carries the next recvs, reusing the index.
@@ -451,7 +451,7 @@ TEST_F(ChannelTest, CloseFailsEveryPendingRecvOnceAndQuarantinesTheirMemory) {
   std::vector<std::shared_ptr<RecvOutcome>> pending = {
       StartRecv(2, Key("a")), StartRecv(2, Key("b")), StartRecv(2, Key("c"))};
   Settle();
-  EXPECT_EQ(owner_.channel->pending_requests(), 3u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 3u);
 
   const absl::Time before = absl::Now();
   owner_.channel->Close(absl::UnavailableError("task went away"));

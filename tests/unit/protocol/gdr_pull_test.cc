@@ -38,11 +38,11 @@ class GdrPullTest : public ChannelTest {
   // Starts a pull whose outcome lands in `*status` (and counts in `*calls`).
   void StartPull(const RemoteTensorRef& ref, Tensor dest, absl::Time deadline, absl::Status* status,
                  int* calls) {
-    owner_.channel->StartPull(ref, std::move(dest), deadline,
-                              [status, calls](const absl::Status& s) {
-                                *status = s;
-                                ++*calls;
-                              });
+    owner_.channel->receiving()->StartPull(ref, std::move(dest), deadline,
+                                           [status, calls](const absl::Status& s) {
+                                             *status = s;
+                                             ++*calls;
+                                           });
   }
   std::vector<uint32_t> released_;
 };
@@ -58,7 +58,7 @@ TEST_F(UnconnectedGdrPullTest, APullWhoseDeadlinePassedWhileQueuedReleasesTheTen
   const Tensor dest = Floats(&owner_.pool, 4, 0.0f);
   StartPull(Lent(7, dest.TotalBytes()), dest, absl::Now() + absl::Milliseconds(1), &status, &calls);
   absl::SleepFor(absl::Milliseconds(2));
-  owner_.channel->ExpireRequests(absl::Now());
+  owner_.channel->receiving()->ExpireRequests(absl::Now());
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
   // Issued when the channel connects: it reads nothing and releases the tensor at once.
@@ -67,7 +67,7 @@ TEST_F(UnconnectedGdrPullTest, APullWhoseDeadlinePassedWhileQueuedReleasesTheTen
   Settle();
   EXPECT_EQ(released_, std::vector<uint32_t>{7});
   EXPECT_EQ(calls, 1);
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
 }
 
@@ -95,8 +95,8 @@ TEST_F(GdrPullTest, ALentTensorOfNoBytesEndsAtOnceAndIsReleased) {
   ASSERT_TRUE(Pump([&] { return !released_.empty(); }));
   Settle();
   EXPECT_EQ(released_, std::vector<uint32_t>{11});
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
-  EXPECT_FALSE(owner_.channel->awaiting_peer()) << "no record left waiting for a read";
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
+  EXPECT_FALSE(owner_.channel->receiving()->awaiting_peer()) << "no record left waiting for a read";
 }
 
 class FullGdrPullTest : public GdrPullTest {
@@ -165,7 +165,7 @@ class ReadingGdrPullTest : public GdrPullTest {
     ref.bytes = lent_.TotalBytes();
     return ref;
   }
-  size_t InState(PullState s) const { return owner_.channel->CountPulls(s); }
+  size_t InState(PullState s) const { return owner_.channel->receiving()->CountPulls(s); }
 
   const Tensor lent_ = Floats(&acceptor_.pool, 256, 1.5f);
   std::unique_ptr<fabric::MemoryRegion> region_;

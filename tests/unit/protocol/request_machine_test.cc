@@ -107,7 +107,7 @@ std::map<std::pair<State, Owner>, size_t> Census(const Channel& channel) {
   std::map<std::pair<State, Owner>, size_t> out;
   for (State s : kEveryState) {
     for (Owner o : {Owner::kRecv, Owner::kPushed, Owner::kAdopted, Owner::kDeclined}) {
-      if (size_t n = channel.CountRequests(s, o); n > 0) out[{s, o}] = n;
+      if (size_t n = channel.receiving()->CountRequests(s, o); n > 0) out[{s, o}] = n;
     }
   }
   return out;
@@ -129,7 +129,7 @@ class RequestMachineTest : public ChannelTest {
     }
   }
   size_t InState(State s, std::optional<Owner> o = std::nullopt) {
-    return owner_.channel->CountRequests(s, o);
+    return owner_.channel->receiving()->CountRequests(s, o);
   }
   // Pumps until one request of the owner's rests in `s`, served by `o`.
   ::testing::AssertionResult ReachState(State s, Owner o) {
@@ -199,7 +199,7 @@ TEST_F(UnconnectedRequestMachineTest, CloseInQueuedEndsTheRecvOnce) {
 TEST_F(UnconnectedRequestMachineTest, AbortInQueuedEndsTheRecvAndForgetsTheRequest) {
   std::shared_ptr<RecvOutcome> recv = StartRecv(1, Key("k"));
   ASSERT_EQ(InState(State::kQueued, Owner::kRecv), 1u);
-  owner_.channel->AbortStep(1, absl::CancelledError("step 1 aborted"));
+  owner_.channel->receiving()->AbortStep(1, absl::CancelledError("step 1 aborted"));
   Settle();
   EXPECT_EQ(recv->calls, 1);
   EXPECT_EQ(recv->status.code(), absl::StatusCode::kCancelled) << recv->status;
@@ -340,7 +340,7 @@ TEST_F(GrantedRequestTest, CloseAfterTheGrantEndsTheSecondRecvOnceAndKeepsItsDes
 // The sender gives up on both responses (no RE_REQUEST in time, as it sees it): the granted
 // recv's RE_REQUEST crosses the ERROR_STATUS, and the waiting one, granted in turn, ends too.
 TEST_F(GrantedRequestTest, ExpiredResponsesEndBothRecvsOnceAndTheGrantComesBack) {
-  acceptor_.channel->ExpireResponses(absl::Now() + absl::Hours(1));
+  acceptor_.channel->sending()->ExpireResponses(absl::Now() + absl::Hours(1));
   ASSERT_TRUE(Pump([&] { return got_a_->calls > 0 && got_b_->calls > 0; }));
   Settle();
   for (const std::shared_ptr<RecvOutcome>& got : {got_a_, got_b_}) {
@@ -440,11 +440,13 @@ TEST_F(PushedRequestTest, MetaParkedThenDeclinedReleasesTheSendersTensor) {
   Send(2, k_, Floats(&acceptor_.pool, 300, 5.0f));
   ASSERT_TRUE(ReachState(State::kMetaParked, Owner::kPushed));
   Settle();
-  ASSERT_EQ(acceptor_.channel->responses_in_progress(), 1u) << "the sender holds the tensor";
-  owner_.channel->AbortStep(2, absl::CancelledError("step 2 aborted"));
+  ASSERT_EQ(acceptor_.channel->sending()->responses_in_progress(), 1u)
+      << "the sender holds the tensor";
+  owner_.channel->receiving()->AbortStep(2, absl::CancelledError("step 2 aborted"));
   Settle();
   EXPECT_TRUE(Census(*owner_.channel).empty());
-  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u) << "released by an empty RE_REQUEST";
+  EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 0u)
+      << "released by an empty RE_REQUEST";
   EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
   EXPECT_TRUE(Took(State::kMetaParked, Event::kRelease, State::kReRequested));
 }
@@ -453,7 +455,7 @@ TEST_F(PushedRequestTest, LandedAheadThenDeclinedEndsTheRecord) {
   Send(2, k_, Floats(&acceptor_.pool, 100, 2.0f));
   ASSERT_TRUE(ReachState(State::kLandedAhead, Owner::kPushed));
   const int64_t unused = Get(owner_.stats.push_unused);
-  owner_.channel->AbortStep(2, absl::CancelledError("step 2 aborted"));
+  owner_.channel->receiving()->AbortStep(2, absl::CancelledError("step 2 aborted"));
   Settle();
   EXPECT_TRUE(Census(*owner_.channel).empty());
   EXPECT_EQ(Get(owner_.stats.push_unused), unused + 1);
@@ -464,10 +466,10 @@ TEST_F(PushedRequestTest, ErrorStatusInMetaParkedForgetsTheRequest) {
   Send(2, k_, Floats(&acceptor_.pool, 300, 5.0f));
   ASSERT_TRUE(ReachState(State::kMetaParked, Owner::kPushed));
   Settle();
-  acceptor_.channel->ExpireResponses(absl::Now() + absl::Hours(1));
+  acceptor_.channel->sending()->ExpireResponses(absl::Now() + absl::Hours(1));
   Settle();
   EXPECT_TRUE(Census(*owner_.channel).empty());
-  EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u);
+  EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 0u);
   EXPECT_EQ(Get(owner_.stats.channel_errors) + Get(acceptor_.stats.channel_errors), 0);
   EXPECT_TRUE(Took(State::kMetaParked, Event::kErrorStatus, State::kDone));
 }
@@ -569,7 +571,7 @@ TEST_F(SegmentedRecvTest, ARecvThatEndsMidwayHearsNothingMoreAndItsRecordWaitsFo
       StartRecv(1, k, absl::InfiniteFuture(), nullptr, Listening(heard, kSegment));
   ASSERT_TRUE(Pump([&] { return !heard->prefixes.empty(); }));
   ASSERT_LT(heard->prefixes.size(), 99u) << "the test needs the recv to end midway";
-  owner_.channel->AbortStep(1, absl::CancelledError("step 1 aborted"));
+  owner_.channel->receiving()->AbortStep(1, absl::CancelledError("step 1 aborted"));
   const size_t told = heard->prefixes.size();
   EXPECT_EQ(InState(State::kReRequested), 1u) << "the sender may still write: the record stays";
   Settle();

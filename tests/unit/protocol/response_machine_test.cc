@@ -76,20 +76,20 @@ class ResponseMachineTest : public ChannelTest {
   CensusMap Census() const {
     CensusMap out;
     for (State s : kEveryState) {
-      if (size_t n = acceptor_.channel->CountResponses(s); n > 0) out[s] = n;
+      if (size_t n = acceptor_.channel->sending()->CountResponses(s); n > 0) out[s] = n;
     }
     return out;
   }
   ::testing::AssertionResult ReachState(State s) {
-    return Pump([&] { return acceptor_.channel->CountResponses(s) == 1; });
+    return Pump([&] { return acceptor_.channel->sending()->CountResponses(s) == 1; });
   }
   // The sender's channel closes; afterwards it holds nothing for its peer.
   void CloseAcceptor() {
     acceptor_.channel->Close(absl::UnavailableError("the test closed the channel"));
     Settle();
     EXPECT_TRUE(Census().empty()) << "a closed channel keeps no response";
-    EXPECT_EQ(acceptor_.channel->responses_in_progress(), 0u);
-    EXPECT_FALSE(acceptor_.channel->holds_state_for_peer());
+    EXPECT_EQ(acceptor_.channel->sending()->responses_in_progress(), 0u);
+    EXPECT_FALSE(acceptor_.channel->sending()->holds_state_for_peer());
     EXPECT_EQ(acceptor_.local_tensors.open_tickets(), 0u);
   }
 };
@@ -170,13 +170,13 @@ TEST_F(ResponseMachineTest, AnEmptyReRequestIsAnsweredWithTheImmediateAlone) {
   Send(1, k, Floats(&acceptor_.pool, 100, 2.0f));
   std::shared_ptr<RecvOutcome> recv = StartRecv(1, k);
   ASSERT_TRUE(ReachState(State::kWaitReRequest));
-  owner_.channel->AbortStep(1, absl::CancelledError("the receiver gave up"));
+  owner_.channel->receiving()->AbortStep(1, absl::CancelledError("the receiver gave up"));
   ASSERT_TRUE(Pump([&] { return Census().empty(); }));
   Settle();
   EXPECT_EQ(recv->calls, 1);
   EXPECT_EQ(recv->status.code(), absl::StatusCode::kCancelled) << recv->status;
   EXPECT_EQ(Get(acceptor_.stats.content_bytes), 0) << "no tensor bytes were written";
-  EXPECT_EQ(owner_.channel->pending_requests(), 0u);
+  EXPECT_EQ(owner_.channel->receiving()->pending_requests(), 0u);
 }
 
 class ExpiringResponseMachineTest : public ResponseMachineTest {
@@ -196,7 +196,7 @@ TEST_F(ExpiringResponseMachineTest, WaitReRequestToDoneWhenTheReceiverNeverAsks)
   Send(1, k, Floats(&acceptor_.pool, 100, 2.0f));
   std::shared_ptr<RecvOutcome> recv = StartRecv(1, k);
   ASSERT_TRUE(ReachState(State::kWaitReRequest));
-  acceptor_.channel->ExpireResponses(absl::Now() + absl::Seconds(6));
+  acceptor_.channel->sending()->ExpireResponses(absl::Now() + absl::Seconds(6));
   EXPECT_TRUE(Census().empty());
   EXPECT_EQ(Get(acceptor_.stats.errors_sent), 1);
   ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
@@ -335,7 +335,8 @@ TEST_F(StagedResponseTest, WritingToDoneWhenAPartFailsToStageWithNoWriteInFlight
   copier_.Hold(CopyDirection::kDeviceToHost);
   copier_.FailNext(CopyDirection::kDeviceToHost, absl::InternalError("stand-in staging failure"));
   Send(2, k, DeviceFloats(2.0f));
-  ASSERT_TRUE(TurnSender([&] { return acceptor_.channel->CountResponses(State::kWriting) == 1; }));
+  ASSERT_TRUE(TurnSender(
+      [&] { return acceptor_.channel->sending()->CountResponses(State::kWriting) == 1; }));
   copier_.ReleaseHeld(-1);
   ASSERT_TRUE(Pump([&] { return recv->calls > 0; }));
   Settle();
