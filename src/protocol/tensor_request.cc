@@ -11,8 +11,8 @@
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
-#include "src/protocol/copy_mode.h"
 #include "src/protocol/request_table.h"
+#include "src/protocol/transfer_modes.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
@@ -40,6 +40,7 @@ RdmaTensorRequest::RdmaTensorRequest(ReceivingSide* side, uint32_t index, int64_
       allocator_(allocator),
       deadline_(done == nullptr ? absl::InfiniteFuture() : deadline),
       done_(std::move(done)),
+      mode_(&RequestMode::Of(channel_->env()->options.mode)),
       owner_(done_ == nullptr ? Owner::kPushed : Owner::kRecv) {
   if (owner_ == Owner::kRecv && TraceEnabled()) BeginTrace("queued");
 }
@@ -63,38 +64,12 @@ void RdmaTensorRequest::End(Event event) {
 
 void RdmaTensorRequest::Start() {
   ChannelEnv* env = channel_->env();
-  const char* next_phase = "awaiting meta-data";
   Message m;
   m.type = MessageType::kTensorRequest;
   m.step_id = step_id_;
   m.request_index = index_;
-  if (env->options.mode == VerbsMode::kCopy) {
-    OfferCopyBuffer(m);
-  } else {
-    // With a cached meta-data the destination is allocated now and the sender writes at once
-    // (zero round trips of meta-data); validation mode always takes the meta-data round trip
-    // because the checksum travels with it.
-    const TensorMetaData* cached = env->memory->CachedMeta(key_->key.full_key);
-    // A large destination goes in REQUEST only while no other one does on this channel: the
-    // rest wait for the sender's word that their tensor exists (RecvTensorMetaData).
-    if (cached != nullptr && !env->options.data_validation && cached->dtype != DataType::kString &&
-        !cached->is_dead && side_->MayNameLargeDestination(*this, cached->tensor_bytes)) {
-      if (cached->tensor_bytes > 0) {
-        absl::Status s = PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
-        if (!s.ok()) {
-          Fail(s);
-          TransitionTo(State::kDone, Event::kStart);
-          side_->FinishRequest(index_, Event::kStart);  // freed at the end of the turn
-          return;
-        }
-      }
-      meta_ = *cached;
-      m.meta = *cached;
-      AskForSegments(m);
-      next_phase = "awaiting content";  // the sender writes into what REQUEST names
-      env->stats->meta_cache_hits.fetch_add(1, std::memory_order_relaxed);
-    }
-  }
+  const char* next_phase = mode_->Ask(*this, m);
+  if (next_phase == nullptr) return;  // ended: its destination could not be made
   // Named last, once nothing can stop the REQUEST from going out: a key's first REQUEST on the
   // channel defines its index, and the peer must see every index it is later asked by.
   side_->NameKey(key_, &m);
@@ -103,23 +78,6 @@ void RdmaTensorRequest::Start() {
   channel_->counters().requests.fetch_add(1, std::memory_order_relaxed);
   trace_.Phase(next_phase);
   channel_->SendMessage(std::move(m));
-}
-
-void RdmaTensorRequest::OfferCopyBuffer(Message& m) {
-  ChannelEnv* env = channel_->env();
-  // Seed 002: offer the name's buffer from earlier steps; the sender asks for a new one
-  // (META_DATA_RESPONSE as BUFFER_REQUEST) when the tensor does not fit. Validation mode
-  // always asks, because the checksum rides the answer.
-  staging_ = side_->copy_buffers().Take(key_->key.full_key);
-  if (!staging_.IsInitialized() || env->options.data_validation) return;
-  absl::StatusOr<const fabric::MemoryRegion*> region =
-      env->memory->FindRegistered(staging_.data(), staging_.TotalBytes());
-  if (!region.ok() || *region == nullptr) return;
-  absl::StatusOr<fabric::RemoteKey> key = channel_->OfferKey(**region);
-  if (!key.ok()) return;
-  m.remote_addr = reinterpret_cast<uint64_t>(staging_.data());
-  m.remote_key = *key;
-  m.meta = BufferMeta(staging_.TotalBytes());
 }
 
 absl::Status RdmaTensorRequest::CheckAnnouncedSize(const TensorMetaData& meta) const {
@@ -217,8 +175,7 @@ void RdmaTensorRequest::AskForSegments(Message& m) {
   // checksum checks the bytes only once all are in, and the caller's memory is not `landing`.
   if (!on_landed_ || finished() || progress_bytes_ == 0 || m.remote_addr == 0 ||
       !result_.IsInitialized() || staging_.IsInitialized() || LandsInCallersMemory() ||
-      env->options.mode != VerbsMode::kZeroCopy || env->options.data_validation ||
-      meta_.dtype == DataType::kString) {
+      env->options.data_validation || meta_.dtype == DataType::kString) {
     return;
   }
   const uint64_t kMaxSegment = uint64_t{1} << 31;
@@ -257,62 +214,26 @@ void RdmaTensorRequest::ReleaseUnusedInto() {
   if (!LandsInCallersMemory()) into_.Clear();
 }
 
-absl::Status RdmaTensorRequest::PrepareCopyBuffer(uint64_t bytes, uint64_t* addr,
-                                                  fabric::RemoteKey* key) {
-  if (absl::Status s = CheckReceivedTensorBytes(bytes, channel_->env()->max_tensor_bytes());
-      !s.ok()) {
-    return RecvError(s);
-  }
-  absl::StatusOr<const fabric::MemoryRegion*> buffer =
-      EnsureCopyBuffer(channel_->env()->memory, staging_, bytes);
-  if (!buffer.ok()) return RecvError(buffer.status());
-  const fabric::MemoryRegion* region = *buffer;
-  ASSIGN_OR_RETURN(*key, channel_->OfferKey(*region));
-  *addr = reinterpret_cast<uint64_t>(staging_.data());
-  return absl::OkStatus();
-}
-
 void RdmaTensorRequest::RecvTensorMetaData(const Message& m) {
-  ChannelEnv* env = channel_->env();
   if (state_ != State::kRequested) {
     channel_->Close(absl::DataLossError(
         absl::StrCat("META_DATA_RESPONSE for request ", index_, " that is not waiting for one")));
     return;  // the close ended this request
   }
-  const bool copy = env->options.mode == VerbsMode::kCopy;
-  if (copy && !IsBufferMeta(m.meta)) {
-    channel_->Close(absl::DataLossError(absl::StrCat(
-        "task ", channel_->peer_task(), " asked for a copy-mode buffer it described as ",
-        DataTypeName(m.meta.dtype), m.meta.shape.DebugString())));
-    return;
+  if (absl::Status s = mode_->Answered(*this, m); !s.ok()) {
+    channel_->Close(s);
+    return;  // the close ended this request
   }
   meta_ = m.meta;
   checksum_ = m.checksum;
-  if (!copy) {
-    // The sender answered instead of writing into what REQUEST named: that destination (made
-    // from cached meta-data that no longer holds) is never written now, and must not be
-    // delivered for a tensor of another shape, such as an empty one.
-    // A destination in the caller's memory goes back with it.
-    if (LandsInCallersMemory()) into_.Clear();
-    transient_.reset();
-    result_.Clear();
-    staging_.Clear();
-    segment_bytes_ = 0;
-    segments_left_ = 1;
-    side_->ReleaseLargeSlot(*this);
-    // Meta-data this task would refuse is not remembered: the next recv of the name asks
-    // afresh rather than failing on the cached word of a peer that may since have changed.
-    if (!m.meta.is_dead && CheckAnnouncedSize(m.meta).ok()) {
-      env->memory->CacheMeta(key_->key.full_key, m.meta);
-    }
-  }
   if (adoptable()) {
     // Pushed, and no recv has taken it yet: the sender holds the tensor for it, so it waits
     // here for the recv (Adopt) or for its step to end (Release), whichever comes first.
     TransitionTo(State::kMetaParked, Event::kMetaData);
     return;
   }
-  if (!copy && !finished() && !meta_.is_dead && !side_->GrantLargeDestination(*this)) {
+  if (mode_->TakesGrants() && !finished() && !meta_.is_dead &&
+      !side_->GrantLargeDestination(*this)) {
     trace_.Phase("awaiting a large-destination grant");
     // The channel calls Grant when an earlier large recv has landed.
     TransitionTo(State::kAwaitingGrant, Event::kMetaData);
@@ -328,7 +249,6 @@ void RdmaTensorRequest::Grant() {
 
 void RdmaTensorRequest::SendReRequest(Event event) {
   ChannelEnv* env = channel_->env();
-  const bool copy = env->options.mode == VerbsMode::kCopy;
   Message rr;
   rr.type = MessageType::kTensorReRequest;
   rr.step_id = step_id_;
@@ -336,11 +256,7 @@ void RdmaTensorRequest::SendReRequest(Event event) {
   rr.meta = meta_;
   // A recv that already ended (abort, timeout) or cannot allocate still answers, with no
   // target: the sender then writes nothing but the immediate, and releases its tensor.
-  if (!finished() && (copy || (!meta_.is_dead && meta_.tensor_bytes > 0))) {
-    absl::Status s = copy ? PrepareCopyBuffer(meta_.tensor_bytes, &rr.remote_addr, &rr.remote_key)
-                          : PrepareDestination(meta_, &rr.remote_addr, &rr.remote_key);
-    if (!s.ok()) Fail(s);
-  }
+  if (!finished()) mode_->NameDestination(*this, rr);
   AskForSegments(rr);
   TransitionTo(State::kReRequested, event);
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
@@ -357,36 +273,6 @@ void RdmaTensorRequest::Release() {
 absl::Status RdmaTensorRequest::RecvError(const absl::Status& status) const {
   return absl::Status(status.code(), absl::StrCat("recv of '", key_->key.full_key, "' from task ",
                                                   channel_->peer_task(), ": ", status.message()));
-}
-
-void RdmaTensorRequest::RecvCopyContent() {
-  ChannelEnv* env = channel_->env();
-  if (!staging_.IsInitialized()) {
-    Deliver(RecvError(absl::DataLossError("content arrived for a request that named no buffer")),
-            Tensor(), false);
-    return;
-  }
-  if (env->options.data_validation) {
-    const uint64_t bytes = std::min<uint64_t>(meta_.tensor_bytes, staging_.TotalBytes());
-    if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(),
-                                             staging_.data(), bytes, checksum_);
-        !s.ok()) {
-      Deliver(s, Tensor(), false);
-      return;
-    }
-  }
-  absl::StatusOr<ReadPayload> payload =
-      ReadCopyPayload(static_cast<const uint8_t*>(staging_.data()), staging_.TotalBytes(),
-                      allocator_, env->max_tensor_bytes());
-  if (!payload.ok()) {
-    Deliver(RecvError(payload.status()), Tensor(), false);
-    return;
-  }
-  if (!payload->is_dead) env->CountCopy(payload->tensor.TotalBytes());
-  // The buffer serves the name's next transfer.
-  side_->copy_buffers().Return(key_->key.full_key, std::move(staging_));
-  staging_.Clear();
-  Deliver(absl::OkStatus(), payload->tensor, payload->is_dead);
 }
 
 absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
@@ -411,7 +297,6 @@ absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
 }
 
 void RdmaTensorRequest::RecvTensorContent() {
-  ChannelEnv* env = channel_->env();
   // A pushed request no recv took keeps what landed for its recv; one whose content cannot be
   // kept (dead, a string, a failed check) is declined on delivery and ends (Deliver).
   // A pushed request moves to kLandedAhead once its result is ready; one that fails on the way
@@ -420,44 +305,7 @@ void RdmaTensorRequest::RecvTensorContent() {
   if (!ahead) TransitionTo(State::kDone, Event::kContent);
   trace_.Phase("landed");
   if (finished() && !ahead) return;
-  if (env->options.mode == VerbsMode::kCopy) {
-    RecvCopyContent();
-    return;
-  }
-  if (meta_.is_dead) {
-    Deliver(absl::OkStatus(), Tensor(), true);
-    return;
-  }
-  const void* landed = staging_.IsInitialized() ? staging_.data() : result_.data();
-  if (env->options.data_validation) {
-    if (absl::Status s = env->VerifyChecksum(key_->key.full_key, channel_->peer_task(), landed,
-                                             meta_.tensor_bytes, checksum_);
-        !s.ok()) {
-      Deliver(s, Tensor(), false);
-      return;
-    }
-  }
-  if (meta_.dtype == DataType::kString) {
-    absl::StatusOr<Tensor> t = ParseStringContent();
-    Deliver(t.status(), t.ok() ? *t : Tensor(), false);
-    return;
-  }
-  if (!result_.IsInitialized()) {
-    // No bytes (an empty tensor), or copy registration: allocate the result now.
-    absl::StatusOr<Tensor> t = Tensor::Allocate(allocator_, meta_.dtype, meta_.shape);
-    if (!t.ok()) {
-      Deliver(t.status(), Tensor(), false);
-      return;
-    }
-    result_ = *std::move(t);
-  }
-  if (staging_.IsInitialized() && meta_.tensor_bytes > 0) {
-    std::memcpy(result_.data(), staging_.data(), meta_.tensor_bytes);
-    env->CountCopy(meta_.tensor_bytes);
-  }
-  staging_.Clear();
-  transient_.reset();
-  if (LandsInCallersMemory()) env->stats->in_place_recvs.fetch_add(1, std::memory_order_relaxed);
+  if (!mode_->Land(*this)) return;  // the mode delivered the outcome itself
   if (ahead) {
     TransitionTo(State::kLandedAhead, Event::kContent);
     return;  // result_ waits for the recv that takes this request

@@ -7,6 +7,10 @@
 // one (kAwaitingGrant); a pushed request parks what comes until a recv takes it over
 // (kMetaParked, kLandedAhead). ERROR_STATUS, an aborted step and a close end it in any state.
 //
+// How the content gets to the recv (a destination of its own, or copy mode's buffer per name)
+// is the channel's transfer mode, a strategy the request holds from the start
+// (transfer_modes.h): the machine has no branch on it.
+//
 // Who the request serves is a field beside the state, not a state: a recv's (kRecv), or made
 // ahead of any recv (kPushed) and then taken over by one (kAdopted) or given up (kDeclined).
 // `Fail` (abort, deadline, ERROR_STATUS, channel closed) ends the recv at once whatever the
@@ -59,6 +63,7 @@ namespace tensorverbs::protocol {
 
 class Channel;
 class ReceivingSide;
+class RequestMode;
 
 class RdmaTensorRequest {
  public:
@@ -176,6 +181,10 @@ class RdmaTensorRequest {
   std::vector<Tensor> TakeMemory();
 
  private:
+  // The modes act on the request's destination and result (transfer_modes.h).
+  friend class ZeroCopyRequests;
+  friend class CopyRequests;
+
   // The one place the state changes; checks in debug and sanitizer builds that the move is a
   // row of kRequestTable.
   void TransitionTo(State next, Event event);
@@ -192,12 +201,6 @@ class RdmaTensorRequest {
   // The peer's announced size against this task's limit (TENSORVERBS_MAX_TENSOR_MB), before
   // anything is allocated for it.
   absl::Status CheckAnnouncedSize(const TensorMetaData& meta) const;
-  // Copy mode: makes staging_ (the name's buffer) hold at least `bytes` and returns where the
-  // sender writes.
-  absl::Status PrepareCopyBuffer(uint64_t bytes, uint64_t* addr, fabric::RemoteKey* key);
-  // Copy mode: offers the name's buffer from earlier transfers in `m`, if it has one.
-  void OfferCopyBuffer(Message& m);
-  void RecvCopyContent();
   // The landed string tensor's TensorProto, parsed.
   absl::StatusOr<Tensor> ParseStringContent() const;
   // Whether a tensor of `meta` may land in into_ (RecvArgs::into).
@@ -219,7 +222,8 @@ class RdmaTensorRequest {
   Allocator* allocator_;
   absl::Time deadline_;
   RecvDoneCallback done_;
-  RecvTrace trace_;  // TENSORVERBS_TRACE: this recv's phases (empty when off or pushed)
+  const RequestMode* mode_;  // the channel's mode (transfer_modes.h)
+  RecvTrace trace_;          // TENSORVERBS_TRACE: this recv's phases (empty when off or pushed)
   State state_ = State::kQueued;
   Owner owner_;
   LargeSlot large_slot_ = LargeSlot::kNone;

@@ -9,9 +9,9 @@
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
-#include "src/protocol/copy_mode.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/sending_side.h"
+#include "src/protocol/transfer_modes.h"
 #include "src/tensor/tensor_codec.h"
 
 namespace tensorverbs::protocol {
@@ -69,7 +69,11 @@ const char* ResponseStateName(RdmaTensorResponse::State state) {
 StateTableView ResponseStateTable() { return kResponseTable.View(); }
 
 RdmaTensorResponse::RdmaTensorResponse(SendingSide* side, uint64_t serial, Message request)
-    : side_(side), channel_(side->channel()), serial_(serial), request_(std::move(request)) {}
+    : side_(side),
+      channel_(side->channel()),
+      serial_(serial),
+      request_(std::move(request)),
+      mode_(&ResponseMode::Of(channel_->env()->options.mode)) {}
 
 const std::string& RdmaTensorResponse::name() const {
   static const std::string kUnresolved = "?";
@@ -157,18 +161,6 @@ absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   return absl::OkStatus();
 }
 
-absl::Status RdmaTensorResponse::PrepareCopySource(const Tensor& tensor, bool is_dead) {
-  ChannelEnv* env = channel_->env();
-  staging_ = side_->copy_buffers().Take(name());
-  uint64_t bytes = 0;
-  ASSIGN_OR_RETURN(source_region_,
-                   LayOutCopyPayload(env->memory, tensor, is_dead, &staging_, &bytes));
-  if (!is_dead) env->CountCopy(tensor.TotalBytes());
-  source_ = staging_.data();
-  meta_ = BufferMeta(bytes);
-  return absl::OkStatus();
-}
-
 bool RdmaTensorResponse::StagesInChunks() const {
   const ChannelEnv* env = channel_->env();
   // Zero copy only: copy mode lays the tensor out in a buffer of its own, and a checksum needs
@@ -176,7 +168,7 @@ bool RdmaTensorResponse::StagesInChunks() const {
   // Pool registration only: the staging tensor is then registered already, so the writes
   // read it where the copies land; a staged copy of it would take whatever is there yet.
   return env->worker != nullptr && env->worker->device_copier != nullptr &&
-         env->worker->proxy_chunk_bytes > 0 && env->options.mode == VerbsMode::kZeroCopy &&
+         env->worker->proxy_chunk_bytes > 0 && mode_->SendsFromWhereItLies() &&
          !env->options.data_validation && env->options.registration == Registration::kPool;
 }
 
@@ -212,16 +204,8 @@ bool RdmaTensorResponse::OnStaged(const absl::Status& status, uint64_t staged_by
 }
 
 bool RdmaTensorResponse::CanWriteNow() const {
-  if (channel_->env()->options.data_validation)
-    return false;  // the checksum rides META_DATA_RESPONSE
-  if (channel_->env()->options.mode == VerbsMode::kCopy) {
-    // The receiver's buffer for this name is large enough (seed 002's TENSOR_WRITE); else it
-    // is asked for a larger one (its BUFFER_REQUEST).
-    return request_.remote_addr != 0 && IsBufferMeta(request_.meta) &&
-           request_.meta.tensor_bytes >= meta_.tensor_bytes;
-  }
-  return request_.meta == meta_ && meta_.dtype != DataType::kString &&
-         (meta_.tensor_bytes == 0 || request_.remote_addr != 0);
+  // The checksum rides META_DATA_RESPONSE.
+  return !channel_->env()->options.data_validation && mode_->Fits(*this);
 }
 
 void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor, bool is_dead) {
@@ -235,7 +219,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
     // A device tensor kept as it is (ChannelEnv::device_direct): written from GPU memory when it
     // lies in a device pool the fabric registers, else staged to host after all, once.
     absl::StatusOr<const fabric::MemoryRegion*> region =
-        env->device_direct && env->options.mode == VerbsMode::kZeroCopy
+        env->device_direct && mode_->SendsFromWhereItLies()
             ? env->memory->FindRegistered(tensor.data(), tensor.TotalBytes())
             : nullptr;
     if (region.ok() && *region == nullptr) {
@@ -261,18 +245,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
     }
   }
   tensor_ = tensor;
-  absl::Status prepared;
-  if (env->options.mode == VerbsMode::kCopy) {
-    prepared = PrepareCopySource(tensor, is_dead);
-  } else {
-    meta_.dtype = tensor.dtype();
-    meta_.shape = tensor.shape();
-    meta_.is_dead = is_dead;
-    // A string tensor's size is its TensorProto's, which PrepareSource serializes.
-    meta_.tensor_bytes = is_dead ? 0 : tensor.TotalBytes();
-    prepared = PrepareSource(tensor);
-  }
-  if (!prepared.ok()) {
+  if (absl::Status prepared = mode_->Prepare(*this, tensor, is_dead); !prepared.ok()) {
     SendError(absl::Status(prepared.code(), absl::StrCat("the sender cannot transfer the tensor: ",
                                                          prepared.message())),
               Event::kTensor);
@@ -407,10 +380,7 @@ bool RdmaTensorResponse::OnWriteDone() {
   }
   if (posted_ < meta_.tensor_bytes && !meta_.is_dead) return false;  // parts still staging
   ChannelEnv* env = channel_->env();
-  if (env->options.mode == VerbsMode::kCopy && staging_.IsInitialized()) {
-    side_->copy_buffers().Return(name(), std::move(staging_));
-    staging_.Clear();
-  }
+  mode_->Written(*this);
   env->stats->content_writes.fetch_add(1, std::memory_order_relaxed);
   env->stats->content_bytes.fetch_add(static_cast<int64_t>(meta_.tensor_bytes),
                                       std::memory_order_relaxed);

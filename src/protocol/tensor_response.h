@@ -5,6 +5,9 @@
 // else META_DATA_RESPONSE asks for one (kWaitReRequest); the last write completed ends it, and so
 // does ERROR_STATUS or Cancel in any state.
 //
+// How the content is laid out and whether a REQUEST's destination fits it is the channel's
+// transfer mode, a strategy the response holds from the start (transfer_modes.h).
+//
 // A device tensor the fabric cannot reach is staged to host memory. Where the proxy path
 // moves in chunks (WorkerEnv::proxy_chunk_bytes), the response goes on at once with the
 // staging tensor and writes each part as soon as its device-to-host copy completed
@@ -36,6 +39,7 @@
 namespace tensorverbs::protocol {
 
 class Channel;
+class ResponseMode;
 class SendingSide;
 
 class RdmaTensorResponse {
@@ -82,12 +86,14 @@ class RdmaTensorResponse {
   bool in_progress() const { return state_ == State::kWriting || state_ == State::kWaitReRequest; }
 
  private:
+  // The modes act on the response's source and meta (transfer_modes.h).
+  friend class ZeroCopyResponses;
+  friend class CopyResponses;
+
   // The one place the state changes; checks in debug and sanitizer builds that the move is a
   // row of kResponseTable.
   void TransitionTo(State next, Event event);
   absl::Status PrepareSource(const Tensor& tensor);
-  // Copy mode: lays the tensor out in the name's registered buffer (the copy in).
-  absl::Status PrepareCopySource(const Tensor& tensor, bool is_dead);
   // Whether the request already named a destination the tensor fits.
   bool CanWriteNow() const;
   // Writes the content to `addr`, in segments of `segment_bytes` each ending with the
@@ -115,8 +121,9 @@ class RdmaTensorResponse {
   SendingSide* side_;
   Channel* channel_;  // side_'s
   uint64_t serial_;
-  Message request_;  // REQUEST as received (step, index, target, meta)
-  KeyRef key_;       // what it asked for, once resolved (Start)
+  Message request_;           // REQUEST as received (step, index, target, meta)
+  const ResponseMode* mode_;  // the channel's mode (transfer_modes.h)
+  KeyRef key_;                // what it asked for, once resolved (Start)
   State state_ = State::kWaitTensor;
   std::shared_ptr<RemoteRendezvous> rendezvous_;
   uint64_t token_ = 0;
