@@ -89,6 +89,12 @@ struct RowWalk {
   const char* elsewhere = nullptr;
 };
 
+// The walk of row (from, event, to) by `test`, from a machine's own enums.
+template <typename State, typename Event>
+RowWalk Walk(State from, Event event, State to, const char* test) {
+  return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
+}
+
 // Holds `table` to its walks: its shape is sound (CheckStateTable), every row has a walk, every
 // walk is a row, and each test named in this binary exists.
 inline void ExpectEveryRowWalked(const StateTableView& table, const std::vector<RowWalk>& walks) {

@@ -18,7 +18,7 @@ namespace {
 
 using ::tensorverbs::testing::ExpectEveryRowWalked;
 using ::tensorverbs::testing::RowsTaken;
-using ::tensorverbs::testing::RowWalk;
+using ::tensorverbs::testing::Walk;
 using In = InPlaceLanding;
 using Co = CollectiveLanding;
 
@@ -41,25 +41,22 @@ class LandingsTest : public ::testing::Test {
 };
 
 TEST(LandingTables, EveryRowIsWalkedByATest) {
-  auto in = [](In::State from, In::Event event, In::State to, const char* test) {
-    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
-  };
   const char* const kLanded = "LandingsTest.ARecvThatLandsCompletesAtOnceAndTheReleaseDrops";
   const char* const kEarly = "LandingsTest.AReleaseBeforeTheEndDropsAndTheEndCompletes";
   const char* const kFailed = "LandingsTest.AFailedRecvWaitsForTheReleaseWhichCompletesIt";
   ExpectEveryRowWalked(
       InPlaceLandingTable(),
       {
-          in(In::State::kLent, In::Event::kReleased, In::State::kReleased, kEarly),
-          in(In::State::kLent, In::Event::kRecvEnded, In::State::kLanded, kLanded),
-          in(In::State::kLent, In::Event::kRecvEnded, In::State::kFailedHeld, kFailed),
-          in(In::State::kReleased, In::Event::kRecvEnded, In::State::kDone, kEarly),
-          in(In::State::kLanded, In::Event::kReleased, In::State::kDone, kLanded),
-          in(In::State::kFailedHeld, In::Event::kReleased, In::State::kDone, kFailed),
+          Walk(In::State::kLent, In::Event::kReleased, In::State::kReleased, kEarly),
+          Walk(In::State::kLent, In::Event::kRecvEnded, In::State::kLanded, kLanded),
+          Walk(In::State::kLent, In::Event::kRecvEnded, In::State::kFailedHeld, kFailed),
+          Walk(In::State::kReleased, In::Event::kRecvEnded, In::State::kDone, kEarly),
+          Walk(In::State::kLanded, In::Event::kReleased, In::State::kDone, kLanded),
+          Walk(In::State::kFailedHeld, In::Event::kReleased, In::State::kDone, kFailed),
       });
   auto co = [](Co::State from, Co::Event event, Co::State to) {
-    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to),
-                   "LandingsTest.ACollectiveDestinationSettlesOnceWhicheverComesFirst"};
+    return Walk(from, event, to,
+                "LandingsTest.ACollectiveDestinationSettlesOnceWhicheverComesFirst");
   };
   ExpectEveryRowWalked(CollectiveLandingTable(),
                        {

@@ -48,6 +48,7 @@ namespace tensorverbs::protocol::channel_testing {
 using ::tensorverbs::testing::ExpectEveryRowWalked;
 using ::tensorverbs::testing::RowsTaken;
 using ::tensorverbs::testing::RowWalk;
+using ::tensorverbs::testing::Walk;
 
 using ::testing::HasSubstr;
 

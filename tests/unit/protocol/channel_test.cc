@@ -16,17 +16,14 @@ using ::testing::HasSubstr;
 TEST(ChannelStateTableTest, EveryRowIsWalkedByATest) {
   using State = Channel::State;
   using Event = Channel::Event;
-  auto walk = [](State from, Event event, State to, const char* test) {
-    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
-  };
   ExpectEveryRowWalked(
       ChannelStateTable(),
       {
-          walk(State::kConnecting, Event::kConnected, State::kReady,
+          Walk(State::kConnecting, Event::kConnected, State::kReady,
                "UnconnectedRequestMachineTest.QueuedRequestedReRequestedDone"),
-          walk(State::kConnecting, Event::kClose, State::kClosed,
+          Walk(State::kConnecting, Event::kClose, State::kClosed,
                "UnconnectedRequestMachineTest.CloseInQueuedEndsTheRecvOnce"),
-          walk(State::kReady, Event::kClose, State::kClosed,
+          Walk(State::kReady, Event::kClose, State::kClosed,
                "RequestMachineTest.CloseInRequestedEndsTheRecvOnceAndKeepsItsDestination"),
       });
 }

@@ -129,21 +129,18 @@ using PullState = GdrPull::State;
 using PullEvent = GdrPull::Event;
 
 TEST(GdrPullTableTest, EveryRowIsWalkedByATest) {
-  auto walk = [](PullState from, PullEvent event, PullState to, const char* test) {
-    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
-  };
   const char* const kRead =
       "UnconnectedReadingGdrPullTest.QueuedThenReadingThenDoneReleasesTheTensor";
   ExpectEveryRowWalked(
       PullStateTable(),
       {
-          walk(PullState::kQueued, PullEvent::kIssue, PullState::kReading, kRead),
-          walk(PullState::kQueued, PullEvent::kIssue, PullState::kDone,
+          Walk(PullState::kQueued, PullEvent::kIssue, PullState::kReading, kRead),
+          Walk(PullState::kQueued, PullEvent::kIssue, PullState::kDone,
                "GdrPullTest.ADestinationOfAnotherSizeFailsThePullAndReleasesTheTensor"),
-          walk(PullState::kQueued, PullEvent::kClose, PullState::kDone,
+          Walk(PullState::kQueued, PullEvent::kClose, PullState::kDone,
                "UnconnectedReadingGdrPullTest.CloseInQueuedEndsThePullOnce"),
-          walk(PullState::kReading, PullEvent::kReadDone, PullState::kDone, kRead),
-          walk(PullState::kReading, PullEvent::kClose, PullState::kDone,
+          Walk(PullState::kReading, PullEvent::kReadDone, PullState::kDone, kRead),
+          Walk(PullState::kReading, PullEvent::kClose, PullState::kDone,
                "ReadingGdrPullTest.CloseInReadingEndsThePullOnceAndQuarantinesItsDestination"),
       });
 }

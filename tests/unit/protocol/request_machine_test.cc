@@ -32,11 +32,6 @@ static_assert(std::size(kEveryState) == RdmaTensorRequest::kStates);
 
 using Event = RdmaTensorRequest::Event;
 
-// The tests below that walk each row of the request's table.
-RowWalk Walk(State from, Event event, State to, const char* test) {
-  return {static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
-}
-
 TEST(RequestTableTest, EveryRowIsWalkedByATest) {
   const char* const kRoundTrip = "UnconnectedRequestMachineTest.QueuedRequestedReRequestedDone";
   const char* const kGranted =

@@ -32,34 +32,31 @@ static_assert(std::size(kEveryState) == RdmaTensorResponse::kStates);
 using Event = RdmaTensorResponse::Event;
 
 TEST(ResponseTableTest, EveryRowIsWalkedByATest) {
-  auto walk = [](State from, Event event, State to, const char* test) {
-    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
-  };
   const char* const kRoundTrip =
       "ResponseMachineTest.WaitTensorThenWaitReRequestThenWritingThenDone";
   ExpectEveryRowWalked(
       ResponseStateTable(),
       {
-          walk(State::kWaitTensor, Event::kTensor, State::kWriting,
+          Walk(State::kWaitTensor, Event::kTensor, State::kWriting,
                "ResponseMachineTest.WaitTensorStraightToWritingWhenTheRequestNamedADestination"),
-          walk(State::kWaitTensor, Event::kTensor, State::kDone,
+          Walk(State::kWaitTensor, Event::kTensor, State::kDone,
                "ResponseMachineTest.WaitTensorToDoneWhenTheSendersStepIsAborted"),
-          walk(State::kWaitTensor, Event::kTensor, State::kWaitReRequest, kRoundTrip),
-          walk(State::kWaitTensor, Event::kCancel, State::kDone,
+          Walk(State::kWaitTensor, Event::kTensor, State::kWaitReRequest, kRoundTrip),
+          Walk(State::kWaitTensor, Event::kCancel, State::kDone,
                "ResponseMachineTest.CloseInWaitTensorCancelsTheWaitAndALateTensorFindsNoOne"),
-          walk(State::kWaitReRequest, Event::kReRequest, State::kWriting, kRoundTrip),
-          walk(State::kWaitReRequest, Event::kExpire, State::kDone,
+          Walk(State::kWaitReRequest, Event::kReRequest, State::kWriting, kRoundTrip),
+          Walk(State::kWaitReRequest, Event::kExpire, State::kDone,
                "ExpiringResponseMachineTest.WaitReRequestToDoneWhenTheReceiverNeverAsks"),
-          walk(State::kWaitReRequest, Event::kStaged, State::kDone,
+          Walk(State::kWaitReRequest, Event::kStaged, State::kDone,
                "StagedResponseTest.WaitReRequestToDoneWhenAPartFailsToStage"),
-          walk(State::kWaitReRequest, Event::kCancel, State::kDone,
+          Walk(State::kWaitReRequest, Event::kCancel, State::kDone,
                "ResponseMachineTest.CloseInWaitReRequestLetsTheTensorGo"),
-          walk(State::kWriting, Event::kStaged, State::kDone,
+          Walk(State::kWriting, Event::kStaged, State::kDone,
                "StagedResponseTest.WritingToDoneWhenAPartFailsToStageWithNoWriteInFlight"),
-          walk(State::kWriting, Event::kWriteDone, State::kDone, kRoundTrip),
-          walk(State::kWriting, Event::kWriteRefused, State::kDone,
+          Walk(State::kWriting, Event::kWriteDone, State::kDone, kRoundTrip),
+          Walk(State::kWriting, Event::kWriteRefused, State::kDone,
                "ResponseMachineTest.WritingToDoneWhenTheNamedDestinationCannotBeWritten"),
-          walk(State::kWriting, Event::kCancel, State::kDone,
+          Walk(State::kWriting, Event::kCancel, State::kDone,
                "ResponseMachineTest.CloseInWritingIgnoresTheWritesCompletion"),
       });
 }

@@ -27,7 +27,7 @@ namespace {
 
 using ::tensorverbs::testing::ExpectEveryRowWalked;
 using ::tensorverbs::testing::RowsTaken;
-using ::tensorverbs::testing::RowWalk;
+using ::tensorverbs::testing::Walk;
 using ::testing::HasSubstr;
 
 constexpr uint64_t kChunk = 4096;
@@ -99,28 +99,24 @@ class DeviceStagingTest : public ::testing::Test {
 };
 
 TEST(DeviceStagingTables, EveryRowIsWalkedByATest) {
-  auto proxy = [](ProxyState from, ProxyEvent event, ProxyState to, const char* test) {
-    return RowWalk{static_cast<int>(from), static_cast<int>(event), static_cast<int>(to), test};
-  };
   const char* const kParts = "DeviceStagingTest.PartsGoToTheDeviceAsTheyLandAndTheRestAtTheEnd";
   ExpectEveryRowWalked(
       ProxyStateTable(),
       {
-          proxy(ProxyState::kLanding, ProxyEvent::kLanded, ProxyState::kLanding, kParts),
-          proxy(ProxyState::kLanding, ProxyEvent::kCopyDone, ProxyState::kLanding, kParts),
-          proxy(ProxyState::kLanding, ProxyEvent::kRecvEnded, ProxyState::kDraining, kParts),
-          proxy(ProxyState::kLanding, ProxyEvent::kRecvEnded, ProxyState::kDone,
-                "DeviceStagingTest.ARecvThatFailsWithNoCopyInFlightEndsAtOnce"),
-          proxy(ProxyState::kDraining, ProxyEvent::kCopyDone, ProxyState::kDraining, kParts),
-          proxy(ProxyState::kDraining, ProxyEvent::kCopyDone, ProxyState::kDone, kParts),
-          proxy(ProxyState::kDraining, ProxyEvent::kLanded, ProxyState::kDraining,
-                "DeviceStagingTest.AFailedPartEndsTheRecvWithItsErrorAndALateLandingCopiesNothing"),
-          proxy(ProxyState::kDone, ProxyEvent::kLanded, ProxyState::kDone,
-                "DeviceStagingTest.AFailedPartEndsTheRecvWithItsErrorAndALateLandingCopiesNothing"),
+          Walk(ProxyState::kLanding, ProxyEvent::kLanded, ProxyState::kLanding, kParts),
+          Walk(ProxyState::kLanding, ProxyEvent::kCopyDone, ProxyState::kLanding, kParts),
+          Walk(ProxyState::kLanding, ProxyEvent::kRecvEnded, ProxyState::kDraining, kParts),
+          Walk(ProxyState::kLanding, ProxyEvent::kRecvEnded, ProxyState::kDone,
+               "DeviceStagingTest.ARecvThatFailsWithNoCopyInFlightEndsAtOnce"),
+          Walk(ProxyState::kDraining, ProxyEvent::kCopyDone, ProxyState::kDraining, kParts),
+          Walk(ProxyState::kDraining, ProxyEvent::kCopyDone, ProxyState::kDone, kParts),
+          Walk(ProxyState::kDraining, ProxyEvent::kLanded, ProxyState::kDraining,
+               "DeviceStagingTest.AFailedPartEndsTheRecvWithItsErrorAndALateLandingCopiesNothing"),
+          Walk(ProxyState::kDone, ProxyEvent::kLanded, ProxyState::kDone,
+               "DeviceStagingTest.AFailedPartEndsTheRecvWithItsErrorAndALateLandingCopiesNothing"),
       });
   auto staging = [](StagingState from, StagingState to, const char* test) {
-    return RowWalk{static_cast<int>(from), static_cast<int>(StagingEvent::kChunkDone),
-                   static_cast<int>(to), test};
+    return Walk(from, StagingEvent::kChunkDone, to, test);
   };
   ExpectEveryRowWalked(StagingStateTable(),
                        {
