@@ -18,6 +18,7 @@
 #include "absl/time/clock.h"
 #include "src/common/shared_memory.h"
 #include "src/fabric/fabric.h"
+#include "src/fabric/shmem/peer_mappings.h"
 #include "src/fabric/shmem/shared_writes.h"
 #include "src/fabric/shmem/shmem.h"
 #include "src/fabric/shmem/wire.h"
@@ -53,6 +54,45 @@ TEST_F(ShmemFabricTest, SharedMemoryIsWrittenThroughAMappingAndPrivateMemoryByTh
   EXPECT_EQ(c.regions_mapped.load() - regions, 1u) << "mapped once, on first use";
   private_mr.reset();
   munmap(priv, 1 << 20);
+}
+
+// A peer's region is mapped whole but populated by window (shmem::kWindowBytes): each write
+// makes the page tables of the windows it touches, once, so a large pool costs its peers what
+// they write of it.
+TEST_F(ShmemFabricTest, APeersRegionIsPopulatedOnlyInTheWindowsWrittenAndEachOnce) {
+  constexpr size_t kRegion = 4 * shmem::kWindowBytes + 4096;  // five windows, the last short
+  std::unique_ptr<SharedMemory> big = *SharedMemory::Create(kRegion, "test-big");
+  auto mr = *b_->RegisterMemory(big->data(), big->size(), kAccessRemoteWrite);
+  std::memset(src_->data(), 0x5A, 65536);
+  shmem::CopyCounters& c = shmem::Counters();
+  const uint64_t windows = c.windows_populated.load(), bytes = c.bytes_populated.load();
+  auto write_at = [&](uint64_t offset, size_t n, uint32_t imm) {
+    RemoteBuffer target = Remote(*mr);
+    target.addr += offset;
+    target.length = n;
+    ASSERT_TRUE(ea_->PostWriteWithImm(Local(n), target, imm, imm).ok());
+    ASSERT_EQ(PollFor(*a_, 1).size(), 1u);
+    ASSERT_EQ(PollFor(*b_, 1).size(), 1u);
+  };
+  auto* base = static_cast<unsigned char*>(big->data());
+  // Inside the third window: that window alone.
+  ASSERT_NO_FATAL_FAILURE(write_at(2 * shmem::kWindowBytes + 100, 4096, 1));
+  EXPECT_EQ(c.windows_populated.load() - windows, 1u);
+  EXPECT_EQ(c.bytes_populated.load() - bytes, shmem::kWindowBytes);
+  // Again in it, and across the first two: the third is not made again.
+  ASSERT_NO_FATAL_FAILURE(write_at(2 * shmem::kWindowBytes + 8192, 4096, 2));
+  ASSERT_NO_FATAL_FAILURE(write_at(shmem::kWindowBytes - 1000, 65536, 3));
+  EXPECT_EQ(c.windows_populated.load() - windows, 3u);
+  // The short last window, at the region's end.
+  ASSERT_NO_FATAL_FAILURE(write_at(kRegion - 4096, 4096, 4));
+  EXPECT_EQ(c.windows_populated.load() - windows, 4u);
+  EXPECT_EQ(c.bytes_populated.load() - bytes, 3 * shmem::kWindowBytes + 4096);
+  for (uint64_t at : {2 * shmem::kWindowBytes + 100, 2 * shmem::kWindowBytes + 8192 + 4095,
+                      shmem::kWindowBytes - 1000, shmem::kWindowBytes + 64535, kRegion - 1}) {
+    EXPECT_EQ(base[at], 0x5A) << "at " << at;
+  }
+  EXPECT_EQ(base[3 * shmem::kWindowBytes + 5], 0) << "never written";
+  mr.reset();
 }
 
 TEST_F(ShmemFabricTest, LargeWritesAndReadsSharedWithCopyThreadsLandExactly) {

@@ -129,7 +129,8 @@ auto DeviceCopyQueue::RemoteSide(const PendingOp& op, int device)
                      mappings_.MapDevice(op.key, device, /*may_evict=*/running_ == 0));
     return DeviceMemory::Side{static_cast<char*>(m->base) + (op.remote_addr - op.key.base), true};
   }
-  ASSIGN_OR_RETURN(PeerMappings::Mapping * m, mappings_.Map(op.key, /*may_evict=*/running_ == 0));
+  ASSIGN_OR_RETURN(PeerMappings::Mapping * m,
+                   mappings_.Map(op.key, op.remote_addr, op.length, /*may_evict=*/running_ == 0));
   if (!read && !m->writable) {
     return absl::PermissionDeniedError("shmem: the peer mapped this region read-only");
   }

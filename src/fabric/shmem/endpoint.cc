@@ -204,7 +204,8 @@ absl::Status ShmemEndpoint::Copy(const PendingOp& op) {
   if (op.key.flags & kKeyShared) {
     // A device copy may move bytes through any mapping: none is evicted while one runs.
     ASSIGN_OR_RETURN(PeerMappings::Mapping * m,
-                     mappings_.Map(op.key, /*may_evict=*/copies_.running() == 0));
+                     mappings_.Map(op.key, op.remote_addr, op.length,
+                                   /*may_evict=*/copies_.running() == 0));
     if (!read && !m->writable) {
       return absl::PermissionDeniedError("shmem: the peer mapped this region read-only");
     }

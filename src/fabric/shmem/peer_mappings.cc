@@ -16,13 +16,15 @@
 
 namespace tensorverbs::fabric::shmem {
 
-auto PeerMappings::Map(const PackedKey& key, bool may_evict) -> absl::StatusOr<Mapping*> {
+auto PeerMappings::Map(const PackedKey& key, uint64_t addr, uint64_t length, bool may_evict)
+    -> absl::StatusOr<Mapping*> {
   if (auto it = mappings_.find(key.region); it != mappings_.end()) {
     Mapping& m = it->second;
     if (m.key.base != key.base || m.key.length != key.length || m.key.offset != key.offset) {
       return absl::DataLossError(
           "shmem: a remote key describes its region differently than when it was mapped");
     }
+    Populate(m, addr, length);
     return &m;
   }
   Reply reply{};
@@ -39,11 +41,11 @@ auto PeerMappings::Map(const PackedKey& key, bool may_evict) -> absl::StatusOr<M
   const uint64_t start = key.offset / page * page;
   const size_t map_length = key.offset + key.length - start;
   const bool writable = (reply.access & kAccessRemoteWrite) != 0;
-  // Populated at once, as an RDMA registration pins the whole region: no page faults later,
-  // in the middle of a transfer.
-  void* addr = mmap(nullptr, map_length, PROT_READ | (writable ? PROT_WRITE : 0),
-                    MAP_SHARED | MAP_POPULATE, fd, static_cast<off_t>(start));
-  if (addr == MAP_FAILED) {
+  // Populated by window as operations reach them (Populate), not whole: a peer's pool costs
+  // what is written or read of it.
+  void* mapped = mmap(nullptr, map_length, PROT_READ | (writable ? PROT_WRITE : 0), MAP_SHARED, fd,
+                      static_cast<off_t>(start));
+  if (mapped == MAP_FAILED) {
     const int error = errno;
     if (error == ENOMEM || error == EAGAIN) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -62,10 +64,34 @@ auto PeerMappings::Map(const PackedKey& key, bool may_evict) -> absl::StatusOr<M
     mappings_.erase(oldest);
   }
   Counters().regions_mapped.fetch_add(1, std::memory_order_relaxed);
-  const uint64_t local_base = reinterpret_cast<uint64_t>(addr) + (key.offset - start);
+  const uint64_t local_base = reinterpret_cast<uint64_t>(mapped) + (key.offset - start);
   Mapping& m = mappings_[key.region];
-  m = Mapping{addr, map_length, local_base - key.base, key, writable, ++mapping_order_, false};
+  m = Mapping{
+      mapped, map_length, local_base - key.base,
+      key,    writable,   ++mapping_order_,
+      false,  start,      std::vector<bool>((map_length + kWindowBytes - 1) / kWindowBytes, false)};
+  Populate(m, addr, length);
   return &m;
+}
+
+void PeerMappings::Populate(Mapping& m, uint64_t addr, uint64_t length) {
+  if (length == 0) return;
+  // The range as offsets into the mapping (the caller checked it lies inside the key's).
+  const uint64_t first = (addr - m.key.base + (m.key.offset - m.start)) / kWindowBytes;
+  const uint64_t last = (addr + length - 1 - m.key.base + (m.key.offset - m.start)) / kWindowBytes;
+  for (uint64_t w = first; w <= last && w < m.populated.size(); ++w) {
+    if (m.populated[w]) continue;
+    m.populated[w] = true;
+    const uint64_t begin = w * kWindowBytes;
+    const uint64_t bytes = std::min<uint64_t>(kWindowBytes, m.map_length - begin);
+    // The page tables now, so the copy that follows, and every later one into this window,
+    // takes no fault. A kernel without MADV_POPULATE_* (before 5.14) faults them in during the
+    // copy instead.
+    madvise(static_cast<char*>(m.addr) + begin, bytes,
+            m.writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ);
+    Counters().windows_populated.fetch_add(1, std::memory_order_relaxed);
+    Counters().bytes_populated.fetch_add(bytes, std::memory_order_relaxed);
+  }
 }
 
 void PeerMappings::PinForDevice(Mapping& m) {

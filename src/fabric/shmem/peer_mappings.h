@@ -3,6 +3,12 @@
 // the peer's GPU allocations imported (MapDevice). Each is asked of the peer's descriptor server
 // through the endpoint's PeerConnection on first use and kept until ReleaseAll.
 //
+// A region is mapped whole but populated by range: each Map names the bytes the operation
+// touches, and only the aligned windows of kWindowBytes they fall in get their page tables made
+// (MADV_POPULATE_*), each once. So a peer's 64 MiB pool costs this process (its page tables, its
+// share of the memory, the first step's time) what it writes or reads of it, not its size, and
+// no page fault lands in the middle of a later copy into a window already touched.
+//
 // Owned by ShmemEndpoint; called by it, DeviceCopyQueue and SharedWrites on the progress thread.
 // No lock, no callbacks. A device copy may still move bytes through any entry, so the caller
 // says whether one may be evicted (`may_evict`: no device copy runs); the destructor releases
@@ -14,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -25,6 +32,9 @@ namespace tensorverbs::fabric::shmem {
 
 // Mappings of a peer's regions kept per endpoint; the oldest goes first beyond.
 inline constexpr size_t kMaxMappingsPerEndpoint = 256;
+// The unit a mapping is populated in: a huge page's size, so that a window is one fault's worth
+// where the kernel can, and a 64 MiB pool is 32 of them.
+inline constexpr uint64_t kWindowBytes = uint64_t{2} << 20;
 
 class PeerMappings {
  public:
@@ -34,8 +44,10 @@ class PeerMappings {
     uint64_t delta;  // remote address + delta = local address
     PackedKey key;   // the key it was mapped for: base, length and offset must match
     bool writable;
-    uint64_t order;  // for eviction: the oldest mapping goes first
-    bool pinned;     // page-locked for device copies
+    uint64_t order;               // for eviction: the oldest mapping goes first
+    bool pinned;                  // page-locked for device copies
+    uint64_t start;               // the file offset addr maps
+    std::vector<bool> populated;  // by window of kWindowBytes from `start`
   };
   // A peer's GPU allocation, imported into this process.
   struct DeviceMapping {
@@ -50,9 +62,11 @@ class PeerMappings {
   PeerMappings(const PeerMappings&) = delete;
   PeerMappings& operator=(const PeerMappings&) = delete;
 
-  // Where region `key` is mapped here, mapping it on first use; beyond kMaxMappingsPerEndpoint
-  // the oldest goes first if `may_evict`.
-  absl::StatusOr<Mapping*> Map(const PackedKey& key, bool may_evict);
+  // Where region `key` is mapped here, mapping it on first use and populating the windows that
+  // the `length` bytes at the peer's address `addr` fall in; beyond kMaxMappingsPerEndpoint the
+  // oldest goes first if `may_evict`. The range must lie inside the key's.
+  absl::StatusOr<Mapping*> Map(const PackedKey& key, uint64_t addr, uint64_t length,
+                               bool may_evict);
 
   // Page-locks `m` once, so device copies reach it by DMA and never block this thread; if the
   // runtime refuses, they still work, synchronously.
@@ -71,6 +85,8 @@ class PeerMappings {
 
  private:
   void Unmap(const Mapping& m);
+  // Makes the page tables of the windows of `m` that [addr, addr + length) touches.
+  void Populate(Mapping& m, uint64_t addr, uint64_t length);
 
   PeerConnection& conn_;
   DeviceMemory* const device_;

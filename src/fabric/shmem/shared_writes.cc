@@ -186,7 +186,7 @@ void SharedWrites::Help(bool may_evict) {
   };
   if (!sound) return refuse();
   // d_.mu is released: Map may ask the peer.
-  absl::StatusOr<PeerMappings::Mapping*> m = mappings_.Map(key, may_evict);
+  absl::StatusOr<PeerMappings::Mapping*> m = mappings_.Map(key, src_addr, length, may_evict);
   if (!m.ok()) return refuse();
   const char* src = reinterpret_cast<const char*>(src_addr + (*m)->delta);
   char* dst = reinterpret_cast<char*>(dst_addr);

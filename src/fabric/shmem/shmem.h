@@ -57,6 +57,10 @@ struct CopyCounters {
   std::atomic<uint64_t> cross_memory_ops{0};
   std::atomic<uint64_t> cross_memory_bytes{0};
   std::atomic<uint64_t> regions_mapped{0};
+  // Windows of a peer's mapped regions whose page tables were made (PeerMappings), and their
+  // bytes: what this process's mappings of its peers' pools cost it.
+  std::atomic<uint64_t> windows_populated{0};
+  std::atomic<uint64_t> bytes_populated{0};
   std::atomic<uint64_t> device_ops{0};  // moved by device copies (DomainOptions::device_memory)
   std::atomic<uint64_t> device_bytes{0};
   std::atomic<uint64_t> device_regions_imported{0};
