@@ -11,9 +11,7 @@
 #ifndef TENSORVERBS_COMMON_ON_DEMAND_LOOP_H_
 #define TENSORVERBS_COMMON_ON_DEMAND_LOOP_H_
 
-#include <atomic>
 #include <deque>
-#include <thread>
 
 #include "absl/functional/any_invocable.h"
 #include "src/common/mutex.h"
@@ -31,13 +29,11 @@ class OnDemandLoop {
       if (running_) return;  // the thread running the loop runs it
       running_ = true;
     }
-    runner_.store(std::this_thread::get_id(), std::memory_order_relaxed);
     for (;;) {
       Task next;
       {
         MutexLock lock(&mu_);
         if (pending_.empty()) {
-          runner_.store(std::thread::id(), std::memory_order_relaxed);
           running_ = false;
           return;
         }
@@ -48,16 +44,10 @@ class OnDemandLoop {
     }
   }
 
-  // Whether the calling thread is running the loop's tasks (for checks).
-  bool InLoop() const {
-    return runner_.load(std::memory_order_relaxed) == std::this_thread::get_id();
-  }
-
  private:
   Mutex mu_;
   std::deque<Task> pending_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<std::thread::id> runner_{};
 };
 
 }  // namespace tensorverbs

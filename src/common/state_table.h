@@ -87,8 +87,6 @@ class StateTable {
   const char* name() const { return name_; }
   const char* StateName(State s) const { return Named(states_, kStates, static_cast<size_t>(s)); }
   const char* EventName(Event e) const { return Named(events_, kEvents, static_cast<size_t>(e)); }
-  static constexpr size_t row_count() { return kRows; }
-  const Row& row(size_t i) const { return rows_[i]; }
 
   // The index of the row (from, event, to), or -1.
   constexpr int Find(State from, Event event, State to) const {
@@ -98,13 +96,6 @@ class StateTable {
       }
     }
     return -1;
-  }
-  // Whether any event moves `from` to `to`.
-  constexpr bool Allows(State from, State to) const {
-    for (size_t i = 0; i < kRows; ++i) {
-      if (rows_[i].from == from && rows_[i].to == to) return true;
-    }
-    return false;
   }
 
   // Moves `*state` to `to` on `event`. `subject` is called only to name the operation when the

@@ -29,7 +29,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,10 +37,8 @@
 #include "absl/time/time.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel_env.h"
-#include "src/protocol/gdr_pull.h"
 #include "src/protocol/message_buffer.h"
 #include "src/protocol/receiving_side.h"
-#include "src/protocol/remote_tensor.h"
 #include "src/protocol/sending_side.h"
 #include "src/protocol/tensor_request.h"
 

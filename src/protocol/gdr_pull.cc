@@ -52,12 +52,6 @@ constexpr StateTable kPullTable("GdrPull", kStateNames, kEventNames, State::kQue
 
 using pull_machine::kPullTable;
 
-bool GdrPullTransitionAllowed(GdrPull::State from, GdrPull::State to) {
-  return kPullTable.Allows(from, to);
-}
-
-const char* PullStateName(GdrPull::State state) { return kPullTable.StateName(state); }
-
 StateTableView PullStateTable() { return kPullTable.View(); }
 
 void GdrPull::TransitionTo(State next, Event event) {

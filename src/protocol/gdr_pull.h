@@ -89,9 +89,6 @@ class GdrPull {
   State state_ = State::kQueued;
 };
 
-const char* PullStateName(GdrPull::State state);
-// Whether a row of the table moves `from` to `to`.
-bool GdrPullTransitionAllowed(GdrPull::State from, GdrPull::State to);
 // The table, for the diagrams and the tests.
 StateTableView PullStateTable();
 

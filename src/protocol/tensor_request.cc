@@ -19,14 +19,6 @@ namespace tensorverbs::protocol {
 
 using request_machine::kRequestTable;
 
-bool RequestTransitionAllowed(RdmaTensorRequest::State from, RdmaTensorRequest::State to) {
-  return kRequestTable.Allows(from, to);
-}
-
-const char* RequestStateName(RdmaTensorRequest::State state) {
-  return kRequestTable.StateName(state);
-}
-
 StateTableView RequestStateTable() { return kRequestTable.View(); }
 
 RdmaTensorRequest::RdmaTensorRequest(ReceivingSide* side, uint32_t index, int64_t step_id,
@@ -68,15 +60,21 @@ void RdmaTensorRequest::Start() {
   m.type = MessageType::kTensorRequest;
   m.step_id = step_id_;
   m.request_index = index_;
-  const char* next_phase = mode_->Ask(*this, m);
-  if (next_phase == nullptr) return;  // ended: its destination could not be made
+  absl::StatusOr<const char*> next_phase = mode_->Ask(*this, m);
+  if (!next_phase.ok()) {
+    // The destination REQUEST would name cannot be made: the recv fails before anything is sent.
+    Fail(next_phase.status());
+    TransitionTo(State::kDone, Event::kStart);
+    side_->FinishRequest(index_, Event::kStart);  // freed at the end of the turn
+    return;
+  }
   // Named last, once nothing can stop the REQUEST from going out: a key's first REQUEST on the
   // channel defines its index, and the peer must see every index it is later asked by.
   side_->NameKey(key_, &m);
   TransitionTo(State::kRequested, Event::kStart);
   env->stats->requests.fetch_add(1, std::memory_order_relaxed);
   channel_->counters().requests.fetch_add(1, std::memory_order_relaxed);
-  trace_.Phase(next_phase);
+  trace_.Phase(*next_phase);
   channel_->SendMessage(std::move(m));
 }
 
@@ -256,7 +254,9 @@ void RdmaTensorRequest::SendReRequest(Event event) {
   rr.meta = meta_;
   // A recv that already ended (abort, timeout) or cannot allocate still answers, with no
   // target: the sender then writes nothing but the immediate, and releases its tensor.
-  if (!finished()) mode_->NameDestination(*this, rr);
+  if (!finished()) {
+    if (absl::Status s = mode_->NameDestination(*this, rr); !s.ok()) Fail(s);
+  }
   AskForSegments(rr);
   TransitionTo(State::kReRequested, event);
   env->stats->re_requests.fetch_add(1, std::memory_order_relaxed);
@@ -297,10 +297,9 @@ absl::StatusOr<Tensor> RdmaTensorRequest::ParseStringContent() const {
 }
 
 void RdmaTensorRequest::RecvTensorContent() {
-  // A pushed request no recv took keeps what landed for its recv; one whose content cannot be
-  // kept (dead, a string, a failed check) is declined on delivery and ends (Deliver).
-  // A pushed request moves to kLandedAhead once its result is ready; one that fails on the way
-  // is declined and its record ends (from kRequested) as any other.
+  // A pushed request no recv took keeps what landed for its recv: it moves to kLandedAhead once
+  // its result is ready. One whose content cannot be kept (dead, a string, a failed check) is
+  // declined on delivery (Deliver), and its record ends from kRequested as any other.
   const bool ahead = adoptable();
   if (!ahead) TransitionTo(State::kDone, Event::kContent);
   trace_.Phase("landed");

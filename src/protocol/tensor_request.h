@@ -242,9 +242,6 @@ class RdmaTensorRequest {
   std::unique_ptr<fabric::MemoryRegion> transient_;  // per-transfer registration
 };
 
-const char* RequestStateName(RdmaTensorRequest::State state);
-// Whether a row of the table moves `from` to `to`.
-bool RequestTransitionAllowed(RdmaTensorRequest::State from, RdmaTensorRequest::State to);
 // The table, for the diagrams and the tests.
 StateTableView RequestStateTable();
 

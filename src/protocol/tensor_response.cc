@@ -58,14 +58,6 @@ constexpr StateTable kResponseTable("RdmaTensorResponse", kStateNames, kEventNam
 
 using response_machine::kResponseTable;
 
-bool ResponseTransitionAllowed(RdmaTensorResponse::State from, RdmaTensorResponse::State to) {
-  return kResponseTable.Allows(from, to);
-}
-
-const char* ResponseStateName(RdmaTensorResponse::State state) {
-  return kResponseTable.StateName(state);
-}
-
 StateTableView ResponseStateTable() { return kResponseTable.View(); }
 
 RdmaTensorResponse::RdmaTensorResponse(SendingSide* side, uint64_t serial, Message request)

@@ -147,9 +147,6 @@ class RdmaTensorResponse {
   uint64_t posted_ = 0;
 };
 
-const char* ResponseStateName(RdmaTensorResponse::State state);
-// Whether a row of the table moves `from` to `to`.
-bool ResponseTransitionAllowed(RdmaTensorResponse::State from, RdmaTensorResponse::State to);
 // The table, for the diagrams and the tests.
 StateTableView ResponseStateTable();
 

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/copy_mode.h"
 #include "src/protocol/receiving_side.h"
@@ -15,7 +16,7 @@ namespace tensorverbs::protocol {
 
 class ZeroCopyRequests final : public RequestMode {
  public:
-  const char* Ask(RdmaTensorRequest& r, Message& m) const override {
+  absl::StatusOr<const char*> Ask(RdmaTensorRequest& r, Message& m) const override {
     ChannelEnv* env = r.channel_->env();
     // With a cached meta-data the destination is allocated now and the sender writes at once
     // (zero round trips of meta-data); validation mode always takes the meta-data round trip
@@ -28,14 +29,7 @@ class ZeroCopyRequests final : public RequestMode {
       return "awaiting meta-data";
     }
     if (cached->tensor_bytes > 0) {
-      absl::Status s = r.PrepareDestination(*cached, &m.remote_addr, &m.remote_key);
-      if (!s.ok()) {
-        r.Fail(s);
-        r.TransitionTo(RdmaTensorRequest::State::kDone, RdmaTensorRequest::Event::kStart);
-        r.side_->FinishRequest(r.index_,
-                               RdmaTensorRequest::Event::kStart);  // freed at the turn's end
-        return nullptr;
-      }
+      RETURN_IF_ERROR(r.PrepareDestination(*cached, &m.remote_addr, &m.remote_key));
     }
     r.meta_ = *cached;
     m.meta = *cached;
@@ -66,10 +60,9 @@ class ZeroCopyRequests final : public RequestMode {
 
   bool TakesGrants() const override { return true; }
 
-  void NameDestination(RdmaTensorRequest& r, Message& rr) const override {
-    if (r.meta_.is_dead || r.meta_.tensor_bytes == 0) return;  // nothing to write
-    absl::Status s = r.PrepareDestination(r.meta_, &rr.remote_addr, &rr.remote_key);
-    if (!s.ok()) r.Fail(s);
+  absl::Status NameDestination(RdmaTensorRequest& r, Message& rr) const override {
+    if (r.meta_.is_dead || r.meta_.tensor_bytes == 0) return absl::OkStatus();  // nothing to write
+    return r.PrepareDestination(r.meta_, &rr.remote_addr, &rr.remote_key);
   }
 
   bool Land(RdmaTensorRequest& r) const override {
@@ -116,7 +109,7 @@ class ZeroCopyRequests final : public RequestMode {
 
 class CopyRequests final : public RequestMode {
  public:
-  const char* Ask(RdmaTensorRequest& r, Message& m) const override {
+  absl::StatusOr<const char*> Ask(RdmaTensorRequest& r, Message& m) const override {
     ChannelEnv* env = r.channel_->env();
     // Seed 002: offer the name's buffer from earlier steps; the sender asks for a new one
     // (META_DATA_RESPONSE as BUFFER_REQUEST) when the tensor does not fit. Validation mode
@@ -143,22 +136,19 @@ class CopyRequests final : public RequestMode {
 
   bool TakesGrants() const override { return false; }
 
-  void NameDestination(RdmaTensorRequest& r, Message& rr) const override {
+  absl::Status NameDestination(RdmaTensorRequest& r, Message& rr) const override {
     // The name's buffer, made to hold at least the tensor's bytes.
-    absl::Status s =
-        CheckReceivedTensorBytes(r.meta_.tensor_bytes, r.channel_->env()->max_tensor_bytes());
-    absl::StatusOr<const fabric::MemoryRegion*> buffer =
-        s.ok() ? EnsureCopyBuffer(r.channel_->env()->memory, r.staging_, r.meta_.tensor_bytes)
-               : absl::StatusOr<const fabric::MemoryRegion*>(s);
-    absl::StatusOr<fabric::RemoteKey> key =
-        buffer.ok() ? r.channel_->OfferKey(**buffer)
-                    : absl::StatusOr<fabric::RemoteKey>(buffer.status());
-    if (!key.ok()) {
-      r.Fail(r.RecvError(key.status()));
-      return;
+    ChannelEnv* env = r.channel_->env();
+    const uint64_t bytes = r.meta_.tensor_bytes;
+    if (absl::Status s = CheckReceivedTensorBytes(bytes, env->max_tensor_bytes()); !s.ok()) {
+      return r.RecvError(s);
     }
-    rr.remote_key = *key;
+    absl::StatusOr<const fabric::MemoryRegion*> buffer =
+        EnsureCopyBuffer(env->memory, r.staging_, bytes);
+    if (!buffer.ok()) return r.RecvError(buffer.status());
+    ASSIGN_OR_RETURN(rr.remote_key, r.channel_->OfferKey(**buffer));
     rr.remote_addr = reinterpret_cast<uint64_t>(r.staging_.data());
+    return absl::OkStatus();
   }
 
   bool Land(RdmaTensorRequest& r) const override {

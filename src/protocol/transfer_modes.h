@@ -20,6 +20,7 @@
 #define TENSORVERBS_PROTOCOL_TRANSFER_MODES_H_
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "src/protocol/channel_env.h"
 #include "src/protocol/message.h"
 
@@ -33,18 +34,18 @@ class RequestMode {
   virtual ~RequestMode() = default;
   static const RequestMode& Of(VerbsMode mode);
 
-  // REQUEST: fills in what it names in `m`. Returns the recv trace's next phase, or null when
-  // the request ended instead (its destination could not be made): it is then finished.
-  virtual const char* Ask(RdmaTensorRequest& r, Message& m) const = 0;
+  // REQUEST: fills in what it names in `m` and returns the recv trace's next phase, or why the
+  // destination it would name cannot be made (the recv then fails before anything is sent).
+  virtual absl::StatusOr<const char*> Ask(RdmaTensorRequest& r, Message& m) const = 0;
   // META_DATA_RESPONSE `m`, before the machine takes its meta-data: an error is the peer
   // breaking the protocol, and closes the channel.
   virtual absl::Status Answered(RdmaTensorRequest& r, const Message& m) const = 0;
   // Whether a destination named in RE_REQUEST may have to wait for one of the channel's
   // large-destination grants.
   virtual bool TakesGrants() const = 0;
-  // RE_REQUEST `rr` of a recv that has not ended: names where the content goes, or fails the
-  // recv (then `rr` names nothing, and the sender only releases its tensor).
-  virtual void NameDestination(RdmaTensorRequest& r, Message& rr) const = 0;
+  // RE_REQUEST `rr` of a recv that has not ended: names where the content goes, or says why it
+  // cannot (the recv then fails, `rr` names nothing, and the sender only releases its tensor).
+  virtual absl::Status NameDestination(RdmaTensorRequest& r, Message& rr) const = 0;
   // The content landed, for a recv that has not ended (or a pushed request): true when the
   // result is ready in the request for the machine to deliver or keep; false when this
   // delivered the outcome itself (a dead tensor, a string, a copied payload, an error).
