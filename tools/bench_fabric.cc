@@ -51,6 +51,7 @@ class Side {
     options.queue_depth = 256;
     options.copy_threads = Config::Get().shmem_copy_threads;  // as a task's would have
     options.peer_copy = Config::Get().shmem_peer_copy;
+    options.ofi_shared_endpoint = Config::Get().ofi_shared_endpoint;
     ASSIGN_OR_RETURN(side->domain_, fabric::OpenDomain(backend, options));
     ASSIGN_OR_RETURN(side->ep_, side->domain_->CreateEndpoint());
     side->size_ = std::max<size_t>(bytes, 4096);

@@ -17,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "src/common/config.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/fabric.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "src/support/subprocess.h"
@@ -101,7 +102,8 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
              {"registered_bytes", registered},
              {"fds", support::OpenDescriptors()},
              {"threads", support::ThreadCount()},
-             {"channels", channels}};
+             {"channels", channels},
+             {"endpoints", fabric::ReadFabricProcessStats().provider_endpoints}};
   std::printf("result %s\n", result->dump().c_str());
   std::fflush(stdout);
   std::string line;
@@ -118,6 +120,7 @@ struct ScaleRow {
   double step_ms_p50 = 0;    // the median over tasks of each task's median step
   // Means per task.
   double rss_mib = 0, pss_mib = 0, registered_mib = 0, fds = 0, threads = 0, channels = 0;
+  double endpoints = 0;  // libfabric endpoints (fabric::FabricProcessStats)
 };
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
@@ -158,6 +161,7 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
     row.fds += r.value("fds", 0.0) / tasks;
     row.threads += r.value("threads", 0.0) / tasks;
     row.channels += r.value("channels", 0.0) / tasks;
+    row.endpoints += r.value("endpoints", 0.0) / tasks;
   }
   if (!medians.empty()) row.step_ms_p50 = Percentile(medians, 0.5);
   return row;
@@ -197,8 +201,9 @@ int RunBenchScale(const BenchScaleOptions& o) {
               : !o.netns           ? ", every task on this host"
               : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
                             : ", one netns per task");
-  std::printf("%6s %10s %12s %10s %9s %9s %14s %8s %8s %9s\n", "tasks", "setup ms", "1st step ms",
-              "step ms", "RSS MiB", "PSS MiB", "registered MiB", "fds", "threads", "channels");
+  std::printf("%6s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s\n", "tasks", "setup ms",
+              "1st step ms", "step ms", "RSS MiB", "PSS MiB", "registered MiB", "fds", "threads",
+              "channels", "endpoints");
   nlohmann::json rows = nlohmann::json::array();
   bool failed = false;
   for (int n : *counts) {
@@ -215,9 +220,9 @@ int RunBenchScale(const BenchScaleOptions& o) {
       failed = true;
       continue;
     }
-    std::printf("%6d %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f\n", n, row->setup_ms,
-                row->first_step_ms, row->step_ms_p50, row->rss_mib, row->pss_mib,
-                row->registered_mib, row->fds, row->threads, row->channels);
+    std::printf("%6d %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f\n", n,
+                row->setup_ms, row->first_step_ms, row->step_ms_p50, row->rss_mib, row->pss_mib,
+                row->registered_mib, row->fds, row->threads, row->channels, row->endpoints);
     std::fflush(stdout);
     rows.push_back({{"tasks", n},
                     {"protocol", o.protocol},
@@ -233,7 +238,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"registered_mib_per_task", row->registered_mib},
                     {"fds_per_task", row->fds},
                     {"threads_per_task", row->threads},
-                    {"channels_per_task", row->channels}});
+                    {"channels_per_task", row->channels},
+                    {"endpoints_per_task", row->endpoints}});
   }
   if (!o.json.empty() && !WriteJsonRows(o.json, rows, "tensorverbs bench scale")) return 1;
   return failed ? 1 : 0;

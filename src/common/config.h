@@ -99,6 +99,7 @@ struct Config {
   int push_max_destinations = 1024;                // TENSORVERBS_PUSH_MAX
   uint64_t push_max_bytes = uint64_t{256} << 20;   // TENSORVERBS_PUSH_MAX_MB
   int shmem_copy_threads = 1;  // TENSORVERBS_SHMEM_COPY_THREADS (fabric::shmem::CopyHelpers)
+  bool ofi_shared_endpoint = true;  // TENSORVERBS_OFI_SHARED_ENDPOINT (fabric::DomainOptions)
   bool shmem_peer_copy = true;  // TENSORVERBS_SHMEM_PEER_COPY (fabric::shmem::SharedWrite)
   // Capabilities::channel_keys says where per-channel keys exist.
   std::string remote_keys = "per-channel";  // TENSORVERBS_REMOTE_KEYS

@@ -164,6 +164,15 @@ std::vector<Setting> MakeSettings() {
                "`off`: the sender copies alone",
        .set_text = [](Config& c, const std::string& v) { c.shmem_peer_copy = v == "on"; },
        .get = [](const Config& c) { return OnOff(c.shmem_peer_copy); }});
+  add({.variable = "TENSORVERBS_OFI_SHARED_ENDPOINT",
+       .kind = K::kChoice,
+       .choices = {"on", "off"},
+       .help = "`on`: a task's channels over libfabric share one libfabric endpoint and "
+               "completion queue per fabric, each channel a peer address and its own state "
+               "(where the provider carries 8 bytes of CQ data, as shm and tcp;ofi_rxm do); "
+               "`off`: each channel opens an endpoint of its own",
+       .set_text = [](Config& c, const std::string& v) { c.ofi_shared_endpoint = v == "on"; },
+       .get = [](const Config& c) { return OnOff(c.ofi_shared_endpoint); }});
   add({.variable = "TENSORVERBS_CALLBACK_THREADS",
        .kind = K::kInteger,
        .min = 0,

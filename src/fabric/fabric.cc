@@ -107,6 +107,13 @@ std::string ChooseOfiProvider(const std::string& configured, bool all_peers_loca
 
 std::vector<std::string> ListOfiProviders() { return ofi::ListUsableProviders(); }
 
+FabricProcessStats ReadFabricProcessStats() {
+  FabricProcessStats stats;
+  stats.provider_endpoints = ofi::OpenPorts();
+  stats.late_immediates_dropped = ofi::LateImmediatesDropped();
+  return stats;
+}
+
 namespace {
 
 DomainOptions OptionsOf(const FabricChoice& choice) {
@@ -116,6 +123,7 @@ DomainOptions OptionsOf(const FabricChoice& choice) {
   options.copy_threads = choice.copy_threads;
   options.peer_copy = choice.peer_copy;
   options.source_address = choice.source_address;
+  options.ofi_shared_endpoint = choice.ofi_shared_endpoint;
   return options;
 }
 

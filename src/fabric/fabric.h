@@ -103,6 +103,11 @@ struct DomainOptions {
   // or no interface of the provider has it: the provider's first interface, which can be any
   // (a container's or another job's veth, listed before eth0) and vanish under the endpoint.
   std::string source_address;
+  // ofi: every endpoint of the domain shares one libfabric endpoint and completion queue where
+  // the provider carries 8 bytes of CQ data (shm, tcp;ofi_rxm); off, or with 4 bytes, each
+  // endpoint opens its own. A channel then costs an address-vector entry and its own state
+  // rather than a provider endpoint with its receive buffers (about 7.5 MiB over tcp;ofi_rxm).
+  bool ofi_shared_endpoint = true;
 };
 
 // A packed remote key, held inline: the opaque bytes MemoryRegion::PackRemoteKey produced. Every
@@ -288,6 +293,17 @@ absl::Status SleepOn(absl::Span<Domain* const> domains, absl::Duration timeout);
 // What tells two tasks they share a host (src/common/host_identity.h).
 using ::tensorverbs::ThisHostIdentity;
 
+// What this process's fabric backends hold and have done, for `bench scale` and the tests that
+// check that a domain's channels share one provider endpoint. Any thread.
+struct FabricProcessStats {
+  // libfabric endpoints open (the ofi backend's): one per domain where its endpoints share one.
+  int64_t provider_endpoints = 0;
+  // Immediates that arrived for an endpoint that had closed, dropped rather than handed to it
+  // or to the endpoint that took its place on a shared provider endpoint.
+  int64_t late_immediates_dropped = 0;
+};
+FabricProcessStats ReadFabricProcessStats();
+
 // The backends compiled in: "loopback", "ofi", and "ibverbs" when rdma-core was found.
 std::vector<std::string> BackendNames();
 
@@ -309,6 +325,7 @@ struct FabricChoice {
   // the first beside the network fabric for the others (OpensSameHostFabric).
   bool some_peers_local = false;
   std::string source_address;  // DomainOptions::source_address
+  bool ofi_shared_endpoint = true;  // DomainOptions::ofi_shared_endpoint
 
   static FabricChoice FromConfig(const Config& config, bool all_peers_local) {
     FabricChoice c;
@@ -318,6 +335,7 @@ struct FabricChoice {
     c.rdma = config.rdma;
     c.copy_threads = config.shmem_copy_threads;
     c.peer_copy = config.shmem_peer_copy;
+    c.ofi_shared_endpoint = config.ofi_shared_endpoint;
     return c;
   }
 };

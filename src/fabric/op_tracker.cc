@@ -27,6 +27,7 @@ Op* OpTracker::NewOp(CompletionKind kind, bool with_imm, uint32_t imm, const Loc
     free_.pop_back();
     *op = Op();
   }
+  op->tracker = this;
   op->prev = tail_;
   (tail_ ? tail_->next : head_) = op;
   tail_ = op;
@@ -84,7 +85,27 @@ bool OpTracker::Complete(Op* op, absl::Status status, Completion* c) {
 }
 
 void OpTracker::Defer(Op* op, absl::Status status) {
+  op->returned = true;
   deferred_.emplace_back(op, std::move(status));
+}
+
+void OpTracker::Orphan(absl::FunctionRef<void(Op*)> adopt) {
+  for (Op* op = head_; op != nullptr;) {
+    Op* next = op->next;
+    if (op->issued && !op->returned) {
+      op->tracker = nullptr;
+      op->prev = op->next = nullptr;
+      adopt(op);
+    } else {
+      delete op;
+    }
+    op = next;
+  }
+  head_ = tail_ = nullptr;
+  queued_.clear();
+  deferred_.clear();
+  in_flight_ = 0;
+  live_ = 0;
 }
 
 size_t OpTracker::Drain(IssueFn issue, absl::Span<Completion> out) {
@@ -112,12 +133,14 @@ size_t OpTracker::Drain(IssueFn issue, absl::Span<Completion> out) {
     Op* op = std::exchange(next, next->next);
     if (op->posted > deadline) break;  // in posting order
     if (op->timed_out) continue;
-    if (std::any_of(deferred_.begin(), deferred_.end(), [op](const auto& d) { return d.first == op; })) {
+    if (std::any_of(deferred_.begin(), deferred_.end(),
+                    [op](const auto& d) { return d.first == op; })) {
       continue;  // reported with its own error above, when there is room
     }
-    Fill(op, absl::DeadlineExceededError(absl::StrCat(
-                 name_, ": operation did not complete within ", absl::FormatDuration(op_timeout_),
-                 "; the peer may be gone")),
+    Fill(op,
+         absl::DeadlineExceededError(absl::StrCat(name_, ": operation did not complete within ",
+                                                  absl::FormatDuration(op_timeout_),
+                                                  "; the peer may be gone")),
          &out[produced++]);
     if (!op->issued) {
       queued_.erase(std::find(queued_.begin(), queued_.end(), op));

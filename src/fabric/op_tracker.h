@@ -21,10 +21,15 @@
 
 namespace tensorverbs::fabric {
 
+class OpTracker;
+
 struct Op {
   // Scratch space the backend hands to its library as the operation context (libfabric's
   // fi_context2). First, so the library's context pointer is the Op's address.
   alignas(16) unsigned char provider[64];
+  // What a context handed back by the library is (ofi: an operation, or one of the backend's
+  // own contexts laid out the same way); at the same offset in each, after `provider`.
+  uint32_t context_tag = 0;
   CompletionKind kind = CompletionKind::kWrite;
   bool with_imm = false;
   uint32_t imm = 0;
@@ -39,7 +44,12 @@ struct Op {
   bool issued = false;       // handed to the provider
   bool data_posted = false;  // a write posted in two parts (ofi): its data part is posted
   bool timed_out = false;    // reported as DeadlineExceeded; the provider may still return it
-  Op* prev = nullptr;        // live ops, in posting order
+  bool returned = false;     // the provider gave it back with an error not yet reported (Defer)
+  void* aux = nullptr;       // a backend's second context for the operation (ofi: a split write)
+  // The tracker that reported and frees it; null once its endpoint is gone and the record waits
+  // for the provider to return it (Orphan).
+  OpTracker* tracker = nullptr;
+  Op* prev = nullptr;  // live ops, in posting order
   Op* next = nullptr;
 };
 
@@ -69,6 +79,12 @@ class OpTracker {
   size_t Drain(IssueFn issue, absl::Span<Completion> out);
 
   size_t live() const { return live_; }
+
+  // The endpoint is going while its provider endpoint stays (ofi's shared endpoints): the
+  // records the provider still holds are handed to `adopt`, with `tracker` cleared, and must be
+  // freed (delete) by whoever adopts them once the provider returns them or closes; the rest are
+  // freed now, unreported, as the contract drops a destroyed endpoint's operations.
+  void Orphan(absl::FunctionRef<void(Op*)> adopt);
 
  private:
   void Release(Op* op);

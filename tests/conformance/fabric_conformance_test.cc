@@ -58,6 +58,7 @@ struct Backend {
   std::string provider;
   std::string name;
   bool shared_buffers = false;
+  bool shared_endpoint = true;  // DomainOptions::ofi_shared_endpoint
 };
 
 std::ostream& operator<<(std::ostream& os, const Backend& b) { return os << b.name; }
@@ -71,6 +72,7 @@ class FabricConformanceTest : public ::testing::TestWithParam<Backend> {
 
   void Open(DomainOptions options) {
     options.provider = GetParam().provider;
+    options.ofi_shared_endpoint = GetParam().shared_endpoint;
     // Both domains in this process: loopback, not whichever interface tcp lists first (another
     // test's veth, deleted under the endpoints when that test ends).
     options.source_address = "127.0.0.1";
@@ -363,6 +365,119 @@ TEST_P(FabricConformanceTest, ChannelKeysAreTheirEndpointsAloneAndDieWithTheirRe
   EXPECT_EQ(dst.data()[100], 0x5C);
 }
 
+TEST_P(FabricConformanceTest,
+       ADomainsEndpointsShareOneProviderEndpointAndEachGetsItsOwnImmediates) {
+  // 32 channels each way between two domains, each writing at once: every immediate reaches the
+  // endpoint its writer was connected to, and over libfabric the 64 endpoints open no provider
+  // endpoint beyond the one per domain the fixture's endpoints opened (unless asked not to share).
+  constexpr int kPairs = 32;
+  const int64_t before = ReadFabricProcessStats().provider_endpoints;
+  Buffer src(kPairs * 64), dst(kPairs * 64);
+  for (size_t i = 0; i < src.size(); ++i) src.data()[i] = static_cast<char>(i % 199 + 1);
+  auto src_mr = Register(*a_, src);
+  auto dst_mr = Register(*b_, dst);
+  std::vector<std::unique_ptr<Endpoint>> as, bs;
+  for (int i = 0; i < kPairs; ++i) {
+    as.push_back(*a_->CreateEndpoint());
+    bs.push_back(*b_->CreateEndpoint());
+    ASSERT_TRUE(as[i]->Connect(bs[i]->LocalAddress()).ok());
+    ASSERT_TRUE(bs[i]->Connect(as[i]->LocalAddress()).ok());
+  }
+  for (int i = 0; i < kPairs; ++i) {
+    ASSERT_TRUE(as[i]
+                    ->PostWriteWithImm({src_mr.get(), src.data() + i * 64, 64},
+                                       Remote(*dst_mr, i * 64, 64), 1000 + i, i)
+                    .ok());
+  }
+  ASSERT_TRUE(PollUntil([&] { return at_a_.size() == kPairs && at_b_.size() == kPairs; }));
+  for (const Completion& c : at_b_) {
+    ASSERT_GE(c.imm, 1000u);
+    ASSERT_LT(c.imm, 1000u + kPairs);
+    EXPECT_EQ(c.endpoint, bs[c.imm - 1000].get()) << "immediate " << c.imm;
+  }
+  for (const Completion& c : at_a_) {
+    ASSERT_LT(c.context, static_cast<uint64_t>(kPairs));
+    EXPECT_EQ(c.endpoint, as[c.context].get());
+    EXPECT_TRUE(c.status.ok()) << c.status;
+  }
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
+  const int64_t opened = ReadFabricProcessStats().provider_endpoints - before;
+  if (GetParam().backend == "ofi") {
+    EXPECT_EQ(opened, GetParam().shared_endpoint ? 0 : 2 * kPairs);
+  } else {
+    EXPECT_EQ(opened, 0);
+  }
+}
+
+TEST_P(FabricConformanceTest, AClosedEndpointsLateImmediatesReachNeitherItNorItsSuccessor) {
+  // The target endpoint closes before its domain has seen a burst of writes to it, and a new
+  // endpoint (on a shared provider endpoint: the same slot, a new generation) takes its place.
+  constexpr int kWrites = 16;
+  const int64_t dropped_before = ReadFabricProcessStats().late_immediates_dropped;
+  Buffer src(kWrites * 4096), dst(kWrites * 4096);
+  auto src_mr = Register(*a_, src);
+  auto dst_mr = Register(*b_, dst);
+  for (int i = 0; i < kWrites; ++i) {
+    ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src.data() + i * 4096, 4096},
+                                      Remote(*dst_mr, i * 4096, 4096), 100 + i, i)
+                    .ok());
+  }
+  const std::string old_address = eb_->LocalAddress();
+  eb_.reset();
+  auto eb2 = *b_->CreateEndpoint();
+  auto ea2 = *a_->CreateEndpoint();
+  EXPECT_NE(eb2->LocalAddress(), old_address) << "a successor must not answer to the old name";
+  ASSERT_TRUE(ea2->Connect(eb2->LocalAddress()).ok());
+  ASSERT_TRUE(eb2->Connect(ea2->LocalAddress()).ok());
+  ASSERT_TRUE(PollUntil([&] { return Count(at_a_, CompletionKind::kWrite) == kWrites; }))
+      << "the writes to the closed endpoint never completed";
+  ASSERT_TRUE(
+      ea2->PostWriteWithImm({src_mr.get(), src.data(), 8}, Remote(*dst_mr, 0, 8), 7, 99).ok());
+  ASSERT_TRUE(PollUntil([&] { return !at_b_.empty(); }));
+  PollUntil([] { return false; }, absl::Milliseconds(200));
+  ASSERT_EQ(at_b_.size(), 1u) << "only the successor's own immediate arrives";
+  EXPECT_EQ(at_b_[0].imm, 7u);
+  EXPECT_EQ(at_b_[0].endpoint, eb2.get());
+  if (GetParam().backend == "ofi" && GetParam().shared_endpoint) {
+    EXPECT_EQ(ReadFabricProcessStats().late_immediates_dropped - dropped_before, kWrites);
+  }
+}
+
+TEST_P(FabricConformanceTest, AClosedEndpointsOperationsInFlightReachNeitherItNorItsSuccessor) {
+  // The writer closes with its writes in flight: their completions are dropped with it (the
+  // contract), including on a provider endpoint that stays open for the endpoint that takes its
+  // place; the records the provider still holds are freed as they return (ASan checks).
+  constexpr int kWrites = 16;
+  Buffer src(kWrites * 4096), dst(kWrites * 4096);
+  auto src_mr = Register(*a_, src);
+  auto dst_mr = Register(*b_, dst);
+  for (int i = 0; i < kWrites; ++i) {
+    ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src.data() + i * 4096, 4096},
+                                      Remote(*dst_mr, i * 4096, 4096), 100 + i, 1000 + i)
+                    .ok());
+  }
+  ea_.reset();
+  auto ea2 = *a_->CreateEndpoint();
+  auto eb2 = *b_->CreateEndpoint();
+  ASSERT_TRUE(ea2->Connect(eb2->LocalAddress()).ok());
+  ASSERT_TRUE(eb2->Connect(ea2->LocalAddress()).ok());
+  ASSERT_TRUE(
+      ea2->PostWriteWithImm({src_mr.get(), src.data(), 8}, Remote(*dst_mr, 0, 8), 7, 5).ok());
+  ASSERT_TRUE(PollUntil([&] {
+    return !at_a_.empty() &&
+           std::any_of(at_b_.begin(), at_b_.end(), [&](const Completion& c) { return c.imm == 7; });
+  }));
+  PollUntil([] { return false; }, absl::Milliseconds(200));
+  ASSERT_EQ(at_a_.size(), 1u) << "only the successor's own write completes";
+  EXPECT_EQ(at_a_[0].context, 5u);
+  EXPECT_EQ(at_a_[0].endpoint, ea2.get());
+  EXPECT_TRUE(at_a_[0].status.ok()) << at_a_[0].status;
+  for (const Completion& c : at_b_) {
+    // The closed writer's writes may still land on their own target; none reaches the successor.
+    EXPECT_EQ(c.endpoint == eb2.get(), c.imm == 7) << "immediate " << c.imm;
+  }
+}
+
 TEST_P(FabricConformanceTest, ClosedPeerGivesAnErrorWithinABoundedTime) {
   // Providers may report a write to a vanished peer as done (shm for small writes, tcp before it
   // notices the closed connection), so the contract is: every post completes within a bounded
@@ -480,7 +595,10 @@ std::vector<Backend> Backends() {
       {"shmem", "", "shmem", true},
       {"shmem", "", "shmem_cross_memory", false},
       {"ofi", "shm", "ofi_shm"},
-      {"ofi", "tcp;ofi_rxm", "ofi_tcp"}};
+      {"ofi", "tcp;ofi_rxm", "ofi_tcp"},
+      // Each endpoint on a libfabric endpoint of its own: what a provider with 4 bytes of CQ
+      // data gets (TENSORVERBS_OFI_SHARED_ENDPOINT=off).
+      {"ofi", "tcp;ofi_rxm", "ofi_tcp_own_endpoints", false, false}};
   // On a host with an active RDMA port this runs on the NIC; elsewhere it skips with the reason.
   for (const std::string& b : BackendNames()) {
     if (b == "ibverbs") backends.push_back({"ibverbs", "", "ibverbs"});

@@ -351,6 +351,28 @@ TEST(ToolTest, BenchScaleReportsEachTaskCountsCosts) {
   EXPECT_EQ(run->exit_code, 2) << "a cluster of one task has nothing to measure";
 }
 
+TEST(ToolTest, BenchScaleCountsOneLibfabricEndpointPerTaskWhateverItsChannels) {
+  // Three tasks over libfabric (shm, every task on this host), each with a channel each way to
+  // both peers: the channels share their task's one libfabric endpoint, unless told not to.
+  const ScopedTempDir dir;
+  setenv("TENSORVERBS_FABRIC", "ofi", 1);
+  for (const char* shared : {"on", "off"}) {
+    setenv("TENSORVERBS_OFI_SHARED_ENDPOINT", shared, 1);
+    const std::string json = dir.File(absl::StrCat("bench_scale_", shared, ".json"));
+    absl::StatusOr<ToolRun> run = RunTool(
+        {"bench", "scale", "--tasks", "3", "--steps", "2", "--json", json}, absl::Seconds(120));
+    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_EQ(run->exit_code, 0) << run->out;
+    nlohmann::json rows = ReadJson(json);
+    ASSERT_TRUE(rows.is_array() && rows.size() == 1u) << rows.dump();
+    EXPECT_EQ(rows[0].value("channels_per_task", 0.0), 4.0) << rows[0].dump();
+    EXPECT_EQ(rows[0].value("endpoints_per_task", 0.0), std::string(shared) == "on" ? 1.0 : 4.0)
+        << shared << ": " << rows[0].dump();
+  }
+  unsetenv("TENSORVERBS_OFI_SHARED_ENDPOINT");
+  unsetenv("TENSORVERBS_FABRIC");
+}
+
 TEST(ToolTest, BenchModelsAreTheirPublishedSizes) {
   // The variable lists are generated from the architectures: check them against the
   // published trainable-parameter counts.

@@ -85,7 +85,14 @@ class OfiDomain final : public Domain {
   }
 
   absl::StatusOr<std::unique_ptr<Endpoint>> CreateEndpoint() override {
-    auto ep = std::make_unique<OfiEndpoint>(shared_);
+    std::shared_ptr<Port> port = port_;
+    if (port == nullptr) {
+      const bool shares = shared_->routed_data && shared_->options.ofi_shared_endpoint;
+      port = std::make_shared<Port>(shared_, shares);
+      RETURN_IF_ERROR(port->Init());
+      if (shares) port_ = port;  // opened with the first endpoint, kept with the domain
+    }
+    auto ep = std::make_unique<OfiEndpoint>(shared_, std::move(port));
     RETURN_IF_ERROR(ep->Init());
     return std::unique_ptr<Endpoint>(std::move(ep));
   }
@@ -98,15 +105,15 @@ class OfiDomain final : public Domain {
   absl::StatusOr<bool> PrepareToSleep(std::vector<pollfd>* fds, absl::Duration* timeout) override {
     fds->push_back(pollfd{shared_->wake.fd(), POLLIN, 0});
     fids_.clear();
-    for (OfiEndpoint* ep : shared_->endpoints) {
-      if (ep->wait_fd() < 0) {
+    for (Port* port : shared_->ports) {
+      if (port->wait_fd() < 0) {
         // No wait object on this provider (shm): nap briefly on the interrupt fd alone, so a
         // local post (a new recv) ends the nap at once and peer traffic waits at most one nap.
         *timeout = std::min(*timeout, absl::Microseconds(50));
         return true;
       }
-      fids_.push_back(ep->cq_fid());
-      fds->push_back(pollfd{ep->wait_fd(), POLLIN, 0});
+      fids_.push_back(port->cq_fid());
+      fds->push_back(pollfd{port->wait_fd(), POLLIN, 0});
     }
     if (!fids_.empty()) {
       // fi_trywait drives pending progress and says whether blocking is safe (nothing to read).
@@ -125,19 +132,33 @@ class OfiDomain final : public Domain {
 
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
     size_t produced = 0;
-    const size_t n = shared_->endpoints.size();
+    const size_t n = shared_->ports.size();
     for (size_t i = 0; i < n && produced < out.size(); ++i) {
-      OfiEndpoint* ep = shared_->endpoints[(next_ + i) % n];
-      produced += ep->Progress(out.subspan(produced));
+      produced += shared_->ports[(next_port_ + i) % n]->Progress(out.subspan(produced));
     }
-    if (n > 0) next_ = (next_ + 1) % n;
+    if (n > 0) next_port_ = (next_port_ + 1) % n;
+    // Only endpoints with operations under way have anything to issue, report or time out, so
+    // an idle turn costs the same with ten channels or ten thousand.
+    std::vector<OfiEndpoint*>& active = shared_->active;
+    for (size_t i = 0; i < active.size() && produced < out.size();) {
+      OfiEndpoint* ep = active[i];
+      produced += ep->Drain(out.subspan(produced));
+      if (ep->idle()) {
+        ep->active = false;
+        active[i] = active.back();
+        active.pop_back();
+      } else {
+        ++i;
+      }
+    }
     return produced;
   }
 
  private:
   std::shared_ptr<Shared> shared_;
+  std::shared_ptr<Port> port_;  // the endpoint every endpoint shares, where they share one
   Capabilities caps_;
-  size_t next_ = 0;
+  size_t next_port_ = 0;
   std::vector<fid*> fids_;  // PrepareToSleep's, kept to reuse its storage
 };
 
@@ -161,7 +182,7 @@ void SetRxmDefaults() {
   });
 }
 
-fi_info* MakeHints(const std::string& provider) {
+fi_info* MakeHints(const std::string& provider, size_t cq_data_size = 4) {
   SetRxmDefaults();
   fi_info* hints = fi_allocinfo();
   hints->ep_attr->type = FI_EP_RDM;
@@ -169,7 +190,7 @@ fi_info* MakeHints(const std::string& provider) {
   hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   hints->domain_attr->threading = FI_THREAD_DOMAIN;
-  hints->domain_attr->cq_data_size = 4;
+  hints->domain_attr->cq_data_size = cq_data_size;
   // Control messages land in posting order (see fabric.h).
   hints->tx_attr->msg_order = FI_ORDER_WAW;
   hints->rx_attr->msg_order = FI_ORDER_WAW;
@@ -203,10 +224,16 @@ fi_info* EntryWithSource(fi_info* list, const std::string& source) {
 
 absl::StatusOr<std::shared_ptr<Shared>> OpenProvider(const DomainOptions& options,
                                                      const std::string& provider) {
-  fi_info* hints = MakeHints(provider);
+  // 8 bytes of CQ data let every endpoint of a domain share one provider endpoint
+  // (ofi_internal.h); 4 are what the protocol's immediates need.
   fi_info* info = nullptr;
-  int ret = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info);
-  fi_freeinfo(hints);
+  int ret = -FI_ENODATA;
+  for (size_t cq_data_size : {8, 4}) {
+    fi_info* hints = MakeHints(provider, cq_data_size);
+    ret = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info);
+    fi_freeinfo(hints);
+    if (ret == 0 && info != nullptr) break;
+  }
   if (ret || info == nullptr) {
     return absl::UnavailableError(absl::StrCat(
         "ofi: provider '", provider, "' offers no RDM endpoint with RMA and remote CQ data here (",
@@ -235,6 +262,7 @@ absl::StatusOr<std::shared_ptr<Shared>> OpenProvider(const DomainOptions& option
   av_attr.type = FI_AV_TABLE;
   ret = fi_av_open(shared->domain, &av_attr, &shared->av, nullptr);
   if (ret) return absl::UnavailableError(FiError("ofi: fi_av_open", ret));
+  shared->routed_data = shared->info->domain_attr->cq_data_size >= 8;
   return shared;
 }
 

@@ -1,13 +1,21 @@
-// The ofi backend's parts shared by its domain (ofi.cc) and its endpoint (ofi_endpoint.cc): the
-// libfabric objects every registration and endpoint holds (Shared), the registrations (OfiRegion,
-// with the remote key they pack) and the endpoint, an FI_EP_RDM endpoint with its own completion
-// queue, so that an incoming immediate is attributed to its endpoint without FI_SOURCE.
+// The ofi backend's parts shared by its domain (ofi.cc), its provider endpoints (ofi_port.cc)
+// and its endpoints (ofi_endpoint.cc): the libfabric objects every registration and endpoint
+// holds (Shared), the registrations (OfiRegion, with the remote key they pack), the Port (one
+// FI_EP_RDM endpoint, its completion queue and the routing of its completions) and the
+// Endpoint a channel holds (a peer address plus its own operations, on a port).
+//
+// One port serves every endpoint of a domain where the provider carries 8 bytes of CQ data
+// (shm and tcp;ofi_rxm do): a write with an immediate carries the target endpoint's id (slot
+// and generation) in the upper half of its data, and the target port hands the completion to
+// the endpoint that id names, or drops it when that endpoint is gone, even if its slot serves
+// a newer one. Where the provider carries 4 bytes (or DomainOptions::ofi_shared_endpoint is
+// off) each endpoint gets a port of its own, which hands it every completion.
 //
 // Private to src/fabric/ofi. Threading as every Domain (see fabric.h): everything here runs on
-// the thread that owns the domain (the progress thread). A registration or endpoint holds
+// the thread that owns the domain (the progress thread). A registration, port or endpoint holds
 // Shared, so the provider's fabric, domain and address vector outlive them whatever order they
-// are destroyed in; the domain polls the endpoints Shared lists, and an endpoint leaves that list
-// as it is destroyed.
+// are destroyed in; an endpoint holds its port, which outlives the endpoint's operations still
+// in the provider (it adopts their records and frees them as they return or as it closes).
 #ifndef TENSORVERBS_FABRIC_OFI_OFI_INTERNAL_H_
 #define TENSORVERBS_FABRIC_OFI_OFI_INTERNAL_H_
 
@@ -23,6 +31,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -70,6 +80,7 @@ struct PackedKey {
 };
 
 class OfiEndpoint;
+class Port;
 
 // The libfabric objects a domain, its regions and its endpoints share; closed when the last
 // of them goes.
@@ -80,14 +91,20 @@ struct Shared {
   fid_av* av = nullptr;
   DomainOptions options;
   std::atomic<uint64_t> next_key{1};
-  std::vector<OfiEndpoint*> endpoints;  // polled by the domain
-  WakeFd wake;                          // Domain::Interrupt
+  // The provider carries 8 bytes of CQ data: writes carry their target endpoint's id, so a
+  // port can serve many endpoints (and peers that share ports can reach ours).
+  bool routed_data = false;
+  std::vector<Port*> ports;          // polled by the domain
+  std::vector<OfiEndpoint*> active;  // endpoints with operations to drain or time out
+  absl::flat_hash_map<std::string, fi_addr_t> peers;  // address vector entries, by peer name
+  WakeFd wake;                                        // Domain::Interrupt
 
   bool virtual_addressing() const {
     // FI_MR_BASIC implies virtual addresses; FI_MR_SCALABLE offsets.
     const int mode = info->domain_attr->mr_mode;
     return (mode & (FI_MR_VIRT_ADDR | FI_MR_BASIC)) != 0;
   }
+  const char* provider() const { return info->fabric_attr->prov_name; }
 
   ~Shared() {
     if (av) fi_close(&av->fid);
@@ -117,30 +134,108 @@ class OfiRegion final : public MemoryRegion {
   fid_mr* mr_;
 };
 
-class OfiEndpoint final : public EndpointBase {
+// The context of a completion that is not an operation's: a receive kept posted, or the data
+// part of a write sent in two parts. Laid out as Op is up to `tag`, so a context the provider
+// hands back says which it is.
+struct AuxContext {
+  alignas(16) unsigned char provider[64];
+  uint32_t context_tag = 0;
+  // A data part: whether it and its operation have come back, and its failure.
+  bool data_returned = false;
+  bool op_returned = false;
+  absl::Status error;
+};
+
+// One provider endpoint with its completion queue. Ids name the endpoints it serves: a slot
+// (low 20 bits) and that slot's generation (high 12 bits, never 0), so a stale id names no one.
+class Port {
  public:
-  explicit OfiEndpoint(std::shared_ptr<Shared> shared);
-  ~OfiEndpoint() override;
+  static constexpr uint32_t kSlotBits = 20;
+  static constexpr uint32_t kMaxSlots = 1u << kSlotBits;
+
+  Port(std::shared_ptr<Shared> shared, bool serves_many);
+  ~Port();
+  Port(const Port&) = delete;
+  Port& operator=(const Port&) = delete;
 
   // Opens the endpoint and its completion queue, binds them to the address vector, and keeps
   // receives posted where the provider consumes one per immediate (FI_RX_CQ_DATA).
   absl::Status Init();
 
+  // The provider's name for this endpoint (fi_getname).
+  const std::string& name() const { return name_; }
+  fid_ep* ep() const { return ep_; }
+  fid* cq_fid() { return &cq_->fid; }
+  int wait_fd() const { return wait_fd_; }
+  bool serves_many() const { return serves_many_; }
+  size_t attached() const { return attached_; }
+
+  // Gives `ep` an id on this port; ResourceExhausted past kMaxSlots endpoints.
+  absl::StatusOr<uint32_t> Attach(OfiEndpoint* ep);
+  // `id` names no one from now on. The operations of `ops` (its endpoint's) that the provider
+  // still holds are freed as they come back, or as the port closes, and reported to no one.
+  void Detach(uint32_t id, OpTracker& ops);
+
+  // Reads completions into `out`, each given to the endpoint it belongs to; returns how many.
+  size_t Progress(absl::Span<Completion> out);
+
+  // The second context of a write sent in two parts (data, then the immediate alone), and its
+  // return when the provider did not take it, or when it took the data but not the operation.
+  AuxContext* NewDataPart();
+  void FreeDataPart(AuxContext* part);
+
+ private:
+  struct Slot {
+    OfiEndpoint* ep = nullptr;
+    uint32_t generation = 0;
+  };
+
+  absl::Status PostReceive(AuxContext* context);
+  // The endpoint a completion's CQ data names, or null (gone, or never here).
+  OfiEndpoint* Route(uint64_t data) const;
+  // Hands back one context: an operation's completion into `c` (true), or nothing.
+  bool Returned(void* context, absl::Status status, Completion* c);
+  // Reads one error completion into `out` (returns 1), or nothing (returns 0).
+  size_t ReadError(absl::Span<Completion> out);
+
+  std::shared_ptr<Shared> shared_;
+  const bool serves_many_;
+  fid_ep* ep_ = nullptr;
+  fid_cq* cq_ = nullptr;
+  int wait_fd_ = -1;
+  std::string name_;
+  std::shared_ptr<LocalPeers::Gate> gate_;             // this port's, for peers in this process
+  std::vector<std::unique_ptr<AuxContext>> receives_;  // one context per receive kept posted
+  std::vector<Slot> slots_;
+  std::vector<uint32_t> free_slots_;
+  size_t attached_ = 0;
+  absl::flat_hash_set<Op*> orphans_;  // gone endpoints' operations the provider still holds
+  std::vector<std::unique_ptr<AuxContext>> data_parts_free_;
+  absl::flat_hash_set<AuxContext*> data_parts_live_;
+  bool counted_ = false;  // in OpenPorts()
+};
+
+class OfiEndpoint final : public EndpointBase {
+ public:
+  // `port` serves this endpoint alone unless port->serves_many().
+  OfiEndpoint(std::shared_ptr<Shared> shared, std::shared_ptr<Port> port);
+  ~OfiEndpoint() override;
+
+  // Takes an id on the port and registers the endpoint with the local-peers gate.
+  absl::Status Init();
+
+  // The port's name and this endpoint's id on it: what the peer passes to Connect.
   std::string LocalAddress() const override { return address_; }
   absl::Status Connect(absl::string_view peer_address) override;
   size_t Outstanding() const override { return ops_.live(); }
 
-  fid* cq_fid() { return &cq_->fid; }
-  int wait_fd() const { return wait_fd_; }
-
-  // Reads this endpoint's completions into `out`; returns how many.
-  size_t Progress(absl::Span<Completion> out);
+  // Issues queued operations and reports failures and timeouts; returns how many went to `out`.
+  size_t Drain(absl::Span<Completion> out);
+  // Drain has nothing left to do.
+  bool idle() const { return ops_.live() == 0; }
+  bool active = false;  // listed in Shared::active
 
  private:
-  absl::Status PostReceive();
-  void* receive_ctx() { return &receive_ctx_; }
-  void* data_ctx() { return &data_ctx_; }
-
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
                     const RemoteBuffer& remote, uint64_t context) override;
 
@@ -148,24 +243,16 @@ class OfiEndpoint final : public EndpointBase {
   // peer of this process is posted to only while it is open, under its gate's shared lock.
   absl::StatusOr<bool> Issue(Op* op);
   absl::StatusOr<bool> IssueToProvider(Op* op);
-  // Reads one error completion: the failed operation's completion into `out` (returns 1), or
-  // nothing (returns 0) for a split write's data part, a receive, or an operation deferred
-  // because `out` has no room.
-  size_t ReadError(absl::Span<Completion> out);
 
   std::shared_ptr<Shared> shared_;
-  fid_ep* ep_ = nullptr;
-  fid_cq* cq_ = nullptr;
+  std::shared_ptr<Port> port_;
+  uint32_t id_ = 0;
+  uint32_t peer_id_ = 0;  // the peer endpoint's id on its port, carried in CQ data
   fi_addr_t peer_ = FI_ADDR_UNSPEC;
   bool connected_ = false;
-  std::shared_ptr<LocalPeers::Gate> gate_;       // this endpoint's, for peers in this process
-  std::shared_ptr<LocalPeers::Gate> peer_gate_;  // the peer's, if it is in this process
+  std::shared_ptr<LocalPeers::Gate> peer_gate_;  // the peer's port's, if it is in this process
   std::string address_;
-  fi_context2 receive_ctx_{};
-  fi_context2 data_ctx_{};
   const bool split_writes_;
-  absl::Status split_error_;  // the first failed data part of a split write
-  int wait_fd_ = -1;
   OpTracker ops_;
 };
 

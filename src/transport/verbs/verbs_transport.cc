@@ -46,6 +46,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.waiter_progress = config.waiter_progress;
   o.shmem_copy_threads = config.shmem_copy_threads;
   o.shmem_peer_copy = config.shmem_peer_copy;
+  o.ofi_shared_endpoint = config.ofi_shared_endpoint;
   o.remote_keys = config.remote_keys;
   o.gpu_direct = config.gpu_direct;
   return o;
@@ -87,6 +88,7 @@ absl::Status VerbsTransport::Start() {
   choice.rdma = options_.rdma;
   choice.copy_threads = options_.shmem_copy_threads;
   choice.peer_copy = options_.shmem_peer_copy;
+  choice.ofi_shared_endpoint = options_.ofi_shared_endpoint;
   choice.source_address = SourceAddressOf(options_.task_addresses, options_.env->task_name);
   if (options_.gpu_direct) choice.device_memory = options_.device_memory;
   // grpc+gdr lends tensors through the registrations of one fabric (LentTensors), so its peers

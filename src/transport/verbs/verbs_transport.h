@@ -98,6 +98,8 @@ struct VerbsOptions {
   absl::Duration inline_callback_limit = Config::Defaults().inline_callback_limit;
   bool waiter_progress = Config::Defaults().waiter_progress;       // TENSORVERBS_WAITER_PROGRESS
   int shmem_copy_threads = Config::Defaults().shmem_copy_threads;  // TENSORVERBS_SHMEM_COPY_THREADS
+  // TENSORVERBS_OFI_SHARED_ENDPOINT
+  bool ofi_shared_endpoint = Config::Defaults().ofi_shared_endpoint;
   bool shmem_peer_copy = Config::Defaults().shmem_peer_copy;       // TENSORVERBS_SHMEM_PEER_COPY
   std::string remote_keys = Config::Defaults().remote_keys;        // TENSORVERBS_REMOTE_KEYS
   bool gpu_direct = Config::Defaults().gpu_direct;                 // TENSORVERBS_GPU_DIRECT
