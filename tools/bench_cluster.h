@@ -131,6 +131,10 @@ struct BenchScaleTaskOptions {
   std::string cluster_from;  // "slurm" or "tf_config": the placement from the launcher
   int steps = 20;
   std::string bytes = "1KiB";
+  bool channels_at_start = false;  // set up every channel in set-up (Server::SetUpChannels)
+  // Tasks 0..ps-1 are parameter servers, which exchange with every worker, and each worker with
+  // them alone; 0: every task exchanges with every other (an all-to-all).
+  int ps = 0;
   BenchServerOptions server;
 };
 int RunBenchScaleTask(const BenchScaleTaskOptions& options);

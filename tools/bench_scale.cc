@@ -1,9 +1,9 @@
 // `tensorverbs bench scale` (tools/commands.h): the cost of a cluster as its task count grows.
-// Each task is a child process (`bench-scale-task`) that times its own set-up and steps and
-// reads its own resources from /proc; the launcher starts N of them, collects one JSON line
-// from each and reports, per N, the slowest task's set-up and first step, the median task's
-// steady step, and the mean per task (and per channel) of memory, registrations, descriptors
-// and threads.
+// Each task is a child process (`bench-scale-task`) that times its own set-up and steps (an
+// all-to-all, or a parameter-server layout: --pattern) and reads its own resources from /proc; the
+// launcher starts N of them, collects one JSON line from each and reports, per N, the slowest
+// task's set-up and first step, the median task's steady step, and the mean per task (and per
+// channel) of memory, registrations, descriptors and threads.
 
 #include <algorithm>
 #include <cstdio>
@@ -12,8 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "src/common/config.h"
 #include "src/common/status_macros.h"
@@ -53,12 +55,23 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(options));
   const absl::Time created = absl::Now();
   RETURN_IF_ERROR(server->WaitForPeers(absl::Minutes(5)));
+  if (o.channels_at_start) RETURN_IF_ERROR(server->SetUpChannels(absl::Minutes(5)));
   const absl::Time connected = absl::Now();
   const int n = static_cast<int>(cluster.TaskAddresses().size());
-  // Every peer's keys for this step's tensor, both ways.
+  if (o.ps < 0 || o.ps >= n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bench scale: ", o.ps, " parameter servers among ", n, " tasks"));
+  }
+  // The peers this task exchanges with: every other task, or its side of the ps layout.
+  auto exchanges_with = [&](int p) {
+    if (p == task) return false;
+    if (o.ps == 0) return true;
+    return (task < o.ps) != (p < o.ps);
+  };
+  // Every such peer's keys for this step's tensor, both ways.
   std::vector<ParsedKey> to, from;
   for (int p = 0; p < n; ++p) {
-    if (p == task) continue;
+    if (!exchanges_with(p)) continue;
     ASSIGN_OR_RETURN(uint64_t inc, server->PeerIncarnation(TaskName(kJob, p), absl::Minutes(1)));
     to.push_back(
         MakeKeys(server->device_name(), server->incarnation(), CpuDeviceName(kJob, p), {"a2a"})[0]);
@@ -115,7 +128,7 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
 
 struct ScaleRow {
   int tasks = 0;
-  double setup_ms = 0;       // the slowest task's WaitForPeers
+  double setup_ms = 0;       // the slowest task's WaitForPeers (and SetUpChannels, at-start)
   double first_step_ms = 0;  // the slowest task's first all-to-all
   double step_ms_p50 = 0;    // the median over tasks of each task's median step
   // Means per task.
@@ -123,7 +136,7 @@ struct ScaleRow {
   double endpoints = 0;  // libfabric endpoints (fabric::FabricProcessStats)
 };
 
-absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
+absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
   std::unique_ptr<BenchLayout> layout;
   if (o.launcher == "srun") {
     ASSIGN_OR_RETURN(layout, BenchLayout::CreateUnderSrun({{kJob, tasks}}));
@@ -143,6 +156,8 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, const BenchScaleOptions& o) {
               args.push_back(std::move(a));
             }
             args.insert(args.end(), {"--steps", absl::StrCat(o.steps), "--bytes", o.bytes});
+            if (o.channels == "at-start") args.push_back("--channels-at-start");
+            if (ps > 0) args.insert(args.end(), {"--ps", absl::StrCat(ps)});
             for (const std::string& a : server.ToArgs()) args.push_back(a);
             return args;
           },
@@ -178,6 +193,24 @@ int RunBenchScaleTask(const BenchScaleTaskOptions& o) {
 
 int RunBenchScale(const BenchScaleOptions& o) {
   absl::StatusOr<std::vector<int>> counts = ParseCountList(o.tasks, "--tasks", 2, 256);
+  int ps = 0;
+  if (o.pattern != "all-to-all") {
+    const absl::string_view k = absl::StripPrefix(o.pattern, "ps:");
+    if (k.size() == o.pattern.size() || !absl::SimpleAtoi(k, &ps) || ps < 1) {
+      std::fprintf(stderr,
+                   "tensorverbs bench scale: --pattern is all-to-all or ps:K (K parameter "
+                   "servers, K >= 1), not '%s'\n",
+                   o.pattern.c_str());
+      return 2;
+    }
+    for (int n : counts.ok() ? *counts : std::vector<int>()) {
+      if (n <= ps) {
+        std::fprintf(stderr, "tensorverbs bench scale: ps:%d needs more than %d tasks, not %d\n",
+                     ps, ps, n);
+        return 2;
+      }
+    }
+  }
   if (!counts.ok()) {
     std::fprintf(stderr, "tensorverbs bench scale: %s\n",
                  std::string(counts.status().message()).c_str());
@@ -195,8 +228,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
                  "needs --netns\n");
     return 2;
   }
-  std::printf("bench scale: %s, all-to-all of %s tensors, %d steps%s\n", o.protocol.c_str(),
-              o.bytes.c_str(), o.steps,
+  std::printf("bench scale: %s, %s of %s tensors, %d steps, channels %s%s\n", o.protocol.c_str(),
+              o.pattern.c_str(), o.bytes.c_str(), o.steps, o.channels.c_str(),
               o.launcher == "srun" ? ", each count one Slurm job step"
               : !o.netns           ? ", every task on this host"
               : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
@@ -207,7 +240,7 @@ int RunBenchScale(const BenchScaleOptions& o) {
   nlohmann::json rows = nlohmann::json::array();
   bool failed = false;
   for (int n : *counts) {
-    absl::StatusOr<ScaleRow> row = RunOne(n, o);
+    absl::StatusOr<ScaleRow> row = RunOne(n, ps, o);
     if (!row.ok()) {
       // Where a cluster stops working is a result too: reported, and the other counts still run.
       std::printf("%6d failed: %s\n", n, row.status().ToString().c_str());
@@ -230,6 +263,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"netns", o.netns},
                     {"hosts", o.hosts},
                     {"launcher", o.launcher},
+                    {"channels_set_up", o.channels},
+                    {"pattern", o.pattern},
                     {"setup_ms", row->setup_ms},
                     {"first_step_ms", row->first_step_ms},
                     {"step_ms_p50", row->step_ms_p50},

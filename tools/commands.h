@@ -150,6 +150,13 @@ struct BenchScaleOptions {
   std::string json;
   std::string poll_mode;
   std::string launcher = "local";  // "local" (processes here, or --netns) or "srun"
+  // "on-demand": each channel set up by the first tensor of its pair (the default); "at-start":
+  // every task sets up a channel to every peer during set-up.
+  std::string channels = "on-demand";
+  // "all-to-all": each task exchanges a tensor with every other each step; "ps:K": tasks
+  // 0..K-1 are parameter servers, each worker exchanges with those K alone, and they with every
+  // worker.
+  std::string pattern = "all-to-all";
 };
 int RunBenchScale(const BenchScaleOptions& options);
 

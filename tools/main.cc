@@ -228,6 +228,17 @@ int main(int argc, char** argv) {
                    "job step, the tasks placed by Slurm")
       ->check(CLI::IsMember({"local", "srun"}))
       ->default_val(scale.launcher);
+  bench_scale
+      ->add_option("--pattern", scale.pattern,
+                   "all-to-all: every task exchanges with every other each step; ps:K: each "
+                   "worker with the K parameter servers (tasks 0..K-1) alone")
+      ->default_val(scale.pattern);
+  bench_scale
+      ->add_option("--channels", scale.channels,
+                   "on-demand: each channel is set up by its pair's first tensor; at-start: "
+                   "set-up also makes a channel to every peer")
+      ->check(CLI::IsMember({"on-demand", "at-start"}))
+      ->default_val(scale.channels);
 
   BenchScaleTaskOptions scale_task;
   CLI::App* scale_task_cmd = app.add_subcommand("bench-scale-task", "One task of bench scale");
@@ -239,6 +250,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"slurm", "tf_config"}));
   scale_task_cmd->add_option("--steps", scale_task.steps)->required();
   scale_task_cmd->add_option("--bytes", scale_task.bytes)->required();
+  scale_task_cmd->add_flag("--channels-at-start", scale_task.channels_at_start);
+  scale_task_cmd->add_option("--ps", scale_task.ps);
   scale_task_cmd->add_option("--protocol", scale_task.server.protocol)->required();
   scale_task_cmd->add_option("--message-slots", scale_task.server.message_slots);
   scale_task_cmd->add_option("--message-batch", scale_task.server.message_batch);

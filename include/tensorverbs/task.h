@@ -123,7 +123,9 @@ class Task {
   ~Task();
 
   // Waits until every other task of the cluster answers, or Unavailable naming the ones that
-  // did not within `timeout`. Over grpc+verbs it also sets up the RDMA channels.
+  // did not within `timeout`. It sets up no RDMA channel: over grpc+verbs each is set up when
+  // the first tensor between its two tasks needs it, so a task holds channels only to the
+  // peers it exchanges with.
   absl::Status WaitForPeers(absl::Duration timeout);
 
   // "/job:J/replica:0/task:T".

@@ -252,7 +252,7 @@ class Server:
         return self._task.incarnation
 
     def wait_for_peers(self, timeout=30.0):
-        """Waits until every other task answers (and, over grpc+verbs, its channels are up)."""
+        """Waits until every other task answers. Channels are set up on a pair's first tensor."""
         self._task.wait_for_peers(float(timeout))
 
     def step(self, step_id):

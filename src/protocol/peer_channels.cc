@@ -113,9 +113,13 @@ absl::StatusOr<Channel*> PeerChannels::OwnerChannel(const std::string& task) {
   }
   Channel* raw = table_->Add(std::move(channel));
   {
-    // Until this channel's peer says otherwise: a restarted task may not write GPU memory.
+    // A first channel to `task` goes by what its probe said, so that recvs issued while it is
+    // set up can land in GPU memory directly. A later one goes by nothing until its peer
+    // answers: a restarted task may not write GPU memory.
     MutexLock lock(&connect_mu_);
-    peer_device_writes_[task] = false;
+    auto it = peer_device_writes_.find(task);
+    if (it != peer_device_writes_.end() && channeled_.contains(task)) it->second = false;
+    channeled_.insert(task);
   }
 
   proto::ConnectRequest request;
@@ -204,6 +208,11 @@ bool PeerChannels::PeerWritesDevice(const std::string& task) const {
   MutexLock lock(&connect_mu_);
   auto it = peer_device_writes_.find(task);
   return it != peer_device_writes_.end() && it->second;
+}
+
+void PeerChannels::NoteProbedPeer(const std::string& task, bool device_writes) {
+  MutexLock lock(&connect_mu_);
+  if (!channeled_.contains(task)) peer_device_writes_[task] = device_writes;
 }
 
 void PeerChannels::RecordConnectResult(const std::string& task, const absl::Status& status) {

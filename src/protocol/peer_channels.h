@@ -119,8 +119,11 @@ class PeerChannels {
 
   // Any thread.
   // Whether the last channel set up to receive from `task` found that it writes GPU memory
-  // directly (its ChannelEnd's device_writes).
+  // directly (its ChannelEnd's device_writes); before any, what its probe said (NoteProbedPeer).
   bool PeerWritesDevice(const std::string& task) const;
+  // What `task` said of itself when probed (Server::WaitForPeers): whether it writes GPU memory
+  // directly. A channel's answer, once there is one, takes precedence.
+  void NoteProbedPeer(const std::string& task, bool device_writes);
   // Any thread but the progress thread: sets up channels to every peer task, waiting up to
   // `timeout`. The error names the tasks whose channel could not be set up and why.
   absl::Status ConnectPeers(absl::Duration timeout);
@@ -155,6 +158,9 @@ class PeerChannels {
   mutable Mutex connect_mu_;
   absl::flat_hash_map<std::string, absl::Status> connect_results_ ABSL_GUARDED_BY(connect_mu_);
   absl::flat_hash_map<std::string, bool> peer_device_writes_ ABSL_GUARDED_BY(connect_mu_);
+  // Tasks a channel to receive from has been set up to (or tried): their answer, not their
+  // probe, says whether they write GPU memory.
+  absl::flat_hash_set<std::string> channeled_ ABSL_GUARDED_BY(connect_mu_);
 };
 
 }  // namespace tensorverbs::protocol

@@ -1,7 +1,12 @@
 #include "src/server/server.h"
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <random>
+#include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
@@ -40,7 +45,8 @@ class WorkerServiceImpl final : public WorkerServiceBase {
       const WorkerEnv* env, RendezvousMgr* mgr, const ProtocolSpec* protocol, std::string device,
       protocol::TensorLender* lender, const rpc::RpcSecurity* security,
       std::shared_ptr<grpc_transport::RecvTensorBudget> budget,
-      std::function<void(absl::AnyInvocable<void(proto::GetStatsResponse) &&>)> collect_stats)
+      std::function<void(absl::AnyInvocable<void(proto::GetStatsResponse) &&>)> collect_stats,
+      bool device_writes)
       : env_(env),
         mgr_(mgr),
         protocol_(protocol),
@@ -48,7 +54,8 @@ class WorkerServiceImpl final : public WorkerServiceBase {
         lender_(lender),
         security_(security),
         budget_(std::move(budget)),
-        collect_stats_(std::move(collect_stats)) {}
+        collect_stats_(std::move(collect_stats)),
+        device_writes_(device_writes) {}
 
   grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* context,
                                       const proto::GetStatusRequest* request,
@@ -61,6 +68,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
     response->set_incarnation(env_->incarnation);
     response->add_devices(device_);
     response->set_protocol(std::string(protocol_->name));
+    response->set_device_writes(device_writes_);
     auto* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     return reactor;
@@ -132,6 +140,7 @@ class WorkerServiceImpl final : public WorkerServiceBase {
   const rpc::RpcSecurity* const security_;
   const std::shared_ptr<grpc_transport::RecvTensorBudget> budget_;  // shared with held calls
   const std::function<void(absl::AnyInvocable<void(proto::GetStatsResponse) &&>)> collect_stats_;
+  const bool device_writes_;  // GetStatusResponse.device_writes
 };
 
 }  // namespace
@@ -301,7 +310,8 @@ absl::Status Server::Listen() {
                                                          std::move(task_names)),
       [this](absl::AnyInvocable<void(proto::GetStatsResponse) &&> done) {
         CollectStatsAsync(std::move(done));
-      });
+      },
+      verbs_ != nullptr && verbs_->device_direct());
   grpc::ServerBuilder builder;
   rpc::ConfigureServerBuilder(&builder, options_.transfer.peer_timeout);
   int bound_port = 0;
@@ -423,6 +433,7 @@ absl::StatusOr<uint64_t> Server::PeerIncarnation(const std::string& task_name,
   }
   ASSIGN_OR_RETURN(grpc_transport::WorkerClient * worker, workers_->Get(task_name));
   ASSIGN_OR_RETURN(proto::GetStatusResponse status, worker->GetStatus(timeout));
+  if (verbs_ != nullptr) verbs_->NoteProbedPeer(task_name, status.device_writes());
   MutexLock lock(&mu_);
   peer_incarnations_[task_name] = status.incarnation();
   return status.incarnation();
@@ -499,17 +510,33 @@ std::optional<uint64_t> Server::KnownPeerIncarnation(const std::string& task_nam
 }
 
 absl::Status Server::WaitForPeers(absl::Duration timeout) {
-  absl::Time deadline = absl::Now() + timeout;
+  const absl::Time deadline = absl::Now() + timeout;
+  std::vector<std::pair<std::string, std::string>> peers;  // task, address
+  for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
+    if (task != env_.task_name) peers.emplace_back(task, address);
+  }
+  // One probe per peer, at most kProbeWave under way at once: a peer that starts late holds up
+  // one prober, not every probe behind it, and a task of a thousand opens no thousand
+  // connections at the same moment.
+  std::vector<absl::Status> results(peers.size());
+  std::atomic<size_t> next{0};
+  auto probe = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < peers.size();) {
+      const absl::Duration left = std::max(deadline - absl::Now(), absl::Milliseconds(1));
+      results[i] = PeerIncarnation(peers[i].first, left).status();
+    }
+  };
+  std::vector<std::thread> probers;
+  const size_t probing = std::min(peers.size(), kProbeWave);
+  for (size_t h = 1; h < probing; ++h) probers.emplace_back(probe);  // this thread is one
+  probe();
+  for (std::thread& t : probers) t.join();
   std::vector<std::string> missing;
   std::string first_error;
-  for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
-    if (task == env_.task_name) continue;
-    absl::Duration left = std::max(deadline - absl::Now(), absl::Milliseconds(1));
-    absl::StatusOr<uint64_t> inc = PeerIncarnation(task, left);
-    if (!inc.ok()) {
-      missing.push_back(absl::StrCat(task, " at ", address));
-      if (first_error.empty()) first_error = std::string(inc.status().message());
-    }
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (results[i].ok()) continue;
+    missing.push_back(absl::StrCat(peers[i].first, " at ", peers[i].second));
+    if (first_error.empty()) first_error = std::string(results[i].message());
   }
   if (!missing.empty()) {
     return absl::UnavailableError(absl::StrCat(
@@ -517,10 +544,12 @@ absl::Status Server::WaitForPeers(absl::Duration timeout) {
         absl::FormatDuration(timeout), ": ", absl::StrJoin(missing, ", "), " (first error: ",
         first_error, "); raise TENSORVERBS_CONNECT_TIMEOUT_MS if they start slowly"));
   }
-  if (verbs_) {
-    return verbs_->ConnectPeers(std::max(deadline - absl::Now(), absl::Milliseconds(1)));
-  }
   return absl::OkStatus();
+}
+
+absl::Status Server::SetUpChannels(absl::Duration timeout) {
+  if (verbs_ == nullptr) return absl::OkStatus();
+  return verbs_->ConnectPeers(timeout);
 }
 
 }  // namespace tensorverbs

@@ -163,9 +163,14 @@ class Server {
   const TransferStats& stats() const { return stats_; }
 
   // Waits until every other task of the cluster answers (or `timeout` passes: Unavailable
-  // naming the tasks that did not) and records their incarnations. Over grpc+verbs it also sets
-  // up the RDMA channels to every peer within the same deadline.
+  // naming the tasks that did not) and records their incarnations: one probe per peer, at most
+  // kProbeWave at once. It sets up no channel: over grpc+verbs a channel is set up when the first
+  // tensor needs it, so a task has channels only to the peers it exchanges with.
   absl::Status WaitForPeers(absl::Duration timeout);
+  static constexpr size_t kProbeWave = 32;
+  // Over grpc+verbs, sets up a channel to every peer now (within `timeout`), for a job that
+  // would rather pay for them at start than at each pair's first tensor; OK at once otherwise.
+  absl::Status SetUpChannels(absl::Duration timeout);
 
   // The peer's incarnation as recorded by WaitForPeers, or asked now (bounded by `timeout`).
   absl::StatusOr<uint64_t> PeerIncarnation(const std::string& task_name, absl::Duration timeout);

@@ -128,10 +128,25 @@ TEST_P(ZeroCopyTest, KeysAtTheNameLimitWorkAndLongerOnesFailClearly) {
   EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("2048"));
 }
 
-TEST_P(ZeroCopyTest, WaitForPeersSetsUpEveryChannel) {
+TEST_P(ZeroCopyTest, WaitForPeersSetsUpNoChannelAndAPairsFirstTensorSetsUpItsOwn) {
   StartCluster(3);
   for (int t = 0; t < 3; ++t) {
     absl::Status s = server(t).WaitForPeers(absl::Seconds(20));
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(transport(t).NumReadyChannels(), 0u) << t;
+  // Task 0 receives from task 1: task 0's channel to 1, which task 1 accepts, and nothing else.
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "first", PoolTensor(1, DataType::kFloat32, {64}, 4)));
+  EXPECT_EQ(transport(0).NumReadyChannels(), 1u);
+  EXPECT_EQ(transport(1).NumReadyChannels(), 1u);
+  EXPECT_EQ(transport(2).NumReadyChannels(), 0u) << "a task nobody exchanged with has none";
+}
+
+TEST_P(ZeroCopyTest, SetUpChannelsSetsUpEveryChannel) {
+  StartCluster(3);
+  for (int t = 0; t < 3; ++t) {
+    ASSERT_TRUE(server(t).WaitForPeers(absl::Seconds(20)).ok());
+    absl::Status s = server(t).SetUpChannels(absl::Seconds(20));
     ASSERT_TRUE(s.ok()) << s;
   }
   // Each task owns a channel to each peer and accepted one from each.

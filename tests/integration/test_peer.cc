@@ -99,7 +99,9 @@ int main(int argc, char** argv) {
   }
   if (wait_for_peers) {
     // Channels to every peer before "ready", so that the stats show each pair's fabric.
-    if (absl::Status s = (*server)->WaitForPeers(absl::Seconds(60)); !s.ok()) {
+    absl::Status s = (*server)->WaitForPeers(absl::Seconds(60));
+    if (s.ok()) s = (*server)->SetUpChannels(absl::Seconds(60));
+    if (!s.ok()) {
       std::fprintf(stderr, "test_peer: %s\n", s.ToString().c_str());
       return 1;
     }

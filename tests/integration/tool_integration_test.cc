@@ -351,6 +351,32 @@ TEST(ToolTest, BenchScaleReportsEachTaskCountsCosts) {
   EXPECT_EQ(run->exit_code, 2) << "a cluster of one task has nothing to measure";
 }
 
+TEST(ToolTest, BenchScaleParameterServerLayoutSetsUpOnlyWorkerToServerChannels) {
+  // 5 tasks, 2 of them parameter servers: channels come up with each pair's first tensor, so
+  // each server has one each way with each of the 3 workers (6) and each worker one each way
+  // with each server (4): 24 in all, 4.8 per task, where an all-to-all makes 8 each. Asking for
+  // every channel at start makes 8 each whatever the layout.
+  const ScopedTempDir dir;
+  for (const char* channels : {"on-demand", "at-start"}) {
+    const std::string json = dir.File(absl::StrCat("bench_scale_ps_", channels, ".json"));
+    absl::StatusOr<ToolRun> run = RunTool({"bench", "scale", "--tasks", "5", "--pattern", "ps:2",
+                                           "--channels", channels, "--steps", "2", "--json", json},
+                                          absl::Seconds(120));
+    ASSERT_TRUE(run.ok()) << run.status();
+    ASSERT_EQ(run->exit_code, 0) << run->out;
+    nlohmann::json rows = ReadJson(json);
+    ASSERT_TRUE(rows.is_array() && rows.size() == 1u) << rows.dump();
+    EXPECT_DOUBLE_EQ(rows[0].value("channels_per_task", 0.0),
+                     std::string(channels) == "on-demand" ? 4.8 : 8.0)
+        << channels << ": " << rows[0].dump();
+    EXPECT_GT(rows[0].value("step_ms_p50", 0.0), 0) << rows[0].dump();
+  }
+  absl::StatusOr<ToolRun> bad =
+      RunTool({"bench", "scale", "--tasks", "2", "--pattern", "ps:2"}, absl::Seconds(30));
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_EQ(bad->exit_code, 2) << "two parameter servers and no worker";
+}
+
 TEST(ToolTest, BenchScaleCountsOneLibfabricEndpointPerTaskWhateverItsChannels) {
   // Three tasks over libfabric (shm, every task on this host), each with a channel each way to
   // both peers: the channels share their task's one libfabric endpoint, unless told not to.

@@ -110,6 +110,8 @@ class MixedHostsTest : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
     ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(60)).ok());
+    // Every pair's channels, as the peers make theirs, so that the stats show each one's fabric.
+    ASSERT_TRUE(server_->SetUpChannels(absl::Seconds(60)).ok());
     incarnations_.assign(n, 0);
     for (int t = 1; t < n; ++t) {
       absl::StatusOr<std::string> ready = peers_[t - 1]->WaitForLine("ready ", absl::Seconds(60));

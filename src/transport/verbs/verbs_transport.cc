@@ -357,6 +357,10 @@ bool VerbsTransport::LandsOnDevice(const std::string& src_task, const Allocator*
   return channels_ != nullptr && channels_->PeerWritesDevice(src_task);
 }
 
+void VerbsTransport::NoteProbedPeer(const std::string& task, bool device_writes) {
+  if (channels_ != nullptr) channels_->NoteProbedPeer(task, device_writes);
+}
+
 void VerbsTransport::AppendCounters(CounterList* out) const {
   stats_.AppendCounters(out);
   const protocol::RdmaMemoryMgr::RegistrationGauges reg = registration_gauges();

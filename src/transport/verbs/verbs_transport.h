@@ -151,6 +151,9 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   // `allocator` is a pool added here, and the task's end of the channel writes GPU memory
   // (known once a channel to it is set up). Any thread.
   bool LandsOnDevice(const std::string& src_task, const Allocator* allocator) const;
+  // What `task` said of itself when probed (Server::PeerIncarnation), for LandsOnDevice before
+  // a channel from it is set up. Any thread.
+  void NoteProbedPeer(const std::string& task, bool device_writes);
 
   // grpc+gdr (VerbsMode::kGdr). Lend: the sender keeps `tensor` (or a registered copy of it)
   // for `requester` until a release immediate from that task names it, or the lease of
