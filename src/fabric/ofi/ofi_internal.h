@@ -167,8 +167,6 @@ class Port {
   fid_ep* ep() const { return ep_; }
   fid* cq_fid() { return &cq_->fid; }
   int wait_fd() const { return wait_fd_; }
-  bool serves_many() const { return serves_many_; }
-  size_t attached() const { return attached_; }
 
   // Gives `ep` an id on this port; ResourceExhausted past kMaxSlots endpoints.
   absl::StatusOr<uint32_t> Attach(OfiEndpoint* ep);
@@ -208,7 +206,6 @@ class Port {
   std::vector<std::unique_ptr<AuxContext>> receives_;  // one context per receive kept posted
   std::vector<Slot> slots_;
   std::vector<uint32_t> free_slots_;
-  size_t attached_ = 0;
   absl::flat_hash_set<Op*> orphans_;  // gone endpoints' operations the provider still holds
   std::vector<std::unique_ptr<AuxContext>> data_parts_free_;
   absl::flat_hash_set<AuxContext*> data_parts_live_;
@@ -217,7 +214,7 @@ class Port {
 
 class OfiEndpoint final : public EndpointBase {
  public:
-  // `port` serves this endpoint alone unless port->serves_many().
+  // `port` serves this endpoint alone unless it was made to serve many.
   OfiEndpoint(std::shared_ptr<Shared> shared, std::shared_ptr<Port> port);
   ~OfiEndpoint() override;
 

@@ -130,7 +130,6 @@ absl::StatusOr<uint32_t> Port::Attach(OfiEndpoint* ep) {
   Slot& s = slots_[slot];
   s.generation = s.generation % kGenerations + 1;
   s.ep = ep;
-  ++attached_;
   return (s.generation << kSlotBits) | slot;
 }
 
@@ -140,7 +139,6 @@ void Port::Detach(uint32_t id, OpTracker& ops) {
       slots_[slot].generation == id >> kSlotBits) {
     slots_[slot].ep = nullptr;
     free_slots_.push_back(slot);
-    --attached_;
   }
   ops.Orphan([this](Op* op) { orphans_.insert(op); });
 }
