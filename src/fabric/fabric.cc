@@ -111,6 +111,7 @@ FabricProcessStats ReadFabricProcessStats() {
   FabricProcessStats stats;
   stats.provider_endpoints = ofi::OpenPorts();
   stats.late_immediates_dropped = ofi::LateImmediatesDropped();
+  stats.peer_addresses = ofi::PeerAddresses();
   return stats;
 }
 

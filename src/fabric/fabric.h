@@ -301,6 +301,9 @@ struct FabricProcessStats {
   // Immediates that arrived for an endpoint that had closed, dropped rather than handed to it
   // or to the endpoint that took its place on a shared provider endpoint.
   int64_t late_immediates_dropped = 0;
+  // Address vector entries (over rxm, connections) held for peers: one per domain and peer
+  // provider endpoint while an endpoint is connected to it, none once the last one closes.
+  int64_t peer_addresses = 0;
 };
 FabricProcessStats ReadFabricProcessStats();
 

@@ -412,11 +412,17 @@ TEST_P(FabricConformanceTest,
 TEST_P(FabricConformanceTest, AClosedEndpointsLateImmediatesReachNeitherItNorItsSuccessor) {
   // The target endpoint closes before its domain has seen a burst of writes to it, and a new
   // endpoint (on a shared provider endpoint: the same slot, a new generation) takes its place.
+  // Another pair keeps the domains' connection to each other up, as a task's other channels to
+  // the same peer do, so the burst arrives rather than going with a connection.
   constexpr int kWrites = 16;
   const int64_t dropped_before = ReadFabricProcessStats().late_immediates_dropped;
   Buffer src(kWrites * 4096), dst(kWrites * 4096);
   auto src_mr = Register(*a_, src);
   auto dst_mr = Register(*b_, dst);
+  auto keep_a = *a_->CreateEndpoint();
+  auto keep_b = *b_->CreateEndpoint();
+  ASSERT_TRUE(keep_a->Connect(keep_b->LocalAddress()).ok());
+  ASSERT_TRUE(keep_b->Connect(keep_a->LocalAddress()).ok());
   for (int i = 0; i < kWrites; ++i) {
     ASSERT_TRUE(ea_->PostWriteWithImm({src_mr.get(), src.data() + i * 4096, 4096},
                                       Remote(*dst_mr, i * 4096, 4096), 100 + i, i)
@@ -441,6 +447,44 @@ TEST_P(FabricConformanceTest, AClosedEndpointsLateImmediatesReachNeitherItNorIts
   if (GetParam().backend == "ofi" && GetParam().shared_endpoint) {
     EXPECT_EQ(ReadFabricProcessStats().late_immediates_dropped - dropped_before, kWrites);
   }
+}
+
+TEST_P(FabricConformanceTest, APeersAddressGoesWithTheLastEndpointToItAndComesBackWithTheNext) {
+  // Over rxm an address vector entry is a connection: one a partition stalled must not carry the
+  // next channel's messages, so it goes when no endpoint uses it, and the next pair makes anew.
+  const int64_t per_pair = GetParam().backend == "ofi" ? 2 : 0;  // one entry in each domain
+  const int64_t none = ReadFabricProcessStats().peer_addresses - per_pair;  // the fixture's pair
+  auto ea2 = *a_->CreateEndpoint();
+  auto eb2 = *b_->CreateEndpoint();
+  ASSERT_TRUE(ea2->Connect(eb2->LocalAddress()).ok());
+  ASSERT_TRUE(eb2->Connect(ea2->LocalAddress()).ok());
+  // With a shared provider endpoint the second pair reaches the same peer; without, another.
+  const int64_t two_pairs = GetParam().shared_endpoint ? per_pair : 2 * per_pair;
+  EXPECT_EQ(ReadFabricProcessStats().peer_addresses - none, two_pairs);
+  ea_.reset();
+  eb_.reset();
+  EXPECT_EQ(ReadFabricProcessStats().peer_addresses - none, per_pair) << "the second pair's";
+  ea2.reset();
+  eb2.reset();
+  EXPECT_EQ(ReadFabricProcessStats().peer_addresses - none, 0);
+
+  Buffer src(4096), dst(4096);
+  for (size_t i = 0; i < src.size(); ++i) src.data()[i] = static_cast<char>(i % 251 + 1);
+  auto src_mr = Register(*a_, src);
+  auto dst_mr = Register(*b_, dst);
+  auto ea3 = *a_->CreateEndpoint();
+  auto eb3 = *b_->CreateEndpoint();
+  ASSERT_TRUE(ea3->Connect(eb3->LocalAddress()).ok());
+  ASSERT_TRUE(eb3->Connect(ea3->LocalAddress()).ok());
+  EXPECT_EQ(ReadFabricProcessStats().peer_addresses - none, per_pair);
+  ASSERT_TRUE(ea3->PostWriteWithImm({src_mr.get(), src.data(), src.size()},
+                                    Remote(*dst_mr, 0, dst.size()), 42, 3)
+                  .ok());
+  ASSERT_TRUE(PollUntil([&] { return !at_a_.empty() && !at_b_.empty(); }));
+  EXPECT_TRUE(at_a_[0].status.ok()) << at_a_[0].status;
+  EXPECT_EQ(at_b_[0].imm, 42u);
+  EXPECT_EQ(at_b_[0].endpoint, eb3.get());
+  EXPECT_EQ(std::memcmp(src.data(), dst.data(), src.size()), 0);
 }
 
 TEST_P(FabricConformanceTest, AClosedEndpointsOperationsInFlightReachNeitherItNorItsSuccessor) {

@@ -41,6 +41,9 @@ std::vector<std::string> ListProviders(bool device_memory);
 int64_t OpenPorts();
 // Immediates this process's ports dropped because the endpoint they named had closed.
 int64_t LateImmediatesDropped();
+// Peers this process's domains hold address vector entries (over rxm, connections) for: one per
+// domain and peer provider endpoint that at least one endpoint is connected to.
+int64_t PeerAddresses();
 
 }  // namespace tensorverbs::fabric::ofi
 

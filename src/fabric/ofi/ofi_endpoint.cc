@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -48,7 +49,11 @@ bool SplitsWrites(const fi_info* info) {
          (info->tx_attr->msg_order & FI_ORDER_WAW) != 0;
 }
 
+std::atomic<int64_t> g_peer_addresses{0};
+
 }  // namespace
+
+int64_t PeerAddresses() { return g_peer_addresses.load(std::memory_order_relaxed); }
 
 static_assert(sizeof(fi_context2) <= sizeof(Op::provider), "fi_context2 must fit in Op");
 
@@ -75,6 +80,25 @@ OfiEndpoint::~OfiEndpoint() {
   // What the provider still holds of ours is the port's to free; completions for this endpoint,
   // or immediates for its id, reach no one from here on.
   if (id_ != 0) port_->Detach(id_, ops_);
+  if (connected_) ReleasePeer();
+}
+
+void OfiEndpoint::ReleasePeer() {
+  auto entry = shared_->peers.find(peer_name_);
+  if (entry == shared_->peers.end() || --entry->second.endpoints > 0) return;
+  // Over rxm, removing the entry closes its connection, and what is queued on it goes too.
+  // Kept, a connection a partition stalled (its TCP retransmissions backed off to tens of
+  // seconds, or still carrying the rest of a closed channel's 64 MiB write) would carry the
+  // next channel's first messages behind it; a new one starts clean. Both ends let go when
+  // their last channel to the other closes, so the next channel's connection request finds no
+  // stale connection on the other side to be refused for.
+  fi_addr_t addr = entry->second.addr;
+  const int ret = fi_av_remove(shared_->av, &addr, 1, 0);
+  if (ret != 0) {
+    LOG(WARNING) << FiError("ofi: fi_av_remove of a peer no endpoint uses any more", ret);
+  }
+  shared_->peers.erase(entry);
+  g_peer_addresses.fetch_sub(1, std::memory_order_relaxed);
 }
 
 absl::Status OfiEndpoint::Connect(absl::string_view peer_address) {
@@ -113,7 +137,8 @@ absl::Status OfiEndpoint::Connect(absl::string_view peer_address) {
   std::string key(name);
   auto known = shared_->peers.find(key);
   if (known != shared_->peers.end()) {
-    peer_ = known->second;
+    peer_ = known->second.addr;
+    ++known->second.endpoints;
   } else {
     // One entry per peer provider endpoint, however many channels reach it: over rxm an entry
     // is a connection.
@@ -123,8 +148,10 @@ absl::Status OfiEndpoint::Connect(absl::string_view peer_address) {
       return absl::InvalidArgumentError(absl::StrCat(
           "ofi: the peer address (", addr.size(), " bytes) was rejected by ", shared_->provider()));
     }
-    shared_->peers.emplace(std::move(key), peer_);
+    shared_->peers.emplace(key, Shared::PeerEntry{peer_, 1});
+    g_peer_addresses.fetch_add(1, std::memory_order_relaxed);
   }
+  peer_name_ = std::move(key);
   peer_id_ = peer_id;
   peer_gate_ = LocalPeers::Get().Find(name);  // null unless the peer is in this process
   connected_ = true;

@@ -96,8 +96,15 @@ struct Shared {
   bool routed_data = false;
   std::vector<Port*> ports;          // polled by the domain
   std::vector<OfiEndpoint*> active;  // endpoints with operations to drain or time out
-  absl::flat_hash_map<std::string, fi_addr_t> peers;  // address vector entries, by peer name
-  WakeFd wake;                                        // Domain::Interrupt
+  // Address vector entries, by peer provider endpoint name, with the endpoints connected to
+  // each. Over rxm an entry is a connection: it goes with the last endpoint that uses it (see
+  // OfiEndpoint::ReleasePeer).
+  struct PeerEntry {
+    fi_addr_t addr = FI_ADDR_UNSPEC;
+    int endpoints = 0;
+  };
+  absl::flat_hash_map<std::string, PeerEntry> peers;
+  WakeFd wake;  // Domain::Interrupt
 
   bool virtual_addressing() const {
     // FI_MR_BASIC implies virtual addresses; FI_MR_SCALABLE offsets.
@@ -240,12 +247,15 @@ class OfiEndpoint final : public EndpointBase {
   // peer of this process is posted to only while it is open, under its gate's shared lock.
   absl::StatusOr<bool> Issue(Op* op);
   absl::StatusOr<bool> IssueToProvider(Op* op);
+  // Lets go of the peer's address vector entry; the last endpoint to do so removes it.
+  void ReleasePeer();
 
   std::shared_ptr<Shared> shared_;
   std::shared_ptr<Port> port_;
   uint32_t id_ = 0;
   uint32_t peer_id_ = 0;  // the peer endpoint's id on its port, carried in CQ data
   fi_addr_t peer_ = FI_ADDR_UNSPEC;
+  std::string peer_name_;  // its key in Shared::peers, once connected
   bool connected_ = false;
   std::shared_ptr<LocalPeers::Gate> peer_gate_;  // the peer's port's, if it is in this process
   std::string address_;
