@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -100,10 +101,14 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
     if (s > 0) server->rendezvous_mgr()->Cleanup(step - 1);
   }
   int64_t registered = 0, channels = 0;
+  double idle_turn_us = 0;  // 0 where no progress loop runs (grpc alone)
   if (auto* verbs = server->verbs_transport()) {
     const auto gauges = verbs->registration_gauges();
     registered = gauges.bytes + gauges.endpoint_bytes;
     channels = static_cast<int64_t>(verbs->NumReadyChannels());
+    if (std::optional<absl::Duration> turn = verbs->IdleTurnCost()) {
+      idle_turn_us = absl::ToDoubleMicroseconds(*turn);
+    }
   }
   *result = {{"task", task},
              {"create_ms", absl::ToDoubleMilliseconds(created - start)},
@@ -116,6 +121,7 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
              {"fds", support::OpenDescriptors()},
              {"threads", support::ThreadCount()},
              {"channels", channels},
+             {"idle_turn_us", idle_turn_us},
              {"endpoints", fabric::ReadFabricProcessStats().provider_endpoints}};
   std::printf("result %s\n", result->dump().c_str());
   std::fflush(stdout);
@@ -134,6 +140,7 @@ struct ScaleRow {
   // Means per task.
   double rss_mib = 0, pss_mib = 0, registered_mib = 0, fds = 0, threads = 0, channels = 0;
   double endpoints = 0;  // libfabric endpoints (fabric::FabricProcessStats)
+  double idle_turn_us = 0;  // the median over tasks of an idle progress turn's median
 };
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
@@ -164,8 +171,9 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
           absl::Minutes(10), "bench scale"));
   ScaleRow row;
   row.tasks = tasks;
-  std::vector<double> medians;
+  std::vector<double> medians, idle_turns;
   for (const nlohmann::json& r : results) {
+    if (r.value("idle_turn_us", 0.0) > 0) idle_turns.push_back(r.value("idle_turn_us", 0.0));
     row.setup_ms = std::max(row.setup_ms, r.value("setup_ms", 0.0));
     row.first_step_ms = std::max(row.first_step_ms, r.value("first_step_ms", 0.0));
     std::vector<double> steps = r["step_ms"].get<std::vector<double>>();
@@ -179,6 +187,7 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
     row.endpoints += r.value("endpoints", 0.0) / tasks;
   }
   if (!medians.empty()) row.step_ms_p50 = Percentile(medians, 0.5);
+  if (!idle_turns.empty()) row.idle_turn_us = Percentile(idle_turns, 0.5);
   return row;
 }
 
@@ -234,9 +243,9 @@ int RunBenchScale(const BenchScaleOptions& o) {
               : !o.netns           ? ", every task on this host"
               : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
                             : ", one netns per task");
-  std::printf("%6s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s\n", "tasks", "setup ms",
+  std::printf("%6s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s %13s\n", "tasks", "setup ms",
               "1st step ms", "step ms", "RSS MiB", "PSS MiB", "registered MiB", "fds", "threads",
-              "channels", "endpoints");
+              "channels", "endpoints", "idle turn us");
   nlohmann::json rows = nlohmann::json::array();
   bool failed = false;
   for (int n : *counts) {
@@ -253,9 +262,10 @@ int RunBenchScale(const BenchScaleOptions& o) {
       failed = true;
       continue;
     }
-    std::printf("%6d %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f\n", n,
+    std::printf("%6d %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f %13.2f\n", n,
                 row->setup_ms, row->first_step_ms, row->step_ms_p50, row->rss_mib, row->pss_mib,
-                row->registered_mib, row->fds, row->threads, row->channels, row->endpoints);
+                row->registered_mib, row->fds, row->threads, row->channels, row->endpoints,
+                row->idle_turn_us);
     std::fflush(stdout);
     rows.push_back({{"tasks", n},
                     {"protocol", o.protocol},
@@ -274,7 +284,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"fds_per_task", row->fds},
                     {"threads_per_task", row->threads},
                     {"channels_per_task", row->channels},
-                    {"endpoints_per_task", row->endpoints}});
+                    {"endpoints_per_task", row->endpoints},
+                    {"idle_turn_us", row->idle_turn_us}});
   }
   if (!o.json.empty() && !WriteJsonRows(o.json, rows, "tensorverbs bench scale")) return 1;
   return failed ? 1 : 0;

@@ -6,16 +6,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/common/bounded_queue.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
-
 #include "src/protocol/progress_engine_internal.h"
 
 namespace tensorverbs::protocol {
@@ -128,7 +131,11 @@ bool ProgressEngine::RunDeferred() {
 }
 
 ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
-  turns_.store(turns_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  const uint64_t turn = turns_.load(std::memory_order_relaxed) + 1;
+  turns_.store(turn, std::memory_order_relaxed);
+  const bool timed = turn % kIdleSampleEvery == 0;
+  const auto started =
+      timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   bool active = false;
   auto at = [this](const char* phase) { phase_.store(phase, std::memory_order_relaxed); };
   at("taking posted tasks");
@@ -176,7 +183,28 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
     if (!HandOffCallbacks(seat)) return TurnResult::kLeft;  // the loop moved on without it
     active = true;
   }
-  return active ? TurnResult::kActive : TurnResult::kIdle;
+  if (active) return TurnResult::kActive;
+  if (timed) {
+    const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now() - started)
+                           .count();
+    const uint64_t n = idle_turn_samples_.load(std::memory_order_relaxed);
+    idle_turn_ns_[n % kIdleSamples].store(
+        static_cast<uint32_t>(std::min<int64_t>(ns, std::numeric_limits<uint32_t>::max())),
+        std::memory_order_relaxed);
+    idle_turn_samples_.store(n + 1, std::memory_order_release);
+  }
+  return TurnResult::kIdle;
+}
+
+std::optional<absl::Duration> ProgressEngine::IdleTurnCost() const {
+  const uint64_t n =
+      std::min<uint64_t>(idle_turn_samples_.load(std::memory_order_acquire), kIdleSamples);
+  if (n == 0) return std::nullopt;
+  std::vector<uint32_t> ns(n);
+  for (uint64_t i = 0; i < n; ++i) ns[i] = idle_turn_ns_[i].load(std::memory_order_relaxed);
+  std::nth_element(ns.begin(), ns.begin() + n / 2, ns.end());
+  return absl::Nanoseconds(ns[n / 2]);
 }
 
 absl::Duration ProgressEngine::SpinBound(bool awaiting) const {

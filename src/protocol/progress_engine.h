@@ -209,6 +209,13 @@ class ProgressEngine {
   // thread; it disturbs no StallReport.
   std::string Where() const;
 
+  // What one idle turn (nothing posted, nothing polled, no callback) costs: the median of the
+  // last kIdleSamples sampled idle turns' wall time, or nullopt before any. One turn in
+  // kIdleSampleEvery is timed, so the hot path pays two clock reads in that many turns. Wall
+  // time includes preemption; the median keeps it out unless most turns are preempted. For
+  // `bench scale`, which compares it across cluster sizes. Any thread.
+  std::optional<absl::Duration> IdleTurnCost() const;
+
   // Runs `fn` on the loop thread and returns its result; for other threads, which wait.
   // Cancelled after Stop, DeadlineExceeded if the loop does not get to it within `timeout`.
   template <typename T>
@@ -311,6 +318,11 @@ class ProgressEngine {
   // turn count and where in the turn it is (a string literal), for StallReport.
   std::atomic<uint64_t> turns_{0};
   std::atomic<const char*> phase_{"starting"};
+  // Sampled idle turns' wall time in nanoseconds, a ring written by the owner of progress.
+  static constexpr int kIdleSamples = 64;
+  static constexpr uint64_t kIdleSampleEvery = 16;
+  std::atomic<uint32_t> idle_turn_ns_[kIdleSamples] = {};
+  std::atomic<uint64_t> idle_turn_samples_{0};
   // StallReport's view: the turn count it last saw move, since when, and whether this stall
   // was reported.
   Mutex stall_mu_;

@@ -76,6 +76,34 @@ TEST_P(FaultTest, FailedPostsAndErrorCompletionsCloseTheChannelAndItReconnects) 
   EXPECT_GT(failed, 0) << "some injected faults failed recvs";
 }
 
+// A peer whose progress thread takes longer than the peer timeout to accept a channel (a task
+// that many peers set up channels to at once, on a host whose page faults are slow) is slow,
+// not gone: the recv that set the channel up waits for it rather than failing with "could not
+// be reached", because the watchdog's probes of a channel being set up are answered by the
+// peer's RPC threads. A peer that is gone still fails it within the peer timeout
+// (PartitionTest, and the integration suite's peers that never start).
+TEST_P(FaultTest, AChannelSetUpSlowerThanThePeerTimeoutIsWaitedForNotFailed) {
+  StartCluster(2, [](ServerOptions& o) { o.transfer.peer_timeout = absl::Milliseconds(300); });
+  ASSERT_FALSE(HasFatalFailure());
+  Tensor t = PoolTensor(1, DataType::kFloat32, {4096}, 1);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "f"), t).ok());
+  // The sender's next two registrations (the message buffers of the channel it accepts) each
+  // hold its progress thread for longer than the peer timeout.
+  fabric::loopback::Faults slow;
+  slow.slow_registrations = 2;
+  slow.register_delay = absl::Milliseconds(400);
+  fabric::loopback::SetFaults(transport(1).domain_for_testing(), slow);
+  const absl::Time start = absl::Now();
+  PendingRecv recv(*Step(0, 1), Key(1, "f"));
+  ASSERT_TRUE(recv.Wait(absl::Seconds(30))) << "the recv hung";
+  ASSERT_TRUE(recv.status().ok()) << recv.status();
+  EXPECT_TRUE(recv.tensor().ContentEquals(t));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GT(took, absl::Milliseconds(300)) << "the set-up was to outlast the peer timeout";
+  std::printf("the recv whose channel took %s to set up succeeded\n",
+              absl::FormatDuration(took).c_str());
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, FaultTest,
                          ::testing::ValuesIn(Combine(kVerbsFamily, {&kLoopback})), ParamName);
 

@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "src/common/mutex.h"
 #include "src/common/sanitizers.h"
 #include "src/common/status_macros.h"
@@ -301,6 +302,15 @@ class LoopbackDomain final : public Domain {
       return absl::InvalidArgumentError("loopback: cannot register an empty range");
     }
     uint64_t key = next_id.fetch_add(1);
+    absl::Duration delay;
+    {
+      MutexLock lock(&state_->mu);
+      if (state_->faults.slow_registrations > 0) {
+        --state_->faults.slow_registrations;
+        delay = state_->faults.register_delay;
+      }
+    }
+    absl::SleepFor(delay);
     MutexLock lock(&state_->mu);
     if (++state_->registrations == state_->faults.fail_register_nth) {
       return absl::ResourceExhaustedError("loopback: injected registration failure");

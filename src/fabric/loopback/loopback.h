@@ -14,6 +14,7 @@
 
 #include <memory>
 
+#include "absl/time/time.h"
 #include "src/fabric/fabric.h"
 
 namespace tensorverbs::fabric::loopback {
@@ -30,6 +31,10 @@ struct Faults {
   int delay_polls = 0;            // completions wait this many Poll calls before delivery
   bool reverse_order = false;     // each Poll delivers what is ready in reverse order
   bool stalled = false;           // Poll delivers nothing while set
+  // The next `slow_registrations` registrations each take `register_delay`, as on a busy host
+  // whose page faults are slow.
+  int slow_registrations = 0;
+  absl::Duration register_delay = absl::ZeroDuration();
 };
 
 absl::StatusOr<std::unique_ptr<Domain>> OpenLoopbackDomain(const DomainOptions& options);

@@ -94,6 +94,8 @@ void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& 
       probe->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
       probe->context.set_wait_for_ready(true);
       probe->request.set_task_name(self_);
+      // A channel still being set up asks only whether the peer answers (verbs.proto).
+      probe->request.set_reachable_only(peer.connecting);
       if (peer.accepting) {
         probe->request.set_owned_channel_id(peer.peer_channel_id);
       } else {

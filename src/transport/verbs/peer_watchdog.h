@@ -6,7 +6,9 @@
 // one that answers with a new incarnation fails them with Aborted ("restarted"); one that
 // closed its end of the channel fails them with its reason. A channel still being set up with
 // recvs waiting on it is probed too, and fails them only if its peer does not answer at all
-// (the peer cannot know the channel yet). The verdict closes the channel on the progress
+// (the peer cannot know the channel yet); the peer answers that probe from its RPC thread, so a
+// progress thread busy accepting many peers' channels at once does not hold it past the peer
+// timeout (CheckChannelRequest.reachable_only). The verdict closes the channel on the progress
 // thread, and the next recv from that task sets up a new one.
 //
 // The sending side is watched the same way: an accepted channel that holds something for its

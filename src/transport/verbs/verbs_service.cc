@@ -50,6 +50,10 @@ grpc::ServerUnaryReactor* VerbsServiceImpl::CheckChannel(grpc::CallbackServerCon
     reactor->Finish(allowed);
     return reactor;
   }
+  if (request->reachable_only()) {
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
   protocol::ProgressEngine::Task task = [this, request, response, reactor]() mutable {
     channels_->CheckChannel(*request, response);
     reactor->Finish(grpc::Status::OK);

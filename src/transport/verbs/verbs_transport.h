@@ -214,6 +214,11 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
     if (engine_ == nullptr) return nullptr;
     return std::make_shared<protocol::ProgressEngine::QuietScope>(engine_.get());
   }
+  // What an idle turn of the progress loop costs (ProgressEngine::IdleTurnCost); nullopt before
+  // one was timed.
+  std::optional<absl::Duration> IdleTurnCost() const {
+    return engine_ != nullptr ? engine_->IdleTurnCost() : std::nullopt;
+  }
   // How many times a waiting thread took this transport's progress over.
   uint64_t waiter_drives() const { return engine_ != nullptr ? engine_->waiter_drives() : 0; }
 

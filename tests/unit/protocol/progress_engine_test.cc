@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -75,6 +76,25 @@ class ProgressEngineTest : public ::testing::Test {
   std::vector<std::string> log_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<ProgressEngine> engine_;  // first to go: it uses the rest
 };
+
+TEST_F(ProgressEngineTest, AnIdleLoopTimesSomeOfItsIdleTurns) {
+  // A spinning loop with nothing to do makes many idle turns, one in sixteen of them timed;
+  // before its first turn there is nothing to report.
+  ProgressEngine::Options options;
+  options.poll_mode = PollMode::kBusy;
+  MakeEngine(options);
+  EXPECT_FALSE(engine_->IdleTurnCost().has_value()) << "no turn yet";
+  engine_->Start();
+  std::optional<absl::Duration> cost;
+  for (const absl::Time give_up = absl::Now() + kPatience;
+       !cost.has_value() && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+    cost = engine_->IdleTurnCost();
+  }
+  ASSERT_TRUE(cost.has_value()) << "a spinning loop timed no idle turn";
+  EXPECT_GT(*cost, absl::ZeroDuration());
+  std::printf("an idle turn over loopback: %s\n", absl::FormatDuration(*cost).c_str());
+}
 
 TEST_F(ProgressEngineTest, TasksPostedFromAnotherThreadRunOnTheLoopThreadInOrder) {
   MakeEngine();
