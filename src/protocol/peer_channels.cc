@@ -117,9 +117,9 @@ absl::StatusOr<Channel*> PeerChannels::OwnerChannel(const std::string& task) {
     // set up can land in GPU memory directly. A later one goes by nothing until its peer
     // answers: a restarted task may not write GPU memory.
     MutexLock lock(&connect_mu_);
-    auto it = peer_device_writes_.find(task);
-    if (it != peer_device_writes_.end() && channeled_.contains(task)) it->second = false;
-    channeled_.insert(task);
+    PeerWrites& writes = peer_writes_[task];
+    if (writes.channeled) writes.device = false;
+    writes.channeled = true;
   }
 
   proto::ConnectRequest request;
@@ -192,7 +192,7 @@ void PeerChannels::OnConnectAnswer(uint64_t id, absl::StatusOr<proto::ConnectRes
   }
   {
     MutexLock lock(&connect_mu_);
-    peer_device_writes_[task] = result.ok() && answer->end().device_writes();
+    peer_writes_[task].device = result.ok() && answer->end().device_writes();
   }
   if (result.ok()) {
     LOG(INFO) << channel->Describe() << " ready; peer endpoint "
@@ -206,13 +206,14 @@ void PeerChannels::OnConnectAnswer(uint64_t id, absl::StatusOr<proto::ConnectRes
 
 bool PeerChannels::PeerWritesDevice(const std::string& task) const {
   MutexLock lock(&connect_mu_);
-  auto it = peer_device_writes_.find(task);
-  return it != peer_device_writes_.end() && it->second;
+  auto it = peer_writes_.find(task);
+  return it != peer_writes_.end() && it->second.device;
 }
 
 void PeerChannels::NoteProbedPeer(const std::string& task, bool device_writes) {
   MutexLock lock(&connect_mu_);
-  if (!channeled_.contains(task)) peer_device_writes_[task] = device_writes;
+  PeerWrites& writes = peer_writes_[task];
+  if (!writes.channeled) writes.device = device_writes;
 }
 
 void PeerChannels::RecordConnectResult(const std::string& task, const absl::Status& status) {

@@ -157,10 +157,13 @@ class PeerChannels {
   // Set-up results for ConnectPeers, written by the progress thread.
   mutable Mutex connect_mu_;
   absl::flat_hash_map<std::string, absl::Status> connect_results_ ABSL_GUARDED_BY(connect_mu_);
-  absl::flat_hash_map<std::string, bool> peer_device_writes_ ABSL_GUARDED_BY(connect_mu_);
-  // Tasks a channel to receive from has been set up to (or tried): their answer, not their
-  // probe, says whether they write GPU memory.
-  absl::flat_hash_set<std::string> channeled_ ABSL_GUARDED_BY(connect_mu_);
+  // Whether a task writes GPU memory directly: what its probe said until a channel to receive
+  // from it has been set up (or tried), then what that channel's answer said.
+  struct PeerWrites {
+    bool device = false;
+    bool channeled = false;
+  };
+  absl::flat_hash_map<std::string, PeerWrites> peer_writes_ ABSL_GUARDED_BY(connect_mu_);
 };
 
 }  // namespace tensorverbs::protocol
