@@ -32,8 +32,19 @@ grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
   args.SetMaxSendMessageSize(-1);
   // Reconnect quickly to a task that is starting up; the default backoff reaches 120 s.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // gRPC gives each connection attempt until its backoff or this, whichever is later, to get
+  // the server's first SETTINGS frame. Bounded by the backoff alone (1 s), a peer that answers
+  // a new connection slower than that (hundreds of tasks on a few cores) was never reached: each
+  // attempt timed out and the next one started over. A refused connection still retries at the
+  // backoff; one under way is waited for as long as a peer may be silent (the peer timeout), or
+  // gRPC's own 20 s without one. An unanswered SYN (a partition) is waited for as long, which
+  // after a heal costs at most the kernel's next SYN retry, a few seconds.
+  const int64_t connect_ms = peer_timeout > absl::ZeroDuration()
+                                 ? absl::ToInt64Milliseconds(peer_timeout)
+                                 : kDefaultMinConnectTimeoutMs;
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+              static_cast<int>(std::clamp<int64_t>(connect_ms, kMinConnectTimeoutMs, INT_MAX)));
   // Large tensors: let HTTP/2 flow control open up to the full window at once.
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 1);
   // Each peer gets its own subchannel so two tasks in one process do not share a connection.

@@ -6,6 +6,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <cstdint>
+
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -23,6 +25,11 @@ grpc::Status ToGrpcStatus(const absl::Status& s);
 // `peer_timeout`, not the call's whole deadline. Pings are never more frequent than
 // kMinKeepaliveMs, so a peer timeout under twice that is enforced at 2 x kMinKeepaliveMs.
 inline constexpr int kMinKeepaliveMs = 250;
+// A connection attempt gets `peer_timeout` (at least kMinConnectTimeoutMs; without one,
+// kDefaultMinConnectTimeoutMs) to be answered, however short the reconnect backoff between
+// attempts is.
+inline constexpr int64_t kMinConnectTimeoutMs = 1000;
+inline constexpr int64_t kDefaultMinConnectTimeoutMs = 20000;
 grpc::ChannelArguments ClientChannelArguments(uint64_t max_answer_bytes,
                                               absl::Duration peer_timeout = absl::ZeroDuration());
 // What a WorkerService client accepts: a tensor of the task's limit plus its framing.
