@@ -127,6 +127,11 @@ class Task {
   // the first tensor between its two tasks needs it, so a task holds channels only to the
   // peers it exchanges with.
   absl::Status WaitForPeers(absl::Duration timeout);
+  // The same for the named tasks only ("/job:J/replica:0/task:T"; this task's own name is
+  // skipped): a task that exchanges with a few peers, such as a parameter-server worker, waits
+  // for those, so its start costs one probe per peer it needs rather than one per task of the
+  // cluster. InvalidArgument names a task that is not in the cluster.
+  absl::Status WaitForPeers(const std::vector<std::string>& tasks, absl::Duration timeout);
 
   // "/job:J/replica:0/task:T".
   const std::string& name() const;

@@ -57,11 +57,12 @@ PyTask::~PyTask() {
   }
 }
 
-void PyTask::WaitForPeers(double timeout) {
+void PyTask::WaitForPeers(double timeout, std::optional<std::vector<std::string>> tasks) {
   absl::Status s;
   {
     py::gil_scoped_release nogil;
-    s = task_->WaitForPeers(Seconds(timeout));
+    s = tasks.has_value() ? task_->WaitForPeers(*tasks, Seconds(timeout))
+                          : task_->WaitForPeers(Seconds(timeout));
   }
   OkOrRaise(s);
 }
@@ -225,7 +226,8 @@ void BindTask(py::module_& m) {
       .def_property_readonly("name", [](const PyTask& t) { return t.task()->name(); })
       .def_property_readonly("protocol", [](const PyTask& t) { return t.task()->protocol(); })
       .def_property_readonly("incarnation", [](const PyTask& t) { return t.task()->incarnation(); })
-      .def("wait_for_peers", &PyTask::WaitForPeers, py::arg("timeout"))
+      .def("wait_for_peers", &PyTask::WaitForPeers, py::arg("timeout"),
+           py::arg("tasks") = std::nullopt)
       .def("stop", &PyTask::Stop)
       .def("empty", &PyTask::Empty, py::arg("shape"), py::arg("dtype"),
            py::arg("device") = py::none())

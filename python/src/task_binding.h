@@ -43,7 +43,8 @@ class PyTask {
     out_copied_bytes_.fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
   }
 
-  void WaitForPeers(double timeout);
+  // Every other task, or only `tasks` where given.
+  void WaitForPeers(double timeout, std::optional<std::vector<std::string>> tasks);
 
   void Stop();
 

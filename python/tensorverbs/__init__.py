@@ -251,9 +251,10 @@ class Server:
     def incarnation(self):
         return self._task.incarnation
 
-    def wait_for_peers(self, timeout=30.0):
-        """Waits until every other task answers. Channels are set up on a pair's first tensor."""
-        self._task.wait_for_peers(float(timeout))
+    def wait_for_peers(self, timeout=30.0, tasks=None):
+        """Waits until every other task answers, or only `tasks` (names such as
+        "/job:ps/replica:0/task:0") where given. Channels are set up on a pair's first tensor."""
+        self._task.wait_for_peers(float(timeout), None if tasks is None else [str(t) for t in tasks])
 
     def step(self, step_id):
         """The sends and recvs of step `step_id`, a context manager that ends the step."""

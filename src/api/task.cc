@@ -350,6 +350,10 @@ absl::Status Task::WaitForPeers(absl::Duration timeout) {
   return impl_->server->WaitForPeers(timeout);
 }
 
+absl::Status Task::WaitForPeers(const std::vector<std::string>& tasks, absl::Duration timeout) {
+  return impl_->server->WaitForPeers(tasks, timeout);
+}
+
 const std::string& Task::name() const { return impl_->name; }
 const std::string& Task::protocol() const { return impl_->protocol; }
 uint64_t Task::incarnation() const { return impl_->server->incarnation(); }

@@ -510,20 +510,47 @@ std::optional<uint64_t> Server::KnownPeerIncarnation(const std::string& task_nam
 }
 
 absl::Status Server::WaitForPeers(absl::Duration timeout) {
+  std::vector<std::string> tasks;
+  for (const auto& [task, address] : options_.cluster.TaskAddresses()) tasks.push_back(task);
+  std::sort(tasks.begin(), tasks.end());  // a stable order for the error's list
+  return WaitForPeers(tasks, timeout);
+}
+
+absl::Status Server::WaitForPeers(const std::vector<std::string>& tasks, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
+  const absl::flat_hash_map<std::string, std::string> addresses = options_.cluster.TaskAddresses();
   std::vector<std::pair<std::string, std::string>> peers;  // task, address
-  for (const auto& [task, address] : options_.cluster.TaskAddresses()) {
-    if (task != env_.task_name) peers.emplace_back(task, address);
+  absl::flat_hash_set<std::string> listed;
+  for (const std::string& task : tasks) {
+    auto it = addresses.find(task);
+    if (it == addresses.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("task ", env_.task_name, " was asked to wait for '", task,
+                       "', which is not a task of its cluster (names are "
+                       "/job:J/replica:0/task:T)"));
+    }
+    if (task != env_.task_name && listed.insert(task).second) peers.emplace_back(task, it->second);
   }
   // One probe per peer, at most kProbeWave under way at once: a peer that starts late holds up
   // one prober, not every probe behind it, and a task of a thousand opens no thousand
   // connections at the same moment.
   std::vector<absl::Status> results(peers.size());
   std::atomic<size_t> next{0};
+  // A probe whose connection dropped under it (UNAVAILABLE: a keepalive unanswered by a peer
+  // starved of CPU, a reset) asks again until the deadline: the peer may be slow, not gone,
+  // and a wait for peers is the place to wait for it. Other errors (refused credentials, a
+  // peer of another cluster) are answers and end the probe.
   auto probe = [&] {
     for (size_t i; (i = next.fetch_add(1)) < peers.size();) {
-      const absl::Duration left = std::max(deadline - absl::Now(), absl::Milliseconds(1));
-      results[i] = PeerIncarnation(peers[i].first, left).status();
+      for (;;) {
+        const absl::Duration left = std::max(deadline - absl::Now(), absl::Milliseconds(1));
+        results[i] = PeerIncarnation(peers[i].first, left).status();
+        if (results[i].code() != absl::StatusCode::kUnavailable ||
+            absl::Now() + kProbeRetryPause >= deadline) {
+          break;
+        }
+        absl::SleepFor(kProbeRetryPause);
+      }
     }
   };
   std::vector<std::thread> probers;

@@ -167,7 +167,13 @@ class Server {
   // kProbeWave at once. It sets up no channel: over grpc+verbs a channel is set up when the first
   // tensor needs it, so a task has channels only to the peers it exchanges with.
   absl::Status WaitForPeers(absl::Duration timeout);
+  // The same for the named tasks alone ("/job:J/replica:0/task:T"; this task's own name is
+  // skipped): a task that exchanges with a few peers (a parameter-server worker) waits for
+  // those, and its start costs K probes, not N. InvalidArgument names a task not in the
+  // cluster, before anything is probed.
+  absl::Status WaitForPeers(const std::vector<std::string>& tasks, absl::Duration timeout);
   static constexpr size_t kProbeWave = 32;
+  static constexpr absl::Duration kProbeRetryPause = absl::Milliseconds(100);
   // Over grpc+verbs, sets up a channel to every peer now (within `timeout`), for a job that
   // would rather pay for them at start than at each pair's first tensor; OK at once otherwise.
   absl::Status SetUpChannels(absl::Duration timeout);

@@ -1,7 +1,10 @@
 // DelayingProxy: a TCP forwarder on 127.0.0.1 that holds each new connection for a fixed time
 // before it reaches its target, then passes bytes both ways untouched. It stands for a peer
 // that is alive but slow to answer a new connection (a loaded host, hundreds of tasks on few
-// cores), which a test cannot get from a real server on demand. Created and destroyed on the
+// cores), which a test cannot get from a real server on demand. The first `freeze` connections
+// stop relaying once the server's first bytes (its HTTP/2 SETTINGS) went through: a connection
+// that was set up and then went silent, as one to a peer starved of CPU does. Created and
+// destroyed on the
 // test's thread; it runs one accepting thread and one thread per connection, all joined by the
 // destructor.
 #ifndef TENSORVERBS_TESTS_SUPPORT_DELAYING_PROXY_H_
@@ -30,8 +33,8 @@ namespace tensorverbs::testing {
 
 class DelayingProxy {
  public:
-  static absl::StatusOr<std::unique_ptr<DelayingProxy>> Start(int target_port,
-                                                              absl::Duration delay) {
+  static absl::StatusOr<std::unique_ptr<DelayingProxy>> Start(int target_port, absl::Duration delay,
+                                                              int freeze = 0) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return absl::InternalError(absl::StrCat("socket: errno ", errno));
     sockaddr_in addr = Loopback(0);
@@ -43,7 +46,7 @@ class DelayingProxy {
       return absl::InternalError(absl::StrCat("bind/listen on 127.0.0.1: errno ", err));
     }
     auto proxy = std::unique_ptr<DelayingProxy>(
-        new DelayingProxy(fd, ntohs(addr.sin_port), target_port, delay));
+        new DelayingProxy(fd, ntohs(addr.sin_port), target_port, delay, freeze));
     proxy->acceptor_ = std::thread([p = proxy.get()] { p->AcceptLoop(); });
     return proxy;
   }
@@ -65,8 +68,8 @@ class DelayingProxy {
   int connections_seen() const { return seen_.load(); }
 
  private:
-  DelayingProxy(int fd, int port, int target_port, absl::Duration delay)
-      : listen_fd_(fd), port_(port), target_port_(target_port), delay_(delay) {}
+  DelayingProxy(int fd, int port, int target_port, absl::Duration delay, int freeze)
+      : listen_fd_(fd), port_(port), target_port_(target_port), delay_(delay), freeze_(freeze) {}
 
   static sockaddr_in Loopback(int port) {
     sockaddr_in addr{};
@@ -83,15 +86,15 @@ class DelayingProxy {
         if (errno == EINTR || errno == ECONNABORTED) continue;
         return;  // shut down
       }
-      seen_.fetch_add(1);
+      const bool freeze = seen_.fetch_add(1) < freeze_;
       absl::MutexLock lock(&mu_);
-      connections_.emplace_back([this, client] { Serve(client); });
+      connections_.emplace_back([this, client, freeze] { Serve(client, freeze); });
     }
   }
 
   // Holds the connection, then relays until either side closes or the proxy stops. Polls in
   // short slices so the destructor never waits on a quiet connection.
-  void Serve(int client) {
+  void Serve(int client, bool freeze) {
     const absl::Time until = absl::Now() + delay_;
     while (!stopping_.load() && absl::Now() < until) absl::SleepFor(absl::Milliseconds(10));
     const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -104,7 +107,12 @@ class DelayingProxy {
     }
     char buf[16384];
     pollfd fds[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
+    bool frozen = false;
     while (!stopping_.load()) {
+      if (frozen) {  // hold both sockets open, relay nothing, until the proxy stops
+        absl::SleepFor(absl::Milliseconds(10));
+        continue;
+      }
       if (::poll(fds, 2, 50) < 0 && errno != EINTR) break;
       bool done = false;
       for (int i = 0; i < 2 && !done; ++i) {
@@ -119,6 +127,7 @@ class DelayingProxy {
           if (w <= 0) done = true;
           off += w;
         }
+        if (freeze && i == 1) frozen = true;
       }
       if (done) break;
     }
@@ -130,6 +139,7 @@ class DelayingProxy {
   const int port_;
   const int target_port_;
   const absl::Duration delay_;
+  const int freeze_;
   std::atomic<bool> stopping_{false};
   std::atomic<int> seen_{0};
   std::thread acceptor_;

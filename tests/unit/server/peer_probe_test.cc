@@ -1,6 +1,7 @@
 // Server::WaitForPeers against peers that are slow to take a new connection. On a host running
 // hundreds of tasks on a few cores, a peer may take seconds to answer a connection's first
 // bytes; a probe must wait for it, not give up on every attempt and retry forever.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -53,6 +54,65 @@ TEST(PeerProbe, APeerSlowerToAnswerAConnectionThanTheReconnectBackoffIsReached) 
   EXPECT_LE((*proxy)->connections_seen(), 2) << "took " << took;
   (*prober)->Stop();
   (*peer)->Stop();
+}
+
+// Task 1's first connection goes silent once set up, with the probe on it: the keepalive finds
+// it dead after the peer timeout (1 s here) and the call fails UNAVAILABLE. The peer is slow,
+// not gone; the probe asks again over a new connection and the wait succeeds.
+TEST(PeerProbe, AProbeWhoseConnectionWentSilentAsksAgainUntilTheDeadline) {
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  auto proxy = testing::DelayingProxy::Start((*ports)[1], absl::ZeroDuration(), /*freeze=*/1);
+  ASSERT_TRUE(proxy.ok()) << proxy.status();
+  const std::string cluster =
+      absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*proxy)->port());
+  ServerOptions slow = Options(cluster, 1);
+  slow.listen_address = absl::StrCat("127.0.0.1:", (*ports)[1]);
+  absl::StatusOr<std::unique_ptr<Server>> peer = Server::Create(slow);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ServerOptions prober_options = Options(cluster, 0);
+  prober_options.transfer.peer_timeout = absl::Seconds(1);
+  absl::StatusOr<std::unique_ptr<Server>> prober = Server::Create(prober_options);
+  ASSERT_TRUE(prober.ok()) << prober.status();
+
+  const absl::Status s = (*prober)->WaitForPeers(absl::Seconds(20));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_GE((*proxy)->connections_seen(), 2) << "the first connection was not the one frozen";
+  (*prober)->Stop();
+  (*peer)->Stop();
+}
+
+// A task waits for the peers it names and for no other: task 2 of three never starts.
+TEST(PeerProbe, WaitingForNamedPeersProbesThoseAloneAndRefusesAStranger) {
+  absl::StatusOr<std::vector<int>> ports = PickFreePorts(3);
+  ASSERT_TRUE(ports.ok()) << ports.status();
+  const std::string cluster = absl::StrCat("worker=127.0.0.1:", (*ports)[0],
+                                           ",127.0.0.1:", (*ports)[1], ",127.0.0.1:", (*ports)[2]);
+  absl::StatusOr<std::unique_ptr<Server>> t0 = Server::Create(Options(cluster, 0));
+  ASSERT_TRUE(t0.ok()) << t0.status();
+  absl::StatusOr<std::unique_ptr<Server>> t1 = Server::Create(Options(cluster, 1));
+  ASSERT_TRUE(t1.ok()) << t1.status();
+  const std::string name0 = "/job:worker/replica:0/task:0";
+  const std::string name1 = "/job:worker/replica:0/task:1";
+  const std::string name2 = "/job:worker/replica:0/task:2";
+
+  // Its own name is skipped, a name given twice is probed once.
+  absl::Status s = (*t0)->WaitForPeers({name0, name1, name1}, absl::Seconds(10));
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_TRUE((*t0)->KnownPeerIncarnation(name1).has_value());
+  EXPECT_FALSE((*t0)->KnownPeerIncarnation(name2).has_value());
+
+  s = (*t0)->WaitForPeers(absl::Milliseconds(500));
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(),
+              ::testing::HasSubstr(absl::StrCat(name2, " at 127.0.0.1:", (*ports)[2])));
+  EXPECT_THAT(s.message(), ::testing::Not(::testing::HasSubstr(name1 + " at")));
+
+  s = (*t0)->WaitForPeers({name1, "/job:worker/replica:0/task:7"}, absl::Seconds(10));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), ::testing::HasSubstr("'/job:worker/replica:0/task:7'"));
+  (*t0)->Stop();
+  (*t1)->Stop();
 }
 
 }  // namespace
