@@ -45,6 +45,16 @@ def test_every_numeric_dtype_and_rank_round_trips_exactly(pair):
             np.testing.assert_array_equal(got, value, err_msg=name)
 
 
+def test_wait_for_peers_can_wait_for_the_named_tasks_alone():
+    cluster = cluster_of(3)  # worker:2 never starts
+    with tv.Server(cluster, "worker", 0, "grpc") as a, tv.Server(cluster, "worker", 1, "grpc"):
+        a.wait_for_peers(10, tasks=["/job:worker/replica:0/task:1"])
+        with pytest.raises(tv.UnavailableError, match="task:2 at 127.0.0.1"):
+            a.wait_for_peers(0.5)
+        with pytest.raises(tv.InvalidArgumentError, match="'/job:worker/replica:0/task:9'"):
+            a.wait_for_peers(10, tasks=["/job:worker/replica:0/task:9"])
+
+
 def test_a_received_array_is_the_received_buffer_itself(verbs_pair):
     a, b = verbs_pair
     before = a.stats()
