@@ -257,6 +257,7 @@ void Channel::Close(const absl::Status& status) {
   if (state_ == State::kClosed) return;
   TransitionTo(State::kClosed, Event::kClose);
   close_status_ = status.ok() ? absl::CancelledError("closed") : status;
+  closed_for_probes_.store(true, std::memory_order_release);
   if (status.code() != absl::StatusCode::kCancelled) {
     env_->stats->channel_errors.fetch_add(1, std::memory_order_relaxed);
     // Nothing a caller waits for goes with a channel that only had requests made ahead (a

@@ -121,6 +121,10 @@ class Channel {
   void set_peer_address(std::string address) { peer_address_ = std::move(address); }
   // Why the channel closed (OK while open).
   const absl::Status& close_status() const { return close_status_; }
+  // Any thread, for a peer's liveness probe answered off the progress thread (ChannelTable::
+  // ProbeOwned/ProbeAccepted, under the table's lock, which keeps the channel alive): whether it
+  // closed, published after close_status() is final.
+  bool ClosedForProbes() const { return closed_for_probes_.load(std::memory_order_acquire); }
   fabric::Endpoint* endpoint() const { return endpoint_.get(); }
   // This channel's track in the recv trace (TENSORVERBS_TRACE), named on first use; 0 when
   // tracing is off.
@@ -187,6 +191,7 @@ class Channel {
   std::string peer_address_;
   uint64_t trace_track_ = 0;
   absl::Status close_status_;
+  std::atomic<bool> closed_for_probes_{false};
   State state_ = State::kConnecting;
   bool reap_posted_ = false;
   absl::Status closing_;  // CloseAfterThisTurn's reason, until the close runs

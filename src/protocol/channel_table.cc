@@ -22,8 +22,36 @@ Channel* ChannelTable::Add(std::unique_ptr<Channel> channel) {
   Channel* raw = channel.get();
   by_endpoint_[raw->endpoint()] = raw;
   if (raw->role() == Channel::Role::kOwner) owner_by_task_[raw->peer_task()] = raw->id();
+  MutexLock lock(&probe_mu_);
   channels_.emplace(raw->id(), std::move(channel));
   return raw;
+}
+
+ChannelTable::ProbeAnswer ChannelTable::ProbeOwned(const std::string& task, uint64_t id) const {
+  MutexLock lock(&probe_mu_);
+  auto it = channels_.find(id);
+  if (it != channels_.end() && it->second->role() == Channel::Role::kOwner &&
+      it->second->peer_task() == task) {
+    const Channel& owned = *it->second;
+    if (!owned.ClosedForProbes()) return {true, ""};
+    return {false, std::string(owned.close_status().message())};
+  }
+  return {false, "no such channel (it was closed and replaced, or this task restarted)"};
+}
+
+ChannelTable::ProbeAnswer ChannelTable::ProbeAccepted(const std::string& task,
+                                                      uint64_t peer_channel_id) const {
+  MutexLock lock(&probe_mu_);
+  for (const auto& [id, c] : channels_) {
+    if (c->role() == Channel::Role::kAcceptor && c->peer_task() == task &&
+        c->peer_channel_id() == peer_channel_id) {
+      if (!c->ClosedForProbes()) return {true, ""};
+      return {false, std::string(c->close_status().message())};
+    }
+  }
+  auto why = closed_accepted_.find({task, peer_channel_id});
+  if (why != closed_accepted_.end()) return {false, std::string(why->second.message())};
+  return {false, "no such channel (this task restarted?)"};
 }
 
 Channel* ChannelTable::Find(uint64_t id) const {
@@ -101,8 +129,9 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
     }
   }
   for (uint64_t id : closed) {
-    Channel* c = channels_[id].get();
+    Channel* c = channels_.find(id)->second.get();
     if (c->role() == Channel::Role::kAcceptor) {
+      MutexLock lock(&probe_mu_);
       if (closed_accepted_.size() >= kMaxClosedAccepted) closed_accepted_.clear();
       closed_accepted_[{c->peer_task(), c->peer_channel_id()}] = c->close_status();
     }
@@ -110,7 +139,15 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
     auto owner = owner_by_task_.find(c->peer_task());
     if (owner != owner_by_task_.end() && owner->second == id) owner_by_task_.erase(owner);
     if (pinned != nullptr && pinned(id)) continue;
-    channels_.erase(id);
+    std::unique_ptr<Channel> dropped;
+    {
+      MutexLock lock(&probe_mu_);
+      auto it = channels_.find(id);
+      dropped = std::move(it->second);
+      channels_.erase(it);
+    }
+    // Destroyed outside the lock: a channel's destructor may take time (its endpoint, its
+    // memory), and a probe waits for nothing but the table.
   }
 }
 
@@ -127,7 +164,12 @@ void ChannelTable::CloseAll(const absl::Status& status) {
 }
 
 void ChannelTable::Clear() {
-  channels_.clear();
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Channel>> dropped;
+  {
+    MutexLock lock(&probe_mu_);
+    dropped.swap(channels_);
+  }
+  dropped.clear();
   by_endpoint_.clear();
   owner_by_task_.clear();
 }

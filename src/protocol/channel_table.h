@@ -6,7 +6,10 @@
 // The transport owns it beside its ProgressEngine and hands it to the channels (ChannelEnv::
 // channels) and to PeerChannels (peer_channels.h), which creates the channels and adds them
 // here. Every method runs on the progress thread (the engine's owner
-// thread), which owns the channels; the table outlives every task that names a channel by id.
+// thread), which owns the channels, except ProbeOwned and ProbeAccepted: a peer's liveness probe
+// is answered from any thread, under a lock the progress thread takes only to add and drop
+// channels, so that a loop busy with hundreds of peers does not make this task look dead. The
+// table outlives every task that names a channel by id.
 #ifndef TENSORVERBS_PROTOCOL_CHANNEL_TABLE_H_
 #define TENSORVERBS_PROTOCOL_CHANNEL_TABLE_H_
 
@@ -20,6 +23,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "src/common/mutex.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/channel.h"
 
@@ -51,6 +55,16 @@ class ChannelTable {
   // Why the accepted channel `task` set up as `peer_channel_id` closed, if it was dropped
   // recently; null if not known.
   const absl::Status* WhyAcceptedClosed(const std::string& task, uint64_t peer_channel_id) const;
+  // Any thread: what a peer's liveness probe learns of a channel (open, or the reason it
+  // closed).
+  struct ProbeAnswer {
+    bool open = false;
+    std::string reason;
+  };
+  // Of the channel `id` this task owns towards `task`.
+  ProbeAnswer ProbeOwned(const std::string& task, uint64_t id) const;
+  // Of the channel `task` set up as its `peer_channel_id` and this task accepted.
+  ProbeAnswer ProbeAccepted(const std::string& task, uint64_t peer_channel_id) const;
   // Closes every accepted channel of `task` but `keep`: `task` set up a new one, so it restarted
   // (when its incarnation differs from `incarnation`) or gave the old one up.
   void CloseAcceptedFrom(const std::string& task, uint64_t incarnation, const Channel* keep);
@@ -89,6 +103,10 @@ class ChannelTable {
 
   const std::function<bool()> on_owner_thread_;
   uint64_t next_id_ = 1;
+  // Held by the progress thread while it changes channels_ or closed_accepted_, and by a probe
+  // reading them from another thread; the progress thread reads them without it (it is their
+  // only writer).
+  mutable Mutex probe_mu_;
   absl::flat_hash_map<uint64_t, std::unique_ptr<Channel>> channels_;
   absl::flat_hash_map<fabric::Endpoint*, Channel*> by_endpoint_;
   absl::flat_hash_map<std::string, uint64_t> owner_by_task_;

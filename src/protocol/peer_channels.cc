@@ -305,31 +305,16 @@ absl::Status PeerChannels::Accept(const proto::ConnectRequest& request,
 }
 
 void PeerChannels::CheckChannel(const proto::CheckChannelRequest& request,
-                                proto::CheckChannelResponse* response) {
-  AssertOnLoop();
+                                proto::CheckChannelResponse* response) const {
   response->set_incarnation(env_->worker->incarnation);
-  if (request.owned_channel_id() != 0) {
-    // The acceptor of a channel this task owns asks whether this end still stands.
-    Channel* owned = table_->Find(request.owned_channel_id());
-    if (owned != nullptr && owned->role() == Channel::Role::kOwner &&
-        owned->peer_task() == request.task_name()) {
-      response->set_open(owned->state() != Channel::State::kClosed);
-      if (!response->open()) response->set_reason(std::string(owned->close_status().message()));
-      return;
-    }
-    response->set_open(false);
-    response->set_reason("no such channel (it was closed and replaced, or this task restarted)");
-    return;
-  }
-  if (Channel* channel = table_->AcceptedFrom(request.task_name(), request.channel_id())) {
-    response->set_open(channel->state() != Channel::State::kClosed);
-    if (!response->open()) response->set_reason(std::string(channel->close_status().message()));
-    return;
-  }
-  response->set_open(false);
-  const absl::Status* why = table_->WhyAcceptedClosed(request.task_name(), request.channel_id());
-  response->set_reason(why != nullptr ? std::string(why->message())
-                                      : "no such channel (this task restarted?)");
+  // The acceptor of a channel this task owns asks whether this end still stands; or the owner
+  // of a channel this task accepted asks about that one.
+  const ChannelTable::ProbeAnswer answer =
+      request.owned_channel_id() != 0
+          ? table_->ProbeOwned(request.task_name(), request.owned_channel_id())
+          : table_->ProbeAccepted(request.task_name(), request.channel_id());
+  response->set_open(answer.open);
+  if (!answer.open) response->set_reason(answer.reason);
 }
 
 std::vector<PeerChannels::Probe> PeerChannels::PendingPeers() const {

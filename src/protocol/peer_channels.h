@@ -91,9 +91,6 @@ class PeerChannels {
   absl::StatusOr<Channel*> OwnerChannel(const std::string& task);
   // The acceptor's side of Connect.
   absl::Status Accept(const proto::ConnectRequest& request, proto::ConnectResponse* response);
-  // The acceptor's side of a liveness probe.
-  void CheckChannel(const proto::CheckChannelRequest& request,
-                    proto::CheckChannelResponse* response);
   // Whether the set-up call for channel `id` is still unanswered (its answer names it by id,
   // so the table keeps it even closed).
   bool SettingUp(uint64_t id) const { return connecting_.contains(id); }
@@ -118,6 +115,10 @@ class PeerChannels {
   }
 
   // Any thread.
+  // The answer to a peer's liveness probe of a channel between the two (ChannelTable::
+  // ProbeOwned, ProbeAccepted): read under the table's lock, not on the progress thread.
+  void CheckChannel(const proto::CheckChannelRequest& request,
+                    proto::CheckChannelResponse* response) const;
   // Whether the last channel set up to receive from `task` found that it writes GPU memory
   // directly (its ChannelEnd's device_writes); before any, what its probe said (NoteProbedPeer).
   bool PeerWritesDevice(const std::string& task) const;

@@ -78,6 +78,7 @@ void ProgressEngine::Start() {
     MutexLock lock(&mu_);
     loops_.emplace_back([this, seat = current_seat_] { Loop(seat); });
   }
+  last_turn_ns_.store(absl::ToUnixNanos(CoarseNow()), std::memory_order_relaxed);
   started_.store(true);
   if (inline_first_) watcher_ = std::thread([this] { WatchCallbacks(); });
 }
@@ -167,6 +168,7 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
     RunDeferred();
   }
   const absl::Time coarse = CoarseNow();
+  last_turn_ns_.store(absl::ToUnixNanos(coarse), std::memory_order_relaxed);
   if (coarse >= next_housekeeping_) {
     at("housekeeping (timeouts, reaping)");
     hooks_.housekeeping(absl::Now());
@@ -376,6 +378,13 @@ std::string ProgressEngine::Where() const {
   return absl::StrCat(options_.name, ": the progress thread is in ",
                       phase_.load(std::memory_order_relaxed), " after ",
                       turns_.load(std::memory_order_relaxed), " turns");
+}
+
+bool ProgressEngine::TurnedWithin(absl::Duration limit) const {
+  if (stop_requested_.load() || stopped_.load()) return false;
+  if (!started_.load()) return true;
+  const int64_t last = last_turn_ns_.load(std::memory_order_relaxed);
+  return CoarseNow() - absl::FromUnixNanos(last) < limit;
 }
 
 std::optional<std::string> ProgressEngine::StallReport(absl::Duration limit) {

@@ -204,6 +204,11 @@ class ProgressEngine {
   // started or after it stopped). A provider call that never returns stops every channel of
   // the task, which nothing else would say. For one watching thread (the peer watchdog).
   std::optional<std::string> StallReport(absl::Duration limit);
+  // Any thread, stateless: whether the loop made a turn within `limit` (an idle loop turns at
+  // least every housekeeping interval), or never started. False once it is stopping. What a
+  // peer's liveness probe is answered from off the loop (ChannelTable::ProbeOwned) stands
+  // only while the loop moves: a wedged loop must look as silent as it is.
+  bool TurnedWithin(absl::Duration limit) const;
   // Where the loop is now and how many turns it made ("NAME: the progress thread is in a
   // posted task after 1234 turns"), or empty while it never started or after it stopped. Any
   // thread; it disturbs no StallReport.
@@ -313,6 +318,8 @@ class ProgressEngine {
   std::atomic<bool> sleeping_{false};
   std::atomic<std::thread::id> loop_thread_id_{};
   std::atomic<bool> stopped_{false};
+  // The coarse clock (ns since the epoch) at the last turn's end (TurnedWithin).
+  std::atomic<int64_t> last_turn_ns_{0};
   std::atomic<bool> started_{false};  // the loop thread exists (StallReport reads it)
   // Written by the loop thread alone (plain stores, no read-modify-write on its hot path): its
   // turn count and where in the turn it is (a string literal), for StallReport.

@@ -104,6 +104,73 @@ TEST_P(FaultTest, AChannelSetUpSlowerThanThePeerTimeoutIsWaitedForNotFailed) {
               absl::FormatDuration(took).c_str());
 }
 
+// A peer's liveness probe is answered from the channel table on the RPC thread while the
+// progress loop moves, instead of queued behind the loop's work: with 256 tasks on two cores,
+// answers that waited for the loop came after the 10 s peer timeout and the prober closed live
+// channels. A loop held in one turn for longer than half the peer timeout (a provider call that
+// does not return) is asked on the loop, and stays as silent as it is.
+TEST_P(FaultTest, AProbeIsAnsweredWhileTheLoopIsBusyAndNotWhileItIsWedged) {
+  StartCluster(2, [](ServerOptions& o) { o.transfer.peer_timeout = absl::Seconds(2); });
+  ASSERT_FALSE(HasFatalFailure());
+  const std::string address = server(1).cluster().TaskAddresses().at(
+      server(1).device_name().substr(0, server(1).device_name().find("/device:")));
+  std::unique_ptr<proto::VerbsService::Stub> stub = proto::VerbsService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto probe = [&](absl::Duration deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+    proto::CheckChannelRequest request;
+    request.set_task_name(
+        server(0).device_name().substr(0, server(0).device_name().find("/device:")));
+    request.set_owned_channel_id(987654321);  // no such channel: an answer all the same
+    proto::CheckChannelResponse response;
+    grpc::Status s = stub->CheckChannel(&context, request, &response);
+    if (s.ok()) {
+      EXPECT_THAT(response.reason(), HasSubstr("no such channel"));
+    }
+    return s;
+  };
+  ASSERT_TRUE(probe(absl::Seconds(10)).ok()) << "task 1 answers at all";
+
+  // Task 1's next registration (its message buffers, as it accepts the channel task 0 sets up
+  // to receive from it) holds its progress thread in one turn for 4 s.
+  Tensor t = PoolTensor(1, DataType::kFloat32, {4096}, 1);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "f"), t).ok());
+  fabric::loopback::Faults slow;
+  slow.slow_registrations = 1;
+  slow.register_delay = absl::Seconds(4);
+  fabric::loopback::SetFaults(transport(1).domain_for_testing(), slow);
+  PendingRecv recv(*Step(0, 1), Key(1, "f"));
+  // Held: the same report (phase and turn count) for 100 ms, outside an idle wait.
+  std::string held;
+  for (absl::Time since = absl::Now(), until = absl::Now() + absl::Seconds(10); absl::Now() < until;
+       absl::SleepFor(absl::Milliseconds(5))) {
+    const std::string now = transport(1).LoopReport();
+    if (now != held || absl::StrContains(now, "waiting for the fabric")) {
+      held = now;
+      since = absl::Now();
+    } else if (absl::Now() - since >= absl::Milliseconds(100)) {
+      break;
+    }
+  }
+  const absl::Time held_at = absl::Now();
+  ASSERT_THAT(held, HasSubstr("a posted task")) << "the loop was never held";
+
+  // Held for about 100 ms of the 1 s (half the peer timeout) a loop may go without a turn:
+  // busy, and answered from the table.
+  const grpc::Status busy = probe(absl::Milliseconds(800));
+  EXPECT_TRUE(busy.ok()) << busy.error_code() << " " << busy.error_message();
+  EXPECT_EQ(transport(1).LoopReport(), held) << "answered while the loop was still held";
+
+  // Held past that: wedged, and the probe waits for the loop.
+  absl::SleepFor(held_at + absl::Milliseconds(1300) - absl::Now());
+  const grpc::Status wedged = probe(absl::Milliseconds(800));
+  EXPECT_EQ(wedged.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << wedged.error_message();
+  EXPECT_EQ(transport(1).LoopReport(), held) << "the loop was let go before the second probe";
+  ASSERT_TRUE(recv.Wait(absl::Seconds(30))) << "the recv hung";
+  EXPECT_TRUE(recv.status().ok()) << recv.status();
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, FaultTest,
                          ::testing::ValuesIn(Combine(kVerbsFamily, {&kLoopback})), ParamName);
 

@@ -8,8 +8,10 @@
 // recvs waiting on it is probed too, and fails them only if its peer does not answer at all
 // (the peer cannot know the channel yet); the peer answers that probe from its RPC thread, so a
 // progress thread busy accepting many peers' channels at once does not hold it past the peer
-// timeout (CheckChannelRequest.reachable_only). The verdict closes the channel on the progress
-// thread, and the next recv from that task sets up a new one.
+// timeout (CheckChannelRequest.reachable_only). Every other probe is answered on the peer's RPC
+// thread too, from its channel table, while the peer's loop moves (VerbsServiceImpl); a loop
+// held in one turn for half the peer timeout leaves its probes unanswered. The verdict closes
+// the channel on the progress thread, and the next recv from that task sets up a new one.
 //
 // The sending side is watched the same way: an accepted channel that holds something for its
 // peer (responses, copy buffers, grpc+gdr's lent tensors) is probed for whether the peer's own

@@ -173,7 +173,8 @@ absl::Status VerbsTransport::Start() {
   for (const auto& context : fabrics_) context->env.landed = channels_->landed();
   // grpc+gdr lends through the primary fabric's registrations (it opens no other).
   lent_ = std::make_unique<LentTensors>(&env());
-  service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security);
+  service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security,
+                                                options_.transfer.peer_timeout / 2);
   watchdog_ =
       std::make_unique<PeerWatchdog>(options_.env->task_name, options_.transfer.peer_timeout,
                                      engine_.get(), channels_.get(), table_.get(), stubs_.get());

@@ -406,6 +406,38 @@ TEST_F(ProgressEngineTest, AStuckLoopIsReportedOnceNamingWhereItIsAndAgainAfterI
   EXPECT_EQ(engine_->StallReport(absl::ZeroDuration()), std::nullopt) << "stopped";
 }
 
+// TurnedWithin: what a liveness probe answered off the loop relies on. An idle loop keeps
+// turning (housekeeping), a loop held in a task stops, and a stopped engine never says it turns.
+TEST_F(ProgressEngineTest, TurnedWithinHoldsWhileTheLoopMovesAndNotWhileItIsHeld) {
+  MakeEngine(ProgressEngine::Options());
+  EXPECT_TRUE(engine_->TurnedWithin(absl::Milliseconds(1))) << "not started: nothing to wedge";
+  engine_->Start();
+  constexpr absl::Duration kLimit = absl::Milliseconds(200);
+  for (absl::Time until = absl::Now() + 3 * kLimit; absl::Now() < until;
+       absl::SleepFor(absl::Milliseconds(10))) {
+    EXPECT_TRUE(engine_->TurnedWithin(kLimit)) << "idle";
+  }
+  Notification release, running;
+  ASSERT_TRUE(engine_->Post([&] {
+    running.Notify();
+    release.WaitForNotification();
+  }));
+  ASSERT_TRUE(running.WaitForNotificationWithTimeout(kPatience));
+  const absl::Time deadline = absl::Now() + kPatience;
+  while (engine_->TurnedWithin(kLimit) && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_FALSE(engine_->TurnedWithin(kLimit)) << "held in a task";
+  release.Notify();
+  const absl::Time again = absl::Now() + kPatience;
+  while (!engine_->TurnedWithin(kLimit) && absl::Now() < again) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(engine_->TurnedWithin(kLimit)) << "moving again";
+  engine_->Stop();
+  EXPECT_FALSE(engine_->TurnedWithin(absl::InfiniteDuration())) << "stopped";
+}
+
 // A user callback run inline that blocks is where a stalled loop is, whatever the turn ran
 // before it: with housekeeping due every turn, the report used to name housekeeping.
 TEST_F(ProgressEngineTest, AStallInACallbackRunInlineIsReportedAsTheCallback) {
