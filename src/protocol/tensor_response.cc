@@ -96,6 +96,12 @@ void RdmaTensorResponse::Cancel() {
   if (state_ != State::kDone) TransitionTo(State::kDone, Event::kCancel);
 }
 
+void RdmaTensorResponse::GiveUpInFlightMemory(std::vector<Tensor>* memory) {
+  if (writes_left_ <= 0) return;
+  if (tensor_.IsInitialized()) memory->push_back(std::move(tensor_));
+  if (staging_.IsInitialized()) memory->push_back(std::move(staging_));
+}
+
 absl::Status RdmaTensorResponse::PrepareSource(const Tensor& tensor) {
   ChannelEnv* env = channel_->env();
   if (meta_.is_dead) return absl::OkStatus();

@@ -73,6 +73,11 @@ class RdmaTensorResponse {
   bool OnStaged(const absl::Status& status, uint64_t staged_bytes);
   // Stops waiting for the local tensor (channel closing).
   void Cancel();
+  // The channel closes: the memory this response's writes still in flight read (its source,
+  // its staging) goes to `memory`, for the caller to keep past the close. On an endpoint its
+  // domain's channels share, closing a channel cannot take its operations back from the
+  // provider, which reads them until they complete or the connection is torn down.
+  void GiveUpInFlightMemory(std::vector<Tensor>* memory);
   // Gives up waiting for the RE_REQUEST (the receiver did not ask for the content in time):
   // ERROR_STATUS with `status`, and the channel forgets this. Only in kWaitReRequest.
   void Expire(const absl::Status& status);
