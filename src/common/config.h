@@ -86,6 +86,7 @@ struct Config {
   std::string fabric = "auto";  // TENSORVERBS_FABRIC
   int message_slots = 8;        // TENSORVERBS_MESSAGE_SLOTS
   int message_batch = 32;       // TENSORVERBS_MESSAGE_BATCH
+  absl::Duration channel_idle = absl::Minutes(5);    // TENSORVERBS_CHANNEL_IDLE_MS (0: never)
   std::string poll_mode = "adaptive";                // TENSORVERBS_POLL_MODE
   absl::Duration poll_spin = absl::Microseconds(50);  // TENSORVERBS_POLL_SPIN_US
   bool data_validation = false;                       // TENSORVERBS_DATA_VALIDATION

@@ -241,6 +241,14 @@ std::vector<Setting> MakeSettings() {
                "`1` writes one per slot, as the seed",
        .set_int = [](Config& c, int64_t v) { c.message_batch = static_cast<int>(v); },
        .get = [](const Config& c) { return absl::StrCat(c.message_batch); }});
+  add({.variable = "TENSORVERBS_CHANNEL_IDLE_MS",
+       .kind = K::kInteger,
+       .min = 0,
+       .max = 86400000,
+       .help = "a channel idle this long gives back its slots, keys and mappings; the next "
+               "recv sets it up again; `0`: never",
+       .set_int = [](Config& c, int64_t v) { c.channel_idle = absl::Milliseconds(v); },
+       .get = [](const Config& c) { return Ms(c.channel_idle); }});
   add({.variable = "TENSORVERBS_POLL_MODE",
        .kind = K::kChoice,
        .choices = {"busy", "blocking", "adaptive"},

@@ -252,6 +252,30 @@ void Channel::HandleMessage(Message& m) {
                    receiving_ != nullptr ? "it sends tensors" : "it receives them")));
 }
 
+bool Channel::NoteIdle(absl::Time now) {
+  const absl::Duration limit = env_->options.idle_close;
+  idle_ = false;
+  if (limit <= absl::ZeroDuration() || state_ != State::kReady) return false;
+  auto get = [](const std::atomic<int64_t>& a) {
+    return static_cast<uint64_t>(a.load(std::memory_order_relaxed));
+  };
+  const ChannelCounters& c = counters_;
+  const uint64_t traffic = get(c.requests) + get(c.re_requests) + get(c.tensors_received) +
+                           get(c.recv_errors) + get(c.tensors_sent) + get(c.meta_responses) +
+                           get(c.errors_sent) +
+                           (mb_ != nullptr ? mb_->messages_sent() + mb_->messages_received() : 0);
+  const bool quiet =
+      (receiving_ != nullptr ? !receiving_->awaiting_peer() : sending_->responses() == 0) &&
+      (endpoint_ == nullptr || endpoint_->Outstanding() == 0);
+  if (!quiet || traffic != idle_traffic_ || idle_since_ == absl::InfinitePast()) {
+    idle_traffic_ = traffic;
+    idle_since_ = now;
+    return false;
+  }
+  idle_ = now - idle_since_ >= limit;
+  return idle_;
+}
+
 void Channel::Close(const absl::Status& status) {
   AssertOwnerThread();
   if (state_ == State::kClosed) return;

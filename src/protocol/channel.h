@@ -126,6 +126,16 @@ class Channel {
   // closed, published after close_status() is final.
   bool ClosedForProbes() const { return closed_for_probes_.load(std::memory_order_acquire); }
   fabric::Endpoint* endpoint() const { return endpoint_.get(); }
+  // Housekeeping: whether the channel has been ready with nothing pending (no recv or response,
+  // nothing lent, no operation in flight) and no message either way for its options'
+  // idle_close; false while that is zero. Remembered for idle() until the next call.
+  bool NoteIdle(absl::Time now);
+  bool idle() const { return idle_; }
+  // The idle time starts over (its acceptor asked, and the owner keeps the channel).
+  void RestartIdle() {
+    idle_since_ = absl::InfinitePast();
+    idle_ = false;
+  }
   // This channel's track in the recv trace (TENSORVERBS_TRACE), named on first use; 0 when
   // tracing is off.
   uint64_t trace_track();
@@ -192,6 +202,10 @@ class Channel {
   uint64_t trace_track_ = 0;
   absl::Status close_status_;
   std::atomic<bool> closed_for_probes_{false};
+  // NoteIdle's view: the traffic it last saw and since when it has not moved.
+  uint64_t idle_traffic_ = 0;
+  absl::Time idle_since_ = absl::InfinitePast();
+  bool idle_ = false;
   State state_ = State::kConnecting;
   bool reap_posted_ = false;
   absl::Status closing_;  // CloseAfterThisTurn's reason, until the close runs

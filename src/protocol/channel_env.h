@@ -131,6 +131,10 @@ struct ChannelOptions {
   bool data_validation = Config::Defaults().data_validation;
   int message_slots = Config::Defaults().message_slots;  // TENSORVERBS_MESSAGE_SLOTS
   int message_batch = Config::Defaults().message_batch;  // TENSORVERBS_MESSAGE_BATCH
+  // A ready channel with nothing pending and no traffic for this long is given back
+  // (TENSORVERBS_CHANNEL_IDLE_MS; zero: never): the owner closes its end, the acceptor closes
+  // its own once a probe finds the owner's gone (Channel::NoteIdle).
+  absl::Duration idle_close = Config::Defaults().channel_idle;
   // Owner side: ask for a key's next step as soon as a recv of it completes (TENSORVERBS_PUSH),
   // with at most this many such requests, and bytes of destinations, per channel
   // (TENSORVERBS_PUSH_MAX, TENSORVERBS_PUSH_MAX_MB). Only zero copy without data validation

@@ -119,14 +119,29 @@ void ChannelTable::Dispatch(const fabric::Completion& c) {
 void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_t)>& pinned) {
   AssertOnLoop();
   std::vector<uint64_t> closed;
+  std::vector<Channel*> idle;
   for (auto& [id, channel] : channels_) {
     if (channel->state() == Channel::State::kClosed) {
       closed.push_back(id);
-    } else if (ReceivingSide* r = channel->receiving()) {
+      continue;
+    }
+    if (ReceivingSide* r = channel->receiving()) {
       r->ExpireRequests(now);
     } else {
       channel->sending()->ExpireResponses(now);
     }
+    // An idle channel's owner gives it back; its acceptor waits for a probe to find the
+    // owner's end gone (PeerChannels::PendingPeers), so that it never drops a channel its
+    // owner is about to use.
+    if (channel->NoteIdle(now) && channel->role() == Channel::Role::kOwner) {
+      idle.push_back(channel.get());
+    }
+  }
+  for (Channel* channel : idle) {
+    VLOG(1) << channel->Describe() << " idle: given back";
+    channel->Close(absl::CancelledError(absl::StrCat(
+        "idle for ", absl::FormatDuration(channel->env()->options.idle_close),
+        " (TENSORVERBS_CHANNEL_IDLE_MS) and given back; the next recv sets it up again")));
   }
   for (uint64_t id : closed) {
     Channel* c = channels_.find(id)->second.get();

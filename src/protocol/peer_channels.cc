@@ -328,11 +328,14 @@ std::vector<PeerChannels::Probe> PeerChannels::PendingPeers() const {
       out.push_back({c.peer_task(), options_.task_addresses.at(c.peer_task()), c.peer_incarnation(),
                      c.id(), c.state() == Channel::State::kConnecting});
     } else if (c.role() == Channel::Role::kAcceptor && c.state() == Channel::State::kReady &&
-               (c.sending()->holds_state_for_peer() || lent_to.contains(c.peer_task()))) {
+               (c.sending()->holds_state_for_peer() || lent_to.contains(c.peer_task()) ||
+                c.idle())) {
       auto address = options_.task_addresses.find(c.peer_task());
       if (address == options_.task_addresses.end()) return;
       Probe probe{c.peer_task(), address->second, c.peer_incarnation(), c.id()};
       probe.accepting = true;
+      probe.idle = c.idle();
+      probe.idle_only = !c.sending()->holds_state_for_peer() && !lent_to.contains(c.peer_task());
       probe.peer_channel_id = c.peer_channel_id();
       out.push_back(std::move(probe));
     }

@@ -107,6 +107,11 @@ class PeerChannels {
     // own end (`peer_channel_id`) still stands.
     bool accepting = false;
     uint64_t peer_channel_id = 0;
+    // An accepted channel that is idle (ChannelOptions::idle_close): its owner's end gone is a
+    // give-back, not an error. `idle_only`: probed for that alone, so silence says nothing (a
+    // slow owner keeps it).
+    bool idle = false;
+    bool idle_only = false;
   };
   std::vector<Probe> PendingPeers() const;
   // A probe found `task` silent: see Options::peer_gone.

@@ -221,6 +221,62 @@ TEST_P(ZeroCopyTest, OneMessageSlotAndEveryPollModeWork) {
 INSTANTIATE_TEST_SUITE_P(Protocols, ZeroCopyTest,
                          ::testing::ValuesIn(Combine({&kGrpcVerbs}, kEveryFabric)), ParamName);
 
+// TENSORVERBS_CHANNEL_IDLE_MS, for every design of the transport and every fabric.
+class IdleChannelTest : public ProtocolTest {
+ protected:
+  // Waits (up to 20 s) until task `t` holds `n` ready channels.
+  bool ReadyChannelsBecome(int t, size_t n) {
+    for (absl::Time until = absl::Now() + absl::Seconds(20); absl::Now() < until;
+         absl::SleepFor(absl::Milliseconds(20))) {
+      if (transport(t).NumReadyChannels() == n) return true;
+    }
+    return false;
+  }
+};
+
+// A channel with nothing pending and nothing moving for the idle time is given back by both
+// ends: its owner closes it, its acceptor once a probe finds the owner's end gone. The next
+// tensor sets up a new one and arrives intact, and tensors that come at about the idle time,
+// where a give-back and a new recv meet, all arrive, once each. (A channel holding requests
+// made ahead, TENSORVERBS_PUSH, is not idle: its sender may be writing one; push is off here.)
+TEST_P(IdleChannelTest, AnIdleChannelIsGivenBackAndTheNextTensorSetsUpANewOne) {
+  StartCluster(2, [](ServerOptions& o) {
+    o.verbs.channel.push = false;
+    o.verbs.channel.idle_close = absl::Milliseconds(300);
+    o.transfer.peer_timeout = absl::Seconds(4);  // the acceptor asks every second
+  });
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "a", PoolTensor(1, DataType::kFloat32, {4096}, 1)));
+  EXPECT_EQ(transport(0).NumReadyChannels(), 1u);
+  EXPECT_EQ(transport(1).NumReadyChannels(), 1u);
+  EXPECT_TRUE(ReadyChannelsBecome(0, 0)) << "the owner kept its idle channel";
+  EXPECT_TRUE(ReadyChannelsBecome(1, 0)) << "the acceptor kept a channel its owner gave back";
+  EXPECT_EQ(transport(0).stats().channel_errors.load(), 0) << "a give-back is no error";
+  EXPECT_EQ(transport(1).stats().channel_errors.load(), 0);
+
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(2, "b", PoolTensor(1, DataType::kFloat32, {4096}, 2)));
+  EXPECT_EQ(transport(0).NumReadyChannels(), 1u) << "set up again";
+  for (int i = 0; i < 8; ++i) {
+    absl::SleepFor(absl::Milliseconds(200 + 30 * i));  // 200 to 410 ms: either side of 300
+    ASSERT_NO_FATAL_FAILURE(
+        SendAndRecv(3 + i, "c", PoolTensor(1, DataType::kFloat32, {4096}, 3 + i)));
+  }
+}
+
+// Zero keeps channels for the task's life.
+TEST_P(IdleChannelTest, ZeroKeepsChannels) {
+  StartCluster(2, [](ServerOptions& o) {
+    o.verbs.channel.idle_close = absl::ZeroDuration();
+    o.transfer.peer_timeout = absl::Seconds(4);
+  });
+  ASSERT_NO_FATAL_FAILURE(SendAndRecv(1, "a", PoolTensor(1, DataType::kFloat32, {4096}, 1)));
+  absl::SleepFor(absl::Milliseconds(1500));
+  EXPECT_EQ(transport(0).NumReadyChannels(), 1u);
+  EXPECT_EQ(transport(1).NumReadyChannels(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Protocols, IdleChannelTest,
+                         ::testing::ValuesIn(Combine(kVerbsFamily, kEveryFabric)), ParamName);
+
 // 256 MiB runs over the two same-host fabrics: the others and the other designs move it by the
 // same code path as the 64 MiB fixture, which runs everywhere.
 class HugeTensorTest : public ProtocolTest {};

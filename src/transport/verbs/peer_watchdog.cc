@@ -129,6 +129,38 @@ void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& 
 void PeerWatchdog::Judge(const Probe& probe) {
   const protocol::PeerChannels::Probe& peer = probe.peer;
   absl::Status verdict;
+  if (peer.idle && probe.status.ok() && !probe.response.open() &&
+      probe.response.incarnation() == peer.incarnation) {
+    const uint64_t id = peer.channel_id;
+    const std::string reason =
+        absl::StrCat("task ", peer.task, " gave the idle channel back: ", probe.response.reason());
+    VLOG(1) << "grpc+verbs: send channel: " << reason;
+    engine_->Post([this, id, reason] {
+      if (protocol::Channel* c = table_->Find(id)) c->Close(absl::CancelledError(reason));
+    });
+    return;
+  }
+  if (peer.idle_only) {
+    // Still its owner's: the only question asked. Silence, from an owner that may only be slow,
+    // leaves the channel as it is.
+    const uint64_t id = peer.channel_id;
+    if (!probe.status.ok()) return;
+    if (probe.response.open()) {
+      // Its owner keeps it (a peer whose idle time is longer, or off): ask again after another
+      // idle period, not every round.
+      engine_->Post([this, id] {
+        if (protocol::Channel* c = table_->Find(id)) c->RestartIdle();
+      });
+      return;
+    }
+    const std::string reason =
+        absl::StrCat("task ", peer.task, " gave the idle channel back: ", probe.response.reason());
+    VLOG(1) << "grpc+verbs: send channel: " << reason;
+    engine_->Post([this, id, reason] {
+      if (protocol::Channel* c = table_->Find(id)) c->Close(absl::CancelledError(reason));
+    });
+    return;
+  }
   if (peer.connecting) {
     // The peer does not know the channel yet, so only silence is a verdict: a peer that never
     // comes up fails the recvs waiting for the channel within the peer timeout, not at the

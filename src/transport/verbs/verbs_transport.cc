@@ -32,6 +32,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.channel.data_validation = config.data_validation;
   o.channel.message_slots = config.message_slots;
   o.channel.message_batch = config.message_batch;
+  o.channel.idle_close = config.channel_idle;
   o.channel.push = config.push;
   o.channel.push_max_destinations = config.push_max_destinations;
   o.channel.push_max_bytes = config.push_max_bytes;
