@@ -34,7 +34,8 @@ ChannelTable::ProbeAnswer ChannelTable::ProbeOwned(const std::string& task, uint
       it->second->peer_task() == task) {
     const Channel& owned = *it->second;
     if (!owned.ClosedForProbes()) return {true, ""};
-    return {false, std::string(owned.close_status().message())};
+    return {false, std::string(owned.close_status().message()),
+            owned.close_status().code() == absl::StatusCode::kCancelled};
   }
   return {false, "no such channel (it was closed and replaced, or this task restarted)"};
 }

@@ -60,6 +60,7 @@ class ChannelTable {
   struct ProbeAnswer {
     bool open = false;
     std::string reason;
+    bool routine = false;  // closed with Cancelled (given back, replaced), not an error
   };
   // Of the channel `id` this task owns towards `task`.
   ProbeAnswer ProbeOwned(const std::string& task, uint64_t id) const;

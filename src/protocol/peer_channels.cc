@@ -315,6 +315,7 @@ void PeerChannels::CheckChannel(const proto::CheckChannelRequest& request,
           : table_->ProbeAccepted(request.task_name(), request.channel_id());
   response->set_open(answer.open);
   if (!answer.open) response->set_reason(answer.reason);
+  response->set_closed_as_routine(answer.routine);
 }
 
 std::vector<PeerChannels::Probe> PeerChannels::PendingPeers() const {

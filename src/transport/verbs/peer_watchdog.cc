@@ -129,11 +129,17 @@ void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& 
 void PeerWatchdog::Judge(const Probe& probe) {
   const protocol::PeerChannels::Probe& peer = probe.peer;
   absl::Status verdict;
-  if (peer.idle && probe.status.ok() && !probe.response.open() &&
-      probe.response.incarnation() == peer.incarnation) {
+  // An idle accepted channel whose owner's end is gone, or one whose owner closed its end as
+  // routine (given back idle, replaced), is closed as routine: the owner's own close was the
+  // news, and an acceptor whose idle time started a little later than its owner's would
+  // otherwise count the give-back as an error. One probed for that alone that its owner keeps is
+  // asked again after another idle period, not every round; silence, from an owner that may only be
+  // slow, leaves it as it is.
+  if ((peer.idle || (peer.accepting && probe.response.closed_as_routine())) && probe.status.ok() &&
+      !probe.response.open()) {
     const uint64_t id = peer.channel_id;
-    const std::string reason =
-        absl::StrCat("task ", peer.task, " gave the idle channel back: ", probe.response.reason());
+    const std::string reason = absl::StrCat(
+        "task ", peer.task, " closed its end of the channel: ", probe.response.reason());
     VLOG(1) << "grpc+verbs: send channel: " << reason;
     engine_->Post([this, id, reason] {
       if (protocol::Channel* c = table_->Find(id)) c->Close(absl::CancelledError(reason));
@@ -141,23 +147,10 @@ void PeerWatchdog::Judge(const Probe& probe) {
     return;
   }
   if (peer.idle_only) {
-    // Still its owner's: the only question asked. Silence, from an owner that may only be slow,
-    // leaves the channel as it is.
-    const uint64_t id = peer.channel_id;
     if (!probe.status.ok()) return;
-    if (probe.response.open()) {
-      // Its owner keeps it (a peer whose idle time is longer, or off): ask again after another
-      // idle period, not every round.
-      engine_->Post([this, id] {
-        if (protocol::Channel* c = table_->Find(id)) c->RestartIdle();
-      });
-      return;
-    }
-    const std::string reason =
-        absl::StrCat("task ", peer.task, " gave the idle channel back: ", probe.response.reason());
-    VLOG(1) << "grpc+verbs: send channel: " << reason;
-    engine_->Post([this, id, reason] {
-      if (protocol::Channel* c = table_->Find(id)) c->Close(absl::CancelledError(reason));
+    const uint64_t id = peer.channel_id;
+    engine_->Post([this, id] {
+      if (protocol::Channel* c = table_->Find(id)) c->RestartIdle();
     });
     return;
   }

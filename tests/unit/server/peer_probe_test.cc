@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/common/status_macros.h"
 #include "src/server/server.h"
 #include "tensorverbs/placement.h"
 #include "tests/support/delaying_proxy.h"
@@ -27,59 +28,62 @@ ServerOptions Options(const std::string& cluster, int task) {
   return options;
 }
 
-// Each connection to task 1 goes through a proxy that holds it 2.5 s before task 1 sees it:
-// longer than gRPC's whole reconnect backoff (1 s), so a connection attempt bounded by the
-// backoff would time out every time and the probe would never be answered.
-TEST(PeerProbe, APeerSlowerToAnswerAConnectionThanTheReconnectBackoffIsReached) {
-  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  constexpr absl::Duration kHold = absl::Milliseconds(2500);
-  auto proxy = testing::DelayingProxy::Start((*ports)[1], kHold);
-  ASSERT_TRUE(proxy.ok()) << proxy.status();
-  const std::string cluster =
-      absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*proxy)->port());
-  ServerOptions slow = Options(cluster, 1);
-  slow.listen_address = absl::StrCat("127.0.0.1:", (*ports)[1]);
-  absl::StatusOr<std::unique_ptr<Server>> peer = Server::Create(slow);
-  ASSERT_TRUE(peer.ok()) << peer.status();
-  absl::StatusOr<std::unique_ptr<Server>> prober = Server::Create(Options(cluster, 0));
-  ASSERT_TRUE(prober.ok()) << prober.status();
+// Task 0 (the prober) and task 1 (the peer), with every connection to task 1 through a
+// DelayingProxy holding it `hold` (the first `freeze` of them going silent once set up).
+struct ProxiedPair {
+  std::unique_ptr<testing::DelayingProxy> proxy;
+  std::unique_ptr<Server> peer;
+  std::unique_ptr<Server> prober;
 
+  static absl::StatusOr<ProxiedPair> Start(absl::Duration hold, int freeze,
+                                           absl::Duration prober_peer_timeout) {
+    ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(2));
+    ProxiedPair pair;
+    ASSIGN_OR_RETURN(pair.proxy, testing::DelayingProxy::Start(ports[1], hold, freeze));
+    const std::string cluster =
+        absl::StrCat("worker=127.0.0.1:", ports[0], ",127.0.0.1:", pair.proxy->port());
+    ServerOptions peer = Options(cluster, 1);
+    peer.listen_address = absl::StrCat("127.0.0.1:", ports[1]);
+    ASSIGN_OR_RETURN(pair.peer, Server::Create(peer));
+    ServerOptions prober = Options(cluster, 0);
+    prober.transfer.peer_timeout = prober_peer_timeout;
+    ASSIGN_OR_RETURN(pair.prober, Server::Create(prober));
+    return pair;
+  }
+  ~ProxiedPair() {
+    if (prober) prober->Stop();
+    if (peer) peer->Stop();
+  }
+  ProxiedPair() = default;
+  ProxiedPair(ProxiedPair&&) = default;
+};
+
+// Each connection to task 1 is held 2.5 s before task 1 sees it: longer than gRPC's whole
+// reconnect backoff (1 s), so a connection attempt bounded by the backoff would time out every
+// time and the probe would never be answered.
+TEST(PeerProbe, APeerSlowerToAnswerAConnectionThanTheReconnectBackoffIsReached) {
+  constexpr absl::Duration kHold = absl::Milliseconds(2500);
+  absl::StatusOr<ProxiedPair> pair = ProxiedPair::Start(kHold, 0, absl::Seconds(10));
+  ASSERT_TRUE(pair.ok()) << pair.status();
   const absl::Time start = absl::Now();
-  const absl::Status s = (*prober)->WaitForPeers(absl::Seconds(15));
+  const absl::Status s = pair->prober->WaitForPeers(absl::Seconds(15));
   const absl::Duration took = absl::Now() - start;
   EXPECT_TRUE(s.ok()) << s;
   EXPECT_GE(took, kHold);
   // One attempt waited the hold out; an attempt given up early leaves another connection.
-  EXPECT_LE((*proxy)->connections_seen(), 2) << "took " << took;
-  (*prober)->Stop();
-  (*peer)->Stop();
+  EXPECT_LE(pair->proxy->connections_seen(), 2) << "took " << took;
 }
 
 // Task 1's first connection goes silent once set up, with the probe on it: the keepalive finds
 // it dead after the peer timeout (1 s here) and the call fails UNAVAILABLE. The peer is slow,
 // not gone; the probe asks again over a new connection and the wait succeeds.
 TEST(PeerProbe, AProbeWhoseConnectionWentSilentAsksAgainUntilTheDeadline) {
-  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  auto proxy = testing::DelayingProxy::Start((*ports)[1], absl::ZeroDuration(), /*freeze=*/1);
-  ASSERT_TRUE(proxy.ok()) << proxy.status();
-  const std::string cluster =
-      absl::StrCat("worker=127.0.0.1:", (*ports)[0], ",127.0.0.1:", (*proxy)->port());
-  ServerOptions slow = Options(cluster, 1);
-  slow.listen_address = absl::StrCat("127.0.0.1:", (*ports)[1]);
-  absl::StatusOr<std::unique_ptr<Server>> peer = Server::Create(slow);
-  ASSERT_TRUE(peer.ok()) << peer.status();
-  ServerOptions prober_options = Options(cluster, 0);
-  prober_options.transfer.peer_timeout = absl::Seconds(1);
-  absl::StatusOr<std::unique_ptr<Server>> prober = Server::Create(prober_options);
-  ASSERT_TRUE(prober.ok()) << prober.status();
-
-  const absl::Status s = (*prober)->WaitForPeers(absl::Seconds(20));
+  absl::StatusOr<ProxiedPair> pair =
+      ProxiedPair::Start(absl::ZeroDuration(), /*freeze=*/1, absl::Seconds(1));
+  ASSERT_TRUE(pair.ok()) << pair.status();
+  const absl::Status s = pair->prober->WaitForPeers(absl::Seconds(20));
   EXPECT_TRUE(s.ok()) << s;
-  EXPECT_GE((*proxy)->connections_seen(), 2) << "the first connection was not the one frozen";
-  (*prober)->Stop();
-  (*peer)->Stop();
+  EXPECT_GE(pair->proxy->connections_seen(), 2) << "the first connection was not the one frozen";
 }
 
 // A task waits for the peers it names and for no other: task 2 of three never starts.
