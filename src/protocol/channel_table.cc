@@ -43,15 +43,13 @@ ChannelTable::ProbeAnswer ChannelTable::ProbeOwned(const std::string& task, uint
 ChannelTable::ProbeAnswer ChannelTable::ProbeAccepted(const std::string& task,
                                                       uint64_t peer_channel_id) const {
   MutexLock lock(&probe_mu_);
-  for (const auto& [id, c] : channels_) {
-    if (c->role() == Channel::Role::kAcceptor && c->peer_task() == task &&
-        c->peer_channel_id() == peer_channel_id) {
-      if (!c->ClosedForProbes()) return {true, ""};
-      return {false, std::string(c->close_status().message())};
-    }
+  if (const Channel* c = FindAccepted(task, peer_channel_id)) {
+    if (!c->ClosedForProbes()) return {true, ""};
+    return {false, std::string(c->close_status().message())};
   }
-  auto why = closed_accepted_.find({task, peer_channel_id});
-  if (why != closed_accepted_.end()) return {false, std::string(why->second.message())};
+  if (const absl::Status* why = WhyAcceptedClosed(task, peer_channel_id)) {
+    return {false, std::string(why->message())};
+  }
   return {false, "no such channel (this task restarted?)"};
 }
 
@@ -80,6 +78,10 @@ Channel* ChannelTable::OwnerFor(const std::string& task) const {
 
 Channel* ChannelTable::AcceptedFrom(const std::string& task, uint64_t peer_channel_id) const {
   AssertOnLoop();
+  return FindAccepted(task, peer_channel_id);
+}
+
+Channel* ChannelTable::FindAccepted(const std::string& task, uint64_t peer_channel_id) const {
   for (const auto& [id, c] : channels_) {
     if (c->role() == Channel::Role::kAcceptor && c->peer_task() == task &&
         c->peer_channel_id() == peer_channel_id) {

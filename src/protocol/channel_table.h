@@ -101,6 +101,8 @@ class ChannelTable {
 
  private:
   void AssertOnLoop() const;
+  // AcceptedFrom's lookup, for the progress thread or a holder of probe_mu_.
+  Channel* FindAccepted(const std::string& task, uint64_t peer_channel_id) const;
 
   const std::function<bool()> on_owner_thread_;
   uint64_t next_id_ = 1;

@@ -135,18 +135,9 @@ void PeerWatchdog::Judge(const Probe& probe) {
   // otherwise count the give-back as an error. One probed for that alone that its owner keeps is
   // asked again after another idle period, not every round; silence, from an owner that may only be
   // slow, leaves it as it is.
-  if ((peer.idle || (peer.accepting && probe.response.closed_as_routine())) && probe.status.ok() &&
-      !probe.response.open()) {
-    const uint64_t id = peer.channel_id;
-    const std::string reason = absl::StrCat(
-        "task ", peer.task, " closed its end of the channel: ", probe.response.reason());
-    VLOG(1) << "grpc+verbs: send channel: " << reason;
-    engine_->Post([this, id, reason] {
-      if (protocol::Channel* c = table_->Find(id)) c->Close(absl::CancelledError(reason));
-    });
-    return;
-  }
-  if (peer.idle_only) {
+  const bool routine = (peer.idle || (peer.accepting && probe.response.closed_as_routine())) &&
+                       probe.status.ok() && !probe.response.open();
+  if (peer.idle_only && !routine) {
     if (!probe.status.ok()) return;
     const uint64_t id = peer.channel_id;
     engine_->Post([this, id] {
@@ -176,8 +167,10 @@ void PeerWatchdog::Judge(const Probe& probe) {
         "are gone",
         peer.task, peer.incarnation, probe.response.incarnation()));
   } else if (!probe.response.open()) {
-    verdict = absl::UnavailableError(absl::StrCat(
-        "task ", peer.task, " closed its end of the channel: ", probe.response.reason()));
+    verdict =
+        absl::Status(routine ? absl::StatusCode::kCancelled : absl::StatusCode::kUnavailable,
+                     absl::StrCat("task ", peer.task,
+                                  " closed its end of the channel: ", probe.response.reason()));
   }
   if (verdict.ok()) return;
   // Only silence says the peer is gone; a restart or a closed end says it is alive.
