@@ -6,8 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "src/common/status_macros.h"
@@ -19,7 +21,7 @@ namespace {
 
 constexpr char kIp[] = "/usr/sbin/ip";
 
-absl::Status Ip(const std::vector<std::string>& args) {
+absl::StatusOr<std::string> IpOutput(const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
                    support::Subprocess::Start(kIp, args));
   std::string out = child->ReadAll(absl::Seconds(20));
@@ -28,7 +30,18 @@ absl::Status Ip(const std::vector<std::string>& args) {
     return absl::UnavailableError(
         absl::StrCat("`ip ", absl::StrJoin(args, " "), "` failed (exit ", rc, ")"));
   }
-  return absl::OkStatus();
+  return out;
+}
+
+absl::Status Ip(const std::vector<std::string>& args) { return IpOutput(args).status(); }
+
+// The metric of the route that keeps a host's subnet from leaking while its link is down. It
+// must lose to the kernel's connected route (metric 0) while the link is up.
+constexpr char kFallbackMetric[] = "4096";
+
+// The first three octets of the addresses process `pid` hands out: "10.<b>.<c>.".
+std::string AddressPrefix(int pid) {
+  return absl::StrCat("10.", 200 + pid % 50, ".", (pid / 50) % 250, ".");
 }
 
 // A process-wide count of the hosts and clusters made, part of every interface name. A
@@ -70,9 +83,9 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
   const std::string local_if = InterfaceName("tvh", pid, generation, 'n', index);
   const std::string remote_if = InterfaceName("tvp", pid, generation, 'n', index);
   // A /30 per host inside 10.<200+..>.x.y, derived from the pid so that concurrent runs differ.
-  const int b = 200 + pid % 50, c = (pid / 50) % 250, d = index * 4;
-  host->local_address_ = absl::StrCat("10.", b, ".", c, ".", d + 1);
-  host->remote_address_ = absl::StrCat("10.", b, ".", c, ".", d + 2);
+  const int d = index * 4;
+  host->local_address_ = absl::StrCat(AddressPrefix(pid), d + 1);
+  host->remote_address_ = absl::StrCat(AddressPrefix(pid), d + 2);
   const std::string ns = host->name_;
   RETURN_IF_ERROR(Ip({"netns", "add", ns}));
   host->created_ = true;
@@ -81,6 +94,12 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
   RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
   RETURN_IF_ERROR(Ip({"addr", "add", host->local_address_ + "/30", "dev", local_if}));
   RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
+  // Taking the link down deletes the kernel's route to the subnet; without this one, packets to
+  // the far end would then follow this namespace's default route out of the machine, where
+  // whatever answers (a gateway, a proxy replying HTTP 404 to gRPC) is not a partition.
+  const std::string subnet = absl::StrCat(AddressPrefix(pid), d, "/30");
+  RETURN_IF_ERROR(Ip({"route", "add", "unreachable", subnet, "metric", kFallbackMetric}));
+  host->fallback_route_ = subnet;
   RETURN_IF_ERROR(Ip(
       {"netns", "exec", ns, kIp, "addr", "add", host->remote_address_ + "/30", "dev", remote_if}));
   RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
@@ -94,6 +113,9 @@ NetnsHost::~NetnsHost() {
   // Deleting one end of a veth pair deletes both at once; the namespace's own deletion would
   // take them only when the kernel gets to freeing it.
   if (!local_if_.empty()) (void)Ip({"link", "del", local_if_});
+  if (!fallback_route_.empty()) {
+    (void)Ip({"route", "del", "unreachable", fallback_route_, "metric", kFallbackMetric});
+  }
   if (created_) (void)Ip({"netns", "del", name_});
 }
 
@@ -113,7 +135,6 @@ absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
   if (hosts < 1 || hosts > 200) return absl::InvalidArgumentError("1..200 netns hosts");
   auto cluster = std::unique_ptr<NetnsCluster>(new NetnsCluster);
   const int pid = static_cast<int>(getpid());
-  const int b = 200 + pid % 50, c = (pid / 50) % 250;
   const int generation = NextGeneration();
   cluster->bridge_ = InterfaceName("tvb", pid, generation, 'b', 0);
   RETURN_IF_ERROR(Ip({"link", "add", "name", cluster->bridge_, "type", "bridge"}));
@@ -122,7 +143,7 @@ absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
     const std::string ns = absl::StrCat(NamespacePrefix(pid), generation, "c", i);
     const std::string local_if = InterfaceName("tvh", pid, generation, 'c', i);
     const std::string remote_if = InterfaceName("tvp", pid, generation, 'c', i);
-    const std::string address = absl::StrCat("10.", b, ".", c, ".", i + 1);
+    const std::string address = absl::StrCat(AddressPrefix(pid), i + 1);
     RETURN_IF_ERROR(Ip({"netns", "add", ns}));
     cluster->namespaces_.push_back(ns);
     cluster->addresses_.push_back(address);
@@ -161,6 +182,17 @@ void RemoveNetnsOf(int pid) {
   }
   for (const std::string& ns : support::EntriesStartingWith("/run/netns", NamespacePrefix(pid))) {
     (void)Ip({"netns", "del", ns});
+  }
+  absl::StatusOr<std::string> routes = IpOutput({"route", "show", "type", "unreachable"});
+  if (!routes.ok()) return;
+  for (absl::string_view line : absl::StrSplit(*routes, '\n', absl::SkipWhitespace())) {
+    // "unreachable 10.b.c.d/30 metric 4096"
+    std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    if (words.size() >= 4 && words[0] == "unreachable" &&
+        absl::StartsWith(words[1], AddressPrefix(pid)) && words[2] == "metric" &&
+        words[3] == kFallbackMetric) {
+      (void)Ip({"route", "del", "unreachable", words[1], "metric", kFallbackMetric});
+    }
   }
 }
 

@@ -30,8 +30,9 @@ class NetnsHost {
   const std::string& remote_address() const { return remote_address_; }
   // Prepended to a command line to run it inside the namespace.
   std::vector<std::string> ExecPrefix() const;
-  // Takes the host's end of the link down (a partition: packets are dropped, connections see
-  // silence, not resets) or back up (healed).
+  // Takes the host's end of the link down (a partition: established connections see silence,
+  // not resets, and new ones fail "no route to host" rather than leave the machine) or back up
+  // (healed).
   absl::Status SetLinkUp(bool up);
 
  private:
@@ -40,6 +41,7 @@ class NetnsHost {
   std::string local_if_;  // the host's end of the veth pair, deleted first on destruction
   std::string local_address_;
   std::string remote_address_;
+  std::string fallback_route_;  // the unreachable route to the subnet, under the link's own
   bool created_ = false;
 };
 

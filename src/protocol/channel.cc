@@ -252,6 +252,18 @@ void Channel::HandleMessage(Message& m) {
                    receiving_ != nullptr ? "it sends tensors" : "it receives them")));
 }
 
+bool Channel::MessagesUnacknowledgedFor(absl::Duration limit, absl::Time now) {
+  if (limit <= absl::ZeroDuration() || state_ != State::kReady || mb_ == nullptr) return false;
+  const uint64_t acked = mb_->acknowledged();
+  if (mb_->sent() == acked || acked != ack_watch_count_ ||
+      ack_watch_since_ == absl::InfinitePast()) {
+    ack_watch_count_ = acked;
+    ack_watch_since_ = now;
+    return false;
+  }
+  return now - ack_watch_since_ > limit;
+}
+
 bool Channel::NoteIdle(absl::Time now) {
   const absl::Duration limit = env_->options.idle_close;
   idle_ = false;

@@ -131,6 +131,11 @@ class Channel {
   // idle_close; false while that is zero. Remembered for idle() until the next call.
   bool NoteIdle(absl::Time now);
   bool idle() const { return idle_; }
+  // Housekeeping: whether the peer has acknowledged none of the control messages this side
+  // wrote for longer than `limit` (no limit when not positive). A peer's loop acknowledges each
+  // message in the turn it lands, so a message unanswered that long was lost on the way, as
+  // over a shared connection that broke under it, while the peer's process still answers probes.
+  bool MessagesUnacknowledgedFor(absl::Duration limit, absl::Time now);
   // The idle time starts over (its acceptor asked, and the owner keeps the channel).
   void RestartIdle() {
     idle_since_ = absl::InfinitePast();
@@ -206,6 +211,10 @@ class Channel {
   uint64_t idle_traffic_ = 0;
   absl::Time idle_since_ = absl::InfinitePast();
   bool idle_ = false;
+  // MessagesUnacknowledgedFor's view: the acknowledged count it last saw, and since when it has
+  // not moved with messages outstanding.
+  uint64_t ack_watch_count_ = 0;
+  absl::Time ack_watch_since_ = absl::InfinitePast();
   State state_ = State::kConnecting;
   bool reap_posted_ = false;
   absl::Status closing_;  // CloseAfterThisTurn's reason, until the close runs

@@ -123,6 +123,7 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
   AssertOnLoop();
   std::vector<uint64_t> closed;
   std::vector<Channel*> idle;
+  std::vector<Channel*> unanswered;
   for (auto& [id, channel] : channels_) {
     if (channel->state() == Channel::State::kClosed) {
       closed.push_back(id);
@@ -139,6 +140,16 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
     if (channel->NoteIdle(now) && channel->role() == Channel::Role::kOwner) {
       idle.push_back(channel.get());
     }
+    if (channel->MessagesUnacknowledgedFor(channel->env()->transfer.peer_timeout, now)) {
+      unanswered.push_back(channel.get());
+    }
+  }
+  for (Channel* channel : unanswered) {
+    channel->Close(absl::UnavailableError(absl::StrCat(
+        "task ", channel->peer_task(), " acknowledged no control message for ",
+        absl::FormatDuration(channel->env()->transfer.peer_timeout),
+        " (TENSORVERBS_PEER_TIMEOUT_MS): the fabric path to it lost them; the next recv sets "
+        "the channel up again")));
   }
   for (Channel* channel : idle) {
     VLOG(1) << channel->Describe() << " idle: given back";

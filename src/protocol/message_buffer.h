@@ -102,6 +102,7 @@ class MessageBuffer {
   size_t pending() const { return queued() + (tx_sent_ - tx_acked_); }
   // Slots written / received, and messages sent / received, over the buffer's life.
   uint64_t sent() const { return tx_sent_; }
+  uint64_t acknowledged() const { return tx_acked_; }
   uint64_t received() const { return rx_received_; }
   uint64_t messages_sent() const { return tx_messages_; }
   // Times messages waited for a free slot (every slot of the peer busy, or this side's copy of

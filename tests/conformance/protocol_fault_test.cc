@@ -196,6 +196,40 @@ TEST_P(WrittenContentFaultTest, CorruptedWritesAreCaughtByTheCodecOrTheChecksum)
   EXPECT_GT(checksum_failures, 0) << "a corrupted content write fails its recv with DataLoss";
 }
 
+// A request the fabric loses (here its immediate: the peer never learns it landed) is
+// never acknowledged: the channel closes within about the peer timeout, naming the peer, instead
+// of leaving the recv to wait for its deadline, while the peer's process answers every probe.
+// Over tcp;ofi_rxm, a connection that a peer's late write to a withdrawn key broke lost the
+// first request of the next channel this way (PartitionTest). The sender never saw the request,
+// so the same recv made again finds its tensor.
+TEST_P(WrittenContentFaultTest,
+       ARequestThePeerNeverAcknowledgesClosesTheChannelWithinThePeerTimeout) {
+  recv_timeout_ = absl::Seconds(60);
+  StartCluster(2, [](ServerOptions& o) { o.transfer.peer_timeout = absl::Seconds(1); });
+  ASSERT_FALSE(HasFatalFailure());
+  fabric::loopback::Faults lose_first;
+  lose_first.drop_imm_nth = 1;  // the receiver's first message: its request
+  fabric::loopback::SetFaults(transport(0).domain_for_testing(), lose_first);
+  Tensor t = PoolTensor(1, DataType::kFloat32, {4096}, 1);
+  ASSERT_TRUE(Step(1, 1)->Send(Key(1, "f"), t).ok());
+  const absl::Time start = absl::Now();
+  {
+    PendingRecv lost(*Step(0, 1), Key(1, "f"));
+    ASSERT_TRUE(lost.Wait(absl::Seconds(30))) << "the recv hung";
+    const absl::Duration took = absl::Now() - start;
+    EXPECT_EQ(lost.status().code(), absl::StatusCode::kUnavailable) << lost.status();
+    EXPECT_THAT(lost.status().message(), HasSubstr("acknowledged no control message"));
+    EXPECT_THAT(lost.status().message(), HasSubstr("task:1"));
+    EXPECT_LT(took, absl::Seconds(20)) << "failed at the recv's deadline, not the peer timeout";
+    std::printf("the recv whose request was lost failed after %s\n",
+                absl::FormatDuration(took).c_str());
+  }
+  PendingRecv again(*Step(0, 1), Key(1, "f"));
+  ASSERT_TRUE(again.Wait(absl::Seconds(30))) << "the recv made again hung";
+  ASSERT_TRUE(again.status().ok()) << again.status();
+  EXPECT_TRUE(again.tensor().ContentEquals(t));
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, WrittenContentFaultTest,
                          ::testing::ValuesIn(Combine(With(&ProtocolDesign::content_by_write),
                                                      {&kLoopback})),

@@ -3,10 +3,14 @@
 // skips (saying why) where namespaces cannot be made.
 #include "tools/netns.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -53,6 +57,45 @@ TEST_F(NetnsTest, AToolKilledAtItsDeadlineLeavesNoNamespaceBehind) {
       << "namespace of pid " << pid << " left behind";
   EXPECT_NE(access(absl::StrCat("/sys/class/net/tvh", pid % 100000, "x0n0").c_str(), F_OK), 0)
       << "veth of pid " << pid << " left behind";
+  // Nor the route that stands in for its link while the link is down.
+  absl::StatusOr<std::unique_ptr<Subprocess>> ip =
+      Subprocess::Start("/usr/sbin/ip", {"route", "show", "type", "unreachable"});
+  ASSERT_TRUE(ip.ok()) << ip.status();
+  const std::string routes = (*ip)->ReadAll(absl::Seconds(10));
+  ASSERT_TRUE((*ip)->Wait(absl::Seconds(10)).ok());
+  EXPECT_THAT(routes, ::testing::Not(HasSubstr(absl::StrCat(
+                          "10.", 200 + pid % 50, ".", (pid / 50) % 250, ".0/30 metric 4096"))))
+      << "route of pid " << pid << " left behind";
+}
+
+// A partition drops a host off the network; it must not send its traffic anywhere else. With the
+// link down the kernel deletes its route to the host, and the machine's default route would
+// otherwise carry connections out to whatever answers there (here, a gateway that replies HTTP
+// 404 to gRPC, which once turned a partition into UNIMPLEMENTED).
+TEST_F(NetnsTest, APartitionedHostIsUnreachableNotReachedOverTheDefaultRoute) {
+  absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(62);
+  ASSERT_TRUE(host.ok()) << host.status();
+  // Nothing listens at this port inside the namespace: a connection that reaches the host is
+  // refused, one that cannot is unreachable, and one that connects went somewhere else.
+  auto connect_errno = [&]() {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(61711);
+    inet_pton(AF_INET, (*host)->remote_address().c_str(), &to.sin_addr);
+    timeval limit{.tv_sec = 5, .tv_usec = 0};
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+    const int rc = connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to));
+    const int error = rc == 0 ? 0 : errno;
+    close(fd);
+    return error;
+  };
+  EXPECT_EQ(connect_errno(), ECONNREFUSED) << "the host is not reached while its link is up";
+  ASSERT_TRUE((*host)->SetLinkUp(false).ok());
+  EXPECT_EQ(connect_errno(), EHOSTUNREACH) << "a partitioned host was connected to elsewhere";
+  ASSERT_TRUE((*host)->SetLinkUp(true).ok());
+  // The kernel's route comes back with the link, ahead of the stand-in.
+  EXPECT_EQ(connect_errno(), ECONNREFUSED) << "the healed host is not reached again";
 }
 
 TEST_F(NetnsTest, P2PCrossesAVethPairOverTcp) {
