@@ -98,6 +98,7 @@ class IbvDomain final : public Domain {
   absl::StatusOr<bool> PrepareToSleep(std::vector<pollfd>* fds, absl::Duration* timeout) override {
     (void)timeout;
     bool ready = false;
+    if (shared_->cq != nullptr) ready |= ArmSharedAndCheck();
     for (IbvEndpoint* ep : shared_->endpoints) ready |= ep->ArmAndCheck();
     if (ready) return false;
     fds->push_back({shared_->channel->fd, POLLIN, 0});
@@ -114,6 +115,14 @@ class IbvDomain final : public Domain {
     ibv_cq* cq = nullptr;
     void* cq_context = nullptr;
     while (ibv_get_cq_event(shared_->channel, &cq, &cq_context) == 0) {
+      if (cq == shared_->cq) {
+        // Acknowledging takes a lock in the library: once per batch, not per event.
+        if (++shared_->cq_unacked_events >= kEventAckBatch) {
+          ibv_ack_cq_events(shared_->cq, shared_->cq_unacked_events);
+          shared_->cq_unacked_events = 0;
+        }
+        continue;
+      }
       for (IbvEndpoint* ep : shared_->endpoints) {
         if (ep->cq() == cq) ep->AckEvent();
       }
@@ -125,15 +134,75 @@ class IbvDomain final : public Domain {
   absl::StatusOr<size_t> Poll(absl::Span<Completion> out) override {
     ReadAsyncEvents();
     size_t produced = 0;
+    if (shared_->cq != nullptr) produced += PollShared(out);
     const size_t n = shared_->endpoints.size();
     for (size_t i = 0; i < n && produced < out.size(); ++i) {
       produced += shared_->endpoints[(next_ + i) % n]->Progress(out.subspan(produced));
     }
     if (n > 0) next_ = (next_ + 1) % n;
+    // Only endpoints with operations under way have anything to issue, report or time out, so
+    // an idle turn costs the same with ten channels or ten thousand. Each issues what its queue
+    // holds even when `out` is full, as the CQ's completions gave room back.
+    std::vector<IbvEndpoint*>& active = shared_->active;
+    for (size_t i = 0; i < active.size();) {
+      IbvEndpoint* ep = active[i];
+      produced += ep->Drain(out.subspan(produced));
+      if (ep->idle()) {
+        ep->active = false;
+        active[i] = active.back();
+        active.pop_back();
+      } else {
+        ++i;
+      }
+    }
     return produced;
   }
 
  private:
+  static constexpr unsigned int kEventAckBatch = 64;
+
+  // The shared CQ's completions, stashed first, each handed to its queue pair's endpoint; one of
+  // a queue pair that is gone is dropped (its room given back all the same).
+  size_t PollShared(absl::Span<Completion> out) {
+    size_t produced = 0;
+    std::vector<ibv_wc>& stash = shared_->stash;
+    ibv_wc wc[32];
+    while (produced < out.size()) {
+      const int room = static_cast<int>(std::min<size_t>(32, out.size() - produced));
+      int n;
+      if (!stash.empty()) {
+        n = std::min(static_cast<int>(stash.size()), room);
+        std::copy_n(stash.begin(), n, wc);
+        stash.erase(stash.begin(), stash.begin() + n);
+      } else {
+        n = ibv_poll_cq(shared_->cq, room, wc);
+      }
+      if (n < 0) {
+        LOG(WARNING) << "ibverbs: ibv_poll_cq failed on " << shared_->selection.device;
+        break;
+      }
+      if (n == 0) break;
+      for (int i = 0; i < n; ++i) {
+        GiveBack(*shared_, wc[i]);
+        auto it = shared_->by_qp.find(wc[i].qp_num);
+        if (it != shared_->by_qp.end() && it->second->Handle(wc[i], &out[produced])) ++produced;
+      }
+    }
+    return produced;
+  }
+
+  // Arms the shared CQ, then collects what arrived before arming (a completion that raced the
+  // arming would raise no event). Returns whether anything is ready.
+  bool ArmSharedAndCheck() {
+    if (ibv_req_notify_cq(shared_->cq, 0) != 0) return true;  // cannot arm: let the caller poll
+    ibv_wc wc[32];
+    int n;
+    while ((n = ibv_poll_cq(shared_->cq, 32, wc)) > 0) {
+      shared_->stash.insert(shared_->stash.end(), wc, wc + n);
+    }
+    return !shared_->stash.empty();
+  }
+
   absl::StatusOr<ibv_mr*> Register(void* addr, size_t length, int flags) {
     ibv_mr* mr = ibv_reg_mr(shared_->pd, addr, length, flags);
     if (mr == nullptr) {
@@ -153,15 +222,14 @@ class IbvDomain final : public Domain {
         case IBV_EVENT_QP_FATAL:
         case IBV_EVENT_QP_REQ_ERR:
         case IBV_EVENT_QP_ACCESS_ERR:
-          for (IbvEndpoint* ep : shared_->endpoints) {
-            if (ep->qp_num() == event.element.qp->qp_num) {
-              ep->SetError(
-                  absl::UnavailableError(absl::StrCat("ibverbs: queue pair error: ", what)));
-            }
+          if (auto it = shared_->by_qp.find(event.element.qp->qp_num); it != shared_->by_qp.end()) {
+            it->second->SetError(
+                absl::UnavailableError(absl::StrCat("ibverbs: queue pair error: ", what)));
           }
           break;
         case IBV_EVENT_DEVICE_FATAL:
         case IBV_EVENT_PORT_ERR:
+        case IBV_EVENT_SRQ_ERR:  // every channel's receives are on it
           if (shared_->device_error.ok()) {
             shared_->device_error = absl::UnavailableError(
                 absl::StrCat("ibverbs (", shared_->selection.device, " port ",
@@ -180,6 +248,44 @@ class IbvDomain final : public Domain {
   Capabilities caps_;
   size_t next_ = 0;
 };
+
+// One completion queue and one shared receive queue for every queue pair of the domain, where the
+// device has shared receive queues and a CQ large enough for the receives and a useful number of
+// sends. Elsewhere each endpoint keeps its own (as before), which is logged once.
+absl::Status OpenSharedQueues(Shared& shared) {
+  const ibv_device_attr& attr = shared.attr;
+  const uint32_t srq_depth =
+      std::min<uint32_t>(kSrqDepth, static_cast<uint32_t>(std::max(attr.max_srq_wr, 0)));
+  const size_t max_cqe = static_cast<size_t>(std::max(attr.max_cqe, 0));
+  const size_t send_room = max_cqe > srq_depth + kSharedBindRoom
+                               ? std::min(kSharedSendRoom, max_cqe - srq_depth - kSharedBindRoom)
+                               : 0;
+  if (attr.max_srq <= 0 || srq_depth == 0 || send_room < kMinSharedSendRoom) {
+    LOG(INFO) << "ibverbs: " << shared.selection.device
+              << " has no shared receive queue (or too small a completion queue): each channel "
+                 "gets a completion queue and receive queue of its own";
+    return absl::OkStatus();
+  }
+  ibv_srq_init_attr init{};
+  init.attr.max_wr = srq_depth;
+  init.attr.max_sge = 1;
+  shared.srq = ibv_create_srq(shared.pd, &init);
+  if (shared.srq == nullptr) {
+    LOG(INFO) << "ibverbs: " << Errno("ibv_create_srq", errno)
+              << ": each channel gets a receive queue of its own";
+    return absl::OkStatus();
+  }
+  const int cqe = static_cast<int>(srq_depth + send_room + kSharedBindRoom);
+  shared.cq = ibv_create_cq(shared.ctx, cqe, nullptr, shared.channel, 0);
+  if (shared.cq == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(Errno("ibv_create_cq", errno), " (the domain's, of ", cqe, " entries)"));
+  }
+  shared.send_room = send_room;
+  shared.bind_room = kSharedBindRoom;
+  for (uint32_t i = 0; i < srq_depth; ++i) RETURN_IF_ERROR(PostSharedReceive(shared));
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -226,6 +332,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenIbverbsDomain(const DomainOptions& o
   if (shared->channel == nullptr) {
     return absl::UnavailableError(Errno("ibv_create_comp_channel", errno));
   }
+  RETURN_IF_ERROR(OpenSharedQueues(*shared));
   // Both are read without blocking on the progress thread; Wait blocks on them with poll().
   for (int fd : {shared->ctx->async_fd, shared->channel->fd}) {
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);

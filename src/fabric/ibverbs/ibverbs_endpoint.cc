@@ -80,22 +80,53 @@ IbvEndpoint::IbvEndpoint(std::shared_ptr<Shared> shared)
       ops_(this, depth_, shared_->options.op_timeout,
            absl::StrCat("ibverbs (", shared_->selection.device, ")")) {}
 
+absl::Status PostSharedReceive(Shared& shared) {
+  ibv_recv_wr wr{};
+  wr.wr_id = kReceiveWrId;
+  wr.num_sge = 0;
+  ibv_recv_wr* bad = nullptr;
+  if (int e = ibv_post_srq_recv(shared.srq, &wr, &bad)) {
+    return absl::UnavailableError(Errno("ibv_post_srq_recv", e));
+  }
+  return absl::OkStatus();
+}
+
+void GiveBack(Shared& shared, const ibv_wc& w) {
+  if (w.wr_id == kReceiveWrId) {
+    // Consumed whether it succeeded or was flushed; the queue stays full.
+    if (absl::Status s = PostSharedReceive(shared); !s.ok()) {
+      LOG(WARNING) << "ibverbs (" << shared.selection.device << "): " << s;
+    }
+  } else if (w.wr_id == kBindWrId) {
+    ++shared.bind_room;
+  } else {
+    ++shared.send_room;
+  }
+}
+
 absl::Status IbvEndpoint::Init() {
-  const int cqe = std::min<int>(static_cast<int>(2 * depth_ + 16), shared_->attr.max_cqe);
-  cq_ = ibv_create_cq(shared_->ctx, cqe, nullptr, shared_->channel, 0);
-  if (cq_ == nullptr) return absl::ResourceExhaustedError(Errno("ibv_create_cq", errno));
+  const bool shared_cq = shared_->cq != nullptr;
+  if (shared_cq) {
+    cq_ = shared_->cq;
+  } else {
+    const int cqe = std::min<int>(static_cast<int>(2 * depth_ + 16), shared_->attr.max_cqe);
+    cq_ = ibv_create_cq(shared_->ctx, cqe, nullptr, shared_->channel, 0);
+    if (cq_ == nullptr) return absl::ResourceExhaustedError(Errno("ibv_create_cq", errno));
+  }
   ibv_qp_init_attr init{};
   init.send_cq = cq_;
   init.recv_cq = cq_;
+  init.srq = shared_->srq;
   init.qp_type = IBV_QPT_RC;
   // Room for memory window binds beside the operations, where the device allows it.
   init.cap.max_send_wr = static_cast<uint32_t>(std::min<size_t>(
       depth_ + (shared_->windows ? kBindSlack : 0), static_cast<size_t>(shared_->attr.max_qp_wr)));
-  init.cap.max_recv_wr = static_cast<uint32_t>(depth_);
+  init.cap.max_recv_wr = shared_cq ? 0 : static_cast<uint32_t>(depth_);
   init.cap.max_send_sge = 1;
-  init.cap.max_recv_sge = 1;
+  init.cap.max_recv_sge = shared_cq ? 0 : 1;
   qp_ = ibv_create_qp(shared_->pd, &init);
   if (qp_ == nullptr) return absl::ResourceExhaustedError(Errno("ibv_create_qp", errno));
+  qp_num_ = qp_->qp_num;
   ibv_qp_attr a{};
   a.qp_state = IBV_QPS_INIT;
   a.pkey_index = static_cast<uint16_t>(shared_->config.pkey_index);
@@ -107,29 +138,74 @@ absl::Status IbvEndpoint::Init() {
         absl::StrCat(Errno("moving the QP to INIT", e),
                      " (check RDMA_QP_PKEY_INDEX=", shared_->config.pkey_index, ")"));
   }
-  // Writes with immediate consume a receive each: keep the receive queue full.
-  for (size_t i = 0; i < depth_; ++i) RETURN_IF_ERROR(PostReceive());
+  // Writes with immediate consume a receive each: keep the receive queue full (the shared one
+  // is kept full by the domain).
+  if (!shared_cq) {
+    for (size_t i = 0; i < depth_; ++i) RETURN_IF_ERROR(PostReceive());
+  }
   std::random_device rd;
   psn_ = rd() & 0xFFFFFF;
-  shared_->endpoints.push_back(this);
+  if (!shared_cq) shared_->endpoints.push_back(this);
+  shared_->by_qp[qp_num_] = this;
   return absl::OkStatus();
 }
 
 IbvEndpoint::~IbvEndpoint() {
+  if (auto it = shared_->by_qp.find(qp_num_);
+      qp_ != nullptr && it != shared_->by_qp.end() && it->second == this) {
+    shared_->by_qp.erase(it);
+  }
   auto& eps = shared_->endpoints;
   eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
+  auto& active = shared_->active;
+  active.erase(std::remove(active.begin(), active.end(), this), active.end());
   if (qp_) ibv_destroy_qp(qp_);
-  if (cq_) {
+  if (cq_ != nullptr && own_cq()) {
     // Every CQ event taken from the channel must be acknowledged before destruction.
     if (unacked_events_ > 0) ibv_ack_cq_events(cq_, unacked_events_);
     ibv_destroy_cq(cq_);
+  } else if (qp_ != nullptr) {
+    ForgetCompletions();
   }
+}
+
+void IbvEndpoint::ForgetCompletions() {
+  // The device may reuse this queue pair's number at once: a completion of it left in the CQ
+  // would then reach the next endpoint given that number (a write with immediate of a closed
+  // channel as its successor's, or an operation record freed with this endpoint). Once the queue
+  // pair is destroyed nothing more of it enters the CQ, so take what is there now.
+  ibv_wc wc[32];
+  int n;
+  while ((n = ibv_poll_cq(cq_, 32, wc)) > 0) {
+    shared_->stash.insert(shared_->stash.end(), wc, wc + n);
+  }
+  auto& stash = shared_->stash;
+  auto mine = [this](const ibv_wc& w) { return w.qp_num == qp_num_; };
+  for (const ibv_wc& w : stash) {
+    if (!mine(w)) continue;
+    GiveBack(*shared_, w);
+    if (w.wr_id == kBindWrId) {
+      if (binds_out_ > 0) --binds_out_;
+    } else if (w.wr_id != kReceiveWrId && sends_out_ > 0) {
+      --sends_out_;
+    }
+  }
+  stash.erase(std::remove_if(stash.begin(), stash.end(), mine), stash.end());
+  // Work requests the queue pair took with it will never complete: their room is free.
+  shared_->send_room += sends_out_;
+  shared_->bind_room += binds_out_;
+  sends_out_ = binds_out_ = 0;
 }
 
 absl::StatusOr<std::pair<ibv_mw*, uint32_t>> IbvEndpoint::BindWindow(ibv_mr* mr, void* addr,
                                                                      size_t length, int access) {
   if (!connected_) return absl::FailedPreconditionError("ibverbs: endpoint is not connected");
   if (!qp_error_.ok()) return qp_error_;
+  if (!own_cq() && shared_->bind_room == 0) {
+    return absl::ResourceExhaustedError(
+        "ibverbs: the completion queue has no room for a memory window bind (every channel of "
+        "the domain is binding at once); try again");
+  }
   ibv_mw* mw = ibv_alloc_mw(shared_->pd, IBV_MW_TYPE_2);
   if (mw == nullptr) return absl::ResourceExhaustedError(Errno("ibv_alloc_mw", errno));
   const uint32_t rkey = ibv_inc_rkey(mw->rkey);
@@ -150,6 +226,10 @@ absl::StatusOr<std::pair<ibv_mw*, uint32_t>> IbvEndpoint::BindWindow(ibv_mr* mr,
                              Errno("binding a memory window", e),
                              ": the send queue is full; raise RDMA_QUEUE_DEPTH or try again"))
                        : absl::UnavailableError(Errno("binding a memory window", e));
+  }
+  if (!own_cq()) {
+    --shared_->bind_room;
+    ++binds_out_;
   }
   return std::make_pair(mw, rkey);
 }
@@ -238,34 +318,49 @@ size_t IbvEndpoint::Progress(absl::Span<Completion> out) {
     }
     if (n == 0) break;
     for (int i = 0; i < n; ++i) {
-      const ibv_wc& w = wc[i];
-      if (w.wr_id == kBindWrId) {
-        // A bind produces no completion of the fabric's; a failed one breaks the queue pair.
-        if (w.status != IBV_WC_SUCCESS && qp_error_.ok()) qp_error_ = WcError(w);
-        continue;
-      }
-      if (w.wr_id == kReceiveWrId) {
-        if (w.status != IBV_WC_SUCCESS) {
-          // The QP went to error; its receives flush. The peer's writes cannot land.
-          if (qp_error_.ok()) qp_error_ = WcError(w);
-          continue;
-        }
-        Completion& c = out[produced++];
-        c = Completion();
-        c.kind = CompletionKind::kRemoteWriteImm;
-        c.endpoint = this;
-        c.imm = ntohl(w.imm_data);
-        c.byte_len = w.byte_len;
-        (void)PostReceive();
-        continue;
-      }
-      Op* op = reinterpret_cast<Op*>(w.wr_id);
-      absl::Status status = w.status == IBV_WC_SUCCESS ? absl::OkStatus() : WcError(w);
-      if (ops_.Complete(op, std::move(status), &out[produced])) ++produced;
+      if (HandleCompletion(wc[i], &out[produced])) ++produced;
     }
   }
   produced += ops_.Drain([this](Op* op) { return Issue(op); }, out.subspan(produced));
   return produced;
+}
+
+bool IbvEndpoint::Handle(const ibv_wc& w, Completion* c) {
+  if (w.wr_id == kBindWrId) {
+    if (binds_out_ > 0) --binds_out_;
+  } else if (w.wr_id != kReceiveWrId && sends_out_ > 0) {
+    --sends_out_;
+  }
+  return HandleCompletion(w, c);
+}
+
+size_t IbvEndpoint::Drain(absl::Span<Completion> out) {
+  return ops_.Drain([this](Op* op) { return Issue(op); }, out);
+}
+
+bool IbvEndpoint::HandleCompletion(const ibv_wc& w, Completion* c) {
+  if (w.wr_id == kBindWrId) {
+    // A bind produces no completion of the fabric's; a failed one breaks the queue pair.
+    if (w.status != IBV_WC_SUCCESS && qp_error_.ok()) qp_error_ = WcError(w);
+    return false;
+  }
+  if (w.wr_id == kReceiveWrId) {
+    if (w.status != IBV_WC_SUCCESS) {
+      // The QP went to error; its receives flush. The peer's writes cannot land.
+      if (qp_error_.ok()) qp_error_ = WcError(w);
+      return false;
+    }
+    *c = Completion();
+    c->kind = CompletionKind::kRemoteWriteImm;
+    c->endpoint = this;
+    c->imm = ntohl(w.imm_data);
+    c->byte_len = w.byte_len;
+    if (own_cq()) (void)PostReceive();
+    return true;
+  }
+  Op* op = reinterpret_cast<Op*>(w.wr_id);
+  absl::Status status = w.status == IBV_WC_SUCCESS ? absl::OkStatus() : WcError(w);
+  return ops_.Complete(op, std::move(status), c);
 }
 
 void IbvEndpoint::SetError(absl::Status status) {
@@ -304,10 +399,17 @@ absl::Status IbvEndpoint::Post(CompletionKind kind, bool with_imm, uint32_t imm,
   Op* op = ops_.NewOp(kind, with_imm, imm, local, remote, context);
   op->lkey = local.length > 0 ? static_cast<const IbvMemory*>(local.region)->lkey() : 0;
   op->remote_key = key.rkey;
+  if (!own_cq() && !active) {
+    // Polled for its queue and time-outs while it has operations under way (IbvDomain::Poll).
+    active = true;
+    shared_->active.push_back(this);
+  }
   return ops_.Submit(op, [this](Op* o) { return Issue(o); });
 }
 
 absl::StatusOr<bool> IbvEndpoint::Issue(Op* op) {
+  // No room in the shared CQ: wait as for a full send queue, until completions give some back.
+  if (!own_cq() && shared_->send_room == 0) return false;
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uint64_t>(op->buf);
   sge.length = static_cast<uint32_t>(op->len);
@@ -325,7 +427,13 @@ absl::StatusOr<bool> IbvEndpoint::Issue(Op* op) {
   wr.wr.rdma.rkey = static_cast<uint32_t>(op->remote_key);
   ibv_send_wr* bad = nullptr;
   int e = ibv_post_send(qp_, &wr, &bad);
-  if (e == 0) return true;
+  if (e == 0) {
+    if (!own_cq()) {
+      --shared_->send_room;
+      ++sends_out_;
+    }
+    return true;
+  }
   if (e == ENOMEM) return false;  // send queue full: retry when completions free slots
   return absl::UnavailableError(Errno("ibv_post_send", e));
 }

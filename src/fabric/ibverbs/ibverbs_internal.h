@@ -1,7 +1,10 @@
 // The ibverbs backend's parts shared by its domain (ibverbs.cc) and its endpoint
 // (ibverbs_endpoint.cc): the domain-wide state every registration and endpoint holds (Shared),
 // the registrations (a region, or a type-2 window bound to one queue pair) and the endpoint, a
-// reliable-connected queue pair with its own completion queue.
+// reliable-connected queue pair. Where the device has shared receive queues, every queue pair
+// of the domain reports to one completion queue and takes its receives from one shared receive
+// queue (Shared::cq, Shared::srq); elsewhere each endpoint has a completion and receive queue
+// of its own.
 //
 // Private to src/fabric/ibverbs. Everything here runs on the thread that owns the domain (the
 // progress thread); a registration or endpoint holds Shared, so the device context outlives
@@ -37,6 +40,13 @@ inline constexpr uint64_t kBindWrId = 1;     // wr_id of memory window binds
 // Send queue entries beyond the operations' depth, for memory window binds (one per pool region
 // per channel, so rarely more than a few at once).
 inline constexpr uint32_t kBindSlack = 16;
+// The shared completion queue's sizing: receives kept posted on the shared receive queue, and
+// the send completions (operations, window binds) it has room for across all queue pairs.
+inline constexpr uint32_t kSrqDepth = 4096;
+inline constexpr size_t kSharedSendRoom = 16384;
+inline constexpr size_t kSharedBindRoom = 256;
+// Below this much room for send completions a shared CQ is not worth it: endpoints get their own.
+inline constexpr size_t kMinSharedSendRoom = 64;
 
 // "ibverbs: <what>: <strerror(err)>".
 std::string Errno(absl::string_view what, int err);
@@ -66,6 +76,14 @@ struct PackedKey {
 
 class IbvEndpoint;
 class IbvRegion;
+struct Shared;
+
+// One receive (zero bytes: writes with immediate land in registered memory) on the shared
+// receive queue.
+absl::Status PostSharedReceive(Shared& shared);
+// What a completion taken from the shared CQ frees, whoever its queue pair was: the CQ room its
+// work request held, or the shared receive it consumed (replaced at once).
+void GiveBack(Shared& shared, const ibv_wc& w);
 
 struct Shared {
   ibv_context* ctx = nullptr;
@@ -75,7 +93,22 @@ struct Shared {
   Selection selection;
   RdmaConfig config;
   DomainOptions options;
-  std::vector<IbvEndpoint*> endpoints;
+  // The domain's completion queue and shared receive queue, where the device has shared receive
+  // queues: a turn then polls one queue however many channels there are, and receives are
+  // posted per device (kSrqDepth), not per channel (queue_depth each). Null elsewhere.
+  ibv_cq* cq = nullptr;
+  ibv_srq* srq = nullptr;
+  // Room left in `cq` for send completions, of operations and of window binds. An operation
+  // that finds none waits in its endpoint's queue, as for a full send queue, so that the CQ,
+  // which every queue pair fills, never overruns.
+  size_t send_room = 0;
+  size_t bind_room = 0;
+  unsigned int cq_unacked_events = 0;
+  // Completions taken from `cq` and not yet handed out (ArmAndCheck, an endpoint's destruction).
+  std::vector<ibv_wc> stash;
+  std::map<uint32_t, IbvEndpoint*> by_qp;  // every endpoint, by its queue pair number
+  std::vector<IbvEndpoint*> active;        // shared-CQ endpoints with operations under way
+  std::vector<IbvEndpoint*> endpoints;     // endpoints with a completion queue of their own
   // Type-2 memory windows work here: keys per channel are windows bound to the channel's queue
   // pair, which the NIC refuses on any other. Regions are then registered bindable, and these
   // are they (base -> region), for RegisterMemoryFor to bind windows to.
@@ -85,6 +118,11 @@ struct Shared {
   WakeFd wake;                // Domain::Interrupt
 
   ~Shared() {
+    if (srq) ibv_destroy_srq(srq);
+    if (cq) {
+      if (cq_unacked_events > 0) ibv_ack_cq_events(cq, cq_unacked_events);
+      ibv_destroy_cq(cq);
+    }
     if (channel) ibv_destroy_comp_channel(channel);
     if (pd) ibv_dealloc_pd(pd);
     if (ctx) ibv_close_device(ctx);
@@ -164,10 +202,12 @@ class IbvEndpoint final : public EndpointBase {
   explicit IbvEndpoint(std::shared_ptr<Shared> shared);
   ~IbvEndpoint() override;
 
-  // Creates the completion and queue pair and fills the receive queue.
+  // Creates the queue pair, on the domain's completion and shared receive queues where it has
+  // them, else with its own completion queue and a full receive queue of its own.
   absl::Status Init();
 
   ibv_cq* cq() const { return cq_; }
+  bool own_cq() const { return cq_ != shared_->cq; }
   bool connected() const { return connected_; }
 
   // Binds a new type-2 window over [addr, addr+length) of `mr` to this queue pair, granting
@@ -186,15 +226,29 @@ class IbvEndpoint final : public EndpointBase {
   // raced the arming would raise no event). Returns whether anything is ready.
   bool ArmAndCheck();
   void AckEvent() { ++unacked_events_; }
-  // Completions of this queue pair into `out`, then queued operations issued where the send
-  // queue has room.
+  // An endpoint with its own CQ: completions of this queue pair into `out`, then queued
+  // operations issued where the send queue has room.
   size_t Progress(absl::Span<Completion> out);
+  // A work completion of this queue pair taken from the domain's CQ (which has already given
+  // back its CQ room and replaced a consumed shared receive): fills `c` and returns true where
+  // it is one the fabric reports.
+  bool Handle(const ibv_wc& w, Completion* c);
+  // A shared-CQ endpoint with operations under way (in Shared::active): queued operations
+  // issued, deferred failures and time-outs reported.
+  size_t Drain(absl::Span<Completion> out);
+  bool idle() const { return ops_.live() == 0; }
+  bool active = false;
   void SetError(absl::Status status);
   uint32_t qp_num() const { return qp_->qp_num; }
 
  private:
   absl::Status WcError(const ibv_wc& w);
   absl::Status PostReceive();
+  // Own-CQ and shared-CQ handling of one completion: receives are replaced here or by the domain.
+  bool HandleCompletion(const ibv_wc& w, Completion* c);
+  // Shared CQ: the completions of this (destroyed) queue pair still in the CQ are dropped, and
+  // the room its unfinished work requests held is given back.
+  void ForgetCompletions();
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
                     const RemoteBuffer& remote, uint64_t context) override;
   // Posts `op`: true if posted, false if the send queue is full (retried later).
@@ -204,6 +258,11 @@ class IbvEndpoint final : public EndpointBase {
   const size_t depth_;
   ibv_cq* cq_ = nullptr;
   ibv_qp* qp_ = nullptr;
+  uint32_t qp_num_ = 0;
+  // Shared CQ: this queue pair's send work requests (operations; window binds) not yet
+  // completed, which hold room in the CQ.
+  size_t sends_out_ = 0;
+  size_t binds_out_ = 0;
   uint32_t psn_ = 0;
   bool connected_ = false;
   absl::Status qp_error_;

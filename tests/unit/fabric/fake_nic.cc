@@ -13,12 +13,17 @@ namespace {
 
 struct FakeCq {
   ibv_cq cq{};
+  size_t capacity = 0;
   std::deque<ibv_wc> queue;
   bool armed = false;
   int channel_write_fd = -1;
 
   // A completion on an armed CQ raises one event on its completion channel.
   void Push(const ibv_wc& wc) {
+    if (queue.size() >= capacity) {
+      ++FakeNic::Get().cq_overruns;
+      return;
+    }
     queue.push_back(wc);
     if (armed && channel_write_fd >= 0) {
       armed = false;
@@ -40,9 +45,17 @@ struct WaitingWrite {
   FakeQp* sender;
 };
 
+// A shared receive queue: its receives, and the writes with immediate that found none.
+struct FakeSrq {
+  ibv_srq srq{};
+  std::deque<uint64_t> receives;
+  std::deque<WaitingWrite> waiting;
+};
+
 struct FakeQp {
   ibv_qp qp{};
   FakeCq* cq = nullptr;
+  FakeSrq* srq = nullptr;  // where its receives come from, if made with one
   uint32_t max_send_wr = 0;
   uint32_t sends_in_cq = 0;  // sends posted and not yet polled: the send queue's occupancy
   std::deque<uint64_t> receives;
@@ -167,12 +180,13 @@ int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
       arrived.qp_num = d->qp.qp_num;
       done.opcode = IBV_WC_RDMA_WRITE;
       ++q->sends_in_cq;
-      if (d->receives.empty()) {
-        d->waiting.push_back({arrived, done, q});
+      std::deque<uint64_t>& receives = d->srq ? d->srq->receives : d->receives;
+      if (receives.empty()) {
+        (d->srq ? d->srq->waiting : d->waiting).push_back({arrived, done, q});
         return 0;
       }
-      arrived.wr_id = d->receives.front();
-      d->receives.pop_front();
+      arrived.wr_id = receives.front();
+      receives.pop_front();
       d->cq->Push(arrived);
       q->cq->Push(done);
       return 0;
@@ -186,11 +200,33 @@ int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
 
 int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) {
   FakeQp* q = Qp(qp);
+  if (q->srq != nullptr) {
+    *bad = wr;
+    return EINVAL;  // a queue pair with a shared receive queue has none of its own
+  }
   if (!q->waiting.empty()) {
     WaitingWrite w = q->waiting.front();
     q->waiting.pop_front();
     w.arrived.wr_id = wr->wr_id;
     q->cq->Push(w.arrived);
+    w.sender->cq->Push(w.done);
+    return 0;
+  }
+  q->receives.push_back(wr->wr_id);
+  return 0;
+}
+
+int PostSrqRecv(ibv_srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
+  auto* q = reinterpret_cast<FakeSrq*>(srq);
+  (void)bad;
+  // A waiting write whose queue pair is gone lands nowhere; its receive stays posted.
+  while (!q->waiting.empty()) {
+    WaitingWrite w = q->waiting.front();
+    q->waiting.pop_front();
+    auto dest = S().qps.find(w.arrived.qp_num);
+    if (dest == S().qps.end()) continue;
+    w.arrived.wr_id = wr->wr_id;
+    dest->second->cq->Push(w.arrived);
     w.sender->cq->Push(w.done);
     return 0;
   }
@@ -275,6 +311,7 @@ ibv_context* __wrap_ibv_open_device(ibv_device* device) {
   s.ctx.ops.post_send = tensorverbs::testing::PostSend;
   s.ctx.ops.post_recv = tensorverbs::testing::PostRecv;
   s.ctx.ops.poll_cq = tensorverbs::testing::PollCq;
+  s.ctx.ops.post_srq_recv = tensorverbs::testing::PostSrqRecv;
   s.ctx.ops.req_notify_cq = tensorverbs::testing::ReqNotifyCq;
   if (FakeNic::Get().memory_windows) {
     s.ctx.ops.alloc_mw = tensorverbs::testing::AllocMw;
@@ -289,7 +326,12 @@ int __wrap_ibv_query_device(ibv_context*, ibv_device_attr* attr) {
   *attr = ibv_device_attr{};
   attr->phys_port_cnt = 1;
   attr->max_qp_wr = FakeNic::Get().max_qp_wr;
-  attr->max_cqe = 65536;
+  attr->max_cqe = FakeNic::Get().max_cqe;
+  if (FakeNic::Get().srq) {
+    attr->max_srq = 1024;
+    attr->max_srq_wr = 16384;
+    attr->max_srq_sge = 1;
+  }
   attr->max_mr_size = uint64_t{1} << 40;
   attr->max_qp_rd_atom = 16;
   attr->max_qp_init_rd_atom = 16;
@@ -378,12 +420,15 @@ int __wrap_ibv_get_cq_event(ibv_comp_channel* channel, ibv_cq** cq, void** cq_co
 void __wrap_ibv_ack_cq_events(ibv_cq*, unsigned int n) {
   FakeNic::Get().cq_events_acked += static_cast<int>(n);
 }
-ibv_cq* __wrap_ibv_create_cq(ibv_context* ctx, int, void*, ibv_comp_channel* channel, int) {
-  if (FakeNic::Get().fail_create_cq) {
-    errno = ENOMEM;
+ibv_cq* __wrap_ibv_create_cq(ibv_context* ctx, int cqe, void*, ibv_comp_channel* channel, int) {
+  FakeNic& nic = FakeNic::Get();
+  if (nic.fail_create_cq || cqe > nic.max_cqe || cqe < 1) {
+    errno = nic.fail_create_cq ? ENOMEM : EINVAL;
     return nullptr;
   }
+  ++nic.cqs_created;
   auto* cq = new tensorverbs::testing::FakeCq;
+  cq->capacity = static_cast<size_t>(cqe);
   cq->cq.context = ctx;
   cq->cq.channel = channel;
   if (channel) cq->channel_write_fd = channel->refcnt;
@@ -401,15 +446,40 @@ ibv_qp* __wrap_ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* init) {
   auto q = std::make_unique<tensorverbs::testing::FakeQp>();
   q->qp.context = pd->context;
   q->qp.pd = pd;
-  q->qp.qp_num = S().next_qpn++;
+  if (FakeNic::Get().reuse_qp_numbers) {
+    uint32_t qpn = 100;
+    while (S().qps.count(qpn) != 0) ++qpn;
+    q->qp.qp_num = qpn;
+  } else {
+    q->qp.qp_num = S().next_qpn++;
+  }
   q->cq = reinterpret_cast<tensorverbs::testing::FakeCq*>(init->send_cq);
+  q->srq = reinterpret_cast<tensorverbs::testing::FakeSrq*>(init->srq);
+  q->qp.srq = init->srq;
+  ++FakeNic::Get().qps_live;
   q->max_send_wr = init->cap.max_send_wr;
   ibv_qp* out = &q->qp;
   S().qps[out->qp_num] = std::move(q);
   return out;
 }
 int __wrap_ibv_destroy_qp(ibv_qp* qp) {
-  S().qps.erase(qp->qp_num);
+  if (S().qps.erase(qp->qp_num) != 0) --FakeNic::Get().qps_live;
+  return 0;
+}
+ibv_srq* __wrap_ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* init) {
+  FakeNic& nic = FakeNic::Get();
+  if (!nic.srq || init->attr.max_wr > 16384) {
+    errno = nic.srq ? EINVAL : EOPNOTSUPP;
+    return nullptr;
+  }
+  ++nic.srqs_created;
+  auto* q = new tensorverbs::testing::FakeSrq;
+  q->srq.context = pd->context;
+  q->srq.pd = pd;
+  return &q->srq;
+}
+int __wrap_ibv_destroy_srq(ibv_srq* srq) {
+  delete reinterpret_cast<tensorverbs::testing::FakeSrq*>(srq);
   return 0;
 }
 int __wrap_ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {

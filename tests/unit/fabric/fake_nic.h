@@ -6,8 +6,10 @@
 // carried out at post time between QPs of this process, with the RC semantics the backend relies
 // on: a write with immediate consumes a receive on the target and completes there as
 // IBV_WC_RECV_RDMA_WITH_IMM; a bad rkey or range completes with IBV_WC_REM_ACCESS_ERR; a full send
-// queue refuses with ENOMEM; type-2 memory windows are bound by a send work request and honoured
-// only on their queue pair. Every modify_qp is recorded. Single-threaded, like the tests.
+// queue refuses with ENOMEM; a shared receive queue serves the queue pairs made with it; a CQ
+// holds what it was sized for (an overrun is counted); type-2 memory windows are bound by a send
+// work request and honoured only on their queue pair. Every modify_qp is recorded. Single-threaded,
+// like the tests.
 #ifndef TENSORVERBS_TESTS_UNIT_FABRIC_FAKE_NIC_H_
 #define TENSORVERBS_TESTS_UNIT_FABRIC_FAKE_NIC_H_
 
@@ -44,6 +46,19 @@ struct FakeNic {
   bool memory_windows = true;
   int windows_bound = 0;
   int windows_live = 0;  // allocated and not deallocated
+
+  // Shared receive queues: reported (max_srq) and creatable; a queue pair made with one takes
+  // its receives from it. Off: the device reports none.
+  bool srq = true;
+  int srqs_created = 0;
+  int cqs_created = 0;
+  int qps_live = 0;
+  // What the device reports as its largest CQ. A CQ holds at most the entries it was created
+  // for: one more is an overrun (counted; the entry is lost, as a real CQ's would be).
+  int max_cqe = 65536;
+  int cq_overruns = 0;
+  // Hand out the lowest queue pair number not in use, as a device may reuse a destroyed QP's.
+  bool reuse_qp_numbers = false;
 
   struct Modify {
     uint32_t qp_num;

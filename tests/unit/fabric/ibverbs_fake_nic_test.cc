@@ -6,10 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <map>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "src/fabric/ibverbs/ibverbs.h"
+#include "src/fabric/ibverbs/ibverbs_internal.h"
 #include "tests/unit/fabric/fake_nic.h"
 
 namespace tensorverbs::fabric::ibverbs {
@@ -178,8 +182,12 @@ TEST_F(IbverbsFakeNicTest, WaitBlocksOnTheCompletionChannelAndAcknowledgesEveryE
   std::vector<Completion> got = Drain();
   EXPECT_EQ(got.size(), 2u) << "completions found while arming are not lost";
   ASSERT_TRUE(domain_->Wait(absl::Milliseconds(10)).ok());  // drains the channel
+  // Endpoints, registrations and the domain: the domain's shared CQ goes with the last of them.
   a_.reset();
   b_.reset();
+  src_mr_.reset();
+  dst_mr_.reset();
+  domain_.reset();
   EXPECT_EQ(FakeNic::Get().cq_events_acked, FakeNic::Get().cq_events_raised)
       << "destroying a CQ with unacknowledged events hangs in rdma-core";
 }
@@ -350,6 +358,128 @@ TEST_F(IbverbsFakeNicTest, WithoutMemoryWindowsEveryPeerSharesTheRegionsKey) {
   std::string pool(4096, 0);
   EXPECT_TRUE(absl::IsUnimplemented(
       domain_->RegisterMemoryFor(*b_, pool.data(), pool.size(), kAccessRemoteWrite).status()));
+}
+
+// Endpoints as a channel has them: a connected pair.
+std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>> ConnectedPair(Domain& domain) {
+  std::unique_ptr<Endpoint> x = *domain.CreateEndpoint();
+  std::unique_ptr<Endpoint> y = *domain.CreateEndpoint();
+  EXPECT_TRUE(x->Connect(y->LocalAddress()).ok());
+  EXPECT_TRUE(y->Connect(x->LocalAddress()).ok());
+  return {std::move(x), std::move(y)};
+}
+
+// Issue 51: one completion queue and one shared receive queue per device, whatever the number of
+// channels, and every write with immediate still reaches its own channel's endpoint.
+TEST_F(IbverbsFakeNicTest, EveryChannelSharesTheDomainsCompletionAndReceiveQueues) {
+  ASSERT_NO_FATAL_FAILURE(Open());
+  std::vector<std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>>> pairs;
+  for (int i = 0; i < 32; ++i) pairs.push_back(ConnectedPair(*domain_));
+  EXPECT_EQ(FakeNic::Get().cqs_created, 1);
+  EXPECT_EQ(FakeNic::Get().srqs_created, 1);
+  EXPECT_EQ(FakeNic::Get().qps_live, 66);
+  std::map<const Endpoint*, uint32_t> expected;
+  for (uint32_t i = 0; i < pairs.size(); ++i) {
+    ASSERT_TRUE(
+        pairs[i]
+            .first->PostWriteWithImm({src_mr_.get(), src_.data(), 64}, Dst(64 * i, 64), i, i)
+            .ok());
+    expected[pairs[i].second.get()] = i;
+  }
+  size_t remote = 0;
+  for (const Completion& c : Drain()) {
+    ASSERT_TRUE(c.status.ok()) << c.status;
+    if (c.kind != CompletionKind::kRemoteWriteImm) continue;
+    ++remote;
+    ASSERT_EQ(expected.count(c.endpoint), 1u) << "an immediate reached a sender";
+    EXPECT_EQ(c.imm, expected[c.endpoint]) << "an immediate reached another channel";
+  }
+  EXPECT_EQ(remote, pairs.size());
+}
+
+// A device without shared receive queues: each endpoint keeps a completion queue and a receive
+// queue of its own, as before.
+TEST_F(IbverbsFakeNicTest, WithoutSharedReceiveQueuesEachEndpointHasItsOwnQueues) {
+  FakeNic::Get().srq = false;
+  RdmaConfig config;
+  config.queue_depth = 8;
+  ASSERT_NO_FATAL_FAILURE(Open(config));
+  EXPECT_EQ(FakeNic::Get().cqs_created, 2);
+  EXPECT_EQ(FakeNic::Get().srqs_created, 0);
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), i, i).ok());
+  }
+  size_t remote = 0;
+  for (const Completion& c : Drain()) {
+    ASSERT_TRUE(c.status.ok()) << c.status;
+    if (c.kind == CompletionKind::kRemoteWriteImm) {
+      EXPECT_EQ(c.endpoint, b_.get());
+      ++remote;
+    }
+  }
+  EXPECT_EQ(remote, 100u);
+}
+
+// Many channels posting at once against a shared CQ with room for 64 send completions: the
+// operations beyond the room wait in their endpoints' queues, the CQ never overruns (an overrun
+// loses completions for good on a NIC), and all of them complete.
+TEST_F(IbverbsFakeNicTest, TheSharedCompletionQueueNeverOverrunsWhileEveryChannelPosts) {
+  FakeNic::Get().max_cqe = static_cast<int>(kSrqDepth + kSharedBindRoom + kMinSharedSendRoom);
+  ASSERT_NO_FATAL_FAILURE(Open());
+  std::vector<std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>>> pairs;
+  for (int i = 0; i < 16; ++i) pairs.push_back(ConnectedPair(*domain_));
+  constexpr int kPerPair = 400;  // 6,400 sends and as many receives, against 4,416 entries
+  for (auto& [x, y] : pairs) {
+    for (int i = 0; i < kPerPair; ++i) {
+      ASSERT_TRUE(
+          x->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * (i % 100), 16), i, i)
+              .ok());
+    }
+  }
+  size_t remote = 0, local = 0;
+  for (const Completion& c : Drain()) {
+    ASSERT_TRUE(c.status.ok()) << c.status;
+    (c.kind == CompletionKind::kRemoteWriteImm ? remote : local)++;
+  }
+  EXPECT_EQ(FakeNic::Get().cq_overruns, 0);
+  EXPECT_EQ(local, pairs.size() * kPerPair);
+  EXPECT_EQ(remote, pairs.size() * kPerPair);
+  for (auto& [x, y] : pairs) EXPECT_EQ(x->Outstanding(), 0u);
+}
+
+// A channel closed with completions still in the shared CQ, whose queue pair number the device
+// gives at once to the next channel's: none of them reaches the new channel (a stale immediate
+// would be taken for the new channel's message), and the CQ room the closed channel's work held
+// comes back (else, the room gone, the next channel's operations would wait for ever).
+TEST_F(IbverbsFakeNicTest, ACompletionOfAClosedChannelNeverReachesTheChannelGivenItsQueuePair) {
+  FakeNic::Get().reuse_qp_numbers = true;
+  FakeNic::Get().max_cqe = static_cast<int>(kSrqDepth + kSharedBindRoom + kMinSharedSendRoom);
+  ASSERT_NO_FATAL_FAILURE(Open());
+  // Fill the room: 64 writes from a_ to b_, nothing polled.
+  for (int i = 0; i < static_cast<int>(kMinSharedSendRoom); ++i) {
+    ASSERT_TRUE(
+        a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 0xBAD, i).ok());
+  }
+  const std::string old_b = b_->LocalAddress();
+  a_.reset();
+  b_.reset();
+  auto [c, d] = ConnectedPair(*domain_);
+  // The address carries the queue pair number in bytes 3..6.
+  ASSERT_EQ(d->LocalAddress().substr(3, 4), old_b.substr(3, 4)) << "the number was not reused";
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_TRUE(c->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 7, i).ok());
+  }
+  size_t remote = 0;
+  for (const Completion& got : Drain()) {
+    ASSERT_TRUE(got.status.ok()) << got.status;
+    ASSERT_TRUE(got.endpoint == c.get() || got.endpoint == d.get()) << "a closed channel's";
+    if (got.kind == CompletionKind::kRemoteWriteImm) {
+      EXPECT_EQ(got.imm, 7u) << "the closed channel's immediate reached its successor";
+      ++remote;
+    }
+  }
+  EXPECT_EQ(remote, 200u);
+  EXPECT_EQ(c->Outstanding(), 0u) << "the closed channel's CQ room was not given back";
 }
 
 }  // namespace
