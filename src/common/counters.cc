@@ -78,6 +78,10 @@ constexpr CounterInfo kCounters[] = {
      "Channels closed by an error", false},
     {Counter::kChecksumFailures, CounterScope::kTask, "checksum_failures",
      "Transfers whose checksum did not match", false},
+    {Counter::kLivenessProbes, CounterScope::kTask, "liveness_probes",
+     "Liveness probes sent to peers (a channel its peer wrote into since the last round needs "
+     "none)",
+     false},
     {Counter::kPendingRecvs, CounterScope::kTask, "pending_recvs",
      "Requests waiting on peers: recvs, reads and requests made ahead", true},
     {Counter::kResponsesPending, CounterScope::kTask, "responses_pending",

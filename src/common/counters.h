@@ -67,6 +67,7 @@ enum class Counter : uint16_t {
   kDroppedImmediates,       // dropped_immediates
   kChannelsFailed,          // channels_failed
   kChecksumFailures,        // checksum_failures
+  kLivenessProbes,          // liveness_probes
   kPendingRecvs,            // pending_recvs
   kResponsesPending,        // responses_pending
   kChannels,                // channels

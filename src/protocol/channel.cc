@@ -156,6 +156,10 @@ void Channel::OnCompletion(const fabric::Completion& c) {
     return;
   }
   if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {
+    // What proves the peer alive and the channel working (HeardSinceLastLook): at the sender,
+    // anything its receiver writes; at the receiver, content landing, not an ACK, which a peer
+    // that then closed its end sent last.
+    if (receiving_ == nullptr || ClassifyImm(c.imm) == ImmKind::kRequest) ++heard_;
     switch (ClassifyImm(c.imm)) {
       case ImmKind::kControlMessage: {
         OnControlMessage();

@@ -131,6 +131,19 @@ class Channel {
   // idle_close; false while that is zero. Remembered for idle() until the next call.
   bool NoteIdle(absl::Time now);
   bool idle() const { return idle_; }
+  // The watchdog (PeerChannels::PendingPeers, on the loop): whether the peer has written into
+  // this channel since the last call: content, on a receiver's channel; anything (requests,
+  // ACKs), on a sender's. That says its process and the path to it are alive and the channel
+  // moves, so a channel in steady use needs no liveness probe, and one that stops moving is
+  // probed at the next round. A receiver's channel whose peer only acknowledged its requests
+  // is probed: a peer that closed its end after an error sent an ACK last. At
+  // 256 tasks on two cores, a server's round of probes to every worker, each answered by a
+  // process with a sliver of a core, was what outlasted the peer timeout.
+  bool HeardSinceLastLook() const {
+    const bool heard = heard_ != heard_looked_;
+    heard_looked_ = heard_;
+    return heard;
+  }
   // Housekeeping: whether the peer has acknowledged none of the control messages this side
   // wrote for longer than `limit` (no limit when not positive). A peer's loop acknowledges each
   // message in the turn it lands, so a message unanswered that long was lost on the way, as
@@ -211,6 +224,8 @@ class Channel {
   uint64_t idle_traffic_ = 0;
   absl::Time idle_since_ = absl::InfinitePast();
   bool idle_ = false;
+  uint64_t heard_ = 0;  // writes with immediate from the peer
+  mutable uint64_t heard_looked_ = 0;
   // MessagesUnacknowledgedFor's view: the acknowledged count it last saw, and since when it has
   // not moved with messages outstanding.
   uint64_t ack_watch_count_ = 0;

@@ -39,6 +39,7 @@ void VerbsStats::AppendCounters(CounterList* out) const {
   AddCounter(out, Counter::kDroppedImmediates, dropped_imms);
   AddCounter(out, Counter::kChannelsFailed, channel_errors);
   AddCounter(out, Counter::kChecksumFailures, checksum_failures);
+  AddCounter(out, Counter::kLivenessProbes, liveness_probes);
 }
 
 uint64_t ContentChecksum(const void* data, uint64_t bytes) {

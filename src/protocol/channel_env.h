@@ -57,6 +57,7 @@ struct VerbsStats {
   std::atomic<int64_t> dropped_imms{0};      // unknown or stale request indexes
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};
+  std::atomic<int64_t> liveness_probes{0};  // sent by the peer watchdog
 
   // The counters a task reports, under their catalog names (common/counters.h).
   void AppendCounters(CounterList* out) const;

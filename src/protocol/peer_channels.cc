@@ -318,12 +318,14 @@ void PeerChannels::CheckChannel(const proto::CheckChannelRequest& request,
   response->set_closed_as_routine(answer.routine);
 }
 
-std::vector<PeerChannels::Probe> PeerChannels::PendingPeers() const {
+std::vector<PeerChannels::Probe> PeerChannels::PendingPeers(bool spare_heard) const {
   AssertOnLoop();
   std::vector<Probe> out;
   const absl::flat_hash_set<std::string> lent_to =
       options_.lent_to ? options_.lent_to() : absl::flat_hash_set<std::string>();
   table_->ForEach([&](const Channel& c) {
+    // A ready channel its peer wrote into since the last round needs no probe this round.
+    if (c.state() == Channel::State::kReady && c.HeardSinceLastLook() && spare_heard) return;
     if (c.role() == Channel::Role::kOwner && c.state() != Channel::State::kClosed &&
         c.receiving()->pending_requests() > 0) {
       out.push_back({c.peer_task(), options_.task_addresses.at(c.peer_task()), c.peer_incarnation(),

@@ -96,7 +96,9 @@ class PeerChannels {
   bool SettingUp(uint64_t id) const { return connecting_.contains(id); }
   // What the watchdog probes: owner channels with recvs or reads pending (one still being set up
   // too, `connecting`, for whether its peer answers at all), and accepted channels that hold
-  // something for their peer (`accepting`), so a receiver that died does not pin it.
+  // something for their peer (`accepting`), so a receiver that died does not pin it. A ready
+  // channel whose peer wrote into it since the last call is left out (that was proof of life)
+  // when `spare_heard`; a task stopping its traffic asks about every one (LastRound).
   struct Probe {
     std::string task;
     std::string address;
@@ -113,7 +115,7 @@ class PeerChannels {
     bool idle = false;
     bool idle_only = false;
   };
-  std::vector<Probe> PendingPeers() const;
+  std::vector<Probe> PendingPeers(bool spare_heard = true) const;
   // A probe found `task` silent: see Options::peer_gone.
   void PeerGone(const std::string& task) {
     if (options_.peer_gone) options_.peer_gone(task);

@@ -230,6 +230,41 @@ TEST_P(WrittenContentFaultTest,
   EXPECT_TRUE(again.tensor().ContentEquals(t));
 }
 
+// A channel its peer keeps writing into needs no liveness probe: each write with immediate says
+// the peer is alive. With a tensor every few milliseconds (and, push being on, a request for
+// the next step always waiting), about ten rounds pass without a probe; a recv left waiting on
+// a channel its peer has fallen silent on is probed every round.
+TEST_P(WrittenContentFaultTest, AChannelInSteadyUseIsNotProbedAndASilentOneIs) {
+  recv_timeout_ = absl::Milliseconds(2200);
+  StartCluster(2, [](ServerOptions& o) {
+    o.transfer.peer_timeout = absl::Milliseconds(800);  // a round every 200 ms
+  });
+  ASSERT_FALSE(HasFatalFailure());
+  auto probes = [this] { return transport(0).stats().liveness_probes.load(); };
+  const int64_t before_steady = probes();
+  int64_t step = 1;
+  for (const absl::Time start = absl::Now(); absl::Now() - start < absl::Seconds(2); ++step) {
+    Tensor t = PoolTensor(1, DataType::kFloat32, {256}, static_cast<int>(step));
+    ASSERT_TRUE(Step(1, step)->Send(Key(1, "f"), t).ok());
+    PendingRecv recv(*Step(0, step), Key(1, "f"));
+    ASSERT_TRUE(recv.Wait(absl::Seconds(10))) << "the recv hung";
+    ASSERT_TRUE(recv.status().ok()) << recv.status();
+  }
+  const int64_t steady = probes() - before_steady;
+  const int64_t before_silent = probes();
+  {
+    PendingRecv never(*Step(0, step), Key(1, "never"));  // ends at its 2.2 s deadline
+    ASSERT_TRUE(never.Wait(absl::Seconds(20))) << "the recv hung";
+    EXPECT_EQ(never.status().code(), absl::StatusCode::kDeadlineExceeded) << never.status();
+  }
+  const int64_t silent = probes() - before_silent;
+  std::printf("%lld steps: %lld probes while they ran, %lld in as long with a recv waiting\n",
+              static_cast<long long>(step - 1), static_cast<long long>(steady),
+              static_cast<long long>(silent));
+  EXPECT_GE(silent, 4) << "a waiting recv's silent peer is probed every round";
+  EXPECT_LE(steady, silent / 2) << "a channel in steady use was probed";
+}
+
 INSTANTIATE_TEST_SUITE_P(Loopback, WrittenContentFaultTest,
                          ::testing::ValuesIn(Combine(With(&ProtocolDesign::content_by_write),
                                                      {&kLoopback})),

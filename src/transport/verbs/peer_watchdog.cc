@@ -23,13 +23,15 @@ struct PeerWatchdog::Probe {
 
 PeerWatchdog::PeerWatchdog(std::string self, absl::Duration peer_timeout,
                            protocol::ProgressEngine* engine, protocol::PeerChannels* channels,
-                           protocol::ChannelTable* table, VerbsStubs* stubs)
+                           protocol::ChannelTable* table, VerbsStubs* stubs,
+                           std::atomic<int64_t>* probes_sent)
     : self_(std::move(self)),
       peer_timeout_(peer_timeout),
       engine_(engine),
       channels_(channels),
       table_(table),
-      stubs_(stubs) {}
+      stubs_(stubs),
+      probes_sent_(probes_sent) {}
 
 PeerWatchdog::~PeerWatchdog() { Stop(); }
 
@@ -77,7 +79,7 @@ void PeerWatchdog::Loop() {
 void PeerWatchdog::LastRound(absl::Duration timeout) {
   absl::StatusOr<std::vector<protocol::PeerChannels::Probe>> peers =
       engine_->AskLoop<std::vector<protocol::PeerChannels::Probe>>(
-          [this] { return channels_->PendingPeers(); }, timeout);
+          [this] { return channels_->PendingPeers(/*spare_heard=*/false); }, timeout);
   if (!peers.ok() || peers->empty()) return;
   ProbeRound(*peers, std::min(timeout, peer_timeout_), /*last=*/true);
 }
@@ -105,6 +107,7 @@ void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& 
     }
     round_ = round;
     outstanding_ = static_cast<int>(round.size());
+    probes_sent_->fetch_add(static_cast<int64_t>(round.size()), std::memory_order_relaxed);
   }
   for (const std::shared_ptr<Probe>& probe : round) {
     std::shared_ptr<proto::VerbsService::Stub> stub =

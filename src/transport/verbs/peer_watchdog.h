@@ -30,6 +30,8 @@
 #ifndef TENSORVERBS_TRANSPORT_VERBS_PEER_WATCHDOG_H_
 #define TENSORVERBS_TRANSPORT_VERBS_PEER_WATCHDOG_H_
 
+#include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -46,9 +48,11 @@ namespace tensorverbs::verbs {
 
 class PeerWatchdog {
  public:
-  // `self` is this task's name (the probes carry it); the others outlive the watchdog.
+  // `self` is this task's name (the probes carry it); the others outlive the watchdog. Each probe
+  // sent is counted in `probes_sent`.
   PeerWatchdog(std::string self, absl::Duration peer_timeout, protocol::ProgressEngine* engine,
-               protocol::PeerChannels* channels, protocol::ChannelTable* table, VerbsStubs* stubs);
+               protocol::PeerChannels* channels, protocol::ChannelTable* table, VerbsStubs* stubs,
+               std::atomic<int64_t>* probes_sent);
   PeerWatchdog(const PeerWatchdog&) = delete;
   PeerWatchdog& operator=(const PeerWatchdog&) = delete;
   ~PeerWatchdog();  // Stop()
@@ -77,6 +81,7 @@ class PeerWatchdog {
   protocol::PeerChannels* const channels_;
   protocol::ChannelTable* const table_;
   VerbsStubs* const stubs_;
+  std::atomic<int64_t>* const probes_sent_;
 
   Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -176,9 +176,9 @@ absl::Status VerbsTransport::Start() {
   lent_ = std::make_unique<LentTensors>(&env());
   service_ = std::make_unique<VerbsServiceImpl>(engine_.get(), channels_.get(), security,
                                                 options_.transfer.peer_timeout / 2);
-  watchdog_ =
-      std::make_unique<PeerWatchdog>(options_.env->task_name, options_.transfer.peer_timeout,
-                                     engine_.get(), channels_.get(), table_.get(), stubs_.get());
+  watchdog_ = std::make_unique<PeerWatchdog>(
+      options_.env->task_name, options_.transfer.peer_timeout, engine_.get(), channels_.get(),
+      table_.get(), stubs_.get(), &stats_.liveness_probes);
 
   engine_->Start();
   watchdog_->Start();
