@@ -140,22 +140,7 @@ class IbvDomain final : public Domain {
       produced += shared_->endpoints[(next_ + i) % n]->Progress(out.subspan(produced));
     }
     if (n > 0) next_ = (next_ + 1) % n;
-    // Only endpoints with operations under way have anything to issue, report or time out, so
-    // an idle turn costs the same with ten channels or ten thousand. Each issues what its queue
-    // holds even when `out` is full, as the CQ's completions gave room back.
-    std::vector<IbvEndpoint*>& active = shared_->active;
-    for (size_t i = 0; i < active.size();) {
-      IbvEndpoint* ep = active[i];
-      produced += ep->Drain(out.subspan(produced));
-      if (ep->idle()) {
-        ep->active = false;
-        active[i] = active.back();
-        active.pop_back();
-      } else {
-        ++i;
-      }
-    }
-    return produced;
+    return produced + DrainActive(shared_->active, out.subspan(produced));
   }
 
  private:

@@ -137,21 +137,7 @@ class OfiDomain final : public Domain {
       produced += shared_->ports[(next_port_ + i) % n]->Progress(out.subspan(produced));
     }
     if (n > 0) next_port_ = (next_port_ + 1) % n;
-    // Only endpoints with operations under way have anything to issue, report or time out, so
-    // an idle turn costs the same with ten channels or ten thousand.
-    std::vector<OfiEndpoint*>& active = shared_->active;
-    for (size_t i = 0; i < active.size() && produced < out.size();) {
-      OfiEndpoint* ep = active[i];
-      produced += ep->Drain(out.subspan(produced));
-      if (ep->idle()) {
-        ep->active = false;
-        active[i] = active.back();
-        active.pop_back();
-      } else {
-        ++i;
-      }
-    }
-    return produced;
+    return produced + DrainActive(shared_->active, out.subspan(produced));
   }
 
  private:
