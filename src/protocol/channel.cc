@@ -160,6 +160,7 @@ void Channel::OnCompletion(const fabric::Completion& c) {
     // anything its receiver writes; at the receiver, content landing, not an ACK, which a peer
     // that then closed its end sent last.
     if (receiving_ == nullptr || ClassifyImm(c.imm) == ImmKind::kRequest) ++heard_;
+    ++inbound_;
     switch (ClassifyImm(c.imm)) {
       case ImmKind::kControlMessage: {
         OnControlMessage();
@@ -259,9 +260,13 @@ void Channel::HandleMessage(Message& m) {
 bool Channel::MessagesUnacknowledgedFor(absl::Duration limit, absl::Time now) {
   if (limit <= absl::ZeroDuration() || state_ != State::kReady || mb_ == nullptr) return false;
   const uint64_t acked = mb_->acknowledged();
-  if (mb_->sent() == acked || acked != ack_watch_count_ ||
+  // Only slots whose write completed here are waited for (one still queued behind a full send
+  // queue is this side's backlog), and anything the peer writes starts the wait over: an ACK
+  // queued behind the content the peer is sending on the same connection is late, not lost.
+  if (mb_->written() <= acked || acked != ack_watch_count_ || inbound_ != ack_watch_inbound_ ||
       ack_watch_since_ == absl::InfinitePast()) {
     ack_watch_count_ = acked;
+    ack_watch_inbound_ = inbound_;
     ack_watch_since_ = now;
     return false;
   }

@@ -145,9 +145,10 @@ class Channel {
     return heard;
   }
   // Housekeeping: whether the peer has acknowledged none of the control messages this side
-  // wrote for longer than `limit` (no limit when not positive). A peer's loop acknowledges each
-  // message in the turn it lands, so a message unanswered that long was lost on the way, as
-  // over a shared connection that broke under it, while the peer's process still answers probes.
+  // wrote (writes completed here) and written nothing at all into the channel for longer than
+  // `limit` (no limit when not positive). A peer's loop acknowledges each message in the turn it
+  // lands, so a message unanswered that long was lost on the way, as over a shared connection
+  // that broke under it, while the peer's process still answers probes.
   bool MessagesUnacknowledgedFor(absl::Duration limit, absl::Time now);
   // The idle time starts over (its acceptor asked, and the owner keeps the channel).
   void RestartIdle() {
@@ -224,11 +225,13 @@ class Channel {
   uint64_t idle_traffic_ = 0;
   absl::Time idle_since_ = absl::InfinitePast();
   bool idle_ = false;
-  uint64_t heard_ = 0;  // writes with immediate from the peer
+  uint64_t heard_ = 0;    // writes from the peer that prove the channel moves (HeardSinceLastLook)
+  uint64_t inbound_ = 0;  // every write with immediate from the peer
   mutable uint64_t heard_looked_ = 0;
   // MessagesUnacknowledgedFor's view: the acknowledged count it last saw, and since when it has
   // not moved with messages outstanding.
   uint64_t ack_watch_count_ = 0;
+  uint64_t ack_watch_inbound_ = 0;
   absl::Time ack_watch_since_ = absl::InfinitePast();
   State state_ = State::kConnecting;
   bool reap_posted_ = false;

@@ -145,6 +145,7 @@ absl::Status MessageBuffer::OnMessageWritten(uint64_t slot) {
     return absl::InternalError(absl::StrCat("completion for idle message slot ", slot));
   }
   tx_local_busy_[slot] = false;
+  ++tx_written_;
   return Pump();
 }
 

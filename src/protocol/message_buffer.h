@@ -103,6 +103,8 @@ class MessageBuffer {
   // Slots written / received, and messages sent / received, over the buffer's life.
   uint64_t sent() const { return tx_sent_; }
   uint64_t acknowledged() const { return tx_acked_; }
+  // Slots whose write has completed here (the rest are still with the endpoint).
+  uint64_t written() const { return tx_written_; }
   uint64_t received() const { return rx_received_; }
   uint64_t messages_sent() const { return tx_messages_; }
   // Times messages waited for a free slot (every slot of the peer busy, or this side's copy of
@@ -145,6 +147,7 @@ class MessageBuffer {
   std::vector<bool> tx_local_busy_;  // per tx slot: the write has not completed locally
   uint64_t tx_sent_ = 0;             // slots written; slot = tx_sent_ % remote_slots_
   uint64_t tx_acked_ = 0;            // slots acknowledged by the peer
+  uint64_t tx_written_ = 0;          // slots whose write completed locally
   uint64_t slot_waits_ = 0;
   bool waiting_for_slot_ = false;
   uint64_t tx_messages_ = 0;         // messages written (the next one's sequence)

@@ -159,17 +159,26 @@ IbvEndpoint::~IbvEndpoint() {
   eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
   auto& active = shared_->active;
   active.erase(std::remove(active.begin(), active.end(), this), active.end());
+  if (qp_ != nullptr && !own_cq()) {
+    // Stopped first, and its completions taken out while it exists: a device that cleans a
+    // destroyed queue pair's completions from the CQ itself (mlx5) frees the shared receives
+    // they consumed without posting them again, and the SRQ would shrink with every channel.
+    ibv_qp_attr stop{};
+    stop.qp_state = IBV_QPS_ERR;
+    (void)ibv_modify_qp(qp_, &stop, IBV_QP_STATE);
+    ForgetCompletions(/*destroyed=*/false);
+  }
   if (qp_) ibv_destroy_qp(qp_);
   if (cq_ != nullptr && own_cq()) {
     // Every CQ event taken from the channel must be acknowledged before destruction.
     if (unacked_events_ > 0) ibv_ack_cq_events(cq_, unacked_events_);
     ibv_destroy_cq(cq_);
   } else if (qp_ != nullptr) {
-    ForgetCompletions();
+    ForgetCompletions(/*destroyed=*/true);
   }
 }
 
-void IbvEndpoint::ForgetCompletions() {
+void IbvEndpoint::ForgetCompletions(bool destroyed) {
   // The device may reuse this queue pair's number at once: a completion of it left in the CQ
   // would then reach the next endpoint given that number (a write with immediate of a closed
   // channel as its successor's, or an operation record freed with this endpoint). Once the queue
@@ -191,6 +200,7 @@ void IbvEndpoint::ForgetCompletions() {
     }
   }
   stash.erase(std::remove_if(stash.begin(), stash.end(), mine), stash.end());
+  if (!destroyed) return;
   // Work requests the queue pair took with it will never complete: their room is free.
   shared_->send_room += sends_out_;
   shared_->bind_room += binds_out_;

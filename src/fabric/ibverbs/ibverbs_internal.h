@@ -44,7 +44,7 @@ inline constexpr uint32_t kBindSlack = 16;
 // the send completions (operations, window binds) it has room for across all queue pairs.
 inline constexpr uint32_t kSrqDepth = 4096;
 inline constexpr size_t kSharedSendRoom = 16384;
-inline constexpr size_t kSharedBindRoom = 256;
+inline constexpr size_t kSharedBindRoom = 4096;
 // Below this much room for send completions a shared CQ is not worth it: endpoints get their own.
 inline constexpr size_t kMinSharedSendRoom = 64;
 
@@ -246,9 +246,9 @@ class IbvEndpoint final : public EndpointBase {
   absl::Status PostReceive();
   // Own-CQ and shared-CQ handling of one completion: receives are replaced here or by the domain.
   bool HandleCompletion(const ibv_wc& w, Completion* c);
-  // Shared CQ: the completions of this (destroyed) queue pair still in the CQ are dropped, and
-  // the room its unfinished work requests held is given back.
-  void ForgetCompletions();
+  // Shared CQ: the completions of this queue pair now in the CQ are dropped (what they hold
+  // given back); once it is `destroyed`, so is the room its unfinished work requests held.
+  void ForgetCompletions(bool destroyed);
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
                     const RemoteBuffer& remote, uint64_t context) override;
   // Posts `op`: true if posted, false if the send queue is full (retried later).

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <memory>
@@ -187,6 +188,7 @@ int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
       }
       arrived.wr_id = receives.front();
       receives.pop_front();
+      if (d->srq) --FakeNic::Get().srq_posted;
       d->cq->Push(arrived);
       q->cq->Push(done);
       return 0;
@@ -231,6 +233,7 @@ int PostSrqRecv(ibv_srq* srq, ibv_recv_wr* wr, ibv_recv_wr** bad) {
     return 0;
   }
   q->receives.push_back(wr->wr_id);
+  ++FakeNic::Get().srq_posted;
   return 0;
 }
 
@@ -463,6 +466,14 @@ ibv_qp* __wrap_ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* init) {
   return out;
 }
 int __wrap_ibv_destroy_qp(ibv_qp* qp) {
+  auto it = S().qps.find(qp->qp_num);
+  if (it != S().qps.end() && FakeNic::Get().destroy_cleans_cq) {
+    std::deque<ibv_wc>& queue = it->second->cq->queue;
+    const uint32_t qpn = qp->qp_num;
+    queue.erase(std::remove_if(queue.begin(), queue.end(),
+                               [qpn](const ibv_wc& w) { return w.qp_num == qpn; }),
+                queue.end());
+  }
   if (S().qps.erase(qp->qp_num) != 0) --FakeNic::Get().qps_live;
   return 0;
 }

@@ -51,6 +51,7 @@ struct FakeNic {
   // its receives from it. Off: the device reports none.
   bool srq = true;
   int srqs_created = 0;
+  int srq_posted = 0;  // receives posted on shared receive queues and not yet consumed
   int cqs_created = 0;
   int qps_live = 0;
   // What the device reports as its largest CQ. A CQ holds at most the entries it was created
@@ -59,6 +60,9 @@ struct FakeNic {
   int cq_overruns = 0;
   // Hand out the lowest queue pair number not in use, as a device may reuse a destroyed QP's.
   bool reuse_qp_numbers = false;
+  // Destroying a queue pair removes its completions from its CQ, as mlx5 does; the shared
+  // receives they consumed are not posted again.
+  bool destroy_cleans_cq = false;
 
   struct Modify {
     uint32_t qp_num;

@@ -482,5 +482,30 @@ TEST_F(IbverbsFakeNicTest, ACompletionOfAClosedChannelNeverReachesTheChannelGive
   EXPECT_EQ(c->Outstanding(), 0u) << "the closed channel's CQ room was not given back";
 }
 
+// A device that cleans a destroyed queue pair's completions from the CQ itself (mlx5) frees the
+// shared receives they consumed without posting them again: the backend stops the queue pair and
+// takes its completions out first, so channels closed with writes unpolled leave the shared
+// receive queue as full as before.
+TEST_F(IbverbsFakeNicTest, ClosingChannelsWithCompletionsUnpolledKeepsTheSharedReceiveQueueFull) {
+  FakeNic::Get().destroy_cleans_cq = true;
+  ASSERT_NO_FATAL_FAILURE(Open());
+  const int full = FakeNic::Get().srq_posted;
+  EXPECT_EQ(full, static_cast<int>(kSrqDepth));
+  for (int round = 0; round < 5; ++round) {
+    auto [x, y] = ConnectedPair(*domain_);
+    for (int i = 0; i < 100; ++i) {
+      ASSERT_TRUE(
+          x->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 1, i).ok());
+    }
+    // Both ends go with 100 arrivals and 100 sends unpolled.
+  }
+  (void)Drain();
+  EXPECT_EQ(FakeNic::Get().srq_posted, full) << "shared receives were lost with closed channels";
+  ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(0, 16), 9, 1).ok());
+  size_t remote = 0;
+  for (const Completion& c : Drain()) remote += c.kind == CompletionKind::kRemoteWriteImm;
+  EXPECT_EQ(remote, 1u);
+}
+
 }  // namespace
 }  // namespace tensorverbs::fabric::ibverbs
