@@ -151,10 +151,7 @@ absl::Status IbvEndpoint::Init() {
 }
 
 IbvEndpoint::~IbvEndpoint() {
-  if (auto it = shared_->by_qp.find(qp_num_);
-      qp_ != nullptr && it != shared_->by_qp.end() && it->second == this) {
-    shared_->by_qp.erase(it);
-  }
+  if (qp_ != nullptr) shared_->by_qp.erase(qp_num_);
   auto& eps = shared_->endpoints;
   eps.erase(std::remove(eps.begin(), eps.end(), this), eps.end());
   auto& active = shared_->active;
@@ -193,11 +190,7 @@ void IbvEndpoint::ForgetCompletions(bool destroyed) {
   for (const ibv_wc& w : stash) {
     if (!mine(w)) continue;
     GiveBack(*shared_, w);
-    if (w.wr_id == kBindWrId) {
-      if (binds_out_ > 0) --binds_out_;
-    } else if (w.wr_id != kReceiveWrId && sends_out_ > 0) {
-      --sends_out_;
-    }
+    Returned(w);
   }
   stash.erase(std::remove_if(stash.begin(), stash.end(), mine), stash.end());
   if (!destroyed) return;
@@ -335,12 +328,16 @@ size_t IbvEndpoint::Progress(absl::Span<Completion> out) {
   return produced;
 }
 
-bool IbvEndpoint::Handle(const ibv_wc& w, Completion* c) {
+void IbvEndpoint::Returned(const ibv_wc& w) {
   if (w.wr_id == kBindWrId) {
     if (binds_out_ > 0) --binds_out_;
   } else if (w.wr_id != kReceiveWrId && sends_out_ > 0) {
     --sends_out_;
   }
+}
+
+bool IbvEndpoint::Handle(const ibv_wc& w, Completion* c) {
+  Returned(w);
   return HandleCompletion(w, c);
 }
 

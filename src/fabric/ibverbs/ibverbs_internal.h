@@ -249,6 +249,8 @@ class IbvEndpoint final : public EndpointBase {
   // Shared CQ: the completions of this queue pair now in the CQ are dropped (what they hold
   // given back); once it is `destroyed`, so is the room its unfinished work requests held.
   void ForgetCompletions(bool destroyed);
+  // Shared CQ: a send work request of this queue pair came back (its room no longer held here).
+  void Returned(const ibv_wc& w);
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
                     const RemoteBuffer& remote, uint64_t context) override;
   // Posts `op`: true if posted, false if the send queue is full (retried later).
