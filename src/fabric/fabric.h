@@ -98,6 +98,10 @@ struct DomainOptions {
   // shmem: offer peers' progress threads a part of each write from 512 KiB (below what the copy
   // threads share), and take part in theirs (shmem.h).
   bool peer_copy = true;
+  // shmem: bytes of a peer's regions whose page tables an endpoint keeps populated, in windows
+  // of 2 MiB; beyond it the windows least recently written or read give theirs back (the memory
+  // stays the peer's, and a later write populates the window again).
+  uint64_t peer_window_bytes = uint64_t{128} << 20;
   // ofi, socket-addressed providers (tcp, verbs): this host's address that peers reach it at
   // (the task's host in the cluster spec). Endpoints bind to the interface that has it. Empty,
   // or no interface of the provider has it: the provider's first interface, which can be any

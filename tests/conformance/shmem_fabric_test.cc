@@ -95,6 +95,47 @@ TEST_F(ShmemFabricTest, APeersRegionIsPopulatedOnlyInTheWindowsWrittenAndEachOnc
   mr.reset();
 }
 
+// The windows an endpoint keeps populated are bounded (DomainOptions::peer_window_bytes): past
+// it, a window not touched since the sweep last passed it gives its page tables back (a clock
+// sweep: recently used windows stay longer), and a later
+// write into it populates it again. The bytes are the peer's and stay: what was written before
+// a window was given back is still there, and writes after land whole.
+TEST_F(ShmemFabricTest, PopulatedWindowsStayWithinTheBudgetAndAReleasedOneIsMadeAgain) {
+  DomainOptions options;
+  options.peer_window_bytes = 2 * shmem::kWindowBytes;
+  ASSERT_NO_FATAL_FAILURE(Open(options));
+  constexpr size_t kRegion = 4 * shmem::kWindowBytes;
+  std::unique_ptr<SharedMemory> big = *SharedMemory::Create(kRegion, "test-windows");
+  auto mr = *b_->RegisterMemory(big->data(), big->size(), kAccessRemoteWrite);
+  shmem::CopyCounters& c = shmem::Counters();
+  const uint64_t made = c.windows_populated.load(), released = c.windows_released.load();
+  auto* base = static_cast<unsigned char*>(big->data());
+  auto write_window = [&](uint64_t window, unsigned char value, uint32_t imm) {
+    std::memset(src_->data(), value, 4096);
+    RemoteBuffer target = Remote(*mr);
+    target.addr += window * shmem::kWindowBytes + 100;
+    target.length = 4096;
+    ASSERT_TRUE(ea_->PostWriteWithImm(Local(4096), target, imm, imm).ok());
+    ASSERT_NO_FATAL_FAILURE(ExpectWriteLanded(4096));
+  };
+  ASSERT_NO_FATAL_FAILURE(write_window(0, 0x11, 1));
+  ASSERT_NO_FATAL_FAILURE(write_window(1, 0x22, 2));
+  EXPECT_EQ(c.windows_released.load() - released, 0u) << "within the budget";
+  ASSERT_NO_FATAL_FAILURE(write_window(0, 0x33, 3));
+  ASSERT_NO_FATAL_FAILURE(write_window(2, 0x44, 4));
+  EXPECT_EQ(c.windows_released.load() - released, 1u);
+  ASSERT_NO_FATAL_FAILURE(write_window(3, 0x55, 5));
+  EXPECT_EQ(c.windows_released.load() - released, 2u);
+  ASSERT_NO_FATAL_FAILURE(write_window(1, 0x66, 6));  // given back before: made again
+  EXPECT_EQ(c.windows_released.load() - released, 3u);
+  EXPECT_EQ(c.windows_populated.load() - made, 5u) << "windows 0, 1, 2, 3, then 1 again";
+  EXPECT_EQ(base[100], 0x33);
+  EXPECT_EQ(base[shmem::kWindowBytes + 100 + 4095], 0x66);
+  EXPECT_EQ(base[2 * shmem::kWindowBytes + 100], 0x44);
+  EXPECT_EQ(base[3 * shmem::kWindowBytes + 100 + 4095], 0x55);
+  mr.reset();
+}
+
 TEST_F(ShmemFabricTest, LargeWritesAndReadsSharedWithCopyThreadsLandExactly) {
   DomainOptions options;
   options.copy_threads = 2;

@@ -70,6 +70,7 @@ struct DomainState {
   std::shared_ptr<DeviceMemory> device;       // null: host memory only
   std::unique_ptr<CopyHelpers> copy_helpers;  // share large writes' copies (progress thread)
   bool peer_copy = true;                      // DomainOptions::peer_copy
+  uint64_t peer_window_bytes = 0;             // DomainOptions::peer_window_bytes
   std::atomic<uint64_t> next_id{1};
 
   Mutex mu;

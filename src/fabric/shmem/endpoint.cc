@@ -41,7 +41,7 @@ ShmemEndpoint::ShmemEndpoint(std::shared_ptr<DomainState> d, std::shared_ptr<End
       shared_(std::move(shared)),
       in_(static_cast<RingHeader*>(shared_->ring->data())),
       conn_(*d_, *shared_),
-      mappings_(conn_, d_->device.get()),
+      mappings_(conn_, d_->device.get(), d_->peer_window_bytes),
       copies_(conn_, mappings_, d_->device.get()),
       shares_(*d_, *shared_, conn_, mappings_, in_, InodeOf(shared_->ring->fd()), op_timeout) {
   d_->live.push_back(this);

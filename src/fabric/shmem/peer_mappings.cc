@@ -24,7 +24,7 @@ auto PeerMappings::Map(const PackedKey& key, uint64_t addr, uint64_t length, boo
       return absl::DataLossError(
           "shmem: a remote key describes its region differently than when it was mapped");
     }
-    Populate(m, addr, length);
+    Populate(m, addr, length, may_evict);
     return &m;
   }
   Reply reply{};
@@ -61,27 +61,39 @@ auto PeerMappings::Map(const PackedKey& key, uint64_t addr, uint64_t length, boo
         mappings_.begin(), mappings_.end(),
         [](const auto& a, const auto& b) { return a.second.order < b.second.order; });
     Unmap(oldest->second);
+    for (uint8_t w : oldest->second.windows) populated_windows_ -= w != kUnpopulated ? 1 : 0;
     mappings_.erase(oldest);
   }
   Counters().regions_mapped.fetch_add(1, std::memory_order_relaxed);
   const uint64_t local_base = reinterpret_cast<uint64_t>(mapped) + (key.offset - start);
   Mapping& m = mappings_[key.region];
-  m = Mapping{
-      mapped, map_length, local_base - key.base,
-      key,    writable,   ++mapping_order_,
-      false,  start,      std::vector<bool>((map_length + kWindowBytes - 1) / kWindowBytes, false)};
-  Populate(m, addr, length);
+  m = Mapping{mapped,
+              map_length,
+              local_base - key.base,
+              key,
+              writable,
+              ++mapping_order_,
+              false,
+              start,
+              std::vector<uint8_t>((map_length + kWindowBytes - 1) / kWindowBytes, kUnpopulated)};
+  Populate(m, addr, length, may_evict);
   return &m;
 }
 
-void PeerMappings::Populate(Mapping& m, uint64_t addr, uint64_t length) {
+void PeerMappings::Populate(Mapping& m, uint64_t addr, uint64_t length, bool may_release) {
   if (length == 0) return;
   // The range as offsets into the mapping (the caller checked it lies inside the key's).
   const uint64_t first = (addr - m.key.base + (m.key.offset - m.start)) / kWindowBytes;
   const uint64_t last = (addr + length - 1 - m.key.base + (m.key.offset - m.start)) / kWindowBytes;
-  for (uint64_t w = first; w <= last && w < m.populated.size(); ++w) {
-    if (m.populated[w]) continue;
-    m.populated[w] = true;
+  for (uint64_t w = first; w <= last && w < m.windows.size(); ++w) {
+    if (m.windows[w] != kUnpopulated) {
+      m.windows[w] = kTouched;
+      continue;
+    }
+    while (may_release && populated_windows_ >= max_windows_ && ReleaseOne(m, first, last)) {
+    }
+    m.windows[w] = kTouched;
+    ++populated_windows_;
     const uint64_t begin = w * kWindowBytes;
     const uint64_t bytes = std::min<uint64_t>(kWindowBytes, m.map_length - begin);
     // The page tables now, so the copy that follows, and every later one into this window,
@@ -92,6 +104,44 @@ void PeerMappings::Populate(Mapping& m, uint64_t addr, uint64_t length) {
     Counters().windows_populated.fetch_add(1, std::memory_order_relaxed);
     Counters().bytes_populated.fetch_add(bytes, std::memory_order_relaxed);
   }
+}
+
+bool PeerMappings::ReleaseOne(const Mapping& current, uint64_t first, uint64_t last) {
+  uint64_t total = 0;
+  for (const auto& [id, m] : mappings_) total += m.windows.size() + 1;
+  auto it = mappings_.lower_bound(hand_region_);
+  uint64_t w = it != mappings_.end() && it->first == hand_region_ ? hand_window_ : 0;
+  // Two passes at most: the first may only clear the marks of windows touched since the last.
+  for (uint64_t step = 0; step < 2 * total + 1; ++step) {
+    if (it == mappings_.end()) {
+      if (mappings_.empty()) return false;
+      it = mappings_.begin();
+      w = 0;
+    }
+    Mapping& m = it->second;
+    // Page-locked for device copies: their DMA relies on these pages staying mapped.
+    if (w >= m.windows.size() || m.pinned) {
+      ++it;
+      w = 0;
+      continue;
+    }
+    const uint64_t at = w++;
+    if (m.windows[at] == kUnpopulated || (&m == &current && at >= first && at <= last)) continue;
+    if (m.windows[at] == kTouched) {
+      m.windows[at] = kPopulated;
+      continue;
+    }
+    const uint64_t begin = at * kWindowBytes;
+    madvise(static_cast<char*>(m.addr) + begin,
+            std::min<uint64_t>(kWindowBytes, m.map_length - begin), MADV_DONTNEED);
+    m.windows[at] = kUnpopulated;
+    --populated_windows_;
+    Counters().windows_released.fetch_add(1, std::memory_order_relaxed);
+    hand_region_ = it->first;
+    hand_window_ = w;
+    return true;
+  }
+  return false;
 }
 
 void PeerMappings::PinForDevice(Mapping& m) {
@@ -148,12 +198,14 @@ auto PeerMappings::MapDevice(const PackedKey& key, int device, bool may_evict)
 void PeerMappings::ReleaseAll() {
   for (auto& [id, m] : mappings_) Unmap(m);
   mappings_.clear();
+  populated_windows_ = 0;
   for (auto& [id, m] : device_mappings_) device_->Close(m.device, m.base);
   device_mappings_.clear();
 }
 
 void PeerMappings::Abandon() {
   mappings_.clear();
+  populated_windows_ = 0;
   device_mappings_.clear();
 }
 

@@ -7,7 +7,11 @@
 // touches, and only the aligned windows of kWindowBytes they fall in get their page tables made
 // (MADV_POPULATE_*), each once. So a peer's 64 MiB pool costs this process (its page tables, its
 // share of the memory, the first step's time) what it writes or reads of it, not its size, and
-// no page fault lands in the middle of a later copy into a window already touched.
+// no page fault lands in the middle of a later copy into a window already touched. The windows
+// populated are bounded (`window_budget` bytes): beyond it, one not touched since the last
+// sweep gives its page tables back (MADV_DONTNEED, a clock sweep over the populated windows).
+// The mapping is shared, so nothing is lost: a copy still running through it (a copy thread's
+// part of a write) faults the pages back in. Windows of page-locked mappings stay.
 //
 // Owned by ShmemEndpoint; called by it, DeviceCopyQueue and SharedWrites on the progress thread.
 // No lock, no callbacks. A device copy may still move bytes through any entry, so the caller
@@ -16,6 +20,7 @@
 #ifndef TENSORVERBS_FABRIC_SHMEM_PEER_MAPPINGS_H_
 #define TENSORVERBS_FABRIC_SHMEM_PEER_MAPPINGS_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -47,8 +52,13 @@ class PeerMappings {
     uint64_t order;               // for eviction: the oldest mapping goes first
     bool pinned;                  // page-locked for device copies
     uint64_t start;               // the file offset addr maps
-    std::vector<bool> populated;  // by window of kWindowBytes from `start`
+    // By window of kWindowBytes from `start`: kUnpopulated, or populated and whether it was
+    // touched since the sweep last passed it.
+    std::vector<uint8_t> windows;
   };
+  static constexpr uint8_t kUnpopulated = 0;
+  static constexpr uint8_t kPopulated = 1;
+  static constexpr uint8_t kTouched = 2;
   // A peer's GPU allocation, imported into this process.
   struct DeviceMapping {
     void* base;
@@ -58,7 +68,11 @@ class PeerMappings {
 
   // `conn` is the endpoint's; `device` the domain's GPU runtime (null: host memory only). Both
   // outlive this.
-  PeerMappings(PeerConnection& conn, DeviceMemory* device) : conn_(conn), device_(device) {}
+  PeerMappings(PeerConnection& conn, DeviceMemory* device,
+               uint64_t window_budget = uint64_t{128} << 20)
+      : conn_(conn),
+        device_(device),
+        max_windows_(std::max<uint64_t>(window_budget / kWindowBytes, 1)) {}
   PeerMappings(const PeerMappings&) = delete;
   PeerMappings& operator=(const PeerMappings&) = delete;
 
@@ -85,13 +99,22 @@ class PeerMappings {
 
  private:
   void Unmap(const Mapping& m);
-  // Makes the page tables of the windows of `m` that [addr, addr + length) touches.
-  void Populate(Mapping& m, uint64_t addr, uint64_t length);
+  // Makes the page tables of the windows of `m` that [addr, addr + length) touches, first
+  // giving back others' beyond the budget when `may_release`.
+  void Populate(Mapping& m, uint64_t addr, uint64_t length, bool may_release);
+  // Gives back one populated window that is neither `m`'s windows [first, last] nor touched
+  // since the sweep last passed it (clearing the marks it passes); false if none qualifies.
+  bool ReleaseOne(const Mapping& m, uint64_t first, uint64_t last);
 
   PeerConnection& conn_;
   DeviceMemory* const device_;
   std::map<uint64_t, Mapping> mappings_;
   uint64_t mapping_order_ = 0;
+  const uint64_t max_windows_;
+  uint64_t populated_windows_ = 0;
+  // The sweep's position: the region it is in and the window it looks at next.
+  uint64_t hand_region_ = 0;
+  uint64_t hand_window_ = 0;
   // By (region, the local device it was imported on).
   std::map<std::pair<uint64_t, int>, DeviceMapping> device_mappings_;
 };

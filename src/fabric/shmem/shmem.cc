@@ -236,6 +236,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenShmemDomain(const DomainOptions& opt
   }
   d->copy_helpers = std::make_unique<CopyHelpers>(options.copy_threads);
   d->peer_copy = options.peer_copy;
+  d->peer_window_bytes = options.peer_window_bytes;
   if (getrandom(&d->uid, sizeof(d->uid), 0) != sizeof(d->uid)) {
     return absl::UnavailableError(absl::StrCat("shmem: getrandom: ", std::strerror(errno)));
   }

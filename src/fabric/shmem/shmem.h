@@ -61,6 +61,9 @@ struct CopyCounters {
   // bytes: what this process's mappings of its peers' pools cost it.
   std::atomic<uint64_t> windows_populated{0};
   std::atomic<uint64_t> bytes_populated{0};
+  // Of those, windows whose page tables were given back to keep an endpoint within
+  // DomainOptions::peer_window_bytes.
+  std::atomic<uint64_t> windows_released{0};
   std::atomic<uint64_t> device_ops{0};  // moved by device copies (DomainOptions::device_memory)
   std::atomic<uint64_t> device_bytes{0};
   std::atomic<uint64_t> device_regions_imported{0};
