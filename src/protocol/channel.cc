@@ -226,7 +226,9 @@ void Channel::OnControlMessage() {
   // The batch decodes into the channel's vector, whose capacity a steady channel reuses; it is
   // taken out while in use, so a nested call (none today) would simply start its own.
   std::vector<Message> batch = std::move(batch_);
-  if (absl::Status s = mb_->OnControlMessage(&batch); !s.ok()) {
+  absl::Status s = mb_->OnControlMessage(&batch);
+  received_for_probes_.store(mb_->received(), std::memory_order_relaxed);
+  if (!s.ok()) {
     Close(absl::DataLossError(
         absl::StrCat("control message from task ", peer_task_, ": ", s.message())));
   } else {
@@ -257,20 +259,20 @@ void Channel::HandleMessage(Message& m) {
                    receiving_ != nullptr ? "it sends tensors" : "it receives them")));
 }
 
-bool Channel::MessagesUnacknowledgedFor(absl::Duration limit, absl::Time now) {
-  if (limit <= absl::ZeroDuration() || state_ != State::kReady || mb_ == nullptr) return false;
+std::optional<Channel::AwaitedAck> Channel::AwaitedAcknowledgement(absl::Time now) const {
+  if (state_ != State::kReady || mb_ == nullptr) return std::nullopt;
   const uint64_t acked = mb_->acknowledged();
-  // Only slots whose write completed here are waited for (one still queued behind a full send
-  // queue is this side's backlog), and anything the peer writes starts the wait over: an ACK
-  // queued behind the content the peer is sending on the same connection is late, not lost.
+  // Only slots whose write completed here are owed (one still queued behind a full send queue
+  // is this side's backlog), and anything the peer writes starts the wait over: an ACK queued
+  // behind the content the peer is sending on the same connection is late, not lost.
   if (mb_->written() <= acked || acked != ack_watch_count_ || inbound_ != ack_watch_inbound_ ||
       ack_watch_since_ == absl::InfinitePast()) {
     ack_watch_count_ = acked;
     ack_watch_inbound_ = inbound_;
-    ack_watch_since_ = now;
-    return false;
+    ack_watch_since_ = mb_->written() > acked ? now : absl::InfinitePast();
+    if (ack_watch_since_ == absl::InfinitePast()) return std::nullopt;
   }
-  return now - ack_watch_since_ > limit;
+  return AwaitedAck{acked + 1, ack_watch_since_};
 }
 
 bool Channel::NoteIdle(absl::Time now) {

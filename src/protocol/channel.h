@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -144,12 +145,24 @@ class Channel {
     heard_looked_ = heard_;
     return heard;
   }
-  // Housekeeping: whether the peer has acknowledged none of the control messages this side
-  // wrote (writes completed here) and written nothing at all into the channel for longer than
-  // `limit` (no limit when not positive). A peer's loop acknowledges each message in the turn it
-  // lands, so a message unanswered that long was lost on the way, as over a shared connection
-  // that broke under it, while the peer's process still answers probes.
-  bool MessagesUnacknowledgedFor(absl::Duration limit, absl::Time now);
+  // The watchdog (PeerChannels::PendingPeers, on the loop): what the peer owes an
+  // acknowledgement for. `slots`: the control-message slots the peer must have decoded (one
+  // more than it acknowledged; this side's write of that slot completed); `since`: when it was
+  // first seen owed with nothing from the peer since, no earlier than that write completed.
+  // nullopt while nothing is owed. A peer's loop acknowledges a message in the turn it lands,
+  // so one that a peer's idle poll long after `since` has still not decoded was lost on the
+  // way, as over a shared connection that broke under it (PeerWatchdog judges, from the
+  // peer's answer to a probe).
+  struct AwaitedAck {
+    uint64_t slots = 0;
+    absl::Time since;
+  };
+  std::optional<AwaitedAck> AwaitedAcknowledgement(absl::Time now) const;
+  // Any thread (a peer's probe answered off the loop): the control-message slots decoded from
+  // the peer so far.
+  uint64_t MessagesReceivedForProbes() const {
+    return received_for_probes_.load(std::memory_order_relaxed);
+  }
   // The idle time starts over (its acceptor asked, and the owner keeps the channel).
   void RestartIdle() {
     idle_since_ = absl::InfinitePast();
@@ -221,6 +234,7 @@ class Channel {
   uint64_t trace_track_ = 0;
   absl::Status close_status_;
   std::atomic<bool> closed_for_probes_{false};
+  std::atomic<uint64_t> received_for_probes_{0};  // MessagesReceivedForProbes
   // NoteIdle's view: the traffic it last saw and since when it has not moved.
   uint64_t idle_traffic_ = 0;
   absl::Time idle_since_ = absl::InfinitePast();
@@ -228,11 +242,11 @@ class Channel {
   uint64_t heard_ = 0;    // writes from the peer that prove the channel moves (HeardSinceLastLook)
   uint64_t inbound_ = 0;  // every write with immediate from the peer
   mutable uint64_t heard_looked_ = 0;
-  // MessagesUnacknowledgedFor's view: the acknowledged count it last saw, and since when it has
+  // AwaitedAcknowledgement's view: the acknowledged count it last saw, and since when it has
   // not moved with messages outstanding.
-  uint64_t ack_watch_count_ = 0;
-  uint64_t ack_watch_inbound_ = 0;
-  absl::Time ack_watch_since_ = absl::InfinitePast();
+  mutable uint64_t ack_watch_count_ = 0;
+  mutable uint64_t ack_watch_inbound_ = 0;
+  mutable absl::Time ack_watch_since_ = absl::InfinitePast();
   State state_ = State::kConnecting;
   bool reap_posted_ = false;
   absl::Status closing_;  // CloseAfterThisTurn's reason, until the close runs

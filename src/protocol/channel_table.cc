@@ -33,7 +33,7 @@ ChannelTable::ProbeAnswer ChannelTable::ProbeOwned(const std::string& task, uint
   if (it != channels_.end() && it->second->role() == Channel::Role::kOwner &&
       it->second->peer_task() == task) {
     const Channel& owned = *it->second;
-    if (!owned.ClosedForProbes()) return {true, ""};
+    if (!owned.ClosedForProbes()) return {true, "", false, owned.MessagesReceivedForProbes()};
     return {false, std::string(owned.close_status().message()),
             owned.close_status().code() == absl::StatusCode::kCancelled};
   }
@@ -44,7 +44,7 @@ ChannelTable::ProbeAnswer ChannelTable::ProbeAccepted(const std::string& task,
                                                       uint64_t peer_channel_id) const {
   MutexLock lock(&probe_mu_);
   if (const Channel* c = FindAccepted(task, peer_channel_id)) {
-    if (!c->ClosedForProbes()) return {true, ""};
+    if (!c->ClosedForProbes()) return {true, "", false, c->MessagesReceivedForProbes()};
     return {false, std::string(c->close_status().message())};
   }
   if (const absl::Status* why = WhyAcceptedClosed(task, peer_channel_id)) {
@@ -123,7 +123,6 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
   AssertOnLoop();
   std::vector<uint64_t> closed;
   std::vector<Channel*> idle;
-  std::vector<Channel*> unanswered;
   for (auto& [id, channel] : channels_) {
     if (channel->state() == Channel::State::kClosed) {
       closed.push_back(id);
@@ -140,16 +139,6 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
     if (channel->NoteIdle(now) && channel->role() == Channel::Role::kOwner) {
       idle.push_back(channel.get());
     }
-    if (channel->MessagesUnacknowledgedFor(channel->env()->transfer.peer_timeout, now)) {
-      unanswered.push_back(channel.get());
-    }
-  }
-  for (Channel* channel : unanswered) {
-    channel->Close(absl::UnavailableError(absl::StrCat(
-        "task ", channel->peer_task(), " acknowledged no control message for ",
-        absl::FormatDuration(channel->env()->transfer.peer_timeout),
-        " (TENSORVERBS_PEER_TIMEOUT_MS): the fabric path to it lost them; the next recv sets "
-        "the channel up again")));
   }
   for (Channel* channel : idle) {
     VLOG(1) << channel->Describe() << " idle: given back";

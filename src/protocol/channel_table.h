@@ -61,6 +61,7 @@ class ChannelTable {
     bool open = false;
     std::string reason;
     bool routine = false;  // closed with Cancelled (given back, replaced), not an error
+    uint64_t messages_received = 0;  // control-message slots this end decoded
   };
   // Of the channel `id` this task owns towards `task`.
   ProbeAnswer ProbeOwned(const std::string& task, uint64_t id) const;

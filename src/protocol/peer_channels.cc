@@ -316,6 +316,18 @@ void PeerChannels::CheckChannel(const proto::CheckChannelRequest& request,
   response->set_open(answer.open);
   if (!answer.open) response->set_reason(answer.reason);
   response->set_closed_as_routine(answer.routine);
+  response->set_messages_received(answer.messages_received);
+  if (std::optional<absl::Duration> age = engine_->IdlePollAge()) {
+    response->set_idle_poll_age_us(absl::ToInt64Microseconds(*age));
+  }
+}
+
+bool PeerChannels::MessageLost(const Channel::AwaitedAck& awaited, uint64_t peer_received,
+                               std::optional<absl::Duration> idle_poll_age, absl::Time probe_sent,
+                               absl::Duration margin) {
+  if (peer_received >= awaited.slots || !idle_poll_age.has_value()) return false;
+  // The answer came after the probe was sent, so the idle poll was no earlier than this.
+  return probe_sent - *idle_poll_age > awaited.since + margin;
 }
 
 std::vector<PeerChannels::Probe> PeerChannels::PendingPeers(bool spare_heard) const {
@@ -323,13 +335,17 @@ std::vector<PeerChannels::Probe> PeerChannels::PendingPeers(bool spare_heard) co
   std::vector<Probe> out;
   const absl::flat_hash_set<std::string> lent_to =
       options_.lent_to ? options_.lent_to() : absl::flat_hash_set<std::string>();
+  const absl::Time now = absl::Now();
   table_->ForEach([&](const Channel& c) {
+    const std::optional<Channel::AwaitedAck> awaited = c.AwaitedAcknowledgement(now);
     // A ready channel its peer wrote into since the last round needs no probe this round.
     if (c.state() == Channel::State::kReady && c.HeardSinceLastLook() && spare_heard) return;
     if (c.role() == Channel::Role::kOwner && c.state() != Channel::State::kClosed &&
         c.receiving()->pending_requests() > 0) {
-      out.push_back({c.peer_task(), options_.task_addresses.at(c.peer_task()), c.peer_incarnation(),
-                     c.id(), c.state() == Channel::State::kConnecting});
+      Probe probe{c.peer_task(), options_.task_addresses.at(c.peer_task()), c.peer_incarnation(),
+                  c.id(), c.state() == Channel::State::kConnecting};
+      probe.awaited = awaited;
+      out.push_back(std::move(probe));
     } else if (c.role() == Channel::Role::kAcceptor && c.state() == Channel::State::kReady &&
                (c.sending()->holds_state_for_peer() || lent_to.contains(c.peer_task()) ||
                 c.idle())) {
@@ -340,6 +356,7 @@ std::vector<PeerChannels::Probe> PeerChannels::PendingPeers(bool spare_heard) co
       probe.idle = c.idle();
       probe.idle_only = !c.sending()->holds_state_for_peer() && !lent_to.contains(c.peer_task());
       probe.peer_channel_id = c.peer_channel_id();
+      probe.awaited = awaited;
       out.push_back(std::move(probe));
     }
   });

@@ -114,8 +114,18 @@ class PeerChannels {
     // slow owner keeps it).
     bool idle = false;
     bool idle_only = false;
+    // What the peer owes this end an acknowledgement for, if anything (MessageLost).
+    std::optional<Channel::AwaitedAck> awaited = std::nullopt;
   };
   std::vector<Probe> PendingPeers(bool spare_heard = true) const;
+  // Whether a probe's answer shows a control message this end wrote lost on the way: the
+  // peer's end has decoded fewer than `awaited.slots`, yet the peer's loop found nothing to do
+  // at a poll (`idle_poll_age` before its answer, which came after `probe_sent`) at least
+  // `margin` after `awaited.since`, by when the write had long landed. A peer too busy to have
+  // reached the message has polled nothing idle since, and keeps its channel.
+  static bool MessageLost(const Channel::AwaitedAck& awaited, uint64_t peer_received,
+                          std::optional<absl::Duration> idle_poll_age, absl::Time probe_sent,
+                          absl::Duration margin);
   // A probe found `task` silent: see Options::peer_gone.
   void PeerGone(const std::string& task) {
     if (options_.peer_gone) options_.peer_gone(task);

@@ -155,6 +155,8 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
   posted_batch_.clear();
   active |= RunDeferred();
   at("polling the fabric (Domain::Poll)");
+  // The coarse clock lags the fine one, so this is no later than the poll (IdlePollAge).
+  const absl::Time poll_start = CoarseNow();
   absl::StatusOr<size_t> n = domain_->Poll(absl::MakeSpan(completions_));
   if (!n.ok()) {
     if (n.status() != last_poll_error_) {
@@ -186,6 +188,7 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
     active = true;
   }
   if (active) return TurnResult::kActive;
+  if (n.ok()) last_idle_poll_ns_.store(absl::ToUnixNanos(poll_start), std::memory_order_relaxed);
   if (timed) {
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - started)
@@ -356,7 +359,12 @@ void ProgressEngine::Loop(std::shared_ptr<Seat> seat) {
       }
       // Data progress is manual on libfabric's shm and tcp providers: a transfer in flight
       // moves only while this thread polls, so it does not sleep until its writes complete.
-      if (hooks_.operations_in_flight()) continue;
+      // It yields between polls: the peer that has to move the transfer may be waiting for
+      // this core.
+      if (hooks_.operations_in_flight()) {
+        std::this_thread::yield();
+        continue;
+      }
     }
     const uint64_t drives = waiter_drives_.load(std::memory_order_relaxed);
     SleepInDomain();
@@ -385,6 +393,12 @@ bool ProgressEngine::TurnedWithin(absl::Duration limit) const {
   if (!started_.load()) return true;
   const int64_t last = last_turn_ns_.load(std::memory_order_relaxed);
   return CoarseNow() - absl::FromUnixNanos(last) < limit;
+}
+
+std::optional<absl::Duration> ProgressEngine::IdlePollAge() const {
+  const int64_t ns = last_idle_poll_ns_.load(std::memory_order_relaxed);
+  if (ns == 0) return std::nullopt;
+  return std::max(absl::Now() - absl::FromUnixNanos(ns), absl::ZeroDuration());
 }
 
 std::optional<std::string> ProgressEngine::StallReport(absl::Duration limit) {

@@ -209,6 +209,11 @@ class ProgressEngine {
   // peer's liveness probe is answered from off the loop (ChannelTable::ProbeOwned) stands
   // only while the loop moves: a wedged loop must look as silent as it is.
   bool TurnedWithin(absl::Duration limit) const;
+  // Any thread: how long ago a turn last polled the fabric and found nothing to do (at least
+  // that long: the time is taken before the poll), or nullopt while none has. Everything that
+  // had landed by then was handled, which is how a peer's probe tells a message lost on the way
+  // from one this busy loop has not reached (PeerWatchdog).
+  std::optional<absl::Duration> IdlePollAge() const;
   // Where the loop is now and how many turns it made ("NAME: the progress thread is in a
   // posted task after 1234 turns"), or empty while it never started or after it stopped. Any
   // thread; it disturbs no StallReport.
@@ -320,6 +325,8 @@ class ProgressEngine {
   std::atomic<bool> stopped_{false};
   // The coarse clock (ns since the epoch) at the last turn's end (TurnedWithin).
   std::atomic<int64_t> last_turn_ns_{0};
+  // The coarse clock (ns since the epoch) before the poll of the last idle turn; 0: none yet.
+  std::atomic<int64_t> last_idle_poll_ns_{0};
   std::atomic<bool> started_{false};  // the loop thread exists (StallReport reads it)
   // Written by the loop thread alone (plain stores, no read-modify-write on its hot path): its
   // turn count and where in the turn it is (a string literal), for StallReport.

@@ -173,8 +173,12 @@ bool ProgressEngine::DriveAsOwner(Event& event, absl::Time deadline) {
       }
     }
     // Data progress is manual on libfabric's shm and tcp providers: this thread's writes move
-    // only while someone polls, and it is the one that can.
-    if (hooks_.operations_in_flight()) continue;
+    // only while someone polls, and it is the one that can; it yields between polls to the
+    // peer that may have to move them.
+    if (hooks_.operations_in_flight()) {
+      std::this_thread::yield();
+      continue;
+    }
     // Idle past the spin: the progress thread sleeps in the domain for this waiter (a wake-up
     // of one thread when the answer comes, instead of two sleepers on the same doorbell).
     return true;

@@ -19,6 +19,7 @@ struct PeerWatchdog::Probe {
   proto::CheckChannelRequest request;
   proto::CheckChannelResponse response;
   grpc::Status status;
+  absl::Time sent;
 };
 
 PeerWatchdog::PeerWatchdog(std::string self, absl::Duration peer_timeout,
@@ -93,7 +94,8 @@ void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& 
     for (const protocol::PeerChannels::Probe& peer : peers) {
       auto probe = std::make_shared<Probe>();
       probe->peer = peer;
-      probe->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+      probe->sent = absl::Now();
+      probe->context.set_deadline(absl::ToChronoTime(probe->sent + timeout));
       probe->context.set_wait_for_ready(true);
       probe->request.set_task_name(self_);
       // A channel still being set up asks only whether the peer answers (verbs.proto).
@@ -174,6 +176,20 @@ void PeerWatchdog::Judge(const Probe& probe) {
         absl::Status(routine ? absl::StatusCode::kCancelled : absl::StatusCode::kUnavailable,
                      absl::StrCat("task ", peer.task,
                                   " closed its end of the channel: ", probe.response.reason()));
+  } else if (peer.awaited.has_value() && protocol::PeerChannels::MessageLost(
+                                             *peer.awaited, probe.response.messages_received(),
+                                             probe.response.has_idle_poll_age_us()
+                                                 ? std::optional<absl::Duration>(absl::Microseconds(
+                                                       probe.response.idle_poll_age_us()))
+                                                 : std::nullopt,
+                                             probe.sent, peer_timeout_ / 2)) {
+    // Both ends stand, and the peer answers, but a message of this end never reached it.
+    verdict = absl::UnavailableError(absl::StrCat(
+        "task ", peer.task, " acknowledged no control message for ",
+        absl::FormatDuration(absl::Trunc(absl::Now() - peer.awaited->since, absl::Milliseconds(1))),
+        " (TENSORVERBS_PEER_TIMEOUT_MS=", absl::ToInt64Milliseconds(peer_timeout_),
+        ") though its loop found nothing more to do: the fabric path to it lost them; the next "
+        "recv sets the channel up again"));
   }
   if (verdict.ok()) return;
   // Only silence says the peer is gone; a restart or a closed end says it is alive.

@@ -341,5 +341,26 @@ TEST_F(PeerChannelsTest, ARecvWithAnExpectedShapeCachesItsMetaDataForTheChannels
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled);
 }
 
+// A message is judged lost only from an idle poll of the peer that came well after it was
+// owed: a busy peer (no idle poll since, or one too early) keeps its channel, and so does a
+// peer that decoded it (its ACK is late, not the message).
+TEST(MessageLostTest, OnlyAnIdlePollWellAfterTheMessageWasOwedSaysItWasLost) {
+  const absl::Time since = absl::FromUnixSeconds(1000);
+  const Channel::AwaitedAck awaited{/*slots=*/5, since};
+  const absl::Duration margin = absl::Seconds(5);
+  const absl::Time sent = since + absl::Seconds(8);
+  // The peer polled idle 1 s before it answered a probe sent 8 s after: lost.
+  EXPECT_TRUE(PeerChannels::MessageLost(awaited, 4, absl::Seconds(1), sent, margin));
+  // It decoded the slot: the ACK is what is missing, and it may be on its way.
+  EXPECT_FALSE(PeerChannels::MessageLost(awaited, 5, absl::Seconds(1), sent, margin));
+  EXPECT_FALSE(PeerChannels::MessageLost(awaited, 9, absl::Seconds(1), sent, margin));
+  // Its last idle poll was 4 s before the answer: within the margin of the write.
+  EXPECT_FALSE(PeerChannels::MessageLost(awaited, 4, absl::Seconds(4), sent, margin));
+  // Never idle (a loop that has not caught up since it started): not lost.
+  EXPECT_FALSE(PeerChannels::MessageLost(awaited, 4, std::nullopt, sent, margin));
+  // A probe sent before the margin passed cannot say.
+  EXPECT_FALSE(PeerChannels::MessageLost(awaited, 4, absl::ZeroDuration(), since + margin, margin));
+}
+
 }  // namespace
 }  // namespace tensorverbs::protocol
