@@ -460,9 +460,9 @@ std::vector<Setting> MakeSettings() {
   };
   rdma({.variable = "RDMA_DEVICE",
         .kind = K::kText,
-        .help = "RDMA device, e.g. `mlx5_0`",
-        .values = "a device name",
-        .default_note = "the only device with an active port",
+        .help = "RDMA device, e.g. `mlx5_0`; several, comma-separated, in order of preference",
+        .values = "device names",
+        .default_note = "the active port nearest the task's NUMA node",
         .set_text = [](Config& c, const std::string& v) { c.rdma.device = v; },
         .get = [](const Config& c) { return c.rdma.device; }});
   rdma({.variable = "RDMA_DEVICE_PORT",
@@ -470,7 +470,7 @@ std::vector<Setting> MakeSettings() {
         .min = 1,
         .max = 255,
         .help = "port of that device",
-        .default_note = "the only active port",
+        .default_note = "the nearest active port",
         .set_int = [](Config& c, int64_t v) { c.rdma.port = static_cast<int>(v); },
         .get = [](const Config& c) { return absl::StrCat(c.rdma.port); }});
   rdma({.variable = "RDMA_GID_INDEX",

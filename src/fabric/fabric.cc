@@ -209,7 +209,8 @@ FabricInventory ReadFabricInventory(const FabricChoice& choice) {
          absl::StrSplit(ibverbs::DescribeInventory(*rdma), "; ", absl::SkipEmpty())) {
       inventory.rdma_devices.emplace_back(line);
     }
-    absl::StatusOr<ibverbs::Selection> chosen = ibverbs::SelectDevice(*rdma, choice.rdma);
+    absl::StatusOr<ibverbs::Selection> chosen =
+        ibverbs::SelectDevice(*rdma, choice.rdma, ibverbs::CurrentNumaNode());
     if (chosen.ok()) {
       inventory.rdma_selection = absl::StrCat(
           chosen->device, " port ", chosen->port, ", GID ", chosen->gid_index, " (",

@@ -1,6 +1,13 @@
 // Choosing the RDMA device, port, GID and MTU for the ibverbs backend from what the host has
 // (an Inventory) and the seed's RDMA_* variables (RdmaConfig).
 //
+// A host may have several NICs, each close to one socket. The active ports are ranked for the
+// task (RankPorts): in the order RDMA_DEVICE lists them, when it lists several; otherwise those
+// on the task's NUMA node first (a NIC across the socket link reaches the task's memory through
+// it), then those whose node the kernel does not say, then the rest, each group by name and
+// port. SelectDevice takes the first, and says why in its reason; with one device nothing of
+// this changes. Lanes over several devices take more of the same ranking.
+//
 // The choice is a pure function so every rule and every error is testable without a NIC; the
 // inventory is read from libibverbs by inventory.h. Unlike TensorFlow, selection never aborts:
 // no candidate, or several where one is needed, is an error that lists the devices, ports and
@@ -41,6 +48,7 @@ struct PortInfo {
 struct DeviceInfo {
   std::string name;
   std::vector<PortInfo> ports;
+  int numa_node = -1;  // the NIC's, from sysfs; -1 where the kernel does not say
 };
 
 struct Inventory {
@@ -59,7 +67,16 @@ struct Selection {
   std::string reason;  // why this one, for the INFO log and `tensorverbs info`
 };
 
-absl::StatusOr<Selection> SelectDevice(const Inventory& inventory, const RdmaConfig& config);
+// `numa_node`: the task's (where it runs and its pool is placed), or -1 when unknown.
+absl::StatusOr<Selection> SelectDevice(const Inventory& inventory, const RdmaConfig& config,
+                                       int numa_node = -1);
+// Every usable port (active, with the GID and MTU the settings ask for), best first; an error
+// when none is, or when a named device or port is not on this host. RDMA_DEVICE may list
+// several devices, comma-separated; each must exist.
+absl::StatusOr<std::vector<Selection>> RankPorts(const Inventory& inventory,
+                                                 const RdmaConfig& config, int numa_node = -1);
+// The NUMA node the calling thread runs on, or -1 when the kernel does not say.
+int CurrentNumaNode();
 
 // "fe80::1", "::ffff:10.0.0.1", ...
 std::string GidToString(const std::array<uint8_t, 16>& gid);

@@ -277,7 +277,7 @@ absl::Status OpenSharedQueues(Shared& shared) {
 absl::StatusOr<std::unique_ptr<Domain>> OpenIbverbsDomain(const DomainOptions& options,
                                                           const RdmaConfig& config) {
   ASSIGN_OR_RETURN(Inventory inventory, ReadInventory());
-  ASSIGN_OR_RETURN(Selection selection, SelectDevice(inventory, config));
+  ASSIGN_OR_RETURN(Selection selection, SelectDevice(inventory, config, CurrentNumaNode()));
   auto shared = std::make_shared<Shared>();
   shared->selection = selection;
   shared->config = config;

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -27,6 +28,15 @@ int MtuBytes(ibv_mtu mtu) {
   return 0;
 }
 
+// The NIC's NUMA node from sysfs (`<ibdev_path>/device/numa_node`), or -1 where the kernel does
+// not say (it writes -1 itself on a machine of one node).
+int ReadNumaNode(const char* ibdev_path) {
+  std::ifstream in(absl::StrCat(ibdev_path, "/device/numa_node"));
+  int node = -1;
+  if (!(in >> node)) return -1;
+  return node;
+}
+
 }  // namespace
 
 absl::StatusOr<Inventory> ReadInventory() {
@@ -45,6 +55,7 @@ absl::StatusOr<Inventory> ReadInventory() {
   for (int i = 0; i < num; ++i) {
     DeviceInfo device;
     device.name = ibv_get_device_name(list[i]);
+    device.numa_node = ReadNumaNode(list[i]->ibdev_path);
     ibv_context* ctx = ibv_open_device(list[i]);
     if (ctx == nullptr) {
       PortInfo unusable;

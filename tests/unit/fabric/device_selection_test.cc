@@ -95,19 +95,68 @@ TEST(DeviceSelection, NoDeviceNoActivePortAndUnknownNames) {
   EXPECT_THAT(s.status().message(), HasSubstr("RDMA_DEVICE_PORT=2"));
 }
 
-TEST(DeviceSelection, SeveralActivePortsAskForAChoiceInsteadOfAborting) {
-  Inventory two{{DeviceInfo{"mlx5_0", {RocePort(1, true)}}, DeviceInfo{"mlx5_1", {RocePort(1, true)}}}};
-  absl::StatusOr<Selection> s = SelectDevice(two, RdmaConfig());
-  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(s.status().message(), HasSubstr("mlx5_0 port 1, mlx5_1 port 1"));
-  EXPECT_THAT(s.status().message(), HasSubstr("RDMA_DEVICE"));
+// Several active ports: ranked for the task by NUMA node (the NIC on the task's node first,
+// then one the kernel says nothing of, then the far ones), each group by name and port; the
+// reason names the rank, the ports and the way to pick another.
+TEST(DeviceSelection, SeveralActivePortsAreRankedByTheTasksNumaNode) {
+  DeviceInfo a{"mlx5_0", {RocePort(1, true)}, /*numa_node=*/0};
+  DeviceInfo b{"mlx5_1", {RocePort(1, true)}, /*numa_node=*/1};
+  DeviceInfo c{"mlx5_2", {RocePort(1, true)}, /*numa_node=*/-1};
+  const Inventory three{{a, b, c}};
+  absl::StatusOr<std::vector<Selection>> on1 = RankPorts(three, RdmaConfig(), /*numa_node=*/1);
+  ASSERT_TRUE(on1.ok()) << on1.status();
+  ASSERT_EQ(on1->size(), 3u);
+  EXPECT_EQ((*on1)[0].device, "mlx5_1");
+  EXPECT_EQ((*on1)[1].device, "mlx5_2") << "a node the kernel does not say before a far one";
+  EXPECT_EQ((*on1)[2].device, "mlx5_0");
+  EXPECT_THAT((*on1)[0].reason, HasSubstr("rank 1 of 3 active ports"));
+  EXPECT_THAT((*on1)[0].reason, HasSubstr("on the task's NUMA node (the task runs on node 1)"));
+  EXPECT_THAT((*on1)[0].reason, HasSubstr("RDMA_DEVICE picks another"));
+  EXPECT_THAT((*on1)[2].reason, HasSubstr("across the socket link"));
+  EXPECT_EQ(SelectDevice(three, RdmaConfig(), 0)->device, "mlx5_0");
+  // The task's node unknown: by name.
+  EXPECT_EQ(SelectDevice(three, RdmaConfig(), -1)->device, "mlx5_0");
+  // A device named alone is the choice, wherever it is.
   RdmaConfig pick;
   pick.device = "mlx5_1";
-  EXPECT_EQ(SelectDevice(two, pick)->device, "mlx5_1");
+  EXPECT_EQ(SelectDevice(three, pick, 0)->device, "mlx5_1");
+  // One device of two ports: both active, port 1 first; RDMA_DEVICE_PORT picks the other.
   Inventory dual{{DeviceInfo{"mlx5_0", {RocePort(1, true), RocePort(2, true)}}}};
-  s = SelectDevice(dual, RdmaConfig{.device = "mlx5_0"});
-  EXPECT_THAT(s.status().message(), HasSubstr("choose one with RDMA_DEVICE_PORT"));
+  EXPECT_EQ(SelectDevice(dual, RdmaConfig{.device = "mlx5_0"})->port, 1);
   EXPECT_EQ(SelectDevice(dual, RdmaConfig{.device = "mlx5_0", .port = 2})->port, 2);
+  // A down port is not ranked.
+  Inventory one_up{{DeviceInfo{"mlx5_0", {RocePort(1, false)}, 1},
+                    DeviceInfo{"mlx5_1", {RocePort(1, true)}, 0}}};
+  absl::StatusOr<std::vector<Selection>> up = RankPorts(one_up, RdmaConfig(), 1);
+  ASSERT_TRUE(up.ok()) << up.status();
+  ASSERT_EQ(up->size(), 1u);
+  EXPECT_EQ((*up)[0].device, "mlx5_1");
+  EXPECT_THAT((*up)[0].reason, HasSubstr("the only active port (mlx5_1 port 1)"));
+}
+
+// RDMA_DEVICE may list devices: they are ranked in its order, whatever their nodes; every name
+// must be on this host, and a name given twice counts once.
+TEST(DeviceSelection, AListInRdmaDeviceIsTakenInItsOrderAndEachNameMustExist) {
+  const Inventory three{{DeviceInfo{"mlx5_0", {RocePort(1, true)}, 0},
+                         DeviceInfo{"mlx5_1", {RocePort(1, true)}, 1},
+                         DeviceInfo{"mlx5_2", {RocePort(1, true)}, 0}}};
+  RdmaConfig list;
+  list.device = "mlx5_2, mlx5_1,mlx5_2";
+  absl::StatusOr<std::vector<Selection>> ranked = RankPorts(three, list, /*numa_node=*/1);
+  ASSERT_TRUE(ranked.ok()) << ranked.status();
+  ASSERT_EQ(ranked->size(), 2u);
+  EXPECT_EQ((*ranked)[0].device, "mlx5_2");
+  EXPECT_EQ((*ranked)[1].device, "mlx5_1");
+  EXPECT_THAT((*ranked)[0].reason, HasSubstr("RDMA_DEVICE's choice 1 of 2"));
+  list.device = "mlx5_1,mlx5_7";
+  absl::StatusOr<Selection> bad = SelectDevice(three, list);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("names mlx5_7, which is not on this host"));
+  EXPECT_THAT(bad.status().message(), HasSubstr("devices: mlx5_0, mlx5_1, mlx5_2"));
+  // A port whose GID the settings cannot have is passed over while another can serve.
+  Inventory mixed = three;
+  mixed.devices[0].ports[0].gids.clear();
+  EXPECT_EQ(SelectDevice(mixed, RdmaConfig(), 0)->device, "mlx5_2");
 }
 
 TEST(DeviceSelection, ExplicitGidAndMtu) {
