@@ -4,9 +4,10 @@
 // no set-up or probe timed out. Minutes of two cores, so labelled soak (outside `make test`);
 // `ctest -L soak -R Scale` runs it. Root only; it skips where namespaces cannot be made.
 //
-// The peer timeout is 30 s: 256 processes starting at once on two cores starve a probe of its
-// answer for longer than the default 10 s (docs/SCALING.md), which says nothing about a job
-// with a core per few tasks.
+// The peer timeout is 60 s: 256 processes starting at once on two cores starve a probe of its
+// answer for longer than the default 10 s (docs/SCALING.md), and for longer than 30 s when
+// other work shares the cores (a conformance test beside it did), which says nothing about a
+// job with a core per few tasks.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -33,7 +34,7 @@ TEST(ScaleTest, TwoHundredFiftySixTasksStartStepAndStopAsAParameterServerJob) {
   probe->reset();
   const ScopedTempDir dir;
   const std::string json = dir.File("scale.json");
-  setenv("TENSORVERBS_PEER_TIMEOUT_MS", "30000", 1);
+  setenv("TENSORVERBS_PEER_TIMEOUT_MS", "60000", 1);
   setenv("TENSORVERBS_POOL_REGION_MB", "8", 1);
   absl::StatusOr<ToolRun> run = RunTool({"bench", "scale", "--tasks", "256", "--netns", "--hosts",
                                          "16", "--pattern", "ps:4", "--steps", "5", "--json", json},
