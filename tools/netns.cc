@@ -21,16 +21,25 @@ namespace {
 
 constexpr char kIp[] = "/usr/sbin/ip";
 
-absl::StatusOr<std::string> IpOutput(const std::vector<std::string>& args) {
+constexpr char kTc[] = "/usr/sbin/tc";
+
+// Runs `program args...` to its end and returns what it printed, or why it failed.
+absl::StatusOr<std::string> RunOutput(const char* program, const std::vector<std::string>& args) {
   ASSIGN_OR_RETURN(std::unique_ptr<support::Subprocess> child,
-                   support::Subprocess::Start(kIp, args));
+                   support::Subprocess::Start(program, args));
   std::string out = child->ReadAll(absl::Seconds(20));
   ASSIGN_OR_RETURN(int rc, child->Wait(absl::Seconds(10)));
   if (rc != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("`ip ", absl::StrJoin(args, " "), "` failed (exit ", rc, ")"));
+    const absl::string_view path(program);
+    return absl::UnavailableError(absl::StrCat("`", path.substr(path.rfind('/') + 1), " ",
+                                               absl::StrJoin(args, " "), "` failed (exit ", rc,
+                                               ")"));
   }
   return out;
+}
+
+absl::StatusOr<std::string> IpOutput(const std::vector<std::string>& args) {
+  return RunOutput(kIp, args);
 }
 
 absl::Status Ip(const std::vector<std::string>& args) { return IpOutput(args).status(); }
@@ -39,9 +48,20 @@ absl::Status Ip(const std::vector<std::string>& args) { return IpOutput(args).st
 // must lose to the kernel's connected route (metric 0) while the link is up.
 constexpr char kFallbackMetric[] = "4096";
 
-// The first three octets of the addresses process `pid` hands out: "10.<b>.<c>.".
-std::string AddressPrefix(int pid) {
-  return absl::StrCat("10.", 200 + pid % 50, ".", (pid / 50) % 250, ".");
+// The first three octets of the addresses process `pid` hands out on `rail`: "10.<b>.<c>.",
+// b in 200..249 for rail 0, 150..199 for rail 1, and so on down.
+std::string AddressPrefix(int pid, int rail = 0) {
+  return absl::StrCat("10.", 200 - 50 * rail + pid % 50, ".", (pid / 50) % 250, ".");
+}
+
+// A token bucket of `rate` on `dev`'s egress (inside namespace `ns`, when given): a burst of a
+// millisecond's worth at least, so that the bucket, not the timer tick, sets the rate.
+absl::Status LimitRate(const std::string& ns, const std::string& dev, const std::string& rate) {
+  std::vector<std::string> args = {"qdisc", "add", "dev",   dev,     "root",    "tbf",
+                                   "rate",  rate,  "burst", "1mbit", "latency", "100ms"};
+  if (ns.empty()) return RunOutput(kTc, args).status();
+  args.insert(args.begin(), {"netns", "exec", ns, kTc});
+  return RunOutput(kIp, args).status();
 }
 
 // A process-wide count of the hosts and clusters made, part of every interface name. A
@@ -68,7 +88,7 @@ std::string InterfaceName(absl::string_view prefix, int pid, int generation, cha
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
+absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index, const Options& options) {
   if (geteuid() != 0) {
     return absl::UnavailableError("network namespaces need root (CAP_NET_ADMIN)");
   }
@@ -76,45 +96,64 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index) {
     return absl::UnavailableError("iproute2 (/usr/sbin/ip) is not installed");
   }
   if (index < 0 || index > 63) return absl::InvalidArgumentError("netns host index out of range");
+  if (options.rails < 1 || options.rails > kMaxRails) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a netns host has 1 to ", kMaxRails, " rails, not ", options.rails));
+  }
+  if (!options.rate.empty() && access(kTc, X_OK) != 0) {
+    return absl::UnavailableError("a rate limit needs tc (/usr/sbin/tc, iproute2)");
+  }
   auto host = std::unique_ptr<NetnsHost>(new NetnsHost);
   const int pid = static_cast<int>(getpid());
   const int generation = NextGeneration();
   host->name_ = absl::StrCat(NamespacePrefix(pid), generation, "n", index);
-  const std::string local_if = InterfaceName("tvh", pid, generation, 'n', index);
-  const std::string remote_if = InterfaceName("tvp", pid, generation, 'n', index);
-  // A /30 per host inside 10.<200+..>.x.y, derived from the pid so that concurrent runs differ.
-  const int d = index * 4;
-  host->local_address_ = absl::StrCat(AddressPrefix(pid), d + 1);
-  host->remote_address_ = absl::StrCat(AddressPrefix(pid), d + 2);
   const std::string ns = host->name_;
   RETURN_IF_ERROR(Ip({"netns", "add", ns}));
   host->created_ = true;
-  RETURN_IF_ERROR(Ip({"link", "add", local_if, "type", "veth", "peer", "name", remote_if}));
-  host->local_if_ = local_if;
-  RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
-  RETURN_IF_ERROR(Ip({"addr", "add", host->local_address_ + "/30", "dev", local_if}));
-  RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
-  // Taking the link down deletes the kernel's route to the subnet; without this one, packets to
-  // the far end would then follow this namespace's default route out of the machine, where
-  // whatever answers (a gateway, a proxy replying HTTP 404 to gRPC) is not a partition.
-  const std::string subnet = absl::StrCat(AddressPrefix(pid), d, "/30");
-  RETURN_IF_ERROR(Ip({"route", "add", "unreachable", subnet, "metric", kFallbackMetric}));
-  host->fallback_route_ = subnet;
-  RETURN_IF_ERROR(Ip(
-      {"netns", "exec", ns, kIp, "addr", "add", host->remote_address_ + "/30", "dev", remote_if}));
-  RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
   RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", "lo", "up"}));
-  RETURN_IF_ERROR(
-      Ip({"netns", "exec", ns, kIp, "route", "add", "default", "via", host->local_address_}));
+  for (int r = 0; r < options.rails; ++r) {
+    // Rail 0's interfaces keep the names they had before rails ('n'); the others are 'p', 'q'...
+    const char kind = r == 0 ? 'n' : static_cast<char>('o' + r);
+    const std::string local_if = InterfaceName("tvh", pid, generation, kind, index);
+    const std::string remote_if = InterfaceName("tvp", pid, generation, kind, index);
+    // A /30 per host and rail, derived from the pid so that concurrent runs differ.
+    const int d = index * 4;
+    Rail rail;
+    rail.local_address = absl::StrCat(AddressPrefix(pid, r), d + 1);
+    rail.remote_address = absl::StrCat(AddressPrefix(pid, r), d + 2);
+    RETURN_IF_ERROR(Ip({"link", "add", local_if, "type", "veth", "peer", "name", remote_if}));
+    rail.local_if = local_if;
+    host->rails_.push_back(rail);
+    RETURN_IF_ERROR(Ip({"link", "set", remote_if, "netns", ns}));
+    RETURN_IF_ERROR(Ip({"addr", "add", rail.local_address + "/30", "dev", local_if}));
+    RETURN_IF_ERROR(Ip({"link", "set", local_if, "up"}));
+    // Taking the link down deletes the kernel's route to the subnet; without this one, packets
+    // to the far end would then follow this namespace's default route out of the machine, where
+    // whatever answers (a gateway, a proxy replying HTTP 404 to gRPC) is not a partition.
+    const std::string subnet = absl::StrCat(AddressPrefix(pid, r), d, "/30");
+    RETURN_IF_ERROR(Ip({"route", "add", "unreachable", subnet, "metric", kFallbackMetric}));
+    host->rails_.back().fallback_route = subnet;
+    RETURN_IF_ERROR(Ip(
+        {"netns", "exec", ns, kIp, "addr", "add", rail.remote_address + "/30", "dev", remote_if}));
+    RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
+    if (!options.rate.empty()) {
+      RETURN_IF_ERROR(LimitRate("", local_if, options.rate));
+      RETURN_IF_ERROR(LimitRate(ns, remote_if, options.rate));
+    }
+  }
+  RETURN_IF_ERROR(Ip(
+      {"netns", "exec", ns, kIp, "route", "add", "default", "via", host->rails_[0].local_address}));
   return host;
 }
 
 NetnsHost::~NetnsHost() {
   // Deleting one end of a veth pair deletes both at once; the namespace's own deletion would
   // take them only when the kernel gets to freeing it.
-  if (!local_if_.empty()) (void)Ip({"link", "del", local_if_});
-  if (!fallback_route_.empty()) {
-    (void)Ip({"route", "del", "unreachable", fallback_route_, "metric", kFallbackMetric});
+  for (const Rail& rail : rails_) {
+    (void)Ip({"link", "del", rail.local_if});
+    if (!rail.fallback_route.empty()) {
+      (void)Ip({"route", "del", "unreachable", rail.fallback_route, "metric", kFallbackMetric});
+    }
   }
   if (created_) (void)Ip({"netns", "del", name_});
 }
@@ -122,7 +161,15 @@ NetnsHost::~NetnsHost() {
 std::vector<std::string> NetnsHost::ExecPrefix() const { return {kIp, "netns", "exec", name_}; }
 
 absl::Status NetnsHost::SetLinkUp(bool up) {
-  return Ip({"link", "set", local_if_, up ? "up" : "down"});
+  for (int r = 0; r < rails(); ++r) RETURN_IF_ERROR(SetRailUp(r, up));
+  return absl::OkStatus();
+}
+
+absl::Status NetnsHost::SetRailUp(int rail, bool up) {
+  if (rail < 0 || rail >= rails()) {
+    return absl::InvalidArgumentError(absl::StrCat("no rail ", rail, " of ", rails()));
+  }
+  return Ip({"link", "set", rails_[rail].local_if, up ? "up" : "down"});
 }
 
 absl::StatusOr<std::unique_ptr<NetnsCluster>> NetnsCluster::Create(int hosts) {
@@ -188,10 +235,15 @@ void RemoveNetnsOf(int pid) {
   for (absl::string_view line : absl::StrSplit(*routes, '\n', absl::SkipWhitespace())) {
     // "unreachable 10.b.c.d/30 metric 4096"
     std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipWhitespace());
-    if (words.size() >= 4 && words[0] == "unreachable" &&
-        absl::StartsWith(words[1], AddressPrefix(pid)) && words[2] == "metric" &&
-        words[3] == kFallbackMetric) {
-      (void)Ip({"route", "del", "unreachable", words[1], "metric", kFallbackMetric});
+    if (words.size() < 4 || words[0] != "unreachable" || words[2] != "metric" ||
+        words[3] != kFallbackMetric) {
+      continue;
+    }
+    for (int r = 0; r < NetnsHost::kMaxRails; ++r) {
+      if (absl::StartsWith(words[1], AddressPrefix(pid, r))) {
+        (void)Ip({"route", "del", "unreachable", words[1], "metric", kFallbackMetric});
+        break;
+      }
     }
   }
 }

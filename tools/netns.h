@@ -2,8 +2,13 @@
 // a network namespace joined to the caller's by a veth pair, with an address on each end and a
 // default route back, so that gRPC and libfabric's tcp provider reach each other across it.
 //
+// A host may have several rails (Options::rails), as a server has several NICs: one veth pair
+// each, on a /30 of its own in a different 10.x range, each limited to Options::rate by a token
+// bucket (`tc qdisc ... tbf`) at both ends where a rate is given. Rail 0 carries the default
+// route; a rail's far address is reached over that rail alone.
+//
 // Needs root (CAP_NET_ADMIN) and iproute2; Create() says so (Unavailable) where either is
-// missing, so callers can skip. The destructor deletes the namespace, which removes the veth pair.
+// missing, so callers can skip. The destructor deletes the namespace, which removes the veth pairs.
 // Used from one thread.
 #ifndef TENSORVERBS_TOOLS_NETNS_H_
 #define TENSORVERBS_TOOLS_NETNS_H_
@@ -18,30 +23,47 @@ namespace tensorverbs::tools {
 
 class NetnsHost {
  public:
+  struct Options {
+    int rails = 1;     // veth pairs, 1..kMaxRails
+    std::string rate;  // per rail and direction, in tc's terms ("2gbit"); empty: unlimited
+  };
+  static constexpr int kMaxRails = 4;
   // `index` (0..63) tells apart several hosts of one process.
-  static absl::StatusOr<std::unique_ptr<NetnsHost>> Create(int index = 0);
+  static absl::StatusOr<std::unique_ptr<NetnsHost>> Create(int index = 0) {
+    return Create(index, Options());
+  }
+  static absl::StatusOr<std::unique_ptr<NetnsHost>> Create(int index, const Options& options);
   NetnsHost(const NetnsHost&) = delete;
   NetnsHost& operator=(const NetnsHost&) = delete;
   ~NetnsHost();
 
   const std::string& name() const { return name_; }
-  // This namespace's end of the veth pair, and the far end inside the new namespace.
-  const std::string& local_address() const { return local_address_; }
-  const std::string& remote_address() const { return remote_address_; }
+  // This namespace's end of rail 0's veth pair, and the far end inside the new namespace.
+  const std::string& local_address() const { return rails_[0].local_address; }
+  const std::string& remote_address() const { return rails_[0].remote_address; }
+  int rails() const { return static_cast<int>(rails_.size()); }
+  const std::string& local_address(int rail) const { return rails_[rail].local_address; }
+  const std::string& remote_address(int rail) const { return rails_[rail].remote_address; }
   // Prepended to a command line to run it inside the namespace.
   std::vector<std::string> ExecPrefix() const;
   // Takes the host's end of the link down (a partition: established connections see silence,
   // not resets, and new ones fail "no route to host" rather than leave the machine) or back up
   // (healed).
+  // Every rail at once.
   absl::Status SetLinkUp(bool up);
+  // One rail: a NIC, cable or switch port that fails while the others carry on.
+  absl::Status SetRailUp(int rail, bool up);
 
  private:
+  struct Rail {
+    std::string local_if;  // the host's end of the veth pair, deleted first on destruction
+    std::string local_address;
+    std::string remote_address;
+    std::string fallback_route;  // the unreachable route to the subnet, under the link's own
+  };
   NetnsHost() = default;
   std::string name_;
-  std::string local_if_;  // the host's end of the veth pair, deleted first on destruction
-  std::string local_address_;
-  std::string remote_address_;
-  std::string fallback_route_;  // the unreachable route to the subnet, under the link's own
+  std::vector<Rail> rails_;
   bool created_ = false;
 };
 

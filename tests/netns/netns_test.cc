@@ -72,30 +72,68 @@ TEST_F(NetnsTest, AToolKilledAtItsDeadlineLeavesNoNamespaceBehind) {
 // link down the kernel deletes its route to the host, and the machine's default route would
 // otherwise carry connections out to whatever answers there (here, a gateway that replies HTTP
 // 404 to gRPC, which once turned a partition into UNIMPLEMENTED).
+// Nothing listens at this port inside a test's namespace: a connection that reaches the host is
+// refused, one that cannot is unreachable, and one that connects went somewhere else.
+int ConnectErrno(const std::string& address) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(61711);
+  inet_pton(AF_INET, address.c_str(), &to.sin_addr);
+  timeval limit{.tv_sec = 5, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
+  const int rc = connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to));
+  const int error = rc == 0 ? 0 : errno;
+  close(fd);
+  return error;
+}
+
 TEST_F(NetnsTest, APartitionedHostIsUnreachableNotReachedOverTheDefaultRoute) {
   absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(62);
   ASSERT_TRUE(host.ok()) << host.status();
-  // Nothing listens at this port inside the namespace: a connection that reaches the host is
-  // refused, one that cannot is unreachable, and one that connects went somewhere else.
-  auto connect_errno = [&]() {
-    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in to{};
-    to.sin_family = AF_INET;
-    to.sin_port = htons(61711);
-    inet_pton(AF_INET, (*host)->remote_address().c_str(), &to.sin_addr);
-    timeval limit{.tv_sec = 5, .tv_usec = 0};
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof(limit));
-    const int rc = connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to));
-    const int error = rc == 0 ? 0 : errno;
-    close(fd);
-    return error;
-  };
+  auto connect_errno = [&]() { return ConnectErrno((*host)->remote_address()); };
   EXPECT_EQ(connect_errno(), ECONNREFUSED) << "the host is not reached while its link is up";
   ASSERT_TRUE((*host)->SetLinkUp(false).ok());
   EXPECT_EQ(connect_errno(), EHOSTUNREACH) << "a partitioned host was connected to elsewhere";
   ASSERT_TRUE((*host)->SetLinkUp(true).ok());
   // The kernel's route comes back with the link, ahead of the stand-in.
   EXPECT_EQ(connect_errno(), ECONNREFUSED) << "the healed host is not reached again";
+}
+
+// A host with two rails, as a server with two NICs: a veth pair each on its own subnet, each
+// limited by a token bucket at both ends, and each failing alone while the other still reaches
+// the host.
+TEST_F(NetnsTest, ARailedHostHasARateLimitedLinkPerRailAndEachFailsAlone) {
+  tools::NetnsHost::Options options;
+  options.rails = 2;
+  options.rate = "500mbit";
+  absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(61, options);
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_EQ((*host)->rails(), 2);
+  EXPECT_EQ((*host)->remote_address(), (*host)->remote_address(0));
+  EXPECT_NE((*host)->remote_address(0), (*host)->remote_address(1));
+  EXPECT_EQ(ConnectErrno((*host)->remote_address(0)), ECONNREFUSED);
+  EXPECT_EQ(ConnectErrno((*host)->remote_address(1)), ECONNREFUSED);
+  std::vector<std::string> show = (*host)->ExecPrefix();
+  show.insert(show.end(), {"/usr/sbin/tc", "qdisc", "show"});
+  absl::StatusOr<std::unique_ptr<Subprocess>> tc =
+      Subprocess::Start(show[0], {show.begin() + 1, show.end()});
+  ASSERT_TRUE(tc.ok()) << tc.status();
+  const std::string qdiscs = (*tc)->ReadAll(absl::Seconds(10));
+  ASSERT_TRUE((*tc)->Wait(absl::Seconds(10)).ok());
+  EXPECT_THAT(qdiscs, HasSubstr("tbf")) << qdiscs;
+  EXPECT_THAT(qdiscs, HasSubstr("rate 500Mbit")) << qdiscs;
+  // Rail 1 fails: its address is unreachable, rail 0 still reaches the host.
+  ASSERT_TRUE((*host)->SetRailUp(1, false).ok());
+  EXPECT_EQ(ConnectErrno((*host)->remote_address(1)), EHOSTUNREACH);
+  EXPECT_EQ(ConnectErrno((*host)->remote_address(0)), ECONNREFUSED);
+  ASSERT_TRUE((*host)->SetRailUp(1, true).ok());
+  EXPECT_EQ(ConnectErrno((*host)->remote_address(1)), ECONNREFUSED);
+  EXPECT_EQ((*host)->SetRailUp(2, false).code(), absl::StatusCode::kInvalidArgument);
+  tools::NetnsHost::Options too_many;
+  too_many.rails = tools::NetnsHost::kMaxRails + 1;
+  EXPECT_EQ(tools::NetnsHost::Create(60, too_many).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(NetnsTest, P2PCrossesAVethPairOverTcp) {
