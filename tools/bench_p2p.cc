@@ -527,8 +527,15 @@ int RunBenchP2P(const BenchP2POptions& o) {
     }
   }
   const bool on_gpu = !devices->src.host_accessible() || !devices->dst.host_accessible();
+  if (!o.link_rate.empty() && !o.netns) {
+    std::fprintf(stderr,
+                 "tensorverbs bench p2p: --link-rate limits the --netns link; add --netns\n");
+    return 2;
+  }
   std::unique_ptr<NetnsHost> netns;
-  if ((o.netns || o.mixed) && !MakeNetnsHost("p2p", &netns)) return 1;
+  if ((o.netns || o.mixed) && !MakeNetnsHost("p2p", &netns, o.link_rate)) return 1;
+  if (!o.link_rate.empty())
+    std::printf("the peer's link limited to %s each way (tc tbf)\n", o.link_rate.c_str());
   // Ceilings, measured in the same run: memcpy, and the raw fabric the verbs protocols use.
   std::printf(
       "tensorverbs bench p2p: sizes %s; protocols %s; per size a warm-up stream, then %d "

@@ -20,8 +20,11 @@ absl::StatusOr<fabric::Capabilities> ProbeFabric(bool all_local) {
 
 }  // namespace
 
-bool MakeNetnsHost(const char* command, std::unique_ptr<NetnsHost>* out) {
-  absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create();
+bool MakeNetnsHost(const char* command, std::unique_ptr<NetnsHost>* out,
+                   const std::string& link_rate) {
+  NetnsHost::Options options;
+  options.rate = link_rate;
+  absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create(0, options);
   if (!host.ok()) {
     std::fprintf(stderr, "tensorverbs bench %s --netns: %s\n", command,
                  std::string(host.status().message()).c_str());

@@ -23,9 +23,10 @@
 
 namespace tensorverbs::tools {
 
-// The peer's network namespace for --netns; false (said on stderr, naming `command`) when it
-// cannot be made.
-bool MakeNetnsHost(const char* command, std::unique_ptr<NetnsHost>* out);
+// The peer's network namespace for --netns, its link limited to `link_rate` where given (tc's
+// terms); false (said on stderr, naming `command`) when it cannot be made.
+bool MakeNetnsHost(const char* command, std::unique_ptr<NetnsHost>* out,
+                   const std::string& link_rate = "");
 
 // The protocols that run over a fabric (all but plain grpc).
 bool IsVerbsProtocol(const std::string& p);

@@ -79,6 +79,8 @@ struct BenchP2POptions {
   std::string json;
   std::string plot;
   bool netns = false;  // the peer in its own network namespace, joined by veth
+  // With netns: the veth link limited to this rate each way (tc tbf, "2gbit"); empty: unlimited.
+  std::string link_rate;
   // Also a pair inside a two-host cluster (a third task in a network namespace), beside the
   // pair alone, so each pair runs over the fabric chosen for it.
   bool mixed = false;

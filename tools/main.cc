@@ -113,6 +113,9 @@ int main(int argc, char** argv) {
   bench_p2p->add_option("--plot", p2p.plot, "Draw bandwidth and latency into this PNG");
   bench_p2p->add_flag("--netns", p2p.netns,
                       "Run the peer in its own network namespace joined by veth (root)");
+  bench_p2p->add_option("--link-rate", p2p.link_rate,
+                        "With --netns, limit the link to this rate each way (tc tbf: 2gbit, "
+                        "500mbit), as a NIC of that speed");
   bench_p2p->add_flag("--mixed", p2p.mixed,
                       "Each protocol as a pair alone on this host, then inside a cluster of two "
                       "hosts (a third task in a network namespace; root): the same-host pair and "

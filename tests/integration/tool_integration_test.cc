@@ -266,6 +266,11 @@ TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
   char magic[8] = {};
   image.read(magic, 8);
   EXPECT_EQ(std::string(magic + 1, 3), "PNG") << "a PNG plot was drawn";
+  // A link rate limits the --netns link (tools/netns.h); without it there is no link to limit.
+  absl::StatusOr<ToolRun> bad =
+      RunTool({"bench", "p2p", "--link-rate", "2gbit", "--sizes", "4B"}, absl::Seconds(30));
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_EQ(bad->exit_code, 2);
 }
 
 TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
