@@ -227,7 +227,7 @@ absl::StatusOr<std::vector<Selection>> RankPorts(const Inventory& inventory,
           "rank ", ranked.size() + 1, " of ", active.size(), " active ports (",
           absl::StrJoin(ports, ", "), "), ", where,
           numa_node >= 0 ? absl::StrCat(" (the task runs on node ", numa_node, ")") : std::string(),
-          "; RDMA_DEVICE picks another");
+          "; RDMA_DEVICE and RDMA_DEVICE_PORT pick another");
     }
     s.reason = absl::StrCat(why, ", ", s.reason);
     ranked.push_back(std::move(s));

@@ -111,7 +111,7 @@ TEST(DeviceSelection, SeveralActivePortsAreRankedByTheTasksNumaNode) {
   EXPECT_EQ((*on1)[2].device, "mlx5_0");
   EXPECT_THAT((*on1)[0].reason, HasSubstr("rank 1 of 3 active ports"));
   EXPECT_THAT((*on1)[0].reason, HasSubstr("on the task's NUMA node (the task runs on node 1)"));
-  EXPECT_THAT((*on1)[0].reason, HasSubstr("RDMA_DEVICE picks another"));
+  EXPECT_THAT((*on1)[0].reason, HasSubstr("RDMA_DEVICE and RDMA_DEVICE_PORT pick another"));
   EXPECT_THAT((*on1)[2].reason, HasSubstr("across the socket link"));
   EXPECT_EQ(SelectDevice(three, RdmaConfig(), 0)->device, "mlx5_0");
   // The task's node unknown: by name.
