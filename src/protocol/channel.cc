@@ -263,14 +263,18 @@ std::optional<Channel::AwaitedAck> Channel::AwaitedAcknowledgement(absl::Time no
   if (state_ != State::kReady || mb_ == nullptr) return std::nullopt;
   const uint64_t acked = mb_->acknowledged();
   // Only slots whose write completed here are owed (one still queued behind a full send queue
-  // is this side's backlog), and anything the peer writes starts the wait over: an ACK queued
-  // behind the content the peer is sending on the same connection is late, not lost.
-  if (mb_->written() <= acked || acked != ack_watch_count_ || inbound_ != ack_watch_inbound_ ||
-      ack_watch_since_ == absl::InfinitePast()) {
+  // is this side's backlog).
+  if (mb_->written() <= acked) {
+    ack_watch_since_ = absl::InfinitePast();
+    return std::nullopt;
+  }
+  // An ACK, or anything else the peer writes, starts the wait over: an ACK queued behind the
+  // content the peer is sending on the same connection is late, not lost.
+  if (ack_watch_since_ == absl::InfinitePast() || acked != ack_watch_count_ ||
+      inbound_ != ack_watch_inbound_) {
     ack_watch_count_ = acked;
     ack_watch_inbound_ = inbound_;
-    ack_watch_since_ = mb_->written() > acked ? now : absl::InfinitePast();
-    if (ack_watch_since_ == absl::InfinitePast()) return std::nullopt;
+    ack_watch_since_ = now;
   }
   return AwaitedAck{acked + 1, ack_watch_since_};
 }

@@ -22,6 +22,16 @@ struct PeerWatchdog::Probe {
   absl::Time sent;
 };
 
+namespace {
+
+// How long before its answer the peer's loop last polled and found nothing, if it said.
+std::optional<absl::Duration> IdlePollAge(const proto::CheckChannelResponse& response) {
+  if (!response.has_idle_poll_age_us()) return std::nullopt;
+  return absl::Microseconds(response.idle_poll_age_us());
+}
+
+}  // namespace
+
 PeerWatchdog::PeerWatchdog(std::string self, absl::Duration peer_timeout,
                            protocol::ProgressEngine* engine, protocol::PeerChannels* channels,
                            protocol::ChannelTable* table, VerbsStubs* stubs,
@@ -176,13 +186,10 @@ void PeerWatchdog::Judge(const Probe& probe) {
         absl::Status(routine ? absl::StatusCode::kCancelled : absl::StatusCode::kUnavailable,
                      absl::StrCat("task ", peer.task,
                                   " closed its end of the channel: ", probe.response.reason()));
-  } else if (peer.awaited.has_value() && protocol::PeerChannels::MessageLost(
-                                             *peer.awaited, probe.response.messages_received(),
-                                             probe.response.has_idle_poll_age_us()
-                                                 ? std::optional<absl::Duration>(absl::Microseconds(
-                                                       probe.response.idle_poll_age_us()))
-                                                 : std::nullopt,
-                                             probe.sent, peer_timeout_ / 2)) {
+  } else if (peer.awaited.has_value() &&
+             protocol::PeerChannels::MessageLost(*peer.awaited, probe.response.messages_received(),
+                                                 IdlePollAge(probe.response), probe.sent,
+                                                 peer_timeout_ / 2)) {
     // Both ends stand, and the peer answers, but a message of this end never reached it.
     verdict = absl::UnavailableError(absl::StrCat(
         "task ", peer.task, " acknowledged no control message for ",
