@@ -58,8 +58,11 @@ constexpr CounterInfo kCounters[] = {
     {Counter::kInPlaceRecvs, CounterScope::kTask, "in_place_recvs",
      "Recvs whose destination was memory their caller gave (into)", false},
     {Counter::kContentSegments, CounterScope::kTask, "content_segments",
-     "Content segments that landed before their tensor's last (a recv told of its progress)",
+     "Content segments that landed before their tensor's last (a recv told of its progress, or "
+     "a tensor spread over lanes)",
      false},
+    {Counter::kStripedRequests, CounterScope::kTask, "striped_requests",
+     "Destinations asked for in segments spread over several lanes (TENSORVERBS_RAILS)", false},
     {Counter::kRegisteredRegions, CounterScope::kTask, "registered_regions",
      "Pool regions registered with the fabric", true},
     {Counter::kRegisteredBytes, CounterScope::kTask, "registered_bytes",

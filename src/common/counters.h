@@ -58,6 +58,7 @@ enum class Counter : uint16_t {
   kTransientRegistrations,  // transient_registrations
   kInPlaceRecvs,            // in_place_recvs
   kContentSegments,         // content_segments
+  kStripedRequests,         // striped_requests
   kRegisteredRegions,       // registered_regions
   kRegisteredBytes,         // registered_bytes
   kChannelRegistrations,    // channel_registrations

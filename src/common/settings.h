@@ -73,6 +73,11 @@ const Setting* FindSetting(absl::string_view variable);
 // '\n'.
 std::string SettingsMarkdown(SettingTable table);
 
+namespace settings_internal {
+// Appends the rows of the RDMA table (settings_rdma.cc) to `settings`.
+void AddRdmaSettings(std::vector<Setting>& settings);
+}  // namespace settings_internal
+
 }  // namespace tensorverbs
 
 #endif  // TENSORVERBS_COMMON_SETTINGS_H_

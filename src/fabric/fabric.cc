@@ -138,6 +138,23 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenSameHostFabric(const FabricChoice& c
   return OpenDomain("shmem", OptionsOf(choice));
 }
 
+absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choice,
+                                                       const Domain& primary,
+                                                       const std::string& source,
+                                                       absl::Duration op_timeout) {
+  const Capabilities& caps = primary.capabilities();
+  if (caps.backend != "ofi" || SameHostOnly(caps.family)) {
+    return absl::UnimplementedError(
+        absl::StrCat("lanes run over libfabric's network providers (tcp), not over ", caps.family));
+  }
+  DomainOptions options = OptionsOf(choice);
+  options.provider = caps.provider;
+  options.source_address = source;
+  options.require_source = true;
+  options.op_timeout = std::min(options.op_timeout, op_timeout);
+  return OpenDomain("ofi", options);
+}
+
 bool SameHostOnly(absl::string_view family) { return family == "shmem" || family == "ofi/shm"; }
 
 absl::StatusOr<std::unique_ptr<Domain>> OpenFabric(const FabricChoice& choice) {

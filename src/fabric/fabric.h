@@ -107,6 +107,9 @@ struct DomainOptions {
   // or no interface of the provider has it: the provider's first interface, which can be any
   // (a container's or another job's veth, listed before eth0) and vanish under the endpoint.
   std::string source_address;
+  // ofi: no interface with source_address is an error rather than the first interface (a
+  // further lane, which must not share lane 0's interface unnoticed).
+  bool require_source = false;
   // ofi: every endpoint of the domain shares one libfabric endpoint and completion queue where
   // the provider carries 8 bytes of CQ data (shm, tcp;ofi_rxm); off, or with 4 bytes, each
   // endpoint opens its own. A channel then costs an address-vector entry and its own state
@@ -363,6 +366,16 @@ bool UsesSharedMemory(const FabricChoice& choice);
 bool OpensSameHostFabric(const FabricChoice& choice);
 // The same-host fabric of such a task, with the choice's options.
 absl::StatusOr<std::unique_ptr<Domain>> OpenSameHostFabric(const FabricChoice& choice);
+// A further lane beside `primary` (a domain OpenFabric(choice) opened): another domain of the
+// same backend and provider, bound to `source` (an address of this host, or an interface's
+// name), which must exist. Unimplemented for a fabric that has no interfaces to choose from
+// (today lanes are libfabric's socket-addressed providers, such as tcp). Its operations time out
+// after `op_timeout` (DomainOptions::op_timeout): a lane whose link went quiet fails its writes,
+// and its channel, in that time rather than the default's.
+absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choice,
+                                                       const Domain& primary,
+                                                       const std::string& source,
+                                                       absl::Duration op_timeout);
 // Whether a fabric family (Capabilities::family) reaches only peers on its own host (the shmem
 // backend, libfabric's shm): its peers must prove that they share the host (ThisHostIdentity)
 // before a channel uses it.

@@ -1,10 +1,12 @@
 #include "src/protocol/channel.h"
 
+#include <algorithm>
 #include <iterator>
 #include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/channel_table.h"
@@ -58,6 +60,20 @@ Channel::~Channel() {
 
 absl::Status Channel::Init() {
   ASSIGN_OR_RETURN(endpoint_, env_->domain->CreateEndpoint());
+  // Lanes that failed lately with this peer are left out (ChannelTable::NoteLaneFailed).
+  const size_t further =
+      env_->channels != nullptr
+          ? env_->channels->FurtherLanesFor(peer_task_, env_->lanes.size(), absl::Now())
+          : env_->lanes.size();
+  for (size_t i = 0; i < further; ++i) {
+    const LaneEnv& lane = env_->lanes[i];
+    absl::StatusOr<std::unique_ptr<fabric::Endpoint>> ep = lane.domain->CreateEndpoint();
+    if (!ep.ok()) {
+      return absl::Status(ep.status().code(),
+                          absl::StrCat("the lane on ", lane.source, ": ", ep.status().message()));
+    }
+    lanes_.push_back(*std::move(ep));
+  }
   // With channel keys the peer's slots are registered for this endpoint alone, so no other
   // peer can write control messages into this channel.
   ASSIGN_OR_RETURN(
@@ -74,6 +90,79 @@ absl::StatusOr<fabric::RemoteKey> Channel::OfferKey(const fabric::MemoryRegion& 
     return absl::FailedPreconditionError(absl::StrCat(Describe(), " is closed"));
   }
   return env_->memory->RemoteKeyFor(*endpoint_, region);
+}
+
+size_t Channel::LaneOf(const fabric::Endpoint* endpoint) const {
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    if (lanes_[i].get() == endpoint) return i + 1;
+  }
+  return 0;
+}
+
+std::vector<fabric::Endpoint*> Channel::FurtherLaneEndpoints() const {
+  std::vector<fabric::Endpoint*> out;
+  for (const auto& ep : lanes_) {
+    if (ep != nullptr) out.push_back(ep.get());
+  }
+  return out;
+}
+
+absl::Status Channel::ConnectLanes(const std::vector<std::string>& peer_addresses) {
+  AssertOwnerThread();
+  const size_t n = std::min(peer_addresses.size(), lanes_.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (lanes_[i] == nullptr) return absl::FailedPreconditionError("the channel is closed");
+    if (absl::Status s = lanes_[i]->Connect(peer_addresses[i]); !s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrCat("lane ", i + 1, " (", env_->lanes[i].source, "): ", s.message()));
+    }
+  }
+  lanes_connected_ = n;
+  if (peer_addresses.size() != lanes_.size()) {
+    LOG(INFO) << Describe() << ": task " << peer_task_ << " has " << peer_addresses.size() + 1
+              << " lanes and this task " << lanes_.size() + 1 << "; the channel uses " << n + 1;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<fabric::RemoteKey> Channel::OfferLaneKey(size_t lane, const void* addr,
+                                                        uint64_t bytes) {
+  if (lane == 0 || lane > lanes_connected_ || lanes_[lane - 1] == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(Describe(), " has no lane ", lane));
+  }
+  const fabric::MemoryRegion* region = LaneRegion(lane, addr, bytes);
+  if (region == nullptr) {
+    return absl::NotFoundError(absl::StrCat("lane ", lane, " has no registration of the memory"));
+  }
+  return env_->lanes[lane - 1].memory->RemoteKeyFor(*lanes_[lane - 1], *region);
+}
+
+const fabric::MemoryRegion* Channel::LaneRegion(size_t lane, const void* addr,
+                                                uint64_t bytes) const {
+  RdmaMemoryMgr* memory = env_->lanes[lane - 1].memory;
+  if (memory == nullptr) return nullptr;
+  absl::StatusOr<const fabric::MemoryRegion*> region = memory->FindRegistered(addr, bytes);
+  return region.ok() ? *region : nullptr;
+}
+
+void Channel::CheckLanes(absl::Time now) {
+  if (receiving_ == nullptr || lanes_connected_ == 0 || state_ != State::kReady) return;
+  const absl::Duration limit = env_->transfer.peer_timeout;
+  const size_t lane = receiving_->StalledLane(now, limit);
+  if (lane == 0) return;
+  if (env_->channels != nullptr) env_->channels->NoteLaneFailed(peer_task_, lane, now, limit);
+  Close(absl::UnavailableError(
+      absl::StrCat("lane ", lane, " (", env_->lanes[lane - 1].source, ") of the channel from task ",
+                   peer_task_, " brought nothing for ", absl::FormatDuration(limit),
+                   " while a tensor's segments were due on it: its link is down or lost them")));
+}
+
+absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> Channel::RegisterLaneSource(size_t lane,
+                                                                                  const void* addr,
+                                                                                  uint64_t bytes) {
+  RdmaMemoryMgr* memory = env_->lanes[lane - 1].memory;
+  if (memory == nullptr) return absl::FailedPreconditionError("the lane's registrations are gone");
+  return memory->RegisterSource(addr, bytes);
 }
 
 absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr, std::string rx_key,
@@ -93,7 +182,8 @@ std::string Channel::Describe() const {
       role_ == Role::kOwner ? "recv channel from task " : "send channel to task ", peer_task_,
       " over ", caps.backend, " (", caps.provider, "), endpoint ",
       absl::BytesToHexString(endpoint_ ? endpoint_->LocalAddress() : "").substr(0, 32), ", ",
-      mb_ ? mb_->rx_slots() : 0, " message slots");
+      mb_ ? mb_->rx_slots() : 0, " message slots",
+      lanes_connected_ > 0 ? absl::StrCat(", ", lanes_connected_ + 1, " lanes") : "");
 }
 
 void Channel::SendMessage(Message m) {
@@ -151,8 +241,14 @@ void Channel::OnCompletion(const fabric::Completion& c) {
     const absl::StatusCode code = absl::IsResourceExhausted(c.status)
                                       ? absl::StatusCode::kResourceExhausted
                                       : absl::StatusCode::kUnavailable;
+    const size_t lane = LaneOf(c.endpoint);
+    const std::string over =
+        lane == 0 ? "" : absl::StrCat(" over lane ", lane, " (", env_->lanes[lane - 1].source, ")");
+    if (lane > 0 && env_->channels != nullptr && closing_.ok()) {
+      env_->channels->NoteLaneFailed(peer_task_, lane, absl::Now(), env_->transfer.peer_timeout);
+    }
     CloseAfterThisTurn(absl::Status(code, absl::StrCat("RDMA operation with task ", peer_task_,
-                                                       " failed: ", c.status.message())));
+                                                       over, " failed: ", c.status.message())));
     return;
   }
   if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {
@@ -185,7 +281,13 @@ void Channel::OnCompletion(const fabric::Completion& c) {
       case ImmKind::kRequest:
         // On the receiver, content for a request; on a grpc+gdr sender, a released tensor.
         if (receiving_ != nullptr) {
-          receiving_->OnContent(c.imm);
+          size_t lane = 0;
+          if (lanes_connected_ > 0) {
+            lane = LaneOf(c.endpoint);
+            counters_.lane_segments_received[lane].fetch_add(1, std::memory_order_relaxed);
+            lane_heard_[lane] = CoarseNow();
+          }
+          receiving_->OnContent(c.imm, lane);
         } else if (env_->options.mode == VerbsMode::kGdr) {
           sending_->OnLentReleased(c.imm);
         } else {
@@ -208,7 +310,11 @@ void Channel::OnCompletion(const fabric::Completion& c) {
       if (receiving_ != nullptr) receiving_->OnReadDone(static_cast<uint32_t>(value));
       return;
     case OpTag::kContent:
-      if (sending_ != nullptr) sending_->OnWriteDone(static_cast<uint32_t>(value));
+      // The value is the request index and the low bits of its response's serial (a striped
+      // response may see its last completions after its index was taken again).
+      if (sending_ != nullptr) {
+        sending_->OnWriteDone(static_cast<uint32_t>(value), static_cast<uint32_t>(value >> 32));
+      }
       return;
   }
 }
@@ -293,7 +399,9 @@ bool Channel::NoteIdle(absl::Time now) {
                            (mb_ != nullptr ? mb_->messages_sent() + mb_->messages_received() : 0);
   const bool quiet =
       (receiving_ != nullptr ? !receiving_->awaiting_peer() : sending_->responses() == 0) &&
-      (endpoint_ == nullptr || endpoint_->Outstanding() == 0);
+      (endpoint_ == nullptr || endpoint_->Outstanding() == 0) &&
+      std::all_of(lanes_.begin(), lanes_.end(),
+                  [](const auto& ep) { return ep == nullptr || ep->Outstanding() == 0; });
   if (!quiet || traffic != idle_traffic_ || idle_since_ == absl::InfinitePast()) {
     idle_traffic_ = traffic;
     idle_since_ = now;
@@ -329,6 +437,11 @@ void Channel::Close(const absl::Status& status) {
   // offered to the peer go with it: a write the peer still makes with them is refused.
   if (endpoint_ != nullptr && env_->memory != nullptr) env_->memory->DropEndpoint(endpoint_.get());
   endpoint_.reset();
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    if (lanes_[i] == nullptr) continue;
+    if (env_->lanes[i].memory != nullptr) env_->lanes[i].memory->DropEndpoint(lanes_[i].get());
+    lanes_[i].reset();
+  }
   mb_.reset();
   if (receiving_ != nullptr) receiving_->copy_buffers().Clear();
   if (sending_ != nullptr) sending_->copy_buffers().Clear();

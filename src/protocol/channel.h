@@ -62,6 +62,10 @@ struct ChannelCounters {
   std::atomic<int64_t> bytes_sent{0};
   std::atomic<int64_t> meta_responses{0};  // META_DATA_RESPONSE messages sent
   std::atomic<int64_t> errors_sent{0};     // ERROR_STATUS messages sent
+  // Per lane (0: the channel's own endpoint), on a channel with lanes: content bytes this end
+  // posted (sender), and content segments that landed (receiver).
+  std::atomic<int64_t> lane_bytes_sent[kMaxLanes] = {};
+  std::atomic<int64_t> lane_segments_received[kMaxLanes] = {};
   // Failed recvs by absl::StatusCode.
   static constexpr int kCodes = 17;
   std::atomic<int64_t> recv_errors_by_code[kCodes] = {};
@@ -127,6 +131,37 @@ class Channel {
   // closed, published after close_status() is final.
   bool ClosedForProbes() const { return closed_for_probes_.load(std::memory_order_acquire); }
   fabric::Endpoint* endpoint() const { return endpoint_.get(); }
+  // Lanes (env()->lanes): lane 0 is endpoint(); lanes 1.. have an endpoint each on their own
+  // domain, and carry content once the peer agreed on them at set-up. The agreed lanes are the
+  // first `lanes()` (1 when there are none beyond lane 0).
+  size_t lanes() const { return 1 + lanes_connected_; }
+  fabric::Endpoint* lane_endpoint(size_t lane) const {
+    return lane == 0 ? endpoint_.get() : lanes_[lane - 1].get();
+  }
+  // Which lane `endpoint` is (0 when it is none of the further lanes').
+  size_t LaneOf(const fabric::Endpoint* endpoint) const;
+  // Receiver: when content last came over lane `lane` (InfinitePast: never).
+  absl::Time LaneHeard(size_t lane) const { return lane_heard_[lane]; }
+  // Housekeeping, receiver: a further lane that owes segments of a tensor that began to land
+  // and was silent for the peer timeout fails the channel, naming the lane, and the channels
+  // with this peer leave it out for a while (ChannelTable::NoteLaneFailed).
+  void CheckLanes(absl::Time now);
+  // The further lanes' endpoints, for the peer (ChannelEnd.lanes) and the channel table.
+  std::vector<fabric::Endpoint*> FurtherLaneEndpoints() const;
+  // Connects the further lanes to the peer's, in order, as many as both have: the lanes the
+  // two ends agree on. Before Connect (the owner, from the answer) or after it (the acceptor).
+  absl::Status ConnectLanes(const std::vector<std::string>& peer_addresses);
+  // The key the peer is offered, on lane `lane` >= 1, for the `bytes` at `addr`: memory that
+  // lane's domain has registered (the pool), else NotFound.
+  absl::StatusOr<fabric::RemoteKey> OfferLaneKey(size_t lane, const void* addr, uint64_t bytes);
+  // The registration of the `bytes` at `addr` on lane `lane` >= 1 (for a write from there),
+  // else null.
+  const fabric::MemoryRegion* LaneRegion(size_t lane, const void* addr, uint64_t bytes) const;
+  // Registers the `bytes` at `addr` (a source outside the pool) with lane `lane` >= 1's domain
+  // for one write, as lane 0's RdmaMemoryMgr::RegisterSource does.
+  absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> RegisterLaneSource(size_t lane,
+                                                                           const void* addr,
+                                                                           uint64_t bytes);
   // Housekeeping: whether the channel has been ready with nothing pending (no recv or response,
   // nothing lent, no operation in flight) and no message either way for its options'
   // idle_close; false while that is zero. Remembered for idle() until the next call.
@@ -251,6 +286,10 @@ class Channel {
   bool reap_posted_ = false;
   absl::Status closing_;  // CloseAfterThisTurn's reason, until the close runs
   std::unique_ptr<fabric::Endpoint> endpoint_;
+  std::vector<std::unique_ptr<fabric::Endpoint>> lanes_;  // lanes 1.., one per env_->lanes
+  size_t lanes_connected_ = 0;
+  absl::Time lane_heard_[kMaxLanes] = {absl::InfinitePast(), absl::InfinitePast(),
+                                       absl::InfinitePast(), absl::InfinitePast()};
   std::unique_ptr<MessageBuffer> mb_;
   std::vector<Message> batch_;  // OnControlMessage's decoded batch, kept for its capacity
   ChannelCounters counters_;

@@ -54,6 +54,7 @@ struct VerbsStats {
   std::atomic<int64_t> transient_registrations{0};
   std::atomic<int64_t> in_place_recvs{0};    // destinations in the caller's memory (RecvArgs::into)
   std::atomic<int64_t> content_segments{0};  // content segments landed before a tensor's last
+  std::atomic<int64_t> striped_requests{0};  // destinations asked for over several lanes
   std::atomic<int64_t> dropped_imms{0};      // unknown or stale request indexes
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};
@@ -156,10 +157,22 @@ struct ChannelOptions {
   // holds up one whose tensor exists: no order of sends can deadlock on the limit.
   int large_in_flight = Config::Defaults().large_in_flight;
   uint64_t large_bytes = uint64_t{4} << 20;
+  // Owner side, on a channel with lanes: tensors of this many bytes and more are asked for in
+  // segments spread over every lane (TENSORVERBS_STRIPE_KB; 0: never).
+  uint64_t stripe_bytes = Config::Defaults().stripe_bytes;
 
   // Pushing destinations ahead needs the meta-data cache of zero copy, and the checksum of
   // data validation rides the meta-data round trip that pushing skips.
   bool pushes_ahead() const { return push && mode == VerbsMode::kZeroCopy && !data_validation; }
+};
+
+// A further lane of the channels over one fabric: another domain of the same kind, on another
+// device or interface (TENSORVERBS_RAILS), with the pool registered there too. A channel makes
+// an endpoint on each, beside its own, and its peer agrees on them at set-up.
+struct LaneEnv {
+  fabric::Domain* domain = nullptr;
+  RdmaMemoryMgr* memory = nullptr;
+  std::string source;  // the address or interface it is bound to, for logs and stats
 };
 
 struct ChannelEnv {
@@ -167,6 +180,8 @@ struct ChannelEnv {
   RendezvousMgr* rendezvous_mgr = nullptr;  // serves requests (acceptor side)
   RdmaMemoryMgr* memory = nullptr;
   fabric::Domain* domain = nullptr;
+  // Lanes 1, 2, ...: the domain above is lane 0, which carries control messages too.
+  std::vector<LaneEnv> lanes;
   VerbsStats* stats = nullptr;
   // The settings every protocol shares (recv and peer timeouts, the slow-recv warning, the
   // bound on a peer's requests) and the channels' own.

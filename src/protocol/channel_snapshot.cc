@@ -23,6 +23,9 @@ ChannelSnapshot Channel::Snapshot() const {
   if (env_->domain != nullptr) {
     const fabric::Capabilities& caps = env_->domain->capabilities();
     s.fabric = absl::StrCat(caps.backend, " (", caps.provider, ")");
+    for (size_t lane = 0; lane < lanes_connected_; ++lane) {
+      absl::StrAppend(&s.fabric, lane == 0 ? ", lanes on " : ", ", env_->lanes[lane].source);
+    }
   }
   s.description = Describe();
   auto add = [&s](Counter key, int64_t value) { AddCounter(&s.counters, key, value); };
@@ -55,6 +58,15 @@ ChannelSnapshot Channel::Snapshot() const {
   add(Counter::kControlMessages, mb_ ? static_cast<int64_t>(mb_->messages_sent()) : 0);
   add(Counter::kControlSlots, mb_ ? static_cast<int64_t>(mb_->sent()) : 0);
   add(Counter::kSlotWaits, mb_ ? static_cast<int64_t>(mb_->slot_waits()) : 0);
+  // Per lane, where the channel has several: bytes a sender posted on each, segments that
+  // landed on each at a receiver.
+  if (lanes_connected_ > 0) {
+    for (size_t lane = 0; lane <= lanes_connected_; ++lane) {
+      s.counters.emplace_back(
+          absl::StrCat("lane", lane, s.receives ? "_segments_received" : "_bytes_sent"),
+          get(s.receives ? c.lane_segments_received[lane] : c.lane_bytes_sent[lane]));
+    }
+  }
   // With channel keys each channel's peer writes through registrations of its own; otherwise
   // through the task's shared ones (counted once, per task).
   if (env_->memory != nullptr && env_->memory->channel_keys() && endpoint_ != nullptr) {

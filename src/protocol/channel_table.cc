@@ -21,6 +21,7 @@ Channel* ChannelTable::Add(std::unique_ptr<Channel> channel) {
   AssertOnLoop();
   Channel* raw = channel.get();
   by_endpoint_[raw->endpoint()] = raw;
+  for (fabric::Endpoint* lane : raw->FurtherLaneEndpoints()) by_endpoint_[lane] = raw;
   if (raw->role() == Channel::Role::kOwner) owner_by_task_[raw->peer_task()] = raw->id();
   MutexLock lock(&probe_mu_);
   channels_.emplace(raw->id(), std::move(channel));
@@ -113,6 +114,30 @@ void ChannelTable::CloseAcceptedFrom(const std::string& task, uint64_t incarnati
   }
 }
 
+void ChannelTable::NoteLaneFailed(const std::string& task, size_t lane, absl::Time now,
+                                  absl::Duration base) {
+  AssertOnLoop();
+  if (lane == 0) return;
+  LaneLimit& limit = lane_limits_[task];
+  // A failure while the last back-off still ran (or just after it) doubles it; a lane that
+  // stayed up long after starts over.
+  const bool repeat = limit.backoff > absl::ZeroDuration() && now < limit.until + limit.backoff;
+  limit.backoff = repeat ? std::min(limit.backoff * 2, kLaneBackoffLimit)
+                         : std::min(base * 2, kLaneBackoffLimit);
+  limit.further_lanes = now < limit.until ? std::min(limit.further_lanes, lane - 1) : lane - 1;
+  limit.until = now + limit.backoff;
+  LOG(WARNING) << "lane " << lane << " of the channels with task " << task
+               << " failed; they keep to " << limit.further_lanes + 1 << " lane"
+               << (limit.further_lanes == 0 ? "" : "s") << " for "
+               << absl::FormatDuration(limit.backoff) << ", then try every lane again";
+}
+
+size_t ChannelTable::FurtherLanesFor(const std::string& task, size_t lanes, absl::Time now) const {
+  auto it = lane_limits_.find(task);
+  if (it == lane_limits_.end() || now >= it->second.until) return lanes;
+  return std::min(lanes, it->second.further_lanes);
+}
+
 void ChannelTable::Dispatch(const fabric::Completion& c) {
   AssertOnLoop();
   auto it = by_endpoint_.find(c.endpoint);
@@ -130,6 +155,8 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
     }
     if (ReceivingSide* r = channel->receiving()) {
       r->ExpireRequests(now);
+      channel->CheckLanes(now);
+      if (channel->state() == Channel::State::kClosed) continue;
     } else {
       channel->sending()->ExpireResponses(now);
     }
@@ -195,8 +222,10 @@ void ChannelTable::Clear() {
 bool ChannelTable::OperationsInFlight() const {
   // By channel: a closed channel's endpoint is gone while by_endpoint_ still names it.
   for (const auto& [id, channel] : channels_) {
-    fabric::Endpoint* endpoint = channel->endpoint();
-    if (endpoint != nullptr && endpoint->Outstanding() > 0) return true;
+    for (size_t lane = 0; lane < channel->lanes(); ++lane) {
+      fabric::Endpoint* endpoint = channel->lane_endpoint(lane);
+      if (endpoint != nullptr && endpoint->Outstanding() > 0) return true;
+    }
   }
   return false;
 }

@@ -73,6 +73,15 @@ class ChannelTable {
 
   // Hands a completion to the channel of its endpoint.
   void Dispatch(const fabric::Completion& c);
+  // Lane `lane` (>= 1) of a channel with `task` failed at `now`: the channels set up with it
+  // for a while keep to the lanes before it (both ends agree on as many as both list), from
+  // twice `base` after a first failure, doubling on each repeat while it keeps failing, up to
+  // kLaneBackoffLimit. Then the next channel tries every lane again.
+  void NoteLaneFailed(const std::string& task, size_t lane, absl::Time now, absl::Duration base);
+  // How many further lanes a channel with `task` set up at `now` may list (`lanes`, the
+  // transport's count, unless one failed lately).
+  size_t FurtherLanesFor(const std::string& task, size_t lanes, absl::Time now) const;
+  static constexpr absl::Duration kLaneBackoffLimit = absl::Minutes(10);
   // Expires recvs and responses past their time, and drops closed channels, except those
   // `pinned` names (a set-up call still refers to them by id).
   void Housekeeping(absl::Time now, const std::function<bool(uint64_t id)>& pinned);
@@ -117,6 +126,14 @@ class ChannelTable {
   // Why recently dropped accepted channels closed, by (owner task, owner's channel id).
   absl::flat_hash_map<std::pair<std::string, uint64_t>, absl::Status> closed_accepted_;
   static constexpr size_t kMaxClosedAccepted = 1024;
+  // Peers whose lanes failed lately (NoteLaneFailed): the lanes their channels keep to, until
+  // when, and the back-off the next failure doubles.
+  struct LaneLimit {
+    size_t further_lanes = 0;
+    absl::Time until;
+    absl::Duration backoff;
+  };
+  absl::flat_hash_map<std::string, LaneLimit> lane_limits_;
 };
 
 }  // namespace tensorverbs::protocol

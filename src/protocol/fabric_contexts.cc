@@ -36,7 +36,7 @@ FabricContext* FabricContexts::FirstWith(FabricContext::Reach reach) const {
 
 FabricContext* FabricContexts::OfFamily(absl::string_view family) const {
   for (const auto& c : contexts_) {
-    if (c->family() == family) return c.get();
+    if (c->reach != FabricContext::Reach::kLane && c->family() == family) return c.get();
   }
   return nullptr;
 }
@@ -44,6 +44,7 @@ FabricContext* FabricContexts::OfFamily(absl::string_view family) const {
 std::string FabricContexts::Families() const {
   std::string out;
   for (const auto& c : contexts_) {
+    if (c->reach == FabricContext::Reach::kLane) continue;
     absl::StrAppend(&out, out.empty() ? "" : " and ", c->family());
   }
   return out;
@@ -51,11 +52,17 @@ std::string FabricContexts::Families() const {
 
 std::string FabricContexts::Name() const {
   std::string name;
+  size_t lanes = 1;
   for (const auto& c : contexts_) {
+    if (c->reach == FabricContext::Reach::kLane) {
+      ++lanes;
+      continue;
+    }
     absl::StrAppend(
         &name, name.empty() ? "" : " + ", c->Name(),
         c->reach == FabricContext::Reach::kSameHost && !name.empty() ? " on this host" : "");
   }
+  if (lanes > 1) absl::StrAppend(&name, ", ", lanes, " lanes");
   return name;
 }
 

@@ -2,7 +2,8 @@
 // opened domain, the registrations of the pool with it (RdmaMemoryMgr), and the ChannelEnv that
 // the channels over it share. The first context reaches every peer; a later one reaches only the
 // peers its Reach names (today the same-host fabric beside a network one). Lanes over several
-// devices are more entries of the same kind, not more members of the transport.
+// devices or interfaces (TENSORVERBS_RAILS) are more entries of the primary's kind, which its
+// channels use beside their own endpoint (ChannelEnv::lanes), not more members of the transport.
 //
 // The transport builds the collection before its progress engine starts and owns it. From then
 // on the entries are fixed: channels keep a pointer to their context's env, and every context
@@ -30,6 +31,7 @@ struct FabricContext {
   enum class Reach {
     kAnyPeer,   // every task of the cluster (the network fabric, or the only one)
     kSameHost,  // the tasks that share this host (a same-host fabric such as shmem)
+    kLane,      // no peer of its own: a further lane of the primary's channels (its env.lanes)
   };
   Reach reach = Reach::kAnyPeer;
   std::unique_ptr<fabric::Domain> domain;

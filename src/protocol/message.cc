@@ -15,15 +15,16 @@ namespace {
 //   u8 version | u8 type | u16 sequence | u32 used_bytes
 //   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 zero
 //   u64 remote_addr | u64 checksum | i32 dtype | u32 error_code | u64 tensor_bytes
-//   u16 name_len | u8 key_len | u8 zero | u16 error_len | u16 more | u32 name_index
+//   u16 name_len | u8 key_len | u8 lane_keys | u16 error_len | u16 more | u32 name_index
 //   u32 segment_bytes
-//   name | remote key | rank x i64 dims | error message | zeros to a multiple of 8
+//   name | remote key | lane_keys x remote key | rank x i64 dims | error message | zeros to a
+//   multiple of 8
 // `more`: how many messages follow this one in the same slot. Flags bit 1: name_index is set.
 constexpr size_t kHeaderSize = 8 + 16 + 8 + 8 + 4 + 4 + 8 + 8 + 8;
 constexpr uint8_t kFlagDead = 1;
 constexpr uint8_t kFlagNameIndex = 2;
-static_assert(kHeaderSize + kMaxNameLength + kMaxRemoteKeyLength + 8 * TensorShape::kMaxRank +
-                      kMaxErrorMessageLength <=
+static_assert(kHeaderSize + kMaxNameLength + kMaxLanes * kMaxRemoteKeyLength +
+                      8 * TensorShape::kMaxRank + kMaxErrorMessageLength <=
                   kMessageSize,
               "the largest message must fit a slot");
 
@@ -104,6 +105,19 @@ absl::Status CheckSegmentBytes(MessageType type, uint32_t segment_bytes) {
   return absl::OkStatus();
 }
 
+// Lane keys only beside segments (the unit the lanes share) and a key of their own kind.
+absl::Status CheckLaneKeys(uint32_t segment_bytes, size_t lane_keys, size_t key_len) {
+  if (lane_keys == 0) return absl::OkStatus();
+  if (lane_keys >= kMaxLanes) {
+    return absl::DataLossError(
+        absl::StrCat(lane_keys, " lane keys, more than the ", kMaxLanes - 1, " a channel may use"));
+  }
+  if (segment_bytes == 0 || key_len == 0) {
+    return absl::DataLossError("lane keys without content segments or a remote key");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const char* MessageTypeName(MessageType type) {
@@ -143,7 +157,18 @@ absl::StatusOr<size_t> UsedBytes(const Message& m) {
   if (absl::Status s = CheckSegmentBytes(m.type, m.segment_bytes); !s.ok()) {
     return absl::InvalidArgumentError(s.message());
   }
-  return kHeaderSize + m.name.size() + m.remote_key.size() + 8 * size_t(m.meta.shape.rank()) +
+  if (absl::Status s = CheckLaneKeys(m.segment_bytes, m.lane_keys.size(), m.remote_key.size());
+      !s.ok()) {
+    return absl::InvalidArgumentError(s.message());
+  }
+  for (const fabric::RemoteKey& k : m.lane_keys) {
+    if (k.size() != m.remote_key.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a lane key of ", k.size(), " bytes beside a remote key of ", m.remote_key.size()));
+    }
+  }
+  return kHeaderSize + m.name.size() + m.remote_key.size() * (1 + m.lane_keys.size()) +
+         8 * size_t(m.meta.shape.rank()) +
          std::min(m.error.message().size(), kMaxErrorMessageLength);
 }
 
@@ -183,13 +208,14 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t m
   w.Put<uint64_t>(m.meta.tensor_bytes);
   w.Put<uint16_t>(static_cast<uint16_t>(m.name.size()));
   w.Put<uint8_t>(static_cast<uint8_t>(m.remote_key.size()));
-  w.Put<uint8_t>(0);
+  w.Put<uint8_t>(static_cast<uint8_t>(m.lane_keys.size()));
   w.Put<uint16_t>(static_cast<uint16_t>(error_message.size()));
   w.Put<uint16_t>(more);
   w.Put<uint32_t>(m.name_index != kNoNameIndex ? m.name_index : 0);
   w.Put<uint32_t>(m.segment_bytes);
   w.Bytes(m.name);
   w.Bytes(m.remote_key);
+  for (const fabric::RemoteKey& k : m.lane_keys) w.Bytes(k);
   for (int64_t d : m.meta.shape.dims()) w.Put<int64_t>(d);
   w.Bytes(error_message);
   while (w.pos() < Padded(used)) w.Put<uint8_t>(0);
@@ -215,11 +241,11 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   if (used < kHeaderSize || used > in.size()) {
     return Malformed(absl::StrCat("declares ", used, " bytes in a ", in.size(), "-byte slot"));
   }
-  uint8_t zero8;
+  uint8_t lane_keys;
   if (!r.Get(&m.step_id) || !r.Get(&m.request_index) || !r.Get(&flags) || !r.Get(&rank) ||
       !r.Get(&zero16) || !r.Get(&m.remote_addr) || !r.Get(&m.checksum) || !r.Get(&dtype) ||
       !r.Get(&error_code) || !r.Get(&m.meta.tensor_bytes) || !r.Get(&name_len) ||
-      !r.Get(&key_len) || !r.Get(&zero8) || !r.Get(&error_len) || !r.Get(&more_field) ||
+      !r.Get(&key_len) || !r.Get(&lane_keys) || !r.Get(&error_len) || !r.Get(&more_field) ||
       !r.Get(&name_index) || !r.Get(&m.segment_bytes)) {
     return Malformed("truncated header");
   }
@@ -235,13 +261,21 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   if (key_len > kMaxRemoteKeyLength) return Malformed(absl::StrCat("remote key length ", key_len));
   if (error_len > kMaxErrorMessageLength) return Malformed(absl::StrCat("error length ", error_len));
   if (rank > TensorShape::kMaxRank) return Malformed(absl::StrCat("rank ", rank));
-  const size_t expected = kHeaderSize + name_len + key_len + 8 * size_t{rank} + error_len;
+  if (absl::Status s = CheckLaneKeys(m.segment_bytes, lane_keys, key_len); !s.ok()) {
+    return Malformed(s.message());
+  }
+  const size_t expected =
+      kHeaderSize + name_len + key_len * (size_t{1} + lane_keys) + 8 * size_t{rank} + error_len;
   if (expected != used) {
     return Malformed(absl::StrCat("field lengths add up to ", expected, " bytes, header says ", used));
   }
   r = Reader(in.subspan(0, used));
   r.Skip(kHeaderSize);  // decoded above
   if (!r.Bytes(name_len, &m.name) || !r.Bytes(key_len, &m.remote_key)) return Malformed("truncated");
+  m.lane_keys.resize(lane_keys);
+  for (fabric::RemoteKey& k : m.lane_keys) {
+    if (!r.Bytes(key_len, &k)) return Malformed("truncated lane key");
+  }
   absl::InlinedVector<int64_t, 8> dims(rank);
   for (int64_t& d : dims) {
     if (!r.Get(&d)) return Malformed("truncated shape");

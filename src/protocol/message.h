@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -44,6 +45,9 @@ inline constexpr uint32_t kMinSegmentBytes = 64 << 10;
 // The most segments one tensor may be asked for in: a receiver asks for larger ones where its
 // chunks would make more, and a sender refuses more.
 inline constexpr uint64_t kMaxContentSegments = 16384;
+// The most lanes one channel has (lane 0, which carries the control messages, and up to three
+// more, each over a device or interface of its own): a REQUEST carries a key per further lane.
+inline constexpr size_t kMaxLanes = 4;
 
 enum class MessageType : uint8_t {
   kTensorRequest = 1,     // receiver -> sender
@@ -91,6 +95,10 @@ struct Message {
   // (0, or at least kMinSegmentBytes), each ending with the immediate, so the receiver sees it
   // land piece by piece (ContentSegments). 0: one immediate, after the last byte.
   uint32_t segment_bytes = 0;
+  // REQUEST / RE_REQUEST with segments, on a channel with lanes: the destination's key for lanes
+  // 1, 2, ... (remote_key is lane 0's), each as long as remote_key. The sender spreads the
+  // segments over them. Sent only to a peer that set up lanes, so an older peer never sees one.
+  absl::InlinedVector<fabric::RemoteKey, kMaxLanes - 1> lane_keys;
 };
 
 // How many content immediates a tensor of `tensor_bytes` written in segments of

@@ -22,6 +22,22 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
   end->set_rx_slots(static_cast<uint32_t>(channel.message_buffer()->rx_slots()));
   end->set_wire_version(kWireVersion);
   end->set_device_writes(channel.env()->device_direct);
+  const std::vector<fabric::Endpoint*> lanes = channel.FurtherLaneEndpoints();
+  for (size_t i = 0; i < lanes.size(); ++i) {
+    proto::LaneEnd* lane = end->add_lanes();
+    lane->set_endpoint_address(lanes[i]->LocalAddress());
+    lane->set_source(channel.env()->lanes[i].source);
+  }
+}
+
+// The peer's further lanes' addresses, at most kMaxLanes - 1 of them.
+std::vector<std::string> LaneAddresses(const proto::ChannelEnd& end) {
+  std::vector<std::string> out;
+  for (const proto::LaneEnd& lane : end.lanes()) {
+    if (out.size() + 1 >= kMaxLanes) break;
+    out.push_back(lane.endpoint_address());
+  }
+  return out;
 }
 
 }  // namespace
@@ -182,8 +198,13 @@ void PeerChannels::OnConnectAnswer(uint64_t id, absl::StatusOr<proto::ConnectRes
   } else {
     result = CheckWireVersion(task, r.end().wire_version());
     if (result.ok()) {
-      result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
-                                static_cast<int>(r.end().rx_slots()), r.incarnation());
+      // The lanes first: a channel is ready with all of them, and the acceptor answered with
+      // only the lanes it connected.
+      result = channel->ConnectLanes(LaneAddresses(r.end()));
+      if (result.ok()) {
+        result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
+                                  static_cast<int>(r.end().rx_slots()), r.incarnation());
+      }
       if (!result.ok()) {
         result = absl::UnavailableError(absl::StrCat("connecting the grpc+verbs channel to task ",
                                                      task, " failed: ", result.message()));
@@ -285,8 +306,11 @@ absl::Status PeerChannels::Accept(const proto::ConnectRequest& request,
   channel->set_peer_channel_id(request.channel_id());
   RETURN_IF_ERROR(channel->Init());
   const proto::ChannelEnd& end = request.end();
-  absl::Status s = channel->Connect(end.endpoint_address(), end.rx_addr(), end.rx_key(),
-                                    static_cast<int>(end.rx_slots()), request.incarnation());
+  absl::Status s = channel->ConnectLanes(LaneAddresses(end));
+  if (s.ok()) {
+    s = channel->Connect(end.endpoint_address(), end.rx_addr(), end.rx_key(),
+                         static_cast<int>(end.rx_slots()), request.incarnation());
+  }
   if (!s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("task ", task, "'s channel end is unusable: ", s.message()));

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/spare_records.h"
@@ -407,7 +408,7 @@ void ReceivingSide::Push(const KeyRef& key, int64_t step, Allocator* allocator) 
   raw->Start();  // may finish the record on a local failure
 }
 
-void ReceivingSide::OnContent(uint32_t index) {
+void ReceivingSide::OnContent(uint32_t index, size_t lane) {
   auto it = requests_.find(index);
   // Content comes only after REQUEST or RE_REQUEST. In any other state it is a duplicated
   // immediate (kDone, kLandedAhead: the content is already in) or one the sender had no
@@ -420,14 +421,34 @@ void ReceivingSide::OnContent(uint32_t index) {
             << ": no request with that index is waiting for content";
     return;
   }
+  if (lane > 0 || channel_->lanes() > 1) {
+    it->second->CountLane(lane, CoarseNow());
+    if (it->second->awaits_more_segments()) striping_.insert(index);
+  }
   if (it->second->awaits_more_segments()) {
     it->second->RecvSegment();  // the content lands in segments, and more are to come
     return;
   }
+  striping_.erase(index);
   it->second->RecvTensorContent();
   if (it->second->landed()) return;  // pushed: it waits for the recv that takes it
   FinishDelivered(index);
   if (!closed()) GrantWaiting();
+}
+
+size_t ReceivingSide::StalledLane(absl::Time now, absl::Duration limit) {
+  for (auto it = striping_.begin(); it != striping_.end();) {
+    auto request = requests_.find(*it);
+    absl::Time began;
+    const size_t lane = request == requests_.end() ? 0 : request->second->LaneOwingSegments(&began);
+    if (lane == 0) {
+      striping_.erase(it++);  // landed whole, ended, or the record went
+      continue;
+    }
+    if (now - std::max(began, channel_->LaneHeard(lane)) > limit) return lane;
+    ++it;
+  }
+  return 0;
 }
 
 void ReceivingSide::FinishDelivered(uint32_t index) {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -64,7 +65,12 @@ class ReceivingSide {
 
   // What the peer sends a receiver.
   void OnAnswer(const Message& m);  // META_DATA_RESPONSE or ERROR_STATUS
-  void OnContent(uint32_t index);   // a content immediate
+  void OnContent(uint32_t index, size_t lane = 0);  // a content immediate, over `lane`
+  // A tensor spread over lanes that began to land and whose segments due on a further lane
+  // have not all come, with nothing heard on that lane (Channel::LaneHeard) for `limit`: that
+  // lane, else 0. Its writes were taken by the sender's kernel and are lost in a link that went
+  // down under them, which the sender cannot see (its writes completed).
+  size_t StalledLane(absl::Time now, absl::Duration limit);
   void OnReadDone(uint32_t index);  // one of a pull's reads completed
 
   size_t pending_requests() const;
@@ -136,6 +142,8 @@ class ReceivingSide {
   ChannelEnv* const env_;
   RequestIndexAllocator indexes_;
   absl::flat_hash_map<uint32_t, std::unique_ptr<RdmaTensorRequest>> requests_;
+  // Requests spread over lanes whose content began to land and is not all in (StalledLane).
+  absl::flat_hash_set<uint32_t> striping_;
   std::vector<uint32_t> queued_;  // started before the channel was ready
   absl::flat_hash_map<uint32_t, std::unique_ptr<GdrPull>> pulls_;  // grpc+gdr reads, by index
   std::vector<uint32_t> queued_pulls_;

@@ -24,6 +24,13 @@ void SendingSide::OnRequest(Message& m) {
   // The receiver reuses an index only after it took the expired response's ERROR_STATUS, and
   // then its crossing RE_REQUEST (if any) came before this.
   expired_responses_.erase(index);
+  if (auto pending = responses_.find(index);
+      pending != responses_.end() && pending->second->StripedAndPosted()) {
+    // Its segments all landed (the receiver counted them before taking the index again); the
+    // completions of the other lanes are simply not polled yet.
+    if (pending->second->TakeLanded()) FinishResponse(index);
+    if (closed()) return;
+  }
   if (responses_.contains(index)) {
     channel_->Close(absl::DataLossError(absl::StrCat("task ", peer_task(), " reused request index ",
                                                      index, " while it was pending")));
@@ -73,9 +80,12 @@ void SendingSide::OnReRequest(const Message& m) {
   it->second->RecvReRequest(m);
 }
 
-void SendingSide::OnWriteDone(uint32_t index) {
+void SendingSide::OnWriteDone(uint32_t index, uint32_t serial_bits) {
   auto it = responses_.find(index);
-  if (it != responses_.end() && it->second->OnWriteDone()) FinishResponse(index);
+  if (it == responses_.end()) return;
+  // A late completion of a striped response finished when its index was taken again.
+  if ((it->second->serial() & RdmaTensorResponse::kContentSerialMask) != serial_bits) return;
+  if (it->second->OnWriteDone()) FinishResponse(index);
 }
 
 void SendingSide::OnLentReleased(uint32_t tensor_key) {

@@ -48,7 +48,8 @@ class SendingSide {
   // What the peer sends a sender.
   void OnRequest(Message& m);          // REQUEST (moved into its response)
   void OnReRequest(const Message& m);  // RE_REQUEST
-  void OnWriteDone(uint32_t index);    // one of a response's content writes completed
+  // One of a response's content writes completed: its index and the low bits of its serial.
+  void OnWriteDone(uint32_t index, uint32_t serial_bits);
   // grpc+gdr: the peer released the tensor it read under `tensor_key`.
   void OnLentReleased(uint32_t tensor_key);
   // A local tensor for response `serial` is ready.

@@ -166,25 +166,89 @@ absl::Status RdmaTensorRequest::PrepareDestination(const TensorMetaData& meta, u
 }
 
 void RdmaTensorRequest::AskForSegments(Message& m) {
-  ChannelEnv* env = channel_->env();
   segment_bytes_ = 0;
   segments_left_ = 1;
+  stripe_lanes_ = 0;
+  if (!AskForProgressSegments(m)) AskForStripes(m);
+}
+
+bool RdmaTensorRequest::AskForProgressSegments(Message& m) {
+  ChannelEnv* env = channel_->env();
   // Only the recv's own destination, whole and in place: a proxy is copied out at the end, a
   // checksum checks the bytes only once all are in, and the caller's memory is not `landing`.
   if (!on_landed_ || finished() || progress_bytes_ == 0 || m.remote_addr == 0 ||
       !result_.IsInitialized() || staging_.IsInitialized() || LandsInCallersMemory() ||
       env->options.data_validation || meta_.dtype == DataType::kString) {
-    return;
+    return false;
   }
   const uint64_t kMaxSegment = uint64_t{1} << 31;
   // No more than kMaxContentSegments, which the sender refuses.
   const uint64_t fewest = (meta_.tensor_bytes + kMaxContentSegments - 1) / kMaxContentSegments;
   const auto segment = static_cast<uint32_t>(
       std::clamp<uint64_t>(std::max(progress_bytes_, fewest), kMinSegmentBytes, kMaxSegment));
-  if (meta_.tensor_bytes <= segment) return;
+  if (meta_.tensor_bytes <= segment) return false;
   segment_bytes_ = segment;
   segments_left_ = ContentSegments(meta_.tensor_bytes, segment_bytes_);
   m.segment_bytes = segment_bytes_;
+  return true;
+}
+
+void RdmaTensorRequest::AskForStripes(Message& m) {
+  const size_t lanes = channel_->lanes();
+  const uint64_t threshold = channel_->env()->options.stripe_bytes;
+  const uint64_t bytes = meta_.tensor_bytes;
+  if (lanes < 2 || threshold == 0 || bytes < threshold || m.remote_addr == 0 || finished() ||
+      meta_.dtype == DataType::kString) {
+    return;
+  }
+  // The destination must be memory every lane registered (the pool): a proxy or a transient
+  // registration is lane 0's alone, and such a tensor keeps to lane 0.
+  const void* target = reinterpret_cast<const void*>(m.remote_addr);
+  absl::InlinedVector<fabric::RemoteKey, kMaxLanes - 1> keys;
+  for (size_t lane = 1; lane < lanes; ++lane) {
+    absl::StatusOr<fabric::RemoteKey> key = channel_->OfferLaneKey(lane, target, bytes);
+    if (!key.ok() || key->size() != m.remote_key.size()) return;
+    keys.push_back(*std::move(key));
+  }
+  // Four segments a lane, so that a lane that finishes its share early is not left idle for
+  // long, of whole 64 KiB units and at least the minimum.
+  const uint64_t kUnit = 64 << 10;
+  const uint64_t wanted = (bytes / (lanes * 4) + kUnit - 1) / kUnit * kUnit;
+  const uint64_t fewest = (bytes + kMaxContentSegments - 1) / kMaxContentSegments;
+  const auto segment = static_cast<uint32_t>(
+      std::clamp<uint64_t>(std::max(wanted, fewest), kMinSegmentBytes, uint64_t{1} << 31));
+  if (bytes <= segment) return;
+  segment_bytes_ = segment;
+  segments_left_ = ContentSegments(bytes, segment);
+  m.segment_bytes = segment;
+  m.lane_keys = std::move(keys);
+  stripe_lanes_ = static_cast<uint8_t>(lanes);
+  std::fill(std::begin(lane_segments_), std::end(lane_segments_), 0);
+  stripes_began_ = absl::InfinitePast();
+  channel_->env()->stats->striped_requests.fetch_add(1, std::memory_order_relaxed);
+}
+
+void RdmaTensorRequest::CountLane(size_t lane, absl::Time now) {
+  if (stripe_lanes_ < 2 || lane >= kMaxLanes) return;
+  if (stripes_began_ == absl::InfinitePast()) stripes_began_ = now;
+  ++lane_segments_[lane];
+}
+
+size_t RdmaTensorRequest::LaneOwingSegments(absl::Time* first_at) const {
+  if (stripe_lanes_ < 2 || stripes_began_ == absl::InfinitePast() || segments_left_ == 0) {
+    return 0;
+  }
+  const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes_);
+  for (size_t lane = 1; lane < stripe_lanes_; ++lane) {
+    // Segments i < `segments` with i mod n == lane.
+    const uint64_t due =
+        segments > lane ? (segments - lane + stripe_lanes_ - 1) / stripe_lanes_ : 0;
+    if (lane_segments_[lane] < due) {
+      *first_at = stripes_began_;
+      return lane;
+    }
+  }
+  return 0;
 }
 
 void RdmaTensorRequest::RecvSegment() {

@@ -127,6 +127,14 @@ class RdmaTensorRequest {
   }
   // Content segments still to come besides the last (whose immediate is RecvTensorContent's).
   bool awaits_more_segments() const { return segments_left_ > 1; }
+  // A content immediate came over lane `lane` (RecvSegment or the last): counted per lane for
+  // a tensor spread over lanes, and when its first one landed.
+  void CountLane(size_t lane, absl::Time now);
+  // A tensor spread over lanes that began to land: the first further lane that still owes it
+  // segments (by the sender's rule, segment i over lane i mod n), or 0 when none does or the
+  // tensor is not spread or has not begun to land. `first_at` receives when its first segment
+  // landed.
+  size_t LaneOwingSegments(absl::Time* first_at) const;
   // One content segment but the last landed.
   void RecvSegment();
   // Deregisters what was registered for this recv alone: before the record's memory goes.
@@ -198,6 +206,11 @@ class RdmaTensorRequest {
   // After the destination for meta_ is named in `m`: asks for the content in segments where
   // the recv wants to hear of its progress, else in one piece.
   void AskForSegments(Message& m);
+  // AskForSegments' two reasons: the recv wants to see its tensor land in parts (RecvArgs::
+  // progress_bytes; true when it asked), or the channel has lanes and the tensor is large
+  // enough to spread over them (ChannelOptions::stripe_bytes): a key per further lane.
+  bool AskForProgressSegments(Message& m);
+  void AskForStripes(Message& m);
   // The peer's announced size against this task's limit (TENSORVERBS_MAX_TENSOR_MB), before
   // anything is allocated for it.
   absl::Status CheckAnnouncedSize(const TensorMetaData& meta) const;
@@ -236,6 +249,11 @@ class RdmaTensorRequest {
   LandedCallback on_landed_;     // RecvArgs::on_landed, until the recv ends
   uint32_t segment_bytes_ = 0;   // the segments asked for (0: one piece)
   uint64_t segments_left_ = 1;   // content immediates still to come for the destination named
+  // AskForStripes: the lanes the segments go round (0: not spread), and per lane the segments
+  // that came, since the first landed at stripes_began_.
+  uint8_t stripe_lanes_ = 0;
+  uint32_t lane_segments_[kMaxLanes] = {};
+  absl::Time stripes_began_ = absl::InfinitePast();
   Tensor into_;                  // RecvArgs::into, until it is known not to be the destination
   Tensor result_;                // the destination, when the content lands in place
   Tensor staging_;  // registered proxy (strings, unregistrable destinations, copy mode)

@@ -250,7 +250,8 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
     return;
   }
   if (CanWriteNow()) {
-    WriteContent(request_.remote_addr, request_.remote_key, request_.segment_bytes, Event::kTensor);
+    WriteContent(request_.remote_addr, request_.remote_key, request_.segment_bytes,
+                 request_.lane_keys, Event::kTensor);
     return;
   }
   SendMetaData();
@@ -287,16 +288,53 @@ void RdmaTensorResponse::RecvReRequest(const Message& m) {
     // release, which the immediate alone carries.
     meta_.tensor_bytes = 0;
   }
-  WriteContent(m.remote_addr, m.remote_key, m.segment_bytes, Event::kReRequest);
+  WriteContent(m.remote_addr, m.remote_key, m.segment_bytes, m.lane_keys, Event::kReRequest);
+}
+
+uint64_t RdmaTensorResponse::ContentContext() const {
+  return MakeContext(OpTag::kContent,
+                     (serial_ & kContentSerialMask) << 32 | uint64_t{request_.request_index});
+}
+
+void RdmaTensorResponse::ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys) {
+  lanes_.clear();
+  lanes_.push_back({channel_->endpoint(), source_region_, write_key_});
+  // Every further lane must reach the source too (pool memory each lane registered, or a source
+  // each registers for this write as lane 0 did); else the tensor keeps to lane 0, still in the
+  // receiver's segments.
+  const size_t lanes = std::min(channel_->lanes(), lane_keys.size() + 1);
+  if (lanes < 2 || write_segment_ == 0) return;
+  lane_transients_.clear();
+  for (size_t lane = 1; lane < lanes; ++lane) {
+    const fabric::MemoryRegion* region = channel_->LaneRegion(lane, source_, meta_.tensor_bytes);
+    if (region == nullptr && transient_ != nullptr) {
+      // Lane 0 registered the source for this write (memory outside the pool): so does each
+      // further lane.
+      absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> mr =
+          channel_->RegisterLaneSource(lane, source_, meta_.tensor_bytes);
+      if (mr.ok()) {
+        region = mr->get();
+        lane_transients_.push_back(*std::move(mr));
+        channel_->env()->stats->transient_registrations.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    fabric::Endpoint* ep = channel_->lane_endpoint(lane);
+    if (region == nullptr || ep == nullptr) {
+      lanes_.resize(1);
+      return;
+    }
+    lanes_.push_back({ep, region, lane_keys[lane - 1]});
+  }
 }
 
 void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& key,
-                                      uint32_t segment_bytes, Event event) {
+                                      uint32_t segment_bytes,
+                                      absl::Span<const fabric::RemoteKey> lane_keys, Event event) {
   MessageBuffer* mb = channel_->message_buffer();
   fabric::Endpoint* ep = channel_->endpoint();
   TransitionTo(State::kWriting, event);
   if (meta_.is_dead || meta_.tensor_bytes == 0) {
-    const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
+    const uint64_t context = ContentContext();
     writes_left_ = 1;
     absl::Status s = ep->PostWriteWithImm(mb->EmptyLocalSource(), mb->EmptyRemoteTarget(),
                                           request_.request_index, context);
@@ -311,6 +349,7 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
   write_segment_ = segment_bytes;
   posted_ = 0;
   writes_left_ = 0;
+  ChooseLanes(lane_keys);
   if (chunked_ && !staging_error_.ok()) {
     SendError(staging_error_, Event::kWriteRefused);  // a part failed to stage before
     return;
@@ -329,8 +368,7 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
 
 void RdmaTensorResponse::PostStagedWrites() {
   if (!staging_error_.ok()) return;  // a part failed to stage: nothing more goes
-  fabric::Endpoint* ep = channel_->endpoint();
-  const uint64_t context = MakeContext(OpTag::kContent, request_.request_index);
+  const uint64_t context = ContentContext();
   const uint32_t imm = request_.request_index;
   const uint64_t total = meta_.tensor_bytes;
   const uint64_t ready = ready_bytes();
@@ -345,14 +383,21 @@ void RdmaTensorResponse::PostStagedWrites() {
     const uint64_t end = std::min(total, start + unit);
     if (end > ready) break;  // its bytes are still being staged
     const bool imm_at_end = write_segment_ > 0 || end == total;
+    // Segments go round the lanes; the receiver counts them whichever lane they came by.
+    const size_t lane = lanes_.size() > 1 ? (start / unit) % lanes_.size() : 0;
+    const LaneTarget& to = lanes_[lane];
     int posted = 0;
     std::tie(posted, s) = PostInPieces(end - start, [&](uint64_t offset, uint64_t len, bool last) {
-      fabric::LocalBuffer local{source_region_, source + start + offset, len};
-      fabric::RemoteBuffer remote{write_key_, write_addr_ + start + offset, len};
-      return last && imm_at_end ? ep->PostWriteWithImm(local, remote, imm, context)
-                                : ep->PostWrite(local, remote, context);
+      fabric::LocalBuffer local{to.region, source + start + offset, len};
+      fabric::RemoteBuffer remote{to.key, write_addr_ + start + offset, len};
+      return last && imm_at_end ? to.endpoint->PostWriteWithImm(local, remote, imm, context)
+                                : to.endpoint->PostWrite(local, remote, context);
     });
     writes_left_ += posted;
+    if (lanes_.size() > 1 && s.ok()) {
+      channel_->counters().lane_bytes_sent[lane].fetch_add(static_cast<int64_t>(end - start),
+                                                           std::memory_order_relaxed);
+    }
     if (s.ok()) posted_ = end;
   }
   if (s.ok()) return;
@@ -367,6 +412,11 @@ void RdmaTensorResponse::PostStagedWrites() {
       absl::InvalidArgumentError(absl::StrCat(
           "the sender could not write the tensor to the receiver's destination: ", s.message())),
       Event::kWriteRefused);
+}
+
+bool RdmaTensorResponse::TakeLanded() {
+  writes_left_ = 1;  // the rest are the fabric's word on writes whose bytes already landed
+  return OnWriteDone();
 }
 
 bool RdmaTensorResponse::OnWriteDone() {

@@ -27,8 +27,10 @@
 #include <memory>
 #include <string>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "src/common/state_table.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
@@ -68,6 +70,18 @@ class RdmaTensorResponse {
   void RecvReRequest(const Message& m);
   // One content write completed; true when the response is finished.
   bool OnWriteDone();
+  // Whether its content went over several lanes and every byte was posted: the receiver, once
+  // it counted every segment, may take the index again before this side has polled the last
+  // completions from the other lanes' queues.
+  bool StripedAndPosted() const {
+    return state_ == State::kWriting && lanes_.size() > 1 && posted_ == meta_.tensor_bytes;
+  }
+  // The receiver took the index again, so every segment landed: finishes as if the last write
+  // completed (true when finished). Its late completions carry its serial, which no longer
+  // matches (ContentContext).
+  bool TakeLanded();
+  // The bits of serial() that content writes' contexts carry beside the index.
+  static constexpr uint64_t kContentSerialMask = 0xFFFFFF;
   // Chunked staging: the first `staged_bytes` of the tensor are in host memory, or `status`
   // says why the staging failed. True when the response is finished.
   bool OnStaged(const absl::Status& status, uint64_t staged_bytes);
@@ -104,8 +118,15 @@ class RdmaTensorResponse {
   // Writes the content to `addr`, in segments of `segment_bytes` each ending with the
   // immediate where the receiver asked for them (Message::segment_bytes), else in one.
   // `event` is what started the write.
+  // `lane_keys`: the destination's keys on lanes 1.. (Message::lane_keys), for segments
+  // spread over the lanes.
   void WriteContent(uint64_t addr, const fabric::RemoteKey& key, uint32_t segment_bytes,
-                    Event event);
+                    absl::Span<const fabric::RemoteKey> lane_keys, Event event);
+  // The lanes the content goes over (lanes_): lane 0, plus each further one the receiver gave a
+  // key for and whose domain registered the source.
+  void ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys);
+  // A content write's context: the request index and the low bits of the serial.
+  uint64_t ContentContext() const;
   // Posts the content writes whose bytes are staged (all of them unless staging in chunks).
   void PostStagedWrites();
   // Whether a device tensor is staged in chunks, and the callback that tells this response.
@@ -150,6 +171,15 @@ class RdmaTensorResponse {
   fabric::RemoteKey write_key_;
   uint32_t write_segment_ = 0;
   uint64_t posted_ = 0;
+  // Where each lane writes from and to (lane 0 first); segment i goes to lane i mod size.
+  struct LaneTarget {
+    fabric::Endpoint* endpoint;
+    const fabric::MemoryRegion* region;
+    fabric::RemoteKey key;
+  };
+  absl::InlinedVector<LaneTarget, kMaxLanes> lanes_;
+  // The further lanes' registrations of a source outside the pool, like transient_.
+  absl::InlinedVector<std::unique_ptr<fabric::MemoryRegion>, kMaxLanes - 1> lane_transients_;
 };
 
 // The table, for the diagrams and the tests.

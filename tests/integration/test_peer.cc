@@ -7,7 +7,9 @@
 // With --wait-for-peers 1 it sets up its channels to every peer before it says "ready". With
 // --spares N it also sends "spare<i>" for i in 0..N-1 (testing::MakeSpare) at --step: one
 // fresh key for each try of a receiver that retries after a fault (a failed recv may have
-// consumed its tensor at the sender, so a retry must not ask for the same key).
+// consumed its tensor at the sender, so a retry must not ask for the same key). With --rails
+// A[,B] its grpc+verbs channels get further lanes bound to those addresses (TENSORVERBS_RAILS).
+// With --crc 1 each "got" line ends with the CRC-32C of the tensor's bytes, in hex.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +18,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "src/common/checksum.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
 #include "tensorverbs/device_name.h"
@@ -32,6 +36,8 @@ int main(int argc, char** argv) {
   int recv_from = -1, recv_steps = 0;
   int spares = 0;
   bool wait_for_peers = false;
+  std::string rails;
+  bool crc = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--cluster")
@@ -60,6 +66,10 @@ int main(int argc, char** argv) {
       spares = std::stoi(value);
     else if (flag == "--wait-for-peers")
       wait_for_peers = value == "1";
+    else if (flag == "--rails")
+      rails = value;
+    else if (flag == "--crc")
+      crc = value == "1";
   }
   support::BlockTerminationSignals();
   absl::StatusOr<ClusterSpec> spec = ClusterSpec::Parse(cluster);
@@ -72,6 +82,7 @@ int main(int argc, char** argv) {
   options.job = job;
   options.task = task;
   options.protocol = protocol;
+  if (!rails.empty()) options.verbs.rails = absl::StrSplit(rails, ',');
   absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
   if (!server.ok()) {
     std::fprintf(stderr, "test_peer: %s\n", server.status().ToString().c_str());
@@ -122,7 +133,7 @@ int main(int argc, char** argv) {
   std::thread receiver;
   std::atomic<bool> stopping{false};
   if (recv_from >= 0 && recv_steps > 0) {
-    receiver = std::thread([&server, &stopping, job, recv_from, recv_steps, step] {
+    receiver = std::thread([&server, &stopping, job, recv_from, recv_steps, step, crc] {
       Server& s = **server;
       const std::string src = CpuDeviceName(job, recv_from);
       absl::StatusOr<uint64_t> incarnation =
@@ -130,17 +141,25 @@ int main(int argc, char** argv) {
       for (int i = 1; i <= recv_steps && !stopping.load(); ++i) {
         absl::Status status = incarnation.status();
         int64_t bytes = 0;
+        uint32_t sum = 0;
         if (status.ok()) {
           auto r = *s.rendezvous_mgr()->Find(step + i);
           absl::StatusOr<std::vector<Tensor>> got = RecvAll(
               *r,
               {*ParsedKey::Parse(ParsedKey::Create(src, *incarnation, s.device_name(), "stream"))});
           status = got.status();
-          if (got.ok()) bytes = static_cast<int64_t>((*got)[0].TotalBytes());
+          if (got.ok()) {
+            bytes = static_cast<int64_t>((*got)[0].TotalBytes());
+            if (crc) sum = Crc32c((*got)[0].data(), (*got)[0].TotalBytes());
+          }
           s.rendezvous_mgr()->Cleanup(step + i);
         }
         if (status.ok()) {
-          std::printf("got %d %lld\n", i, static_cast<long long>(bytes));
+          if (crc) {
+            std::printf("got %d %lld %08x\n", i, static_cast<long long>(bytes), sum);
+          } else {
+            std::printf("got %d %lld\n", i, static_cast<long long>(bytes));
+          }
         } else {
           std::printf("failed %d %s\n", i, status.ToString().c_str());
         }

@@ -196,6 +196,13 @@ bool HasSocketAddress(const fi_info* info) {
 // EADDRNOTAVAIL).
 fi_info* EntryWithSource(fi_info* list, const std::string& source) {
   fi_info* match = nullptr;
+  // An interface's name: the entry's domain (tcp names its domains after the interfaces).
+  for (fi_info* i = list; i != nullptr; i = i->next) {
+    if (HasSocketAddress(i) && i->domain_attr != nullptr && i->domain_attr->name != nullptr &&
+        source == i->domain_attr->name) {
+      return i;
+    }
+  }
   AnyResolvedAddress(source, [&](const sockaddr* a) {
     for (fi_info* i = list; i != nullptr; i = i->next) {
       if (HasSocketAddress(i) && SameIp(static_cast<const sockaddr*>(i->src_addr), a)) {
@@ -229,6 +236,11 @@ absl::StatusOr<std::shared_ptr<Shared>> OpenProvider(const DomainOptions& option
   // shm and other providers that name endpoints themselves have no interfaces to choose from.
   if (!options.source_address.empty() && HasSocketAddress(info)) {
     chosen = EntryWithSource(info, options.source_address);
+    if (chosen == nullptr && options.require_source) {
+      fi_freeinfo(info);
+      return absl::NotFoundError(absl::StrCat(
+          "ofi: provider '", provider, "' has no interface with address ", options.source_address));
+    }
     if (chosen == nullptr) {
       LOG(INFO) << "ofi: provider '" << provider << "' has no interface with address "
                 << options.source_address << "; its endpoints bind to its first, "

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
@@ -38,6 +40,10 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.channel.push_max_bytes = config.push_max_bytes;
   o.channel.max_pending_recvs = config.max_pending_recvs;
   o.channel.large_in_flight = config.large_in_flight;
+  o.channel.stripe_bytes = config.stripe_bytes;
+  for (absl::string_view rail : absl::StrSplit(config.rails, ',', absl::SkipWhitespace())) {
+    o.rails.emplace_back(absl::StripAsciiWhitespace(rail));
+  }
   o.fabric = config.fabric;
   o.ofi_provider = config.ofi_provider;
   o.rdma = config.rdma;
@@ -130,6 +136,7 @@ absl::Status VerbsTransport::Start() {
                                 !options_.channel.data_validation;
   };
   add_context(protocol::FabricContext::Reach::kAnyPeer, *std::move(domain));
+  RETURN_IF_ERROR(OpenLanes(choice, add_context));
   if (fabric::OpensSameHostFabric(choice)) {
     absl::StatusOr<std::unique_ptr<fabric::Domain>> local = fabric::OpenSameHostFabric(choice);
     if (local.ok()) {
@@ -194,6 +201,38 @@ absl::Status VerbsTransport::Start() {
                     : "shared keys")
             << ", " << options_.poll_mode << " polling"
             << (options_.channel.data_validation ? ", data validation on" : "");
+  return absl::OkStatus();
+}
+
+absl::Status VerbsTransport::OpenLanes(
+    const fabric::FabricChoice& choice,
+    const std::function<void(protocol::FabricContext::Reach, std::unique_ptr<fabric::Domain>)>&
+        add_context) {
+  if (options_.rails.empty()) return absl::OkStatus();
+  if (options_.rails.size() + 1 > protocol::kMaxLanes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TENSORVERBS_RAILS lists ", options_.rails.size(), " rails; a channel has at most ",
+        protocol::kMaxLanes - 1, " beside its first"));
+  }
+  if (options_.channel.mode != protocol::VerbsMode::kZeroCopy) {
+    LOG(WARNING) << "task " << options_.env->task_name << ": TENSORVERBS_RAILS is for grpc+verbs; "
+                 << protocol::VerbsModeProtocol(options_.channel.mode) << " keeps to one lane";
+    return absl::OkStatus();
+  }
+  std::vector<protocol::LaneEnv> lanes;
+  for (const std::string& rail : options_.rails) {
+    absl::StatusOr<std::unique_ptr<fabric::Domain>> lane = fabric::OpenLaneDomain(
+        choice, *fabrics_.primary().domain, rail, options_.transfer.peer_timeout);
+    if (!lane.ok()) {
+      return absl::Status(lane.status().code(),
+                          absl::StrCat("grpc+verbs: the rail ", rail,
+                                       " of TENSORVERBS_RAILS: ", lane.status().message()));
+    }
+    fabric::Domain* raw = lane->get();
+    add_context(protocol::FabricContext::Reach::kLane, *std::move(lane));
+    lanes.push_back({raw, (*std::prev(fabrics_.end()))->memory.get(), rail});
+  }
+  fabrics_.primary().env.lanes = std::move(lanes);
   return absl::OkStatus();
 }
 

@@ -30,6 +30,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -103,6 +104,9 @@ struct VerbsOptions {
   bool shmem_peer_copy = Config::Defaults().shmem_peer_copy;       // TENSORVERBS_SHMEM_PEER_COPY
   std::string remote_keys = Config::Defaults().remote_keys;        // TENSORVERBS_REMOTE_KEYS
   bool gpu_direct = Config::Defaults().gpu_direct;                 // TENSORVERBS_GPU_DIRECT
+  // TENSORVERBS_RAILS: where further lanes bind (addresses of this host, or interface names);
+  // each is a domain beside the first, and each must open.
+  std::vector<std::string> rails;
   // The GPU runtime through which the fabric may reach device memory directly (the shmem
   // fabric's CUDA IPC), when gpu_direct; null: device tensors go through host memory.
   std::shared_ptr<fabric::DeviceMemory> device_memory;
@@ -225,6 +229,12 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
  private:
   explicit VerbsTransport(VerbsOptions options);
   absl::Status Start();
+  // Opens a domain per rail of options_.rails beside the primary, through `add_context`, and
+  // gives the primary's channels their lanes. InvalidArgument or the fabric's error, naming the
+  // rail, when one cannot open.
+  absl::Status OpenLanes(const fabric::FabricChoice& choice,
+                         const std::function<void(protocol::FabricContext::Reach,
+                                                  std::unique_ptr<fabric::Domain>)>& add_context);
   // Progress thread.
   void Housekeeping(absl::Time now);
   bool OperationsInFlight() const;

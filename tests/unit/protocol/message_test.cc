@@ -43,6 +43,7 @@ void ExpectSame(const Message& a, const Message& b) {
   EXPECT_EQ(a.meta, b.meta);
   EXPECT_EQ(a.error, b.error);
   EXPECT_EQ(a.segment_bytes, b.segment_bytes);
+  EXPECT_EQ(a.lane_keys, b.lane_keys);
 }
 
 TEST(MessageCodec, RoundTripsEveryType) {
@@ -231,6 +232,51 @@ TEST(MessageCodec, ADestinationMayAskForTheContentInSegmentsOfAtLeastTheMinimum)
   EXPECT_EQ(ContentSegments(kMinSegmentBytes, kMinSegmentBytes), 1u);
   EXPECT_EQ(ContentSegments(kMinSegmentBytes + 1, kMinSegmentBytes), 2u);
   EXPECT_EQ(ContentSegments(uint64_t{1} << 30, kMinSegmentBytes), 16384u);
+}
+
+TEST(MessageCodec, ASegmentedRequestCarriesAKeyPerFurtherLane) {
+  for (MessageType type : {MessageType::kTensorRequest, MessageType::kTensorReRequest}) {
+    Message m = Request();
+    m.type = type;
+    m.segment_bytes = kMinSegmentBytes;
+    for (size_t lanes = 1; lanes < kMaxLanes; ++lanes) {
+      m.lane_keys.push_back(std::string(m.remote_key.size(), static_cast<char>('a' + lanes)));
+      absl::StatusOr<Message> back = DecodeMessage(Encode(m));
+      ASSERT_TRUE(back.ok()) << back.status();
+      ExpectSame(m, *back);
+      EXPECT_EQ(back->lane_keys.size(), lanes);
+    }
+  }
+  std::vector<uint8_t> slot(kMessageSize);
+  // Keys beside no segments, of another length, or for more lanes than a channel has.
+  Message unsegmented = Request();
+  unsegmented.lane_keys.push_back(unsegmented.remote_key);
+  EXPECT_EQ(EncodeMessage(unsegmented, absl::MakeSpan(slot)).code(),
+            absl::StatusCode::kInvalidArgument);
+  Message uneven = Request();
+  uneven.segment_bytes = kMinSegmentBytes;
+  uneven.lane_keys.push_back("short");
+  EXPECT_EQ(EncodeMessage(uneven, absl::MakeSpan(slot)).code(), absl::StatusCode::kInvalidArgument);
+  Message many = Request();
+  many.segment_bytes = kMinSegmentBytes;
+  many.lane_keys.assign(kMaxLanes, many.remote_key);
+  EXPECT_EQ(EncodeMessage(many, absl::MakeSpan(slot)).code(), absl::StatusCode::kInvalidArgument);
+  // From the wire: the count at byte 59 must match the lengths, stay under the bound and come
+  // with segments.
+  Message two = Request();
+  two.segment_bytes = kMinSegmentBytes;
+  two.lane_keys.push_back(two.remote_key);
+  std::vector<uint8_t> good = Encode(two);
+  ASSERT_EQ(good[59], 1);
+  good[59] = 2;
+  EXPECT_THAT(std::string(DecodeMessage(good).status().message()), HasSubstr("add up to"));
+  good[59] = kMaxLanes;
+  EXPECT_THAT(std::string(DecodeMessage(good).status().message()),
+              HasSubstr("more than the 3 a channel may use"));
+  std::vector<uint8_t> plain = Encode(Request());
+  plain[59] = 1;
+  EXPECT_THAT(std::string(DecodeMessage(plain).status().message()),
+              HasSubstr("lane keys without content segments"));
 }
 
 TEST(MessageCodec, ARequestNamesItsKeyByIndexOrDefinesTheIndex) {
