@@ -290,6 +290,7 @@ std::vector<std::string> BenchServerOptions::ToArgs() const {
   }
   if (send_device != "cpu") args.insert(args.end(), {"--send-device", send_device});
   if (!fabric.empty()) args.insert(args.end(), {"--fabric", fabric});
+  if (!rails.empty()) args.insert(args.end(), {"--rails", rails});
   return args;
 }
 
@@ -299,6 +300,9 @@ void BenchServerOptions::Apply(ServerOptions* options) const {
   if (message_batch > 0) options->verbs.channel.message_batch = message_batch;
   if (!poll_mode.empty()) options->verbs.poll_mode = poll_mode;
   if (!fabric.empty()) options->verbs.fabric = fabric;
+  if (!rails.empty()) {
+    options->verbs.rails = absl::StrSplit(rails, ',', absl::SkipWhitespace());
+  }
   if (callback_threads >= 0) options->callback_threads = callback_threads;
   // A benchmark that stalls should fail in minutes, not after the default ten.
   options->transfer.recv_timeout = absl::Minutes(2);
@@ -335,8 +339,15 @@ int RunBenchPeer(const BenchPeerOptions& o) {
 absl::StatusOr<std::unique_ptr<PairBench>> PairBench::Start(const BenchServerOptions& options,
                                                             const NetnsHost* netns) {
   if (netns == nullptr) return StartTasks(options, {"127.0.0.1", "127.0.0.1"}, {{}, {}});
+  // A railed host: each end's further lanes on its own addresses of rails 1.. (its first is
+  // the task's address, on rail 0).
+  std::vector<std::string> rails(2);
+  for (int rail = 1; rail < netns->rails(); ++rail) {
+    absl::StrAppend(&rails[0], rails[0].empty() ? "" : ",", netns->local_address(rail));
+    absl::StrAppend(&rails[1], rails[1].empty() ? "" : ",", netns->remote_address(rail));
+  }
   return StartTasks(options, {netns->local_address(), netns->remote_address()},
-                    {{}, netns->ExecPrefix()});
+                    {{}, netns->ExecPrefix()}, rails);
 }
 
 absl::StatusOr<std::unique_ptr<PairBench>> PairBench::StartMixed(const BenchServerOptions& options,
@@ -347,7 +358,12 @@ absl::StatusOr<std::unique_ptr<PairBench>> PairBench::StartMixed(const BenchServ
 
 absl::StatusOr<std::unique_ptr<PairBench>> PairBench::StartTasks(
     const BenchServerOptions& options, const std::vector<std::string>& hosts,
-    const std::vector<std::vector<std::string>>& prefixes) {
+    const std::vector<std::vector<std::string>>& prefixes, const std::vector<std::string>& rails) {
+  auto with_rails = [&](size_t task) {
+    BenchServerOptions o = options;
+    if (task < rails.size() && !rails[task].empty()) o.rails = rails[task];
+    return o;
+  };
   auto bench = std::unique_ptr<PairBench>(new PairBench);
   ASSIGN_OR_RETURN(std::vector<int> ports, PickFreePorts(static_cast<int>(hosts.size())));
   std::vector<std::string> addresses;
@@ -359,7 +375,7 @@ absl::StatusOr<std::unique_ptr<PairBench>> PairBench::StartTasks(
     std::vector<std::string> args = prefixes[i];
     args.insert(args.end(), {exe, "bench-peer", "--cluster", cluster, "--job", kJob, "--task",
                              absl::StrCat(i)});
-    for (const std::string& a : options.ToArgs()) args.push_back(a);
+    for (const std::string& a : with_rails(i).ToArgs()) args.push_back(a);
     const std::string path = args.front();
     args.erase(args.begin());
     Peer peer;
@@ -371,7 +387,7 @@ absl::StatusOr<std::unique_ptr<PairBench>> PairBench::StartTasks(
   ASSIGN_OR_RETURN(server_options.cluster, ClusterSpec::Parse(cluster));
   server_options.job = kJob;
   server_options.task = 0;
-  options.Apply(&server_options);
+  with_rails(0).Apply(&server_options);
   ASSIGN_OR_RETURN(bench->server_, Server::Create(server_options));
   RETURN_IF_ERROR(bench->server_->WaitForPeers(absl::Seconds(60)));
   RETURN_IF_ERROR(bench->server_->SetUpChannels(absl::Seconds(60)));

@@ -47,6 +47,9 @@ struct BenchServerOptions {
   int callback_threads = -1;        // -1: TENSORVERBS_CALLBACK_THREADS; 0: inline
   std::string send_device = "cpu";  // where the sender's tensors live: cpu, cuda, cuda:N
   std::string fabric;               // empty: TENSORVERBS_FABRIC
+  // Further rails of this process (TENSORVERBS_RAILS), comma-separated; empty: the variable's.
+  // Set per task (each host has its own addresses), by PairBench::Start on a railed host.
+  std::string rails;
 
   // As command-line flags of `bench-peer` / `bench-ps-task`.
   std::vector<std::string> ToArgs() const;
@@ -186,10 +189,12 @@ class PairBench {
  private:
   PairBench() = default;
   // Task 0 here at `hosts[0]`, task i a child process at `hosts[i]` run behind `prefixes[i]`
-  // (the namespace's exec prefix, or nothing).
+  // (the namespace's exec prefix, or nothing); `rails[i]`, where given, task i's further rails
+  // (BenchServerOptions::rails).
   static absl::StatusOr<std::unique_ptr<PairBench>> StartTasks(
       const BenchServerOptions& options, const std::vector<std::string>& hosts,
-      const std::vector<std::vector<std::string>>& prefixes);
+      const std::vector<std::vector<std::string>>& prefixes,
+      const std::vector<std::string>& rails = {});
 
   struct Peer {
     std::unique_ptr<support::Subprocess> process;

@@ -532,10 +532,19 @@ int RunBenchP2P(const BenchP2POptions& o) {
                  "tensorverbs bench p2p: --link-rate limits the --netns link; add --netns\n");
     return 2;
   }
+  if (o.rails > 1 && (!o.netns || o.mixed)) {
+    std::fprintf(stderr,
+                 "tensorverbs bench p2p: --rails joins the --netns hosts by several links; add "
+                 "--netns (not with --mixed)\n");
+    return 2;
+  }
   std::unique_ptr<NetnsHost> netns;
-  if ((o.netns || o.mixed) && !MakeNetnsHost("p2p", &netns, o.link_rate)) return 1;
-  if (!o.link_rate.empty())
-    std::printf("the peer's link limited to %s each way (tc tbf)\n", o.link_rate.c_str());
+  if ((o.netns || o.mixed) && !MakeNetnsHost("p2p", &netns, o.link_rate, o.rails)) return 1;
+  if (!o.link_rate.empty()) {
+    std::printf("the peer's link%s limited to %s each way (tc tbf)\n", o.rails > 1 ? "s" : "",
+                o.link_rate.c_str());
+  }
+  if (o.rails > 1) std::printf("%d rails: a lane of every channel on each\n", o.rails);
   // Ceilings, measured in the same run: memcpy, and the raw fabric the verbs protocols use.
   std::printf(
       "tensorverbs bench p2p: sizes %s; protocols %s; per size a warm-up stream, then %d "

@@ -21,9 +21,10 @@ absl::StatusOr<fabric::Capabilities> ProbeFabric(bool all_local) {
 }  // namespace
 
 bool MakeNetnsHost(const char* command, std::unique_ptr<NetnsHost>* out,
-                   const std::string& link_rate) {
+                   const std::string& link_rate, int rails) {
   NetnsHost::Options options;
   options.rate = link_rate;
+  options.rails = rails;
   absl::StatusOr<std::unique_ptr<NetnsHost>> host = NetnsHost::Create(0, options);
   if (!host.ok()) {
     std::fprintf(stderr, "tensorverbs bench %s --netns: %s\n", command,

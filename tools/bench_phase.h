@@ -26,7 +26,7 @@ namespace tensorverbs::tools {
 // The peer's network namespace for --netns, its link limited to `link_rate` where given (tc's
 // terms); false (said on stderr, naming `command`) when it cannot be made.
 bool MakeNetnsHost(const char* command, std::unique_ptr<NetnsHost>* out,
-                   const std::string& link_rate = "");
+                   const std::string& link_rate = "", int rails = 1);
 
 // The protocols that run over a fabric (all but plain grpc).
 bool IsVerbsProtocol(const std::string& p);

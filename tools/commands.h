@@ -81,6 +81,9 @@ struct BenchP2POptions {
   bool netns = false;  // the peer in its own network namespace, joined by veth
   // With netns: the veth link limited to this rate each way (tc tbf, "2gbit"); empty: unlimited.
   std::string link_rate;
+  // With netns: the hosts joined by this many rails (veth pairs, each limited to link_rate),
+  // each task with a lane on every rail (TENSORVERBS_RAILS).
+  int rails = 1;
   // Also a pair inside a two-host cluster (a third task in a network namespace), beside the
   // pair alone, so each pair runs over the fabric chosen for it.
   bool mixed = false;

@@ -116,6 +116,11 @@ int main(int argc, char** argv) {
   bench_p2p->add_option("--link-rate", p2p.link_rate,
                         "With --netns, limit the link to this rate each way (tc tbf: 2gbit, "
                         "500mbit), as a NIC of that speed");
+  bench_p2p
+      ->add_option("--rails", p2p.rails,
+                   "With --netns, join the hosts by this many links (1..4), each at "
+                   "--link-rate, with a lane of every channel on each (TENSORVERBS_RAILS)")
+      ->check(CLI::Range(1, 4));
   bench_p2p->add_flag("--mixed", p2p.mixed,
                       "Each protocol as a pair alone on this host, then inside a cluster of two "
                       "hosts (a third task in a network namespace; root): the same-host pair and "
@@ -274,6 +279,7 @@ int main(int argc, char** argv) {
   bench_peer_cmd->add_option("--poll-mode", bench_peer.server.poll_mode);
   bench_peer_cmd->add_option("--callback-threads", bench_peer.server.callback_threads);
   bench_peer_cmd->add_option("--send-device", bench_peer.server.send_device);
+  bench_peer_cmd->add_option("--rails", bench_peer.server.rails);
 
   BenchFabricOptions peer;
   CLI::App* peer_cmd = app.add_subcommand("bench-fabric-peer", "Target side of bench fabric");

@@ -16,6 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -271,6 +272,15 @@ TEST(ToolTest, BenchP2PComparesEveryProtocolWithItsCeilings) {
       RunTool({"bench", "p2p", "--link-rate", "2gbit", "--sizes", "4B"}, absl::Seconds(30));
   ASSERT_TRUE(bad.ok()) << bad.status();
   EXPECT_EQ(bad->exit_code, 2);
+  // So do rails, and at most 4 of them.
+  for (std::vector<std::string> args : {std::vector<std::string>{"--rails", "2"},
+                                        std::vector<std::string>{"--netns", "--rails", "5"}}) {
+    args.insert(args.begin(), {"bench", "p2p"});
+    args.insert(args.end(), {"--sizes", "4B"});
+    absl::StatusOr<ToolRun> railed = RunTool(args, absl::Seconds(30));
+    ASSERT_TRUE(railed.ok()) << railed.status();
+    EXPECT_NE(railed->exit_code, 0) << absl::StrJoin(args, " ");
+  }
 }
 
 TEST(ToolTest, BenchRateReportsTensorsPerSecondPerMessageSlotCountAndBatch) {
