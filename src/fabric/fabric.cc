@@ -140,8 +140,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenSameHostFabric(const FabricChoice& c
 
 absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choice,
                                                        const Domain& primary,
-                                                       const std::string& source,
-                                                       absl::Duration op_timeout) {
+                                                       const std::string& source) {
   const Capabilities& caps = primary.capabilities();
   if (caps.backend != "ofi" || SameHostOnly(caps.family)) {
     return absl::UnimplementedError(
@@ -151,7 +150,6 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choic
   options.provider = caps.provider;
   options.source_address = source;
   options.require_source = true;
-  options.op_timeout = std::min(options.op_timeout, op_timeout);
   return OpenDomain("ofi", options);
 }
 

@@ -369,13 +369,10 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenSameHostFabric(const FabricChoice& c
 // A further lane beside `primary` (a domain OpenFabric(choice) opened): another domain of the
 // same backend and provider, bound to `source` (an address of this host, or an interface's
 // name), which must exist. Unimplemented for a fabric that has no interfaces to choose from
-// (today lanes are libfabric's socket-addressed providers, such as tcp). Its operations time out
-// after `op_timeout` (DomainOptions::op_timeout): a lane whose link went quiet fails its writes,
-// and its channel, in that time rather than the default's.
+// (today lanes are libfabric's socket-addressed providers, such as tcp).
 absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choice,
                                                        const Domain& primary,
-                                                       const std::string& source,
-                                                       absl::Duration op_timeout);
+                                                       const std::string& source);
 // Whether a fabric family (Capabilities::family) reaches only peers on its own host (the shmem
 // backend, libfabric's shm): its peers must prove that they share the host (ThisHostIdentity)
 // before a channel uses it.

@@ -69,8 +69,9 @@ absl::Status Channel::Init() {
     const LaneEnv& lane = env_->lanes[i];
     absl::StatusOr<std::unique_ptr<fabric::Endpoint>> ep = lane.domain->CreateEndpoint();
     if (!ep.ok()) {
-      return absl::Status(ep.status().code(),
-                          absl::StrCat("the lane on ", lane.source, ": ", ep.status().message()));
+      // The channel goes on with the lanes before it (lane 0 is what must stand).
+      LaneFailed(i + 1, ep.status());
+      break;
     }
     lanes_.push_back(*std::move(ep));
   }
@@ -109,12 +110,15 @@ std::vector<fabric::Endpoint*> Channel::FurtherLaneEndpoints() const {
 
 absl::Status Channel::ConnectLanes(const std::vector<std::string>& peer_addresses) {
   AssertOwnerThread();
-  const size_t n = std::min(peer_addresses.size(), lanes_.size());
+  size_t n = std::min(peer_addresses.size(), lanes_.size());
   for (size_t i = 0; i < n; ++i) {
     if (lanes_[i] == nullptr) return absl::FailedPreconditionError("the channel is closed");
     if (absl::Status s = lanes_[i]->Connect(peer_addresses[i]); !s.ok()) {
-      return absl::Status(
-          s.code(), absl::StrCat("lane ", i + 1, " (", env_->lanes[i].source, "): ", s.message()));
+      // The lanes before it serve: the acceptor lists only the lanes it connected, and the
+      // owner offers keys only on its own, so both ends use the lanes both connected.
+      LaneFailed(i + 1, s);
+      n = i;
+      break;
     }
   }
   lanes_connected_ = n;
@@ -123,6 +127,21 @@ absl::Status Channel::ConnectLanes(const std::vector<std::string>& peer_addresse
               << " lanes and this task " << lanes_.size() + 1 << "; the channel uses " << n + 1;
   }
   return absl::OkStatus();
+}
+
+void Channel::LaneFailed(size_t lane, const absl::Status& status) {
+  LOG(WARNING) << "task " << peer_task_ << ": lane " << lane << " (" << env_->lanes[lane - 1].source
+               << ") cannot serve a channel: " << status.message()
+               << "; the channel goes on with the lanes before it";
+  if (env_->channels != nullptr) {
+    env_->channels->NoteLaneFailed(peer_task_, lane, absl::Now(), env_->transfer.peer_timeout);
+  }
+}
+
+std::vector<fabric::Endpoint*> Channel::AgreedLaneEndpoints() const {
+  std::vector<fabric::Endpoint*> out;
+  for (size_t i = 0; i < lanes_connected_ && i < lanes_.size(); ++i) out.push_back(lanes_[i].get());
+  return out;
 }
 
 absl::StatusOr<fabric::RemoteKey> Channel::OfferLaneKey(size_t lane, const void* addr,

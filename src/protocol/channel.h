@@ -148,8 +148,12 @@ class Channel {
   void CheckLanes(absl::Time now);
   // The further lanes' endpoints, for the peer (ChannelEnd.lanes) and the channel table.
   std::vector<fabric::Endpoint*> FurtherLaneEndpoints() const;
+  // Those ConnectLanes connected, in order: what an acceptor lists in its answer.
+  std::vector<fabric::Endpoint*> AgreedLaneEndpoints() const;
   // Connects the further lanes to the peer's, in order, as many as both have: the lanes the
-  // two ends agree on. Before Connect (the owner, from the answer) or after it (the acceptor).
+  // two ends agree on. Before Connect (the owner, from the answer; the acceptor, from the
+  // request). A lane that fails to connect ends the list there, logged and noted (the channel
+  // goes on with the lanes before it); an error only for a closed channel.
   absl::Status ConnectLanes(const std::vector<std::string>& peer_addresses);
   // The key the peer is offered, on lane `lane` >= 1, for the `bytes` at `addr`: memory that
   // lane's domain has registered (the pool), else NotFound.
@@ -256,6 +260,9 @@ class Channel {
   // The one place the state changes; checks in debug and sanitizer builds that the move is a
   // row of kChannelTable.
   void TransitionTo(State next, Event event);
+  // Lane `lane` cannot serve this channel (no endpoint, no connection): logs it and notes it
+  // in the table, so the channels with this peer leave it out for a while.
+  void LaneFailed(size_t lane, const absl::Status& status);
   void OnControlMessage();
   void HandleMessage(Message& m);
 

@@ -15,6 +15,7 @@
 namespace tensorverbs::protocol {
 namespace {
 
+// An owner lists every lane it made; an acceptor, answering, the lanes it connected.
 void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
   end->set_endpoint_address(channel.endpoint()->LocalAddress());
   end->set_rx_addr(channel.message_buffer()->rx_addr());
@@ -22,7 +23,9 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
   end->set_rx_slots(static_cast<uint32_t>(channel.message_buffer()->rx_slots()));
   end->set_wire_version(kWireVersion);
   end->set_device_writes(channel.env()->device_direct);
-  const std::vector<fabric::Endpoint*> lanes = channel.FurtherLaneEndpoints();
+  const std::vector<fabric::Endpoint*> lanes = channel.role() == Channel::Role::kOwner
+                                                   ? channel.FurtherLaneEndpoints()
+                                                   : channel.AgreedLaneEndpoints();
   for (size_t i = 0; i < lanes.size(); ++i) {
     proto::LaneEnd* lane = end->add_lanes();
     lane->set_endpoint_address(lanes[i]->LocalAddress());
@@ -198,8 +201,8 @@ void PeerChannels::OnConnectAnswer(uint64_t id, absl::StatusOr<proto::ConnectRes
   } else {
     result = CheckWireVersion(task, r.end().wire_version());
     if (result.ok()) {
-      // The lanes first: a channel is ready with all of them, and the acceptor answered with
-      // only the lanes it connected.
+      // The lanes first: a channel is ready with all of them. The acceptor answered with only
+      // the lanes it connected, so the two ends agree on as many as both connect.
       result = channel->ConnectLanes(LaneAddresses(r.end()));
       if (result.ok()) {
         result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),

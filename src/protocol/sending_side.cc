@@ -27,7 +27,14 @@ void SendingSide::OnRequest(Message& m) {
   if (auto pending = responses_.find(index);
       pending != responses_.end() && pending->second->StripedAndPosted()) {
     // Its segments all landed (the receiver counted them before taking the index again); the
-    // completions of the other lanes are simply not polled yet.
+    // completions of the other lanes are simply not polled yet. The source is kept for the
+    // quarantine all the same: a peer that took the index too early must not make the fabric
+    // read freed memory.
+    std::vector<Tensor> in_flight;
+    pending->second->GiveUpInFlightMemory(&in_flight);
+    if (!in_flight.empty()) {
+      env_->host->Quarantine(std::move(in_flight), absl::Now() + env_->quarantine());
+    }
     if (pending->second->TakeLanded()) FinishResponse(index);
     if (closed()) return;
   }

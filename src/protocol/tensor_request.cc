@@ -197,8 +197,10 @@ void RdmaTensorRequest::AskForStripes(Message& m) {
   const size_t lanes = channel_->lanes();
   const uint64_t threshold = channel_->env()->options.stripe_bytes;
   const uint64_t bytes = meta_.tensor_bytes;
+  // A recv told of its progress (on_landed_) takes its segments as landed prefixes, in order,
+  // which segments over several lanes are not.
   if (lanes < 2 || threshold == 0 || bytes < threshold || m.remote_addr == 0 || finished() ||
-      meta_.dtype == DataType::kString) {
+      meta_.dtype == DataType::kString || on_landed_) {
     return;
   }
   // The destination must be memory every lane registered (the pool): a proxy or a transient
@@ -239,6 +241,9 @@ size_t RdmaTensorRequest::LaneOwingSegments(absl::Time* first_at) const {
     return 0;
   }
   const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes_);
+  // A sender that could not reach the source from every lane sends it all over lane 0: then
+  // no further lane owes anything.
+  if (lane_segments_[0] > (segments + stripe_lanes_ - 1) / stripe_lanes_) return 0;
   for (size_t lane = 1; lane < stripe_lanes_; ++lane) {
     // Segments i < `segments` with i mod n == lane.
     const uint64_t due =

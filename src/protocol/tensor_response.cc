@@ -193,6 +193,7 @@ bool RdmaTensorResponse::OnStaged(const absl::Status& status, uint64_t staged_by
     }
     staging_error_ = status;
     if (state_ == State::kWriting && writes_left_ > 0) return false;  // OnWriteDone answers
+    if (StripedPartsMayBeInFlight()) return false;                    // closed the channel
     SendError(status, Event::kStaged);                                // finishes the response
     return false;
   }
@@ -414,6 +415,18 @@ void RdmaTensorResponse::PostStagedWrites() {
       Event::kWriteRefused);
 }
 
+bool RdmaTensorResponse::StripedPartsMayBeInFlight() {
+  if (lanes_.size() < 2 || posted_ == 0) return false;
+  // Parts went over several lanes, and a write that completed here may still be on its way
+  // (over tcp, in this host's kernel): an ERROR_STATUS on lane 0 could overtake them, and the
+  // receiver would reuse the destination and the index under them. Closing the channel makes
+  // the receiver quarantine its destinations instead.
+  channel_->Close(absl::UnavailableError(absl::StrCat(
+      "staging a tensor for task ", channel_->peer_task(), " failed after parts of it ",
+      "went over several lanes: ", staging_error_.message())));
+  return true;
+}
+
 bool RdmaTensorResponse::TakeLanded() {
   writes_left_ = 1;  // the rest are the fabric's word on writes whose bytes already landed
   return OnWriteDone();
@@ -423,6 +436,7 @@ bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
   if (!staging_error_.ok() && posted_ < meta_.tensor_bytes) {
     // A part failed to stage: now that nothing reads the source any more, the receiver hears.
+    if (StripedPartsMayBeInFlight()) return false;  // closed the channel
     SendError(staging_error_, Event::kWriteDone);
     return false;  // SendError finished the response
   }

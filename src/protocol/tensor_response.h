@@ -127,6 +127,9 @@ class RdmaTensorResponse {
   void ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys);
   // A content write's context: the request index and the low bits of the serial.
   uint64_t ContentContext() const;
+  // A part failed to stage after others went over several lanes: closes the channel rather
+  // than answering with ERROR_STATUS (true), which could overtake parts still on their way.
+  bool StripedPartsMayBeInFlight();
   // Posts the content writes whose bytes are staged (all of them unless staging in chunks).
   void PostStagedWrites();
   // Whether a device tensor is staged in chunks, and the callback that tells this response.

@@ -60,29 +60,28 @@ class RailsTest : public ::testing::Test {
     host_.reset();
   }
 
-  // Task 1 in the namespace sends the fixtures, the 64 MiB one too, with a lane on its rail 1
-  // where `peer_rails`; task 0 here, with a lane on its rail 1.
-  void StartPair(bool peer_rails) {
+  // Task 1, a test peer in the namespace, with `peer_flags` beside its cluster place (and a lane
+  // on its rail 1 where `peer_rails`); task 0 here, with a lane on its rail 1. Returns once both
+  // stand and task 1 said it is ready.
+  void StartPair(const std::vector<std::string>& peer_flags, bool peer_rails) {
     absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
     ASSERT_TRUE(ports.ok()) << ports.status();
     addresses_ = {absl::StrCat(host_->local_address(), ":", (*ports)[0]),
                   absl::StrCat(host_->remote_address(), ":", (*ports)[1])};
     const std::string cluster = absl::StrCat("worker=", addresses_[0], ",", addresses_[1]);
-    std::vector<std::string> args = host_->ExecPrefix();
-    for (const std::string& a :
-         {testing::TestPeerPath(), std::string("--cluster"), cluster, std::string("--job"),
-          std::string("worker"), std::string("--task"), std::string("1"), std::string("--step"),
-          absl::StrCat(kRailsStep), std::string("--seed"), std::string("7"), std::string("--dst"),
-          CpuDeviceName("worker", 0), std::string("--protocol"), std::string("grpc+verbs"),
-          std::string("--big"), std::string("1"), std::string("--wait-for-peers"),
-          std::string("1")}) {
-      args.push_back(a);
-    }
+    std::vector<std::string> args = {"--cluster",  cluster,
+                                     "--job",      "worker",
+                                     "--task",     "1",
+                                     "--step",     absl::StrCat(kRailsStep),
+                                     "--dst",      CpuDeviceName("worker", 0),
+                                     "--protocol", "grpc+verbs"};
+    args.insert(args.end(), peer_flags.begin(), peer_flags.end());
     if (peer_rails) args.insert(args.end(), {"--rails", host_->remote_address(1)});
-    const std::string program = args.front();
-    args.erase(args.begin());
+    std::vector<std::string> prefix = host_->ExecPrefix();
+    prefix.push_back(testing::TestPeerPath());
+    args.insert(args.begin(), prefix.begin() + 1, prefix.end());
     absl::StatusOr<std::unique_ptr<support::Subprocess>> peer =
-        support::Subprocess::Start(program, args);
+        support::Subprocess::Start(prefix.front(), args);
     ASSERT_TRUE(peer.ok()) << peer.status();
     peer_ = *std::move(peer);
     ServerOptions options;
@@ -99,6 +98,11 @@ class RailsTest : public ::testing::Test {
     absl::StatusOr<std::string> ready = peer_->WaitForLine("ready ", absl::Seconds(60));
     ASSERT_TRUE(ready.ok()) << ready.status();
     ASSERT_TRUE(absl::SimpleHexAtoi(ready->substr(6), &peer_incarnation_)) << *ready;
+  }
+
+  // Task 1 sends the fixtures, the 64 MiB one too, once its channels stand.
+  void StartFixturePair(bool peer_rails) {
+    StartPair({"--seed", "7", "--big", "1", "--wait-for-peers", "1"}, peer_rails);
   }
 
   // Task 0 receives task 1's fixtures and checks their bytes.
@@ -148,7 +152,7 @@ class RailsTest : public ::testing::Test {
 };
 
 TEST_F(RailsTest, ALargeTensorGoesOverBothLanesAndArrivesIntact) {
-  ASSERT_NO_FATAL_FAILURE(StartPair(/*peer_rails=*/true));
+  ASSERT_NO_FATAL_FAILURE(StartFixturePair(/*peer_rails=*/true));
   ASSERT_NO_FATAL_FAILURE(ExpectFixtures());
   const proto::ChannelStats recv = ChannelOf(0, /*receives=*/true);
   EXPECT_THAT(recv.fabric(), HasSubstr(absl::StrCat("lanes on ", host_->local_address(1))));
@@ -166,7 +170,7 @@ TEST_F(RailsTest, ALargeTensorGoesOverBothLanesAndArrivesIntact) {
 }
 
 TEST_F(RailsTest, APeerWithoutRailsSharesOneLane) {
-  ASSERT_NO_FATAL_FAILURE(StartPair(/*peer_rails=*/false));
+  ASSERT_NO_FATAL_FAILURE(StartFixturePair(/*peer_rails=*/false));
   ASSERT_NO_FATAL_FAILURE(ExpectFixtures());
   const proto::ChannelStats recv = ChannelOf(0, /*receives=*/true);
   EXPECT_THAT(recv.fabric(), Not(HasSubstr("lanes on")));
@@ -186,54 +190,9 @@ TEST_F(RailsTest, ARailThatGoesDownMidStreamEndsEachRecvOnceAndTheStreamGoesOn) 
   absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(0, railed);
   ASSERT_TRUE(host.ok()) << host.status();
   host_ = *std::move(host);
-  absl::StatusOr<std::vector<int>> ports = PickFreePorts(2);
-  ASSERT_TRUE(ports.ok()) << ports.status();
-  addresses_ = {absl::StrCat(host_->local_address(), ":", (*ports)[0]),
-                absl::StrCat(host_->remote_address(), ":", (*ports)[1])};
-  const std::string cluster = absl::StrCat("worker=", addresses_[0], ",", addresses_[1]);
-  std::vector<std::string> args = host_->ExecPrefix();
-  for (const std::string& a : {testing::TestPeerPath(),
-                               std::string("--cluster"),
-                               cluster,
-                               std::string("--job"),
-                               std::string("worker"),
-                               std::string("--task"),
-                               std::string("1"),
-                               std::string("--step"),
-                               absl::StrCat(kRailsStep),
-                               std::string("--protocol"),
-                               std::string("grpc+verbs"),
-                               std::string("--recv-from"),
-                               std::string("0"),
-                               std::string("--recv-steps"),
-                               absl::StrCat(kTensors),
-                               std::string("--crc"),
-                               std::string("1"),
-                               std::string("--rails"),
-                               host_->remote_address(1),
-                               std::string("--dst"),
-                               CpuDeviceName("worker", 0)}) {
-    args.push_back(a);
-  }
-  const std::string program = args.front();
-  args.erase(args.begin());
-  absl::StatusOr<std::unique_ptr<support::Subprocess>> peer =
-      support::Subprocess::Start(program, args);
-  ASSERT_TRUE(peer.ok()) << peer.status();
-  peer_ = *std::move(peer);
-  ServerOptions options;
-  options.cluster = *ClusterSpec::Parse(cluster);
-  options.job = "worker";
-  options.task = 0;
-  options.protocol = "grpc+verbs";
-  options.verbs.rails = {host_->local_address(1)};
-  absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  server_ = *std::move(server);
-  ASSERT_TRUE(server_->WaitForPeers(absl::Seconds(60)).ok());
-  absl::StatusOr<std::string> ready = peer_->WaitForLine("ready ", absl::Seconds(60));
-  ASSERT_TRUE(ready.ok()) << ready.status();
-  ASSERT_TRUE(absl::SimpleHexAtoi(ready->substr(6), &peer_incarnation_)) << *ready;
+  ASSERT_NO_FATAL_FAILURE(
+      StartPair({"--recv-from", "0", "--recv-steps", absl::StrCat(kTensors), "--crc", "1"},
+                /*peer_rails=*/true));
 
   std::vector<uint32_t> sums;
   for (int i = 1; i <= kTensors; ++i) {

@@ -196,11 +196,17 @@ bool HasSocketAddress(const fi_info* info) {
 // EADDRNOTAVAIL).
 fi_info* EntryWithSource(fi_info* list, const std::string& source) {
   fi_info* match = nullptr;
-  // An interface's name: the entry's domain (tcp names its domains after the interfaces).
-  for (fi_info* i = list; i != nullptr; i = i->next) {
-    if (HasSocketAddress(i) && i->domain_attr != nullptr && i->domain_attr->name != nullptr &&
-        source == i->domain_attr->name) {
-      return i;
+  // An interface's name: the entry's domain (tcp names its domains after the interfaces), its
+  // IPv4 address first (an interface lists its IPv6 link-local address too, which the peers'
+  // IPv4 lanes would not reach).
+  for (bool ipv4_only : {true, false}) {
+    for (fi_info* i = list; i != nullptr; i = i->next) {
+      if (HasSocketAddress(i) && i->domain_attr != nullptr && i->domain_attr->name != nullptr &&
+          source == i->domain_attr->name &&
+          (!ipv4_only || (i->src_addr != nullptr &&
+                          static_cast<const sockaddr*>(i->src_addr)->sa_family == AF_INET))) {
+        return i;
+      }
     }
   }
   AnyResolvedAddress(source, [&](const sockaddr* a) {

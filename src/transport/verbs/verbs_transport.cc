@@ -221,8 +221,8 @@ absl::Status VerbsTransport::OpenLanes(
   }
   std::vector<protocol::LaneEnv> lanes;
   for (const std::string& rail : options_.rails) {
-    absl::StatusOr<std::unique_ptr<fabric::Domain>> lane = fabric::OpenLaneDomain(
-        choice, *fabrics_.primary().domain, rail, options_.transfer.peer_timeout);
+    absl::StatusOr<std::unique_ptr<fabric::Domain>> lane =
+        fabric::OpenLaneDomain(choice, *fabrics_.primary().domain, rail);
     if (!lane.ok()) {
       return absl::Status(lane.status().code(),
                           absl::StrCat("grpc+verbs: the rail ", rail,
