@@ -26,6 +26,7 @@
 #ifndef TENSORVERBS_PROTOCOL_CHANNEL_H_
 #define TENSORVERBS_PROTOCOL_CHANNEL_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -295,8 +296,12 @@ class Channel {
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::vector<std::unique_ptr<fabric::Endpoint>> lanes_;  // lanes 1.., one per env_->lanes
   size_t lanes_connected_ = 0;
-  absl::Time lane_heard_[kMaxLanes] = {absl::InfinitePast(), absl::InfinitePast(),
-                                       absl::InfinitePast(), absl::InfinitePast()};
+  std::array<absl::Time, kMaxLanes> lane_heard_ = MakeLaneHeard();
+  static std::array<absl::Time, kMaxLanes> MakeLaneHeard() {
+    std::array<absl::Time, kMaxLanes> never;
+    never.fill(absl::InfinitePast());
+    return never;
+  }
   std::unique_ptr<MessageBuffer> mb_;
   std::vector<Message> batch_;  // OnControlMessage's decoded batch, kept for its capacity
   ChannelCounters counters_;

@@ -421,7 +421,7 @@ void ReceivingSide::OnContent(uint32_t index, size_t lane) {
             << ": no request with that index is waiting for content";
     return;
   }
-  if (lane > 0 || channel_->lanes() > 1) {
+  if (channel_->lanes() > 1) {
     it->second->CountLane(lane, CoarseNow());
     if (it->second->awaits_more_segments()) striping_.insert(index);
   }

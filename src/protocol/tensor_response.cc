@@ -193,7 +193,7 @@ bool RdmaTensorResponse::OnStaged(const absl::Status& status, uint64_t staged_by
     }
     staging_error_ = status;
     if (state_ == State::kWriting && writes_left_ > 0) return false;  // OnWriteDone answers
-    if (StripedPartsMayBeInFlight()) return false;                    // closed the channel
+    if (CloseIfStripedPartsInFlight()) return false;                    // closed the channel
     SendError(status, Event::kStaged);                                // finishes the response
     return false;
   }
@@ -415,7 +415,7 @@ void RdmaTensorResponse::PostStagedWrites() {
       Event::kWriteRefused);
 }
 
-bool RdmaTensorResponse::StripedPartsMayBeInFlight() {
+bool RdmaTensorResponse::CloseIfStripedPartsInFlight() {
   if (lanes_.size() < 2 || posted_ == 0) return false;
   // Parts went over several lanes, and a write that completed here may still be on its way
   // (over tcp, in this host's kernel): an ERROR_STATUS on lane 0 could overtake them, and the
@@ -436,7 +436,7 @@ bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
   if (!staging_error_.ok() && posted_ < meta_.tensor_bytes) {
     // A part failed to stage: now that nothing reads the source any more, the receiver hears.
-    if (StripedPartsMayBeInFlight()) return false;  // closed the channel
+    if (CloseIfStripedPartsInFlight()) return false;  // closed the channel
     SendError(staging_error_, Event::kWriteDone);
     return false;  // SendError finished the response
   }

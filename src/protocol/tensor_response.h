@@ -129,7 +129,7 @@ class RdmaTensorResponse {
   uint64_t ContentContext() const;
   // A part failed to stage after others went over several lanes: closes the channel rather
   // than answering with ERROR_STATUS (true), which could overtake parts still on their way.
-  bool StripedPartsMayBeInFlight();
+  bool CloseIfStripedPartsInFlight();
   // Posts the content writes whose bytes are staged (all of them unless staging in chunks).
   void PostStagedWrites();
   // Whether a device tensor is staged in chunks, and the callback that tells this response.
