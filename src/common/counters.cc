@@ -63,6 +63,8 @@ constexpr CounterInfo kCounters[] = {
      false},
     {Counter::kStripedRequests, CounterScope::kTask, "striped_requests",
      "Destinations asked for in segments spread over several lanes (TENSORVERBS_RAILS)", false},
+    {Counter::kLanesTakenOut, CounterScope::kTask, "lanes_taken_out",
+     "Lanes a channel went on without after they failed (TENSORVERBS_RAILS)", false},
     {Counter::kRegisteredRegions, CounterScope::kTask, "registered_regions",
      "Pool regions registered with the fabric", true},
     {Counter::kRegisteredBytes, CounterScope::kTask, "registered_bytes",

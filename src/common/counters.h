@@ -59,6 +59,7 @@ enum class Counter : uint16_t {
   kInPlaceRecvs,            // in_place_recvs
   kContentSegments,         // content_segments
   kStripedRequests,         // striped_requests
+  kLanesTakenOut,           // lanes_taken_out
   kRegisteredRegions,       // registered_regions
   kRegisteredBytes,         // registered_bytes
   kChannelRegistrations,    // channel_registrations

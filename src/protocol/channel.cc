@@ -169,11 +169,41 @@ void Channel::CheckLanes(absl::Time now) {
   const absl::Duration limit = env_->transfer.peer_timeout;
   const size_t lane = receiving_->StalledLane(now, limit);
   if (lane == 0) return;
-  if (env_->channels != nullptr) env_->channels->NoteLaneFailed(peer_task_, lane, now, limit);
-  Close(absl::UnavailableError(
-      absl::StrCat("lane ", lane, " (", env_->lanes[lane - 1].source, ") of the channel from task ",
+  TakeLanesOut(lane,
+               absl::UnavailableError(absl::StrCat(
+                   "lane ", lane, " (", env_->lanes[lane - 1].source, ") of the channel from task ",
                    peer_task_, " brought nothing for ", absl::FormatDuration(limit),
-                   " while a tensor's segments were due on it: its link is down or lost them")));
+                   " while a tensor's segments were due on it: its link is down or lost "
+                   "them")));
+}
+
+void Channel::TakeLanesOut(size_t lane, const absl::Status& why) {
+  AssertOwnerThread();
+  if (state_ == State::kClosed || !closing_.ok() || lane == 0 || lane > lanes_connected_) return;
+  const size_t had = lanes_connected_;
+  lanes_connected_ = lane - 1;
+  env_->stats->lanes_taken_out.fetch_add(1, std::memory_order_relaxed);
+  if (env_->channels != nullptr) {
+    env_->channels->NoteLaneFailed(peer_task_, lane, absl::Now(), env_->transfer.peer_timeout);
+  }
+  LOG(WARNING) << Describe() << ": " << why.message() << "; lane " << lane
+               << (had > lane ? " and the lanes after it are" : " is") << " taken out and the "
+               << "channel goes on over "
+               << (lane == 1 ? "lane 0 alone" : absl::StrCat("lanes 0 to ", lane - 1));
+  if (receiving_ == nullptr) return;
+  // Nothing lands over these lanes any more: a link that comes back must not deliver a write
+  // into memory that moved on. The receiver posts nothing on them, so nothing waits on them.
+  for (size_t i = lane - 1; i < lanes_.size(); ++i) {
+    if (lanes_[i] == nullptr) continue;
+    if (env_->lanes[i].memory != nullptr) env_->lanes[i].memory->DropEndpoint(lanes_[i].get());
+    lanes_[i].reset();
+  }
+  std::vector<Tensor> memory;
+  receiving_->EndStripedOver(lane, why, &memory);
+  if (!memory.empty()) {
+    // The lanes that stay may still bring those tensors' other segments.
+    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine());
+  }
 }
 
 absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> Channel::RegisterLaneSource(size_t lane,
@@ -261,13 +291,22 @@ void Channel::OnCompletion(const fabric::Completion& c) {
                                       ? absl::StatusCode::kResourceExhausted
                                       : absl::StatusCode::kUnavailable;
     const size_t lane = LaneOf(c.endpoint);
-    const std::string over =
-        lane == 0 ? "" : absl::StrCat(" over lane ", lane, " (", env_->lanes[lane - 1].source, ")");
-    if (lane > 0 && env_->channels != nullptr && closing_.ok()) {
-      env_->channels->NoteLaneFailed(peer_task_, lane, absl::Now(), env_->transfer.peer_timeout);
+    if (lane == 0) {
+      CloseAfterThisTurn(absl::Status(code, absl::StrCat("RDMA operation with task ", peer_task_,
+                                                         " failed: ", c.status.message())));
+      return;
     }
-    CloseAfterThisTurn(absl::Status(code, absl::StrCat("RDMA operation with task ", peer_task_,
-                                                       over, " failed: ", c.status.message())));
+    // A further lane carries content writes alone: it is taken out and the channel goes on;
+    // the response whose write failed tells its receiver once its other writes are done.
+    const absl::Status failed(
+        code, absl::StrCat("a content write to task ", peer_task_, " over lane ", lane, " (",
+                           env_->lanes[lane - 1].source, ") failed: ", c.status.message()));
+    TakeLanesOut(lane, failed);
+    if (sending_ != nullptr && ContextTag(c.context) == OpTag::kContent) {
+      const uint64_t value = ContextValue(c.context);
+      sending_->OnWriteFailed(static_cast<uint32_t>(value), static_cast<uint32_t>(value >> 32),
+                              failed);
+    }
     return;
   }
   if (c.kind == fabric::CompletionKind::kRemoteWriteImm) {

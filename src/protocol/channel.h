@@ -144,9 +144,16 @@ class Channel {
   // Receiver: when content last came over lane `lane` (InfinitePast: never).
   absl::Time LaneHeard(size_t lane) const { return lane_heard_[lane]; }
   // Housekeeping, receiver: a further lane that owes segments of a tensor that began to land
-  // and was silent for the peer timeout fails the channel, naming the lane, and the channels
-  // with this peer leave it out for a while (ChannelTable::NoteLaneFailed).
+  // and was silent for the peer timeout is taken out (TakeLanesOut), naming it.
   void CheckLanes(absl::Time now);
+  // Lane `lane` >= 1 failed (`why`): it and the lanes after it are taken out of this channel,
+  // which goes on over the lanes before it, and the channels with this peer leave it out for a
+  // while (ChannelTable::NoteLaneFailed). At the receiver their endpoints go, so a link that
+  // comes back delivers nothing more, and the tensors that were landing over them end with
+  // `why`, their destinations quarantined (ReceivingSide::EndStripedOver). At the sender the
+  // endpoints stay until the channel closes, for the writes still queued on them to complete.
+  // Nothing for a lane already out.
+  void TakeLanesOut(size_t lane, const absl::Status& why);
   // The further lanes' endpoints, for the peer (ChannelEnd.lanes) and the channel table.
   std::vector<fabric::Endpoint*> FurtherLaneEndpoints() const;
   // Those ConnectLanes connected, in order: what an acceptor lists in its answer.

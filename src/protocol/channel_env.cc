@@ -37,6 +37,7 @@ void VerbsStats::AppendCounters(CounterList* out) const {
   AddCounter(out, Counter::kInPlaceRecvs, in_place_recvs);
   AddCounter(out, Counter::kContentSegments, content_segments);
   AddCounter(out, Counter::kStripedRequests, striped_requests);
+  AddCounter(out, Counter::kLanesTakenOut, lanes_taken_out);
   AddCounter(out, Counter::kDroppedImmediates, dropped_imms);
   AddCounter(out, Counter::kChannelsFailed, channel_errors);
   AddCounter(out, Counter::kChecksumFailures, checksum_failures);

@@ -55,6 +55,7 @@ struct VerbsStats {
   std::atomic<int64_t> in_place_recvs{0};    // destinations in the caller's memory (RecvArgs::into)
   std::atomic<int64_t> content_segments{0};  // content segments landed before a tensor's last
   std::atomic<int64_t> striped_requests{0};  // destinations asked for over several lanes
+  std::atomic<int64_t> lanes_taken_out{0};   // lanes a channel went on without (TakeLanesOut)
   std::atomic<int64_t> dropped_imms{0};      // unknown or stale request indexes
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};

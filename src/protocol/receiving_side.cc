@@ -451,6 +451,25 @@ size_t ReceivingSide::StalledLane(absl::Time now, absl::Duration limit) {
   return 0;
 }
 
+void ReceivingSide::EndStripedOver(size_t lane, const absl::Status& status,
+                                   std::vector<Tensor>* memory) {
+  std::vector<uint32_t> ended;
+  for (uint32_t index : striping_) {
+    auto it = requests_.find(index);
+    if (it != requests_.end() && it->second->LandingOver(lane)) ended.push_back(index);
+  }
+  for (uint32_t index : ended) {
+    striping_.erase(index);
+    RdmaTensorRequest& r = *requests_.at(index);
+    r.Fail(status);
+    for (Tensor& t : r.TakeMemory()) memory->push_back(std::move(t));
+    // Its index goes free: a late segment over a lane that stays names no request (the
+    // allocator hands the index out again only after the whole index space went round).
+    FinishRequest(index, RdmaTensorRequest::Event::kLaneLost);
+  }
+  if (!ended.empty() && !closed()) GrantWaiting();
+}
+
 void ReceivingSide::FinishDelivered(uint32_t index) {
   RdmaTensorRequest& r = *requests_.at(index);
   const bool push = env_->options.pushes_ahead() && r.delivered_in_place();
@@ -474,6 +493,15 @@ void ReceivingSide::OnAnswer(const Message& m) {
   it->second->Fail(
       absl::Status(m.error.code(), absl::StrCat("task ", peer_task(), " could not send '",
                                                 it->second->key(), "': ", m.error.message())));
+  if (it->second->striped()) {
+    // Its segments over the other lanes may still be on their way: ERROR_STATUS, on lane 0,
+    // can overtake them.
+    std::vector<Tensor> memory = it->second->TakeMemory();
+    if (!memory.empty()) {
+      env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine());
+    }
+  }
+  striping_.erase(m.request_index);
   FinishRequest(m.request_index, RdmaTensorRequest::Event::kErrorStatus);
   GrantWaiting();
 }

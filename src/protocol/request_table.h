@@ -17,8 +17,9 @@ using Event = RdmaTensorRequest::Event;
 inline constexpr const char* kStateNames[] = {
     "queued",       "requested", "awaiting a grant", "meta-data parked", "re-requested",
     "landed ahead", "done"};
-inline constexpr const char* kEventNames[] = {"Start",   "MetaData",    "Grant", "Adopt", "Release",
-                                              "Content", "ErrorStatus", "Abort", "Close"};
+inline constexpr const char* kEventNames[] = {"Start",   "MetaData", "Grant",       "Adopt",
+                                              "Release", "Content",  "ErrorStatus", "Abort",
+                                              "Close",   "LaneLost"};
 static_assert(std::size(kStateNames) == RdmaTensorRequest::kStates);
 static_assert(std::size(kEventNames) == RdmaTensorRequest::kEvents);
 
@@ -42,6 +43,8 @@ inline constexpr StateRow<State, Event> kRequestRows[] = {
     {State::kRequested, Event::kErrorStatus, "", State::kDone, "end the recv with the error"},
     {State::kRequested, Event::kClose, "", State::kDone,
      "end the recv, quarantine the destination"},
+    {State::kRequested, Event::kLaneLost, "", State::kDone,
+     "end the recv, quarantine the destination"},
     {State::kAwaitingGrant, Event::kGrant, "", State::kReRequested,
      "RE_REQUEST with a destination (none once the recv ended)"},
     {State::kAwaitingGrant, Event::kErrorStatus, "", State::kDone, "end the recv with the error"},
@@ -55,6 +58,8 @@ inline constexpr StateRow<State, Event> kRequestRows[] = {
     {State::kReRequested, Event::kContent, "", State::kDone, "deliver (nothing once ended)"},
     {State::kReRequested, Event::kErrorStatus, "", State::kDone, "end the recv with the error"},
     {State::kReRequested, Event::kClose, "", State::kDone,
+     "end the recv, quarantine the destination"},
+    {State::kReRequested, Event::kLaneLost, "", State::kDone,
      "end the recv, quarantine the destination"},
     {State::kLandedAhead, Event::kAdopt, "", State::kDone, "deliver the landed tensor"},
     {State::kLandedAhead, Event::kAbort, "", State::kDone, "decline: its step ended"},

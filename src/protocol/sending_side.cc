@@ -95,6 +95,13 @@ void SendingSide::OnWriteDone(uint32_t index, uint32_t serial_bits) {
   if (it->second->OnWriteDone()) FinishResponse(index);
 }
 
+void SendingSide::OnWriteFailed(uint32_t index, uint32_t serial_bits, const absl::Status& status) {
+  auto it = responses_.find(index);
+  if (it == responses_.end()) return;
+  if ((it->second->serial() & RdmaTensorResponse::kContentSerialMask) != serial_bits) return;
+  if (it->second->OnWriteFailed(status)) FinishResponse(index);
+}
+
 void SendingSide::OnLentReleased(uint32_t tensor_key) {
   env_->host->ReleaseLent(peer_task(), tensor_key);
 }

@@ -50,6 +50,8 @@ class SendingSide {
   void OnReRequest(const Message& m);  // RE_REQUEST
   // One of a response's content writes completed: its index and the low bits of its serial.
   void OnWriteDone(uint32_t index, uint32_t serial_bits);
+  // One of them failed over a lane taken out of the channel, as `status` says.
+  void OnWriteFailed(uint32_t index, uint32_t serial_bits, const absl::Status& status);
   // grpc+gdr: the peer released the tensor it read under `tensor_key`.
   void OnLentReleased(uint32_t tensor_key);
   // A local tensor for response `serial` is ready.

@@ -198,9 +198,11 @@ void RdmaTensorRequest::AskForStripes(Message& m) {
   const uint64_t threshold = channel_->env()->options.stripe_bytes;
   const uint64_t bytes = meta_.tensor_bytes;
   // A recv told of its progress (on_landed_) takes its segments as landed prefixes, in order,
-  // which segments over several lanes are not.
+  // which segments over several lanes are not. The caller's memory (RecvArgs::into) goes back
+  // to the caller when the recv ends, which a lane that fails under it would make early, while
+  // the other lanes may still write there (EndStripedOver quarantines pool memory only).
   if (lanes < 2 || threshold == 0 || bytes < threshold || m.remote_addr == 0 || finished() ||
-      meta_.dtype == DataType::kString || on_landed_) {
+      meta_.dtype == DataType::kString || on_landed_ || LandsInCallersMemory()) {
     return;
   }
   // The destination must be memory every lane registered (the pool): a proxy or a transient

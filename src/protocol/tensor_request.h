@@ -88,8 +88,9 @@ class RdmaTensorRequest {
     kErrorStatus,  // ERROR_STATUS
     kAbort,        // the step was aborted (or the recv ended) before anything can land
     kClose,        // the channel closed
+    kLaneLost,     // a lane the content was landing over was taken out of the channel
   };
-  static constexpr int kEvents = 9;
+  static constexpr int kEvents = 10;
   // Whom the request serves.
   enum class Owner : uint8_t { kRecv, kPushed, kAdopted, kDeclined };
   // Which of the channel's large-destination allowances this request holds.
@@ -135,6 +136,13 @@ class RdmaTensorRequest {
   // tensor is not spread or has not begun to land. `first_at` receives when its first segment
   // landed.
   size_t LaneOwingSegments(absl::Time* first_at) const;
+  // Whether the content was asked for over lane `lane` (>= 1) too, began to land, and is not
+  // all in: what a lane taken out of the channel ends (ReceivingSide::EndStripedOver).
+  bool LandingOver(size_t lane) const {
+    return stripe_lanes_ > lane && stripes_began_ != absl::InfinitePast() && segments_left_ > 0;
+  }
+  // Whether the content was asked for over several lanes.
+  bool striped() const { return stripe_lanes_ > 1; }
   // One content segment but the last landed.
   void RecvSegment();
   // Deregisters what was registered for this recv alone: before the record's memory goes.

@@ -44,7 +44,8 @@ constexpr StateRow<State, Event> kResponseRows[] = {
     {State::kWriting, Event::kStaged, "a part failed to stage, and no write is in flight",
      State::kDone, "ERROR_STATUS"},
     {State::kWriting, Event::kWriteDone, "the last write", State::kDone,
-     "count the tensor sent (ERROR_STATUS when a part failed to stage)"},
+     "count the tensor sent (ERROR_STATUS when a part failed to stage or a write over a "
+     "lane failed)"},
     {State::kWriting, Event::kWriteRefused,
      "the destination or its segments cannot be written, or a part failed to stage", State::kDone,
      "ERROR_STATUS"},
@@ -193,8 +194,9 @@ bool RdmaTensorResponse::OnStaged(const absl::Status& status, uint64_t staged_by
     }
     staging_error_ = status;
     if (state_ == State::kWriting && writes_left_ > 0) return false;  // OnWriteDone answers
-    if (CloseIfStripedPartsInFlight()) return false;                    // closed the channel
-    SendError(status, Event::kStaged);                                // finishes the response
+    // Parts that went over several lanes may be behind the ERROR_STATUS: the receiver of a
+    // tensor spread over lanes quarantines its destination when it hears.
+    SendError(status, Event::kStaged);  // finishes the response
     return false;
   }
   staged_bytes_ = std::max(staged_bytes_, staged_bytes);
@@ -368,7 +370,8 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
 }
 
 void RdmaTensorResponse::PostStagedWrites() {
-  if (!staging_error_.ok()) return;  // a part failed to stage: nothing more goes
+  // A part failed to stage, or a write failed over a lane: nothing more goes.
+  if (!staging_error_.ok() || !lane_error_.ok()) return;
   const uint64_t context = ContentContext();
   const uint32_t imm = request_.request_index;
   const uint64_t total = meta_.tensor_bytes;
@@ -415,28 +418,27 @@ void RdmaTensorResponse::PostStagedWrites() {
       Event::kWriteRefused);
 }
 
-bool RdmaTensorResponse::CloseIfStripedPartsInFlight() {
-  if (lanes_.size() < 2 || posted_ == 0) return false;
-  // Parts went over several lanes, and a write that completed here may still be on its way
-  // (over tcp, in this host's kernel): an ERROR_STATUS on lane 0 could overtake them, and the
-  // receiver would reuse the destination and the index under them. Closing the channel makes
-  // the receiver quarantine its destinations instead.
-  channel_->Close(absl::UnavailableError(absl::StrCat(
-      "staging a tensor for task ", channel_->peer_task(), " failed after parts of it ",
-      "went over several lanes: ", staging_error_.message())));
-  return true;
-}
-
 bool RdmaTensorResponse::TakeLanded() {
   writes_left_ = 1;  // the rest are the fabric's word on writes whose bytes already landed
   return OnWriteDone();
 }
 
+bool RdmaTensorResponse::OnWriteFailed(const absl::Status& status) {
+  if (lane_error_.ok()) lane_error_ = status;
+  return OnWriteDone();
+}
+
 bool RdmaTensorResponse::OnWriteDone() {
   if (--writes_left_ > 0) return false;
+  if (!lane_error_.ok()) {
+    // Nothing reads the source any more. The receiver quarantines the destination of a tensor
+    // spread over lanes when it hears, since the other lanes' segments may still be on their
+    // way behind this ERROR_STATUS.
+    SendError(lane_error_, Event::kWriteDone);
+    return false;  // SendError finished the response
+  }
   if (!staging_error_.ok() && posted_ < meta_.tensor_bytes) {
     // A part failed to stage: now that nothing reads the source any more, the receiver hears.
-    if (CloseIfStripedPartsInFlight()) return false;  // closed the channel
     SendError(staging_error_, Event::kWriteDone);
     return false;  // SendError finished the response
   }

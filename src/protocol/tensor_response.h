@@ -70,6 +70,10 @@ class RdmaTensorResponse {
   void RecvReRequest(const Message& m);
   // One content write completed; true when the response is finished.
   bool OnWriteDone();
+  // One content write failed over a lane taken out of the channel (`status` names it): nothing
+  // more is posted, and once its other writes are done the receiver hears ERROR_STATUS. True
+  // when the response is finished.
+  bool OnWriteFailed(const absl::Status& status);
   // Whether its content went over several lanes and every byte was posted: the receiver, once
   // it counted every segment, may take the index again before this side has polled the last
   // completions from the other lanes' queues.
@@ -127,9 +131,6 @@ class RdmaTensorResponse {
   void ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys);
   // A content write's context: the request index and the low bits of the serial.
   uint64_t ContentContext() const;
-  // A part failed to stage after others went over several lanes: closes the channel rather
-  // than answering with ERROR_STATUS (true), which could overtake parts still on their way.
-  bool CloseIfStripedPartsInFlight();
   // Posts the content writes whose bytes are staged (all of them unless staging in chunks).
   void PostStagedWrites();
   // Whether a device tensor is staged in chunks, and the callback that tells this response.
@@ -169,6 +170,8 @@ class RdmaTensorResponse {
   bool chunked_ = false;
   uint64_t staged_bytes_ = 0;
   absl::Status staging_error_;
+  // The first content write that failed over a lane (OnWriteFailed).
+  absl::Status lane_error_;
   // The content write: where, in what segments (0: one), and the bytes posted so far.
   uint64_t write_addr_ = 0;
   fabric::RemoteKey write_key_;

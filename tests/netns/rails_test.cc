@@ -179,8 +179,8 @@ TEST_F(RailsTest, APeerWithoutRailsSharesOneLane) {
 
 // Task 0 here sends a stream of 64 MiB tensors to task 1 in the namespace, both with a lane on
 // rail 1, each rail at 1 Gbit/s; rail 1 goes down after the first has arrived. Every recv ends
-// once, with the right bytes (task 1 prints each one's CRC-32C) or an error; the channels then
-// keep to rail 0 and the stream goes on there.
+// once, with the right bytes (task 1 prints each one's CRC-32C) or an error naming the lane; the
+// channel takes lane 1 out and the stream goes on over rail 0, on that channel.
 TEST_F(RailsTest, ARailThatGoesDownMidStreamEndsEachRecvOnceAndTheStreamGoesOn) {
   constexpr int kTensors = 8;
   host_.reset();
@@ -230,6 +230,11 @@ TEST_F(RailsTest, ARailThatGoesDownMidStreamEndsEachRecvOnceAndTheStreamGoesOn) 
               failed, got_after_failure);
   EXPECT_GE(failed, 1) << "rail 1 went down under the stream";
   EXPECT_GE(got_after_failure, 1) << "the stream goes on over rail 0";
+  // On the same channel: lane 1 was taken out of it, and it carried every recv.
+  const proto::ChannelStats recv = ChannelOf(1, /*receives=*/true);
+  EXPECT_THAT(recv.description(), Not(HasSubstr("lanes")));
+  EXPECT_EQ(Counter(recv, "tensors_received"), got);
+  EXPECT_EQ(Counter(recv, "recv_errors"), failed);
 }
 
 TEST(RailsStartTest, ARailThisHostLacksOrTooManyRailsFailTheStartNamingThem) {

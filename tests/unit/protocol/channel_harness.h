@@ -167,25 +167,40 @@ struct Side : public ChannelHost {
     return true;
   }
 
+  // A further lane (ChannelEnv::lanes): a loopback domain of its own, with its own
+  // registrations of the pool, as VerbsTransport opens one per rail. Before the channel exists.
+  void AddLane() {
+    lane_domain = *fabric::OpenDomain("loopback", {});
+    lane_memory = std::make_unique<RdmaMemoryMgr>(lane_domain.get(), &pool,
+                                                  RemoteAccessFor(VerbsMode::kZeroCopy));
+    env.lanes.push_back({lane_domain.get(), lane_memory.get(), "loopback lane"});
+  }
+
   // One turn of this side's progress loop. True if anything happened.
   bool Turn() {
     bool active = RunPosted();
+    active |= PollInto(domain.get(), endpoint);
+    if (lane_domain != nullptr) active |= PollInto(lane_domain.get(), lane_endpoint);
+    active |= RunPosted();
+    active |= RunCallbacks();
+    return active;
+  }
+
+  // Hands what `polled` completed to the channel, by the endpoint it had when it connected
+  // (`routed`), as the transport's table does: a channel that closed earlier in this batch
+  // still gets (and ignores) the rest.
+  bool PollInto(fabric::Domain* polled, const fabric::Endpoint* routed) {
     fabric::Completion completions[64];
-    absl::StatusOr<size_t> n = domain->Poll(absl::MakeSpan(completions));
+    absl::StatusOr<size_t> n = polled->Poll(absl::MakeSpan(completions));
     EXPECT_TRUE(n.ok()) << n.status();
     for (size_t i = 0; n.ok() && i < *n; ++i) {
-      active = true;
-      // By the endpoint the channel had when it connected, as the transport's table does: a
-      // channel that closed earlier in this batch still gets (and ignores) the rest.
-      if (channel != nullptr && completions[i].endpoint == endpoint) {
+      if (channel != nullptr && completions[i].endpoint == routed) {
         channel->OnCompletion(completions[i]);
       } else {
         ++unrouted;
       }
     }
-    active |= RunPosted();
-    active |= RunCallbacks();
-    return active;
+    return n.ok() && *n > 0;
   }
 
   struct Quarantined {
@@ -196,6 +211,8 @@ struct Side : public ChannelHost {
   std::unique_ptr<fabric::Domain> domain;
   PoolAllocator pool;
   RdmaMemoryMgr memory;
+  std::unique_ptr<fabric::Domain> lane_domain;  // AddLane
+  std::unique_ptr<RdmaMemoryMgr> lane_memory;
   Executor executor{"callbacks", 0};  // callbacks run inline, on the test thread
   TransferStats transfer_stats;
   WorkerEnv worker;
@@ -207,6 +224,7 @@ struct Side : public ChannelHost {
   std::vector<Quarantined> quarantined;
   int unrouted = 0;
   fabric::Endpoint* endpoint = nullptr;           // the channel's, once connected
+  fabric::Endpoint* lane_endpoint = nullptr;      // its lane 1's, once connected
   std::unique_ptr<RendezvousMgr> rendezvous_mgr;  // acceptor only
   // grpc+gdr tests: what ReleaseLent reports to.
   std::function<void(const std::string& task, uint32_t tensor_key)> on_release_lent;
@@ -265,6 +283,19 @@ class ChannelTest : public ::testing::Test {
     ASSERT_EQ(a.state(), Channel::State::kReady);
     owner_.endpoint = o.endpoint();
     acceptor_.endpoint = a.endpoint();
+    if (owner_.lane_domain == nullptr || acceptor_.lane_domain == nullptr) return;
+    // What ChannelEnd.lanes carries: each end's further lanes, connected in order.
+    std::vector<std::string> owner_lanes, acceptor_lanes;
+    for (fabric::Endpoint* ep : o.FurtherLaneEndpoints()) owner_lanes.push_back(ep->LocalAddress());
+    for (fabric::Endpoint* ep : a.FurtherLaneEndpoints()) {
+      acceptor_lanes.push_back(ep->LocalAddress());
+    }
+    ASSERT_TRUE(a.ConnectLanes(owner_lanes).ok());
+    ASSERT_TRUE(o.ConnectLanes(acceptor_lanes).ok());
+    ASSERT_EQ(o.lanes(), 2u);
+    ASSERT_EQ(a.lanes(), 2u);
+    owner_.lane_endpoint = o.lane_endpoint(1);
+    acceptor_.lane_endpoint = a.lane_endpoint(1);
   }
 
   void TearDown() override {

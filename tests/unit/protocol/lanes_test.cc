@@ -1,0 +1,180 @@
+// A channel with a second lane (channel_harness.h's AddLane: a loopback domain per lane on each
+// side, as VerbsTransport opens one per rail): a large tensor is spread over both lanes and
+// lands whole, and a lane that fails is taken out while the channel goes on over lane 0. Two
+// ways a lane fails: the receiver hears nothing over it while segments are due (a link that
+// went down under writes the sender's kernel had taken), or a write over it fails at the
+// sender. Either way the tensor that was landing ends once with an error naming the lane,
+// its destination is quarantined, and the next tensors arrive intact over lane 0.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "src/fabric/loopback/loopback.h"
+#include "tests/unit/protocol/channel_harness.h"
+
+namespace tensorverbs::protocol::channel_testing {
+namespace {
+
+using ::testing::HasSubstr;
+using LaneState = RdmaTensorRequest::State;
+using LaneEvent = RdmaTensorRequest::Event;
+
+// 1.5 MiB of floats: above the 1 MiB stripe threshold, so asked for in eight segments, and two
+// of them fit one of the harness's 4 MiB pool regions.
+constexpr int64_t kLaneFloats = 3 << 17;
+
+class LaneTest : public ChannelTest {
+ protected:
+  void Configure(ChannelEnv* env) override {
+    if (env == &owner_.env) {
+      owner_.AddLane();
+    } else {
+      acceptor_.AddLane();
+    }
+  }
+
+  // Sends a striped tensor of `key` from the acceptor's pool and starts its recv.
+  std::shared_ptr<RecvOutcome> SendAndRecv(int64_t step, const ParsedKey& key, float scale) {
+    sent_ = Floats(&acceptor_.pool, kLaneFloats, scale);
+    Send(step, key, sent_);
+    return StartRecv(step, key);
+  }
+
+  void ExpectArrivedWhole(const RecvOutcome& out) {
+    ASSERT_EQ(out.calls, 1);
+    ASSERT_TRUE(out.status.ok()) << out.status;
+    ASSERT_EQ(out.tensor.TotalBytes(), sent_.TotalBytes());
+    EXPECT_EQ(std::memcmp(out.tensor.data(), sent_.data(), sent_.TotalBytes()), 0);
+  }
+
+  static void ExpectEndedNamingTheLane(const RecvOutcome& out, absl::string_view why) {
+    EXPECT_EQ(out.calls, 1);
+    EXPECT_EQ(out.status.code(), absl::StatusCode::kUnavailable) << out.status;
+    EXPECT_THAT(std::string(out.status.message()), HasSubstr("lane 1 (loopback lane)"));
+    EXPECT_THAT(std::string(out.status.message()), HasSubstr(why));
+  }
+
+  size_t QuarantinedAtOwner() const {
+    size_t n = 0;
+    for (const Side::Quarantined& q : owner_.quarantined) n += q.memory.size();
+    return n;
+  }
+
+  // The owner's housekeeping, the peer timeout after now: a lane that owes segments and was
+  // silent that long is taken out.
+  void CheckLanesLater() {
+    owner_.channel->CheckLanes(absl::Now() + owner_.env.transfer.peer_timeout + absl::Seconds(1));
+  }
+
+  static ::testing::AssertionResult TookLaneRow(LaneState from, LaneEvent event, LaneState to) {
+    return RowsTaken::Took(RequestStateTable(), from, event, to);
+  }
+
+  Tensor sent_;
+};
+
+TEST_F(LaneTest, ALargeTensorIsSpreadOverBothLanesAndLandsWhole) {
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("spread"), 0.5f);
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*out));
+  EXPECT_EQ(Get(owner_.stats.striped_requests), 1);
+  EXPECT_GT(Get(owner_.channel->counters().lane_segments_received[0]), 0);
+  EXPECT_GT(Get(owner_.channel->counters().lane_segments_received[1]), 0);
+  EXPECT_GT(Get(acceptor_.channel->counters().lane_bytes_sent[1]), 0);
+  EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[0]) +
+                Get(acceptor_.channel->counters().lane_bytes_sent[1]),
+            static_cast<int64_t>(sent_.TotalBytes()));
+}
+
+// kReRequested --LaneLost--> kDone: the first tensor of a key takes the meta-data round trip,
+// and its segments over lane 1 never show at the receiver.
+TEST_F(LaneTest, ALaneSilentWhileSegmentsAreDueIsTakenOutAndTheChannelGoesOn) {
+  fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("silent"), 1.5f);
+  ASSERT_TRUE(Pump([&] { return Get(owner_.channel->counters().lane_segments_received[0]) > 0; }));
+  Settle();
+  EXPECT_EQ(out->calls, 0) << "lane 1's segments are still due";
+  CheckLanesLater();
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*out, "brought nothing"));
+  EXPECT_TRUE(TookLaneRow(LaneState::kReRequested, LaneEvent::kLaneLost, LaneState::kDone));
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(owner_.channel->lanes(), 1u);
+  EXPECT_EQ(owner_.channel->lane_endpoint(1), nullptr) << "nothing more lands over lane 1";
+  EXPECT_EQ(Get(owner_.stats.lanes_taken_out), 1);
+  EXPECT_EQ(QuarantinedAtOwner(), 1u) << "lane 0 may still write the destination";
+  EXPECT_EQ(owner_.channel->receiving()->held_indexes(), 0u);
+
+  // The next tensor asks for lane 0 alone, and arrives whole over the same channel.
+  const int64_t lane1_before = Get(acceptor_.channel->counters().lane_bytes_sent[1]);
+  std::shared_ptr<RecvOutcome> next = SendAndRecv(2, Key("silent"), 2.5f);
+  ASSERT_TRUE(Pump([&] { return next->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
+  EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), lane1_before);
+  EXPECT_EQ(Get(owner_.stats.channel_errors), 0);
+  EXPECT_EQ(Get(acceptor_.stats.channel_errors), 0);
+}
+
+// kRequested --LaneLost--> kDone: with the meta-data cached, REQUEST names the destination and
+// its keys at once.
+TEST_F(LaneTest, ALaneThatFallsSilentAfterServingIsTakenOutMidTensor) {
+  std::shared_ptr<RecvOutcome> first = SendAndRecv(1, Key("later"), 1.0f);
+  ASSERT_TRUE(Pump([&] { return first->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*first));
+  EXPECT_GT(Get(owner_.channel->counters().lane_segments_received[1]), 0);
+
+  fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
+  const int64_t lane0 = Get(owner_.channel->counters().lane_segments_received[0]);
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(2, Key("later"), 3.0f);
+  ASSERT_TRUE(
+      Pump([&] { return Get(owner_.channel->counters().lane_segments_received[0]) > lane0; }));
+  Settle();
+  CheckLanesLater();
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*out, "brought nothing"));
+  EXPECT_TRUE(TookLaneRow(LaneState::kRequested, LaneEvent::kLaneLost, LaneState::kDone));
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+
+  std::shared_ptr<RecvOutcome> next = SendAndRecv(3, Key("later"), 4.0f);
+  ASSERT_TRUE(Pump([&] { return next->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
+}
+
+// The sender sees a write over lane 1 fail (an error completion, as a queue pair whose port went
+// down reports): it takes the lane out, and once its other writes are done the receiver hears
+// ERROR_STATUS naming the lane. The receiver, which saw nothing wrong, still offers lane 1; the
+// sender keeps to lane 0.
+TEST_F(LaneTest, AWriteThatFailsOverALaneEndsThatTensorAndTheSenderKeepsToLaneZero) {
+  fabric::loopback::SetFaults(acceptor_.lane_domain.get(), {.error_completion_nth = 1});
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("refused"), 1.0f);
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*out, "a content write to task"));
+  EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(acceptor_.channel->lanes(), 1u);
+  EXPECT_EQ(Get(acceptor_.stats.lanes_taken_out), 1);
+  EXPECT_EQ(Get(acceptor_.channel->counters().errors_sent), 1);
+  EXPECT_EQ(acceptor_.channel->sending()->responses(), 0u);
+  EXPECT_EQ(QuarantinedAtOwner(), 1u) << "lane 0's segments may be behind the ERROR_STATUS";
+  EXPECT_EQ(owner_.channel->lanes(), 2u);
+
+  const int64_t lane1_before = Get(acceptor_.channel->counters().lane_bytes_sent[1]);
+  std::shared_ptr<RecvOutcome> next = SendAndRecv(2, Key("refused"), 2.0f);
+  ASSERT_TRUE(Pump([&] { return next->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
+  EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), lane1_before);
+  // The receiver's stall check does not blame lane 1 for segments the sender sent over lane 0.
+  CheckLanesLater();
+  EXPECT_EQ(owner_.channel->lanes(), 2u);
+  EXPECT_EQ(Get(owner_.stats.channel_errors), 0);
+  EXPECT_EQ(Get(acceptor_.stats.channel_errors), 0);
+}
+
+}  // namespace
+}  // namespace tensorverbs::protocol::channel_testing
