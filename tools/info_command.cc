@@ -1,16 +1,20 @@
 // `tensorverbs info`: what this host offers each fabric backend, and the configuration in effect.
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <map>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/common/config.h"
 #include "src/common/settings.h"
 #include "src/device/cuda_runtime.h"
 #include "src/fabric/fabric.h"
+#include "src/fabric/ibverbs/device_selection.h"
+#include "src/fabric/rails.h"
 #include "src/server/server.h"
 #include "tensorverbs/version.h"
 #include "tools/commands.h"
@@ -66,6 +70,43 @@ void PrintGpus(const fabric::FabricInventory& inventory) {
   std::printf(
       "    ibverbs  no: this version registers host memory only (no dma-buf "
       "registration of GPU memory yet)\n");
+}
+
+// Rails: how a count in TENSORVERBS_RAILS would rank this host's interfaces for a task at this
+// host's name (the address a cluster spec usually gives), on the NUMA node info runs on.
+void PrintRails(const Config& config) {
+  std::printf(
+      "\nrails (TENSORVERBS_RAILS: lanes over libfabric tcp, each on a network of its own):\n");
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  const std::string primary = fabric::Ipv4Of(name);
+  const int node = fabric::ibverbs::CurrentNumaNode();
+  absl::StatusOr<fabric::RailsSpec> spec = fabric::ParseRails(config.rails, fabric::kMaxRails);
+  const int count = spec.ok() && spec->count > 0 ? spec->count : fabric::kMaxRails;
+  const fabric::RailPlan plan = fabric::ChooseRails(fabric::ReadInterfaces(), primary, count, node);
+  std::printf("  this host's interfaces, ranked for a task at %s (the host's name %s) on %s:\n",
+              primary.empty() ? "an unknown address" : primary.c_str(), name,
+              node >= 0 ? absl::StrCat("NUMA node ", node).c_str() : "an unknown NUMA node");
+  for (const std::string& line : plan.considered) std::printf("    %s\n", line.c_str());
+  if (absl::StartsWith(primary, "127.")) {
+    std::printf(
+        "  (the host's name is a loopback address here; a task ranks the interfaces "
+        "against its own address in the cluster spec, whose network it leaves out)\n");
+  }
+  if (!spec.ok()) {
+    std::printf("  %s\n", std::string(spec.status().message()).c_str());
+  } else if (!spec->listed.empty()) {
+    std::printf("  the task's lanes: its own address, then %s (listed)\n",
+                absl::StrJoin(spec->listed, ", ").c_str());
+  } else if (spec->count > 0) {
+    std::printf("  TENSORVERBS_RAILS=%d takes %s\n", spec->count,
+                plan.rails.empty() ? "none: no interface qualifies"
+                                   : absl::StrJoin(plan.rails, ", ").c_str());
+  } else {
+    std::printf(
+        "  TENSORVERBS_RAILS unset: one lane, on the task's address; a count takes the "
+        "rails in this order\n");
+  }
 }
 
 std::string Bytes(rlim_t v) {
@@ -141,6 +182,7 @@ int RunInfoCommand() {
               config.ofi_provider.empty() ? " (hardware first, then shm locally, then tcp;ofi_rxm)"
                                           : " (TENSORVERBS_OFI_PROVIDER)");
 
+  PrintRails(config);
   PrintGpus(inventory);
 
   rlimit memlock{};

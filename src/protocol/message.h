@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "src/fabric/fabric.h"
+#include "src/fabric/rails.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor_shape.h"
 #include "tensorverbs/types.h"
@@ -48,6 +49,7 @@ inline constexpr uint64_t kMaxContentSegments = 16384;
 // The most lanes one channel has (lane 0, which carries the control messages, and up to three
 // more, each over a device or interface of its own): a REQUEST carries a key per further lane.
 inline constexpr size_t kMaxLanes = 4;
+static_assert(kMaxLanes - 1 == fabric::kMaxRails);
 
 enum class MessageType : uint8_t {
   kTensorRequest = 1,     // receiver -> sender

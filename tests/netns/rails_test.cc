@@ -169,6 +169,18 @@ TEST_F(RailsTest, ALargeTensorGoesOverBothLanesAndArrivesIntact) {
   EXPECT_GE(lane0 + lane1, int64_t{64} << 20);
 }
 
+// Task 1 asks for a count (TENSORVERBS_RAILS=1): of its namespace's interfaces (loopback, the
+// link on its own network, and rail 1's) it takes rail 1's.
+TEST_F(RailsTest, ARailCountTakesTheHostsOtherNetwork) {
+  ASSERT_NO_FATAL_FAILURE(
+      StartPair({"--seed", "7", "--big", "1", "--wait-for-peers", "1", "--rails", "1"},
+                /*peer_rails=*/false));
+  ASSERT_NO_FATAL_FAILURE(ExpectFixtures());
+  const proto::ChannelStats send = ChannelOf(1, /*receives=*/false);
+  EXPECT_THAT(send.fabric(), HasSubstr(absl::StrCat("lanes on ", host_->remote_address(1))));
+  EXPECT_GT(Counter(send, "lane1_bytes_sent"), int64_t{16} << 20);
+}
+
 TEST_F(RailsTest, APeerWithoutRailsSharesOneLane) {
   ASSERT_NO_FATAL_FAILURE(StartFixturePair(/*peer_rails=*/false));
   ASSERT_NO_FATAL_FAILURE(ExpectFixtures());

@@ -5,12 +5,15 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "src/common/coarse_clock.h"
 #include "src/common/logging.h"
 #include "src/common/net_address.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/ibverbs/device_selection.h"
+#include "src/fabric/rails.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/transport/verbs/connect_calls.h"
 #include "src/transport/verbs/lent_tensors.h"
@@ -209,20 +212,39 @@ absl::Status VerbsTransport::OpenLanes(
     const std::function<void(protocol::FabricContext::Reach, std::unique_ptr<fabric::Domain>)>&
         add_context) {
   if (options_.rails.empty()) return absl::OkStatus();
-  if (options_.rails.size() + 1 > protocol::kMaxLanes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "TENSORVERBS_RAILS lists ", options_.rails.size(), " rails; a channel has at most ",
-        protocol::kMaxLanes - 1, " beside its first"));
-  }
+  ASSIGN_OR_RETURN(fabric::RailsSpec spec,
+                   fabric::ParseRails(absl::StrJoin(options_.rails, ","), fabric::kMaxRails));
   if (options_.channel.mode != protocol::VerbsMode::kZeroCopy) {
     LOG(WARNING) << "task " << options_.env->task_name << ": TENSORVERBS_RAILS is for grpc+verbs; "
                  << protocol::VerbsModeProtocol(options_.channel.mode) << " keeps to one lane";
     return absl::OkStatus();
   }
+  std::vector<std::string> rails = spec.listed;
+  if (spec.count > 0) {
+    const fabric::RailPlan plan =
+        fabric::ChooseRails(fabric::ReadInterfaces(), fabric::Ipv4Of(choice.source_address),
+                            spec.count, fabric::ibverbs::CurrentNumaNode());
+    rails = plan.rails;
+    LOG(INFO) << "task " << options_.env->task_name << ": TENSORVERBS_RAILS=" << spec.count
+              << " ranked this host's interfaces: " << absl::StrJoin(plan.considered, "; ");
+    if (rails.size() < static_cast<size_t>(spec.count)) {
+      LOG(WARNING) << "task " << options_.env->task_name << ": TENSORVERBS_RAILS asks for "
+                   << spec.count << " rails and this host has " << rails.size()
+                   << " (an interface that is up, on a network of its own); the channels use "
+                   << rails.size() + 1 << (rails.empty() ? " lane" : " lanes");
+    }
+  }
   std::vector<protocol::LaneEnv> lanes;
-  for (const std::string& rail : options_.rails) {
+  for (const std::string& rail : rails) {
     absl::StatusOr<std::unique_ptr<fabric::Domain>> lane =
         fabric::OpenLaneDomain(choice, *fabrics_.primary().domain, rail);
+    if (!lane.ok() && spec.count > 0) {
+      // A rail this task chose itself: one fewer, said once.
+      LOG(WARNING) << "task " << options_.env->task_name << ": the rail " << rail
+                   << " cannot open (" << lane.status().message()
+                   << "); the channels go without it";
+      continue;
+    }
     if (!lane.ok()) {
       return absl::Status(lane.status().code(),
                           absl::StrCat("grpc+verbs: the rail ", rail,

@@ -104,8 +104,8 @@ struct VerbsOptions {
   bool shmem_peer_copy = Config::Defaults().shmem_peer_copy;       // TENSORVERBS_SHMEM_PEER_COPY
   std::string remote_keys = Config::Defaults().remote_keys;        // TENSORVERBS_REMOTE_KEYS
   bool gpu_direct = Config::Defaults().gpu_direct;                 // TENSORVERBS_GPU_DIRECT
-  // TENSORVERBS_RAILS: where further lanes bind (addresses of this host, or interface names);
-  // each is a domain beside the first, and each must open.
+  // TENSORVERBS_RAILS: where further lanes bind (addresses of this host, or interface names),
+  // each a domain beside the first that must open; or one entry, a count of rails to choose.
   std::vector<std::string> rails;
   // The GPU runtime through which the fabric may reach device memory directly (the shmem
   // fabric's CUDA IPC), when gpu_direct; null: device tensors go through host memory.
@@ -230,8 +230,10 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   explicit VerbsTransport(VerbsOptions options);
   absl::Status Start();
   // Opens a domain per rail of options_.rails beside the primary, through `add_context`, and
-  // gives the primary's channels their lanes. InvalidArgument or the fabric's error, naming the
-  // rail, when one cannot open.
+  // gives the primary's channels their lanes. A count instead of a list takes the host's
+  // interfaces ranked for this task (fabric::ChooseRails). InvalidArgument or the fabric's
+  // error, naming the rail, when a listed one cannot open; a rail of a count that cannot open
+  // is logged and left out.
   absl::Status OpenLanes(const fabric::FabricChoice& choice,
                          const std::function<void(protocol::FabricContext::Reach,
                                                   std::unique_ptr<fabric::Domain>)>& add_context);

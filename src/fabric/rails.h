@@ -1,0 +1,71 @@
+// Rails for lanes (TENSORVERBS_RAILS): the further networks a task's channels may spread large
+// tensors over, each a lane on a libfabric domain bound to one of this host's addresses.
+//
+// The variable lists the rails (addresses or interface names), or gives a count. For a count the
+// host's interfaces are ranked for the task (ChooseRails): an interface is a candidate when it
+// is up, not loopback, has an IPv4 address, and is on none of the networks already used (the
+// task's own address's first, then each rail taken), so each rail is a network of its own.
+// Candidates on the task's NUMA node come first (a NIC across the socket link reaches the task's
+// memory through it), then those whose node the kernel does not say (virtual interfaces), then
+// the rest, each group by interface name, which hosts built alike share, so that their tasks'
+// lanes pair up rail by rail. Fewer candidates than asked for is not an error: the task runs
+// with the rails there are, and says so.
+//
+// ReadInterfaces and Ipv4Of read the host (getifaddrs, sysfs, DNS); everything else is a pure
+// function, so every rule is testable without the interfaces. Any thread.
+#ifndef TENSORVERBS_FABRIC_RAILS_H_
+#define TENSORVERBS_FABRIC_RAILS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace tensorverbs::fabric {
+
+// The most rails beside the task's own address (a channel's lanes: protocol::kMaxLanes).
+inline constexpr int kMaxRails = 3;
+
+// One IPv4 address of one interface.
+struct NetInterface {
+  std::string name;
+  std::string address;  // dotted quad
+  int prefix_length = 32;
+  bool up = false;  // IFF_UP and IFF_RUNNING
+  bool loopback = false;
+  int numa_node = -1;  // the NIC's, from sysfs; -1 where the kernel does not say
+};
+
+// The host's IPv4 interfaces, one entry per address, in the kernel's order.
+std::vector<NetInterface> ReadInterfaces();
+// `host` when it is an IPv4 address, else the first IPv4 address its name resolves to; empty
+// when none. May block on DNS: at start only.
+std::string Ipv4Of(absl::string_view host);
+
+// TENSORVERBS_RAILS: a count (0 to `max_rails`; 0 is none), or a comma-separated list.
+struct RailsSpec {
+  int count = 0;                    // > 0: choose this many (ChooseRails)
+  std::vector<std::string> listed;  // otherwise: these, in order
+};
+// InvalidArgument naming the variable for a count out of range or a list longer than
+// `max_rails`.
+absl::StatusOr<RailsSpec> ParseRails(absl::string_view value, int max_rails);
+
+struct RailPlan {
+  // The chosen rails' addresses, best first.
+  std::vector<std::string> rails;
+  // Every interface address seen, with whether it was taken and why (for the log and
+  // `tensorverbs info`), in rank order for the candidates, then the others.
+  std::vector<std::string> considered;
+};
+
+// Takes up to `count` rails from `interfaces` for a task whose own address is `primary` (IPv4;
+// empty when unknown: then only loopback is left out by address) and that runs on NUMA node
+// `numa_node` (-1: unknown).
+RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_view primary,
+                     int count, int numa_node);
+
+}  // namespace tensorverbs::fabric
+
+#endif  // TENSORVERBS_FABRIC_RAILS_H_

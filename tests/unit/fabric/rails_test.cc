@@ -1,0 +1,132 @@
+// Rails chosen by count (fabric::ChooseRails) over made-up hosts, and TENSORVERBS_RAILS's two
+// forms (ParseRails), with the values that must be refused.
+#include "src/fabric/rails.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+namespace tensorverbs::fabric {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+NetInterface Up(const std::string& name, const std::string& address, int prefix, int node) {
+  NetInterface i;
+  i.name = name;
+  i.address = address;
+  i.prefix_length = prefix;
+  i.up = true;
+  i.numa_node = node;
+  return i;
+}
+
+// A GPU server: the task's address on eth0, four rails on two NUMA nodes, each on its own /24,
+// loopback, a docker bridge without carrier, and a second address on eth0's network.
+std::vector<NetInterface> FourRailHost() {
+  NetInterface lo = Up("lo", "127.0.0.1", 8, -1);
+  lo.loopback = true;
+  NetInterface docker = Up("docker0", "172.17.0.1", 16, -1);
+  docker.up = false;
+  return {lo,
+          Up("eth0", "10.0.0.5", 24, 0),
+          Up("eth0", "10.0.0.6", 24, 0),
+          Up("rail3", "10.3.0.5", 24, 1),
+          Up("rail1", "10.1.0.5", 24, 0),
+          Up("rail2", "10.2.0.5", 24, 1),
+          Up("rail0", "10.4.0.5", 24, 0),
+          docker};
+}
+
+TEST(ChooseRailsTest, TheTasksNodeComesFirstThenNamesAndNeverItsOwnNetwork) {
+  RailPlan on_node0 = ChooseRails(FourRailHost(), "10.0.0.5", 3, /*numa_node=*/0);
+  EXPECT_THAT(on_node0.rails, ElementsAre("10.4.0.5", "10.1.0.5", "10.2.0.5"));
+  RailPlan on_node1 = ChooseRails(FourRailHost(), "10.0.0.5", 2, /*numa_node=*/1);
+  EXPECT_THAT(on_node1.rails, ElementsAre("10.2.0.5", "10.3.0.5"));
+  // Unknown node: by name alone.
+  RailPlan unknown = ChooseRails(FourRailHost(), "10.0.0.5", 3, -1);
+  EXPECT_THAT(unknown.rails, ElementsAre("10.4.0.5", "10.1.0.5", "10.2.0.5"));
+
+  // Every interface address is explained, the taken ones by rail number.
+  const std::string all = ::testing::PrintToString(on_node0.considered);
+  EXPECT_EQ(on_node0.considered.size(), FourRailHost().size());
+  EXPECT_THAT(all, HasSubstr("rail0 (10.4.0.5/24, NUMA node 0): rail 1, on the task's NUMA node"));
+  EXPECT_THAT(all, HasSubstr("rail3 (10.3.0.5/24, NUMA node 1): passed over, 3 rails taken"));
+  EXPECT_THAT(all, HasSubstr("lo (127.0.0.1/8, NUMA node unknown): passed over, loopback"));
+  EXPECT_THAT(all, HasSubstr("docker0 (172.17.0.1/16, NUMA node unknown): passed over, down"));
+  EXPECT_THAT(all, HasSubstr("eth0 (10.0.0.6/24, NUMA node 0): passed over, the task's own"));
+}
+
+TEST(ChooseRailsTest, EachRailIsANetworkOfItsOwnAndFewerThanAskedIsNoError) {
+  // Two addresses on one further network make one rail; and an interface on the task's network
+  // under another name is no rail either.
+  std::vector<NetInterface> host = {Up("eth0", "10.0.0.5", 24, -1), Up("eth1", "10.1.0.5", 24, -1),
+                                    Up("eth1b", "10.1.0.6", 24, -1),
+                                    Up("eth9", "10.0.0.9", 24, -1)};
+  RailPlan plan = ChooseRails(host, "10.0.0.5", 3, -1);
+  EXPECT_THAT(plan.rails, ElementsAre("10.1.0.5"));
+  const std::string all = ::testing::PrintToString(plan.considered);
+  EXPECT_THAT(all, HasSubstr("eth1b (10.1.0.6/24, NUMA node unknown): passed over, on the "
+                             "network of a rail taken before it"));
+  EXPECT_THAT(all, HasSubstr("eth9 (10.0.0.9/24, NUMA node unknown): passed over, on the network "
+                             "of the task's own address"));
+  // A host with one network has no rail to give.
+  EXPECT_TRUE(ChooseRails({Up("eth0", "10.0.0.5", 24, 0)}, "10.0.0.5", 1, 0).rails.empty());
+}
+
+TEST(ChooseRailsTest, AnUnknownOwnAddressLeavesOutLoopbackAndWhatIsDownOnly) {
+  RailPlan plan = ChooseRails(FourRailHost(), "", 3, -1);
+  EXPECT_THAT(plan.rails, ElementsAre("10.0.0.5", "10.4.0.5", "10.1.0.5"));
+}
+
+TEST(ParseRailsTest, ACountOrAList) {
+  absl::StatusOr<RailsSpec> count = ParseRails(" 2 ", kMaxRails);
+  ASSERT_TRUE(count.ok()) << count.status();
+  EXPECT_EQ(count->count, 2);
+  EXPECT_TRUE(count->listed.empty());
+  absl::StatusOr<RailsSpec> none = ParseRails("0", kMaxRails);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->count, 0);
+  EXPECT_TRUE(none->listed.empty());
+  absl::StatusOr<RailsSpec> list = ParseRails("10.1.0.5, eth2", kMaxRails);
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->count, 0);
+  EXPECT_THAT(list->listed, ElementsAre("10.1.0.5", "eth2"));
+}
+
+TEST(ParseRailsTest, CountsAndListsBeyondTheLimitNameTheVariable) {
+  for (const char* bad : {"4", "-1", "99"}) {
+    absl::StatusOr<RailsSpec> spec = ParseRails(bad, kMaxRails);
+    ASSERT_FALSE(spec.ok()) << bad;
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(spec.status().message()), HasSubstr("TENSORVERBS_RAILS"));
+    EXPECT_THAT(std::string(spec.status().message()), HasSubstr("0 to 3"));
+  }
+  absl::StatusOr<RailsSpec> many = ParseRails("a,b,c,d", kMaxRails);
+  ASSERT_FALSE(many.ok());
+  EXPECT_THAT(std::string(many.status().message()), HasSubstr("at most 3 beside its first"));
+}
+
+TEST(ReadInterfacesTest, FindsLoopbackAsLoopback) {
+  bool found = false;
+  for (const NetInterface& i : ReadInterfaces()) {
+    if (i.address == "127.0.0.1") {
+      found = true;
+      EXPECT_TRUE(i.loopback);
+      EXPECT_EQ(i.prefix_length, 8);
+    }
+  }
+  EXPECT_TRUE(found) << "every host has 127.0.0.1";
+}
+
+TEST(Ipv4OfTest, ALiteralIsItselfAndLocalhostResolves) {
+  EXPECT_EQ(Ipv4Of("10.1.2.3"), "10.1.2.3");
+  EXPECT_EQ(Ipv4Of("localhost"), "127.0.0.1");
+  EXPECT_EQ(Ipv4Of(""), "");
+}
+
+}  // namespace
+}  // namespace tensorverbs::fabric
