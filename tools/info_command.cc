@@ -75,8 +75,7 @@ void PrintGpus(const fabric::FabricInventory& inventory) {
 // Rails: how a count in TENSORVERBS_RAILS would rank this host's interfaces for a task at this
 // host's name (the address a cluster spec usually gives), on the NUMA node info runs on.
 void PrintRails(const Config& config) {
-  std::printf(
-      "\nrails (TENSORVERBS_RAILS: lanes over libfabric tcp, each on a network of its own):\n");
+  std::printf("\nrails (TENSORVERBS_RAILS: further lanes, each on a network or NIC of its own):\n");
   char name[256] = {};
   gethostname(name, sizeof(name) - 1);
   const std::string primary = fabric::Ipv4Of(name);
@@ -93,6 +92,9 @@ void PrintRails(const Config& config) {
         "  (the host's name is a loopback address here; a task ranks the interfaces "
         "against its own address in the cluster spec, whose network it leaves out)\n");
   }
+  std::printf(
+      "  over ibverbs a count takes the active ports after the one above (RDMA devices), "
+      "in the same order\n");
   if (!spec.ok()) {
     std::printf("  %s\n", std::string(spec.status().message()).c_str());
   } else if (!spec->listed.empty()) {

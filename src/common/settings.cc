@@ -147,13 +147,15 @@ std::vector<Setting> MakeSettings() {
        .get = [](const Config& c) { return absl::StrCat(c.large_in_flight); }});
   add({.variable = "TENSORVERBS_RAILS",
        .kind = K::kText,
-       .help = "`grpc+verbs` over libfabric `tcp`: further rails, comma-separated, each an "
-               "address of this host (or an interface's name) on a network of its own, or a "
-               "count (`2`: the interfaces that are up, each on a network of its own, those on "
-               "the task's NUMA node first, then by name; `tensorverbs info` shows the "
-               "ranking); every channel gets a lane on each rail its peer has too, and large "
-               "tensors are spread over the lanes (`TENSORVERBS_STRIPE_KB`)",
-       .values = "addresses or interface names, or a count 1..3",
+       .help = "`grpc+verbs` over libfabric `tcp` or ibverbs: further rails, comma-separated: "
+               "over tcp each an address of this host (or an interface's name) on a network "
+               "of its own, over ibverbs each a device (`mlx5_1` or `mlx5_1:2`); or a count "
+               "(`2`: over tcp the interfaces that are up, each on a network of its own, over "
+               "ibverbs the active ports in `RDMA_DEVICE`'s order; those on the task's NUMA "
+               "node first, then by name; `tensorverbs info` shows the ranking); every channel "
+               "gets a lane on each rail its peer has too, and large tensors are spread over "
+               "the lanes (`TENSORVERBS_STRIPE_KB`)",
+       .values = "addresses, interface or device names, or a count 0..3",
        .default_note = "none: one lane, on the task's address",
        .set_text = [](Config& c, const std::string& v) { c.rails = v; },
        .get = [](const Config& c) { return c.rails; }});

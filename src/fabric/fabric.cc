@@ -10,10 +10,13 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "src/common/logging.h"
+#include "src/common/status_macros.h"
+#include "src/fabric/ibverbs/device_selection.h"
 #include "src/fabric/ibverbs/ibverbs.h"
 #include "src/fabric/ibverbs/inventory.h"
 #include "src/fabric/loopback/loopback.h"
@@ -142,15 +145,66 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choic
                                                        const Domain& primary,
                                                        const std::string& source) {
   const Capabilities& caps = primary.capabilities();
+  if (caps.backend == "ibverbs") {
+    DomainOptions options = OptionsOf(choice);
+    const std::vector<std::string> parts = absl::StrSplit(source, ':');
+    options.rdma.device = parts[0];
+    options.rdma.port = 0;
+    if (parts.size() > 2 ||
+        (parts.size() == 2 &&
+         (!absl::SimpleAtoi(parts[1], &options.rdma.port) || options.rdma.port < 1))) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", source, "' is no RDMA device: give a name, or NAME:PORT"));
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<Domain> lane, OpenDomain("ibverbs", options));
+    if (lane->capabilities().provider == caps.provider) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("it is ", caps.provider, ", the port the task's first lane uses"));
+    }
+    return lane;
+  }
   if (caps.backend != "ofi" || SameHostOnly(caps.family)) {
-    return absl::UnimplementedError(
-        absl::StrCat("lanes run over libfabric's network providers (tcp), not over ", caps.family));
+    return absl::UnimplementedError(absl::StrCat(
+        "lanes run over ibverbs and libfabric's network providers (tcp), not over ", caps.family));
   }
   DomainOptions options = OptionsOf(choice);
   options.provider = caps.provider;
   options.source_address = source;
   options.require_source = true;
   return OpenDomain("ofi", options);
+}
+
+RailPlan PlanRails(const FabricChoice& choice, const Domain& primary, int count) {
+  const Capabilities& caps = primary.capabilities();
+  if (caps.backend == "ofi" && !SameHostOnly(caps.family)) {
+    return ChooseRails(ReadInterfaces(), Ipv4Of(choice.source_address), count,
+                       ibverbs::CurrentNumaNode());
+  }
+  RailPlan plan;
+  if (caps.backend != "ibverbs") return plan;
+  absl::StatusOr<ibverbs::Inventory> inventory = ibverbs::ReadInventory();
+  absl::StatusOr<std::vector<ibverbs::Selection>> ranked =
+      inventory.ok() ? ibverbs::RankPorts(*inventory, choice.rdma, ibverbs::CurrentNumaNode())
+                     : absl::StatusOr<std::vector<ibverbs::Selection>>(inventory.status());
+  if (!ranked.ok()) {
+    plan.considered.push_back(std::string(ranked.status().message()));
+    return plan;
+  }
+  for (const ibverbs::Selection& s : *ranked) {
+    const std::string port = absl::StrCat(s.device, ":", s.port);
+    std::string verdict;
+    if (port == caps.provider) {
+      verdict = "the task's first lane";
+    } else if (static_cast<int>(plan.rails.size()) >= count) {
+      verdict =
+          absl::StrCat("passed over, ", count, count == 1 ? " rail" : " rails", " taken before it");
+    } else {
+      plan.rails.push_back(port);
+      verdict = absl::StrCat("rail ", plan.rails.size());
+    }
+    plan.considered.push_back(absl::StrCat(port, ": ", verdict, " (", s.reason, ")"));
+  }
+  return plan;
 }
 
 bool SameHostOnly(absl::string_view family) { return family == "shmem" || family == "ofi/shm"; }

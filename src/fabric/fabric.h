@@ -44,6 +44,7 @@
 #include "src/common/config.h"
 #include "src/common/host_identity.h"
 #include "src/fabric/device_memory.h"
+#include "src/fabric/rails.h"
 
 namespace tensorverbs::fabric {
 
@@ -367,12 +368,20 @@ bool OpensSameHostFabric(const FabricChoice& choice);
 // The same-host fabric of such a task, with the choice's options.
 absl::StatusOr<std::unique_ptr<Domain>> OpenSameHostFabric(const FabricChoice& choice);
 // A further lane beside `primary` (a domain OpenFabric(choice) opened): another domain of the
-// same backend and provider, bound to `source` (an address of this host, or an interface's
-// name), which must exist. Unimplemented for a fabric that has no interfaces to choose from
-// (today lanes are libfabric's socket-addressed providers, such as tcp).
+// same backend. Over libfabric's socket-addressed providers (tcp), of the same provider bound
+// to `source`, an address of this host or an interface's name, which must exist. Over ibverbs,
+// on the device (and port) `source` names, "mlx5_1" or "mlx5_1:2", with the choice's other
+// RDMA_* settings; it must exist, be active, and be another port than the primary's.
+// Unimplemented for a fabric that has nothing to choose from (the same-host fabrics).
 absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choice,
                                                        const Domain& primary,
                                                        const std::string& source);
+// The rails a count in TENSORVERBS_RAILS takes beside `primary`: over libfabric's socket
+// providers this host's interfaces ranked for the task (ChooseRails, against the choice's
+// source address), over ibverbs the active ports ranked as the primary's was
+// (ibverbs::RankPorts: RDMA_DEVICE's order, else the task's NUMA node first), the primary's
+// port left out. Each rail is a `source` for OpenLaneDomain. Nothing for other fabrics.
+RailPlan PlanRails(const FabricChoice& choice, const Domain& primary, int count);
 // Whether a fabric family (Capabilities::family) reaches only peers on its own host (the shmem
 // backend, libfabric's shm): its peers must prove that they share the host (ThisHostIdentity)
 // before a channel uses it.

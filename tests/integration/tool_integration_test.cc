@@ -159,7 +159,7 @@ TEST(ToolTest, InfoListsBackendsProvidersAndConfiguration) {
   EXPECT_THAT(out, HasSubstr("endpoint-bound keys per channel")) << "what loopback offers";
   EXPECT_THAT(out, HasSubstr("one key per region for every peer")) << "what shmem offers";
   // The rails a count would take: every interface address explained, loopback passed over.
-  EXPECT_THAT(out, HasSubstr("rails (TENSORVERBS_RAILS"));
+  EXPECT_THAT(out, HasSubstr("rails (TENSORVERBS_RAILS: further lanes"));
   EXPECT_THAT(out, HasSubstr("lo (127.0.0.1/8, NUMA node unknown): passed over, loopback"));
   EXPECT_THAT(out, HasSubstr("TENSORVERBS_RAILS unset: one lane"));
 }

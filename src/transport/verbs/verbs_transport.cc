@@ -12,7 +12,6 @@
 #include "src/common/logging.h"
 #include "src/common/net_address.h"
 #include "src/common/status_macros.h"
-#include "src/fabric/ibverbs/device_selection.h"
 #include "src/fabric/rails.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/transport/verbs/connect_calls.h"
@@ -221,16 +220,14 @@ absl::Status VerbsTransport::OpenLanes(
   }
   std::vector<std::string> rails = spec.listed;
   if (spec.count > 0) {
-    const fabric::RailPlan plan =
-        fabric::ChooseRails(fabric::ReadInterfaces(), fabric::Ipv4Of(choice.source_address),
-                            spec.count, fabric::ibverbs::CurrentNumaNode());
+    const fabric::RailPlan plan = fabric::PlanRails(choice, *fabrics_.primary().domain, spec.count);
     rails = plan.rails;
     LOG(INFO) << "task " << options_.env->task_name << ": TENSORVERBS_RAILS=" << spec.count
-              << " ranked this host's interfaces: " << absl::StrJoin(plan.considered, "; ");
+              << " ranked this host's rails: " << absl::StrJoin(plan.considered, "; ");
     if (rails.size() < static_cast<size_t>(spec.count)) {
       LOG(WARNING) << "task " << options_.env->task_name << ": TENSORVERBS_RAILS asks for "
-                   << spec.count << " rails and this host has " << rails.size()
-                   << " (an interface that is up, on a network of its own); the channels use "
+                   << spec.count << " rails and this host has " << rails.size() << " ("
+                   << absl::StrJoin(plan.considered, "; ") << "); the channels use "
                    << rails.size() + 1 << (rails.empty() ? " lane" : " lanes");
     }
   }

@@ -81,10 +81,11 @@ struct FakeMw {
 };
 
 struct State {
-  ibv_device device{};
-  ibv_device* list[2] = {&device, nullptr};
-  ibv_context ctx{};
-  ibv_pd pd{};
+  // Device 0, and device 1 where FakeNic::second_device: each with its own context and PD.
+  ibv_device devices[2]{};
+  ibv_device* list[3] = {&devices[0], nullptr, nullptr};
+  ibv_context ctxs[2]{};
+  ibv_pd pds[2]{};
   int async_pipe[2] = {-1, -1};
   std::map<uint32_t, std::unique_ptr<FakeQp>> qps;
   std::map<uint32_t, std::unique_ptr<FakeMr>> mrs;  // rkey == lkey
@@ -302,27 +303,32 @@ using tensorverbs::testing::State;
 extern "C" {
 
 ibv_device** __wrap_ibv_get_device_list(int* num) {
-  std::strncpy(S().device.name, FakeNic::Get().name.c_str(), sizeof(S().device.name) - 1);
-  *num = 1;
-  return S().list;
+  State& s = S();
+  const FakeNic& nic = FakeNic::Get();
+  std::strncpy(s.devices[0].name, nic.name.c_str(), sizeof(s.devices[0].name) - 1);
+  std::strncpy(s.devices[1].name, nic.second_name.c_str(), sizeof(s.devices[1].name) - 1);
+  *num = nic.second_device ? 2 : 1;
+  s.list[1] = nic.second_device ? &s.devices[1] : nullptr;
+  return s.list;
 }
 void __wrap_ibv_free_device_list(ibv_device**) {}
 ibv_context* __wrap_ibv_open_device(ibv_device* device) {
   State& s = S();
-  s.ctx = ibv_context{};
-  s.ctx.device = device;
-  s.ctx.ops.post_send = tensorverbs::testing::PostSend;
-  s.ctx.ops.post_recv = tensorverbs::testing::PostRecv;
-  s.ctx.ops.poll_cq = tensorverbs::testing::PollCq;
-  s.ctx.ops.post_srq_recv = tensorverbs::testing::PostSrqRecv;
-  s.ctx.ops.req_notify_cq = tensorverbs::testing::ReqNotifyCq;
+  ibv_context& ctx = s.ctxs[device == &s.devices[1] ? 1 : 0];
+  ctx = ibv_context{};
+  ctx.device = device;
+  ctx.ops.post_send = tensorverbs::testing::PostSend;
+  ctx.ops.post_recv = tensorverbs::testing::PostRecv;
+  ctx.ops.poll_cq = tensorverbs::testing::PollCq;
+  ctx.ops.post_srq_recv = tensorverbs::testing::PostSrqRecv;
+  ctx.ops.req_notify_cq = tensorverbs::testing::ReqNotifyCq;
   if (FakeNic::Get().memory_windows) {
-    s.ctx.ops.alloc_mw = tensorverbs::testing::AllocMw;
-    s.ctx.ops.dealloc_mw = tensorverbs::testing::DeallocMw;
+    ctx.ops.alloc_mw = tensorverbs::testing::AllocMw;
+    ctx.ops.dealloc_mw = tensorverbs::testing::DeallocMw;
   }
   if (s.async_pipe[0] < 0) pipe(s.async_pipe);
-  s.ctx.async_fd = s.async_pipe[0];
-  return &s.ctx;
+  ctx.async_fd = s.async_pipe[0];
+  return &ctx;
 }
 int __wrap_ibv_close_device(ibv_context*) { return 0; }
 int __wrap_ibv_query_device(ibv_context*, ibv_device_attr* attr) {
@@ -369,8 +375,9 @@ ibv_pd* __wrap_ibv_alloc_pd(ibv_context* ctx) {
     errno = ENOMEM;
     return nullptr;
   }
-  S().pd.context = ctx;
-  return &S().pd;
+  ibv_pd& pd = S().pds[ctx == &S().ctxs[1] ? 1 : 0];
+  pd.context = ctx;
+  return &pd;
 }
 int __wrap_ibv_dealloc_pd(ibv_pd*) { return 0; }
 ibv_mr* __wrap_ibv_reg_mr_iova2(ibv_pd* pd, void* addr, size_t length, uint64_t,

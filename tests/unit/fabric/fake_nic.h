@@ -26,6 +26,10 @@ namespace tensorverbs::testing {
 struct FakeNic {
   // What the device reports.
   std::string name = "fake_0";
+  // A second device, as a host with two NICs has (its port, GIDs and limits are the first's):
+  // both carry writes between any of the process's queue pairs.
+  bool second_device = false;
+  std::string second_name = "fake_1";
   ibv_port_state port_state = IBV_PORT_ACTIVE;
   ibv_mtu active_mtu = IBV_MTU_1024;
   std::string gid = "::ffff:10.0.0.7";  // one RoCEv2 GID at index 1, a RoCEv1 one at 0

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "src/fabric/fabric.h"
 #include "src/fabric/ibverbs/ibverbs.h"
 #include "src/fabric/ibverbs/ibverbs_internal.h"
 #include "tests/unit/fabric/fake_nic.h"
@@ -120,6 +121,79 @@ TEST_F(IbverbsFakeNicTest, WriteWithImmediateLandsAndTheImmediateKeepsItsValue) 
   EXPECT_EQ(local, 6u);
   EXPECT_EQ(imms, (std::multiset<uint32_t>{0, 7, 0xFFFFFFFD, 0xFFFFFFFE, 0xFFFFFFFF, 0x12345678}));
   EXPECT_EQ(std::memcmp(dst_.data(), src_.data(), 4096), 0);
+}
+
+// A host with two NICs: the task's first lane on the first, a rail (TENSORVERBS_RAILS) on the
+// second, chosen by name or by count, carrying writes of its own registrations.
+TEST_F(IbverbsFakeNicTest, ALaneOpensOnTheSecondDeviceAndCarriesWrites) {
+  FakeNic::Get().second_device = true;
+  ASSERT_NO_FATAL_FAILURE(Open());
+  ASSERT_EQ(domain_->capabilities().provider, "fake_0:1") << "both ports rank alike: by name";
+  FabricChoice choice;
+  choice.fabric = "ibverbs";
+
+  const RailPlan plan = PlanRails(choice, *domain_, 1);
+  ASSERT_EQ(plan.rails, std::vector<std::string>{"fake_1:1"});
+  EXPECT_THAT(plan.considered[0], HasSubstr("fake_0:1: the task's first lane"));
+  EXPECT_THAT(plan.considered[1], HasSubstr("fake_1:1: rail 1"));
+  EXPECT_EQ(PlanRails(choice, *domain_, 3).rails.size(), 1u) << "one further port";
+
+  for (const std::string& named : {std::string("fake_1"), plan.rails[0]}) {
+    absl::StatusOr<std::unique_ptr<Domain>> lane = OpenLaneDomain(choice, *domain_, named);
+    ASSERT_TRUE(lane.ok()) << named << ": " << lane.status();
+    EXPECT_EQ((*lane)->capabilities().provider, "fake_1:1");
+  }
+  absl::StatusOr<std::unique_ptr<Domain>> lane = OpenLaneDomain(choice, *domain_, "fake_1");
+  ASSERT_TRUE(lane.ok()) << lane.status();
+  std::unique_ptr<Endpoint> la = *(*lane)->CreateEndpoint();
+  std::unique_ptr<Endpoint> lb = *(*lane)->CreateEndpoint();
+  ASSERT_TRUE(la->Connect(lb->LocalAddress()).ok());
+  ASSERT_TRUE(lb->Connect(la->LocalAddress()).ok());
+  std::unique_ptr<MemoryRegion> src =
+      *(*lane)->RegisterMemory(src_.data(), src_.size(), kAccessLocal);
+  std::unique_ptr<MemoryRegion> dst =
+      *(*lane)->RegisterMemory(dst_.data(), dst_.size(), kAccessRemoteWrite);
+  ASSERT_TRUE(la->PostWriteWithImm(
+                    {src.get(), src_.data(), 4096},
+                    {dst->PackRemoteKey(), reinterpret_cast<uint64_t>(dst_.data()), 4096}, 42, 1)
+                  .ok());
+  bool landed = false;
+  Completion c[8];
+  for (int i = 0; i < 100 && !landed; ++i) {
+    absl::StatusOr<size_t> n = (*lane)->Poll(absl::MakeSpan(c));
+    ASSERT_TRUE(n.ok()) << n.status();
+    for (size_t k = 0; k < *n; ++k) {
+      ASSERT_TRUE(c[k].status.ok()) << c[k].status;
+      if (c[k].kind == CompletionKind::kRemoteWriteImm) {
+        EXPECT_EQ(c[k].endpoint, lb.get());
+        EXPECT_EQ(c[k].imm, 42u);
+        landed = true;
+      }
+    }
+  }
+  EXPECT_TRUE(landed);
+  EXPECT_EQ(std::memcmp(dst_.data(), src_.data(), 4096), 0);
+}
+
+TEST_F(IbverbsFakeNicTest, ALaneOnTheFirstLanesPortOrOnNoDeviceIsAClearError) {
+  FakeNic::Get().second_device = true;
+  ASSERT_NO_FATAL_FAILURE(Open());
+  FabricChoice choice;
+  choice.fabric = "ibverbs";
+  absl::StatusOr<std::unique_ptr<Domain>> same = OpenLaneDomain(choice, *domain_, "fake_0:1");
+  ASSERT_FALSE(same.ok());
+  EXPECT_THAT(std::string(same.status().message()), HasSubstr("fake_0:1, the port the task's"));
+  absl::StatusOr<std::unique_ptr<Domain>> missing = OpenLaneDomain(choice, *domain_, "mlx9");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr("mlx9, which is not on this host"));
+  absl::StatusOr<std::unique_ptr<Domain>> bad_port = OpenLaneDomain(choice, *domain_, "fake_1:x");
+  ASSERT_FALSE(bad_port.ok());
+  EXPECT_EQ(bad_port.status().code(), absl::StatusCode::kInvalidArgument);
+  FakeNic::Get().port_state = IBV_PORT_DOWN;
+  absl::StatusOr<std::unique_ptr<Domain>> down = OpenLaneDomain(choice, *domain_, "fake_1");
+  ASSERT_FALSE(down.ok()) << "a port that is down carries no lane";
+  EXPECT_THAT(std::string(down.status().message()), HasSubstr("no active RDMA port"));
 }
 
 TEST_F(IbverbsFakeNicTest, ThousandsOfWritesBeyondTheQueueDepthKeepReceivesPosted) {
