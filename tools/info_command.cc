@@ -6,6 +6,7 @@
 #include <map>
 #include <string>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -100,10 +101,11 @@ void PrintRails(const Config& config) {
   } else if (!spec->listed.empty()) {
     std::printf("  the task's lanes: its own address, then %s (listed)\n",
                 absl::StrJoin(spec->listed, ", ").c_str());
-  } else if (spec->count > 0) {
+  } else if (spec->count > 0 || !absl::StripAsciiWhitespace(config.rails).empty()) {
     std::printf("  TENSORVERBS_RAILS=%d takes %s\n", spec->count,
-                plan.rails.empty() ? "none: no interface qualifies"
-                                   : absl::StrJoin(plan.rails, ", ").c_str());
+                spec->count == 0     ? "none: one lane, on the task's address"
+                : plan.rails.empty() ? "none: no interface qualifies"
+                                     : absl::StrJoin(plan.rails, ", ").c_str());
   } else {
     std::printf(
         "  TENSORVERBS_RAILS unset: one lane, on the task's address; a count takes the "

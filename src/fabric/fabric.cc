@@ -150,7 +150,7 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choic
     const std::vector<std::string> parts = absl::StrSplit(source, ':');
     options.rdma.device = parts[0];
     options.rdma.port = 0;
-    if (parts.size() > 2 ||
+    if (parts[0].empty() || parts.size() > 2 ||
         (parts.size() == 2 &&
          (!absl::SimpleAtoi(parts[1], &options.rdma.port) || options.rdma.port < 1))) {
       return absl::InvalidArgumentError(
@@ -182,25 +182,38 @@ RailPlan PlanRails(const FabricChoice& choice, const Domain& primary, int count)
   }
   RailPlan plan;
   if (caps.backend != "ibverbs") return plan;
+  // Every active port of every device, unless RDMA_DEVICE lists several (its order then).
+  RdmaConfig rank = choice.rdma;
+  rank.port = 0;
+  if (!absl::StrContains(rank.device, ',')) rank.device.clear();
   absl::StatusOr<ibverbs::Inventory> inventory = ibverbs::ReadInventory();
   absl::StatusOr<std::vector<ibverbs::Selection>> ranked =
-      inventory.ok() ? ibverbs::RankPorts(*inventory, choice.rdma, ibverbs::CurrentNumaNode())
+      inventory.ok() ? ibverbs::RankPorts(*inventory, rank, ibverbs::CurrentNumaNode())
                      : absl::StatusOr<std::vector<ibverbs::Selection>>(inventory.status());
   if (!ranked.ok()) {
     plan.considered.push_back(std::string(ranked.status().message()));
     return plan;
   }
+  // Which to take, by rank; numbered by name, as ChooseRails does, so that tasks on either
+  // NUMA node pair their lanes alike.
+  for (const ibverbs::Selection& s : *ranked) {
+    const std::string port = absl::StrCat(s.device, ":", s.port);
+    if (port != caps.provider && static_cast<int>(plan.rails.size()) < count) {
+      plan.rails.push_back(port);
+    }
+  }
+  std::sort(plan.rails.begin(), plan.rails.end());
   for (const ibverbs::Selection& s : *ranked) {
     const std::string port = absl::StrCat(s.device, ":", s.port);
     std::string verdict;
     if (port == caps.provider) {
       verdict = "the task's first lane";
-    } else if (static_cast<int>(plan.rails.size()) >= count) {
+    } else if (auto it = std::find(plan.rails.begin(), plan.rails.end(), port);
+               it != plan.rails.end()) {
+      verdict = absl::StrCat("rail ", it - plan.rails.begin() + 1);
+    } else {
       verdict =
           absl::StrCat("passed over, ", count, count == 1 ? " rail" : " rails", " taken before it");
-    } else {
-      plan.rails.push_back(port);
-      verdict = absl::StrCat("rail ", plan.rails.size());
     }
     plan.considered.push_back(absl::StrCat(port, ": ", verdict, " (", s.reason, ")"));
   }

@@ -4,6 +4,7 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +25,11 @@ int ReadNumaNode(const std::string& interface) {
   int node = -1;
   if (!(in >> node)) return -1;
   return node;
+}
+
+bool IsDirectory(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
 }
 
 int PrefixLength(uint32_t mask) {
@@ -81,6 +87,8 @@ std::vector<NetInterface> ReadInterfaces() {
     i.up = (a->ifa_flags & IFF_UP) != 0 && (a->ifa_flags & IFF_RUNNING) != 0;
     i.loopback = (a->ifa_flags & IFF_LOOPBACK) != 0;
     i.numa_node = ReadNumaNode(i.name);
+    i.virtual_interface = !IsDirectory(absl::StrCat("/sys/class/net/", i.name, "/device"));
+    i.bridge = IsDirectory(absl::StrCat("/sys/class/net/", i.name, "/bridge"));
     out.push_back(std::move(i));
   }
   freeifaddrs(list);
@@ -129,24 +137,32 @@ RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_v
                      int count, int numa_node) {
   RailPlan plan;
   uint32_t primary_address = 0;
-  const bool primary_known = ParseIpv4(primary, &primary_address);
-  // The networks in use: the task's own (the interface whose network holds its address), then
-  // each rail taken.
+  if (!ParseIpv4(primary, &primary_address)) {
+    plan.considered.push_back(absl::StrCat(
+        "the task's own address (", primary.empty() ? "none" : std::string(primary),
+        ") is no IPv4 address of this host's: no rails chosen, since its own interface could "
+        "pass for one; list the rails instead"));
+    return plan;
+  }
+  // The networks in use: the task's own (every network that holds its address); and the
+  // interface that has it.
   std::vector<Network> used;
-  std::string primary_interface;
+  std::vector<std::string> own_interfaces;
   for (const NetInterface& i : interfaces) {
     uint32_t address = 0;
-    if (!primary_known || !ParseIpv4(i.address, &address)) continue;
+    if (!ParseIpv4(i.address, &address)) continue;
     const Network n{address & MaskOf(i.prefix_length), MaskOf(i.prefix_length)};
-    if (n.Contains(primary_address)) {
-      used.push_back(n);
-      if (primary_interface.empty()) primary_interface = i.name;
-    }
+    if (n.Contains(primary_address)) used.push_back(n);
+    if (address == primary_address) own_interfaces.push_back(i.name);
   }
+  auto overlaps = [&used](const Network& n) {
+    return std::any_of(used.begin(), used.end(),
+                       [&](const Network& u) { return u.Contains(n.base) || n.Contains(u.base); });
+  };
   struct Candidate {
     const NetInterface* interface;
     Network network;
-    int distance;  // 0: the task's node, 1: unknown, 2: another node
+    int tier;  // 0: on the task's node, 1: node unknown, 2: another node, 3: virtual
   };
   std::vector<Candidate> candidates;
   std::vector<std::string> passed;
@@ -155,46 +171,67 @@ RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_v
     std::string why;
     if (i.loopback) {
       why = "loopback";
+    } else if (i.bridge) {
+      why = "a bridge (its address may be every host's)";
     } else if (!i.up) {
       why = "down";
     } else if (!ParseIpv4(i.address, &address)) {
       why = "no IPv4 address";
-    } else if (!primary_interface.empty() && i.name == primary_interface) {
+    } else if (std::find(own_interfaces.begin(), own_interfaces.end(), i.name) !=
+               own_interfaces.end()) {
       why = "the task's own interface";
-    } else if (std::any_of(used.begin(), used.end(),
-                           [&](const Network& n) { return n.Contains(address); })) {
-      why = "on the network of the task's own address";
     }
+    const Network network{address & MaskOf(i.prefix_length), MaskOf(i.prefix_length)};
+    if (why.empty() && overlaps(network)) why = "on the network of the task's own address";
     if (!why.empty()) {
       passed.push_back(absl::StrCat(Described(i), ": passed over, ", why));
       continue;
     }
-    const int distance = numa_node < 0 || i.numa_node < 0 ? 1 : i.numa_node == numa_node ? 0 : 2;
-    candidates.push_back(
-        {&i, {address & MaskOf(i.prefix_length), MaskOf(i.prefix_length)}, distance});
+    const int tier = i.virtual_interface                ? 3
+                     : numa_node < 0 || i.numa_node < 0 ? 1
+                     : i.numa_node == numa_node         ? 0
+                                                        : 2;
+    candidates.push_back({&i, network, tier});
   }
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const Candidate& a, const Candidate& b) {
-                     if (a.distance != b.distance) return a.distance < b.distance;
+                     if (a.tier != b.tier) return a.tier < b.tier;
                      return a.interface->name < b.interface->name;
                    });
-  for (const Candidate& c : candidates) {
-    const char* where = c.distance == 0   ? ", on the task's NUMA node"
-                        : c.distance == 2 ? ", on another NUMA node"
-                                          : "";
-    std::string verdict;
-    if (std::any_of(used.begin(), used.end(),
-                    [&](const Network& n) { return n.Contains(c.network.base); })) {
-      verdict = "passed over, on the network of a rail taken before it";
-    } else if (static_cast<int>(plan.rails.size()) >= count) {
-      verdict =
+  // Which to take, by rank; then their numbers, by name.
+  std::vector<const NetInterface*> taken_interfaces;
+  std::vector<std::string> verdicts(candidates.size());
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    const Candidate& c = candidates[k];
+    if (std::any_of(taken_interfaces.begin(), taken_interfaces.end(),
+                    [&](const NetInterface* t) { return t->name == c.interface->name; })) {
+      verdicts[k] = "passed over, another address of an interface taken before it";
+    } else if (overlaps(c.network)) {
+      verdicts[k] = "passed over, on the network of a rail taken before it";
+    } else if (static_cast<int>(taken_interfaces.size()) >= count) {
+      verdicts[k] =
           absl::StrCat("passed over, ", count, count == 1 ? " rail" : " rails", " taken before it");
     } else {
-      plan.rails.push_back(c.interface->address);
+      taken_interfaces.push_back(c.interface);
       used.push_back(c.network);
-      verdict = absl::StrCat("rail ", plan.rails.size());
     }
-    plan.considered.push_back(absl::StrCat(Described(*c.interface), ": ", verdict, where));
+  }
+  std::vector<const NetInterface*> numbered = taken_interfaces;
+  std::stable_sort(numbered.begin(), numbered.end(),
+                   [](const NetInterface* a, const NetInterface* b) { return a->name < b->name; });
+  for (const NetInterface* t : numbered) plan.rails.push_back(t->address);
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    const Candidate& c = candidates[k];
+    if (verdicts[k].empty()) {
+      const size_t number =
+          std::find(numbered.begin(), numbered.end(), c.interface) - numbered.begin() + 1;
+      verdicts[k] = absl::StrCat("rail ", number);
+    }
+    const char* where = c.tier == 0   ? ", on the task's NUMA node"
+                        : c.tier == 2 ? ", on another NUMA node"
+                        : c.tier == 3 ? ", virtual"
+                                      : "";
+    plan.considered.push_back(absl::StrCat(Described(*c.interface), ": ", verdicts[k], where));
   }
   for (std::string& p : passed) plan.considered.push_back(std::move(p));
   return plan;

@@ -3,13 +3,16 @@
 //
 // The variable lists the rails (addresses or interface names), or gives a count. For a count the
 // host's interfaces are ranked for the task (ChooseRails): an interface is a candidate when it
-// is up, not loopback, has an IPv4 address, and is on none of the networks already used (the
-// task's own address's first, then each rail taken), so each rail is a network of its own.
-// Candidates on the task's NUMA node come first (a NIC across the socket link reaches the task's
-// memory through it), then those whose node the kernel does not say (virtual interfaces), then
-// the rest, each group by interface name, which hosts built alike share, so that their tasks'
-// lanes pair up rail by rail. Fewer candidates than asked for is not an error: the task runs
-// with the rails there are, and says so.
+// is up, not loopback, not a bridge, has an IPv4 address, and is on none of the networks
+// already used (the task's own address's first, then each rail taken, containment either way),
+// so each rail is a network of its own, one address per interface. Interfaces with a device
+// behind them come first, those on the task's NUMA node before those whose node the kernel
+// does not say and those across the socket link (which reach the task's memory through it),
+// then virtual ones (veth); each group by name. The rails taken are then numbered by interface
+// name, not by rank: lanes pair in order at set-up, and hosts built alike name their NICs
+// alike whichever NUMA node a task runs on. A task whose own address is unknown takes none
+// (its own interface could pass for a rail). Fewer candidates than asked for is not an error:
+// the task runs with the rails there are, and says so.
 //
 // ReadInterfaces and Ipv4Of read the host (getifaddrs, sysfs, DNS); everything else is a pure
 // function, so every rule is testable without the interfaces. Any thread.
@@ -35,6 +38,8 @@ struct NetInterface {
   bool up = false;  // IFF_UP and IFF_RUNNING
   bool loopback = false;
   int numa_node = -1;  // the NIC's, from sysfs; -1 where the kernel does not say
+  bool virtual_interface = false;  // no device behind it in sysfs (veth, tun, dummy, ...)
+  bool bridge = false;             // a bridge (docker0, virbr0, cni0, ...)
 };
 
 // The host's IPv4 interfaces, one entry per address, in the kernel's order.

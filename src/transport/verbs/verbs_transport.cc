@@ -247,6 +247,15 @@ absl::Status VerbsTransport::OpenLanes(
                           absl::StrCat("grpc+verbs: the rail ", rail,
                                        " of TENSORVERBS_RAILS: ", lane.status().message()));
     }
+    const fabric::Capabilities& caps = (*lane)->capabilities();
+    if (caps.backend == "ibverbs" &&
+        std::any_of(lanes.begin(), lanes.end(), [&](const protocol::LaneEnv& l) {
+          return l.domain->capabilities().provider == caps.provider;
+        })) {
+      return absl::InvalidArgumentError(absl::StrCat("grpc+verbs: the rail ", rail,
+                                                     " of TENSORVERBS_RAILS is ", caps.provider,
+                                                     ", which another rail names too"));
+    }
     fabric::Domain* raw = lane->get();
     add_context(protocol::FabricContext::Reach::kLane, *std::move(lane));
     lanes.push_back({raw, (*std::prev(fabrics_.end()))->memory.get(), rail});

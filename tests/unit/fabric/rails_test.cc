@@ -77,9 +77,49 @@ TEST(ChooseRailsTest, EachRailIsANetworkOfItsOwnAndFewerThanAskedIsNoError) {
   EXPECT_TRUE(ChooseRails({Up("eth0", "10.0.0.5", 24, 0)}, "10.0.0.5", 1, 0).rails.empty());
 }
 
-TEST(ChooseRailsTest, AnUnknownOwnAddressLeavesOutLoopbackAndWhatIsDownOnly) {
-  RailPlan plan = ChooseRails(FourRailHost(), "", 3, -1);
-  EXPECT_THAT(plan.rails, ElementsAre("10.0.0.5", "10.4.0.5", "10.1.0.5"));
+TEST(ChooseRailsTest, AnUnknownOwnAddressTakesNoRails) {
+  for (const char* own : {"", "fe80::1", "10.9.9.9x"}) {
+    RailPlan plan = ChooseRails(FourRailHost(), own, 3, -1);
+    EXPECT_TRUE(plan.rails.empty()) << own;
+    ASSERT_EQ(plan.considered.size(), 1u);
+    EXPECT_THAT(plan.considered[0], HasSubstr("no rails chosen"));
+  }
+}
+
+// Lanes pair in order at set-up: two tasks on different NUMA nodes of hosts built alike take
+// the same rails in the same order, whatever their rank.
+TEST(ChooseRailsTest, RailsAreNumberedByNameWhateverTheTasksNode) {
+  const std::vector<NetInterface> host = {Up("eth0", "10.0.0.5", 24, 0),
+                                          Up("nic-b", "10.2.0.5", 24, 1),
+                                          Up("nic-a", "10.1.0.5", 24, 0)};
+  const RailPlan on_node1 = ChooseRails(host, "10.0.0.5", 2, 1);
+  const RailPlan on_node0 = ChooseRails(host, "10.0.0.5", 2, 0);
+  EXPECT_THAT(on_node1.rails, ElementsAre("10.1.0.5", "10.2.0.5"));
+  EXPECT_EQ(on_node0.rails, on_node1.rails);
+  // With one rail, the node decides which.
+  EXPECT_THAT(ChooseRails(host, "10.0.0.5", 1, 1).rails, ElementsAre("10.2.0.5"));
+  EXPECT_THAT(ChooseRails(host, "10.0.0.5", 1, 0).rails, ElementsAre("10.1.0.5"));
+}
+
+TEST(ChooseRailsTest, BridgesNeverVirtualLastOneAddressPerInterface) {
+  NetInterface bridge = Up("docker0", "172.17.0.1", 16, -1);
+  bridge.bridge = true;
+  NetInterface veth = Up("aveth", "10.5.0.5", 24, -1);
+  veth.virtual_interface = true;
+  const std::vector<NetInterface> host = {Up("eth0", "10.0.0.5", 24, 0), bridge, veth,
+                                          Up("ib0", "10.6.0.5", 24, 1),
+                                          Up("ib0", "10.7.0.5", 24, 1)};
+  const RailPlan plan = ChooseRails(host, "10.0.0.5", 3, 0);
+  EXPECT_THAT(plan.rails, ElementsAre("10.5.0.5", "10.6.0.5"));
+  const std::string all = ::testing::PrintToString(plan.considered);
+  EXPECT_THAT(all, HasSubstr("docker0 (172.17.0.1/16, NUMA node unknown): passed over, a bridge"));
+  EXPECT_THAT(all, HasSubstr("ib0 (10.7.0.5/24, NUMA node 1): passed over, another address of "
+                             "an interface taken before it"));
+  EXPECT_THAT(all, HasSubstr("aveth (10.5.0.5/24, NUMA node unknown): rail 1, virtual"));
+  // A wider network holding the task's own is the task's network too.
+  const RailPlan wide =
+      ChooseRails({Up("eth0", "10.0.0.5", 24, 0), Up("eth1", "10.0.9.5", 16, 0)}, "10.0.0.5", 1, 0);
+  EXPECT_TRUE(wide.rails.empty());
 }
 
 TEST(ParseRailsTest, ACountOrAList) {
