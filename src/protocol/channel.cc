@@ -1,6 +1,7 @@
 #include "src/protocol/channel.h"
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 #include <utility>
 
@@ -75,6 +76,14 @@ absl::Status Channel::Init() {
     }
     lanes_.push_back(*std::move(ep));
   }
+  if (!lanes_.empty() && env_->worker != nullptr && env_->worker->recv_allocator != nullptr) {
+    absl::StatusOr<Tensor> words =
+        Tensor::Allocate(env_->worker->recv_allocator, DataType::kUInt64, TensorShape::Of({2}));
+    if (words.ok()) {
+      probe_words_ = *std::move(words);
+      std::memset(probe_words_.data(), 0, probe_words_.TotalBytes());
+    }
+  }
   // With channel keys the peer's slots are registered for this endpoint alone, so no other
   // peer can write control messages into this channel.
   ASSIGN_OR_RETURN(
@@ -91,127 +100,6 @@ absl::StatusOr<fabric::RemoteKey> Channel::OfferKey(const fabric::MemoryRegion& 
     return absl::FailedPreconditionError(absl::StrCat(Describe(), " is closed"));
   }
   return env_->memory->RemoteKeyFor(*endpoint_, region);
-}
-
-size_t Channel::LaneOf(const fabric::Endpoint* endpoint) const {
-  for (size_t i = 0; i < lanes_.size(); ++i) {
-    if (lanes_[i].get() == endpoint) return i + 1;
-  }
-  return 0;
-}
-
-std::vector<fabric::Endpoint*> Channel::FurtherLaneEndpoints() const {
-  std::vector<fabric::Endpoint*> out;
-  for (const auto& ep : lanes_) {
-    if (ep != nullptr) out.push_back(ep.get());
-  }
-  return out;
-}
-
-absl::Status Channel::ConnectLanes(const std::vector<std::string>& peer_addresses) {
-  AssertOwnerThread();
-  size_t n = std::min(peer_addresses.size(), lanes_.size());
-  for (size_t i = 0; i < n; ++i) {
-    if (lanes_[i] == nullptr) return absl::FailedPreconditionError("the channel is closed");
-    if (absl::Status s = lanes_[i]->Connect(peer_addresses[i]); !s.ok()) {
-      // The lanes before it serve: the acceptor lists only the lanes it connected, and the
-      // owner offers keys only on its own, so both ends use the lanes both connected.
-      LaneFailed(i + 1, s);
-      n = i;
-      break;
-    }
-  }
-  lanes_connected_ = n;
-  if (peer_addresses.size() != lanes_.size()) {
-    LOG(INFO) << Describe() << ": task " << peer_task_ << " has " << peer_addresses.size() + 1
-              << " lanes and this task " << lanes_.size() + 1 << "; the channel uses " << n + 1;
-  }
-  return absl::OkStatus();
-}
-
-void Channel::LaneFailed(size_t lane, const absl::Status& status) {
-  LOG(WARNING) << "task " << peer_task_ << ": lane " << lane << " (" << env_->lanes[lane - 1].source
-               << ") cannot serve a channel: " << status.message()
-               << "; the channel goes on with the lanes before it";
-  if (env_->channels != nullptr) {
-    env_->channels->NoteLaneFailed(peer_task_, lane, absl::Now(), env_->transfer.peer_timeout);
-  }
-}
-
-std::vector<fabric::Endpoint*> Channel::AgreedLaneEndpoints() const {
-  std::vector<fabric::Endpoint*> out;
-  for (size_t i = 0; i < lanes_connected_ && i < lanes_.size(); ++i) out.push_back(lanes_[i].get());
-  return out;
-}
-
-absl::StatusOr<fabric::RemoteKey> Channel::OfferLaneKey(size_t lane, const void* addr,
-                                                        uint64_t bytes) {
-  if (lane == 0 || lane > lanes_connected_ || lanes_[lane - 1] == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat(Describe(), " has no lane ", lane));
-  }
-  const fabric::MemoryRegion* region = LaneRegion(lane, addr, bytes);
-  if (region == nullptr) {
-    return absl::NotFoundError(absl::StrCat("lane ", lane, " has no registration of the memory"));
-  }
-  return env_->lanes[lane - 1].memory->RemoteKeyFor(*lanes_[lane - 1], *region);
-}
-
-const fabric::MemoryRegion* Channel::LaneRegion(size_t lane, const void* addr,
-                                                uint64_t bytes) const {
-  RdmaMemoryMgr* memory = env_->lanes[lane - 1].memory;
-  if (memory == nullptr) return nullptr;
-  absl::StatusOr<const fabric::MemoryRegion*> region = memory->FindRegistered(addr, bytes);
-  return region.ok() ? *region : nullptr;
-}
-
-void Channel::CheckLanes(absl::Time now) {
-  if (receiving_ == nullptr || lanes_connected_ == 0 || state_ != State::kReady) return;
-  const absl::Duration limit = env_->transfer.peer_timeout;
-  const size_t lane = receiving_->StalledLane(now, limit);
-  if (lane == 0) return;
-  TakeLanesOut(lane,
-               absl::UnavailableError(absl::StrCat(
-                   "lane ", lane, " (", env_->lanes[lane - 1].source, ") of the channel from task ",
-                   peer_task_, " brought nothing for ", absl::FormatDuration(limit),
-                   " while a tensor's segments were due on it: its link is down or lost "
-                   "them")));
-}
-
-void Channel::TakeLanesOut(size_t lane, const absl::Status& why) {
-  AssertOwnerThread();
-  if (state_ == State::kClosed || !closing_.ok() || lane == 0 || lane > lanes_connected_) return;
-  const size_t had = lanes_connected_;
-  lanes_connected_ = lane - 1;
-  env_->stats->lanes_taken_out.fetch_add(1, std::memory_order_relaxed);
-  if (env_->channels != nullptr) {
-    env_->channels->NoteLaneFailed(peer_task_, lane, absl::Now(), env_->transfer.peer_timeout);
-  }
-  LOG(WARNING) << Describe() << ": " << why.message() << "; lane " << lane
-               << (had > lane ? " and the lanes after it are" : " is") << " taken out and the "
-               << "channel goes on over "
-               << (lane == 1 ? "lane 0 alone" : absl::StrCat("lanes 0 to ", lane - 1));
-  if (receiving_ == nullptr) return;
-  // Nothing lands over these lanes any more: a link that comes back must not deliver a write
-  // into memory that moved on. The receiver posts nothing on them, so nothing waits on them.
-  for (size_t i = lane - 1; i < lanes_.size(); ++i) {
-    if (lanes_[i] == nullptr) continue;
-    if (env_->lanes[i].memory != nullptr) env_->lanes[i].memory->DropEndpoint(lanes_[i].get());
-    lanes_[i].reset();
-  }
-  std::vector<Tensor> memory;
-  receiving_->EndStripedOver(lane, why, &memory);
-  if (!memory.empty()) {
-    // The lanes that stay may still bring those tensors' other segments.
-    env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine());
-  }
-}
-
-absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> Channel::RegisterLaneSource(size_t lane,
-                                                                                  const void* addr,
-                                                                                  uint64_t bytes) {
-  RdmaMemoryMgr* memory = env_->lanes[lane - 1].memory;
-  if (memory == nullptr) return absl::FailedPreconditionError("the lane's registrations are gone");
-  return memory->RegisterSource(addr, bytes);
 }
 
 absl::Status Channel::Connect(const std::string& peer_address, uint64_t rx_addr, std::string rx_key,
@@ -284,6 +172,11 @@ void Channel::Reap() {
 void Channel::OnCompletion(const fabric::Completion& c) {
   AssertOwnerThread();
   if (state_ == State::kClosed) return;
+  if (c.endpoint != endpoint_.get() && LaneOf(c.endpoint) == 0) {
+    // Of a lane endpoint this channel let go (TakeLanesOut) earlier in the batch.
+    env_->stats->dropped_imms.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   if (!c.status.ok()) {
     // Running out of memory here (a fabric mapping the peer's memory) is this task's trouble,
     // not the peer's, and keeps its code; anything else means the link is gone.
@@ -337,6 +230,20 @@ void Channel::OnCompletion(const fabric::Completion& c) {
         if (absl::Status s = mb_->OnAck(AckCount(c.imm)); !s.ok()) Close(MessagesFailed(s));
         return;
       case ImmKind::kRequest:
+        if (!lanes_.empty()) {
+          if (const size_t lane = LaneOf(c.endpoint); lane > 0 && c.imm == kImmLaneProbe) {
+            OnLaneProbe(lane);
+            return;
+          }
+          if (const size_t down = LaneDownOf(c.imm);
+              down > 0 && receiving_ != nullptr && c.endpoint == endpoint_.get()) {
+            TakeLanesOut(down, absl::UnavailableError(absl::StrCat(
+                                   "a content write of task ", peer_task_, " over lane ", down,
+                                   " (", env_->lanes[std::min(down, lanes_.size()) - 1].source,
+                                   " at this end) failed there")));
+            return;
+          }
+        }
         // On the receiver, content for a request; on a grpc+gdr sender, a released tensor.
         if (receiving_ != nullptr) {
           size_t lane = 0;

@@ -143,6 +143,27 @@ class Channel {
   size_t LaneOf(const fabric::Endpoint* endpoint) const;
   // Receiver: when content last came over lane `lane` (InfinitePast: never).
   absl::Time LaneHeard(size_t lane) const { return lane_heard_[lane]; }
+  // Probes. A further lane carries a tensor's segments only once it proved itself: the owner,
+  // connected, writes a probe over it into the acceptor's probe word (ProbeLanes), and the
+  // acceptor writes it back over the same lane into the owner's; a lane counts for striping
+  // once its echo came (striping_lanes). A lane whose link is down, or that came back from a
+  // failure (ChannelTable::NoteLaneFailed) still broken, never carries a tensor to lose; a
+  // probe whose write fails takes the lane out (TakeLanesOut).
+  struct LaneProbe {
+    uint64_t addr = 0;
+    fabric::RemoteKey key;
+  };
+  // This end's probe word for lane `lane` >= 1, which the peer writes (ChannelEnd.lanes);
+  // NotFound when the lane's domain cannot reach it (the lane then never stripes).
+  absl::StatusOr<LaneProbe> LaneProbeTarget(size_t lane);
+  // The peer's probe words, lane 1 first (from its ChannelEnd; an empty key: none).
+  void SetPeerLaneProbes(std::vector<LaneProbe> probes) { peer_probes_ = std::move(probes); }
+  // Owner, once connected: writes a probe over each connected further lane.
+  void ProbeLanes();
+  // Owner: the lanes a tensor may be spread over: lane 0, then the further lanes, in order,
+  // whose probe came back.
+  size_t striping_lanes() const;
+
   // Housekeeping, receiver: a further lane that owes segments of a tensor that began to land
   // and was silent for the peer timeout is taken out (TakeLanesOut), naming it.
   void CheckLanes(absl::Time now);
@@ -271,6 +292,12 @@ class Channel {
   // Lane `lane` cannot serve this channel (no endpoint, no connection): logs it and notes it
   // in the table, so the channels with this peer leave it out for a while.
   void LaneFailed(size_t lane, const absl::Status& status);
+  // A probe immediate came over further lane `lane`: the owner counts the lane proven, the
+  // acceptor writes it back.
+  void OnLaneProbe(size_t lane);
+  // Writes the probe immediate over lane `lane` into the peer's probe word; a failure to post
+  // takes the lane out.
+  void PostLaneProbe(size_t lane);
   void OnControlMessage();
   void HandleMessage(Message& m);
 
@@ -303,6 +330,11 @@ class Channel {
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::vector<std::unique_ptr<fabric::Endpoint>> lanes_;  // lanes 1.., one per env_->lanes
   size_t lanes_connected_ = 0;
+  // Probes: this end's probe words (16 bytes of the pool: the word the peer writes, then the
+  // source of this end's writes), the peer's, and which lanes' echoes came (owner).
+  Tensor probe_words_;
+  std::vector<LaneProbe> peer_probes_;
+  std::array<bool, kMaxLanes> lane_probed_ = {};
   std::array<absl::Time, kMaxLanes> lane_heard_ = MakeLaneHeard();
   static std::array<absl::Time, kMaxLanes> MakeLaneHeard() {
     std::array<absl::Time, kMaxLanes> never;

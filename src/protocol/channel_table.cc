@@ -129,7 +129,7 @@ void ChannelTable::NoteLaneFailed(const std::string& task, size_t lane, absl::Ti
   LOG(WARNING) << "lane " << lane << " of the channels with task " << task
                << " failed; they keep to " << limit.further_lanes + 1 << " lane"
                << (limit.further_lanes == 0 ? "" : "s") << " for "
-               << absl::FormatDuration(limit.backoff) << ", then try every lane again";
+               << absl::FormatDuration(limit.backoff) << ", then probe every lane again";
 }
 
 size_t ChannelTable::FurtherLanesFor(const std::string& task, size_t lanes, absl::Time now) const {

@@ -73,6 +73,11 @@ class ChannelTable {
 
   // Hands a completion to the channel of its endpoint.
   void Dispatch(const fabric::Completion& c);
+  // A channel let go of `endpoint` (a lane it took out): its completions go nowhere from now on,
+  // and a new endpoint at the same address maps to its own channel.
+  void ForgetEndpoint(const fabric::Endpoint* endpoint) {
+    by_endpoint_.erase(const_cast<fabric::Endpoint*>(endpoint));
+  }
   // Lane `lane` (>= 1) of a channel with `task` failed at `now`: the channels set up with it
   // for a while keep to the lanes before it (both ends agree on as many as both list), from
   // twice `base` after a first failure, doubling on each repeat while it keeps failing, up to

@@ -21,6 +21,7 @@
 #include "absl/types/span.h"
 #include "src/fabric/fabric.h"
 #include "src/fabric/rails.h"
+#include "src/protocol/imm.h"
 #include "tensorverbs/parsed_key.h"
 #include "tensorverbs/tensor_shape.h"
 #include "tensorverbs/types.h"
@@ -50,6 +51,7 @@ inline constexpr uint64_t kMaxContentSegments = 16384;
 // more, each over a device or interface of its own): a REQUEST carries a key per further lane.
 inline constexpr size_t kMaxLanes = 4;
 static_assert(kMaxLanes - 1 == fabric::kMaxRails);
+static_assert(kMaxLanes - 1 <= kMaxLaneDown, "a lane-down immediate per further lane");
 
 enum class MessageType : uint8_t {
   kTensorRequest = 1,     // receiver -> sender

@@ -16,7 +16,7 @@ namespace tensorverbs::protocol {
 namespace {
 
 // An owner lists every lane it made; an acceptor, answering, the lanes it connected.
-void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
+void FillEnd(Channel& channel, proto::ChannelEnd* end) {
   end->set_endpoint_address(channel.endpoint()->LocalAddress());
   end->set_rx_addr(channel.message_buffer()->rx_addr());
   end->set_rx_key(channel.message_buffer()->rx_key());
@@ -30,7 +30,24 @@ void FillEnd(const Channel& channel, proto::ChannelEnd* end) {
     proto::LaneEnd* lane = end->add_lanes();
     lane->set_endpoint_address(lanes[i]->LocalAddress());
     lane->set_source(channel.env()->lanes[i].source);
+    if (absl::StatusOr<Channel::LaneProbe> probe = channel.LaneProbeTarget(i + 1); probe.ok()) {
+      lane->set_probe_addr(probe->addr);
+      lane->set_probe_key(std::string(probe->key.view()));
+    }
   }
+}
+
+// The peer's probe words, lane 1 first (an empty key where it gave none).
+std::vector<Channel::LaneProbe> LaneProbes(const proto::ChannelEnd& end) {
+  std::vector<Channel::LaneProbe> out;
+  for (const proto::LaneEnd& lane : end.lanes()) {
+    if (out.size() + 1 >= kMaxLanes) break;
+    Channel::LaneProbe p;
+    p.addr = lane.probe_addr();
+    if (lane.probe_key().size() <= fabric::RemoteKey::kCapacity) p.key = lane.probe_key();
+    out.push_back(std::move(p));
+  }
+  return out;
 }
 
 // The peer's further lanes' addresses, at most kMaxLanes - 1 of them.
@@ -208,6 +225,10 @@ void PeerChannels::OnConnectAnswer(uint64_t id, absl::StatusOr<proto::ConnectRes
         result = channel->Connect(r.end().endpoint_address(), r.end().rx_addr(), r.end().rx_key(),
                                   static_cast<int>(r.end().rx_slots()), r.incarnation());
       }
+      if (result.ok()) {
+        channel->SetPeerLaneProbes(LaneProbes(r.end()));
+        channel->ProbeLanes();
+      }
       if (!result.ok()) {
         result = absl::UnavailableError(absl::StrCat("connecting the grpc+verbs channel to task ",
                                                      task, " failed: ", result.message()));
@@ -310,6 +331,7 @@ absl::Status PeerChannels::Accept(const proto::ConnectRequest& request,
   RETURN_IF_ERROR(channel->Init());
   const proto::ChannelEnd& end = request.end();
   absl::Status s = channel->ConnectLanes(LaneAddresses(end));
+  channel->SetPeerLaneProbes(LaneProbes(end));
   if (s.ok()) {
     s = channel->Connect(end.endpoint_address(), end.rx_addr(), end.rx_key(),
                          static_cast<int>(end.rx_slots()), request.incarnation());

@@ -445,6 +445,11 @@ size_t ReceivingSide::StalledLane(absl::Time now, absl::Duration limit) {
       striping_.erase(it++);  // landed whole, ended, or the record went
       continue;
     }
+    if (lane >= channel_->lanes()) {
+      // Taken out already: the recv ended then, and its sender's answer ends the record.
+      striping_.erase(it++);
+      continue;
+    }
     if (now - std::max(began, channel_->LaneHeard(lane)) > limit) return lane;
     ++it;
   }
@@ -453,10 +458,21 @@ size_t ReceivingSide::StalledLane(absl::Time now, absl::Duration limit) {
 
 void ReceivingSide::EndStripedOver(size_t lane, const absl::Status& status,
                                    std::vector<Tensor>* memory) {
+  using RequestState = RdmaTensorRequest::State;
   std::vector<uint32_t> ended;
-  for (uint32_t index : striping_) {
-    auto it = requests_.find(index);
-    if (it != requests_.end() && it->second->LandingOver(lane)) ended.push_back(index);
+  for (auto& [index, r] : requests_) {
+    if (!r->StripedOver(lane) ||
+        (r->state() != RequestState::kRequested && r->state() != RequestState::kReRequested)) {
+      continue;
+    }
+    if (r->LandingOver(lane)) {
+      ended.push_back(index);
+    } else {
+      // Nothing landed yet: the sender may write it over the lanes that stay much later (its
+      // tensor is not ready), so the destination stays with the record until the sender
+      // answers: the content, or ERROR_STATUS once its write over this lane failed.
+      r->Fail(status);
+    }
   }
   for (uint32_t index : ended) {
     striping_.erase(index);

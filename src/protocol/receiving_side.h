@@ -71,12 +71,12 @@ class ReceivingSide {
   // lane, else 0. Its writes were taken by the sender's kernel and are lost in a link that went
   // down under them, which the sender cannot see (its writes completed).
   size_t StalledLane(absl::Time now, absl::Duration limit);
-  // Lane `lane` and those after it were taken out of the channel (Channel::TakeLanesOut): the
-  // recvs whose content was landing over them end with `status`, and their destinations, which
-  // the lanes that stay may still write, go to `*memory`. A request that was given a key for
-  // such a lane but has seen nothing land waits for its sender's answer, as an ended recv does:
-  // the content over the lanes that stay, or ERROR_STATUS once a write over a lane taken out
-  // failed there.
+  // Lane `lane` and those after it were taken out of the channel (Channel::TakeLanesOut): every
+  // recv that was given a key for such a lane ends with `status`. Those whose content was
+  // landing over them finish, and their destinations, which the lanes that stay may still
+  // write, go to `*memory`; one that has seen nothing land keeps its record and destination
+  // until its sender answers, as an ended recv does: the content over the lanes that stay, or
+  // ERROR_STATUS once a write over a lane taken out failed there.
   void EndStripedOver(size_t lane, const absl::Status& status, std::vector<Tensor>* memory);
   void OnReadDone(uint32_t index);  // one of a pull's reads completed
 

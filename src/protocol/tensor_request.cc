@@ -194,7 +194,7 @@ bool RdmaTensorRequest::AskForProgressSegments(Message& m) {
 }
 
 void RdmaTensorRequest::AskForStripes(Message& m) {
-  const size_t lanes = channel_->lanes();
+  const size_t lanes = channel_->striping_lanes();  // those whose probe came back
   const uint64_t threshold = channel_->env()->options.stripe_bytes;
   const uint64_t bytes = meta_.tensor_bytes;
   // A recv told of its progress (on_landed_) takes its segments as landed prefixes, in order,

@@ -141,8 +141,9 @@ class RdmaTensorRequest {
   bool LandingOver(size_t lane) const {
     return stripe_lanes_ > lane && stripes_began_ != absl::InfinitePast() && segments_left_ > 0;
   }
-  // Whether the content was asked for over several lanes.
+  // Whether the content was asked for over several lanes, and over lane `lane` among them.
   bool striped() const { return stripe_lanes_ > 1; }
+  bool StripedOver(size_t lane) const { return stripe_lanes_ > lane; }
   // One content segment but the last landed.
   void RecvSegment();
   // Deregisters what was registered for this recv alone: before the record's memory goes.

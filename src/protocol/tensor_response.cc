@@ -9,6 +9,7 @@
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
+#include "src/protocol/channel_table.h"
 #include "src/protocol/local_tensor_inbox.h"
 #include "src/protocol/sending_side.h"
 #include "src/protocol/transfer_modes.h"
@@ -47,8 +48,9 @@ constexpr StateRow<State, Event> kResponseRows[] = {
      "count the tensor sent (ERROR_STATUS when a part failed to stage or a write over a "
      "lane failed)"},
     {State::kWriting, Event::kWriteRefused,
-     "the destination or its segments cannot be written, or a part failed to stage", State::kDone,
-     "ERROR_STATUS"},
+     "the destination or its segments cannot be written, a part failed to stage, or a lane "
+     "went with no write in flight",
+     State::kDone, "ERROR_STATUS"},
     {State::kWriting, Event::kCancel, "", State::kDone, "let go of the tensor"},
 };
 
@@ -389,6 +391,13 @@ void RdmaTensorResponse::PostStagedWrites() {
     const bool imm_at_end = write_segment_ > 0 || end == total;
     // Segments go round the lanes; the receiver counts them whichever lane they came by.
     const size_t lane = lanes_.size() > 1 ? (start / unit) % lanes_.size() : 0;
+    if (lane > 0 && lane >= channel_->lanes()) {
+      // Taken out since the tensor chose its lanes (staging in chunks posts as parts arrive).
+      lane_error_ = absl::UnavailableError(
+          absl::StrCat("lane ", lane, " to task ", channel_->peer_task(),
+                       " was taken out while the tensor was being written over it"));
+      break;
+    }
     const LaneTarget& to = lanes_[lane];
     int posted = 0;
     std::tie(posted, s) = PostInPieces(end - start, [&](uint64_t offset, uint64_t len, bool last) {
@@ -403,6 +412,21 @@ void RdmaTensorResponse::PostStagedWrites() {
                                                            std::memory_order_relaxed);
     }
     if (s.ok()) posted_ = end;
+    if (!s.ok() && lane > 0) {
+      // A further lane refused the post (an ibverbs queue pair in error after a failed write):
+      // the lane goes, and the tensor fails as for a write that failed over it.
+      lane_error_ = absl::UnavailableError(absl::StrCat("a content write to task ",
+                                                        channel_->peer_task(), " over lane ", lane,
+                                                        " could not be posted: ", s.message()));
+      channel_->TakeLanesOut(lane, lane_error_);
+      s = absl::OkStatus();
+      break;
+    }
+  }
+  if (!lane_error_.ok()) {
+    // Once the writes already posted are done, OnWriteDone answers; if none are, now.
+    if (writes_left_ == 0) SendError(lane_error_, Event::kWriteRefused);
+    return;
   }
   if (s.ok()) return;
   if (writes_left_ > 0 || posted_ > 0) {
@@ -420,6 +444,9 @@ void RdmaTensorResponse::PostStagedWrites() {
 
 bool RdmaTensorResponse::TakeLanded() {
   writes_left_ = 1;  // the rest are the fabric's word on writes whose bytes already landed
+  // Every segment landed, so a failure still to be reported was of a write that landed anyway:
+  // the receiver took the index for a new request, which must not hear of it.
+  lane_error_ = absl::OkStatus();
   return OnWriteDone();
 }
 

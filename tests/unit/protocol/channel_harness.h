@@ -296,7 +296,23 @@ class ChannelTest : public ::testing::Test {
     ASSERT_EQ(a.lanes(), 2u);
     owner_.lane_endpoint = o.lane_endpoint(1);
     acceptor_.lane_endpoint = a.lane_endpoint(1);
+    // And each end's probe word, then the owner's probe, whose echo makes lane 1 carry stripes.
+    auto probes = [](Channel& c) {
+      std::vector<Channel::LaneProbe> out;
+      absl::StatusOr<Channel::LaneProbe> p = c.LaneProbeTarget(1);
+      EXPECT_TRUE(p.ok()) << p.status();
+      out.push_back(p.ok() ? *p : Channel::LaneProbe());
+      return out;
+    };
+    a.SetPeerLaneProbes(probes(o));
+    o.SetPeerLaneProbes(probes(a));
+    o.ProbeLanes();
+    if (wait_for_probes_) {
+      ASSERT_TRUE(Pump([&] { return o.striping_lanes() == 2; })) << "lane 1's probe came back";
+    }
   }
+  // Whether ConnectChannels waits for lane 1's probe to come back.
+  bool wait_for_probes_ = true;
 
   void TearDown() override {
     // Completions for a channel's endpoint always reach that channel.

@@ -65,12 +65,20 @@ TEST(RequestIndexAllocator, LongRunsCycleThroughTheWholeSpace) {
 }
 
 TEST(RequestIndexAllocator, FullSpaceNeverHandsOutReservedImmediates) {
-  RequestIndexAllocator a;  // 0 .. kMaxRequestIndex
+  RequestIndexAllocator a;  // 0 .. kMaxRequestIndex - 4
   for (int i = 0; i < 1000; ++i) {
     uint32_t x = *a.Allocate();
-    ASSERT_LE(x, kMaxRequestIndex);
+    ASSERT_LT(x, kMaxRequestIndex);
     ASSERT_TRUE(a.Release(x));
   }
+  // The top request indexes are the lanes' probe and lane-down signals: never a request's.
+  EXPECT_EQ(kImmLaneProbe, kMaxRequestIndex);
+  EXPECT_EQ(a.limit(), uint64_t{LaneDownImm(kMaxLaneDown)});
+  for (size_t lane = 1; lane <= kMaxLaneDown; ++lane) {
+    EXPECT_EQ(LaneDownOf(LaneDownImm(lane)), lane);
+  }
+  EXPECT_EQ(LaneDownOf(kImmLaneProbe), 0u);
+  EXPECT_EQ(LaneDownOf(LaneDownImm(kMaxLaneDown) - 1), 0u) << "a request index";
 }
 
 }  // namespace

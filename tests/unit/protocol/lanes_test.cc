@@ -1,6 +1,7 @@
 // A channel with a second lane (channel_harness.h's AddLane: a loopback domain per lane on each
 // side, as VerbsTransport opens one per rail): a large tensor is spread over both lanes and
-// lands whole, and a lane that fails is taken out while the channel goes on over lane 0. Two
+// lands whole once the lane's probe came back, a lane whose probe does not never carries one,
+// and a lane that fails is taken out while the channel goes on over lane 0. Two
 // ways a lane fails: the receiver hears nothing over it while segments are due (a link that
 // went down under writes the sender's kernel had taken), or a write over it fails at the
 // sender. Either way the tensor that was landing ends once with an error naming the lane,
@@ -51,7 +52,7 @@ class LaneTest : public ChannelTest {
   static void ExpectEndedNamingTheLane(const RecvOutcome& out, absl::string_view why) {
     EXPECT_EQ(out.calls, 1);
     EXPECT_EQ(out.status.code(), absl::StatusCode::kUnavailable) << out.status;
-    EXPECT_THAT(std::string(out.status.message()), HasSubstr("lane 1 (loopback lane)"));
+    EXPECT_THAT(std::string(out.status.message()), HasSubstr("lane 1 (loopback lane"));
     EXPECT_THAT(std::string(out.status.message()), HasSubstr(why));
   }
 
@@ -86,6 +87,44 @@ TEST_F(LaneTest, ALargeTensorIsSpreadOverBothLanesAndLandsWhole) {
   EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[0]) +
                 Get(acceptor_.channel->counters().lane_bytes_sent[1]),
             static_cast<int64_t>(sent_.TotalBytes()));
+}
+
+// A lane whose probe never comes back (its link was down when the channel was made) carries
+// no tensor: the large one goes over lane 0 alone and arrives whole.
+class UnprobedLaneTest : public LaneTest {
+ protected:
+  bool ConnectOnSetUp() const override { return false; }
+};
+
+TEST_F(UnprobedLaneTest, ALaneWhoseProbeDoesNotComeBackCarriesNoTensor) {
+  fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
+  wait_for_probes_ = false;
+  ASSERT_NO_FATAL_FAILURE(ConnectChannels());
+  Settle();
+  EXPECT_EQ(owner_.channel->lanes(), 2u);
+  EXPECT_EQ(owner_.channel->striping_lanes(), 1u) << "no echo came over lane 1";
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("unprobed"), 0.25f);
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*out));
+  EXPECT_EQ(Get(owner_.stats.striped_requests), 0);
+  EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), 0);
+}
+
+// A probe that cannot be written (the peer's probe word refused on lane 1) takes the lane out
+// at once.
+TEST_F(UnprobedLaneTest, AProbeWhoseWriteFailsTakesTheLaneOut) {
+  fabric::loopback::SetFaults(owner_.lane_domain.get(), {.error_completion_nth = 1});
+  wait_for_probes_ = false;
+  ASSERT_NO_FATAL_FAILURE(ConnectChannels());
+  Settle();
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(owner_.channel->lanes(), 1u);
+  EXPECT_EQ(Get(owner_.stats.lanes_taken_out), 1);
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("unprobed"), 0.75f);
+  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*out));
 }
 
 // kReRequested --LaneLost--> kDone: the first tensor of a key takes the meta-data round trip,
@@ -145,23 +184,60 @@ TEST_F(LaneTest, ALaneThatFallsSilentAfterServingIsTakenOutMidTensor) {
   ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
 }
 
+// A recv given a key for the lane that fails, whose tensor the sender does not hold yet, ends
+// at once with the others; its record keeps the destination until the sender answers, which it
+// does with ERROR_STATUS when its write over the lane the receiver dropped fails.
+TEST_F(LaneTest, ARecvNotYetLandingEndsAtOnceAndItsRecordWaitsForItsSender) {
+  std::shared_ptr<RecvOutcome> first = SendAndRecv(1, Key("waiting"), 1.0f);
+  ASSERT_TRUE(Pump([&] { return first->calls > 0; }));
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*first));
+
+  fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
+  // Its meta-data cached, the recv names its destination and lane keys at once; the sender
+  // has no tensor for it yet.
+  std::shared_ptr<RecvOutcome> waiting = StartRecv(2, Key("waiting"));
+  const int64_t lane0 = Get(owner_.channel->counters().lane_segments_received[0]);
+  std::shared_ptr<RecvOutcome> landing = SendAndRecv(2, Key("landing"), 2.0f);
+  ASSERT_TRUE(
+      Pump([&] { return Get(owner_.channel->counters().lane_segments_received[0]) > lane0; }));
+  Settle();
+  CheckLanesLater();
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*landing, "brought nothing"));
+  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*waiting, "brought nothing"));
+  EXPECT_EQ(owner_.channel->receiving()->held_indexes(), 1u) << "the waiting recv's record";
+  EXPECT_EQ(QuarantinedAtOwner(), 1u) << "the landing one's destination";
+
+  // Its tensor comes: the sender's write over lane 1 fails, and its ERROR_STATUS ends the record.
+  Send(2, Key("waiting"), Floats(&acceptor_.pool, kLaneFloats, 3.0f));
+  ASSERT_TRUE(Pump([&] { return owner_.channel->receiving()->held_indexes() == 0; }));
+  Settle();
+  EXPECT_EQ(waiting->calls, 1) << "ended once";
+  EXPECT_EQ(acceptor_.channel->lanes(), 1u);
+  EXPECT_EQ(QuarantinedAtOwner(), 2u);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
+}
+
 // The sender sees a write over lane 1 fail (an error completion, as a queue pair whose port went
-// down reports): it takes the lane out, and once its other writes are done the receiver hears
-// ERROR_STATUS naming the lane. The receiver, which saw nothing wrong, still offers lane 1; the
-// sender keeps to lane 0.
+// down reports): it takes the lane out and tells the receiver over lane 0, and once its other
+// writes are done the receiver hears ERROR_STATUS naming the lane. Both keep to lane 0.
 TEST_F(LaneTest, AWriteThatFailsOverALaneEndsThatTensorAndTheSenderKeepsToLaneZero) {
   fabric::loopback::SetFaults(acceptor_.lane_domain.get(), {.error_completion_nth = 1});
   std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("refused"), 1.0f);
   ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
   Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*out, "a content write to task"));
+  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*out, "failed there"));
   EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
   EXPECT_EQ(acceptor_.channel->lanes(), 1u);
   EXPECT_EQ(Get(acceptor_.stats.lanes_taken_out), 1);
   EXPECT_EQ(Get(acceptor_.channel->counters().errors_sent), 1);
   EXPECT_EQ(acceptor_.channel->sending()->responses(), 0u);
   EXPECT_EQ(QuarantinedAtOwner(), 1u) << "lane 0's segments may be behind the ERROR_STATUS";
-  EXPECT_EQ(owner_.channel->lanes(), 2u);
+  // The sender said so over lane 0: the receiver took the lane out too.
+  EXPECT_EQ(owner_.channel->lanes(), 1u);
+  EXPECT_EQ(Get(owner_.stats.lanes_taken_out), 1);
 
   const int64_t lane1_before = Get(acceptor_.channel->counters().lane_bytes_sent[1]);
   std::shared_ptr<RecvOutcome> next = SendAndRecv(2, Key("refused"), 2.0f);
@@ -169,9 +245,7 @@ TEST_F(LaneTest, AWriteThatFailsOverALaneEndsThatTensorAndTheSenderKeepsToLaneZe
   Settle();
   ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
   EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), lane1_before);
-  // The receiver's stall check does not blame lane 1 for segments the sender sent over lane 0.
-  CheckLanesLater();
-  EXPECT_EQ(owner_.channel->lanes(), 2u);
+  EXPECT_EQ(Get(owner_.stats.striped_requests), 1) << "the second asked for lane 0 alone";
   EXPECT_EQ(Get(owner_.stats.channel_errors), 0);
   EXPECT_EQ(Get(acceptor_.stats.channel_errors), 0);
 }
