@@ -49,6 +49,14 @@ class LaneTest : public ChannelTest {
     EXPECT_EQ(std::memcmp(out.tensor.data(), sent_.data(), sent_.TotalBytes()), 0);
   }
 
+  // Sends and receives a tensor of `key`, which must arrive whole.
+  void TransferWhole(int64_t step, const ParsedKey& key, float scale) {
+    std::shared_ptr<RecvOutcome> out = SendAndRecv(step, key, scale);
+    ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
+    Settle();
+    ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*out));
+  }
+
   static void ExpectEndedNamingTheLane(const RecvOutcome& out, absl::string_view why) {
     EXPECT_EQ(out.calls, 1);
     EXPECT_EQ(out.status.code(), absl::StatusCode::kUnavailable) << out.status;
@@ -76,10 +84,7 @@ class LaneTest : public ChannelTest {
 };
 
 TEST_F(LaneTest, ALargeTensorIsSpreadOverBothLanesAndLandsWhole) {
-  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("spread"), 0.5f);
-  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*out));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("spread"), 0.5f));
   EXPECT_EQ(Get(owner_.stats.striped_requests), 1);
   EXPECT_GT(Get(owner_.channel->counters().lane_segments_received[0]), 0);
   EXPECT_GT(Get(owner_.channel->counters().lane_segments_received[1]), 0);
@@ -103,10 +108,7 @@ TEST_F(UnprobedLaneTest, ALaneWhoseProbeDoesNotComeBackCarriesNoTensor) {
   Settle();
   EXPECT_EQ(owner_.channel->lanes(), 2u);
   EXPECT_EQ(owner_.channel->striping_lanes(), 1u) << "no echo came over lane 1";
-  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("unprobed"), 0.25f);
-  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*out));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("unprobed"), 0.25f));
   EXPECT_EQ(Get(owner_.stats.striped_requests), 0);
   EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), 0);
 }
@@ -121,10 +123,7 @@ TEST_F(UnprobedLaneTest, AProbeWhoseWriteFailsTakesTheLaneOut) {
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
   EXPECT_EQ(owner_.channel->lanes(), 1u);
   EXPECT_EQ(Get(owner_.stats.lanes_taken_out), 1);
-  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("unprobed"), 0.75f);
-  ASSERT_TRUE(Pump([&] { return out->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*out));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("unprobed"), 0.75f));
 }
 
 // kReRequested --LaneLost--> kDone: the first tensor of a key takes the meta-data round trip,
@@ -148,10 +147,7 @@ TEST_F(LaneTest, ALaneSilentWhileSegmentsAreDueIsTakenOutAndTheChannelGoesOn) {
 
   // The next tensor asks for lane 0 alone, and arrives whole over the same channel.
   const int64_t lane1_before = Get(acceptor_.channel->counters().lane_bytes_sent[1]);
-  std::shared_ptr<RecvOutcome> next = SendAndRecv(2, Key("silent"), 2.5f);
-  ASSERT_TRUE(Pump([&] { return next->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(2, Key("silent"), 2.5f));
   EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), lane1_before);
   EXPECT_EQ(Get(owner_.stats.channel_errors), 0);
   EXPECT_EQ(Get(acceptor_.stats.channel_errors), 0);
@@ -160,10 +156,7 @@ TEST_F(LaneTest, ALaneSilentWhileSegmentsAreDueIsTakenOutAndTheChannelGoesOn) {
 // kRequested --LaneLost--> kDone: with the meta-data cached, REQUEST names the destination and
 // its keys at once.
 TEST_F(LaneTest, ALaneThatFallsSilentAfterServingIsTakenOutMidTensor) {
-  std::shared_ptr<RecvOutcome> first = SendAndRecv(1, Key("later"), 1.0f);
-  ASSERT_TRUE(Pump([&] { return first->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*first));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("later"), 1.0f));
   EXPECT_GT(Get(owner_.channel->counters().lane_segments_received[1]), 0);
 
   fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
@@ -178,20 +171,14 @@ TEST_F(LaneTest, ALaneThatFallsSilentAfterServingIsTakenOutMidTensor) {
   EXPECT_TRUE(TookLaneRow(LaneState::kRequested, LaneEvent::kLaneLost, LaneState::kDone));
   EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
 
-  std::shared_ptr<RecvOutcome> next = SendAndRecv(3, Key("later"), 4.0f);
-  ASSERT_TRUE(Pump([&] { return next->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(3, Key("later"), 4.0f));
 }
 
 // A recv given a key for the lane that fails, whose tensor the sender does not hold yet, ends
 // at once with the others; its record keeps the destination until the sender answers, which it
 // does with ERROR_STATUS when its write over the lane the receiver dropped fails.
 TEST_F(LaneTest, ARecvNotYetLandingEndsAtOnceAndItsRecordWaitsForItsSender) {
-  std::shared_ptr<RecvOutcome> first = SendAndRecv(1, Key("waiting"), 1.0f);
-  ASSERT_TRUE(Pump([&] { return first->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*first));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("waiting"), 1.0f));
 
   fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
   // Its meta-data cached, the recv names its destination and lane keys at once; the sender
@@ -240,10 +227,7 @@ TEST_F(LaneTest, AWriteThatFailsOverALaneEndsThatTensorAndTheSenderKeepsToLaneZe
   EXPECT_EQ(Get(owner_.stats.lanes_taken_out), 1);
 
   const int64_t lane1_before = Get(acceptor_.channel->counters().lane_bytes_sent[1]);
-  std::shared_ptr<RecvOutcome> next = SendAndRecv(2, Key("refused"), 2.0f);
-  ASSERT_TRUE(Pump([&] { return next->calls > 0; }));
-  Settle();
-  ASSERT_NO_FATAL_FAILURE(ExpectArrivedWhole(*next));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(2, Key("refused"), 2.0f));
   EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), lane1_before);
   EXPECT_EQ(Get(owner_.stats.striped_requests), 1) << "the second asked for lane 0 alone";
   EXPECT_EQ(Get(owner_.stats.channel_errors), 0);
