@@ -15,6 +15,7 @@
 #include "src/device/cuda_runtime.h"
 #include "src/fabric/fabric.h"
 #include "src/fabric/ibverbs/device_selection.h"
+#include "src/fabric/pci_topology.h"
 #include "src/fabric/rails.h"
 #include "src/server/server.h"
 #include "tensorverbs/version.h"
@@ -83,7 +84,19 @@ void PrintRails(const Config& config) {
   const int node = fabric::ibverbs::CurrentNumaNode();
   absl::StatusOr<fabric::RailsSpec> spec = fabric::ParseRails(config.rails, fabric::kMaxRails);
   const int count = spec.ok() && spec->count > 0 ? spec->count : fabric::kMaxRails;
-  const fabric::RailPlan plan = fabric::ChooseRails(fabric::ReadInterfaces(), primary, count, node);
+  // A task whose tensors live on a GPU (grpc+gdr) ranks the NICs nearest its first GPU first.
+  std::string gpu_bus;
+  if (absl::StatusOr<device::CudaRuntime*> cuda = device::CudaRuntime::Get(); cuda.ok()) {
+    absl::StatusOr<device::CudaDeviceInfo> info = (*cuda)->DeviceInfo(0);
+    if (info.ok()) gpu_bus = info->pci_bus_id;
+  }
+  const std::string gpu_path = fabric::PciPathOfBusId(gpu_bus);
+  const fabric::RailPlan plan =
+      fabric::ChooseRails(fabric::ReadInterfaces(), primary, count, node, gpu_path);
+  if (!gpu_path.empty()) {
+    std::printf("  for tensors on GPU 0 (PCI %s), the interfaces nearest it first\n",
+                gpu_bus.c_str());
+  }
   std::printf("  this host's interfaces, ranked for a task at %s (the host's name %s) on %s:\n",
               primary.empty() ? "an unknown address" : primary.c_str(), name,
               node >= 0 ? absl::StrCat("NUMA node ", node).c_str() : "an unknown NUMA node");

@@ -29,6 +29,12 @@ class DeviceMemory {
   virtual ~DeviceMemory() = default;
   // "CUDA IPC (libcudart.so.13)": for logs and `tensorverbs info`.
   virtual std::string Name() const = 0;
+  // GPU `device`'s PCI bus id ("0000:3B:00.0"), for ranking the NICs nearest it
+  // (pci_topology.h); empty where unknown.
+  virtual std::string PciBusId(int device) const {
+    (void)device;
+    return "";
+  }
   // Bytes another process on this host passes to Import to reach the allocation that starts
   // at `base` on `device` (a whole allocation: the pool's regions are).
   virtual absl::StatusOr<std::string> Export(int device, void* base) = 0;

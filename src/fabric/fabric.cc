@@ -21,6 +21,7 @@
 #include "src/fabric/ibverbs/inventory.h"
 #include "src/fabric/loopback/loopback.h"
 #include "src/fabric/ofi/ofi.h"
+#include "src/fabric/pci_topology.h"
 #include "src/fabric/shmem/shmem.h"
 
 namespace tensorverbs::fabric {
@@ -176,9 +177,13 @@ absl::StatusOr<std::unique_ptr<Domain>> OpenLaneDomain(const FabricChoice& choic
 
 RailPlan PlanRails(const FabricChoice& choice, const Domain& primary, int count) {
   const Capabilities& caps = primary.capabilities();
+  // The task's tensors live on its first GPU where the fabric reaches GPU memory (each rank
+  // sees its own GPU first, as CUDA_VISIBLE_DEVICES gives it): the NICs nearest it rank first.
+  const std::string gpu =
+      choice.device_memory != nullptr ? PciPathOfBusId(choice.device_memory->PciBusId(0)) : "";
   if (caps.backend == "ofi" && !SameHostOnly(caps.family)) {
     return ChooseRails(ReadInterfaces(), Ipv4Of(choice.source_address), count,
-                       ibverbs::CurrentNumaNode());
+                       ibverbs::CurrentNumaNode(), gpu);
   }
   RailPlan plan;
   if (caps.backend != "ibverbs") return plan;
@@ -188,7 +193,7 @@ RailPlan PlanRails(const FabricChoice& choice, const Domain& primary, int count)
   if (!absl::StrContains(rank.device, ',')) rank.device.clear();
   absl::StatusOr<ibverbs::Inventory> inventory = ibverbs::ReadInventory();
   absl::StatusOr<std::vector<ibverbs::Selection>> ranked =
-      inventory.ok() ? ibverbs::RankPorts(*inventory, rank, ibverbs::CurrentNumaNode())
+      inventory.ok() ? ibverbs::RankPorts(*inventory, rank, ibverbs::CurrentNumaNode(), gpu)
                      : absl::StatusOr<std::vector<ibverbs::Selection>>(inventory.status());
   if (!ranked.ok()) {
     plan.considered.push_back(std::string(ranked.status().message()));

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <fstream>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "src/common/net_address.h"
+#include "src/fabric/pci_topology.h"
 
 namespace tensorverbs::fabric {
 namespace {
@@ -88,6 +90,8 @@ std::vector<NetInterface> ReadInterfaces() {
     i.loopback = (a->ifa_flags & IFF_LOOPBACK) != 0;
     i.numa_node = ReadNumaNode(i.name);
     i.virtual_interface = !IsDirectory(absl::StrCat("/sys/class/net/", i.name, "/device"));
+    if (!i.virtual_interface)
+      i.pci_path = PciPathOf(absl::StrCat("/sys/class/net/", i.name, "/device"));
     i.bridge = IsDirectory(absl::StrCat("/sys/class/net/", i.name, "/bridge"));
     out.push_back(std::move(i));
   }
@@ -134,7 +138,7 @@ absl::StatusOr<RailsSpec> ParseRails(absl::string_view value, int max_rails) {
 }
 
 RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_view primary,
-                     int count, int numa_node) {
+                     int count, int numa_node, absl::string_view gpu_pci_path) {
   RailPlan plan;
   uint32_t primary_address = 0;
   if (!ParseIpv4(primary, &primary_address)) {
@@ -163,6 +167,7 @@ RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_v
     const NetInterface* interface;
     Network network;
     int tier;  // 0: on the task's node, 1: node unknown, 2: another node, 3: virtual
+    int hops;  // PCIe links to the task's GPU (PciHops); INT_MAX: no GPU, unknown, or far
   };
   std::vector<Candidate> candidates;
   std::vector<std::string> passed;
@@ -191,10 +196,14 @@ RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_v
                      : numa_node < 0 || i.numa_node < 0 ? 1
                      : i.numa_node == numa_node         ? 0
                                                         : 2;
-    candidates.push_back({&i, network, tier});
+    const int hops = gpu_pci_path.empty() ? -1 : PciHops(i.pci_path, gpu_pci_path);
+    candidates.push_back({&i, network, tier, hops < 0 ? INT_MAX : hops});
   }
+  // Nearest the GPU first, whose memory the tensors leave from and land in; then by node.
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const Candidate& a, const Candidate& b) {
+                     if ((a.tier == 3) != (b.tier == 3)) return b.tier == 3;
+                     if (a.hops != b.hops) return a.hops < b.hops;
                      if (a.tier != b.tier) return a.tier < b.tier;
                      return a.interface->name < b.interface->name;
                    });
@@ -231,7 +240,11 @@ RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_v
                         : c.tier == 2 ? ", on another NUMA node"
                         : c.tier == 3 ? ", virtual"
                                       : "";
-    plan.considered.push_back(absl::StrCat(Described(*c.interface), ": ", verdicts[k], where));
+    const std::string gpu = gpu_pci_path.empty() ? std::string()
+                            : c.hops == INT_MAX
+                                ? std::string(", not under the GPU's PCIe root")
+                                : absl::StrCat(", ", c.hops, " PCIe links from the GPU");
+    plan.considered.push_back(absl::StrCat(Described(*c.interface), ": ", verdicts[k], where, gpu));
   }
   for (std::string& p : passed) plan.considered.push_back(std::move(p));
   return plan;

@@ -6,9 +6,11 @@
 // is up, not loopback, not a bridge, has an IPv4 address, and is on none of the networks
 // already used (the task's own address's first, then each rail taken, containment either way),
 // so each rail is a network of its own, one address per interface. Interfaces with a device
-// behind them come first, those on the task's NUMA node before those whose node the kernel
-// does not say and those across the socket link (which reach the task's memory through it),
-// then virtual ones (veth); each group by name. The rails taken are then numbered by interface
+// behind them come first: for a task whose tensors live on a GPU, those fewest PCIe links from
+// it (under its own switch before across the host bridge; those under another root complex
+// after), then those on the task's NUMA node before those whose node the kernel does not say
+// and those across the socket link (which reach the task's memory through it); then virtual
+// ones (veth); each group by name. The rails taken are then numbered by interface
 // name, not by rank: lanes pair in order at set-up, and hosts built alike name their NICs
 // alike whichever NUMA node a task runs on. A task whose own address is unknown takes none
 // (its own interface could pass for a rail). Fewer candidates than asked for is not an error:
@@ -40,6 +42,7 @@ struct NetInterface {
   int numa_node = -1;  // the NIC's, from sysfs; -1 where the kernel does not say
   bool virtual_interface = false;  // no device behind it in sysfs (veth, tun, dummy, ...)
   bool bridge = false;             // a bridge (docker0, virbr0, cni0, ...)
+  std::string pci_path{};  // its device's sysfs path (pci_topology.h); empty for a virtual one
 };
 
 // The host's IPv4 interfaces, one entry per address, in the kernel's order.
@@ -67,9 +70,11 @@ struct RailPlan {
 
 // Takes up to `count` rails from `interfaces` for a task whose own address is `primary` (IPv4;
 // empty when unknown: then only loopback is left out by address) and that runs on NUMA node
-// `numa_node` (-1: unknown).
+// `numa_node` (-1: unknown). With `gpu_pci_path` (the sysfs path of the GPU the task's tensors
+// live on: pci_topology.h), interfaces rank by their PCIe links to it first, those under
+// another root complex or whose place is unknown after, then by node.
 RailPlan ChooseRails(const std::vector<NetInterface>& interfaces, absl::string_view primary,
-                     int count, int numa_node);
+                     int count, int numa_node, absl::string_view gpu_pci_path = "");
 
 }  // namespace tensorverbs::fabric
 

@@ -23,6 +23,11 @@ std::string CudaFabricMemory::Name() const {
   return absl::StrCat("CUDA IPC (", runtime_->library(), ")");
 }
 
+std::string CudaFabricMemory::PciBusId(int device) const {
+  absl::StatusOr<device::CudaDeviceInfo> info = runtime_->DeviceInfo(device);
+  return info.ok() ? info->pci_bus_id : std::string();
+}
+
 absl::StatusOr<std::string> CudaFabricMemory::Export(int device, void* base) {
   ASSIGN_OR_RETURN(std::string handle, runtime_->IpcHandle(device, base));
   const Exported e{static_cast<uint32_t>(getpid()), static_cast<uint32_t>(device),

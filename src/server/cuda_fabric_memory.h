@@ -32,6 +32,7 @@ class CudaFabricMemory final : public fabric::DeviceMemory {
   CudaFabricMemory& operator=(const CudaFabricMemory&) = delete;
 
   std::string Name() const override;
+  std::string PciBusId(int device) const override;
   absl::StatusOr<std::string> Export(int device, void* base) override;
   absl::StatusOr<void*> Import(int device, absl::string_view handle) override;
   void Close(int device, void* imported) override;

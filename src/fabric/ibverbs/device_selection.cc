@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <climits>
 #include <tuple>
 
 #include "absl/strings/ascii.h"
@@ -11,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "src/common/status_macros.h"
+#include "src/fabric/pci_topology.h"
 
 namespace tensorverbs::fabric::ibverbs {
 namespace {
@@ -148,7 +150,8 @@ int CurrentNumaNode() {
 }
 
 absl::StatusOr<std::vector<Selection>> RankPorts(const Inventory& inventory,
-                                                 const RdmaConfig& config, int numa_node) {
+                                                 const RdmaConfig& config, int numa_node,
+                                                 absl::string_view gpu_pci_path) {
   if (inventory.devices.empty()) {
     return absl::UnavailableError("ibverbs: no RDMA device found on this host");
   }
@@ -197,10 +200,16 @@ absl::StatusOr<std::vector<Selection>> RankPorts(const Inventory& inventory,
     if (numa_node < 0 || c.device->numa_node < 0) return 1;
     return c.device->numa_node == numa_node ? 0 : 2;
   };
+  // PCIe links to the task's GPU; INT_MAX: no GPU, or the NIC is under another root complex
+  // or its place unknown.
+  auto hops = [gpu_pci_path](const Candidate& c) {
+    const int h = gpu_pci_path.empty() ? -1 : PciHops(c.device->pci_path, gpu_pci_path);
+    return h < 0 ? INT_MAX : h;
+  };
   if (named.size() <= 1) {
     std::stable_sort(active.begin(), active.end(), [&](const Candidate& a, const Candidate& b) {
-      return std::make_tuple(distance(a), a.device->name, a.port->port) <
-             std::make_tuple(distance(b), b.device->name, b.port->port);
+      return std::make_tuple(hops(a), distance(a), a.device->name, a.port->port) <
+             std::make_tuple(hops(b), distance(b), b.device->name, b.port->port);
     });
   }
   std::vector<std::string> ports;
@@ -223,9 +232,13 @@ absl::StatusOr<std::vector<Selection>> RankPorts(const Inventory& inventory,
       const char* where = distance(c) == 0   ? "on the task's NUMA node"
                           : distance(c) == 1 ? "NUMA node unknown"
                                              : "across the socket link";
+      const std::string gpu = gpu_pci_path.empty() ? std::string()
+                              : hops(c) == INT_MAX
+                                  ? std::string("not under the GPU's PCIe root, ")
+                                  : absl::StrCat(hops(c), " PCIe links from the GPU, ");
       why = absl::StrCat(
           "rank ", ranked.size() + 1, " of ", active.size(), " active ports (",
-          absl::StrJoin(ports, ", "), "), ", where,
+          absl::StrJoin(ports, ", "), "), ", gpu, where,
           numa_node >= 0 ? absl::StrCat(" (the task runs on node ", numa_node, ")") : std::string(),
           "; RDMA_DEVICE and RDMA_DEVICE_PORT pick another");
     }
@@ -237,8 +250,9 @@ absl::StatusOr<std::vector<Selection>> RankPorts(const Inventory& inventory,
 }
 
 absl::StatusOr<Selection> SelectDevice(const Inventory& inventory, const RdmaConfig& config,
-                                       int numa_node) {
-  ASSIGN_OR_RETURN(std::vector<Selection> ranked, RankPorts(inventory, config, numa_node));
+                                       int numa_node, absl::string_view gpu_pci_path) {
+  ASSIGN_OR_RETURN(std::vector<Selection> ranked,
+                   RankPorts(inventory, config, numa_node, gpu_pci_path));
   return std::move(ranked.front());
 }
 

@@ -49,6 +49,7 @@ struct DeviceInfo {
   std::string name;
   std::vector<PortInfo> ports;
   int numa_node = -1;  // the NIC's, from sysfs; -1 where the kernel does not say
+  std::string pci_path{};  // its sysfs path (pci_topology.h); empty where unknown
 };
 
 struct Inventory {
@@ -67,14 +68,18 @@ struct Selection {
   std::string reason;  // why this one, for the INFO log and `tensorverbs info`
 };
 
-// `numa_node`: the task's (where it runs and its pool is placed), or -1 when unknown.
+// `numa_node`: the task's (where it runs and its pool is placed), or -1 when unknown;
+// `gpu_pci_path`: the GPU its tensors live on, as RankPorts takes it.
 absl::StatusOr<Selection> SelectDevice(const Inventory& inventory, const RdmaConfig& config,
-                                       int numa_node = -1);
+                                       int numa_node = -1, absl::string_view gpu_pci_path = "");
 // Every usable port (active, with the GID and MTU the settings ask for), best first; an error
 // when none is, or when a named device or port is not on this host. RDMA_DEVICE may list
-// several devices, comma-separated; each must exist.
+// several devices, comma-separated; each must exist. With `gpu_pci_path` (the GPU the task's
+// tensors live on: pci_topology.h), unlisted devices rank by their PCIe links to it first
+// (those under another root complex, or whose place is unknown, after), then by NUMA node.
 absl::StatusOr<std::vector<Selection>> RankPorts(const Inventory& inventory,
-                                                 const RdmaConfig& config, int numa_node = -1);
+                                                 const RdmaConfig& config, int numa_node = -1,
+                                                 absl::string_view gpu_pci_path = "");
 // The NUMA node the calling thread runs on, or -1 when the kernel does not say.
 int CurrentNumaNode();
 

@@ -14,6 +14,7 @@
 #include "src/fabric/ibverbs/device_selection.h"
 #include "src/fabric/ibverbs/ibverbs_internal.h"
 #include "src/fabric/ibverbs/inventory.h"
+#include "src/fabric/pci_topology.h"
 
 namespace tensorverbs::fabric::ibverbs {
 namespace {
@@ -277,7 +278,11 @@ absl::Status OpenSharedQueues(Shared& shared) {
 absl::StatusOr<std::unique_ptr<Domain>> OpenIbverbsDomain(const DomainOptions& options,
                                                           const RdmaConfig& config) {
   ASSIGN_OR_RETURN(Inventory inventory, ReadInventory());
-  ASSIGN_OR_RETURN(Selection selection, SelectDevice(inventory, config, CurrentNumaNode()));
+  // The NIC nearest the GPU the task's tensors live on, where the domain reaches GPU memory.
+  const std::string gpu = options.device_memory != nullptr
+                              ? PciPathOfBusId(options.device_memory->PciBusId(0))
+                              : std::string();
+  ASSIGN_OR_RETURN(Selection selection, SelectDevice(inventory, config, CurrentNumaNode(), gpu));
   auto shared = std::make_shared<Shared>();
   shared->selection = selection;
   shared->config = config;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "src/fabric/pci_topology.h"
 
 namespace tensorverbs::fabric::ibverbs {
 namespace {
@@ -56,6 +57,7 @@ absl::StatusOr<Inventory> ReadInventory() {
     DeviceInfo device;
     device.name = ibv_get_device_name(list[i]);
     device.numa_node = ReadNumaNode(list[i]->ibdev_path);
+    device.pci_path = PciPathOf(absl::StrCat(list[i]->ibdev_path, "/device"));
     ibv_context* ctx = ibv_open_device(list[i]);
     if (ctx == nullptr) {
       PortInfo unusable;

@@ -95,6 +95,36 @@ TEST(DeviceSelection, NoDeviceNoActivePortAndUnknownNames) {
   EXPECT_THAT(s.status().message(), HasSubstr("RDMA_DEVICE_PORT=2"));
 }
 
+// For a task whose tensors live on a GPU, the NIC fewest PCIe links from it comes first, then
+// those under another root complex by node.
+TEST(DeviceSelection, ForTensorsOnAGpuTheNicNearestItRanksFirst) {
+  DeviceInfo a{"mlx5_0",
+               {RocePort(1, true)},
+               /*numa_node=*/0,
+               "/sys/devices/pci0000:00/0000:00:02.0/0000:05:00.0"};
+  DeviceInfo b{"mlx5_1",
+               {RocePort(1, true)},
+               /*numa_node=*/1,
+               "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:00.0"};
+  DeviceInfo c{"mlx5_2",
+               {RocePort(1, true)},
+               /*numa_node=*/1,
+               "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:01.0"};
+  const Inventory three{{a, b, c}};
+  const std::string gpu = "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:02.0";
+  absl::StatusOr<std::vector<Selection>> ranked = RankPorts(three, RdmaConfig(), 0, gpu);
+  ASSERT_TRUE(ranked.ok()) << ranked.status();
+  ASSERT_EQ(ranked->size(), 3u);
+  EXPECT_EQ((*ranked)[0].device, "mlx5_1");
+  EXPECT_EQ((*ranked)[1].device, "mlx5_2");
+  EXPECT_EQ((*ranked)[2].device, "mlx5_0") << "on the task's node, but across the CPU";
+  EXPECT_THAT((*ranked)[0].reason, HasSubstr("2 PCIe links from the GPU, across the socket"));
+  EXPECT_THAT((*ranked)[2].reason, HasSubstr("not under the GPU's PCIe root, on the task's NUMA"));
+  EXPECT_EQ(SelectDevice(three, RdmaConfig(), 0, gpu)->device, "mlx5_1") << "the first lane's too";
+  // Without a GPU, by node.
+  EXPECT_EQ((*RankPorts(three, RdmaConfig(), 0))[0].device, "mlx5_0");
+}
+
 // Several active ports: ranked for the task by NUMA node (the NIC on the task's node first,
 // then one the kernel says nothing of, then the far ones), each group by name and port; the
 // reason names the rank, the ports and the way to pick another.

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "src/fabric/pci_topology.h"
+
 namespace tensorverbs::fabric {
 namespace {
 
@@ -58,6 +60,47 @@ TEST(ChooseRailsTest, TheTasksNodeComesFirstThenNamesAndNeverItsOwnNetwork) {
   EXPECT_THAT(all, HasSubstr("lo (127.0.0.1/8, NUMA node unknown): passed over, loopback"));
   EXPECT_THAT(all, HasSubstr("docker0 (172.17.0.1/16, NUMA node unknown): passed over, down"));
   EXPECT_THAT(all, HasSubstr("eth0 (10.0.0.6/24, NUMA node 0): passed over, the task's own"));
+}
+
+// A GPU server whose GPU sits under the PCIe switch of rail3, across the host bridge from rail1
+// and rail0 (root complex pci0000:00, the GPU's), and under another root complex from rail2.
+TEST(ChooseRailsTest, ForTensorsOnAGpuTheRailsFewestPcieLinksFromItComeFirst) {
+  std::vector<NetInterface> host = FourRailHost();
+  for (NetInterface& i : host) {
+    if (i.name == "rail3")
+      i.pci_path = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0";
+    if (i.name == "rail1") i.pci_path = "/sys/devices/pci0000:00/0000:00:03.0/0000:06:00.0";
+    if (i.name == "rail0") i.pci_path = "/sys/devices/pci0000:00/0000:00:03.0/0000:06:00.1";
+    if (i.name == "rail2") i.pci_path = "/sys/devices/pci0000:80/0000:80:01.0/0000:81:00.0";
+  }
+  const std::string gpu =
+      "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0";
+  // Two rails for a task on node 0: rail3 (4 links, under the GPU's switch, though on node 1),
+  // then one of rail0 and rail1 (6 links each; rail0 by name), numbered by name.
+  RailPlan near = ChooseRails(host, "10.0.0.5", 2, /*numa_node=*/0, gpu);
+  EXPECT_THAT(near.rails, ElementsAre("10.4.0.5", "10.3.0.5"));
+  const std::string all = ::testing::PrintToString(near.considered);
+  EXPECT_THAT(all, HasSubstr("rail3 (10.3.0.5/24, NUMA node 1): rail 2, on another NUMA node, "
+                             "4 PCIe links from the GPU"));
+  EXPECT_THAT(all, HasSubstr("rail2 (10.2.0.5/24, NUMA node 1): passed over, 2 rails taken "
+                             "before it, on another NUMA node, not under the GPU's PCIe root"));
+  // Without a GPU: by node, as before.
+  EXPECT_THAT(ChooseRails(host, "10.0.0.5", 2, 0).rails, ElementsAre("10.4.0.5", "10.1.0.5"));
+}
+
+TEST(PciHopsTest, LinksUpToTheClosestCommonBridge) {
+  const std::string a = "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0";
+  EXPECT_EQ(PciHops(a, a), 0);
+  EXPECT_EQ(PciHops(a, "/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0"), 2);
+  EXPECT_EQ(PciHops(a, "/sys/devices/pci0000:00/0000:00:02.0"), 4);
+  EXPECT_EQ(PciHops(a, "/sys/devices/pci0000:00/0000:00:01.0"), 2) << "its own upstream bridge";
+  // Another root complex, an unknown place, or a path outside the PCI tree.
+  EXPECT_EQ(PciHops(a, "/sys/devices/pci0000:80/0000:80:01.0"), -1);
+  EXPECT_EQ(PciHops(a, ""), -1);
+  EXPECT_EQ(PciHops("/sys/devices/virtual/net/veth0", a), -1);
+  EXPECT_EQ(PciPathOfBusId("0000:FF:1F.7"), "") << "a bus id this host lacks";
+  EXPECT_EQ(PciPathOfBusId("../../etc"), "");
+  EXPECT_EQ(PciPathOfBusId(""), "");
 }
 
 TEST(ChooseRailsTest, EachRailIsANetworkOfItsOwnAndFewerThanAskedIsNoError) {
