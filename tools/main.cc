@@ -115,10 +115,11 @@ int main(int argc, char** argv) {
                       "Run the peer in its own network namespace joined by veth (root)");
   bench_p2p->add_option("--link-rate", p2p.link_rate,
                         "With --netns, limit the link to this rate each way (tc tbf: 2gbit, "
-                        "500mbit), as a NIC of that speed");
+                        "500mbit), as a NIC of that speed; with --rails, a comma-separated "
+                        "rate per rail (2gbit,1gbit), the last for the rails after it");
   bench_p2p
       ->add_option("--rails", p2p.rails,
-                   "With --netns, join the hosts by this many links (1..4), each at "
+                   "With --netns, join the hosts by this many links (1..4), each at its "
                    "--link-rate, with a lane of every channel on each (TENSORVERBS_RAILS)")
       ->check(CLI::Range(1, 4));
   bench_p2p->add_flag("--mixed", p2p.mixed,

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 #include <vector>
@@ -103,6 +104,14 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index, const Op
   if (!options.rate.empty() && access(kTc, X_OK) != 0) {
     return absl::UnavailableError("a rate limit needs tc (/usr/sbin/tc, iproute2)");
   }
+  std::vector<std::string> rates;
+  if (!options.rate.empty()) rates = absl::StrSplit(options.rate, ',');
+  for (const std::string& rate : rates) {
+    if (rate.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("an empty rate in '", options.rate, "'; give each rail's, as 2gbit,1gbit"));
+    }
+  }
   auto host = std::unique_ptr<NetnsHost>(new NetnsHost);
   const int pid = static_cast<int>(getpid());
   const int generation = NextGeneration();
@@ -136,9 +145,10 @@ absl::StatusOr<std::unique_ptr<NetnsHost>> NetnsHost::Create(int index, const Op
     RETURN_IF_ERROR(Ip(
         {"netns", "exec", ns, kIp, "addr", "add", rail.remote_address + "/30", "dev", remote_if}));
     RETURN_IF_ERROR(Ip({"netns", "exec", ns, kIp, "link", "set", remote_if, "up"}));
-    if (!options.rate.empty()) {
-      RETURN_IF_ERROR(LimitRate("", local_if, options.rate));
-      RETURN_IF_ERROR(LimitRate(ns, remote_if, options.rate));
+    if (!rates.empty()) {
+      const std::string& rate = rates[std::min<size_t>(r, rates.size() - 1)];
+      RETURN_IF_ERROR(LimitRate("", local_if, rate));
+      RETURN_IF_ERROR(LimitRate(ns, remote_if, rate));
     }
   }
   RETURN_IF_ERROR(Ip(

@@ -25,7 +25,10 @@ class NetnsHost {
  public:
   struct Options {
     int rails = 1;     // veth pairs, 1..kMaxRails
-    std::string rate;  // per rail and direction, in tc's terms ("2gbit"); empty: unlimited
+    // Per rail and direction, in tc's terms ("2gbit"); empty: unlimited. A comma-separated
+    // list gives rail i the i-th rate, the last one for the rails after it ("2gbit,1gbit": a
+    // host whose NICs differ).
+    std::string rate;
   };
   static constexpr int kMaxRails = 4;
   // `index` (0..63) tells apart several hosts of one process.

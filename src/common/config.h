@@ -98,6 +98,7 @@ struct Config {
   uint64_t proxy_chunk_bytes = uint64_t{4} << 20;  // TENSORVERBS_PROXY_CHUNK_KB
   std::string rails;                               // TENSORVERBS_RAILS; empty: one lane
   uint64_t stripe_bytes = uint64_t{1} << 20;       // TENSORVERBS_STRIPE_KB
+  bool stripe_by_rate = true;                      // TENSORVERBS_STRIPE_SHARES
   bool push = true;                                // TENSORVERBS_PUSH
   int push_max_destinations = 1024;                // TENSORVERBS_PUSH_MAX
   uint64_t push_max_bytes = uint64_t{256} << 20;   // TENSORVERBS_PUSH_MAX_MB

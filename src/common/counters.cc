@@ -65,6 +65,10 @@ constexpr CounterInfo kCounters[] = {
      "Destinations asked for in segments spread over several lanes (TENSORVERBS_RAILS)", false},
     {Counter::kLanesTakenOut, CounterScope::kTask, "lanes_taken_out",
      "Lanes a channel went on without after they failed (TENSORVERBS_RAILS)", false},
+    {Counter::kChannelsRenewedForLanes, CounterScope::kTask, "channels_renewed_for_lanes",
+     "Channels given back while quiet, once the back-off after a lane failed ran out, so that "
+     "the next recv sets one up with every lane (TENSORVERBS_RAILS)",
+     false},
     {Counter::kRegisteredRegions, CounterScope::kTask, "registered_regions",
      "Pool regions registered with the fabric", true},
     {Counter::kRegisteredBytes, CounterScope::kTask, "registered_bytes",

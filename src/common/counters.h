@@ -43,38 +43,39 @@ enum class Counter : uint16_t {
   kPoolBytesInUse,      // pool_bytes_in_use
   kPoolAllocations,     // pool_allocations
   // The verbs protocols: protocol::VerbsStats, registrations, channels.
-  kRequests,                // requests
-  kMetaCacheHits,           // meta_cache_hits
-  kPushedRequests,          // pushed_requests
-  kPushHits,                // push_hits
-  kMetaResponses,           // meta_responses
-  kReRequests,              // re_requests
-  kErrorsSent,              // errors_sent
-  kControlMessages,         // control_messages
-  kControlSlots,            // control_slots
-  kSlotWaits,               // slot_waits
-  kTensorsSent,             // tensors_sent
-  kBytesSent,               // bytes_sent
-  kTransientRegistrations,  // transient_registrations
-  kInPlaceRecvs,            // in_place_recvs
-  kContentSegments,         // content_segments
-  kStripedRequests,         // striped_requests
-  kLanesTakenOut,           // lanes_taken_out
-  kRegisteredRegions,       // registered_regions
-  kRegisteredBytes,         // registered_bytes
-  kChannelRegistrations,    // channel_registrations
-  kChannelRegisteredBytes,  // channel_registered_bytes
-  kRegistrations,           // registrations
-  kWaiterDrives,            // waiter_drives
-  kDroppedImmediates,       // dropped_immediates
-  kChannelsFailed,          // channels_failed
-  kChecksumFailures,        // checksum_failures
-  kLivenessProbes,          // liveness_probes
-  kPendingRecvs,            // pending_recvs
-  kResponsesPending,        // responses_pending
-  kChannels,                // channels
-  kProxies,                 // proxies
-  kRecvErrorsByCode,        // recv_errors_by_code
+  kRequests,                 // requests
+  kMetaCacheHits,            // meta_cache_hits
+  kPushedRequests,           // pushed_requests
+  kPushHits,                 // push_hits
+  kMetaResponses,            // meta_responses
+  kReRequests,               // re_requests
+  kErrorsSent,               // errors_sent
+  kControlMessages,          // control_messages
+  kControlSlots,             // control_slots
+  kSlotWaits,                // slot_waits
+  kTensorsSent,              // tensors_sent
+  kBytesSent,                // bytes_sent
+  kTransientRegistrations,   // transient_registrations
+  kInPlaceRecvs,             // in_place_recvs
+  kContentSegments,          // content_segments
+  kStripedRequests,          // striped_requests
+  kLanesTakenOut,            // lanes_taken_out
+  kChannelsRenewedForLanes,  // channels_renewed_for_lanes
+  kRegisteredRegions,        // registered_regions
+  kRegisteredBytes,          // registered_bytes
+  kChannelRegistrations,     // channel_registrations
+  kChannelRegisteredBytes,   // channel_registered_bytes
+  kRegistrations,            // registrations
+  kWaiterDrives,             // waiter_drives
+  kDroppedImmediates,        // dropped_immediates
+  kChannelsFailed,           // channels_failed
+  kChecksumFailures,         // checksum_failures
+  kLivenessProbes,           // liveness_probes
+  kPendingRecvs,             // pending_recvs
+  kResponsesPending,         // responses_pending
+  kChannels,                 // channels
+  kProxies,                  // proxies
+  kRecvErrorsByCode,         // recv_errors_by_code
   // A torch.distributed group of the torch backend (python/src/torch), per process.
   kTorchStagedCopies,         // torch_staged_copies
   kTorchStagedBytes,          // torch_staged_bytes

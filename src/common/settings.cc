@@ -167,6 +167,15 @@ std::vector<Setting> MakeSettings() {
                "in segments spread over every lane (`0`: each tensor keeps to the first lane)",
        .set_int = [](Config& c, int64_t v) { c.stripe_bytes = static_cast<uint64_t>(v) << 10; },
        .get = [](const Config& c) { return absl::StrCat(c.stripe_bytes >> 10); }});
+  add({.variable = "TENSORVERBS_STRIPE_SHARES",
+       .kind = K::kChoice,
+       .choices = {"rate", "even"},
+       .help = "`grpc+verbs` over several rails: `rate`: each lane carries a share of a spread "
+               "tensor in proportion to the rate the receiver measured it at over the tensors "
+               "before (even until each lane was measured), so rails of different speeds "
+               "finish together; `even`: the segments go round the lanes alike",
+       .set_text = [](Config& c, const std::string& v) { c.stripe_by_rate = v == "rate"; },
+       .get = [](const Config& c) -> std::string { return c.stripe_by_rate ? "rate" : "even"; }});
   add({.variable = "TENSORVERBS_SHMEM_COPY_THREADS",
        .kind = K::kInteger,
        .min = 0,

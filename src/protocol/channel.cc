@@ -61,9 +61,14 @@ Channel::~Channel() {
 
 absl::Status Channel::Init() {
   ASSIGN_OR_RETURN(endpoint_, env_->domain->CreateEndpoint());
-  // Lanes that failed lately with this peer are left out (ChannelTable::NoteLaneFailed).
+  // Lanes that failed lately with this peer are left out (ChannelTable::NoteLaneFailed), by
+  // the owner: the two ends agree on as many as both list, and an owner notes every failure of
+  // its channel's lanes (its own, or the one its acceptor tells it of). An acceptor that
+  // applied its own back-off too, begun when its write failed (over tcp, once the link came
+  // back and the receiver's reset reached it, seconds after the owner's), would keep a lane
+  // out of the channel its owner set up to bring the lane back.
   const size_t further =
-      env_->channels != nullptr
+      env_->channels != nullptr && role_ == Role::kOwner
           ? env_->channels->FurtherLanesFor(peer_task_, env_->lanes.size(), absl::Now())
           : env_->lanes.size();
   for (size_t i = 0; i < further; ++i) {
@@ -353,7 +358,8 @@ std::optional<Channel::AwaitedAck> Channel::AwaitedAcknowledgement(absl::Time no
 bool Channel::NoteIdle(absl::Time now) {
   const absl::Duration limit = env_->options.idle_close;
   idle_ = false;
-  if (limit <= absl::ZeroDuration() || state_ != State::kReady) return false;
+  quiet_ = false;
+  if (state_ != State::kReady) return false;
   auto get = [](const std::atomic<int64_t>& a) {
     return static_cast<uint64_t>(a.load(std::memory_order_relaxed));
   };
@@ -372,7 +378,8 @@ bool Channel::NoteIdle(absl::Time now) {
     idle_since_ = now;
     return false;
   }
-  idle_ = now - idle_since_ >= limit;
+  quiet_ = true;
+  idle_ = limit > absl::ZeroDuration() && now - idle_since_ >= limit;
   return idle_;
 }
 

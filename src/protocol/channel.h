@@ -163,6 +163,14 @@ class Channel {
   // Owner: the lanes a tensor may be spread over: lane 0, then the further lanes, in order,
   // whose probe came back.
   size_t striping_lanes() const;
+  // Receiver: the rates (bytes per second, lane 0 first; 0: none) a tensor spread over the
+  // lanes measured (RdmaTensorRequest::LaneRates), each folded into the lane's running figure.
+  void NoteLaneRates(const std::array<double, kMaxLanes>& rates);
+  // Receiver: each of the first `lanes` lanes' share of a tensor's segments, in proportion to
+  // their running rates (SharesFromRates), the shares in use kept while each is within one of
+  // that; all zero (even) until each lane was measured, or where
+  // ChannelOptions::stripe_by_rate is off.
+  LaneShares StripeShares(size_t lanes);
 
   // Housekeeping, receiver: a further lane that owes segments of a tensor that began to land
   // and was silent for the peer timeout is taken out (TakeLanesOut), naming it.
@@ -200,6 +208,13 @@ class Channel {
   // idle_close; false while that is zero. Remembered for idle() until the next call.
   bool NoteIdle(absl::Time now);
   bool idle() const { return idle_; }
+  // Housekeeping, owner, after NoteIdle: whether the channel should be given back so that a
+  // lane it took out comes back: it has fewer lanes than it agreed on at set-up, the channel
+  // table lets a new channel with the peer have `further_lanes_allowed` (the back-off after the
+  // failure ran out), and nothing has moved on it for kLanesBackQuiet. The next recv then sets
+  // up a channel with every lane, each probed before it carries a tensor.
+  bool WantsLanesBack(absl::Time now, size_t further_lanes_allowed) const;
+  static constexpr absl::Duration kLanesBackQuiet = absl::Milliseconds(100);
   // The watchdog (PeerChannels::PendingPeers, on the loop): whether the peer has written into
   // this channel since the last call: content, on a receiver's channel; anything (requests,
   // ACKs), on a sender's. That says its process and the path to it are alive and the channel
@@ -235,6 +250,7 @@ class Channel {
   void RestartIdle() {
     idle_since_ = absl::InfinitePast();
     idle_ = false;
+    quiet_ = false;
   }
   // This channel's track in the recv trace (TENSORVERBS_TRACE), named on first use; 0 when
   // tracing is off.
@@ -316,6 +332,7 @@ class Channel {
   uint64_t idle_traffic_ = 0;
   absl::Time idle_since_ = absl::InfinitePast();
   bool idle_ = false;
+  bool quiet_ = false;    // NoteIdle saw nothing pending, since idle_since_
   uint64_t heard_ = 0;    // writes from the peer that prove the channel moves (HeardSinceLastLook)
   uint64_t inbound_ = 0;  // every write with immediate from the peer
   mutable uint64_t heard_looked_ = 0;
@@ -330,11 +347,14 @@ class Channel {
   std::unique_ptr<fabric::Endpoint> endpoint_;
   std::vector<std::unique_ptr<fabric::Endpoint>> lanes_;  // lanes 1.., one per env_->lanes
   size_t lanes_connected_ = 0;
+  size_t lanes_agreed_ = 0;  // lanes_connected_ at set-up, before any was taken out
   // Probes: this end's probe words (16 bytes of the pool: the word the peer writes, then the
   // source of this end's writes), the peer's, and which lanes' echoes came (owner).
   Tensor probe_words_;
   std::vector<LaneProbe> peer_probes_;
   std::array<bool, kMaxLanes> lane_probed_ = {};
+  std::array<double, kMaxLanes> lane_rate_ = {};  // NoteLaneRates
+  LaneShares stripe_shares_{};                    // StripeShares: those in use
   std::array<absl::Time, kMaxLanes> lane_heard_ = MakeLaneHeard();
   static std::array<absl::Time, kMaxLanes> MakeLaneHeard() {
     std::array<absl::Time, kMaxLanes> never;

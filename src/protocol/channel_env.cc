@@ -38,6 +38,7 @@ void VerbsStats::AppendCounters(CounterList* out) const {
   AddCounter(out, Counter::kContentSegments, content_segments);
   AddCounter(out, Counter::kStripedRequests, striped_requests);
   AddCounter(out, Counter::kLanesTakenOut, lanes_taken_out);
+  AddCounter(out, Counter::kChannelsRenewedForLanes, channels_renewed_for_lanes);
   AddCounter(out, Counter::kDroppedImmediates, dropped_imms);
   AddCounter(out, Counter::kChannelsFailed, channel_errors);
   AddCounter(out, Counter::kChecksumFailures, checksum_failures);

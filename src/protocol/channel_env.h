@@ -56,6 +56,7 @@ struct VerbsStats {
   std::atomic<int64_t> content_segments{0};  // content segments landed before a tensor's last
   std::atomic<int64_t> striped_requests{0};  // destinations asked for over several lanes
   std::atomic<int64_t> lanes_taken_out{0};   // lanes a channel went on without (TakeLanesOut)
+  std::atomic<int64_t> channels_renewed_for_lanes{0};  // Channel::WantsLanesBack
   std::atomic<int64_t> dropped_imms{0};      // unknown or stale request indexes
   std::atomic<int64_t> channel_errors{0};
   std::atomic<int64_t> checksum_failures{0};
@@ -161,6 +162,9 @@ struct ChannelOptions {
   // Owner side, on a channel with lanes: tensors of this many bytes and more are asked for in
   // segments spread over every lane (TENSORVERBS_STRIPE_KB; 0: never).
   uint64_t stripe_bytes = Config::Defaults().stripe_bytes;
+  // Each lane's share of a spread tensor follows the rate the receiver measured it at
+  // (TENSORVERBS_STRIPE_SHARES=rate); false: the segments go round the lanes evenly.
+  bool stripe_by_rate = Config::Defaults().stripe_by_rate;
 
   // Pushing destinations ahead needs the meta-data cache of zero copy, and the checksum of
   // data validation rides the meta-data round trip that pushing skips.

@@ -2,6 +2,7 @@
 // and registrations they offer, their probes, and taking a failed one out. Split from
 // channel.cc, which keeps the channel's life and its completions; same object, same thread.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 
@@ -11,6 +12,7 @@
 #include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/channel_table.h"
+#include "src/protocol/stripes.h"
 
 namespace tensorverbs::protocol {
 
@@ -43,6 +45,7 @@ absl::Status Channel::ConnectLanes(const std::vector<std::string>& peer_addresse
     }
   }
   lanes_connected_ = n;
+  lanes_agreed_ = n;
   if (peer_addresses.size() != lanes_.size()) {
     LOG(INFO) << Describe() << ": task " << peer_task_ << " has " << peer_addresses.size() + 1
               << " lanes and this task " << lanes_.size() + 1 << "; the channel uses " << n + 1;
@@ -147,6 +150,37 @@ size_t Channel::striping_lanes() const {
   return n;
 }
 
+void Channel::NoteLaneRates(const std::array<double, kMaxLanes>& rates) {
+  for (size_t k = 0; k < kMaxLanes; ++k) {
+    if (!(rates[k] > 0)) continue;
+    // A quarter from the latest tensor: a lane whose link slowed (or sped up) loses (or wins
+    // back) its share within a few tensors, while one odd measurement (a tensor that queued
+    // behind another on one lane) moves it little. Averaged as time per byte, so that a lane
+    // whose segments were seen in one batch (a time near zero, a rate near boundless) moves
+    // its figure by a quarter at most, not by orders of magnitude.
+    lane_rate_[k] = lane_rate_[k] > 0 ? 4 / (3 / lane_rate_[k] + 1 / rates[k]) : rates[k];
+  }
+  VLOG(2) << Describe() << ": lanes measured at " << rates[0] / 1e6 << ", " << rates[1] / 1e6
+          << ", " << rates[2] / 1e6 << ", " << rates[3] / 1e6 << " MB/s; now "
+          << lane_rate_[0] / 1e6 << ", " << lane_rate_[1] / 1e6 << ", " << lane_rate_[2] / 1e6
+          << ", " << lane_rate_[3] / 1e6;
+}
+
+LaneShares Channel::StripeShares(size_t lanes) {
+  if (!env_->options.stripe_by_rate || lanes > kMaxLanes) return LaneShares{};
+  const LaneShares wanted = SharesFromRates(absl::MakeConstSpan(lane_rate_.data(), lanes));
+  // Shares one apart from those in use are kept: lanes alike, measured a little apart by
+  // chance, would otherwise swap a segment back and forth, and one lane's queue grows while
+  // the shares catch up with it.
+  bool near = wanted[0] != 0 && stripe_shares_[lanes - 1] != 0 &&
+              (lanes == kMaxLanes || stripe_shares_[lanes] == 0);
+  for (size_t k = 0; k < lanes && near; ++k) {
+    near = std::abs(int{wanted[k]} - int{stripe_shares_[k]}) <= 1;
+  }
+  if (!near) stripe_shares_ = wanted;
+  return stripe_shares_;
+}
+
 void Channel::CheckLanes(absl::Time now) {
   if (receiving_ == nullptr || lanes_connected_ == 0 || state_ != State::kReady) return;
   const absl::Duration limit = env_->transfer.peer_timeout;
@@ -198,6 +232,11 @@ void Channel::TakeLanesOut(size_t lane, const absl::Status& why) {
     // The lanes that stay may still bring those tensors' other segments.
     env_->host->Quarantine(std::move(memory), absl::Now() + env_->quarantine());
   }
+}
+
+bool Channel::WantsLanesBack(absl::Time now, size_t further_lanes_allowed) const {
+  return role_ == Role::kOwner && state_ == State::kReady && lanes_connected_ < lanes_agreed_ &&
+         further_lanes_allowed > lanes_connected_ && quiet_ && now - idle_since_ >= kLanesBackQuiet;
 }
 
 absl::StatusOr<std::unique_ptr<fabric::MemoryRegion>> Channel::RegisterLaneSource(size_t lane,

@@ -148,6 +148,7 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
   AssertOnLoop();
   std::vector<uint64_t> closed;
   std::vector<Channel*> idle;
+  std::vector<Channel*> lanes_back;
   for (auto& [id, channel] : channels_) {
     if (channel->state() == Channel::State::kClosed) {
       closed.push_back(id);
@@ -165,6 +166,9 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
     // owner is about to use.
     if (channel->NoteIdle(now) && channel->role() == Channel::Role::kOwner) {
       idle.push_back(channel.get());
+    } else if (channel->WantsLanesBack(
+                   now, FurtherLanesFor(channel->peer_task(), channel->env()->lanes.size(), now))) {
+      lanes_back.push_back(channel.get());
     }
   }
   for (Channel* channel : idle) {
@@ -172,6 +176,18 @@ void ChannelTable::Housekeeping(absl::Time now, const std::function<bool(uint64_
     channel->Close(absl::CancelledError(absl::StrCat(
         "idle for ", absl::FormatDuration(channel->env()->options.idle_close),
         " (TENSORVERBS_CHANNEL_IDLE_MS) and given back; the next recv sets it up again")));
+  }
+  for (Channel* channel : lanes_back) {
+    // Given back as an idle one is: a lane comes back only with a channel whose two ends make
+    // their endpoints afresh and probe it (a link that came back must not deliver into memory
+    // the taken-out endpoint's writes once aimed at).
+    LOG(INFO) << channel->Describe() << ": the back-off after its lane " << channel->lanes()
+              << " failed ran out; given back so that the next recv sets "
+              << "it up again with every lane, each probed first";
+    channel->env()->stats->channels_renewed_for_lanes.fetch_add(1, std::memory_order_relaxed);
+    channel->Close(
+        absl::CancelledError(absl::StrCat("given back while quiet so that lane ", channel->lanes(),
+                                          " comes back; the next recv sets the channel up again")));
   }
   for (uint64_t id : closed) {
     Channel* c = channels_.find(id)->second.get();

@@ -13,13 +13,14 @@ namespace {
 
 // Layout, all little-endian:
 //   u8 version | u8 type | u16 sequence | u32 used_bytes
-//   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 zero
+//   i64 step_id | u32 request_index | u8 flags (bit 0: is_dead) | u8 rank | u16 lane_shares
 //   u64 remote_addr | u64 checksum | i32 dtype | u32 error_code | u64 tensor_bytes
 //   u16 name_len | u8 key_len | u8 lane_keys | u16 error_len | u16 more | u32 name_index
 //   u32 segment_bytes
 //   name | remote key | lane_keys x remote key | rank x i64 dims | error message | zeros to a
 //   multiple of 8
 // `more`: how many messages follow this one in the same slot. Flags bit 1: name_index is set.
+// `lane_shares`: lane k's share in bits 4k..4k+3.
 constexpr size_t kHeaderSize = 8 + 16 + 8 + 8 + 4 + 4 + 8 + 8 + 8;
 constexpr uint8_t kFlagDead = 1;
 constexpr uint8_t kFlagNameIndex = 2;
@@ -118,7 +119,41 @@ absl::Status CheckLaneKeys(uint32_t segment_bytes, size_t lane_keys, size_t key_
   return absl::OkStatus();
 }
 
+uint16_t PackLaneShares(const LaneShares& shares) {
+  uint16_t packed = 0;
+  for (size_t k = 0; k < kMaxLanes; ++k)
+    packed |= static_cast<uint16_t>((shares[k] & 0xF) << (4 * k));
+  return packed;
+}
+
+LaneShares UnpackLaneShares(uint16_t packed) {
+  LaneShares shares{};
+  for (size_t k = 0; k < kMaxLanes; ++k)
+    shares[k] = static_cast<uint8_t>((packed >> (4 * k)) & 0xF);
+  return shares;
+}
+
 }  // namespace
+
+absl::Status CheckLaneShares(const LaneShares& shares, size_t lane_keys) {
+  bool any = false;
+  for (uint8_t share : shares) any |= share != 0;
+  if (!any) return absl::OkStatus();
+  if (lane_keys == 0) return absl::InvalidArgumentError("lane shares without lane keys");
+  for (size_t k = 0; k < kMaxLanes; ++k) {
+    const bool used = k <= lane_keys;
+    if (used && (shares[k] == 0 || shares[k] > kMaxLaneShare)) {
+      return absl::InvalidArgumentError(absl::StrCat("lane ", k, "'s share is ", shares[k],
+                                                     ", not 1..", kMaxLaneShare, " of ",
+                                                     lane_keys + 1, " lanes"));
+    }
+    if (!used && shares[k] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a share for lane ", k, " of a request over ", lane_keys + 1, " lanes"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 const char* MessageTypeName(MessageType type) {
   switch (type) {
@@ -161,6 +196,7 @@ absl::StatusOr<size_t> UsedBytes(const Message& m) {
       !s.ok()) {
     return absl::InvalidArgumentError(s.message());
   }
+  RETURN_IF_ERROR(CheckLaneShares(m.lane_shares, m.lane_keys.size()));
   for (const fabric::RemoteKey& k : m.lane_keys) {
     if (k.size() != m.remote_key.size()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -200,7 +236,7 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t m
   w.Put<uint8_t>((m.meta.is_dead ? kFlagDead : 0) |
                  (m.name_index != kNoNameIndex ? kFlagNameIndex : 0));
   w.Put<uint8_t>(static_cast<uint8_t>(rank));
-  w.Put<uint16_t>(0);
+  w.Put<uint16_t>(PackLaneShares(m.lane_shares));
   w.Put<uint64_t>(m.remote_addr);
   w.Put<uint64_t>(m.checksum);
   w.Put<int32_t>(static_cast<int32_t>(m.meta.dtype));
@@ -225,7 +261,7 @@ absl::Status EncodeMessage(const Message& m, absl::Span<uint8_t> out, uint16_t m
 absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* more) {
   Reader r(in);
   uint8_t version, type, flags, rank, key_len;
-  uint16_t zero16, name_len, error_len, more_field;
+  uint16_t shares, name_len, error_len, more_field;
   uint32_t used, error_code, name_index;
   int32_t dtype;
   Message m;
@@ -243,7 +279,7 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   }
   uint8_t lane_keys;
   if (!r.Get(&m.step_id) || !r.Get(&m.request_index) || !r.Get(&flags) || !r.Get(&rank) ||
-      !r.Get(&zero16) || !r.Get(&m.remote_addr) || !r.Get(&m.checksum) || !r.Get(&dtype) ||
+      !r.Get(&shares) || !r.Get(&m.remote_addr) || !r.Get(&m.checksum) || !r.Get(&dtype) ||
       !r.Get(&error_code) || !r.Get(&m.meta.tensor_bytes) || !r.Get(&name_len) ||
       !r.Get(&key_len) || !r.Get(&lane_keys) || !r.Get(&error_len) || !r.Get(&more_field) ||
       !r.Get(&name_index) || !r.Get(&m.segment_bytes)) {
@@ -262,6 +298,10 @@ absl::StatusOr<Message> DecodeMessage(absl::Span<const uint8_t> in, uint16_t* mo
   if (error_len > kMaxErrorMessageLength) return Malformed(absl::StrCat("error length ", error_len));
   if (rank > TensorShape::kMaxRank) return Malformed(absl::StrCat("rank ", rank));
   if (absl::Status s = CheckLaneKeys(m.segment_bytes, lane_keys, key_len); !s.ok()) {
+    return Malformed(s.message());
+  }
+  m.lane_shares = UnpackLaneShares(shares);
+  if (absl::Status s = CheckLaneShares(m.lane_shares, lane_keys); !s.ok()) {
     return Malformed(s.message());
   }
   const size_t expected =

@@ -11,6 +11,7 @@
 #ifndef TENSORVERBS_PROTOCOL_MESSAGE_H_
 #define TENSORVERBS_PROTOCOL_MESSAGE_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -31,8 +32,9 @@ namespace tensorverbs::protocol {
 // 2: a slot may carry a batch of messages (the `more` header field) and an ACK may free several
 // slots (imm.h). 3: a REQUEST may name its key by a per-channel index (`name_index`), and only
 // REQUESTs carry names. 4: a REQUEST or RE_REQUEST may ask for the content in segments, each
-// ending with the immediate (`segment_bytes`).
-inline constexpr uint8_t kWireVersion = 4;
+// ending with the immediate (`segment_bytes`). 5: a REQUEST or RE_REQUEST spreading the content
+// over lanes gives each lane a share of the segments (`lane_shares`).
+inline constexpr uint8_t kWireVersion = 5;
 // Message::name_index when the message does not use one.
 inline constexpr uint32_t kNoNameIndex = 0xFFFFFFFF;
 // One message-buffer slot. The largest message (limits below, rank 254) fits alone.
@@ -52,6 +54,13 @@ inline constexpr uint64_t kMaxContentSegments = 16384;
 inline constexpr size_t kMaxLanes = 4;
 static_assert(kMaxLanes - 1 == fabric::kMaxRails);
 static_assert(kMaxLanes - 1 <= kMaxLaneDown, "a lane-down immediate per further lane");
+// Message::lane_shares: lane k's share of each round of segments (stripes.h), lane 0 first;
+// all zero: the segments go round the lanes evenly. A share fits a nibble of the header.
+using LaneShares = std::array<uint8_t, kMaxLanes>;
+inline constexpr uint8_t kMaxLaneShare = 15;
+// Shares for a REQUEST with `lane_keys` further lanes: all zero, or lanes 0..lane_keys each
+// 1..kMaxLaneShare and the rest zero. InvalidArgument naming the share otherwise.
+absl::Status CheckLaneShares(const LaneShares& shares, size_t lane_keys);
 
 enum class MessageType : uint8_t {
   kTensorRequest = 1,     // receiver -> sender
@@ -103,6 +112,8 @@ struct Message {
   // 1, 2, ... (remote_key is lane 0's), each as long as remote_key. The sender spreads the
   // segments over them. Sent only to a peer that set up lanes, so an older peer never sees one.
   absl::InlinedVector<fabric::RemoteKey, kMaxLanes - 1> lane_keys;
+  // With lane_keys: each lane's share of the segments (CheckLaneShares); all zero: even.
+  LaneShares lane_shares{};
 };
 
 // How many content immediates a tensor of `tensor_bytes` written in segments of

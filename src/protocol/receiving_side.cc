@@ -422,8 +422,13 @@ void ReceivingSide::OnContent(uint32_t index, size_t lane) {
     return;
   }
   if (channel_->lanes() > 1) {
-    it->second->CountLane(lane, CoarseNow());
-    if (it->second->awaits_more_segments()) striping_.insert(index);
+    // The precise clock: the lanes' rates are measured between segments milliseconds apart.
+    it->second->CountLane(lane, absl::Now());
+    if (it->second->awaits_more_segments()) {
+      striping_.insert(index);
+    } else if (it->second->striped()) {
+      channel_->NoteLaneRates(it->second->LaneRates());
+    }
   }
   if (it->second->awaits_more_segments()) {
     it->second->RecvSegment();  // the content lands in segments, and more are to come

@@ -12,6 +12,7 @@
 #include "src/common/status_macros.h"
 #include "src/protocol/channel.h"
 #include "src/protocol/request_table.h"
+#include "src/protocol/stripes.h"
 #include "src/protocol/transfer_modes.h"
 #include "src/tensor/tensor_codec.h"
 
@@ -169,6 +170,7 @@ void RdmaTensorRequest::AskForSegments(Message& m) {
   segment_bytes_ = 0;
   segments_left_ = 1;
   stripe_lanes_ = 0;
+  stripe_shares_ = {};
   if (!AskForProgressSegments(m)) AskForStripes(m);
 }
 
@@ -214,10 +216,14 @@ void RdmaTensorRequest::AskForStripes(Message& m) {
     if (!key.ok() || key->size() != m.remote_key.size()) return;
     keys.push_back(*std::move(key));
   }
-  // Four segments a lane, so that a lane that finishes its share early is not left idle for
-  // long, of whole 64 KiB units and at least the minimum.
+  // Each lane's share follows its measured rate; a round of the pattern, or (even) four
+  // segments a lane, so that a lane that finishes its share early is not left idle for long,
+  // of whole 64 KiB units and at least the minimum.
+  const LaneShares shares = channel_->StripeShares(lanes);
+  const StripePattern pattern(lanes, shares);
+  const uint64_t rounds = (lanes * 4 + pattern.period() - 1) / pattern.period();
   const uint64_t kUnit = 64 << 10;
-  const uint64_t wanted = (bytes / (lanes * 4) + kUnit - 1) / kUnit * kUnit;
+  const uint64_t wanted = (bytes / (pattern.period() * rounds) + kUnit - 1) / kUnit * kUnit;
   const uint64_t fewest = (bytes + kMaxContentSegments - 1) / kMaxContentSegments;
   const auto segment = static_cast<uint32_t>(
       std::clamp<uint64_t>(std::max(wanted, fewest), kMinSegmentBytes, uint64_t{1} << 31));
@@ -226,7 +232,9 @@ void RdmaTensorRequest::AskForStripes(Message& m) {
   segments_left_ = ContentSegments(bytes, segment);
   m.segment_bytes = segment;
   m.lane_keys = std::move(keys);
+  m.lane_shares = shares;
   stripe_lanes_ = static_cast<uint8_t>(lanes);
+  stripe_shares_ = shares;
   std::fill(std::begin(lane_segments_), std::end(lane_segments_), 0);
   stripes_began_ = absl::InfinitePast();
   channel_->env()->stats->striped_requests.fetch_add(1, std::memory_order_relaxed);
@@ -236,6 +244,43 @@ void RdmaTensorRequest::CountLane(size_t lane, absl::Time now) {
   if (stripe_lanes_ < 2 || lane >= kMaxLanes) return;
   if (stripes_began_ == absl::InfinitePast()) stripes_began_ = now;
   ++lane_segments_[lane];
+  lane_last_[lane] = now;
+}
+
+std::array<double, kMaxLanes> RdmaTensorRequest::LaneRates() const {
+  std::array<double, kMaxLanes> rates{};
+  if (stripe_lanes_ < 2 || segments_left_ > 1) return rates;
+  const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes_);
+  const StripePattern pattern(stripe_lanes_, stripe_shares_);
+  const size_t last_lane = pattern.LaneOf(segments - 1);
+  // The immediates in flight with this one count: the last is being taken now.
+  for (size_t lane = 0; lane < stripe_lanes_; ++lane) {
+    const uint64_t due = pattern.Due(lane, segments);
+    // A sender that kept the tensor to lane 0 (it could not reach the source from every lane)
+    // brought other counts: nothing to learn of the lanes' rates.
+    if (lane_segments_[lane] != due) return std::array<double, kMaxLanes>{};
+  }
+  // A tensor that landed within a few milliseconds says more of how the receiver took its
+  // completions (a progress thread off its core sees a lane's segments in one batch, as if
+  // they took no time) than of the lanes: only longer ones teach.
+  absl::Time last = stripes_began_;
+  for (size_t lane = 0; lane < stripe_lanes_; ++lane) last = std::max(last, lane_last_[lane]);
+  if (last - stripes_began_ < kLaneRateMinSpan) return rates;
+  for (size_t lane = 0; lane < stripe_lanes_; ++lane) {
+    const uint64_t due = pattern.Due(lane, segments);
+    // From the tensor's first segment over any lane, not the lane's own first: a receiver
+    // that takes completions in batches (a thread that was off its core) sees a lane's
+    // segments at nearly one time, which would make its rate look boundless, while over the
+    // whole tensor such a gap counts little.
+    const absl::Duration took = lane_last_[lane] - stripes_began_;
+    if (due < 2 || took <= absl::ZeroDuration()) continue;
+    // The lanes' first segments land at about the same time, each whole: what came after
+    // them came at the lane's rate, the tensor's short last segment counted at its length.
+    uint64_t after_first = (due - 1) * uint64_t{segment_bytes_};
+    if (lane == last_lane) after_first -= segments * uint64_t{segment_bytes_} - meta_.tensor_bytes;
+    rates[lane] = static_cast<double>(after_first) / absl::ToDoubleSeconds(took);
+  }
+  return rates;
 }
 
 size_t RdmaTensorRequest::LaneOwingSegments(absl::Time* first_at) const {
@@ -243,14 +288,12 @@ size_t RdmaTensorRequest::LaneOwingSegments(absl::Time* first_at) const {
     return 0;
   }
   const uint64_t segments = ContentSegments(meta_.tensor_bytes, segment_bytes_);
+  const StripePattern pattern(stripe_lanes_, stripe_shares_);
   // A sender that could not reach the source from every lane sends it all over lane 0: then
   // no further lane owes anything.
-  if (lane_segments_[0] > (segments + stripe_lanes_ - 1) / stripe_lanes_) return 0;
+  if (lane_segments_[0] > pattern.Due(0, segments)) return 0;
   for (size_t lane = 1; lane < stripe_lanes_; ++lane) {
-    // Segments i < `segments` with i mod n == lane.
-    const uint64_t due =
-        segments > lane ? (segments - lane + stripe_lanes_ - 1) / stripe_lanes_ : 0;
-    if (lane_segments_[lane] < due) {
+    if (lane_segments_[lane] < pattern.Due(lane, segments)) {
       *first_at = stripes_began_;
       return lane;
     }

@@ -128,14 +128,20 @@ class RdmaTensorRequest {
   }
   // Content segments still to come besides the last (whose immediate is RecvTensorContent's).
   bool awaits_more_segments() const { return segments_left_ > 1; }
-  // A content immediate came over lane `lane` (RecvSegment or the last): counted per lane for
-  // a tensor spread over lanes, and when its first one landed.
+  // A content immediate came over lane `lane` (RecvSegment or the last) at `now`: counted per
+  // lane for a tensor spread over lanes, with when the first landed and each lane's last.
   void CountLane(size_t lane, absl::Time now);
   // A tensor spread over lanes that began to land: the first further lane that still owes it
-  // segments (by the sender's rule, segment i over lane i mod n), or 0 when none does or the
-  // tensor is not spread or has not begun to land. `first_at` receives when its first segment
-  // landed.
+  // segments (by the shares it asked for: StripePattern), or 0 when none does or the tensor is
+  // not spread or has not begun to land. `first_at` receives when its first segment landed.
   size_t LaneOwingSegments(absl::Time* first_at) const;
+  // A tensor spread over lanes, all in: the rate each lane brought its segments at (bytes after
+  // its first segment over the time from the tensor's first segment to the lane's last; 0
+  // where a lane brought fewer than two, or not the segments the shares gave it). For the
+  // channel's shares of the next.
+  // Only from a tensor whose segments landed over at least kLaneRateMinSpan.
+  std::array<double, kMaxLanes> LaneRates() const;
+  static constexpr absl::Duration kLaneRateMinSpan = absl::Milliseconds(4);
   // Whether the content was asked for over lane `lane` (>= 1) too, began to land, and is not
   // all in: what a lane taken out of the channel ends (ReceivingSide::EndStripedOver).
   bool LandingOver(size_t lane) const {
@@ -261,8 +267,10 @@ class RdmaTensorRequest {
   // AskForStripes: the lanes the segments go round (0: not spread), and per lane the segments
   // that came, since the first landed at stripes_began_.
   uint8_t stripe_lanes_ = 0;
+  LaneShares stripe_shares_{};  // each lane's share of the segments (all zero: even)
   uint32_t lane_segments_[kMaxLanes] = {};
   absl::Time stripes_began_ = absl::InfinitePast();
+  std::array<absl::Time, kMaxLanes> lane_last_{};  // CountLane, for LaneRates
   Tensor into_;                  // RecvArgs::into, until it is known not to be the destination
   Tensor result_;                // the destination, when the content lands in place
   Tensor staging_;  // registered proxy (strings, unregistrable destinations, copy mode)

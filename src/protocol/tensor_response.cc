@@ -256,7 +256,7 @@ void RdmaTensorResponse::Resume(const absl::Status& status, const Tensor& tensor
   }
   if (CanWriteNow()) {
     WriteContent(request_.remote_addr, request_.remote_key, request_.segment_bytes,
-                 request_.lane_keys, Event::kTensor);
+                 request_.lane_keys, request_.lane_shares, Event::kTensor);
     return;
   }
   SendMetaData();
@@ -293,7 +293,8 @@ void RdmaTensorResponse::RecvReRequest(const Message& m) {
     // release, which the immediate alone carries.
     meta_.tensor_bytes = 0;
   }
-  WriteContent(m.remote_addr, m.remote_key, m.segment_bytes, m.lane_keys, Event::kReRequest);
+  WriteContent(m.remote_addr, m.remote_key, m.segment_bytes, m.lane_keys, m.lane_shares,
+               Event::kReRequest);
 }
 
 uint64_t RdmaTensorResponse::ContentContext() const {
@@ -301,8 +302,10 @@ uint64_t RdmaTensorResponse::ContentContext() const {
                      (serial_ & kContentSerialMask) << 32 | uint64_t{request_.request_index});
 }
 
-void RdmaTensorResponse::ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys) {
+void RdmaTensorResponse::ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys,
+                                     const LaneShares& shares) {
   lanes_.clear();
+  stripes_ = StripePattern(1, LaneShares{});
   lanes_.push_back({channel_->endpoint(), source_region_, write_key_});
   // Every further lane must reach the source too (pool memory each lane registered, or a source
   // each registers for this write as lane 0 did); else the tensor keeps to lane 0, still in the
@@ -330,11 +333,15 @@ void RdmaTensorResponse::ChooseLanes(absl::Span<const fabric::RemoteKey> lane_ke
     }
     lanes_.push_back({ep, region, lane_keys[lane - 1]});
   }
+  // Every lane the receiver asked for serves: its shares are what it counts on each.
+  stripes_ =
+      StripePattern(lanes_.size(), lanes_.size() == lane_keys.size() + 1 ? shares : LaneShares{});
 }
 
 void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& key,
                                       uint32_t segment_bytes,
-                                      absl::Span<const fabric::RemoteKey> lane_keys, Event event) {
+                                      absl::Span<const fabric::RemoteKey> lane_keys,
+                                      const LaneShares& shares, Event event) {
   MessageBuffer* mb = channel_->message_buffer();
   fabric::Endpoint* ep = channel_->endpoint();
   TransitionTo(State::kWriting, event);
@@ -354,7 +361,7 @@ void RdmaTensorResponse::WriteContent(uint64_t addr, const fabric::RemoteKey& ke
   write_segment_ = segment_bytes;
   posted_ = 0;
   writes_left_ = 0;
-  ChooseLanes(lane_keys);
+  ChooseLanes(lane_keys, shares);
   if (chunked_ && !staging_error_.ok()) {
     SendError(staging_error_, Event::kWriteRefused);  // a part failed to stage before
     return;
@@ -389,8 +396,9 @@ void RdmaTensorResponse::PostStagedWrites() {
     const uint64_t end = std::min(total, start + unit);
     if (end > ready) break;  // its bytes are still being staged
     const bool imm_at_end = write_segment_ > 0 || end == total;
-    // Segments go round the lanes; the receiver counts them whichever lane they came by.
-    const size_t lane = lanes_.size() > 1 ? (start / unit) % lanes_.size() : 0;
+    // Segments go round the lanes by their shares; the receiver counts them whichever lane
+    // they came by.
+    const size_t lane = lanes_.size() > 1 ? stripes_.LaneOf(start / unit) : 0;
     if (lane > 0 && lane >= channel_->lanes()) {
       // Taken out since the tensor chose its lanes (staging in chunks posts as parts arrive).
       lane_error_ = absl::UnavailableError(

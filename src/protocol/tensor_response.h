@@ -34,6 +34,7 @@
 #include "src/common/state_table.h"
 #include "src/fabric/fabric.h"
 #include "src/protocol/message.h"
+#include "src/protocol/stripes.h"
 #include "src/rendezvous/key_table.h"
 #include "src/rendezvous/remote_rendezvous.h"
 #include "tensorverbs/tensor.h"
@@ -123,12 +124,14 @@ class RdmaTensorResponse {
   // immediate where the receiver asked for them (Message::segment_bytes), else in one.
   // `event` is what started the write.
   // `lane_keys`: the destination's keys on lanes 1.. (Message::lane_keys), for segments
-  // spread over the lanes.
+  // spread over the lanes, each lane carrying its share (`shares`: Message::lane_shares).
   void WriteContent(uint64_t addr, const fabric::RemoteKey& key, uint32_t segment_bytes,
-                    absl::Span<const fabric::RemoteKey> lane_keys, Event event);
+                    absl::Span<const fabric::RemoteKey> lane_keys, const LaneShares& shares,
+                    Event event);
   // The lanes the content goes over (lanes_): lane 0, plus each further one the receiver gave a
-  // key for and whose domain registered the source.
-  void ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys);
+  // key for and whose domain registered the source; and which segment goes over which
+  // (stripes_: the receiver's shares when every lane it asked for serves, else even).
+  void ChooseLanes(absl::Span<const fabric::RemoteKey> lane_keys, const LaneShares& shares);
   // A content write's context: the request index and the low bits of the serial.
   uint64_t ContentContext() const;
   // Posts the content writes whose bytes are staged (all of them unless staging in chunks).
@@ -177,13 +180,15 @@ class RdmaTensorResponse {
   fabric::RemoteKey write_key_;
   uint32_t write_segment_ = 0;
   uint64_t posted_ = 0;
-  // Where each lane writes from and to (lane 0 first); segment i goes to lane i mod size.
+  // Where each lane writes from and to (lane 0 first); segment i goes over lane
+  // stripes_.LaneOf(i).
   struct LaneTarget {
     fabric::Endpoint* endpoint;
     const fabric::MemoryRegion* region;
     fabric::RemoteKey key;
   };
   absl::InlinedVector<LaneTarget, kMaxLanes> lanes_;
+  StripePattern stripes_{1, LaneShares{}};
   // The further lanes' registrations of a source outside the pool, like transient_.
   absl::InlinedVector<std::unique_ptr<fabric::MemoryRegion>, kMaxLanes - 1> lane_transients_;
 };

@@ -9,7 +9,9 @@
 // fresh key for each try of a receiver that retries after a fault (a failed recv may have
 // consumed its tensor at the sender, so a retry must not ask for the same key). With --rails
 // A[,B] its grpc+verbs channels get further lanes bound to those addresses (TENSORVERBS_RAILS).
-// With --crc 1 each "got" line ends with the CRC-32C of the tensor's bytes, in hex.
+// With --crc 1 each "got" line ends with the CRC-32C of the tensor's bytes, in hex. With
+// --recv-gap-ms N it waits N ms after each recv of the stream ends before it starts the next.
+// With --peer-timeout-ms N its peer timeout is N ms.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -19,6 +21,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "src/common/checksum.h"
 #include "src/server/server.h"
 #include "src/support/process_util.h"
@@ -33,7 +37,7 @@ int main(int argc, char** argv) {
   uint32_t seed = 1;
   bool big = false;
   int late_ms = 0;
-  int recv_from = -1, recv_steps = 0;
+  int recv_from = -1, recv_steps = 0, recv_gap_ms = 0, peer_timeout_ms = 0;
   int spares = 0;
   bool wait_for_peers = false;
   std::string rails;
@@ -62,6 +66,10 @@ int main(int argc, char** argv) {
       recv_from = std::stoi(value);
     else if (flag == "--recv-steps")
       recv_steps = std::stoi(value);
+    else if (flag == "--recv-gap-ms")
+      recv_gap_ms = std::stoi(value);
+    else if (flag == "--peer-timeout-ms")
+      peer_timeout_ms = std::stoi(value);
     else if (flag == "--spares")
       spares = std::stoi(value);
     else if (flag == "--wait-for-peers")
@@ -83,6 +91,7 @@ int main(int argc, char** argv) {
   options.task = task;
   options.protocol = protocol;
   if (!rails.empty()) options.verbs.rails = absl::StrSplit(rails, ',');
+  if (peer_timeout_ms > 0) options.transfer.peer_timeout = absl::Milliseconds(peer_timeout_ms);
   absl::StatusOr<std::unique_ptr<Server>> server = Server::Create(options);
   if (!server.ok()) {
     std::fprintf(stderr, "test_peer: %s\n", server.status().ToString().c_str());
@@ -133,7 +142,8 @@ int main(int argc, char** argv) {
   std::thread receiver;
   std::atomic<bool> stopping{false};
   if (recv_from >= 0 && recv_steps > 0) {
-    receiver = std::thread([&server, &stopping, job, recv_from, recv_steps, step, crc] {
+    receiver = std::thread([&server, &stopping, job, recv_from, recv_steps, recv_gap_ms, step,
+                            crc] {
       Server& s = **server;
       const std::string src = CpuDeviceName(job, recv_from);
       absl::StatusOr<uint64_t> incarnation =
@@ -164,6 +174,7 @@ int main(int argc, char** argv) {
           std::printf("failed %d %s\n", i, status.ToString().c_str());
         }
         std::fflush(stdout);
+        if (recv_gap_ms > 0 && i < recv_steps) absl::SleepFor(absl::Milliseconds(recv_gap_ms));
       }
     });
   }

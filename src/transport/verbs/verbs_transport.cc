@@ -43,6 +43,7 @@ VerbsOptions VerbsOptions::FromConfig(const Config& config) {
   o.channel.max_pending_recvs = config.max_pending_recvs;
   o.channel.large_in_flight = config.large_in_flight;
   o.channel.stripe_bytes = config.stripe_bytes;
+  o.channel.stripe_by_rate = config.stripe_by_rate;
   for (absl::string_view rail : absl::StrSplit(config.rails, ',', absl::SkipWhitespace())) {
     o.rails.emplace_back(absl::StripAsciiWhitespace(rail));
   }

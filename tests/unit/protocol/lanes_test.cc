@@ -94,6 +94,46 @@ TEST_F(LaneTest, ALargeTensorIsSpreadOverBothLanesAndLandsWhole) {
             static_cast<int64_t>(sent_.TotalBytes()));
 }
 
+// The receiver measured lane 0 at three times lane 1's rate: it asks for three quarters of the
+// segments over lane 0, and the sender writes them so; the tensor lands whole.
+TEST_F(LaneTest, EachLaneCarriesTheShareItsMeasuredRateEarns) {
+  owner_.channel->NoteLaneRates({3e9, 1e9, 0, 0});
+  ASSERT_EQ(owner_.channel->StripeShares(2), (LaneShares{12, 4, 0, 0}));
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("shares"), 0.5f));
+  const int64_t lane0 = Get(acceptor_.channel->counters().lane_bytes_sent[0]);
+  const int64_t lane1 = Get(acceptor_.channel->counters().lane_bytes_sent[1]);
+  EXPECT_EQ(lane0 + lane1, static_cast<int64_t>(sent_.TotalBytes()));
+  // 1.5 MiB in 12 segments of 128 KiB, lane 1 taking 4 of each 16: 3 of these 12.
+  EXPECT_EQ(lane1, 3 * (128 << 10));
+  EXPECT_EQ(Get(owner_.channel->counters().lane_segments_received[1]), 3);
+  EXPECT_EQ(owner_.channel->StripeShares(2), (LaneShares{12, 4, 0, 0}))
+      << "a tensor that landed within kLaneRateMinSpan (loopback lanes) teaches nothing";
+
+  // With TENSORVERBS_STRIPE_SHARES=even, the segments go round the lanes alike.
+  owner_.env.options.stripe_by_rate = false;
+  EXPECT_EQ(owner_.channel->StripeShares(2), LaneShares{});
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(2, Key("shares"), 1.5f));
+  EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]) - lane1,
+            static_cast<int64_t>(sent_.TotalBytes() / 2));
+}
+
+// A lane that owes its share (lane 1, measured the faster, carrying most segments) and falls
+// silent is found by the same pattern the sender followed.
+TEST_F(LaneTest, ASilentLaneIsFoundByItsShareOfTheSegments) {
+  owner_.channel->NoteLaneRates({1e9, 3e9, 0, 0});
+  fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("weighted"), 1.5f);
+  ASSERT_TRUE(Pump([&] { return Get(owner_.channel->counters().lane_segments_received[0]) > 2; }));
+  Settle();
+  EXPECT_EQ(Get(owner_.channel->counters().lane_segments_received[0]), 3) << "lane 0's share";
+  EXPECT_EQ(out->calls, 0);
+  CheckLanesLater();
+  Settle();
+  ASSERT_NO_FATAL_FAILURE(ExpectEndedNamingTheLane(*out, "brought nothing"));
+  EXPECT_EQ(owner_.channel->lanes(), 1u);
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(2, Key("weighted"), 2.5f));
+}
+
 // A lane whose probe never comes back (its link was down when the channel was made) carries
 // no tensor: the large one goes over lane 0 alone and arrives whole.
 class UnprobedLaneTest : public LaneTest {
@@ -151,6 +191,52 @@ TEST_F(LaneTest, ALaneSilentWhileSegmentsAreDueIsTakenOutAndTheChannelGoesOn) {
   EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), lane1_before);
   EXPECT_EQ(Get(owner_.stats.channel_errors), 0);
   EXPECT_EQ(Get(acceptor_.stats.channel_errors), 0);
+}
+
+// A lane comes back only with a new channel (its endpoints made afresh and probed): once the
+// back-off after the failure ran out, the owner gives its channel back while it is quiet, and
+// the next recv sets one up with every lane.
+TEST_F(LaneTest, AChannelThatLostALaneIsGivenBackOnceTheBackOffRanOut) {
+  fabric::loopback::SetFaults(owner_.lane_domain.get(), {.stalled = true});
+  std::shared_ptr<RecvOutcome> out = SendAndRecv(1, Key("back"), 1.5f);
+  ASSERT_TRUE(Pump([&] { return Get(owner_.channel->counters().lane_segments_received[0]) > 0; }));
+  Settle();
+  CheckLanesLater();
+  Settle();
+  ASSERT_EQ(out->calls, 1);
+  ASSERT_EQ(owner_.channel->lanes(), 1u);
+  const auto keep = [](uint64_t) { return true; };  // the harness holds the channels
+  const absl::Duration quiet = Channel::kLanesBackQuiet + absl::Milliseconds(50);
+  // While the back-off runs (twice the peer timeout), the channel stays, quiet or not.
+  const absl::Time soon = absl::Now();
+  owner_.table.Housekeeping(soon, keep);
+  owner_.table.Housekeeping(soon + quiet, keep);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  // After it: given back, quiet since `soon` (for kLanesBackQuiet at least), not counted as a
+  // failure.
+  const absl::Time later = soon + 2 * owner_.env.transfer.peer_timeout + absl::Seconds(1);
+  owner_.table.Housekeeping(later, keep);
+  ASSERT_EQ(owner_.channel->state(), Channel::State::kClosed);
+  EXPECT_EQ(owner_.channel->close_status().code(), absl::StatusCode::kCancelled);
+  EXPECT_THAT(std::string(owner_.channel->close_status().message()),
+              HasSubstr("so that lane 1 comes back"));
+  EXPECT_EQ(Get(owner_.stats.channels_renewed_for_lanes), 1);
+  EXPECT_EQ(Get(owner_.stats.channel_errors), 0);
+  // The acceptor's channel, which never lost its lane at its end, is not given back by it.
+  acceptor_.table.Housekeeping(later, keep);
+  acceptor_.table.Housekeeping(later + quiet, keep);
+  EXPECT_EQ(acceptor_.channel->state(), Channel::State::kReady);
+}
+
+// A channel that lost no lane is never given back for one.
+TEST_F(LaneTest, AChannelWithAllItsAgreedLanesIsKept) {
+  ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("kept"), 1.0f));
+  const auto keep = [](uint64_t) { return true; };
+  const absl::Time later = absl::Now() + absl::Minutes(1);
+  owner_.table.Housekeeping(later, keep);
+  owner_.table.Housekeeping(later + absl::Seconds(1), keep);
+  EXPECT_EQ(owner_.channel->state(), Channel::State::kReady);
+  EXPECT_EQ(Get(owner_.stats.channels_renewed_for_lanes), 0);
 }
 
 // kRequested --LaneLost--> kDone: with the meta-data cached, REQUEST names the destination and

@@ -44,6 +44,7 @@ void ExpectSame(const Message& a, const Message& b) {
   EXPECT_EQ(a.error, b.error);
   EXPECT_EQ(a.segment_bytes, b.segment_bytes);
   EXPECT_EQ(a.lane_keys, b.lane_keys);
+  EXPECT_EQ(a.lane_shares, b.lane_shares);
 }
 
 TEST(MessageCodec, RoundTripsEveryType) {
@@ -277,6 +278,46 @@ TEST(MessageCodec, ASegmentedRequestCarriesAKeyPerFurtherLane) {
   plain[59] = 1;
   EXPECT_THAT(std::string(DecodeMessage(plain).status().message()),
               HasSubstr("lane keys without content segments"));
+}
+
+TEST(MessageCodec, ARequestOverLanesGivesEachLaneItsShare) {
+  Message m = Request();
+  m.segment_bytes = kMinSegmentBytes;
+  m.lane_keys.push_back(m.remote_key);
+  m.lane_keys.push_back(m.remote_key);
+  m.lane_shares = {11, 3, kMaxLaneShare, 0};
+  std::vector<uint8_t> wire = Encode(m);
+  EXPECT_EQ(wire[22], 0x3B) << "lane k's share in bits 4k..4k+3";
+  EXPECT_EQ(wire[23], 0x0F);
+  absl::StatusOr<Message> back = DecodeMessage(wire);
+  ASSERT_TRUE(back.ok()) << back.status();
+  ExpectSame(m, *back);
+
+  // A share of 0 or beyond the lanes, or shares without lane keys.
+  std::vector<uint8_t> slot(kMessageSize);
+  Message zero = m;
+  zero.lane_shares = {11, 0, 4, 0};
+  EXPECT_THAT(std::string(EncodeMessage(zero, absl::MakeSpan(slot)).message()),
+              HasSubstr("lane 1's share is 0, not 1..15 of 3 lanes"));
+  Message beyond = m;
+  beyond.lane_shares = {1, 1, 1, 1};
+  EXPECT_THAT(std::string(EncodeMessage(beyond, absl::MakeSpan(slot)).message()),
+              HasSubstr("a share for lane 3 of a request over 3 lanes"));
+  Message plain = Request();
+  plain.lane_shares = {1, 1, 0, 0};
+  EXPECT_THAT(std::string(EncodeMessage(plain, absl::MakeSpan(slot)).message()),
+              HasSubstr("lane shares without lane keys"));
+  // From the wire alike.
+  wire[23] = 0x1F;
+  EXPECT_THAT(std::string(DecodeMessage(wire).status().message()), HasSubstr("a share for lane 3"));
+  wire[23] = 0x0F;
+  wire[22] = 0x0B;
+  EXPECT_THAT(std::string(DecodeMessage(wire).status().message()),
+              HasSubstr("lane 1's share is 0"));
+  std::vector<uint8_t> unspread = Encode(Request());
+  unspread[22] = 0x11;
+  EXPECT_THAT(std::string(DecodeMessage(unspread).status().message()),
+              HasSubstr("lane shares without lane keys"));
 }
 
 TEST(MessageCodec, ARequestNamesItsKeyByIndexOrDefinesTheIndex) {
