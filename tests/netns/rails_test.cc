@@ -60,6 +60,17 @@ class RailsTest : public ::testing::Test {
     host_.reset();
   }
 
+  // The host again, its two rails limited to `rates` (NetnsHost::Options::rate).
+  void RemakeHost(const std::string& rates) {
+    host_.reset();
+    tools::NetnsHost::Options options;
+    options.rails = 2;
+    options.rate = rates;
+    absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(0, options);
+    ASSERT_TRUE(host.ok()) << host.status();
+    host_ = *std::move(host);
+  }
+
   // Task 1, a test peer in the namespace, with `peer_flags` beside its cluster place (and a lane
   // on its rail 1 where `peer_rails`); task 0 here, with a lane on its rail 1. Returns once both
   // stand and task 1 said it is ready.
@@ -200,13 +211,7 @@ TEST_F(RailsTest, APeerWithoutRailsSharesOneLane) {
 // channel takes lane 1 out and the stream goes on over rail 0, on that channel.
 TEST_F(RailsTest, ARailThatGoesDownMidStreamEndsEachRecvOnceAndTheStreamGoesOn) {
   constexpr int kTensors = 8;
-  host_.reset();
-  tools::NetnsHost::Options railed;
-  railed.rails = 2;
-  railed.rate = "1gbit";
-  absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(0, railed);
-  ASSERT_TRUE(host.ok()) << host.status();
-  host_ = *std::move(host);
+  ASSERT_NO_FATAL_FAILURE(RemakeHost("1gbit"));
   ASSERT_NO_FATAL_FAILURE(
       StartPair({"--recv-from", "0", "--recv-steps", absl::StrCat(kTensors), "--crc", "1"},
                 /*peer_rails=*/true));
@@ -261,13 +266,7 @@ TEST_F(RailsTest, ARailThatGoesDownMidStreamEndsEachRecvOnceAndTheStreamGoesOn) 
 TEST_F(RailsTest, ASlowerRailCarriesASmallerShareOfEachTensor) {
   constexpr int kTensors = 6;
   constexpr int64_t kBytes = int64_t{16} << 20;
-  host_.reset();
-  tools::NetnsHost::Options uneven;
-  uneven.rails = 2;
-  uneven.rate = "1gbit,250mbit";
-  absl::StatusOr<std::unique_ptr<tools::NetnsHost>> host = tools::NetnsHost::Create(0, uneven);
-  ASSERT_TRUE(host.ok()) << host.status();
-  host_ = *std::move(host);
+  ASSERT_NO_FATAL_FAILURE(RemakeHost("1gbit,250mbit"));
   ASSERT_NO_FATAL_FAILURE(
       StartPair({"--recv-from", "0", "--recv-steps", absl::StrCat(kTensors), "--crc", "1"},
                 /*peer_rails=*/true));
