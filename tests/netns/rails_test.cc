@@ -71,6 +71,23 @@ class RailsTest : public ::testing::Test {
     host_ = *std::move(host);
   }
 
+  // Sends task 1 (--recv-from 0) "stream" at step kRailsStep + `i`: `bytes` filled from
+  // `pattern`. Returns their CRC-32C.
+  uint32_t SendStream(int i, int64_t bytes, uint32_t pattern) {
+    Tensor t = Tensor::Make(DataType::kUInt8, TensorShape::Of({bytes}));
+    testing::FillPattern(t, pattern);
+    auto r = *server_->rendezvous_mgr()->Find(kRailsStep + i);
+    const std::string key = ParsedKey::Create(server_->device_name(), server_->incarnation(),
+                                              CpuDeviceName("worker", 1), "stream");
+    EXPECT_TRUE(r->Send(*ParsedKey::Parse(key), t, false).ok());
+    return Crc32c(t.data(), t.TotalBytes());
+  }
+  // What task 1 prints (--crc 1) for recv `i` of the stream that got `bytes` whose CRC-32C is
+  // `crc`.
+  static std::string GotLine(int i, int64_t bytes, uint32_t crc) {
+    return absl::StrFormat("got %d %d %08x", i, bytes, crc);
+  }
+
   // Task 1, a test peer in the namespace, with `peer_flags` beside its cluster place (and a lane
   // on its rail 1 where `peer_rails`); task 0 here, with a lane on its rail 1. Returns once both
   // stand and task 1 said it is ready.
@@ -218,13 +235,7 @@ TEST_F(RailsTest, ARailThatGoesDownMidStreamEndsEachRecvOnceAndTheStreamGoesOn) 
 
   std::vector<uint32_t> sums;
   for (int i = 1; i <= kTensors; ++i) {
-    Tensor t = Tensor::Make(DataType::kUInt8, TensorShape::Of({int64_t{64} << 20}));
-    testing::FillPattern(t, static_cast<uint32_t>(100 + i));
-    sums.push_back(Crc32c(t.data(), t.TotalBytes()));
-    auto r = *server_->rendezvous_mgr()->Find(kRailsStep + i);
-    const std::string key = ParsedKey::Create(server_->device_name(), server_->incarnation(),
-                                              CpuDeviceName("worker", 1), "stream");
-    ASSERT_TRUE(r->Send(*ParsedKey::Parse(key), t, false).ok());
+    sums.push_back(SendStream(i, int64_t{64} << 20, static_cast<uint32_t>(100 + i)));
   }
   int got = 0, failed = 0, got_after_failure = 0;
   for (int i = 1; i <= kTensors; ++i) {
@@ -271,15 +282,10 @@ TEST_F(RailsTest, ASlowerRailCarriesASmallerShareOfEachTensor) {
       StartPair({"--recv-from", "0", "--recv-steps", absl::StrCat(kTensors), "--crc", "1"},
                 /*peer_rails=*/true));
   for (int i = 1; i <= kTensors; ++i) {
-    Tensor t = Tensor::Make(DataType::kUInt8, TensorShape::Of({kBytes}));
-    testing::FillPattern(t, static_cast<uint32_t>(200 + i));
-    auto r = *server_->rendezvous_mgr()->Find(kRailsStep + i);
-    const std::string key = ParsedKey::Create(server_->device_name(), server_->incarnation(),
-                                              CpuDeviceName("worker", 1), "stream");
-    ASSERT_TRUE(r->Send(*ParsedKey::Parse(key), t, false).ok());
+    const uint32_t crc = SendStream(i, kBytes, static_cast<uint32_t>(200 + i));
     absl::StatusOr<std::string> line = peer_->ReadLine(absl::Seconds(60));
     ASSERT_TRUE(line.ok()) << "recv " << i << " never ended: " << line.status();
-    EXPECT_EQ(*line, absl::StrFormat("got %d %d %08x", i, kBytes, Crc32c(t.data(), kBytes)));
+    EXPECT_EQ(*line, GotLine(i, kBytes, crc));
   }
   const proto::ChannelStats send = ChannelOf(0, /*receives=*/false);
   const int64_t lane0 = Counter(send, "lane0_bytes_sent");
@@ -303,14 +309,10 @@ TEST_F(RailsTest, ARailThatComesBackIsUsedAgainByTheNextChannel) {
   ASSERT_NO_FATAL_FAILURE(StartPair({"--recv-from", "0", "--recv-steps", "4", "--crc", "1",
                                      "--recv-gap-ms", "4000", "--peer-timeout-ms", "1500"},
                                     /*peer_rails=*/true));
+  // The line task 1 prints once it got tensor `i` whole. Sent before its line is read: the
+  // two are separate statements, since the operands of one comparison may go in either order.
   auto send = [&](int i) {
-    Tensor t = Tensor::Make(DataType::kUInt8, TensorShape::Of({kBytes}));
-    testing::FillPattern(t, static_cast<uint32_t>(300 + i));
-    auto r = *server_->rendezvous_mgr()->Find(kRailsStep + i);
-    const std::string key = ParsedKey::Create(server_->device_name(), server_->incarnation(),
-                                              CpuDeviceName("worker", 1), "stream");
-    EXPECT_TRUE(r->Send(*ParsedKey::Parse(key), t, false).ok());
-    return absl::StrFormat("got %d %d %08x", i, kBytes, Crc32c(t.data(), kBytes));
+    return GotLine(i, kBytes, SendStream(i, kBytes, static_cast<uint32_t>(300 + i)));
   };
   auto line = [&](int i) {
     absl::StatusOr<std::string> l = peer_->ReadLine(absl::Seconds(60));
@@ -319,15 +321,18 @@ TEST_F(RailsTest, ARailThatComesBackIsUsedAgainByTheNextChannel) {
     return l.ok() ? *l : "";
   };
   // Both lanes carry the first; the second is lost on rail 1, which then comes back.
-  ASSERT_EQ(line(1), send(1));
+  const std::string first = send(1);
+  ASSERT_EQ(line(1), first);
   ASSERT_TRUE(host_->SetRailUp(1, false).ok());
   send(2);
   EXPECT_THAT(line(2), HasSubstr("failed 2"));
   EXPECT_THAT(ChannelOf(1, /*receives=*/true).description(), Not(HasSubstr("lanes")));
   ASSERT_TRUE(host_->SetRailUp(1, true).ok());
   // The third, sent at once, is taken by a recv that starts after the gap, on a new channel.
-  ASSERT_EQ(line(3), send(3));
-  ASSERT_EQ(line(4), send(4));
+  const std::string third = send(3);
+  ASSERT_EQ(line(3), third);
+  const std::string fourth = send(4);
+  ASSERT_EQ(line(4), fourth);
   const proto::ChannelStats recv = ChannelOf(1, /*receives=*/true);
   EXPECT_THAT(recv.description(), HasSubstr("2 lanes"));
   EXPECT_GT(Counter(recv, "lane1_segments_received"), 0) << "rail 1 carries its share again";
