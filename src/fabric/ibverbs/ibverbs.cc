@@ -156,7 +156,8 @@ class IbvDomain final : public Domain {
     while (produced < out.size()) {
       const int room = static_cast<int>(std::min<size_t>(32, out.size() - produced));
       int n;
-      if (!stash.empty()) {
+      const bool from_stash = !stash.empty();
+      if (from_stash) {
         n = std::min(static_cast<int>(stash.size()), room);
         std::copy_n(stash.begin(), n, wc);
         stash.erase(stash.begin(), stash.begin() + n);
@@ -169,7 +170,7 @@ class IbvDomain final : public Domain {
       }
       if (n == 0) break;
       for (int i = 0; i < n; ++i) {
-        GiveBack(*shared_, wc[i]);
+        if (!from_stash) GiveBack(*shared_, wc[i]);  // a stashed one gave back as it was taken
         auto it = shared_->by_qp.find(wc[i].qp_num);
         if (it != shared_->by_qp.end() && it->second->Handle(wc[i], &out[produced])) ++produced;
       }
@@ -181,11 +182,7 @@ class IbvDomain final : public Domain {
   // arming would raise no event). Returns whether anything is ready.
   bool ArmSharedAndCheck() {
     if (ibv_req_notify_cq(shared_->cq, 0) != 0) return true;  // cannot arm: let the caller poll
-    ibv_wc wc[32];
-    int n;
-    while ((n = ibv_poll_cq(shared_->cq, 32, wc)) > 0) {
-      shared_->stash.insert(shared_->stash.end(), wc, wc + n);
-    }
+    TakeCompletions(*shared_);
     return !shared_->stash.empty();
   }
 
@@ -264,11 +261,18 @@ absl::Status OpenSharedQueues(Shared& shared) {
   const int cqe = static_cast<int>(srq_depth + send_room + kSharedBindRoom);
   shared.cq = ibv_create_cq(shared.ctx, cqe, nullptr, shared.channel, 0);
   if (shared.cq == nullptr) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(Errno("ibv_create_cq", errno), " (the domain's, of ", cqe, " entries)"));
+    // A device may refuse a CQ this large for want of memory though its max_cqe allows it:
+    // channels then keep queues of their own, as on a device without shared receive queues.
+    LOG(INFO) << "ibverbs: " << Errno("ibv_create_cq", errno) << " (the domain's, of " << cqe
+              << " entries): each channel gets a completion queue and receive queue of its own";
+    ibv_destroy_srq(shared.srq);
+    shared.srq = nullptr;
+    return absl::OkStatus();
   }
   shared.send_room = send_room;
-  shared.bind_room = kSharedBindRoom;
+  shared.send_reserve = send_room / 4;
+  shared.fair_sends = std::clamp<size_t>(shared.send_reserve / 4, 1, kFairSends);
+  shared.bind_room = shared.bind_total = kSharedBindRoom;
   for (uint32_t i = 0; i < srq_depth; ++i) RETURN_IF_ERROR(PostSharedReceive(shared));
   return absl::OkStatus();
 }

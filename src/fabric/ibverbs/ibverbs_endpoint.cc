@@ -7,6 +7,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "src/common/logging.h"
 #include "src/common/status_macros.h"
 #include "src/fabric/ibverbs/ibverbs_internal.h"
@@ -98,10 +99,28 @@ void GiveBack(Shared& shared, const ibv_wc& w) {
       LOG(WARNING) << "ibverbs (" << shared.selection.device << "): " << s;
     }
   } else if (w.wr_id == kBindWrId) {
-    ++shared.bind_room;
+    ReturnBindRoom(shared, 1);
   } else {
     ++shared.send_room;
   }
+}
+
+void ReturnBindRoom(Shared& shared, size_t n) {
+  const size_t to_binds = std::min(n, shared.bind_total - shared.bind_room);
+  shared.bind_room += to_binds;
+  shared.send_room += n - to_binds;
+}
+
+size_t TakeCompletions(Shared& shared) {
+  ibv_wc wc[32];
+  size_t taken = 0;
+  int n;
+  while ((n = ibv_poll_cq(shared.cq, 32, wc)) > 0) {
+    for (int i = 0; i < n; ++i) GiveBack(shared, wc[i]);
+    shared.stash.insert(shared.stash.end(), wc, wc + n);
+    taken += static_cast<size_t>(n);
+  }
+  return taken;
 }
 
 absl::Status IbvEndpoint::Init() {
@@ -180,23 +199,17 @@ void IbvEndpoint::ForgetCompletions(bool destroyed) {
   // would then reach the next endpoint given that number (a write with immediate of a closed
   // channel as its successor's, or an operation record freed with this endpoint). Once the queue
   // pair is destroyed nothing more of it enters the CQ, so take what is there now.
-  ibv_wc wc[32];
-  int n;
-  while ((n = ibv_poll_cq(cq_, 32, wc)) > 0) {
-    shared_->stash.insert(shared_->stash.end(), wc, wc + n);
-  }
+  TakeCompletions(*shared_);
   auto& stash = shared_->stash;
   auto mine = [this](const ibv_wc& w) { return w.qp_num == qp_num_; };
   for (const ibv_wc& w : stash) {
-    if (!mine(w)) continue;
-    GiveBack(*shared_, w);
-    Returned(w);
+    if (mine(w)) Returned(w);
   }
   stash.erase(std::remove_if(stash.begin(), stash.end(), mine), stash.end());
   if (!destroyed) return;
   // Work requests the queue pair took with it will never complete: their room is free.
   shared_->send_room += sends_out_;
-  shared_->bind_room += binds_out_;
+  ReturnBindRoom(*shared_, binds_out_);
   sends_out_ = binds_out_ = 0;
 }
 
@@ -204,10 +217,11 @@ absl::StatusOr<std::pair<ibv_mw*, uint32_t>> IbvEndpoint::BindWindow(ibv_mr* mr,
                                                                      size_t length, int access) {
   if (!connected_) return absl::FailedPreconditionError("ibverbs: endpoint is not connected");
   if (!qp_error_.ok()) return qp_error_;
-  if (!own_cq() && shared_->bind_room == 0) {
-    return absl::ResourceExhaustedError(
-        "ibverbs: the completion queue has no room for a memory window bind (every channel of "
-        "the domain is binding at once); try again");
+  if (!own_cq() && !BindRoom()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "ibverbs: the completion queue of ", shared_->selection.device,
+        " had no room for a memory window bind within ", absl::FormatDuration(kBindRoomWait),
+        ": every entry is held by work under way; try again"));
   }
   ibv_mw* mw = ibv_alloc_mw(shared_->pd, IBV_MW_TYPE_2);
   if (mw == nullptr) return absl::ResourceExhaustedError(Errno("ibv_alloc_mw", errno));
@@ -225,16 +239,32 @@ absl::StatusOr<std::pair<ibv_mw*, uint32_t>> IbvEndpoint::BindWindow(ibv_mr* mr,
   ibv_send_wr* bad = nullptr;
   if (int e = ibv_post_send(qp_, &wr, &bad)) {
     ibv_dealloc_mw(mw);
+    if (!own_cq()) ReturnBindRoom(*shared_, 1);
     return e == ENOMEM ? absl::ResourceExhaustedError(absl::StrCat(
                              Errno("binding a memory window", e),
                              ": the send queue is full; raise RDMA_QUEUE_DEPTH or try again"))
                        : absl::UnavailableError(Errno("binding a memory window", e));
   }
-  if (!own_cq()) {
-    --shared_->bind_room;
-    ++binds_out_;
-  }
+  if (!own_cq()) ++binds_out_;
   return std::make_pair(mw, rkey);
+}
+
+bool IbvEndpoint::BindRoom() {
+  const absl::Time deadline = absl::Now() + kBindRoomWait;
+  while (true) {
+    if (shared_->bind_room > 0) {
+      --shared_->bind_room;
+      return true;
+    }
+    // Lent by the sends where they have more than their reserve: a bind is one entry, and
+    // the set-up of a channel waits on it.
+    if (shared_->send_room > shared_->send_reserve) {
+      --shared_->send_room;
+      return true;
+    }
+    // The entries come back only as completions leave the CQ; binds complete at once.
+    if (TakeCompletions(*shared_) == 0 && absl::Now() >= deadline) return false;
+  }
 }
 
 std::string IbvEndpoint::LocalAddress() const {
@@ -416,7 +446,11 @@ absl::Status IbvEndpoint::Post(CompletionKind kind, bool with_imm, uint32_t imm,
 
 absl::StatusOr<bool> IbvEndpoint::Issue(Op* op) {
   // No room in the shared CQ: wait as for a full send queue, until completions give some back.
-  if (!own_cq() && shared_->send_room == 0) return false;
+  // The last of it only for a queue pair with little under way (kFairSends).
+  if (!own_cq() && (shared_->send_room == 0 || (sends_out_ >= shared_->fair_sends &&
+                                                shared_->send_room <= shared_->send_reserve))) {
+    return false;
+  }
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uint64_t>(op->buf);
   sge.length = static_cast<uint32_t>(op->len);

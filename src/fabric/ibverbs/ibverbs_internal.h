@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "src/fabric/endpoint_base.h"
 #include "src/fabric/fabric.h"
@@ -47,6 +48,14 @@ inline constexpr size_t kSharedSendRoom = 16384;
 inline constexpr size_t kSharedBindRoom = 4096;
 // Below this much room for send completions a shared CQ is not worth it: endpoints get their own.
 inline constexpr size_t kMinSharedSendRoom = 64;
+// A queue pair holding this many send completions' room (fewer on a small CQ) takes none of the
+// last quarter of it: a channel to a peer that stopped answering keeps its writes retried until
+// the op timeout, and a few such channels' full send queues would otherwise hold every entry
+// while the healthy channels' operations wait.
+inline constexpr size_t kFairSends = 64;
+// How long a window bind waits for room in the shared CQ (polling it) before it fails: binds
+// complete within microseconds on a NIC, so only a CQ left unpolled that long has none.
+inline constexpr absl::Duration kBindRoomWait = absl::Milliseconds(100);
 
 // "ibverbs: <what>: <strerror(err)>".
 std::string Errno(absl::string_view what, int err);
@@ -82,8 +91,15 @@ struct Shared;
 // receive queue.
 absl::Status PostSharedReceive(Shared& shared);
 // What a completion taken from the shared CQ frees, whoever its queue pair was: the CQ room its
-// work request held, or the shared receive it consumed (replaced at once).
+// work request held, or the shared receive it consumed (replaced at once). Called as it leaves
+// the CQ, whether it is handed out then or stashed.
 void GiveBack(Shared& shared, const ibv_wc& w);
+// Room of `n` window binds given back: to the binds' own up to what they were given, the rest
+// to the sends' (which lent it to a bind that found none).
+void ReturnBindRoom(Shared& shared, size_t n);
+// Takes every completion now in the shared CQ into the stash, giving back what each frees; the
+// number taken.
+size_t TakeCompletions(Shared& shared);
 
 struct Shared {
   ibv_context* ctx = nullptr;
@@ -100,11 +116,16 @@ struct Shared {
   ibv_srq* srq = nullptr;
   // Room left in `cq` for send completions, of operations and of window binds. An operation
   // that finds none waits in its endpoint's queue, as for a full send queue, so that the CQ,
-  // which every queue pair fills, never overruns.
+  // which every queue pair fills, never overruns; a bind that finds none borrows the sends'
+  // beyond their reserve, else polls the CQ for up to kBindRoomWait.
   size_t send_room = 0;
   size_t bind_room = 0;
+  size_t bind_total = 0;    // bind_room when nothing is under way
+  size_t send_reserve = 0;  // of send_room, kept for queue pairs holding fewer than fair_sends
+  size_t fair_sends = 0;
   unsigned int cq_unacked_events = 0;
-  // Completions taken from `cq` and not yet handed out (ArmAndCheck, an endpoint's destruction).
+  // Completions taken from `cq` and not yet handed out (ArmAndCheck, an endpoint's destruction,
+  // a bind waiting for room); what they freed is already given back.
   std::vector<ibv_wc> stash;
   std::map<uint32_t, IbvEndpoint*> by_qp;  // every endpoint, by its queue pair number
   std::vector<IbvEndpoint*> active;        // shared-CQ endpoints with operations under way
@@ -253,6 +274,8 @@ class IbvEndpoint final : public EndpointBase {
   void Returned(const ibv_wc& w);
   absl::Status Post(CompletionKind kind, bool with_imm, uint32_t imm, const LocalBuffer& local,
                     const RemoteBuffer& remote, uint64_t context) override;
+  // Shared CQ: takes room for one window bind, waiting up to kBindRoomWait; false if none came.
+  bool BindRoom();
   // Posts `op`: true if posted, false if the send queue is full (retried later).
   absl::StatusOr<bool> Issue(Op* op);
 

@@ -163,6 +163,11 @@ int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
   const bool read = wr->opcode == IBV_WR_RDMA_READ;
   const int need = read ? IBV_ACCESS_REMOTE_READ : IBV_ACCESS_REMOTE_WRITE;
   auto dest = S().qps.find(q->dest_qp);
+  if (q->state == IBV_QPS_RTS && dest != S().qps.end() &&
+      FakeNic::Get().unanswering.count(q->dest_qp) != 0) {
+    ++q->sends_in_cq;  // held, as retries to a silent host are
+    return 0;
+  }
   if (q->state != IBV_QPS_RTS || dest == S().qps.end()) {
     done.status = IBV_WC_RETRY_EXC_ERR;
   } else if (len > 0 &&
@@ -432,8 +437,8 @@ void __wrap_ibv_ack_cq_events(ibv_cq*, unsigned int n) {
 }
 ibv_cq* __wrap_ibv_create_cq(ibv_context* ctx, int cqe, void*, ibv_comp_channel* channel, int) {
   FakeNic& nic = FakeNic::Get();
-  if (nic.fail_create_cq || cqe > nic.max_cqe || cqe < 1) {
-    errno = nic.fail_create_cq ? ENOMEM : EINVAL;
+  if (nic.fail_create_cq || cqe > nic.create_cq_limit || cqe > nic.max_cqe || cqe < 1) {
+    errno = nic.fail_create_cq || cqe > nic.create_cq_limit ? ENOMEM : EINVAL;
     return nullptr;
   }
   ++nic.cqs_created;
@@ -491,13 +496,17 @@ ibv_srq* __wrap_ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* init) {
     return nullptr;
   }
   ++nic.srqs_created;
+  ++nic.srqs_live;
   auto* q = new tensorverbs::testing::FakeSrq;
   q->srq.context = pd->context;
   q->srq.pd = pd;
   return &q->srq;
 }
 int __wrap_ibv_destroy_srq(ibv_srq* srq) {
-  delete reinterpret_cast<tensorverbs::testing::FakeSrq*>(srq);
+  auto* q = reinterpret_cast<tensorverbs::testing::FakeSrq*>(srq);
+  FakeNic::Get().srq_posted -= static_cast<int>(q->receives.size());
+  --FakeNic::Get().srqs_live;
+  delete q;
   return 0;
 }
 int __wrap_ibv_modify_qp(ibv_qp* qp, ibv_qp_attr* attr, int mask) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,9 @@ struct FakeNic {
   // Failures to inject.
   bool fail_alloc_pd = false;
   bool fail_create_cq = false;
+  // A CQ of more entries than this fails with ENOMEM, as on a device short of memory for a large
+  // one though its max_cqe allows it.
+  int create_cq_limit = 1 << 30;
   bool fail_create_qp = false;
   int fail_modify_to = -1;  // an ibv_qp_state that modify_qp refuses (EINVAL)
   // The memlock limit (RLIMIT_MEMLOCK): a registration that would pin more fails with ENOMEM,
@@ -55,6 +59,7 @@ struct FakeNic {
   // its receives from it. Off: the device reports none.
   bool srq = true;
   int srqs_created = 0;
+  int srqs_live = 0;
   int srq_posted = 0;  // receives posted on shared receive queues and not yet consumed
   int cqs_created = 0;
   int qps_live = 0;
@@ -67,6 +72,10 @@ struct FakeNic {
   // Destroying a queue pair removes its completions from its CQ, as mlx5 does; the shared
   // receives they consumed are not posted again.
   bool destroy_cleans_cq = false;
+  // Queue pairs whose host stopped answering: a write or read to one is neither carried out nor
+  // completed (an RC sender keeps retrying), and it holds its send queue entry until its own
+  // queue pair is destroyed.
+  std::set<uint32_t> unanswering;
 
   struct Modify {
     uint32_t qp_num;

@@ -16,50 +16,14 @@
 #include "src/fabric/ibverbs/ibverbs.h"
 #include "src/fabric/ibverbs/ibverbs_internal.h"
 #include "tests/unit/fabric/fake_nic.h"
+#include "tests/unit/fabric/ibverbs_fake_nic_fixture.h"
 
 namespace tensorverbs::fabric::ibverbs {
 namespace {
 
 using testing::FakeNic;
 using ::testing::HasSubstr;
-
-class IbverbsFakeNicTest : public ::testing::Test {
- protected:
-  void SetUp() override { FakeNic::Get().Reset(); }
-
-  void Open(RdmaConfig config = RdmaConfig(), DomainOptions options = DomainOptions()) {
-    absl::StatusOr<std::unique_ptr<Domain>> d = OpenIbverbsDomain(options, config);
-    ASSERT_TRUE(d.ok()) << d.status();
-    domain_ = *std::move(d);
-    a_ = *domain_->CreateEndpoint();
-    b_ = *domain_->CreateEndpoint();
-    ASSERT_TRUE(a_->Connect(b_->LocalAddress()).ok());
-    ASSERT_TRUE(b_->Connect(a_->LocalAddress()).ok());
-    src_.assign(1 << 16, 'a');
-    dst_.assign(1 << 16, 0);
-    src_mr_ = *domain_->RegisterMemory(src_.data(), src_.size(), kAccessLocal);
-    dst_mr_ =
-        *domain_->RegisterMemory(dst_.data(), dst_.size(), kAccessRemoteWrite | kAccessRemoteRead);
-  }
-  RemoteBuffer Dst(size_t offset, size_t len) {
-    return {dst_mr_->PackRemoteKey(), reinterpret_cast<uint64_t>(dst_.data()) + offset, len};
-  }
-  std::vector<Completion> Drain() {
-    std::vector<Completion> out;
-    Completion c[16];
-    for (int i = 0; i < 1000; ++i) {
-      size_t n = *domain_->Poll(absl::MakeSpan(c));
-      if (n == 0 && i > 2) break;
-      out.insert(out.end(), c, c + n);
-    }
-    return out;
-  }
-
-  std::unique_ptr<Domain> domain_;
-  std::unique_ptr<Endpoint> a_, b_;
-  std::string src_, dst_;
-  std::unique_ptr<MemoryRegion> src_mr_, dst_mr_;
-};
+using testing::IbverbsFakeNicTest;
 
 TEST_F(IbverbsFakeNicTest, SelectsTheDeviceAndMovesQpsThroughInitRtrRtsWithTheSeedsAttributes) {
   RdmaConfig config;
@@ -432,153 +396,6 @@ TEST_F(IbverbsFakeNicTest, WithoutMemoryWindowsEveryPeerSharesTheRegionsKey) {
   std::string pool(4096, 0);
   EXPECT_TRUE(absl::IsUnimplemented(
       domain_->RegisterMemoryFor(*b_, pool.data(), pool.size(), kAccessRemoteWrite).status()));
-}
-
-// Endpoints as a channel has them: a connected pair.
-std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>> ConnectedPair(Domain& domain) {
-  std::unique_ptr<Endpoint> x = *domain.CreateEndpoint();
-  std::unique_ptr<Endpoint> y = *domain.CreateEndpoint();
-  EXPECT_TRUE(x->Connect(y->LocalAddress()).ok());
-  EXPECT_TRUE(y->Connect(x->LocalAddress()).ok());
-  return {std::move(x), std::move(y)};
-}
-
-// Issue 51: one completion queue and one shared receive queue per device, whatever the number of
-// channels, and every write with immediate still reaches its own channel's endpoint.
-TEST_F(IbverbsFakeNicTest, EveryChannelSharesTheDomainsCompletionAndReceiveQueues) {
-  ASSERT_NO_FATAL_FAILURE(Open());
-  std::vector<std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>>> pairs;
-  for (int i = 0; i < 32; ++i) pairs.push_back(ConnectedPair(*domain_));
-  EXPECT_EQ(FakeNic::Get().cqs_created, 1);
-  EXPECT_EQ(FakeNic::Get().srqs_created, 1);
-  EXPECT_EQ(FakeNic::Get().qps_live, 66);
-  std::map<const Endpoint*, uint32_t> expected;
-  for (uint32_t i = 0; i < pairs.size(); ++i) {
-    ASSERT_TRUE(
-        pairs[i]
-            .first->PostWriteWithImm({src_mr_.get(), src_.data(), 64}, Dst(64 * i, 64), i, i)
-            .ok());
-    expected[pairs[i].second.get()] = i;
-  }
-  size_t remote = 0;
-  for (const Completion& c : Drain()) {
-    ASSERT_TRUE(c.status.ok()) << c.status;
-    if (c.kind != CompletionKind::kRemoteWriteImm) continue;
-    ++remote;
-    ASSERT_EQ(expected.count(c.endpoint), 1u) << "an immediate reached a sender";
-    EXPECT_EQ(c.imm, expected[c.endpoint]) << "an immediate reached another channel";
-  }
-  EXPECT_EQ(remote, pairs.size());
-}
-
-// A device without shared receive queues: each endpoint keeps a completion queue and a receive
-// queue of its own, as before.
-TEST_F(IbverbsFakeNicTest, WithoutSharedReceiveQueuesEachEndpointHasItsOwnQueues) {
-  FakeNic::Get().srq = false;
-  RdmaConfig config;
-  config.queue_depth = 8;
-  ASSERT_NO_FATAL_FAILURE(Open(config));
-  EXPECT_EQ(FakeNic::Get().cqs_created, 2);
-  EXPECT_EQ(FakeNic::Get().srqs_created, 0);
-  for (int i = 0; i < 100; ++i) {
-    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), i, i).ok());
-  }
-  size_t remote = 0;
-  for (const Completion& c : Drain()) {
-    ASSERT_TRUE(c.status.ok()) << c.status;
-    if (c.kind == CompletionKind::kRemoteWriteImm) {
-      EXPECT_EQ(c.endpoint, b_.get());
-      ++remote;
-    }
-  }
-  EXPECT_EQ(remote, 100u);
-}
-
-// Many channels posting at once against a shared CQ with room for 64 send completions: the
-// operations beyond the room wait in their endpoints' queues, the CQ never overruns (an overrun
-// loses completions for good on a NIC), and all of them complete.
-TEST_F(IbverbsFakeNicTest, TheSharedCompletionQueueNeverOverrunsWhileEveryChannelPosts) {
-  FakeNic::Get().max_cqe = static_cast<int>(kSrqDepth + kSharedBindRoom + kMinSharedSendRoom);
-  ASSERT_NO_FATAL_FAILURE(Open());
-  std::vector<std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>>> pairs;
-  for (int i = 0; i < 16; ++i) pairs.push_back(ConnectedPair(*domain_));
-  constexpr int kPerPair = 400;  // 6,400 sends and as many receives, against 4,416 entries
-  for (auto& [x, y] : pairs) {
-    for (int i = 0; i < kPerPair; ++i) {
-      ASSERT_TRUE(
-          x->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * (i % 100), 16), i, i)
-              .ok());
-    }
-  }
-  size_t remote = 0, local = 0;
-  for (const Completion& c : Drain()) {
-    ASSERT_TRUE(c.status.ok()) << c.status;
-    (c.kind == CompletionKind::kRemoteWriteImm ? remote : local)++;
-  }
-  EXPECT_EQ(FakeNic::Get().cq_overruns, 0);
-  EXPECT_EQ(local, pairs.size() * kPerPair);
-  EXPECT_EQ(remote, pairs.size() * kPerPair);
-  for (auto& [x, y] : pairs) EXPECT_EQ(x->Outstanding(), 0u);
-}
-
-// A channel closed with completions still in the shared CQ, whose queue pair number the device
-// gives at once to the next channel's: none of them reaches the new channel (a stale immediate
-// would be taken for the new channel's message), and the CQ room the closed channel's work held
-// comes back (else, the room gone, the next channel's operations would wait for ever).
-TEST_F(IbverbsFakeNicTest, ACompletionOfAClosedChannelNeverReachesTheChannelGivenItsQueuePair) {
-  FakeNic::Get().reuse_qp_numbers = true;
-  FakeNic::Get().max_cqe = static_cast<int>(kSrqDepth + kSharedBindRoom + kMinSharedSendRoom);
-  ASSERT_NO_FATAL_FAILURE(Open());
-  // Fill the room: 64 writes from a_ to b_, nothing polled.
-  for (int i = 0; i < static_cast<int>(kMinSharedSendRoom); ++i) {
-    ASSERT_TRUE(
-        a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 0xBAD, i).ok());
-  }
-  const std::string old_b = b_->LocalAddress();
-  a_.reset();
-  b_.reset();
-  auto [c, d] = ConnectedPair(*domain_);
-  // The address carries the queue pair number in bytes 3..6.
-  ASSERT_EQ(d->LocalAddress().substr(3, 4), old_b.substr(3, 4)) << "the number was not reused";
-  for (int i = 0; i < 200; ++i) {
-    ASSERT_TRUE(c->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 7, i).ok());
-  }
-  size_t remote = 0;
-  for (const Completion& got : Drain()) {
-    ASSERT_TRUE(got.status.ok()) << got.status;
-    ASSERT_TRUE(got.endpoint == c.get() || got.endpoint == d.get()) << "a closed channel's";
-    if (got.kind == CompletionKind::kRemoteWriteImm) {
-      EXPECT_EQ(got.imm, 7u) << "the closed channel's immediate reached its successor";
-      ++remote;
-    }
-  }
-  EXPECT_EQ(remote, 200u);
-  EXPECT_EQ(c->Outstanding(), 0u) << "the closed channel's CQ room was not given back";
-}
-
-// A device that cleans a destroyed queue pair's completions from the CQ itself (mlx5) frees the
-// shared receives they consumed without posting them again: the backend stops the queue pair and
-// takes its completions out first, so channels closed with writes unpolled leave the shared
-// receive queue as full as before.
-TEST_F(IbverbsFakeNicTest, ClosingChannelsWithCompletionsUnpolledKeepsTheSharedReceiveQueueFull) {
-  FakeNic::Get().destroy_cleans_cq = true;
-  ASSERT_NO_FATAL_FAILURE(Open());
-  const int full = FakeNic::Get().srq_posted;
-  EXPECT_EQ(full, static_cast<int>(kSrqDepth));
-  for (int round = 0; round < 5; ++round) {
-    auto [x, y] = ConnectedPair(*domain_);
-    for (int i = 0; i < 100; ++i) {
-      ASSERT_TRUE(
-          x->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 1, i).ok());
-    }
-    // Both ends go with 100 arrivals and 100 sends unpolled.
-  }
-  (void)Drain();
-  EXPECT_EQ(FakeNic::Get().srq_posted, full) << "shared receives were lost with closed channels";
-  ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(0, 16), 9, 1).ok());
-  size_t remote = 0;
-  for (const Completion& c : Drain()) remote += c.kind == CompletionKind::kRemoteWriteImm;
-  EXPECT_EQ(remote, 1u);
 }
 
 }  // namespace
