@@ -104,6 +104,9 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
     const double ms = absl::ToDoubleMilliseconds(absl::Now() - t0);
     if (s == 0) {
       first_ms = ms;
+      // The idle turns timed from here on are the steady steps', not the start's, when every
+      // task was still being set up and a turn ran on caches the start had emptied.
+      if (auto* verbs = server->verbs_transport()) verbs->RestartIdleTurnCost();
     } else {
       step_ms.push_back(ms);
     }
@@ -111,13 +114,14 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
     if (s > 0) server->rendezvous_mgr()->Cleanup(step - 1);
   }
   int64_t registered = 0, channels = 0;
-  double idle_turn_us = 0;  // 0 where no progress loop runs (grpc alone)
+  double idle_turn_us = 0, idle_turn_cpu_us = 0;  // 0 where no progress loop runs (grpc alone)
   if (auto* verbs = server->verbs_transport()) {
     const auto gauges = verbs->registration_gauges();
     registered = gauges.bytes + gauges.endpoint_bytes;
     channels = static_cast<int64_t>(verbs->NumReadyChannels());
-    if (std::optional<absl::Duration> turn = verbs->IdleTurnCost()) {
-      idle_turn_us = absl::ToDoubleMicroseconds(*turn);
+    if (const auto turn = verbs->IdleTurnCost()) {  // the wall and CPU time of one
+      idle_turn_us = absl::ToDoubleMicroseconds(turn->wall);
+      idle_turn_cpu_us = absl::ToDoubleMicroseconds(turn->cpu);
     }
   }
   *result = {{"task", task},
@@ -132,6 +136,7 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
              {"threads", support::ThreadCount()},
              {"channels", channels},
              {"idle_turn_us", idle_turn_us},
+             {"idle_turn_cpu_us", idle_turn_cpu_us},
              {"endpoints", fabric::ReadFabricProcessStats().provider_endpoints}};
   std::printf("result %s\n", result->dump().c_str());
   std::fflush(stdout);
@@ -152,6 +157,7 @@ struct ScaleRow {
   double rss_mib = 0, pss_mib = 0, registered_mib = 0, fds = 0, threads = 0, channels = 0;
   double endpoints = 0;  // libfabric endpoints (fabric::FabricProcessStats)
   double idle_turn_us = 0;  // the median over tasks of an idle progress turn's median
+  double idle_turn_cpu_us = 0;  // the same of the loop thread's CPU time in such a turn
 };
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
@@ -182,10 +188,13 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
           absl::Minutes(10), "bench scale"));
   ScaleRow row;
   row.tasks = tasks;
-  std::vector<double> medians, idle_turns, setups;
+  std::vector<double> medians, idle_turns, idle_turns_cpu, setups;
   for (const nlohmann::json& r : results) {
     setups.push_back(r.value("setup_ms", 0.0));
     if (r.value("idle_turn_us", 0.0) > 0) idle_turns.push_back(r.value("idle_turn_us", 0.0));
+    if (r.value("idle_turn_cpu_us", 0.0) > 0) {
+      idle_turns_cpu.push_back(r.value("idle_turn_cpu_us", 0.0));
+    }
     row.setup_ms = std::max(row.setup_ms, r.value("setup_ms", 0.0));
     row.first_step_ms = std::max(row.first_step_ms, r.value("first_step_ms", 0.0));
     std::vector<double> steps = r["step_ms"].get<std::vector<double>>();
@@ -201,6 +210,7 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
   if (!medians.empty()) row.step_ms_p50 = Percentile(medians, 0.5);
   if (!setups.empty()) row.setup_ms_p50 = Percentile(setups, 0.5);
   if (!idle_turns.empty()) row.idle_turn_us = Percentile(idle_turns, 0.5);
+  if (!idle_turns_cpu.empty()) row.idle_turn_cpu_us = Percentile(idle_turns_cpu, 0.5);
   return row;
 }
 
@@ -256,9 +266,10 @@ int RunBenchScale(const BenchScaleOptions& o) {
               : !o.netns           ? ", every task on this host"
               : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
                             : ", one netns per task");
-  std::printf("%6s %10s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s %13s\n", "tasks", "setup ms",
-              "setup p50", "1st step ms", "step ms", "RSS MiB", "PSS MiB", "registered MiB", "fds",
-              "threads", "channels", "endpoints", "idle turn us");
+  std::printf("%6s %10s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s %13s %13s\n", "tasks",
+              "setup ms", "setup p50", "1st step ms", "step ms", "RSS MiB", "PSS MiB",
+              "registered MiB", "fds", "threads", "channels", "endpoints", "idle turn us",
+              "idle CPU us");
   nlohmann::json rows = nlohmann::json::array();
   bool failed = false;
   for (int n : *counts) {
@@ -276,10 +287,11 @@ int RunBenchScale(const BenchScaleOptions& o) {
       continue;
     }
     std::printf(
-        "%6d %10.1f %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f %13.2f\n", n,
-        row->setup_ms, row->setup_ms_p50, row->first_step_ms, row->step_ms_p50, row->rss_mib,
+        "%6d %10.1f %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f %13.2f "
+        "%13.2f\n",
+        n, row->setup_ms, row->setup_ms_p50, row->first_step_ms, row->step_ms_p50, row->rss_mib,
         row->pss_mib, row->registered_mib, row->fds, row->threads, row->channels, row->endpoints,
-        row->idle_turn_us);
+        row->idle_turn_us, row->idle_turn_cpu_us);
     std::fflush(stdout);
     rows.push_back({{"tasks", n},
                     {"protocol", o.protocol},
@@ -300,7 +312,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"threads_per_task", row->threads},
                     {"channels_per_task", row->channels},
                     {"endpoints_per_task", row->endpoints},
-                    {"idle_turn_us", row->idle_turn_us}});
+                    {"idle_turn_us", row->idle_turn_us},
+                    {"idle_turn_cpu_us", row->idle_turn_cpu_us}});
   }
   if (!o.json.empty() && !WriteJsonRows(o.json, rows, "tensorverbs bench scale")) return 1;
   return failed ? 1 : 0;

@@ -1,11 +1,19 @@
 #include "src/common/process_limits.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
+#include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 
 namespace tensorverbs {
 
@@ -29,6 +37,25 @@ absl::Status RaiseDescriptorLimit(uint64_t needed) {
       "this task may need ", needed, " open descriptors but the process may have ", limit.rlim_max,
       " (hard limit); raise it (ulimit -n, LimitNOFILE=, or the "
       "launcher's setting) or channels will fail to open with 'Too many open files'"));
+}
+
+std::string OverloadHint(absl::string_view loadavg, long cores) {
+  const std::string first(
+      absl::StripAsciiWhitespace(std::vector<absl::string_view>(absl::StrSplit(loadavg, ' '))[0]));
+  double load = 0;
+  if (cores <= 0 || !absl::SimpleAtod(first, &load) || load <= 4.0 * cores) return std::string();
+  return absl::StrFormat(
+      "; this host's load average is %.0f on %d cores, and a peer (or this task) starved that "
+      "long looks silent: where that is expected, as while hundreds of tasks start on few cores, "
+      "raise TENSORVERBS_PEER_TIMEOUT_MS",
+      load, cores);
+}
+
+std::string OverloadHint() {
+  std::ifstream in("/proc/loadavg");
+  std::stringstream text;
+  text << in.rdbuf();
+  return OverloadHint(text.str(), sysconf(_SC_NPROCESSORS_ONLN));
 }
 
 }  // namespace tensorverbs

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -135,6 +136,8 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
   const uint64_t turn = turns_.load(std::memory_order_relaxed) + 1;
   turns_.store(turn, std::memory_order_relaxed);
   const bool timed = turn % kIdleSampleEvery == 0;
+  // The CPU clock is read outside the wall clock's reads, so the wall time has no part of it.
+  const int64_t started_cpu = timed ? ThreadCpuNanos() : 0;
   const auto started =
       timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
   bool active = false;
@@ -193,23 +196,47 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - started)
                            .count();
-    const uint64_t n = idle_turn_samples_.load(std::memory_order_relaxed);
-    idle_turn_ns_[n % kIdleSamples].store(
-        static_cast<uint32_t>(std::min<int64_t>(ns, std::numeric_limits<uint32_t>::max())),
-        std::memory_order_relaxed);
+    // Less what the clock's own two reads add (a system call each, about half a microsecond
+    // here, which would otherwise be most of a turn over loopback).
+    static const int64_t kCpuClockCost = [] {
+      int64_t least = std::numeric_limits<int64_t>::max();
+      for (int i = 0; i < 32; ++i) {
+        const int64_t a = ThreadCpuNanos();
+        least = std::min(least, ThreadCpuNanos() - a);
+      }
+      return least;
+    }();
+    const int64_t cpu_ns = ThreadCpuNanos() - started_cpu - kCpuClockCost;
+    auto clamp = [](int64_t v) {
+      return static_cast<uint32_t>(std::clamp<int64_t>(v, 0, std::numeric_limits<uint32_t>::max()));
+    };
+    const uint64_t n = restart_idle_samples_.exchange(false, std::memory_order_relaxed)
+                           ? 0
+                           : idle_turn_samples_.load(std::memory_order_relaxed);
+    idle_turn_ns_[n % kIdleSamples].store(clamp(ns), std::memory_order_relaxed);
+    idle_turn_cpu_ns_[n % kIdleSamples].store(clamp(cpu_ns), std::memory_order_relaxed);
     idle_turn_samples_.store(n + 1, std::memory_order_release);
   }
   return TurnResult::kIdle;
 }
 
-std::optional<absl::Duration> ProgressEngine::IdleTurnCost() const {
+int64_t ProgressEngine::ThreadCpuNanos() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+std::optional<ProgressEngine::TurnCost> ProgressEngine::IdleTurnCost() const {
   const uint64_t n =
       std::min<uint64_t>(idle_turn_samples_.load(std::memory_order_acquire), kIdleSamples);
   if (n == 0) return std::nullopt;
-  std::vector<uint32_t> ns(n);
-  for (uint64_t i = 0; i < n; ++i) ns[i] = idle_turn_ns_[i].load(std::memory_order_relaxed);
-  std::nth_element(ns.begin(), ns.begin() + n / 2, ns.end());
-  return absl::Nanoseconds(ns[n / 2]);
+  auto median = [n](const std::atomic<uint32_t>* ring) {
+    std::vector<uint32_t> ns(n);
+    for (uint64_t i = 0; i < n; ++i) ns[i] = ring[i].load(std::memory_order_relaxed);
+    std::nth_element(ns.begin(), ns.begin() + n / 2, ns.end());
+    return absl::Nanoseconds(ns[n / 2]);
+  };
+  return TurnCost{median(idle_turn_ns_), median(idle_turn_cpu_ns_)};
 }
 
 absl::Duration ProgressEngine::SpinBound(bool awaiting) const {

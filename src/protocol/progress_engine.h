@@ -219,12 +219,23 @@ class ProgressEngine {
   // thread; it disturbs no StallReport.
   std::string Where() const;
 
-  // What one idle turn (nothing posted, nothing polled, no callback) costs: the median of the
-  // last kIdleSamples sampled idle turns' wall time, or nullopt before any. One turn in
-  // kIdleSampleEvery is timed, so the hot path pays two clock reads in that many turns. Wall
-  // time includes preemption; the median keeps it out unless most turns are preempted. For
-  // `bench scale`, which compares it across cluster sizes. Any thread.
-  std::optional<absl::Duration> IdleTurnCost() const;
+  // What one idle turn (nothing posted, nothing polled, no callback) costs: the medians of the
+  // last kIdleSamples sampled idle turns' wall time and of the loop thread's CPU time in them,
+  // or nullopt before any. One turn in kIdleSampleEvery is timed, so the hot path pays four
+  // clock reads in that many turns. Wall time includes preemption, which the median keeps out
+  // only while most turns are not preempted; with many tasks a core, most are, and the CPU time
+  // is the turn's own cost (less the CPU clock's reads, measured once). For `bench scale`, which
+  // compares them across cluster sizes. Any thread.
+  struct TurnCost {
+    absl::Duration wall;
+    absl::Duration cpu;
+  };
+  std::optional<TurnCost> IdleTurnCost() const;
+  // Starts IdleTurnCost's samples over from the loop's next timed idle turn, so that they
+  // describe what follows (`bench scale`'s steady steps, not its start). Any thread.
+  void RestartIdleTurnCost() { restart_idle_samples_.store(true, std::memory_order_relaxed); }
+  // Idle turns timed since the start or the last restart. Any thread.
+  uint64_t IdleTurnsTimed() const { return idle_turn_samples_.load(std::memory_order_acquire); }
 
   // Runs `fn` on the loop thread and returns its result; for other threads, which wait.
   // Cancelled after Stop, DeadlineExceeded if the loop does not get to it within `timeout`.
@@ -240,6 +251,8 @@ class ProgressEngine {
                             absl::Duration slice, absl::FunctionRef<void()> while_waiting);
 
  private:
+  // This thread's CPU time, in nanoseconds (0 where the clock cannot be read).
+  static int64_t ThreadCpuNanos();
   // Where a loop thread is in the callback step of its turns, shared with the watcher. The
   // thread the loop left holds it (and the batch it ran) and nothing else of the engine, which
   // may be gone by the time its callback returns.
@@ -336,7 +349,9 @@ class ProgressEngine {
   static constexpr int kIdleSamples = 64;
   static constexpr uint64_t kIdleSampleEvery = 16;
   std::atomic<uint32_t> idle_turn_ns_[kIdleSamples] = {};
+  std::atomic<uint32_t> idle_turn_cpu_ns_[kIdleSamples] = {};  // the loop thread's CPU time
   std::atomic<uint64_t> idle_turn_samples_{0};
+  std::atomic<bool> restart_idle_samples_{false};  // applied by the loop, which writes the ring
   // StallReport's view: the turn count it last saw move, since when, and whether this stall
   // was reported.
   Mutex stall_mu_;

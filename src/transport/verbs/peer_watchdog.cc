@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "proto/verbs.grpc.pb.h"
 #include "src/common/logging.h"
+#include "src/common/process_limits.h"
 
 namespace tensorverbs::verbs {
 
@@ -20,6 +21,8 @@ struct PeerWatchdog::Probe {
   proto::CheckChannelResponse response;
   grpc::Status status;
   absl::Time sent;
+  absl::Time deadline;
+  absl::Time answered;  // when its callback ran: late past the deadline, this task was starved
 };
 
 namespace {
@@ -31,6 +34,21 @@ std::optional<absl::Duration> IdlePollAge(const proto::CheckChannelResponse& res
 }
 
 }  // namespace
+
+absl::Status PeerWatchdog::Silence(const Probe& probe, absl::string_view what) const {
+  // How late past its deadline the verdict reached this task, where that is long enough to say:
+  // a task starved of CPU hears its own deadlines late.
+  const absl::Duration late = probe.answered - probe.deadline;
+  return absl::UnavailableError(absl::StrCat(
+      "task ", probe.peer.task, " at ", probe.peer.address, " ", what,
+      " (no reply within TENSORVERBS_PEER_TIMEOUT_MS=", absl::ToInt64Milliseconds(peer_timeout_),
+      "): ", probe.status.error_message(),
+      late >= absl::Milliseconds(100)
+          ? absl::StrCat("; this task heard the deadline ",
+                         absl::FormatDuration(absl::Trunc(late, absl::Milliseconds(1))), " late")
+          : std::string(),
+      OverloadHint()));
+}
 
 PeerWatchdog::PeerWatchdog(std::string self, absl::Duration peer_timeout,
                            protocol::ProgressEngine* engine, protocol::PeerChannels* channels,
@@ -105,7 +123,8 @@ void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& 
       auto probe = std::make_shared<Probe>();
       probe->peer = peer;
       probe->sent = absl::Now();
-      probe->context.set_deadline(absl::ToChronoTime(probe->sent + timeout));
+      probe->deadline = probe->sent + timeout;
+      probe->context.set_deadline(absl::ToChronoTime(probe->deadline));
       probe->context.set_wait_for_ready(true);
       probe->request.set_task_name(self_);
       // A channel still being set up asks only whether the peer answers (verbs.proto).
@@ -127,6 +146,7 @@ void PeerWatchdog::ProbeRound(const std::vector<protocol::PeerChannels::Probe>& 
     stub->async()->CheckChannel(&probe->context, &probe->request, &probe->response,
                                 [this, probe](grpc::Status status) {
                                   probe->status = std::move(status);
+                                  probe->answered = absl::Now();
                                   MutexLock lock(&mu_);
                                   --outstanding_;
                                 });
@@ -165,17 +185,10 @@ void PeerWatchdog::Judge(const Probe& probe) {
     // comes up fails the recvs waiting for the channel within the peer timeout, not at the
     // connect timeout.
     if (!probe.status.ok()) {
-      verdict = absl::UnavailableError(absl::StrCat(
-          "task ", peer.task, " at ", peer.address,
-          " could not be reached to set up the channel (no reply within "
-          "TENSORVERBS_PEER_TIMEOUT_MS=",
-          absl::ToInt64Milliseconds(peer_timeout_), "): ", probe.status.error_message()));
+      verdict = Silence(probe, "could not be reached to set up the channel");
     }
   } else if (!probe.status.ok()) {
-    verdict = absl::UnavailableError(absl::StrCat(
-        "task ", peer.task, " at ", peer.address,
-        " stopped answering (no reply within TENSORVERBS_PEER_TIMEOUT_MS=",
-        absl::ToInt64Milliseconds(peer_timeout_), "): ", probe.status.error_message()));
+    verdict = Silence(probe, "stopped answering");
   } else if (probe.response.incarnation() != peer.incarnation) {
     verdict = absl::AbortedError(absl::StrFormat(
         "task %s restarted (incarnation %016x, now %016x): its tensors of the old incarnation "

@@ -38,6 +38,8 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "src/common/mutex.h"
 #include "src/protocol/peer_channels.h"
@@ -74,6 +76,9 @@ class PeerWatchdog {
                   bool last);
   // The verdict on one answer, applied on the progress thread.
   void Judge(const Probe& probe);
+  // The verdict on a probe that had no answer: the peer did not do `what`. It says how late this
+  // task heard the deadline, and the host's load where that can starve a live peer.
+  absl::Status Silence(const Probe& probe, absl::string_view what) const;
 
   const std::string self_;
   const absl::Duration peer_timeout_;

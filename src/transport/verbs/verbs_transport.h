@@ -220,8 +220,11 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   }
   // What an idle turn of the progress loop costs (ProgressEngine::IdleTurnCost); nullopt before
   // one was timed.
-  std::optional<absl::Duration> IdleTurnCost() const {
+  std::optional<protocol::ProgressEngine::TurnCost> IdleTurnCost() const {
     return engine_ != nullptr ? engine_->IdleTurnCost() : std::nullopt;
+  }
+  void RestartIdleTurnCost() {
+    if (engine_ != nullptr) engine_->RestartIdleTurnCost();
   }
   // How many times a waiting thread took this transport's progress over.
   uint64_t waiter_drives() const { return engine_ != nullptr ? engine_->waiter_drives() : 0; }

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <functional>
+#include <string>
 
 namespace tensorverbs {
 namespace {
@@ -56,6 +57,19 @@ TEST(ProcessLimitsTest, AHardLimitBelowTheNeedIsNamedAndTheSoftOneRaisedToIt) {
               return 0;
             }),
             0);
+}
+
+// A silent peer on a host with many runnable tasks a core is named with the load and the setting
+// that allows for it; on a host within 4 a core, or where /proc/loadavg cannot be read, nothing.
+TEST(ProcessLimitsTest, TheLoadIsNamedOnlyWhereItCanStarveAPeer) {
+  const std::string hint = OverloadHint("83.52 61.02 30.11 41/2010 12345\n", 2);
+  EXPECT_NE(hint.find("load average is 84 on 2 cores"), std::string::npos) << hint;
+  EXPECT_NE(hint.find("TENSORVERBS_PEER_TIMEOUT_MS"), std::string::npos) << hint;
+  EXPECT_EQ(OverloadHint("8.00 1.00 1.00 1/100 5\n", 2), "") << "4 a core is not overload";
+  EXPECT_EQ(OverloadHint("83.52 1.00 1.00 1/100 5\n", 32), "");
+  EXPECT_EQ(OverloadHint("", 2), "");
+  EXPECT_EQ(OverloadHint("garbage", 2), "");
+  EXPECT_EQ(OverloadHint("83.52 1 1 1/1 1", 0), "") << "no core count";
 }
 
 }  // namespace

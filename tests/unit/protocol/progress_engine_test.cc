@@ -85,15 +85,38 @@ TEST_F(ProgressEngineTest, AnIdleLoopTimesSomeOfItsIdleTurns) {
   MakeEngine(options);
   EXPECT_FALSE(engine_->IdleTurnCost().has_value()) << "no turn yet";
   engine_->Start();
-  std::optional<absl::Duration> cost;
+  std::optional<ProgressEngine::TurnCost> cost;
   for (const absl::Time give_up = absl::Now() + kPatience;
        !cost.has_value() && absl::Now() < give_up;) {
     absl::SleepFor(absl::Milliseconds(5));
     cost = engine_->IdleTurnCost();
   }
   ASSERT_TRUE(cost.has_value()) << "a spinning loop timed no idle turn";
-  EXPECT_GT(*cost, absl::ZeroDuration());
-  std::printf("an idle turn over loopback: %s\n", absl::FormatDuration(*cost).c_str());
+  EXPECT_GT(cost->wall, absl::ZeroDuration());
+  // The thread's CPU time in a turn, less the clock's own reads (so it may round to zero on a
+  // fast host); a turn is never a second.
+  EXPECT_LT(cost->cpu, absl::Seconds(1));
+  std::printf("an idle turn over loopback: %s wall, %s CPU\n",
+              absl::FormatDuration(cost->wall).c_str(), absl::FormatDuration(cost->cpu).c_str());
+  // A restart makes the loop count its timed turns from zero again. Many counted first, so that
+  // the count after the restart stays below them however long this thread is kept from running
+  // (about 60 a millisecond here).
+  constexpr uint64_t kMany = 20000;
+  for (const absl::Time give_up = absl::Now() + kPatience;
+       engine_->IdleTurnsTimed() < kMany && absl::Now() < give_up;) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  const uint64_t before = engine_->IdleTurnsTimed();
+  ASSERT_GE(before, kMany);
+  engine_->RestartIdleTurnCost();
+  uint64_t after = before;
+  for (const absl::Time give_up = absl::Now() + kPatience;
+       (after >= before || after == 0) && absl::Now() < give_up;) {
+    after = engine_->IdleTurnsTimed();
+  }
+  EXPECT_LT(after, before) << "the restart was not applied";
+  EXPECT_GT(after, 0u);
+  EXPECT_TRUE(engine_->IdleTurnCost().has_value());
 }
 
 TEST_F(ProgressEngineTest, TasksPostedFromAnotherThreadRunOnTheLoopThreadInOrder) {
