@@ -1,5 +1,6 @@
 #include "src/common/process_limits.h"
 
+#include <sched.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -55,7 +56,13 @@ std::string OverloadHint() {
   std::ifstream in("/proc/loadavg");
   std::stringstream text;
   text << in.rdbuf();
-  return OverloadHint(text.str(), sysconf(_SC_NPROCESSORS_ONLN));
+  // The cores this process may run on (a cpuset or affinity), not the host's.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const long cores = sched_getaffinity(0, sizeof(set), &set) == 0
+                         ? static_cast<long>(CPU_COUNT(&set))
+                         : sysconf(_SC_NPROCESSORS_ONLN);
+  return OverloadHint(text.str(), cores);
 }
 
 }  // namespace tensorverbs

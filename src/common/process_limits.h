@@ -29,7 +29,7 @@ absl::Status RaiseDescriptorLimit(uint64_t needed);
 // runnable tasks per core of `cores`; then a clause for an error about a peer's silence that
 // gives both and names TENSORVERBS_PEER_TIMEOUT_MS.
 std::string OverloadHint(absl::string_view loadavg, long cores);
-// The same for this host, now (/proc/loadavg and the cores online).
+// The same for this host, now (/proc/loadavg and the cores this process may run on).
 std::string OverloadHint();
 
 }  // namespace tensorverbs

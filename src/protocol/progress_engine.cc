@@ -69,7 +69,9 @@ ProgressEngine::ProgressEngine(fabric::Domain* domain, Executor* executor, Optio
       hooks_(std::move(hooks)),
       spare_batches_(std::make_shared<SpareBatches>()),
       inline_first_(options_.inline_callback_limit > absl::ZeroDuration() &&
-                    !executor_->runs_inline()) {}
+                    !executor_->runs_inline()) {
+  (void)CpuClockCost();  // measured here, not inside the first timed turn
+}
 
 ProgressEngine::~ProgressEngine() { Stop(); }
 
@@ -196,17 +198,7 @@ ProgressEngine::TurnResult ProgressEngine::Turn(Seat* seat) {
     const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                            std::chrono::steady_clock::now() - started)
                            .count();
-    // Less what the clock's own two reads add (a system call each, about half a microsecond
-    // here, which would otherwise be most of a turn over loopback).
-    static const int64_t kCpuClockCost = [] {
-      int64_t least = std::numeric_limits<int64_t>::max();
-      for (int i = 0; i < 32; ++i) {
-        const int64_t a = ThreadCpuNanos();
-        least = std::min(least, ThreadCpuNanos() - a);
-      }
-      return least;
-    }();
-    const int64_t cpu_ns = ThreadCpuNanos() - started_cpu - kCpuClockCost;
+    const int64_t cpu_ns = ThreadCpuNanos() - started_cpu - CpuClockCost();
     auto clamp = [](int64_t v) {
       return static_cast<uint32_t>(std::clamp<int64_t>(v, 0, std::numeric_limits<uint32_t>::max()));
     };
@@ -226,7 +218,23 @@ int64_t ProgressEngine::ThreadCpuNanos() {
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
 
+int64_t ProgressEngine::CpuClockCost() {
+  // What the clock's own two reads add to a sample (a system call each, about half a
+  // microsecond here, which would otherwise be most of a turn over loopback).
+  static const int64_t cost = [] {
+    int64_t least = std::numeric_limits<int64_t>::max();
+    for (int i = 0; i < 32; ++i) {
+      const int64_t a = ThreadCpuNanos();
+      least = std::min(least, ThreadCpuNanos() - a);
+    }
+    return least;
+  }();
+  return cost;
+}
+
 std::optional<ProgressEngine::TurnCost> ProgressEngine::IdleTurnCost() const {
+  // Samples from before a restart the loop has not applied yet describe what was to be dropped.
+  if (restart_idle_samples_.load(std::memory_order_relaxed)) return std::nullopt;
   const uint64_t n =
       std::min<uint64_t>(idle_turn_samples_.load(std::memory_order_acquire), kIdleSamples);
   if (n == 0) return std::nullopt;

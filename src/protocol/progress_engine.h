@@ -232,7 +232,8 @@ class ProgressEngine {
   };
   std::optional<TurnCost> IdleTurnCost() const;
   // Starts IdleTurnCost's samples over from the loop's next timed idle turn, so that they
-  // describe what follows (`bench scale`'s steady steps, not its start). Any thread.
+  // describe what follows (`bench scale`'s steady steps, not its start); IdleTurnCost is nullopt
+  // until then. Any thread.
   void RestartIdleTurnCost() { restart_idle_samples_.store(true, std::memory_order_relaxed); }
   // Idle turns timed since the start or the last restart. Any thread.
   uint64_t IdleTurnsTimed() const { return idle_turn_samples_.load(std::memory_order_acquire); }
@@ -253,6 +254,8 @@ class ProgressEngine {
  private:
   // This thread's CPU time, in nanoseconds (0 where the clock cannot be read).
   static int64_t ThreadCpuNanos();
+  // Two back-to-back reads of the CPU clock, at least (measured once per process).
+  static int64_t CpuClockCost();
   // Where a loop thread is in the callback step of its turns, shared with the watcher. The
   // thread the loop left holds it (and the batch it ran) and nothing else of the engine, which
   // may be gone by the time its callback returns.

@@ -51,8 +51,9 @@ inline constexpr size_t kMinSharedSendRoom = 64;
 // A queue pair holding this many send completions' room (fewer on a small CQ) takes none of the
 // last quarter of it: a channel to a peer that stopped answering keeps its writes retried until
 // the op timeout, and a few such channels' full send queues would otherwise hold every entry
-// while the healthy channels' operations wait.
-inline constexpr size_t kFairSends = 64;
+// while the healthy channels' operations wait. With 16,384 entries, about 12 stalled channels
+// hold the first three quarters, and it takes 256 more to use up the last.
+inline constexpr size_t kFairSends = 16;
 // How long a window bind waits for room in the shared CQ (polling it) before it fails: binds
 // complete within microseconds on a NIC, so only a CQ left unpolled that long has none.
 inline constexpr absl::Duration kBindRoomWait = absl::Milliseconds(100);

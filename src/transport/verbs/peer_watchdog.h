@@ -11,7 +11,9 @@
 // timeout (CheckChannelRequest.reachable_only). Every other probe is answered on the peer's RPC
 // thread too, from its channel table, while the peer's loop moves (VerbsServiceImpl); a loop
 // held in one turn for half the peer timeout leaves its probes unanswered. The verdict closes
-// the channel on the progress thread, and the next recv from that task sets up a new one.
+// the channel on the progress thread, and the next recv from that task sets up a new one. A
+// verdict of silence says how late this task heard the deadline (a starved prober hears it
+// late) and, on a host with more than 4 runnable tasks a core, names the load and the setting.
 //
 // The sending side is watched the same way: an accepted channel that holds something for its
 // peer (responses, copy buffers, grpc+gdr's lent tensors) is probed for whether the peer's own

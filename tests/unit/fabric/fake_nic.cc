@@ -128,6 +128,7 @@ int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) {
     *bad = wr;
     return ENOMEM;
   }
+  ++FakeNic::Get().sends_posted;
   ibv_wc done{};
   done.wr_id = wr->wr_id;
   done.qp_num = qp->qp_num;
@@ -487,6 +488,7 @@ int __wrap_ibv_destroy_qp(ibv_qp* qp) {
                 queue.end());
   }
   if (S().qps.erase(qp->qp_num) != 0) --FakeNic::Get().qps_live;
+  FakeNic::Get().unanswering.erase(qp->qp_num);  // the number may be the next queue pair's
   return 0;
 }
 ibv_srq* __wrap_ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* init) {

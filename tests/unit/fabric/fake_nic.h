@@ -67,6 +67,7 @@ struct FakeNic {
   // for: one more is an overrun (counted; the entry is lost, as a real CQ's would be).
   int max_cqe = 65536;
   int cq_overruns = 0;
+  int sends_posted = 0;  // send work requests the device took (post_send returned 0)
   // Hand out the lowest queue pair number not in use, as a device may reuse a destroyed QP's.
   bool reuse_qp_numbers = false;
   // Destroying a queue pair removes its completions from its CQ, as mlx5 does; the shared

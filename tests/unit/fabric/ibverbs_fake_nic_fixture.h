@@ -27,6 +27,16 @@ using fabric::kAccessRemoteWrite;
 using fabric::MemoryRegion;
 using fabric::RemoteBuffer;
 
+// Endpoints as a channel has them: a connected pair.
+inline std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>> ConnectedPair(
+    Domain& domain) {
+  std::unique_ptr<Endpoint> x = *domain.CreateEndpoint();
+  std::unique_ptr<Endpoint> y = *domain.CreateEndpoint();
+  EXPECT_TRUE(x->Connect(y->LocalAddress()).ok());
+  EXPECT_TRUE(y->Connect(x->LocalAddress()).ok());
+  return {std::move(x), std::move(y)};
+}
+
 class IbverbsFakeNicTest : public ::testing::Test {
  protected:
   void SetUp() override { FakeNic::Get().Reset(); }
@@ -59,21 +69,29 @@ class IbverbsFakeNicTest : public ::testing::Test {
     return out;
   }
 
+  // Posts `each` writes from each of `channels` new channels, nothing polled between, and returns
+  // how many the device took at once (the rest wait in their endpoints' queues for room in a
+  // shared CQ); then drains them all.
+  size_t SendsTakenAtOnce(int channels, int each) {
+    std::vector<std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>>> pairs;
+    for (int i = 0; i < channels; ++i) pairs.push_back(ConnectedPair(*domain_));
+    const int before = FakeNic::Get().sends_posted;
+    for (auto& [x, y] : pairs) {
+      for (int i = 0; i < each; ++i) {
+        EXPECT_TRUE(
+            x->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 1, i).ok());
+      }
+    }
+    const size_t taken = static_cast<size_t>(FakeNic::Get().sends_posted - before);
+    (void)Drain();
+    return taken;
+  }
+
   std::unique_ptr<Domain> domain_;
   std::unique_ptr<Endpoint> a_, b_;
   std::string src_, dst_;
   std::unique_ptr<MemoryRegion> src_mr_, dst_mr_;
 };
-
-// Endpoints as a channel has them: a connected pair.
-inline std::pair<std::unique_ptr<Endpoint>, std::unique_ptr<Endpoint>> ConnectedPair(
-    Domain& domain) {
-  std::unique_ptr<Endpoint> x = *domain.CreateEndpoint();
-  std::unique_ptr<Endpoint> y = *domain.CreateEndpoint();
-  EXPECT_TRUE(x->Connect(y->LocalAddress()).ok());
-  EXPECT_TRUE(y->Connect(x->LocalAddress()).ok());
-  return {std::move(x), std::move(y)};
-}
 
 }  // namespace tensorverbs::testing
 

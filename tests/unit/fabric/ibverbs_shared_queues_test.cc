@@ -132,7 +132,10 @@ TEST_F(IbverbsFakeNicTest, ACompletionOfAClosedChannelNeverReachesTheChannelGive
     }
   }
   EXPECT_EQ(remote, 200u);
-  EXPECT_EQ(c->Outstanding(), 0u) << "the closed channel's CQ room was not given back";
+  EXPECT_EQ(c->Outstanding(), 0u);
+  // All of the room is back: 16 channels of 4 (each within its fair share) fill it at once.
+  EXPECT_EQ(SendsTakenAtOnce(16, 4), kMinSharedSendRoom)
+      << "the closed channel's CQ room was not given back";
 }
 
 // A device that cleans a destroyed queue pair's completions from the CQ itself (mlx5) frees the
@@ -195,14 +198,9 @@ TEST_F(IbverbsFakeNicTest, ChannelsToASilentPeerLeaveRoomInTheSharedQueueForTheO
   EXPECT_EQ(local, static_cast<size_t>(kWrites));
   EXPECT_EQ(a_->Outstanding(), 0u);
   EXPECT_EQ(FakeNic::Get().cq_overruns, 0);
-  // The silent channels closed, what they held is free: one channel may fill the room again.
+  // The silent channels closed, what they held is free: the whole room is taken at once again.
   silent.clear();
-  for (int i = 0; i < static_cast<int>(kMinSharedSendRoom); ++i) {
-    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 8, i).ok());
-  }
-  remote = 0;
-  for (const Completion& c : Drain()) remote += c.kind == CompletionKind::kRemoteWriteImm;
-  EXPECT_EQ(remote, kMinSharedSendRoom);
+  EXPECT_EQ(SendsTakenAtOnce(16, 4), kMinSharedSendRoom);
 }
 
 // More window binds at once than the shared CQ keeps room for (channels set up by the thousand,
@@ -231,13 +229,8 @@ TEST_F(IbverbsFakeNicTest, WindowBindsBeyondTheirRoomInTheSharedQueueWaitForItAn
   ASSERT_TRUE(Drain().empty());
   windows.clear();
   pairs.clear();
-  // Every entry came back to the sends: the room is whole again.
-  for (int i = 0; i < static_cast<int>(kMinSharedSendRoom); ++i) {
-    ASSERT_TRUE(a_->PostWriteWithImm({src_mr_.get(), src_.data(), 16}, Dst(16 * i, 16), 1, i).ok());
-  }
-  size_t local = 0;
-  for (const Completion& c : Drain()) local += c.kind != CompletionKind::kRemoteWriteImm;
-  EXPECT_EQ(local, kMinSharedSendRoom);
+  // Every entry lent to the binds came back to the sends: the whole room is taken at once.
+  EXPECT_EQ(SendsTakenAtOnce(16, 4), kMinSharedSendRoom);
   EXPECT_EQ(FakeNic::Get().cq_overruns, 0);
 }
 
