@@ -479,16 +479,16 @@ ibv_qp* __wrap_ibv_create_qp(ibv_pd* pd, ibv_qp_init_attr* init) {
   return out;
 }
 int __wrap_ibv_destroy_qp(ibv_qp* qp) {
-  auto it = S().qps.find(qp->qp_num);
+  const uint32_t qpn = qp->qp_num;  // `qp` goes with its record
+  auto it = S().qps.find(qpn);
   if (it != S().qps.end() && FakeNic::Get().destroy_cleans_cq) {
     std::deque<ibv_wc>& queue = it->second->cq->queue;
-    const uint32_t qpn = qp->qp_num;
     queue.erase(std::remove_if(queue.begin(), queue.end(),
                                [qpn](const ibv_wc& w) { return w.qp_num == qpn; }),
                 queue.end());
   }
-  if (S().qps.erase(qp->qp_num) != 0) --FakeNic::Get().qps_live;
-  FakeNic::Get().unanswering.erase(qp->qp_num);  // the number may be the next queue pair's
+  if (S().qps.erase(qpn) != 0) --FakeNic::Get().qps_live;
+  FakeNic::Get().unanswering.erase(qpn);  // the number may be the next queue pair's
   return 0;
 }
 ibv_srq* __wrap_ibv_create_srq(ibv_pd* pd, ibv_srq_init_attr* init) {
