@@ -137,10 +137,17 @@ size_t OpTracker::Drain(IssueFn issue, absl::Span<Completion> out) {
                     [op](const auto& d) { return d.first == op; })) {
       continue;  // reported with its own error above, when there is room
     }
+    // One that never left this side says nothing of its peer: the queue it waited for was full,
+    // held by operations to other peers (a shared completion queue) or to this one.
     Fill(op,
-         absl::DeadlineExceededError(absl::StrCat(name_, ": operation did not complete within ",
-                                                  absl::FormatDuration(op_timeout_),
-                                                  "; the peer may be gone")),
+         absl::DeadlineExceededError(
+             op->issued ? absl::StrCat(name_, ": operation did not complete within ",
+                                       absl::FormatDuration(op_timeout_), "; the peer may be gone")
+                        : absl::StrCat(name_, ": operation was not issued within ",
+                                       absl::FormatDuration(op_timeout_),
+                                       ": the send queue or the device's completion queue stayed "
+                                       "full, held by operations to peers that do not complete "
+                                       "them")),
          &out[produced++]);
     if (!op->issued) {
       queued_.erase(std::find(queued_.begin(), queued_.end(), op));

@@ -159,6 +159,9 @@ TEST_F(OpTrackerTest, ATimedOutOpIsReportedExactlyOnce) {
     EXPECT_EQ(out[i].status.code(), absl::StatusCode::kDeadlineExceeded);
     EXPECT_THAT(std::string(out[i].status.message()), HasSubstr("test endpoint"));
   }
+  // The issued one may have lost its peer; the queued one never reached it, and says so.
+  EXPECT_THAT(std::string(out[0].status.message()), HasSubstr("the peer may be gone"));
+  EXPECT_THAT(std::string(out[1].status.message()), HasSubstr("was not issued"));
   EXPECT_EQ(tracker->live(), 0u);
   EXPECT_EQ(tracker->Drain(IssueFn(), absl::MakeSpan(out)), 0u);
 
