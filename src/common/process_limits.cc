@@ -8,13 +8,10 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
-#include <vector>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 
 namespace tensorverbs {
 
@@ -41,10 +38,8 @@ absl::Status RaiseDescriptorLimit(uint64_t needed) {
 }
 
 std::string OverloadHint(absl::string_view loadavg, long cores) {
-  const std::string first(
-      absl::StripAsciiWhitespace(std::vector<absl::string_view>(absl::StrSplit(loadavg, ' '))[0]));
-  double load = 0;
-  if (cores <= 0 || !absl::SimpleAtod(first, &load) || load <= 4.0 * cores) return std::string();
+  double load = 0;  // the first field
+  if (cores <= 0 || !absl::SimpleAtod(loadavg.substr(0, loadavg.find(' ')), &load) || load <= 4.0 * cores) return std::string();
   return absl::StrFormat(
       "; this host's load average is %.0f on %d cores, and a peer (or this task) starved that "
       "long looks silent: where that is expected, as while hundreds of tasks start on few cores, "
