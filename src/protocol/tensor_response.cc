@@ -415,7 +415,9 @@ void RdmaTensorResponse::PostStagedWrites() {
                                 : to.endpoint->PostWrite(local, remote, context);
     });
     writes_left_ += posted;
-    if (lanes_.size() > 1 && s.ok()) {
+    // Counted for a tensor kept to lane 0 too (asked for before lane 1's probe came back, or
+    // too small to spread): the snapshot's lane0_bytes_sent is all that lane 0 carried.
+    if (s.ok()) {
       channel_->counters().lane_bytes_sent[lane].fetch_add(static_cast<int64_t>(end - start),
                                                            std::memory_order_relaxed);
     }

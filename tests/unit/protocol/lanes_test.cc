@@ -151,6 +151,9 @@ TEST_F(UnprobedLaneTest, ALaneWhoseProbeDoesNotComeBackCarriesNoTensor) {
   ASSERT_NO_FATAL_FAILURE(TransferWhole(1, Key("unprobed"), 0.25f));
   EXPECT_EQ(Get(owner_.stats.striped_requests), 0);
   EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[1]), 0);
+  EXPECT_EQ(Get(acceptor_.channel->counters().lane_bytes_sent[0]),
+            static_cast<int64_t>(sent_.TotalBytes()))
+      << "lane 0 carried it all, and says so";
 }
 
 // A probe that cannot be written (the peer's probe word refused on lane 1) takes the lane out
