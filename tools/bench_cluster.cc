@@ -243,7 +243,7 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::RunUnderSrun(
 
 absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
     const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
-    const std::string& what) {
+    const std::string& what, const AfterResults& after) {
   if (!srun_.empty()) return RunUnderSrun(args_of(0), timeout, what);
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   const int tasks = static_cast<int>(addresses_.size());
@@ -267,8 +267,12 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
       return absl::InternalError(absl::StrCat(what, " task ", i, " reported '", line, "'"));
     }
   }
+  absl::Status status;
+  for (int i = 0; i < tasks && after && status.ok(); ++i)
+    status = after(i, *children[i], results[i]);
   for (auto& c : children) (void)Tell(*c, "exit");
   for (auto& c : children) (void)c->Wait(absl::Seconds(30));
+  if (!status.ok()) return status;
   return results;
 }
 

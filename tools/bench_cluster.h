@@ -102,10 +102,14 @@ class BenchLayout {
   std::vector<std::string> PlacementArgs(const std::string& cluster, const std::string& job,
                                          int task) const;
   // Task i runs `<this executable> <args_of(i)>`; `what` names the bench in errors. Under
-  // srun, every task runs args_of(0): they may differ only in their placement.
+  // srun, every task runs args_of(0): they may differ only in their placement. Once every task
+  // reported, and before any is told to exit, `after` (where given) runs once per task, in
+  // order, with the task's process and its result to add to: a phase that needs the others
+  // idle (`bench scale`'s quiet idle turns). Not under srun, whose tasks share one stdin.
+  using AfterResults = std::function<absl::Status(int task, support::Subprocess&, nlohmann::json&)>;
   absl::StatusOr<std::vector<nlohmann::json>> Run(
       const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
-      const std::string& what);
+      const std::string& what, const AfterResults& after = nullptr);
 
  private:
   BenchLayout() = default;

@@ -3,7 +3,8 @@
 // all-to-all, or a parameter-server layout: --pattern) and reads its own resources from /proc; the
 // launcher starts N of them, collects one JSON line from each and reports, per N, the slowest
 // task's set-up and first step, the median task's steady step, and the mean per task (and per
-// channel) of memory, registrations, descriptors and threads.
+// channel) of memory, registrations, descriptors and threads. Then, with every task idle, up to
+// 16 of them in turn time their progress loop's idle turn alone (QuietIdleTurns).
 
 #include <algorithm>
 #include <cstdio>
@@ -25,6 +26,7 @@
 #include "src/support/process_util.h"
 #include "src/support/subprocess.h"
 #include "tensorverbs/device_name.h"
+#include "tensorverbs/event.h"
 #include "tensorverbs/placement.h"
 #include "tools/bench_cluster.h"
 #include "tools/bench_util.h"
@@ -36,6 +38,31 @@ namespace tensorverbs::tools {
 namespace {
 
 constexpr char kJob[] = "worker";
+// How many tasks time their idle turns alone (spread over the ranks), and for how long each.
+constexpr int kQuietTasks = 16;
+constexpr absl::Duration kQuietSpan = absl::Milliseconds(300);
+
+// What an idle turn costs this task while every other task of the cluster is idle too (the
+// launcher asks one task at a time, once all reported): this thread drives the progress loop
+// with nothing to do for kQuietSpan, in waits shorter than the idle spin (50 us), so that it
+// spins from turn to turn and never parks or sleeps, and the loop
+// times one turn in each 16 (ProgressEngine::IdleTurnCost). The steady steps' figure is the
+// turn among 255 busy tasks on two cores; this one is what the turn itself costs with this
+// task's channels, peers and endpoint, which is what grows, or not, with the cluster.
+nlohmann::json QuietIdleTurns(Server* server) {
+  auto* verbs = server->verbs_transport();
+  if (verbs == nullptr) return {{"idle_turn_us", 0.0}, {"idle_turn_cpu_us", 0.0}};
+  verbs->RestartIdleTurnCost();
+  Event never;
+  const absl::Time end = absl::Now() + kQuietSpan;
+  for (absl::Time now = absl::Now(); now < end; now = absl::Now()) {
+    verbs->DriveUntil(never, now + absl::Microseconds(20));
+  }
+  const auto turn = verbs->IdleTurnCost();
+  return {{"idle_turn_us", turn ? absl::ToDoubleMicroseconds(turn->wall) : 0.0},
+          {"idle_turn_cpu_us", turn ? absl::ToDoubleMicroseconds(turn->cpu) : 0.0},
+          {"turns_timed", verbs->IdleTurnsTimed()}};
+}
 
 absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   const absl::Time start = absl::Now();
@@ -142,6 +169,10 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   std::fflush(stdout);
   std::string line;
   while (std::getline(std::cin, line) && line != "exit") {
+    if (line != "quiet") continue;
+    const nlohmann::json quiet = QuietIdleTurns(server.get());
+    std::printf("quiet %s\n", quiet.dump().c_str());
+    std::fflush(stdout);
   }
   server->Stop();
   return absl::OkStatus();
@@ -158,6 +189,9 @@ struct ScaleRow {
   double endpoints = 0;  // libfabric endpoints (fabric::FabricProcessStats)
   double idle_turn_us = 0;  // the median over tasks of an idle progress turn's median
   double idle_turn_cpu_us = 0;  // the same of the loop thread's CPU time in such a turn
+  // The same two, of kQuietTasks tasks that timed their turns alone (QuietIdleTurns), and the
+  // CPU time of the costliest of them (a parameter server's, with the most channels).
+  double quiet_turn_us = 0, quiet_turn_cpu_us = 0, quiet_turn_cpu_us_max = 0;
 };
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
@@ -185,11 +219,28 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
             for (const std::string& a : server.ToArgs()) args.push_back(a);
             return args;
           },
-          absl::Minutes(10), "bench scale"));
+          absl::Minutes(10), "bench scale",
+          [tasks](int i, support::Subprocess& task, nlohmann::json& result) -> absl::Status {
+            // kQuietTasks spread over the ranks (a parameter server among them), one at a time.
+            const int sampled = std::min(tasks, kQuietTasks);
+            if ((i * sampled) % tasks >= sampled) return absl::OkStatus();
+            RETURN_IF_ERROR(Tell(task, "quiet"));
+            ASSIGN_OR_RETURN(std::string line, Expect(task, "quiet ", absl::Minutes(1)));
+            result["quiet"] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+            return absl::OkStatus();
+          }));
   ScaleRow row;
   row.tasks = tasks;
-  std::vector<double> medians, idle_turns, idle_turns_cpu, setups;
+  std::vector<double> medians, idle_turns, idle_turns_cpu, setups, quiet, quiet_cpu;
   for (const nlohmann::json& r : results) {
+    if (r.contains("quiet") && r["quiet"].is_object()) {
+      const nlohmann::json& q = r["quiet"];
+      if (q.value("idle_turn_us", 0.0) > 0) quiet.push_back(q.value("idle_turn_us", 0.0));
+      if (q.value("idle_turn_cpu_us", 0.0) > 0) {
+        quiet_cpu.push_back(q.value("idle_turn_cpu_us", 0.0));
+        row.quiet_turn_cpu_us_max = std::max(row.quiet_turn_cpu_us_max, quiet_cpu.back());
+      }
+    }
     setups.push_back(r.value("setup_ms", 0.0));
     if (r.value("idle_turn_us", 0.0) > 0) idle_turns.push_back(r.value("idle_turn_us", 0.0));
     if (r.value("idle_turn_cpu_us", 0.0) > 0) {
@@ -211,6 +262,8 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
   if (!setups.empty()) row.setup_ms_p50 = Percentile(setups, 0.5);
   if (!idle_turns.empty()) row.idle_turn_us = Percentile(idle_turns, 0.5);
   if (!idle_turns_cpu.empty()) row.idle_turn_cpu_us = Percentile(idle_turns_cpu, 0.5);
+  if (!quiet.empty()) row.quiet_turn_us = Percentile(quiet, 0.5);
+  if (!quiet_cpu.empty()) row.quiet_turn_cpu_us = Percentile(quiet_cpu, 0.5);
   return row;
 }
 
@@ -266,10 +319,10 @@ int RunBenchScale(const BenchScaleOptions& o) {
               : !o.netns           ? ", every task on this host"
               : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
                             : ", one netns per task");
-  std::printf("%6s %10s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s %13s %13s\n", "tasks",
-              "setup ms", "setup p50", "1st step ms", "step ms", "RSS MiB", "PSS MiB",
+  std::printf("%6s %10s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s %13s %13s %13s %13s\n",
+              "tasks", "setup ms", "setup p50", "1st step ms", "step ms", "RSS MiB", "PSS MiB",
               "registered MiB", "fds", "threads", "channels", "endpoints", "idle turn us",
-              "idle CPU us");
+              "idle CPU us", "quiet turn us", "quiet CPU us");
   nlohmann::json rows = nlohmann::json::array();
   bool failed = false;
   for (int n : *counts) {
@@ -288,10 +341,10 @@ int RunBenchScale(const BenchScaleOptions& o) {
     }
     std::printf(
         "%6d %10.1f %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f %13.2f "
-        "%13.2f\n",
+        "%13.2f %13.2f %13.2f\n",
         n, row->setup_ms, row->setup_ms_p50, row->first_step_ms, row->step_ms_p50, row->rss_mib,
         row->pss_mib, row->registered_mib, row->fds, row->threads, row->channels, row->endpoints,
-        row->idle_turn_us, row->idle_turn_cpu_us);
+        row->idle_turn_us, row->idle_turn_cpu_us, row->quiet_turn_us, row->quiet_turn_cpu_us);
     std::fflush(stdout);
     rows.push_back({{"tasks", n},
                     {"protocol", o.protocol},
@@ -313,7 +366,10 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"channels_per_task", row->channels},
                     {"endpoints_per_task", row->endpoints},
                     {"idle_turn_us", row->idle_turn_us},
-                    {"idle_turn_cpu_us", row->idle_turn_cpu_us}});
+                    {"idle_turn_cpu_us", row->idle_turn_cpu_us},
+                    {"quiet_turn_us", row->quiet_turn_us},
+                    {"quiet_turn_cpu_us", row->quiet_turn_cpu_us},
+                    {"quiet_turn_cpu_us_max", row->quiet_turn_cpu_us_max}});
   }
   if (!o.json.empty() && !WriteJsonRows(o.json, rows, "tensorverbs bench scale")) return 1;
   return failed ? 1 : 0;

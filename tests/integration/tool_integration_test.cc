@@ -364,6 +364,9 @@ TEST(ToolTest, BenchScaleReportsEachTaskCountsCosts) {
     EXPECT_GT(r.value("fds_per_task", 0.0), 0) << r.dump();
     EXPECT_GT(r.value("threads_per_task", 0.0), 1) << r.dump();
     EXPECT_GT(r.value("pss_mib_per_task", 0.0), 0) << r.dump();
+    // Once all reported, each task (n <= 16) timed its idle turns alone.
+    EXPECT_GT(r.value("quiet_turn_us", 0.0), 0) << r.dump();
+    EXPECT_GT(r.value("quiet_turn_cpu_us_max", 0.0), 0) << r.dump();
   }
   run = RunTool({"bench", "scale", "--tasks", "1"}, absl::Seconds(30));
   ASSERT_TRUE(run.ok()) << run.status();

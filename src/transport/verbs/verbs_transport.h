@@ -226,6 +226,8 @@ class VerbsTransport : public protocol::TensorLender, public protocol::TensorPul
   void RestartIdleTurnCost() {
     if (engine_ != nullptr) engine_->RestartIdleTurnCost();
   }
+  // Idle turns timed since the start or the last restart.
+  uint64_t IdleTurnsTimed() const { return engine_ != nullptr ? engine_->IdleTurnsTimed() : 0; }
   // How many times a waiting thread took this transport's progress over.
   uint64_t waiter_drives() const { return engine_ != nullptr ? engine_->waiter_drives() : 0; }
 
