@@ -192,6 +192,7 @@ struct ScaleRow {
   // The same two, of kQuietTasks tasks that timed their turns alone (QuietIdleTurns), and the
   // CPU time of the costliest of them (a parameter server's, with the most channels).
   double quiet_turn_us = 0, quiet_turn_cpu_us = 0, quiet_turn_cpu_us_max = 0;
+  int64_t quiet_turn_max_channels = 0;  // that task's channels
 };
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
@@ -238,7 +239,10 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
       if (q.value("idle_turn_us", 0.0) > 0) quiet.push_back(q.value("idle_turn_us", 0.0));
       if (q.value("idle_turn_cpu_us", 0.0) > 0) {
         quiet_cpu.push_back(q.value("idle_turn_cpu_us", 0.0));
-        row.quiet_turn_cpu_us_max = std::max(row.quiet_turn_cpu_us_max, quiet_cpu.back());
+        if (quiet_cpu.back() > row.quiet_turn_cpu_us_max) {
+          row.quiet_turn_cpu_us_max = quiet_cpu.back();
+          row.quiet_turn_max_channels = r.value("channels", int64_t{0});
+        }
       }
     }
     setups.push_back(r.value("setup_ms", 0.0));
@@ -369,7 +373,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"idle_turn_cpu_us", row->idle_turn_cpu_us},
                     {"quiet_turn_us", row->quiet_turn_us},
                     {"quiet_turn_cpu_us", row->quiet_turn_cpu_us},
-                    {"quiet_turn_cpu_us_max", row->quiet_turn_cpu_us_max}});
+                    {"quiet_turn_cpu_us_max", row->quiet_turn_cpu_us_max},
+                    {"quiet_turn_max_channels", row->quiet_turn_max_channels}});
   }
   if (!o.json.empty() && !WriteJsonRows(o.json, rows, "tensorverbs bench scale")) return 1;
   return failed ? 1 : 0;
