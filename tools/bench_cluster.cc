@@ -243,7 +243,7 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::RunUnderSrun(
 
 absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
     const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
-    const std::string& what, const AfterResults& after) {
+    const std::string& what, const Phases& phases) {
   if (!srun_.empty()) return RunUnderSrun(args_of(0), timeout, what);
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   const int tasks = static_cast<int>(addresses_.size());
@@ -259,6 +259,10 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
                      support::Subprocess::Start(path, args));
     children.push_back(std::move(child));
   }
+  for (int i = 0; i < tasks && !phases.gate.empty(); ++i) {
+    RETURN_IF_ERROR(Expect(*children[i], phases.gate, timeout).status());
+  }
+  for (int i = 0; i < tasks && !phases.gate.empty(); ++i) RETURN_IF_ERROR(Tell(*children[i], "go"));
   std::vector<nlohmann::json> results(tasks);
   for (int i = 0; i < tasks; ++i) {
     ASSIGN_OR_RETURN(std::string line, Expect(*children[i], "result ", timeout));
@@ -268,8 +272,9 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
     }
   }
   absl::Status status;
-  for (int i = 0; i < tasks && after && status.ok(); ++i)
-    status = after(i, *children[i], results[i]);
+  for (int i = 0; i < tasks && phases.after && status.ok(); ++i) {
+    status = phases.after(i, *children[i], results[i]);
+  }
   for (auto& c : children) (void)Tell(*c, "exit");
   for (auto& c : children) (void)c->Wait(absl::Seconds(30));
   if (!status.ok()) return status;

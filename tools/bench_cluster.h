@@ -102,14 +102,20 @@ class BenchLayout {
   std::vector<std::string> PlacementArgs(const std::string& cluster, const std::string& job,
                                          int task) const;
   // Task i runs `<this executable> <args_of(i)>`; `what` names the bench in errors. Under
-  // srun, every task runs args_of(0): they may differ only in their placement. Once every task
-  // reported, and before any is told to exit, `after` (where given) runs once per task, in
-  // order, with the task's process and its result to add to: a phase that needs the others
-  // idle (`bench scale`'s quiet idle turns). Not under srun, whose tasks share one stdin.
-  using AfterResults = std::function<absl::Status(int task, support::Subprocess&, nlohmann::json&)>;
+  // srun, every task runs args_of(0): they may differ only in their placement. Not under srun
+  // (whose tasks share one stdin), the phases: where `gate` is set, Run waits for a line
+  // starting with it from every task, then tells each "go", so that what a task times after it
+  // starts once all N processes stand (`bench scale --start gated`). Once every task reported,
+  // and before any is told to exit, `after` (where given) runs once per task, in order, with
+  // the task's process and its result to add to: a phase that needs the others idle (`bench
+  // scale`'s quiet idle turns).
+  struct Phases {
+    std::string gate;
+    std::function<absl::Status(int task, support::Subprocess&, nlohmann::json&)> after;
+  };
   absl::StatusOr<std::vector<nlohmann::json>> Run(
       const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
-      const std::string& what, const AfterResults& after = nullptr);
+      const std::string& what, const Phases& phases = {});
 
  private:
   BenchLayout() = default;
@@ -139,6 +145,9 @@ struct BenchScaleTaskOptions {
   int steps = 20;
   std::string bytes = "1KiB";
   bool channels_at_start = false;  // set up every channel in set-up (Server::SetUpChannels)
+  // Once its server stands, print "created" and wait for "go" (BenchLayout::Phases::gate)
+  // before the set-up is timed.
+  bool gated = false;
   // Tasks 0..ps-1 are parameter servers, which exchange with every worker, and each worker with
   // them alone; 0: every task exchanges with every other (an all-to-all).
   int ps = 0;

@@ -3,8 +3,10 @@
 // all-to-all, or a parameter-server layout: --pattern) and reads its own resources from /proc; the
 // launcher starts N of them, collects one JSON line from each and reports, per N, the slowest
 // task's set-up and first step, the median task's steady step, and the mean per task (and per
-// channel) of memory, registrations, descriptors and threads. Then, with every task idle, up to
-// 16 of them in turn time their progress loop's idle turn alone (QuietIdleTurns).
+// channel) of memory, registrations, descriptors and threads. With --start gated a task's set-up
+// is timed from the moment every task's server stands, not from its own start, which on a
+// machine with fewer cores than tasks includes the others' starts. Then, with every task idle, up
+// to 16 of them in turn time their progress loop's idle turn alone (QuietIdleTurns).
 
 #include <algorithm>
 #include <cstdio>
@@ -82,6 +84,18 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   o.server.Apply(&options);
   ASSIGN_OR_RETURN(std::unique_ptr<Server> server, Server::Create(options));
   const absl::Time created = absl::Now();
+  if (o.gated) {
+    std::printf("created\n");
+    std::fflush(stdout);
+    std::string go;
+    if (!std::getline(std::cin, go) || go != "go") {
+      return absl::AbortedError("bench scale: the launcher did not say 'go' after the start");
+    }
+  }
+  const absl::Time setup_start = absl::Now();
+  // The set-up's work, apart from how long the machine made it wait: this process's CPU time
+  // (all its threads, answering the peers' probes too).
+  const double setup_cpu_start = CpuSeconds();
   const int n = static_cast<int>(cluster.TaskAddresses().size());
   if (o.ps < 0 || o.ps >= n) {
     return absl::InvalidArgumentError(
@@ -106,6 +120,7 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   }
   if (o.channels_at_start) RETURN_IF_ERROR(server->SetUpChannels(absl::Minutes(5)));
   const absl::Time connected = absl::Now();
+  const double setup_cpu_ms = (CpuSeconds() - setup_cpu_start) * 1e3;
   // Every such peer's keys for this step's tensor, both ways.
   std::vector<ParsedKey> to, from;
   for (int p = 0; p < n; ++p) {
@@ -153,7 +168,8 @@ absl::Status RunTask(const BenchScaleTaskOptions& o, nlohmann::json* result) {
   }
   *result = {{"task", task},
              {"create_ms", absl::ToDoubleMilliseconds(created - start)},
-             {"setup_ms", absl::ToDoubleMilliseconds(connected - created)},
+             {"setup_ms", absl::ToDoubleMilliseconds(connected - setup_start)},
+             {"setup_cpu_ms", setup_cpu_ms},
              {"first_step_ms", first_ms},
              {"step_ms", step_ms},
              {"rss_bytes", support::ResidentBytes()},
@@ -182,6 +198,7 @@ struct ScaleRow {
   int tasks = 0;
   double setup_ms = 0;       // the slowest task's WaitForPeers (and SetUpChannels, at-start)
   double setup_ms_p50 = 0;   // the median task's (a worker's, in a ps layout)
+  double setup_cpu_ms_p50 = 0;  // the median task's CPU time in its set-up
   double first_step_ms = 0;  // the slowest task's first all-to-all
   double step_ms_p50 = 0;    // the median over tasks of each task's median step
   // Means per task.
@@ -216,24 +233,27 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
             }
             args.insert(args.end(), {"--steps", absl::StrCat(o.steps), "--bytes", o.bytes});
             if (o.channels == "at-start") args.push_back("--channels-at-start");
+            if (o.start == "gated") args.push_back("--gated");
             if (ps > 0) args.insert(args.end(), {"--ps", absl::StrCat(ps)});
             for (const std::string& a : server.ToArgs()) args.push_back(a);
             return args;
           },
           absl::Minutes(10), "bench scale",
-          [tasks](int i, support::Subprocess& task, nlohmann::json& result) -> absl::Status {
-            // kQuietTasks spread over the ranks (a parameter server among them), one at a time.
-            const int sampled = std::min(tasks, kQuietTasks);
-            if ((i * sampled) % tasks >= sampled) return absl::OkStatus();
-            RETURN_IF_ERROR(Tell(task, "quiet"));
-            ASSIGN_OR_RETURN(std::string line, Expect(task, "quiet ", absl::Minutes(1)));
-            result["quiet"] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-            return absl::OkStatus();
-          }));
+          {o.start == "gated" ? "created" : "",
+           [tasks](int i, support::Subprocess& task, nlohmann::json& result) -> absl::Status {
+             // kQuietTasks spread over the ranks (a parameter server among them), one at a time.
+             const int sampled = std::min(tasks, kQuietTasks);
+             if ((i * sampled) % tasks >= sampled) return absl::OkStatus();
+             RETURN_IF_ERROR(Tell(task, "quiet"));
+             ASSIGN_OR_RETURN(std::string line, Expect(task, "quiet ", absl::Minutes(1)));
+             result["quiet"] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+             return absl::OkStatus();
+           }}));
   ScaleRow row;
   row.tasks = tasks;
-  std::vector<double> medians, idle_turns, idle_turns_cpu, setups, quiet, quiet_cpu;
+  std::vector<double> medians, idle_turns, idle_turns_cpu, setups, quiet, quiet_cpu, setup_cpu;
   for (const nlohmann::json& r : results) {
+    setup_cpu.push_back(r.value("setup_cpu_ms", 0.0));
     if (r.contains("quiet") && r["quiet"].is_object()) {
       const nlohmann::json& q = r["quiet"];
       if (q.value("idle_turn_us", 0.0) > 0) quiet.push_back(q.value("idle_turn_us", 0.0));
@@ -264,6 +284,7 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
   }
   if (!medians.empty()) row.step_ms_p50 = Percentile(medians, 0.5);
   if (!setups.empty()) row.setup_ms_p50 = Percentile(setups, 0.5);
+  if (!setup_cpu.empty()) row.setup_cpu_ms_p50 = Percentile(setup_cpu, 0.5);
   if (!idle_turns.empty()) row.idle_turn_us = Percentile(idle_turns, 0.5);
   if (!idle_turns_cpu.empty()) row.idle_turn_cpu_us = Percentile(idle_turns_cpu, 0.5);
   if (!quiet.empty()) row.quiet_turn_us = Percentile(quiet, 0.5);
@@ -305,6 +326,12 @@ int RunBenchScale(const BenchScaleOptions& o) {
                  std::string(counts.status().message()).c_str());
     return 2;
   }
+  if (o.launcher == "srun" && o.start == "gated") {
+    std::fprintf(stderr,
+                 "tensorverbs bench scale: --start gated needs each task's own input; under "
+                 "--launcher srun the tasks start as launched\n");
+    return 2;
+  }
   if (o.launcher == "srun" && o.netns) {
     std::fprintf(stderr,
                  "tensorverbs bench scale: --launcher srun places the tasks where Slurm does; "
@@ -317,16 +344,17 @@ int RunBenchScale(const BenchScaleOptions& o) {
                  "needs --netns\n");
     return 2;
   }
-  std::printf("bench scale: %s, %s of %s tensors, %d steps, channels %s%s\n", o.protocol.c_str(),
-              o.pattern.c_str(), o.bytes.c_str(), o.steps, o.channels.c_str(),
+  std::printf("bench scale: %s, %s of %s tensors, %d steps, channels %s, start %s%s\n",
+              o.protocol.c_str(), o.pattern.c_str(), o.bytes.c_str(), o.steps, o.channels.c_str(),
+              o.start.c_str(),
               o.launcher == "srun" ? ", each count one Slurm job step"
               : !o.netns           ? ", every task on this host"
               : o.hosts > 0 ? absl::StrCat(", ", o.hosts, " hosts (netns), in blocks").c_str()
                             : ", one netns per task");
-  std::printf("%6s %10s %10s %12s %10s %9s %9s %14s %8s %8s %9s %10s %13s %13s %13s %13s\n",
-              "tasks", "setup ms", "setup p50", "1st step ms", "step ms", "RSS MiB", "PSS MiB",
-              "registered MiB", "fds", "threads", "channels", "endpoints", "idle turn us",
-              "idle CPU us", "quiet turn us", "quiet CPU us");
+  std::printf("%6s %10s %10s %13s %12s %10s %9s %9s %14s %8s %8s %9s %10s %13s %13s %13s %13s\n",
+              "tasks", "setup ms", "setup p50", "setup CPU p50", "1st step ms", "step ms",
+              "RSS MiB", "PSS MiB", "registered MiB", "fds", "threads", "channels", "endpoints",
+              "idle turn us", "idle CPU us", "quiet turn us", "quiet CPU us");
   nlohmann::json rows = nlohmann::json::array();
   bool failed = false;
   for (int n : *counts) {
@@ -344,11 +372,12 @@ int RunBenchScale(const BenchScaleOptions& o) {
       continue;
     }
     std::printf(
-        "%6d %10.1f %10.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f %13.2f "
-        "%13.2f %13.2f %13.2f\n",
-        n, row->setup_ms, row->setup_ms_p50, row->first_step_ms, row->step_ms_p50, row->rss_mib,
-        row->pss_mib, row->registered_mib, row->fds, row->threads, row->channels, row->endpoints,
-        row->idle_turn_us, row->idle_turn_cpu_us, row->quiet_turn_us, row->quiet_turn_cpu_us);
+        "%6d %10.1f %10.1f %13.1f %12.2f %10.3f %9.1f %9.1f %14.1f %8.1f %8.1f %9.1f %10.1f "
+        "%13.2f %13.2f %13.2f %13.2f\n",
+        n, row->setup_ms, row->setup_ms_p50, row->setup_cpu_ms_p50, row->first_step_ms,
+        row->step_ms_p50, row->rss_mib, row->pss_mib, row->registered_mib, row->fds, row->threads,
+        row->channels, row->endpoints, row->idle_turn_us, row->idle_turn_cpu_us, row->quiet_turn_us,
+        row->quiet_turn_cpu_us);
     std::fflush(stdout);
     rows.push_back({{"tasks", n},
                     {"protocol", o.protocol},
@@ -357,9 +386,11 @@ int RunBenchScale(const BenchScaleOptions& o) {
                     {"hosts", o.hosts},
                     {"launcher", o.launcher},
                     {"channels_set_up", o.channels},
+                    {"start", o.start},
                     {"pattern", o.pattern},
                     {"setup_ms", row->setup_ms},
                     {"setup_ms_p50", row->setup_ms_p50},
+                    {"setup_cpu_ms_p50", row->setup_cpu_ms_p50},
                     {"first_step_ms", row->first_step_ms},
                     {"step_ms_p50", row->step_ms_p50},
                     {"rss_mib_per_task", row->rss_mib},

@@ -162,6 +162,9 @@ struct BenchScaleOptions {
   // 0..K-1 are parameter servers, each worker exchanges with those K alone, and they with every
   // worker.
   std::string pattern = "all-to-all";
+  // "as-launched": each task times its set-up from its own server's start, while the others may
+  // still be starting; "gated": from the moment every task's server stands (not under srun).
+  std::string start = "as-launched";
 };
 int RunBenchScale(const BenchScaleOptions& options);
 

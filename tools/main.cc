@@ -248,6 +248,12 @@ int main(int argc, char** argv) {
                    "set-up also makes a channel to every peer")
       ->check(CLI::IsMember({"on-demand", "at-start"}))
       ->default_val(scale.channels);
+  bench_scale
+      ->add_option("--start", scale.start,
+                   "as-launched: a task's set-up is timed from its own start, while the others "
+                   "may still start; gated: from the moment every task's server stands")
+      ->check(CLI::IsMember({"as-launched", "gated"}))
+      ->default_val(scale.start);
 
   BenchScaleTaskOptions scale_task;
   CLI::App* scale_task_cmd = app.add_subcommand("bench-scale-task", "One task of bench scale");
@@ -260,6 +266,7 @@ int main(int argc, char** argv) {
   scale_task_cmd->add_option("--steps", scale_task.steps)->required();
   scale_task_cmd->add_option("--bytes", scale_task.bytes)->required();
   scale_task_cmd->add_flag("--channels-at-start", scale_task.channels_at_start);
+  scale_task_cmd->add_flag("--gated", scale_task.gated);
   scale_task_cmd->add_option("--ps", scale_task.ps);
   scale_task_cmd->add_option("--protocol", scale_task.server.protocol)->required();
   scale_task_cmd->add_option("--message-slots", scale_task.server.message_slots);

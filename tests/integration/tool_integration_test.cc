@@ -373,6 +373,28 @@ TEST(ToolTest, BenchScaleReportsEachTaskCountsCosts) {
   EXPECT_EQ(run->exit_code, 2) << "a cluster of one task has nothing to measure";
 }
 
+// --start gated: every task's server stands before any task's set-up is timed; the launcher
+// says "go" to each. Under srun the tasks share one input, so it is refused there.
+TEST(ToolTest, BenchScaleGatedStartTimesTheSetUpOnceEveryTaskStands) {
+  const ScopedTempDir dir;
+  const std::string json = dir.File("bench_scale_gated.json");
+  absl::StatusOr<ToolRun> run = RunTool(
+      {"bench", "scale", "--tasks", "3", "--steps", "2", "--start", "gated", "--json", json},
+      absl::Seconds(120));
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->exit_code, 0) << run->out;
+  nlohmann::json rows = ReadJson(json);
+  ASSERT_TRUE(rows.is_array() && rows.size() == 1u) << rows.dump();
+  EXPECT_EQ(rows[0].value("start", ""), "gated") << rows[0].dump();
+  EXPECT_GT(rows[0].value("setup_ms", 0.0), 0) << rows[0].dump();
+  EXPECT_GT(rows[0].value("setup_cpu_ms_p50", 0.0), 0) << rows[0].dump();
+  EXPECT_EQ(rows[0].value("channels_per_task", 0.0), 4.0) << rows[0].dump();
+  run = RunTool({"bench", "scale", "--tasks", "3", "--launcher", "srun", "--start", "gated"},
+                absl::Seconds(30));
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->exit_code, 2) << "refused before srun is looked for";
+}
+
 TEST(ToolTest, BenchScaleParameterServerLayoutSetsUpOnlyWorkerToServerChannels) {
   // 5 tasks, 2 of them parameter servers: channels come up with each pair's first tensor, so
   // each server has one each way with each of the 3 workers (6) and each worker one each way
