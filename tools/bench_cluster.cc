@@ -244,6 +244,9 @@ absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::RunUnderSrun(
 absl::StatusOr<std::vector<nlohmann::json>> BenchLayout::Run(
     const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
     const std::string& what, const Phases& phases) {
+  if (!srun_.empty() && !phases.gate.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": no start gate under srun"));
+  }
   if (!srun_.empty()) return RunUnderSrun(args_of(0), timeout, what);
   ASSIGN_OR_RETURN(std::string exe, support::SelfExecutable());
   const int tasks = static_cast<int>(addresses_.size());

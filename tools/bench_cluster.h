@@ -101,18 +101,20 @@ class BenchLayout {
   // SLURM_* variables).
   std::vector<std::string> PlacementArgs(const std::string& cluster, const std::string& job,
                                          int task) const;
-  // Task i runs `<this executable> <args_of(i)>`; `what` names the bench in errors. Under
-  // srun, every task runs args_of(0): they may differ only in their placement. Not under srun
-  // (whose tasks share one stdin), the phases: where `gate` is set, Run waits for a line
-  // starting with it from every task, then tells each "go", so that what a task times after it
-  // starts once all N processes stand (`bench scale --start gated`). Once every task reported,
-  // and before any is told to exit, `after` (where given) runs once per task, in order, with
-  // the task's process and its result to add to: a phase that needs the others idle (`bench
-  // scale`'s quiet idle turns).
+  // What Run does besides starting the tasks and collecting their results. Where `gate` is set,
+  // Run waits for a line starting with it from every task, then tells each "go": what a task
+  // times after that begins only once all N processes stand (`bench scale --start gated`). Once
+  // every task reported, and before any is told to exit, `after` (where given) runs once per
+  // task, in order, with the task's process and its result to add to: a phase that needs the
+  // others idle (`bench scale`'s quiet idle turns). Under srun, whose tasks share one input,
+  // `after` is skipped and a gate is refused.
   struct Phases {
+    using After = std::function<absl::Status(int task, support::Subprocess&, nlohmann::json&)>;
     std::string gate;
-    std::function<absl::Status(int task, support::Subprocess&, nlohmann::json&)> after;
+    After after;
   };
+  // Task i runs `<this executable> <args_of(i)>`; `what` names the bench in errors. Under
+  // srun, every task runs args_of(0): they may differ only in their placement.
   absl::StatusOr<std::vector<nlohmann::json>> Run(
       const std::function<std::vector<std::string>(int)>& args_of, absl::Duration timeout,
       const std::string& what, const Phases& phases = {});

@@ -45,15 +45,17 @@ constexpr int kQuietTasks = 16;
 constexpr absl::Duration kQuietSpan = absl::Milliseconds(300);
 
 // What an idle turn costs this task while every other task of the cluster is idle too (the
-// launcher asks one task at a time, once all reported): this thread drives the progress loop
-// with nothing to do for kQuietSpan, in waits shorter than the idle spin (50 us), so that it
-// spins from turn to turn and never parks or sleeps, and the loop
-// times one turn in each 16 (ProgressEngine::IdleTurnCost). The steady steps' figure is the
-// turn among 255 busy tasks on two cores; this one is what the turn itself costs with this
-// task's channels, peers and endpoint, which is what grows, or not, with the cluster.
+// launcher asks one task at a time, once all reported). The turns timed during the steps run
+// on a machine the other tasks load, which says little about the turn's own work; here that
+// work, with this task's channels, peers and endpoint, is what is left. This thread drives the
+// progress loop with nothing to do for kQuietSpan, in waits of 20 us, shorter than the idle
+// spin (TENSORVERBS_POLL_SPIN_US, 50 by default), so that it goes from turn to turn without
+// parking or sleeping. IdleTurnCost gives the medians of the last 64 timed turns (one in 16 is
+// timed), the span's last millisecond or two: by then caches hold the loop's working set.
 nlohmann::json QuietIdleTurns(Server* server) {
   auto* verbs = server->verbs_transport();
-  if (verbs == nullptr) return {{"idle_turn_us", 0.0}, {"idle_turn_cpu_us", 0.0}};
+  if (verbs == nullptr)
+    return {{"idle_turn_us", 0.0}, {"idle_turn_cpu_us", 0.0}, {"turns_timed", 0}};
   verbs->RestartIdleTurnCost();
   Event never;
   const absl::Time end = absl::Now() + kQuietSpan;
@@ -206,11 +208,30 @@ struct ScaleRow {
   double endpoints = 0;  // libfabric endpoints (fabric::FabricProcessStats)
   double idle_turn_us = 0;  // the median over tasks of an idle progress turn's median
   double idle_turn_cpu_us = 0;  // the same of the loop thread's CPU time in such a turn
-  // The same two, of kQuietTasks tasks that timed their turns alone (QuietIdleTurns), and the
-  // CPU time of the costliest of them (a parameter server's, with the most channels).
+  // The same two, of up to kQuietTasks tasks that timed their turns alone (QuietIdleTurns), and
+  // the CPU time of the costliest of them.
   double quiet_turn_us = 0, quiet_turn_cpu_us = 0, quiet_turn_cpu_us_max = 0;
   int64_t quiet_turn_max_channels = 0;  // that task's channels
 };
+
+// The launcher's side of QuietIdleTurns: up to kQuietTasks tasks, spread evenly over the ranks
+// (task 0, a parameter server in a ps layout, among them), asked one at a time. A task that
+// fails it leaves its row without the figure ("quiet": {"error": ...}), not the run without
+// its other results.
+BenchLayout::Phases::After QuietPhase(int tasks) {
+  return [tasks](int i, support::Subprocess& task, nlohmann::json& result) -> absl::Status {
+    // i * sampled mod tasks takes each multiple of gcd(sampled, tasks) below `tasks` equally
+    // often, so exactly `sampled` values of i fall below `sampled`.
+    const int sampled = std::min(tasks, kQuietTasks);
+    if ((i * sampled) % tasks >= sampled) return absl::OkStatus();
+    absl::StatusOr<std::string> line = Tell(task, "quiet").ok()
+                                           ? Expect(task, "quiet ", absl::Minutes(1))
+                                           : absl::UnavailableError("the task closed its input");
+    result["quiet"] = line.ok() ? nlohmann::json::parse(*line, nullptr, false)
+                                : nlohmann::json{{"error", line.status().ToString()}};
+    return absl::OkStatus();
+  };
+}
 
 absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
   std::unique_ptr<BenchLayout> layout;
@@ -239,16 +260,7 @@ absl::StatusOr<ScaleRow> RunOne(int tasks, int ps, const BenchScaleOptions& o) {
             return args;
           },
           absl::Minutes(10), "bench scale",
-          {o.start == "gated" ? "created" : "",
-           [tasks](int i, support::Subprocess& task, nlohmann::json& result) -> absl::Status {
-             // kQuietTasks spread over the ranks (a parameter server among them), one at a time.
-             const int sampled = std::min(tasks, kQuietTasks);
-             if ((i * sampled) % tasks >= sampled) return absl::OkStatus();
-             RETURN_IF_ERROR(Tell(task, "quiet"));
-             ASSIGN_OR_RETURN(std::string line, Expect(task, "quiet ", absl::Minutes(1)));
-             result["quiet"] = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-             return absl::OkStatus();
-           }}));
+          {.gate = o.start == "gated" ? "created" : "", .after = QuietPhase(tasks)}));
   ScaleRow row;
   row.tasks = tasks;
   std::vector<double> medians, idle_turns, idle_turns_cpu, setups, quiet, quiet_cpu, setup_cpu;
@@ -328,8 +340,8 @@ int RunBenchScale(const BenchScaleOptions& o) {
   }
   if (o.launcher == "srun" && o.start == "gated") {
     std::fprintf(stderr,
-                 "tensorverbs bench scale: --start gated needs each task's own input; under "
-                 "--launcher srun the tasks start as launched\n");
+                 "tensorverbs bench scale: --start gated is not available with --launcher srun "
+                 "(every task reads the same input); leave out --start, or launch locally\n");
     return 2;
   }
   if (o.launcher == "srun" && o.netns) {

@@ -141,10 +141,13 @@ struct BenchPsOptions {
 int RunBenchPs(const BenchPsOptions& options);
 
 // `tensorverbs bench scale`: how a cluster's costs grow with its task count. For each N, N
-// tasks (child processes, on this host or spread over --hosts network namespaces) set up their
-// channels to every peer, then exchange a small tensor with every peer each step (all-to-all).
-// Reported per N: channel set-up time, the first step, the steady step time, and per task the
-// memory, registered bytes, descriptors, threads and channels (bench_scale.cc).
+// tasks (child processes, on this host or spread over --hosts network namespaces) wait for
+// their peers, then exchange a small tensor with every peer each step (all-to-all) or with
+// their side of a parameter-server layout. Reported per N: the set-up's time (from each task's
+// start, or with --start gated once all stand) and CPU time, the first step, the steady step
+// time, per task the memory, registered bytes, descriptors, threads, channels and endpoints,
+// and the idle progress turn during the steps and, once all are idle, timed alone
+// (bench_scale.cc).
 struct BenchScaleOptions {
   std::string tasks = "2,4,8,16";  // comma-separated task counts
   std::string protocol = "grpc+verbs";

@@ -1,5 +1,6 @@
 // tensorverbs: the command-line tool. `tensorverbs --help` lists the subcommands.
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -16,6 +17,10 @@ int main(int argc, char** argv) {
   // Each line as it is printed, also into a pipe or a file (`| tee`, a test reading the output
   // of a run that hangs): a benchmark's rows are minutes apart, and a line is cheap.
   setvbuf(stdout, nullptr, _IOLBF, 0);
+  // The bench launchers (ps, scale, p2p and fabric peers) write to their children's input: a child
+  // that died must turn that write into an error naming it ("closed its input"), not kill the
+  // launcher before it reports and cleans up its namespaces.
+  signal(SIGPIPE, SIG_IGN);
   CLI::App app{"tensorverbs: RDMA tensor transport (grpc, grpc+verbs) with server, demo and tools"};
   app.set_version_flag("--version", std::string("tensorverbs ") + tensorverbs::Version());
   app.require_subcommand(1);
@@ -251,7 +256,8 @@ int main(int argc, char** argv) {
   bench_scale
       ->add_option("--start", scale.start,
                    "as-launched: a task's set-up is timed from its own start, while the others "
-                   "may still start; gated: from the moment every task's server stands")
+                   "may still start; gated: from the moment every task's server stands (not "
+                   "with --launcher srun)")
       ->check(CLI::IsMember({"as-launched", "gated"}))
       ->default_val(scale.start);
 

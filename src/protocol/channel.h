@@ -63,8 +63,9 @@ struct ChannelCounters {
   std::atomic<int64_t> bytes_sent{0};
   std::atomic<int64_t> meta_responses{0};  // META_DATA_RESPONSE messages sent
   std::atomic<int64_t> errors_sent{0};     // ERROR_STATUS messages sent
-  // Per lane (0: the channel's own endpoint), on a channel with lanes: content bytes this end
-  // posted (sender), and content segments that landed (receiver).
+  // Per lane (0: the channel's own endpoint): content bytes this end posted (sender; a tensor
+  // kept to lane 0 counts there), and content segments that landed (receiver). Reported only
+  // for a channel with lanes (Channel::Snapshot).
   std::atomic<int64_t> lane_bytes_sent[kMaxLanes] = {};
   std::atomic<int64_t> lane_segments_received[kMaxLanes] = {};
   // Failed recvs by absl::StatusCode.

@@ -367,6 +367,7 @@ TEST(ToolTest, BenchScaleReportsEachTaskCountsCosts) {
     // Once all reported, each task (n <= 16) timed its idle turns alone.
     EXPECT_GT(r.value("quiet_turn_us", 0.0), 0) << r.dump();
     EXPECT_GT(r.value("quiet_turn_cpu_us_max", 0.0), 0) << r.dump();
+    EXPECT_EQ(r.value("quiet_turn_max_channels", 0), 2 * (n - 1)) << r.dump();
   }
   run = RunTool({"bench", "scale", "--tasks", "1"}, absl::Seconds(30));
   ASSERT_TRUE(run.ok()) << run.status();
