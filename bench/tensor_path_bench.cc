@@ -10,7 +10,8 @@
 //   request     BM_RequestEncodeDecode (a REQUEST by name index, with its destination)
 //   codec       BM_MetaDataEncodeDecode (the response's meta-data)
 //   allocation  BM_PoolTensor (the destination tensor from the registered pool)
-//   fabric      BM_FabricWriteImm (post a 4 B write with immediate, poll both completions)
+//   fabric      BM_FabricWriteImm (post a 4 B write with immediate, poll both completions),
+//               BM_IdlePoll (an idle domain's poll, by its connected peers)
 //   callback    BM_CallbackHandoff (inline, or handed to a callback thread and waited for)
 //   keys        BM_ChannelKeyRegistration (a channel's first destination in a pool region)
 //
@@ -303,6 +304,80 @@ void BM_FabricWriteImm(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_FabricWriteImm)->Arg(0)->Arg(1)->ArgName("shmem");
+
+// The fabric's part of an idle progress turn: one Poll of a domain with nothing arriving, whose
+// endpoints are connected each to a peer domain of its own (a peer task, in this process). Each
+// pair carried one write with immediate first, so what a provider makes on first use (tcp's
+// connections) stands. Arguments: fabric (0 shmem, 1 ofi tcp;ofi_rxm) and peers. The slope over
+// the peer count is what each channel adds to every idle turn.
+void BM_IdlePoll(benchmark::State& state) {
+  static const char* const kBackends[][3] = {{"shmem", "", "shmem"},
+                                             {"ofi", "tcp;ofi_rxm", "ofi tcp"}};
+  const auto& which = kBackends[state.range(0)];
+  const int peers = static_cast<int>(state.range(1));
+  state.SetLabel(which[2]);
+  fabric::DomainOptions options;
+  options.provider = which[1];
+  auto skip = [&state](const absl::Status& s) {
+    state.SkipWithError(std::string(s.message()).c_str());
+  };
+  auto own = fabric::OpenDomain(which[0], options);
+  if (!own.ok()) return skip(own.status());
+  std::vector<char> src(64, 1);
+  auto src_mr = (*own)->RegisterMemory(src.data(), src.size(), fabric::kAccessLocal);
+  if (!src_mr.ok()) return skip(src_mr.status());
+  struct Peer {
+    std::unique_ptr<fabric::Domain> domain;
+    std::unique_ptr<fabric::Endpoint> theirs, ours;
+    std::unique_ptr<SharedMemory> dst;
+    std::unique_ptr<fabric::MemoryRegion> dst_mr;
+  };
+  std::vector<Peer> all(peers);
+  fabric::Completion c[16];
+  for (int i = 0; i < peers; ++i) {
+    Peer& p = all[i];
+    auto domain = fabric::OpenDomain(which[0], options);
+    if (!domain.ok()) return skip(domain.status());
+    p.domain = *std::move(domain);
+    auto theirs = p.domain->CreateEndpoint();
+    auto ours = (*own)->CreateEndpoint();
+    if (!theirs.ok() || !ours.ok()) return skip(theirs.ok() ? ours.status() : theirs.status());
+    p.theirs = *std::move(theirs);
+    p.ours = *std::move(ours);
+    absl::Status s = p.ours->Connect(p.theirs->LocalAddress());
+    if (s.ok()) s = p.theirs->Connect(p.ours->LocalAddress());
+    if (!s.ok()) return skip(s);
+    auto dst = SharedMemory::Create(4096, "bench");
+    if (!dst.ok()) return skip(dst.status());
+    p.dst = *std::move(dst);
+    auto dst_mr = p.domain->RegisterMemory(p.dst->data(), 4096, fabric::kAccessRemoteWrite);
+    if (!dst_mr.ok()) return skip(dst_mr.status());
+    p.dst_mr = *std::move(dst_mr);
+    const fabric::RemoteBuffer remote{p.dst_mr->PackRemoteKey(),
+                                      reinterpret_cast<uint64_t>(p.dst->data()), 4096};
+    s = p.ours->PostWriteWithImm({src_mr->get(), src.data(), 4}, remote, 1, 1);
+    if (!s.ok()) return skip(s);
+    bool local = false, arrived = false;
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while ((!local || !arrived) && absl::Now() < deadline) {
+      auto n = (*own)->Poll(absl::MakeSpan(c));
+      if (!n.ok()) return skip(n.status());
+      for (size_t k = 0; k < *n; ++k) local |= c[k].status.ok();
+      auto m = p.domain->Poll(absl::MakeSpan(c));
+      if (!m.ok()) return skip(m.status());
+      arrived |= *m > 0;
+    }
+    if (!local || !arrived) return skip(absl::DeadlineExceededError("a first write did not land"));
+  }
+  size_t seen = 0;
+  for (auto _ : state) {
+    auto n = (*own)->Poll(absl::MakeSpan(c));
+    seen += n.ok() ? *n : 1;
+  }
+  if (seen != 0) state.SkipWithError("an idle domain reported completions");
+  state.counters["peers"] = peers;
+}
+BENCHMARK(BM_IdlePoll)->ArgsProduct({{0, 1}, {1, 16, 64}})->ArgNames({"fabric", "peers"});
 
 // What a channel key costs a channel, once per pool region it is offered a destination in: one
 // RegisterMemoryFor of a pre-touched 64 MiB pool region (TENSORVERBS_POOL_REGION_MB's default)
