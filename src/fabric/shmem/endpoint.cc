@@ -88,6 +88,7 @@ absl::Status ShmemEndpoint::Connect(absl::string_view peer_address) {
 }
 
 void ShmemEndpoint::RunPending() {
+  if (pending_.empty()) return;  // no device copy runs without its operation queued
   copies_.StartQueued(pending_);
   copies_.Poll(pending_);
   while (!pending_.empty()) {
@@ -118,8 +119,7 @@ void ShmemEndpoint::RunPending() {
   }
 }
 
-size_t ShmemEndpoint::TakeInbound(absl::Span<Completion> out) {
-  if (ring_broken_) return 0;
+size_t ShmemEndpoint::TakeArrived(absl::Span<Completion> out) {
   const uint64_t tail = Atomic(in_->tail).load(std::memory_order_acquire);
   if (tail - in_head_ > kRingCapacity) {
     LOG(ERROR) << "shmem: endpoint " << LocalAddress()

@@ -31,7 +31,7 @@
 namespace tensorverbs::fabric::shmem {
 namespace {
 
-constexpr uint64_t kPartMask = 0xffffffffu;
+constexpr uint64_t kPartMask = kSharedWritePartMask;
 
 inline void CpuRelax() {
 #if defined(__x86_64__)
@@ -145,7 +145,7 @@ std::atomic<void (*)()> claim_hook_for_testing{nullptr};
 
 void SetClaimHookForTesting(void (*hook)()) { claim_hook_for_testing.store(hook); }
 
-void SharedWrites::Help(bool may_evict) {
+void SharedWrites::HelpWithOffer(bool may_evict) {
   // ShmemEndpoint::HelpWithSharedWrite checked that our inbound ring is still trusted.
   if (!d_.peer_copy || !conn_.connected() || conn_.broken()) return;
   SharedWrite& w = in_->share;

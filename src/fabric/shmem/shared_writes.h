@@ -33,6 +33,9 @@ inline constexpr size_t kMinSharedWriteBytes = size_t{512} << 10;
 // A shared write's parts: at least this many bytes, and at most kMaxSharedWriteParts of them.
 inline constexpr size_t kMinSharedWritePart = size_t{64} << 10;
 inline constexpr uint32_t kMaxSharedWriteParts = 8;
+// SharedWrite::state: the write's sequence number in the high half, the next part to claim in
+// the low half.
+inline constexpr uint64_t kSharedWritePartMask = 0xffffffffu;
 
 // Tests only: a function the reader runs after each part of a peer's shared write it claims,
 // before it copies it: how a test makes a reader stall mid-part. Null (none) unless a test
@@ -70,9 +73,18 @@ class SharedWrites {
   // yet, if it offered one. A write it describes wrongly (a destination that is not our
   // shareable, remotely writable memory; a source outside its key) is left to the peer to copy
   // alone. `may_evict`: mapping the source may evict another mapping (no device copy runs).
-  void Help(bool may_evict);
+  // Runs on every endpoint each turn, so the usual case, nothing on offer, is two loads here.
+  void Help(bool may_evict) {
+    SharedWrite& w = in_->share;
+    const uint64_t s = Atomic(w.state).load(std::memory_order_acquire);
+    if ((s & kSharedWritePartMask) >= Atomic(w.parts).load(std::memory_order_relaxed)) return;
+    HelpWithOffer(may_evict);
+  }
 
  private:
+  // Help once the peer's ring shows a part unclaimed.
+  void HelpWithOffer(bool may_evict);
+
   // Waits for `parts` parts of a shared write the peer claimed; fails if the peer goes or
   // takes longer than the operation timeout.
   absl::Status AwaitPeerParts(uint64_t parts);
