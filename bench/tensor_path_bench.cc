@@ -362,7 +362,10 @@ void BM_IdlePoll(benchmark::State& state) {
     while ((!local || !arrived) && absl::Now() < deadline) {
       auto n = (*own)->Poll(absl::MakeSpan(c));
       if (!n.ok()) return skip(n.status());
-      for (size_t k = 0; k < *n; ++k) local |= c[k].status.ok();
+      for (size_t k = 0; k < *n; ++k) {
+        if (!c[k].status.ok()) return skip(c[k].status);
+        local = true;
+      }
       auto m = p.domain->Poll(absl::MakeSpan(c));
       if (!m.ok()) return skip(m.status());
       arrived |= *m > 0;
@@ -370,11 +373,17 @@ void BM_IdlePoll(benchmark::State& state) {
     if (!local || !arrived) return skip(absl::DeadlineExceededError("a first write did not land"));
   }
   size_t seen = 0;
+  absl::Status failed;
   for (auto _ : state) {
     auto n = (*own)->Poll(absl::MakeSpan(c));
-    seen += n.ok() ? *n : 1;
+    if (n.ok()) {
+      seen += *n;
+    } else if (failed.ok()) {
+      failed = n.status();
+    }
   }
-  if (seen != 0) state.SkipWithError("an idle domain reported completions");
+  if (!failed.ok()) return skip(failed);
+  if (seen != 0) return skip(absl::InternalError("an idle domain reported completions"));
   state.counters["peers"] = peers;
 }
 BENCHMARK(BM_IdlePoll)->ArgsProduct({{0, 1}, {1, 16, 64}})->ArgNames({"fabric", "peers"});
