@@ -87,8 +87,7 @@ absl::Status ShmemEndpoint::Connect(absl::string_view peer_address) {
   return absl::OkStatus();
 }
 
-void ShmemEndpoint::RunPending() {
-  if (pending_.empty()) return;  // no device copy runs without its operation queued
+void ShmemEndpoint::RunQueued() {
   copies_.StartQueued(pending_);
   copies_.Poll(pending_);
   while (!pending_.empty()) {

@@ -53,8 +53,11 @@ class ShmemEndpoint final : public EndpointBase {
   // Progress thread: runs queued operations, so what waits for room in the peer's ring goes
   // as soon as there is some, or fails when the peer is gone or the operation too old. Device
   // copies start as soon as they are queued and complete in posting order with the rest: an
-  // immediate is published once the copies posted before it are done.
-  void RunPending();
+  // immediate is published once the copies posted before it are done. Every endpoint's every
+  // turn: an empty queue costs one check here (no device copy runs without its operation queued).
+  void RunPending() {
+    if (!pending_.empty()) RunQueued();
+  }
 
   // Moves up to out.size() immediates that arrived into `out`. Every endpoint's every turn:
   // an empty ring costs one load here.
@@ -90,6 +93,9 @@ class ShmemEndpoint final : public EndpointBase {
                     const RemoteBuffer& remote, uint64_t context) override;
 
  private:
+  // RunPending once an operation is queued.
+  void RunQueued();
+
   // TakeInbound once the ring shows an entry.
   size_t TakeArrived(absl::Span<Completion> out);
 

@@ -31,8 +31,6 @@
 namespace tensorverbs::fabric::shmem {
 namespace {
 
-constexpr uint64_t kPartMask = kSharedWritePartMask;
-
 inline void CpuRelax() {
 #if defined(__x86_64__)
   _mm_pause();
@@ -77,8 +75,8 @@ absl::Status SharedWrites::Copy(const PendingOp& op, char* there) {
   const bool streaming = length >= kStreamingCopyBytes;
   SharedWrite& w = conn_.out()->share;
   // Never seq 0, which a ring that saw no shared write holds.
-  if ((++share_seq_ & kPartMask) == 0) ++share_seq_;
-  const uint64_t seq = share_seq_ & kPartMask;
+  if ((++share_seq_ & kSharedWritePartMask) == 0) ++share_seq_;
+  const uint64_t seq = share_seq_ & kSharedWritePartMask;
   const PackedKey key = op.local_region->Key();
   uint64_t words[sizeof(PackedKey) / 8];
   std::memcpy(words, &key, sizeof(key));
@@ -100,7 +98,7 @@ absl::Status SharedWrites::Copy(const PendingOp& op, char* there) {
   uint64_t mine = 0;
   for (uint64_t claims = 0; claims < parts; ++claims) {
     const uint64_t s = Atomic(w.state).fetch_add(1, std::memory_order_acq_rel);
-    const uint64_t index = s & kPartMask;
+    const uint64_t index = s & kSharedWritePartMask;
     if ((s >> 32) != seq || index >= parts) break;
     CopyPart(there, op.local, length, part, index, streaming);
     ++mine;
@@ -152,7 +150,7 @@ void SharedWrites::HelpWithOffer(bool may_evict) {
   uint64_t s = Atomic(w.state).load(std::memory_order_acquire);
   const uint64_t seq = s >> 32;
   const uint64_t parts = Atomic(w.parts).load(std::memory_order_relaxed);
-  if ((s & kPartMask) >= parts || seq == refused_seq_) return;  // nothing on offer
+  if ((s & kSharedWritePartMask) >= parts || seq == refused_seq_) return;  // nothing on offer
   // The fields as they were at `s`, unless the peer has moved on to its next write since: then
   // no claim below succeeds, and what they said is never used.
   uint64_t words[sizeof(PackedKey) / 8];
@@ -192,7 +190,8 @@ void SharedWrites::HelpWithOffer(bool may_evict) {
   char* dst = reinterpret_cast<char*>(dst_addr);
   uint64_t copied = 0;
   // At most `parts` claims: a peer that keeps resetting `state` cannot keep us copying.
-  for (uint64_t claims = 0; claims < parts && (s >> 32) == seq && (s & kPartMask) < parts;) {
+  for (uint64_t claims = 0;
+       claims < parts && (s >> 32) == seq && (s & kSharedWritePartMask) < parts;) {
     if (!Atomic(w.state).compare_exchange_weak(s, s + 1, std::memory_order_acq_rel,
                                                std::memory_order_acquire)) {
       continue;  // `s` is the state now
@@ -200,10 +199,10 @@ void SharedWrites::HelpWithOffer(bool may_evict) {
     ++claims;
     if (auto* hook = claim_hook_for_testing.load(std::memory_order_relaxed)) hook();
     TsanAcquire(TsanKey(in_ring_inode_));
-    CopyPart(dst, src, length, part, s & kPartMask, streaming);
+    CopyPart(dst, src, length, part, s & kSharedWritePartMask, streaming);
     TsanRelease(TsanKey(in_ring_inode_));
     Atomic(w.done).fetch_add(1, std::memory_order_release);
-    copied += std::min(part, length - (s & kPartMask) * part);
+    copied += std::min(part, length - (s & kSharedWritePartMask) * part);
     ++s;
   }
   if (copied > 0) Counters().shared_write_bytes_copied.fetch_add(copied, std::memory_order_relaxed);

@@ -137,11 +137,7 @@ class ShmemDomain final : public Domain {
     // First the peers' shared writes, while their writers are still copying: every part we take
     // is one they need not.
     for (ShmemEndpoint* ep : live) ep->HelpWithSharedWrite();
-    // Most endpoints have nothing queued on most turns, and running an empty queue (its peer
-    // check, the device copies' pass) was a third of an idle turn (BM_IdlePoll).
-    for (ShmemEndpoint* ep : live) {
-      if (ep->HasPending()) ep->RunPending();
-    }
+    for (ShmemEndpoint* ep : live) ep->RunPending();
     size_t n = 0;
     while (n < out.size() && !d_->local.empty()) {
       Completion& c = d_->local.front();
